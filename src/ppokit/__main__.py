@@ -1,0 +1,5 @@
+import sys
+
+from ppokit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""The embedded demo: from nothing to a policy that writes positive movie reviews, on a laptop.
+
+1. generate short movie-review data (half positive, half negative) from a small grammar;
+2. train a word-level tokenizer on it and build a tiny Llama-style model from a config;
+3. fine-tune it (SFT) so it writes reviews in that style, ending with EOS;
+4. run PPO with the VADER sentiment analyser as the reward (its compound score);
+5. print completions for the same prompts before and after PPO.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
+from ppokit.sft import encode_pair, train_sft
+from ppokit.tiny import tiny_causal_lm, word_tokenizer
+
+OPENERS = [
+    "the movie was", "this film is", "i thought the plot was", "the acting was", "overall the story felt",
+    "the ending was", "honestly the cast was", "the soundtrack is", "the director made it", "my friends found it",
+    "the second half was", "the dialogue felt", "the characters were", "as a sequel it is", "the visuals were",
+    "for a comedy it was", "the script is", "the pacing was", "this thriller was", "the lead actor was",
+]
+POSITIVE = ["great", "wonderful", "brilliant", "beautiful", "amazing", "funny", "charming", "excellent",
+            "fantastic", "delightful", "lovely", "fun", "good", "perfect", "sweet", "clever"]
+NEGATIVE = ["boring", "awful", "terrible", "dull", "bad", "horrible", "weak", "stupid", "painful",
+            "ugly", "sad", "disappointing", "poor", "annoying", "messy", "lame"]
+NOUNS = ["music", "story", "ending", "cast", "plot", "camera work", "humor", "script", "villain", "score"]
+ADVERBS = ["really", "very", "so", "quite", "truly", "pretty"]
+
+
+def _review(rng: random.Random, words: list[str]) -> str:
+    a, b = rng.sample(words, 2)
+    noun = rng.choice(NOUNS)
+    shape = rng.randrange(3)
+    if shape == 0:
+        return f"{rng.choice(ADVERBS)} {a} and {b} ."
+    if shape == 1:
+        return f"{a} , and the {noun} was {b} ."
+    return f"{rng.choice(ADVERBS)} {a} . the {noun} was {b} too ."
+
+
+def make_data(seed: int, n_sft: int, n_prompts: int, n_eval: int) -> dict[str, list[dict]]:
+    """SFT pairs (balanced sentiment), PPO training prompts and eval prompts."""
+    rng = random.Random(seed)
+    sft = []
+    for i in range(n_sft):
+        words = POSITIVE if i % 2 == 0 else NEGATIVE
+        sft.append({"prompt": rng.choice(OPENERS), "completion": _review(rng, words)})
+    prompts = [{"prompt": rng.choice(OPENERS)} for _ in range(n_prompts)]
+    eval_prompts = [{"prompt": OPENERS[i % len(OPENERS)]} for i in range(n_eval)]
+    return {"sft": sft, "prompts": prompts, "eval_prompts": eval_prompts}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+SETTINGS = {
+    # quick: under a minute on 2 cores; full: a few minutes, a larger model and a longer run.
+    True: dict(hidden=64, layers=2, n_sft=2000, sft_epochs=2, n_prompts=512, total_episodes=512, batch=32, lr=1e-4),
+    False: dict(hidden=128, layers=4, n_sft=6000, sft_epochs=3, n_prompts=4096, total_episodes=4096, batch=64, lr=5e-5),
+}
+
+
+def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True) -> dict:
+    """Run the whole demo; returns a summary with the first and last scores and the time taken."""
+    from ppokit.trainer import PPOTrainer
+
+    start = time.perf_counter()
+    s = SETTINGS[quick]
+    out = Path(output_dir)
+    say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
+    torch.manual_seed(seed)
+
+    # 1. data
+    data = make_data(seed, s["n_sft"], s["n_prompts"], 8)
+    for name, rows in data.items():
+        _write_jsonl(out / "data" / f"{name}.jsonl", rows)
+    say(f"[1/4] data: {len(data['sft'])} SFT reviews, {len(data['prompts'])} PPO prompts -> {out / 'data'}")
+
+    # 2. tokenizer and model
+    texts = [r["prompt"] + " " + r["completion"] for r in data["sft"]]
+    tokenizer = word_tokenizer(texts)
+    model = tiny_causal_lm("llama", tokenizer, hidden=s["hidden"], layers=s["layers"], heads=4)
+    say(f"[2/4] model: tiny Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
+
+    # 3. SFT
+    examples = [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in data["sft"]]
+    losses = train_sft(model, examples, tokenizer.pad_token_id, epochs=s["sft_epochs"], batch_size=32, learning_rate=3e-3, seed=seed)
+    sft_dir = out / "sft"
+    model.save_pretrained(sft_dir)
+    tokenizer.save_pretrained(sft_dir)
+    say(f"[3/4] SFT: loss {losses[0]:.2f} -> {sum(losses[-20:]) / len(losses[-20:]):.2f} over {len(losses)} steps -> {sft_dir}")
+
+    # 4. PPO against VADER sentiment
+    config = PPOConfig(
+        model=str(sft_dir),
+        output_dir=str(out / "ppo"),
+        seed=seed,
+        reward=RewardConfig(functions=["sentiment"]),
+        data=DataConfig(train=str(out / "data" / "prompts.jsonl"), eval=str(out / "data" / "eval_prompts.jsonl")),
+        ppo=PPOHyperparams(
+            total_episodes=s["total_episodes"],
+            per_device_train_batch_size=s["batch"] // 2,
+            gradient_accumulation_steps=1,
+            num_mini_batches=2,
+            num_ppo_epochs=4,
+            response_length=16,
+            temperature=1.0,
+            learning_rate=s["lr"],
+            kl_coef=0.05,
+            num_sample_generations=4,
+            num_eval_samples=8,
+        ),
+    )
+    trainer = PPOTrainer(config, show_progress=show_progress)
+    say(f"[4/4] PPO: {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes, reward = VADER compound sentiment")
+    before = trainer.sample_completions()
+    records = trainer.train()
+    after = trainer.sample_completions()
+    elapsed = time.perf_counter() - start
+
+    say("\ncompletions before -> after PPO (score):")
+    for b, a in zip(before, after):
+        say(f"  {b['prompt']!r}\n    before {b['score']:+.2f}  {b['completion']}\n    after  {a['score']:+.2f}  {a['completion']}")
+    summary = {
+        "first_score": records[0]["objective/scores"],
+        "last_score": records[-1]["objective/scores"],
+        "eval_before": sum(r["score"] for r in before) / len(before),
+        "eval_after": sum(r["score"] for r in after) / len(after),
+        "last_kl": records[-1]["objective/kl"],
+        "updates": len(records),
+        "seconds": round(elapsed, 1),
+        "output_dir": str(out),
+    }
+    say(
+        f"\nscore {summary['first_score']:+.3f} -> {summary['last_score']:+.3f} (eval {summary['eval_before']:+.3f} -> "
+        f"{summary['eval_after']:+.3f}), KL {summary['last_kl']:.3f}, {elapsed:.0f}s. Run directory: {out / 'ppo'}"
+    )
+    return summary

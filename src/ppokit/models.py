@@ -1,0 +1,204 @@
+"""Loading the four roles (policy, reference, value, reward) and running them over token batches.
+
+Value and reward models are `AutoModelForSequenceClassification` with one label: the backbone
+(`model.<base_model_prefix>`) gives hidden states, `model.score` maps each to a scalar. Reading
+that scalar at every response position gives values; at the last real token, a reward.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from ppokit.errors import UserError
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and name.count(os.sep) > 1
+
+
+def resolve_model_path(name: str, role: str) -> str:
+    """A local path that exists, or a hub id; a missing local path is a UserError naming the role."""
+    expanded = os.path.expanduser(str(name))
+    if os.path.exists(expanded):
+        if not Path(expanded, "config.json").is_file():
+            raise UserError(f"{role}: {name} exists but holds no config.json (is it a saved model directory?)")
+        return expanded
+    if _looks_like_path(str(name)):
+        raise UserError(f"{role}: model path {name} does not exist")
+    return str(name)
+
+
+def _from_pretrained(loader, name: str, role: str, **kwargs):
+    path = resolve_model_path(name, role)
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{role}: could not load {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load a tokenizer; without a pad token, the EOS token is used as padding (documented fallback)."""
+    tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=trust_remote_code)
+    return ensure_pad_token(tokenizer)
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise UserError("tokenizer has neither a pad token nor an EOS token; set one and save it again")
+        # Safe here because every mask is built from positions, never from `ids == pad_token_id`.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(name_or_model, role: str = "model", trust_remote_code: bool = False) -> PreTrainedModel:
+    if isinstance(name_or_model, nn.Module):
+        return name_or_model
+    return _from_pretrained(AutoModelForCausalLM, name_or_model, role, trust_remote_code=trust_remote_code)
+
+
+def load_scalar_model(name_or_model, role: str, trust_remote_code: bool = False) -> PreTrainedModel:
+    """A sequence-classification model with exactly one label (reward or value)."""
+    if isinstance(name_or_model, nn.Module):
+        model = name_or_model
+    else:
+        path = resolve_model_path(name_or_model, role)
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{role}: could not load {name_or_model!r}: {str(e).splitlines()[0]}") from None
+        if getattr(config, "num_labels", 1) != 1 and config.architectures and any(
+            a.endswith("ForSequenceClassification") for a in config.architectures
+        ):
+            raise UserError(f"{role}: {name_or_model} has {config.num_labels} labels; a reward/value model needs exactly 1")
+        config.num_labels = 1
+        model = _from_pretrained(
+            AutoModelForSequenceClassification, name_or_model, role, config=config, trust_remote_code=trust_remote_code
+        )
+    if model.config.num_labels != 1:
+        raise UserError(f"{role}: model has {model.config.num_labels} labels; a reward/value model needs exactly 1")
+    return model
+
+
+def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
+    """The policy's backbone (copied) with a fresh scalar head, initialised to 0 so values start at 0."""
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    config.architectures = None
+    value_model = AutoModelForSequenceClassification.from_config(config)
+    backbone(value_model).load_state_dict(backbone(policy).state_dict())
+    nn.init.zeros_(value_model.score.weight)
+    if getattr(value_model.score, "bias", None) is not None:
+        nn.init.zeros_(value_model.score.bias)
+    return value_model.to(next(policy.parameters()).dtype)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout makes the PPO ratio differ from 1 even before any update [N+, "disable dropout"]."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for attr in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout"):
+        if hasattr(getattr(model, "config", None), attr):
+            setattr(model.config, attr, 0.0)
+
+
+def backbone(model: PreTrainedModel) -> nn.Module:
+    return getattr(model, model.base_model_prefix)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, so left padding does not shift them. (B, L) -> (B, L)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(cls) -> str:
+    # transformers renamed `past_key_values` to `cache` in 5.x.
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def causal_lm_step(model, input_ids, attention_mask, position_ids, cache=None, logits_to_keep: int = 0):
+    """One forward of a causal LM with an optional KV cache -> (logits, cache)."""
+    kwargs = {_cache_kwarg(type(model)): cache} if cache is not None else {}
+    if logits_to_keep:
+        kwargs["logits_to_keep"] = logits_to_keep
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs)
+    new_cache = out.get("cache", None) if "cache" in out else out.get("past_key_values", None)
+    return out.logits, new_cache
+
+
+def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Logits that predict the last `response_length` tokens of each row.
+
+    input_ids, attention_mask: (B, P + R) -> (B, R, V). Only R + 1 positions go through the LM head.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=response_length + 1,
+    )
+    return out.logits[:, :-1]
+
+
+def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The scalar head at every position of a one-label sequence classifier. (B, L) -> (B, L) float32."""
+    hidden = backbone(model)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def score_at_last_token(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score at each row's last real token, whatever side the padding is on. (B, L) -> (B,)."""
+    outputs = scalar_outputs(model, input_ids, attention_mask)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = torch.where(attention_mask.bool(), positions, torch.full_like(positions, -1)).max(-1).values
+    return outputs[torch.arange(outputs.shape[0], device=outputs.device), last.clamp(min=0)]
+
+
+def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """True when token ids mean the same strings in both tokenizers (no re-encoding needed)."""
+    return a is b or (type(a) is type(b) and a.get_vocab() == b.get_vocab())
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> (ids (B, P) long, mask (B, P) bool), padded on the left."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = True
+    return ids.to(device), mask.to(device)
+
+

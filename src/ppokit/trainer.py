@@ -1,0 +1,534 @@
+"""PPOTrainer: one update is a sequence of numbered stages, readable top to bottom in `step`.
+
+    1. generate   sample a response for each prompt of the batch (KV cache, stop token)
+    2. score      reward sources on prompt + completion text (and token ids)
+    3. forward    reference logprobs and values for every response token
+    4. reward     per-token KL penalty plus the score at the last real token
+    5. advantages GAE, then whitening
+    6. optimise   num_ppo_epochs passes of clipped policy + value loss over minibatches
+    7. log        metrics.jsonl, console, samples.jsonl
+    8. save       checkpoint every save_steps, final model at the end
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+
+from ppokit import algo
+from ppokit.config import PPOConfig
+from ppokit.data import PromptDataset, as_prompt_dataset
+from ppokit.errors import UserError
+from ppokit.metrics import ConsoleReporter, JsonlWriter
+from ppokit.models import (
+    disable_dropout,
+    frozen_copy,
+    left_pad,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    response_logits,
+    scalar_outputs,
+    value_model_from_policy,
+)
+from ppokit.rewards import FunctionReward, RewardModelReward, RewardSource, ScoringBatch, combine, load_function
+from ppokit.rollout import HFSampler, Rollout
+
+
+class PolicyAndValue(nn.Module):
+    """Policy and value model under one module, so one optimiser and one `prepare` cover both."""
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    def forward(self, input_ids, attention_mask, response_length: int):
+        """(B, P + R) -> (logits (B, R, V) predicting each response token, values (B, R))."""
+        logits = response_logits(self.policy, input_ids, attention_mask, response_length)
+        values = scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
+        return logits, values
+
+
+def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """Write a directory under a temporary name and rename it into place when complete."""
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(target)
+
+
+class PPOTrainer:
+    """Train a causal LM with PPO against one or more reward sources.
+
+    Args:
+        config: a PPOConfig (paths in it are used for anything not passed as an object).
+        model: policy, a `PreTrainedModel` or a path/hub id; default `config.model`.
+        tokenizer: the policy's tokenizer; default loaded from `config.tokenizer` or the model path.
+        ref_model: frozen reference; default `config.ref_model`, else a frozen copy of the policy.
+        value_model: one-label sequence classifier; default `config.value_model`, else the reward
+            model's weights, else the policy's backbone with a fresh zero head.
+        reward_model: one-label sequence classifier (object or path); default `config.reward.model`.
+        reward_tokenizer: the reward model's tokenizer when it is passed as an object.
+        reward_functions: callables fn(prompts, completions, **columns) -> list[float], or specs
+            as in `reward.functions`; default `config.reward.functions`.
+        train_dataset / eval_dataset: a path, a list of prompts or row dicts, or a `datasets.Dataset`.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        *,
+        model=None,
+        tokenizer=None,
+        ref_model=None,
+        value_model=None,
+        reward_model=None,
+        reward_tokenizer=None,
+        reward_functions: Optional[Sequence[Callable | str]] = None,
+        train_dataset=None,
+        eval_dataset=None,
+        accelerator: Optional[Accelerator] = None,
+        show_progress: bool = True,
+    ):
+        if model is not None and config.model is None:
+            config.model = getattr(getattr(model, "config", None), "_name_or_path", None) or "<object>"
+        if reward_functions and not config.reward.functions:
+            config.reward.functions = [f if isinstance(f, str) else getattr(f, "__name__", "function") for f in reward_functions]
+        if reward_model is not None and config.reward.model is None:
+            config.reward.model = "<object>"
+        self.config = config.validate()
+        hp = config.ppo
+        self.accelerator = accelerator or Accelerator()
+        set_seed(config.seed)
+        self.output_dir = Path(config.output_dir)
+        self.show_progress = show_progress and self.accelerator.is_main_process
+
+        # Data first: a bad file should fail before any weights are loaded.
+        self.train_data: PromptDataset = as_prompt_dataset(
+            train_dataset if train_dataset is not None else _required(config.data.train, "data.train"),
+            config.data.prompt_field,
+        )
+        eval_source = eval_dataset if eval_dataset is not None else config.data.eval
+        self.eval_data: Optional[PromptDataset] = (
+            as_prompt_dataset(eval_source, config.data.prompt_field) if eval_source is not None else None
+        )
+        self.sizes = hp.derive(self.accelerator.num_processes, len(self.train_data))
+
+        # Models.
+        trc = config.trust_remote_code
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or _path_of(model, config.model), trc)
+        if self.tokenizer.pad_token_id is None:
+            from ppokit.models import ensure_pad_token
+
+            ensure_pad_token(self.tokenizer)
+        policy = load_causal_lm(model if model is not None else config.model, "model", trc)
+        if ref_model is not None or config.ref_model:
+            ref = load_causal_lm(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
+            ref.requires_grad_(False)
+        else:
+            ref = frozen_copy(policy)
+        self.sources, reward_model_obj = self._build_reward_sources(reward_model, reward_tokenizer, reward_functions)
+        if value_model is not None or config.value_model:
+            value = load_scalar_model(value_model if value_model is not None else config.value_model, "value_model", trc)
+        elif reward_model_obj is not None:
+            value = frozen_copy(reward_model_obj).train().requires_grad_(True)
+        else:
+            value = value_model_from_policy(policy)
+        n_sources = len(self.sources)
+        self.weights = list(config.reward.weights) if config.reward.weights is not None else [1.0] * n_sources
+        for m in (policy, ref, value, reward_model_obj):
+            if m is not None:
+                disable_dropout(m)
+        self.stop_token_id = self._resolve_stop_token()
+
+        # Optimiser and schedule over every optimiser step of the run.
+        self.model = PolicyAndValue(policy, value)
+        self.model.train()
+        steps = self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches
+        optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=hp.learning_rate,
+            eps=hp.adam_epsilon,
+            weight_decay=hp.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, steps))
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(self.model, optimizer, scheduler)
+        device = self.accelerator.device
+        self.ref_model = ref.to(device).eval()
+        if reward_model_obj is not None:
+            reward_model_obj.to(device).eval()
+        self.kl_controller = (
+            algo.AdaptiveKLController(hp.kl_coef, hp.kl_target, hp.kl_horizon)
+            if hp.kl_target is not None
+            else algo.FixedKLController(hp.kl_coef)
+        )
+
+        self.train_query_ids = self._tokenize_prompts(self.train_data, "data.train")
+        self.eval_query_ids = self._tokenize_prompts(self.eval_data, "data.eval") if self.eval_data else None
+        self.update = 0
+        self.episode = 0
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _build_reward_sources(self, reward_model, reward_tokenizer, reward_functions):
+        cfg, trc = self.config.reward, self.config.trust_remote_code
+        sources: list[RewardSource] = []
+        rm = None
+        if reward_model is not None or (cfg.model and cfg.model != "<object>"):
+            rm = load_scalar_model(reward_model if reward_model is not None else cfg.model, "reward.model", trc)
+            rm.requires_grad_(False)
+            rm_tokenizer = reward_tokenizer or load_tokenizer(_path_of(reward_model, cfg.model), trc)
+            sources.append(RewardModelReward(rm, rm_tokenizer, batch_size=cfg.batch_size))
+        base_dir = Path.cwd()
+        for item in reward_functions if reward_functions is not None else cfg.functions:
+            if isinstance(item, str):
+                name, fn = load_function(item, base_dir)
+            else:
+                name, fn = getattr(item, "__name__", "function"), item
+            sources.append(FunctionReward(fn, name))
+        if not sources:
+            raise UserError("reward: set at least one source, reward.model or reward.functions")
+        return sources, rm
+
+    def _resolve_stop_token(self) -> Optional[int]:
+        hp, tok = self.config.ppo, self.tokenizer
+        if hp.stop_token_id is not None:
+            if hp.stop_token_id >= len(tok):
+                raise UserError(f"ppo.stop_token_id {hp.stop_token_id} is outside the vocabulary ({len(tok)} tokens)")
+            return hp.stop_token_id
+        if hp.stop_token is None:
+            return None
+        if hp.stop_token == "eos":
+            if tok.eos_token_id is None:
+                raise UserError("ppo.stop_token is 'eos' but the tokenizer has no EOS token; set ppo.stop_token_id")
+            return tok.eos_token_id
+        ids = tok.convert_tokens_to_ids([hp.stop_token])
+        if ids[0] is None or ids[0] == tok.unk_token_id:
+            encoded = tok(hp.stop_token, add_special_tokens=False)["input_ids"]
+            if len(encoded) != 1:
+                raise UserError(f"ppo.stop_token {hp.stop_token!r} is {len(encoded)} tokens; it must be exactly one")
+            ids = encoded
+        return ids[0]
+
+    def _tokenize_prompts(self, data: PromptDataset, key: str) -> list[list[int]]:
+        limit = self.config.data.max_prompt_length
+        encoded, truncated = [], 0
+        for i, prompt in enumerate(data.prompts):
+            ids = self.tokenizer(prompt)["input_ids"]
+            if not ids:
+                raise UserError(f"{data.source}: row {i}: the prompt encodes to no tokens")
+            if limit is not None and len(ids) > limit:
+                ids = ids[-limit:]  # keep the end: it is what the response continues
+                truncated += 1
+            encoded.append(ids)
+        if truncated and self.show_progress:
+            print(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={limit} were truncated from the left")
+        return encoded
+
+    # ------------------------------------------------------------------ data order
+
+    def batch_indices(self, update: int) -> list[int]:
+        """Prompt indices of update `update` (0-based): a seeded shuffle per pass over the data."""
+        n, batch = len(self.train_data), self.sizes.batch
+        start = update * batch
+        indices = []
+        while len(indices) < batch:
+            epoch, offset = divmod(start + len(indices), n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch)).tolist()
+            indices.extend(order[offset : offset + batch - len(indices)])
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        return indices[rank::world]
+
+    # ------------------------------------------------------------------ one update
+
+    @property
+    def policy(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model).policy
+
+    @property
+    def value_model(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model).value_model
+
+    def _sampler(self) -> HFSampler:
+        hp = self.config.ppo
+        return HFSampler(
+            self.policy, hp.response_length, hp.temperature, self.stop_token_id, self.tokenizer.pad_token_id,
+            hp.local_rollout_forward_batch_size,
+        )
+
+    def generate(self, query_ids: list[list[int]]) -> Rollout:
+        ids, mask = left_pad(query_ids, self.tokenizer.pad_token_id, self.accelerator.device)
+        self.policy.eval()
+        rollout = self._sampler().sample(ids, mask)
+        self.policy.train()
+        return rollout
+
+    def score(self, rollout: Rollout, prompts: list[str], columns: dict) -> tuple[torch.Tensor, dict]:
+        completions = self.tokenizer.batch_decode(
+            rollout.response_ids.masked_fill(~rollout.response_mask, self.tokenizer.pad_token_id),
+            skip_special_tokens=True,
+        )
+        batch = ScoringBatch(prompts, completions, columns, rollout.input_ids, rollout.attention_mask, self.tokenizer)
+        scores, raw = combine(self.sources, self.weights, batch)
+        penalty = self.config.ppo.missing_eos_penalty
+        if penalty is not None and self.stop_token_id is not None:
+            scores = scores - penalty * (~rollout.ended).float().cpu()
+        return scores.to(self.accelerator.device), {"completions": completions, **{f"reward/{k}": v for k, v in raw.items()}}
+
+    @torch.inference_mode()
+    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference logprobs and values for every response token, in forward-size chunks."""
+        hp, chunk = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
+        ids, mask = rollout.input_ids, rollout.attention_mask
+        width = rollout.response_ids.shape[1]
+        ref_logprobs, values = [], []
+        self.value_model.eval()
+        for i in range(0, ids.shape[0], chunk):
+            logits = response_logits(self.ref_model, ids[i : i + chunk], mask[i : i + chunk], width)
+            ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
+            values.append(scalar_outputs(self.value_model, ids[i : i + chunk], mask[i : i + chunk])[:, -width - 1 : -1])
+        self.value_model.train()
+        response_mask = rollout.response_mask
+        return torch.cat(ref_logprobs).masked_fill(~response_mask, 0.0), torch.cat(values).masked_fill(~response_mask, 0.0)
+
+    def optimise(self, rollout: Rollout) -> dict[str, float]:
+        """num_ppo_epochs passes over shuffled minibatches; returns the averaged loss statistics."""
+        hp, sizes = self.config.ppo, self.sizes
+        width = rollout.response_ids.shape[1]
+        stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        for _ in range(hp.num_ppo_epochs):
+            order = torch.randperm(len(rollout), device=rollout.query_ids.device)
+            for mb_start in range(0, len(rollout), sizes.local_mini_batch):
+                minibatch = order[mb_start : mb_start + sizes.local_mini_batch]
+                micro_batches = minibatch.split(sizes.micro_batch)
+                for k, micro in enumerate(micro_batches):
+                    mb = rollout.select(micro)
+                    sync = k == len(micro_batches) - 1
+                    context = self.accelerator.no_sync(self.model) if not sync else contextlib.nullcontext()
+                    with context:
+                        logits, new_values = self.model(mb.input_ids, mb.attention_mask, width)
+                        new_logprobs = algo.logprobs_from_logits(logits, mb.response_ids, hp.temperature)
+                        pg_loss, pg_stats = algo.clipped_policy_loss(
+                            new_logprobs, mb.logprobs, mb.advantages, mb.response_mask, hp.cliprange
+                        )
+                        vf_loss, vf_clipfrac = algo.clipped_value_loss(
+                            new_values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value
+                        )
+                        loss = (pg_loss + hp.vf_coef * vf_loss) / len(micro_batches)
+                        self.accelerator.backward(loss)
+                    with torch.no_grad():
+                        entropy = algo.masked_mean(algo.entropy_from_logits(logits.detach(), hp.temperature), mb.response_mask)
+                    for key, value in (
+                        ("approxkl", pg_stats.approxkl), ("clipfrac", pg_stats.clipfrac), ("ratio", pg_stats.ratio),
+                        ("pg_loss", pg_loss.detach()), ("vf_loss", vf_loss.detach()), ("vf_clipfrac", vf_clipfrac),
+                        ("entropy", entropy),
+                    ):
+                        stats[key].append(value)
+                if hp.max_grad_norm > 0:
+                    self.accelerator.clip_grad_norm_(self.model.parameters(), hp.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        stacked = {k: torch.stack(v).float() for k, v in stats.items()}
+        return {
+            "policy/approxkl_avg": stacked["approxkl"].mean().item(),
+            "policy/clipfrac_avg": stacked["clipfrac"].mean().item(),
+            "loss/policy_avg": stacked["pg_loss"].mean().item(),
+            "loss/value_avg": stacked["vf_loss"].mean().item(),
+            "val/clipfrac_avg": stacked["vf_clipfrac"].mean().item(),
+            "policy/entropy_avg": stacked["entropy"].mean().item(),
+            "val/ratio": stacked["ratio"].mean().item(),
+            "val/ratio_var": stacked["ratio"].var().item() if stacked["ratio"].numel() > 1 else 0.0,
+        }
+
+    def step(self) -> dict[str, Any]:
+        """Run one PPO update and return its metrics."""
+        hp = self.config.ppo
+        t0 = time.perf_counter()
+        indices = self.batch_indices(self.update)
+        prompts, columns = self.train_data.rows(indices)
+
+        # 1. generate
+        rollout = self.generate([self.train_query_ids[i] for i in indices])
+        t_generate = time.perf_counter()
+
+        # 2. score
+        rollout.scores, extras = self.score(rollout, prompts, columns)
+        t_score = time.perf_counter()
+
+        # 3. forward: reference logprobs and values
+        rollout.ref_logprobs, rollout.values = self.reference_and_values(rollout)
+        t_forward = time.perf_counter()
+
+        # 4. reward: per-token KL penalty, score at the last real token
+        mask = rollout.response_mask
+        kl = algo.kl_per_token(rollout.logprobs, rollout.ref_logprobs, hp.kl_estimator) * mask
+        rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, self.kl_controller.value)
+        if hp.whiten_rewards:
+            rollout.rewards = algo.masked_whiten(rollout.rewards, mask, shift_mean=False)
+
+        # 5. advantages
+        rollout.advantages, rollout.returns = algo.gae(rollout.rewards, rollout.values, mask, hp.gamma, hp.lam)
+        if hp.whiten_advantages:
+            rollout.advantages = algo.masked_whiten(rollout.advantages, mask)
+
+        # 6. optimise
+        lr = self.scheduler.get_last_lr()[0]
+        train_stats = self.optimise(rollout)
+        t_train = time.perf_counter()
+
+        # 7. log
+        self.update += 1
+        self.episode += self.sizes.batch
+        mean_kl = kl.sum(1).mean().item()
+        kl_coef = self.kl_controller.value
+        self.kl_controller.update(mean_kl, self.sizes.batch)
+        elapsed = t_train - t0
+        record = {
+            "update": self.update,
+            "episode": self.episode,
+            "objective/scores": rollout.scores.mean().item(),
+            "objective/kl": mean_kl,
+            "objective/entropy": (-rollout.logprobs * mask).sum(1).mean().item(),
+            "objective/non_score_reward": non_score.sum(1).mean().item(),
+            "objective/rlhf_reward": (rollout.scores + non_score.sum(1)).mean().item(),
+            "objective/kl_coef": kl_coef,
+            "objective/response_length": mask.sum(1).float().mean().item(),
+            **train_stats,
+            "val/num_eos_tokens": int(rollout.ended.sum().item()),
+            **{k: v.mean().item() for k, v in extras.items() if k.startswith("reward/")},
+            "lr": lr,
+            "eps": self.sizes.batch / elapsed,
+            "time/generation": t_generate - t0,
+            "time/scoring": t_score - t_generate,
+            "time/forward": t_forward - t_score,
+            "time/training": t_train - t_forward,
+            "time/update": elapsed,
+        }
+        self._last_batch = (prompts, extras["completions"], rollout.scores.tolist())
+        return record
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self) -> list[dict]:
+        """Run every update; write the run directory. Returns the list of metric records."""
+        hp = self.config.ppo
+        out = self.output_dir
+        is_main = self.accelerator.is_main_process
+        if is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            self.config.save(out / "config.yaml")
+        metrics = JsonlWriter(out / "metrics.jsonl") if is_main else None
+        samples = JsonlWriter(out / "samples.jsonl") if is_main else None
+        reporter = ConsoleReporter(self.sizes.num_updates, initial=self.update, enabled=self.show_progress)
+        sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
+        records = []
+        # Set-up allocated many long-lived objects; freezing them keeps each gc pass short.
+        gc.collect()
+        gc.freeze()
+        try:
+            while self.update < self.sizes.num_updates:
+                record = self.step()
+                if sample_every and (self.update % sample_every == 0 or self.update == self.sizes.num_updates):
+                    rows = self.sample_completions()
+                    record["eval/scores"] = sum(r["score"] for r in rows) / len(rows)
+                    if samples:
+                        samples.write_many(rows)
+                records.append(record)
+                if metrics:
+                    metrics.write(record)
+                reporter.update(record, print_line=self.update % hp.logging_steps == 0 or self.update == self.sizes.num_updates)
+                if hp.save_steps and self.update % hp.save_steps == 0 and self.update < self.sizes.num_updates:
+                    self.save_checkpoint()
+        finally:
+            reporter.close()
+            gc.unfreeze()
+            for sink in (metrics, samples):
+                if sink:
+                    sink.close()
+        self.save_final()
+        return records
+
+    @torch.inference_mode()
+    def sample_completions(self) -> list[dict]:
+        """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows."""
+        hp = self.config.ppo
+        if self.eval_data is not None:
+            n = min(hp.num_eval_samples, len(self.eval_data))
+            prompts, columns = self.eval_data.rows(range(n))
+            rollout = self.generate(self.eval_query_ids[:n])
+            scores, extras = self.score(rollout, prompts, columns)
+            completions, scores, split = extras["completions"], scores.tolist(), "eval"
+        else:
+            prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)
+            split = "train"
+        return [
+            {"update": self.update, "episode": self.episode, "split": split, "prompt": p, "completion": c, "score": s}
+            for p, c, s in zip(prompts, completions, scores)
+        ]
+
+    def save_checkpoint(self) -> None:
+        """Overridden by the checkpoint module when resume is enabled; the base run saves models only."""
+
+    def save_final(self) -> Path:
+        """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/."""
+        target = self.output_dir / "final"
+        if self.accelerator.is_main_process:
+            self.save_models(target)
+        self.accelerator.wait_for_everyone()
+        return target
+
+    def save_models(self, target: Path) -> None:
+        def write(tmp: Path) -> None:
+            self.policy.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            self.value_model.save_pretrained(tmp / "value_model")
+            self.tokenizer.save_pretrained(tmp / "value_model")
+
+        atomic_save_dir(target, write)
+
+
+def _lr_lambda(kind: str, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        return max(0.0, (total - step) / max(1, total - warmup)) if step >= warmup else 1.0
+
+    return factor
+
+
+def _required(value, key: str):
+    if value is None:
+        raise UserError(f"{key}: required")
+    return value
+
+
+def _path_of(obj, fallback):
+    if obj is not None and not isinstance(obj, str):
+        path = getattr(getattr(obj, "config", None), "_name_or_path", None)
+        if path and os.path.exists(path):
+            return path
+        raise UserError("pass `tokenizer=` (or `reward_tokenizer=`) when giving a model object without a saved path")
+    return obj if obj is not None else fallback
