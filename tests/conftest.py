@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny real tokenizers and models built locally (no hub), CPU only."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from ppokit.demo import make_data  # noqa: E402
+from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def demo_data():
+    return make_data(seed=0, n_sft=400, n_prompts=64, n_eval=4)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(demo_data):
+    return word_tokenizer(r["prompt"] + " " + r["completion"] for r in demo_data["sft"])
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tokenizer):
+    """Save a tiny model of architecture `arch` with the tokenizer; returns its directory."""
+    cache = {}
+
+    def make(arch: str = "llama", **sizes) -> Path:
+        key = (arch, tuple(sorted(sizes.items())))
+        if key not in cache:
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            tiny_causal_lm(arch, tokenizer, **sizes).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory, demo_data):
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in demo_data["prompts"]))
+    return path
+
+
+def tiny_ppo_config(model_dir: Path, prompts_file: Path, output_dir: Path, **ppo):
+    """A PPOConfig for a run of a few seconds on CPU."""
+    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
+
+    hp = dict(total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2,
+              response_length=8, temperature=1.0, learning_rate=1e-3, num_sample_generations=2)
+    hp.update(ppo)
+    return PPOConfig(
+        model=str(model_dir), output_dir=str(output_dir), seed=1,
+        reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train=str(prompts_file)),
+        ppo=PPOHyperparams(**hp),
+    )
