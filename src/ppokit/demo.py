@@ -65,8 +65,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 SETTINGS = {
     # quick: under a minute on 2 cores; full: a few minutes, a larger model and a longer run.
-    True: dict(hidden=64, layers=2, n_sft=2000, sft_epochs=2, n_prompts=512, total_episodes=512, batch=32, lr=1e-4),
-    False: dict(hidden=128, layers=4, n_sft=6000, sft_epochs=3, n_prompts=4096, total_episodes=4096, batch=64, lr=5e-5),
+    True: dict(hidden=64, layers=2, n_sft=2000, sft_epochs=2, n_prompts=1024, total_episodes=1024, batch=32, lr=3e-4),
+    False: dict(hidden=128, layers=4, n_sft=6000, sft_epochs=3, n_prompts=4096, total_episodes=4096, batch=64, lr=1e-4),
 }
 
 
@@ -131,9 +131,11 @@ def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: 
     say("\ncompletions before -> after PPO (score):")
     for b, a in zip(before, after):
         say(f"  {b['prompt']!r}\n    before {b['score']:+.2f}  {b['completion']}\n    after  {a['score']:+.2f}  {a['completion']}")
+    window = max(1, min(3, len(records) // 4))
+    mean_score = lambda rs: sum(r["objective/scores"] for r in rs) / len(rs)  # noqa: E731
     summary = {
-        "first_score": records[0]["objective/scores"],
-        "last_score": records[-1]["objective/scores"],
+        "score_start": mean_score(records[:window]),  # mean over the first updates: one batch is noisy
+        "score_end": mean_score(records[-window:]),
         "eval_before": sum(r["score"] for r in before) / len(before),
         "eval_after": sum(r["score"] for r in after) / len(after),
         "last_kl": records[-1]["objective/kl"],
@@ -142,7 +144,7 @@ def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: 
         "output_dir": str(out),
     }
     say(
-        f"\nscore {summary['first_score']:+.3f} -> {summary['last_score']:+.3f} (eval {summary['eval_before']:+.3f} -> "
+        f"\nscore {summary['score_start']:+.3f} -> {summary['score_end']:+.3f} (mean of {window} updates; eval {summary['eval_before']:+.3f} -> "
         f"{summary['eval_after']:+.3f}), KL {summary['last_kl']:.3f}, {elapsed:.0f}s. Run directory: {out / 'ppo'}"
     )
     return summary

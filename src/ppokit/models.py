@@ -50,9 +50,9 @@ def _from_pretrained(loader, name: str, role: str, **kwargs):
         raise UserError(f"{role}: could not load {name!r}: {str(e).splitlines()[0]}") from None
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(name: str, trust_remote_code: bool = False, role: str = "tokenizer") -> PreTrainedTokenizerBase:
     """Load a tokenizer; without a pad token, the EOS token is used as padding (documented fallback)."""
-    tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=trust_remote_code)
+    tokenizer = _from_pretrained(AutoTokenizer, name, role, trust_remote_code=trust_remote_code)
     return ensure_pad_token(tokenizer)
 
 

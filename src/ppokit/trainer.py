@@ -32,6 +32,7 @@ from ppokit.errors import UserError
 from ppokit.metrics import ConsoleReporter, JsonlWriter
 from ppokit.models import (
     disable_dropout,
+    ensure_pad_token,
     frozen_copy,
     left_pad,
     load_causal_lm,
@@ -136,11 +137,9 @@ class PPOTrainer:
 
         # Models.
         trc = config.trust_remote_code
-        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or _path_of(model, config.model), trc)
-        if self.tokenizer.pad_token_id is None:
-            from ppokit.models import ensure_pad_token
-
-            ensure_pad_token(self.tokenizer)
+        self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else load_tokenizer(
+            config.tokenizer or _path_of(model, config.model), trc, "tokenizer" if config.tokenizer else "model"
+        )
         policy = load_causal_lm(model if model is not None else config.model, "model", trc)
         if ref_model is not None or config.ref_model:
             ref = load_causal_lm(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
@@ -197,7 +196,7 @@ class PPOTrainer:
         if reward_model is not None or (cfg.model and cfg.model != "<object>"):
             rm = load_scalar_model(reward_model if reward_model is not None else cfg.model, "reward.model", trc)
             rm.requires_grad_(False)
-            rm_tokenizer = reward_tokenizer or load_tokenizer(_path_of(reward_model, cfg.model), trc)
+            rm_tokenizer = reward_tokenizer or load_tokenizer(_path_of(reward_model, cfg.model), trc, "reward.model")
             sources.append(RewardModelReward(rm, rm_tokenizer, batch_size=cfg.batch_size))
         base_dir = Path.cwd()
         for item in reward_functions if reward_functions is not None else cfg.functions:

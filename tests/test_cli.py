@@ -1,0 +1,86 @@
+"""End-to-end runs of the `ppokit` command in a subprocess, and its handling of user errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+
+def ppokit(*args, cwd=None, timeout=300):
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "ppokit", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def write_config(path, model, prompts, output_dir, **extra):
+    config = {
+        "model": str(model),
+        "output_dir": str(output_dir),
+        "reward": {"functions": ["sentiment"]},
+        "data": {"train": str(prompts)},
+        "ppo": {"total_episodes": 16, "per_device_train_batch_size": 4, "num_mini_batches": 2, "num_ppo_epochs": 1,
+                "response_length": 6, "learning_rate": 1e-3, "num_sample_generations": 1},
+    }
+    config.update(extra)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_cli_ppo_smoke_with_overrides(model_dir, prompts_file, tmp_path):
+    config = write_config(tmp_path / "ppo.yaml", model_dir("gpt2"), prompts_file, tmp_path / "run")
+    result = ppokit("ppo", config, "ppo.kl_coef=0.1", "ppo.kl_estimator=k3", "seed=7")
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["ppo"]["kl_coef"] == 0.1 and resolved["ppo"]["kl_estimator"] == "k3" and resolved["seed"] == 7
+    assert resolved["ppo"]["cliprange"] == 0.2  # defaults filled in
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and metrics[-1]["episode"] == 16
+    assert (run / "final" / "model.safetensors").exists() and (run / "final" / "value_model" / "model.safetensors").exists()
+    assert json.loads(result.stdout.strip().splitlines()[-1])["updates"] == 2
+
+
+def _assert_user_error(result, *fragments):
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+def test_cli_user_errors(model_dir, prompts_file, tmp_path):
+    model = model_dir("gpt2")
+    config = write_config(tmp_path / "ppo.yaml", model, prompts_file, tmp_path / "run")
+    _assert_user_error(ppokit("ppo", config, "ppo.kl_coeff=0.1"), "unknown config key ppo.kl_coeff", "did you mean ppo.kl_coef")
+    _assert_user_error(ppokit("ppo", config, "ppo.total_episodes=10"), "total_episodes (10) is not a multiple of the batch size (8")
+    _assert_user_error(ppokit("ppo", config, f"model={tmp_path}/no-such-model"), "model: model path", "does not exist")
+    _assert_user_error(ppokit("ppo", tmp_path / "missing.yaml"), "config file not found")
+
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"prompt": "the movie was"}\n{"prompt": "oops"\n')
+    _assert_user_error(ppokit("ppo", config, f"data.train={bad_data}"), f"{bad_data}:2: not valid JSON")
+    no_field = tmp_path / "nofield.jsonl"
+    no_field.write_text('{"text": "the movie was"}\n')
+    _assert_user_error(ppokit("ppo", config, f"data.train={no_field}"), "row 0", "'prompt'")
+
+    raising = tmp_path / "raising.py"
+    raising.write_text("def reward(prompts, completions, **kw):\n    raise RuntimeError('boom')\n")
+    _assert_user_error(ppokit("ppo", config, f"reward.functions=[{raising}:reward]"), "reward function reward raised RuntimeError: boom")
+    assert not (tmp_path / "run" / "final").exists()  # nothing that looks finished
+
+
+def test_user_reward_function_file_and_columns(model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "the movie was", "target": "great"}) + "\n" for _ in range(8)))
+    fn = tmp_path / "my_reward.py"
+    fn.write_text(
+        "def reward(prompts, completions, target, **kw):\n"
+        "    assert len(target) == len(completions)\n"
+        "    return [float(t in c) for t, c in zip(target, completions)]\n"
+    )
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts, tmp_path / "run", reward={"functions": [f"{fn}:reward", "sentiment"], "weights": [1.0, 0.5]})
+    result = ppokit("ppo", config, "ppo.total_episodes=8")
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "reward/reward" in record and "reward/sentiment" in record
+    assert abs(record["objective/scores"] - (record["reward/reward"] + 0.5 * record["reward/sentiment"])) < 1e-5

@@ -1,0 +1,83 @@
+import re
+
+import pytest
+import yaml
+
+from ppokit.config import PPOConfig, PPOHyperparams
+from ppokit.errors import UserError
+
+BASE = ["model=some/model", "reward.functions=[sentiment]", "data.train=p.jsonl"]
+
+
+def test_defaults_follow_trl():
+    hp = PPOHyperparams()
+    assert (hp.learning_rate, hp.num_mini_batches, hp.num_ppo_epochs, hp.response_length) == (3e-6, 1, 4, 53)
+    assert (hp.temperature, hp.kl_coef, hp.kl_estimator, hp.cliprange, hp.vf_coef) == (0.7, 0.05, "k1", 0.2, 0.1)
+    assert (hp.cliprange_value, hp.gamma, hp.lam, hp.whiten_rewards) == (0.2, 1.0, 0.95, False)
+    assert (hp.missing_eos_penalty, hp.num_sample_generations, hp.local_rollout_forward_batch_size) == (None, 10, 64)
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": "m", "reward": {"functions": ["sentiment"]}, "ppo": {"kl_coef": 0.1}}))
+    config = PPOConfig.load(path, ["ppo.kl_coef=0.2", "ppo.learning_rate=1e-5", "ppo.whiten_rewards=true", "data.train=x.jsonl", "ppo.stop_token=null"])
+    assert config.ppo.kl_coef == 0.2
+    assert config.ppo.learning_rate == 1e-5  # YAML reads 1e-5 as a string; it is coerced
+    assert config.ppo.whiten_rewards is True
+    assert config.ppo.stop_token is None
+    assert config.reward.functions == ["sentiment"]
+    # the saved config round-trips with every default filled in
+    config.save(tmp_path / "resolved.yaml")
+    saved = yaml.safe_load((tmp_path / "resolved.yaml").read_text())
+    assert saved["ppo"]["num_ppo_epochs"] == 4 and saved["ppo"]["kl_coef"] == 0.2
+    assert PPOConfig.load(tmp_path / "resolved.yaml").to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("ppo.kl_coeff=0.1", "unknown config key ppo.kl_coeff (did you mean ppo.kl_coef?)"),
+        ("learning_rate=1e-5", "unknown config key learning_rate"),
+        ("ppo.cliprange=-1", "ppo.cliprange: value -1.0 is out of range"),
+        ("ppo.kl_estimator=k4", "ppo.kl_estimator: value 'k4' is out of range"),
+        ("ppo.num_ppo_epochs=two", "ppo.num_ppo_epochs: expected an integer"),
+        ("ppo.gamma=1.5", "ppo.gamma: value 1.5 is out of range"),
+        ("ppo.whiten_rewards=maybe", "ppo.whiten_rewards: expected true or false"),
+        ("ppo=3", "ppo: expected a mapping"),
+        ("nonsense", "expected key.sub=value"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        PPOConfig.load(None, BASE + [override])
+
+
+def test_required_keys():
+    with pytest.raises(UserError, match="model: required"):
+        PPOConfig.load(None, ["reward.functions=[sentiment]"])
+    with pytest.raises(UserError, match="at least one source"):
+        PPOConfig.load(None, ["model=m"])
+    with pytest.raises(UserError, match="reward.weights has 2 entries for 1"):
+        PPOConfig.load(None, BASE + ["reward.weights=[1, 2]"])
+
+
+def test_batch_arithmetic_and_inexact_division():
+    hp = PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=64)
+    sizes = hp.derive(world_size=2, num_prompts=100)
+    assert sizes.local_batch == 16 and sizes.batch == 32 and sizes.local_mini_batch == 8
+    assert sizes.num_updates == 2 and sizes.micro_batch == 4
+    with pytest.raises(UserError, match=r"total_episodes \(60\) is not a multiple of the batch size \(32"):
+        PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=60).derive(2, 100)
+    # default: one pass over the prompts, whole batches only
+    assert PPOHyperparams(per_device_train_batch_size=8).derive(1, 100).total_episodes == 96
+    with pytest.raises(UserError, match="less than one batch"):
+        PPOHyperparams(per_device_train_batch_size=8).derive(1, 5)
+
+
+def test_missing_config_file_and_bad_yaml(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        PPOConfig.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(UserError, match="not valid YAML"):
+        PPOConfig.load(bad)

@@ -1,0 +1,135 @@
+"""The trainer's stages on tiny real models."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_ppo_config
+
+from ppokit import algo
+from ppokit.trainer import PPOTrainer
+
+
+def _trainer(model_dir, prompts_file, tmp_path, arch="llama", **ppo):
+    return PPOTrainer(tiny_ppo_config(model_dir(arch), prompts_file, tmp_path / "run", **ppo), show_progress=False)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_ratio_is_one_on_first_minibatch(arch, model_dir, prompts_file, tmp_path):
+    """Sampling logprobs (logits / T, KV cache, left padding) equal the training forward's."""
+    trainer = _trainer(model_dir, prompts_file, tmp_path, arch, temperature=0.7, response_length=12)
+    rollout = trainer.generate([trainer.train_query_ids[i] for i in trainer.batch_indices(0)])
+    assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
+    mb = rollout.select(torch.arange(4))
+    logits, _ = trainer.model(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
+    new_logprobs = algo.logprobs_from_logits(logits, mb.response_ids, 0.7)
+    ratio = torch.exp(new_logprobs - mb.logprobs)[mb.response_mask]
+    assert (ratio - 1).abs().max().item() < 1e-5
+
+
+def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
+    trainer = _trainer(model_dir, prompts_file, tmp_path, temperature=0.5)
+    rollout = trainer.generate(trainer.train_query_ids[:4])
+    ref_logprobs, values = trainer.reference_and_values(rollout)
+    # The reference starts equal to the policy, so with logits / T everywhere the KL is exactly 0.
+    assert torch.allclose(ref_logprobs, rollout.logprobs, atol=1e-5)
+    assert torch.all(values == 0)  # fresh value head starts at zero
+
+
+def test_truncation_after_stop_and_early_stop(model_dir, prompts_file, tmp_path):
+    trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=40)
+    eos = trainer.tokenizer.eos_token_id
+    rollout = trainer.generate(trainer.train_query_ids[:8])
+    for ids, mask, ended in zip(rollout.response_ids, rollout.response_mask, rollout.ended):
+        real = ids[mask].tolist()
+        if ended:
+            assert real[-1] == eos and eos not in real[:-1]
+            assert torch.all(ids[~mask] == trainer.tokenizer.pad_token_id)
+        else:
+            assert eos not in real
+    if rollout.ended.all():
+        # every row stopped: sampling stops too, before response_length
+        assert rollout.response_ids.shape[1] == int(rollout.response_mask.sum(1).max())
+
+
+def test_dropout_is_off_in_every_model(tmp_path, tokenizer, prompts_file):
+    from ppokit.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("gpt2", tokenizer)
+    model.config.attn_pdrop = model.config.resid_pdrop = model.config.embd_pdrop = 0.3
+    model = type(model)(model.config)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    trainer = PPOTrainer(tiny_ppo_config(tmp_path / "m", prompts_file, tmp_path / "run"), show_progress=False)
+    for module in (trainer.policy, trainer.ref_model, trainer.value_model):
+        ps = [m.p for m in module.modules() if isinstance(m, torch.nn.Dropout)]
+        assert ps and all(p == 0.0 for p in ps)
+
+
+def test_same_seed_same_metrics(model_dir, prompts_file, tmp_path):
+    def run(name):
+        config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / name)
+        return PPOTrainer(config, show_progress=False).train()
+
+    def strip(records):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"} for r in records]
+
+    assert strip(run("a")) == strip(run("b"))
+
+
+def test_metrics_and_samples_contents(model_dir, prompts_file, tmp_path):
+    trainer = _trainer(model_dir, prompts_file, tmp_path, missing_eos_penalty=1.0)
+    trainer.train()
+    run = tmp_path / "run"
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("update", "episode", "objective/scores", "objective/kl", "objective/entropy", "objective/non_score_reward",
+                "objective/rlhf_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
+                "val/clipfrac_avg", "val/ratio", "val/num_eos_tokens", "lr", "eps", "time/generation", "time/scoring",
+                "time/training", "reward/sentiment"):
+        assert key in record and math.isfinite(record[key]), key
+    assert record["episode"] == 16
+    assert record["objective/rlhf_reward"] == pytest.approx(record["objective/scores"] + record["objective/non_score_reward"], abs=1e-5)
+    samples = [json.loads(l) for l in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"prompt", "completion", "score", "update"} <= set(samples[0])
+
+
+def test_missing_eos_penalty_lowers_unfinished_scores(model_dir, prompts_file, tmp_path):
+    trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=2, missing_eos_penalty=3.0)
+    prompts, columns = trainer.train_data.rows(range(8))
+    rollout = trainer.generate(trainer.train_query_ids[:8])
+    scores, extras = trainer.score(rollout, prompts, columns)
+    raw = extras["reward/sentiment"]
+    expected = raw - 3.0 * (~rollout.ended).float()
+    assert torch.allclose(scores, expected)
+
+
+def test_final_models_load_with_auto_classes(model_dir, prompts_file, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    trainer = _trainer(model_dir, prompts_file, tmp_path)
+    trainer.train()
+    final = tmp_path / "run" / "final"
+    policy = AutoModelForCausalLM.from_pretrained(final)
+    AutoTokenizer.from_pretrained(final)
+    value = AutoModelForSequenceClassification.from_pretrained(final / "value_model")
+    assert value.config.num_labels == 1
+    trained = trainer.policy.state_dict()
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    assert not (tmp_path / "run" / ".final.tmp").exists()
+
+
+def test_reward_model_scores_at_last_real_token(model_dir, tokenizer):
+    from ppokit.models import left_pad, load_scalar_model, score_at_last_token
+
+    model = load_scalar_model(str(model_dir("llama")), "reward.model")
+    seqs = [[5, 6, 7], [8, 9]]
+    left_ids, left_mask = left_pad(seqs, tokenizer.pad_token_id)
+    right_ids = torch.tensor([[5, 6, 7], [8, 9, tokenizer.pad_token_id]])
+    right_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with torch.no_grad():
+        alone = torch.stack([score_at_last_token(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0] for s in seqs])
+        left = score_at_last_token(model, left_ids, left_mask.long())
+        right = score_at_last_token(model, right_ids, right_mask)
+    assert torch.allclose(left, alone, atol=1e-5) and torch.allclose(right, alone, atol=1e-5)
