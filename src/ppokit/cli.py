@@ -29,6 +29,14 @@ def _demo(args) -> int:
     return 0
 
 
+def _quiet_transformers() -> None:
+    # Load reports and per-shard progress bars drown the run's own progress; errors still show.
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    _quiet_transformers()
     try:
         return args.func(args)
     except UserError as e:
