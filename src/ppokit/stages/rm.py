@@ -16,7 +16,7 @@ from ppokit import algo
 from ppokit.config import RMConfig
 from ppokit.data import LengthReport, Renderer, describe_template, fit_lengths, preference_triples, tokenize_pair
 from ppokit.metrics import JsonlWriter
-from ppokit.models import disable_dropout, left_pad, load_scalar_model, load_tokenizer, score_at_last_token
+from ppokit.models import resolve_model_path, disable_dropout, left_pad, load_scalar_model, load_tokenizer, score_at_last_token
 from ppokit.sft import train_loop
 from ppokit.stages.common import (
     device,
@@ -87,6 +87,7 @@ def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
     hp, data = config.train, config.data
     train_triples, eval_triples, records = load_split(data, config.seed, preference_triples, say)
 
+    resolve_model_path(config.model, "model")  # a missing path is named as the model, not the tokenizer
     tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
     renderer = Renderer(tokenizer, data.chat_template)
     train_pairs, train_report = encode_pairs(train_triples, renderer, tokenizer, config, records.source)

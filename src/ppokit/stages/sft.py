@@ -13,7 +13,7 @@ import torch
 from ppokit.config import SFTConfig
 from ppokit.data import LengthReport, Renderer, describe_template, fit_lengths, sft_pairs, tokenize_pair
 from ppokit.metrics import JsonlWriter
-from ppokit.models import load_causal_lm, load_tokenizer
+from ppokit.models import resolve_model_path, load_causal_lm, load_tokenizer
 from ppokit.sft import build_example, train_sft
 from ppokit.stages.common import (
     device,
@@ -52,6 +52,7 @@ def run_sft(config: SFTConfig, show_progress: bool = True) -> dict:
     hp, data = config.train, config.data
     train_pairs, eval_pairs, records = load_split(data, config.seed, sft_pairs, say)
 
+    resolve_model_path(config.model, "model")  # a missing path is named as the model, not the tokenizer
     tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
     renderer = Renderer(tokenizer, data.chat_template)
     train_examples, train_report = encode_sft(train_pairs, renderer, tokenizer, config, records.source)
