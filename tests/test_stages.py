@@ -289,5 +289,5 @@ def test_cli_errors_are_one_line_with_exit_code_2(files, tmp_path, model_dir, ca
 def test_cli_data_inspect_prints_the_report(files, model_dir, capsys):
     assert main(["data", "inspect", files["sft"], "--tokenizer", str(model_dir("llama"))]) == 0
     out = capsys.readouterr().out
-    assert "format     prompt_completion (detected from the columns)" in out
-    assert "rows       400" in out and "example 3" in out and "0 rows dropped" in out
+    assert "format         prompt_completion (detected from the columns)" in out
+    assert "rows           400" in out and "example 3" in out and "0 rows dropped" in out

@@ -127,26 +127,28 @@ def _short(value, limit: int = 200):
 def format_report(report: dict) -> str:
     """The report as aligned text lines for the terminal."""
     how = "detected from the columns" if report["format_detected"] else "set by --format"
+    row = lambda label, text: f"{label:<15}{text}"  # noqa: E731
     lines = [
-        f"source     {report['source']}",
-        f"format     {report['format']} ({how}); read as `ppokit {report['stage']}` data",
-        f"rows       {report['rows']}",
-        f"columns    {', '.join(report['columns'])}",
+        row("source", report["source"]),
+        row("format", f"{report['format']} ({how}); read as `ppokit {report['stage']}` data"),
+        row("rows", report["rows"]),
+        row("columns", ", ".join(report["columns"])),
     ]
     for name, p in report["lengths"].items():
-        lines.append(f"{name:<10} {report['length_unit']}: p50 {p['p50']}  p90 {p['p90']}  p99 {p['p99']}  max {p['max']}")
-    limits = report["limits"]
-    rule = report["length_rule"]
+        lines.append(row(name, f"{report['length_unit']}: p50 {p['p50']}  p90 {p['p90']}  p99 {p['p99']}  max {p['max']}"))
+    limits, rule = report["limits"], report["length_rule"]
     if rule is None:
-        lines.append("limits     give --tokenizer to count rows over max_prompt_length / max_length")
+        lines.append(row("limits", "give --tokenizer to count rows over max_prompt_length / max_length"))
+    elif report["stage"] == "ppo":
+        lines.append(row("limits", f"max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated from the left (PPO never drops a prompt)"))
     else:
-        lines.append(
-            f"limits     max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated "
-            f"from the left | max_length {limits['max_length']}: {rule['completions_cut']} completions cut, "
-            f"{rule['dropped']} rows dropped"
-        )
+        lines.append(row(
+            "limits",
+            f"max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated from the left "
+            f"| max_length {limits['max_length']}: {rule['completions_cut']} completions cut, {rule['dropped']} rows dropped",
+        ))
     if report["chat_template"] is not None:
-        lines.append("template   " + report["chat_template"].replace("\n", "\\n")[:120])
+        lines.append(row("template", report["chat_template"].replace("\n", "\\n")[:120]))
     for i, example in enumerate(report["examples"], start=1):
         lines.append(f"example {i}")
         for key, value in example.items():
