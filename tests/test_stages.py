@@ -291,3 +291,45 @@ def test_cli_data_inspect_prints_the_report(files, model_dir, capsys):
     out = capsys.readouterr().out
     assert "format         prompt_completion (detected from the columns)" in out
     assert "rows           400" in out and "example 3" in out and "0 rows dropped" in out
+
+
+def test_rm_on_chat_preferences_without_a_prompt_column(model_dir, tmp_path):
+    def chat(prompt, answer):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+    rows = [{"chosen": chat(r["prompt"], r["chosen"]), "rejected": chat(r["prompt"], r["rejected"])} for r in preference_rows(64)]
+    config = RMConfig.load(data={
+        "model": str(model_dir("llama")), "output_dir": str(tmp_path / "rm"),
+        "data": {"train": write_jsonl(tmp_path / "chat_pref.jsonl", rows), "eval_fraction": 0.25},
+        "train": {"learning_rate": 1e-3, "per_device_train_batch_size": 16},
+    })
+    summary = run_rm(config, show_progress=False)
+    assert summary["format"] == "preference" and summary["eval_pairs"] == 16
+    assert "assistant:" in yaml.safe_load((tmp_path / "rm" / "config.yaml").read_text())["data"]["chat_template"]
+    from transformers import AutoConfig
+
+    saved = AutoConfig.from_pretrained(tmp_path / "rm")
+    assert saved.num_labels == 1 and saved.pad_token_id is not None
+
+
+def test_ppo_takes_chat_prompts_and_passes_columns_to_reward_functions(model_dir, tmp_path):
+    from conftest import tiny_ppo_config
+
+    from ppokit.trainer import PPOTrainer
+
+    rows = [{"messages": [{"role": "user", "content": p}], "answer": i} for i, p in enumerate(OPENERS)]
+    seen = {}
+
+    def reward(prompts, completions, messages, answer, **rest):
+        seen.update(prompts=prompts, messages=messages, answer=answer)
+        return [1.0] * len(prompts)
+
+    config = tiny_ppo_config(model_dir("llama"), write_jsonl(tmp_path / "chat.jsonl", rows), tmp_path / "run")
+    config.data.eval_fraction = 0.2
+    trainer = PPOTrainer(config, reward_functions=[reward], show_progress=False)
+    assert len(trainer.train_data) == 16 and len(trainer.eval_data) == 4
+    trainer.train()
+    assert all(p.startswith("user: ") and p.endswith("\nassistant:") for p in seen["prompts"])
+    assert all(isinstance(a, int) for a in seen["answer"]) and isinstance(seen["messages"][0], list)
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert "assistant:" in recorded["data"]["chat_template"]
