@@ -230,6 +230,9 @@ def test_unknown_columns_and_wrong_types(tmp_path):
         load_records([{"question": "a"}])
     with pytest.raises(UserError, match="field completion must be a string or a list"):
         load_records([{"prompt": "a", "completion": 3}])
+    user_turn = [{"role": "user", "content": "hi"}]
+    with pytest.raises(UserError, match="field prompt must be a string or a list"):
+        load_records([{"prompt": 7, "chosen": user_turn, "rejected": user_turn}])
     with pytest.raises(UserError, match="field messages must be a non-empty list"):
         load_records([{"messages": "hello"}])
     with pytest.raises(UserError, match="unknown format 'chat'"):

@@ -331,6 +331,8 @@ def _check_row(records: Records, i: int, row: dict) -> None:
             f"formats accepted: {FORMATS_ACCEPTED}"
         )
     texts = {"messages": ("messages",), "alpaca": ("instruction", "output")}.get(fmt, required)
+    if fmt == "preference" and row.get("prompt") is not None:
+        texts = ["prompt", "chosen", "rejected"]
     for key in texts:
         value = row[key]
         if key == "messages" and not _is_messages(value):
