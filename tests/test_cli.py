@@ -61,7 +61,10 @@ def test_cli_user_errors(model_dir, prompts_file, tmp_path):
     _assert_user_error(ppokit("ppo", config, f"data.train={bad_data}"), f"{bad_data}:2: not valid JSON")
     no_field = tmp_path / "nofield.jsonl"
     no_field.write_text('{"text": "the movie was"}\n')
-    _assert_user_error(ppokit("ppo", config, f"data.train={no_field}"), "row 0", "'prompt'")
+    _assert_user_error(ppokit("ppo", config, f"data.train={no_field}"), "cannot tell the data format", "prompt")
+    missing_in_row = tmp_path / "missing.jsonl"
+    missing_in_row.write_text('{"prompt": "the movie was"}\n{"text": "the film"}\n')
+    _assert_user_error(ppokit("ppo", config, f"data.train={missing_in_row}"), f"{missing_in_row}:2: missing field(s) prompt")
 
     raising = tmp_path / "raising.py"
     raising.write_text("def reward(prompts, completions, **kw):\n    raise RuntimeError('boom')\n")

@@ -14,6 +14,10 @@ References:
            arXiv:1909.08593.
   [N+]     Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO",
            arXiv:2403.17031.
+  [BT]     Bradley & Terry 1952, "Rank Analysis of Incomplete Block Designs: I. The Method
+           of Paired Comparisons", Biometrika 39(3/4).
+  [O22]    Ouyang et al. 2022, "Training language models to follow instructions with human
+           feedback", arXiv:2203.02155.
 """
 
 from __future__ import annotations
@@ -251,6 +255,18 @@ def clipped_value_loss(
     loss = 0.5 * masked_mean(torch.max(unclipped_sq, clipped_sq), response_mask)
     clipfrac = masked_mean((clipped_sq > unclipped_sq).float(), response_mask).detach()
     return loss, clipfrac
+
+
+def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of the preferences under the Bradley-Terry model [BT; O22, eq. 1].
+
+    chosen_scores, rejected_scores: (B,) reward-model scores of the preferred and the other
+    completion of each pair -> scalar loss.
+    P(chosen > rejected) = sigmoid(r_c - r_r);  L = -mean log sigmoid(r_c - r_r).
+    Only the difference of the two scores is trained, so the scale's offset is free.
+    logsigmoid keeps large negative differences finite.
+    """
+    return -torch.nn.functional.logsigmoid(chosen_scores.float() - rejected_scores.float()).mean()
 
 
 # --------------------------------------------------------------------------- KL controllers

@@ -37,6 +37,48 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+def _sft(args) -> int:
+    from ppokit.config import SFTConfig
+    from ppokit.stages.sft import run_sft
+
+    summary = run_sft(SFTConfig.load(args.config, args.overrides))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
+    return 0
+
+
+def _rm(args) -> int:
+    from ppokit.config import RMConfig
+    from ppokit.stages.rm import run_rm
+
+    summary = run_rm(RMConfig.load(args.config, args.overrides))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
+    return 0
+
+
+def _pipeline(args) -> int:
+    from ppokit.stages.pipeline import run_pipeline
+
+    summaries = run_pipeline(args.config, args.overrides)
+    print(json.dumps({stage: {k: v for k, v in s.items() if k not in ("length_rule", "chat_template", "scores")} for stage, s in summaries.items()}))
+    return 0
+
+
+def _data_inspect(args) -> int:
+    from ppokit.stages.data_inspect import format_report, inspect_data
+
+    tokenizer = None
+    if args.tokenizer:
+        from ppokit.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    report = inspect_data(
+        args.path, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
+        max_length=args.max_length, chat_template=args.chat_template,
+    )
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +87,28 @@ def build_parser() -> argparse.ArgumentParser:
     ppo.add_argument("config", help="YAML config file")
     ppo.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     ppo.set_defaults(func=_ppo)
+
+    for name, func, what in (
+        ("sft", _sft, "supervised fine-tuning on prompt/completion or chat data"),
+        ("rm", _rm, "train a reward model on preference pairs (Bradley-Terry)"),
+        ("pipeline", _pipeline, "sft -> rm -> ppo from one YAML file with a section per stage"),
+    ):
+        stage = sub.add_parser(name, help=what)
+        stage.add_argument("config", help="YAML config file")
+        stage.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        stage.set_defaults(func=func)
+
+    data = sub.add_parser("data", help="look at a data source").add_subparsers(dest="data_command", required=True)
+    inspect = data.add_parser("inspect", help="format, rows, lengths and examples of a data source as a stage sees it")
+    inspect.add_argument("path", help="data file, save_to_disk folder or hub dataset name")
+    inspect.add_argument("--tokenizer", help="tokenizer (or model) path: lengths in tokens, and rows over the limits")
+    inspect.add_argument("--format", default="auto", help="data format (default: detected from the columns)")
+    inspect.add_argument("--stage", choices=("sft", "rm", "ppo"), help="read the data as this stage does (default: from the format)")
+    inspect.add_argument("--max-prompt-length", type=int, default=-1, help="default: the stage's data.max_prompt_length")
+    inspect.add_argument("--max-length", type=int, default=-1, help="default: the stage's data.max_length")
+    inspect.add_argument("--chat-template", help="as data.chat_template (default: the tokenizer's, else plain)")
+    inspect.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    inspect.set_defaults(func=_data_inspect)
 
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")
     demo.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 cores")

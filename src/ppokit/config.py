@@ -32,6 +32,7 @@ def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any 
 positive = lambda v: v > 0  # noqa: E731
 non_negative = lambda v: v >= 0  # noqa: E731
 unit_interval = lambda v: 0 <= v <= 1  # noqa: E731
+DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 
 
 @dataclass
@@ -127,10 +128,13 @@ class RewardConfig:
 class DataConfig:
     """The `data:` section."""
 
-    train: Optional[str] = doc(None, "Training prompts: a JSONL file with a `prompt` field (other fields are passed to reward functions).")
+    train: Optional[str] = doc(None, "Training prompts: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder or a hub dataset name (docs/data.md). Any format with a prompt works (chat prompts are rendered with the chat template); the other columns are passed to reward functions.")
     eval: Optional[str] = doc(None, "Evaluation prompts, same format; completions and scores go to samples.jsonl.")
     prompt_field: str = doc("prompt", "Name of the prompt column.")
     max_prompt_length: Optional[int] = doc(None, "Prompts longer than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
+    format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=lambda v: v in DATA_FORMATS)
+    chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file or Jinja text. The run's config.yaml records the template used.")
+    eval_fraction: float = doc(0.0, "When `eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=lambda v: 0 <= v < 1)
 
 
 @dataclass
@@ -341,7 +345,119 @@ def markdown_reference(cls, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- sft, rm, pipeline
+
+
+class ConfigFile:
+    """load / to_dict / save for the stage configs (each defines `validate`)."""
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None):
+        return load_config(cls, path, overrides, data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+@dataclass
+class StageDataConfig:
+    """The `data:` section of `ppokit sft` and `ppokit rm`."""
+
+    train: Optional[str] = doc(None, "Training data: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder (`folder:split` picks a split) or a hub dataset name (`name`, `name:split`, `name@config:split`). See docs/data.md.")
+    eval: Optional[str] = doc(None, "Held-out data in the same forms as `train`; when set, `eval_fraction` is not used.")
+    eval_fraction: float = doc(0.05, "When `eval` is not set: share of the training rows held out for evaluation (a seeded shuffle, at least one row); 0: no evaluation.", check=lambda v: 0 <= v < 1)
+    format: str = doc("auto", "Row format: auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=lambda v: v in DATA_FORMATS)
+    chat_template: Optional[str] = doc(None, "Template for chat rows: null/auto (the tokenizer's, else the plain fallback `role: content` lines), plain, tokenizer, a .jinja file or Jinja text. The output's config.yaml records the template used, and the saved tokenizer carries it.")
+    max_prompt_length: Optional[int] = doc(256, "Prompts longer than this (tokens) keep their last max_prompt_length tokens (truncated from the left); the count is reported. null: no limit.", check=positive)
+    max_length: Optional[int] = doc(512, "Limit on prompt + completion tokens (EOS included): longer completions are cut on the right; a row whose prompt leaves no room for a completion token is dropped; counts are reported. null: no limit.", check=positive)
+
+
+@dataclass
+class SupervisedHyperparams:
+    """The `train:` section of `ppokit rm` (and, with `completion_only_loss`, of `ppokit sft`)."""
+
+    num_train_epochs: float = doc(1.0, "Passes over the training rows (fractions allowed).", check=positive)
+    per_device_train_batch_size: int = doc(8, "Rows per optimiser step (for rm: preference pairs, so twice as many sequences).", check=positive)
+    learning_rate: float = doc(2e-5, "Peak learning rate of AdamW, decayed linearly to 0.", check=positive)
+    weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
+    max_grad_norm: float = doc(1.0, "Gradient clipping norm; 0 disables.", check=non_negative)
+    eval_steps: int = doc(0, "Evaluate every this many optimiser steps; 0: only at the end.", check=non_negative)
+    logging_steps: int = doc(10, "Print a line every this many steps (metrics.jsonl gets every step).", check=positive)
+    eval_batch_size: int = doc(32, "Rows per forward pass during evaluation.", check=positive)
+
+
+@dataclass
+class SFTHyperparams(SupervisedHyperparams):
+    """The `train:` section of `ppokit sft`."""
+
+    completion_only_loss: bool = doc(True, "Loss on completion tokens only (prompt tokens masked); false trains on the prompt too.")
+
+
+def _stage_checks(config, what: str) -> None:
+    validate(config)
+    if not config.model:
+        raise UserError(f"model: required (the {what})")
+    if not config.data.train:
+        raise UserError("data.train: required (a data file, a save_to_disk folder or a hub dataset name)")
+
+
+@dataclass
+class SFTConfig(ConfigFile):
+    """Everything `ppokit sft` needs."""
+
+    model: Optional[str] = doc(None, "Causal LM to fine-tune (local path or hub id).")
+    tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
+    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
+    output_dir: str = doc("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.")
+    seed: int = doc(42, "Seed for the eval split, data order and initialisation.")
+    data: StageDataConfig = doc(factory=StageDataConfig, help="Training data.")
+    train: SFTHyperparams = doc(factory=SFTHyperparams, help="Optimisation.")
+
+    def validate(self) -> "SFTConfig":
+        _stage_checks(self, "causal LM to fine-tune")
+        return self
+
+
+@dataclass
+class RMConfig(ConfigFile):
+    """Everything `ppokit rm` needs."""
+
+    model: Optional[str] = doc(None, "Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.")
+    tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
+    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
+    output_dir: str = doc("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.")
+    seed: int = doc(42, "Seed for the eval split, data order and the score head's initialisation.")
+    data: StageDataConfig = doc(factory=StageDataConfig, help="Preference data.")
+    train: SupervisedHyperparams = doc(factory=SupervisedHyperparams, help="Optimisation.")
+
+    def validate(self) -> "RMConfig":
+        _stage_checks(self, "model to start from, usually the SFT output")
+        return self
+
+
+@dataclass
+class PipelineConfig(ConfigFile):
+    """`ppokit pipeline`: sections sft, rm and ppo, each the config of that stage."""
+
+    output_dir: str = doc("runs/pipeline", "A stage without its own output_dir writes to <output_dir>/<stage>.")
+    sft: Optional[dict] = doc(None, "The `ppokit sft` config (same keys). Its output is rm's `model` and ppo's `model` unless they are set.")
+    rm: Optional[dict] = doc(None, "The `ppokit rm` config. Its output is ppo's `reward.model` and `value_model` unless they are set.")
+    ppo: Optional[dict] = doc(None, "The `ppokit ppo` config.")
+
+    def validate(self) -> "PipelineConfig":
+        validate(self)
+        if not (self.sft or self.rm or self.ppo):
+            raise UserError("pipeline: no stages; add sft:, rm: and/or ppo: sections")
+        return self
+
+
 if __name__ == "__main__":
     print("# Configuration reference\n\nGenerated by `python -m ppokit.config`. Every key can be set in YAML or as `key.sub=value` on the command line.\n")
     print("## `ppokit ppo`\n")
     print(markdown_reference(PPOConfig))
+    for name, cls in (("sft", SFTConfig), ("rm", RMConfig), ("pipeline", PipelineConfig)):
+        print(f"\n## `ppokit {name}`\n")
+        print(markdown_reference(cls))

@@ -27,7 +27,7 @@ from torch import nn
 
 from ppokit import algo
 from ppokit.config import PPOConfig
-from ppokit.data import PromptDataset, as_prompt_dataset
+from ppokit.data import PromptDataset, as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
 from ppokit.metrics import ConsoleReporter, JsonlWriter
 from ppokit.models import (
@@ -128,11 +128,14 @@ class PPOTrainer:
         self.train_data: PromptDataset = as_prompt_dataset(
             train_dataset if train_dataset is not None else _required(config.data.train, "data.train"),
             config.data.prompt_field,
+            config.data.format,
         )
         eval_source = eval_dataset if eval_dataset is not None else config.data.eval
         self.eval_data: Optional[PromptDataset] = (
-            as_prompt_dataset(eval_source, config.data.prompt_field) if eval_source is not None else None
+            as_prompt_dataset(eval_source, config.data.prompt_field, config.data.format) if eval_source is not None else None
         )
+        if self.eval_data is None and config.data.eval_fraction:
+            self.train_data, self.eval_data = self.train_data.split(config.data.eval_fraction, config.seed)
         self.sizes = hp.derive(self.accelerator.num_processes, len(self.train_data))
 
         # Models.
@@ -140,6 +143,10 @@ class PPOTrainer:
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else load_tokenizer(
             config.tokenizer or _path_of(model, config.model), trc, "tokenizer" if config.tokenizer else "model"
         )
+        # Chat prompts become text with the tokenizer's template; the run's config records which.
+        template = render_chat_prompts(self.tokenizer, config.data.chat_template, self.train_data, self.eval_data)
+        if template is not None:
+            config.data.chat_template = template
         policy = load_causal_lm(model if model is not None else config.model, "model", trc)
         if ref_model is not None or config.ref_model:
             ref = load_causal_lm(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)

@@ -1,0 +1,82 @@
+"""What the sft and rm stages share: data with its eval split, progress lines, the output folder."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ppokit.config import StageDataConfig
+from ppokit.data import LengthReport, Records, load_records, split_eval
+from ppokit.errors import UserError
+from ppokit.trainer import atomic_save_dir
+
+
+def printer(enabled: bool, stage: str) -> Callable[[str], None]:
+    """Progress lines on stderr, prefixed with the stage name (stdout is left for the summary)."""
+    if not enabled:
+        return lambda text: None
+    return lambda text: print(f"{stage}: {text}", file=sys.stderr, flush=True)
+
+
+def load_split(data: StageDataConfig, seed: int, convert: Callable[[Records], list], say) -> tuple[list, list, Records]:
+    """Train items, eval items (from data.eval, else a seeded data.eval_fraction split), train Records.
+
+    `convert` turns Records into the stage's items and raises when the format is the wrong one,
+    so that a wrong file fails before any model is loaded.
+    """
+    records = load_records(data.train, data.format)
+    items = convert(records)
+    say(f"{records.source}: {len(records)} rows, format {records.describe()}")
+    if data.eval:
+        eval_records = load_records(data.eval, data.format)
+        held = convert(eval_records)
+        say(f"{eval_records.source}: {len(eval_records)} eval rows, format {eval_records.describe()}")
+    else:
+        items, held = split_eval(items, data.eval_fraction, seed)
+        if held:
+            say(f"held out {len(held)} of {len(records)} rows for evaluation (data.eval_fraction={data.eval_fraction}, seed {seed})")
+    return items, held, records
+
+
+def require_rows(examples: list, report: LengthReport, data: StageDataConfig, source: str, split: str) -> None:
+    if not examples:
+        raise UserError(
+            f"{source}: no {split} rows left after the length rule ({report.describe(data.max_prompt_length, data.max_length)}); "
+            f"raise data.max_length / data.max_prompt_length or shorten the prompts"
+        )
+
+
+def report_lengths(say, report: LengthReport, data: StageDataConfig, split: str) -> None:
+    if report.prompts_truncated or report.completions_cut or report.dropped:
+        say(f"{split}: {report.describe(data.max_prompt_length, data.max_length)}")
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def recorded_config(config, template_used):
+    """The config as it ran: data.chat_template set to the template used for chat rows."""
+    recorded = copy.deepcopy(config)
+    if template_used is not None:
+        recorded.data.chat_template = template_used
+    return recorded
+
+
+def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run) -> dict:
+    """Run `write(tmp)` (trains and saves into tmp, returns the summary), add config.yaml and
+    summary.json, and rename tmp to output_dir: an interrupted stage leaves no finished-looking output."""
+    summary: dict = {}
+
+    def complete(tmp: Path) -> None:
+        summary.update(write(tmp))
+        config_of_run().save(tmp / "config.yaml")
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    atomic_save_dir(Path(output_dir), complete)
+    return summary

@@ -1,0 +1,163 @@
+"""`ppokit rm`: a reward model trained on preference pairs with the Bradley-Terry loss.
+
+The model is a one-label `AutoModelForSequenceClassification`, by default built on the SFT
+model's backbone (a fresh score head). Each sequence is prompt + completion + EOS and is scored
+at its last real token (`models.score_at_last_token`), as PPO will score the policy's responses.
+The output folder is what `ppokit ppo` takes as `reward.model` and as `value_model`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ppokit import algo
+from ppokit.config import RMConfig
+from ppokit.data import LengthReport, Renderer, describe_template, fit_lengths, preference_triples, tokenize_pair
+from ppokit.metrics import JsonlWriter
+from ppokit.models import resolve_model_path, disable_dropout, left_pad, load_scalar_model, load_tokenizer, score_at_last_token
+from ppokit.sft import train_loop
+from ppokit.stages.common import (
+    device,
+    load_split,
+    printer,
+    recorded_config,
+    report_lengths,
+    require_rows,
+    write_output,
+)
+
+
+def encode_pairs(triples, renderer: Renderer, tokenizer, config: RMConfig, source: str):
+    """(prompt, chosen, rejected) -> ([(chosen_ids, rejected_ids)], LengthReport).
+
+    Both sequences follow the length rule; a pair is dropped when either is, or when cutting
+    made the two sequences identical (no preference left to learn).
+    """
+    data = config.data
+    pairs, report = [], LengthReport(rows=len(triples))
+    for prompt, chosen, rejected in triples:
+        prompt_text, chosen_text = renderer.pair(prompt, chosen, source)
+        _, rejected_text = renderer.pair(prompt, rejected, source)
+        prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt_text, chosen_text)
+        _, rejected_ids = tokenize_pair(tokenizer, prompt_text, rejected_text)
+        fit_chosen, prompt_cut, chosen_cut = fit_lengths(prompt_ids, chosen_ids, data.max_prompt_length, data.max_length)
+        fit_rejected, _, rejected_cut = fit_lengths(prompt_ids, rejected_ids, data.max_prompt_length, data.max_length)
+        report.prompts_truncated += prompt_cut
+        report.completions_cut += chosen_cut or rejected_cut
+        if fit_chosen is None or fit_rejected is None or fit_chosen == fit_rejected:
+            report.dropped += 1
+            continue
+        pairs.append((fit_chosen[0] + fit_chosen[1], fit_rejected[0] + fit_rejected[1]))
+    return pairs, report
+
+
+def pair_scores(model, pairs, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of the chosen and the rejected sequence of each pair, in one forward: -> ((B,), (B,))."""
+    ids, mask = left_pad([c for c, _ in pairs] + [r for _, r in pairs], pad_token_id, next(model.parameters()).device)
+    scores = score_at_last_token(model, ids, mask.long())
+    return scores[: len(pairs)], scores[len(pairs) :]
+
+
+@torch.no_grad()
+def evaluate_pairs(model, pairs, pad_token_id: int, batch_size: int) -> dict:
+    """Pairwise accuracy (chosen scored strictly higher), mean margin and loss over `pairs`."""
+    model.eval()
+    chosen, rejected = [], []
+    for i in range(0, len(pairs), batch_size):
+        c, r = pair_scores(model, pairs[i : i + batch_size], pad_token_id)
+        chosen.append(c)
+        rejected.append(r)
+    chosen, rejected = torch.cat(chosen), torch.cat(rejected)
+    return {
+        "eval_accuracy": (chosen > rejected).float().mean().item(),
+        "eval_margin": (chosen - rejected).mean().item(),
+        "eval_loss": algo.bradley_terry_loss(chosen, rejected).item(),
+        "eval_chosen_score": chosen.mean().item(),
+        "eval_rejected_score": rejected.mean().item(),
+    }
+
+
+def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
+    """Train, evaluate and save; returns the summary (also written to output_dir/summary.json)."""
+    start = time.perf_counter()
+    config.validate()
+    say = printer(show_progress, "rm")
+    hp, data = config.train, config.data
+    train_triples, eval_triples, records = load_split(data, config.seed, preference_triples, say)
+
+    resolve_model_path(config.model, "model")  # a missing path is named as the model, not the tokenizer
+    tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+    renderer = Renderer(tokenizer, data.chat_template)
+    train_pairs, train_report = encode_pairs(train_triples, renderer, tokenizer, config, records.source)
+    eval_pairs, eval_report = encode_pairs(eval_triples, renderer, tokenizer, config, records.source)
+    report_lengths(say, train_report, data, "train")
+    report_lengths(say, eval_report, data, "eval")
+    require_rows(train_pairs, train_report, data, records.source, "training")
+    if renderer.template_used is not None:
+        say(f"chat rows rendered with {describe_template(renderer.template_used)}")
+
+    torch.manual_seed(config.seed)
+    model = load_scalar_model(config.model, "model", config.trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    disable_dropout(model)
+    model.to(device())
+    pad = tokenizer.pad_token_id
+    evaluate = (lambda: evaluate_pairs(model, eval_pairs, pad, hp.eval_batch_size)) if eval_pairs else None
+    before = evaluate() if evaluate else {}
+    if before:
+        say(f"before training | eval accuracy {before['eval_accuracy']:.3f} | margin {before['eval_margin']:+.3f}")
+
+    def loss_fn(model, batch):
+        return algo.bradley_terry_loss(*pair_scores(model, batch, pad))
+
+    def write(tmp) -> dict:
+        metrics = JsonlWriter(tmp / "metrics.jsonl")
+        evals: list[dict] = []
+
+        def on_step(step, total, loss):
+            metrics.write({"step": step, "loss": loss})
+            if step % hp.logging_steps == 0 or step == total:
+                say(f"step {step}/{total} | loss {loss:.4f}")
+
+        def on_eval(step, result):
+            evals.append({"step": step, **result})
+            metrics.write(evals[-1])
+            say(f"step {step} | eval accuracy {result['eval_accuracy']:.3f} | margin {result['eval_margin']:+.3f} | loss {result['eval_loss']:.4f}")
+
+        try:
+            losses = train_loop(
+                model, train_pairs, loss_fn, epochs=hp.num_train_epochs, batch_size=hp.per_device_train_batch_size,
+                learning_rate=hp.learning_rate, weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm,
+                seed=config.seed, on_step=on_step, evaluate=evaluate, eval_every=hp.eval_steps, on_eval=on_eval,
+            )
+        finally:
+            metrics.close()
+        if renderer.template_used is not None:
+            tokenizer.chat_template = renderer.template_used
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        last = evals[-1] if evals else {}
+        tail = losses[-10:]
+        return {
+            "stage": "rm",
+            "output_dir": config.output_dir,
+            "format": records.format,
+            "train_pairs": len(train_pairs),
+            "eval_pairs": len(eval_pairs),
+            "steps": len(losses),
+            "first_loss": losses[0],
+            "last_loss": sum(tail) / len(tail),
+            "eval_accuracy_before": before.get("eval_accuracy"),
+            "eval_accuracy": last.get("eval_accuracy"),
+            "eval_margin": last.get("eval_margin"),
+            "eval_loss": last.get("eval_loss"),
+            "length_rule": {"train": vars(train_report), "eval": vars(eval_report)},
+            "chat_template": renderer.template_used,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+
+    summary = write_output(config.output_dir, write, lambda: recorded_config(config, renderer.template_used))
+    say(f"saved to {config.output_dir} (use it as ppo `reward.model` and `value_model`)")
+    return summary

@@ -1,0 +1,325 @@
+"""`ppokit sft`, `ppokit rm`, `ppokit pipeline` and `ppokit data inspect` on tiny local models."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import yaml
+
+from ppokit import algo
+from ppokit.cli import main
+from ppokit.config import RMConfig, SFTConfig
+from ppokit.demo import NEGATIVE, OPENERS, POSITIVE, _review
+from ppokit.errors import UserError
+from ppokit.stages.data_inspect import inspect_data
+from ppokit.stages.pipeline import differences, run_pipeline
+from ppokit.stages.rm import run_rm
+from ppokit.stages.sft import run_sft
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def preference_rows(n, seed=1):
+    """Generated movie reviews: chosen = a positive review, rejected = a negative one."""
+    rng = random.Random(seed)
+    return [{"prompt": rng.choice(OPENERS), "chosen": _review(rng, POSITIVE), "rejected": _review(rng, NEGATIVE)} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, demo_data):
+    d = tmp_path_factory.mktemp("stage-data")
+    chat = [
+        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+        for r in demo_data["sft"][:64]
+    ]
+    alpaca = [{"instruction": "review", "input": r["prompt"], "output": r["completion"]} for r in demo_data["sft"][:64]]
+    return {
+        "sft": write_jsonl(d / "sft.jsonl", demo_data["sft"]),
+        "chat": write_jsonl(d / "chat.jsonl", chat),
+        "alpaca": write_jsonl(d / "alpaca.jsonl", alpaca),
+        "pref": write_jsonl(d / "pref.jsonl", preference_rows(256)),
+        "prompts": write_jsonl(d / "prompts.jsonl", [{"prompt": r["prompt"]} for r in demo_data["prompts"]]),
+    }
+
+
+def sft_config(model, train, out, **data):
+    return SFTConfig.load(
+        data={
+            "model": str(model), "output_dir": str(out),
+            "data": {"train": train, "eval_fraction": 0.1, **data},
+            "train": {"learning_rate": 3e-3, "per_device_train_batch_size": 16, "num_train_epochs": 1},
+        }
+    )
+
+
+# --------------------------------------------------------------------------- algo
+
+
+def test_bradley_terry_loss_by_hand():
+    # differences 1 and 0: (-log sigmoid(1) - log sigmoid(0)) / 2 = (0.313262 + 0.693147) / 2
+    loss = algo.bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]))
+    assert loss.item() == pytest.approx((math.log(1 + math.exp(-1)) + math.log(2)) / 2, abs=1e-6)
+    assert loss.item() == pytest.approx(0.503204, abs=1e-6)
+    # swapping chosen and rejected raises the loss; a huge wrong margin stays finite
+    assert algo.bradley_terry_loss(torch.tensor([0.0]), torch.tensor([1.0])).item() == pytest.approx(1.313262, abs=1e-6)
+    assert algo.bradley_terry_loss(torch.tensor([-1000.0]), torch.tensor([1000.0])).item() == pytest.approx(2000.0)
+
+
+# --------------------------------------------------------------------------- sft
+
+
+def test_sft_prompt_completion_with_eval_loss_and_ppo_usable_output(model_dir, files, tmp_path):
+    out = tmp_path / "sft"
+    summary = run_sft(sft_config(model_dir("llama"), files["sft"], out), show_progress=False)
+    assert summary["train_rows"] == 360 and summary["eval_rows"] == 40
+    assert summary["eval_loss"] < summary["first_loss"]
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert recorded["data"]["chat_template"] is None  # no chat rows
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["eval_loss"] == pytest.approx(summary["eval_loss"])
+    assert not list(tmp_path.glob(".sft.tmp-*"))
+
+
+@pytest.mark.parametrize("kind", ["chat", "alpaca"])
+def test_sft_chat_data_records_the_template(model_dir, files, tmp_path, kind):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "sft"
+    summary = run_sft(sft_config(model_dir("llama"), files[kind], out), show_progress=False)
+    assert summary["format"] == ("messages" if kind == "chat" else "alpaca")
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert "assistant:" in recorded["data"]["chat_template"]  # the plain fallback: the tokenizer had none
+    assert AutoTokenizer.from_pretrained(out).chat_template == recorded["data"]["chat_template"]
+
+
+def test_completion_only_loss_switch(tokenizer):
+    from ppokit.sft import IGNORE_INDEX, encode_pair
+
+    _, labels = encode_pair(tokenizer, "the movie was", "great .", completion_only_loss=True)
+    assert labels[:3] == [IGNORE_INDEX] * 3 and labels[-1] == tokenizer.eos_token_id
+    ids, labels = encode_pair(tokenizer, "the movie was", "great .", completion_only_loss=False)
+    assert labels == ids
+
+
+def test_sft_interrupted_leaves_no_output(model_dir, files, tmp_path, monkeypatch):
+    import ppokit.stages.sft as stage
+
+    real = stage.train_sft
+
+    def crash_after_training(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage, "train_sft", crash_after_training)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(sft_config(model_dir("llama"), files["sft"], tmp_path / "sft"), show_progress=False)
+    assert not (tmp_path / "sft").exists()
+
+
+def test_long_prompts_truncated_and_counted_then_all_dropped_is_an_error(model_dir, tmp_path):
+    rows = [{"prompt": "the movie was " * (20 if i % 2 else 1), "completion": "great ."} for i in range(20)]
+    train = write_jsonl(tmp_path / "long.jsonl", rows)
+    summary = run_sft(sft_config(model_dir("llama"), train, tmp_path / "a", eval_fraction=0.0, max_prompt_length=8), show_progress=False)
+    assert summary["length_rule"]["train"] == {"rows": 20, "prompts_truncated": 10, "completions_cut": 0, "dropped": 0}
+    with pytest.raises(UserError, match="no training rows left after the length rule .*20 rows dropped"):
+        run_sft(sft_config(model_dir("llama"), train, tmp_path / "b", eval_fraction=0.0, max_prompt_length=8, max_length=3), show_progress=False)
+
+
+def test_wrong_data_and_missing_model(model_dir, files, tmp_path):
+    with pytest.raises(UserError, match="`ppokit sft` needs .*preference"):
+        run_sft(sft_config(model_dir("llama"), files["pref"], tmp_path / "s"), show_progress=False)
+    config = RMConfig.load(data={"model": str(model_dir("llama")), "output_dir": str(tmp_path / "r"), "data": {"train": files["prompts"]}})
+    with pytest.raises(UserError, match="`ppokit rm` needs preference pairs"):
+        run_rm(config, show_progress=False)
+    with pytest.raises(UserError, match="model: model path .*no-such-model does not exist"):
+        run_sft(sft_config(tmp_path / "no-such-model", files["sft"], tmp_path / "s"), show_progress=False)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
+
+
+def test_tokenizer_without_pad_token_uses_eos(files, tmp_path, demo_data):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from ppokit.tiny import tiny_causal_lm, word_tokenizer
+
+    full = word_tokenizer(r["prompt"] + " " + r["completion"] for r in demo_data["sft"])
+    no_pad = PreTrainedTokenizerFast(tokenizer_object=full.backend_tokenizer, eos_token="<eos>", unk_token="<unk>")
+    assert no_pad.pad_token is None
+    model_path = tmp_path / "no-pad"
+    tiny_causal_lm("gpt2", full).save_pretrained(model_path)
+    no_pad.save_pretrained(model_path)
+    run_sft(sft_config(model_path, files["sft"], tmp_path / "out"), show_progress=False)
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert saved.pad_token == "<eos>"
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+PPO_SECTION = {
+    "ppo": {
+        "total_episodes": 384, "per_device_train_batch_size": 16, "num_mini_batches": 2, "num_ppo_epochs": 2,
+        "response_length": 12, "temperature": 1.0, "learning_rate": 1e-3, "num_sample_generations": 0,
+    }
+}
+
+
+def pipeline_data(model, files, out):
+    return {
+        "output_dir": str(out),
+        "sft": {"model": str(model), "data": {"train": files["sft"], "eval_fraction": 0.1},
+                "train": {"learning_rate": 3e-3, "per_device_train_batch_size": 32, "num_train_epochs": 4}},
+        "rm": {"data": {"train": files["pref"], "eval_fraction": 0.1}, "train": {"learning_rate": 1e-3, "per_device_train_batch_size": 16}},
+        "ppo": {"data": {"train": files["prompts"]}, **PPO_SECTION},
+    }
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(model_dir, files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    config = pipeline_data(model_dir("llama"), files, out)
+    return config, run_pipeline(data=config, show_progress=False)
+
+
+def test_pipeline_gives_an_accurate_reward_model_and_a_rising_score(pipeline_run):
+    """The issue's 'done when': sft -> rm -> ppo on generated movie reviews."""
+    config, summary = pipeline_run
+    rm, ppo = summary["rm"], summary["ppo"]
+    print(f"\nrm eval accuracy {rm['eval_accuracy_before']:.3f} -> {rm['eval_accuracy']:.3f} on {rm['eval_pairs']} pairs, "
+          f"margin {rm['eval_margin']:+.3f}; ppo reward-model score by update {[round(s, 3) for s in ppo['scores']]}")
+    assert rm["eval_pairs"] >= 20
+    assert rm["eval_accuracy"] >= 0.85 and rm["eval_margin"] > 0.5
+    first, last = sum(ppo["scores"][:3]) / 3, sum(ppo["scores"][-3:]) / 3
+    assert last > first + 0.15
+    out = config["output_dir"]
+    ppo_recorded = yaml.safe_load(open(f"{out}/ppo/config.yaml"))
+    assert ppo_recorded["model"] == f"{out}/sft"
+    assert ppo_recorded["reward"]["model"] == f"{out}/rm" and ppo_recorded["value_model"] == f"{out}/rm"
+
+
+def test_pipeline_skips_completed_stages_and_reruns_changed_ones(pipeline_run, capsys):
+    config, _ = pipeline_run
+    again = run_pipeline(data=config, show_progress=True)
+    assert all(s.get("skipped") for s in again.values())
+    assert "sft: skipped" in capsys.readouterr().err
+    ran = []
+    changed = json.loads(json.dumps(config))
+    changed["rm"]["train"]["learning_rate"] = 5e-4
+    run_pipeline(data=changed, show_progress=True, runner=lambda stage, cfg, show: ran.append(stage) or {})
+    assert ran == ["rm", "ppo"]  # ppo follows because its reward model changes
+    assert "rm: " in capsys.readouterr().err
+
+
+def test_pipeline_reruns_ppo_without_final(tmp_path):
+    out = tmp_path / "ppo"
+    out.mkdir()
+    (out / "config.yaml").write_text("seed: 42\n")
+    ran = []
+    config = {"ppo": {"model": "m", "output_dir": str(out), "reward": {"functions": ["sentiment"]}, "data": {"train": "x.jsonl"}}}
+    run_pipeline(data=config, show_progress=False, runner=lambda stage, cfg, show: ran.append(stage) or {})
+    assert ran == ["ppo"]
+
+
+def test_pipeline_validates_every_section_before_running(model_dir, files, tmp_path):
+    config = pipeline_data(model_dir("llama"), files, tmp_path)
+    config["ppo"]["ppo"]["learnin_rate"] = 1.0
+    with pytest.raises(UserError, match="ppo: unknown config key ppo.learnin_rate"):
+        run_pipeline(data=config, show_progress=False)
+    assert not (tmp_path / "sft").exists()
+
+
+def test_config_differences_treat_null_as_any():
+    assert differences({"a": None, "b": {"c": 1}}, {"a": "x", "b": {"c": 1}}) == []
+    assert differences({"a": 1, "b": {"c": 1}}, {"a": 1, "b": {"c": 2}}) == ["b.c"]
+
+
+# --------------------------------------------------------------------------- data inspect and the CLI
+
+
+def test_data_inspect_reports_counts_at_the_limits(files, tokenizer):
+    report = inspect_data(files["pref"], tokenizer, max_prompt_length=2, max_length=6)
+    assert report["format"] == "preference" and report["stage"] == "rm" and report["rows"] == 256
+    assert report["columns"] == ["chosen", "prompt", "rejected"]
+    assert set(report["lengths"]) == {"prompt", "chosen", "rejected", "total_chosen", "total_rejected"}
+    rule = report["length_rule"]
+    assert rule["prompts_truncated"] > 0 and rule["completions_cut"] + rule["dropped"] == 256
+    assert len(report["examples"]) == 3 and {"prompt", "chosen", "rejected"} <= set(report["examples"][0])
+    plain = inspect_data(files["chat"])
+    assert plain["length_unit"] == "characters" and plain["length_rule"] is None
+    assert plain["examples"][0]["prompt"].endswith("assistant:")
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(files, tmp_path, model_dir, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{oops\n')
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model_dir("llama")), "output_dir": str(tmp_path / "o"), "data": {"train": str(bad)}}))
+    cases = [
+        (["sft", str(config)], "bad.jsonl:2: not valid JSON"),
+        (["sft", str(config), f"data.train={files['pref']}"], "`ppokit sft` needs"),
+        (["sft", str(config), f"model={tmp_path / 'missing'}", f"data.train={files['sft']}"], "does not exist"),
+        (["rm", str(config), f"data.train={files['prompts']}"], "`ppokit rm` needs preference pairs"),
+        (["data", "inspect", str(tmp_path / "none.csv")], "data file not found"),
+        (["pipeline", str(config)], "known keys here: output_dir, sft, rm, ppo"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err  # progress lines may come first; the error is one line, last
+        errors = [line for line in err.splitlines() if line.startswith("ppokit: error: ")]
+        assert len(errors) == 1 and err.splitlines()[-1] == errors[0] and expected in errors[0], (argv, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_data_inspect_prints_the_report(files, model_dir, capsys):
+    assert main(["data", "inspect", files["sft"], "--tokenizer", str(model_dir("llama"))]) == 0
+    out = capsys.readouterr().out
+    assert "format         prompt_completion (detected from the columns)" in out
+    assert "rows           400" in out and "example 3" in out and "0 rows dropped" in out
+
+
+def test_rm_on_chat_preferences_without_a_prompt_column(model_dir, tmp_path):
+    def chat(prompt, answer):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+    rows = [{"chosen": chat(r["prompt"], r["chosen"]), "rejected": chat(r["prompt"], r["rejected"])} for r in preference_rows(64)]
+    config = RMConfig.load(data={
+        "model": str(model_dir("llama")), "output_dir": str(tmp_path / "rm"),
+        "data": {"train": write_jsonl(tmp_path / "chat_pref.jsonl", rows), "eval_fraction": 0.25},
+        "train": {"learning_rate": 1e-3, "per_device_train_batch_size": 16},
+    })
+    summary = run_rm(config, show_progress=False)
+    assert summary["format"] == "preference" and summary["eval_pairs"] == 16
+    assert "assistant:" in yaml.safe_load((tmp_path / "rm" / "config.yaml").read_text())["data"]["chat_template"]
+    from transformers import AutoConfig
+
+    saved = AutoConfig.from_pretrained(tmp_path / "rm")
+    assert saved.num_labels == 1 and saved.pad_token_id is not None
+
+
+def test_ppo_takes_chat_prompts_and_passes_columns_to_reward_functions(model_dir, tmp_path):
+    from conftest import tiny_ppo_config
+
+    from ppokit.trainer import PPOTrainer
+
+    rows = [{"messages": [{"role": "user", "content": p}], "answer": i} for i, p in enumerate(OPENERS)]
+    seen = {}
+
+    def reward(prompts, completions, messages, answer, **rest):
+        seen.update(prompts=prompts, messages=messages, answer=answer)
+        return [1.0] * len(prompts)
+
+    config = tiny_ppo_config(model_dir("llama"), write_jsonl(tmp_path / "chat.jsonl", rows), tmp_path / "run")
+    config.data.eval_fraction = 0.2
+    trainer = PPOTrainer(config, reward_functions=[reward], show_progress=False)
+    assert len(trainer.train_data) == 16 and len(trainer.eval_data) == 4
+    trainer.train()
+    assert all(p.startswith("user: ") and p.endswith("\nassistant:") for p in seen["prompts"])
+    assert all(isinstance(a, int) for a in seen["answer"]) and isinstance(seen["messages"][0], list)
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert "assistant:" in recorded["data"]["chat_template"]
