@@ -155,7 +155,7 @@ class PPOTrainer:
         reward_model_obj = self.scorer.reward_model
         if value_model is not None or config.value_model:
             value = load_scalar_model(value_model if value_model is not None else config.value_model, "value_model", trc)
-        elif reward_model_obj is not None:
+        elif reward_model_obj is not None and self.scorer.reward_model_shares_vocabulary(self.tokenizer):
             value = frozen_copy(reward_model_obj).train().requires_grad_(True)
         else:
             value = value_model_from_policy(policy)

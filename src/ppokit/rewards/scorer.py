@@ -156,6 +156,10 @@ class RewardScorer:
             self._warned.add(name)
             warnings.warn(f"reward.on_error=skip: dropping samples; first failure: {message}", stacklevel=3)
 
+    def reward_model_shares_vocabulary(self, tokenizer) -> bool:
+        """Whether the reward model reads the policy's token ids; only then can it initialise the critic."""
+        return any(isinstance(s, RewardModelReward) and s.shares_vocabulary(tokenizer) for s in self.sources)
+
     def metrics(self, result: ScoreResult) -> dict[str, float]:
         """reward/<name>: mean raw score over the rows the source scored; reward/skipped: rows dropped."""
         out = {}
