@@ -121,3 +121,16 @@ def test_config_accepts_mappings_in_functions_and_checks_counts(tmp_path):
         PPOConfig.load(path, ["reward.remote={timeout_s: 3}", "reward.weights=null"])
     with pytest.raises(UserError, match="3 reward sources"):
         PPOConfig.load(path, ["reward.remote.url=http://127.0.0.1:1/"])
+
+
+def test_every_builtin_and_parameter_is_documented():
+    import dataclasses
+    from pathlib import Path
+
+    from ppokit.rewards.builtins import BUILTINS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
+    for name, builtin in BUILTINS.items():
+        assert f"### `{name}`" in text or f"`{name}` and" in text or f"and `{name}`" in text, name
+        for f in dataclasses.fields(builtin) if isinstance(builtin, type) else []:
+            assert f"| `{f.name}` |" in text, (name, f.name)

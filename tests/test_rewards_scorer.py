@@ -146,3 +146,18 @@ def test_running_moments_match_all_values_seen():
         seen += chunk.tolist()
     assert m.count == 6 and m.mean == pytest.approx(sum(seen) / 6)
     assert m.var == pytest.approx(torch.tensor(seen).var(unbiased=False).item())
+
+
+def test_statistics_are_shared_across_processes_through_all_reduce():
+    from ppokit.rewards import RunningMoments
+
+    other_process = torch.tensor([0.0, 100.0, 1.0])  # what a second process saw (float64 sums below)
+
+    def all_reduce(sums):
+        return sums + torch.stack([torch.tensor(3.0, dtype=torch.float64), other_process.double().sum(), (other_process.double() ** 2).sum()])
+
+    m = RunningMoments()
+    m.update(torch.tensor([1.0, 2.0, 3.0]), all_reduce)
+    everything = torch.tensor([1.0, 2.0, 3.0, 0.0, 100.0, 1.0])
+    assert m.count == 6 and m.mean == pytest.approx(everything.mean().item())
+    assert m.var == pytest.approx(everything.var(unbiased=False).item())

@@ -132,7 +132,7 @@ class RewardConfig:
 
     model: Optional[str] = doc(None, "Sequence-classification reward model (local path or hub id), one label; scored at the last real token.")
     functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, `exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping `{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> list[float]. See docs/rewards.md.")
-    weights: Optional[list[float]] = doc(None, "One weight per source, reward model first then functions in order; default all 1.")
+    weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote; default all 1.")
     batch_size: int = doc(64, "Rows per reward-model forward pass.", check=positive)
     remote: Optional[RemoteRewardConfig] = doc(None, "A remote scorer over HTTP; it comes after the functions in `weights`.")
     normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: true for all sources, or one true/false per source in `weights` order. The statistics are part of the training state.")

@@ -151,6 +151,7 @@ class PPOTrainer:
         self.scorer = build_scorer(
             config.reward, missing_eos_penalty=hp.missing_eos_penalty, reward_model=reward_model,
             reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=trc, base_dir=Path.cwd(),
+            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
         )
         reward_model_obj = self.scorer.reward_model
         if value_model is not None or config.value_model:
@@ -192,6 +193,9 @@ class PPOTrainer:
         self.episode = 0
 
     # ------------------------------------------------------------------ set-up helpers
+
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum").cpu()
 
     def _resolve_stop_token(self) -> Optional[int]:
         hp, tok = self.config.ppo, self.tokenizer

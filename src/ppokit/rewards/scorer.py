@@ -38,11 +38,17 @@ class RunningMoments:
     mean: float = 0.0
     var: float = 0.0  # population variance
 
-    def update(self, values: torch.Tensor) -> None:
-        n = values.numel()
+    def update(self, values: torch.Tensor, all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """Add `values`; `all_reduce` (a sum over processes) makes every process add every process's values."""
+        values = values.double()
+        sums = torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64), values.sum(), (values**2).sum()])
+        if all_reduce is not None:
+            sums = all_reduce(sums)
+        n, total_sum, total_sq = sums.tolist()
         if n == 0:
             return
-        batch_mean, batch_var = values.double().mean().item(), values.double().var(unbiased=False).item()
+        batch_mean = total_sum / n
+        batch_var = max(total_sq / n - batch_mean**2, 0.0)
         total = self.count + n
         delta = batch_mean - self.mean
         self.var = (self.count * self.var + n * batch_var + delta**2 * self.count * n / total) / total
@@ -75,6 +81,7 @@ class RewardScorer:
     length_penalty_start: int = 0
     clip_range: Optional[tuple[float, float]] = None
     reward_model: Optional[torch.nn.Module] = None  # the reward model's weights, when one is loaded
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over processes, for the statistics
     moments: dict[str, RunningMoments] = field(default_factory=dict)
     _warned: set = field(default_factory=set, repr=False)  # sources whose skipped failure was reported
 
@@ -107,7 +114,7 @@ class RewardScorer:
             values = torch.where(valid, raw[name], torch.zeros(()))
             if name in self.moments:
                 if update_statistics:
-                    self.moments[name].update(values[valid])
+                    self.moments[name].update(values[valid], self.all_reduce)
                 values = self.moments[name].normalise(values)
             total = total + weight * values
         if self.missing_eos_penalty is not None and batch.ended is not None:
@@ -241,10 +248,12 @@ def build_scorer(
     reward_functions: Optional[Sequence[Callable | str | dict | RewardSource]] = None,
     trust_remote_code: bool = False,
     base_dir: Optional[Path] = None,
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> RewardScorer:
     """Every source of the `reward:` section (objects passed in replace the config's entries), in
     `weights` order: reward model, functions, remote. Loads the reward model: a model that cannot be
-    loaded or has more than one label is a UserError here, before any training."""
+    loaded or has more than one label is a UserError here, before any training. With several
+    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all."""
     sources: list[RewardSource] = []
     rm_module = None
     if reward_model is not None or (reward.model and reward.model != "<object>"):
@@ -274,6 +283,7 @@ def build_scorer(
         length_penalty_start=reward.length_penalty_start,
         clip_range=tuple(reward.clip_range) if reward.clip_range is not None else None,
         reward_model=rm_module,
+        all_reduce=all_reduce,
     )
 
 
