@@ -120,3 +120,18 @@ def test_reward_models_that_cannot_serve_are_refused_before_training(tmp_path, t
         reward_model_source(str(tmp_path / "broken"))
     with pytest.raises(UserError, match="has 2 labels"):
         reward_model_source(two, tokenizer)
+
+
+def test_trainer_refuses_a_multi_label_reward_model_at_construction(tmp_path, tokenizer, model_dir, prompts_file):
+    from conftest import tiny_ppo_config
+
+    from ppokit.trainer import PPOTrainer
+
+    tiny_rm(tokenizer, num_labels=3).save_pretrained(tmp_path / "three")
+    tokenizer.save_pretrained(tmp_path / "three")
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run")
+    config.reward.model = str(tmp_path / "three")
+    config.reward.functions = []
+    with pytest.raises(UserError, match="has 3 labels"):
+        PPOTrainer(config, show_progress=False)
+    assert not (tmp_path / "run").exists()
