@@ -99,7 +99,10 @@ def test_missing_eos_penalty_lowers_unfinished_scores(model_dir, prompts_file, t
     prompts, columns = trainer.train_data.rows(range(8))
     rollout = trainer.generate(trainer.train_query_ids[:8])
     scores, extras = trainer.score(rollout, prompts, columns)
-    raw = extras["reward/sentiment"]
+    from ppokit.rewards import sentiment
+
+    raw = torch.tensor(sentiment(prompts, extras["completions"]))
+    assert (~rollout.ended).any()  # two tokens are too few for every review to end
     expected = raw - 3.0 * (~rollout.ended).float()
     assert torch.allclose(scores, expected)
 

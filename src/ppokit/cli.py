@@ -79,6 +79,14 @@ def _data_inspect(args) -> int:
     return 0
 
 
+def _serve_rm(args) -> int:
+    from ppokit.rewards import serve, source_from_argument
+
+    source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code)
+    serve(source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="ppokit-demo", help="directory for data/, sft/ and ppo/ (default: ppokit-demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    serve_rm = sub.add_parser("serve-rm", help="serve a reward model or reward function over HTTP (the reward.remote protocol)")
+    serve_rm.add_argument("model", help="a saved reward model directory, a reward function (`sentiment`, `file.py:fn`, `module:fn`) or a YAML mapping such as '{function: contains, required: [great]}'")
+    serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; there is no authentication)")
+    serve_rm.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
+    serve_rm.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger requests are refused with HTTP 413 (default 16 MiB)")
+    serve_rm.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
+    serve_rm.add_argument("--trust-remote-code", action="store_true", help="allow the model repository to run its own Python code")
+    serve_rm.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    serve_rm.set_defaults(func=_serve_rm)
     return parser
 
 

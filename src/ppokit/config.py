@@ -115,13 +115,44 @@ class BatchSizes(NamedTuple):
 
 
 @dataclass
+class RemoteRewardConfig:
+    """The `reward.remote:` section: a scorer behind HTTP (for example `ppokit serve-rm`)."""
+
+    url: Optional[str] = doc(None, "Endpoint that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}.")
+    timeout_s: float = doc(60.0, "Seconds to wait for one request before it counts as failed.", check=positive)
+    max_retries: int = doc(3, "Retries of a failed request (connection error, timeout, HTTP 429 or 5xx) before the run stops.", check=non_negative)
+    backoff_s: float = doc(1.0, "Wait before the first retry; doubled for each further retry (capped at 30 s).", check=non_negative)
+    batch_size: int = doc(64, "Rows per request.", check=positive)
+    headers: dict = doc(factory=dict, help="Extra HTTP headers. `${VAR}` in a value is replaced by the environment variable VAR when the request is sent, so secrets stay out of config.yaml.")
+    name: str = doc("remote", "Name of this source in the metrics (`reward/<name>`).")
+
+
+@dataclass
 class RewardConfig:
     """The `reward:` section: where scores come from. At least one source is required."""
 
     model: Optional[str] = doc(None, "Sequence-classification reward model (local path or hub id), one label; scored at the last real token.")
-    functions: list[str] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`). Called as fn(prompts, completions, **columns) -> list[float].")
-    weights: Optional[list[float]] = doc(None, "One weight per source, reward model first then functions in order; default all 1.")
+    functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, `exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping `{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> list[float]. See docs/rewards.md.")
+    weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote; default all 1.")
     batch_size: int = doc(64, "Rows per reward-model forward pass.", check=positive)
+    remote: Optional[RemoteRewardConfig] = doc(None, "A remote scorer over HTTP; it comes after the functions in `weights`.")
+    normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: true for all sources, or one true/false per source in `weights` order. The statistics are part of the training state.")
+    length_penalty: float = doc(0.0, "Subtracted from the score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
+    length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
+    clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
+    on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=lambda v: v in ("raise", "skip"))
+
+    def check_combination(self, n_sources: int) -> None:
+        """Checks across keys of this section (each key's own range is checked by `validate`)."""
+        if self.remote is not None and not self.remote.url:
+            raise UserError("reward.remote.url: required (the endpoint to POST {prompts, completions, columns} to)")
+        if isinstance(self.normalize, list):
+            if len(self.normalize) != n_sources or not all(isinstance(v, bool) for v in self.normalize):
+                raise UserError(f"reward.normalize: expected true, false or a list of {n_sources} true/false (one per source), got {self.normalize!r}")
+        elif not isinstance(self.normalize, bool):
+            raise UserError(f"reward.normalize: expected true, false or a list of true/false, got {self.normalize!r}")
+        if self.clip_range is not None and (len(self.clip_range) != 2 or not self.clip_range[0] < self.clip_range[1]):
+            raise UserError(f"reward.clip_range: expected [low, high] with low < high, got {self.clip_range!r}")
 
 
 @dataclass
@@ -166,11 +197,12 @@ class PPOConfig:
         validate(self)
         if not self.model:
             raise UserError("model: required (a path to a saved causal LM or a hub id)")
-        if not self.reward.model and not self.reward.functions:
-            raise UserError("reward: set at least one source, reward.model or reward.functions")
-        n_sources = int(bool(self.reward.model)) + len(self.reward.functions)
+        if not self.reward.model and not self.reward.functions and self.reward.remote is None:
+            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
+        n_sources = int(bool(self.reward.model)) + len(self.reward.functions) + int(self.reward.remote is not None)
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")
+        self.reward.check_combination(n_sources)
         return self
 
 

@@ -71,8 +71,12 @@ def load_causal_lm(name_or_model, role: str = "model", trust_remote_code: bool =
     return _from_pretrained(AutoModelForCausalLM, name_or_model, role, trust_remote_code=trust_remote_code)
 
 
-def load_scalar_model(name_or_model, role: str, trust_remote_code: bool = False) -> PreTrainedModel:
-    """A sequence-classification model with exactly one label (reward or value)."""
+def load_scalar_model(name_or_model, role: str, trust_remote_code: bool = False, require_trained_head: bool = False) -> PreTrainedModel:
+    """A sequence-classification model with exactly one label (reward or value).
+
+    require_trained_head: refuse a checkpoint saved without a classification head (e.g. a causal
+    LM), whose scalar head would be freshly random: right for a critic, silent garbage for a reward.
+    """
     if isinstance(name_or_model, nn.Module):
         model = name_or_model
     else:
@@ -87,6 +91,13 @@ def load_scalar_model(name_or_model, role: str, trust_remote_code: bool = False)
             a.endswith("ForSequenceClassification") for a in config.architectures
         ):
             raise UserError(f"{role}: {name_or_model} has {config.num_labels} labels; a reward/value model needs exactly 1")
+        if require_trained_head and config.architectures and not any(
+            a.endswith("ForSequenceClassification") for a in config.architectures
+        ):
+            raise UserError(
+                f"{role}: {name_or_model} is a {', '.join(config.architectures)}, not a sequence-classification model; "
+                "its score head would be random. Use a trained reward model (e.g. from `ppokit rm`)"
+            )
         config.num_labels = 1
         model = _from_pretrained(
             AutoModelForSequenceClassification, name_or_model, role, config=config, trust_remote_code=trust_remote_code

@@ -42,7 +42,7 @@ from ppokit.models import (
     scalar_outputs,
     value_model_from_policy,
 )
-from ppokit.rewards import FunctionReward, RewardModelReward, RewardSource, ScoringBatch, combine, load_function
+from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
 from ppokit.rollout import HFSampler, Rollout
 
 
@@ -90,8 +90,9 @@ class PPOTrainer:
             model's weights, else the policy's backbone with a fresh zero head.
         reward_model: one-label sequence classifier (object or path); default `config.reward.model`.
         reward_tokenizer: the reward model's tokenizer when it is passed as an object.
-        reward_functions: callables fn(prompts, completions, **columns) -> list[float], or specs
-            as in `reward.functions`; default `config.reward.functions`.
+        reward_functions: callables fn(prompts, completions, **columns) -> list[float], reward
+            sources (objects with `name` and `score(ScoringBatch)`, e.g. `RemoteReward`), or entries
+            as in `reward.functions`; they replace `config.reward.functions`.
         train_dataset / eval_dataset: a path, a list of prompts or row dicts, or a `datasets.Dataset`.
     """
 
@@ -113,8 +114,8 @@ class PPOTrainer:
     ):
         if model is not None and config.model is None:
             config.model = getattr(getattr(model, "config", None), "_name_or_path", None) or "<object>"
-        if reward_functions and not config.reward.functions:
-            config.reward.functions = [f if isinstance(f, str) else getattr(f, "__name__", "function") for f in reward_functions]
+        if reward_functions is not None:
+            config.reward.functions = [source_label(f) for f in reward_functions]
         if reward_model is not None and config.reward.model is None:
             config.reward.model = "<object>"
         self.config = config.validate()
@@ -153,15 +154,18 @@ class PPOTrainer:
             ref.requires_grad_(False)
         else:
             ref = frozen_copy(policy)
-        self.sources, reward_model_obj = self._build_reward_sources(reward_model, reward_tokenizer, reward_functions)
+        self.scorer = build_scorer(
+            config.reward, missing_eos_penalty=hp.missing_eos_penalty, reward_model=reward_model,
+            reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=trc, base_dir=Path.cwd(),
+            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
+        )
+        reward_model_obj = self.scorer.reward_model
         if value_model is not None or config.value_model:
             value = load_scalar_model(value_model if value_model is not None else config.value_model, "value_model", trc)
-        elif reward_model_obj is not None:
+        elif reward_model_obj is not None and self.scorer.reward_model_shares_vocabulary(self.tokenizer):
             value = frozen_copy(reward_model_obj).train().requires_grad_(True)
         else:
             value = value_model_from_policy(policy)
-        n_sources = len(self.sources)
-        self.weights = list(config.reward.weights) if config.reward.weights is not None else [1.0] * n_sources
         for m in (policy, ref, value, reward_model_obj):
             if m is not None:
                 disable_dropout(m)
@@ -197,25 +201,8 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ set-up helpers
 
-    def _build_reward_sources(self, reward_model, reward_tokenizer, reward_functions):
-        cfg, trc = self.config.reward, self.config.trust_remote_code
-        sources: list[RewardSource] = []
-        rm = None
-        if reward_model is not None or (cfg.model and cfg.model != "<object>"):
-            rm = load_scalar_model(reward_model if reward_model is not None else cfg.model, "reward.model", trc)
-            rm.requires_grad_(False)
-            rm_tokenizer = reward_tokenizer or load_tokenizer(_path_of(reward_model, cfg.model), trc, "reward.model")
-            sources.append(RewardModelReward(rm, rm_tokenizer, batch_size=cfg.batch_size))
-        base_dir = Path.cwd()
-        for item in reward_functions if reward_functions is not None else cfg.functions:
-            if isinstance(item, str):
-                name, fn = load_function(item, base_dir)
-            else:
-                name, fn = getattr(item, "__name__", "function"), item
-            sources.append(FunctionReward(fn, name))
-        if not sources:
-            raise UserError("reward: set at least one source, reward.model or reward.functions")
-        return sources, rm
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum").cpu()
 
     def _resolve_stop_token(self) -> Optional[int]:
         hp, tok = self.config.ppo, self.tokenizer
@@ -290,17 +277,22 @@ class PPOTrainer:
         self.policy.train()
         return rollout
 
-    def score(self, rollout: Rollout, prompts: list[str], columns: dict) -> tuple[torch.Tensor, dict]:
+    def score(self, rollout: Rollout, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
+        """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
+        reward.on_error=skip, metrics}). Evaluation passes update_statistics=False so it does not
+        move the reward normalisation."""
         completions = self.tokenizer.batch_decode(
             rollout.response_ids.masked_fill(~rollout.response_mask, self.tokenizer.pad_token_id),
             skip_special_tokens=True,
         )
-        batch = ScoringBatch(prompts, completions, columns, rollout.input_ids, rollout.attention_mask, self.tokenizer)
-        scores, raw = combine(self.sources, self.weights, batch)
-        penalty = self.config.ppo.missing_eos_penalty
-        if penalty is not None and self.stop_token_id is not None:
-            scores = scores - penalty * (~rollout.ended).float().cpu()
-        return scores.to(self.accelerator.device), {"completions": completions, **{f"reward/{k}": v for k, v in raw.items()}}
+        batch = ScoringBatch(
+            prompts, completions, columns, rollout.input_ids, rollout.attention_mask, self.tokenizer,
+            completion_ids=completion_token_ids(rollout.response_ids, rollout.response_mask, self.stop_token_id),
+            ended=rollout.ended.cpu() if self.stop_token_id is not None else None,
+        )
+        result = self.scorer.score(batch, update_statistics)
+        device = self.accelerator.device
+        return result.scores.to(device), {"completions": completions, "valid": result.valid.to(device), "metrics": self.scorer.metrics(result)}
 
     @torch.inference_mode()
     def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,6 +373,7 @@ class PPOTrainer:
 
         # 2. score
         rollout.scores, extras = self.score(rollout, prompts, columns)
+        rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
         t_score = time.perf_counter()
 
         # 3. forward: reference logprobs and values
@@ -414,7 +407,7 @@ class PPOTrainer:
         record = {
             "update": self.update,
             "episode": self.episode,
-            "objective/scores": rollout.scores.mean().item(),
+            "objective/scores": rollout.scores[extras["valid"]].mean().item(),
             "objective/kl": mean_kl,
             "objective/entropy": (-rollout.logprobs * mask).sum(1).mean().item(),
             "objective/non_score_reward": non_score.sum(1).mean().item(),
@@ -423,7 +416,7 @@ class PPOTrainer:
             "objective/response_length": mask.sum(1).float().mean().item(),
             **train_stats,
             "val/num_eos_tokens": int(rollout.ended.sum().item()),
-            **{k: v.mean().item() for k, v in extras.items() if k.startswith("reward/")},
+            **extras["metrics"],
             "lr": lr,
             "eps": self.sizes.batch / elapsed,
             "time/generation": t_generate - t0,
@@ -484,7 +477,7 @@ class PPOTrainer:
             n = min(hp.num_eval_samples, len(self.eval_data))
             prompts, columns = self.eval_data.rows(range(n))
             rollout = self.generate(self.eval_query_ids[:n])
-            scores, extras = self.score(rollout, prompts, columns)
+            scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
             completions, scores, split = extras["completions"], scores.tolist(), "eval"
         else:
             prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)

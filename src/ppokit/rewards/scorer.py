@@ -1,0 +1,302 @@
+"""From reward sources to one score per episode: weights, normalisation, shaping, failures.
+
+    raw_i      = source_i(batch)                                   logged as reward/<name_i>
+    z_i        = (raw_i - running mean_i) / running std_i          only where normalisation is on
+    score      = sum_i weight_i * z_i
+                 - missing_eos_penalty      (responses without the stop token)
+                 - length_penalty * max(0, completion tokens - length_penalty_start)
+    score      = clip(score, *clip_range)
+
+A source that raises, returns the wrong count or a non-finite score stops the run with an error
+naming the source and a row; with `on_error: skip` those rows are marked invalid instead (the
+trainer masks them out of the update) and counted in `reward/skipped`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ppokit.config import RewardConfig, build, validate
+from ppokit.errors import UserError
+from ppokit.rewards.builtins import BUILTINS
+from ppokit.rewards.model import RewardModelReward, reward_model_source
+from ppokit.rewards.remote import RemoteReward
+from ppokit.rewards.sources import FunctionReward, RewardError, RewardSource, ScoringBatch, first_non_finite, load_function
+
+
+@dataclass
+class RunningMoments:
+    """Mean and variance of every value seen so far (Chan et al.'s parallel update of Welford's)."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    var: float = 0.0  # population variance
+
+    def update(self, values: torch.Tensor, all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """Add `values`; `all_reduce` (a sum over processes) makes every process add every process's values."""
+        values = values.double()
+        sums = torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64), values.sum(), (values**2).sum()])
+        if all_reduce is not None:
+            sums = all_reduce(sums)
+        n, total_sum, total_sq = sums.tolist()
+        if n == 0:
+            return
+        batch_mean = total_sum / n
+        batch_var = max(total_sq / n - batch_mean**2, 0.0)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.var = (self.count * self.var + n * batch_var + delta**2 * self.count * n / total) / total
+        self.mean += delta * n / total
+        self.count = total
+
+    def normalise(self, values: torch.Tensor) -> torch.Tensor:
+        return (values - self.mean) / (math.sqrt(self.var) + 1e-8)
+
+
+@dataclass
+class ScoreResult:
+    scores: torch.Tensor  # (B,) float32, 0 where invalid
+    valid: torch.Tensor  # (B,) bool: False for rows dropped by on_error: skip
+    raw: dict[str, torch.Tensor]  # name -> (B,) raw scores, NaN where the source gave none
+    errors: list[str] = field(default_factory=list)  # one message per failed source
+
+
+@dataclass
+class RewardScorer:
+    """Every reward source of a run and how their scores become one. `state_dict` holds the
+    normalisation statistics, the only state that changes during training."""
+
+    sources: list[RewardSource]
+    weights: list[float]
+    normalize: list[bool]
+    on_error: str = "raise"
+    missing_eos_penalty: Optional[float] = None
+    length_penalty: float = 0.0
+    length_penalty_start: int = 0
+    clip_range: Optional[tuple[float, float]] = None
+    reward_model: Optional[torch.nn.Module] = None  # the reward model's weights, when one is loaded
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over processes, for the statistics
+    moments: dict[str, RunningMoments] = field(default_factory=dict)
+    _warned: set = field(default_factory=set, repr=False)  # sources whose skipped failure was reported
+
+    def __post_init__(self):
+        names: dict[str, int] = {}
+        self.names = []
+        for source in self.sources:
+            base = source.name
+            names[base] = names.get(base, 0) + 1
+            self.names.append(base if names[base] == 1 else f"{base}_{names[base]}")
+        if len(self.weights) != len(self.sources) or len(self.normalize) != len(self.sources):
+            raise UserError(f"reward: {len(self.sources)} sources but {len(self.weights)} weights and {len(self.normalize)} normalize flags")
+        for name, on in zip(self.names, self.normalize):
+            if on:
+                self.moments.setdefault(name, RunningMoments())
+
+    def score(self, batch: ScoringBatch, update_statistics: bool = True) -> ScoreResult:
+        n = len(batch)
+        valid = torch.ones(n, dtype=torch.bool)
+        raw, errors = {}, []
+        for name, source in zip(self.names, self.sources):
+            raw[name], error = self._score_source(name, source, batch)
+            if error:
+                errors.append(error)
+            valid &= torch.isfinite(raw[name])
+        if not bool(valid.any()):
+            raise UserError(f"reward: every sample of the batch failed to score ({n} rows); first error: {errors[0]}")
+        total = torch.zeros(n)
+        for name, weight in zip(self.names, self.weights):
+            values = torch.where(valid, raw[name], torch.zeros(()))
+            if name in self.moments:
+                if update_statistics:
+                    self.moments[name].update(values[valid], self.all_reduce)
+                values = self.moments[name].normalise(values)
+            total = total + weight * values
+        if self.missing_eos_penalty is not None and batch.ended is not None:
+            total = total - self.missing_eos_penalty * (~batch.ended.cpu()).float()
+        if self.length_penalty and batch.completion_ids is not None:
+            lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
+            total = total - self.length_penalty * (lengths - self.length_penalty_start).clamp(min=0)
+        if self.clip_range is not None:
+            total = total.clamp(*self.clip_range)
+        return ScoreResult(total.masked_fill(~valid, 0.0), valid, raw, errors)
+
+    def _score_source(self, name: str, source: RewardSource, batch: ScoringBatch) -> tuple[torch.Tensor, Optional[str]]:
+        """-> (B,) scores (NaN where failed when skipping), the first error message or None."""
+        try:
+            scores = source.score(batch).float().cpu()
+        except RewardError as e:
+            rows = self._isolate(source, batch)
+            bad = [i for i, s in enumerate(rows.tolist()) if not math.isfinite(s)]
+            message = f"{e} (failing {batch.describe_row(bad[0])})" if bad else str(e)
+            if self.on_error == "raise":
+                raise RewardError(message) from e.__cause__
+            self._warn_once(name, message)
+            return rows, message
+        bad = first_non_finite(scores)
+        if bad is None:
+            return scores, None
+        what = "reward function" if isinstance(source, FunctionReward) else "reward source"
+        message = f"{what} {source.name} returned {scores[bad].item()} for {batch.describe_row(bad)}"
+        if self.on_error == "raise":
+            raise RewardError(message)
+        self._warn_once(name, message)
+        return scores, message
+
+    def _isolate(self, source: RewardSource, batch: ScoringBatch) -> torch.Tensor:
+        """Score row by row after a batch failed: NaN for the rows that fail alone."""
+        scores = torch.full((len(batch),), float("nan"))
+        for i in range(len(batch)):
+            try:
+                scores[i] = source.score(batch.select([i])).float().cpu()[0]
+            except RewardError:
+                pass
+        return scores
+
+    def _warn_once(self, name: str, message: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(f"reward.on_error=skip: dropping samples; first failure: {message}", stacklevel=3)
+
+    def reward_model_shares_vocabulary(self, tokenizer) -> bool:
+        """Whether the reward model reads the policy's token ids; only then can it initialise the critic."""
+        return any(isinstance(s, RewardModelReward) and s.shares_vocabulary(tokenizer) for s in self.sources)
+
+    def metrics(self, result: ScoreResult) -> dict[str, float]:
+        """reward/<name>: mean raw score over the rows the source scored; reward/skipped: rows dropped."""
+        out = {}
+        for name, values in result.raw.items():
+            finite = values[torch.isfinite(values)]
+            out[f"reward/{name}"] = finite.mean().item() if finite.numel() else float("nan")
+        out["reward/skipped"] = float((~result.valid).sum())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"moments": {name: vars(m).copy() for name, m in self.moments.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("moments", {})
+        if set(saved) != set(self.moments):
+            raise UserError(
+                f"reward normalisation state is for sources {sorted(saved)}, this run normalises {sorted(self.moments)}"
+            )
+        for name, values in saved.items():
+            self.moments[name] = RunningMoments(**values)
+
+
+# --------------------------------------------------------------------------- building sources
+
+
+def function_source(entry: str | dict, key: str, base_dir: Optional[Path] = None) -> FunctionReward:
+    """A `reward.functions` entry -> a source: a built-in name, `file.py:fn`, `module:fn`, or a mapping
+    `{function: ..., name: ..., PARAM: value}` (parameters of a built-in, or keyword arguments of a user function)."""
+    if isinstance(entry, str):
+        spec, label, params = entry, None, {}
+    elif isinstance(entry, dict):
+        params = dict(entry)
+        spec, label = params.pop("function", None), params.pop("name", None)
+        if not isinstance(spec, str) or not spec:
+            raise UserError(f"{key}.function: required, a built-in ({', '.join(BUILTINS)}), 'file.py:function' or 'module:function'")
+    else:
+        raise UserError(f"{key}: expected a name or a mapping {{function: ..., ...}}, got {entry!r}")
+    if spec in BUILTINS:
+        builtin = BUILTINS[spec]
+        if isinstance(builtin, type):
+            fn = build(builtin, params, prefix=f"{key}.")
+            validate(fn, prefix=f"{key}.")
+            if hasattr(fn, "check"):
+                fn.check(key)
+        elif params:
+            raise UserError(f"{key}: the built-in {spec} takes no parameters (got {', '.join(map(str, params))})")
+        else:
+            fn = builtin
+        return FunctionReward(fn, str(label or spec))
+    name, fn = load_function(spec, base_dir)
+    return FunctionReward(fn, str(label or name), kwargs=params)
+
+
+def as_source(item: Any, key: str, base_dir: Optional[Path] = None) -> RewardSource:
+    """A config entry (str or mapping), a RewardSource object, or any callable fn(prompts, completions, **columns)."""
+    if isinstance(item, (str, dict)):
+        return function_source(item, key, base_dir)
+    if isinstance(item, RewardSource):
+        return item
+    if callable(item):
+        fn = getattr(item, "func", item)  # functools.partial
+        return FunctionReward(item, getattr(item, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__)
+    raise UserError(f"{key}: expected a reward function, a reward source or a spec string, got {type(item).__name__}")
+
+
+def source_label(item: Any) -> str | dict:
+    """What to record in the config for a reward function passed as an object."""
+    if isinstance(item, (str, dict)):
+        return item
+    return getattr(item, "name", None) or getattr(getattr(item, "func", item), "__name__", None) or type(item).__name__
+
+
+def build_scorer(
+    reward: RewardConfig,
+    *,
+    missing_eos_penalty: Optional[float] = None,
+    reward_model=None,
+    reward_tokenizer=None,
+    reward_functions: Optional[Sequence[Callable | str | dict | RewardSource]] = None,
+    trust_remote_code: bool = False,
+    base_dir: Optional[Path] = None,
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> RewardScorer:
+    """Every source of the `reward:` section (objects passed in replace the config's entries), in
+    `weights` order: reward model, functions, remote. Loads the reward model: a model that cannot be
+    loaded or has more than one label is a UserError here, before any training. With several
+    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all."""
+    sources: list[RewardSource] = []
+    rm_module = None
+    if reward_model is not None or (reward.model and reward.model != "<object>"):
+        rm = reward_model_source(
+            reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code
+        )
+        sources.append(rm)
+        rm_module = rm.model
+    items = reward_functions if reward_functions is not None else reward.functions
+    sources += [as_source(item, f"reward.functions[{i}]", base_dir) for i, item in enumerate(items)]
+    if reward.remote is not None:
+        r = reward.remote
+        sources.append(RemoteReward(r.url, r.timeout_s, r.max_retries, r.backoff_s, r.batch_size, dict(r.headers), r.name))
+    if not sources:
+        raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
+    weights = list(reward.weights) if reward.weights is not None else [1.0] * len(sources)
+    if len(weights) != len(sources):
+        raise UserError(f"reward.weights has {len(weights)} entries for {len(sources)} reward sources")
+    normalize = list(reward.normalize) if isinstance(reward.normalize, list) else [bool(reward.normalize)] * len(sources)
+    return RewardScorer(
+        sources=sources,
+        weights=weights,
+        normalize=normalize,
+        on_error=reward.on_error,
+        missing_eos_penalty=missing_eos_penalty,
+        length_penalty=reward.length_penalty,
+        length_penalty_start=reward.length_penalty_start,
+        clip_range=tuple(reward.clip_range) if reward.clip_range is not None else None,
+        reward_model=rm_module,
+        all_reduce=all_reduce,
+    )
+
+
+def source_from_argument(text: str, trust_remote_code: bool = False) -> RewardSource:
+    """`ppokit serve-rm MODEL`: a saved reward model directory, a function spec, or a YAML mapping entry."""
+    if Path(text).expanduser().is_dir():
+        return reward_model_source(str(Path(text).expanduser()), trust_remote_code=trust_remote_code)
+    if text.lstrip().startswith("{"):
+        import yaml
+
+        try:
+            entry = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise UserError(f"serve-rm: {text!r} is not a valid YAML mapping: {e}") from None
+        return function_source(entry, "serve-rm MODEL", Path.cwd())
+    return function_source(text, "serve-rm MODEL", Path.cwd())
