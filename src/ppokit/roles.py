@@ -242,9 +242,20 @@ def enable_gradient_checkpointing(model: nn.Module, peft_model=None) -> None:
     unwrap_peft(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def reference_forward(policy):
-    """Context for the reference forward of a LoRA policy: the same base, adapters off."""
-    return policy.disable_adapter()
+@contextlib.contextmanager
+def adapters_disabled(peft_model):
+    """The base model alone (the reference, or the reward under a critic's adapter).
+
+    peft's `disable_adapter` re-enables by `set_adapter(active)`, which leaves every inactive
+    adapter (the shared critic's) with requires_grad=False; restore it.
+    """
+    trainable = [p for p in adapter_parameters(peft_model) if p.requires_grad]
+    try:
+        with peft_model.disable_adapter():
+            yield
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
 
 
 def is_peft(model: nn.Module) -> bool:
@@ -262,7 +273,7 @@ class AdapterDisabledReward(RewardModelReward):
         self.peft_model = peft_model
 
     def __call__(self, batch):
-        with self.peft_model.disable_adapter():
+        with adapters_disabled(self.peft_model):
             return super().__call__(batch)
 
 

@@ -118,6 +118,7 @@ class PPOTrainer:
             config.reward.model = "<object>"
         self.config = config.validate()
         hp = config.ppo
+        roles.check_environment(config)  # before any weights load
         self.accelerator = accelerator or Accelerator(mixed_precision=roles.mixed_precision(config))
         set_seed(config.seed)
         self.output_dir = Path(config.output_dir)
@@ -136,7 +137,6 @@ class PPOTrainer:
 
         # Models.
         trc = config.trust_remote_code
-        roles.check_environment(config)  # before any weights load
         load_kwargs = roles.load_kwargs(config)
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or _path_of(model, config.model), trc)
         if self.tokenizer.pad_token_id is None:
@@ -346,7 +346,7 @@ class PPOTrainer:
         with self.accelerator.autocast():
             if self.ref_model is not None:
                 return response_logits(self.ref_model, input_ids, attention_mask, response_length)
-            with roles.reference_forward(self.policy):
+            with roles.adapters_disabled(self.policy):
                 return response_logits(self.policy, input_ids, attention_mask, response_length)
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
