@@ -46,7 +46,7 @@ def _plan(args) -> int:
     from ppokit.plan import plan_for, to_json
 
     config = PPOConfig.load(args.config, args.overrides)
-    plan = plan_for(config)
+    plan = plan_for(config, args.device_memory)
     print(to_json(plan) if args.json else plan.render())
     return 0 if plan.fits else PLAN_DOES_NOT_FIT
 
@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config", help="YAML config file, as for `ppokit ppo`")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.add_argument("--device-memory", type=float, metavar="GIB",
+                      help="plan for a device of this many GiB instead of this machine's (CUDA memory, else RAM)")
     plan.set_defaults(func=_plan)
 
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")

@@ -377,6 +377,10 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     if not plan.fits and suggest:
         plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
         plan.suggestion = _suggest(config, prompt_length, num_prompts, device)
+        if plan.suggestion is None:
+            frozen = sum(r.weights for r in plan.roles)
+            plan.warnings.append(f"no combination of ppokit's switches fits: the weights alone take {_gib(frozen)}"
+                                 + ("" if torch.cuda.is_available() else "; on a CUDA device quantization: 4bit is one more"))
     return plan
 
 
@@ -450,10 +454,11 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     return longest, (len(prompts) if prompts is not None else None), notes
 
 
-def plan_for(config: PPOConfig) -> Plan:
-    """The plan for a loaded config, with the machine's device memory."""
+def plan_for(config: PPOConfig, memory_gib: Optional[float] = None) -> Plan:
+    """The plan for a loaded config, against this machine's device memory or `memory_gib`."""
     prompt_length, num_prompts, notes = data_shape(config)
-    plan = estimate(config, prompt_length, num_prompts, device_memory())
+    device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
+    plan = estimate(config, prompt_length, num_prompts, device)
     plan.warnings.extend(notes)
     return plan
 
