@@ -15,10 +15,40 @@ def _ppo(args) -> int:
     from ppokit.trainer import PPOTrainer
 
     config = PPOConfig.load(args.config, args.overrides)
+    _preflight(config)
     trainer = PPOTrainer(config)
     records = trainer.train()
     print(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": records[-1]["objective/scores"]}))
     return 0
+
+
+def _preflight(config) -> None:
+    """The plan's verdict before any weights load: a warning, never a failure."""
+    from ppokit.plan import plan_for
+
+    try:
+        plan = plan_for(config)
+    except Exception as e:  # an estimate must never stop a run that might fit
+        print(f"plan: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
+        return
+    print(f"plan: {plan.summary()}", file=sys.stderr)
+    for warning in plan.warnings:
+        print(f"plan: warning: {warning}", file=sys.stderr)
+    if plan.suggestion:
+        print(f"plan: would fit with: {plan.suggestion} (see `ppokit plan`)", file=sys.stderr)
+
+
+PLAN_DOES_NOT_FIT = 3
+
+
+def _plan(args) -> int:
+    from ppokit.config import PPOConfig
+    from ppokit.plan import plan_for, to_json
+
+    config = PPOConfig.load(args.config, args.overrides)
+    plan = plan_for(config, args.device_memory)
+    print(to_json(plan) if args.json else plan.render())
+    return 0 if plan.fits else PLAN_DOES_NOT_FIT
 
 
 def _demo(args) -> int:
@@ -117,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--chat-template", help="as data.chat_template (default: the tokenizer's, else plain)")
     inspect.add_argument("--json", action="store_true", help="print the report as one JSON object")
     inspect.set_defaults(func=_data_inspect)
+
+    plan = sub.add_parser(
+        "plan", help="estimate parameters, memory and batch sizes of a PPO config (reads config files only)",
+        description=f"Exit status: 0 when the estimate fits the device, {PLAN_DOES_NOT_FIT} when it does not, 2 on a config error.",
+    )
+    plan.add_argument("config", help="YAML config file, as for `ppokit ppo`")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.add_argument("--device-memory", type=float, metavar="GIB",
+                      help="plan for a device of this many GiB instead of this machine's (CUDA memory, else RAM)")
+    plan.set_defaults(func=_plan)
 
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")
     demo.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 cores")

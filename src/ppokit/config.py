@@ -169,12 +169,25 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    """The `lora:` section: train LoRA adapters (peft) instead of every weight. null in the config: off."""
+
+    r: int = doc(16, "Rank of each adapter's update matrices.", check=positive)
+    alpha: float = doc(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).", check=positive)
+    dropout: float = doc(0.0, "Dropout on the adapter input. Default 0 (peft's is 0.05): dropout makes the PPO ratio differ from 1 before any update, as model dropout does.", check=lambda v: 0 <= v < 1)
+    target_modules: list[str] = doc(factory=lambda: ["all-linear"], help="Module names (or suffixes) that get adapters; `all-linear` is every linear layer except the output head.")
+    use_dora: bool = doc(False, "Weight-decomposed LoRA (DoRA): adds a trainable magnitude per output feature; slower per step.")
+    use_rslora: bool = doc(False, "Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r.")
+    value_model_lora: bool = doc(True, "A separate value model (not `value_model: shared`) also trains through its own adapter on a frozen base, its head fully; false trains all its weights.")
+
+
+@dataclass
 class PPOConfig:
     """Everything a PPO run needs. Load with `PPOConfig.load(path, overrides)` or build directly."""
 
     model: Optional[str] = doc(None, "Policy to start from (local path or hub id), usually an SFT model.")
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
-    value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set.")
+    value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`.")
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
     output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.")
@@ -182,6 +195,12 @@ class PPOConfig:
     reward: RewardConfig = doc(factory=RewardConfig, help="Reward sources.")
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
+    lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
+    quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=lambda v: v in ("4bit", "8bit"))
+    gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")
+    bf16: bool = doc(False, "bfloat16 mixed precision (autocast through accelerate) for every forward: sampling, reference, value and training. Weights and optimiser state keep the checkpoint's dtype.")
+    fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the hardware has it.")
+    save_merged: bool = doc(False, "With `lora`: also write final/merged/, the policy with its adapter merged in, loadable by AutoModelForCausalLM.from_pretrained without peft.")
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "PPOConfig":
@@ -203,7 +222,26 @@ class PPOConfig:
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")
         self.reward.check_combination(n_sources)
+        self._validate_memory_switches()
         return self
+
+    def _validate_memory_switches(self) -> None:
+        """Combinations of lora / value_model / quantization / precision that cannot work."""
+        if self.bf16 and self.fp16:
+            raise UserError("bf16 and fp16 are both true; choose one mixed precision")
+        if self.value_model == "shared" and self.lora is None:
+            raise UserError("value_model: shared puts the critic's adapter on the policy's LoRA base; set `lora` (e.g. `lora: {}`)")
+        if self.value_model == "from_reward" and not self.reward.model:
+            raise UserError("value_model: from_reward needs reward.model")
+        if self.quantization is not None and self.lora is None:
+            raise UserError(f"quantization: {self.quantization} freezes the base weights, so only adapters can train; set `lora`")
+        critic_from_frozen = self.value_model in (None, "from_reward") and self.lora is not None and not self.lora.value_model_lora
+        if self.quantization is not None and critic_from_frozen and self.reward.model:
+            raise UserError("quantization with lora.value_model_lora: false would train a full critic copied from the quantised reward model; set lora.value_model_lora: true or value_model to a path")
+        if self.save_merged and self.lora is None:
+            raise UserError("save_merged: true merges a LoRA adapter into its base; without `lora` final/ already holds the full policy")
+        if self.save_merged and self.quantization is not None:
+            raise UserError("save_merged: true with quantization would merge into a quantised base (lossy); save the adapter and merge it into the full-precision base with ppokit.roles.merge_adapter")
 
 
 # --------------------------------------------------------------------------- generic machinery

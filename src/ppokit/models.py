@@ -65,17 +65,21 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tokenizer
 
 
-def load_causal_lm(name_or_model, role: str = "model", trust_remote_code: bool = False) -> PreTrainedModel:
+def load_causal_lm(name_or_model, role: str = "model", trust_remote_code: bool = False, **load_kwargs) -> PreTrainedModel:
+    """`load_kwargs` go to from_pretrained (e.g. quantization_config, device_map)."""
     if isinstance(name_or_model, nn.Module):
         return name_or_model
-    return _from_pretrained(AutoModelForCausalLM, name_or_model, role, trust_remote_code=trust_remote_code)
+    return _from_pretrained(AutoModelForCausalLM, name_or_model, role, trust_remote_code=trust_remote_code, **load_kwargs)
 
 
-def load_scalar_model(name_or_model, role: str, trust_remote_code: bool = False, require_trained_head: bool = False) -> PreTrainedModel:
+def load_scalar_model(
+    name_or_model, role: str, trust_remote_code: bool = False, require_trained_head: bool = False, **load_kwargs
+) -> PreTrainedModel:
     """A sequence-classification model with exactly one label (reward or value).
 
     require_trained_head: refuse a checkpoint saved without a classification head (e.g. a causal
     LM), whose scalar head would be freshly random: right for a critic, silent garbage for a reward.
+    load_kwargs go to from_pretrained (e.g. a quantisation config).
     """
     if isinstance(name_or_model, nn.Module):
         model = name_or_model
@@ -100,7 +104,8 @@ def load_scalar_model(name_or_model, role: str, trust_remote_code: bool = False,
             )
         config.num_labels = 1
         model = _from_pretrained(
-            AutoModelForSequenceClassification, name_or_model, role, config=config, trust_remote_code=trust_remote_code
+            AutoModelForSequenceClassification, name_or_model, role, config=config, trust_remote_code=trust_remote_code,
+            **load_kwargs,
         )
     if model.config.num_labels != 1:
         raise UserError(f"{role}: model has {model.config.num_labels} labels; a reward/value model needs exactly 1")
@@ -137,7 +142,18 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:
+    model = unwrap_peft(model)
     return getattr(model, model.base_model_prefix)
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (its LoRA layers stay in place and active), else `model`.
+
+    A PeftModel forwards unknown attributes to the wrapped model, but not `base_model_prefix`
+    lookups or the forward signature, which the helpers here rely on.
+    """
+    get_base_model = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if get_base_model is not None and not isinstance(model, PreTrainedModel) else model
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -154,7 +170,7 @@ def _cache_kwarg(cls) -> str:
 
 def causal_lm_step(model, input_ids, attention_mask, position_ids, cache=None, logits_to_keep: int = 0):
     """One forward of a causal LM with an optional KV cache -> (logits, cache)."""
-    kwargs = {_cache_kwarg(type(model)): cache} if cache is not None else {}
+    kwargs = {_cache_kwarg(type(unwrap_peft(model))): cache} if cache is not None else {}
     if logits_to_keep:
         kwargs["logits_to_keep"] = logits_to_keep
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs)
@@ -185,7 +201,7 @@ def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    return unwrap_peft(model).score(hidden).squeeze(-1).float()
 
 
 def score_at_last_token(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo
+from ppokit import algo, roles
 from ppokit.config import PPOConfig
 from ppokit.data import PromptDataset, as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
@@ -42,7 +42,7 @@ from ppokit.models import (
     scalar_outputs,
     value_model_from_policy,
 )
-from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
+from ppokit.rewards import RewardModelReward, ScoringBatch, build_scorer, completion_token_ids, source_label
 from ppokit.rollout import HFSampler, Rollout
 
 
@@ -120,7 +120,8 @@ class PPOTrainer:
             config.reward.model = "<object>"
         self.config = config.validate()
         hp = config.ppo
-        self.accelerator = accelerator or Accelerator()
+        roles.check_environment(config)  # before any weights load
+        self.accelerator = accelerator or Accelerator(mixed_precision=roles.mixed_precision(config))
         set_seed(config.seed)
         self.output_dir = Path(config.output_dir)
         self.show_progress = show_progress and self.accelerator.is_main_process
@@ -141,6 +142,7 @@ class PPOTrainer:
 
         # Models.
         trc = config.trust_remote_code
+        load_kwargs = roles.load_kwargs(config)
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else load_tokenizer(
             config.tokenizer or _path_of(model, config.model), trc, "tokenizer" if config.tokenizer else "model"
         )
@@ -148,27 +150,56 @@ class PPOTrainer:
         template = render_chat_prompts(self.tokenizer, config.data.chat_template, self.train_data, self.eval_data)
         if template is not None:
             config.data.chat_template = template
-        policy = load_causal_lm(model if model is not None else config.model, "model", trc)
+        policy = load_causal_lm(model if model is not None else config.model, "model", trc, **load_kwargs)
         if ref_model is not None or config.ref_model:
             ref = load_causal_lm(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
             ref.requires_grad_(False)
+        elif config.lora is not None:
+            ref = None  # the policy's base with its adapter disabled: see reference_logits
         else:
             ref = frozen_copy(policy)
         self.scorer = build_scorer(
             config.reward, missing_eos_penalty=hp.missing_eos_penalty, reward_model=reward_model,
             reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=trc, base_dir=Path.cwd(),
-            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
+            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None, load_kwargs=load_kwargs,
         )
         reward_model_obj = self.scorer.reward_model
-        if value_model is not None or config.value_model:
-            value = load_scalar_model(value_model if value_model is not None else config.value_model, "value_model", trc)
+        value_lora = config.lora is not None and config.lora.value_model_lora
+        if config.value_model == "from_reward" and not (
+            reward_model_obj is not None and self.scorer.reward_model_shares_vocabulary(self.tokenizer)
+        ):
+            raise UserError("value_model: from_reward needs reward.model with the policy's vocabulary (the critic reads the policy's token ids)")
+        if config.value_model == "shared":
+            value = None  # an adapter on the policy's base, added with the policy's below
+        elif value_model is not None or (config.value_model and config.value_model != "from_reward"):
+            value = load_scalar_model(value_model if value_model is not None else config.value_model, "value_model", trc,
+                                      **(load_kwargs if value_lora else {}))
+        elif reward_model_obj is not None and config.value_model == "from_reward" and value_lora:
+            value = reward_model_obj  # one copy of the reward weights: the critic's adapter goes on it
         elif reward_model_obj is not None and self.scorer.reward_model_shares_vocabulary(self.tokenizer):
             value = frozen_copy(reward_model_obj).train().requires_grad_(True)
+        elif config.quantization is not None:
+            value = roles.value_model_from_path(config.model, trc, load_kwargs if value_lora else {})
         else:
             value = value_model_from_policy(policy)
         for m in (policy, ref, value, reward_model_obj):
             if m is not None:
                 disable_dropout(m)
+        # Adapters after disable_dropout, so that lora.dropout is the one dropout left on purpose.
+        if config.lora is not None:
+            if value is not None and value_lora:
+                value = roles.add_value_adapter(value, config)
+                if value.get_base_model() is reward_model_obj:
+                    self.scorer.sources = [roles.AdapterDisabledReward(s, value) if isinstance(s, RewardModelReward) else s
+                                           for s in self.scorer.sources]
+            policy = roles.add_policy_adapter(policy, config)
+            if value is None:
+                value = roles.SharedBaseCritic(policy, config)
+        if config.gradient_checkpointing:
+            shared = policy if config.value_model == "shared" else None
+            roles.enable_gradient_checkpointing(policy, shared)
+            if shared is None:
+                roles.enable_gradient_checkpointing(value)
         self.stop_token_id = self._resolve_stop_token()
 
         # Optimiser and schedule over every optimiser step of the run.
@@ -185,7 +216,7 @@ class PPOTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, steps))
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(self.model, optimizer, scheduler)
         device = self.accelerator.device
-        self.ref_model = ref.to(device).eval()
+        self.ref_model = ref.to(device).eval() if ref is not None else None
         if reward_model_obj is not None:
             reward_model_obj.to(device).eval()
         self.kl_controller = (
@@ -273,7 +304,8 @@ class PPOTrainer:
     def generate(self, query_ids: list[list[int]]) -> Rollout:
         ids, mask = left_pad(query_ids, self.tokenizer.pad_token_id, self.accelerator.device)
         self.policy.eval()
-        rollout = self._sampler().sample(ids, mask)
+        with self.accelerator.autocast():  # the same precision as the training forward, so the first ratio is 1
+            rollout = self._sampler().sample(ids, mask)
         self.policy.train()
         return rollout
 
@@ -303,12 +335,21 @@ class PPOTrainer:
         ref_logprobs, values = [], []
         self.value_model.eval()
         for i in range(0, ids.shape[0], chunk):
-            logits = response_logits(self.ref_model, ids[i : i + chunk], mask[i : i + chunk], width)
+            logits = self.reference_logits(ids[i : i + chunk], mask[i : i + chunk], width)
             ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
-            values.append(scalar_outputs(self.value_model, ids[i : i + chunk], mask[i : i + chunk])[:, -width - 1 : -1])
+            with self.accelerator.autocast():
+                values.append(scalar_outputs(self.value_model, ids[i : i + chunk], mask[i : i + chunk])[:, -width - 1 : -1])
         self.value_model.train()
         response_mask = rollout.response_mask
         return torch.cat(ref_logprobs).masked_fill(~response_mask, 0.0), torch.cat(values).masked_fill(~response_mask, 0.0)
+
+    def reference_logits(self, input_ids, attention_mask, response_length: int) -> torch.Tensor:
+        """(B, P + R) -> (B, R, V) from the reference: its own model, or the LoRA policy's base with adapters off."""
+        with self.accelerator.autocast():
+            if self.ref_model is not None:
+                return response_logits(self.ref_model, input_ids, attention_mask, response_length)
+            with roles.adapters_disabled(self.policy):
+                return response_logits(self.policy, input_ids, attention_mask, response_length)
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches; returns the averaged loss statistics."""
@@ -500,9 +541,12 @@ class PPOTrainer:
 
     def save_models(self, target: Path) -> None:
         def write(tmp: Path) -> None:
-            self.policy.save_pretrained(tmp)
+            merged = tmp / "merged" if self.config.save_merged else None
+            roles.save_policy(self.policy, tmp, merged)
             self.tokenizer.save_pretrained(tmp)
-            self.value_model.save_pretrained(tmp / "value_model")
+            if merged is not None:
+                self.tokenizer.save_pretrained(merged)
+            roles.save_value_model(self.value_model, tmp / "value_model")
             self.tokenizer.save_pretrained(tmp / "value_model")
 
         atomic_save_dir(target, write)

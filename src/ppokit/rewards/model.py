@@ -12,9 +12,9 @@ from ppokit.models import left_pad, load_scalar_model, load_tokenizer, same_voca
 from ppokit.rewards.sources import ScoringBatch
 
 
-def load_reward_model(name_or_model, trust_remote_code: bool = False):
+def load_reward_model(name_or_model, trust_remote_code: bool = False, **load_kwargs):
     """A frozen one-label classifier with a trained head; anything else is a UserError before training."""
-    model = load_scalar_model(name_or_model, "reward.model", trust_remote_code, require_trained_head=True)
+    model = load_scalar_model(name_or_model, "reward.model", trust_remote_code, require_trained_head=True, **load_kwargs)
     return model.requires_grad_(False).eval()
 
 
@@ -95,9 +95,10 @@ def chat_messages(batch: ScoringBatch) -> Optional[list[list[dict]]]:
     return [list(row) for row in column]
 
 
-def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, trust_remote_code: bool = False) -> RewardModelReward:
-    """A path (its saved tokenizer is used) or a model object with its tokenizer -> a source."""
-    model = load_reward_model(name_or_model, trust_remote_code)
+def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, trust_remote_code: bool = False, **load_kwargs) -> RewardModelReward:
+    """A path (its saved tokenizer is used) or a model object with its tokenizer -> a source.
+    `load_kwargs` go to from_pretrained (e.g. a quantisation config)."""
+    model = load_reward_model(name_or_model, trust_remote_code, **load_kwargs)
     if tokenizer is None:
         path = name_or_model if isinstance(name_or_model, str) else getattr(model.config, "_name_or_path", None)
         if not path:

@@ -249,6 +249,7 @@ def build_scorer(
     trust_remote_code: bool = False,
     base_dir: Optional[Path] = None,
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    load_kwargs: Optional[dict] = None,
 ) -> RewardScorer:
     """Every source of the `reward:` section (objects passed in replace the config's entries), in
     `weights` order: reward model, functions, remote. Loads the reward model: a model that cannot be
@@ -258,7 +259,8 @@ def build_scorer(
     rm_module = None
     if reward_model is not None or (reward.model and reward.model != "<object>"):
         rm = reward_model_source(
-            reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code
+            reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code,
+            **(load_kwargs or {}),
         )
         sources.append(rm)
         rm_module = rm.model

@@ -1,0 +1,467 @@
+"""Preflight for a PPO run: parameters, memory and batch sizes, from config files only.
+
+Every model is built on the meta device from its config.json (no weights are read, no memory
+is allocated) to count parameters; LoRA adapters are added the same way, so trainable counts
+are exactly what the trainer will optimise. The memory formulas are in docs/memory.md.
+
+The estimate is persistent memory (weights, gradients, optimiser state of every role) plus the
+largest of three phases that never overlap: sampling (KV cache), the no-gradient forwards
+(reference, value, reward) and training (policy and value activations of one micro-batch).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ppokit.config import BatchSizes, LoraConfig, PPOConfig
+from ppokit.errors import UserError
+
+GiB = 1024**3
+HEADROOM = 0.9  # CUDA context, allocator fragmentation and framework buffers are not counted
+DEFAULT_PROMPT_LENGTH = 128
+# Bytes per weight of a quantised linear layer: NF4 with double quantisation stores 4 bits, an
+# 8-bit absmax per 64-weight block and an fp32 scale per 256 blocks; LLM.int8 one byte (+ a row scale).
+QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+# Activation elements stored per token per layer for backward: about 8 x hidden (norm inputs and
+# outputs, q/k/v, attention output, residual stream) + 4 x intermediate (MLP up, gate, activation,
+# product). Attention probabilities are not stored with SDPA/flash attention.
+ACT_HIDDEN_FACTOR, ACT_INTERMEDIATE_FACTOR = 8, 4
+LOGIT_COPIES = 4  # logits, logits / T, log-softmax, entropy terms: float32, (R + 1) positions
+
+
+@dataclass
+class RoleEstimate:
+    """One role's share of memory, in bytes. `params` counts weights this role holds itself."""
+
+    role: str
+    source: str
+    params: int
+    trainable: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # training activations of one micro-batch (0 for frozen roles)
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+@dataclass
+class Plan:
+    roles: list[RoleEstimate]
+    phases: dict[str, int]  # bytes at the peak of each phase, on top of persistent memory
+    sizes: Optional[BatchSizes]
+    sequence: dict[str, int]
+    device: str
+    device_memory: int
+    warnings: list[str] = field(default_factory=list)
+    suggestion: Optional[str] = None
+
+    @property
+    def total(self) -> int:
+        return sum(r.persistent for r in self.roles) + max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= HEADROOM * self.device_memory
+
+    def to_dict(self) -> dict:
+        return {
+            "roles": [dataclasses.asdict(r) for r in self.roles],
+            "phases": self.phases,
+            "total_bytes": self.total,
+            "device": self.device,
+            "device_memory_bytes": self.device_memory,
+            "fits": self.fits,
+            "sizes": self.sizes._asdict() if self.sizes else None,
+            "sequence": self.sequence,
+            "warnings": self.warnings,
+            "suggestion": self.suggestion,
+        }
+
+    def render(self) -> str:
+        """The table `ppokit plan` prints."""
+        lines = [f"{'role':<10} {'params':>9} {'trainable':>9} {'weights':>9} {'grads':>9} {'optim':>9} {'activ.':>9}  source"]
+        for r in self.roles:
+            lines.append(
+                f"{r.role:<10} {_count(r.params):>9} {_count(r.trainable):>9} {_gib(r.weights):>9} {_gib(r.gradients):>9} "
+                f"{_gib(r.optimizer):>9} {_gib(r.activations):>9}  {r.source}"
+            )
+        lines.append("phases (on top of weights, gradients and optimiser state): "
+                     + ", ".join(f"{k} {_gib(v)}" for k, v in self.phases.items()))
+        seq = self.sequence
+        lines.append(f"sequence: prompt <= {seq['prompt']} + response {seq['response']} tokens; micro-batch {seq['micro_batch']}, "
+                     f"forward chunk {seq['forward_chunk']}")
+        if self.sizes:
+            s = self.sizes
+            lines.append(f"batches: micro {s.micro_batch}, rollout batch {s.batch} (per process {s.local_batch}), minibatch "
+                         f"{s.local_mini_batch}, {s.total_episodes} episodes = {s.num_updates} updates")
+        lines.append(self.summary())
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        if self.suggestion:
+            lines.append(f"would fit with: {self.suggestion}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}, {int(HEADROOM * 100)}% usable): "
+                f"{verdict}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}G" if n >= GiB / 10 else f"{n / 1024**2:.1f}M"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+# --------------------------------------------------------------------------- device
+
+
+def device_memory() -> tuple[str, int]:
+    """(description, bytes): the CUDA device's memory if there is one, else the system's RAM."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return f"cuda:0 {props.name}", props.total_memory
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * GiB
+    return "cpu RAM", ram
+
+
+# --------------------------------------------------------------------------- models on meta
+
+
+def _auto_config(name: str, role: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    from ppokit.models import resolve_model_path
+
+    path = resolve_model_path(name, role)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{role}: could not read the config of {name!r}: {str(e).splitlines()[0]}") from None
+
+
+_STATS: dict = {}
+
+
+def _stats(model_config, scalar: bool, dtype: torch.dtype, quantization: Optional[str],
+           lora: Optional[LoraConfig] = None, task_type: Optional[str] = None) -> tuple[int, int, int]:
+    """(parameters, weight bytes, adapter parameters) of a model built on meta; memoised, since
+    suggestions re-estimate the same models under several switches."""
+    key = (model_config.to_json_string(), scalar, dtype, quantization, repr(lora), task_type)
+    if key not in _STATS:
+        meta = _meta_model(model_config, scalar)
+        params = sum(p.numel() for _, p in _unique_params(meta))
+        weights = _weight_bytes(meta, dtype, quantization)
+        adapter = _adapter_count(meta, lora, task_type) if lora is not None else 0
+        _STATS[key] = (params, weights, adapter)
+    return _STATS[key]
+
+
+def _meta_model(model_config, scalar: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model_config = copy.deepcopy(model_config)
+    if scalar:
+        model_config.num_labels = 1
+        if model_config.pad_token_id is None:
+            model_config.pad_token_id = 0
+    with torch.device("meta"):
+        cls = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
+        return cls.from_config(model_config)
+
+
+def _dtype(model_config) -> torch.dtype:
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, torch.float32)
+    return dtype
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    seen, out = set(), []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _weight_bytes(model: nn.Module, dtype: torch.dtype, quantization: Optional[str]) -> int:
+    """Bytes of the base weights; quantised linear layers (not the output heads) at QUANTIZED_BYTES."""
+    quantized_ids = set()
+    if quantization is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and not name.endswith(("lm_head", "score", "classifier")):
+                quantized_ids.add(id(module.weight))
+    total = 0.0
+    for _, p in _unique_params(model):
+        total += p.numel() * (QUANTIZED_BYTES[quantization] if id(p) in quantized_ids else _bytes(dtype))
+    return int(total)
+
+
+def _adapter_count(model: nn.Module, lora: LoraConfig, task_type: str) -> int:
+    """Trainable parameters once peft adds the adapter (on meta: nothing is allocated)."""
+    import warnings
+
+    from peft import get_peft_model
+
+    from ppokit.roles import peft_lora_config
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            adapted = get_peft_model(model, peft_lora_config(lora, task_type))
+        except ValueError as e:
+            raise UserError(f"lora.target_modules: {str(e).splitlines()[0]}") from None
+    return sum(p.numel() for _, p in _unique_params(adapted) if p.requires_grad)
+
+
+# --------------------------------------------------------------------------- activation formulas
+
+
+def _dims(model_config) -> dict:
+    c = model_config.get_text_config()
+    hidden = c.hidden_size
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    intermediate = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+    return dict(hidden=hidden, layers=c.num_hidden_layers, kv=kv_heads * head_dim, intermediate=intermediate, vocab=c.vocab_size)
+
+
+def train_activation_bytes(dims: dict, rows: int, seq: int, act_bytes: int, checkpointing: bool, logits_positions: int) -> int:
+    """Stored activations of one forward+backward over `rows` sequences of `seq` tokens (docs/memory.md)."""
+    per_layer = rows * seq * (ACT_HIDDEN_FACTOR * dims["hidden"] + ACT_INTERMEDIATE_FACTOR * dims["intermediate"]) * act_bytes
+    if checkpointing:
+        stored = dims["layers"] * rows * seq * dims["hidden"] * act_bytes + per_layer  # layer inputs + one layer recomputed
+    else:
+        stored = dims["layers"] * per_layer
+    logits = LOGIT_COPIES * rows * logits_positions * dims["vocab"] * 4
+    return stored + logits
+
+
+def inference_bytes(dims: dict, rows: int, seq: int, act_bytes: int, logits_positions: int) -> int:
+    """Peak of one no-gradient forward: a layer's transient tensors and the float32 logits."""
+    layer = rows * seq * (ACT_HIDDEN_FACTOR * dims["hidden"] + ACT_INTERMEDIATE_FACTOR * dims["intermediate"]) * act_bytes
+    return layer + 2 * rows * logits_positions * dims["vocab"] * 4
+
+
+def kv_cache_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
+    return 2 * dims["layers"] * dims["kv"] * rows * seq * act_bytes
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int], suggest: bool = True) -> Plan:
+    """Estimate for `config` with prompts of at most `prompt_length` tokens (no weights loaded)."""
+    hp, lora, quant = config.ppo, config.lora, config.quantization
+    trc = config.trust_remote_code
+    policy_config = _auto_config(config.model, "model", trc)
+    dtype = _dtype(policy_config)
+    mixed = config.bf16 or config.fp16
+    act_bytes = 2 if mixed else _bytes(dtype)
+    dims = _dims(policy_config)
+    seq = prompt_length + hp.response_length
+    micro, chunk = hp.per_device_train_batch_size, hp.local_rollout_forward_batch_size
+
+    policy_params, policy_weights, _ = _stats(policy_config, False, dtype, quant)
+    roles: list[RoleEstimate] = []
+
+    def trained(role, source, params, weights, trainable, trainable_bytes, activations):
+        return RoleEstimate(role, source, params, trainable, weights, trainable * trainable_bytes, 2 * trainable * trainable_bytes, activations)
+
+    policy_act = train_activation_bytes(dims, micro, seq, act_bytes, config.gradient_checkpointing, hp.response_length + 1)
+    if lora is None:
+        roles.append(trained("policy", f"{config.model} ({policy_config.model_type}, {_bytes(dtype) * 8}-bit)", policy_params,
+                             policy_weights, policy_params, _bytes(dtype), policy_act))
+    else:
+        adapter = _stats(policy_config, False, dtype, quant, lora, "CAUSAL_LM")[2]
+        roles.append(trained("policy", f"{config.model} + LoRA r={lora.r}" + (f", {quant} base" if quant else ""),
+                             policy_params + adapter, policy_weights + 4 * adapter, adapter, 4, policy_act))
+
+    # Reference.
+    if config.ref_model:
+        ref_config = _auto_config(config.ref_model, "ref_model", trc)
+        ref_params, ref_weights, _ = _stats(ref_config, False, _dtype(ref_config), None)
+        roles.append(RoleEstimate("reference", config.ref_model, ref_params, 0, ref_weights, 0, 0, 0))
+    elif lora is not None:
+        roles.append(RoleEstimate("reference", "the policy's base, adapter disabled (no copy)", 0, 0, 0, 0, 0, 0))
+    else:
+        roles.append(RoleEstimate("reference", "frozen copy of the policy", policy_params, 0, policy_weights, 0, 0, 0))
+
+    # Reward.
+    reward_config = None
+    if config.reward.model:
+        reward_config = _auto_config(config.reward.model, "reward.model", trc)
+        reward_params, reward_weights, _ = _stats(reward_config, True, _dtype(reward_config), quant)
+        roles.append(RoleEstimate("reward", config.reward.model, reward_params, 0, reward_weights, 0, 0, 0))
+
+    # Value.
+    value_lora = lora is not None and lora.value_model_lora
+    value_dims = dims
+    if config.value_model == "shared":
+        head = dims["hidden"]
+        adapter = _stats(policy_config, False, dtype, quant, lora, None)[2]
+        roles.append(trained("value", "adapter `value` + head on the policy's base (no copy)", adapter + head,
+                             4 * (adapter + head), adapter + head, 4,
+                             train_activation_bytes(dims, micro, seq, act_bytes, config.gradient_checkpointing, 0)))
+    else:
+        if config.value_model and config.value_model != "from_reward":
+            value_config = _auto_config(config.value_model, "value_model", trc)
+            source = config.value_model
+        elif reward_config is not None:
+            value_config, source = reward_config, "the reward model's weights"
+        else:
+            value_config, source = policy_config, "the policy's backbone + a scalar head"
+        value_dtype = _dtype(value_config)
+        value_dims = _dims(value_config)
+        act = train_activation_bytes(value_dims, micro, seq, act_bytes, config.gradient_checkpointing, 0)
+        shares_reward = config.value_model == "from_reward" and value_lora
+        if value_lora:
+            params, base_weights, adapter = _stats(value_config, True, value_dtype, quant, lora, "SEQ_CLS")
+            weights = 4 * adapter + (0 if shares_reward else base_weights)
+            source += " (shared with the reward model)" if shares_reward else ""
+            roles.append(trained("value", f"{source} + LoRA r={lora.r}", adapter + (0 if shares_reward else params), weights,
+                                 adapter, 4, act))
+        else:
+            params, weights, _ = _stats(value_config, True, value_dtype, None)
+            roles.append(trained("value", source, params, weights, params, _bytes(value_dtype), act))
+
+    # Phases that do not overlap.
+    phases = {
+        "sampling": kv_cache_bytes(dims, chunk, seq, act_bytes) + 2 * chunk * dims["vocab"] * 4,
+        "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1),
+                       inference_bytes(value_dims, chunk, seq, act_bytes, 0),
+                       inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
+        "training": sum(r.activations for r in roles),
+    }
+
+    sizes = None
+    warnings: list[str] = []
+    try:
+        if hp.total_episodes is not None or num_prompts is not None:
+            sizes = hp.derive(int(os.environ.get("WORLD_SIZE", "1")), num_prompts or 0)
+    except UserError as e:
+        warnings.append(str(e))
+    if quant is not None and not torch.cuda.is_available():
+        warnings.append(f"quantization: {quant} needs a CUDA device; this machine has none, so `ppokit ppo` will stop before loading weights")
+    if config.fp16 and not torch.cuda.is_available():
+        warnings.append("fp16 needs a CUDA device; use bf16 on this machine")
+    plan = Plan(roles, phases, sizes,
+                {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk},
+                device[0], device[1], warnings)
+    if not plan.fits and suggest:
+        plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
+        plan.suggestion = _suggest(config, prompt_length, num_prompts, device)
+        if plan.suggestion is None:
+            frozen = sum(r.weights for r in plan.roles)
+            plan.warnings.append(f"no combination of ppokit's switches fits: the weights alone take {_gib(frozen)}"
+                                 + ("" if torch.cuda.is_available() else "; on a CUDA device quantization: 4bit is one more"))
+    return plan
+
+
+def _switches(config: PPOConfig) -> list[tuple[str, Callable[[PPOConfig], None]]]:
+    """Memory switches in the order worth trying: cheapest loss of fidelity first."""
+    hp = config.ppo
+    out: list[tuple[str, Callable[[PPOConfig], None]]] = []
+    if config.lora is None:
+        out.append(("lora: {}", lambda c: setattr(c, "lora", LoraConfig())))
+    if config.value_model is None:
+        out.append(("value_model: shared", lambda c: setattr(c, "value_model", "shared")))
+    if not config.gradient_checkpointing:
+        out.append(("gradient_checkpointing: true", lambda c: setattr(c, "gradient_checkpointing", True)))
+    if not config.bf16 and not config.fp16:
+        out.append(("bf16: true", lambda c: setattr(c, "bf16", True)))
+    if config.quantization is None and torch.cuda.is_available():
+        out.append(("quantization: 4bit", lambda c: setattr(c, "quantization", "4bit")))
+    if hp.local_rollout_forward_batch_size > 8:
+        out.append(("ppo.local_rollout_forward_batch_size: 8", lambda c: setattr(c.ppo, "local_rollout_forward_batch_size", 8)))
+    if hp.per_device_train_batch_size > 1:
+        n = hp.per_device_train_batch_size
+        out.append((f"ppo.per_device_train_batch_size: 1 with ppo.gradient_accumulation_steps: {hp.gradient_accumulation_steps * n}",
+                    lambda c: (setattr(c.ppo, "per_device_train_batch_size", 1),
+                               setattr(c.ppo, "gradient_accumulation_steps", c.ppo.gradient_accumulation_steps * n))))
+    return out
+
+
+def _suggest(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int]) -> Optional[str]:
+    """The shortest prefix of `_switches` whose estimate fits, with that estimate."""
+    trial = copy.deepcopy(config)
+    applied = []
+    for text, apply in _switches(config):
+        apply(trial)
+        applied.append(text)
+        plan = estimate(trial, prompt_length, num_prompts, device, suggest=False)
+        if plan.fits:
+            return f"{'; '.join(applied)} (estimated {_gib(plan.total)})"
+    return None
+
+
+# --------------------------------------------------------------------------- inputs from the config
+
+
+def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
+    """(longest prompt in tokens, number of training prompts, notes) from data.train and the tokenizer."""
+    notes = []
+    train = config.data.train
+    prompts = None
+    if train and Path(train).is_file():
+        from ppokit.data import as_prompt_dataset
+
+        prompts = as_prompt_dataset(train, config.data.prompt_field).prompts
+    elif train:
+        notes.append(f"data.train {train} not found; batch sizes need ppo.total_episodes")
+    limit = config.data.max_prompt_length
+    longest = None
+    if prompts:
+        try:
+            from ppokit.models import load_tokenizer
+
+            tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+            longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
+        except UserError as e:
+            notes.append(f"prompt lengths unknown ({e})")
+    if longest is None:
+        longest = limit or DEFAULT_PROMPT_LENGTH
+        if limit is None:
+            notes.append(f"assumed prompts of {DEFAULT_PROMPT_LENGTH} tokens")
+    elif limit is not None:
+        longest = min(longest, limit)
+    return longest, (len(prompts) if prompts is not None else None), notes
+
+
+def plan_for(config: PPOConfig, memory_gib: Optional[float] = None) -> Plan:
+    """The plan for a loaded config, against this machine's device memory or `memory_gib`."""
+    prompt_length, num_prompts, notes = data_shape(config)
+    device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
+    plan = estimate(config, prompt_length, num_prompts, device)
+    plan.warnings.extend(notes)
+    return plan
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict())

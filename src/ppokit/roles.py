@@ -1,0 +1,329 @@
+"""Policy, reference, critic and reward on as few copies of the weights as the config allows.
+
+Without `lora` every role is a full model (models.py loads them). With `lora`:
+
+- the policy is its base with a LoRA adapter named `default` (peft's default name, so final/
+  loads with a plain `PeftModel.from_pretrained`);
+- the reference is that same base with the adapter disabled (`PeftModel.disable_adapter`), so
+  no second copy of the weights exists;
+- `value_model: shared` adds a second adapter, `value`, to the policy's base plus a scalar head
+  (`SharedBaseCritic`): policy, reference and critic share one set of base weights;
+- a separate critic trains through its own adapter with peft's SEQ_CLS task type, which makes
+  the scalar head (`score`) a fully trained module. Any other task type leaves the head frozen
+  or, as in veRL #4620 (CAUSAL_LM on a classifier), crashes;
+- `value_model: from_reward` puts the critic's adapter on the reward model itself, and the
+  reward is scored with that adapter disabled (`AdapterDisabledReward`).
+
+Switching adapters inside one training forward needs care: peft's `set_adapter` sets
+`requires_grad=False` on the adapter it deactivates, and autograd does not accumulate into a
+leaf that no longer requires grad at backward time. `active_adapter` restores it. Gradient
+checkpointing recomputes a layer during backward, when another adapter may be active; the
+checkpoint's `context_fn` re-activates the adapter the layer ran with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ppokit.config import LoraConfig, PPOConfig
+from ppokit.errors import UserError
+from ppokit.models import backbone, unwrap_peft
+from ppokit.rewards import RewardModelReward
+
+POLICY_ADAPTER = "default"
+VALUE_ADAPTER = "value"
+VALUE_HEAD_FILE = "value_head.safetensors"
+SHARED_CRITIC_FILE = "shared_value_model.json"
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def check_environment(config: PPOConfig) -> None:
+    """Fail before any weights load when a switch needs something this machine lacks."""
+    if config.lora is not None:
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
+    if config.quantization is not None:
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"quantization: {config.quantization} needs a CUDA device (bitsandbytes kernels) and this machine has none; "
+                "set quantization: null (the plan command shows what fits without it)"
+            )
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise UserError(f"quantization: {config.quantization} needs bitsandbytes: pip install 'ppokit[quantization]'") from None
+    if config.fp16 and not torch.cuda.is_available():
+        raise UserError("fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine")
+
+
+def mixed_precision(config: PPOConfig) -> str:
+    """accelerate's name for the configured mixed precision."""
+    return "bf16" if config.bf16 else "fp16" if config.fp16 else "no"
+
+
+def load_kwargs(config: PPOConfig) -> dict:
+    """from_pretrained arguments for a frozen base: the bitsandbytes config when quantising."""
+    if config.quantization is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    compute_dtype = torch.bfloat16 if config.bf16 or not config.fp16 else torch.float16
+    if config.quantization == "4bit":
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype
+        )
+    else:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": quant, "device_map": {"": torch.cuda.current_device()}}
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def value_model_from_path(path: str, trust_remote_code: bool, load_kwargs: dict) -> nn.Module:
+    """The policy's checkpoint as a one-label classifier with a zero head.
+
+    The critic's start when the policy is quantised: `value_model_from_policy` copies tensors
+    from the loaded policy, which a quantised model does not allow.
+    """
+    from ppokit.models import load_scalar_model
+
+    model = load_scalar_model(path, "value_model", trust_remote_code, **load_kwargs)
+    with torch.no_grad():
+        unwrap_peft(model).score.weight.zero_()
+    return model
+
+
+def peft_lora_config(lora: LoraConfig, task_type: Optional[str]):
+    import peft
+
+    targets = lora.target_modules
+    return peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else list(targets),
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        bias="none",
+        task_type=task_type,
+    )
+
+
+def _prepare_quantized(model: nn.Module, config: PPOConfig) -> None:
+    if config.quantization is not None and getattr(model, "is_quantized", False):
+        from peft import prepare_model_for_kbit_training
+
+        # Gradient checkpointing is switched on by `enable_gradient_checkpointing`, with our context.
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def add_policy_adapter(policy: nn.Module, config: PPOConfig):
+    """The policy as a PeftModel with adapter `default`; the base is frozen."""
+    from peft import get_peft_model
+
+    _prepare_quantized(policy, config)
+    try:
+        return get_peft_model(policy, peft_lora_config(config.lora, "CAUSAL_LM"))
+    except ValueError as e:
+        raise UserError(f"lora.target_modules: {str(e).splitlines()[0]}") from None
+
+
+def add_value_adapter(value_model: nn.Module, config: PPOConfig):
+    """A separate critic (one-label sequence classifier) with its own adapter; the head trains fully."""
+    from peft import get_peft_model
+
+    _prepare_quantized(value_model, config)
+    try:
+        return get_peft_model(value_model, peft_lora_config(config.lora, "SEQ_CLS"))
+    except ValueError as e:
+        raise UserError(f"lora.target_modules (value model): {str(e).splitlines()[0]}") from None
+
+
+def adapter_parameters(peft_model) -> list[nn.Parameter]:
+    """Every adapter's trainable tensors (LoRA A/B, DoRA magnitudes, trained copies of heads)."""
+    return [p for n, p in peft_model.named_parameters() if "lora_" in n or "modules_to_save" in n]
+
+
+@contextlib.contextmanager
+def active_adapter(peft_model, name: str):
+    """Run with adapter `name` active, then switch back; every adapter keeps requires_grad."""
+    previous = peft_model.active_adapter
+    if previous == name:
+        yield
+        return
+    trainable = [p for p in adapter_parameters(peft_model) if p.requires_grad]
+    peft_model.set_adapter(name)
+    for p in trainable:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        peft_model.set_adapter(previous)
+        for p in trainable:
+            p.requires_grad_(True)
+
+
+class ScalarHead(nn.Linear):
+    """hidden -> one scalar, in the head's own dtype (float32 on a bf16 base)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden.to(self.weight.dtype))
+
+
+class SharedBaseCritic(nn.Module):
+    """The critic on the policy's own frozen base: LoRA adapter `value` plus a scalar head.
+
+    Shaped like a one-label sequence classifier (`base_model_prefix` names a backbone callable,
+    `score` is the head), so `models.scalar_outputs` runs it like any value model. The policy's
+    PeftModel is kept as a plain attribute, not a submodule: its weights belong to the policy,
+    and registering it twice would duplicate them in every state_dict.
+    """
+
+    base_model_prefix = "backbone"
+
+    def __init__(self, policy, config: PPOConfig):
+        super().__init__()
+        policy.add_adapter(VALUE_ADAPTER, peft_lora_config(config.lora, None))
+        for p in adapter_parameters(policy):
+            p.requires_grad_(True)  # add_adapter leaves the inactive adapter frozen
+        base = policy.get_base_model()
+        hidden = base.config.get_text_config().hidden_size
+        self.score = ScalarHead(hidden, 1, bias=False, device=base.device)
+        nn.init.zeros_(self.score.weight)  # values start at 0, as with value_model_from_policy
+        self.__dict__["policy"] = policy
+        self.config = base.config
+
+    def backbone(self, **inputs):
+        with active_adapter(self.policy, VALUE_ADAPTER):
+            return backbone(self.policy.get_base_model())(**inputs)
+
+    def save_pretrained(self, directory) -> None:
+        """adapter_config.json + adapter_model.safetensors (the `value` adapter) and the head."""
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        adapter = get_peft_model_state_dict(self.policy, adapter_name=VALUE_ADAPTER)
+        save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, directory / "adapter_model.safetensors")
+        peft_config = self.policy.peft_config[VALUE_ADAPTER]
+        peft_config.base_model_name_or_path = self.config._name_or_path
+        peft_config.save_pretrained(directory)
+        save_file({"score.weight": self.score.weight.detach().contiguous().cpu()}, directory / VALUE_HEAD_FILE)
+        (directory / SHARED_CRITIC_FILE).write_text(json.dumps({
+            "kind": "shared", "adapter": "adapter_model.safetensors", "head": VALUE_HEAD_FILE,
+            "base": self.config._name_or_path,
+            "note": "critic = the policy's base + this LoRA adapter + the head (hidden -> 1, no bias), read at every position",
+        }, indent=2))
+
+
+def enable_gradient_checkpointing(model: nn.Module, peft_model=None) -> None:
+    """Non-reentrant checkpointing; under a multi-adapter PeftModel the recompute uses the adapter
+    that was active in the forward (see the module docstring)."""
+    kwargs: dict = {"use_reentrant": False}
+    if peft_model is not None:
+
+        def context_fn():
+            name = peft_model.active_adapter
+            return contextlib.nullcontext(), active_adapter(peft_model, name)
+
+        kwargs["context_fn"] = context_fn
+    unwrap_peft(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def adapters_disabled(peft_model):
+    """The base model alone (the reference, or the reward under a critic's adapter).
+
+    peft's `disable_adapter` re-enables by `set_adapter(active)`, which leaves every inactive
+    adapter (the shared critic's) with requires_grad=False; restore it.
+    """
+    trainable = [p for p in adapter_parameters(peft_model) if p.requires_grad]
+    try:
+        with peft_model.disable_adapter():
+            yield
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(type(model), "disable_adapter") and hasattr(type(model), "get_base_model")
+
+
+# --------------------------------------------------------------------------- reward on a shared base
+
+
+class AdapterDisabledReward(RewardModelReward):
+    """The reward model whose weights also carry the critic's adapter: scored with it disabled."""
+
+    def __init__(self, source: RewardModelReward, peft_model):
+        super().__init__(source.model, source.tokenizer, name=source.name, batch_size=source.batch_size)
+        self.peft_model = peft_model
+
+    def score(self, batch):
+        with adapters_disabled(self.peft_model):
+            return super().score(batch)
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def save_policy(policy: nn.Module, directory: Path, merged_directory: Optional[Path] = None) -> None:
+    """A full policy: save_pretrained. A LoRA policy: its `default` adapter only (the critic's
+    adapter goes to value_model/), and with `merged_directory` the merged full model."""
+    if not is_peft(policy):
+        policy.save_pretrained(directory)
+        return
+    policy.save_pretrained(directory, selected_adapters=[POLICY_ADAPTER])
+    if merged_directory is not None:
+        save_merged_policy(policy, merged_directory)
+
+
+def save_merged_policy(policy, directory: Path) -> None:
+    """Merge the `default` adapter into the base weights, save a plain transformers model, unmerge.
+
+    Merging in place needs no second copy of the weights; the state dict is cleaned of peft's
+    names (`base_layer.`, `lora_*`) so AutoModelForCausalLM loads it without peft.
+    """
+    base = policy.get_base_model()
+    with torch.no_grad():
+        policy.base_model.merge_adapter(adapter_names=[POLICY_ADAPTER])
+        try:
+            state = {}
+            for key, tensor in base.state_dict().items():
+                if "lora_" in key:
+                    continue
+                state[key.replace(".base_layer.", ".")] = tensor.detach().cpu().clone()
+            base.save_pretrained(directory, state_dict=state)
+        finally:
+            policy.base_model.unmerge_adapter()
+
+
+def save_value_model(value_model: nn.Module, directory: Path) -> None:
+    """Full critic: save_pretrained. LoRA critic: adapter + trained head (peft's SEQ_CLS layout).
+    Shared critic: the `value` adapter, the head and a note naming the base."""
+    value_model.save_pretrained(directory)
+
+
+def merge_adapter(base: str, adapter: str, output: str) -> None:
+    """Merge a saved policy adapter (e.g. final/) into its full-precision base and save it plainly.
+
+    For a run trained on a quantised base, where merging at the end of training would be lossy.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+    model.merge_and_unload().save_pretrained(output)

@@ -1,0 +1,122 @@
+"""`ppokit plan` and the preflight estimate: counts against real models, formulas, CLI exit codes."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_ppo_config
+
+from ppokit.cli import PLAN_DOES_NOT_FIT, main
+from ppokit.config import LoraConfig
+from ppokit.plan import GiB, estimate, plan_for
+
+pytest.importorskip("peft")
+
+
+def roles_of(plan):
+    return {r.role: r for r in plan.roles}
+
+
+def test_counts_match_the_models_the_trainer_builds(model_dir, prompts_file, tmp_path):
+    from ppokit.trainer import PPOTrainer
+
+    for value_model in (None, "shared"):
+        config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run")
+        config.lora, config.value_model = LoraConfig(r=4, alpha=8), value_model
+        plan = plan_for(config)
+        trainer = PPOTrainer(config, show_progress=False)
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        roles = roles_of(plan)
+        assert roles["policy"].trainable + roles["value"].trainable == trainable
+        assert roles["reference"].weights == 0
+        base = sum(p.numel() for p in trainer.policy.get_base_model().parameters() if not p.requires_grad)
+        assert roles["policy"].params - roles["policy"].trainable == base
+
+    config = tiny_ppo_config(model_dir("gpt2"), prompts_file, tmp_path / "full")
+    roles = roles_of(plan_for(config))
+    trainer = PPOTrainer(config, show_progress=False)
+    assert roles["policy"].params == sum(p.numel() for p in trainer.policy.parameters())
+    assert roles["value"].params == sum(p.numel() for p in trainer.value_model.parameters())
+    assert roles["reference"].weights == roles["policy"].weights == 4 * roles["policy"].params  # float32
+    assert roles["policy"].optimizer == 2 * roles["policy"].gradients  # AdamW: two states per weight
+
+
+def test_each_switch_lowers_its_own_term(model_dir, prompts_file, tmp_path):
+    base = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", per_device_train_batch_size=8,
+                           num_mini_batches=1, total_episodes=16)
+    device = ("test", 64 * GiB)
+    full = estimate(base, 32, 64, device)
+
+    base.gradient_checkpointing = True
+    checkpointed = estimate(base, 32, 64, device)
+    assert checkpointed.phases["training"] < full.phases["training"]
+    assert sum(r.persistent for r in checkpointed.roles) == sum(r.persistent for r in full.roles)
+
+    base.gradient_checkpointing = False
+    base.lora = LoraConfig(r=4)
+    lora = estimate(base, 32, 64, device)
+    assert roles_of(lora)["policy"].optimizer < roles_of(full)["policy"].optimizer / 5
+    assert roles_of(lora)["reference"].weights == 0
+
+    base.value_model = "shared"
+    shared = estimate(base, 32, 64, device)
+    assert roles_of(shared)["value"].weights < roles_of(lora)["value"].weights / 5
+    assert shared.total < lora.total < full.total
+
+    longer = estimate(base, 64, 64, device)
+    assert longer.phases["sampling"] > shared.phases["sampling"]
+    assert shared.sizes.batch == 8 and shared.sizes.num_updates == 2
+
+
+@pytest.fixture
+def big_model_dir(tmp_path):
+    """A config.json of a 13B-parameter Llama and nothing else: plan never needs the weights."""
+    from transformers import LlamaConfig
+
+    path = tmp_path / "llama-13b"
+    LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                vocab_size=32000, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def write_config(path, **data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_plan_cli_fits_and_does_not_fit(model_dir, prompts_file, big_model_dir, tmp_path, capsys):
+    common = {"reward": {"functions": ["sentiment"]}, "data": {"train": str(prompts_file)},
+              "ppo": {"total_episodes": 16, "per_device_train_batch_size": 4, "response_length": 8}}
+    small = write_config(tmp_path / "small.yaml", model=str(model_dir("llama")), **common)
+    assert main(["plan", str(small)]) == 0
+    out = capsys.readouterr().out
+    for word in ("policy", "reference", "value", "weights", "grads", "optim", "fits", "rollout batch 4"):
+        assert word in out
+
+    big = write_config(tmp_path / "big.yaml", model=str(big_model_dir), **common)
+    assert main(["plan", str(big), "--json", "--device-memory", "80"]) == PLAN_DOES_NOT_FIT
+    report = json.loads(capsys.readouterr().out)
+    assert not report["fits"] and report["total_bytes"] > 13e9 * 2 * 3  # three bf16 copies at least
+    assert report["roles"][0]["params"] > 12e9
+    assert report["suggestion"] and report["suggestion"].startswith("lora: {}")
+
+    assert main(["plan", str(big), "lora={}", "value_model=shared", "--device-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "adapter disabled (no copy)" in out and "on the policy's base (no copy)" in out
+
+    assert main(["plan", str(small), "ppo.no_such_key=1"]) == 2
+    assert "ppo.no_such_key" in capsys.readouterr().err
+    assert main(["plan", str(small), "value_model=shared"]) == 2
+
+
+def test_ppo_command_prints_the_plan_first(model_dir, prompts_file, big_model_dir, tmp_path, capsys):
+    config = write_config(
+        tmp_path / "run.yaml", model=str(model_dir("llama")), output_dir=str(tmp_path / "run"),
+        reward={"functions": ["sentiment"]}, data={"train": str(prompts_file)},
+        ppo={"total_episodes": 4, "per_device_train_batch_size": 4, "num_ppo_epochs": 1, "response_length": 4,
+             "num_sample_generations": 0},
+    )
+    assert main(["ppo", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert "plan: estimated peak" in err and "fits" in err
