@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -89,8 +90,10 @@ class UpdateSnapshot:
                     p.copy_(saved)
             self.optimizer.load_state_dict(self.optimizer_state)
         self.scheduler.load_state_dict(self.scheduler_state)
-        for _ in range(scheduler_steps):
-            self.scheduler.step()
+        with warnings.catch_warnings():  # stepping the schedule without an optimiser step is the point here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            for _ in range(scheduler_steps):
+                self.scheduler.step()
 
 
 # --------------------------------------------------------------------------- signals
