@@ -24,7 +24,8 @@ from ppokit.trainer import PPOTrainer
 # 4 updates of 8 episodes; the adaptive KL controller moves kl_coef every update (its state must survive),
 # and samples are drawn at updates 2 and 4 (so sampling's use of the RNG must survive too).
 RUN = dict(total_episodes=32, kl_target=0.5, kl_horizon=100)
-WALL_CLOCK = ("eps", "time/")  # the only keys allowed to differ between an interrupted and a straight run
+WALL_CLOCK = ("eps", "time/")
+SHOWN = ("objective/scores", "objective/kl", "objective/kl_coef", "loss/policy_avg", "lr")  # the only keys allowed to differ between an interrupted and a straight run
 
 
 def comparable(path: Path) -> list[dict]:
@@ -54,6 +55,8 @@ def resume_and_finish(config: PPOConfig, path=None) -> PPOTrainer:
 def assert_same_run(run_dir: Path, reference: Path) -> None:
     got, want = comparable(run_dir / "metrics.jsonl"), comparable(reference / "metrics.jsonl")
     assert [r["update"] for r in got] == [1, 2, 3, 4]
+    for g, w in zip(got, want):  # shown with `pytest -s`
+        print(f"update {g['update']}: " + ", ".join(f"{k} {g[k]!r} vs {w[k]!r}" for k in SHOWN if k in g))
     assert got == want  # every number, bit for bit, except wall-clock time
     assert len({r["objective/kl_coef"] for r in got}) == 4  # the KL controller really adapted
     assert (run_dir / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
@@ -252,6 +255,24 @@ def test_checkpoint_files_cannot_run_code(model_dir, prompts_file, tmp_path, ref
     trainer = PPOTrainer(tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **RUN), show_progress=False)
     with pytest.raises(UserError, match="optimizer.pt: cannot be read"):
         trainer.resume_from(copy)
+    assert not marker.exists()
+
+
+def test_model_weights_in_pickle_format_cannot_run_code(model_dir, tmp_path):
+    """Models load through transformers, which reads .bin weights with torch.load(weights_only=True)."""
+    from ppokit.models import load_causal_lm
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir("llama"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"model.embed_tokens.weight": Payload()}, folder / "pytorch_model.bin")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load_causal_lm(str(folder))
     assert not marker.exists()
 
 
