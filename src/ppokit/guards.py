@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ppokit.checkpoint import checkpoints_dir, list_checkpoints
 from ppokit.errors import UserError
 
 
@@ -144,8 +145,6 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:
-            from ppokit.checkpoint import checkpoints_dir, list_checkpoints
-
             found = list_checkpoints(checkpoints_dir(self.trainer.output_dir))
             raise TrainingInterrupted(signum, self.trainer.update, found[-1] if found else None, abandoned=True)
         self.received = signum
