@@ -5,20 +5,53 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from ppokit.errors import UserError
 
 
 def _ppo(args) -> int:
+    from ppokit import checkpoint
     from ppokit.config import PPOConfig
+    from ppokit.guards import TrainingInterrupted
+
+    overrides, resume = list(args.overrides), args.resume
+    if resume is not None and resume != "latest" and "=" in resume and not os.path.exists(resume):
+        overrides.append(resume)  # `--resume a.b=1`: argparse took an override for the optional path
+        resume = "latest"
+    if args.resume_force and resume is None:
+        raise UserError("--resume-force only applies with --resume")
+    config = PPOConfig.load(args.config, overrides)
+    # Find the checkpoint (or refuse to start over an unfinished run) before loading any weights.
+    if resume is not None:
+        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir)
+    else:
+        resume_path = None
+        unfinished = checkpoint.unfinished_run(config.output_dir)
+        if unfinished:
+            path, state = unfinished
+            raise UserError(
+                f"{config.output_dir} holds an unfinished run (checkpoint {path.name} of {state['num_updates']} updates): "
+                f"continue it with --resume, or delete {checkpoint.checkpoints_dir(config.output_dir)} to start over"
+            )
     from ppokit.trainer import PPOTrainer
 
-    config = PPOConfig.load(args.config, args.overrides)
     _preflight(config)
     trainer = PPOTrainer(config)
-    records = trainer.train()
-    print(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": records[-1]["objective/scores"]}))
+    if resume_path is not None:
+        trainer.resume_from(resume_path, force=args.resume_force)
+        print(f"ppokit: resumed from {resume_path} (update {trainer.update} of {trainer.sizes.num_updates})", file=sys.stderr)
+        if trainer.update >= trainer.sizes.num_updates:
+            print("ppokit: that checkpoint is the end of the run; nothing left to train", file=sys.stderr)
+    try:
+        records = trainer.train()
+    except TrainingInterrupted as e:
+        command = shlex.join(["ppokit", "ppo", args.config, *overrides, "--resume"])
+        print(f"ppokit: {e}\nppokit: resume with: {command}", file=sys.stderr)
+        return e.exit_code
+    scores = [r["objective/scores"] for r in records if "objective/scores" in r]
+    print(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": scores[-1] if scores else None}))
     return 0
 
 
@@ -124,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     ppo = sub.add_parser("ppo", help="run PPO from a YAML config")
     ppo.add_argument("config", help="YAML config file")
     ppo.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    ppo.add_argument(
+        "--resume", nargs="?", const="latest", default=None, metavar="PATH",
+        help="continue from the latest complete checkpoint in output_dir/checkpoints, or from PATH "
+        "(a checkpoint folder, or a run folder: its latest checkpoint)",
+    )
+    ppo.add_argument(
+        "--resume-force", action="store_true",
+        help="resume even when config keys that change the result differ from the checkpoint's (they are listed)",
+    )
     ppo.set_defaults(func=_ppo)
 
     for name, func, what in (

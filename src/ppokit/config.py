@@ -72,6 +72,9 @@ class PPOHyperparams:
     save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative)
     num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); 0 disables.", check=non_negative)
     num_eval_samples: int = doc(8, "Prompts (from data.eval, else the current batch) in each sample generation.", check=positive)
+    save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive)
+    max_skipped_updates: int = doc(3, "An update with a non-finite score, loss or gradient is rolled back and skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive)
+    nonfinite_rollback: bool = doc(True, "Undo the optimiser steps a skipped update already took, from a copy of the trainable weights and optimiser state made at the start of every update (CPU memory, about 3x the trainable weights). false: keep them and skip only the rest of the update (for full fine-tunes too large to copy).")
 
     def derive(self, world_size: int, num_prompts: int) -> "BatchSizes":
         """Batch arithmetic, as TRL does it; raises UserError on inexact division."""

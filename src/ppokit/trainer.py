@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -25,10 +25,12 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, roles
+from ppokit import algo, checkpoint, roles
+from ppokit.checkpoint import atomic_save_dir
 from ppokit.config import PPOConfig
 from ppokit.data import PromptDataset, as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
+from ppokit.guards import NonFiniteStop, NonFiniteUpdate, StopSignals, TrainingInterrupted, UpdateSnapshot, check_finite, gradient_norm
 from ppokit.metrics import ConsoleReporter, JsonlWriter
 from ppokit.models import (
     disable_dropout,
@@ -59,23 +61,6 @@ class PolicyAndValue(nn.Module):
         logits = response_logits(self.policy, input_ids, attention_mask, response_length)
         values = scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
         return logits, values
-
-
-def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
-    """Write a directory under a temporary name and rename it into place when complete."""
-    target = Path(target)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(target)
 
 
 class PPOTrainer:
@@ -229,6 +214,12 @@ class PPOTrainer:
         self.eval_query_ids = self._tokenize_prompts(self.eval_data, "data.eval") if self.eval_data else None
         self.update = 0
         self.episode = 0
+        # Resume state (ppokit.checkpoint saves and restores all of it with the models and optimiser).
+        self.records: list[dict] = []  # metric records of every update so far
+        self.skipped_updates = 0  # updates rolled back for a non-finite score, loss or gradient
+        self.skipped_in_a_row = 0
+        self.last_nonfinite: Optional[NonFiniteUpdate] = None
+        self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -361,6 +352,7 @@ class PPOTrainer:
             for mb_start in range(0, len(rollout), sizes.local_mini_batch):
                 minibatch = order[mb_start : mb_start + sizes.local_mini_batch]
                 micro_batches = minibatch.split(sizes.micro_batch)
+                step_loss = torch.zeros((), device=rollout.query_ids.device)
                 for k, micro in enumerate(micro_batches):
                     mb = rollout.select(micro)
                     sync = k == len(micro_batches) - 1
@@ -376,6 +368,7 @@ class PPOTrainer:
                         )
                         loss = (pg_loss + hp.vf_coef * vf_loss) / len(micro_batches)
                         self.accelerator.backward(loss)
+                    step_loss = step_loss + loss.detach()
                     with torch.no_grad():
                         entropy = algo.masked_mean(algo.entropy_from_logits(logits.detach(), hp.temperature), mb.response_mask)
                     for key, value in (
@@ -384,8 +377,12 @@ class PPOTrainer:
                         ("entropy", entropy),
                     ):
                         stats[key].append(value)
+                grad_norm = None
                 if hp.max_grad_norm > 0:
-                    self.accelerator.clip_grad_norm_(self.model.parameters(), hp.max_grad_norm)
+                    grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), hp.max_grad_norm)
+                # Checked before the step: a non-finite loss or gradient must never reach the weights.
+                check_finite("loss", step_loss, self.accelerator)
+                check_finite("gradient", grad_norm if grad_norm is not None else gradient_norm(self.model.parameters()), self.accelerator)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -415,6 +412,7 @@ class PPOTrainer:
         # 2. score
         rollout.scores, extras = self.score(rollout, prompts, columns)
         rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
+        check_finite("score", rollout.scores, self.accelerator)
         t_score = time.perf_counter()
 
         # 3. forward: reference logprobs and values
@@ -479,18 +477,22 @@ class PPOTrainer:
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
             self.config.save(out / "config.yaml")
-        metrics = JsonlWriter(out / "metrics.jsonl") if is_main else None
-        samples = JsonlWriter(out / "samples.jsonl") if is_main else None
+            if self.update == 0 and (removed := checkpoint.remove_checkpoints(out)) and self.show_progress:
+                print(f"{out}: removed {removed} checkpoint(s) of an earlier run; this fresh run replaces it")
+        resumed = self.update > 0  # resume_from rewrote metrics.jsonl and samples.jsonl to the checkpoint's
+        metrics = JsonlWriter(out / "metrics.jsonl", append=resumed) if is_main else None
+        samples = JsonlWriter(out / "samples.jsonl", append=resumed) if is_main else None
         reporter = ConsoleReporter(self.sizes.num_updates, initial=self.update, enabled=self.show_progress)
         sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
-        records = []
+        records = self.records
+        signals = StopSignals(self).install()
         # Set-up allocated many long-lived objects; freezing them keeps each gc pass short.
         gc.collect()
         gc.freeze()
         try:
             while self.update < self.sizes.num_updates:
-                record = self.step()
-                if sample_every and (self.update % sample_every == 0 or self.update == self.sizes.num_updates):
+                record = self.run_update()
+                if sample_every and not self.skipped_in_a_row and (self.update % sample_every == 0 or self.update == self.sizes.num_updates):
                     rows = self.sample_completions()
                     record["eval/scores"] = sum(r["score"] for r in rows) / len(rows)
                     if samples:
@@ -501,14 +503,71 @@ class PPOTrainer:
                 reporter.update(record, print_line=self.update % hp.logging_steps == 0 or self.update == self.sizes.num_updates)
                 if hp.save_steps and self.update % hp.save_steps == 0 and self.update < self.sizes.num_updates:
                     self.save_checkpoint()
+                self._stop_if_asked(signals)
         finally:
+            signals.uninstall()
             reporter.close()
             gc.unfreeze()
             for sink in (metrics, samples):
                 if sink:
                     sink.close()
+        self.save_checkpoint()
         self.save_final()
         return records
+
+    def run_update(self) -> dict[str, Any]:
+        """`step` under the non-finite guard. An update whose score, loss or gradient is NaN or infinite is
+        rolled back to its start (ppokit.guards.UpdateSnapshot), counted in `skipped_updates` and logged
+        as `nonfinite/<quantity>`; its batch is not retried (the data position moves on)."""
+        hp = self.config.ppo
+        t0 = time.perf_counter()
+        snapshot = UpdateSnapshot(self.model, self.optimizer, self.scheduler, weights=hp.nonfinite_rollback)
+        try:
+            record = self.step()
+        except NonFiniteUpdate as bad:
+            snapshot.restore(scheduler_steps=hp.num_ppo_epochs * hp.num_mini_batches)
+            self.model.train()
+            self.update += 1
+            self.episode += self.sizes.batch
+            self.skipped_updates += 1
+            self.skipped_in_a_row += 1
+            self.last_nonfinite = bad
+            if self.show_progress:
+                print(f"update {self.update}: skipped and rolled back, {bad}", file=sys.stderr)
+            return {
+                "update": self.update, "episode": self.episode, f"nonfinite/{bad.quantity}": 1,
+                "skipped_updates": self.skipped_updates, "time/update": time.perf_counter() - t0,
+            }
+        self.skipped_in_a_row = 0
+        record["skipped_updates"] = self.skipped_updates
+        return record
+
+    def _stop_if_asked(self, signals: StopSignals) -> None:
+        """After an update: stop with a checkpoint after too many non-finite updates or on SIGINT/SIGTERM."""
+        hp = self.config.ppo
+        if self.skipped_in_a_row >= hp.max_skipped_updates:
+            path = self.save_checkpoint()
+            raise NonFiniteStop(
+                f"update {self.update}: {self.skipped_in_a_row} updates in a row were skipped "
+                f"(ppo.max_skipped_updates={hp.max_skipped_updates}), the last for a {self.last_nonfinite}. "
+                f"The checkpoint {path} holds the last good weights; fix the cause (reward, learning rate, data) "
+                "and continue with --resume"
+            )
+        signum = signals.requested()
+        if signum and self.update < self.sizes.num_updates:
+            raise TrainingInterrupted(signum, self.update, self.save_checkpoint())
+
+    def resume_from(self, path: str | Path | None = None, force: bool = False) -> Path:
+        """Continue from checkpoint `path` (default: the latest complete one in output_dir/checkpoints);
+        call train() next. Restores weights, optimiser, schedule, KL controller, reward-source state,
+        RNG states, counters and metrics. A config that would change the result is refused unless `force`."""
+        path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir)
+        say = (lambda m: print(f"ppokit: {m}", file=sys.stderr)) if self.accelerator.is_main_process else (lambda m: None)
+        checkpoint.load_checkpoint(self, path, force=force, say=say)
+        own = checkpoint.checkpoints_dir(self.output_dir) / f"update-{self.update}"
+        if own.exists() and own.resolve() == path.resolve():
+            self._saved_at = (self.update, path)
+        return path
 
     @torch.inference_mode()
     def sample_completions(self) -> list[dict]:
@@ -528,8 +587,11 @@ class PPOTrainer:
             for p, c, s in zip(prompts, completions, scores)
         ]
 
-    def save_checkpoint(self) -> None:
-        """Overridden by the checkpoint module when resume is enabled; the base run saves models only."""
+    def save_checkpoint(self) -> Path:
+        """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""
+        if self._saved_at is None or self._saved_at[0] != self.update:
+            self._saved_at = (self.update, checkpoint.save_checkpoint(self))
+        return self._saved_at[1]
 
     def save_final(self) -> Path:
         """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/."""
@@ -539,13 +601,15 @@ class PPOTrainer:
         self.accelerator.wait_for_everyone()
         return target
 
-    def save_models(self, target: Path) -> None:
+    def save_models(self, target: Path, merged: bool = True) -> None:
+        """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured."""
+
         def write(tmp: Path) -> None:
-            merged = tmp / "merged" if self.config.save_merged else None
-            roles.save_policy(self.policy, tmp, merged)
+            merged_dir = tmp / "merged" if merged and self.config.save_merged else None
+            roles.save_policy(self.policy, tmp, merged_dir)
             self.tokenizer.save_pretrained(tmp)
-            if merged is not None:
-                self.tokenizer.save_pretrained(merged)
+            if merged_dir is not None:
+                self.tokenizer.save_pretrained(merged_dir)
             roles.save_value_model(self.value_model, tmp / "value_model")
             self.tokenizer.save_pretrained(tmp / "value_model")
 

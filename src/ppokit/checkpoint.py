@@ -1,0 +1,456 @@
+"""Checkpoints: the whole training state to and from disk, written atomically, for exact resume.
+
+A checkpoint is the folder `output_dir/checkpoints/update-N/`:
+
+    trainable.safetensors with LoRA: every trainable tensor (adapters, heads), what resume reads
+    model/               policy + tokenizer as `trainer.save_models` writes them (the layout of final/:
+                         full weights, or adapters for a PEFT model), value model in model/value_model/
+    optimizer.pt         optimiser state                       (torch.save; read with weights_only=True)
+    scheduler.pt         learning-rate schedule position       (idem)
+    rng.pt               Python, NumPy, torch and CUDA RNG states, one entry per process (idem)
+    reward_scorer.pt     the reward scorer's state_dict(): per-source normalisation statistics
+    metrics.jsonl        the metric records of updates 1..N (metrics.jsonl is rewritten to it on resume)
+    samples.jsonl        samples.jsonl as it was after update N
+    config.yaml          the run's configuration, compared with the new one on resume
+    trainer_state.json   counters, data position, KL controller, versions; written last ("complete": true)
+
+The folder is written under a temporary name and renamed into place (`atomic_save_dir`), so a
+crash while writing leaves the previous checkpoints as they were; only folders named update-N
+whose trainer_state.json says complete count. The data order is a pure function of
+(seed, update index) (`PPOTrainer.batch_indices`), so the update counter is the data position.
+
+The functions take the trainer and use only its attributes: accelerator, config, output_dir,
+sizes, train_data, eval_data, policy, value_model, optimizer, scheduler, kl_controller, scorer,
+records, update, episode, skipped_updates, skipped_in_a_row and save_models().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import yaml
+
+from ppokit.errors import UserError
+from ppokit.metrics import JsonlWriter, read_jsonl_records
+
+FORMAT = 1
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^update-(\d+)$")
+
+# Config keys that may differ between a checkpoint and the run that resumes it, because they do not
+# change any number the run computes: where the run is written, how often it prints or saves, how
+# many checkpoints it keeps, when it gives up on non-finite updates, whether remote code may run.
+# Every other key (and the number of processes, and the contents of the data files) must match
+# unless the user says --resume-force. Keys added by later features are refused until listed here.
+RESUME_SAFE_KEYS = frozenset(
+    {
+        "output_dir",
+        "trust_remote_code",
+        "ppo.logging_steps",
+        "ppo.save_steps",
+        "ppo.save_total_limit",
+        "ppo.max_skipped_updates",
+    }
+)
+
+
+# --------------------------------------------------------------------------- atomic folders
+
+
+def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """Write a directory under a temporary name and rename it into place when complete."""
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(target)
+
+
+# --------------------------------------------------------------------------- finding checkpoints
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def read_state(path: Path) -> Optional[dict]:
+    """trainer_state.json of a complete checkpoint, else None."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and state.get("complete") is True else None
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """Complete checkpoints in `folder` (a checkpoints/ folder), oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and read_state(p) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(spec: Optional[str], output_dir: str | Path) -> Path:
+    """The checkpoint to resume: `spec` None -> the latest complete one in output_dir/checkpoints;
+    a checkpoint folder -> that one; a run folder or a checkpoints folder -> the latest in it."""
+    if spec is None:
+        candidates = [checkpoints_dir(output_dir)]
+    else:
+        path = Path(spec).expanduser()
+        if (path / STATE_FILE).exists() or _NAME.match(path.name):
+            if read_state(path) is None:
+                raise UserError(f"--resume {spec}: not a complete checkpoint (no trainer_state.json marked complete)")
+            return path
+        if not path.is_dir():
+            raise UserError(f"--resume {spec}: no such checkpoint or run directory")
+        candidates = [path / CHECKPOINTS, path]
+    for folder in candidates:
+        found = list_checkpoints(folder)
+        if found:
+            return found[-1]
+    raise UserError(f"--resume: no complete checkpoint in {candidates[0]}; nothing to resume (start without --resume)")
+
+
+def unfinished_run(output_dir: str | Path) -> Optional[tuple[Path, dict]]:
+    """(latest checkpoint, its state) when output_dir holds a run that stopped before its last update."""
+    found = list_checkpoints(checkpoints_dir(output_dir))
+    if not found:
+        return None
+    state = read_state(found[-1])
+    return (found[-1], state) if state["update"] < state["num_updates"] else None
+
+
+def remove_checkpoints(output_dir: str | Path) -> int:
+    """Delete output_dir/checkpoints (a fresh run replaces an earlier run's); returns how many there were."""
+    folder = checkpoints_dir(output_dir)
+    count = len(list_checkpoints(folder))
+    if folder.exists():
+        shutil.rmtree(folder)
+    return count
+
+
+def prune_checkpoints(folder: Path, keep: Optional[int]) -> None:
+    """Keep the newest `keep` complete checkpoints (never fewer than one); clear leftovers of failed writes."""
+    for leftover in folder.glob(".update-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep is None:
+        return
+    for old in list_checkpoints(folder)[: -max(1, keep)]:
+        shutil.rmtree(old)
+
+
+# --------------------------------------------------------------------------- RNG states
+
+
+def rng_state() -> dict:
+    """RNG states of this process, as tensors and plain values (loadable with weights_only=True)."""
+    version, keys, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "python": {"version": version, "state": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder}: no .safetensors weights (checkpoints are written with safetensors only)")
+    state = {}
+    for f in files:
+        state.update(load_file(f, device="cpu"))
+    return state
+
+
+def load_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load weights written by `save_pretrained` (a full model, or a PEFT model's adapters) into `model`.
+
+    Every trainable tensor must be found (a tied weight saved once under another name counts);
+    frozen weights not in the folder (a PEFT base model) are left as they are.
+    """
+    state = _read_safetensors(folder)
+    try:
+        if hasattr(model, "peft_config"):
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(model, state)
+        else:
+            result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise UserError(f"{folder}: the saved weights do not fit the model: {str(e).splitlines()[0]}") from None
+    if result.unexpected_keys:
+        raise UserError(f"{folder}: weights the model does not have: {', '.join(result.unexpected_keys[:5])}")
+    own = model.state_dict()
+    loaded = {own[k].data_ptr() for k in set(own) - set(result.missing_keys)}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing = [k for k in result.missing_keys if k in trainable and own[k].data_ptr() not in loaded]
+    if missing:
+        raise UserError(f"{folder}: trainable weights missing from the checkpoint: {', '.join(missing[:5])}")
+
+
+def _load_trainable(trainer, file: Path) -> None:
+    from safetensors.torch import load_file
+
+    saved = load_file(str(file))
+    params = _trainable_parameters(trainer)
+    if set(saved) != set(params):
+        missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+        raise UserError(f"{file}: does not fit this run's trainable weights (missing: {missing[:3]}, unexpected: {extra[:3]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+
+
+def _torch_load(path: Path):
+    """torch.load that only accepts tensors and plain containers: a checkpoint cannot run code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise UserError(f"{path}: cannot be read as a checkpoint file ({str(e).splitlines()[0]})") from None
+
+
+# --------------------------------------------------------------------------- config comparison
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(saved: dict, current: dict, defaults: dict) -> list[str]:
+    """'key (checkpoint A, now B)' for every key outside RESUME_SAFE_KEYS whose value differs.
+
+    Keys missing from the saved config (added to ppokit since) count as their default.
+    """
+    normalise = lambda d: _flatten(yaml.safe_load(yaml.safe_dump(d)))  # noqa: E731  (YAML round trip, as saved)
+    before = {**normalise(defaults), **normalise(saved)}
+    now = normalise(current)
+    return [
+        f"{key} (checkpoint {before.get(key)!r}, now {now.get(key)!r})"
+        for key in sorted(set(before) | set(now))
+        if key not in RESUME_SAFE_KEYS and before.get(key) != now.get(key)
+    ]
+
+
+def data_fingerprint(dataset) -> Optional[str]:
+    """sha256 of a prompt dataset's rows: a data file edited between save and resume is noticed."""
+    if dataset is None:
+        return None
+    payload = json.dumps({"prompts": dataset.prompts, "columns": dataset.columns}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _versions() -> dict:
+    import transformers
+
+    import ppokit
+
+    return {"ppokit": ppokit.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(trainer) -> Path:
+    """Write checkpoints/update-<trainer.update>/ (every process calls this); returns its path.
+
+    Saving leaves every RNG as it found it, so a run that saves computes what a run that does not would.
+    """
+    accelerator = trainer.accelerator
+    rng = rng_state()
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        rng_all = gather_object([rng])
+    else:
+        rng_all = [rng]
+    target = checkpoints_dir(trainer.output_dir) / f"update-{trainer.update}"
+    if accelerator.is_main_process:
+        atomic_save_dir(target, lambda tmp: _write(trainer, tmp, rng_all))
+        prune_checkpoints(target.parent, trainer.config.ppo.save_total_limit)
+    accelerator.wait_for_everyone()
+    set_rng_state(rng)
+    return target
+
+
+def _trainable_parameters(trainer) -> dict[str, torch.nn.Parameter]:
+    """Every parameter the optimiser updates, by its name under PolicyAndValue (each once)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _has_adapters(trainer) -> bool:
+    return trainer.config.lora is not None
+
+
+def _write(trainer, tmp: Path, rng_all: list[dict]) -> None:
+    trainer.save_models(tmp / "model", merged=False)  # a merged copy is for the end of the run only
+    if _has_adapters(trainer):
+        # With adapters the roles share one base and model/ splits them by role (the shared critic's
+        # adapter sits inside the policy); resume reads this one file of exactly what trains instead.
+        # It is small: adapters and heads only. Full models are read back from model/ itself.
+        from safetensors.torch import save_file
+
+        save_file({k: p.detach().contiguous().cpu() for k, p in _trainable_parameters(trainer).items()}, tmp / "trainable.safetensors")
+    torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_all, tmp / "rng.pt")
+    torch.save(trainer.scorer.state_dict(), tmp / "reward_scorer.pt")
+    metrics = JsonlWriter(tmp / "metrics.jsonl")
+    metrics.write_many(trainer.records)
+    metrics.close()
+    samples = trainer.output_dir / "samples.jsonl"
+    if samples.exists():
+        shutil.copyfile(samples, tmp / "samples.jsonl")
+    trainer.config.save(tmp / "config.yaml")
+    n, batch = len(trainer.train_data), trainer.sizes.batch
+    state = {
+        "format": FORMAT,
+        "update": trainer.update,
+        "episode": trainer.episode,
+        "num_updates": trainer.sizes.num_updates,
+        "skipped_updates": trainer.skipped_updates,
+        "skipped_in_a_row": trainer.skipped_in_a_row,
+        "data": {
+            "seed": trainer.config.seed,
+            "num_prompts": n,
+            "batch": batch,
+            "pass": trainer.update * batch // n,
+            "offset_in_pass": trainer.update * batch % n,
+            "train_sha256": data_fingerprint(trainer.train_data),
+            "eval_sha256": data_fingerprint(trainer.eval_data),
+        },
+        "kl_controller": {"type": type(trainer.kl_controller).__name__, **trainer.kl_controller.state_dict()},
+        "processes": trainer.accelerator.num_processes,
+        "versions": _versions(),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": sorted(p.name for p in tmp.iterdir()) + [STATE_FILE],
+        "complete": True,
+    }
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_checkpoint(trainer, path: str | Path, force: bool = False, say: Callable[[str], None] = print) -> dict:
+    """Restore every part of the training state from checkpoint `path` into `trainer`; returns its state.
+
+    Refuses (UserError naming the keys) when the config, the number of processes or the data differ
+    in a way that changes the result, unless `force`.
+    """
+    from ppokit.config import PPOConfig
+
+    path = Path(path)
+    state = read_state(path)
+    if state is None:
+        raise UserError(f"{path}: not a complete checkpoint (no trainer_state.json marked complete)")
+    if state.get("format") != FORMAT:
+        raise UserError(f"{path}: checkpoint format {state.get('format')!r}; this ppokit reads format {FORMAT}")
+    saved_config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    differences = config_differences(saved_config, trainer.config.to_dict(), PPOConfig().to_dict())
+    if state["processes"] != trainer.accelerator.num_processes:
+        differences.append(f"processes (checkpoint {state['processes']}, now {trainer.accelerator.num_processes})")
+    for split, dataset in (("train", trainer.train_data), ("eval", trainer.eval_data)):
+        if state["data"].get(f"{split}_sha256") != data_fingerprint(dataset):
+            differences.append(f"data.{split} contents (the prompt rows differ from the checkpoint's)")
+    if differences and not force:
+        raise UserError(
+            f"resume from {path}: the run's settings differ from the checkpoint's in ways that change the result: "
+            f"{'; '.join(differences)}. Restore them, or pass --resume-force (resume_from(..., force=True)) to continue anyway"
+        )
+    if differences:
+        say(f"resuming despite differences (--resume-force): {'; '.join(differences)}")
+    if state["versions"] != _versions():
+        say(f"note: checkpoint written with {state['versions']}, now {_versions()}; numbers may differ in the last digits")
+
+    if (path / "trainable.safetensors").exists():
+        _load_trainable(trainer, path / "trainable.safetensors")
+    else:
+        load_weights(trainer.policy, path / "model")
+        load_weights(trainer.value_model, path / "model" / "value_model")
+    try:
+        trainer.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{path / 'optimizer.pt'}: does not fit the model's parameters ({e})") from None
+    trainer.scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
+    trainer.kl_controller.load_state_dict(state["kl_controller"])
+    trainer.scorer.load_state_dict(_torch_load(path / "reward_scorer.pt"))
+    trainer.update, trainer.episode = state["update"], state["episode"]
+    trainer.skipped_updates, trainer.skipped_in_a_row = state["skipped_updates"], state["skipped_in_a_row"]
+    trainer.records = read_jsonl_records(path / "metrics.jsonl")
+
+    if trainer.accelerator.is_main_process:
+        _restore_run_files(path, Path(trainer.output_dir), state["update"])
+    trainer.accelerator.wait_for_everyone()
+    rng_all = _torch_load(path / "rng.pt")
+    set_rng_state(rng_all[trainer.accelerator.process_index % len(rng_all)])
+    return state
+
+
+def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:
+    """metrics.jsonl and samples.jsonl back to the checkpoint's; newer checkpoints of this run set aside.
+
+    Records written after the checkpoint (by a process that was killed later) belong to a timeline that
+    the resumed run replaces; so do newer checkpoints, which move to checkpoints/superseded/.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path / "metrics.jsonl", output_dir / "metrics.jsonl")
+    if (path / "samples.jsonl").exists():
+        shutil.copyfile(path / "samples.jsonl", output_dir / "samples.jsonl")
+    else:
+        (output_dir / "samples.jsonl").unlink(missing_ok=True)
+    folder = checkpoints_dir(output_dir)
+    for newer in list_checkpoints(folder):
+        if read_state(newer)["update"] > update and newer.resolve() != path.resolve():
+            aside = folder / "superseded" / newer.name
+            if aside.exists():
+                shutil.rmtree(aside)
+            aside.parent.mkdir(exist_ok=True)
+            newer.rename(aside)

@@ -1,0 +1,166 @@
+"""What stops a run safely: non-finite numbers (an update is rolled back and skipped) and
+SIGINT/SIGTERM (the current update finishes, a checkpoint is written, the run exits)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import warnings
+from typing import Optional
+
+import torch
+
+from ppokit.checkpoint import checkpoints_dir, list_checkpoints
+from ppokit.errors import UserError
+
+
+class NonFiniteUpdate(Exception):
+    """Raised inside an update, before any optimiser step that would use it, when `quantity`
+    (score, loss or gradient) is NaN or infinite."""
+
+    def __init__(self, quantity: str, detail: str):
+        super().__init__(f"non-finite {quantity}: {detail}")
+        self.quantity = quantity
+        self.detail = detail
+
+
+class NonFiniteStop(UserError):
+    """max_skipped_updates updates in a row were non-finite; the run stopped after a checkpoint."""
+
+
+def check_finite(quantity: str, value: torch.Tensor, accelerator=None) -> None:
+    """Raise NonFiniteUpdate when any element of `value` is not finite on any process.
+
+    With several processes the verdict is shared, so that all of them skip the update together.
+    """
+    value = value.detach()
+    bad = ~torch.isfinite(value).all()
+    if accelerator is not None and accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad.float().reshape(1).to(accelerator.device), "sum") > 0
+    if bool(bad):
+        flat = value.flatten().float()
+        where = (~torch.isfinite(flat)).nonzero().flatten()
+        detail = f"{flat[where[0]].item()} at element {int(where[0])} of {flat.numel()}" if where.numel() else "on another process"
+        raise NonFiniteUpdate(quantity, detail)
+
+
+def gradient_norm(parameters) -> torch.Tensor:
+    """Global L2 norm of the gradients (used when gradient clipping, which returns it, is off)."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+def _cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+class UpdateSnapshot:
+    """Trainable weights, optimiser state and schedule position at the start of an update.
+
+    A PPO update takes num_ppo_epochs x num_mini_batches optimiser steps; a NaN found at step k
+    means steps 1..k-1 already moved the weights. Restoring this snapshot undoes them, so a skipped
+    update leaves no trace but its place in the schedule. The copies live in CPU memory (about 3x the
+    trainable weights with AdamW); with `weights=False` only the schedule is kept.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer, scheduler, weights: bool = True):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.params = [p.detach().to("cpu", copy=True) for p in self._trainable()] if weights else None
+        self.optimizer_state = _cpu_copy(optimizer.state_dict()) if weights else None
+        self.scheduler_state = _cpu_copy(scheduler.state_dict())
+
+    def _trainable(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def restore(self, scheduler_steps: int) -> None:
+        """Weights and optimiser back to the snapshot; the schedule moved on by one whole update,
+        so the learning rate stays a function of the update index."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.params is not None:
+            with torch.no_grad():
+                for p, saved in zip(self._trainable(), self.params):
+                    p.copy_(saved)
+            self.optimizer.load_state_dict(self.optimizer_state)
+        self.scheduler.load_state_dict(self.scheduler_state)
+        with warnings.catch_warnings():  # stepping the schedule without an optimiser step is the point here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            for _ in range(scheduler_steps):
+                self.scheduler.step()
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class TrainingInterrupted(Exception):
+    """The run stopped on SIGINT/SIGTERM. `checkpoint` is the checkpoint to resume from."""
+
+    def __init__(self, signum: int, update: int, checkpoint, abandoned: bool = False):
+        name = signal.Signals(signum).name
+        if abandoned:
+            where = f"the last complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
+            message = f"{name} received twice: abandoned update {update + 1}; {where}"
+        else:
+            message = f"{name}: stopped after update {update}; checkpoint written to {checkpoint}"
+        super().__init__(message)
+        self.signal_name = name
+        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        self.checkpoint = checkpoint
+        self.abandoned = abandoned
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handlers for the length of a run.
+
+    The first signal asks the run to stop after the current update (then it writes a checkpoint);
+    a second one abandons the update at once, leaving the last complete checkpoint to resume from.
+    Installed only in the main thread (Python delivers signals there); restored by `uninstall`.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.received: Optional[int] = None
+        self._previous: dict = {}
+
+    def install(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            found = list_checkpoints(checkpoints_dir(self.trainer.output_dir))
+            raise TrainingInterrupted(signum, self.trainer.update, found[-1] if found else None, abandoned=True)
+        self.received = signum
+        if self.trainer.accelerator.is_main_process:
+            print(
+                f"\nppokit: {signal.Signals(signum).name}: finishing update {self.trainer.update + 1}, then writing a "
+                "checkpoint (send it again to abandon the update)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def requested(self) -> Optional[int]:
+        """The signal received by any process, or None (every process must call this together)."""
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1:
+            return self.received
+        flag = torch.tensor([float(self.received or 0)], device=accelerator.device)
+        received = int(accelerator.reduce(flag, "max").item())
+        return received or None

@@ -1,0 +1,354 @@
+"""Checkpoints and exact resume: a run interrupted (exception, SIGKILL, SIGTERM/SIGINT, a crash while
+writing a checkpoint) and resumed writes the same metrics.jsonl as one that never stopped."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_ppo_config
+
+import ppokit
+from ppokit import checkpoint
+from ppokit.cli import main
+from ppokit.config import PPOConfig
+from ppokit.errors import UserError
+from ppokit.trainer import PPOTrainer
+
+# 4 updates of 8 episodes; the adaptive KL controller moves kl_coef every update (its state must survive),
+# and samples are drawn at updates 2 and 4 (so sampling's use of the RNG must survive too).
+RUN = dict(total_episodes=32, kl_target=0.5, kl_horizon=100)
+WALL_CLOCK = ("eps", "time/")
+SHOWN = ("objective/scores", "objective/kl", "objective/kl_coef", "loss/policy_avg", "lr")  # the only keys allowed to differ between an interrupted and a straight run
+
+
+def comparable(path: Path) -> list[dict]:
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in records]
+
+
+def line_count(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts_file, tmp_path_factory):
+    """metrics.jsonl of the 4 updates run straight through (no checkpoint but the final one)."""
+    out = tmp_path_factory.mktemp("reference")
+    PPOTrainer(tiny_ppo_config(model_dir("llama"), prompts_file, out, **RUN), show_progress=False).train()
+    return out
+
+
+def resume_and_finish(config: PPOConfig, path=None) -> PPOTrainer:
+    trainer = PPOTrainer(config, show_progress=False)
+    trainer.resume_from(path)
+    trainer.train()
+    return trainer
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    got, want = comparable(run_dir / "metrics.jsonl"), comparable(reference / "metrics.jsonl")
+    assert [r["update"] for r in got] == [1, 2, 3, 4]
+    for g, w in zip(got, want):  # shown with `pytest -s`
+        print(f"update {g['update']}: " + ", ".join(f"{k} {g[k]!r} vs {w[k]!r}" for k in SHOWN if k in g))
+    assert got == want  # every number, bit for bit, except wall-clock time
+    assert len({r["objective/kl_coef"] for r in got}) == 4  # the KL controller really adapted
+    assert (run_dir / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
+
+
+def test_resume_after_an_exception_mid_update_is_exact(model_dir, prompts_file, tmp_path, reference):
+    out = tmp_path / "run"
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN)
+    trainer = PPOTrainer(config, show_progress=False)
+    step, calls = trainer.optimizer.step, []
+
+    def crash_in_update_3(*args, **kwargs):  # 4 optimiser steps per update: crash after update 3 took one
+        calls.append(1)
+        if len(calls) == 10:
+            raise RuntimeError("simulated crash")
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = crash_in_update_3
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.train()
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-1", "update-2"]
+
+    resumed = resume_and_finish(tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN))
+    assert resumed.update == 4 and len(resumed.records) == 4
+    assert_same_run(out, reference)
+    # save_total_limit=2 keeps the newest two; the end of the run always has one.
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-3", "update-4"]
+
+
+def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(model_dir, prompts_file, tmp_path, reference, monkeypatch):
+    out = tmp_path / "run"
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, **RUN)
+    real_save = torch.save
+
+    def disk_full_in_update_2(obj, path, *args, **kwargs):
+        if ".update-2.tmp" in str(path) and Path(path).name == "scheduler.pt":
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_in_update_2)
+    with pytest.raises(OSError, match="No space left"):
+        PPOTrainer(config, show_progress=False).train()
+    monkeypatch.setattr(torch, "save", real_save)
+
+    folder = out / "checkpoints"
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["update-1"]
+    assert list(folder.glob(".update-2.tmp-*")), "the half-written checkpoint stays under its temporary name"
+    assert checkpoint.find_checkpoint(None, out) == folder / "update-1"
+    resume_and_finish(tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, **RUN))
+    assert_same_run(out, reference)
+    assert not list(folder.glob(".update-*")), "leftovers of the failed write are cleared by the next save"
+
+
+def _cli(config_path: Path, log: Path) -> subprocess.Popen:
+    """`python -m ppokit ppo CONFIG` with this checkout's code and the test's thread count (same numbers)."""
+    src = str(Path(ppokit.__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "ppokit", "ppo", str(config_path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+
+
+def _wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"ppokit exited with {proc.returncode} too early:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.005)
+
+
+def test_resume_after_sigkill_mid_update_is_exact(model_dir, prompts_file, tmp_path, reference, capsys):
+    out = tmp_path / "run"
+    config_path = tmp_path / "ppo.yaml"
+    tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=2, **RUN).save(config_path)
+    log = tmp_path / "stderr.txt"
+    proc = _cli(config_path, log)
+    metrics = out / "metrics.jsonl"
+    _wait_until(lambda: line_count(metrics) >= 3, proc, log)  # update 3 logged: update 4 is under way
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert line_count(metrics) == 3
+    assert checkpoint.find_checkpoint(None, out).name == "update-2"  # metrics.jsonl is one update ahead of it
+
+    # Starting over an unfinished run by mistake is refused; so is resuming with a key that changes the result
+    # (argparse hands `--resume KEY=VALUE` the override: it must still count as one).
+    assert main(["ppo", str(config_path)]) == 2
+    assert "unfinished run" in capsys.readouterr().err
+    assert main(["ppo", str(config_path), "--resume", "ppo.learning_rate=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "ppo.learning_rate (checkpoint 0.001, now 0.5)" in err and "--resume-force" in err
+    assert line_count(metrics) == 3  # a refused resume touches nothing
+
+    resume_and_finish(PPOConfig.load(config_path))
+    assert_same_run(out, reference)
+
+
+def test_sigterm_finishes_the_update_writes_a_checkpoint_and_says_how_to_resume(model_dir, prompts_file, tmp_path, reference):
+    out = tmp_path / "run"
+    config_path = tmp_path / "ppo.yaml"
+    tiny_ppo_config(model_dir("llama"), prompts_file, out, **RUN).save(config_path)  # save_steps 0: only the signal saves
+    log = tmp_path / "stderr.txt"
+    proc = _cli(config_path, log)
+    _wait_until(lambda: line_count(out / "metrics.jsonl") >= 1, proc, log)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=180) == 143  # 128 + SIGTERM, the shell's convention
+    stderr = log.read_text()
+    done = line_count(out / "metrics.jsonl")
+    assert 1 <= done < 4
+    saved = checkpoint.find_checkpoint(None, out)
+    assert saved.name == f"update-{done}"  # the update under way was finished, then saved
+    assert f"SIGTERM: stopped after update {done}; checkpoint written to {saved}" in stderr
+    assert f"resume with: ppokit ppo {config_path} --resume" in stderr
+    resume_and_finish(PPOConfig.load(config_path))
+    assert_same_run(out, reference)
+
+
+def _signal_during_update(monkeypatch, sig, update: int, times: int = 1):
+    """Send `sig` to this process `times` times while update `update` is optimising."""
+    real_optimise = PPOTrainer.optimise
+
+    def optimise(self, rollout):
+        if self.update + 1 == update:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+        return real_optimise(self, rollout)
+
+    monkeypatch.setattr(PPOTrainer, "optimise", optimise)
+
+
+def test_sigint_via_the_cli_in_process(model_dir, prompts_file, tmp_path, reference, monkeypatch, capsys):
+    out = tmp_path / "run"
+    config_path = tmp_path / "ppo.yaml"
+    tiny_ppo_config(model_dir("llama"), prompts_file, out, **RUN).save(config_path)
+    _signal_during_update(monkeypatch, signal.SIGINT, update=2)
+    assert main(["ppo", str(config_path)]) == 130
+    err = capsys.readouterr().err
+    assert "SIGINT: finishing update 2" in err
+    assert f"SIGINT: stopped after update 2; checkpoint written to {out / 'checkpoints' / 'update-2'}" in err
+    assert f"resume with: ppokit ppo {config_path} --resume" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handlers are gone
+    monkeypatch.undo()
+    resume_and_finish(PPOConfig.load(config_path))
+    assert_same_run(out, reference)
+
+
+def test_a_second_signal_abandons_the_update(model_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    config_path = tmp_path / "ppo.yaml"
+    tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, **RUN).save(config_path)
+    _signal_during_update(monkeypatch, signal.SIGTERM, update=2, times=2)
+    assert main(["ppo", str(config_path)]) == 143
+    err = capsys.readouterr().err
+    assert f"abandoned update 2; the last complete checkpoint is {out / 'checkpoints' / 'update-1'}" in err
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-1"]
+    assert line_count(out / "metrics.jsonl") == 1
+
+
+def test_resume_refuses_config_changes_that_change_the_result(model_dir, prompts_file, tmp_path, reference):
+    saved = reference / "checkpoints" / "update-4"
+    changed = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "elsewhere", logging_steps=3, save_steps=5,
+                              **{**RUN, "kl_horizon": 50})
+    trainer = PPOTrainer(changed, show_progress=False)
+    with pytest.raises(UserError) as refused:
+        trainer.resume_from(saved)
+    message = str(refused.value)
+    assert "ppo.kl_horizon (checkpoint 100, now 50)" in message
+    # where the run is written and how often it prints or saves do not change a number: not listed
+    assert "output_dir" not in message and "logging_steps" not in message and "save_steps" not in message
+    assert trainer.update == 0  # nothing was loaded
+
+    trainer.resume_from(saved, force=True)
+    assert trainer.update == 4 and trainer.episode == 32
+    assert trainer.kl_controller.value == json.loads((saved / "trainer_state.json").read_text())["kl_controller"]["value"]
+    assert (tmp_path / "elsewhere" / "metrics.jsonl").read_text() == (saved / "metrics.jsonl").read_text()
+
+    other_data = PPOTrainer(tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "x", **RUN),
+                            train_dataset=["a different prompt"] * 8, show_progress=False)
+    with pytest.raises(UserError, match="data.train contents"):
+        other_data.resume_from(saved)
+
+
+def test_checkpoint_files_cannot_run_code(model_dir, prompts_file, tmp_path, reference):
+    copy = tmp_path / "update-4"
+    shutil.copytree(reference / "checkpoints" / "update-4", copy)
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"state": Payload()}, copy / "optimizer.pt")
+    trainer = PPOTrainer(tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **RUN), show_progress=False)
+    with pytest.raises(UserError, match="optimizer.pt: cannot be read"):
+        trainer.resume_from(copy)
+    assert not marker.exists()
+
+
+def test_model_weights_in_pickle_format_cannot_run_code(model_dir, tmp_path):
+    """Models load through transformers, which reads .bin weights with torch.load(weights_only=True)."""
+    from ppokit.models import load_causal_lm
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir("llama"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"model.embed_tokens.weight": Payload()}, folder / "pytorch_model.bin")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load_causal_lm(str(folder))
+    assert not marker.exists()
+
+
+def test_find_checkpoint_accepts_a_run_folder_and_rejects_incomplete_ones(tmp_path, reference):
+    assert checkpoint.find_checkpoint(str(reference), tmp_path) == reference / "checkpoints" / "update-4"
+    partial = tmp_path / "checkpoints" / "update-7"
+    shutil.copytree(reference / "checkpoints" / "update-4", partial)
+    (partial / "trainer_state.json").unlink()  # as if the process died before the manifest was written
+    assert checkpoint.list_checkpoints(tmp_path / "checkpoints") == []
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        checkpoint.find_checkpoint(str(partial), tmp_path)
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        checkpoint.find_checkpoint(None, tmp_path)
+
+
+def test_adapter_weights_round_trip(model_dir, tmp_path):
+    """A PEFT (LoRA) model saves adapters only; load_weights puts them back into a fresh one."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    def lora_model():
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    trained = lora_model()
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    trained.save_pretrained(tmp_path / "adapter")
+    assert not list((tmp_path / "adapter").glob("model*.safetensors"))  # adapters only, no base weights
+    fresh = lora_model()
+    checkpoint.load_weights(fresh, tmp_path / "adapter")
+    want = {n: p for n, p in trained.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in fresh.named_parameters() if p.requires_grad}
+    assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_adaptive_kl_coefficient_in_the_metrics_follows_the_rule(reference):
+    records = comparable(reference / "metrics.jsonl")
+    target, horizon, batch = RUN["kl_target"], RUN["kl_horizon"], 8
+    assert records[0]["objective/kl_coef"] == 0.05  # ppo.kl_coef is the starting value
+    for before, after in zip(records, records[1:]):
+        error = min(max(before["objective/kl"] / target - 1, -0.2), 0.2)
+        assert after["objective/kl_coef"] == pytest.approx(before["objective/kl_coef"] * (1 + error * batch / horizon))
+
+
+@pytest.mark.parametrize("value_model", ["shared", None])
+def test_resume_is_exact_with_lora_critics_and_reward_normalisation(model_dir, prompts_file, tmp_path, value_model):
+    """The state of every role layout (adapters on one base, a separate LoRA critic) and the reward
+    normalisation statistics survive a resume."""
+    from ppokit.config import LoraConfig
+
+    def config(out, **extra):
+        c = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=24, num_sample_generations=0, learning_rate=1e-2, **extra)
+        c.lora = LoraConfig(r=4, alpha=8)
+        c.value_model = value_model
+        c.reward.normalize = True
+        return c
+
+    PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
+    out = tmp_path / "run"
+    trainer = PPOTrainer(config(out, save_steps=1), show_progress=False)
+    step, calls = trainer.optimizer.step, []
+
+    def crash_in_update_2(*args, **kwargs):  # 4 optimiser steps per update
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("simulated crash")
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = crash_in_update_2
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.train()
+    resume_and_finish(config(out, save_steps=1))
+    got, want = comparable(out / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["update"] for r in got] == [1, 2, 3]
+    assert got == want

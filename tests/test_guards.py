@@ -1,0 +1,116 @@
+"""The non-finite guard: a NaN or infinite loss, gradient or score skips the update without a trace
+in the weights, and too many in a row stop the run with a checkpoint of the last good state."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_ppo_config
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification
+
+from ppokit import algo, checkpoint
+from ppokit.guards import NonFiniteStop
+from ppokit.tiny import tiny_config
+from ppokit.trainer import PPOTrainer
+
+
+def make_trainer(model_dir, prompts_file, out, **kwargs):
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=24, **kwargs.pop("ppo", {}))
+    return PPOTrainer(config, show_progress=False, **kwargs)
+
+
+def trainable(trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+
+
+def optimizer_tensors(trainer) -> list[torch.Tensor]:
+    return [t.clone() for s in trainer.optimizer.state_dict()["state"].values() for t in s.values()]
+
+
+def all_equal(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, prompts_file, tmp_path, monkeypatch):
+    trainer = make_trainer(model_dir, prompts_file, tmp_path)
+    trainer.run_update()
+    weights, moments = trainable(trainer), optimizer_tensors(trainer)
+    real_loss, calls = algo.clipped_value_loss, []
+
+    def nan_at_second_minibatch(*args, **kwargs):  # the first optimiser step of the update has been taken
+        calls.append(1)
+        loss, clipfrac = real_loss(*args, **kwargs)
+        return (loss * float("nan") if len(calls) == 2 else loss), clipfrac
+
+    monkeypatch.setattr(algo, "clipped_value_loss", nan_at_second_minibatch)
+    record = trainer.run_update()
+    assert len(calls) == 2, "the update stopped at the bad step"
+    assert record["update"] == 2 and record["nonfinite/loss"] == 1 and record["skipped_updates"] == 1
+    assert all_equal(trainable(trainer), weights), "the step taken before the NaN was undone"
+    assert all_equal(optimizer_tensors(trainer), moments)
+    # The schedule moves on by one whole update (2 epochs x 2 minibatches), so lr stays a function of the update.
+    assert trainer.scheduler.scheduler.last_epoch == 8
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (12 - 8) / 12)
+    assert not any(p.grad is not None for p in trainer.model.parameters())
+
+    monkeypatch.undo()
+    record = trainer.run_update()
+    assert record["update"] == 3 and record["skipped_updates"] == 1 and "nonfinite/loss" not in record
+    assert math.isfinite(record["loss/policy_avg"]) and trainer.skipped_in_a_row == 0
+    assert not all_equal(trainable(trainer), weights)
+
+
+def test_nonfinite_gradient_with_finite_loss_is_caught(model_dir, prompts_file, tmp_path):
+    trainer = make_trainer(model_dir, prompts_file, tmp_path, ppo=dict(max_grad_norm=0.0))  # no clipping: own norm
+    weights = trainable(trainer)
+    param = next(p for p in trainer.value_model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    record = trainer.run_update()
+    hook.remove()
+    assert record["nonfinite/gradient"] == 1 and "nonfinite/loss" not in record
+    assert str(trainer.last_nonfinite).startswith("non-finite gradient: inf")
+    assert all_equal(trainable(trainer), weights)
+
+
+def test_nonfinite_scores_stop_the_run_with_a_checkpoint_of_the_last_good_state(model_dir, prompts_file, tmp_path):
+    # A source that returns NaN is stopped (or skipped) by the reward checks, naming the source
+    # (tests/test_rewards_*.py); the guard is the last line for what gets past them, e.g. a
+    # combination or normalisation that overflows. Simulate that after the sources' checks.
+    out = tmp_path / "run"
+    trainer = make_trainer(model_dir, prompts_file, out, ppo=dict(max_skipped_updates=2))
+    score = trainer.score
+
+    def overflowing_score(*args, **kwargs):
+        scores, extras = score(*args, **kwargs)
+        return torch.full_like(scores, float("nan")), extras
+
+    trainer.score = overflowing_score
+    with pytest.raises(NonFiniteStop, match=r"2 updates in a row were skipped .* non-finite score: nan"):
+        trainer.train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["update"], r["nonfinite/score"], r["skipped_updates"]) for r in records] == [(1, 1, 1), (2, 1, 2)]
+    saved = checkpoint.find_checkpoint(None, out)
+    assert saved.name == "update-2"
+    assert json.loads((saved / "trainer_state.json").read_text())["skipped_updates"] == 2
+    start = load_file(model_dir("llama") / "model.safetensors")
+    last_good = load_file(saved / "model" / "model.safetensors")
+    assert start.keys() == last_good.keys() and all(torch.equal(start[k], last_good[k]) for k in start)
+
+
+def test_a_reward_model_that_returns_nan_stops_before_training_with_its_name(model_dir, prompts_file, tokenizer, tmp_path):
+    from ppokit.errors import UserError
+
+    config = tiny_config("llama", tokenizer)
+    config.num_labels = 1
+    broken_reward = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        broken_reward.score.weight.fill_(float("nan"))  # a reward model that overflowed: every score is NaN
+    value_model = AutoModelForSequenceClassification.from_config(config)  # not the broken head
+    trainer = make_trainer(model_dir, prompts_file, tmp_path / "run", reward_model=broken_reward, reward_tokenizer=tokenizer,
+                           value_model=value_model)
+    before = trainable(trainer)
+    with pytest.raises(UserError, match="reward_model"):
+        trainer.train()
+    assert all_equal(trainable(trainer), before)
