@@ -11,6 +11,7 @@ import copy
 import functools
 import inspect
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -46,7 +47,8 @@ def _from_pretrained(loader, name: str, role: str, **kwargs):
     path = resolve_model_path(name, role)
     try:
         return loader.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        # UnpicklingError: a pickled .bin refused by torch.load(weights_only=True); never executed.
         raise UserError(f"{role}: could not load {name!r}: {str(e).splitlines()[0]}") from None
 
 

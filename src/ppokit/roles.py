@@ -239,7 +239,11 @@ def enable_gradient_checkpointing(model: nn.Module, peft_model=None) -> None:
             return contextlib.nullcontext(), active_adapter(peft_model, name)
 
         kwargs["context_fn"] = context_fn
-    unwrap_peft(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    base = unwrap_peft(model)
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 @contextlib.contextmanager
