@@ -91,6 +91,10 @@ def test_chat_rows_go_through_the_reward_models_chat_template(tokenizer, other_t
     texts = ["<|user|> the movie was <|assistant|> great . ", "<|user|> the plot <|assistant|> fun "]
     expected = unpadded_scores(rm, [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts])
     assert torch.allclose(got, expected, atol=1e-5)
+    # a conversation that ends with the data's reference answer: the policy was prompted without
+    # it, so the reward model must score the completion in its place, not after it
+    batch.columns = {"messages": [m + [{"role": "assistant", "content": "reference answer"}] for m in messages]}
+    assert torch.allclose(RewardModelReward(rm, rm_tok).score(batch), expected, atol=1e-5)
 
 
 def test_reward_model_from_a_path_uses_its_saved_tokenizer(tmp_path, tokenizer, other_tokenizer):

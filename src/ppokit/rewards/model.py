@@ -85,14 +85,16 @@ def full_texts(batch: ScoringBatch) -> list[str]:
 
 
 def chat_messages(batch: ScoringBatch) -> Optional[list[list[dict]]]:
-    """The `messages` column when every row holds a list of {role, content} dicts, else None."""
+    """The prompt turns of the `messages` column when every row holds a list of {role, content}
+    dicts, else None. A final assistant turn is the data's reference answer, not the prompt: it is
+    left out, as it was when the policy's prompt was made from the same row."""
     column = batch.columns.get("messages")
     if column is None:
         return None
     for row in column:
         if not isinstance(row, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in row):
             return None
-    return [list(row) for row in column]
+    return [list(row[:-1]) if row and row[-1]["role"] == "assistant" else list(row) for row in column]
 
 
 def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, trust_remote_code: bool = False, **load_kwargs) -> RewardModelReward:
