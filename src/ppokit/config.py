@@ -414,7 +414,7 @@ def markdown_reference(cls, prefix: str = "") -> str:
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if not in_table:
-            lines.append(f"\n| key | default | meaning |\n|---|---|---|" if lines else "| key | default | meaning |\n|---|---|---|")
+            lines.append("\n| key | default | meaning |\n|---|---|---|" if lines else "| key | default | meaning |\n|---|---|---|")
             in_table = True
         lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {f.metadata['help']} |")
     return "\n".join(lines)

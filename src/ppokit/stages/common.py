@@ -5,14 +5,17 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ppokit.config import StageDataConfig
-from ppokit.data import LengthReport, Records, load_records, split_eval
+from ppokit.data import LengthReport, Records, Renderer, describe_template, load_records, split_eval
 from ppokit.errors import UserError
+from ppokit.metrics import JsonlWriter
+from ppokit.models import load_tokenizer, resolve_model_path
 from ppokit.trainer import atomic_save_dir
 
 
@@ -80,3 +83,67 @@ def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run) 
 
     atomic_save_dir(Path(output_dir), complete)
     return summary
+
+
+@dataclass
+class PreparedData:
+    """A stage's tokenizer, chat renderer and encoded train/eval rows, with the length-rule reports."""
+
+    tokenizer: Any
+    renderer: Renderer
+    records: Records
+    train: list
+    eval: list
+    train_report: LengthReport
+    eval_report: LengthReport
+
+
+def prepare_data(config, say, convert: Callable[[Records], list], encode: Callable) -> PreparedData:
+    """Load and split `config.data`, load the tokenizer, encode both splits with
+    `encode(rows, renderer, tokenizer, config, source) -> (encoded, report)`, report and check them."""
+    data = config.data
+    train_rows, eval_rows, records = load_split(data, config.seed, convert, say)
+    resolve_model_path(config.model, "model")  # a missing path is named as the model, not the tokenizer
+    tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+    renderer = Renderer(tokenizer, data.chat_template)
+    train, train_report = encode(train_rows, renderer, tokenizer, config, records.source)
+    evaluation, eval_report = encode(eval_rows, renderer, tokenizer, config, records.source)
+    report_lengths(say, train_report, data, "train")
+    report_lengths(say, eval_report, data, "eval")
+    require_rows(train, train_report, data, records.source, "training")
+    if renderer.template_used is not None:
+        say(f"chat rows rendered with {describe_template(renderer.template_used)}")
+    return PreparedData(tokenizer, renderer, records, train, evaluation, train_report, eval_report)
+
+
+class StepLog:
+    """metrics.jsonl of a supervised stage (a record per step and per evaluation) and its console lines."""
+
+    def __init__(self, path: Path, say, logging_steps: int, describe_eval: Callable[[dict], str]):
+        self.metrics = JsonlWriter(path)
+        self.evals: list[dict] = []
+        self.say, self.logging_steps, self.describe_eval = say, logging_steps, describe_eval
+
+    def on_step(self, step: int, total: int, loss: float) -> None:
+        self.metrics.write({"step": step, "loss": loss})
+        if step % self.logging_steps == 0 or step == total:
+            self.say(f"step {step}/{total} | loss {loss:.4f}")
+
+    def on_eval(self, step: int, result: dict) -> None:
+        self.evals.append({"step": step, **result})
+        self.metrics.write(self.evals[-1])
+        self.say(f"step {step} | {self.describe_eval(result)}")
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def save_model_and_tokenizer(model, tokenizer, renderer: Renderer, directory: Path) -> None:
+    """The model and its tokenizer, the tokenizer carrying the chat template the rows were rendered
+    with, so that later stages render chats the same way."""
+    if renderer.template_used is not None:
+        tokenizer.chat_template = renderer.template_used
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+

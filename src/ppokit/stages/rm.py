@@ -14,19 +14,10 @@ import torch
 
 from ppokit import algo
 from ppokit.config import RMConfig
-from ppokit.data import LengthReport, Renderer, describe_template, fit_lengths, preference_triples, tokenize_pair
-from ppokit.metrics import JsonlWriter
-from ppokit.models import resolve_model_path, disable_dropout, left_pad, load_scalar_model, load_tokenizer, score_at_last_token
+from ppokit.data import LengthReport, Renderer, fit_lengths, preference_triples, tokenize_pair
+from ppokit.models import disable_dropout, left_pad, load_scalar_model, score_at_last_token
 from ppokit.sft import train_loop
-from ppokit.stages.common import (
-    device,
-    load_split,
-    printer,
-    recorded_config,
-    report_lengths,
-    require_rows,
-    write_output,
-)
+from ppokit.stages.common import StepLog, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
 
 def encode_pairs(triples, renderer: Renderer, tokenizer, config: RMConfig, source: str):
@@ -84,19 +75,9 @@ def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
     start = time.perf_counter()
     config.validate()
     say = printer(show_progress, "rm")
-    hp, data = config.train, config.data
-    train_triples, eval_triples, records = load_split(data, config.seed, preference_triples, say)
-
-    resolve_model_path(config.model, "model")  # a missing path is named as the model, not the tokenizer
-    tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-    renderer = Renderer(tokenizer, data.chat_template)
-    train_pairs, train_report = encode_pairs(train_triples, renderer, tokenizer, config, records.source)
-    eval_pairs, eval_report = encode_pairs(eval_triples, renderer, tokenizer, config, records.source)
-    report_lengths(say, train_report, data, "train")
-    report_lengths(say, eval_report, data, "eval")
-    require_rows(train_pairs, train_report, data, records.source, "training")
-    if renderer.template_used is not None:
-        say(f"chat rows rendered with {describe_template(renderer.template_used)}")
+    hp = config.train
+    prepared = prepare_data(config, say, preference_triples, encode_pairs)
+    tokenizer, train_pairs, eval_pairs = prepared.tokenizer, prepared.train, prepared.eval
 
     torch.manual_seed(config.seed)
     model = load_scalar_model(config.model, "model", config.trust_remote_code)
@@ -113,37 +94,25 @@ def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
         return algo.bradley_terry_loss(*pair_scores(model, batch, pad))
 
     def write(tmp) -> dict:
-        metrics = JsonlWriter(tmp / "metrics.jsonl")
-        evals: list[dict] = []
-
-        def on_step(step, total, loss):
-            metrics.write({"step": step, "loss": loss})
-            if step % hp.logging_steps == 0 or step == total:
-                say(f"step {step}/{total} | loss {loss:.4f}")
-
-        def on_eval(step, result):
-            evals.append({"step": step, **result})
-            metrics.write(evals[-1])
-            say(f"step {step} | eval accuracy {result['eval_accuracy']:.3f} | margin {result['eval_margin']:+.3f} | loss {result['eval_loss']:.4f}")
-
+        log = StepLog(
+            tmp / "metrics.jsonl", say, hp.logging_steps,
+            lambda r: f"eval accuracy {r['eval_accuracy']:.3f} | margin {r['eval_margin']:+.3f} | loss {r['eval_loss']:.4f}",
+        )
         try:
             losses = train_loop(
                 model, train_pairs, loss_fn, epochs=hp.num_train_epochs, batch_size=hp.per_device_train_batch_size,
                 learning_rate=hp.learning_rate, weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm,
-                seed=config.seed, on_step=on_step, evaluate=evaluate, eval_every=hp.eval_steps, on_eval=on_eval,
+                seed=config.seed, on_step=log.on_step, evaluate=evaluate, eval_every=hp.eval_steps, on_eval=log.on_eval,
             )
         finally:
-            metrics.close()
-        if renderer.template_used is not None:
-            tokenizer.chat_template = renderer.template_used
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        last = evals[-1] if evals else {}
+            log.close()
+        save_model_and_tokenizer(model, tokenizer, prepared.renderer, tmp)
+        last = log.evals[-1] if log.evals else {}
         tail = losses[-10:]
         return {
             "stage": "rm",
             "output_dir": config.output_dir,
-            "format": records.format,
+            "format": prepared.records.format,
             "train_pairs": len(train_pairs),
             "eval_pairs": len(eval_pairs),
             "steps": len(losses),
@@ -153,11 +122,11 @@ def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
             "eval_accuracy": last.get("eval_accuracy"),
             "eval_margin": last.get("eval_margin"),
             "eval_loss": last.get("eval_loss"),
-            "length_rule": {"train": vars(train_report), "eval": vars(eval_report)},
-            "chat_template": renderer.template_used,
+            "length_rule": {"train": vars(prepared.train_report), "eval": vars(prepared.eval_report)},
+            "chat_template": prepared.renderer.template_used,
             "seconds": round(time.perf_counter() - start, 1),
         }
 
-    summary = write_output(config.output_dir, write, lambda: recorded_config(config, renderer.template_used))
+    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used))
     say(f"saved to {config.output_dir} (use it as ppo `reward.model` and `value_model`)")
     return summary
