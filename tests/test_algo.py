@@ -55,6 +55,27 @@ def test_shape_rewards_adds_score_at_last_real_token():
     assert rewards.flatten().tolist() == pytest.approx([-0.05, 1.9, 0.0, -0.2, -0.25, -1.3])
 
 
+def test_shape_rewards_gives_an_empty_row_nothing():
+    # A row dropped from the update (mask all False) must stay all padding, score included.
+    scores = torch.tensor([2.0, 5.0])
+    kl = torch.tensor([[0.1, 0.2], [0.3, 0.4]])
+    mask = torch.tensor([[True, True], [False, False]])
+    rewards, non_score = algo.shape_rewards(scores, kl, mask, kl_coef=1.0)
+    assert rewards.flatten().tolist() == pytest.approx([-0.1, 1.8, 0.0, 0.0])
+    assert non_score[1].tolist() == [0.0, 0.0]
+
+
+def test_whitening_one_token_and_no_tokens():
+    values = torch.tensor([[3.0, 7.0], [9.0, 1.0]])
+    one = torch.tensor([[False, True], [False, False]])
+    assert algo.masked_var(values, one).item() == 0.0  # no Bessel correction for n = 1
+    assert algo.masked_whiten(values, one).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    assert algo.masked_whiten(values, one, shift_mean=False).tolist() == [[0.0, 7.0], [0.0, 0.0]]
+    none = torch.zeros(2, 2, dtype=torch.bool)
+    assert algo.masked_mean(values, none).item() == 0.0
+    assert algo.masked_whiten(values, none).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+
+
 def _gae_loop(rewards, values, mask, gamma, lam):
     """The textbook recursion, one row and one step at a time, with plain floats."""
     B, T = len(rewards), len(rewards[0])

@@ -106,14 +106,17 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of values where mask is True (scalar), with Bessel's correction by default."""
+    """Variance of values where mask is True (scalar), with Bessel's correction by default.
+
+    Fewer than two real tokens: the plain (population) variance, 0 for one token.
+    """
     mean = masked_mean(values, mask)
     centred_sq = (values - mean) ** 2
     var = masked_mean(centred_sq, mask)
     if unbiased:
-        count = mask.sum()
-        if count > 1:
-            var = var * count / (count - 1)
+        # torch.where rather than `if count > 1`: no host sync in the middle of an update.
+        count = mask.sum().to(var.dtype)
+        var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
     return var
 
 
@@ -160,12 +163,14 @@ def shape_rewards(
     scores: (B,); kl: (B, T); response_mask: (B, T) bool
     -> (rewards (B, T), non_score_rewards (B, T)), both 0 on padding.
     r_t = -kl_coef * KL_t, and r_last += score  [Z19, eq. 2; N+ "per-token KL penalty"].
+    A row without real tokens (one dropped from the update) gets no score: it is all padding.
     """
-    non_score = -kl_coef * kl * response_mask.to(kl.dtype)
+    maskf = response_mask.to(kl.dtype)
+    non_score = -kl_coef * kl * maskf
     rewards = non_score.clone()
     last = last_token_index(response_mask)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
-    rewards[rows, last] += scores.to(rewards.dtype)
+    rewards[rows, last] += scores.to(rewards.dtype) * maskf[rows, last]
     return rewards, non_score
 
 
