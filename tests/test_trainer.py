@@ -136,3 +136,45 @@ def test_reward_model_scores_at_last_real_token(model_dir, tokenizer):
         left = score_at_last_token(model, left_ids, left_mask.long())
         right = score_at_last_token(model, right_ids, right_mask)
     assert torch.allclose(left, alone, atol=1e-5) and torch.allclose(right, alone, atol=1e-5)
+
+
+def one_row_scores(prompts, completions, **columns):
+    """Scores only the first row; every other row fails (NaN) and is dropped under on_error=skip."""
+    return [1.0] + [float("nan")] * (len(completions) - 1)
+
+
+def test_rows_dropped_by_on_error_skip_count_in_no_statistic(model_dir, prompts_file, tmp_path, monkeypatch):
+    config = tiny_ppo_config(
+        model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=4, per_device_train_batch_size=1,
+        gradient_accumulation_steps=4, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0,
+        kl_target=1.0, kl_coef=0.5,
+    )
+    config.ref_model = str(model_dir("gpt2"))  # another model, so that the KL is not 0
+    config.reward.on_error = "skip"
+    trainer = PPOTrainer(config, reward_functions=[one_row_scores], show_progress=False)
+    seen = []
+    optimise = trainer.optimise
+    monkeypatch.setattr(trainer, "optimise", lambda rollout: seen.append(rollout) or optimise(rollout))
+    with pytest.warns(UserWarning, match="one_row_scores returned nan"):
+        record = trainer.step()
+    (rollout,) = seen
+    assert rollout.response_mask.any(1).tolist() == [True, False, False, False]
+    real = rollout.response_mask[0]
+    kl = (rollout.logprobs[0] - rollout.ref_logprobs[0])[real].sum().item()
+    assert abs(kl) > 1e-3
+    # Means over the one kept episode, not over all four rows.
+    assert record["objective/kl"] == pytest.approx(kl, rel=1e-4)
+    assert record["objective/scores"] == pytest.approx(1.0)
+    assert record["objective/non_score_reward"] == pytest.approx(-0.5 * kl, rel=1e-4)
+    assert record["objective/rlhf_reward"] == pytest.approx(1.0 - 0.5 * kl, rel=1e-4)
+    assert record["objective/entropy"] == pytest.approx(-rollout.logprobs[0][real].sum().item(), rel=1e-4)
+    assert record["objective/response_length"] == int(real.sum())
+    assert record["val/num_eos_tokens"] == int(rollout.ended[0])
+    # One optimiser step, micro-batches of one row: only the kept row's micro-batch is measured, and
+    # before any step its ratio is exactly 1 (three empty micro-batches would have pulled it to 0.25).
+    assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert record["val/ratio_var"] == 0.0
+    assert record["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-8)
+    # The adaptive controller moved by the kept episode's KL.
+    error = min(max(kl / 1.0 - 1.0, -0.2), 0.2)
+    assert trainer.kl_controller.value == pytest.approx(0.5 * (1 + error * 4 / 10000), rel=1e-6)

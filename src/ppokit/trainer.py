@@ -347,6 +347,9 @@ class PPOTrainer:
         hp, sizes = self.config.ppo, self.sizes
         width = rollout.response_ids.shape[1]
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        # A micro-batch whose rows were all dropped (reward.on_error=skip) has no tokens: its statistics
+        # are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
+        has_tokens: list[torch.Tensor] = []
         for _ in range(hp.num_ppo_epochs):
             order = torch.randperm(len(rollout), device=rollout.query_ids.device)
             for mb_start in range(0, len(rollout), sizes.local_mini_batch):
@@ -377,6 +380,7 @@ class PPOTrainer:
                         ("entropy", entropy),
                     ):
                         stats[key].append(value)
+                    has_tokens.append(mb.response_mask.any())
                 grad_norm = None
                 if hp.max_grad_norm > 0:
                     grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), hp.max_grad_norm)
@@ -386,16 +390,63 @@ class PPOTrainer:
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        stacked = {k: torch.stack(v).float() for k, v in stats.items()}
+        return self._training_metrics(stats, has_tokens)
+
+    def _training_metrics(self, stats: dict[str, list[torch.Tensor]], has_tokens: list[torch.Tensor]) -> dict[str, float]:
+        """Means over the micro-batches that had real tokens, on every process together (one reduction)."""
+        names = list(stats)
+        per_micro_batch = torch.stack([torch.stack(stats[k]).float() for k in names])  # (statistics, micro-batches)
+        weight = torch.stack(has_tokens).float()
+        ratio = per_micro_batch[names.index("ratio")]
+        sums = torch.cat([(per_micro_batch * weight).sum(1), (ratio**2 * weight).sum().reshape(1), weight.sum().reshape(1)])
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+        *totals, ratio_sq, count = sums.tolist()
+        mean = {k: t / max(count, 1) for k, t in zip(names, totals)}
+        # Unbiased variance over micro-batches, as torch.var computes it.
+        ratio_var = max(ratio_sq - count * mean["ratio"] ** 2, 0.0) / (count - 1) if count > 1 else 0.0
         return {
-            "policy/approxkl_avg": stacked["approxkl"].mean().item(),
-            "policy/clipfrac_avg": stacked["clipfrac"].mean().item(),
-            "loss/policy_avg": stacked["pg_loss"].mean().item(),
-            "loss/value_avg": stacked["vf_loss"].mean().item(),
-            "val/clipfrac_avg": stacked["vf_clipfrac"].mean().item(),
-            "policy/entropy_avg": stacked["entropy"].mean().item(),
-            "val/ratio": stacked["ratio"].mean().item(),
-            "val/ratio_var": stacked["ratio"].var().item() if stacked["ratio"].numel() > 1 else 0.0,
+            "policy/approxkl_avg": mean["approxkl"],
+            "policy/clipfrac_avg": mean["clipfrac"],
+            "loss/policy_avg": mean["pg_loss"],
+            "loss/value_avg": mean["vf_loss"],
+            "val/clipfrac_avg": mean["vf_clipfrac"],
+            "policy/entropy_avg": mean["entropy"],
+            "val/ratio": mean["ratio"],
+            "val/ratio_var": ratio_var,
+        }
+
+    def _objective_metrics(
+        self, rollout: Rollout, kl: torch.Tensor, non_score: torch.Tensor, kept: torch.Tensor, kl_coef: float
+    ) -> dict[str, float]:
+        """objective/* and val/num_eos_tokens: means over the episodes kept in the update (rows dropped by
+        reward.on_error=skip count in none of them), over every process (one reduction), so that the
+        adaptive KL controller moves the same way on all of them."""
+        mask = rollout.response_mask  # already False on dropped rows
+        keep = kept.float()
+        non_score_sum = non_score.sum(1)
+        sums = torch.stack([
+            keep.sum(),
+            kl.sum(),
+            (-rollout.logprobs * mask).sum(),
+            non_score_sum.sum(),
+            (rollout.scores * keep).sum(),
+            mask.sum().float(),
+            (rollout.ended & kept).sum().float(),
+        ])
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+        episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended = sums.tolist()
+        n = max(episodes, 1.0)
+        return {
+            "objective/scores": score_sum / n,
+            "objective/kl": kl_sum / n,
+            "objective/entropy": neg_logprob_sum / n,
+            "objective/non_score_reward": non_score_total / n,
+            "objective/rlhf_reward": (score_sum + non_score_total) / n,
+            "objective/kl_coef": kl_coef,
+            "objective/response_length": tokens / n,
+            "val/num_eos_tokens": int(ended),
         }
 
     def step(self) -> dict[str, Any]:
@@ -439,22 +490,14 @@ class PPOTrainer:
         # 7. log
         self.update += 1
         self.episode += self.sizes.batch
-        mean_kl = kl.sum(1).mean().item()
-        kl_coef = self.kl_controller.value
-        self.kl_controller.update(mean_kl, self.sizes.batch)
+        objective = self._objective_metrics(rollout, kl, non_score, extras["valid"], self.kl_controller.value)
+        self.kl_controller.update(objective["objective/kl"], self.sizes.batch)
         elapsed = t_train - t0
         record = {
             "update": self.update,
             "episode": self.episode,
-            "objective/scores": rollout.scores[extras["valid"]].mean().item(),
-            "objective/kl": mean_kl,
-            "objective/entropy": (-rollout.logprobs * mask).sum(1).mean().item(),
-            "objective/non_score_reward": non_score.sum(1).mean().item(),
-            "objective/rlhf_reward": (rollout.scores + non_score.sum(1)).mean().item(),
-            "objective/kl_coef": kl_coef,
-            "objective/response_length": mask.sum(1).float().mean().item(),
+            **objective,
             **train_stats,
-            "val/num_eos_tokens": int(rollout.ended.sum().item()),
             **extras["metrics"],
             "lr": lr,
             "eps": self.sizes.batch / elapsed,
