@@ -99,6 +99,27 @@ def test_nonfinite_scores_stop_the_run_with_a_checkpoint_of_the_last_good_state(
     assert start.keys() == last_good.keys() and all(torch.equal(start[k], last_good[k]) for k in start)
 
 
+def test_a_batch_with_no_row_scored_under_on_error_skip_is_a_skipped_update(model_dir, prompts_file, tmp_path):
+    def unreachable_judge(prompts, completions, **columns):
+        return [float("nan")] * len(completions)
+
+    out = tmp_path / "run"
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=24, max_skipped_updates=2)
+    config.reward.on_error = "skip"
+    config.data.eval_fraction = 0.25
+    trainer = PPOTrainer(config, reward_functions=[unreachable_judge], show_progress=False)
+    before = trainable(trainer)
+    with pytest.warns(UserWarning), pytest.raises(NonFiniteStop, match=r"2 updates in a row .* every row of the batch failed to score"):
+        trainer.train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["update"], r["nonfinite/score"], r["skipped_updates"]) for r in records] == [(1, 1, 1), (2, 1, 2)]
+    assert checkpoint.find_checkpoint(None, out).name == "update-2"
+    assert all_equal(trainable(trainer), before)
+    # Evaluation does not stop the run either: the rows have no score, and eval/scores is left out.
+    rows = trainer.sample_completions()
+    assert rows and all(r["score"] is None for r in rows)
+
+
 def test_a_reward_model_that_returns_nan_stops_before_training_with_its_name(model_dir, prompts_file, tokenizer, tmp_path):
     from ppokit.errors import UserError
 

@@ -71,9 +71,11 @@ def test_on_error_skip_drops_only_the_failing_row_and_counts_it(fn):
     assert metrics["reward/skipped"] == 1 and metrics[f"reward/{fn.__name__}"] == 1.0 and metrics["reward/const_2.0"] == 2.0
 
 
-def test_on_error_skip_still_stops_when_nothing_scores():
-    with pytest.raises(UserError, match="every sample of the batch failed"), pytest.warns(UserWarning):
-        scorer(lambda p, c, **k: [float("nan")] * len(c), on_error="skip").score(batch())
+def test_on_error_skip_marks_every_row_when_nothing_scores():
+    # The trainer skips such an update (ppokit.guards.check_some_scored); the scorer only reports it.
+    with pytest.warns(UserWarning):
+        result = scorer(lambda p, c, **k: [float("nan")] * len(c), on_error="skip").score(batch())
+    assert not result.valid.any() and result.scores.tolist() == [0.0] * 4 and result.errors
 
 
 def test_configuration_errors_stop_even_when_skipping():

@@ -45,6 +45,21 @@ def check_finite(quantity: str, value: torch.Tensor, accelerator=None) -> None:
         raise NonFiniteUpdate(quantity, detail)
 
 
+def check_some_scored(scored: torch.Tensor, errors: list[str], accelerator=None) -> None:
+    """Raise NonFiniteUpdate("score") when no row of the update, on any process, has a score: under
+    reward.on_error=skip every row failed. Such an update is skipped like one with a NaN score, so a
+    passing outage costs one batch and a lasting one stops at max_skipped_updates with a checkpoint.
+
+    scored: (B,) bool, False on the rows dropped; errors: the failed sources' first messages.
+    """
+    count = scored.sum().float().reshape(1)
+    if accelerator is not None and accelerator.num_processes > 1:
+        count = accelerator.reduce(count.to(accelerator.device), "sum")
+    if count.item() == 0:
+        first = errors[0] if errors else "no reward source scored any row"
+        raise NonFiniteUpdate("score", f"every row of the batch failed to score (reward.on_error=skip); first error: {first}")
+
+
 def gradient_norm(parameters) -> torch.Tensor:
     """Global L2 norm of the gradients (used when gradient clipping, which returns it, is off)."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]

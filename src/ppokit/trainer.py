@@ -30,7 +30,16 @@ from ppokit.checkpoint import atomic_save_dir
 from ppokit.config import PPOConfig
 from ppokit.data import PromptDataset, as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
-from ppokit.guards import NonFiniteStop, NonFiniteUpdate, StopSignals, TrainingInterrupted, UpdateSnapshot, check_finite, gradient_norm
+from ppokit.guards import (
+    NonFiniteStop,
+    NonFiniteUpdate,
+    StopSignals,
+    TrainingInterrupted,
+    UpdateSnapshot,
+    check_finite,
+    check_some_scored,
+    gradient_norm,
+)
 from ppokit.metrics import ConsoleReporter, JsonlWriter
 from ppokit.models import (
     disable_dropout,
@@ -220,6 +229,7 @@ class PPOTrainer:
         self.skipped_in_a_row = 0
         self.last_nonfinite: Optional[NonFiniteUpdate] = None
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written
+        self._last_batch: tuple[list, list, list] = ([], [], [])  # prompts, completions, scores of the last update
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -302,8 +312,8 @@ class PPOTrainer:
 
     def score(self, rollout: Rollout, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
-        reward.on_error=skip, metrics}). Evaluation passes update_statistics=False so it does not
-        move the reward normalisation."""
+        reward.on_error=skip, errors: the first message of each failed source, metrics}).
+        Evaluation passes update_statistics=False so it does not move the reward normalisation."""
         completions = self.tokenizer.batch_decode(
             rollout.response_ids.masked_fill(~rollout.response_mask, self.tokenizer.pad_token_id),
             skip_special_tokens=True,
@@ -315,7 +325,9 @@ class PPOTrainer:
         )
         result = self.scorer.score(batch, update_statistics)
         device = self.accelerator.device
-        return result.scores.to(device), {"completions": completions, "valid": result.valid.to(device), "metrics": self.scorer.metrics(result)}
+        return result.scores.to(device), {
+            "completions": completions, "valid": result.valid.to(device), "errors": result.errors, "metrics": self.scorer.metrics(result),
+        }
 
     @torch.inference_mode()
     def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,6 +476,7 @@ class PPOTrainer:
         rollout.scores, extras = self.score(rollout, prompts, columns)
         rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
         check_finite("score", rollout.scores, self.accelerator)
+        check_some_scored(extras["valid"], extras["errors"], self.accelerator)
         t_score = time.perf_counter()
 
         # 3. forward: reference logprobs and values
@@ -507,7 +520,7 @@ class PPOTrainer:
             "time/training": t_train - t_forward,
             "time/update": elapsed,
         }
-        self._last_batch = (prompts, extras["completions"], rollout.scores.tolist())
+        self._last_batch = (prompts, extras["completions"], _scores_or_none(rollout.scores, extras["valid"]))
         return record
 
     # ------------------------------------------------------------------ the run
@@ -537,7 +550,9 @@ class PPOTrainer:
                 record = self.run_update()
                 if sample_every and not self.skipped_in_a_row and (self.update % sample_every == 0 or self.update == self.sizes.num_updates):
                     rows = self.sample_completions()
-                    record["eval/scores"] = sum(r["score"] for r in rows) / len(rows)
+                    scored = [r["score"] for r in rows if r["score"] is not None]
+                    if scored:
+                        record["eval/scores"] = sum(scored) / len(scored)
                     if samples:
                         samples.write_many(rows)
                 records.append(record)
@@ -614,14 +629,15 @@ class PPOTrainer:
 
     @torch.inference_mode()
     def sample_completions(self) -> list[dict]:
-        """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows."""
+        """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows
+        (score None for a row no reward source could score under reward.on_error=skip)."""
         hp = self.config.ppo
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
             prompts, columns = self.eval_data.rows(range(n))
             rollout = self.generate(self.eval_query_ids[:n])
             scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
-            completions, scores, split = extras["completions"], scores.tolist(), "eval"
+            completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
         else:
             prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)
             split = "train"
@@ -676,6 +692,10 @@ def _fused_adamw_supported() -> bool:
         return True
     except (RuntimeError, TypeError, ValueError):
         return False
+
+
+def _scores_or_none(scores: torch.Tensor, valid: torch.Tensor) -> list[Optional[float]]:
+    return [score if ok else None for score, ok in zip(scores.tolist(), valid.tolist())]
 
 
 def _required(value, key: str):

@@ -107,8 +107,6 @@ class RewardScorer:
             if error:
                 errors.append(error)
             valid &= torch.isfinite(raw[name])
-        if not bool(valid.any()):
-            raise UserError(f"reward: every sample of the batch failed to score ({n} rows); first error: {errors[0]}")
         total = torch.zeros(n)
         for name, weight in zip(self.names, self.weights):
             values = torch.where(valid, raw[name], torch.zeros(()))
