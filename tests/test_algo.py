@@ -20,8 +20,27 @@ def test_logprobs_divide_logits_by_temperature():
 
 
 def test_entropy_of_uniform_is_log_vocab():
-    logits = torch.zeros(2, 3, 5)
-    assert torch.allclose(algo.entropy_from_logits(logits), torch.full((2, 3), math.log(5)))
+    _, entropy = algo.logprobs_and_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), 0.7)
+    assert torch.allclose(entropy, torch.full((2, 3), math.log(5)))
+
+
+def test_logprobs_and_entropy_against_a_plain_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    tokens = torch.randint(0, 7, (2, 3))
+    logprobs, entropy = algo.logprobs_and_entropy(logits, tokens, 0.7)
+    for b in range(2):
+        for t in range(3):
+            scaled = [x / 0.7 for x in logits[b, t].tolist()]
+            log_z = math.log(sum(math.exp(x) for x in scaled))
+            p = [math.exp(x - log_z) for x in scaled]
+            assert entropy[b, t].item() == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-5)
+            assert logprobs[b, t].item() == pytest.approx(scaled[tokens[b, t]] - log_z, abs=1e-5)
+    assert torch.allclose(logprobs, algo.logprobs_from_logits(logits, tokens, 0.7), atol=1e-6)
+    assert logprobs.requires_grad and not entropy.requires_grad
+    logprobs.sum().backward()
+    expected = torch.autograd.grad(algo.logprobs_from_logits(logits, tokens, 0.7).sum(), logits)[0]
+    assert torch.allclose(logits.grad, expected, atol=1e-6)
 
 
 def test_truncate_after_stop_keeps_stop_token_and_pads_after():

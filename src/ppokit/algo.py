@@ -49,14 +49,19 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     return chosen - logsumexp
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the temperature-scaled categorical distribution at each position.
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logprobs_from_logits` (with grad) and the entropy of the temperature-scaled distribution
+    at each position (detached, a statistic), from one log-softmax.
 
-    logits: (B, T, V) -> (B, T) float32.
+    logits: (B, T, V); tokens: (B, T) long -> (logprobs (B, T) float32, entropy (B, T) float32).
+    H = -sum_v p_v log p_v. The training step needs both; sharing the scaled log-softmax saves a
+    pass and a float32 copy over the vocabulary per micro-batch.
     """
-    scaled = logits.float() / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return chosen, entropy
 
 
 # --------------------------------------------------------------------------- masks

@@ -374,7 +374,7 @@ class PPOTrainer:
                     context = self.accelerator.no_sync(self.model) if not sync else contextlib.nullcontext()
                     with context:
                         logits, new_values = self.model(mb.input_ids, mb.attention_mask, width)
-                        new_logprobs = algo.logprobs_from_logits(logits, mb.response_ids, hp.temperature)
+                        new_logprobs, token_entropy = algo.logprobs_and_entropy(logits, mb.response_ids, hp.temperature)
                         pg_loss, pg_stats = algo.clipped_policy_loss(
                             new_logprobs, mb.logprobs, mb.advantages, mb.response_mask, hp.cliprange
                         )
@@ -384,8 +384,7 @@ class PPOTrainer:
                         loss = (pg_loss + hp.vf_coef * vf_loss) / len(micro_batches)
                         self.accelerator.backward(loss)
                     step_loss = step_loss + loss.detach()
-                    with torch.no_grad():
-                        entropy = algo.masked_mean(algo.entropy_from_logits(logits.detach(), hp.temperature), mb.response_mask)
+                    entropy = algo.masked_mean(token_entropy, mb.response_mask)
                     for key, value in (
                         ("approxkl", pg_stats.approxkl), ("clipfrac", pg_stats.clipfrac), ("ratio", pg_stats.ratio),
                         ("pg_loss", pg_loss.detach()), ("vf_loss", vf_loss.detach()), ("vf_clipfrac", vf_clipfrac),
