@@ -61,6 +61,14 @@ def test_required_keys():
         PPOConfig.load(None, BASE + ["reward.weights=[1, 2]"])
 
 
+def test_values_that_could_never_apply_are_refused():
+    with pytest.raises(UserError, match="ppo.missing_eos_penalty needs a stop token"):
+        PPOConfig.load(None, BASE + ["ppo.missing_eos_penalty=1.0", "ppo.stop_token=null"])
+    PPOConfig.load(None, BASE + ["ppo.missing_eos_penalty=1.0", "ppo.stop_token=null", "ppo.stop_token_id=3"])
+    with pytest.raises(UserError, match="data.eval_fraction .* data.eval is set too"):
+        PPOConfig.load(None, BASE + ["data.eval=e.jsonl", "data.eval_fraction=0.1"])
+
+
 def test_batch_arithmetic_and_inexact_division():
     hp = PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=64)
     sizes = hp.derive(world_size=2, num_prompts=100)

@@ -45,7 +45,7 @@ class PPOHyperparams:
     gradient_accumulation_steps: int = doc(1, "Micro-batches accumulated per optimiser step.", check=positive)
     num_mini_batches: int = doc(1, "Minibatches (optimiser steps) per PPO epoch. Rollout batch per device = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches.", check=positive)
     num_ppo_epochs: int = doc(4, "Passes of PPO optimisation over each rollout batch.", check=positive)
-    local_rollout_forward_batch_size: int = doc(64, "Rows per forward pass during sampling and scoring (no gradients).", check=positive)
+    local_rollout_forward_batch_size: int = doc(64, "Rows per forward pass during sampling and the reference and value passes (no gradients); the reward model uses `reward.batch_size`.", check=positive)
     response_length: int = doc(53, "Maximum new tokens sampled per prompt.", check=positive)
     temperature: float = doc(0.7, "Sampling temperature; logits are divided by it in every logprob computation.", check=positive)
     stop_token: Optional[str] = doc("eos", "Token that ends a response: `eos` (the tokenizer's EOS), any other string that is one token, or null for none. Tokens after it are padding. Differs from TRL (None) because scoring text after EOS is never wanted.")
@@ -225,6 +225,11 @@ class PPOConfig:
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")
         self.reward.check_combination(n_sources)
+        if self.ppo.missing_eos_penalty is not None and self.ppo.stop_token is None and self.ppo.stop_token_id is None:
+            # Without a stop token no response "misses" it: the penalty would never apply.
+            raise UserError("ppo.missing_eos_penalty needs a stop token; set ppo.stop_token (e.g. eos) or ppo.stop_token_id, or drop the penalty")
+        if self.data.eval and self.data.eval_fraction:
+            raise UserError("data.eval_fraction holds out training prompts for evaluation, but data.eval is set too; set one of them")
         self._validate_memory_switches()
         return self
 

@@ -126,6 +126,8 @@ class PPOTrainer:
             config.data.prompt_field,
             config.data.format,
         )
+        if eval_dataset is not None and config.data.eval_fraction:
+            raise UserError("data.eval_fraction holds out training prompts for evaluation, but eval_dataset is given too; use one of them")
         eval_source = eval_dataset if eval_dataset is not None else config.data.eval
         self.eval_data: Optional[PromptDataset] = (
             as_prompt_dataset(eval_source, config.data.prompt_field, config.data.format) if eval_source is not None else None
