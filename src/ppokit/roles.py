@@ -130,24 +130,22 @@ def _prepare_quantized(model: nn.Module, config: PPOConfig) -> None:
 
 def add_policy_adapter(policy: nn.Module, config: PPOConfig):
     """The policy as a PeftModel with adapter `default`; the base is frozen."""
-    from peft import get_peft_model
-
-    _prepare_quantized(policy, config)
-    try:
-        return get_peft_model(policy, peft_lora_config(config.lora, "CAUSAL_LM"))
-    except ValueError as e:
-        raise UserError(f"lora.target_modules: {str(e).splitlines()[0]}") from None
+    return _add_adapter(policy, config, "CAUSAL_LM", "lora.target_modules")
 
 
 def add_value_adapter(value_model: nn.Module, config: PPOConfig):
     """A separate critic (one-label sequence classifier) with its own adapter; the head trains fully."""
+    return _add_adapter(value_model, config, "SEQ_CLS", "lora.target_modules (value model)")
+
+
+def _add_adapter(model: nn.Module, config: PPOConfig, task_type: str, where: str):
     from peft import get_peft_model
 
-    _prepare_quantized(value_model, config)
+    _prepare_quantized(model, config)
     try:
-        return get_peft_model(value_model, peft_lora_config(config.lora, "SEQ_CLS"))
+        return get_peft_model(model, peft_lora_config(config.lora, task_type))
     except ValueError as e:
-        raise UserError(f"lora.target_modules (value model): {str(e).splitlines()[0]}") from None
+        raise UserError(f"{where}: {str(e).splitlines()[0]}") from None
 
 
 def adapter_parameters(peft_model) -> list[nn.Parameter]:
