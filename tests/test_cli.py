@@ -46,6 +46,8 @@ def _assert_user_error(result, *fragments):
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
+    # One line says it: not echoed first by the plan (as a warning or a skipped estimate).
+    assert result.stderr.count(fragments[0]) == 1, result.stderr
 
 
 def test_cli_user_errors(model_dir, prompts_file, tmp_path):

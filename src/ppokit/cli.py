@@ -56,11 +56,16 @@ def _ppo(args) -> int:
 
 
 def _preflight(config) -> None:
-    """The plan's verdict before any weights load: a warning, never a failure."""
+    """The plan's verdict before any weights load: a warning, never a failure (config mistakes are the config's)."""
     from ppokit.plan import plan_for
 
+    if config.ppo.total_episodes is not None:
+        # A batch size that does not divide is a config error: report it once, not also as a plan warning.
+        config.ppo.derive(int(os.environ.get("WORLD_SIZE", "1")), 0)
     try:
         plan = plan_for(config)
+    except UserError:
+        return  # the same mistake stops the trainer next, with one line; the plan adds nothing to it
     except Exception as e:  # an estimate must never stop a run that might fit
         print(f"plan: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
         return
