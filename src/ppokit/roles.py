@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -134,7 +135,7 @@ def add_policy_adapter(policy: nn.Module, config: PPOConfig):
 
     _prepare_quantized(policy, config)
     try:
-        return get_peft_model(policy, peft_lora_config(config.lora, "CAUSAL_LM"))
+        return _wrap(get_peft_model, policy, peft_lora_config(config.lora, "CAUSAL_LM"))
     except ValueError as e:
         raise UserError(f"lora.target_modules: {str(e).splitlines()[0]}") from None
 
@@ -145,9 +146,16 @@ def add_value_adapter(value_model: nn.Module, config: PPOConfig):
 
     _prepare_quantized(value_model, config)
     try:
-        return get_peft_model(value_model, peft_lora_config(config.lora, "SEQ_CLS"))
+        return _wrap(get_peft_model, value_model, peft_lora_config(config.lora, "SEQ_CLS"))
     except ValueError as e:
         raise UserError(f"lora.target_modules (value model): {str(e).splitlines()[0]}") from None
+
+
+def _wrap(get_peft_model, model: nn.Module, lora_config):
+    # peft reads transformers' deprecated `is_gradient_checkpointing`; its FutureWarning is not the user's to act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora_config)
 
 
 def adapter_parameters(peft_model) -> list[nn.Parameter]:
