@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 
 from ppokit.errors import UserError
 
@@ -224,18 +225,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings() -> None:
+    # ppokit's own warnings (e.g. reward.on_error=skip dropping rows) are for the user, not a source line:
+    # print them as one line, above the progress bar rather than through it.
+    from tqdm.auto import tqdm
+
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package_dir + os.sep):
+            tqdm.write(f"ppokit: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     _quiet_transformers()
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"ppokit: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("ppokit: interrupted", file=sys.stderr)
-        return 130
+    with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
+        _one_line_warnings()
+        try:
+            return args.func(args)
+        except UserError as e:
+            print(f"ppokit: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("ppokit: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":
