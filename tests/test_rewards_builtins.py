@@ -83,7 +83,7 @@ def test_length_in_words_and_tokens_with_each_shape():
         ("regex", r"reward.functions\[0\].pattern: required"),
         ({"function": "regex", "pattern": "("}, "not a valid regular expression"),
         ({"function": "regex", "pattern": "a", "patern": "b"}, r"unknown config key reward.functions\[0\].patern \(did you mean"),
-        ({"function": "length", "target": -3}, r"reward.functions\[0\].target: value -3"),
+        ({"function": "length", "target": -3}, r"reward.functions\[0\].target: value -3.0 is out of range, it must be > 0"),
         ({"function": "contains"}, "needs `required` or `forbidden`"),
         ({"function": "sentiment", "scale": 2}, "takes no parameters"),
         ({"pattern": "x"}, r"reward.functions\[0\].function: required"),
