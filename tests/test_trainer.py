@@ -136,3 +136,15 @@ def test_reward_model_scores_at_last_real_token(model_dir, tokenizer):
         left = score_at_last_token(model, left_ids, left_mask.long())
         right = score_at_last_token(model, right_ids, right_mask)
     assert torch.allclose(left, alone, atol=1e-5) and torch.allclose(right, alone, atol=1e-5)
+
+
+def test_stop_token_outside_the_vocabulary_is_an_error_not_unk(model_dir, prompts_file, tmp_path):
+    from ppokit.errors import UserError
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run")
+    config.ppo.stop_token = "zzzz"  # a word-level tokenizer maps it to <unk>
+    with pytest.raises(UserError, match="ppo.stop_token 'zzzz' is not in the tokenizer's vocabulary"):
+        PPOTrainer(config, show_progress=False)
+    config.ppo.stop_token = "."  # one real token
+    trainer = PPOTrainer(config, show_progress=False)
+    assert trainer.stop_token_id == trainer.tokenizer.convert_tokens_to_ids(".") != trainer.tokenizer.unk_token_id
