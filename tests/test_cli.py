@@ -46,6 +46,8 @@ def _assert_user_error(result, *fragments):
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
+    # One line says it: not echoed first by the plan (as a warning or a skipped estimate).
+    assert result.stderr.count(fragments[0]) == 1, result.stderr
 
 
 def test_cli_user_errors(model_dir, prompts_file, tmp_path):
@@ -87,3 +89,16 @@ def test_user_reward_function_file_and_columns(model_dir, tmp_path):
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert "reward/reward" in record and "reward/sentiment" in record
     assert abs(record["objective/scores"] - (record["reward/reward"] + 0.5 * record["reward/sentiment"])) < 1e-5
+
+
+def test_reward_skip_warning_is_one_line_without_source(model_dir, prompts_file, tmp_path):
+    fn = tmp_path / "flaky.py"
+    fn.write_text("def flaky(prompts, completions, **kw):\n    return [float('nan') if i == 0 else 1.0 for i in range(len(completions))]\n")
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts_file, tmp_path / "run",
+                          reward={"functions": [f"{fn}:flaky"], "on_error": "skip"})
+    result = ppokit("ppo", config, "ppo.total_episodes=8")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.replace("\r", "\n").splitlines()
+    warned = [line for line in lines if "reward.on_error=skip: dropping samples" in line]
+    assert len(warned) == 1 and warned[0].startswith("ppokit: warning: "), result.stderr
+    assert "UserWarning" not in result.stderr and "_score_source(" not in result.stderr

@@ -38,10 +38,11 @@ def test_yaml_and_overrides(tmp_path):
     [
         ("ppo.kl_coeff=0.1", "unknown config key ppo.kl_coeff (did you mean ppo.kl_coef?)"),
         ("learning_rate=1e-5", "unknown config key learning_rate"),
-        ("ppo.cliprange=-1", "ppo.cliprange: value -1.0 is out of range"),
+        ("ppo.cliprange=-1", "ppo.cliprange: value -1.0 is out of range, it must be > 0"),
         ("ppo.kl_estimator=k4", "ppo.kl_estimator: value 'k4' is out of range"),
         ("ppo.num_ppo_epochs=two", "ppo.num_ppo_epochs: expected an integer"),
-        ("ppo.gamma=1.5", "ppo.gamma: value 1.5 is out of range"),
+        ("ppo.gamma=1.5", "ppo.gamma: value 1.5 is out of range, it must be in [0, 1]"),
+        ("data.eval_fraction=1", "data.eval_fraction: value 1.0 is out of range, it must be in [0, 1)"),
         ("ppo.whiten_rewards=maybe", "ppo.whiten_rewards: expected true or false"),
         ("ppo=3", "ppo: expected a mapping"),
         ("nonsense", "expected key.sub=value"),

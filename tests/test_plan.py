@@ -120,3 +120,21 @@ def test_ppo_command_prints_the_plan_first(model_dir, prompts_file, big_model_di
     assert main(["ppo", str(config)]) == 0
     err = capsys.readouterr().err
     assert "plan: estimated peak" in err and "fits" in err
+
+
+def test_plan_reads_chat_prompts_and_the_eval_hold_out_as_the_trainer_does(model_dir, tmp_path):
+    from ppokit.data import as_prompt_dataset, render_chat_prompts
+    from ppokit.models import load_tokenizer
+    from ppokit.plan import data_shape
+
+    chats = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "the movie was " * (i + 1)}]} for i in range(10)]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tiny_ppo_config(model_dir("llama"), chats, tmp_path / "run", total_episodes=None)
+    config.data.eval_fraction = 0.2
+    longest, num_prompts, notes = data_shape(config)
+    tokenizer = load_tokenizer(config.model)
+    trainer_prompts = as_prompt_dataset(str(chats))
+    render_chat_prompts(tokenizer, None, trainer_prompts)  # what PPOTrainer does with chat rows
+    assert longest == max(len(tokenizer(p)["input_ids"]) for p in trainer_prompts.prompts) > 30
+    assert num_prompts == 8 and not notes  # 2 of 10 held out for evaluation

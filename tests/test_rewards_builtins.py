@@ -83,7 +83,7 @@ def test_length_in_words_and_tokens_with_each_shape():
         ("regex", r"reward.functions\[0\].pattern: required"),
         ({"function": "regex", "pattern": "("}, "not a valid regular expression"),
         ({"function": "regex", "pattern": "a", "patern": "b"}, r"unknown config key reward.functions\[0\].patern \(did you mean"),
-        ({"function": "length", "target": -3}, r"reward.functions\[0\].target: value -3"),
+        ({"function": "length", "target": -3}, r"reward.functions\[0\].target: value -3.0 is out of range, it must be > 0"),
         ({"function": "contains"}, "needs `required` or `forbidden`"),
         ({"function": "sentiment", "scale": 2}, "takes no parameters"),
         ({"pattern": "x"}, r"reward.functions\[0\].function: required"),
@@ -101,6 +101,22 @@ def test_user_function_entry_gets_keyword_arguments(tmp_path):
     source = function_source({"function": "my_reward.py:bonus", "name": "flat", "amount": 2.5}, "k", tmp_path)
     assert source.name == "flat"
     assert source.score(ScoringBatch(["p"], ["c"])).tolist() == [2.5]
+
+
+def test_file_function_that_is_missing_or_not_callable_says_which(tmp_path):
+    (tmp_path / "my_reward.py").write_text("threshold = 3\n")
+    with pytest.raises(UserError, match="has no function bonus"):
+        function_source("my_reward.py:bonus", "k", tmp_path)
+    with pytest.raises(UserError, match=r"threshold in .*my_reward.py is not a function \(its type is int\)"):
+        function_source("my_reward.py:threshold", "k", tmp_path)
+
+
+def test_serve_rm_argument_that_is_a_missing_directory_is_reported_as_one(tmp_path):
+    from ppokit.rewards import source_from_argument
+
+    with pytest.raises(UserError, match=f"reward model directory {tmp_path}/rm does not exist"):
+        source_from_argument(f"{tmp_path}/rm")
+    assert source_from_argument("sentiment").name == "sentiment"
 
 
 def test_config_accepts_mappings_in_functions_and_checks_counts(tmp_path):

@@ -58,6 +58,16 @@ def test_shared_mode_holds_one_copy_of_the_base_weights(model_dir, prompts_file,
     assert held < 1.5 * base_bytes
 
 
+def test_lora_set_up_prints_no_deprecation_warning_from_the_libraries(model_dir, prompts_file, tmp_path):
+    # peft reads transformers' deprecated is_gradient_checkpointing; a user cannot act on that warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        trainer = PPOTrainer(lora_config(model_dir("llama"), prompts_file, tmp_path / "run"), show_progress=False)
+    assert trainer.ref_model is None
+
+
 @pytest.mark.parametrize("arch,value_model", [("llama", None), ("gpt2", "shared"), ("qwen2", "shared")])
 def test_lora_ppo_trains_adapters_and_head_not_the_base(arch, value_model, model_dir, prompts_file, tmp_path):
     config = lora_config(model_dir(arch), prompts_file, tmp_path / "run", value_model=value_model)

@@ -254,6 +254,15 @@ def test_data_inspect_reports_counts_at_the_limits(files, tokenizer):
     assert plain["examples"][0]["prompt"].endswith("assistant:")
 
 
+def test_data_inspect_reads_chats_without_answers_as_ppo_prompts(tmp_path, tokenizer):
+    user_turns = [{"messages": [{"role": "user", "content": "the movie was"}]}] * 4
+    report = inspect_data(write_jsonl(tmp_path / "chat_prompts.jsonl", user_turns), tokenizer)
+    assert report["format"] == "messages" and report["stage"] == "ppo"
+    assert report["examples"][0]["prompt"].endswith("assistant:")
+    answered = [{"messages": [*r["messages"], {"role": "assistant", "content": "great"}]} for r in user_turns]
+    assert inspect_data(write_jsonl(tmp_path / "chats.jsonl", answered), tokenizer)["stage"] == "sft"
+
+
 def test_cli_errors_are_one_line_with_exit_code_2(files, tmp_path, model_dir, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{oops\n')

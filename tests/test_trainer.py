@@ -178,3 +178,15 @@ def test_rows_dropped_by_on_error_skip_count_in_no_statistic(model_dir, prompts_
     # The adaptive controller moved by the kept episode's KL.
     error = min(max(kl / 1.0 - 1.0, -0.2), 0.2)
     assert trainer.kl_controller.value == pytest.approx(0.5 * (1 + error * 4 / 10000), rel=1e-6)
+
+
+def test_stop_token_outside_the_vocabulary_is_an_error_not_unk(model_dir, prompts_file, tmp_path):
+    from ppokit.errors import UserError
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run")
+    config.ppo.stop_token = "zzzz"  # a word-level tokenizer maps it to <unk>
+    with pytest.raises(UserError, match="ppo.stop_token 'zzzz' is not in the tokenizer's vocabulary"):
+        PPOTrainer(config, show_progress=False)
+    config.ppo.stop_token = "."  # one real token
+    trainer = PPOTrainer(config, show_progress=False)
+    assert trainer.stop_token_id == trainer.tokenizer.convert_tokens_to_ids(".") != trainer.tokenizer.unk_token_id

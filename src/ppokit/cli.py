@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 
 from ppokit.errors import UserError
 
@@ -56,11 +57,16 @@ def _ppo(args) -> int:
 
 
 def _preflight(config) -> None:
-    """The plan's verdict before any weights load: a warning, never a failure."""
+    """The plan's verdict before any weights load: a warning, never a failure (config mistakes are the config's)."""
     from ppokit.plan import plan_for
 
+    if config.ppo.total_episodes is not None:
+        # A batch size that does not divide is a config error: report it once, not also as a plan warning.
+        config.ppo.derive(int(os.environ.get("WORLD_SIZE", "1")), 0)
     try:
         plan = plan_for(config)
+    except UserError:
+        return  # the same mistake stops the trainer next, with one line; the plan adds nothing to it
     except Exception as e:  # an estimate must never stop a run that might fit
         print(f"plan: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
         return
@@ -219,18 +225,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings() -> None:
+    # ppokit's own warnings (e.g. reward.on_error=skip dropping rows) are for the user, not a source line:
+    # print them as one line, above the progress bar rather than through it.
+    from tqdm.auto import tqdm
+
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package_dir + os.sep):
+            tqdm.write(f"ppokit: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     _quiet_transformers()
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"ppokit: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("ppokit: interrupted", file=sys.stderr)
-        return 130
+    with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
+        _one_line_warnings()
+        try:
+            return args.func(args)
+        except UserError as e:
+            print(f"ppokit: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("ppokit: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

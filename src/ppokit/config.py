@@ -29,9 +29,16 @@ def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any 
     return field(default=default, metadata=metadata)
 
 
-positive = lambda v: v > 0  # noqa: E731
-non_negative = lambda v: v >= 0  # noqa: E731
-unit_interval = lambda v: 0 <= v <= 1  # noqa: E731
+def _rule(requirement: str, check):
+    """A range check that can say what it requires, for the error message."""
+    check.requirement = requirement
+    return check
+
+
+positive = _rule("> 0", lambda v: v > 0)
+non_negative = _rule(">= 0", lambda v: v >= 0)
+unit_interval = _rule("in [0, 1]", lambda v: 0 <= v <= 1)
+fraction = _rule("in [0, 1)", lambda v: 0 <= v < 1)
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 
 
@@ -168,7 +175,7 @@ class DataConfig:
     max_prompt_length: Optional[int] = doc(None, "Prompts longer than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
     format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=lambda v: v in DATA_FORMATS)
     chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file or Jinja text. The run's config.yaml records the template used.")
-    eval_fraction: float = doc(0.0, "When `eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=lambda v: 0 <= v < 1)
+    eval_fraction: float = doc(0.0, "When `eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=fraction)
 
 
 @dataclass
@@ -177,7 +184,7 @@ class LoraConfig:
 
     r: int = doc(16, "Rank of each adapter's update matrices.", check=positive)
     alpha: float = doc(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).", check=positive)
-    dropout: float = doc(0.0, "Dropout on the adapter input. Default 0 (peft's is 0.05): dropout makes the PPO ratio differ from 1 before any update, as model dropout does.", check=lambda v: 0 <= v < 1)
+    dropout: float = doc(0.0, "Dropout on the adapter input. Default 0 (peft's is 0.05): dropout makes the PPO ratio differ from 1 before any update, as model dropout does.", check=fraction)
     target_modules: list[str] = doc(factory=lambda: ["all-linear"], help="Module names (or suffixes) that get adapters; `all-linear` is every linear layer except the output head.")
     use_dora: bool = doc(False, "Weight-decomposed LoRA (DoRA): adds a trainable magnitude per output feature; slower per step.")
     use_rslora: bool = doc(False, "Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r.")
@@ -346,7 +353,9 @@ def validate(obj, prefix: str = "") -> None:
             continue
         check = f.metadata.get("check")
         if check is not None and value is not None and not check(value):
-            raise UserError(f"{key}: value {value!r} is out of range ({f.metadata['help']})")
+            requirement = getattr(check, "requirement", None)
+            must = f", it must be {requirement}" if requirement else ""
+            raise UserError(f"{key}: value {value!r} is out of range{must} ({f.metadata['help']})")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -448,7 +457,7 @@ class StageDataConfig:
 
     train: Optional[str] = doc(None, "Training data: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder (`folder:split` picks a split) or a hub dataset name (`name`, `name:split`, `name@config:split`). See docs/data.md.")
     eval: Optional[str] = doc(None, "Held-out data in the same forms as `train`; when set, `eval_fraction` is not used.")
-    eval_fraction: float = doc(0.05, "When `eval` is not set: share of the training rows held out for evaluation (a seeded shuffle, at least one row); 0: no evaluation.", check=lambda v: 0 <= v < 1)
+    eval_fraction: float = doc(0.05, "When `eval` is not set: share of the training rows held out for evaluation (a seeded shuffle, at least one row); 0: no evaluation.", check=fraction)
     format: str = doc("auto", "Row format: auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=lambda v: v in DATA_FORMATS)
     chat_template: Optional[str] = doc(None, "Template for chat rows: null/auto (the tokenizer's, else the plain fallback `role: content` lines), plain, tokenizer, a .jinja file or Jinja text. The output's config.yaml records the template used, and the saved tokenizer carries it.")
     max_prompt_length: Optional[int] = doc(256, "Prompts longer than this (tokens) keep their last max_prompt_length tokens (truncated from the left); the count is reported. null: no limit.", check=positive)

@@ -428,21 +428,26 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     """(longest prompt in tokens, number of training prompts, notes) from data.train and the tokenizer."""
     notes = []
     train = config.data.train
-    prompts = None
+    dataset = prompts = None
     if train and Path(train).is_file():
         from ppokit.data import as_prompt_dataset
 
-        prompts = as_prompt_dataset(train, config.data.prompt_field).prompts
+        dataset = as_prompt_dataset(train, config.data.prompt_field, config.data.format)
+        if config.data.eval is None and config.data.eval_fraction:
+            dataset = dataset.split(config.data.eval_fraction, config.seed)[0]  # as the trainer holds them out
+        prompts = dataset.prompts
     elif train:
         notes.append(f"data.train {train} not found; batch sizes need ppo.total_episodes")
     limit = config.data.max_prompt_length
     longest = None
     if prompts:
         try:
+            from ppokit.data import render_chat_prompts
             from ppokit.models import load_tokenizer
 
             tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-            longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
+            render_chat_prompts(tokenizer, config.data.chat_template, dataset)  # chat rows: text only once rendered
+            longest = max(len(tokenizer(p)["input_ids"]) for p in dataset.prompts)
         except UserError as e:
             notes.append(f"prompt lengths unknown ({e})")
     if longest is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -143,9 +144,16 @@ def _add_adapter(model: nn.Module, config: PPOConfig, task_type: str, where: str
 
     _prepare_quantized(model, config)
     try:
-        return get_peft_model(model, peft_lora_config(config.lora, task_type))
+        return _wrap(get_peft_model, model, peft_lora_config(config.lora, task_type))
     except ValueError as e:
         raise UserError(f"{where}: {str(e).splitlines()[0]}") from None
+
+
+def _wrap(get_peft_model, model: nn.Module, lora_config):
+    # peft reads transformers' deprecated `is_gradient_checkpointing`; its FutureWarning is not the user's to act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora_config)
 
 
 def adapter_parameters(peft_model) -> list[nn.Parameter]:

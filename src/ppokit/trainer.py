@@ -255,6 +255,8 @@ class PPOTrainer:
             encoded = tok(hp.stop_token, add_special_tokens=False)["input_ids"]
             if len(encoded) != 1:
                 raise UserError(f"ppo.stop_token {hp.stop_token!r} is {len(encoded)} tokens; it must be exactly one")
+            if encoded[0] == tok.unk_token_id and hp.stop_token != tok.unk_token:
+                raise UserError(f"ppo.stop_token {hp.stop_token!r} is not in the tokenizer's vocabulary (it encodes as {tok.unk_token!r})")
             ids = encoded
         return ids[0]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
-from ppokit.config import doc, positive
+from ppokit.config import doc, non_negative, positive
 from ppokit.errors import UserError
 
 # --------------------------------------------------------------------------- sentiment
@@ -180,7 +180,7 @@ class MathEquivalence(ExactMatch):
     match within a tolerance: `0.5` = `1/2` = `\\frac{1}{2}` (a `%` sign is dropped: `50%` reads as 50)."""
 
     extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the last number), `boxed`, `hash`, `last_number` or `none`.", check=lambda v: v in ("auto", "boxed", "hash", "last_number", "none"))
-    tolerance: float = doc(1e-6, "Relative tolerance of a numeric match (absolute below 1).", check=lambda v: v >= 0)
+    tolerance: float = doc(1e-6, "Relative tolerance of a numeric match (absolute below 1).", check=non_negative)
 
     name = "math_equivalence"
     _fallback = "last_number"

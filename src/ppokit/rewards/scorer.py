@@ -299,4 +299,7 @@ def source_from_argument(text: str, trust_remote_code: bool = False) -> RewardSo
         except yaml.YAMLError as e:
             raise UserError(f"serve-rm: {text!r} is not a valid YAML mapping: {e}") from None
         return function_source(entry, "serve-rm MODEL", Path.cwd())
+    if ":" not in text and ("/" in text or text.startswith((".", "~"))):
+        # Only a directory can be a model here; a path that is none is a missing model, not a misspelt function.
+        raise UserError(f"serve-rm MODEL: reward model directory {text} does not exist")
     return function_source(text, "serve-rm MODEL", Path.cwd())

@@ -196,6 +196,8 @@ def load_function(spec: str, base_dir: Path | None = None) -> tuple[str, Callabl
         except ImportError as e:
             raise UserError(f"reward function {spec!r}: cannot import module {target}: {e}") from None
     fn = getattr(module, fn_name, None)
-    if not callable(fn):
+    if fn is None:
         raise UserError(f"reward function {spec!r}: {target} has no function {fn_name}")
+    if not callable(fn):
+        raise UserError(f"reward function {spec!r}: {fn_name} in {target} is not a function (its type is {type(fn).__name__})")
     return fn_name, fn

@@ -26,6 +26,11 @@ from ppokit.errors import UserError
 STAGE_OF_FORMAT = {"preference": "rm", "prompt": "ppo"}  # everything else is sft data
 
 
+def _ends_with_assistant(row: dict) -> bool:
+    messages = row.get("messages")
+    return bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
+
+
 def percentiles(values: list[int]) -> dict:
     """Nearest-rank p50 / p90 / p99 and max."""
     ordered = sorted(values)
@@ -45,6 +50,8 @@ def inspect_data(
 ) -> dict:
     """-> a report dict. Limits of -1 mean the stage's default (`data.max_prompt_length` etc.)."""
     records = load_records(path, format)
+    if stage is None and records.format == "messages" and not any(_ends_with_assistant(row) for row in records.rows):
+        stage = "ppo"  # no conversation has an answer to train on: they are PPO prompts
     stage = stage or STAGE_OF_FORMAT.get(records.format, "sft")
     if stage not in ("sft", "rm", "ppo"):
         raise UserError(f"--stage must be sft, rm or ppo, got {stage!r}")
