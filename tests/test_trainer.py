@@ -190,3 +190,20 @@ def test_stop_token_outside_the_vocabulary_is_an_error_not_unk(model_dir, prompt
     config.ppo.stop_token = "."  # one real token
     trainer = PPOTrainer(config, show_progress=False)
     assert trainer.stop_token_id == trainer.tokenizer.convert_tokens_to_ids(".") != trainer.tokenizer.unk_token_id
+
+
+def test_eval_scores_only_with_eval_data_and_no_step_past_the_end(model_dir, prompts_file, tmp_path):
+    from ppokit.errors import UserError
+
+    trainer = _trainer(model_dir, prompts_file, tmp_path)  # no data.eval: samples come from the batch
+    records = trainer.train()
+    assert not any("eval/scores" in r for r in records)
+    samples = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and {s["split"] for s in samples} == {"train"}
+    with pytest.raises(UserError, match="all 2 updates of ppo.total_episodes=16 are done"):
+        trainer.step()
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "with-eval")
+    config.data.eval = str(prompts_file)
+    records = PPOTrainer(config, show_progress=False).train()
+    assert "eval/scores" in records[-1]

@@ -466,6 +466,11 @@ class PPOTrainer:
 
     def step(self) -> dict[str, Any]:
         """Run one PPO update and return its metrics."""
+        if self.update >= self.sizes.num_updates:
+            raise UserError(
+                f"all {self.sizes.num_updates} updates of ppo.total_episodes={self.sizes.total_episodes} are done; "
+                "raise ppo.total_episodes to train further"
+            )
         hp = self.config.ppo
         t0 = time.perf_counter()
         indices = self.batch_indices(self.update)
@@ -554,7 +559,7 @@ class PPOTrainer:
                 if sample_every and not self.skipped_in_a_row and (self.update % sample_every == 0 or self.update == self.sizes.num_updates):
                     rows = self.sample_completions()
                     scored = [r["score"] for r in rows if r["score"] is not None]
-                    if scored:
+                    if scored and self.eval_data is not None:  # without eval data the rows are the training batch's
                         record["eval/scores"] = sum(scored) / len(scored)
                     if samples:
                         samples.write_many(rows)
