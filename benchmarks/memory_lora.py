@@ -22,6 +22,8 @@ from pathlib import Path
 
 MODES = {
     "full": {},
+    # the non-finite guard's per-update CPU copy of trainable weights and optimiser state, switched off
+    "full_no_rollback": {"ppo": {"nonfinite_rollback": False}},
     "lora": {"lora": {"r": 16}},
     "lora_shared": {"lora": {"r": 16}, "value_model": "shared"},
 }
@@ -60,13 +62,15 @@ def run_mode(mode: str, model_dir: str, prompts: str, output: str, updates: int,
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     baseline = rss_mib()
     batch = 16
+    mode_settings = dict(MODES[mode])
+    ppo_settings = mode_settings.pop("ppo", {})
     config = load_config(PPOConfig, data={
         "model": model_dir, "output_dir": output, "seed": 0,
         "reward": {"functions": ["sentiment"]}, "data": {"train": prompts},
         "ppo": {"total_episodes": batch * updates, "per_device_train_batch_size": 8, "num_mini_batches": 2,
                 "num_ppo_epochs": 2, "response_length": response_length, "temperature": 1.0, "learning_rate": 1e-4,
-                "num_sample_generations": 0, "local_rollout_forward_batch_size": batch},
-        **MODES[mode],
+                "num_sample_generations": 0, "local_rollout_forward_batch_size": batch, **ppo_settings},
+        **mode_settings,
     })
     trainer = PPOTrainer(config, show_progress=False)
     after_load = rss_mib()
