@@ -150,3 +150,25 @@ def test_every_builtin_and_parameter_is_documented():
         assert f"### `{name}`" in text or f"`{name}` and" in text or f"and `{name}`" in text, name
         for f in dataclasses.fields(builtin) if isinstance(builtin, type) else []:
             assert f"| `{f.name}` |" in text, (name, f.name)
+
+
+def test_a_column_a_reward_function_needs_is_checked_before_any_model_loads(model_dir, prompts_file, tmp_path, monkeypatch):
+    import ppokit.trainer
+    from conftest import tiny_ppo_config
+
+    from ppokit.errors import UserError
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data's columns were checked")
+
+    monkeypatch.setattr(ppokit.trainer, "load_causal_lm", must_not_load)
+
+    def needs_target(prompts, completions, target, weight=1.0, **columns):
+        return [weight * (t in c) for t, c in zip(target, completions)]
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run")
+    with pytest.raises(UserError, match=r"reward function needs_target needs the data column\(s\) target, which data.train"):
+        ppokit.trainer.PPOTrainer(config, reward_functions=[needs_target], show_progress=False)
+    config.reward.functions = ["math_equivalence"]
+    with pytest.raises(UserError, match=r"reward function math_equivalence needs the data column\(s\) answer"):
+        ppokit.trainer.PPOTrainer(config, show_progress=False)

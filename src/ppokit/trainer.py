@@ -146,6 +146,15 @@ class PPOTrainer:
         template = render_chat_prompts(self.tokenizer, config.data.chat_template, self.train_data, self.eval_data)
         if template is not None:
             config.data.chat_template = template
+        data_columns = {f"data.train ({self.train_data.source})": set(self.train_data.columns)}
+        if self.eval_data is not None:
+            data_columns[f"data.eval ({self.eval_data.source})"] = set(self.eval_data.columns)
+        self.scorer = build_scorer(
+            config.reward, missing_eos_penalty=hp.missing_eos_penalty, reward_model=reward_model,
+            reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=trc, base_dir=Path.cwd(),
+            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None, load_kwargs=load_kwargs,
+            data_columns=data_columns,
+        )
         policy = load_causal_lm(model if model is not None else config.model, "model", trc, **load_kwargs)
         if ref_model is not None or config.ref_model:
             ref = load_causal_lm(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
@@ -154,11 +163,6 @@ class PPOTrainer:
             ref = None  # the policy's base with its adapter disabled: see reference_logits
         else:
             ref = frozen_copy(policy)
-        self.scorer = build_scorer(
-            config.reward, missing_eos_penalty=hp.missing_eos_penalty, reward_model=reward_model,
-            reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=trc, base_dir=Path.cwd(),
-            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None, load_kwargs=load_kwargs,
-        )
         reward_model_obj = self.scorer.reward_model
         value_lora = config.lora is not None and config.lora.value_model_lora
         if config.value_model == "from_reward" and not (

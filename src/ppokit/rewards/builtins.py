@@ -156,6 +156,9 @@ class ExactMatch:
     name = "exact_match"
     _fallback = "none"
 
+    def required_columns(self) -> set[str]:
+        return {self.answer_column}
+
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
         answers = _answers(columns, self.answer_column, self.name)
         return [self.on_correct if self.is_correct(c, a) else self.on_wrong for c, a in zip(completions, answers)]

@@ -248,11 +248,23 @@ def build_scorer(
     base_dir: Optional[Path] = None,
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     load_kwargs: Optional[dict] = None,
+    data_columns: Optional[dict[str, set[str]]] = None,
 ) -> RewardScorer:
     """Every source of the `reward:` section (objects passed in replace the config's entries), in
     `weights` order: reward model, functions, remote. Loads the reward model: a model that cannot be
     loaded or has more than one label is a UserError here, before any training. With several
     processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all."""
+    items = reward_functions if reward_functions is not None else reward.functions
+    functions = [as_source(item, f"reward.functions[{i}]", base_dir) for i, item in enumerate(items)]
+    # A column a function needs but the data lacks fails now, not after every model has loaded.
+    for source in functions:
+        for split, columns in (data_columns or {}).items():
+            missing = sorted(getattr(source, "required_columns", lambda: set())() - columns)
+            if missing:
+                raise UserError(
+                    f"reward function {source.name} needs the data column(s) {', '.join(missing)}, which {split} "
+                    f"does not have (columns: {', '.join(sorted(columns)) or 'none besides the prompt'})"
+                )
     sources: list[RewardSource] = []
     rm_module = None
     if reward_model is not None or (reward.model and reward.model != "<object>"):
@@ -262,8 +274,7 @@ def build_scorer(
         )
         sources.append(rm)
         rm_module = rm.model
-    items = reward_functions if reward_functions is not None else reward.functions
-    sources += [as_source(item, f"reward.functions[{i}]", base_dir) for i, item in enumerate(items)]
+    sources += functions
     if reward.remote is not None:
         r = reward.remote
         sources.append(RemoteReward(r.url, r.timeout_s, r.max_retries, r.backoff_s, r.batch_size, dict(r.headers), r.name))

@@ -134,6 +134,20 @@ class FunctionReward:
         except (TypeError, ValueError):
             params = {}
         self._wants_ids = "completion_ids" in params
+        self._params = params
+
+    def required_columns(self) -> set[str]:
+        """Data columns the function cannot run without: named parameters after (prompts, completions)
+        with no default that the config does not fill (or what a built-in declares)."""
+        declared = getattr(self.fn, "required_columns", None)
+        if callable(declared):
+            return set(declared())
+        named = list(self._params.values())[2:]
+        return {
+            p.name for p in named
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+            and p.name not in self.kwargs and p.name != "completion_ids"
+        }
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
         clash = sorted(set(self.kwargs) & set(batch.columns))
