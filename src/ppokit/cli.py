@@ -38,7 +38,8 @@ def _ppo(args) -> int:
             )
     from ppokit.trainer import PPOTrainer
 
-    _preflight(config)
+    if _is_main_process():
+        _preflight(config)
     trainer = PPOTrainer(config)
     if resume_path is not None:
         trainer.resume_from(resume_path, force=args.resume_force)
@@ -52,8 +53,14 @@ def _ppo(args) -> int:
         print(f"ppokit: {e}\nppokit: resume with: {command}", file=sys.stderr)
         return e.exit_code
     scores = [r["objective/scores"] for r in records if "objective/scores" in r]
-    print(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": scores[-1] if scores else None}))
+    if _is_main_process():
+        print(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": scores[-1] if scores else None}))
     return 0
+
+
+def _is_main_process() -> bool:
+    # Read from the launcher's environment: the Accelerator does not exist yet when the plan prints.
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _preflight(config) -> None:

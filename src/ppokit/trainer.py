@@ -116,6 +116,13 @@ class PPOTrainer:
         hp = config.ppo
         roles.check_environment(config)  # before any weights load
         self.accelerator = accelerator or Accelerator(mixed_precision=roles.mixed_precision(config))
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.accelerator.num_processes != launched:
+            # Every process would believe it is the only one and write the same run directory.
+            raise UserError(
+                f"launched as {launched} processes (WORLD_SIZE) but accelerate sees {self.accelerator.num_processes}; "
+                "on CPU set ACCELERATE_USE_CPU=true for torchrun, or start with `accelerate launch`"
+            )
         set_seed(config.seed)
         self.output_dir = Path(config.output_dir)
         self.show_progress = show_progress and self.accelerator.is_main_process
