@@ -105,7 +105,7 @@ class Plan:
         if self.sizes:
             s = self.sizes
             lines.append(f"batches: micro {s.micro_batch}, rollout batch {s.batch} (per process {s.local_batch}), minibatch "
-                         f"{s.local_mini_batch}, {s.total_episodes} episodes = {s.num_updates} updates")
+                         f"{s.local_mini_batch}, {s.total_episodes} episodes = {s.num_updates} update{'' if s.num_updates == 1 else 's'}")
         lines.append(self.summary())
         lines.extend(f"warning: {w}" for w in self.warnings)
         if self.suggestion:
