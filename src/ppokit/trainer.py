@@ -691,7 +691,22 @@ class PPOTrainer:
             roles.save_value_model(self.value_model, tmp / "value_model")
             self.tokenizer.save_pretrained(tmp / "value_model")
 
-        atomic_save_dir(target, write)
+        with _no_save_progress_bars():
+            atomic_save_dir(target, write)
+
+
+@contextlib.contextmanager
+def _no_save_progress_bars():
+    """A per-shard bar for every save would interleave with the run's own progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _lr_lambda(kind: str, warmup: int, total: int):
