@@ -207,3 +207,23 @@ def test_eval_scores_only_with_eval_data_and_no_step_past_the_end(model_dir, pro
     config.data.eval = str(prompts_file)
     records = PPOTrainer(config, show_progress=False).train()
     assert "eval/scores" in records[-1]
+
+
+def test_evaluate_scores_every_eval_prompt_repeatably_without_touching_training_randomness(model_dir, prompts_file, tmp_path):
+    from ppokit.errors import UserError
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", local_rollout_forward_batch_size=16)
+    with pytest.raises(UserError, match="evaluate: no eval prompts"):
+        PPOTrainer(config, show_progress=False).evaluate()
+    config.data.eval = str(prompts_file)  # 64 prompts: 4 sampling chunks of 16
+    trainer = PPOTrainer(config, show_progress=False)
+    state = torch.get_rng_state()
+    first = trainer.evaluate()
+    assert torch.equal(torch.get_rng_state(), state)  # training's random stream is untouched
+    assert first["eval/num_scored"] == 64
+    assert trainer.evaluate() == first  # same seed, same policy: same completions and scores
+    assert trainer.evaluate(max_prompts=8)["eval/num_scored"] == 8
+    assert 0 < first["eval/response_length"] <= 8 and 0 <= first["eval/ended"] <= 1
+    # after training the policy is different, and so are its completions' scores
+    trainer.train()
+    assert trainer.evaluate() != first

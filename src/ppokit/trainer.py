@@ -647,6 +647,42 @@ class PPOTrainer:
         return path
 
     @torch.inference_mode()
+    def evaluate(self, max_prompts: Optional[int] = None, seed: Optional[int] = None) -> dict[str, float]:
+        """Sample completions for the eval prompts (all of them, or the first `max_prompts`) with the
+        current policy, score them, and return `eval/scores`, `eval/response_length`, `eval/ended`
+        (share of responses that produced the stop token) and `eval/num_scored`.
+
+        Sampling uses its own generator seeded with `seed` (default `config.seed`), so the result is
+        repeatable and training's random stream is left as it was. Reward normalisation statistics
+        are not updated.
+        """
+        if self.eval_data is None:
+            raise UserError("evaluate: no eval prompts; set data.eval or data.eval_fraction, or pass eval_dataset=")
+        n = len(self.eval_data) if max_prompts is None else min(max_prompts, len(self.eval_data))
+        chunk = self.config.ppo.local_rollout_forward_batch_size
+        scores, lengths, ended = [], [], []
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.config.seed if seed is None else seed)
+            for start in range(0, n, chunk):
+                rows = range(start, min(n, start + chunk))
+                prompts, columns = self.eval_data.rows(rows)
+                rollout = self.generate([self.eval_query_ids[i] for i in rows])
+                batch_scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
+                valid = extras["valid"]
+                scores += batch_scores[valid].tolist()
+                lengths += rollout.response_mask.sum(1)[valid].tolist()
+                ended += rollout.ended[valid].tolist()
+        if not scores:
+            raise UserError(f"evaluate: no reward source could score any of the {n} eval completions")
+        return {
+            "eval/scores": sum(scores) / len(scores),
+            "eval/response_length": sum(lengths) / len(lengths),
+            "eval/ended": sum(ended) / len(ended),
+            "eval/num_scored": len(scores),
+        }
+
+    @torch.inference_mode()
     def sample_completions(self) -> list[dict]:
         """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows
         (score None for a row no reward source could score under reward.on_error=skip)."""
