@@ -22,7 +22,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -320,10 +319,3 @@ class FixedKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
-
-
-def is_finite(x: torch.Tensor | float) -> bool:
-    """True when every element is finite (a Python float or a tensor)."""
-    if isinstance(x, torch.Tensor):
-        return bool(torch.isfinite(x).all())
-    return math.isfinite(x)

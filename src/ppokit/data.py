@@ -72,11 +72,6 @@ class Rows:
         return f"{self.source}: row {i + 1}"
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Every non-blank line of a JSONL file as a dict; a bad line is a UserError naming file and line."""
-    return _read_jsonl_rows(Path(path)).rows
-
-
 def _read_jsonl_rows(path: Path) -> Rows:
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
@@ -635,15 +630,6 @@ def prompt_dataset_from_records(records: Records) -> PromptDataset:
     columns = {k: [row.get(k) for row in records.rows] for k in other}
     has_chat = any(c is not None for c in chat)
     return PromptDataset(prompts, columns, records.source, chat if has_chat else None, records.format)
-
-
-def prompts_from_rows(rows: list[dict], source: str, prompt_field: str = "prompt") -> PromptDataset:
-    return prompt_dataset_from_records(load_records(Rows(rows, source), "auto", prompt_field))
-
-
-def load_prompts(path: str | Path, prompt_field: str = "prompt", format: str = "auto") -> PromptDataset:
-    """A prompt source (file, folder, hub name) -> PromptDataset."""
-    return prompt_dataset_from_records(load_records(path, format, prompt_field))
 
 
 def as_prompt_dataset(data, prompt_field: str = "prompt", format: str = "auto") -> PromptDataset:

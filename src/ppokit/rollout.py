@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 
@@ -49,12 +49,6 @@ class Rollout:
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]
-
-
-class RolloutEngine(Protocol):
-    """What produces responses for prompts. The built-in one is `HFSampler`; a vLLM engine is another."""
-
-    def sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> Rollout: ...
 
 
 @dataclass
