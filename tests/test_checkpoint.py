@@ -52,6 +52,21 @@ def resume_and_finish(config: PPOConfig, path=None) -> PPOTrainer:
     return trainer
 
 
+def train_until_crash_at_optimizer_step(trainer: PPOTrainer, crash_at: int) -> None:
+    """trainer.train() with an exception raised instead of optimiser step number `crash_at`."""
+    step, calls = trainer.optimizer.step, []
+
+    def crashing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == crash_at:
+            raise RuntimeError("simulated crash")
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = crashing_step
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.train()
+
+
 def assert_same_run(run_dir: Path, reference: Path) -> None:
     got, want = comparable(run_dir / "metrics.jsonl"), comparable(reference / "metrics.jsonl")
     assert [r["update"] for r in got] == [1, 2, 3, 4]
@@ -66,17 +81,7 @@ def test_resume_after_an_exception_mid_update_is_exact(model_dir, prompts_file, 
     out = tmp_path / "run"
     config = tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN)
     trainer = PPOTrainer(config, show_progress=False)
-    step, calls = trainer.optimizer.step, []
-
-    def crash_in_update_3(*args, **kwargs):  # 4 optimiser steps per update: crash after update 3 took one
-        calls.append(1)
-        if len(calls) == 10:
-            raise RuntimeError("simulated crash")
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = crash_in_update_3
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        trainer.train()
+    train_until_crash_at_optimizer_step(trainer, 10)  # 4 optimiser steps per update: update 3 took one
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-1", "update-2"]
 
     resumed = resume_and_finish(tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN))
@@ -337,17 +342,7 @@ def test_resume_is_exact_with_lora_critics_and_reward_normalisation(model_dir, p
     PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
     out = tmp_path / "run"
     trainer = PPOTrainer(config(out, save_steps=1), show_progress=False)
-    step, calls = trainer.optimizer.step, []
-
-    def crash_in_update_2(*args, **kwargs):  # 4 optimiser steps per update
-        calls.append(1)
-        if len(calls) == 6:
-            raise RuntimeError("simulated crash")
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = crash_in_update_2
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        trainer.train()
+    train_until_crash_at_optimizer_step(trainer, 6)  # 4 optimiser steps per update: in update 2
     resume_and_finish(config(out, save_steps=1))
     got, want = comparable(out / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
     assert [r["update"] for r in got] == [1, 2, 3]
