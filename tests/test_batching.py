@@ -1,0 +1,115 @@
+"""Token-budget micro-batches: the plan, trimming both sides, restoring order."""
+
+import pytest
+import torch
+
+from ppokit import batching
+from ppokit.models import left_pad, position_ids_from_mask, response_logprobs
+from ppokit.rollout import Rollout
+
+
+def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, pad: int = 0) -> Rollout:
+    """Left-padded prompts, right-padded responses of `width` columns, as sampling leaves them."""
+    query_ids, query_mask = left_pad(prompts, pad)
+    response_ids = torch.full((len(responses), width), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(responses), width), dtype=torch.bool)
+    for i, r in enumerate(responses):
+        response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        response_mask[i, : len(r)] = True
+    logprobs = -torch.rand(len(responses), width) * response_mask
+    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, response_mask.any(1))
+
+
+def test_plan_packs_similar_lengths_within_the_budget_and_keeps_every_row_once():
+    prompt = torch.tensor([3, 10, 2, 9, 4, 1, 8, 5])
+    response = torch.tensor([2, 6, 1, 7, 3, 1, 5, 2])
+    rows = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])  # a minibatch's shuffled order
+    plan = batching.plan_micro_batches(rows, prompt, response, max_tokens=40)
+    assert sorted(torch.cat(plan).tolist()) == sorted(rows.tolist())
+    totals = [(prompt[mb] + response[mb]).tolist() for mb in plan]
+    # Longest first, by hand: 16 (row 3), 16 (row 1), 13, ... each micro-batch's trimmed tensor fits 40.
+    assert totals[0][0] == 16
+    for mb in plan:
+        width = int(prompt[mb].max() + response[mb].max())
+        assert len(mb) * width <= 40
+    flat = [t for group in totals for t in group]
+    assert flat == sorted(flat, reverse=True), "rows of similar length are packed together"
+
+
+def test_plan_is_a_function_of_lengths_and_the_seeded_order():
+    prompt, response = torch.tensor([4, 4, 4, 4, 2, 2]), torch.tensor([1, 1, 1, 1, 3, 3])
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(7))
+    a = batching.plan_micro_batches(order, prompt, response, max_tokens=12)
+    b = batching.plan_micro_batches(order.clone(), prompt, response, max_tokens=12)
+    assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    # Equal lengths keep the minibatch's own (seeded) order: a stable sort.
+    assert [i for mb in a for i in mb.tolist()] == sorted(order.tolist(), key=lambda i: -(prompt[i] + response[i]).item())
+
+
+@pytest.mark.parametrize("budget, groups", [(10**6, 1), (1, None)])
+def test_budget_bounds(budget, groups):
+    prompt, response = torch.tensor([3, 2, 1]), torch.tensor([1, 2, 2])
+    if groups is None:
+        with pytest.raises(batching.BudgetTooSmall, match=r"a row of 4 tokens \(3 prompt \+ 1 response\).*max_tokens_per_micro_batch=1"):
+            batching.plan_micro_batches(torch.arange(3), prompt, response, budget)
+    else:
+        assert len(batching.plan_micro_batches(torch.arange(3), prompt, response, budget)) == groups
+
+
+def test_check_budget_names_both_numbers():
+    batching.check_budget(None, [5, 9], 16)
+    batching.check_budget(25, [5, 9], 16)
+    with pytest.raises(batching.BudgetTooSmall, match=r"max_tokens_per_micro_batch=24 is smaller than .*25 tokens.*9 tokens.*response_length 16"):
+        batching.check_budget(24, [5, 9], 16)
+
+
+def test_trim_drops_only_all_padding_columns_on_both_sides():
+    rollout = _rollout([[5, 6], [7, 8, 9]], [[1], [2, 3]], width=5)
+    rollout = Rollout(**{**rollout.__dict__, "values": torch.arange(10.0).reshape(2, 5)})
+    rollout = Rollout(**{**rollout.__dict__,
+                         "query_ids": torch.cat([torch.zeros(2, 2, dtype=torch.long), rollout.query_ids], 1),
+                         "query_mask": torch.cat([torch.zeros(2, 2, dtype=torch.bool), rollout.query_mask], 1)})
+    trimmed = batching.trim(rollout)
+    assert trimmed.query_ids.tolist() == [[0, 5, 6], [7, 8, 9]]
+    assert trimmed.response_ids.tolist() == [[1, 0], [2, 3]]
+    assert trimmed.values.tolist() == [[0.0, 1.0], [5.0, 6.0]]
+    assert trimmed.ended.tolist() == rollout.ended.tolist()
+    # Positions of the real tokens are the same before and after.
+    before = position_ids_from_mask(rollout.attention_mask)[rollout.attention_mask.bool()]
+    after = position_ids_from_mask(trimmed.attention_mask)[trimmed.attention_mask.bool()]
+    assert before.tolist() == after.tolist()
+    assert batching.trim(trimmed) is trimmed
+
+
+def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
+    """Reference-style pass: per trimmed micro-batch logprobs, scattered back, equal the padded batch's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (7,), generator=g)]
+    responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(0, 7, (7,), generator=g)]
+    rollout = _rollout(prompts, responses, width=6)
+    with torch.no_grad():
+        full, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids,
+                                    rollout.response_mask, 0.7)
+        prompt_len, response_len = batching.row_lengths(rollout.query_mask, rollout.response_mask)
+        plan = batching.plan_micro_batches(torch.arange(7), prompt_len, response_len, max_tokens=30)
+        assert len(plan) > 1
+        pieces, micro = [], []
+        for index in plan:
+            mb = batching.trim(rollout.select(index))
+            micro.append(mb)
+            lp, _ = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, 0.7)
+            pieces.append((index, lp))
+    restored = batching.restore(pieces, 7, 6)
+    assert torch.allclose(restored, full, atol=1e-6)
+    processed, real = batching.padded_tokens(micro)
+    assert real == int(rollout.query_mask.sum() + rollout.response_mask.sum())
+    assert real <= processed < rollout.query_ids.numel() + rollout.response_ids.numel()
+
+
+def test_row_lengths_of_a_dropped_row_is_its_prompt_only():
+    rollout = _rollout([[5, 6, 7]], [[]], width=3)
+    prompt, response = batching.row_lengths(rollout.query_mask, rollout.response_mask)
+    assert (prompt.tolist(), response.tolist()) == ([3], [0])
