@@ -113,3 +113,34 @@ def test_row_lengths_of_a_dropped_row_is_its_prompt_only():
     rollout = _rollout([[5, 6, 7]], [[]], width=3)
     prompt, response = batching.row_lengths(rollout.query_mask, rollout.response_mask)
     assert (prompt.tolist(), response.tolist()) == ([3], [0])
+
+
+@pytest.mark.parametrize("compact_every", [1, 3])
+def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokenizer, compact_every):
+    """Finished rows leave the forward batch and the KV cache; the random stream, and so every token, stays."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.rollout import HFSampler
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    texts = ["the movie was", "honestly the cast was", "the", "overall the story felt", "this film is", "the acting"]
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    free = HFSampler(model, 24, 2.0, None, tokenizer.pad_token_id).sample(ids, mask)
+    # A stop token that ends the rows at the most different lengths (and not all of them).
+    def spread(token):
+        hits = free.response_ids == token
+        return len({int(h.nonzero()[0]) for h in hits if h.any()}) if not hits.any(1).all() else 0
+
+    stop = max(set(free.response_ids.flatten().tolist()), key=spread)
+
+    def sample(every):
+        torch.manual_seed(1)
+        return HFSampler(model, 24, 2.0, stop, tokenizer.pad_token_id, compact_every=every).sample(ids, mask)
+
+    plain, compact = sample(0), sample(compact_every)
+    lengths = plain.response_mask.sum(1)
+    assert len(set(lengths.tolist())) > 2 and plain.ended.any() and not plain.ended.all()
+    assert torch.equal(plain.response_ids, compact.response_ids)
+    assert torch.equal(plain.response_mask, compact.response_mask)
+    assert torch.allclose(plain.logprobs, compact.logprobs, atol=1e-6)

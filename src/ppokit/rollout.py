@@ -66,6 +66,9 @@ class HFSampler:
     stop_token_id: Optional[int]
     pad_token_id: int
     batch_size: int = 64
+    # Every this many steps, rows that produced the stop token leave the forward batch (and the KV
+    # cache); 0: they stay to the end, fed padding. The sampled tokens are the same either way.
+    compact_every: int = 0
 
     @torch.inference_mode()
     def sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> Rollout:
@@ -100,9 +103,12 @@ class HFSampler:
         logits, cache = causal_lm_step(self.model, query_ids, attention_mask, positions, logits_to_keep=1)
         next_position = positions[:, -1:] + 1
         done = torch.zeros(rows, dtype=torch.bool, device=query_ids.device)
+        active = None  # rows still in the forward batch, once finished rows have been dropped from it
         tokens, logprobs = [], []
         for step in range(self.response_length):
             step_logprobs = torch.log_softmax(logits[:, -1].float() / self.temperature, dim=-1)
+            if active is not None:
+                step_logprobs = _with_placeholder_rows(step_logprobs, active, rows)
             token = torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
             token = token.masked_fill(done, self.pad_token_id)
             tokens.append(token)
@@ -113,7 +119,33 @@ class HFSampler:
                     break
             if step + 1 == self.response_length:
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
-            logits, cache = causal_lm_step(self.model, token.unsqueeze(1), attention_mask, next_position, cache=cache)
+            if self.compact_every and (step + 1) % self.compact_every == 0 and _can_select_rows(cache):
+                keep = ~done if active is None else ~done[active]
+                if not bool(keep.all()):
+                    kept = keep.nonzero().squeeze(1)
+                    cache.batch_select_indices(kept)
+                    attention_mask, next_position = attention_mask[kept], next_position[kept]
+                    active = kept if active is None else active[kept]
+            step_tokens = token if active is None else token[active]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
+            logits, cache = causal_lm_step(self.model, step_tokens.unsqueeze(1), attention_mask, next_position, cache=cache)
             next_position = next_position + 1
         return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
+def _can_select_rows(cache) -> bool:
+    """Whether every layer of a transformers cache can drop batch rows (recurrent-state layers may not)."""
+    layers = getattr(cache, "layers", None)
+    return hasattr(cache, "batch_select_indices") and layers is not None and all(hasattr(layer, "batch_select_indices") for layer in layers)
+
+
+def _with_placeholder_rows(active_logprobs: torch.Tensor, active: torch.Tensor, rows: int) -> torch.Tensor:
+    """(n, V) logprobs of the rows still sampling -> (rows, V), finished rows a placeholder (log 1 everywhere).
+
+    torch.multinomial draws one exponential variate per element of its (rows, V) input, in order, and
+    picks each row's argmax of p / q. Keeping the finished rows in that call keeps the random stream
+    exactly as without compaction, so every unfinished row draws the same token it would have drawn.
+    """
+    full = active_logprobs.new_zeros(rows, active_logprobs.shape[1])
+    full[active] = active_logprobs
+    return full
