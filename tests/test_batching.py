@@ -20,11 +20,17 @@ def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, p
     return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, response_mask.any(1))
 
 
+def _spans(prompt: torch.Tensor, response: torch.Tensor):
+    """Spans of rows laid out as a rollout: prompts left-padded to the longest, responses after them."""
+    width = int(prompt.max())
+    return width - prompt, width + response
+
+
 def test_plan_packs_similar_lengths_within_the_budget_and_keeps_every_row_once():
     prompt = torch.tensor([3, 10, 2, 9, 4, 1, 8, 5])
     response = torch.tensor([2, 6, 1, 7, 3, 1, 5, 2])
     rows = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])  # a minibatch's shuffled order
-    plan = batching.plan_micro_batches(rows, prompt, response, max_tokens=40)
+    plan = batching.plan_micro_batches(rows, *_spans(prompt, response), max_tokens=40)
     assert sorted(torch.cat(plan).tolist()) == sorted(rows.tolist())
     totals = [(prompt[mb] + response[mb]).tolist() for mb in plan]
     # Longest first, by hand: 16 (row 3), 16 (row 1), 13, ... each micro-batch's trimmed tensor fits 40.
@@ -39,8 +45,8 @@ def test_plan_packs_similar_lengths_within_the_budget_and_keeps_every_row_once()
 def test_plan_is_a_function_of_lengths_and_the_seeded_order():
     prompt, response = torch.tensor([4, 4, 4, 4, 2, 2]), torch.tensor([1, 1, 1, 1, 3, 3])
     order = torch.randperm(6, generator=torch.Generator().manual_seed(7))
-    a = batching.plan_micro_batches(order, prompt, response, max_tokens=12)
-    b = batching.plan_micro_batches(order.clone(), prompt, response, max_tokens=12)
+    a = batching.plan_micro_batches(order, *_spans(prompt, response), max_tokens=12)
+    b = batching.plan_micro_batches(order.clone(), *_spans(prompt, response), max_tokens=12)
     assert [x.tolist() for x in a] == [x.tolist() for x in b]
     # Equal lengths keep the minibatch's own (seeded) order: a stable sort.
     assert [i for mb in a for i in mb.tolist()] == sorted(order.tolist(), key=lambda i: -(prompt[i] + response[i]).item())
@@ -50,10 +56,10 @@ def test_plan_is_a_function_of_lengths_and_the_seeded_order():
 def test_budget_bounds(budget, groups):
     prompt, response = torch.tensor([3, 2, 1]), torch.tensor([1, 2, 2])
     if groups is None:
-        with pytest.raises(batching.BudgetTooSmall, match=r"a row of 4 tokens \(3 prompt \+ 1 response\).*max_tokens_per_micro_batch=1"):
-            batching.plan_micro_batches(torch.arange(3), prompt, response, budget)
+        with pytest.raises(batching.BudgetTooSmall, match=r"a row of 4 tokens is longer than ppo.max_tokens_per_micro_batch=1"):
+            batching.plan_micro_batches(torch.arange(3), *_spans(prompt, response), budget)
     else:
-        assert len(batching.plan_micro_batches(torch.arange(3), prompt, response, budget)) == groups
+        assert len(batching.plan_micro_batches(torch.arange(3), *_spans(prompt, response), budget)) == groups
 
 
 def test_check_budget_names_both_numbers():
@@ -93,8 +99,7 @@ def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
     with torch.no_grad():
         full, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids,
                                     rollout.response_mask, 0.7)
-        prompt_len, response_len = batching.row_lengths(rollout.query_mask, rollout.response_mask)
-        plan = batching.plan_micro_batches(torch.arange(7), prompt_len, response_len, max_tokens=30)
+        plan = batching.plan_rollout(torch.arange(7), rollout, max_tokens=30)
         assert len(plan) > 1
         pieces, micro = [], []
         for index in plan:
@@ -109,10 +114,20 @@ def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
     assert real <= processed < rollout.query_ids.numel() + rollout.response_ids.numel()
 
 
-def test_row_lengths_of_a_dropped_row_is_its_prompt_only():
-    rollout = _rollout([[5, 6, 7]], [[]], width=3)
-    prompt, response = batching.row_lengths(rollout.query_mask, rollout.response_mask)
-    assert (prompt.tolist(), response.tolist()) == ([3], [0])
+def test_spans_of_a_dropped_row_and_of_an_empty_row():
+    rollout = _rollout([[5, 6, 7], [8]], [[], [9, 9]], width=3)
+    start, end = batching.row_spans(rollout.attention_mask)
+    assert (start.tolist(), end.tolist()) == ([0, 2], [3, 5])  # the dropped row is its prompt only
+    assert [t.tolist() for t in batching.row_spans(torch.zeros(1, 4, dtype=torch.bool))] == [[0], [0]]
+    trimmed = batching.trim(rollout.select(torch.tensor([0])))
+    assert trimmed.query_ids.tolist() == [[5, 6, 7]] and trimmed.response_ids.shape == (1, 0)
+
+
+def test_trim_columns_of_any_padded_layout():
+    ids = torch.tensor([[0, 0, 4, 5, 0, 0], [0, 0, 0, 6, 7, 0]])
+    mask = ids > 0
+    t_ids, t_mask = batching.trim_columns(ids, mask)
+    assert t_ids.tolist() == [[4, 5, 0], [0, 6, 7]] and t_mask.sum() == mask.sum()
 
 
 @pytest.mark.parametrize("compact_every", [1, 3])
@@ -144,3 +159,20 @@ def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokeniz
     assert torch.equal(plain.response_ids, compact.response_ids)
     assert torch.equal(plain.response_mask, compact.response_mask)
     assert torch.allclose(plain.logprobs, compact.logprobs, atol=1e-6)
+
+
+def test_reward_model_chunks_by_tokens_give_the_scores_of_row_chunks(model_dir, tokenizer):
+    from ppokit.models import load_scalar_model
+    from ppokit.rewards.model import RewardModelReward
+    from ppokit.rewards.sources import ScoringBatch
+
+    model = load_scalar_model(str(model_dir("llama")), "reward.model").eval()
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (9,), generator=g)]
+    responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(0, 7, (9,), generator=g)]
+    rollout = _rollout(prompts, responses, width=6)
+    batch = ScoringBatch(["p"] * 9, ["c"] * 9, {}, rollout.input_ids, rollout.attention_mask, tokenizer)
+    by_rows = RewardModelReward(model, tokenizer, batch_size=4).score(batch)
+    by_tokens = RewardModelReward(model, tokenizer, batch_size=4, by_tokens=True).score(batch)
+    assert torch.allclose(by_rows, by_tokens, atol=1e-5)

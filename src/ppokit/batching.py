@@ -38,51 +38,46 @@ class BudgetTooSmall(UserError):
     """A single row is wider than the token budget (a user's setting, so a UserError naming both numbers)."""
 
 
-def row_lengths(query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt tokens (B,), response tokens (B,)) of each row. query_mask (B, P), response_mask (B, R) bool.
+def row_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first real column (B,), one past the last real column (B,)) of each row of mask (B, L).
 
-    A response's length is up to its last real token (its mask is a prefix, so that is also its count);
-    a row dropped from the update (mask all False) has length 0 and costs only its prompt.
+    A left-padded prompt followed by a right-padded response is one contiguous span; so is any row
+    padded on either side. A row without real tokens gets the empty span (0, 0).
     """
-    prompt = query_mask.long().sum(1)
-    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
-    response = (response_mask.long() * positions).max(1).values if response_mask.shape[1] else response_mask.long().sum(1)
-    return prompt, response
+    width = mask.shape[1]
+    columns = torch.arange(width, device=mask.device)
+    real = mask.bool()
+    start = torch.where(real, columns, torch.full_like(columns, width)).min(1).values
+    end = torch.where(real, columns + 1, torch.zeros_like(columns)).max(1).values
+    return torch.where(end > 0, start, torch.zeros_like(start)), end
 
 
-def plan_micro_batches(
-    rows: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, max_tokens: int
-) -> list[torch.Tensor]:
+def plan_micro_batches(rows: torch.Tensor, start: torch.Tensor, end: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
     """Split `rows` (indices into the batch, in minibatch order) into micro-batches within `max_tokens`.
 
-    rows: (n,) long; prompt_lengths, response_lengths: (B,) long over the whole batch -> list of (n_i,)
-    long index tensors that together hold every row of `rows` once.
-    Rows are sorted by prompt + response length, longest first (stable, so equal lengths keep the
-    minibatch's seeded order), and packed greedily: a row joins the current micro-batch while
-    rows x (widest prompt + longest response) stays within `max_tokens`.
+    rows: (n,) long; start, end: (B,) long, each row's real span (`row_spans`) over the whole batch
+    -> list of (n_i,) long index tensors that together hold every row of `rows` once.
+    Rows are sorted by span length, longest first (stable, so equal lengths keep the minibatch's
+    seeded order), and packed greedily: a row joins the current micro-batch while
+    rows x (the micro-batch's last real column - its first) stays within `max_tokens`.
     """
     if rows.numel() == 0:
         return []
-    prompt = prompt_lengths[rows].tolist()
-    response = response_lengths[rows].tolist()
-    total = [p + r for p, r in zip(prompt, response)]
-    order = sorted(range(len(total)), key=lambda i: -total[i])  # sorted() is stable
-    widest = total[order[0]]
+    starts, ends = start[rows].tolist(), end[rows].tolist()
+    order = sorted(range(len(starts)), key=lambda i: starts[i] - ends[i])  # longest first; sorted() is stable
+    widest = ends[order[0]] - starts[order[0]]
     if widest > max_tokens:
-        raise BudgetTooSmall(
-            f"a row of {widest} tokens ({prompt[order[0]]} prompt + {response[order[0]]} response) is longer than "
-            f"ppo.max_tokens_per_micro_batch={max_tokens}"
-        )
+        raise BudgetTooSmall(f"a row of {widest} tokens is longer than ppo.max_tokens_per_micro_batch={max_tokens}")
     groups: list[list[int]] = []
     current: list[int] = []
-    p_width = r_width = 0
+    lo = hi = 0
     for i in order:
-        p, r = max(p_width, prompt[i]), max(r_width, response[i])
-        if current and (len(current) + 1) * (p + r) > max_tokens:
+        new_lo, new_hi = (min(lo, starts[i]), max(hi, ends[i])) if current else (starts[i], ends[i])
+        if current and (len(current) + 1) * (new_hi - new_lo) > max_tokens:
             groups.append(current)
-            current, p, r = [], prompt[i], response[i]
+            current, new_lo, new_hi = [], starts[i], ends[i]
         current.append(i)
-        p_width, r_width = p, r
+        lo, hi = new_lo, new_hi
     groups.append(current)
     rows_list = rows.tolist()
     return [torch.tensor([rows_list[i] for i in g], dtype=torch.long, device=rows.device) for g in groups]
@@ -93,23 +88,42 @@ def plan_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(rows.split(size))
 
 
+def plan_rollout(rows: torch.Tensor, rollout: Rollout, max_tokens: int) -> list[torch.Tensor]:
+    """`plan_micro_batches` over a rollout's rows (prompt + response spans)."""
+    return plan_micro_batches(rows, *row_spans(rollout.attention_mask), max_tokens)
+
+
+def _kept_columns(mask: torch.Tensor) -> tuple[int, int]:
+    start, end = row_spans(mask)
+    has_tokens = end > 0
+    if not bool(has_tokens.any()):
+        return 0, 0
+    return int(start[has_tokens].min()), int(end.max())
+
+
 def trim(rollout: Rollout) -> Rollout:
     """The same rows without the columns that are padding in every row: prompt columns from the left,
     response columns after the longest response. Every (B, P) field loses the same prompt columns and
-    every (B, R) field the same response columns; (B,) fields are kept."""
-    prompt, response = row_lengths(rollout.query_mask, rollout.response_mask)
+    every (B, R) field the same response columns; (B,) fields are kept. Positions are counted from the
+    attention mask, so no real token's position changes."""
     width_p, width_r = rollout.query_ids.shape[1], rollout.response_ids.shape[1]
-    keep_p = int(prompt.max()) if len(rollout) else 0
-    keep_r = int(response.max()) if len(rollout) else 0
-    if keep_p == width_p and keep_r == width_r:
+    first, last = _kept_columns(rollout.attention_mask)
+    first, last = min(first, width_p), max(last, width_p)  # a prompt column always stays: a row's first token
+    if first == 0 and last == width_p + width_r:
         return rollout
     picked = {}
     for f in fields(rollout):
         value = getattr(rollout, f.name)
         if value is not None and value.dim() == 2:
-            value = value[:, width_p - keep_p :] if f.name.startswith("query_") else value[:, :keep_r]
+            value = value[:, first:] if f.name.startswith("query_") else value[:, : last - width_p]
         picked[f.name] = value
     return Rollout(**picked)
+
+
+def trim_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) ids and mask without the columns that are padding in every row, on either side."""
+    first, last = _kept_columns(attention_mask)
+    return input_ids[:, first:last], attention_mask[:, first:last]
 
 
 def restore(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int, width: int, fill: float = 0.0) -> torch.Tensor:
