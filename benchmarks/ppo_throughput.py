@@ -9,13 +9,14 @@ stop token, 4 PPO epochs of 2 minibatches (micro-batches of 32).
 
 --shape variable: the realistic shape of benchmarks/variable_shape.py (32k-token byte-level BPE,
 an 11M-parameter SFT'd Llama, prompts of 8-64 tokens, responses that end at EOS at varied lengths up
-to 64 tokens), 32 episodes per update, 4 PPO epochs of 2 minibatches (micro-batches of 8 rows, the
-default per_device_train_batch_size).
+to 64 tokens), 32 episodes per update, 4 PPO epochs of 2 minibatches of 16 rows, each one
+micro-batch (as the fixed shape: so the default and the token budget normalise the loss alike, and
+the learning curves can be compared number for number).
 
 --config, cumulative switches (docs/speed.md):
   default  today's defaults (fixed micro-batches, the direct LM head, eager)
-  budget   + ppo.max_tokens_per_micro_batch = micro-batch rows x the longest possible row (the same
-           memory bound as a fixed micro-batch, so sorted, trimmed micro-batches hold more rows)
+  budget   + ppo.max_tokens_per_micro_batch = half of a fixed micro-batch's rows x the longest possible
+           row (half its memory bound: sorted rows of similar length share a trimmed micro-batch)
   light    + lm_head_chunk_size (the memory-light LM head)
   compile  + compile: true
 
@@ -99,8 +100,7 @@ def variable_task(work: Path, updates: int) -> tuple[PPOConfig, dict]:
         data=DataConfig(train=str(prompts), max_prompt_length=max_prompt),
         ppo=PPOHyperparams(
             total_episodes=batch * (updates + 1),
-            per_device_train_batch_size=8,
-            gradient_accumulation_steps=2,
+            per_device_train_batch_size=batch // 2,
             num_mini_batches=2,
             num_ppo_epochs=4,
             response_length=variable_shape.RESPONSE_LENGTH,
@@ -115,7 +115,7 @@ def variable_task(work: Path, updates: int) -> tuple[PPOConfig, dict]:
 def apply_switches(config: PPOConfig, name: str, longest_row: int) -> None:
     level = CONFIGS.index(name)
     if level >= 1:
-        config.ppo.max_tokens_per_micro_batch = config.ppo.per_device_train_batch_size * longest_row
+        config.ppo.max_tokens_per_micro_batch = config.ppo.per_device_train_batch_size * longest_row // 2
     if level >= 2:
         config.lm_head_chunk_size = LIGHT_HEAD_CHUNK
     if level >= 3:

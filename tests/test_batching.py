@@ -110,7 +110,7 @@ def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
     restored = batching.restore(pieces, 7, 6)
     assert torch.allclose(restored, full, atol=1e-6)
     processed, real = batching.padded_tokens(micro)
-    assert real == int(rollout.query_mask.sum() + rollout.response_mask.sum())
+    assert int(real) == int(rollout.query_mask.sum() + rollout.response_mask.sum())
     assert real <= processed < rollout.query_ids.numel() + rollout.response_ids.numel()
 
 

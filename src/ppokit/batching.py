@@ -93,6 +93,18 @@ def plan_rollout(rows: torch.Tensor, rollout: Rollout, max_tokens: int) -> list[
     return plan_micro_batches(rows, *row_spans(rollout.attention_mask), max_tokens)
 
 
+def split(rollout: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: Optional[int] = None) -> list[tuple[torch.Tensor, Rollout]]:
+    """The micro-batches (training) or chunks (no-gradient passes) of `rows` of a rollout, as
+    (row index (n_i,), the rows' Rollout) pairs, in the order to run them.
+
+    max_tokens None: consecutive groups of `max_rows` rows as given, padded to the whole batch's width
+    (TRL's semantics). Else the token-budget plan (`plan_micro_batches`), each micro-batch trimmed.
+    """
+    if max_tokens is None:
+        return [(index, rollout.select(index)) for index in plan_rows(rows, max_rows)]
+    return [(index, trim(rollout.select(index))) for index in plan_rollout(rows, rollout, max_tokens)]
+
+
 def _kept_columns(mask: torch.Tensor) -> tuple[int, int]:
     start, end = row_spans(mask)
     has_tokens = end > 0
@@ -145,12 +157,12 @@ def forward_budget(rollout: Rollout, rows_per_forward: int) -> int:
     return rows_per_forward * (rollout.query_ids.shape[1] + rollout.response_ids.shape[1])
 
 
-def padded_tokens(micro_batches: list[Rollout]) -> tuple[int, int]:
-    """(token positions the forward passes process, of which real) over trimmed micro-batches."""
-    processed = real = 0
-    for mb in micro_batches:
-        processed += mb.query_ids.numel() + mb.response_ids.numel()
-        real += int(mb.query_mask.sum()) + int(mb.response_mask.sum())
+def padded_tokens(micro_batches: list[Rollout]) -> tuple[int, torch.Tensor]:
+    """(token positions the forward passes of these micro-batches process, of which real (0-dim tensor))."""
+    processed = sum(mb.query_ids.numel() + mb.response_ids.numel() for mb in micro_batches)
+    if not micro_batches:
+        return 0, torch.zeros((), dtype=torch.long)
+    real = torch.stack([mb.query_mask.sum() + mb.response_mask.sum() for mb in micro_batches]).sum()
     return processed, real
 
 

@@ -13,32 +13,53 @@ micro-batch's losses are computed; the optimiser and its schedule are built by `
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ppokit import algo
+from ppokit import algo, batching
 from ppokit.config import BatchSizes, PPOHyperparams
 from ppokit.guards import check_finite, gradient_norm
-from ppokit.models import response_logits, scalar_outputs
+from ppokit.models import response_logprobs, response_values
 from ppokit.rollout import Rollout
 from ppokit.statistics import training_metrics
 
 
 class PolicyAndValue(nn.Module):
-    """Policy and value model under one module, so one optimiser and one `prepare` cover both."""
+    """Policy and value model under one module, so one optimiser and one `prepare` cover both.
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module):
+    lm_head_chunk_size: the memory-light LM head's chunk (None: the direct computation);
+    `use_compiled_backbones()` runs both backbones through torch.compile in the training forward.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module, lm_head_chunk_size: Optional[int] = None):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+        self.lm_head_chunk_size = lm_head_chunk_size
+        # Compiled stand-ins for the two backbones; a plain attribute, not submodules: they wrap these
+        # modules' own weights, which must not appear twice in a state_dict.
+        self.__dict__["backbones"] = (None, None)
 
-    def forward(self, input_ids, attention_mask, response_length: int):
-        """(B, P + R) -> (logits (B, R, V) predicting each response token, values (B, R))."""
-        logits = response_logits(self.policy, input_ids, attention_mask, response_length)
-        values = scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
-        return logits, values
+    def use_compiled_backbones(self) -> None:
+        from ppokit.compiled import compiled_backbone
+
+        self.__dict__["backbones"] = (compiled_backbone(self.policy), compiled_backbone(self.value_model))
+
+    def forward(self, input_ids, attention_mask, response_ids, response_mask, temperature: float, entropy_grad: bool = False):
+        """(B, P + R), (B, R) -> (logprobs, entropy, values), each (B, R), 0 at padding.
+
+        Logprobs and entropy by `models.response_logprobs` (the reference pass uses it too); values:
+        the critic's value of the state before each response token.
+        """
+        policy_backbone, value_backbone = self.__dict__["backbones"]
+        logprobs, entropy = response_logprobs(
+            self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=self.lm_head_chunk_size,
+            with_entropy=True, entropy_grad=entropy_grad, backbone_fn=policy_backbone,
+        )
+        values = response_values(self.value_model, input_ids, attention_mask, response_ids.shape[1], value_backbone)
+        return logprobs, entropy, values
 
 
 def build_optimiser(model: nn.Module, hp: PPOHyperparams, num_steps: int):
@@ -59,23 +80,39 @@ def build_optimiser(model: nn.Module, hp: PPOHyperparams, num_steps: int):
     return optimizer, scheduler
 
 
-def micro_batches(minibatch: torch.Tensor, sizes: BatchSizes) -> list[torch.Tensor]:
-    """Row indices of each micro-batch of a minibatch: consecutive groups of `sizes.micro_batch` rows."""
-    return list(minibatch.split(sizes.micro_batch))
+def micro_batches(rollout: Rollout, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Rollout]:
+    """The micro-batches of a minibatch (row indices into `rollout`): consecutive groups of
+    `sizes.micro_batch` rows, or with ppo.max_tokens_per_micro_batch rows of similar length packed
+    within the token budget and trimmed (ppokit.batching)."""
+    return [mb for _, mb in batching.split(rollout, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch)]
 
 
-def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, num_micro_batches: int) -> tuple[torch.Tensor, dict]:
-    """The loss to back-propagate for one micro-batch and its detached statistics.
+def loss_shares(micros: list[Rollout], by_tokens: bool, reduce_sum: Callable[[torch.Tensor], torch.Tensor], processes: int) -> list:
+    """The factor each micro-batch's token-mean loss is multiplied by before its backward: the one
+    place the loss normalisation is decided.
 
-    Each micro-batch's token-mean loss is divided by the number of micro-batches, so the
-    accumulated gradient is their mean (TRL's gradient accumulation).
+    Default (TRL): 1 / the number of micro-batches, so the accumulated gradient is the mean of the
+    micro-batches' token means (a token weighs more in a micro-batch with fewer tokens).
+    by_tokens (ppo.max_tokens_per_micro_batch): the micro-batch's real tokens / the minibatch's,
+    counted over every process and divided by their number (DDP averages gradients over processes):
+    the accumulated gradient is that of the token mean over the whole (global) minibatch, whatever its
+    split. A token-mean loss times its tokens is its sum, so this is sum_micro / D with one D per
+    minibatch (algo's contract for loss aggregations).
     """
-    width = mb.response_ids.shape[1]
-    logits, new_values = model(mb.input_ids, mb.attention_mask, width)
-    new_logprobs, token_entropy = algo.logprobs_and_entropy(logits, mb.response_ids, hp.temperature)
+    if not by_tokens:
+        return [1.0 / len(micros)] * len(micros)
+    tokens = torch.stack([mb.response_mask.sum() for mb in micros]).float()
+    per_process = reduce_sum(tokens.sum()) / processes
+    return list(tokens / per_process.clamp(min=1))
+
+
+def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, share) -> tuple[torch.Tensor, dict]:
+    """The loss to back-propagate for one micro-batch (its token-mean loss times `share`, see
+    `loss_shares`) and its detached statistics (token means over the micro-batch)."""
+    new_logprobs, token_entropy, new_values = model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, hp.temperature)
     pg_loss, pg_stats = algo.clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages, mb.response_mask, hp.cliprange)
     vf_loss, vf_clipfrac = algo.clipped_value_loss(new_values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value)
-    loss = (pg_loss + hp.vf_coef * vf_loss) / num_micro_batches
+    loss = (pg_loss + hp.vf_coef * vf_loss) * share
     stats = {
         "approxkl": pg_stats.approxkl, "clipfrac": pg_stats.clipfrac, "pg_loss": pg_loss.detach(), "vf_loss": vf_loss.detach(),
         "vf_clipfrac": vf_clipfrac, "entropy": algo.masked_mean(token_entropy, mb.response_mask), "ratio": pg_stats.ratio,
@@ -87,27 +124,48 @@ def ppo_epochs(
     model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, accelerator,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, float]:
-    """Every optimiser step of one update; returns the loss statistics (means over processes)."""
+    """Every optimiser step of one update; returns the loss statistics (means over processes) and
+    perf/padding_share, the share of padding among the token positions the training forwards processed.
+
+    Statistics are token means per micro-batch, averaged over micro-batches (TRL); with
+    ppo.max_tokens_per_micro_batch they are token means per minibatch, averaged over minibatches, so
+    that they do not depend on the split either (val/ratio_var is then the variance over minibatches).
+    """
     device = rollout.query_ids.device
+    by_tokens = hp.max_tokens_per_micro_batch is not None
     stats: dict[str, list[torch.Tensor]] = {}
-    # A micro-batch whose rows were all dropped (reward.on_error=skip) has no tokens: its statistics
-    # are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
+    # A micro-batch (minibatch, by tokens) whose rows were all dropped (reward.on_error=skip) has no tokens: its
+    # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
+    processed, real = 0, torch.zeros((), device=device)
     for _ in range(hp.num_ppo_epochs):
         order = torch.randperm(len(rollout), device=device)
         for start in range(0, len(rollout), sizes.local_mini_batch):
-            micros = micro_batches(order[start : start + sizes.local_mini_batch], sizes)
+            micros = micro_batches(rollout, order[start : start + sizes.local_mini_batch], sizes, hp)
+            shares = loss_shares(micros, by_tokens, reduce_sum, accelerator.num_processes)
+            tokens = torch.stack([mb.response_mask.sum() for mb in micros]).float()
             step_loss = torch.zeros((), device=device)
-            for k, micro in enumerate(micros):
-                mb = rollout.select(micro)
+            minibatch_stats: dict[str, torch.Tensor] = {}
+            for k, (mb, share) in enumerate(zip(micros, shares)):
                 # Gradients are synchronised across processes on the last micro-batch only.
                 with accelerator.no_sync(model) if k < len(micros) - 1 else contextlib.nullcontext():
-                    loss, micro_stats = micro_batch_loss(model, mb, hp, len(micros))
+                    loss, micro_stats = micro_batch_loss(model, mb, hp, share)
                     accelerator.backward(loss)
                 step_loss = step_loss + loss.detach()
-                for key, value in micro_stats.items():
+                if by_tokens:  # the minibatch's token mean: each micro-batch's mean weighted by its tokens
+                    weight = tokens[k] / tokens.sum().clamp(min=1)
+                    for key, value in micro_stats.items():
+                        minibatch_stats[key] = minibatch_stats.get(key, 0.0) + value * weight
+                else:
+                    for key, value in micro_stats.items():
+                        stats.setdefault(key, []).append(value)
+                    has_tokens.append(mb.response_mask.any())
+            if by_tokens:
+                for key, value in minibatch_stats.items():
                     stats.setdefault(key, []).append(value)
-                has_tokens.append(mb.response_mask.any())
+                has_tokens.append(tokens.sum() > 0)
+            mb_processed, mb_real = batching.padded_tokens(micros)
+            processed, real = processed + mb_processed, real + mb_real
             if hp.max_grad_norm > 0:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
             else:
@@ -118,7 +176,8 @@ def ppo_epochs(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-    return training_metrics(stats, has_tokens, reduce_sum)
+    padding = reduce_sum(torch.stack([torch.tensor(float(processed), device=device), real.float()]))
+    return {**training_metrics(stats, has_tokens, reduce_sum), "perf/padding_share": 1.0 - padding[1].item() / max(padding[0].item(), 1.0)}
 
 
 def _lr_lambda(kind: str, warmup: int, total: int):

@@ -51,6 +51,11 @@ class Rollout:
         return self.query_ids.shape[0]
 
 
+# Rows that have produced the stop token leave the forward batch every this many decoding steps (the
+# trainer's setting; measured on the variable-shape benchmark: ~10% less sampling time, same tokens).
+COMPACT_FINISHED_ROWS_EVERY = 8
+
+
 @dataclass
 class HFSampler:
     """Batched ancestral sampling from a transformers causal LM with its KV cache.

@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, checkpoint, roles
+from ppokit import algo, batching, checkpoint, roles
 from ppokit.checkpoint import RunFacts, TrainedParts, atomic_save_dir
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
@@ -41,11 +41,19 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logits, scalar_outputs
+from ppokit.models import (
+    check_output_head,
+    ensure_pad_token,
+    left_pad,
+    load_tokenizer,
+    resolve_stop_token,
+    response_logprobs,
+    response_values,
+)
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import encode_prompts, load_prompt_data
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.rollout import HFSampler, Rollout
+from ppokit.rollout import COMPACT_FINISHED_ROWS_EVERY, HFSampler, Rollout
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
 
@@ -99,6 +107,7 @@ class PPOTrainer:
         self.train_query_ids = encode_prompts(self.tokenizer, self.train_data, limit, "data.train", self._say)
         self.eval_query_ids = encode_prompts(self.tokenizer, self.eval_data, limit, "data.eval", self._say) if self.eval_data else None
         self.stop_token_id = resolve_stop_token(self.tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
+        batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in self.train_query_ids], config.ppo.response_length)
         self.scorer = self._scorer(reward_model, reward_tokenizer, reward_functions)
         self.layout = roles.decide_roles(
             config,
@@ -143,13 +152,21 @@ class PPOTrainer:
             reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=config.trust_remote_code,
             base_dir=Path.cwd(), all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
             load_kwargs=roles.load_kwargs(config), data_columns=data_columns,
+            reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None,
         )
 
     def _prepare(self, built: roles.Roles):
         """Policy and critic under one trainable module with its optimiser over every optimiser step
         of the run; frozen models on the device. -> (model, optimizer, scheduler, reference or None)."""
-        hp, device = self.config.ppo, self.accelerator.device
-        model = PolicyAndValue(built.policy, built.value).train()
+        config, device = self.config, self.accelerator.device
+        hp = config.ppo
+        switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
+        for role in (built.policy, built.reference) if switch else ():
+            if role is not None:  # the light head and the compiled forward read logits from the last hidden state
+                check_output_head(role, switch)
+        model = PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train()
+        if config.compile:
+            model.use_compiled_backbones()
         optimizer, scheduler = build_optimiser(model, hp, self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         if self.scorer.reward_model is not None:
@@ -190,7 +207,7 @@ class PPOTrainer:
         hp = self.config.ppo
         ids, mask = left_pad(query_ids, self.tokenizer.pad_token_id, self.accelerator.device)
         sampler = HFSampler(self.policy, hp.response_length, hp.temperature, self.stop_token_id, self.tokenizer.pad_token_id,
-                            hp.local_rollout_forward_batch_size)
+                            hp.local_rollout_forward_batch_size, compact_every=COMPACT_FINISHED_ROWS_EVERY)
         self.policy.eval()
         with self.accelerator.autocast():  # the same precision as the training forward, so the first ratio is 1
             rollout = sampler.sample(ids, mask)
@@ -218,28 +235,30 @@ class PPOTrainer:
 
     @torch.inference_mode()
     def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference logprobs and values for every response token, in forward-size chunks."""
-        hp, chunk = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
-        ids, mask = rollout.input_ids, rollout.attention_mask
-        width = rollout.response_ids.shape[1]
+        """Reference logprobs and values for every response token, in chunks of local_rollout_forward_batch_size
+        rows (with ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, trimmed)."""
+        hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
+        budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
         ref_logprobs, values = [], []
         self.value_model.eval()
-        for i in range(0, ids.shape[0], chunk):
-            logits = self.reference_logits(ids[i : i + chunk], mask[i : i + chunk], width)
-            ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
+        for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
+            ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask)))
             with self.accelerator.autocast():
-                values.append(scalar_outputs(self.value_model, ids[i : i + chunk], mask[i : i + chunk])[:, -width - 1 : -1])
+                chunk_values = response_values(self.value_model, mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
+            values.append((index, chunk_values.masked_fill(~mb.response_mask, 0.0)))
         self.value_model.train()
-        response_mask = rollout.response_mask
-        return torch.cat(ref_logprobs).masked_fill(~response_mask, 0.0), torch.cat(values).masked_fill(~response_mask, 0.0)
+        shape = rollout.response_ids.shape
+        return batching.restore(ref_logprobs, *shape), batching.restore(values, *shape)
 
-    def reference_logits(self, input_ids, attention_mask, response_length: int) -> torch.Tensor:
-        """(B, P + R) -> (B, R, V) from the reference: its own model, or the LoRA policy's base with adapters off."""
+    def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
+        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with
+        adapters off; through `models.response_logprobs`, as the training forward."""
+        chunk, temperature = self.config.lm_head_chunk_size, self.config.ppo.temperature
         with self.accelerator.autocast():
             if self.ref_model is not None:
-                return response_logits(self.ref_model, input_ids, attention_mask, response_length)
+                return response_logprobs(self.ref_model, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
             with roles.adapters_disabled(self.policy):
-                return response_logits(self.policy, input_ids, attention_mask, response_length)
+                return response_logprobs(self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics."""
