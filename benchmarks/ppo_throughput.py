@@ -9,7 +9,7 @@ stop token, 4 PPO epochs of 2 minibatches (micro-batches of 32).
 
 --shape variable: the realistic shape of benchmarks/variable_shape.py (32k-token byte-level BPE,
 an 11M-parameter SFT'd Llama, prompts of 8-64 tokens, responses that end at EOS at varied lengths up
-to 64 tokens), 32 episodes per update, 4 PPO epochs of 2 minibatches of 16 rows, each one
+to 64 tokens), 64 episodes per update, 4 PPO epochs of 2 minibatches of 32 rows, each one
 micro-batch (as the fixed shape: so the default and the token budget normalise the loss alike, and
 the learning curves can be compared number for number).
 
@@ -34,6 +34,7 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig  #
 from ppokit.trainer import PPOTrainer  # noqa: E402
 
 CONFIGS = ("default", "budget", "light", "compile")
-LIGHT_HEAD_CHUNK = 512
+LIGHT_HEAD_CHUNK = 256
 CURVE_KEYS = ("objective/scores", "objective/kl", "objective/response_length", "loss/policy_avg", "loss/value_avg",
               "policy/approxkl_avg", "policy/entropy_avg")
 
@@ -89,7 +90,7 @@ def variable_task(work: Path, updates: int) -> tuple[PPOConfig, dict]:
     import variable_shape
 
     sft = variable_shape.build()
-    batch = 32
+    batch = 64
     prompts = work / "prompts.jsonl"
     variable_shape.write_prompts(prompts, batch * (updates + 1))
     max_prompt = variable_shape.PROMPT_TOKENS[1]
@@ -110,6 +111,43 @@ def variable_task(work: Path, updates: int) -> tuple[PPOConfig, dict]:
         ),
     )
     return config, {"batch": batch, "longest_row": max_prompt + variable_shape.RESPONSE_LENGTH}
+
+
+class PhaseRSS:
+    """Peak resident memory (MB) while each stage of the trainer runs, sampled every 10 ms from /proc (Linux).
+    RSS includes what every earlier stage left allocated: weights, gradients, AdamW state, the rollback copy."""
+
+    STAGES = {"generate": "sampling", "reference_and_values": "forward", "optimise": "training"}
+
+    def __init__(self, trainer):
+        self.stage, self.peaks = "setup", {"setup": self._rss()}
+        for method, stage in self.STAGES.items():
+            setattr(trainer, method, self._tagged(getattr(trainer, method), stage))
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    @staticmethod
+    def _rss() -> float:
+        try:
+            return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except (OSError, ValueError):
+            return 0.0
+
+    def _tagged(self, method, stage):
+        def run(*args, **kwargs):
+            self.stage = stage
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.stage = "other"
+        return run
+
+    def _sample(self):
+        while True:
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0.0), self._rss())
+            time.sleep(0.01)
+
+    def report(self) -> dict:
+        return {k: round(self.peaks.get(k, 0.0), 1) for k in ("setup", "sampling", "forward", "training")}
 
 
 def apply_switches(config: PPOConfig, name: str, longest_row: int) -> None:
@@ -141,6 +179,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     trainer = PPOTrainer(config, show_progress=False)
+    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" else None
     start = time.perf_counter()
     records = trainer.train()
     wall = time.perf_counter() - start
@@ -175,6 +214,7 @@ def main() -> None:
             "response_tokens_mean": round(sum(r["objective/response_length"] for r in timed) / n, 1),
             "padding_share": round(mean("perf/padding_share"), 4) if all("perf/padding_share" in r for r in timed) else None,
             "first_update_s": round(records[0]["time/update"], 2),
+            "peak_rss_mb_by_stage": phases.report(),
             "switches": {"max_tokens_per_micro_batch": config.ppo.max_tokens_per_micro_batch,
                          "lm_head_chunk_size": config.lm_head_chunk_size, "compile": config.compile},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
