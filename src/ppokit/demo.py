@@ -21,6 +21,7 @@ from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
 from ppokit.errors import UserError
 from ppokit.sft import encode_pair, train_sft
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
+from ppokit.trainer import PPOTrainer
 
 OPENERS = [
     "the movie was", "this film is", "i thought the plot was", "the acting was", "overall the story felt",
@@ -118,8 +119,6 @@ def run_demo(
     prompt). prepared: the output folder of an earlier demo with the same `quick` and `seed`,
     whose data/ and sft/ are used instead of building them again.
     """
-    from ppokit.trainer import PPOTrainer
-
     if estimator not in ESTIMATORS:
         raise UserError(f"demo --estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
     start = time.perf_counter()
