@@ -65,6 +65,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
 CRITIC_FREE_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp", "remax"})  # no value model
 GROUP_ESTIMATORS = frozenset({"grpo", "rloo"})  # a baseline from the other samples of a prompt: n >= 2
+GREEDY_BASELINE_ESTIMATORS = frozenset({"remax"})  # a greedy response per prompt is sampled and scored as the baseline
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 # Sums a tensor over every process (the trainer passes accelerate's reduce); None: one process.

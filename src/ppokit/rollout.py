@@ -58,6 +58,11 @@ class Rollout:
         return self.query_ids.shape[0]
 
 
+def repeat_each(items: list, n: int) -> list:
+    """[a, b] -> [a, a, b, b] for n = 2: the n samples of each prompt in adjacent rows (Rollout's group layout)."""
+    return [item for item in items for _ in range(n)]
+
+
 @dataclass
 class HFSampler:
     """Batched ancestral sampling from a transformers causal LM with its KV cache.
@@ -81,6 +86,19 @@ class HFSampler:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     greedy: bool = False  # argmax instead of sampling (evaluation at temperature 0, ReMax's baseline)
+
+    @classmethod
+    def for_purpose(cls, model, hp, stop_token_id: Optional[int], pad_token_id: int, purpose: str = "train") -> "HFSampler":
+        """The sampler of the `ppo:` section `hp` for one purpose:
+          train   temperature, top_k / top_p / min_p;
+          eval    evaluate() and sample generations: eval_temperature (null: temperature), greedy at 0;
+          greedy  the most likely token at every step (ReMax's baseline responses).
+        Only training reads the logprobs; a greedy sampler keeps them at the training temperature."""
+        eval_temperature = hp.temperature if hp.eval_temperature is None else hp.eval_temperature
+        greedy = purpose == "greedy" or (purpose == "eval" and eval_temperature == 0)
+        temperature = eval_temperature if purpose == "eval" and not greedy else hp.temperature
+        return cls(model, hp.response_length, temperature, stop_token_id, pad_token_id, hp.local_rollout_forward_batch_size,
+                   top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
 
     @torch.inference_mode()
     def sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> Rollout:
