@@ -167,6 +167,16 @@ def demo_sft(tmp_path_factory):
 def test_every_estimator_raises_the_demo_score(estimator, demo_sft, tmp_path):
     summary = run_demo(tmp_path / estimator, quick=True, estimator=estimator, prepared=demo_sft, show_progress=False)
     print(json.dumps(summary))  # the figures quoted in docs/algorithms.md (pytest -s)
-    assert summary["score_end"] > summary["score_start"] + 0.2, summary
-    assert summary["eval_after"] > summary["eval_before"] + 0.2, summary
+    # generous: on this task each estimator gains 0.25 to 0.7 (docs/algorithms.md has the figures)
+    assert summary["score_end"] > summary["score_start"] + 0.15, summary
+    assert summary["eval_after"] > summary["eval_before"] + 0.15, summary
     assert summary["last_kl"] < 10.0, summary
+
+
+def test_a_value_model_object_with_a_critic_free_estimator_is_refused(model_dir, prompts_file, tmp_path):
+    from ppokit.errors import UserError
+    from ppokit.models import load_scalar_model
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **GRPO)
+    with pytest.raises(UserError, match="ppo.advantage_estimator grpo builds no value model"):
+        PPOTrainer(config, value_model=load_scalar_model(str(model_dir("llama"))), show_progress=False)

@@ -15,10 +15,14 @@ def _trainer(model_dir, prompts_file, tmp_path, arch="llama", **ppo):
     return PPOTrainer(tiny_ppo_config(model_dir(arch), prompts_file, tmp_path / "run", **ppo), show_progress=False)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
-def test_ratio_is_one_on_first_minibatch(arch, model_dir, prompts_file, tmp_path):
-    """Sampling logprobs (logits / T, KV cache, left padding) equal the training forward's."""
-    trainer = _trainer(model_dir, prompts_file, tmp_path, arch, temperature=0.7, response_length=12)
+TRUNCATED = {"top_k": 5, "top_p": 0.9, "min_p": 0.05}
+
+
+@pytest.mark.parametrize("arch,sampling", [("gpt2", {}), ("llama", {}), ("qwen2", {}), ("llama", TRUNCATED)])
+def test_ratio_is_one_on_first_minibatch(arch, sampling, model_dir, prompts_file, tmp_path):
+    """Sampling logprobs (logits / T, KV cache, left padding) equal the training forward's; with top-k,
+    top-p and min-p sampling too (the logprobs are the full softmax's, not the truncated distribution's)."""
+    trainer = _trainer(model_dir, prompts_file, tmp_path, arch, temperature=0.7, response_length=12, **sampling)
     rollout = trainer.generate([trainer.train_query_ids[i] for i in trainer.batch_indices(0)])
     assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
     mb = rollout.select(torch.arange(4))
