@@ -179,4 +179,4 @@ def test_a_value_model_object_with_a_critic_free_estimator_is_refused(model_dir,
 
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **GRPO)
     with pytest.raises(UserError, match="ppo.advantage_estimator grpo builds no value model"):
-        PPOTrainer(config, value_model=load_scalar_model(str(model_dir("llama"))), show_progress=False)
+        PPOTrainer(config, value_model=load_scalar_model(str(model_dir("llama")), "value_model"), show_progress=False)
