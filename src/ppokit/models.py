@@ -13,9 +13,11 @@ import inspect
 import os
 import pickle
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -134,13 +136,41 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout makes the PPO ratio differ from 1 even before any update [N+, "disable dropout"]."""
+    """Zero every dropout probability the model uses, so that training forwards equal sampling ones.
+
+    Dropout makes the PPO ratio differ from 1 even before any update [N+, "disable dropout"].
+    Three places hold a probability: `nn.Dropout` modules; float attributes that modules copied
+    from the config at construction (Llama/Qwen2 attention keeps `self.attention_dropout` and
+    passes it to the attention kernel in train mode); and the config itself, read at forward time
+    by some models and copied by any model built from it later (a value model from the policy's).
+    """
     for module in model.modules():
-        if isinstance(module, nn.Dropout):
+        if isinstance(module, _DropoutNd):
             module.p = 0.0
-    for attr in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout"):
-        if hasattr(getattr(model, "config", None), attr):
-            setattr(model.config, attr, 0.0)
+        _zero_dropout_attributes(module)
+    config = getattr(model, "config", None)
+    if config is not None:
+        _zero_dropout_attributes(config)
+
+
+def _is_dropout_name(name: str) -> bool:
+    # `*pdrop`: GPT-2's attn/resid/embd; `layerdrop`: OPT/BART skip whole layers at random in training.
+    return "dropout" in name or name.endswith(("pdrop", "layerdrop"))
+
+
+def _zero_dropout_attributes(obj, seen: Optional[set] = None) -> None:
+    """Set float attributes named like a dropout probability to 0.0, in nested configs too."""
+    from transformers import PretrainedConfig
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, PretrainedConfig):
+            _zero_dropout_attributes(value, seen)  # e.g. text_config of a multimodal config
+        elif _is_dropout_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            setattr(obj, name, 0.0)
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:
