@@ -158,6 +158,36 @@ def test_tokenizer_without_pad_token_uses_eos(files, tmp_path, demo_data):
     assert saved.pad_token == "<eos>"
 
 
+def test_a_tokenizer_folder_without_config_json_is_accepted(model_dir, files, tokenizer, tmp_path, capsys):
+    """`tokenizer:` is any folder a transformers tokenizer loads from, e.g. one `save_pretrained` wrote."""
+    folder = tmp_path / "tok"
+    tokenizer.save_pretrained(folder)
+    assert not (folder / "config.json").exists()
+    config = sft_config(model_dir("llama"), files["sft"], tmp_path / "out")
+    config.tokenizer = str(folder)
+    assert run_sft(config, show_progress=False)["train_rows"] > 0
+    assert main(["data", "inspect", files["sft"], "--tokenizer", str(folder)]) == 0
+    assert "rows           400" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a tokenizer")
+    for argv in (["data", "inspect", files["sft"], "--tokenizer", str(empty)],
+                 ["sft", str(_yaml(tmp_path, model_dir("llama"), files["sft"], tokenizer=str(empty)))]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (f"ppokit: error: tokenizer: {empty} exists but holds neither a saved tokenizer "
+                       "(tokenizer_config.json, tokenizer.json, vocab files) nor a saved model (config.json)")
+    assert main(["data", "inspect", files["sft"], "--tokenizer", str(empty / "notes.txt")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"tokenizer: {empty / 'notes.txt'} is a file; give a saved tokenizer or model folder")
+
+
+def _yaml(tmp_path, model, train, **keys):
+    path = tmp_path / "stage.yaml"
+    path.write_text(yaml.safe_dump({"model": str(model), "output_dir": str(tmp_path / "o"), "data": {"train": train}, **keys}))
+    return path
+
+
 # --------------------------------------------------------------------------- the pipeline
 
 

@@ -33,20 +33,41 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and name.count(os.sep) > 1
 
 
-def resolve_model_path(name: str, role: str) -> str:
-    """A local path that exists, or a hub id; a missing local path is a UserError naming the role."""
+# Files of which a saved tokenizer holds at least one (fast, slow BPE/WordPiece, SentencePiece, tiktoken).
+TOKENIZER_FILES = (
+    "tokenizer_config.json", "tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "tiktoken.model",
+)
+
+
+def resolve_model_path(name: str, role: str, tokenizer: bool = False) -> str:
+    """A local path that exists, or a hub id; a missing local path is a UserError naming the role.
+
+    A local folder must hold a saved model (config.json), or with `tokenizer` a saved model or a
+    saved tokenizer (as `tokenizer.save_pretrained` writes it: no config.json).
+    """
     expanded = os.path.expanduser(str(name))
     if os.path.exists(expanded):
-        if not Path(expanded, "config.json").is_file():
-            raise UserError(f"{role}: {name} exists but holds no config.json (is it a saved model directory?)")
-        return expanded
+        if not os.path.isdir(expanded):
+            what = "a saved tokenizer or model folder" if tokenizer else "a saved model folder"
+            raise UserError(f"{role}: {name} is a file; give {what}")
+        if Path(expanded, "config.json").is_file():
+            return expanded
+        if tokenizer and any(Path(expanded, f).is_file() for f in TOKENIZER_FILES):
+            return expanded
+        if tokenizer:
+            raise UserError(
+                f"{role}: {name} exists but holds neither a saved tokenizer (tokenizer_config.json, tokenizer.json, "
+                "vocab files) nor a saved model (config.json)"
+            )
+        raise UserError(f"{role}: {name} exists but holds no config.json (is it a saved model directory?)")
     if _looks_like_path(str(name)):
-        raise UserError(f"{role}: model path {name} does not exist")
+        raise UserError(f"{role}: {'path' if role == 'tokenizer' else 'model path'} {name} does not exist")
     return str(name)
 
 
 def _from_pretrained(loader, name: str, role: str, **kwargs):
-    path = resolve_model_path(name, role)
+    path = resolve_model_path(name, role, tokenizer=loader is AutoTokenizer)
     try:
         return loader.from_pretrained(path, **kwargs)
     except (OSError, ValueError, pickle.UnpicklingError) as e:
