@@ -266,7 +266,7 @@ def test_evaluate_scores_every_eval_prompt_repeatably_without_touching_training_
 
 def test_tokenizer_folder_without_config_json(model_dir, prompts_file, tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path / "tok")
-    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=4, num_sample_generations=0)
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=8, num_sample_generations=0)
     config.tokenizer = str(tmp_path / "tok")
     trainer = PPOTrainer(config, show_progress=False)
     assert trainer.tokenizer.get_vocab() == tokenizer.get_vocab()
