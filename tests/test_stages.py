@@ -3,6 +3,7 @@
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -320,6 +321,63 @@ def test_cli_data_inspect_prints_the_report(files, model_dir, capsys):
     out = capsys.readouterr().out
     assert "format         prompt_completion (detected from the columns)" in out
     assert "rows           400" in out and "example 3" in out and "0 rows dropped" in out
+
+
+def test_data_inspect_and_the_stages_apply_one_length_rule(model_dir, tokenizer, tmp_path):
+    """inspect's counts are the stage's: the same rows truncated, cut and dropped (a pair that
+    cutting makes identical is dropped by rm, and inspect used to keep it)."""
+    rows = preference_rows(24) + [
+        # 3 prompt tokens leave 5: both completions cut to "great fun . great fun", identical.
+        {"prompt": "the movie was", "chosen": "great fun . great fun .", "rejected": "great fun . great fun dull"},
+        {"prompt": "the movie was " * 3, "chosen": "good .", "rejected": "bad ."},  # truncated to 8: no room, dropped
+    ]
+    pref = write_jsonl(tmp_path / "pref.jsonl", rows)
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
+    limits = {"max_prompt_length": 8, "max_length": 8, "eval_fraction": 0.0}
+    rm = run_rm(RMConfig.load(data={
+        "model": str(model_dir("llama")), "output_dir": str(tmp_path / "rm"), "data": {"train": pref, **limits},
+        "train": {"per_device_train_batch_size": 32},
+    }), show_progress=False)
+    inspected = inspect_data(pref, tokenizer, max_prompt_length=8, max_length=8)["length_rule"]
+    assert rm["length_rule"]["train"] == inspected
+    assert inspected["dropped"] == 2 and inspected["prompts_truncated"] == 1 and inspected["completions_cut"] >= 1
+    config = sft_config(model_dir("llama"), sft, tmp_path / "sft", **limits)
+    assert run_sft(config, show_progress=False)["length_rule"]["train"] == inspect_data(
+        sft, tokenizer, max_prompt_length=8, max_length=8)["length_rule"]
+
+
+def test_rows_over_the_models_position_limit_are_one_line_before_training(model_dir, files, tmp_path, capsys):
+    """A GPT-2-style model with n_positions 8 and rows longer than that: one line naming the row,
+    its length, the limit and the key to set, before any weights load (was an IndexError traceback)."""
+    short = model_dir("gpt2", max_positions=8)
+    config = _yaml(tmp_path, short, files["sft"])
+    for argv in (["sft", str(config)], ["rm", str(config), f"data.train={files['pref']}"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        line = err.strip().splitlines()[-1]
+        assert re.fullmatch(
+            r"ppokit: error: .*\.jsonl:\d+: prompt \+ completion is \d+ tokens after the length rule, over the "
+            r"model's position limit of 8 tokens \(n_positions in its config\); set data\.max_length to at most 8 "
+            r"\(\d+ rows are over it\)", line), line
+    assert main(["sft", str(config), "data.max_length=8", "train.num_train_epochs=0.1"]) == 0
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["steps"] > 0  # every row fits at max_length 8
+    capsys.readouterr()
+    # data inspect names them too, and takes several paths (a report each).
+    assert main(["data", "inspect", files["sft"], files["pref"], files["prompts"], "--tokenizer", str(short)]) == 0
+    out = capsys.readouterr().out
+    reports = out.split("\nsource")
+    assert len(reports) == 3 and [r.count("example 1") for r in reports] == [1, 1, 1]
+    positions = [line for line in out.splitlines() if line.startswith("positions")]
+    assert len(positions) == 3 and all("model limit 8 (n_positions):" in line for line in positions)
+    assert "set data.max_length <= 8" in positions[0] and "set data.max_prompt_length <= " not in positions[0]
+    assert main(["data", "inspect", files["prompts"], str(tmp_path / "none.jsonl"), "--json", "--tokenizer", str(short),
+                 "--response-length", "4", "--max-prompt-length", "4"]) == 2
+    captured = capsys.readouterr()
+    (report,) = [json.loads(line) for line in captured.out.splitlines()]
+    assert report["position_limit"] == {"tokens": 8, "key": "n_positions", "rows_over": 0, "first_over": None,
+                                        "fix": "data.max_prompt_length <= 4"}
+    assert captured.err.strip() == f"ppokit: error: data file not found: {tmp_path / 'none.jsonl'}"
 
 
 def test_rm_on_chat_preferences_without_a_prompt_column(model_dir, tmp_path):

@@ -13,7 +13,8 @@ import inspect
 import os
 import pickle
 from pathlib import Path
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -192,6 +193,72 @@ def _zero_dropout_attributes(obj, seen: Optional[set] = None) -> None:
             _zero_dropout_attributes(value, seen)  # e.g. text_config of a multimodal config
         elif _is_dropout_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
             setattr(obj, name, 0.0)
+
+
+# Config keys that hold the number of positions a model has embeddings (or was built) for, in
+# the order they are looked up; GPT-2's n_positions also answers to max_position_embeddings.
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", "max_seq_len")
+
+
+@dataclass(frozen=True)
+class PositionLimit:
+    """The longest sequence (prompt + response, in tokens) a model takes, as its config states it.
+
+    Past it, learned position embeddings index out of range (GPT-2: `IndexError` deep inside the
+    model) and rotary ones run on positions the model never saw.
+    """
+
+    tokens: int
+    key: str  # the config key it was read from, for messages
+    role: str
+
+    def describe(self) -> str:
+        return f"the {self.role}'s position limit of {self.tokens} tokens ({self.key} in its config)"
+
+    def rows_over(self, lengths: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        """(where, length) of every sequence longer than the limit."""
+        return [(where, n) for where, n in lengths if n > self.tokens]
+
+    def check(self, lengths: Iterable[tuple[str, int]], what: Callable[[int], str], fix: str) -> None:
+        """Refuse the first (where, length) over the limit in one line: `where: what(length), over
+        <the limit>; fix (k rows are over)`."""
+        over = self.rows_over(lengths)
+        if over:
+            where, n = over[0]
+            more = f" ({len(over)} rows are over it)" if len(over) > 1 else ""
+            raise UserError(f"{where}: {what(n)}, over {self.describe()}; {fix}{more}")
+
+
+def position_limit(model_or_config, role: str = "model") -> Optional[PositionLimit]:
+    """The model's position limit, from its (text) config; None when the config states none."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in POSITION_LIMIT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            # The key as config.json spells it (GPT-2 maps max_position_embeddings to n_positions).
+            return PositionLimit(value, getattr(config, "attribute_map", {}).get(key, key), role)
+    return None
+
+
+def position_limit_of(name_or_model, role: str = "model", trust_remote_code: bool = False) -> Optional[PositionLimit]:
+    """`position_limit` of a model object, or of a saved model's config.json (no weights are read)."""
+    if isinstance(name_or_model, nn.Module):
+        return position_limit(name_or_model, role)
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_model, role)
+    try:
+        return position_limit(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), role)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{role}: could not load {name_or_model!r}: {str(e).splitlines()[0]}") from None
+
+
+def tightest(limits: Iterable[Optional[PositionLimit]]) -> Optional[PositionLimit]:
+    """The smallest of several models' limits (the sequence goes through all of them)."""
+    known = [limit for limit in limits if limit is not None]
+    return min(known, key=lambda limit: limit.tokens) if known else None
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:
