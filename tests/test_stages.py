@@ -1,5 +1,6 @@
 """`ppokit sft`, `ppokit rm`, `ppokit pipeline` and `ppokit data inspect` on tiny local models."""
 
+import contextlib
 import json
 import math
 import random
@@ -314,6 +315,52 @@ def test_cli_errors_are_one_line_with_exit_code_2(files, tmp_path, model_dir, ca
         assert len(errors) == 1 and err.splitlines()[-1] == errors[0] and expected in errors[0], (argv, err)
         assert "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_careless_model_and_tokenizer_inputs_are_one_line(model_dir, files, tokenizer, demo_data, tmp_path, capsys):
+    """Each was a traceback from inside torch/safetensors/transformers."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from ppokit.tiny import word_tokenizer
+
+    model = model_dir("llama")
+    # A tokenizer with more tokens than the model has embeddings (another model's, or tokens added later).
+    bigger = word_tokenizer([r["prompt"] + " " + r["completion"] for r in demo_data["sft"]] + [f"new{i}" for i in range(50)])
+    bigger.save_pretrained(tmp_path / "bigger")
+    new_words = write_jsonl(tmp_path / "new.jsonl", [{"prompt": "the movie was", "completion": "new7 ."}] * 8)
+    # A tokenizer without an EOS token: sft cannot end completions with it.
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, pad_token="<pad>", unk_token="<unk>").save_pretrained(
+        tmp_path / "no-eos")
+    # A model folder whose weights file was cut short (an interrupted copy or download).
+    shutil.copytree(model, tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    config = _yaml(tmp_path, model, files["sft"])
+    cases = [
+        (["sft", str(config), f"tokenizer={tmp_path / 'bigger'}", f"data.train={new_words}", "data.eval_fraction=0"],
+         f"ppokit: error: {new_words}:1: token id {bigger.convert_tokens_to_ids('new7')} ('new7') is outside the model's "
+         f"vocabulary of {len(tokenizer)} (vocab_size in its config): the tokenizer of {len(bigger)} tokens is not this "
+         "model's; set `tokenizer` to the model's own, or resize the model's embeddings"),
+        (["rm", str(config), f"tokenizer={tmp_path / 'no-eos'}", f"data.train={files['pref']}"],
+         "ppokit: error: the tokenizer has no EOS token; every completion ends with EOS so that the model learns to stop: "
+         "set the tokenizer's eos_token and save it again (or give another `tokenizer`)"),
+        (["sft", str(config), f"model={tmp_path / 'cut'}"],
+         f"ppokit: error: model: could not load '{tmp_path / 'cut'}': Error while deserializing header: invalid header "
+         "length (a weights file is damaged or incomplete)"),
+        (["data", "inspect", files["sft"], "--max-prompt-length", "0"],
+         "ppokit data inspect: error: argument --max-prompt-length: expected a whole number > 0 or none, got 0"),
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) if argv[0] == "data" else contextlib.nullcontext() as exited:
+            assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1] == expected, (argv, err)
+        assert exited is None or exited.value.code == 2
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(UserError, match="max_length must be a whole number > 0"):
+        inspect_data(files["sft"], tokenizer, max_length=0)
 
 
 def test_cli_data_inspect_prints_the_report(files, model_dir, capsys):

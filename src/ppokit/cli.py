@@ -173,6 +173,19 @@ def _data_inspect(args) -> int:
     return 2 if failed else 0
 
 
+def _limit(text: str):
+    """A length limit on the command line: a whole number > 0, or none/null for no limit."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0 or none, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0 or none, got {value}")
+    return value
+
+
 def _serve_rm(args) -> int:
     from ppokit.rewards import serve, source_from_argument
 
@@ -216,10 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(a model's also rows over its position limit)")
     inspect.add_argument("--format", default="auto", help="data format (default: detected from the columns)")
     inspect.add_argument("--stage", choices=("sft", "rm", "ppo"), help="read the data as this stage does (default: from the format)")
-    inspect.add_argument("--max-prompt-length", type=int, default=-1, help="default: the stage's data.max_prompt_length")
-    inspect.add_argument("--max-length", type=int, default=-1, help="default: the stage's data.max_length")
+    inspect.add_argument("--max-prompt-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_prompt_length)")
+    inspect.add_argument("--max-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_length)")
     inspect.add_argument("--chat-template", help="as data.chat_template (default: the tokenizer's, else plain)")
-    inspect.add_argument("--response-length", type=int, help="ppo data: tokens sampled after each prompt, for the position limit (default: ppo.response_length's default)")
+    inspect.add_argument("--response-length", type=_limit, help="ppo data: tokens sampled after each prompt, for the position limit (default: ppo.response_length's default)")
     inspect.add_argument("--json", action="store_true", help="print each report as one JSON object on its own line")
     inspect.set_defaults(func=_data_inspect)
 

@@ -511,6 +511,11 @@ def tokenize_pair(tokenizer, prompt: str, completion: str) -> tuple[list[int], l
     Prompt and completion are encoded separately, as PPO samples completions after the prompt's
     tokens. EOS is appended unless the completion already ends with it (some chat templates write it).
     """
+    if tokenizer.eos_token_id is None:
+        raise UserError(
+            "the tokenizer has no EOS token; every completion ends with EOS so that the model learns to stop: "
+            "set the tokenizer's eos_token and save it again (or give another `tokenizer`)"
+        )
     prompt_ids = encode_prompt_text(tokenizer, prompt)
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     if not completion_ids or completion_ids[-1] != tokenizer.eos_token_id:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 from transformers import (
@@ -71,9 +72,11 @@ def _from_pretrained(loader, name: str, role: str, **kwargs):
     path = resolve_model_path(name, role, tokenizer=loader is AutoTokenizer)
     try:
         return loader.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, pickle.UnpicklingError) as e:
+    except (OSError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
         # UnpicklingError: a pickled .bin refused by torch.load(weights_only=True); never executed.
-        raise UserError(f"{role}: could not load {name!r}: {str(e).splitlines()[0]}") from None
+        # SafetensorError: a truncated or damaged .safetensors file.
+        damaged = " (a weights file is damaged or incomplete)" if isinstance(e, SafetensorError) else ""
+        raise UserError(f"{role}: could not load {name!r}: {str(e).splitlines()[0]}{damaged}") from None
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, role: str = "tokenizer") -> PreTrainedTokenizerBase:
@@ -242,17 +245,41 @@ def position_limit(model_or_config, role: str = "model") -> Optional[PositionLim
     return None
 
 
-def position_limit_of(name_or_model, role: str = "model", trust_remote_code: bool = False) -> Optional[PositionLimit]:
-    """`position_limit` of a model object, or of a saved model's config.json (no weights are read)."""
+def model_config(name_or_model, role: str = "model", trust_remote_code: bool = False):
+    """A model object's config, or a saved model's config.json (no weights are read)."""
     if isinstance(name_or_model, nn.Module):
-        return position_limit(name_or_model, role)
+        return name_or_model.config
     from transformers import AutoConfig
 
     path = resolve_model_path(name_or_model, role)
     try:
-        return position_limit(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), role)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(f"{role}: could not load {name_or_model!r}: {str(e).splitlines()[0]}") from None
+
+
+def position_limit_of(name_or_model, role: str = "model", trust_remote_code: bool = False) -> Optional[PositionLimit]:
+    """`position_limit` of a model object or a saved model."""
+    return position_limit(model_config(name_or_model, role, trust_remote_code), role)
+
+
+def check_token_ids(config, role: str, sequences: Iterable[tuple[str, list[int]]], tokenizer=None) -> None:
+    """Refuse a token id the model has no embedding row for (a tokenizer that is not the model's,
+    or one with tokens added after the model was saved) in one line, instead of an IndexError
+    (a device-side assert on CUDA) inside the model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    if not isinstance(rows, int) or rows <= 0:
+        return
+    for where, ids in sequences:
+        bad = max(ids, default=-1)
+        if bad >= rows:
+            token = f" ({tokenizer.convert_ids_to_tokens(bad)!r})" if tokenizer is not None else ""
+            size = f" of {len(tokenizer)} tokens" if tokenizer is not None else ""
+            raise UserError(
+                f"{where}: token id {bad}{token} is outside the {role}'s vocabulary of {rows} (vocab_size in its config): "
+                f"the tokenizer{size} is not this model's; set `tokenizer` to the model's own, or resize the model's embeddings"
+            )
 
 
 def tightest(limits: Iterable[Optional[PositionLimit]]) -> Optional[PositionLimit]:

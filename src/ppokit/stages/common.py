@@ -24,7 +24,7 @@ from ppokit.data import (
 )
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
-from ppokit.models import load_tokenizer, position_limit_of, resolve_model_path
+from ppokit.models import check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
 from ppokit.trainer import atomic_save_dir
 
 
@@ -126,7 +126,7 @@ def prepare_data(config, say, convert: Callable[[Records], list], build: Callabl
     report_lengths(say, train_report, data, "train")
     report_lengths(say, eval_report, data, "eval")
     require_rows(train, train_report, data, records.source, "training")
-    check_position_limit(config, train + evaluation)
+    check_fits_model(config, train + evaluation, tokenizer)
     if renderer.template_used is not None:
         say(f"chat rows rendered with {describe_template(renderer.template_used)}")
     return PreparedData(
@@ -134,9 +134,12 @@ def prepare_data(config, say, convert: Callable[[Records], list], build: Callabl
     )
 
 
-def check_position_limit(config, rows: list[EncodedRow]) -> None:
-    """Every kept sequence fits the model's positions (read from its config.json, before any weights load)."""
-    limit = position_limit_of(config.model, "model", config.trust_remote_code)
+def check_fits_model(config, rows: list[EncodedRow], tokenizer) -> None:
+    """Every kept sequence fits the model's positions, and every token id its embeddings (read from
+    its config.json, before any weights load)."""
+    model = model_config(config.model, "model", config.trust_remote_code)
+    check_token_ids(model, "model", ((row.where, s) for row in rows for s in row.sequences), tokenizer)
+    limit = position_limit(model, "model")
     if limit is not None:
         limit.check(
             ((row.where, max(len(s) for s in row.sequences)) for row in rows),

@@ -66,6 +66,9 @@ def inspect_data(
     stage = stage or STAGE_OF_FORMAT.get(records.format, "sft")
     if stage not in ("sft", "rm", "ppo"):
         raise UserError(f"--stage must be sft, rm or ppo, got {stage!r}")
+    for key, value in (("max_prompt_length", max_prompt_length), ("max_length", max_length), ("response_length", response_length)):
+        if value is not None and value != -1 and (not isinstance(value, int) or value < 1):
+            raise UserError(f"{key} must be a whole number > 0 (or none for no limit), got {value!r}")
     defaults = DataConfig() if stage == "ppo" else StageDataConfig()
     if max_prompt_length == -1:
         max_prompt_length = defaults.max_prompt_length
