@@ -337,8 +337,29 @@ def test_careless_model_and_tokenizer_inputs_are_one_line(model_dir, files, toke
     shutil.copytree(model, tmp_path / "cut")
     weights = tmp_path / "cut" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
+    # A reward model where a causal LM belongs; the same without its tokenizer; a LoRA adapter folder.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.models import load_scalar_model
+
+    load_scalar_model(str(model), "x").save_pretrained(tmp_path / "scorer")
+    shutil.copytree(tmp_path / "scorer", tmp_path / "scorer-with-tokenizer")
+    tokenizer.save_pretrained(tmp_path / "scorer-with-tokenizer")
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), lora).save_pretrained(tmp_path / "adapter")
     config = _yaml(tmp_path, model, files["sft"])
     cases = [
+        (["sft", str(config), f"model={tmp_path / 'scorer-with-tokenizer'}"],
+         f"ppokit: error: model: {tmp_path / 'scorer-with-tokenizer'} is a LlamaForSequenceClassification (a reward or "
+         "value model), not a causal LM; its language-model head would be random. Give the SFT (or base) model here; "
+         "a reward model goes in reward.model"),
+        (["sft", str(config), f"model={tmp_path / 'scorer'}"],
+         f"ppokit: error: tokenizer: {tmp_path / 'scorer'} holds a model but no tokenizer (no tokenizer_config.json, "
+         "tokenizer.json or vocab files); set `tokenizer` to the folder or id of its tokenizer"),
+        (["sft", str(config), f"model={tmp_path / 'adapter'}"],
+         f"ppokit: error: model: {tmp_path / 'adapter'} holds a LoRA adapter for {model}, not a whole model; give the "
+         "merged model (a LoRA PPO run writes final/merged/ with save_merged: true) or the base model"),
         (["sft", str(config), f"tokenizer={tmp_path / 'bigger'}", f"data.train={new_words}", "data.eval_fraction=0"],
          f"ppokit: error: {new_words}:1: token id {bigger.convert_tokens_to_ids('new7')} ('new7') is outside the model's "
          f"vocabulary of {len(tokenizer)} (vocab_size in its config): the tokenizer of {len(bigger)} tokens is not this "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import json
 import os
 import pickle
 from pathlib import Path
@@ -57,6 +58,10 @@ def resolve_model_path(name: str, role: str, tokenizer: bool = False) -> str:
             return expanded
         if tokenizer and any(Path(expanded, f).is_file() for f in TOKENIZER_FILES):
             return expanded
+        adapter = Path(expanded, "adapter_config.json")
+        if adapter.is_file():
+            raise UserError(f"{role}: {name} holds a LoRA adapter{_adapter_base(adapter)}, not a whole model; give the "
+                            "merged model (a LoRA PPO run writes final/merged/ with save_merged: true) or the base model")
         if tokenizer:
             raise UserError(
                 f"{role}: {name} exists but holds neither a saved tokenizer (tokenizer_config.json, tokenizer.json, "
@@ -66,6 +71,14 @@ def resolve_model_path(name: str, role: str, tokenizer: bool = False) -> str:
     if _looks_like_path(str(name)):
         raise UserError(f"{role}: {'path' if role == 'tokenizer' else 'model path'} {name} does not exist")
     return str(name)
+
+
+def _adapter_base(adapter_config: Path) -> str:
+    try:
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" for {base}" if isinstance(base, str) and base else ""
 
 
 def _from_pretrained(loader, name: str, role: str, **kwargs):
@@ -81,6 +94,10 @@ def _from_pretrained(loader, name: str, role: str, **kwargs):
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, role: str = "tokenizer") -> PreTrainedTokenizerBase:
     """Load a tokenizer; without a pad token, the EOS token is used as padding (documented fallback)."""
+    folder = Path(resolve_model_path(name, role, tokenizer=True))
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):  # so it holds config.json
+        raise UserError(f"{role}: {name} holds a model but no tokenizer (no tokenizer_config.json, tokenizer.json or "
+                        "vocab files); set `tokenizer` to the folder or id of its tokenizer")
     tokenizer = _from_pretrained(AutoTokenizer, name, role, trust_remote_code=trust_remote_code)
     return ensure_pad_token(tokenizer)
 
@@ -98,6 +115,13 @@ def load_causal_lm(name_or_model, role: str = "model", trust_remote_code: bool =
     """`load_kwargs` go to from_pretrained (e.g. quantization_config, device_map)."""
     if isinstance(name_or_model, nn.Module):
         return name_or_model
+    architectures = getattr(model_config(name_or_model, role, trust_remote_code), "architectures", None) or []
+    if architectures and all(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
+        # from_pretrained would load the backbone and a random LM head, with a warning nobody reads.
+        raise UserError(
+            f"{role}: {name_or_model} is a {', '.join(architectures)} (a reward or value model), not a causal LM; "
+            "its language-model head would be random. Give the SFT (or base) model here; a reward model goes in reward.model"
+        )
     return _from_pretrained(AutoModelForCausalLM, name_or_model, role, trust_remote_code=trust_remote_code, **load_kwargs)
 
 
