@@ -128,7 +128,8 @@ def test_long_prompts_truncated_and_counted_then_all_dropped_is_an_error(model_d
     rows = [{"prompt": "the movie was " * (20 if i % 2 else 1), "completion": "great ."} for i in range(20)]
     train = write_jsonl(tmp_path / "long.jsonl", rows)
     summary = run_sft(sft_config(model_dir("llama"), train, tmp_path / "a", eval_fraction=0.0, max_prompt_length=8), show_progress=False)
-    assert summary["length_rule"]["train"] == {"rows": 20, "prompts_truncated": 10, "completions_cut": 0, "dropped": 0}
+    assert summary["length_rule"]["train"] == {"rows": 20, "prompts_truncated": 10, "completions_cut": 0, "dropped": 0,
+                                               "identical_pairs": 0}
     with pytest.raises(UserError, match="no training rows left after the length rule .*20 rows dropped"):
         run_sft(sft_config(model_dir("llama"), train, tmp_path / "b", eval_fraction=0.0, max_prompt_length=8, max_length=3), show_progress=False)
 
@@ -348,8 +349,13 @@ def test_careless_model_and_tokenizer_inputs_are_one_line(model_dir, files, toke
     tokenizer.save_pretrained(tmp_path / "scorer-with-tokenizer")
     lora = LoraConfig(r=2, target_modules=["q_proj"])
     get_peft_model(AutoModelForCausalLM.from_pretrained(model), lora).save_pretrained(tmp_path / "adapter")
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "the movie was", "chosen": "good .", "rejected": "good ."}] * 8)
     config = _yaml(tmp_path, model, files["sft"])
     cases = [
+        (["rm", str(config), f"data.train={same}", "data.eval_fraction=0"],
+         f"ppokit: error: {same}: no training rows left after the length rule (0 of 8 prompts over max_prompt_length=256 "
+         "truncated from the left, 0 completions cut at max_length=512, 8 rows dropped (8 of them pairs whose chosen and "
+         "rejected are the same)); give pairs whose chosen and rejected completions differ"),
         (["sft", str(config), f"model={tmp_path / 'scorer-with-tokenizer'}"],
          f"ppokit: error: model: {tmp_path / 'scorer-with-tokenizer'} is a LlamaForSequenceClassification (a reward or "
          "value model), not a causal LM; its language-model head would be random. Give the SFT (or base) model here; "

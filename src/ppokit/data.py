@@ -541,24 +541,32 @@ class LengthReport:
     """What the length rule did to a set of rows (reported by every stage and `data inspect`).
 
     prompts_truncated counts every row whose prompt was truncated (dropped ones too);
-    completions_cut counts kept rows with a completion cut; dropped, rows left out.
+    completions_cut counts kept rows with a completion cut; dropped, rows left out, of which
+    identical_pairs are preference pairs whose chosen and rejected were the same already in the data.
     """
 
     rows: int = 0
     prompts_truncated: int = 0
     completions_cut: int = 0
     dropped: int = 0
+    identical_pairs: int = 0
 
-    def add(self, prompt_truncated: bool, completion_cut: bool = False, dropped: bool = False) -> None:
+    def add(self, prompt_truncated: bool, completion_cut: bool = False, dropped: bool = False, identical: bool = False) -> None:
         self.rows += 1
         self.prompts_truncated += prompt_truncated
         self.completions_cut += completion_cut
         self.dropped += dropped
+        self.identical_pairs += identical
+
+    def add_row(self, row: "EncodedRow") -> None:
+        self.add(row.prompt_truncated, row.completion_cut, row.dropped, row.identical)
 
     def describe(self, max_prompt_length, max_length) -> str:
+        identical = f" ({self.identical_pairs} of them pairs whose chosen and rejected are the same)" if self.identical_pairs else ""
         return (
             f"{self.prompts_truncated} of {self.rows} prompts over max_prompt_length={max_prompt_length} truncated "
             f"from the left, {self.completions_cut} completions cut at max_length={max_length}, {self.dropped} rows dropped"
+            f"{identical}"
         )
 
 
@@ -601,6 +609,11 @@ class EncodedRow:
     @property
     def dropped(self) -> bool:
         return self.fitted is None
+
+    @property
+    def identical(self) -> bool:
+        """Several completions that were the same before any cut (a preference pair with nothing to prefer)."""
+        return len(self.raw) > 1 and all(r == self.raw[0] for r in self.raw[1:])
 
     @property
     def completion_cut(self) -> bool:
@@ -647,7 +660,7 @@ def encode_rows(
     kept, report = [], LengthReport()
     for where, (prompt, *completions) in items:
         row = encode_row(renderer, tokenizer, prompt, completions, where, max_prompt_length, max_length)
-        report.add(row.prompt_truncated, row.completion_cut, row.dropped)
+        report.add_row(row)
         if not row.dropped:
             kept.append(row)
     return kept, report

@@ -62,10 +62,9 @@ def located(records: Records, convert: Callable[[Records], list]) -> list[tuple[
 
 def require_rows(examples: list, report: LengthReport, data: StageDataConfig, source: str, split: str) -> None:
     if not examples:
-        raise UserError(
-            f"{source}: no {split} rows left after the length rule ({report.describe(data.max_prompt_length, data.max_length)}); "
-            f"raise data.max_length / data.max_prompt_length or shorten the prompts"
-        )
+        fix = ("raise data.max_length / data.max_prompt_length or shorten the prompts"
+               if report.identical_pairs < report.dropped else "give pairs whose chosen and rejected completions differ")
+        raise UserError(f"{source}: no {split} rows left after the length rule ({report.describe(data.max_prompt_length, data.max_length)}); {fix}")
 
 
 def report_lengths(say, report: LengthReport, data: StageDataConfig, split: str) -> None:

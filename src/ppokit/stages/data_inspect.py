@@ -112,7 +112,7 @@ def inspect_data(
                     add(name, len(completion_text))
             else:
                 row = encode_row(renderer, tokenizer, prompt, completions, where, max_prompt_length, max_length)
-                rule.add(row.prompt_truncated, row.completion_cut, row.dropped)
+                rule.add_row(row)
                 texts = row.texts
                 add("prompt", len(row.raw[0][0]))
                 for name, (prompt_ids, completion_ids) in zip(names, row.raw):
@@ -185,7 +185,8 @@ def format_report(report: dict) -> str:
         lines.append(row(
             "limits",
             f"max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated from the left "
-            f"| max_length {limits['max_length']}: {rule['completions_cut']} completions cut, {rule['dropped']} rows dropped",
+            f"| max_length {limits['max_length']}: {rule['completions_cut']} completions cut, {rule['dropped']} rows dropped"
+            + (f" ({rule['identical_pairs']} pairs with chosen == rejected)" if rule["identical_pairs"] else ""),
         ))
     positions = report.get("position_limit")
     if positions is not None:
