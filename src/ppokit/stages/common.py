@@ -24,8 +24,8 @@ from ppokit.data import (
 )
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
+from ppokit.checkpoint import atomic_save_dir
 from ppokit.models import check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
-from ppokit.trainer import atomic_save_dir
 
 
 def printer(enabled: bool, stage: str) -> Callable[[str], None]:
