@@ -444,13 +444,13 @@ def test_rows_over_the_models_position_limit_are_one_line_before_training(model_
     assert len(reports) == 3 and [r.count("example 1") for r in reports] == [1, 1, 1]
     positions = [line for line in out.splitlines() if line.startswith("positions")]
     assert len(positions) == 3 and all("model limit 8 (n_positions):" in line for line in positions)
-    assert "set data.max_length <= 8" in positions[0] and "set data.max_prompt_length <= " not in positions[0]
+    assert "set data.max_length to at most 8" in positions[0] and "data.max_prompt_length" not in positions[0]
     assert main(["data", "inspect", files["prompts"], str(tmp_path / "none.jsonl"), "--json", "--tokenizer", str(short),
                  "--response-length", "4", "--max-prompt-length", "4"]) == 2
     captured = capsys.readouterr()
     (report,) = [json.loads(line) for line in captured.out.splitlines()]
     assert report["position_limit"] == {"tokens": 8, "key": "n_positions", "rows_over": 0, "first_over": None,
-                                        "fix": "data.max_prompt_length <= 4"}
+                                        "fix": "set data.max_prompt_length to at most 4 (it is 4)"}
     assert captured.err.strip() == f"ppokit: error: data file not found: {tmp_path / 'none.jsonl'}"
 
 

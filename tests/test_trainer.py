@@ -298,3 +298,30 @@ def test_the_callers_config_is_not_changed(model_dir, prompts_file, tmp_path, to
     assert config.to_dict() == before
     assert trainer.config.model == str(model_dir("llama"))  # what is recorded of the object: its saved path
     assert trainer.config.reward.functions != before["reward"]["functions"]
+
+
+def test_prompts_that_a_model_cannot_read_are_refused_before_its_weights_load(model_dir, prompts_file, tokenizer, demo_data, tmp_path):
+    """Token ids past the embeddings of any model that reads them, or prompt + response past the
+    smallest position limit among them: one line naming the row (both were IndexErrors in the model)."""
+    from ppokit.errors import UserError
+    from ppokit.tiny import word_tokenizer
+
+    bigger = word_tokenizer([r["prompt"] + " " + r["completion"] for r in demo_data["sft"]] + [f"new{i}" for i in range(50)])
+    rows = tmp_path / "new.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the movie was"] * 7 + ["the new7 was"]))
+    config = tiny_ppo_config(model_dir("llama"), rows, tmp_path / "run", total_episodes=8)
+    with pytest.raises(UserError) as error:
+        PPOTrainer(config, tokenizer=bigger, show_progress=False)
+    assert str(error.value) == (
+        f"data.train ({rows}: row 8): token id {bigger.convert_tokens_to_ids('new7')} ('new7') is outside the model's vocabulary "
+        f"of {len(tokenizer)} (vocab_size in its config): the tokenizer of {len(bigger)} tokens is not this model's; set "
+        "`tokenizer` to the model's own, or resize the model's embeddings")
+    # The reference has fewer positions than the policy: its limit is the one that counts.
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", response_length=6)
+    config.ref_model = str(model_dir("gpt2", max_positions=8))
+    with pytest.raises(UserError, match=r"data.train \(.*: row \d+\): the prompt is \d+ tokens; with ppo.response_length 6 that is "
+                                        r"\d+, over the ref_model's position limit of 8 tokens \(n_positions in its config\); "
+                                        r"set data.max_prompt_length to at most 2 \(it is null\) \(\d+ rows are over it\)"):
+        PPOTrainer(config, show_progress=False)
+    config.data.max_prompt_length = 2
+    assert max(len(ids) for ids in PPOTrainer(config, show_progress=False).train_query_ids) == 2

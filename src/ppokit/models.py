@@ -13,8 +13,8 @@ import inspect
 import json
 import os
 import pickle
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch

@@ -25,7 +25,7 @@ from ppokit.data import (
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
 from ppokit.checkpoint import atomic_save_dir
-from ppokit.models import check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
+from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
 
 
 def printer(enabled: bool, stage: str) -> Callable[[str], None]:
@@ -143,8 +143,13 @@ def check_fits_model(config, rows: list[EncodedRow], tokenizer) -> None:
         limit.check(
             ((row.where, max(len(s) for s in row.sequences)) for row in rows),
             lambda n: f"prompt + completion is {n} tokens after the length rule",
-            f"set data.max_length to at most {limit.tokens}",
+            max_length_room(limit),
         )
+
+
+def max_length_room(limit: PositionLimit) -> str:
+    """How to make sft/rm sequences fit `limit`."""
+    return f"set data.max_length to at most {limit.tokens}"
 
 
 class StepLog:

@@ -25,6 +25,8 @@ from ppokit.data import (
 )
 from ppokit.errors import UserError
 from ppokit.models import PositionLimit
+from ppokit.prompts import prompt_room
+from ppokit.stages.common import max_length_room
 
 STAGE_OF_FORMAT = {"preference": "rm", "prompt": "ppo"}  # everything else is sft data
 
@@ -137,22 +139,19 @@ def inspect_data(
         "limits": {"max_prompt_length": max_prompt_length, "max_length": max_length,
                    **({"response_length": response_length} if stage == "ppo" else {})},
         "length_rule": vars(rule) if tokenizer is not None else None,
-        "position_limit": _positions(position_limit, sequences, stage, response_length) if tokenizer is not None else None,
+        "position_limit": _positions(position_limit, sequences, stage, response_length, max_prompt_length) if tokenizer is not None else None,
         "chat_template": renderer.template_used,
         "examples": shown,
     }
 
 
-def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]], stage: str, response_length: int):
+def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]], stage: str, response_length: int,
+               max_prompt_length: Optional[int]):
     """Rows the model could not take: count, the first, and the key that fixes it."""
     if limit is None:
         return None
     over = limit.rows_over(sequences)
-    if stage == "ppo":
-        fix = f"data.max_prompt_length <= {limit.tokens - response_length}" if limit.tokens > response_length else (
-            f"ppo.response_length < {limit.tokens}")
-    else:
-        fix = f"data.max_length <= {limit.tokens}"
+    fix = prompt_room(limit, response_length, max_prompt_length) if stage == "ppo" else max_length_room(limit)
     return {
         "tokens": limit.tokens, "key": limit.key, "rows_over": len(over),
         "first_over": {"where": over[0][0], "tokens": over[0][1]} if over else None, "fix": fix,
@@ -193,7 +192,7 @@ def format_report(report: dict) -> str:
         first = positions["first_over"]
         lines.append(row("positions", f"model limit {positions['tokens']} ({positions['key']}): {positions['rows_over']} rows over" + (
             f" (first {first['where']}, {first['tokens']} tokens{' with the response' if report['stage'] == 'ppo' else ''}); "
-            f"set {positions['fix']}" if first else "")))
+            f"{positions['fix']}" if first else "")))
     if report["chat_template"] is not None:
         lines.append(row("template", report["chat_template"].replace("\n", "\\n")[:120]))
     for i, example in enumerate(report["examples"], start=1):
