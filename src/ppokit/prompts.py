@@ -49,7 +49,7 @@ def _where(dataset: PromptDataset, i: int) -> str:
 
 def check_prompts_fit(
     model_configs: dict[str, Any],
-    prompts: dict[str, tuple[PromptDataset, list[list[int]]]],
+    prompts: list[tuple[str, Optional[PromptDataset], Optional[list[list[int]]]]],
     response_length: int,
     max_prompt_length: Optional[int],
     tokenizer,
@@ -60,13 +60,14 @@ def check_prompts_fit(
     (after truncation) plus `response_length` fits its positions. One line naming the first row
     that does not, instead of an IndexError from inside the model after the first sampling.
 
-    prompts: {config key: (dataset, encoded prompts)}.
+    prompts: (config key, dataset, its encoded prompts) of each prompt set; a None dataset is skipped.
     """
+    prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
     special = [("the tokenizer's pad token", [tokenizer.pad_token_id])]
     if stop_token_id is not None:
         special.append(("ppo.stop_token_id", [stop_token_id]))
     for role, config in model_configs.items():
-        rows = ((f"{key} ({_where(dataset, i)})", ids) for key, (dataset, encoded) in prompts.items() for i, ids in enumerate(encoded))
+        rows = ((f"{key} ({_where(dataset, i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
         check_token_ids(config, role, itertools.chain(special, rows), tokenizer)
     limit = tightest(position_limit(config, role) for role, config in model_configs.items())
     if limit is None:
@@ -76,7 +77,7 @@ def check_prompts_fit(
                         f"{prompt_room(limit, response_length, max_prompt_length)}")
     limit.check(
         ((f"{key} ({_where(dataset, i)})", len(ids) + response_length)
-         for key, (dataset, encoded) in prompts.items() for i, ids in enumerate(encoded)),
+         for key, dataset, encoded in prompts for i, ids in enumerate(encoded)),
         lambda n: f"the prompt is {n - response_length} tokens; with ppo.response_length {response_length} that is {n}",
         prompt_room(limit, response_length, max_prompt_length),
     )

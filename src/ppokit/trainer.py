@@ -104,14 +104,11 @@ class PPOTrainer:
         self.layout = roles.decide_roles(
             config, reward_vocabulary=reward_vocabulary, ref_model_given=ref_model is not None, value_model_given=value_model is not None
         )
-        check_prompts_fit(
-            roles.configs_reading_policy_ids(self.layout, config, self.scorer, reward_vocabulary, model=model, ref_model=ref_model,
-                                             value_model=value_model),
-            {"data.train": (self.train_data, self.train_query_ids),
-             **({"data.eval": (self.eval_data, self.eval_query_ids)} if self.eval_data else {})},
-            config.ppo.response_length, limit, self.tokenizer, self.stop_token_id,
-        )
-        built = roles.build_roles(self.layout, config, self.scorer, model=model, ref_model=ref_model, value_model=value_model)
+        given = dict(model=model, ref_model=ref_model, value_model=value_model)
+        readers = roles.configs_reading_policy_ids(self.layout, config, self.scorer, reward_vocabulary, **given)
+        check_prompts_fit(readers, [("data.train", self.train_data, self.train_query_ids), ("data.eval", self.eval_data, self.eval_query_ids)],
+                          config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
+        built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
