@@ -325,3 +325,8 @@ def test_prompts_that_a_model_cannot_read_are_refused_before_its_weights_load(mo
         PPOTrainer(config, show_progress=False)
     config.data.max_prompt_length = 2
     assert max(len(ids) for ids in PPOTrainer(config, show_progress=False).train_query_ids) == 2
+    config.ppo.response_length = 8
+    with pytest.raises(UserError) as error:
+        PPOTrainer(config, show_progress=False)
+    assert str(error.value) == ("ppo.response_length 8 leaves no room for a prompt in the ref_model's position limit of 8 tokens "
+                                "(n_positions in its config); set ppo.response_length below 8")
