@@ -143,12 +143,9 @@ class PPOHyperparams:
                     f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                     f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches} x processes {world_size})"
                 )
-        if self.critic_warmup_updates and self.critic_warmup_updates >= total // batch:
-            raise UserError(
-                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
-                f"the run has {total // batch} updates; it must be fewer"
-            )
-        return BatchSizes(
+        if self.critic_warmup_updates:
+            self.check_critic_warmup(total // batch)
+        sizes = BatchSizes(
             micro_batch=self.per_device_train_batch_size,
             local_batch=local_batch,
             batch=batch,
@@ -159,6 +156,32 @@ class PPOHyperparams:
             prompts_per_update=batch // n,
             local_prompts=local_batch // n,
         )
+        self.check_warmup(sizes)
+        return sizes
+
+    def check_warmup(self, sizes: "BatchSizes") -> None:
+        """A warm-up as long as the run would never reach learning_rate (the schedule counts optimiser steps)."""
+        steps = sizes.num_updates * self.num_ppo_epochs * self.num_mini_batches
+        if self.warmup_steps and self.warmup_steps >= steps:
+            raise UserError(
+                f"ppo.warmup_steps ({self.warmup_steps}) is not shorter than the run's {steps} optimiser steps ({sizes.num_updates} "
+                f"updates x num_ppo_epochs {self.num_ppo_epochs} x num_mini_batches {self.num_mini_batches}): the learning rate "
+                f"would never reach ppo.learning_rate; set ppo.warmup_steps below {steps}"
+            )
+
+    def check_critic_warmup(self, num_updates: int) -> None:
+        """The policy trains after the critic's warm-up, on a schedule of its own remaining optimiser steps."""
+        if self.critic_warmup_updates >= num_updates:
+            raise UserError(
+                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
+                f"the run has {num_updates} updates; it must be fewer"
+            )
+        policy_steps = (num_updates - self.critic_warmup_updates) * self.num_ppo_epochs * self.num_mini_batches
+        if self.warmup_steps >= policy_steps:
+            raise UserError(
+                f"ppo.warmup_steps ({self.warmup_steps}) is not shorter than the policy's {policy_steps} optimiser steps after "
+                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
+            )
 
     def check_combination(self) -> None:
         """Rules across keys of this section (each key's own range is checked by `validate`):
