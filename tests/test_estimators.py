@@ -75,10 +75,9 @@ def test_critic_free_estimators_build_no_value_model(estimator, model_dir, promp
 
 def test_remax_baseline_is_the_greedy_responses_score_for_each_group(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, advantage_estimator="remax", num_samples_per_prompt=2)
-    queries = trainer.train_query_ids[:3]
     prompts, columns = trainer.train_data.rows(range(3))
-    scores, valid = trainer.greedy_baseline(queries, prompts, columns)
-    greedy = trainer.generate(queries, purpose="greedy")
+    scores, valid = trainer.greedy_baseline([0, 1, 2])
+    greedy = trainer.generate(trainer.train_query_ids[:3], purpose="greedy")
     expected, _ = trainer.score(greedy, prompts, columns, update_statistics=False)
     assert torch.equal(scores, expected.repeat_interleave(2)) and valid.all()
     records = trainer.train()

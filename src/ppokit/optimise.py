@@ -41,11 +41,25 @@ class PolicyAndValue(nn.Module):
 
     def forward(self, input_ids, attention_mask, response_length: int):
         """(B, P + R) -> (logits (B, R, V) predicting each response token, values (B, R) or None)."""
-        logits = response_logits(self.policy, input_ids, attention_mask, response_length)
+        return response_logits(self.policy, input_ids, attention_mask, response_length), self.values(input_ids, attention_mask, response_length)
+
+    def values(self, input_ids, attention_mask, response_length: int) -> Optional[torch.Tensor]:
+        """(B, P + R) -> the critic's value of the state before each response token (B, R); None without a critic."""
         if self.value_model is None:
-            return logits, None
-        values = scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
-        return logits, values
+            return None
+        return scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
+
+    @contextlib.contextmanager
+    def critic_in_eval_mode(self):
+        """The critic in eval mode for the rollout's value pass (the policy is switched by the sampler's caller)."""
+        if self.value_model is None:
+            yield
+            return
+        self.value_model.eval()
+        try:
+            yield
+        finally:
+            self.value_model.train()
 
 
 def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):

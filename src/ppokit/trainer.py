@@ -41,7 +41,7 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logits, scalar_outputs
+from ppokit.models import ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logits
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
@@ -224,21 +224,16 @@ class PPOTrainer:
         hp, chunk = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
         ids, mask = rollout.input_ids, rollout.attention_mask
         width = rollout.response_ids.shape[1]
-        critic = self.value_model
+        both = self.accelerator.unwrap_model(self.model)
         ref_logprobs, values = [], []
-        if critic is not None:
-            critic.eval()
-        for i in range(0, ids.shape[0], chunk):
-            logits = self.reference_logits(ids[i : i + chunk], mask[i : i + chunk], width)
-            ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
-            if critic is not None:
+        with both.critic_in_eval_mode():
+            for i in range(0, ids.shape[0], chunk):
+                logits = self.reference_logits(ids[i : i + chunk], mask[i : i + chunk], width)
+                ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
                 with self.accelerator.autocast():
-                    values.append(scalar_outputs(critic, ids[i : i + chunk], mask[i : i + chunk])[:, -width - 1 : -1])
-        response_mask = rollout.response_mask
-        if critic is None:
-            return torch.cat(ref_logprobs).masked_fill(~response_mask, 0.0), None
-        critic.train()
-        return torch.cat(ref_logprobs).masked_fill(~response_mask, 0.0), torch.cat(values).masked_fill(~response_mask, 0.0)
+                    values.append(both.values(ids[i : i + chunk], mask[i : i + chunk], width))
+        padding = ~rollout.response_mask
+        return torch.cat(ref_logprobs).masked_fill(padding, 0.0), None if both.value_model is None else torch.cat(values).masked_fill(padding, 0.0)
 
     def reference_logits(self, input_ids, attention_mask, response_length: int) -> torch.Tensor:
         """(B, P + R) -> (B, R, V) from the reference: its own model, or the LoRA policy's base with adapters off."""
@@ -255,12 +250,12 @@ class PPOTrainer:
         return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.accelerator,
                           self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates)
 
-    def greedy_baseline(self, query_ids: list[list[int]], prompts: list[str], columns: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """ReMax's baseline: the score of one greedy response per prompt, repeated for its n samples ->
-        (scores (B,), valid (B,) bool). Scored without moving the reward normalisation statistics."""
+    def greedy_baseline(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ReMax's baseline: the score of one greedy response to each training prompt `indices`, repeated
+        for its n samples -> (scores (B,), valid (B,) bool). Scored without moving the reward normalisation."""
         n = self.sizes.samples_per_prompt
-        greedy = self.generate(query_ids, purpose="greedy")
-        scores, extras = self.score(greedy, prompts, columns, update_statistics=False)
+        greedy = self.generate([self.train_query_ids[i] for i in indices], purpose="greedy")
+        scores, extras = self.score(greedy, *self.train_data.rows(indices), update_statistics=False)
         return scores.repeat_interleave(n), extras["valid"].repeat_interleave(n)
 
     def step(self) -> dict[str, Any]:
@@ -274,18 +269,17 @@ class PPOTrainer:
         t0 = time.perf_counter()
         n = self.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
-        queries = [self.train_query_ids[i] for i in indices]
-        prompt_rows = self.train_data.rows(indices)
-        prompts, columns = repeat_each(prompt_rows[0], n), {k: repeat_each(v, n) for k, v in prompt_rows[1].items()}
+        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (Rollout's group layout)
+        prompts, columns = self.train_data.rows(samples)
 
-        # 1. generate: n samples of each prompt, in adjacent rows (Rollout's group layout)
-        rollout = self.generate(repeat_each(queries, n))
+        # 1. generate
+        rollout = self.generate([self.train_query_ids[i] for i in samples])
         t_generate = time.perf_counter()
 
         # 2. score
         rollout.scores, extras = self.score(rollout, prompts, columns)
         if hp.advantage_estimator in algo.GREEDY_BASELINE_ESTIMATORS:
-            rollout.baseline_scores, baseline_valid = self.greedy_baseline(queries, *prompt_rows)
+            rollout.baseline_scores, baseline_valid = self.greedy_baseline(indices)
             extras["valid"] = extras["valid"] & baseline_valid
         rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
         check_finite({"score": rollout.scores}, self.accelerator)
@@ -449,9 +443,9 @@ class PPOTrainer:
         current policy, score them, and return `eval/scores`, `eval/response_length`, `eval/ended`
         (share of responses that produced the stop token) and `eval/num_scored`.
 
-        Sampling uses its own generator seeded with `seed` (default `config.seed`), so the result is
-        repeatable and training's random stream is left as it was. Reward normalisation statistics
-        are not updated.
+        Sampling is at `ppo.eval_temperature` (default the training temperature; 0: greedy) with its
+        own generator seeded with `seed` (default `config.seed`), so the result is repeatable and
+        training's random stream is left as it was. Reward normalisation statistics are not updated.
         """
         if self.eval_data is None:
             raise UserError("evaluate: no eval prompts; set data.eval or data.eval_fraction, or pass eval_dataset=")
