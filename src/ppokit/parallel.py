@@ -171,8 +171,12 @@ def _units(model: nn.Module, class_names: Sequence[str]) -> tuple[list[nn.Module
     """
     from ppokit.models import unwrap_peft
 
+    from transformers import PreTrainedModel
+
     root = unwrap_peft(model)
-    units = decoder_layers(model, class_names)
+    # A module of ppokit's own around another model's weights (the shared critic: a head on the
+    # policy's base) has no layers of its own.
+    units = decoder_layers(model, class_names) if isinstance(root, PreTrainedModel) else []
     prefix = getattr(root, "base_model_prefix", None)
     children = [(name, child) for name, child in root.named_children()]
     for name, child in sorted(children, key=lambda item: item[0] != prefix):  # backbone first
