@@ -16,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from ppokit.config import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.models import response_logits, value_model_from_policy  # noqa: E402
 from ppokit.rollout import HFSampler  # noqa: E402
 from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
-from ppokit.trainer import PolicyAndValue  # noqa: E402
+from ppokit.optimise import PolicyAndValue  # noqa: E402
 
 WORDS = "the a good bad movie film was is great awful fine plot actors story long short".split()
 STEPS = 3
@@ -61,8 +62,12 @@ def rows(tokenizer, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def adamw(model) -> tuple[torch.optim.Optimizer, None]:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-5), None
+
+
 def train(engine, model, ids, mask) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
-    model, optimizer = engine.prepare(model, lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-5))
+    model, optimizer, _ = engine.prepare(model, adamw)
     norms = [one_step(engine, model, optimizer, ids, mask) for _ in range(STEPS)]
     return model, optimizer, norms
 
@@ -153,7 +158,7 @@ def main(out: Path, load_from: Path | None) -> None:
     # 2. generation under sharding: the same tokens as the whole policy; one all-gather per unit per
     #    rollout with unshard_for_generation, one per unit per decoded token without.
     whole = ddp.accelerator.unwrap_model(ddp_model).policy
-    lazy_model, lazy_optimizer = lazy.prepare(build(tokenizer), lambda p: torch.optim.AdamW(p))
+    lazy_model, lazy_optimizer, _ = lazy.prepare(build(tokenizer), adamw)
     expected = sample(whole, ids, mask, seed=7)  # ddp_model trained: compare the fsdp twin of each
     with AllGatherCounter() as once, fsdp.generation(fsdp_model.policy):
         sharded_tokens = sample(fsdp_model.policy, ids, mask, seed=7)
@@ -174,20 +179,21 @@ def main(out: Path, load_from: Path | None) -> None:
         p.to_local().numel() < p.numel() or world == 1 for p in fsdp_model.policy.parameters())
 
     # 3. DCP round trip: save, train on, load, and the weights and the next step are the saved run's.
-    dcp_dir = out / "dcp"
-    fsdp.save_state(dcp_dir, fsdp_model, fsdp_optimizer)
+    dcp_dir, weights = out / "dcp", fsdp.checkpoint_weights()
+    parts = SimpleNamespace(model=fsdp_model, optimizer=fsdp_optimizer)
+    weights.save(dcp_dir, parts, save_models=None, is_main=accelerator.is_main_process)
     at_save = full_weights(fsdp, fsdp_model)
     if accelerator.is_main_process:
         torch.save(at_save, out / "at_save.pt")
     next_norm = one_step(fsdp, fsdp_model, fsdp_optimizer, ids, mask)
     after_next = full_weights(fsdp, fsdp_model)
-    fsdp.load_state(dcp_dir, fsdp_model, fsdp_optimizer)
+    weights.load(dcp_dir, parts)
     reloaded = full_weights(fsdp, fsdp_model)
     again_norm = one_step(fsdp, fsdp_model, fsdp_optimizer, ids, mask)
     again = full_weights(fsdp, fsdp_model)
     if accelerator.is_main_process:
         results["dcp"] = {
-            "files": sorted(p.name for p in dcp_dir.iterdir()),
+            "files": sorted(p.name for p in (dcp_dir / parallel.SHARDED_DIR).iterdir()),
             "reloaded_vs_saved": max_difference(reloaded, at_save),
             "next_step_vs_replay": max_difference(after_next, again),
             "next_grad_norm": next_norm, "replayed_grad_norm": again_norm,
@@ -219,8 +225,8 @@ def main(out: Path, load_from: Path | None) -> None:
     # 6. resharding: a DCP checkpoint written by another process count, read into this one.
     if load_from is not None:
         other = parallel.engine(ParallelConfig(strategy="fsdp"), accelerator)
-        target, target_optimizer = other.prepare(build(tokenizer), lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-5))
-        other.load_state(load_from / "dcp", target, target_optimizer)
+        target, target_optimizer, _ = other.prepare(build(tokenizer), adamw)
+        other.checkpoint_weights().load(load_from / "dcp", SimpleNamespace(model=target, optimizer=target_optimizer))
         loaded = full_weights(other, target)
         if accelerator.is_main_process:
             results["reshard"] = {"from_processes": json.loads((load_from / "results.json").read_text())["processes"],

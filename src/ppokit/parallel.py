@@ -14,15 +14,18 @@
 
 What the trainer asks of an engine, each in one method:
 
-    prepare(model, make_optimizer)   wrap the trainable module, build the optimiser over what it holds
+    prepare(model, build)            wrap the trainable module; build(model) -> (optimiser, schedule)
+                                     over the parameters it then holds
     place_frozen(model)              a reference or reward model on the device (sharded or whole)
     generation(policy)               context for sampling: under fsdp, gather the policy once for the
                                      whole rollout instead of once per layer per decoded token
     no_sync(model, last)             context for one micro-batch's backward
-    clip_grad_norm_(model, max_norm) the global gradient norm, clipped
+    clip_grad_norm_(model, max_norm) the global gradient norm, clipped (max_norm 0: not clipped)
     consolidated(model)              context yielding, on the main process, a plain module with
                                      every full weight (for save_pretrained); None elsewhere
-    save_state / load_state          weights and optimiser state of a checkpoint (see StateFiles)
+    checkpoint_weights()             how a checkpoint holds weights and optimiser state: the plain
+                                     files of ppokit.checkpoint, or ShardedWeights (DCP, every
+                                     process writes its shards)
 
 Memory under fsdp, N processes, a policy of P parameters in b bytes each, trained with AdamW:
 weights + gradients + optimiser state take about (b + b + 8) P / N per process, against
@@ -37,7 +40,7 @@ import contextlib
 import copy
 import itertools
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -48,16 +51,20 @@ STRATEGIES = ("ddp", "fsdp")
 SHARDED_DIR = "sharded"  # the DCP folder inside a checkpoint written under fsdp
 
 
+Build = Callable[[nn.Module], tuple]  # model -> (optimizer, scheduler)
+
+
 class Engine(Protocol):
     strategy: str
-    sharded: bool
+    accelerator: object
 
-    def prepare(self, model: nn.Module, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]): ...
+    def prepare(self, model: nn.Module, build: Build) -> tuple: ...
     def place_frozen(self, model: nn.Module) -> nn.Module: ...
     def generation(self, policy: nn.Module) -> contextlib.AbstractContextManager: ...
     def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor: ...
     def consolidated(self, model: nn.Module) -> contextlib.AbstractContextManager: ...
+    def checkpoint_weights(self): ...
 
 
 def engine(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded":
@@ -82,14 +89,15 @@ class Replicated:
     """Whole models on every process; DistributedDataParallel (through accelerate) when there are several."""
 
     strategy = "ddp"
-    sharded = False
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
 
-    def prepare(self, model, make_optimizer):
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
-        return self.accelerator.prepare(model, optimizer)
+    def prepare(self, model, build):
+        # The schedule stays outside accelerate: its wrapper steps a schedule once per process per call.
+        optimizer, scheduler = build(model)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        return model, optimizer, scheduler
 
     def place_frozen(self, model):
         return model.to(self.accelerator.device)
@@ -102,11 +110,20 @@ class Replicated:
         return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
 
     def clip_grad_norm_(self, model, max_norm):
-        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        if max_norm > 0:
+            return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        from ppokit.guards import gradient_norm
+
+        return gradient_norm(model.parameters())
 
     @contextlib.contextmanager
     def consolidated(self, model):
         yield self.accelerator.unwrap_model(model) if self.accelerator.is_main_process else None
+
+    def checkpoint_weights(self):
+        from ppokit.checkpoint import PlainWeights
+
+        return PlainWeights()
 
 
 # --------------------------------------------------------------------------- fsdp
@@ -194,7 +211,6 @@ class Sharded:
     """FSDP2: weights, gradients and optimiser state of each sharded model split over the processes."""
 
     strategy = "fsdp"
-    sharded = True
 
     def __init__(self, accelerator, settings, bf16: bool = False):
         fully_shard, _, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy = _fsdp()
@@ -209,7 +225,6 @@ class Sharded:
         self.bf16 = bf16
         self.offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if settings.cpu_offload else OffloadPolicy()
         self._roots: list[nn.Module] = []  # root of every sharded tree
-        self._trainable_roots: list[nn.Module] = []
         self._skeleton: Optional[nn.Module] = None
         self._sharded_ids: set[int] = set()
 
@@ -240,7 +255,7 @@ class Sharded:
         self._sharded_ids.update({id(model), id(root)})
         return model
 
-    def prepare(self, model, make_optimizer):
+    def prepare(self, model, build):
         """Shard every child of `model` that holds weights (policy, value model) as a tree of its own;
         the optimiser is built over the shards, so its state is 1/N per process too."""
         if self.accelerator.is_main_process:
@@ -248,9 +263,8 @@ class Sharded:
         for child in model.children():
             if any(p.requires_grad for p in child.parameters()):
                 self.shard(child)
-                self._trainable_roots.append(self._roots[-1])
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
-        return model, optimizer
+        optimizer, scheduler = build(model)
+        return model, optimizer, scheduler
 
     def place_frozen(self, model):
         if id(model) in self._sharded_ids:
@@ -296,15 +310,17 @@ class Sharded:
         return contextlib.nullcontext()
 
     def clip_grad_norm_(self, model, max_norm):
-        """Norm over every process's gradient shards (a DTensor reduced to one number), then clip."""
+        """The norm over every process's gradient shards (a DTensor reduced to one number); clipped when max_norm > 0."""
         from torch.distributed.tensor import DTensor
 
         params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if not params:
+            return torch.zeros((), device=self.accelerator.device)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     # ------------------------------------------------------------------ saving
@@ -329,23 +345,40 @@ class Sharded:
         finally:
             del plain, state
 
-    def save_state(self, folder: Path, model: nn.Module, optimizer) -> None:
-        """Trainable weights and optimiser state as a DCP checkpoint in `folder`: each process writes its shards."""
+    def checkpoint_weights(self) -> "ShardedWeights":
+        return ShardedWeights()
+
+
+class ShardedWeights:
+    """A checkpoint's weights and optimiser state under fsdp: one DCP folder (`sharded/`) to which every
+    process writes its own shards, and which any number of processes can read (DCP reshards).
+
+    The same interface as ppokit.checkpoint.PlainWeights: save(folder, parts, save_models, is_main) on
+    every process, load(folder, parts). Only trainable tensors are written (a LoRA run's frozen base
+    comes from the model path again); final/ is consolidated separately (`Sharded.consolidated`).
+    """
+
+    kind = "sharded"
+
+    def save(self, folder: Path, parts, save_models, is_main: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(_training_state(model, optimizer), checkpoint_id=str(folder))
+        dcp.save(_training_state(parts.model, parts.optimizer), checkpoint_id=str(Path(folder) / SHARDED_DIR))
 
-    def load_state(self, folder: Path, model: nn.Module, optimizer) -> None:
-        """Read `folder` (written by save_state, with any process count: DCP reshards) into model and optimiser."""
+    def load(self, folder: Path, parts) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        state = _training_state(model, optimizer)
+        source = Path(folder) / SHARDED_DIR
+        if not (source / ".metadata").is_file():
+            raise UserError(f"{folder}: no {SHARDED_DIR}/.metadata (a checkpoint written under parallel.strategy fsdp has one)")
+        state = _training_state(parts.model, parts.optimizer)
         try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:  # DCP raises CheckpointException wrapping each rank's error
-            raise UserError(f"{folder}: cannot be read into this run's sharded model ({str(e).splitlines()[0]})") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            dcp.load(state, checkpoint_id=str(source))
+        except Exception as e:  # DCP wraps each process's error in a CheckpointException
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{source}: cannot be read into this run's sharded model ({first})") from None
+        set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
@@ -395,13 +428,3 @@ def _peft_types() -> tuple[type, ...]:
         return (PeftModel,)
     except ImportError:
         return ()
-
-
-def trainable_roots(engine_) -> list[nn.Module]:
-    return list(getattr(engine_, "_trainable_roots", []))
-
-
-def iter_dtensor_local(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """The local shard of each DTensor (plain tensors as they are)."""
-    for t in tensors:
-        yield t.to_local() if hasattr(t, "to_local") else t
