@@ -76,12 +76,13 @@ def child(strategy: str, model_dir: str, prompts: str, output: str, updates: int
     def count_grads(optimizer, args, kwargs):
         peak_grads[0] = max(peak_grads[0], nbytes(p.grad for p in trainable if p.grad is not None))
 
-    trainer.optimizer.register_step_pre_hook(count_grads)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under ddp: accelerate's wrapper
+    optimizer.register_step_pre_hook(count_grads)
     start = time.perf_counter()
     records = trainer.train()
     elapsed = time.perf_counter() - start
     held = {id(p): p for m in (trainer.model, trainer.ref_model) if m is not None for p in m.parameters()}
-    optimizer_state = nbytes(v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    optimizer_state = nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     row = {
         "rank": trainer.accelerator.process_index,
         "training_state_mib": mib(nbytes(trainable) + peak_grads[0] + optimizer_state),

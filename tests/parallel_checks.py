@@ -140,12 +140,16 @@ def main(out: Path, load_from: Path | None) -> None:
     #    gradients are only right if both average them over processes the same way.
     ddp_model, _, ddp_norms = train(ddp, build(tokenizer), ids, mask)
     fsdp_model, fsdp_optimizer, fsdp_norms = train(fsdp, build(tokenizer), ids, mask)
+    offload = parallel.engine(ParallelConfig(strategy="fsdp", cpu_offload=True), accelerator)
+    offload_model, _, offload_norms = train(offload, build(tokenizer), ids, mask)  # on CPU the shards just stay put
     ddp_weights, fsdp_weights = full_weights(ddp, ddp_model), full_weights(fsdp, fsdp_model)
+    offload_weights = full_weights(offload, offload_model)
     initial = build(tokenizer).state_dict()
     if accelerator.is_main_process:
         results["step"] = {
-            "ddp_grad_norms": ddp_norms, "fsdp_grad_norms": fsdp_norms,
+            "ddp_grad_norms": ddp_norms, "fsdp_grad_norms": fsdp_norms, "offload_grad_norms": offload_norms,
             "max_weight_difference": max_difference(ddp_weights, fsdp_weights),
+            "offload_max_weight_difference": max_difference(ddp_weights, offload_weights),
             "max_weight_change": max_difference(ddp_weights, initial),
         }
     local = [p for p in fsdp_model.parameters() if p.requires_grad]

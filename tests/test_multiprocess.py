@@ -256,8 +256,9 @@ def test_fsdp_step_equals_ddp_step(parallel_checks):
     for folder in parallel_checks:
         step = _results(folder)["step"]
         assert step["max_weight_change"] > 1e-2  # the weights did move
-        assert step["max_weight_difference"] < 1e-5
+        assert step["max_weight_difference"] < 1e-5 and step["offload_max_weight_difference"] < 1e-5  # parallel.cpu_offload too
         assert step["fsdp_grad_norms"] == pytest.approx(step["ddp_grad_norms"], rel=1e-5)
+        assert step["offload_grad_norms"] == pytest.approx(step["ddp_grad_norms"], rel=1e-5)
 
 
 def test_fsdp_holds_half_of_the_trainable_state_per_process(parallel_checks):

@@ -230,18 +230,21 @@ class Sharded:
 
     # ------------------------------------------------------------------ wrapping
 
-    def shard(self, model: nn.Module) -> nn.Module:
-        """Shard one model in place (its decoder layers, backbone, heads, then the rest); returns it."""
+    def shard(self, model: nn.Module, frozen: bool = False) -> nn.Module:
+        """Shard one model in place (its decoder layers, backbone, heads, then the rest); returns it.
+
+        FSDP keeps a tree's root unit gathered from its forward to its backward; a frozen model has no
+        backward, so its root is freed after each forward like every other unit."""
         fully_shard = _fsdp()[0]
         if id(model) in self._sharded_ids:
             return model
         units, root = _units(model, self.settings.wrap_classes)
         kwargs = dict(mesh=self.mesh, mp_policy=self.mp_policy, offload_policy=self.offload)
-        if self.offload.__class__.__name__ == "OffloadPolicy":
-            model.to(self.accelerator.device)
+        if not self.settings.cpu_offload:
+            model.to(self.accelerator.device)  # with offload FSDP keeps the shards in host memory itself
         for unit in units:
             fully_shard(unit, **kwargs)
-        fully_shard(root, **kwargs)
+        fully_shard(root, **kwargs, reshard_after_forward=True if frozen else None)
         # FSDP takes the first module to run forward as the root of the tree; sampling may run a
         # sub-module first, so settle the root now.
         fully_shard.state(root)._lazy_init()
@@ -270,7 +273,7 @@ class Sharded:
         if id(model) in self._sharded_ids:
             return model  # already sharded as a trainable role (a critic's adapter on the reward model)
         if self.settings.shard_frozen:
-            return self.shard(model)
+            return self.shard(model, frozen=True)
         model = model.to(self.accelerator.device)
         # A whole frozen copy computes in the precision FSDP gives the sharded ones.
         return model.to(torch.bfloat16) if self.bf16 else model
