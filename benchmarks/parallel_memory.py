@@ -2,7 +2,7 @@
 
 The same PPO run three ways, at the same global batch (16 episodes per update): one process; two
 processes under `parallel.strategy: ddp` (every process holds everything); two under `fsdp` (FSDP2
-shards the trainable policy and critic, and the frozen reference). The model is a Llama of ~25M
+shards the trainable policy and critic, and the frozen reference). The model is a Llama of 23M
 parameters (hidden 512, 8 layers, vocabulary ~8k) built from a config; the reward is VADER
 sentiment. For each process it reports:
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_lora import build  # noqa: E402  (the same ~25M-parameter Llama and prompts)
+from memory_lora import build  # noqa: E402  (the same 23M-parameter Llama and prompts)
 
 BATCH = 16  # global episodes per update, the same in every mode
 MODES = {

@@ -28,6 +28,7 @@ from accelerate import Accelerator  # noqa: E402
 
 from ppokit import parallel, roles  # noqa: E402
 from ppokit.config import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
+from ppokit.guards import UpdateSnapshot  # noqa: E402
 from ppokit.models import response_logits, value_model_from_policy  # noqa: E402
 from ppokit.rollout import HFSampler  # noqa: E402
 from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
@@ -38,7 +39,7 @@ STEPS = 3
 RESPONSE = 5
 
 
-def build(tokenizer, lora: bool = False) -> PolicyAndValue:
+def build(tokenizer, lora: bool = False, checkpointing: bool = False) -> PolicyAndValue:
     torch.manual_seed(0)
     policy = tiny_causal_lm("llama", tokenizer, hidden=32, layers=2, heads=4)
     value = value_model_from_policy(policy)
@@ -51,6 +52,9 @@ def build(tokenizer, lora: bool = False) -> PolicyAndValue:
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
                     p.normal_(std=0.05)
+    if checkpointing:
+        roles.enable_gradient_checkpointing(policy)
+        roles.enable_gradient_checkpointing(value)
     return PolicyAndValue(policy, value)
 
 
@@ -204,6 +208,17 @@ def main(out: Path, load_from: Path | None) -> None:
             "moved_by_next_step": max_difference(after_next, at_save),
         }
 
+    # 3b. the non-finite guard's rollback (guards.UpdateSnapshot) restores sharded weights and optimiser state
+    schedule = torch.optim.lr_scheduler.LambdaLR(fsdp_optimizer, lambda step: 1.0)
+    before = full_weights(fsdp, fsdp_model)
+    snapshot = UpdateSnapshot(fsdp_model, fsdp_optimizer, schedule)
+    one_step(fsdp, fsdp_model, fsdp_optimizer, ids, mask)
+    stepped = full_weights(fsdp, fsdp_model)
+    snapshot.restore(scheduler_steps=1)
+    restored = full_weights(fsdp, fsdp_model)
+    if accelerator.is_main_process:
+        results["rollback"] = {"moved": max_difference(stepped, before), "restored_vs_before": max_difference(restored, before)}
+
     # 4. consolidated save: final/-style folders from the sharded model, loadable by transformers alone.
     with fsdp.consolidated(fsdp_model) as plain:
         if plain is not None:
@@ -212,9 +227,10 @@ def main(out: Path, load_from: Path | None) -> None:
             tokenizer.save_pretrained(out / "policy")
             torch.save({k: v.clone() for k, v in plain.state_dict().items()}, out / "consolidated.pt")
 
-    # 5. LoRA under FSDP: adapters sharded with their frozen base; adapter and merged saves.
-    lora_ddp, _, _ = train(ddp, build(tokenizer, lora=True), ids, mask)
-    lora_fsdp, _, lora_norms = train(fsdp, build(tokenizer, lora=True), ids, mask)
+    # 5. LoRA under FSDP (with gradient checkpointing): adapters sharded with their frozen base; adapter
+    #    and merged saves.
+    lora_ddp, _, _ = train(ddp, build(tokenizer, lora=True, checkpointing=True), ids, mask)
+    lora_fsdp, _, lora_norms = train(fsdp, build(tokenizer, lora=True, checkpointing=True), ids, mask)
     lora_ddp_weights, lora_fsdp_weights = full_weights(ddp, lora_ddp), full_weights(fsdp, lora_fsdp)
     with fsdp.consolidated(lora_fsdp) as plain:
         if plain is not None:

@@ -42,7 +42,8 @@ def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo)
     config = folder / f"ppo-{strategy}.yaml"
     config.write_text(yaml.safe_dump({
         "model": str(model_dir("llama")), "output_dir": str(folder / f"run-{strategy}"),
-        "reward": {"functions": ["sentiment"]}, "data": {"train": str(prompts_file)},
+        # eval prompts: sample generations sample (under fsdp: gather the policy) inside inference mode too
+        "reward": {"functions": ["sentiment"]}, "data": {"train": str(prompts_file), "eval": str(prompts_file)},
         "parallel": {"strategy": strategy},
         "ppo": {"total_episodes": 64, "per_device_train_batch_size": 4, "num_mini_batches": 2, "num_ppo_epochs": 2,
                 "response_length": 8, "learning_rate": 1e-3, "num_sample_generations": 2, "save_steps": 2, **ppo},
@@ -286,6 +287,8 @@ def test_dcp_checkpoint_round_trip_and_resharding(parallel_checks):
     assert dcp["moved_by_next_step"] > 1e-4
     assert dcp["reloaded_vs_saved"] == 0.0 and dcp["next_step_vs_replay"] == 0.0
     assert dcp["replayed_grad_norm"] == dcp["next_grad_norm"]
+    rollback = _results(two)["rollback"]  # the non-finite guard's snapshot under fsdp
+    assert rollback["moved"] > 1e-4 and rollback["restored_vs_before"] == 0.0
     reshard = _results(two)["reshard"]
     assert reshard == {"from_processes": 1, "max_difference_to_saved": 0.0}
 
@@ -325,7 +328,7 @@ def test_sharded_lora_run_saves_adapter_and_merged_model(parallel_checks):
     from ppokit.tiny import word_tokenizer
 
     two = parallel_checks[1]
-    assert _results(two)["lora"]["max_weight_difference"] < 1e-5  # LoRA under FSDP trains as under DDP
+    assert _results(two)["lora"]["max_weight_difference"] < 1e-5  # LoRA (+ gradient checkpointing) under FSDP trains as under DDP
     tokenizer = word_tokenizer([" ".join(checks.WORDS)])
     ids, mask = checks.rows(tokenizer, 0)
     expected = torch.load(two / "lora_logits.pt")
