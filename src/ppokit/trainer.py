@@ -149,11 +149,9 @@ class PPOTrainer:
         )
 
     def _prepare(self, built: roles.Roles):
-        """Policy and critic under one trainable module with its optimiser over every optimiser step
-        of the run, spread over the processes by the engine (ppokit.parallel); frozen models placed
-        likewise. -> (model, optimizer, scheduler, reference or None)."""
-        hp = self.config.ppo
-        steps = self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches
+        """Policy and critic under one trainable module with its optimiser over every optimiser step of the
+        run; frozen models placed by the engine too. -> (model, optimizer, scheduler, reference or None)."""
+        hp, steps = self.config.ppo, self.sizes.num_updates * self.config.ppo.num_ppo_epochs * self.config.ppo.num_mini_batches
         model, optimizer, scheduler = self.engine.prepare(PolicyAndValue(built.policy, built.value).train(),
                                                           lambda m: build_optimiser(m, hp, steps))
         if self.scorer.reward_model is not None:
@@ -196,8 +194,7 @@ class PPOTrainer:
         sampler = HFSampler(self.policy, hp.response_length, hp.temperature, self.stop_token_id, self.tokenizer.pad_token_id,
                             hp.local_rollout_forward_batch_size)
         self.policy.eval()
-        # autocast: the same precision as the training forward, so the first ratio is 1.
-        with self.engine.generation(self.policy), self.accelerator.autocast():
+        with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
             rollout = sampler.sample(ids, mask)
         self.policy.train()
         return rollout
@@ -415,9 +412,8 @@ class PPOTrainer:
         return path
 
     def _trained_parts(self) -> TrainedParts:
-        return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller,
-                            self.scorer, adapters=self.layout.policy_adapter or self.layout.critic_adapter,
-                            weights=self.engine.checkpoint_weights())
+        return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller, self.scorer,
+                            self.layout.policy_adapter or self.layout.critic_adapter, self.engine.checkpoint_weights())
 
     def _run_facts(self) -> RunFacts:
         return RunFacts(self.output_dir, self.train_data, self.eval_data, self.sizes.batch, self.sizes.num_updates,
@@ -488,8 +484,7 @@ class PPOTrainer:
         return self._saved_at[1]
 
     def save_final(self) -> Path:
-        """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/:
-        whole models whatever the strategy (every process calls this; under fsdp each sends its shards)."""
+        """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/, whole."""
         target = self.output_dir / "final"
         self.save_models(target)
         self.accelerator.wait_for_everyone()
@@ -497,10 +492,8 @@ class PPOTrainer:
 
     def save_models(self, target: Path, merged: bool = True) -> None:
         """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured.
-        Written by the main process from the engine's consolidated (whole, unsharded) copy."""
-        with self.engine.consolidated(self.model) as whole:
-            if whole is None:
-                return
+        Every process calls this; the main one writes the engine's whole copy of the models."""
+        with self.engine.consolidated(self.model) as whole, _no_save_progress_bars():
 
             def write(tmp: Path) -> None:
                 merged_dir = tmp / "merged" if merged and self.config.save_merged else None
@@ -511,7 +504,7 @@ class PPOTrainer:
                 roles.save_value_model(whole.value_model, tmp / "value_model")
                 self.tokenizer.save_pretrained(tmp / "value_model")
 
-            with _no_save_progress_bars():
+            if whole is not None:
                 atomic_save_dir(target, write)
 
 
