@@ -6,6 +6,9 @@ Each estimator runs `benchmarks/ppo_throughput.py` (its tiny Llama, 64 episodes 
 16-token responses, 4 PPO epochs) in a fresh subprocess, so each peak RSS (ru_maxrss) belongs to
 that run alone; both use n samples per prompt of the same prompts. grpo builds no value model:
 no value forward in stage 3 and no value forward/backward in the PPO epochs. Prints one JSON line.
+The children inherit the environment: on a machine shared with other work, OMP_NUM_THREADS=1 keeps
+torch's threads from spinning against each other (with 2 threads on a busy 2-core machine an
+update was 20x slower).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
         "episodes_per_update": runs["gae"]["episodes_per_update"],
         "updates_timed": runs["gae"]["updates_timed"],
         "parameters_m": runs["gae"]["parameters_m"],
+        "torch_threads": runs["gae"]["torch_threads"],
         **{name: {k: r[k] for k in keep} for name, r in runs.items()},
         "grpo_vs_gae_episodes_per_s": round(runs["grpo"]["episodes_per_s"] / runs["gae"]["episodes_per_s"], 3),
         "grpo_vs_gae_peak_rss": round(runs["grpo"]["peak_rss_mb"] / runs["gae"]["peak_rss_mb"], 3),
