@@ -128,13 +128,16 @@ def kl_superlinear(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     first = _first_run(flags, t.kl_consecutive)
     if first is None:
         return None
-    i, u = first, updates[first]
-    later = ", ".join(f"{_fmt(v)} at update {x}" for x, v in list(zip(updates, kl))[i + 1: i + 4])
+    i = first
+    # Name where the acceleration began: the first step inside the window steeper than the alarm's ratio.
+    onset = next(j for j in range(i - w + 1, i + 1) if kl[j] - kl[j - 1] > t.kl_growth_ratio * before[i] * (updates[j] - updates[j - 1]) or j == i)
+    u = updates[onset]
+    later = ", ".join(f"{_fmt(v)} at update {x}" for x, v in list(zip(updates, kl))[onset: onset + 4])
     return Alarm(
         "kl_superlinear", "KL growing faster than linear", u,
-        f"objective/kl rose {_fmt((recent[i]))} per update over updates {updates[i - w]}-{u} "
-        f"({_fmt(kl[i - w])} -> {_fmt(kl[i])}), {recent[i] / before[i]:.1f}x its mean slope of {_fmt(before[i])} per update before; "
-        f"it kept accelerating for {t.kl_consecutive} updates" + (f" ({later})" if later else ""),
+        f"objective/kl rose {_fmt(recent[i])} per update over updates {updates[i - w]}-{updates[i]}, {recent[i] / before[i]:.1f}x "
+        f"its mean slope of {_fmt(before[i])} per update before, and kept accelerating for {t.kl_consecutive} updates "
+        f"(to update {updates[i + t.kl_consecutive - 1]}); the steep rise starts at update {u}: {later}",
         "the policy is moving away from the reference faster and faster, the usual sign that it found a way to raise "
         "the score that the reference would not write (reward hacking): look at the samples from this update on; "
         "raise ppo.kl_coef, set ppo.kl_target (adaptive KL) or lower ppo.learning_rate",
@@ -146,17 +149,17 @@ def length_drift(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     if len(length) <= t.baseline_updates:
         return None
     start = _baseline(length, t)
-    smooth = _smoothed(length)
-    flags = [i >= t.baseline_updates and abs(v - start) > max(t.length_drift * start, t.length_min_change) for i, v in enumerate(smooth)]
+    flags = [i >= t.baseline_updates and abs(v - start) > max(t.length_drift * start, t.length_min_change) for i, v in enumerate(length)]
     first = _first_run(flags, t.consecutive)
     if first is None:
         return None
-    v = smooth[first]
+    v = length[first]
     way = "grew" if v > start else "shrank"
     return Alarm(
         "length_drift", "Response length drifting from its start", updates[first],
         f"mean response length {way} from {_fmt(start)} tokens (mean of the first {t.baseline_updates} updates) to "
-        f"{_fmt(v)} (median of 3) at update {updates[first]}, {abs(v - start) / start:.0%} away; last {_fmt(length[-1])}",
+        f"{_fmt(v)} at update {updates[first]}, {abs(v - start) / start:.0%} away, and stayed that far for {t.consecutive} updates; "
+        f"last {_fmt(length[-1])}",
         "a reward that grows (or shrinks) with length is being exploited rather than the task learned: compare samples "
         "before and after; a reward.length_penalty, ppo.missing_eos_penalty or a length-normalised reward helps",
     )
@@ -171,11 +174,10 @@ def length_pinned(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     start_rate = _baseline(rate, t)
     if start_rate < t.stop_rate_floor:
         return None  # it never stopped well: nothing collapsed (the SFT model may not end with the stop token)
-    length_at = dict(zip(l_updates, _smoothed(length)))
-    smooth_rate = _smoothed(rate)
+    length_at = dict(zip(l_updates, length))
     flags = [
         i >= t.baseline_updates and r < t.stop_rate_floor and length_at.get(u, 0) >= t.length_pinned * limit
-        for i, (u, r) in enumerate(zip(s_updates, smooth_rate))
+        for i, (u, r) in enumerate(zip(s_updates, rate))
     ]
     first = _first_run(flags, t.consecutive)
     if first is None:
@@ -184,7 +186,7 @@ def length_pinned(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     return Alarm(
         "length_pinned", "Responses pinned at response_length, stop rate collapsing", u,
         f"at update {u} the mean response length is {_fmt(length_at[u])} of ppo.response_length {limit} and "
-        f"{smooth_rate[first]:.0%} of responses end with the stop token (median of 3), down from {start_rate:.0%} "
+        f"{rate[first]:.0%} of responses end with the stop token, down from {start_rate:.0%} "
         f"over the first {t.baseline_updates} updates",
         "the policy stopped ending its answers: the reward likely pays for more text, or text after the point an answer "
         "should stop; ppo.missing_eos_penalty (as in TRL) makes not stopping cost, or fix the reward",
@@ -199,15 +201,14 @@ def entropy_collapse(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     start = _baseline(entropy, t)
     if start <= 0:
         return None
-    smooth = _smoothed(entropy)
-    flags = [i >= t.baseline_updates and v < t.entropy_collapse * start for i, v in enumerate(smooth)]
+    flags = [i >= t.baseline_updates and v < t.entropy_collapse * start for i, v in enumerate(entropy)]
     first = _first_run(flags, t.consecutive)
     if first is None:
         return None
     return Alarm(
         "entropy_collapse", "Entropy collapse", updates[first],
-        f"{key} (per-token entropy of the policy) fell from {_fmt(start)} at the start to {_fmt(smooth[first])} at update "
-        f"{updates[first]} ({smooth[first] / start:.0%} of its start, below {t.entropy_collapse:.0%}); last {_fmt(entropy[-1])}",
+        f"{key} (per-token entropy of the policy) fell from {_fmt(start)} at the start to {_fmt(entropy[first])} at update "
+        f"{updates[first]} ({entropy[first] / start:.0%} of its start, below {t.entropy_collapse:.0%}); last {_fmt(entropy[-1])}",
         "the policy has become nearly deterministic: it explores no more and tends to repeat one answer; "
         "lower ppo.learning_rate, raise ppo.kl_coef, or check the samples for one repeated completion",
     )
