@@ -374,3 +374,13 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert colours is not None and len(colours) > 200  # text, tables and charts, not a blank page
     white = max(colours)[0] / (image.size[0] * image.size[1])
     assert white < 0.95
+
+
+def test_docs_list_every_threshold_with_its_default():
+    from ppokit.config import markdown_reference
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
+    assert markdown_reference(AlarmThresholds) in docs, "regenerate the thresholds table of docs/report.md"
+    for kind in ("kl_superlinear", "length_drift", "length_pinned", "entropy_collapse", "repeated_ngrams",
+                 "train_up_eval_down", "ratio_off", "clipfrac_high", "nonfinite", "weak_reward"):
+        assert f"(`{kind}`)" in docs
