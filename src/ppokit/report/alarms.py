@@ -86,6 +86,11 @@ def _first_run(flags: list[bool], length: int) -> Optional[int]:
     return None
 
 
+def _sustained(values: list[float], condition: Callable[[float], bool], length: int, skip: int = 0) -> Optional[int]:
+    """Index of the first of `length` consecutive values (from index `skip` on) that meet `condition`."""
+    return _first_run([i >= skip and condition(v) for i, v in enumerate(values)], length)
+
+
 def _finite(updates: list[int], values: list[float]) -> tuple[list[int], list[float]]:
     pairs = [(u, v) for u, v in zip(updates, values) if math.isfinite(v)]
     return [u for u, _ in pairs], [v for _, v in pairs]
@@ -149,8 +154,8 @@ def length_drift(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     if len(length) <= t.baseline_updates:
         return None
     start = _baseline(length, t)
-    flags = [i >= t.baseline_updates and abs(v - start) > max(t.length_drift * start, t.length_min_change) for i, v in enumerate(length)]
-    first = _first_run(flags, t.consecutive)
+    far = max(t.length_drift * start, t.length_min_change)
+    first = _sustained(length, lambda v: abs(v - start) > far, t.consecutive, skip=t.baseline_updates)
     if first is None:
         return None
     v = length[first]
@@ -201,8 +206,7 @@ def entropy_collapse(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     start = _baseline(entropy, t)
     if start <= 0:
         return None
-    flags = [i >= t.baseline_updates and v < t.entropy_collapse * start for i, v in enumerate(entropy)]
-    first = _first_run(flags, t.consecutive)
+    first = _sustained(entropy, lambda v: v < t.entropy_collapse * start, t.consecutive, skip=t.baseline_updates)
     if first is None:
         return None
     return Alarm(
@@ -269,8 +273,7 @@ def train_up_eval_down(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
 
 def ratio_off(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     updates, ratio = _finite(*run.series("val/ratio"))
-    flags = [abs(r - 1) > t.ratio_max_deviation for r in ratio]
-    first = _first_run(flags, t.consecutive)
+    first = _sustained(ratio, lambda r: abs(r - 1) > t.ratio_max_deviation, t.consecutive)
     if first is None:
         return None
     worst = max(ratio, key=lambda r: abs(r - 1))
@@ -285,8 +288,7 @@ def ratio_off(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
 
 def clipfrac_high(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     updates, clip = _finite(*run.series("policy/clipfrac_avg"))
-    flags = [c > t.clipfrac_max for c in clip]
-    first = _first_run(flags, t.consecutive)
+    first = _sustained(clip, lambda c: c > t.clipfrac_max, t.consecutive)
     if first is None:
         return None
     return Alarm(
