@@ -232,3 +232,74 @@ def test_report_to_names_are_checked():
         config_for(Path("x"), ["wandb", "wandb"])
     assert config_for(Path("x"), "wandb").report_to == ["wandb"]
     assert PPOConfig().report_to == []
+
+
+# --------------------------------------------------------------------------- a real run through the trainer
+
+WALL_CLOCK = ("eps", "time/")
+
+
+def test_a_real_run_and_its_resume_reach_every_tracker_once(model_dir, prompts_file, tmp_path):
+    """4 updates, checkpoint at update 2, a crash in update 4 (the trackers hold 1-3), resume from
+    update 2: every tracker has updates 1-4 once, equal to metrics.jsonl (the wall-clock keys of the
+    update done twice aside), and the same tracker runs continued."""
+    from conftest import tiny_ppo_config
+    from test_checkpoint import train_until_crash_at_optimizer_step
+
+    from ppokit.trainer import PPOTrainer
+
+    out = tmp_path / "run"
+
+    def config():
+        c = tiny_ppo_config(model_dir(), prompts_file, out, total_episodes=32, save_steps=2)
+        c.report_to, c.run_name = list(ALL), "tiny-resume"
+        return c
+
+    train_until_crash_at_optimizer_step(PPOTrainer(config(), show_progress=False), 14)  # 4 steps per update: in update 4
+    before = tracker_state(out)
+    assert {name: entry["last_update"] for name, entry in before["trackers"].items()} == dict.fromkeys(ALL, 3)
+    client, run_id = mlflow_client(out)
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    trainer = PPOTrainer(config(), show_progress=False)
+    trainer.resume_from()
+    assert trainer.state.update == 2
+    trainer.train()
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in records] == [1, 2, 3, 4] and "objective/scores_std" in records[0]
+    steady = [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in records]
+    got = {
+        "tensorboard": read_tensorboard(out),
+        "mlflow": read_mlflow(out, expected(records)),
+        "wandb": read_wandb(out),
+        "trackio": trackio_series(read_trackio(out)),
+    }
+    for name, series in got.items():
+        assert_same_series({k: v for k, v in series.items() if not k.startswith(WALL_CLOCK)}, steady, name)
+        for key in ("eps", "time/update"):
+            assert [step for step, _ in sorted(series[key])] == [1, 2, 3, 4], (name, key)  # each step once
+    after = tracker_state(out)
+    assert after["trackers"]["mlflow"]["run_id"] == before["trackers"]["mlflow"]["run_id"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert {r["run"]["run_id"] for r in wandb_records(out) if r["type"] == "run"} == {before["trackers"]["wandb"]["id"]}
+    # samples of the generations at updates 2 and 4 (training batches: the run has no eval data)
+    assert [step for step, _ in tensorboard_hparams_and_texts(out)[1]] == [2, 4]
+
+
+def test_a_missing_tracker_package_stops_the_run_before_any_model_loads(model_dir, prompts_file, tmp_path, monkeypatch):
+    from conftest import tiny_ppo_config
+
+    from ppokit import roles
+    from ppokit.trainer import PPOTrainer
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("models were loaded")
+
+    monkeypatch.setitem(trackers.MODULES, "trackio", "ppokit_no_such_module")
+    monkeypatch.setattr(roles, "build_roles", no_models)
+    config = tiny_ppo_config(model_dir(), prompts_file, tmp_path / "run")
+    config.report_to = ["trackio"]
+    with pytest.raises(UserError, match=r'report_to: trackio needs its package.*pip install "ppokit\[trackio\]"'):
+        PPOTrainer(config, show_progress=False)
+    assert not (tmp_path / "run").exists()

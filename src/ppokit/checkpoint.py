@@ -67,6 +67,11 @@ RESUME_SAFE_KEYS = frozenset(
         "ppo.save_steps",
         "ppo.save_total_limit",
         "ppo.max_skipped_updates",
+        # where the numbers are also sent (ppokit.trackers): no number of the run depends on them
+        "report_to",
+        "run_name",
+        "project",
+        "mlflow_tracking_uri",
     }
 )
 

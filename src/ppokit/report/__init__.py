@@ -65,7 +65,7 @@ def make_report(
         path.write_bytes(png)
         written.append(str(path))
 
-    from ppokit import __version__
+    from ppokit.version import __version__
 
     generated = f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by ppokit {__version__} from the run directories' files."
     page = render_page(runs, alarms, rendered, skipped_panels, thresholds, max_prompts, generated, frontier)
