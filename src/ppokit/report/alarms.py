@@ -26,7 +26,7 @@ class AlarmThresholds:
     """When each alarm fires. Scores are in the run's own units; KL in nats per sequence."""
 
     baseline_updates: int = doc(3, "Updates at the start whose mean is the reference level of response length, entropy, stop rate and score (one batch is noisy).", check=at_least_one)
-    consecutive: int = doc(2, "A level alarm (length, stop rate, entropy, ratio, clip fraction, weak reward) fires when its condition holds this many updates in a row, and names the first of them.", check=at_least_one)
+    consecutive: int = doc(2, "A level alarm (length, stop rate, entropy, ratio, clip fraction) fires when its condition holds this many updates in a row, and names the first of them.", check=at_least_one)
     kl_window: int = doc(3, "KL growth: the recent slope is measured over this many updates.", check=at_least_one)
     kl_growth_ratio: float = doc(3.0, "KL growth: fires when the KL slope over the last `kl_window` updates exceeds this many times its mean slope over the run before that window ...", check=positive)
     kl_consecutive: int = doc(3, "... for this many updates in a row (a one-off step up that then levels off is not a runaway).", check=at_least_one)
@@ -43,8 +43,9 @@ class AlarmThresholds:
     eval_min_drop: float = doc(0.02, "Train up, eval down: the smallest eval drop (score units) that counts.", check=non_negative)
     ratio_max_deviation: float = doc(0.2, "Policy ratio: fires when `val/ratio` is further than this from 1.", check=positive)
     clipfrac_max: float = doc(0.3, "Clip fraction: fires when `policy/clipfrac_avg` exceeds this.", check=unit_interval)
-    weak_reward_ratio: float = doc(1.0, "Weak reward: fires when the spread (std) of scores within a batch is below this many times kl_coef x KL ...", check=positive)
-    weak_reward_min_gain: float = doc(0.5, "... while the score has risen by less than this many times its spread at the start.", check=non_negative)
+    weak_reward_window: float = doc(0.5, "Weak reward: judged over the updates after the baseline up to this fraction of the run so far (later, a converged policy's samples all score alike) ...", check=unit_interval)
+    weak_reward_ratio: float = doc(4.0, "... fires when the median spread (std) of the scores within a batch is below this many times the median kl_coef x KL there ...", check=positive)
+    weak_reward_min_gain: float = doc(1.0, "... and the score rose by less than this many times its spread at the start.", check=non_negative)
 
     @classmethod
     def from_mapping(cls, data: dict, source: str = "thresholds") -> "AlarmThresholds":
@@ -315,49 +316,47 @@ def nonfinite_skips(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
 
 
 def weak_reward(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
+    """Judged over the first part of the run (`weak_reward_window`): later, a policy that learned and
+    converged has samples that all score alike, which is no sign of a weak reward."""
     spread_updates, spread, source = score_spread(run)
     k_updates, kl = _finite(*run.series("objective/kl"))
     s_updates, scores = _finite(*run.series("objective/scores"))
-    if not spread or len(scores) <= t.baseline_updates:
+    if not spread or len(scores) < t.baseline_updates + 4:
         return None
-    kl_at = dict(zip(k_updates, kl))
     coef_at = dict(zip(*run.series("objective/kl_coef")))
     default_coef = run.setting("ppo.kl_coef")
-    score_at = dict(zip(s_updates, _smoothed(scores)))
-    start_score = _baseline(scores, t)
-    start_spread = _baseline(spread, t) if source == "objective/scores_std" else spread[0]
-    flags, penalty = [], []
-    for u, sd in zip(spread_updates, spread):
-        coef = coef_at.get(u, default_coef)
-        if not isinstance(coef, (int, float)) or u not in kl_at or u not in score_at:
-            flags.append(False)
-            penalty.append(math.nan)
-            continue
-        p = coef * max(kl_at[u], 0.0)
-        penalty.append(p)
-        gain = score_at[u] - start_score
-        flags.append(p > 0 and sd < t.weak_reward_ratio * p and gain < t.weak_reward_min_gain * start_spread)
-    # Sample generations are few: one of them is enough; per-update spreads need `consecutive`.
-    first = _first_run(flags, t.consecutive if source == "objective/scores_std" else 1)
-    if first is None:
+    end = max(s_updates[t.baseline_updates + 3], int(s_updates[-1] * t.weak_reward_window))
+    inside = lambda u: s_updates[t.baseline_updates - 1] < u <= end  # noqa: E731
+    penalties = [coef_at.get(u, default_coef) * max(v, 0.0) for u, v in zip(k_updates, kl)
+                 if inside(u) and isinstance(coef_at.get(u, default_coef), (int, float))]
+    spreads = [sd for u, sd in zip(spread_updates, spread) if inside(u)]
+    if not penalties or not spreads:
         return None
-    u = spread_updates[first]
+    penalty, typical_spread = statistics.median(penalties), statistics.median(spreads)
+    start_spread = statistics.fmean([sd for u, sd in zip(spread_updates, spread) if u <= s_updates[t.baseline_updates - 1]] or spread[:1])
+    start_score = _baseline(scores, t)
+    score_at_end = dict(zip(s_updates, _smoothed(scores)))[max(u for u in s_updates if u <= end)]
+    gain = score_at_end - start_score
+    if not (penalty > 0 and typical_spread < t.weak_reward_ratio * penalty and gain < t.weak_reward_min_gain * start_spread):
+        return None
     normalize = run.setting("reward.normalize")
-    coef = coef_at.get(u, default_coef)
     if normalize is True or (isinstance(normalize, list) and all(normalize)):
         advice = ("reward.normalize is already on: lower ppo.kl_coef (or use ppo.kl_target), or use a reward that tells "
                   "completions apart more sharply")
     else:
-        advice = ("set `reward.normalize: true` (each source scaled by its running std) so the reward is measured on the "
-                  "scale the KL penalty is on, or lower ppo.kl_coef. Measured on the demo model: a reward in [0, 0.2] with "
-                  "kl_coef 0.05 moved 0.12 -> 0.13 in 32 updates; the same run with reward.normalize: true moved 0.12 -> 0.26")
+        advice = ("set `reward.normalize: true` (each source standardised by its running mean and std), so the reward is on "
+                  "a scale the KL penalty does not drown, or lower ppo.kl_coef. Measured on the demo model with a reward "
+                  "in [0, 0.2] and kl_coef 0.05: the score moved 0.12 -> 0.15 in 32 updates; the same run with "
+                  "reward.normalize: true moved the raw score 0.12 -> 0.18 (docs/report.md)")
+    first = s_updates[t.baseline_updates]
     return Alarm(
-        "weak_reward", "Reward too weak for its KL penalty", u,
-        f"at update {u} the scores within a batch spread by {_fmt(spread[first])} (std, from {source}) while the KL penalty is "
-        f"kl_coef x KL = {_fmt(coef)} x {_fmt(kl_at[u])} = {_fmt(penalty[first])} per sequence; the score moved "
-        f"{_fmt(start_score)} -> {_fmt(score_at[u])} (less than {t.weak_reward_min_gain} x its starting spread {_fmt(start_spread)})",
-        "the differences the reward makes between completions are smaller than what the KL penalty takes, so PPO mostly "
-        f"learns to stay near the reference; {advice}",
+        "weak_reward", "Reward too weak for its KL penalty", end,
+        f"over updates {first}-{end} the scores within a batch spread by {_fmt(typical_spread)} (median std, from {source}) "
+        f"while the KL penalty kl_coef x KL is {_fmt(penalty)} per sequence (median), {typical_spread / penalty:.1f}x, "
+        f"under {t.weak_reward_ratio:g}x; the score moved {_fmt(start_score)} -> {_fmt(score_at_end)}, "
+        f"less than {t.weak_reward_min_gain:g}x its starting spread {_fmt(start_spread)}",
+        "the differences the reward makes between completions are not much larger than what the KL penalty takes, so PPO "
+        f"learns slowly or learns to stay near the reference; {advice}",
     )
 
 
