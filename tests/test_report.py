@@ -294,7 +294,7 @@ def test_several_runs_overlaid_with_distinct_labels(tmp_path):
     assert [r["label"] for r in summary["runs"]] == ["kl0.05/ppo", "kl0.2/ppo"]
     assert any("notes: not a run directory" in s for s in summary["skipped"])
     page = (tmp_path / "report.html").read_text()
-    assert "Samples: kl0.05/ppo" in page and "Samples: kl0.2/ppo" in page and "+0.200" in page
+    assert "Samples: kl0.05/ppo" in page and "Samples: kl0.2/ppo" in page and "<td class=num>0.200</td>" in page
 
 
 def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):

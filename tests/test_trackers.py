@@ -303,3 +303,31 @@ def test_a_missing_tracker_package_stops_the_run_before_any_model_loads(model_di
     with pytest.raises(UserError, match=r'report_to: trackio needs its package.*pip install "ppokit\[trackio\]"'):
         PPOTrainer(config, show_progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_tracker_is_said_once_and_training_goes_on(tmp_path, monkeypatch):
+    records = healthy_records(5)
+    out = tmp_path / "run"
+
+    def server_gone(self, update, metrics, samples):
+        if update == 3:
+            raise ConnectionError("mlflow server went away")
+        return log(self, update, metrics, samples)
+
+    log = trackers.MLflowTracker.log
+    monkeypatch.setattr(trackers.MLflowTracker, "log", server_gone)
+    said = []
+    sink = trackers.open_trackers(config_for(out, ["tensorboard", "mlflow"]), total_updates=5, done_updates=0, say=said.append)
+    feed(sink, records)
+    sink.close()
+    assert said == ["warning: mlflow: logging update 3 failed (ConnectionError: mlflow server went away); it gets no more "
+                    "updates in this run (every number is in metrics.jsonl; --resume sends it what it missed)"]
+    assert {n: e["last_update"] for n, e in tracker_state(out)["trackers"].items()} == {"tensorboard": 5, "mlflow": 2}
+    assert_same_series(read_tensorboard(out), records, "tensorboard")
+    assert_same_series(read_mlflow(out, expected(records)), records[:2], "mlflow")
+
+
+def test_a_tracker_that_cannot_start_is_one_error_naming_it(tmp_path):
+    config = config_for(tmp_path / "run", ["mlflow"], mlflow_tracking_uri="nosuchscheme://x")
+    with pytest.raises(UserError, match=r"^report_to: mlflow could not start its run: "):
+        trackers.open_trackers(config, total_updates=5, done_updates=0)

@@ -276,13 +276,16 @@ class Trackers:
     """The metrics sink that feeds every configured tracker (ppokit.metrics.Sink).
 
     Samples wait for their update's record, so a tracker logs an update's metrics and samples at one
-    step. An update a tracker was already sent (trackers.json) is not sent again.
+    step. An update a tracker was already sent (trackers.json) is not sent again. A tracker that fails
+    (a server gone, a disk full) is said once and sent nothing more in this run; training goes on, and
+    a later --resume replays what it missed.
     """
 
-    def __init__(self, trackers: list[Tracker], state: TrackerState, total_updates: int):
+    def __init__(self, trackers: list[Tracker], state: TrackerState, total_updates: int, say=lambda message: None):
         self.trackers = trackers
         self.state = state
         self.total_updates = total_updates
+        self.say = say
         self.pending: list[dict] = []
         self.last_update = 0
 
@@ -291,9 +294,13 @@ class Trackers:
         samples = [row for row in self.pending if row.get("update") == update]
         self.pending = []
         metrics = scalars(record)
-        for tracker in self.trackers:
+        for tracker in list(self.trackers):
             if update > tracker.state.get("last_update", 0):
-                tracker.log(update, metrics, samples)
+                try:
+                    tracker.log(update, metrics, samples)
+                except Exception as error:  # a tracker must not end a training run; metrics.jsonl has every number
+                    self._drop(tracker, f"logging update {update} failed", error)
+                    continue
                 tracker.state["last_update"] = update
         self.last_update = update
         self.state.save()
@@ -304,8 +311,20 @@ class Trackers:
     def close(self) -> None:
         complete = self.last_update >= self.total_updates
         for tracker in self.trackers:
-            tracker.finish(complete)
+            try:
+                tracker.finish(complete)
+            except Exception as error:  # the run's models are saved after the sinks close: never stop that
+                self.say(f"warning: {tracker.name}: could not finish its run ({type(error).__name__}: {error})")
         self.state.save()
+
+    def _drop(self, tracker: Tracker, what: str, error: Exception) -> None:
+        self.trackers.remove(tracker)
+        self.say(f"warning: {tracker.name}: {what} ({type(error).__name__}: {error}); it gets no more updates in this run "
+                 "(every number is in metrics.jsonl; --resume sends it what it missed)")
+        try:
+            tracker.finish(False)
+        except Exception:
+            pass  # already failing; the warning above is what the user needs
 
 
 def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda message: None) -> Optional[Trackers]:
@@ -330,9 +349,14 @@ def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda m
             say(f"{name}: updates {done_updates + 1}-{ahead} were logged before the run stopped; "
                 "they are kept and not sent again (a resumed run repeats the same numbers)")
         tracker = CLASSES[name](settings, entry)
-        tracker.start()
+        try:
+            tracker.start()
+        except Exception as error:
+            for started in trackers:
+                started.finish(False)
+            raise UserError(f"report_to: {name} could not start its run: {type(error).__name__}: {error}") from error
         trackers.append(tracker)
-    sink = Trackers(trackers, state, total_updates)
+    sink = Trackers(trackers, state, total_updates, say)
     if done_updates > 0:
         _replay(sink, Path(config.output_dir), done_updates)
     state.save()

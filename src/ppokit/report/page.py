@@ -34,12 +34,14 @@ def e(text) -> str:
     return html.escape(str(text))
 
 
-def _num(value, digits: int = 3) -> str:
+def _num(value, digits: int = 3, signed: bool = True) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "" if value is None else e(value)
     if isinstance(value, int):
         return str(value)
-    return "nan" if math.isnan(value) else f"{value:+.{digits}f}" if abs(value) < 1000 else f"{value:.4g}"
+    if math.isnan(value) or abs(value) >= 1000:
+        return f"{value:.4g}"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
 def _status(run: RunData) -> str:
@@ -69,8 +71,8 @@ def runs_table(runs: list[RunData]) -> str:
             "<tr>" + "".join([
                 f"<td>{e(run.label)}</td>", f"<td><code>{e(run.path)}</code></td>", f"<td>{e(_status(run))}</td>",
                 f"<td>{e(run.setting('model', ''))}</td>", f"<td>{e(_sources(run))}</td>",
-                f"<td class=num>{_num(run.setting('ppo.kl_coef'))}</td>",
-                f"<td class=num>{_num(last.get('objective/scores'))}</td>", f"<td class=num>{_num(last.get('objective/kl'))}</td>",
+                f"<td class=num>{_num(run.setting('ppo.kl_coef'), signed=False)}</td>",
+                f"<td class=num>{_num(last.get('objective/scores'))}</td>", f"<td class=num>{_num(last.get('objective/kl'), signed=False)}</td>",
             ]) + "</tr>"
         )
     head = "".join(f"<th>{h}</th>" for h in ("run", "directory", "status", "model", "reward", "kl_coef", "last score", "last KL"))
