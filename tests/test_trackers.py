@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def read_tensorboard(output_dir: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    events = EventAccumulator(str(output_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events = EventAccumulator(tracker_state(output_dir)["trackers"]["tensorboard"]["log_dir"], size_guidance={"tensors": 0})
     events.Reload()
     return {
         tag: [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in events.Tensors(tag)]
@@ -63,7 +64,7 @@ def tensorboard_hparams_and_texts(output_dir: Path) -> tuple[dict, list[tuple[in
     from tensorboard.plugins.hparams import plugin_data_pb2
     from tensorboard.util import tensor_util
 
-    events = EventAccumulator(str(output_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events = EventAccumulator(tracker_state(output_dir)["trackers"]["tensorboard"]["log_dir"], size_guidance={"tensors": 0})
     events.Reload()
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
@@ -157,6 +158,7 @@ def test_every_tracker_round_trips_metrics_config_and_samples(tmp_path):
     out = tmp_path / "run"
 
     assert_same_series(read_tensorboard(out), records, "tensorboard")
+    assert tracker_state(out)["trackers"]["tensorboard"]["log_dir"] == str(out / "tensorboard" / "rt")
     hparams, texts = tensorboard_hparams_and_texts(out)
     assert hparams["ppo.kl_coef"] == 0.05 and hparams["report_to"] == json.dumps(ALL) and hparams["run_name"] == "rt"
     assert [step for step, _ in texts] == [3, 6] and "pretty good and fun number 2 ." in texts[0][1]
@@ -200,7 +202,7 @@ def test_resume_continues_the_same_tracker_runs_and_sends_each_update_once(tmp_p
     feed(second, records[3:])
     second.close()
 
-    assert said == [f"{name}: updates 4-4 were logged before the run stopped; they are kept and not sent again "
+    assert said == [f"{name}: update 4 was logged before the run stopped; kept, and not sent again "
                     "(a resumed run repeats the same numbers)" for name in ("tensorboard", "mlflow", "wandb")]
     state = tracker_state(out)
     assert state["run_name"] == ids["run_name"]
@@ -331,3 +333,22 @@ def test_a_tracker_that_cannot_start_is_one_error_naming_it(tmp_path):
     config = config_for(tmp_path / "run", ["mlflow"], mlflow_tracking_uri="nosuchscheme://x")
     with pytest.raises(UserError, match=r"^report_to: mlflow could not start its run: "):
         trackers.open_trackers(config, total_updates=5, done_updates=0)
+
+
+def test_a_fresh_run_over_an_old_run_directory_starts_new_tracker_runs(tmp_path):
+    out = tmp_path / "run"
+    old = trackers.open_trackers(config_for(out, ["tensorboard", "mlflow", "wandb"]), total_updates=4, done_updates=0)
+    feed(old, healthy_records(4, seed=1))
+    old.close()
+    first = tracker_state(out)
+    time.sleep(1.1)  # the default run name carries the start time, to the second
+    records = healthy_records(3, seed=2)
+    new = trackers.open_trackers(config_for(out, ["tensorboard", "mlflow", "wandb"]), total_updates=3, done_updates=0)
+    feed(new, records)
+    new.close()
+    second = tracker_state(out)
+    assert second["run_name"] != first["run_name"] and second["run_name"].startswith("run-")
+    for name, key in (("mlflow", "run_id"), ("wandb", "id"), ("tensorboard", "log_dir")):
+        assert second["trackers"][name][key] != first["trackers"][name][key], name
+    assert_same_series(read_tensorboard(out), records, "tensorboard")  # the new run's folder only
+    assert_same_series(read_mlflow(out, expected(records)), records, "mlflow")

@@ -122,13 +122,12 @@ class Tracker:
 class TrackerSettings:
     """What the trackers read from the run's config."""
 
-    def __init__(self, config, total_updates: int):
+    def __init__(self, config, run_name: str):
         self.output_dir = Path(config.output_dir)
         self.config = config.to_dict()
         self.project = config.project
-        self.run_name = config.run_name
+        self.run_name = run_name
         self.mlflow_tracking_uri = config.mlflow_tracking_uri
-        self.total_updates = total_updates
 
 
 def _sample_table(rows: list[dict]) -> tuple[list[str], list[list]]:
@@ -142,7 +141,8 @@ class TensorBoardTracker(Tracker):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        self.state.setdefault("log_dir", str(self.settings.output_dir / "tensorboard"))
+        # one folder per tracker run, so a fresh run over an old run directory does not mix with its events
+        self.state.setdefault("log_dir", str(self.settings.output_dir / "tensorboard" / self.settings.run_name))
         self.writer = SummaryWriter(self.state["log_dir"])
         if not self.state.get("hparams_written"):
             values = {k: v for k, v in flat_config(self.settings.config).items()}
@@ -332,22 +332,22 @@ def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda m
 
     On resume (done_updates > 0) each tracker is sent the updates of the run so far that it lacks,
     read from metrics.jsonl and samples.jsonl (which resume rewrote to the checkpoint's)."""
-    names = [n for n in config.report_to]
+    names = list(config.report_to)
     if not names:
         return None
     check_installed(names)
     state = TrackerState.load(Path(config.output_dir), resumed=done_updates > 0)
     # one name for the whole run, kept across resumes
     state.data.setdefault("run_name", f"{Path(config.output_dir).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    settings = TrackerSettings(config, total_updates)
-    settings.run_name = state.data["run_name"] = config.run_name or state.data["run_name"]
+    state.data["run_name"] = config.run_name or state.data["run_name"]
+    settings = TrackerSettings(config, state.data["run_name"])
     trackers = []
     for name in names:
         entry = state.of(name)
         ahead = entry.get("last_update", 0)
         if ahead > done_updates:
-            say(f"{name}: updates {done_updates + 1}-{ahead} were logged before the run stopped; "
-                "they are kept and not sent again (a resumed run repeats the same numbers)")
+            which = f"update {ahead} was" if ahead == done_updates + 1 else f"updates {done_updates + 1}-{ahead} were"
+            say(f"{name}: {which} logged before the run stopped; kept, and not sent again (a resumed run repeats the same numbers)")
         tracker = CLASSES[name](settings, entry)
         try:
             tracker.start()
