@@ -309,20 +309,23 @@ def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     assert not (tmp_path / "r.html").exists()
 
 
-def test_cli_report_thresholds_from_yaml_and_flags(tmp_path):
+def test_cli_report_thresholds_from_yaml_and_flags(tmp_path, capsys):
+    from ppokit.cli import main
+
     records = healthy_records()
     for r in records[14:]:
         r["policy/clipfrac_avg"] = 0.45
     run = write_run(tmp_path / "run", records)
     (tmp_path / "t.yaml").write_text("clipfrac_max: 0.5\n")
-    quiet = ppokit("report", run, "--output", tmp_path / "a.html", "--thresholds", tmp_path / "t.yaml")
-    assert quiet.returncode == 0, quiet.stderr
-    assert json.loads(quiet.stdout)["runs"][0]["alarms"] == []
-    loud = ppokit("report", run, "--output", tmp_path / "b.html", "--thresholds", tmp_path / "t.yaml", "--threshold", "clipfrac_max=0.4")
-    assert [a["kind"] for a in json.loads(loud.stdout)["runs"][0]["alarms"]] == ["clipfrac_high"]
-    assert "update 15: Clip fraction high" in loud.stderr
-    bad = ppokit("report", run, "--threshold", "clipfrac=0.4")
-    assert bad.returncode == 2 and "unknown config key clipfrac (did you mean clipfrac_max?)" in bad.stderr
+    assert main(["report", str(run), "--output", str(tmp_path / "a.html"), "--thresholds", str(tmp_path / "t.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["alarms"] == []
+    assert main(["report", str(run), "--output", str(tmp_path / "b.html"), "--thresholds", str(tmp_path / "t.yaml"),
+                 "--threshold", "clipfrac_max=0.4"]) == 0
+    loud = capsys.readouterr()
+    assert [a["kind"] for a in json.loads(loud.out)["runs"][0]["alarms"]] == ["clipfrac_high"]
+    assert "update 15: Clip fraction high" in loud.err
+    assert main(["report", str(run), "--threshold", "clipfrac=0.4"]) == 2
+    assert "unknown config key clipfrac (did you mean clipfrac_max?)" in capsys.readouterr().err
 
 
 def test_report_on_a_real_ppo_run(model_dir, prompts_file, tmp_path):
