@@ -8,6 +8,7 @@ process would over the same episodes. Names follow TRL's PPOTrainer (docs/metric
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -21,7 +22,8 @@ ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 def objective_metrics(
     rollout: Rollout, kl: torch.Tensor, non_score: torch.Tensor, kept: torch.Tensor, kl_coef: float, reduce_sum: ReduceSum
 ) -> dict[str, float]:
-    """objective/* and val/num_eos_tokens: per-episode means (sums over tokens within an episode).
+    """objective/* and val/num_eos_tokens: per-episode means (sums over tokens within an episode), and
+    objective/scores_std, the spread of the scores within the update (population std over its episodes).
 
     kl, non_score: (B, R) per-token KL and KL penalty; kept: (B,) bool.
     """
@@ -36,9 +38,10 @@ def objective_metrics(
         (rollout.scores * keep).sum(),
         mask.sum().float(),
         (rollout.ended & kept).sum().float(),
+        (rollout.scores.square() * keep).sum(),
         (baseline * keep).sum() if baseline is not None else keep.new_zeros(()),
     ]))
-    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended, baseline_sum = sums.tolist()
+    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended, score_sq_sum, baseline_sum = sums.tolist()
     n = max(episodes, 1.0)
     estimator = {}
     if baseline is not None:
@@ -47,6 +50,7 @@ def objective_metrics(
         estimator["val/explained_variance"] = algo.explained_variance(rollout.values, rollout.returns, mask, reduce_sum).item()
     return {
         "objective/scores": score_sum / n,
+        "objective/scores_std": math.sqrt(max(score_sq_sum / n - (score_sum / n) ** 2, 0.0)),
         "objective/kl": kl_sum / n,
         "objective/entropy": neg_logprob_sum / n,
         "objective/non_score_reward": non_score_total / n,
