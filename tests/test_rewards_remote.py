@@ -491,3 +491,85 @@ def test_a_bearer_token_guards_every_post(monkeypatch):
         remote = RemoteReward(url, max_retries=0, headers={"Authorization": "Bearer ${PPOKIT_TEST_TOKEN}"})
         assert remote.score(BATCH).tolist() == [1.0, 0.0, 1.0]
         assert get(url) == (200, {"status": "ok", "source": "contains"})  # the health check needs no token
+
+
+def test_serve_rm_command_with_a_token_from_the_environment(tmp_path):
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "PPOKIT_TEST_TOKEN": "s3cret"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ppokit", "serve-rm", "{function: contains, required: [great]}", "--port", "0", "--token-env", "PPOKIT_TEST_TOKEN"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "serving reward source contains at http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" at ")[1].strip()
+        assert post(url, GOOD)[0] == 401
+        os.environ["PPOKIT_TEST_TOKEN_CLIENT"] = "s3cret"
+        try:
+            remote = RemoteReward(url, max_retries=0, headers={"Authorization": "Bearer ${PPOKIT_TEST_TOKEN_CLIENT}"})
+            assert remote.score(BATCH).tolist() == [1.0, 0.0, 1.0]
+        finally:
+            del os.environ["PPOKIT_TEST_TOKEN_CLIENT"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--token-env", "PPOKIT_UNSET_VARIABLE"], "serve-rm --token-env PPOKIT_UNSET_VARIABLE: the environment variable PPOKIT_UNSET_VARIABLE is not set or empty"),
+        (["--workers", "0"], "serve-rm --workers: 0 is out of range, it must be > 0"),
+        (["--read-timeout-s", "-1"], "serve-rm --read-timeout-s: -1.0 is out of range, it must be > 0"),
+        (["--timeout-s", "0"], "serve-rm --timeout-s: 0.0 is out of range, it must be > 0"),
+        (["--port", "70000"], "serve-rm: cannot listen on 127.0.0.1:70000: bind(): port must be 0-65535"),
+        (["--port", "{taken}"], "serve-rm: cannot listen on 127.0.0.1:{taken}: [Errno"),
+    ],
+)
+def test_serve_rm_options_that_cannot_work_are_one_line_and_exit_2(argv, message, capsys, monkeypatch):
+    from ppokit.cli import main
+
+    monkeypatch.delenv("PPOKIT_UNSET_VARIABLE", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        argv = [a.replace("{taken}", port) for a in argv]
+        assert main(["serve-rm", "sentiment", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ppokit: error: " + message.replace("{taken}", port)) and len(err.splitlines()) == 1, err
+
+
+class RawAnswer(BaseHTTPRequestHandler):
+    body = b""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b'{"rewards": ["0.5", "0.5", "0.5"]}', r"remote reward remote returned '0.5' \(a str\) for row 0: prompt 'q1'"),
+        (b'{"rewards": "111"}', r'answered .*; expected \{"rewards": \[\.\.\.\]\}'),
+        (b'{"rewards": [true, false, 1]}', None),
+        (b"[" * 100_000 + b"]" * 100_000, "answered something that is not JSON"),
+    ],
+)
+def test_a_remote_answer_of_strings_or_deep_nesting_is_a_failed_batch(body, message):
+    handler = type("Handler", (RawAnswer,), {"body": body})
+    with running(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
+        remote = RemoteReward(url, max_retries=0)
+        if message is None:
+            assert remote.score(BATCH).tolist() == [1.0, 0.0, 1.0]
+        else:
+            with pytest.raises(RewardError, match=message):
+                remote.score(BATCH)

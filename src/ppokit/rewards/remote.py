@@ -332,9 +332,12 @@ class PooledHTTPServer(HTTPServer):
     request_queue_size = 128  # the listen backlog, before accept
 
     def __init__(self, address, handler, workers: int, pending: int):
-        super().__init__(address, handler)
         self._waiting: queue.Queue = queue.Queue(maxsize=pending)
         self._closing = threading.Event()
+        try:
+            super().__init__(address, handler)
+        except (OSError, OverflowError) as e:  # port taken, not an address of this machine, port out of range
+            raise UserError(f"serve-rm: cannot listen on {address[0]}:{address[1]}: {e}") from None
         self._threads = [threading.Thread(target=self._work, name=f"serve-rm-{i}", daemon=True) for i in range(workers)]
         for thread in self._threads:
             thread.start()
