@@ -16,7 +16,7 @@ from ppokit.data import LengthReport, Records, Renderer, describe_template, load
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
 from ppokit.models import load_tokenizer, resolve_model_path
-from ppokit.trainer import atomic_save_dir
+from ppokit.checkpoint import atomic_save_dir
 
 
 def printer(enabled: bool, stage: str) -> Callable[[str], None]:
