@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -155,7 +156,7 @@ def test_a_reward_function_that_edits_its_arguments_changes_nothing_outside_itse
     again = PPOTrainer(config(), reward_functions=[vandal, witness], show_progress=False)
     saved = checkpoint.find_checkpoint(None, tmp_path / "run")
     again.resume_from(saved)
-    assert saved.name == "update-1" and again.update == 1
+    assert saved.name == "update-1" and again.state.update == 1
 
 
 def test_a_reward_function_past_reward_timeout_s_is_skipped_like_any_failure(model_dir, prompts_file, tmp_path):
@@ -200,3 +201,51 @@ def test_a_reward_function_that_sleeps_for_ever_stops_the_run_with_one_line(mode
     assert proc.stderr.strip().splitlines()[-1] == (
         "ppokit: error: reward function sleepy did not return within reward.timeout_s=2s (its thread is left running: Python cannot stop it)"
     )
+
+
+@pytest.mark.parametrize("timeout_s", [600, None], ids=["worker-thread", "main-thread"])
+def test_a_second_sigterm_abandons_an_update_stuck_in_a_reward_function(model_dir, prompts_file, tmp_path, timeout_s):
+    (tmp_path / "sleepy.py").write_text(
+        "import time\n\nCALLS = 0\n\n"
+        "def sleepy(prompts, completions, **columns):\n"
+        "    global CALLS\n"
+        "    CALLS += 1\n"
+        "    if CALLS >= 2:  # update 1 completes (and is saved); update 2 never does\n"
+        "        open('sleeping', 'w').close()\n"
+        "        time.sleep(3600)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    out = tmp_path / "run"
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump({
+        "model": str(model_dir("llama")), "output_dir": str(out), "data": {"train": str(prompts_file)},
+        "reward": {"functions": ["sleepy.py:sleepy"], "timeout_s": timeout_s},
+        "ppo": {"total_episodes": 16, "per_device_train_batch_size": 4, "num_mini_batches": 2, "response_length": 8,
+                "save_steps": 1, "num_sample_generations": 0},
+    }))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "stderr.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "ppokit", "ppo", "ppo.yaml"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "sleeping").exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached update 2"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        while "finishing update 2" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        assert proc.poll() is None  # the first signal waits for the update, which never ends
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143, log.read_text()[-3000:]
+        assert time.monotonic() - sent < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = log.read_text()
+    assert f"SIGTERM received twice: abandoned update 2; the last complete checkpoint is {out / 'checkpoints' / 'update-1'}" in stderr
+    assert "Traceback" not in stderr
