@@ -375,7 +375,7 @@ def test_an_answer_larger_than_max_response_bytes_fails_the_batch_unread(chunked
     handler = type("Handler", (Floods,), {"chunked": chunked})
     with running(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
         scorer = build_scorer(RewardConfig(remote=RemoteRewardConfig(url=url, max_retries=0, max_response_bytes=1 << 20)))
-        what = "larger than that" if chunked else f"of {4 << 20} bytes"
+        what = f"more than {1 << 20} bytes" if chunked else f"{4 << 20} bytes"
         with pytest.raises(RewardError, match=rf"answered {what}; at most reward.remote.max_response_bytes=1048576 are read"):
             scorer.score(BATCH)
     assert RemoteRewardConfig().max_response_bytes == 16 << 20

@@ -234,8 +234,9 @@ def test_a_function_that_empties_its_completions_and_returns_nothing_fails_with_
 )
 def test_strings_and_other_non_numbers_are_a_failed_source(returned, message):
     fn = lambda prompts, completions, **columns: returned  # noqa: E731
-    with pytest.raises(RewardError, match=message):
+    with pytest.raises(RewardError, match=message) as e:
         scorer(fn).score(batch())
+    assert str(e.value).count("prompt 'p0'") == 1, str(e.value)  # the row is named once, not again as the failing one
     with pytest.warns(UserWarning, match=message):
         assert not scorer(fn, on_error="skip").score(batch()).valid.any()
 

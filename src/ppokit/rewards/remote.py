@@ -174,7 +174,7 @@ class RemoteReward:
         larger answer is a RewardError, found from Content-Length or while reading."""
         length = response.headers.get("Content-Length")
         if not truncate and length is not None and length.strip().isdigit() and int(length) > limit:
-            raise RewardError(self._too_large(f"of {int(length)} bytes"))
+            raise RewardError(self._too_large(f"{int(length)} bytes"))
         chunks, size = [], 0
         while size <= limit:
             chunk = response.read1(min(1 << 16, limit + 1 - size))
@@ -185,14 +185,11 @@ class RemoteReward:
         if size > limit:
             if truncate:
                 return b"".join(chunks)[:limit]
-            raise RewardError(self._too_large("larger than that"))
+            raise RewardError(self._too_large(f"more than {limit} bytes"))
         return b"".join(chunks)
 
     def _too_large(self, what: str) -> str:
-        return (
-            f"remote reward {self.name} ({self.url}) answered {what}; at most {self.key}.max_response_bytes="
-            f"{self.max_response_bytes} are read"
-        )
+        return f"remote reward {self.name} ({self.url}) answered {what}; at most {self.key}.max_response_bytes={self.max_response_bytes} are read"
 
     def _parse(self, payload: bytes, batch: ScoringBatch) -> torch.Tensor:
         try:

@@ -141,7 +141,8 @@ class RewardScorer:
         except RewardError as e:
             rows = self._isolate(source, batch)
             bad = [i for i, s in enumerate(rows.tolist()) if not math.isfinite(s)]
-            message = f"{e} (failing {batch.describe_row(bad[0])})" if bad else str(e)
+            failing = batch.describe_row(bad[0]) if bad else None
+            message = f"{e} (failing {failing})" if failing and failing not in str(e) else str(e)
             if self.on_error == "raise":
                 raise RewardError(message) from e.__cause__
             self._warn_once(name, message)
