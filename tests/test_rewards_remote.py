@@ -573,3 +573,44 @@ def test_a_remote_answer_of_strings_or_deep_nesting_is_a_failed_batch(body, mess
         else:
             with pytest.raises(RewardError, match=message):
                 remote.score(BATCH)
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory):
+    """A certificate for 127.0.0.1 and its key, made by the openssl command."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem"),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    return folder / "cert.pem", folder / "key.pem"
+
+
+def tls(server, cert, key):
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    return server
+
+
+def test_https_verifies_the_certificate_and_keeps_the_deadline(self_signed, monkeypatch):
+    cert, key = self_signed
+    _, server = flaky(failures=0)
+    with running(tls(server, cert, key)) as url:
+        url = url.replace("http://", "https://")
+        with pytest.raises(UserError, match="CERTIFICATE_VERIFY_FAILED"):
+            RemoteReward(url, max_retries=0).score(BATCH)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust it, as a private CA would be
+        assert RemoteReward(url, max_retries=0).score(BATCH).tolist() == [12.0, 4.0, 9.0]
+    with running(tls(ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (Trickles,), {"where": "body"})), cert, key)) as url:
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match="no complete answer within timeout_s=1.5s"):
+            RemoteReward(url.replace("http://", "https://"), timeout_s=1.5, max_retries=0).score(BATCH)
+        assert time.monotonic() - t0 < 4

@@ -142,7 +142,7 @@ class RemoteReward:
 
     def _exchange(self, body: bytes, headers: dict) -> tuple[int, bytes]:
         """One POST, redirects included, under one deadline -> (status, answer body)."""
-        sockets: list[socket.socket] = []  # every socket of this request, to cut at the deadline
+        sockets = _Sockets()  # every socket of this request, to cut at the deadline
         opener = urllib.request.OpenerDirector()  # http and https only: no file://, ftp:// or data: handlers
         for handler in (
             urllib.request.ProxyHandler(), _WatchedHTTPHandler(sockets), _WatchedHTTPSHandler(sockets), _SameOriginRedirects(self),
@@ -163,8 +163,7 @@ class RemoteReward:
         try:
             return call.result(self.timeout_s)
         except DeadlineExceeded:
-            for sock in sockets:  # the request's thread wakes up and ends
-                _cut(sock)
+            sockets.cut_all()  # the request's thread wakes up and ends
             raise _Retry(f"no complete answer within timeout_s={self.timeout_s:g}s") from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             raise _Retry(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
@@ -214,6 +213,28 @@ def _origin(url: str) -> tuple[str, str, int]:
     return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme, 0)
 
 
+class _Sockets:
+    """The sockets one request opens. After `cut_all`, a socket opened late (the request's thread
+    was still resolving the name at the deadline) is cut as soon as it is added."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self._cut = False
+
+    def add(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open.append(sock)
+            if self._cut:
+                _cut(sock)
+
+    def cut_all(self) -> None:
+        with self._lock:
+            self._cut = True
+            for sock in self._open:
+                _cut(sock)
+
+
 def _cut(sock: socket.socket) -> None:
     """Shut a socket down from another thread, so a blocking read in its own thread returns."""
     try:
@@ -222,7 +243,7 @@ def _cut(sock: socket.socket) -> None:
         pass  # closed already, or handed over to the TLS socket
 
 
-def _watched(base: type, sockets: list) -> type:
+def _watched(base: type, sockets: _Sockets) -> type:
     """An http.client connection class that records each socket it opens in `sockets`."""
 
     class Watched(base):
@@ -232,20 +253,20 @@ def _watched(base: type, sockets: list) -> type:
 
             def create_and_record(*a, **k):
                 sock = create(*a, **k)
-                sockets.append(sock)
+                sockets.add(sock)
                 return sock
 
             self._create_connection = create_and_record
 
         def connect(self):
             super().connect()
-            sockets.append(self.sock)  # the TLS socket, once the handshake is done
+            sockets.add(self.sock)  # the TLS socket, once the handshake is done
 
     return Watched
 
 
 class _WatchedHTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, sockets: list):
+    def __init__(self, sockets: _Sockets):
         super().__init__()
         self._sockets = sockets
 
@@ -254,7 +275,7 @@ class _WatchedHTTPHandler(urllib.request.HTTPHandler):
 
 
 class _WatchedHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, sockets: list):
+    def __init__(self, sockets: _Sockets):
         super().__init__()
         self._sockets = sockets
 
