@@ -121,7 +121,7 @@ class RemoteReward:
             except _Retry as e:
                 last_error = str(e)
                 continue
-            if status == 200:
+            if 200 <= status < 300:
                 return self._parse(payload, batch)
             detail = _error_detail(payload, status)
             if status == 429 or status >= 500:
