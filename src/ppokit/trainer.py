@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, checkpoint, parallel, roles
+from ppokit import algo, checkpoint, parallel, roles, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts, atomic_save_dir
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
@@ -87,6 +87,7 @@ class PPOTrainer:
     ):
         self.config = config = _run_config(config, model, reward_model, reward_functions)
         roles.check_environment(config)  # before any weights load
+        trackers.check_installed(config.report_to)  # likewise: a missing tracker package is one line, not a late crash
         self.accelerator = accelerator or _make_accelerator(config)
         self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)
