@@ -241,17 +241,43 @@ class BatchSizes(NamedTuple):
     local_prompts: int = 0  # local_batch / n, on each process
 
 
+def http_url_problem(url: Any) -> Optional[str]:
+    """What is wrong with `url` as a remote scorer's address, or None: it must be http:// or https://
+    with a host, and carry no credentials (those go in headers, where a redirect cannot take them)."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return f"expected an http:// or https:// URL, got {url!r}"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        return f"{url!r} contains spaces or control characters"
+    if "://" not in url:
+        return f"{url!r} has no scheme; write http://{url} (or https://)"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises on a port that is not a number in 0-65535)
+    except ValueError as e:
+        return f"{url!r} is not a valid URL ({e})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"scheme {parts.scheme}:// is not supported; use http:// or https://"
+    if parts.username is not None or parts.password is not None:
+        return "user:password@ in the URL is not supported; put credentials in reward.remote.headers (e.g. Authorization: \"Bearer ${RM_TOKEN}\")"
+    if not parts.hostname:
+        return f"{url!r} has no host"
+    return None
+
+
 @dataclass
 class RemoteRewardConfig:
     """The `reward.remote:` section: a scorer behind HTTP (for example `ppokit serve-rm`)."""
 
-    url: Optional[str] = doc(None, "Endpoint that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}.")
-    timeout_s: float = doc(60.0, "Seconds to wait for one request before it counts as failed.", check=positive)
+    url: Optional[str] = doc(None, "Endpoint (http:// or https://) that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}. A redirect is followed only to the same scheme, host and port; see docs/rewards.md.")
+    timeout_s: float = doc(60.0, "Deadline in seconds for one whole request (connect, send, the answer read to its end); after it the request counts as failed and is retried.", check=positive)
     max_retries: int = doc(3, "Retries of a failed request (connection error, timeout, HTTP 429 or 5xx) before the run stops.", check=non_negative)
     backoff_s: float = doc(1.0, "Wait before the first retry; doubled for each further retry (capped at 30 s).", check=non_negative)
     batch_size: int = doc(64, "Rows per request.", check=positive)
     headers: dict = doc(factory=dict, help="Extra HTTP headers. `${VAR}` in a value is replaced by the environment variable VAR when the request is sent, so secrets stay out of config.yaml.")
     name: str = doc("remote", "Name of this source in the metrics (`reward/<name>`).")
+    max_response_bytes: int = doc(16 << 20, "Largest answer read, in bytes (default 16 MiB); a larger one fails this batch without being read further.", check=positive)
 
 
 @dataclass
@@ -267,12 +293,17 @@ class RewardConfig:
     length_penalty: float = doc(0.0, "Subtracted from the score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
+    timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts).", check=positive)
     on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=lambda v: v in ("raise", "skip"))
 
     def check_combination(self, n_sources: int) -> None:
         """Checks across keys of this section (each key's own range is checked by `validate`)."""
         if self.remote is not None and not self.remote.url:
             raise UserError("reward.remote.url: required (the endpoint to POST {prompts, completions, columns} to)")
+        if self.remote is not None:
+            problem = http_url_problem(self.remote.url)
+            if problem:
+                raise UserError(f"reward.remote.url: {problem}")
         if isinstance(self.normalize, list):
             if len(self.normalize) != n_sources or not all(isinstance(v, bool) for v in self.normalize):
                 raise UserError(f"reward.normalize: expected true, false or a list of {n_sources} true/false (one per source), got {self.normalize!r}")
