@@ -516,8 +516,10 @@ def value_loss_per_token(
     term was the larger [PPO as implemented in OpenAI baselines; N+ "value function clipping"].
 
     values (with grad), old_values (from the rollout), returns: (B, T) -> ((B, T), (B, T) bool).
+    Inside the clip range the clipped value is V itself, bit for bit (clamp against the bounds, not
+    V_old + clamp(V - V_old), whose rounding made unclipped tokens count as clipped).
     """
-    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped_sq = (values - returns) ** 2
     clipped_sq = (clipped_values - returns) ** 2
     return torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
