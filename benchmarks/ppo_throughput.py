@@ -1,6 +1,7 @@
 """PPO throughput; prints one JSON line.
 
-    python benchmarks/ppo_throughput.py [--updates N] [--arch llama] [--config default|budget|light|compile]
+    python benchmarks/ppo_throughput.py [--updates N] [--arch llama] [--estimator gae] [--samples-per-prompt 1]
+                                        [--config default|budget|light|compile]
     python benchmarks/ppo_throughput.py --shape variable [--config default|budget|light|compile]
 
 --shape fixed (the default, unchanged): a tiny Llama (hidden 128, 4 layers, word-level vocabulary)
@@ -166,6 +167,8 @@ def main() -> None:
     parser.add_argument("--config", choices=CONFIGS, default="default", help="cumulative speed switches (see the module docstring)")
     parser.add_argument("--updates", type=int, default=None, help="updates to time, after one warm-up update (default: 4 fixed, 3 variable)")
     parser.add_argument("--arch", default="llama", help="fixed shape only")
+    parser.add_argument("--estimator", default="gae", help="ppo.advantage_estimator")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay the same)")
     args = parser.parse_args()
     updates = args.updates or (4 if args.shape == "fixed" else 3)
 
@@ -174,6 +177,7 @@ def main() -> None:
         config, task = fixed_task(work, updates, args.arch)
     else:
         config, task = variable_task(work, updates)
+    config.ppo.advantage_estimator, config.ppo.num_samples_per_prompt = args.estimator, args.samples_per_prompt
     apply_switches(config, args.config, task["longest_row"])
     batch = task["batch"]
 
@@ -190,6 +194,8 @@ def main() -> None:
     result = {
         "benchmark": "ppo_throughput",
         "arch": args.arch,
+        "estimator": args.estimator,
+        "samples_per_prompt": args.samples_per_prompt,
         "parameters_m": round(sum(p.numel() for p in trainer.policy.parameters()) / 1e6, 2),
         "episodes_per_update": batch,
         "response_length": config.ppo.response_length,

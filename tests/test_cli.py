@@ -102,3 +102,26 @@ def test_reward_skip_warning_is_one_line_without_source(model_dir, prompts_file,
     warned = [line for line in lines if "reward.on_error=skip: dropping samples" in line]
     assert len(warned) == 1 and warned[0].startswith("ppokit: warning: "), result.stderr
     assert "UserWarning" not in result.stderr and "_score_source(" not in result.stderr
+
+
+def test_a_prompt_longer_than_the_models_positions_is_one_line_before_any_update(model_dir, prompts_file, tmp_path):
+    """A GPT-2-style model with n_positions 64 and an 800-token prompt: was `IndexError: index out of
+    range in self` from inside the model; now one line naming the row, the lengths and the key."""
+    model = model_dir("gpt2", max_positions=64)
+    rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    rows[2]["prompt"] = " ".join(["the movie was"] * 266 + ["great"] * 2)  # 800 tokens with the word tokenizer
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = write_config(tmp_path / "ppo.yaml", model, prompts, tmp_path / "run")
+    result = ppokit("ppo", config)
+    _assert_user_error(result, f"data.train ({prompts}: row 3): the prompt is 800 tokens; with ppo.response_length 6 that is 806, "
+                               "over the model's position limit of 64 tokens (n_positions in its config); "
+                               "set data.max_prompt_length to at most 58 (it is null)")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+    ok = ppokit("ppo", config, "data.max_prompt_length=58", "ppo.num_sample_generations=0", f"output_dir={tmp_path / 'run2'}")
+    assert ok.returncode == 0, ok.stderr
+    assert "1 of 64 prompts longer than data.max_prompt_length=58 were truncated" in ok.stderr
+    report = ppokit("data", "inspect", prompts, "--tokenizer", model, "--response-length", "6", "--json")
+    positions = json.loads(report.stdout)["position_limit"]
+    assert positions == {"tokens": 64, "key": "n_positions", "rows_over": 1, "first_over": {"where": f"{prompts}:3", "tokens": 806},
+                         "fix": "set data.max_prompt_length to at most 58 (it is null)"}

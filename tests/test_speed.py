@@ -53,7 +53,7 @@ def test_a_minibatch_split_three_ways_gives_the_same_gradients_and_metrics(sft_m
         recorder = GradientRecorder([p for p in model.parameters() if p.requires_grad])
         scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
         torch.manual_seed(5)  # the same minibatch order each time
-        metrics = optimise.ppo_epochs(model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.accelerator, lambda t: t)
+        metrics = optimise.ppo_epochs(model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.engine, lambda t: t)
         results[name] = (counts, recorder.grads, metrics)
     assert results["small"][0][0] >= 3 and 1 < results["large"][0][0] < results["small"][0][0]
     assert results["one micro-batch"][0] == [1, 1]

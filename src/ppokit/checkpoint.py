@@ -2,6 +2,8 @@
 
 A checkpoint is the folder `output_dir/checkpoints/update-N/`:
 
+    weights and optimiser state, in one of two layouts (`PlainWeights`, or under parallel.strategy
+    fsdp `parallel.ShardedWeights`: sharded/, a torch.distributed.checkpoint folder of every process's shards):
     trainable.safetensors with LoRA: every trainable tensor (adapters, heads), what resume reads
     model/               policy + tokenizer as `trainer.save_models` writes them (the layout of final/:
                          full weights, or adapters for a PEFT model), value model in model/value_model/
@@ -22,7 +24,8 @@ whose trainer_state.json says complete count. The data order is a pure function 
 `save_checkpoint` and `load_checkpoint` take what they write and restore, by name: the run's
 `TrainingState`, its `TrainedParts` (models, optimiser, schedule, KL controller, reward scorer),
 the config, the run's facts (`RunFacts`) and the accelerator. Loading restores the parts in place
-and returns the checkpoint's TrainingState; it sets nothing else.
+and returns the checkpoint's TrainingState; it sets nothing else. Every process calls both: the
+weights layout decides which processes write (all of them for shards, the main one otherwise).
 """
 
 from __future__ import annotations
@@ -67,6 +70,15 @@ RESUME_SAFE_KEYS = frozenset(
         "ppo.save_steps",
         "ppo.save_total_limit",
         "ppo.max_skipped_updates",
+        # How the models are spread over the processes, not what they compute (all-gathers are exact).
+        "parallel.shard_frozen",
+        "parallel.wrap_classes",
+        "parallel.unshard_for_generation",
+        # where the numbers are also sent (ppokit.trackers): no number of the run depends on them
+        "report_to",
+        "run_name",
+        "project",
+        "mlflow_tracking_uri",
         # The speed switches change numbers only within float rounding (docs/speed.md), as running on another
         # machine's kernels does: a resume may turn them on or off (an OOM, a machine without a compiler).
         # A bit-for-bit equal continuation needs the same values.
@@ -86,12 +98,21 @@ RESUME_SAFE_CHANGES = {
 
 def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
     """Write a directory under a temporary name and rename it into place when complete."""
-    target = Path(target)
+    tmp = _temporary_dir(Path(target))
+    write(tmp)
+    _move_into_place(tmp, Path(target))
+
+
+def _temporary_dir(target: Path) -> Path:
+    """A fresh, empty folder beside `target` under a name no checkpoint lookup takes for a checkpoint."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    write(tmp)
+    return tmp
+
+
+def _move_into_place(tmp: Path, target: Path) -> None:
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         target.rename(old)
@@ -326,6 +347,11 @@ class TrainedParts:
     kl_controller: Any
     scorer: Any
     adapters: bool
+    weights: Any = None  # how weights and optimiser state are written: PlainWeights (default) or parallel.ShardedWeights
+
+    def __post_init__(self):
+        if self.weights is None:
+            self.weights = PlainWeights()
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Every parameter the optimiser updates, by its name under the model (each once)."""
@@ -342,6 +368,41 @@ class RunFacts:
     batch: int  # episodes per update, over every process
     num_updates: int
     save_total_limit: Optional[int] = None
+    samples_per_prompt: int = 1  # an update takes batch / samples_per_prompt prompts
+
+
+class PlainWeights:
+    """Weights and optimiser state as whole tensors, written by the main process: model/ (what final/
+    holds), trainable.safetensors with adapters, optimizer.pt. `parallel.ShardedWeights` is the other
+    layout, with the same two methods."""
+
+    kind = "plain"
+
+    def save(self, folder: Path, parts: TrainedParts, save_models: Callable[[Path], None], is_main: bool) -> None:
+        if not is_main:
+            return
+        save_models(folder / "model")
+        if parts.adapters:
+            # With adapters the roles share one base and model/ splits them by role (the shared critic's
+            # adapter sits inside the policy); resume reads this one file of exactly what trains instead.
+            # It is small: adapters and heads only. Full models are read back from model/ itself.
+            from safetensors.torch import save_file
+
+            save_file({k: p.detach().contiguous().cpu() for k, p in parts.trainable_parameters().items()},
+                      folder / "trainable.safetensors")
+        torch.save(parts.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load(self, path: Path, parts: TrainedParts) -> None:
+        if (path / "trainable.safetensors").exists():
+            _load_trainable(parts, path / "trainable.safetensors")
+        else:
+            load_weights(parts.model.policy, path / "model")
+            if parts.model.value_model is not None:  # a critic-free estimator has none
+                load_weights(parts.model.value_model, path / "model" / "value_model")
+        try:
+            parts.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
+        except (ValueError, KeyError) as e:
+            raise UserError(f"{path / 'optimizer.pt'}: does not fit the model's parameters ({e})") from None
 
 
 # --------------------------------------------------------------------------- save
@@ -363,24 +424,26 @@ def save_checkpoint(
     else:
         rng_all = [rng]
     target = checkpoints_dir(run.output_dir) / f"update-{state.update}"
-    if accelerator.is_main_process:
-        atomic_save_dir(target, lambda tmp: _write(tmp, state, parts, config, run, save_models, rng_all, accelerator.num_processes))
+    is_main = accelerator.is_main_process
+    # One temporary folder for every process (the weights layout may have each write its shards into it).
+    tmp = [str(_temporary_dir(target)) if is_main else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(tmp)
+    parts.weights.save(Path(tmp[0]), parts, save_models, is_main)
+    accelerator.wait_for_everyone()
+    if is_main:
+        _write(Path(tmp[0]), state, parts, config, run, rng_all, accelerator.num_processes)
+        _move_into_place(Path(tmp[0]), target)
         prune_checkpoints(target.parent, run.save_total_limit)
     accelerator.wait_for_everyone()
     set_rng_state(rng)
     return target
 
 
-def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: RunFacts, save_models, rng_all, processes: int) -> None:
-    save_models(tmp / "model")
-    if parts.adapters:
-        # With adapters the roles share one base and model/ splits them by role (the shared critic's
-        # adapter sits inside the policy); resume reads this one file of exactly what trains instead.
-        # It is small: adapters and heads only. Full models are read back from model/ itself.
-        from safetensors.torch import save_file
-
-        save_file({k: p.detach().contiguous().cpu() for k, p in parts.trainable_parameters().items()}, tmp / "trainable.safetensors")
-    torch.save(parts.optimizer.state_dict(), tmp / "optimizer.pt")
+def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: RunFacts, rng_all, processes: int) -> None:
+    """Everything but the weights and optimiser state, trainer_state.json last."""
     torch.save(parts.scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_all, tmp / "rng.pt")
     torch.save(parts.scorer.state_dict(), tmp / "reward_scorer.pt")
@@ -399,12 +462,14 @@ def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: Ru
             "seed": config.seed,
             "num_prompts": len(run.train_data),
             "batch": run.batch,
-            **state.data_position(len(run.train_data), run.batch),
+            "samples_per_prompt": run.samples_per_prompt,
+            **state.data_position(len(run.train_data), run.batch // run.samples_per_prompt),
             "train_sha256": data_fingerprint(run.train_data),
             "eval_sha256": data_fingerprint(run.eval_data),
         },
         "kl_controller": {"type": type(parts.kl_controller).__name__, **parts.kl_controller.state_dict()},
         "processes": processes,
+        "parallel": {"strategy": config.parallel.strategy, "weights": parts.weights.kind},
         "versions": _versions(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": sorted(p.name for p in tmp.iterdir()) + [STATE_FILE],
@@ -431,6 +496,7 @@ def load_checkpoint(
         raise UserError(f"{path}: not a complete checkpoint (no trainer_state.json marked complete)")
     if saved.get("format") != FORMAT:
         raise UserError(f"{path}: checkpoint format {saved.get('format')!r}; this ppokit reads format {FORMAT}")
+    _check_weights_layout(path, saved, parts, config)
     saved_config = yaml.safe_load((path / "config.yaml").read_text()) or {}
     differences = config_differences(saved_config, config.to_dict(), PPOConfig().to_dict())
     if saved["processes"] != accelerator.num_processes:
@@ -449,15 +515,7 @@ def load_checkpoint(
         say(f"note: checkpoint written with {saved['versions']}, now {_versions()}; numbers may differ in the last digits")
     state = TrainingState.from_counters(saved, read_jsonl_records(path / "metrics.jsonl"), f"{path / STATE_FILE}")
 
-    if (path / "trainable.safetensors").exists():
-        _load_trainable(parts, path / "trainable.safetensors")
-    else:
-        load_weights(parts.model.policy, path / "model")
-        load_weights(parts.model.value_model, path / "model" / "value_model")
-    try:
-        parts.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
-    except (ValueError, KeyError) as e:
-        raise UserError(f"{path / 'optimizer.pt'}: does not fit the model's parameters ({e})") from None
+    parts.weights.load(path, parts)
     parts.scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
     parts.kl_controller.load_state_dict(saved["kl_controller"])
     parts.scorer.load_state_dict(_torch_load(path / "reward_scorer.pt"))
@@ -468,6 +526,19 @@ def load_checkpoint(
     rng_all = _torch_load(path / "rng.pt")
     set_rng_state(rng_all[accelerator.process_index % len(rng_all)])
     return state
+
+
+def _check_weights_layout(path: Path, saved: dict, parts: TrainedParts, config) -> None:
+    """A checkpoint's weights are read only by the layout that wrote them, --resume-force or not: whole
+    tensors (ddp) and DCP shards (fsdp) are different files. A different process count is another matter:
+    shards are resharded on load, whole tensors need none (the config check asks for --resume-force)."""
+    written = saved.get("parallel", {"strategy": "ddp", "weights": PlainWeights.kind})
+    if written["weights"] != parts.weights.kind:
+        raise UserError(
+            f"resume from {path}: the checkpoint was written under parallel.strategy {written['strategy']} and this run uses "
+            f"{config.parallel.strategy}; a checkpoint's weights and optimiser state can only be read by the strategy that wrote "
+            f"them. Resume with parallel.strategy: {written['strategy']}, or start a new run from its model"
+        )
 
 
 def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:

@@ -80,8 +80,9 @@ def _preflight(config) -> None:
     print(f"plan: {plan.summary()}", file=sys.stderr)
     for warning in plan.warnings:
         print(f"plan: warning: {warning}", file=sys.stderr)
-    if plan.suggestion:
-        print(f"plan: would fit with: {plan.suggestion} (see `ppokit plan`)", file=sys.stderr)
+    for suggestion in (plan.sharding_suggestion, plan.suggestion):
+        if suggestion:
+            print(f"plan: would fit with: {suggestion} (see `ppokit plan`)", file=sys.stderr)
 
 
 PLAN_DOES_NOT_FIT = 3
@@ -92,7 +93,9 @@ def _plan(args) -> int:
     from ppokit.plan import plan_for, to_json
 
     config = PPOConfig.load(args.config, args.overrides)
-    plan = plan_for(config, args.device_memory)
+    if args.processes is not None and args.processes < 1:
+        raise UserError(f"--processes {args.processes}: must be at least 1")
+    plan = plan_for(config, args.device_memory, args.processes)
     print(to_json(plan) if args.json else plan.render())
     return 0 if plan.fits else PLAN_DOES_NOT_FIT
 
@@ -100,7 +103,7 @@ def _plan(args) -> int:
 def _demo(args) -> int:
     from ppokit.demo import run_demo
 
-    summary = run_demo(args.output, quick=args.quick, seed=args.seed)
+    summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator)
     print(json.dumps(summary))
     return 0
 
@@ -140,30 +143,94 @@ def _pipeline(args) -> int:
 
 
 def _data_inspect(args) -> int:
+    """One report per path (as a shell expands `data/*.jsonl`); a path that fails is one error
+    line and the others are still reported; the exit status is 2 when any failed."""
     from ppokit.stages.data_inspect import format_report, inspect_data
 
-    tokenizer = None
+    tokenizer = limit = None
     if args.tokenizer:
-        from ppokit.models import load_tokenizer
+        from ppokit.models import load_tokenizer, position_limit_of, resolve_model_path
 
         tokenizer = load_tokenizer(args.tokenizer)
-    report = inspect_data(
-        args.path, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
-        max_length=args.max_length, chat_template=args.chat_template,
-    )
-    print(json.dumps(report) if args.json else format_report(report))
-    return 0
+        path = resolve_model_path(args.tokenizer, "tokenizer", tokenizer=True)
+        if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+            limit = position_limit_of(args.tokenizer, "model")  # a model folder or id: rows over its positions too
+    failed = 0
+    for i, path in enumerate(args.paths):
+        try:
+            report = inspect_data(
+                path, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
+                max_length=args.max_length, chat_template=args.chat_template, position_limit=limit,
+                response_length=args.response_length,
+            )
+        except UserError as e:
+            if len(args.paths) == 1:
+                raise
+            print(f"ppokit: error: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(("\n" if i else "") + format_report(report))
+    return 2 if failed else 0
+
+
+def _limit(text: str):
+    """A length limit on the command line: a whole number > 0, or none/null for no limit."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0 or none, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0 or none, got {value}")
+    return value
 
 
 def _serve_rm(args) -> int:
     from ppokit.rewards import serve, source_from_argument
 
-    source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code)
-    serve(source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose)
+    token = None
+    if args.token_env is not None:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise UserError(f"serve-rm --token-env {args.token_env}: the environment variable {args.token_env} is not set or empty")
+    for flag, value in (("--workers", args.workers), ("--read-timeout-s", args.read_timeout_s), ("--stuck-after-s", args.stuck_after_s),
+                        ("--max-request-bytes", args.max_request_bytes), ("--max-rows", args.max_rows), ("--timeout-s", args.timeout_s)):
+        if not value > 0:
+            raise UserError(f"serve-rm {flag}: {value} is out of range, it must be > 0")
+    source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code, timeout_s=args.timeout_s)
+    serve(
+        source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose,
+        workers=args.workers, read_timeout_s=args.read_timeout_s, stuck_after_s=args.stuck_after_s, token=token,
+    )
+    return 0
+
+
+def _report(args) -> int:
+    from ppokit.config import apply_override, parse_override, read_yaml
+    from ppokit.report import AlarmThresholds, make_report
+
+    settings = read_yaml(args.thresholds) if args.thresholds else {}
+    for text in args.threshold:
+        apply_override(settings, *parse_override(text))
+    thresholds = AlarmThresholds.from_mapping(settings, args.thresholds or "--threshold")
+    summary = make_report(args.run_dirs, args.output, thresholds, max_prompts=args.samples)
+    print(f"report: {summary['output']} (figures in {os.path.dirname(summary['figures'][0]) if summary['figures'] else 'none'})", file=sys.stderr)
+    for run in summary["runs"]:
+        alarms = "; ".join(f"update {a['update']}: {a['title']}" for a in run["alarms"]) or "no alarms"
+        print(f"report: {run['label']}: {run['updates']} updates, {alarms}", file=sys.stderr)
+    for note in [f"{r['label']}: {n}" for r in summary["runs"] for n in r["skipped"]] + summary["skipped"]:
+        print(f"report: skipped: {note}", file=sys.stderr)
+    print(json.dumps(summary))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ppokit.config import RewardConfig
+
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -193,14 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="look at a data source").add_subparsers(dest="data_command", required=True)
     inspect = data.add_parser("inspect", help="format, rows, lengths and examples of a data source as a stage sees it")
-    inspect.add_argument("path", help="data file, save_to_disk folder or hub dataset name")
-    inspect.add_argument("--tokenizer", help="tokenizer (or model) path: lengths in tokens, and rows over the limits")
+    inspect.add_argument("paths", nargs="+", metavar="path", help="data file, save_to_disk folder or hub dataset name; several give one report each")
+    inspect.add_argument("--tokenizer", help="tokenizer or model path: lengths in tokens, and rows over the limits "
+                         "(a model's also rows over its position limit)")
     inspect.add_argument("--format", default="auto", help="data format (default: detected from the columns)")
     inspect.add_argument("--stage", choices=("sft", "rm", "ppo"), help="read the data as this stage does (default: from the format)")
-    inspect.add_argument("--max-prompt-length", type=int, default=-1, help="default: the stage's data.max_prompt_length")
-    inspect.add_argument("--max-length", type=int, default=-1, help="default: the stage's data.max_length")
+    inspect.add_argument("--max-prompt-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_prompt_length)")
+    inspect.add_argument("--max-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_length)")
     inspect.add_argument("--chat-template", help="as data.chat_template (default: the tokenizer's, else plain)")
-    inspect.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    inspect.add_argument("--response-length", type=_limit, help="ppo data: tokens sampled after each prompt, for the position limit (default: ppo.response_length's default)")
+    inspect.add_argument("--json", action="store_true", help="print each report as one JSON object on its own line")
     inspect.set_defaults(func=_data_inspect)
 
     plan = sub.add_parser(
@@ -212,20 +281,45 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
                       help="plan for a device of this many GiB instead of this machine's (CUDA memory, else RAM)")
+    plan.add_argument("--processes", type=int, metavar="N",
+                      help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
+
+    from ppokit.config import ADVANTAGE_ESTIMATORS  # no torch: the parser stays quick
 
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")
     demo.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 cores")
     demo.add_argument("--output", default="ppokit-demo", help="directory for data/, sft/ and ppo/ (default: ppokit-demo)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--estimator", default="gae", choices=ADVANTAGE_ESTIMATORS,
+                      help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: gae)")
     demo.set_defaults(func=_demo)
+
+    report = sub.add_parser(
+        "report", help="HTML report of one or more runs: curves, reward-vs-KL frontier, samples and over-optimisation alarms",
+        description="Reads only the run directories (config.yaml, metrics.jsonl, samples.jsonl): works on finished, running "
+        "and crashed runs. Alarm thresholds are explained in docs/report.md.",
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (a PPO run's output_dir); several are overlaid")
+    report.add_argument("--output", default="report.html", help="the HTML file (default report.html); PNGs go to <name>_figures/ beside it")
+    report.add_argument("--thresholds", metavar="FILE", help="YAML mapping of alarm thresholds (docs/report.md lists them)")
+    report.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE", help="set one alarm threshold (repeatable; after --thresholds)")
+    report.add_argument("--samples", type=int, default=4, metavar="N", help="eval prompts whose completions are shown (default 4)")
+    report.set_defaults(func=_report)
 
     serve_rm = sub.add_parser("serve-rm", help="serve a reward model or reward function over HTTP (the reward.remote protocol)")
     serve_rm.add_argument("model", help="a saved reward model directory, a reward function (`sentiment`, `file.py:fn`, `module:fn`) or a YAML mapping such as '{function: contains, required: [great]}'")
-    serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; there is no authentication)")
+    serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; beyond it, set --token-env)")
     serve_rm.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
+    serve_rm.add_argument("--token-env", metavar="VAR", help="require `Authorization: Bearer <token>` on every POST, the token read from environment variable VAR "
+                          "(clients send it with reward.remote.headers: {Authorization: \"Bearer ${VAR}\"})")
     serve_rm.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger requests are refused with HTTP 413 (default 16 MiB)")
     serve_rm.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
+    serve_rm.add_argument("--workers", type=int, default=8, help="connections handled at once (default 8); 4x as many more wait, the rest get HTTP 503")
+    serve_rm.add_argument("--read-timeout-s", type=float, default=30.0, help="a client must send its whole request within this time, else it is closed (default 30)")
+    serve_rm.add_argument("--stuck-after-s", type=float, default=60.0, help="a scoring call running longer than this makes GET / answer 503 and new POSTs get 503 instead of waiting (default 60)")
+    serve_rm.add_argument("--timeout-s", type=float, default=RewardConfig.timeout_s,
+                          help=f"a reward function's deadline per call, as reward.timeout_s (default {RewardConfig.timeout_s:g}); the request then gets HTTP 422")
     serve_rm.add_argument("--trust-remote-code", action="store_true", help="allow the model repository to run its own Python code")
     serve_rm.add_argument("--verbose", action="store_true", help="log every request to stderr")
     serve_rm.set_defaults(func=_serve_rm)

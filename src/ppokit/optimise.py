@@ -6,8 +6,14 @@
           loss = micro_batch_loss(...)
         clip gradients; refuse a non-finite loss or gradient; optimiser step; schedule step
 
-`micro_batches` is the one place micro-batches are formed and `micro_batch_loss` the one place a
-micro-batch's losses are computed; the optimiser and its schedule are built by `build_optimiser`.
+`micro_batches` is the one place micro-batches are formed (fixed rows, or a token budget:
+ppokit.batching), `loss_normalisers` the one place the loss normalisation is decided and
+`micro_batch_loss` the one place a micro-batch's losses are computed (`algo.ppo_loss` with the
+knobs of `loss_settings`); the
+optimiser and its schedule are built by `build_optimiser`: two parameter groups, the policy's and
+the critic's (`ppo.vf_learning_rate`), each on its own schedule; during the first
+`ppo.critic_warmup_updates` updates only the critic moves. Without a critic (a critic-free
+estimator) there is one group and no value loss.
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ppokit import algo, batching
+from ppokit import algo, batching, roles
 from ppokit.config import BatchSizes, PPOHyperparams
-from ppokit.guards import check_finite, gradient_norm
+from ppokit.guards import check_finite
 from ppokit.models import response_logprobs, response_values
 from ppokit.rollout import Rollout
 from ppokit.statistics import training_metrics
@@ -28,56 +34,101 @@ from ppokit.statistics import training_metrics
 
 class PolicyAndValue(nn.Module):
     """Policy and value model under one module, so one optimiser and one `prepare` cover both.
+    value_model is None for a critic-free estimator.
 
     lm_head_chunk_size: the memory-light LM head's chunk (None: the direct computation);
     `use_compiled_backbones()` runs both backbones through torch.compile in the training forward.
     """
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module, lm_head_chunk_size: Optional[int] = None):
+    def __init__(self, policy: nn.Module, value_model: Optional[nn.Module], lm_head_chunk_size: Optional[int] = None):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
         self.lm_head_chunk_size = lm_head_chunk_size
-        # Compiled stand-ins for the two backbones; a plain attribute, not submodules: they wrap these
-        # modules' own weights, which must not appear twice in a state_dict.
+        # Compiled stand-ins for the two backbones (training only); a plain attribute, not submodules:
+        # they wrap these modules' own weights, which must not appear twice in a state_dict.
         self.__dict__["backbones"] = (None, None)
 
     def use_compiled_backbones(self) -> None:
         from ppokit.compiled import compiled_backbone
 
-        self.__dict__["backbones"] = (compiled_backbone(self.policy), compiled_backbone(self.value_model))
+        critic = compiled_backbone(self.value_model) if self.value_model is not None else None
+        self.__dict__["backbones"] = (compiled_backbone(self.policy), critic)
 
     def forward(self, input_ids, attention_mask, response_ids, response_mask, temperature: float, entropy_grad: bool = False):
-        """(B, P + R), (B, R) -> (logprobs, entropy, values), each (B, R), 0 at padding.
+        """The training forward. (B, P + R), (B, R) -> (logprobs, entropy, values or None), each (B, R), 0 at padding.
 
-        Logprobs and entropy by `models.response_logprobs` (the reference pass uses it too); values:
-        the critic's value of the state before each response token.
+        Logprobs and entropy by `models.response_logprobs`, the function the reference pass uses too.
         """
         policy_backbone, value_backbone = self.__dict__["backbones"]
         logprobs, entropy = response_logprobs(
             self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=self.lm_head_chunk_size,
             with_entropy=True, entropy_grad=entropy_grad, backbone_fn=policy_backbone,
         )
-        values = response_values(self.value_model, input_ids, attention_mask, response_ids.shape[1], value_backbone)
-        return logprobs, entropy, values
+        return logprobs, entropy, self.values(input_ids, attention_mask, response_ids.shape[1], value_backbone)
+
+    def values(self, input_ids, attention_mask, response_length: int, backbone_fn=None) -> Optional[torch.Tensor]:
+        """(B, P + R) -> the critic's value of the state before each response token (B, R); None without a critic."""
+        if self.value_model is None:
+            return None
+        return response_values(self.value_model, input_ids, attention_mask, response_length, backbone_fn)
+
+    @contextlib.contextmanager
+    def critic_in_eval_mode(self):
+        """The critic in eval mode for the rollout's value pass (the policy is switched by the sampler's caller)."""
+        if self.value_model is None:
+            yield
+            return
+        self.value_model.eval()
+        try:
+            yield
+        finally:
+            self.value_model.train()
 
 
-def build_optimiser(model: nn.Module, hp: PPOHyperparams, num_steps: int):
-    """AdamW over every trainable parameter and its learning-rate schedule over `num_steps` optimiser steps.
+def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):
+    """AdamW and its learning-rate schedule over `num_steps` optimiser steps.
 
-    The schedule is stepped once per optimiser step by `ppo_epochs`, on every process alike; it is
-    deliberately not handed to accelerate, whose wrapper steps it once per process per call (with N
-    processes the rate then reaches 0 after 1/N of the run).
+    Two parameter groups: the policy's (`learning_rate`) and the critic's (`vf_learning_rate`,
+    default the same), in that order; both follow the schedule. The policy's schedule starts after
+    the critic's warm-up (`critic_warmup_updates`, counted here in optimiser steps), so its warm-up
+    and decay are the same as in a run without one. The schedule is stepped once per optimiser
+    step by `ppo_epochs`, on every process alike; it is deliberately not handed to accelerate,
+    whose wrapper steps it once per process per call (with N processes the rate then reaches 0
+    after 1/N of the run).
     """
+    policy_params, critic_params = roles.trainable_by_role(model.policy, model.value_model)
+    groups = [{"params": policy_params, "lr": hp.learning_rate}]
+    if critic_params:
+        groups.append({"params": critic_params, "lr": hp.vf_learning_rate or hp.learning_rate})
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        groups,
         lr=hp.learning_rate,
         eps=hp.adam_epsilon,
         weight_decay=hp.weight_decay,
         fused=_fused_adamw_supported(),  # one kernel per step instead of a loop of small ones
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps))
+    frozen = hp.critic_warmup_updates * hp.num_ppo_epochs * hp.num_mini_batches
+    schedules = [_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps - frozen, start=frozen)]
+    if critic_params:
+        schedules.append(_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     return optimizer, scheduler
+
+
+def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
+    """The knobs of `algo.ppo_loss` from the config (clip ranges default to `cliprange`)."""
+    return algo.LossSettings(
+        cliprange_low=hp.cliprange if hp.cliprange_low is None else hp.cliprange_low,
+        cliprange_high=hp.cliprange if hp.cliprange_high is None else hp.cliprange_high,
+        dual_clip_c=hp.dual_clip_c,
+        cliprange_value=hp.cliprange_value,
+        vf_coef=hp.vf_coef,
+        entropy_coef=hp.entropy_coef,
+        kl_loss_coef=hp.kl_loss_coef,
+        kl_loss_estimator=hp.kl_loss_estimator,
+        aggregation=hp.loss_aggregation,
+    )
 
 
 def micro_batches(rollout: Rollout, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Rollout]:
@@ -87,54 +138,74 @@ def micro_batches(rollout: Rollout, minibatch: torch.Tensor, sizes: BatchSizes, 
     return [mb for _, mb in batching.split(rollout, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch)]
 
 
-def loss_shares(micros: list[Rollout], by_tokens: bool, reduce_sum: Callable[[torch.Tensor], torch.Tensor], processes: int) -> list:
-    """The factor each micro-batch's token-mean loss is multiplied by before its backward: the one
-    place the loss normalisation is decided.
+def loss_normalisers(micros: list[Rollout], hp: PPOHyperparams, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                     processes: int) -> list[tuple[algo.LossNormalisers, float]]:
+    """(normalisers D, scale) for each micro-batch of one minibatch: its loss is ppo_loss(D) x scale.
+    The one place the loss normalisation is decided (algo's docstring states the contract).
 
-    Default (TRL): 1 / the number of micro-batches, so the accumulated gradient is the mean of the
-    micro-batches' token means (a token weighs more in a micro-batch with fewer tokens).
-    by_tokens (ppo.max_tokens_per_micro_batch): the micro-batch's real tokens / the minibatch's,
-    counted over every process and divided by their number (DDP averages gradients over processes):
-    the accumulated gradient is that of the token mean over the whole (global) minibatch, whatever its
-    split. A token-mean loss times its tokens is its sum, so this is sum_micro / D with one D per
-    minibatch (algo's contract for loss aggregations).
+    Default (TRL): D over each micro-batch's own rows, scale 1 / the number of micro-batches: the
+    gradient is the mean of the micro-batches' losses (a token weighs more in a micro-batch with fewer).
+    With ppo.max_tokens_per_micro_batch: one D over the whole minibatch, summed over every process and
+    divided by their number (DDP averages gradients), scale 1: the gradients of the micro-batches add
+    up to that of the global minibatch in one piece, however it was split.
     """
-    if not by_tokens:
-        return [1.0 / len(micros)] * len(micros)
-    tokens = torch.stack([mb.response_mask.sum() for mb in micros]).float()
-    per_process = reduce_sum(tokens.sum()) / processes
-    return list(tokens / per_process.clamp(min=1))
+    if hp.max_tokens_per_micro_batch is None:
+        return [(algo.loss_normalisers(mb.response_mask, hp.loss_aggregation, hp.response_length), 1.0 / len(micros)) for mb in micros]
+    width = max(mb.response_mask.shape[1] for mb in micros)
+    minibatch = torch.cat([nn.functional.pad(mb.response_mask, (0, width - mb.response_mask.shape[1])) for mb in micros])
+    local = algo.loss_normalisers(minibatch, hp.loss_aggregation, hp.response_length)
+    policy, value = (reduce_sum(torch.stack([local.policy, local.value])) / processes).unbind()
+    return [(algo.LossNormalisers(policy=policy, value=value), 1.0)] * len(micros)
 
 
-def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, share) -> tuple[torch.Tensor, dict]:
-    """The loss to back-propagate for one micro-batch (its token-mean loss times `share`, see
-    `loss_shares`) and its detached statistics (token means over the micro-batch)."""
-    new_logprobs, token_entropy, new_values = model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, hp.temperature)
-    pg_loss, pg_stats = algo.clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages, mb.response_mask, hp.cliprange)
-    vf_loss, vf_clipfrac = algo.clipped_value_loss(new_values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value)
-    loss = (pg_loss + hp.vf_coef * vf_loss) * share
+# Statistics that are terms of the loss (sums over the micro-batch's tokens over the minibatch's D when the
+# normaliser is the minibatch's: they add up over micro-batches); the others are token means of each micro-batch.
+LOSS_TERMS = ("pg_loss", "vf_loss", "kl_loss")
+
+
+def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, normalisers: algo.LossNormalisers,
+                     scale: float) -> tuple[torch.Tensor, dict]:
+    """The loss to back-propagate for one micro-batch (ppo_loss over `normalisers`, times `scale`;
+    see `loss_normalisers`) and its detached statistics."""
+    new_logprobs, token_entropy, new_values = model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask,
+                                                    hp.temperature, entropy_grad=hp.entropy_coef > 0)
+    terms = algo.ppo_loss(
+        loss_settings(hp), normalisers, mb.response_mask, new_logprobs, mb.logprobs, mb.advantages, token_entropy,
+        values=new_values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
+    )
+    loss = terms.loss * scale
     stats = {
-        "approxkl": pg_stats.approxkl, "clipfrac": pg_stats.clipfrac, "pg_loss": pg_loss.detach(), "vf_loss": vf_loss.detach(),
-        "vf_clipfrac": vf_clipfrac, "entropy": algo.masked_mean(token_entropy, mb.response_mask), "ratio": pg_stats.ratio,
+        "approxkl": terms.stats.approxkl, "clipfrac": terms.stats.clipfrac, "pg_loss": terms.policy, "entropy": terms.entropy,
+        "ratio": terms.stats.ratio,
     }
+    optional = {"vf_loss": terms.value, "vf_clipfrac": terms.value_clipfrac, "kl_loss": terms.kl, "dual_clipfrac": terms.dual_clipfrac}
+    stats.update({k: v for k, v in optional.items() if v is not None})
     return loss, stats
 
 
 def ppo_epochs(
-    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, accelerator,
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor], train_policy: bool = True,
 ) -> dict[str, float]:
     """Every optimiser step of one update; returns the loss statistics (means over processes) and
     perf/padding_share, the share of padding among the token positions the training forwards processed.
+    engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
 
-    Statistics are token means per micro-batch, averaged over micro-batches (TRL); with
-    ppo.max_tokens_per_micro_batch they are token means per minibatch, averaged over minibatches, so
-    that they do not depend on the split either (val/ratio_var is then the variance over minibatches).
+    Statistics are per micro-batch, averaged over micro-batches (TRL); with ppo.max_tokens_per_micro_batch
+    they are per minibatch (the loss terms summed over its micro-batches, the rest token means over it),
+    averaged over minibatches, so that they do not depend on the split either (val/ratio_var is then
+    the variance over minibatches).
+
+    train_policy False (the critic's warm-up): the loss is computed and back-propagated as usual
+    (every process's gradients are reduced alike), then the policy's gradients are dropped before
+    clipping, so the optimiser moves the critic alone and the policy's AdamW state stays untouched.
     """
-    device = rollout.query_ids.device
+    accelerator = engine.accelerator
     by_tokens = hp.max_tokens_per_micro_batch is not None
+    policy_params = optimizer.param_groups[0]["params"]
+    device = rollout.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
-    # A micro-batch (minibatch, by tokens) whose rows were all dropped (reward.on_error=skip) has no tokens: its
+    # A micro-batch (by tokens: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
     # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
     processed, real = 0, torch.zeros((), device=device)
@@ -142,20 +213,18 @@ def ppo_epochs(
         order = torch.randperm(len(rollout), device=device)
         for start in range(0, len(rollout), sizes.local_mini_batch):
             micros = micro_batches(rollout, order[start : start + sizes.local_mini_batch], sizes, hp)
-            shares = loss_shares(micros, by_tokens, reduce_sum, accelerator.num_processes)
             tokens = torch.stack([mb.response_mask.sum() for mb in micros]).float()
             step_loss = torch.zeros((), device=device)
             minibatch_stats: dict[str, torch.Tensor] = {}
-            for k, (mb, share) in enumerate(zip(micros, shares)):
-                # Gradients are synchronised across processes on the last micro-batch only.
-                with accelerator.no_sync(model) if k < len(micros) - 1 else contextlib.nullcontext():
-                    loss, micro_stats = micro_batch_loss(model, mb, hp, share)
+            for k, (mb, (normalisers, scale)) in enumerate(zip(micros, loss_normalisers(micros, hp, reduce_sum, accelerator.num_processes))):
+                with engine.no_sync(model, last=k == len(micros) - 1):
+                    loss, micro_stats = micro_batch_loss(model, mb, hp, normalisers, scale)
                     accelerator.backward(loss)
                 step_loss = step_loss + loss.detach()
-                if by_tokens:  # the minibatch's token mean: each micro-batch's mean weighted by its tokens
+                if by_tokens:
                     weight = tokens[k] / tokens.sum().clamp(min=1)
                     for key, value in micro_stats.items():
-                        minibatch_stats[key] = minibatch_stats.get(key, 0.0) + value * weight
+                        minibatch_stats[key] = minibatch_stats.get(key, 0.0) + value * (1.0 if key in LOSS_TERMS else weight)
                 else:
                     for key, value in micro_stats.items():
                         stats.setdefault(key, []).append(value)
@@ -166,10 +235,10 @@ def ppo_epochs(
                 has_tokens.append(tokens.sum() > 0)
             mb_processed, mb_real = batching.padded_tokens(micros)
             processed, real = processed + mb_processed, real + mb_real
-            if hp.max_grad_norm > 0:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
-            else:
-                grad_norm = gradient_norm(model.parameters())
+            if not train_policy:
+                for p in policy_params:
+                    p.grad = None
+            grad_norm = engine.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
             # Checked before the step: a non-finite loss or gradient must never reach the weights.
             # One check of both, so that several processes agree in one reduction.
             check_finite({"loss": step_loss, "gradient": grad_norm}, accelerator)
@@ -180,8 +249,13 @@ def ppo_epochs(
     return {**training_metrics(stats, has_tokens, reduce_sum), "perf/padding_share": 1.0 - padding[1].item() / max(padding[0].item(), 1.0)}
 
 
-def _lr_lambda(kind: str, warmup: int, total: int):
+def _lr_lambda(kind: str, warmup: int, total: int, start: int = 0):
+    """The schedule's factor at each optimiser step; a schedule that starts at step `start` is 0 before it."""
+
     def factor(step: int) -> float:
+        if step < start:
+            return 0.0
+        step -= start
         if warmup and step < warmup:
             return (step + 1) / warmup
         if kind == "constant":

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ppokit.config import LoraConfig, PPOConfig
+from ppokit.config import CRITIC_FREE_ESTIMATORS, LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.models import (
     backbone,
@@ -45,6 +45,7 @@ from ppokit.models import (
     frozen_copy,
     load_causal_lm,
     load_scalar_model,
+    model_config,
     unwrap_peft,
     value_model_from_policy,
 )
@@ -118,6 +119,7 @@ CRITIC_ON_REWARD = "adapter on the reward model"  # from_reward with lora: the r
 CRITIC_REWARD_COPY = "copy of the reward model"  # the reward model reads the policy's ids: its weights start the critic
 CRITIC_POLICY_PATH = "policy checkpoint"  # quantised policy: its checkpoint reloaded as a classifier
 CRITIC_POLICY_COPY = "policy backbone"  # a copy of the policy's backbone with a fresh head
+CRITIC_NONE = "none"  # a critic-free advantage estimator (grpo, rloo, reinforce_pp, remax): no value model
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,10 @@ class RoleLayout:
     @property
     def copies_reward_model(self) -> bool:
         return self.critic in (CRITIC_ON_REWARD, CRITIC_REWARD_COPY)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic != CRITIC_NONE
 
 
 def decide_roles(
@@ -152,7 +158,11 @@ def decide_roles(
         reference = REFERENCE_BASE if lora is not None else REFERENCE_COPY
     if config.value_model == "from_reward" and not reward_vocabulary:
         raise UserError("value_model: from_reward needs reward.model with the policy's vocabulary (the critic reads the policy's token ids)")
-    if config.value_model == "shared":
+    if config.ppo.advantage_estimator in CRITIC_FREE_ESTIMATORS:
+        if value_model_given:
+            raise UserError(f"value_model=: ppo.advantage_estimator {config.ppo.advantage_estimator} builds no value model; do not pass one")
+        critic = CRITIC_NONE
+    elif config.value_model == "shared":
         critic = CRITIC_SHARED
     elif value_model_given or (config.value_model and config.value_model != "from_reward"):
         critic = CRITIC_OWN
@@ -168,18 +178,37 @@ def decide_roles(
         reference=reference,
         critic=critic,
         policy_adapter=lora is not None,
-        critic_adapter=critic_lora and critic != CRITIC_SHARED,
+        critic_adapter=critic_lora and critic not in (CRITIC_SHARED, CRITIC_NONE),
         quantized=config.quantization,
     )
 
 
+def configs_reading_policy_ids(
+    layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, reward_vocabulary: Optional[bool], *,
+    model=None, ref_model=None, value_model=None,
+) -> dict:
+    """{role: model config} of every distinct model that reads the policy's token ids, before any
+    of their weights load: the policy (whose config its copies, adapters and backbone share), a
+    reference or critic of its own, and a reward model that scores the policy's ids (it starts the
+    critic too when the layout says so). For the checks of prompt lengths and token ids."""
+    trc = config.trust_remote_code
+    configs = {"model": model_config(model if model is not None else config.model, "model", trc)}
+    if layout.reference == REFERENCE_OWN:
+        configs["ref_model"] = model_config(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
+    if layout.critic == CRITIC_OWN:
+        configs["value_model"] = model_config(value_model if value_model is not None else config.value_model, "value_model", trc)
+    if reward_vocabulary and scorer.reward_model is not None:
+        configs["reward.model"] = scorer.reward_model.config
+    return configs
+
+
 @dataclass
 class Roles:
-    """The trainable policy and critic, and the frozen reference (None: the policy's base, adapters off)."""
+    """The trainable policy and critic (None without one), and the frozen reference (None: the policy's base, adapters off)."""
 
     policy: nn.Module
     reference: Optional[nn.Module]
-    value: nn.Module
+    value: Optional[nn.Module]
 
 
 def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, model=None, ref_model=None, value_model=None) -> Roles:
@@ -204,6 +233,7 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
         CRITIC_REWARD_COPY: lambda: frozen_copy(reward_model).train().requires_grad_(True),
         CRITIC_POLICY_PATH: lambda: value_model_from_path(config.model, trc, critic_kwargs),
         CRITIC_POLICY_COPY: lambda: value_model_from_policy(policy),
+        CRITIC_NONE: lambda: None,
     }[layout.critic]()
     for m in (policy, reference, value, reward_model):
         if m is not None:
@@ -220,7 +250,7 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     if config.gradient_checkpointing:
         shared = policy if layout.critic == CRITIC_SHARED else None
         enable_gradient_checkpointing(policy, shared)
-        if shared is None:
+        if shared is None and value is not None:
             enable_gradient_checkpointing(value)
     return Roles(policy, reference, value)
 
@@ -296,6 +326,19 @@ def adapter_parameters(peft_model) -> list[nn.Parameter]:
     return [p for n, p in peft_model.named_parameters() if "lora_" in n or "modules_to_save" in n]
 
 
+def trainable_by_role(policy: nn.Module, value: Optional[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the policy's trainable parameters, the critic's), each once: the two optimiser parameter groups.
+
+    The shared critic's adapter `value` lives inside the policy's PeftModel but trains the critic,
+    so it goes with the critic's head, not with the policy.
+    """
+    critic = [p for p in value.parameters() if p.requires_grad] if value is not None else []
+    if isinstance(value, SharedBaseCritic):
+        critic += [p for n, p in policy.named_parameters() if p.requires_grad and f".{VALUE_ADAPTER}." in n]
+    taken = {id(p) for p in critic}
+    return [p for p in policy.parameters() if p.requires_grad and id(p) not in taken], critic
+
+
 @contextlib.contextmanager
 def active_adapter(peft_model, name: str):
     """Run with adapter `name` active, then switch back; every adapter keeps requires_grad."""
@@ -346,8 +389,18 @@ class SharedBaseCritic(nn.Module):
         self.config = base.config
 
     def backbone(self, **inputs):
-        with active_adapter(self.policy, VALUE_ADAPTER):
-            return backbone(self.policy.get_base_model())(**inputs)
+        """The base's hidden states with the `value` adapter active. They are read from a forward of
+        the whole causal LM (its head on the last position only, a negligible cost), not of the backbone
+        alone: under FSDP the embeddings tied to the LM head are gathered by that model's forward."""
+        base = self.policy.get_base_model()
+        captured = {}
+        handle = backbone(base).register_forward_hook(lambda module, args, output: captured.setdefault("output", output))
+        try:
+            with active_adapter(self.policy, VALUE_ADAPTER):
+                base(**inputs, logits_to_keep=1)
+        finally:
+            handle.remove()
+        return captured["output"]
 
     def save_pretrained(self, directory) -> None:
         """adapter_config.json + adapter_model.safetensors (the `value` adapter) and the head."""

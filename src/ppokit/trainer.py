@@ -1,11 +1,11 @@
 """PPOTrainer: one update is a sequence of numbered stages, readable top to bottom in `step`.
 
-    1. generate   sample a response for each prompt of the batch (KV cache, stop token)
-    2. score      reward sources on prompt + completion text (and token ids)
-    3. forward    reference logprobs and values for every response token
-    4. reward     per-token KL penalty plus the score at the last real token
-    5. advantages GAE, then whitening
-    6. optimise   num_ppo_epochs passes of clipped policy + value loss over minibatches
+    1. generate   sample n responses for each prompt of the batch (KV cache, stop token)
+    2. score      reward sources on prompt + completion text (and token ids); ReMax: its greedy baseline
+    3. forward    reference logprobs and (with a critic) values for every response token
+    4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at the last real token
+    5. advantages ppo.advantage_estimator (algo.advantages: gae, grpo, rloo, reinforce_pp, remax)
+    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches
     7. log        metrics.jsonl, console, samples.jsonl
     8. save       checkpoint every save_steps, final model at the end
 """
@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, roles
+from ppokit import algo, batching, checkpoint, parallel, roles, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts, atomic_save_dir
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
@@ -51,9 +51,9 @@ from ppokit.models import (
     response_values,
 )
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
-from ppokit.prompts import encode_prompts, load_prompt_data
+from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.rollout import COMPACT_FINISHED_ROWS_EVERY, HFSampler, Rollout
+from ppokit.rollout import HFSampler, Rollout, repeat_each
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
 
@@ -95,7 +95,9 @@ class PPOTrainer:
     ):
         self.config = config = _run_config(config, model, reward_model, reward_functions)
         roles.check_environment(config)  # before any weights load
+        trackers.check_installed(config.report_to)  # likewise: a missing tracker package is one line, not a late crash
         self.accelerator = accelerator or _make_accelerator(config)
+        self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)
         self.output_dir = Path(config.output_dir)
         self.show_progress = show_progress and self.accelerator.is_main_process
@@ -109,13 +111,15 @@ class PPOTrainer:
         self.stop_token_id = resolve_stop_token(self.tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
         batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in self.train_query_ids], config.ppo.response_length)
         self.scorer = self._scorer(reward_model, reward_tokenizer, reward_functions)
+        reward_vocabulary = None if self.scorer.reward_model is None else self.scorer.reward_model_shares_vocabulary(self.tokenizer)
         self.layout = roles.decide_roles(
-            config,
-            reward_vocabulary=None if self.scorer.reward_model is None else self.scorer.reward_model_shares_vocabulary(self.tokenizer),
-            ref_model_given=ref_model is not None,
-            value_model_given=value_model is not None,
+            config, reward_vocabulary=reward_vocabulary, ref_model_given=ref_model is not None, value_model_given=value_model is not None
         )
-        built = roles.build_roles(self.layout, config, self.scorer, model=model, ref_model=ref_model, value_model=value_model)
+        given = dict(model=model, ref_model=ref_model, value_model=value_model)
+        readers = roles.configs_reading_policy_ids(self.layout, config, self.scorer, reward_vocabulary, **given)
+        check_prompts_fit(readers, [("data.train", self.train_data, self.train_query_ids), ("data.eval", self.eval_data, self.eval_query_ids)],
+                          config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
+        built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
@@ -156,22 +160,21 @@ class PPOTrainer:
         )
 
     def _prepare(self, built: roles.Roles):
-        """Policy and critic under one trainable module with its optimiser over every optimiser step
-        of the run; frozen models on the device. -> (model, optimizer, scheduler, reference or None)."""
-        config, device = self.config, self.accelerator.device
-        hp = config.ppo
+        """Policy and critic under one trainable module with its optimiser over every optimiser step of the
+        run; frozen models placed by the engine too. -> (model, optimizer, scheduler, reference or None)."""
+        config, hp = self.config, self.config.ppo
+        steps = self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches
         switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
         for role in (built.policy, built.reference) if switch else ():
             if role is not None:  # the light head and the compiled forward read logits from the last hidden state
                 check_output_head(role, switch)
-        model = PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train()
+        model, optimizer, scheduler = self.engine.prepare(PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train(),
+                                                          lambda m: build_optimiser(m, hp, steps))
         if config.compile:
-            model.use_compiled_backbones()
-        optimizer, scheduler = build_optimiser(model, hp, self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches)
-        model, optimizer = self.accelerator.prepare(model, optimizer)
+            self.accelerator.unwrap_model(model).use_compiled_backbones()
         if self.scorer.reward_model is not None:
-            self.scorer.reward_model.to(device).eval()
-        reference = built.reference.to(device).eval() if built.reference is not None else None
+            self.engine.place_frozen(self.scorer.reward_model).eval()
+        reference = self.engine.place_frozen(built.reference).eval() if built.reference is not None else None
         return model, optimizer, scheduler, reference
 
     def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -182,8 +185,9 @@ class PPOTrainer:
     # ------------------------------------------------------------------ data order
 
     def batch_indices(self, update: int) -> list[int]:
-        """Prompt indices of update `update` (0-based) on this process: a seeded shuffle per pass over the data."""
-        n, batch = len(self.train_data), self.sizes.batch
+        """Prompt indices of update `update` (0-based) on this process: a seeded shuffle per pass over the data.
+        Each process takes whole prompts and samples all n responses of each (docs/algorithms.md)."""
+        n, batch = len(self.train_data), self.sizes.prompts_per_update
         start = update * batch
         indices = []
         while len(indices) < batch:
@@ -203,13 +207,12 @@ class PPOTrainer:
     def value_model(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).value_model
 
-    def generate(self, query_ids: list[list[int]]) -> Rollout:
-        hp = self.config.ppo
+    def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
+        """One response per query; purpose: train, eval or greedy (rollout.HFSampler.for_purpose)."""
         ids, mask = left_pad(query_ids, self.tokenizer.pad_token_id, self.accelerator.device)
-        sampler = HFSampler(self.policy, hp.response_length, hp.temperature, self.stop_token_id, self.tokenizer.pad_token_id,
-                            hp.local_rollout_forward_batch_size, compact_every=COMPACT_FINISHED_ROWS_EVERY)
+        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.tokenizer.pad_token_id, purpose)
         self.policy.eval()
-        with self.accelerator.autocast():  # the same precision as the training forward, so the first ratio is 1
+        with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
             rollout = sampler.sample(ids, mask)
         self.policy.train()
         return rollout
@@ -234,21 +237,23 @@ class PPOTrainer:
         }
 
     @torch.inference_mode()
-    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference logprobs and values for every response token, in chunks of local_rollout_forward_batch_size
-        rows (with ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, trimmed)."""
+    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Reference logprobs and values (None without a critic) for every response token, in chunks of
+        local_rollout_forward_batch_size rows (with ppo.max_tokens_per_micro_batch: that many rows of the
+        batch's width in tokens, rows of similar length together, trimmed)."""
         hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
         budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
+        both = self.accelerator.unwrap_model(self.model)
         ref_logprobs, values = [], []
-        self.value_model.eval()
-        for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
-            ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask)))
-            with self.accelerator.autocast():
-                chunk_values = response_values(self.value_model, mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
-            values.append((index, chunk_values.masked_fill(~mb.response_mask, 0.0)))
-        self.value_model.train()
+        with both.critic_in_eval_mode():
+            for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
+                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask)))
+                with self.accelerator.autocast():
+                    chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
+                if chunk_values is not None:
+                    values.append((index, chunk_values.masked_fill(~mb.response_mask, 0.0)))
         shape = rollout.response_ids.shape
-        return batching.restore(ref_logprobs, *shape), batching.restore(values, *shape)
+        return batching.restore(ref_logprobs, *shape), batching.restore(values, *shape) if values else None
 
     def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
         """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with
@@ -261,9 +266,19 @@ class PPOTrainer:
                 return response_logprobs(self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
-        """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics."""
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, self.config.ppo, self.sizes, self.accelerator,
-                          self._sum_over_processes)
+        """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
+        During the first ppo.critic_warmup_updates updates only the critic moves."""
+        hp = self.config.ppo
+        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
+                          self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates)
+
+    def greedy_baseline(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ReMax's baseline: the score of one greedy response to each training prompt `indices`, repeated
+        for its n samples -> (scores (B,), valid (B,) bool). Scored without moving the reward normalisation."""
+        n = self.sizes.samples_per_prompt
+        greedy = self.generate([self.train_query_ids[i] for i in indices], purpose="greedy")
+        scores, extras = self.score(greedy, *self.train_data.rows(indices), update_statistics=False)
+        return scores.repeat_interleave(n), extras["valid"].repeat_interleave(n)
 
     def step(self) -> dict[str, Any]:
         """Run one PPO update and return its metrics."""
@@ -274,15 +289,20 @@ class PPOTrainer:
                 "raise ppo.total_episodes to train further"
             )
         t0 = time.perf_counter()
+        n = self.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
-        prompts, columns = self.train_data.rows(indices)
+        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (Rollout's group layout)
+        prompts, columns = self.train_data.rows(samples)
 
         # 1. generate
-        rollout = self.generate([self.train_query_ids[i] for i in indices])
+        rollout = self.generate([self.train_query_ids[i] for i in samples])
         t_generate = time.perf_counter()
 
         # 2. score
         rollout.scores, extras = self.score(rollout, prompts, columns)
+        if hp.advantage_estimator in algo.GREEDY_BASELINE_ESTIMATORS:
+            rollout.baseline_scores, baseline_valid = self.greedy_baseline(indices)
+            extras["valid"] = extras["valid"] & baseline_valid
         rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
         check_finite({"score": rollout.scores}, self.accelerator)
         check_some_scored(extras["valid"], extras["errors"], self.accelerator)
@@ -292,27 +312,29 @@ class PPOTrainer:
         rollout.ref_logprobs, rollout.values = self.reference_and_values(rollout)
         t_forward = time.perf_counter()
 
-        # 4. reward: per-token KL penalty, score at the last real token
+        # 4. reward: per-token KL penalty (when it is in the reward), score at the last real token
         mask = rollout.response_mask
         kl = algo.kl_per_token(rollout.logprobs, rollout.ref_logprobs, hp.kl_estimator) * mask
-        rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, self.kl_controller.value)
+        kl_coef = self.kl_controller.value if hp.kl_in_reward else 0.0
+        rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, kl_coef)
         if hp.whiten_rewards:
             rollout.rewards = algo.masked_whiten(rollout.rewards, mask, shift_mean=False)
 
         # 5. advantages
-        rollout.advantages, rollout.returns = algo.gae(rollout.rewards, rollout.values, mask, hp.gamma, hp.lam)
-        if hp.whiten_advantages:
-            rollout.advantages = algo.masked_whiten(rollout.advantages, mask)
+        rollout.advantages, rollout.returns = algo.advantages(
+            hp.advantage_estimator, rollout.rewards, mask, values=rollout.values, gamma=hp.gamma, lam=hp.lam,
+            whiten=hp.whiten_advantages, group_size=n, grpo_scale_std=hp.grpo_scale_std,
+            baseline_scores=rollout.baseline_scores, all_reduce=self._sum_over_processes,
+        )
 
         # 6. optimise
-        lr = self.scheduler.get_last_lr()[0]
+        lrs = self.scheduler.get_last_lr()
         train_stats = self.optimise(rollout)
         t_train = time.perf_counter()
 
         # 7. log
         state.update += 1
         state.episode += self.sizes.batch
-        kl_coef = self.kl_controller.value
         objective = objective_metrics(rollout, kl, non_score, extras["valid"], kl_coef, self._sum_over_processes)
         self.kl_controller.update(objective["objective/kl"], self.sizes.batch)
         elapsed = t_train - t0
@@ -322,7 +344,8 @@ class PPOTrainer:
             **objective,
             **train_stats,
             **extras["metrics"],
-            "lr": lr,
+            "lr": lrs[0],
+            **({"lr/value": lrs[1]} if hp.vf_learning_rate is not None or hp.critic_warmup_updates else {}),
             "eps": self.sizes.batch / elapsed,
             "time/generation": t_generate - t0,
             "time/scoring": t_score - t_generate,
@@ -429,12 +452,12 @@ class PPOTrainer:
         return path
 
     def _trained_parts(self) -> TrainedParts:
-        return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller,
-                            self.scorer, adapters=self.layout.policy_adapter or self.layout.critic_adapter)
+        return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller, self.scorer,
+                            self.layout.policy_adapter or self.layout.critic_adapter, self.engine.checkpoint_weights())
 
     def _run_facts(self) -> RunFacts:
         return RunFacts(self.output_dir, self.train_data, self.eval_data, self.sizes.batch, self.sizes.num_updates,
-                        self.config.ppo.save_total_limit)
+                        self.config.ppo.save_total_limit, self.sizes.samples_per_prompt)
 
     @torch.inference_mode()
     def evaluate(self, max_prompts: Optional[int] = None, seed: Optional[int] = None) -> dict[str, float]:
@@ -442,9 +465,9 @@ class PPOTrainer:
         current policy, score them, and return `eval/scores`, `eval/response_length`, `eval/ended`
         (share of responses that produced the stop token) and `eval/num_scored`.
 
-        Sampling uses its own generator seeded with `seed` (default `config.seed`), so the result is
-        repeatable and training's random stream is left as it was. Reward normalisation statistics
-        are not updated.
+        Sampling is at `ppo.eval_temperature` (default the training temperature; 0: greedy) with its
+        own generator seeded with `seed` (default `config.seed`), so the result is repeatable and
+        training's random stream is left as it was. Reward normalisation statistics are not updated.
         """
         if self.eval_data is None:
             raise UserError("evaluate: no eval prompts; set data.eval or data.eval_fraction, or pass eval_dataset=")
@@ -457,7 +480,7 @@ class PPOTrainer:
             for start in range(0, n, chunk):
                 rows = range(start, min(n, start + chunk))
                 prompts, columns = self.eval_data.rows(rows)
-                rollout = self.generate([self.eval_query_ids[i] for i in rows])
+                rollout = self.generate([self.eval_query_ids[i] for i in rows], purpose="eval")
                 batch_scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
                 valid = extras["valid"]
                 scores += batch_scores[valid].tolist()
@@ -480,7 +503,7 @@ class PPOTrainer:
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
             prompts, columns = self.eval_data.rows(range(n))
-            rollout = self.generate(self.eval_query_ids[:n])
+            rollout = self.generate(self.eval_query_ids[:n], purpose="eval")
             scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
             completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
         else:
@@ -501,27 +524,30 @@ class PPOTrainer:
         return self._saved_at[1]
 
     def save_final(self) -> Path:
-        """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/."""
+        """policy + tokenizer in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
         target = self.output_dir / "final"
-        if self.accelerator.is_main_process:
-            self.save_models(target)
+        self.save_models(target)
         self.accelerator.wait_for_everyone()
         return target
 
     def save_models(self, target: Path, merged: bool = True) -> None:
-        """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured."""
+        """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured.
+        Every process calls this; the main one writes the engine's whole copy of the models."""
+        with self.engine.consolidated(self.model) as whole, _no_save_progress_bars():
 
-        def write(tmp: Path) -> None:
-            merged_dir = tmp / "merged" if merged and self.config.save_merged else None
-            roles.save_policy(self.policy, tmp, merged_dir)
-            self.tokenizer.save_pretrained(tmp)
-            if merged_dir is not None:
-                self.tokenizer.save_pretrained(merged_dir)
-            roles.save_value_model(self.value_model, tmp / "value_model")
-            self.tokenizer.save_pretrained(tmp / "value_model")
+            def write(tmp: Path) -> None:
+                merged_dir = tmp / "merged" if merged and self.config.save_merged else None
+                roles.save_policy(whole.policy, tmp, merged_dir)
+                self.tokenizer.save_pretrained(tmp)
+                if merged_dir is not None:
+                    self.tokenizer.save_pretrained(merged_dir)
+                if whole.value_model is None:  # a critic-free estimator
+                    return
+                roles.save_value_model(whole.value_model, tmp / "value_model")
+                self.tokenizer.save_pretrained(tmp / "value_model")
 
-        with _no_save_progress_bars():
-            atomic_save_dir(target, write)
+            if whole is not None:
+                atomic_save_dir(target, write)
 
 
 def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPOConfig:
@@ -537,7 +563,7 @@ def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPO
 
 
 def _make_accelerator(config: PPOConfig) -> Accelerator:
-    accelerator = Accelerator(mixed_precision=roles.mixed_precision(config))
+    accelerator = Accelerator(mixed_precision=parallel.accelerator_mixed_precision(config.parallel, roles.mixed_precision(config)))
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes != launched:
         # Every process would believe it is the only one and write the same run directory.
