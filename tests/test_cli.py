@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 
@@ -102,3 +103,32 @@ def test_reward_skip_warning_is_one_line_without_source(model_dir, prompts_file,
     warned = [line for line in lines if "reward.on_error=skip: dropping samples" in line]
     assert len(warned) == 1 and warned[0].startswith("ppokit: warning: "), result.stderr
     assert "UserWarning" not in result.stderr and "_score_source(" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_run_the_plan_says_cannot_fit_stops_before_loading_weights_unless_forced(model_dir, tmp_path, capsys, monkeypatch):
+    from ppokit.cli import main
+
+    prompts = tmp_path / "huge.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie was " * 750_000}) + "\n" + '{"prompt": "the plot was"}\n' * 15)  # one 10 MB prompt
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts, tmp_path / "run")
+    assert main(["ppo", str(config)]) == 3
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("ppokit: error: plan: estimated peak ") and "DOES NOT FIT (prompts up to 2250000 tokens)" in line, err
+    assert line.endswith("data.max_prompt_length would cut long prompts. Change the config (see `ppokit plan`), or pass --ignore-plan to start anyway")
+    assert not (tmp_path / "run").exists()
+
+    import ppokit.trainer
+
+    class Loaded(Exception):
+        pass
+
+    def reached_the_trainer(*args, **kwargs):
+        raise Loaded  # --ignore-plan goes on to load the models; the run itself would exhaust this machine
+
+    monkeypatch.setattr(ppokit.trainer, "PPOTrainer", reached_the_trainer)
+    with pytest.raises(Loaded):
+        main(["ppo", str(config), "--ignore-plan"])
+    with pytest.raises(Loaded):
+        main(["ppo", str(config), "data.max_prompt_length=16"])  # the plan's way out: it fits

@@ -90,3 +90,81 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
     bad.write_text("model: [unclosed")
     with pytest.raises(UserError, match="not valid YAML"):
         PPOConfig.load(bad)
+
+
+# --------------------------------------------------------------------------- config files a user can get wrong
+
+
+def test_config_files_in_other_encodings_or_binary(tmp_path):
+    good = "model: m\nreward: {functions: [sentiment]}\ndata: {train: p.jsonl}\nppo: {kl_coef: 0.1}\n"
+    for encoding in ("utf-16", "utf-8-sig"):  # what Windows editors and PowerShell's `>` write: with a byte-order mark
+        path = tmp_path / f"{encoding}.yaml"
+        path.write_bytes(good.encode(encoding))
+        assert PPOConfig.load(path).ppo.kl_coef == 0.1
+    binary = tmp_path / "model.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00")
+    with pytest.raises(UserError, match=r"model\.yaml:3: holds NUL bytes: a binary file .*save it as UTF-8"):
+        PPOConfig.load(binary)
+    headless = tmp_path / "utf16-no-bom.yaml"
+    headless.write_bytes(good.encode("utf-16-le"))
+    with pytest.raises(UserError, match=r"utf16-no-bom\.yaml:1: holds NUL bytes"):
+        PPOConfig.load(headless)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("model: m\n# café\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1\.yaml:2: not UTF-8 text \(byte 0xe9\)"):
+        PPOConfig.load(latin1)
+    with pytest.raises(UserError, match="is a directory, not a YAML config file"):
+        PPOConfig.load(tmp_path)
+
+
+def test_a_key_or_section_written_twice_names_it_and_both_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: m\nppo:\n  kl_coef: 0.1\nreward:\n  functions: [sentiment]\nppo:\n  learning_rate: 1.0e-5\n")
+    with pytest.raises(UserError, match=re.escape("c.yaml:6: section ppo is written twice (lines 2 and 6)")):
+        PPOConfig.load(path)
+    path.write_text("model: m\nppo:\n  kl_coef: 0.1\n  cliprange: 0.3\n  kl_coef: 0.2\n")
+    with pytest.raises(UserError, match=re.escape("c.yaml:5: key ppo.kl_coef is written twice (lines 3 and 5)")):
+        PPOConfig.load(path)
+    path.write_text("reward:\n  functions:\n    - {function: contains, required: [a], required: [b]}\n")
+    with pytest.raises(UserError, match=re.escape("key reward.functions[0].required is written twice")):
+        PPOConfig.load(path)
+    path.write_text("model: &m [*m]\n")  # a recursive anchor is not followed for ever
+    with pytest.raises(UserError, match="model: expected a string"):
+        PPOConfig.load(path)
+
+
+@pytest.mark.parametrize("seed, ok", [(0, True), (2**32 - 1, True), (-1, False), (2**32, False)])
+def test_seed_range_is_checked_at_config_time(seed, ok):
+    from ppokit.config import RMConfig, SFTConfig
+
+    for cls, args in ((PPOConfig, BASE), (SFTConfig, ["model=m", "data.train=t.jsonl"]), (RMConfig, ["model=m", "data.train=t.jsonl"])):
+        if ok:
+            assert cls.load(None, [*args, f"seed={seed}"]).seed == seed
+        else:
+            with pytest.raises(UserError, match=re.escape(f"seed: value {seed} is out of range, it must be in 0..2**32-1")):
+                cls.load(None, [*args, f"seed={seed}"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (".ppo=1", "override '.ppo=1': '.ppo' has an empty part; write section.key=value"),
+        ("ppo..kl_coef=1", "'ppo..kl_coef' has an empty part"),
+        ("ppo.=1", "'ppo.' has an empty part"),
+        ("output_dir=", "output_dir: may not be empty"),
+        ("output_dir=' '", "output_dir: may not be empty"),
+    ],
+)
+def test_empty_keys_and_an_empty_output_dir_are_config_errors(override, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        PPOConfig.load(None, BASE + [override])
+
+
+def test_odd_yaml_keys_are_named_visibly(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("'': 1\n")
+    with pytest.raises(UserError, match=re.escape("unknown config key ''; known keys here: model")):
+        PPOConfig.load(path)
+    path.write_text("ppo:\n  1: 2\n")
+    with pytest.raises(UserError, match=re.escape("unknown config key ppo.1; known keys")):
+        PPOConfig.load(path)

@@ -39,7 +39,7 @@ def _ppo(args) -> int:
     from ppokit.trainer import PPOTrainer
 
     if _is_main_process():
-        _preflight(config)
+        _preflight(config, args.ignore_plan)
     trainer = PPOTrainer(config)
     if resume_path is not None:
         trainer.resume_from(resume_path, force=args.resume_force)
@@ -63,8 +63,19 @@ def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _preflight(config) -> None:
-    """The plan's verdict before any weights load: a warning, never a failure (config mistakes are the config's)."""
+PLAN_DOES_NOT_FIT = 3
+
+
+class PlanDoesNotFit(UserError):
+    """The plan estimates that the run does not fit the device: the run stops before any weights load."""
+
+    exit_code = PLAN_DOES_NOT_FIT
+
+
+def _preflight(config, ignore_plan: bool = False) -> None:
+    """The plan before any weights load. A run it estimates not to fit stops here, unless `ignore_plan`
+    (a run that cannot fit would fail later, after loading every model, or exhaust the machine's
+    memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
     from ppokit.plan import plan_for
 
     if config.ppo.total_episodes is not None:
@@ -77,14 +88,20 @@ def _preflight(config) -> None:
     except Exception as e:  # an estimate must never stop a run that might fit
         print(f"plan: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
         return
+    if not plan.fits and not ignore_plan:
+        suggestion = f"; it would fit with {plan.suggestion}" if plan.suggestion else ""
+        if config.data.max_prompt_length is None:
+            suggestion += "; data.max_prompt_length would cut long prompts"
+        raise PlanDoesNotFit(
+            f"plan: {plan.summary()} (prompts up to {plan.sequence['prompt']} tokens){suggestion}. "
+            "Change the config (see `ppokit plan`), or pass --ignore-plan to start anyway"
+        )
     print(f"plan: {plan.summary()}", file=sys.stderr)
     for warning in plan.warnings:
         print(f"plan: warning: {warning}", file=sys.stderr)
     if plan.suggestion:
         print(f"plan: would fit with: {plan.suggestion} (see `ppokit plan`)", file=sys.stderr)
 
-
-PLAN_DOES_NOT_FIT = 3
 
 
 def _plan(args) -> int:
@@ -117,7 +134,7 @@ def _sft(args) -> int:
     from ppokit.config import SFTConfig
     from ppokit.stages.sft import run_sft
 
-    summary = run_sft(SFTConfig.load(args.config, args.overrides))
+    summary = run_sft(SFTConfig.load(args.config, args.overrides), overwrite=args.overwrite)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
@@ -126,7 +143,7 @@ def _rm(args) -> int:
     from ppokit.config import RMConfig
     from ppokit.stages.rm import run_rm
 
-    summary = run_rm(RMConfig.load(args.config, args.overrides))
+    summary = run_rm(RMConfig.load(args.config, args.overrides), overwrite=args.overwrite)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
@@ -134,7 +151,7 @@ def _rm(args) -> int:
 def _pipeline(args) -> int:
     from ppokit.stages.pipeline import run_pipeline
 
-    summaries = run_pipeline(args.config, args.overrides)
+    summaries = run_pipeline(args.config, args.overrides, overwrite=args.overwrite)
     print(json.dumps({stage: {k: v for k, v in s.items() if k not in ("length_rule", "chat_template", "scores")} for stage, s in summaries.items()}))
     return 0
 
@@ -163,6 +180,12 @@ def _serve_rm(args) -> int:
     return 0
 
 
+OVERWRITE_HELP = (
+    "replace output_dir even when it is not a ppokit output (ppokit knows its own by the .ppokit marker in them; "
+    "without this flag it replaces only those)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-force", action="store_true",
         help="resume even when config keys that change the result differ from the checkpoint's (they are listed)",
     )
+    ppo.add_argument(
+        "--ignore-plan", action="store_true",
+        help=f"start even when the memory plan (`ppokit plan`) estimates that the run does not fit; without it such a run "
+        f"stops before loading any weights, with exit status {PLAN_DOES_NOT_FIT}",
+    )
     ppo.set_defaults(func=_ppo)
 
     for name, func, what in (
@@ -189,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         stage = sub.add_parser(name, help=what)
         stage.add_argument("config", help="YAML config file")
         stage.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        stage.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
         stage.set_defaults(func=func)
 
     data = sub.add_parser("data", help="look at a data source").add_subparsers(dest="data_command", required=True)
@@ -259,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         except UserError as e:
             print(f"ppokit: error: {e}", file=sys.stderr)
-            return 2
+            return getattr(e, "exit_code", 2)
         except KeyboardInterrupt:
             print("ppokit: interrupted", file=sys.stderr)
             return 130

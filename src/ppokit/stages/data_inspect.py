@@ -79,7 +79,7 @@ def inspect_data(
             rule.prompts_truncated += tokenizer is not None and max_prompt_length is not None and n > max_prompt_length
             if i < examples:
                 prompts, columns = dataset.rows([i])
-                shown.append({"prompt": prompts[0], **{k: _short(v[0]) for k, v in columns.items()}})
+                shown.append({"prompt": _short(prompts[0]), **{k: _short(v[0]) for k, v in columns.items()}})
     else:
         items = sft_pairs(records) if stage == "sft" else preference_triples(records)
         names = ("completion",) if stage == "sft" else ("chosen", "rejected")
@@ -109,7 +109,7 @@ def inspect_data(
             rule.completions_cut += any_cut and not dropped
             rule.dropped += dropped
             if i < examples:
-                shown.append(row_view)
+                shown.append({k: _short(v) for k, v in row_view.items()})
     return {
         "source": records.source,
         "format": records.format,
@@ -122,13 +122,17 @@ def inspect_data(
         "limits": {"max_prompt_length": max_prompt_length, "max_length": max_length},
         "length_rule": vars(rule) if tokenizer is not None else None,
         "chat_template": renderer.template_used,
+        "empty_cells": records.origin.empty_cells if records.origin is not None else None,
         "examples": shown,
     }
 
 
-def _short(value, limit: int = 200):
+EXAMPLE_CHARS = 300  # an example longer than this is cut (a 10 MB prompt would fill the terminal)
+
+
+def _short(value, limit: int = EXAMPLE_CHARS):
     text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
 
 
 def format_report(report: dict) -> str:
@@ -154,6 +158,9 @@ def format_report(report: dict) -> str:
             f"max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated from the left "
             f"| max_length {limits['max_length']}: {rule['completions_cut']} completions cut, {rule['dropped']} rows dropped",
         ))
+    if report.get("empty_cells"):
+        cells = ", ".join(f"{column} {n}" for column, n in sorted(report["empty_cells"].items()))
+        lines.append(row("empty cells", f"{cells} (read as empty strings)"))
     if report["chat_template"] is not None:
         lines.append(row("template", report["chat_template"].replace("\n", "\\n")[:120]))
     for i, example in enumerate(report["examples"], start=1):

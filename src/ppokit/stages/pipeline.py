@@ -17,10 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import yaml
 
 from ppokit.config import PPOConfig, PipelineConfig, RMConfig, SFTConfig, apply_override, build, parse_override, read_yaml
 from ppokit.errors import UserError
+from ppokit.run_dir import check_output_dir, check_replaceable
 from ppokit.stages.common import printer
 
 STAGES = ("sft", "rm", "ppo")
@@ -69,15 +69,15 @@ def completed_output(stage: str, output_dir: Path) -> Optional[Path]:
     return recorded if done and recorded.is_file() else None
 
 
-def run_stage(stage: str, config, show_progress: bool) -> dict:
+def run_stage(stage: str, config, show_progress: bool, overwrite: bool = False) -> dict:
     if stage == "sft":
         from ppokit.stages.sft import run_sft
 
-        return run_sft(config, show_progress)
+        return run_sft(config, show_progress, overwrite)
     if stage == "rm":
         from ppokit.stages.rm import run_rm
 
-        return run_rm(config, show_progress)
+        return run_rm(config, show_progress, overwrite)
     from ppokit.trainer import PPOTrainer
 
     records = PPOTrainer(config, show_progress=show_progress).train()
@@ -97,9 +97,11 @@ def run_pipeline(
     overrides: list[str] | None = None,
     data: dict | None = None,
     show_progress: bool = True,
-    runner: Callable[[str, Any, bool], dict] = run_stage,
+    runner: Callable[[str, Any, bool, bool], dict] = run_stage,
+    overwrite: bool = False,
 ) -> dict:
-    """Run (or skip) each stage in order; -> {stage: summary}, a skipped stage's summary has skipped=True."""
+    """Run (or skip) each stage in order; -> {stage: summary}, a skipped stage's summary has skipped=True.
+    `overwrite`: a stage may replace an output folder that ppokit did not write."""
     say = printer(show_progress, "pipeline")
     raw = dict(data or {})
     if path is not None:
@@ -114,13 +116,23 @@ def run_pipeline(
             configs[stage] = build(CONFIG_CLASSES[stage], section).validate()
         except UserError as e:
             raise UserError(f"{stage}: {e}") from None
+    for stage, config in configs.items():  # every output folder, before anything trains
+        try:
+            check_output_dir(config.output_dir)
+            if stage != "ppo":
+                check_replaceable(config.output_dir, overwrite)
+        except UserError as e:
+            raise UserError(f"{stage}: {e}") from None
     summaries: dict[str, dict] = {}
     earlier_ran = False
     for stage, config in configs.items():
         out = Path(config.output_dir)
         recorded = completed_output(stage, out)
         if recorded is not None and not earlier_ran:
-            changed = differences(config.to_dict(), yaml.safe_load(recorded.read_text()) or {})
+            try:
+                changed = differences(config.to_dict(), read_yaml(recorded))
+            except UserError as e:  # a damaged record: the output cannot be trusted to match
+                changed = [f"its config.yaml is unreadable: {e}"]
             if not changed:
                 say(f"{stage}: skipped, {out} is complete and was made with this config")
                 summaries[stage] = {"stage": stage, "output_dir": str(out), "skipped": True}
@@ -133,6 +145,6 @@ def run_pipeline(
         if stage == "ppo" and (out / "final").exists():
             # final/ marks a complete run; the old one must not outlive a run that crashes.
             shutil.rmtree(out / "final")
-        summaries[stage] = runner(stage, config, show_progress)
+        summaries[stage] = runner(stage, config, show_progress, overwrite)
         earlier_ran = True
     return summaries

@@ -17,7 +17,7 @@ from ppokit.config import RMConfig
 from ppokit.data import LengthReport, Renderer, fit_lengths, preference_triples, tokenize_pair
 from ppokit.models import disable_dropout, left_pad, load_scalar_model, score_at_last_token
 from ppokit.sft import train_loop
-from ppokit.stages.common import StepLog, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
+from ppokit.stages.common import StepLog, check_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
 
 def encode_pairs(triples, renderer: Renderer, tokenizer, config: RMConfig, source: str):
@@ -70,11 +70,13 @@ def evaluate_pairs(model, pairs, pad_token_id: int, batch_size: int) -> dict:
     }
 
 
-def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
-    """Train, evaluate and save; returns the summary (also written to output_dir/summary.json)."""
+def run_rm(config: RMConfig, show_progress: bool = True, overwrite: bool = False) -> dict:
+    """Train, evaluate and save; returns the summary (also written to output_dir/summary.json).
+    An existing output_dir that is not a ppokit output is replaced only with `overwrite`."""
     start = time.perf_counter()
     config.validate()
     say = printer(show_progress, "rm")
+    check_output(config.output_dir, overwrite, say)
     hp = config.train
     prepared = prepare_data(config, say, preference_triples, encode_pairs)
     tokenizer, train_pairs, eval_pairs = prepared.tokenizer, prepared.train, prepared.eval
@@ -127,6 +129,6 @@ def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
             "seconds": round(time.perf_counter() - start, 1),
         }
 
-    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used))
+    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used), "rm", overwrite)
     say(f"saved to {config.output_dir} (use it as ppo `reward.model` and `value_model`)")
     return summary

@@ -1,0 +1,249 @@
+"""Output folders: ppokit replaces or deletes only what it wrote (the .ppokit marker), refuses folders
+it must not write in before any model loads, cleans up after itself, and one run holds a run folder."""
+
+import json
+import os
+import re
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import ppokit
+from ppokit import run_dir
+from ppokit.cli import main
+from ppokit.config import SFTConfig
+from ppokit.errors import UserError
+from ppokit.stages.sft import run_sft
+
+SRC = str(Path(ppokit.__file__).resolve().parents[1])
+
+
+def ppokit_process(*args, cwd=None, limit_file_size=None, **popen):
+    """`python -m ppokit ARGS` in a subprocess running this checkout's code."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+
+    def limits():
+        if limit_file_size is not None:  # as `ulimit -f`: writing past it fails with EFBIG (Python ignores SIGXFSZ)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_size, limit_file_size))
+
+    return subprocess.Popen([sys.executable, "-m", "ppokit", *map(str, args)], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limits, **popen)
+
+
+def run_ppokit(*args, timeout=300, **kwargs):
+    proc = ppokit_process(*args, **kwargs)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def one_error_line(err: str) -> str:
+    """The single `ppokit: error:` line of a run that failed on a user error, without a traceback."""
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("ppokit: error: ")]
+    assert len(errors) == 1 and err.rstrip().splitlines()[-1] == errors[0], err
+    return errors[0]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def a_project(folder: Path) -> Path:
+    """A folder of the user's that ppokit did not write."""
+    (folder / "src").mkdir(parents=True)
+    (folder / "src" / "main.py").write_text("print('my project')\n")
+    (folder / "notes.txt").write_text("do not lose me\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sft_files(tmp_path_factory, demo_data, model_dir):
+    d = tmp_path_factory.mktemp("sft-data")
+    train = d / "sft.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in demo_data["sft"][:64]))
+    config = d / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model_dir("llama")), "output_dir": "out",
+        "data": {"train": str(train), "eval_fraction": 0.0},
+        "train": {"per_device_train_batch_size": 16, "learning_rate": 1e-3},
+    }))
+    return {"train": str(train), "config": config, "model": model_dir("llama")}
+
+
+def sft_config(sft_files, out, *extra) -> SFTConfig:
+    return SFTConfig.load(sft_files["config"], [f"output_dir={out}", *extra])
+
+
+# --------------------------------------------------------------------------- sft / rm outputs (item 1)
+
+
+def test_sft_refuses_to_replace_a_folder_it_did_not_write(sft_files, tmp_path):
+    project = a_project(tmp_path / "project")
+    before = tree(project)
+    with pytest.raises(UserError, match=r"output_dir: .*project exists and was not written by ppokit \(no \.ppokit marker in it\).*--overwrite"):
+        run_sft(sft_config(sft_files, project), show_progress=False)
+    assert tree(project) == before
+
+    run_sft(sft_config(sft_files, project), show_progress=False, overwrite=True)  # the user said so
+    assert (project / "model.safetensors").exists() and not (project / "src").exists()
+    assert run_dir.marker_kind(project) == "sft"
+    run_sft(sft_config(sft_files, project), show_progress=False)  # ppokit's own output: replaced without asking
+    assert run_dir.marker_kind(project) == "sft"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".project")]  # no temporary or old folder left
+
+
+def test_sft_and_rm_refuse_the_current_directory_in_one_line(sft_files, tmp_path):
+    a_project(tmp_path)
+    before = tree(tmp_path)
+    for stage, value in (("sft", "."), ("rm", str(tmp_path)), ("sft", "..")):
+        code, _, err = run_ppokit(stage, sft_files["config"], f"output_dir={value}", "--overwrite", cwd=tmp_path)
+        assert code == 2, err
+        line = one_error_line(err)
+        assert f"output_dir: {value} is " in line and "the current directory" in line, line
+    assert tree(tmp_path) == before
+
+
+def test_output_dir_that_cannot_be_used_is_refused_before_any_model_loads(sft_files, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine\n")
+    missing_model = f"model={tmp_path / 'no-such-model'}"  # would fail if loading came first
+    cases = [
+        (str(a_file), "is a file, not a folder"),
+        (str(a_file / "sub"), f"cannot be made: {a_file} is a file"),
+        ("/proc/ppokit-run", "is in /proc, a kernel file system"),
+        ("/sys/ppokit-run", "is in /sys, a kernel file system"),
+    ]
+    for value, expected in cases:
+        with pytest.raises(UserError, match=f"output_dir: {value} {expected}" if "cannot be made" not in expected else expected):
+            run_sft(sft_config(sft_files, value, missing_model), show_progress=False)
+    assert a_file.read_text() == "mine\n"
+
+
+def private_mount_namespace() -> bool:
+    """Whether `unshare -rm` works here: a mount made inside it is seen by its processes only."""
+    return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+def ppokit_on_a_mount(mount_options: str, folder: Path, *args) -> tuple[int, str]:
+    """`ppokit ARGS` with a tmpfs (`mount_options`) mounted at `folder` for it alone -> (exit status, stderr + `ls -A folder`)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    command = " ".join(map(shlex.quote, [sys.executable, "-m", "ppokit", *map(str, args)]))
+    script = f"mount -t tmpfs -o {mount_options} tmpfs {shlex.quote(str(folder))} && {{ {command}; code=$?; echo left: $(ls -A {shlex.quote(str(folder))}) >&2; exit $code; }}"
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stderr
+
+
+def test_a_read_only_output_dir_is_refused_before_any_model_loads(sft_files, tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    expected = r"output_dir: .*read-only/run cannot be written: .*read-only is not writable \((Permission denied|Read-only file system)\)"
+    missing_model = f"model={tmp_path / 'no-such-model'}"  # would fail if loading came first
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            with pytest.raises(UserError, match=expected):
+                run_sft(sft_config(sft_files, folder / "run", missing_model), show_progress=False)
+        finally:
+            folder.chmod(0o755)
+        return
+    if not private_mount_namespace():
+        pytest.skip("root ignores permission bits, and no private mount namespace to mount a read-only folder")
+    code, err = ppokit_on_a_mount("ro,size=64k", folder, "sft", sft_files["config"], f"output_dir={folder / 'run'}", missing_model)
+    assert code == 2, err
+    assert re.search(expected, err.splitlines()[-2]), err
+
+
+def test_leftovers_of_a_killed_stage_are_cleared_at_its_next_start(sft_files, tmp_path):
+    out = tmp_path / "out"
+    dead = 2**22 + 12345  # above the default pid_max: no process has it
+    ours = tmp_path / f".out.tmp-{dead}"
+    ours.mkdir()
+    run_dir.write_marker(ours, "sft")
+    (ours / "model.safetensors").write_bytes(b"half")
+    foreign = tmp_path / f".out.tmp-{dead + 1}"  # the same name pattern, not marked: not ppokit's
+    foreign.mkdir()
+    running = tmp_path / f".out.tmp-{os.getppid()}"  # a live process: may be writing it now
+    running.mkdir()
+    run_dir.write_marker(running, "sft")
+    run_sft(sft_config(sft_files, out), show_progress=False)
+    assert not ours.exists() and foreign.exists() and running.exists()
+    assert run_dir.marker_kind(out) == "sft"
+
+
+def test_remove_leftovers_finishes_a_rename_cut_short(tmp_path):
+    dead = 2**22 + 777
+    new, old = tmp_path / f".final.tmp-{dead}", tmp_path / f".final.old-{dead}"
+    for folder, content in ((new, "new"), (old, "old")):
+        folder.mkdir()
+        run_dir.write_marker(folder, "final")
+        (folder / "weights").write_text(content)
+    done = run_dir.remove_leftovers(tmp_path)
+    assert (tmp_path / "final" / "weights").read_text() == "new" and not new.exists() and not old.exists()
+    assert done == [f"finished writing {tmp_path / 'final'}", f"removed .final.old-{dead}, left by process {dead}"]
+
+
+def test_a_full_disk_while_saving_says_so_and_leaves_nothing_half_written(sft_files, tmp_path):
+    out = tmp_path / "out"
+    run_sft(sft_config(sft_files, out), show_progress=False)  # an earlier complete output
+    before = tree(out)
+    code, _, err = run_ppokit("sft", sft_files["config"], f"output_dir={out}", limit_file_size=64 * 1024)
+    assert code == 2, err
+    line = one_error_line(err)
+    assert line.startswith("ppokit: error: no space left on /") and f"(File too large) while writing {out}" in line, line
+    assert line.endswith(f"the partial output was removed and {out} is as it was before this run")
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_full_file_system_while_saving(sft_files, tmp_path):
+    """A real ENOSPC: a 256 KiB tmpfs, mounted for the run alone."""
+    if not private_mount_namespace():
+        pytest.skip("no private mount namespace here")
+    small = tmp_path / "small"
+    small.mkdir()
+    code, err = ppokit_on_a_mount("size=256k", small, "sft", sft_files["config"], f"output_dir={small / 'out'}")
+    assert code == 2, err
+    *log, last = err.rstrip().splitlines()
+    assert last == "left:", "nothing is left on the full file system: no temporary folder"
+    line = one_error_line("\n".join(log))
+    assert line.startswith(f"ppokit: error: no space left on {small} (No space left on device) while writing {small / 'out'}"), line
+
+
+# --------------------------------------------------------------------------- the lock
+
+
+LOCK_HOLDER = """
+import sys, time
+sys.path.insert(0, {src!r})
+from ppokit.run_dir import RunLock
+RunLock.acquire({folder!r})
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_run_lock_names_the_holder_and_dies_with_it(tmp_path):
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(src=SRC, folder=str(folder))], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=f"{folder} is in use by another ppokit run \\(PID {holder.pid}\\); wait for it to end"):
+            run_dir.RunLock.acquire(folder)
+    finally:
+        holder.kill()  # SIGKILL: no handler runs, the kernel drops the lock
+        holder.wait()
+    lock = run_dir.RunLock.acquire(folder)
+    again = run_dir.RunLock.acquire(folder)  # the same process may take it again (trainer and CLI both do)
+    assert again is lock and (folder / ".ppokit.lock").read_text() == f"{os.getpid()}\n"
+    again.release()
+    lock.release()
+    assert not run_dir.RunLock._held
