@@ -247,3 +247,137 @@ def test_the_run_lock_names_the_holder_and_dies_with_it(tmp_path):
     again.release()
     lock.release()
     assert not run_dir.RunLock._held
+
+
+# --------------------------------------------------------------------------- ppo run folders, on their own
+
+
+def fake_checkpoint(folder: Path, update: int, num_updates: int) -> Path:
+    """A checkpoint folder as ppokit leaves it: marked, trainer_state.json written last."""
+    folder.mkdir(parents=True)
+    run_dir.write_marker(folder, "checkpoint")
+    (folder / "optimizer.pt").write_bytes(b"weights of update %d" % update)
+    (folder / "trainer_state.json").write_text(json.dumps({"update": update, "num_updates": num_updates, "complete": True}))
+    return folder
+
+
+def fake_run(folder: Path, label: str, updates: int = 2, num_updates: int = 2, final: bool = True) -> Path:
+    """A ppo run folder holding `updates` checkpoints (and final/), plus a file of another tool's in checkpoints/."""
+    folder.mkdir(parents=True, exist_ok=True)
+    run_dir.write_marker(folder, "ppo-run")
+    (folder / "config.yaml").write_text(f"run: {label}\n")
+    (folder / "metrics.jsonl").write_text(f'{{"run": "{label}"}}\n')
+    for u in range(1, updates + 1):
+        fake_checkpoint(folder / "checkpoints" / f"update-{u}", u, num_updates)
+    if final:
+        (folder / "final").mkdir()
+        run_dir.write_marker(folder / "final", "final")
+        (folder / "final" / "model.safetensors").write_text(label)
+    other = folder / "checkpoints" / "other-tool"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / "model.bin").write_text("another tool's weights\n")
+    return folder
+
+
+def test_a_ppo_run_starts_only_where_it_loses_nothing(tmp_path):
+    check = run_dir.check_run_start
+    assert check(str(tmp_path / "new"), resume=False, overwrite=False) == tmp_path / "new"
+    project = a_project(tmp_path / "project")
+    with pytest.raises(UserError, match=r"project exists and is not a ppokit run folder \(no \.ppokit marker in it\); give another output_dir, or pass --overwrite"):
+        check(str(project), resume=False, overwrite=False)
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    run_dir.write_marker(sft, "sft")
+    (sft / "model.safetensors").write_text("x")
+    with pytest.raises(UserError, match="sft exists and is a ppokit sft output; give another output_dir"):
+        check(str(sft), resume=False, overwrite=False)
+
+    finished = fake_run(tmp_path / "finished", "old")
+    with pytest.raises(UserError, match=re.escape(
+        f"{finished} holds a finished run (2 updates, final/): give another output_dir, continue it with --resume "
+        "(after raising ppo.total_episodes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
+    )):
+        check(str(finished), resume=False, overwrite=False)
+    unfinished = fake_run(tmp_path / "unfinished", "old", updates=1, num_updates=4, final=False)
+    with pytest.raises(UserError, match=re.escape(f"{unfinished} holds an unfinished run (checkpoint update-1 of 4 updates): give another output_dir, continue it with --resume, or pass --overwrite")):
+        check(str(unfinished), resume=False, overwrite=False)
+    assert check(str(unfinished), resume=True, overwrite=False) == unfinished
+    assert check(str(finished), resume=False, overwrite=True) == finished
+    with pytest.raises(UserError, match="--resume continues the run in output_dir and --overwrite replaces it: give one of them"):
+        check(str(finished), resume=True, overwrite=True)
+    crashed = fake_run(tmp_path / "crashed", "old", updates=0, final=False)  # stopped before any checkpoint: nothing to lose
+    assert check(str(crashed), resume=False, overwrite=False) == crashed
+
+
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_path):
+    root = fake_run(tmp_path / "run", "old")
+    before = tree(root)
+    run = run_dir.RunFolder.open(root, overwrite=True)
+    files = run.start(fresh=True, overwrite=True)
+    assert files == root / ".ppokit-new-run"
+    (files / "config.yaml").write_text("run: new\n")
+    (files / "metrics.jsonl").write_text('{"run": "new"}\n')
+    assert {k: v for k, v in tree(root).items() if not k.startswith((".ppokit-new-run", ".ppokit"))} == {
+        k: v for k, v in before.items() if not k.startswith(".ppokit")}
+    run.close()  # the new run failed before its first checkpoint: the earlier one is untouched
+    assert tree(root) == {**before, ".ppokit.lock": f"{os.getpid()}\n".encode()}
+
+    run = run_dir.RunFolder.open(root, overwrite=True)
+    files = run.start(fresh=True, overwrite=True)
+    (files / "config.yaml").write_text("run: new\n")
+    fake_checkpoint(files / "checkpoints" / "update-1", 1, 3)
+    assert run.commit() == root and run.files == root
+    run.close()
+    assert (root / "config.yaml").read_text() == "run: new\n" and not (root / "metrics.jsonl").exists()
+    assert not (root / "final").exists(), "the earlier run's final/ must not sit beside the new run"
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["other-tool", "update-1"]
+    assert (root / "checkpoints" / "other-tool" / "model.bin").read_text() == "another tool's weights\n"
+    assert sorted(p.name for p in root.iterdir()) == [".ppokit", ".ppokit.lock", "checkpoints", "config.yaml"]
+
+
+KILLED_SWAP = """
+import os, signal, sys
+sys.path.insert(0, {src!r})
+from pathlib import Path
+from ppokit import run_dir
+root = Path({root!r})
+run = run_dir.RunFolder.open(root, overwrite=True)
+files = run.start(fresh=True, overwrite=True)
+(files / "config.yaml").write_text("run: new\\n")
+(files / "checkpoints" / "update-1").mkdir(parents=True)
+run_dir.write_marker(files / "checkpoints" / "update-1", "checkpoint")
+(files / "checkpoints" / "update-1" / "trainer_state.json").write_text('{{"update": 1, "num_updates": 3, "complete": true}}')
+moves, real_move = [], run_dir._move
+def move(source, target):
+    moves.append(source)
+    if len(moves) == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_move(source, target)
+run_dir._move = move
+run.commit()
+"""
+
+
+@pytest.mark.parametrize("kill_at", [1, 3, 6, 7])  # 5 entries of the earlier run go aside, then 2 of the new run come in
+def test_a_swap_cut_short_by_sigkill_is_finished_at_the_next_start(tmp_path, kill_at):
+    root = fake_run(tmp_path / "run", "old")
+    killed = subprocess.run([sys.executable, "-c", KILLED_SWAP.format(src=SRC, root=str(root), kill_at=kill_at)])
+    assert killed.returncode == -9
+    run = run_dir.RunFolder.open(root)
+    run.close()
+    assert run.notes[0].startswith(f"finished replacing the earlier run in {root}")
+    assert (root / "config.yaml").read_text() == "run: new\n" and not (root / "final").exists()
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["other-tool", "update-1"]
+    assert sorted(p.name for p in root.iterdir()) == [".ppokit", ".ppokit.lock", "checkpoints", "config.yaml"]
+
+
+def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_the_earlier_run(tmp_path):
+    root = fake_run(tmp_path / "run", "old")
+    before = tree(root)
+    script = KILLED_SWAP.split("moves, real_move")[0].replace('(files / "checkpoints" / "update-1" / "trainer_state.json")', '(files / "checkpoints" / "update-1" / "half")')
+    killed = subprocess.run([sys.executable, "-c", script.format(src=SRC, root=str(root)) + "os.kill(os.getpid(), 9)\n"])
+    assert killed.returncode == -9
+    run = run_dir.RunFolder.open(root)
+    run.close()
+    assert run.notes == [f"removed the files of an --overwrite run that stopped before its first checkpoint; the earlier run in {root} is as it was"]
+    assert {k: v for k, v in tree(root).items() if k != ".ppokit.lock"} == before

@@ -272,3 +272,207 @@ class RunLock:
         if self.count == 0 and self._held.get(self.folder) is self:
             del self._held[self.folder]
             os.close(self.fd)  # closing the file drops the flock
+
+
+# --------------------------------------------------------------------------- ppo run folders
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "final")  # what a ppo run writes at the top of its folder
+NEW_RUN = ".ppokit-new-run"  # an --overwrite run's files until its first checkpoint
+REPLACED_RUN = ".ppokit-replaced-run"  # the earlier run's files while they are being swapped out
+_CHECKPOINT_NAME = re.compile(r"^update-(\d+)$")
+
+
+def read_state(path: Path) -> Optional[dict]:
+    """trainer_state.json of a complete checkpoint, else None."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and state.get("complete") is True else None
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """Complete checkpoints in `folder` (a checkpoints/ folder), oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and read_state(p) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def owned_checkpoint(path: Path) -> bool:
+    """A checkpoint folder ppokit may move or delete: marked, or holding a complete trainer_state.json
+    (checkpoints written before markers existed)."""
+    return path.is_dir() and bool(_CHECKPOINT_NAME.match(path.name)) and (is_marked(path) or read_state(path) is not None)
+
+
+def _run_entries(folder: Path) -> list[str]:
+    """What of a run `folder` is ppokit's to move: RUN_FILES at the top, owned checkpoints (superseded ones too)."""
+    entries = [name for name in RUN_FILES if (folder / name).exists()]
+    for sub in (CHECKPOINTS, f"{CHECKPOINTS}/superseded"):
+        if (folder / sub).is_dir():
+            entries += [f"{sub}/{p.name}" for p in sorted((folder / sub).iterdir()) if owned_checkpoint(p)]
+    return entries
+
+
+def holds_run(folder: Path) -> Optional[str]:
+    """A description of the run in `folder` when it holds one to lose (a checkpoint or final/), else None."""
+    found = list_checkpoints(Path(folder) / CHECKPOINTS)
+    state = read_state(found[-1]) if found else None
+    if state is not None and state.get("update", 0) < state.get("num_updates", 0):
+        return f"an unfinished run (checkpoint {found[-1].name} of {state['num_updates']} updates)"
+    if state is not None or (Path(folder) / "final").is_dir():
+        updates = f"{state['update']} updates, " if state is not None else ""
+        return f"a finished run ({updates}final/)"
+    return None
+
+
+def check_run_folder(output_dir: str, overwrite: bool) -> Path:
+    """`output_dir` is usable (`check_output_dir`) and a place for a ppo run: absent, empty, a ppokit run
+    folder, or anything with `overwrite`."""
+    path = check_output_dir(output_dir)
+    if overwrite or not path.exists() or not [p for p in path.iterdir() if p.name not in (MARKER, LOCK_FILE)]:
+        return path
+    kind = marker_kind(path)
+    if kind != "ppo-run" and not list_checkpoints(path / CHECKPOINTS):
+        what = f"a ppokit {kind} output" if kind else f"not a ppokit run folder (no {MARKER} marker in it)"
+        raise UserError(
+            f"output_dir: {path} exists and is {what}; give another output_dir, or pass --overwrite to write the run "
+            f"there (ppokit then replaces {', '.join(RUN_FILES)} and checkpoints/update-N there and leaves every other file alone)"
+        )
+    return path
+
+
+def check_run_start(output_dir: str, resume: bool, overwrite: bool) -> Path:
+    """Before any model loads: may a ppo run start in `output_dir`? A UserError says what to do when it
+    may not: a folder that is not a ppokit run (`check_run_folder`), or a run that a fresh start would replace."""
+    if resume and overwrite:
+        raise UserError("--resume continues the run in output_dir and --overwrite replaces it: give one of them")
+    path = check_run_folder(output_dir, overwrite)
+    held = None if resume or overwrite or not path.is_dir() else holds_run(path)
+    if held is not None:
+        resume_hint = "continue it with --resume" if held.startswith("an unfinished") else "continue it with --resume (after raising ppo.total_episodes)"
+        raise UserError(
+            f"{path} holds {held}: give another output_dir, {resume_hint}, or pass --overwrite to replace it "
+            "(the old run stays until the new one has written its first checkpoint)"
+        )
+    return path
+
+
+class RunFolder:
+    """A ppo run's output_dir while the run uses it.
+
+    `open` (every process; the main process does the work): the lock for the whole run, the marker,
+    and the leftovers of a run that was killed. `start` says where the run writes (`files`): the
+    folder itself, or — for a fresh run replacing an earlier one (`overwrite`) — `.ppokit-new-run/`
+    inside it, so that the earlier run stays whole until the new one has a checkpoint; `commit`
+    (after every checkpoint and final save) then swaps the new run in, once. `close` releases the lock
+    and removes a new run's files that never reached a checkpoint.
+    """
+
+    def __init__(self, root: Path, main_process: bool, lock: Optional[RunLock]):
+        self.root, self.main_process, self.lock = root, main_process, lock
+        self.files = root
+        self.notes: list[str] = []  # what was cleaned up at open, for the run's first lines
+
+    @classmethod
+    def open(cls, output_dir: str | Path, main_process: bool = True, overwrite: bool = False) -> "RunFolder":
+        root = Path(output_dir)
+        if not main_process:
+            return cls(root, False, None)
+        check_run_folder(str(root), overwrite)  # before anything is written in it
+        lock = RunLock.acquire(root)
+        run = cls(root, True, lock)
+        try:
+            if marker_kind(root) != "ppo-run":
+                write_marker(root, "ppo-run")
+            run.notes += run._repair()
+        except BaseException:
+            lock.release()
+            raise
+        return run
+
+    @property
+    def staged(self) -> bool:
+        return self.files != self.root
+
+    def start(self, fresh: bool, overwrite: bool) -> Path:
+        """-> where the run writes. A fresh run over a run that holds something (`holds_run`) needs
+        `overwrite` and is staged; otherwise the run writes in the folder itself."""
+        if not self.main_process:
+            self.files = self.root / NEW_RUN if (self.root / NEW_RUN).is_dir() else self.root
+            return self.files  # the main process decided (call after it, behind a barrier)
+        if fresh and holds_run(self.root) is not None:
+            if not overwrite:
+                check_run_start(str(self.root), resume=False, overwrite=False)  # raises, naming the run
+            staging = self.root / NEW_RUN
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir()
+            write_marker(staging, "new-run")
+            self.files = staging
+        return self.files
+
+    def commit(self) -> Path:
+        """After a checkpoint or the final save: a staged run replaces the earlier one now. -> the folder written to."""
+        if self.staged and self.main_process:
+            self._swap()
+        self.files = self.root
+        return self.files
+
+    def close(self) -> None:
+        if self.main_process and self.staged and (self.root / NEW_RUN).exists():
+            shutil.rmtree(self.root / NEW_RUN, ignore_errors=True)  # no checkpoint: the earlier run stays as it was
+            self.files = self.root
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    # The swap, resumable: phase "aside" moves the earlier run's entries into REPLACED_RUN, phase "in"
+    # moves the new run's entries up; a run killed half way is completed by the next open (`_repair`).
+    def _swap(self, phase: str = "aside") -> None:
+        staging, replaced = self.root / NEW_RUN, self.root / REPLACED_RUN
+        if phase == "aside":
+            replaced.mkdir(exist_ok=True)
+            write_marker(replaced, "replaced-run:aside")
+            for entry in _run_entries(self.root):
+                _move(self.root / entry, replaced / entry)
+            write_marker(replaced, "replaced-run:in")
+        for entry in _run_entries(staging):
+            _move(staging / entry, self.root / entry)
+        shutil.rmtree(replaced, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def _repair(self) -> list[str]:
+        """Leftovers of a run in this folder that was killed (the lock says none is running now)."""
+        done = []
+        staging, replaced = self.root / NEW_RUN, self.root / REPLACED_RUN
+        phase = marker_kind(replaced)
+        if phase in ("replaced-run:aside", "replaced-run:in") and staging.is_dir():
+            self._swap(phase.split(":")[1])
+            done.append(f"finished replacing the earlier run in {self.root} (a run started with --overwrite was stopped while doing it)")
+        elif is_marked(staging):
+            if list_checkpoints(staging / CHECKPOINTS):
+                self._swap()
+                done.append(f"finished replacing the earlier run in {self.root} with the new run's first checkpoint")
+            else:
+                shutil.rmtree(staging)
+                done.append(f"removed the files of an --overwrite run that stopped before its first checkpoint; the earlier run in {self.root} is as it was")
+        elif is_marked(replaced):
+            shutil.rmtree(replaced)
+        done += remove_leftovers(self.root, "final")
+        done += remove_leftovers(self.root / CHECKPOINTS)
+        return done
+
+
+def _move(source: Path, target: Path) -> None:
+    """Rename `source` to `target`; something already at `target` that is not ppokit's is renamed aside, never deleted."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        aside, n = target.with_name(f"{target.name}.not-ppokit"), 1
+        while aside.exists():
+            aside, n = target.with_name(f"{target.name}.not-ppokit-{n}"), n + 1
+        target.rename(aside)
+    source.rename(target)
