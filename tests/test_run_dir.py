@@ -381,3 +381,42 @@ def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_the_earlier_
     run.close()
     assert run.notes == [f"removed the files of an --overwrite run that stopped before its first checkpoint; the earlier run in {root} is as it was"]
     assert {k: v for k, v in tree(root).items() if k != ".ppokit.lock"} == before
+
+
+# --------------------------------------------------------------------------- ppo runs
+
+
+def ppo_yaml(model_dir, prompts_file, path: Path, output_dir: Path, **ppo) -> Path:
+    from conftest import tiny_ppo_config
+
+    tiny_ppo_config(model_dir("llama"), prompts_file, output_dir, **ppo).save(path)
+    return path
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_folder_started_half_a_second_apart(model_dir, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    config = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", out, total_episodes=32, save_steps=1)
+    first = ppokit_process("ppo", config)
+    time.sleep(0.5)
+    second = ppokit_process("ppo", config)
+    runs = {first.pid: first, second.pid: second}
+    err_second = second.communicate(timeout=300)[1]
+    still_running = first.poll() is None
+    out_first, err_first = first.communicate(timeout=600)
+    results = {first.pid: (first.returncode, err_first), second.pid: (second.returncode, err_second)}
+    failed = [pid for pid, (code, _) in results.items() if code != 0]
+    assert len(failed) == 1, results  # whichever took the lock first runs; the other stops at once
+    loser, winner = failed[0], next(pid for pid in runs if pid not in failed)
+    code, err = results[loser]
+    assert code == 2 and one_error_line(err) == (
+        f"ppokit: error: {out} is in use by another ppokit run (PID {winner}); wait for it to end, or give another output_dir"
+    )
+    assert loser != second.pid or still_running, "the second run stopped while the first was still training"
+    assert "Loading weights" not in err, "it stopped before loading any model"
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["update"] for line in lines] == [1, 2, 3, 4]  # one run's records, whole
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["update-1", "update-2", "update-3", "update-4"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out / "final")

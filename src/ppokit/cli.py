@@ -13,9 +13,8 @@ from ppokit.errors import UserError
 
 
 def _ppo(args) -> int:
-    from ppokit import checkpoint
+    from ppokit import checkpoint, run_dir
     from ppokit.config import PPOConfig
-    from ppokit.guards import TrainingInterrupted
 
     overrides, resume = list(args.overrides), args.resume
     if resume is not None and resume != "latest" and "=" in resume and not os.path.exists(resume):
@@ -24,18 +23,21 @@ def _ppo(args) -> int:
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
-    # Find the checkpoint (or refuse to start over an unfinished run) before loading any weights.
-    if resume is not None:
-        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir)
-    else:
-        resume_path = None
-        unfinished = checkpoint.unfinished_run(config.output_dir)
-        if unfinished:
-            path, state = unfinished
-            raise UserError(
-                f"{config.output_dir} holds an unfinished run (checkpoint {path.name} of {state['num_updates']} updates): "
-                f"continue it with --resume, or delete {checkpoint.checkpoints_dir(config.output_dir)} to start over"
-            )
+    # Before any weights load: the run folder may be used (not another tool's, no run a fresh start would
+    # replace) and is this run's alone (the lock, held until the command ends), and the checkpoint is found.
+    run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=False)
+    run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process())
+    try:
+        for note in run.notes:
+            print(f"ppokit: {note}", file=sys.stderr)
+        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir) if resume is not None else None
+        return _train(args, config, overrides, resume_path)
+    finally:
+        run.close()
+
+
+def _train(args, config, overrides: list[str], resume_path) -> int:
+    from ppokit.guards import TrainingInterrupted
     from ppokit.trainer import PPOTrainer
 
     if _is_main_process():
