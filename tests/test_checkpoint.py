@@ -85,7 +85,7 @@ def test_resume_after_an_exception_mid_update_is_exact(model_dir, prompts_file, 
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-1", "update-2"]
 
     resumed = resume_and_finish(tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN))
-    assert resumed.update == 4 and len(resumed.records) == 4
+    assert resumed.state.update == 4 and len(resumed.state.records) == 4
     assert_same_run(out, reference)
     # save_total_limit=2 keeps the newest two; the end of the run always has one.
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-3", "update-4"]
@@ -187,7 +187,7 @@ def _signal_during_update(monkeypatch, sig, update: int, times: int = 1):
     real_optimise = PPOTrainer.optimise
 
     def optimise(self, rollout):
-        if self.update + 1 == update:
+        if self.state.update + 1 == update:
             for _ in range(times):
                 os.kill(os.getpid(), sig)
         return real_optimise(self, rollout)
@@ -234,10 +234,10 @@ def test_resume_refuses_config_changes_that_change_the_result(model_dir, prompts
     assert "ppo.kl_horizon (checkpoint 100, now 50)" in message
     # where the run is written and how often it prints or saves do not change a number: not listed
     assert "output_dir" not in message and "logging_steps" not in message and "save_steps" not in message
-    assert trainer.update == 0  # nothing was loaded
+    assert trainer.state.update == 0  # nothing was loaded
 
     trainer.resume_from(saved, force=True)
-    assert trainer.update == 4 and trainer.episode == 32
+    assert trainer.state.update == 4 and trainer.state.episode == 32
     assert trainer.kl_controller.value == json.loads((saved / "trainer_state.json").read_text())["kl_controller"]["value"]
     assert (tmp_path / "elsewhere" / "metrics.jsonl").read_text() == (saved / "metrics.jsonl").read_text()
 
@@ -347,3 +347,14 @@ def test_resume_is_exact_with_lora_critics_and_reward_normalisation(model_dir, p
     got, want = comparable(out / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
     assert [r["update"] for r in got] == [1, 2, 3]
     assert got == want
+
+
+@pytest.mark.parametrize("field,value", [("update", -3), ("episode", "8"), ("skipped_updates", None), ("skipped_in_a_row", True)])
+def test_training_state_with_a_wrong_counter_is_named(field, value):
+    from ppokit.state import TrainingState
+
+    saved = {"update": 4, "episode": 32, "skipped_updates": 0, "skipped_in_a_row": 0, "last_nonfinite": None, field: value}
+    with pytest.raises(UserError, match=f"trainer_state.json: {field} must be a non-negative integer"):
+        TrainingState.from_counters(saved, [], "run/checkpoints/update-4/trainer_state.json")
+    restored = TrainingState.from_counters({**saved, field: 2}, [{"update": 1}], "x")
+    assert restored.counters()[field] == 2 and restored.records == [{"update": 1}]

@@ -1,13 +1,13 @@
 from pathlib import Path
 
-from ppokit.config import reference_document
+from ppokit.configdoc import reference_document
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_reference_is_current():
     """docs/config.md is generated from the dataclasses' help texts; regenerate it when a key changes:
-    python -m ppokit.config > docs/config.md"""
+    python -m ppokit.configdoc > docs/config.md"""
     assert (ROOT / "docs" / "config.md").read_text() == reference_document()
 
 
@@ -25,6 +25,6 @@ def test_the_documented_generator_command_prints_the_reference_and_nothing_else(
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-m", "ppokit.config"], capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "ppokit.configdoc"], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout == reference_document()

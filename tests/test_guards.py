@@ -51,14 +51,14 @@ def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, pro
     assert all_equal(trainable(trainer), weights), "the step taken before the NaN was undone"
     assert all_equal(optimizer_tensors(trainer), moments)
     # The schedule moves on by one whole update (2 epochs x 2 minibatches), so lr stays a function of the update.
-    assert trainer.scheduler.scheduler.last_epoch == 8
+    assert trainer.scheduler.last_epoch == 8
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (12 - 8) / 12)
     assert not any(p.grad is not None for p in trainer.model.parameters())
 
     monkeypatch.undo()
     record = trainer.run_update()
     assert record["update"] == 3 and record["skipped_updates"] == 1 and "nonfinite/loss" not in record
-    assert math.isfinite(record["loss/policy_avg"]) and trainer.skipped_in_a_row == 0
+    assert math.isfinite(record["loss/policy_avg"]) and trainer.state.skipped_in_a_row == 0
     assert not all_equal(trainable(trainer), weights)
 
 
@@ -70,7 +70,7 @@ def test_nonfinite_gradient_with_finite_loss_is_caught(model_dir, prompts_file, 
     record = trainer.run_update()
     hook.remove()
     assert record["nonfinite/gradient"] == 1 and "nonfinite/loss" not in record
-    assert str(trainer.last_nonfinite).startswith("non-finite gradient: inf")
+    assert str(trainer.state.last_nonfinite).startswith("non-finite gradient: inf")
     assert all_equal(trainable(trainer), weights)
 
 

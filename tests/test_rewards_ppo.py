@@ -23,12 +23,15 @@ def test_ppo_raises_the_rate_of_the_word_the_reward_prefers(model_dir, prompts_f
         model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=128, per_device_train_batch_size=8,
         num_mini_batches=2, learning_rate=2e-2, num_sample_generations=0,
     )
-    records = PPOTrainer(config, reward_functions=[prefers_great], show_progress=False).train()
+    trainer = PPOTrainer(config, reward_functions=[prefers_great], show_progress=False)
+    records = trainer.train()
     rates = [r["reward/prefers_great"] for r in records]  # fraction of the 16 completions with the word
     print(f"rate of {TARGET!r} per update: {[round(r, 2) for r in rates]}")
     first, last = sum(rates[:2]) / 2, sum(rates[-2:]) / 2
     assert last >= first + 0.3 and last >= 0.4, rates
-    assert config.reward.functions == ["prefers_great"]
+    # The run records the functions it used; the caller's config is left as it was.
+    assert trainer.config.reward.functions == ["prefers_great"] and config.reward.functions == ["sentiment"]
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["reward"]["functions"] == ["prefers_great"]
 
 
 @pytest.fixture
@@ -100,6 +103,7 @@ def test_python_objects_as_sources(model_dir, prompts_file, tmp_path, tokenizer,
         record = trainer.step()
     assert trainer.scorer.names == ["reward_model", "contains", "vader"]
     assert {"reward/reward_model", "reward/contains", "reward/vader"} <= set(record)
-    assert config.reward.functions == ["contains", "vader"] and config.reward.model == "<object>"
+    assert trainer.config.reward.functions == ["contains", "vader"] and trainer.config.reward.model is None
+    assert config.reward.functions == ["sentiment"]  # the caller's config is left as it was
     # the reward model has another vocabulary, so the critic starts from the policy, not from it
     assert trainer.value_model.get_input_embeddings().num_embeddings == len(tokenizer)

@@ -252,12 +252,12 @@ def _load(data):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 @pytest.mark.parametrize("switch", [{"quantization": "4bit"}, {"quantization": "8bit"}, {"fp16": True}])
 def test_cuda_only_switches_fail_before_loading_weights(switch, model_dir, prompts_file, tmp_path, monkeypatch):
-    import ppokit.trainer as trainer_module
+    import ppokit.roles as roles_module
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("weights were loaded before the CUDA check")
 
-    monkeypatch.setattr(trainer_module, "load_causal_lm", must_not_load)
+    monkeypatch.setattr(roles_module, "load_causal_lm", must_not_load)
     config = lora_config(model_dir("llama"), prompts_file, tmp_path / "run")
     for key, value in switch.items():
         setattr(config, key, value)
@@ -304,3 +304,89 @@ def test_mixed_precision_lora_on_cuda(precision, model_dir, prompts_file, tmp_pa
     assert trainer.accelerator.mixed_precision == precision
     record = trainer.step()
     assert record["val/ratio"] == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def other_vocab_reward_dir(tmp_path_factory, demo_data):
+    """A reward model whose tokenizer (byte-level BPE) is not the policy's (word-level)."""
+    from test_rewards_model import tiny_rm
+
+    from ppokit.tiny import bpe_tokenizer
+
+    rm_tokenizer = bpe_tokenizer(r["prompt"] + " " + r["completion"] for r in demo_data["sft"])
+    path = tmp_path_factory.mktemp("tiny-rm-bpe")
+    tiny_rm(rm_tokenizer, seed=4).save_pretrained(path)
+    rm_tokenizer.save_pretrained(path)
+    return path
+
+
+def trainer_role_table(trainer) -> dict:
+    """What the trainer built, in the plan's terms: parameters per role, and what trains."""
+    count = lambda module, trainable=None: sum(  # noqa: E731
+        p.numel() for p in {id(p): p for p in module.parameters()}.values() if trainable is None or p.requires_grad == trainable
+    )
+    table = {
+        "trainable": count(trainer.model, True),
+        "reference": count(trainer.ref_model) if trainer.ref_model is not None else 0,
+        "policy frozen": count(trainer.policy, False),
+    }
+    if trainer.layout.critic != roles_module.CRITIC_SHARED:
+        # The plan counts the weights a role holds itself: not the reward model's frozen ones, which a
+        # critic's adapter may sit on.
+        rm = trainer.scorer.reward_model
+        reward = {id(p) for p in rm.parameters() if not p.requires_grad} if rm is not None else set()
+        table["value"] = sum(p.numel() for p in {id(p): p for p in trainer.value_model.parameters()}.values() if id(p) not in reward)
+    return table
+
+
+def plan_role_table(plan) -> dict:
+    by_role = {r.role: r for r in plan.roles}
+    table = {
+        "trainable": by_role["policy"].trainable + by_role["value"].trainable,
+        "reference": by_role["reference"].params,
+        "policy frozen": by_role["policy"].params - by_role["policy"].trainable,
+    }
+    if plan.layout.critic != roles_module.CRITIC_SHARED:
+        table["value"] = by_role["value"].params
+    return table
+
+
+import ppokit.roles as roles_module  # noqa: E402
+
+LAYOUTS = {
+    # name: (lora?, changes to the config) -> the reference and critic the decision must give
+    "full": ({}, roles_module.REFERENCE_COPY, roles_module.CRITIC_POLICY_COPY),
+    "full, reward model with the policy's vocabulary": ({"reward": "same"}, roles_module.REFERENCE_COPY, roles_module.CRITIC_REWARD_COPY),
+    "full, reward model with another vocabulary": ({"reward": "other"}, roles_module.REFERENCE_COPY, roles_module.CRITIC_POLICY_COPY),
+    "full, own reference and critic": ({"ref_model": "gpt2", "value_model": "qwen2"}, roles_module.REFERENCE_OWN, roles_module.CRITIC_OWN),
+    "lora": ({"lora": True}, roles_module.REFERENCE_BASE, roles_module.CRITIC_POLICY_COPY),
+    "lora, shared critic": ({"lora": True, "value_model": "shared"}, roles_module.REFERENCE_BASE, roles_module.CRITIC_SHARED),
+    "lora, critic on the reward model": ({"lora": True, "reward": "same", "value_model": "from_reward"},
+                                         roles_module.REFERENCE_BASE, roles_module.CRITIC_ON_REWARD),
+    "lora, reward model with another vocabulary": ({"lora": True, "reward": "other"}, roles_module.REFERENCE_BASE,
+                                                   roles_module.CRITIC_POLICY_COPY),
+    "lora, full critic": ({"lora": True, "value_model_lora": False}, roles_module.REFERENCE_BASE, roles_module.CRITIC_POLICY_COPY),
+    "lora, own critic with its adapter": ({"lora": True, "value_model": "qwen2"}, roles_module.REFERENCE_BASE, roles_module.CRITIC_OWN),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_plan_and_trainer_agree_on_every_layout(name, model_dir, reward_model_dir, other_vocab_reward_dir, prompts_file, tmp_path):
+    from ppokit.plan import plan_for
+
+    changes, reference, critic = LAYOUTS[name]
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=8)
+    if changes.get("lora"):
+        config.lora = LoraConfig(r=4, alpha=8, value_model_lora=changes.get("value_model_lora", True))
+    if "reward" in changes:
+        config.reward.model = str(reward_model_dir if changes["reward"] == "same" else other_vocab_reward_dir)
+    if "ref_model" in changes:
+        config.ref_model = str(model_dir(changes["ref_model"]))
+    value = changes.get("value_model")
+    config.value_model = str(model_dir(value)) if value in ("gpt2", "qwen2") else value
+
+    plan = plan_for(config)
+    trainer = PPOTrainer(config, show_progress=False)
+    assert (trainer.layout.reference, trainer.layout.critic) == (reference, critic)
+    assert plan.layout == trainer.layout
+    assert plan_role_table(plan) == trainer_role_table(trainer)

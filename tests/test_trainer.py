@@ -227,3 +227,30 @@ def test_evaluate_scores_every_eval_prompt_repeatably_without_touching_training_
     # after training the policy is different, and so are its completions' scores
     trainer.train()
     assert trainer.evaluate() != first
+
+
+def test_notices_go_to_stderr_and_stdout_stays_for_results(model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=8, num_sample_generations=0)
+    PPOTrainer(config, show_progress=False).train()  # an earlier run whose checkpoint the next one replaces
+    config.data.max_prompt_length = 3
+    capsys.readouterr()
+    PPOTrainer(config, show_progress=True).train()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "prompts longer than data.max_prompt_length=3 were truncated" in captured.err
+    assert "removed 1 checkpoint(s) of an earlier run" in captured.err
+
+
+def test_the_callers_config_is_not_changed(model_dir, prompts_file, tmp_path, tokenizer):
+    from ppokit.models import load_causal_lm
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=8)
+    config.model = None
+    config.data.chat_template = None
+    before = config.to_dict()
+    trainer = PPOTrainer(config, model=load_causal_lm(str(model_dir("llama"))), tokenizer=tokenizer,
+                         reward_functions=[lambda prompts, completions: [0.0] * len(completions)], show_progress=False)
+    assert config.to_dict() == before
+    assert trainer.config.model == str(model_dir("llama"))  # what is recorded of the object: its saved path
+    assert trainer.config.reward.functions != before["reward"]["functions"]

@@ -319,3 +319,8 @@ class FixedKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+def kl_controller(kl_coef: float, target: float | None, horizon: float):
+    """The adaptive controller when a target KL is set [Z19], else a fixed coefficient."""
+    return AdaptiveKLController(kl_coef, target, horizon) if target is not None else FixedKLController(kl_coef)

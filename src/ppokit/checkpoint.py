@@ -19,9 +19,10 @@ crash while writing leaves the previous checkpoints as they were; only folders n
 whose trainer_state.json says complete count. The data order is a pure function of
 (seed, update index) (`PPOTrainer.batch_indices`), so the update counter is the data position.
 
-The functions take the trainer and use only its attributes: accelerator, config, output_dir,
-sizes, train_data, eval_data, policy, value_model, optimizer, scheduler, kl_controller, scorer,
-records, update, episode, skipped_updates, skipped_in_a_row and save_models().
+`save_checkpoint` and `load_checkpoint` take what they write and restore, by name: the run's
+`TrainingState`, its `TrainedParts` (models, optimiser, schedule, KL controller, reward scorer),
+the config, the run's facts (`RunFacts`) and the accelerator. Loading restores the parts in place
+and returns the checkpoint's TrainingState; it sets nothing else.
 """
 
 from __future__ import annotations
@@ -34,15 +35,19 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import yaml
 
+from ppokit.config import PPOConfig
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter, read_jsonl_records
+from ppokit.state import TrainingState
+from ppokit.version import __version__
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -229,11 +234,11 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
         raise UserError(f"{folder}: trainable weights missing from the checkpoint: {', '.join(missing[:5])}")
 
 
-def _load_trainable(trainer, file: Path) -> None:
+def _load_trainable(parts: "TrainedParts", file: Path) -> None:
     from safetensors.torch import load_file
 
     saved = load_file(str(file))
-    params = _trainable_parameters(trainer)
+    params = parts.trainable_parameters()
     if set(saved) != set(params):
         missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
         raise UserError(f"{file}: does not fit this run's trainable weights (missing: {missing[:3]}, unexpected: {extra[:3]})")
@@ -289,20 +294,55 @@ def data_fingerprint(dataset) -> Optional[str]:
 def _versions() -> dict:
     import transformers
 
-    import ppokit
+    return {"ppokit": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
-    return {"ppokit": ppokit.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+# --------------------------------------------------------------------------- what a checkpoint holds
+
+
+@dataclass
+class TrainedParts:
+    """Everything with a state_dict that a checkpoint saves besides the TrainingState.
+
+    model: the policy and value model under one module (unwrapped, with `.policy` and `.value_model`);
+    adapters: the run trains LoRA adapters (resume then reads `trainable.safetensors`).
+    """
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    kl_controller: Any
+    scorer: Any
+    adapters: bool
+
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter the optimiser updates, by its name under the model (each once)."""
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class RunFacts:
+    """What identifies the run a checkpoint belongs to: its data and batch arithmetic."""
+
+    output_dir: Path
+    train_data: Any  # PromptDataset
+    eval_data: Any  # PromptDataset or None
+    batch: int  # episodes per update, over every process
+    num_updates: int
+    save_total_limit: Optional[int] = None
 
 
 # --------------------------------------------------------------------------- save
 
 
-def save_checkpoint(trainer) -> Path:
-    """Write checkpoints/update-<trainer.update>/ (every process calls this); returns its path.
+def save_checkpoint(
+    state: TrainingState, parts: TrainedParts, config, run: RunFacts, save_models: Callable[[Path], None], accelerator
+) -> Path:
+    """Write checkpoints/update-<state.update>/ (every process calls this); returns its path.
 
+    save_models(folder) writes the policy, tokenizer and value model as final/ holds them.
     Saving leaves every RNG as it found it, so a run that saves computes what a run that does not would.
     """
-    accelerator = trainer.accelerator
     rng = rng_state()
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
@@ -310,95 +350,81 @@ def save_checkpoint(trainer) -> Path:
         rng_all = gather_object([rng])
     else:
         rng_all = [rng]
-    target = checkpoints_dir(trainer.output_dir) / f"update-{trainer.update}"
+    target = checkpoints_dir(run.output_dir) / f"update-{state.update}"
     if accelerator.is_main_process:
-        atomic_save_dir(target, lambda tmp: _write(trainer, tmp, rng_all))
-        prune_checkpoints(target.parent, trainer.config.ppo.save_total_limit)
+        atomic_save_dir(target, lambda tmp: _write(tmp, state, parts, config, run, save_models, rng_all, accelerator.num_processes))
+        prune_checkpoints(target.parent, run.save_total_limit)
     accelerator.wait_for_everyone()
     set_rng_state(rng)
     return target
 
 
-def _trainable_parameters(trainer) -> dict[str, torch.nn.Parameter]:
-    """Every parameter the optimiser updates, by its name under PolicyAndValue (each once)."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _has_adapters(trainer) -> bool:
-    return trainer.config.lora is not None
-
-
-def _write(trainer, tmp: Path, rng_all: list[dict]) -> None:
-    trainer.save_models(tmp / "model", merged=False)  # a merged copy is for the end of the run only
-    if _has_adapters(trainer):
+def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: RunFacts, save_models, rng_all, processes: int) -> None:
+    save_models(tmp / "model")
+    if parts.adapters:
         # With adapters the roles share one base and model/ splits them by role (the shared critic's
         # adapter sits inside the policy); resume reads this one file of exactly what trains instead.
         # It is small: adapters and heads only. Full models are read back from model/ itself.
         from safetensors.torch import save_file
 
-        save_file({k: p.detach().contiguous().cpu() for k, p in _trainable_parameters(trainer).items()}, tmp / "trainable.safetensors")
-    torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
+        save_file({k: p.detach().contiguous().cpu() for k, p in parts.trainable_parameters().items()}, tmp / "trainable.safetensors")
+    torch.save(parts.optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(parts.scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_all, tmp / "rng.pt")
-    torch.save(trainer.scorer.state_dict(), tmp / "reward_scorer.pt")
+    torch.save(parts.scorer.state_dict(), tmp / "reward_scorer.pt")
     metrics = JsonlWriter(tmp / "metrics.jsonl")
-    metrics.write_many(trainer.records)
+    metrics.write_many(state.records)
     metrics.close()
-    samples = trainer.output_dir / "samples.jsonl"
+    samples = run.output_dir / "samples.jsonl"
     if samples.exists():
         shutil.copyfile(samples, tmp / "samples.jsonl")
-    trainer.config.save(tmp / "config.yaml")
-    n, batch = len(trainer.train_data), trainer.sizes.batch
-    state = {
+    config.save(tmp / "config.yaml")
+    saved = {
         "format": FORMAT,
-        "update": trainer.update,
-        "episode": trainer.episode,
-        "num_updates": trainer.sizes.num_updates,
-        "skipped_updates": trainer.skipped_updates,
-        "skipped_in_a_row": trainer.skipped_in_a_row,
+        **state.counters(),
+        "num_updates": run.num_updates,
         "data": {
-            "seed": trainer.config.seed,
-            "num_prompts": n,
-            "batch": batch,
-            "pass": trainer.update * batch // n,
-            "offset_in_pass": trainer.update * batch % n,
-            "train_sha256": data_fingerprint(trainer.train_data),
-            "eval_sha256": data_fingerprint(trainer.eval_data),
+            "seed": config.seed,
+            "num_prompts": len(run.train_data),
+            "batch": run.batch,
+            **state.data_position(len(run.train_data), run.batch),
+            "train_sha256": data_fingerprint(run.train_data),
+            "eval_sha256": data_fingerprint(run.eval_data),
         },
-        "kl_controller": {"type": type(trainer.kl_controller).__name__, **trainer.kl_controller.state_dict()},
-        "processes": trainer.accelerator.num_processes,
+        "kl_controller": {"type": type(parts.kl_controller).__name__, **parts.kl_controller.state_dict()},
+        "processes": processes,
         "versions": _versions(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": sorted(p.name for p in tmp.iterdir()) + [STATE_FILE],
         "complete": True,
     }
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+    (tmp / STATE_FILE).write_text(json.dumps(saved, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- load
 
 
-def load_checkpoint(trainer, path: str | Path, force: bool = False, say: Callable[[str], None] = print) -> dict:
-    """Restore every part of the training state from checkpoint `path` into `trainer`; returns its state.
+def load_checkpoint(
+    path: str | Path, parts: TrainedParts, config, run: RunFacts, accelerator, force: bool = False,
+    say: Callable[[str], None] = print,
+) -> TrainingState:
+    """Restore `parts` in place from checkpoint `path`; returns the checkpoint's TrainingState.
 
     Refuses (UserError naming the keys) when the config, the number of processes or the data differ
     in a way that changes the result, unless `force`.
     """
-    from ppokit.config import PPOConfig
-
     path = Path(path)
-    state = read_state(path)
-    if state is None:
+    saved = read_state(path)
+    if saved is None:
         raise UserError(f"{path}: not a complete checkpoint (no trainer_state.json marked complete)")
-    if state.get("format") != FORMAT:
-        raise UserError(f"{path}: checkpoint format {state.get('format')!r}; this ppokit reads format {FORMAT}")
+    if saved.get("format") != FORMAT:
+        raise UserError(f"{path}: checkpoint format {saved.get('format')!r}; this ppokit reads format {FORMAT}")
     saved_config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    differences = config_differences(saved_config, trainer.config.to_dict(), PPOConfig().to_dict())
-    if state["processes"] != trainer.accelerator.num_processes:
-        differences.append(f"processes (checkpoint {state['processes']}, now {trainer.accelerator.num_processes})")
-    for split, dataset in (("train", trainer.train_data), ("eval", trainer.eval_data)):
-        if state["data"].get(f"{split}_sha256") != data_fingerprint(dataset):
+    differences = config_differences(saved_config, config.to_dict(), PPOConfig().to_dict())
+    if saved["processes"] != accelerator.num_processes:
+        differences.append(f"processes (checkpoint {saved['processes']}, now {accelerator.num_processes})")
+    for split, dataset in (("train", run.train_data), ("eval", run.eval_data)):
+        if saved["data"].get(f"{split}_sha256") != data_fingerprint(dataset):
             differences.append(f"data.{split} contents (the prompt rows differ from the checkpoint's)")
     if differences and not force:
         raise UserError(
@@ -407,30 +433,28 @@ def load_checkpoint(trainer, path: str | Path, force: bool = False, say: Callabl
         )
     if differences:
         say(f"resuming despite differences (--resume-force): {'; '.join(differences)}")
-    if state["versions"] != _versions():
-        say(f"note: checkpoint written with {state['versions']}, now {_versions()}; numbers may differ in the last digits")
+    if saved["versions"] != _versions():
+        say(f"note: checkpoint written with {saved['versions']}, now {_versions()}; numbers may differ in the last digits")
+    state = TrainingState.from_counters(saved, read_jsonl_records(path / "metrics.jsonl"), f"{path / STATE_FILE}")
 
     if (path / "trainable.safetensors").exists():
-        _load_trainable(trainer, path / "trainable.safetensors")
+        _load_trainable(parts, path / "trainable.safetensors")
     else:
-        load_weights(trainer.policy, path / "model")
-        load_weights(trainer.value_model, path / "model" / "value_model")
+        load_weights(parts.model.policy, path / "model")
+        load_weights(parts.model.value_model, path / "model" / "value_model")
     try:
-        trainer.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
+        parts.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
     except (ValueError, KeyError) as e:
         raise UserError(f"{path / 'optimizer.pt'}: does not fit the model's parameters ({e})") from None
-    trainer.scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
-    trainer.kl_controller.load_state_dict(state["kl_controller"])
-    trainer.scorer.load_state_dict(_torch_load(path / "reward_scorer.pt"))
-    trainer.update, trainer.episode = state["update"], state["episode"]
-    trainer.skipped_updates, trainer.skipped_in_a_row = state["skipped_updates"], state["skipped_in_a_row"]
-    trainer.records = read_jsonl_records(path / "metrics.jsonl")
+    parts.scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
+    parts.kl_controller.load_state_dict(saved["kl_controller"])
+    parts.scorer.load_state_dict(_torch_load(path / "reward_scorer.pt"))
 
-    if trainer.accelerator.is_main_process:
-        _restore_run_files(path, Path(trainer.output_dir), state["update"])
-    trainer.accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _restore_run_files(path, Path(run.output_dir), state.update)
+    accelerator.wait_for_everyone()
     rng_all = _torch_load(path / "rng.pt")
-    set_rng_state(rng_all[trainer.accelerator.process_index % len(rng_all)])
+    set_rng_state(rng_all[accelerator.process_index % len(rng_all)])
     return state
 
 

@@ -45,8 +45,8 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     trainer = PPOTrainer(config)
     if resume_path is not None:
         trainer.resume_from(resume_path, force=args.resume_force)
-        print(f"ppokit: resumed from {resume_path} (update {trainer.update} of {trainer.sizes.num_updates})", file=sys.stderr)
-        if trainer.update >= trainer.sizes.num_updates:
+        print(f"ppokit: resumed from {resume_path} (update {trainer.state.update} of {trainer.sizes.num_updates})", file=sys.stderr)
+        if trainer.state.update >= trainer.sizes.num_updates:
             print("ppokit: that checkpoint is the end of the run; nothing left to train", file=sys.stderr)
     try:
         records = trainer.train()

@@ -20,6 +20,7 @@ import torch
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
 from ppokit.sft import encode_pair, train_sft
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
+from ppokit.trainer import PPOTrainer
 
 OPENERS = [
     "the movie was", "this film is", "i thought the plot was", "the acting was", "overall the story felt",
@@ -72,8 +73,6 @@ SETTINGS = {
 
 def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True) -> dict:
     """Run the whole demo; returns a summary with the first and last scores and the time taken."""
-    from ppokit.trainer import PPOTrainer
-
     start = time.perf_counter()
     s = SETTINGS[quick]
     out = Path(output_dir)

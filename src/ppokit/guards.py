@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,20 +29,23 @@ class NonFiniteStop(UserError):
     """max_skipped_updates updates in a row were non-finite; the run stopped after a checkpoint."""
 
 
-def check_finite(quantity: str, value: torch.Tensor, accelerator=None) -> None:
-    """Raise NonFiniteUpdate when any element of `value` is not finite on any process.
+def check_finite(values: dict[str, torch.Tensor], accelerator=None) -> None:
+    """Raise NonFiniteUpdate for the first quantity of `values` (name -> tensor) that has a NaN or
+    infinite element on any process.
 
-    With several processes the verdict is shared, so that all of them skip the update together.
+    With several processes the verdicts are shared in one reduction, so that all of them skip the
+    update together.
     """
-    value = value.detach()
-    bad = ~torch.isfinite(value).all()
+    values = {name: value.detach() for name, value in values.items()}
+    bad = torch.stack([~torch.isfinite(v).all() for v in values.values()]).float()
     if accelerator is not None and accelerator.num_processes > 1:
-        bad = accelerator.reduce(bad.float().reshape(1).to(accelerator.device), "sum") > 0
-    if bool(bad):
-        flat = value.flatten().float()
-        where = (~torch.isfinite(flat)).nonzero().flatten()
-        detail = f"{flat[where[0]].item()} at element {int(where[0])} of {flat.numel()}" if where.numel() else "on another process"
-        raise NonFiniteUpdate(quantity, detail)
+        bad = accelerator.reduce(bad.to(accelerator.device), "sum")
+    for (quantity, value), is_bad in zip(values.items(), bad.tolist()):
+        if is_bad:
+            flat = value.flatten().float()
+            where = (~torch.isfinite(flat)).nonzero().flatten()
+            detail = f"{flat[where[0]].item()} at element {int(where[0])} of {flat.numel()}" if where.numel() else "on another process"
+            raise NonFiniteUpdate(quantity, detail)
 
 
 def check_some_scored(scored: torch.Tensor, errors: list[str], accelerator=None) -> None:
@@ -115,8 +118,13 @@ class UpdateSnapshot:
 # --------------------------------------------------------------------------- signals
 
 
-class TrainingInterrupted(Exception):
-    """The run stopped on SIGINT/SIGTERM. `checkpoint` is the checkpoint to resume from."""
+class TrainingInterrupted(BaseException):
+    """The run stopped on SIGINT/SIGTERM. `checkpoint` is the checkpoint to resume from.
+
+    A BaseException, like KeyboardInterrupt: raised from the signal handler wherever the main
+    thread is (inside a reward function, say), it must not be taken for that code's own failure
+    by an `except Exception`.
+    """
 
     def __init__(self, signum: int, update: int, checkpoint, abandoned: bool = False):
         name = signal.Signals(signum).name
@@ -138,12 +146,17 @@ class StopSignals:
     The first signal asks the run to stop after the current update (then it writes a checkpoint);
     a second one abandons the update at once, leaving the last complete checkpoint to resume from.
     Installed only in the main thread (Python delivers signals there); restored by `uninstall`.
+
+    output_dir: the run's folder (its last complete checkpoint is named when abandoning);
+    current_update: the number of updates done so far; accelerator: to share the request.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, output_dir, current_update: Callable[[], int], accelerator):
+        self.output_dir = output_dir
+        self.current_update = current_update
+        self.accelerator = accelerator
         self.received: Optional[int] = None
         self._previous: dict = {}
 
@@ -159,13 +172,14 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
+        update = self.current_update()
         if self.received is not None:
-            found = list_checkpoints(checkpoints_dir(self.trainer.output_dir))
-            raise TrainingInterrupted(signum, self.trainer.update, found[-1] if found else None, abandoned=True)
+            found = list_checkpoints(checkpoints_dir(self.output_dir))
+            raise TrainingInterrupted(signum, update, found[-1] if found else None, abandoned=True)
         self.received = signum
-        if self.trainer.accelerator.is_main_process:
+        if self.accelerator.is_main_process:
             print(
-                f"\nppokit: {signal.Signals(signum).name}: finishing update {self.trainer.update + 1}, then writing a "
+                f"\nppokit: {signal.Signals(signum).name}: finishing update {update + 1}, then writing a "
                 "checkpoint (send it again to abandon the update)",
                 file=sys.stderr,
                 flush=True,
@@ -173,9 +187,8 @@ class StopSignals:
 
     def requested(self) -> Optional[int]:
         """The signal received by any process, or None (every process must call this together)."""
-        accelerator = self.trainer.accelerator
-        if accelerator.num_processes == 1:
+        if self.accelerator.num_processes == 1:
             return self.received
-        flag = torch.tensor([float(self.received or 0)], device=accelerator.device)
-        received = int(accelerator.reduce(flag, "max").item())
+        flag = torch.tensor([float(self.received or 0)], device=self.accelerator.device)
+        received = int(self.accelerator.reduce(flag, "max").item())
         return received or None

@@ -1,4 +1,9 @@
-"""Where a run's numbers go: metrics.jsonl, samples.jsonl, and the console."""
+"""Where a run's numbers go: sinks that each take every update's record and the sample rows.
+
+The trainer hands each record to `Sinks.record` and each sample generation's rows to
+`Sinks.samples`, and knows nothing of where they end up: metrics.jsonl and samples.jsonl
+(`RunFiles`), the console (`ConsoleReporter`), and any further sink `open_sinks` adds.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from tqdm.auto import tqdm
 
@@ -55,27 +60,87 @@ CONSOLE_KEYS = (
 )
 
 
-class ConsoleReporter:
-    """A progress bar with ETA over updates, and one line per logged update."""
+class Sink(Protocol):
+    def record(self, record: dict) -> None: ...
 
-    def __init__(self, total_updates: int, initial: int = 0, enabled: bool = True, description: str = "ppo"):
+    def samples(self, rows: list[dict]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RunFiles:
+    """metrics.jsonl (one record per update) and samples.jsonl (one row per sample) of a run.
+
+    `append`: a resumed run continues the files the checkpoint restored; a fresh run starts them empty.
+    """
+
+    def __init__(self, output_dir: str | Path, append: bool):
+        self.metrics = JsonlWriter(Path(output_dir) / "metrics.jsonl", append=append)
+        self.sample_rows = JsonlWriter(Path(output_dir) / "samples.jsonl", append=append)
+
+    def record(self, record: dict) -> None:
+        self.metrics.write(record)
+
+    def samples(self, rows: list[dict]) -> None:
+        self.sample_rows.write_many(rows)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.sample_rows.close()
+
+
+class ConsoleReporter:
+    """A progress bar with ETA over updates, and one line every `logging_steps` updates (and the last)."""
+
+    def __init__(self, total_updates: int, initial: int = 0, enabled: bool = True, description: str = "ppo", logging_steps: int = 1):
         self.enabled = enabled
+        self.logging_steps = logging_steps
         self.bar = tqdm(total=total_updates, initial=initial, desc=description, unit="update", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
-    def update(self, record: dict, print_line: bool) -> None:
+    def record(self, record: dict) -> None:
         if not self.enabled:
             return
         self.bar.update(1)
-        if print_line:
+        if record["update"] % self.logging_steps == 0 or record["update"] == self.bar.total:
             parts = [f"update {record['update']}/{self.bar.total}"]
             parts += [f"{label} {fmt.format(record[key])}" for key, label, fmt in CONSOLE_KEYS if key in record]
             if "eval/scores" in record:
                 parts.append(f"eval {record['eval/scores']:+.3f}")
             self.bar.write(" | ".join(parts), file=sys.stderr)
 
-    def write(self, text: str) -> None:
-        if self.enabled:
-            self.bar.write(text, file=sys.stderr)
+    def samples(self, rows: list[dict]) -> None:
+        pass
 
     def close(self) -> None:
         self.bar.close()
+
+
+class Sinks:
+    """Every sink of a run; each record and sample row goes to all of them, in order."""
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = sinks
+
+    def record(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.record(record)
+
+    def samples(self, rows: list[dict]) -> None:
+        for sink in self.sinks:
+            sink.samples(rows)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def open_sinks(config, *, total_updates: int, done_updates: int, is_main: bool, show_progress: bool) -> Sinks:
+    """The sinks of a PPO run: on the main process the run's files; the console where progress shows.
+
+    done_updates > 0: a resumed run, whose files continue where the checkpoint left them.
+    """
+    sinks: list[Sink] = []
+    if is_main:
+        sinks.append(RunFiles(config.output_dir, append=done_updates > 0))
+    sinks.append(ConsoleReporter(total_updates, initial=done_updates, enabled=show_progress, logging_steps=config.ppo.logging_steps))
+    return Sinks(sinks)

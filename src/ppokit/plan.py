@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -23,7 +24,19 @@ import torch
 from torch import nn
 
 from ppokit.config import BatchSizes, LoraConfig, PPOConfig
+from ppokit.data import as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
+from ppokit.models import load_tokenizer, resolve_model_path, same_vocabulary
+from ppokit.roles import (
+    CRITIC_ON_REWARD,
+    CRITIC_OWN,
+    CRITIC_SHARED,
+    REFERENCE_BASE,
+    REFERENCE_OWN,
+    RoleLayout,
+    decide_roles,
+    peft_lora_config,
+)
 
 GiB = 1024**3
 HEADROOM = 0.9  # CUDA context, allocator fragmentation and framework buffers are not counted
@@ -66,6 +79,7 @@ class Plan:
     device_memory: int
     warnings: list[str] = field(default_factory=list)
     suggestion: Optional[str] = None
+    layout: Optional[RoleLayout] = None  # which model plays which role (roles.decide_roles)
 
     @property
     def total(self) -> int:
@@ -87,6 +101,7 @@ class Plan:
             "sequence": self.sequence,
             "warnings": self.warnings,
             "suggestion": self.suggestion,
+            "layout": dataclasses.asdict(self.layout) if self.layout else None,
         }
 
     def render(self) -> str:
@@ -149,8 +164,6 @@ def device_memory() -> tuple[str, int]:
 
 def _auto_config(name: str, role: str, trust_remote_code: bool):
     from transformers import AutoConfig
-
-    from ppokit.models import resolve_model_path
 
     path = resolve_model_path(name, role)
     try:
@@ -226,9 +239,7 @@ def _adapter_count(model: nn.Module, lora: LoraConfig, task_type: str) -> int:
     """Trainable parameters once peft adds the adapter (on meta: nothing is allocated)."""
     import warnings
 
-    from peft import get_peft_model
-
-    from ppokit.roles import peft_lora_config
+    from peft import get_peft_model  # an optional dependency (the lora extra)
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -276,6 +287,19 @@ def kv_cache_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
 # --------------------------------------------------------------------------- the estimate
 
 
+def reward_vocabulary(config: PPOConfig) -> Optional[bool]:
+    """None without reward.model, else whether it reads the policy's token ids (from the tokenizer files)."""
+    if not config.reward.model:
+        return None
+    return _same_vocabulary(config.tokenizer or config.model, config.reward.model, config.trust_remote_code)
+
+
+@functools.lru_cache(maxsize=8)
+def _same_vocabulary(policy_tokenizer: str, reward_model: str, trust_remote_code: bool) -> bool:
+    return same_vocabulary(load_tokenizer(policy_tokenizer, trust_remote_code), load_tokenizer(reward_model, trust_remote_code, "reward.model"))
+
+
+
 def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int], suggest: bool = True) -> Plan:
     """Estimate for `config` with prompts of at most `prompt_length` tokens (no weights loaded)."""
     hp, lora, quant = config.ppo, config.lora, config.quantization
@@ -303,12 +327,14 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         roles.append(trained("policy", f"{config.model} + LoRA r={lora.r}" + (f", {quant} base" if quant else ""),
                              policy_params + adapter, policy_weights + 4 * adapter, adapter, 4, policy_act))
 
+    layout = decide_roles(config, reward_vocabulary=reward_vocabulary(config))  # as the trainer decides it
+
     # Reference.
-    if config.ref_model:
+    if layout.reference == REFERENCE_OWN:
         ref_config = _auto_config(config.ref_model, "ref_model", trc)
         ref_params, ref_weights, _ = _stats(ref_config, False, _dtype(ref_config), None)
         roles.append(RoleEstimate("reference", config.ref_model, ref_params, 0, ref_weights, 0, 0, 0))
-    elif lora is not None:
+    elif layout.reference == REFERENCE_BASE:
         roles.append(RoleEstimate("reference", "the policy's base, adapter disabled (no copy)", 0, 0, 0, 0, 0, 0))
     else:
         roles.append(RoleEstimate("reference", "frozen copy of the policy", policy_params, 0, policy_weights, 0, 0, 0))
@@ -321,27 +347,25 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         roles.append(RoleEstimate("reward", config.reward.model, reward_params, 0, reward_weights, 0, 0, 0))
 
     # Value.
-    value_lora = lora is not None and lora.value_model_lora
     value_dims = dims
-    if config.value_model == "shared":
+    if layout.critic == CRITIC_SHARED:
         head = dims["hidden"]
         adapter = _stats(policy_config, False, dtype, quant, lora, None)[2]
         roles.append(trained("value", "adapter `value` + head on the policy's base (no copy)", adapter + head,
                              4 * (adapter + head), adapter + head, 4,
                              train_activation_bytes(dims, micro, seq, act_bytes, config.gradient_checkpointing, 0)))
     else:
-        if config.value_model and config.value_model != "from_reward":
-            value_config = _auto_config(config.value_model, "value_model", trc)
-            source = config.value_model
-        elif reward_config is not None:
+        if layout.critic == CRITIC_OWN:
+            value_config, source = _auto_config(config.value_model, "value_model", trc), config.value_model
+        elif layout.copies_reward_model:
             value_config, source = reward_config, "the reward model's weights"
         else:
             value_config, source = policy_config, "the policy's backbone + a scalar head"
         value_dtype = _dtype(value_config)
         value_dims = _dims(value_config)
         act = train_activation_bytes(value_dims, micro, seq, act_bytes, config.gradient_checkpointing, 0)
-        shares_reward = config.value_model == "from_reward" and value_lora
-        if value_lora:
+        if layout.critic_adapter:
+            shares_reward = layout.critic == CRITIC_ON_REWARD
             params, base_weights, adapter = _stats(value_config, True, value_dtype, quant, lora, "SEQ_CLS")
             weights = 4 * adapter + (0 if shares_reward else base_weights)
             source += " (shared with the reward model)" if shares_reward else ""
@@ -373,7 +397,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         warnings.append("fp16 needs a CUDA device; use bf16 on this machine")
     plan = Plan(roles, phases, sizes,
                 {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk},
-                device[0], device[1], warnings)
+                device[0], device[1], warnings, layout=layout)
     if not plan.fits and suggest:
         plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
         plan.suggestion = _suggest(config, prompt_length, num_prompts, device)
@@ -430,8 +454,6 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     train = config.data.train
     dataset = prompts = None
     if train and Path(train).is_file():
-        from ppokit.data import as_prompt_dataset
-
         dataset = as_prompt_dataset(train, config.data.prompt_field, config.data.format)
         if config.data.eval is None and config.data.eval_fraction:
             dataset = dataset.split(config.data.eval_fraction, config.seed)[0]  # as the trainer holds them out
@@ -442,9 +464,6 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     longest = None
     if prompts:
         try:
-            from ppokit.data import render_chat_prompts
-            from ppokit.models import load_tokenizer
-
             tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
             render_chat_prompts(tokenizer, config.data.chat_template, dataset)  # chat rows: text only once rendered
             longest = max(len(tokenizer(p)["input_ids"]) for p in dataset.prompts)

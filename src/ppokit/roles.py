@@ -19,6 +19,10 @@ Switching adapters inside one training forward needs care: peft's `set_adapter` 
 leaf that no longer requires grad at backward time. `active_adapter` restores it. Gradient
 checkpointing recomputes a layer during backward, when another adapter may be active; the
 checkpoint's `context_fn` re-activates the adapter the layer ran with.
+
+Which of these layouts a run gets is decided once, by `decide_roles`, from the config alone (and
+whether the reward model reads the policy's token ids); the trainer builds what it says
+(`build_roles`) and `ppokit plan` estimates what it says, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -34,8 +39,16 @@ from torch import nn
 
 from ppokit.config import LoraConfig, PPOConfig
 from ppokit.errors import UserError
-from ppokit.models import backbone, unwrap_peft
-from ppokit.rewards import RewardModelReward
+from ppokit.models import (
+    backbone,
+    disable_dropout,
+    frozen_copy,
+    load_causal_lm,
+    load_scalar_model,
+    unwrap_peft,
+    value_model_from_policy,
+)
+from ppokit.rewards import RewardModelReward, RewardScorer
 
 POLICY_ADAPTER = "default"
 VALUE_ADAPTER = "value"
@@ -88,6 +101,126 @@ def load_kwargs(config: PPOConfig) -> dict:
     return {"quantization_config": quant, "device_map": {"": torch.cuda.current_device()}}
 
 
+# --------------------------------------------------------------------------- which model plays which role
+
+# The reference policy.
+REFERENCE_OWN = "own model"  # ref_model: a model of its own
+REFERENCE_COPY = "frozen copy"  # a frozen copy of the policy
+REFERENCE_BASE = "adapter-disabled base"  # with lora: the policy's base with its adapter disabled
+# The critic.
+CRITIC_OWN = "own model"  # value_model: a path (or an object passed in)
+CRITIC_SHARED = "shared adapter"  # value_model: shared, an adapter + head on the policy's base
+CRITIC_ON_REWARD = "adapter on the reward model"  # from_reward with lora: the reward model's own weights
+CRITIC_REWARD_COPY = "copy of the reward model"  # the reward model reads the policy's ids: its weights start the critic
+CRITIC_POLICY_PATH = "policy checkpoint"  # quantised policy: its checkpoint reloaded as a classifier
+CRITIC_POLICY_COPY = "policy backbone"  # a copy of the policy's backbone with a fresh head
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """Which weights play the reference and the critic, and which roles train through adapters."""
+
+    reference: str  # one of REFERENCE_*
+    critic: str  # one of CRITIC_*
+    policy_adapter: bool  # the policy trains a LoRA adapter on a frozen base
+    critic_adapter: bool  # the critic (other than the shared one) trains its own adapter on a frozen base
+    quantized: Optional[str]  # "4bit"/"8bit": every frozen base is loaded quantised
+
+    @property
+    def copies_reward_model(self) -> bool:
+        return self.critic in (CRITIC_ON_REWARD, CRITIC_REWARD_COPY)
+
+
+def decide_roles(
+    config: PPOConfig, *, reward_vocabulary: Optional[bool], ref_model_given: bool = False, value_model_given: bool = False
+) -> RoleLayout:
+    """The one decision of which model plays which role.
+
+    reward_vocabulary: None without a reward model, else whether it reads the policy's token ids
+    (a critic reads the policy's ids, so a reward model with another vocabulary cannot start it).
+    ref_model_given / value_model_given: objects passed to the trainer in place of config paths.
+    """
+    lora = config.lora
+    critic_lora = lora is not None and lora.value_model_lora
+    if ref_model_given or config.ref_model:
+        reference = REFERENCE_OWN
+    else:
+        reference = REFERENCE_BASE if lora is not None else REFERENCE_COPY
+    if config.value_model == "from_reward" and not reward_vocabulary:
+        raise UserError("value_model: from_reward needs reward.model with the policy's vocabulary (the critic reads the policy's token ids)")
+    if config.value_model == "shared":
+        critic = CRITIC_SHARED
+    elif value_model_given or (config.value_model and config.value_model != "from_reward"):
+        critic = CRITIC_OWN
+    elif config.value_model == "from_reward" and critic_lora:
+        critic = CRITIC_ON_REWARD
+    elif reward_vocabulary:
+        critic = CRITIC_REWARD_COPY
+    elif config.quantization is not None:
+        critic = CRITIC_POLICY_PATH
+    else:
+        critic = CRITIC_POLICY_COPY
+    return RoleLayout(
+        reference=reference,
+        critic=critic,
+        policy_adapter=lora is not None,
+        critic_adapter=critic_lora and critic != CRITIC_SHARED,
+        quantized=config.quantization,
+    )
+
+
+@dataclass
+class Roles:
+    """The trainable policy and critic, and the frozen reference (None: the policy's base, adapters off)."""
+
+    policy: nn.Module
+    reference: Optional[nn.Module]
+    value: nn.Module
+
+
+def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, model=None, ref_model=None, value_model=None) -> Roles:
+    """Load (or take) the models `layout` names. With the critic's adapter on the reward model,
+    the scorer's reward source is replaced by one that scores with that adapter disabled."""
+    trc = config.trust_remote_code
+    base_kwargs = load_kwargs(config)
+    critic_kwargs = base_kwargs if layout.critic_adapter else {}
+    policy = load_causal_lm(model if model is not None else config.model, "model", trc, **base_kwargs)
+    reference = None
+    if layout.reference == REFERENCE_OWN:
+        reference = load_causal_lm(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
+        reference.requires_grad_(False)
+    elif layout.reference == REFERENCE_COPY:
+        reference = frozen_copy(policy)
+    reward_model = scorer.reward_model
+    value = {
+        CRITIC_SHARED: lambda: None,  # an adapter on the policy's base, added with the policy's below
+        CRITIC_OWN: lambda: load_scalar_model(value_model if value_model is not None else config.value_model, "value_model",
+                                              trc, **critic_kwargs),
+        CRITIC_ON_REWARD: lambda: reward_model,  # one copy of the reward weights: the critic's adapter goes on it
+        CRITIC_REWARD_COPY: lambda: frozen_copy(reward_model).train().requires_grad_(True),
+        CRITIC_POLICY_PATH: lambda: value_model_from_path(config.model, trc, critic_kwargs),
+        CRITIC_POLICY_COPY: lambda: value_model_from_policy(policy),
+    }[layout.critic]()
+    for m in (policy, reference, value, reward_model):
+        if m is not None:
+            disable_dropout(m)
+    # Adapters after disable_dropout, so that lora.dropout is the one dropout left on purpose.
+    if layout.critic_adapter:
+        value = add_value_adapter(value, config)
+        if layout.critic == CRITIC_ON_REWARD:
+            scorer.sources = [AdapterDisabledReward(s, value) if isinstance(s, RewardModelReward) else s for s in scorer.sources]
+    if layout.policy_adapter:
+        policy = add_policy_adapter(policy, config)
+    if layout.critic == CRITIC_SHARED:
+        value = SharedBaseCritic(policy, config)
+    if config.gradient_checkpointing:
+        shared = policy if layout.critic == CRITIC_SHARED else None
+        enable_gradient_checkpointing(policy, shared)
+        if shared is None:
+            enable_gradient_checkpointing(value)
+    return Roles(policy, reference, value)
+
+
 # --------------------------------------------------------------------------- adapters
 
 
@@ -97,8 +230,6 @@ def value_model_from_path(path: str, trust_remote_code: bool, load_kwargs: dict)
     The critic's start when the policy is quantised: `value_model_from_policy` copies tensors
     from the loaded policy, which a quantised model does not allow.
     """
-    from ppokit.models import load_scalar_model
-
     model = load_scalar_model(path, "value_model", trust_remote_code, **load_kwargs)
     with torch.no_grad():
         unwrap_peft(model).score.weight.zero_()

@@ -267,7 +267,7 @@ def build_scorer(
                 )
     sources: list[RewardSource] = []
     rm_module = None
-    if reward_model is not None or (reward.model and reward.model != "<object>"):
+    if reward_model is not None or reward.model:
         rm = reward_model_source(
             reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code,
             **(load_kwargs or {}),

@@ -22,6 +22,9 @@ from ppokit.config import PPOConfig, PipelineConfig, RMConfig, SFTConfig, apply_
 from ppokit.errors import UserError
 from ppokit.run_dir import check_output_dir, check_replaceable
 from ppokit.stages.common import printer
+from ppokit.stages.rm import run_rm
+from ppokit.stages.sft import run_sft
+from ppokit.trainer import PPOTrainer
 
 STAGES = ("sft", "rm", "ppo")
 CONFIG_CLASSES = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
@@ -71,15 +74,9 @@ def completed_output(stage: str, output_dir: Path) -> Optional[Path]:
 
 def run_stage(stage: str, config, show_progress: bool, overwrite: bool = False) -> dict:
     if stage == "sft":
-        from ppokit.stages.sft import run_sft
-
         return run_sft(config, show_progress, overwrite)
     if stage == "rm":
-        from ppokit.stages.rm import run_rm
-
         return run_rm(config, show_progress, overwrite)
-    from ppokit.trainer import PPOTrainer
-
     records = PPOTrainer(config, show_progress=show_progress).train()
     return {
         "stage": "ppo",

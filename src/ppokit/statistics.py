@@ -1,0 +1,79 @@
+"""The metrics of one update, each decided once: what it averages over and how processes combine.
+
+Every mean is over the episodes kept in the update (rows dropped by reward.on_error=skip count in
+none) or over their real tokens, and every process's sums are added in one reduction
+(`reduce_sum`, the identity on one process) before dividing, so that N processes report what one
+process would over the same episodes. Names follow TRL's PPOTrainer (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ppokit.rollout import Rollout
+
+ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def objective_metrics(
+    rollout: Rollout, kl: torch.Tensor, non_score: torch.Tensor, kept: torch.Tensor, kl_coef: float, reduce_sum: ReduceSum
+) -> dict[str, float]:
+    """objective/* and val/num_eos_tokens: per-episode means (sums over tokens within an episode).
+
+    kl, non_score: (B, R) per-token KL and KL penalty; kept: (B,) bool.
+    """
+    mask = rollout.response_mask  # already False on dropped rows
+    keep = kept.float()
+    sums = reduce_sum(torch.stack([
+        keep.sum(),
+        kl.sum(),
+        (-rollout.logprobs * mask).sum(),
+        non_score.sum(),
+        (rollout.scores * keep).sum(),
+        mask.sum().float(),
+        (rollout.ended & kept).sum().float(),
+    ]))
+    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended = sums.tolist()
+    n = max(episodes, 1.0)
+    return {
+        "objective/scores": score_sum / n,
+        "objective/kl": kl_sum / n,
+        "objective/entropy": neg_logprob_sum / n,
+        "objective/non_score_reward": non_score_total / n,
+        "objective/rlhf_reward": (score_sum + non_score_total) / n,
+        "objective/kl_coef": kl_coef,
+        "objective/response_length": tokens / n,
+        "val/num_eos_tokens": int(ended),
+    }
+
+
+# Training statistics (keys of `optimise.micro_batch_loss`'s stats) -> their metric names.
+TRAINING_METRICS = {
+    "approxkl": "policy/approxkl_avg",
+    "clipfrac": "policy/clipfrac_avg",
+    "pg_loss": "loss/policy_avg",
+    "vf_loss": "loss/value_avg",
+    "vf_clipfrac": "val/clipfrac_avg",
+    "entropy": "policy/entropy_avg",
+    "ratio": "val/ratio",
+}
+
+
+def training_metrics(stats: dict[str, list[torch.Tensor]], has_tokens: list[torch.Tensor], reduce_sum: ReduceSum) -> dict[str, float]:
+    """Means over the micro-batches that had real tokens, on every process together, and
+    val/ratio_var, the unbiased variance of the micro-batch ratios (as torch.var computes it).
+
+    stats: statistic -> one scalar per micro-batch; has_tokens: one bool per micro-batch.
+    A statistic without a metric name in TRAINING_METRICS is reported as `train/<statistic>`.
+    """
+    names = list(stats)
+    per_micro_batch = torch.stack([torch.stack(stats[k]).float() for k in names])  # (statistics, micro-batches)
+    weight = torch.stack(has_tokens).float()
+    ratio = per_micro_batch[names.index("ratio")]
+    sums = reduce_sum(torch.cat([(per_micro_batch * weight).sum(1), (ratio**2 * weight).sum().reshape(1), weight.sum().reshape(1)]))
+    *totals, ratio_sq, count = sums.tolist()
+    mean = {k: t / max(count, 1) for k, t in zip(names, totals)}
+    ratio_var = max(ratio_sq - count * mean["ratio"] ** 2, 0.0) / (count - 1) if count > 1 else 0.0
+    return {**{TRAINING_METRICS.get(k, f"train/{k}"): v for k, v in mean.items()}, "val/ratio_var": ratio_var}
