@@ -347,13 +347,13 @@ files = run.start(fresh=True, overwrite=True)
 (files / "checkpoints" / "update-1").mkdir(parents=True)
 run_dir.write_marker(files / "checkpoints" / "update-1", "checkpoint")
 (files / "checkpoints" / "update-1" / "trainer_state.json").write_text('{{"update": 1, "num_updates": 3, "complete": true}}')
-moves, real_move = [], run_dir._move
+moves, real_move = [], run_dir.move_into_place
 def move(source, target):
     moves.append(source)
     if len(moves) == {kill_at}:
         os.kill(os.getpid(), signal.SIGKILL)
     real_move(source, target)
-run_dir._move = move
+run_dir.move_into_place = move
 run.commit()
 """
 

@@ -232,14 +232,14 @@ def test_evaluate_scores_every_eval_prompt_repeatably_without_touching_training_
 def test_notices_go_to_stderr_and_stdout_stays_for_results(model_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "run"
     config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=8, num_sample_generations=0)
-    PPOTrainer(config, show_progress=False).train()  # an earlier run whose checkpoint the next one replaces
+    PPOTrainer(config, show_progress=False).train()  # an earlier run that the next one replaces
     config.data.max_prompt_length = 3
     capsys.readouterr()
-    PPOTrainer(config, show_progress=True).train()
+    PPOTrainer(config, show_progress=True, overwrite=True).train()
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "prompts longer than data.max_prompt_length=3 were truncated" in captured.err
-    assert "removed 1 checkpoint(s) of an earlier run" in captured.err
+    assert f"{out}: the earlier run there is replaced by this one, whose first checkpoint is written" in captured.err
 
 
 def test_the_callers_config_is_not_changed(model_dir, prompts_file, tmp_path, tokenizer):

@@ -7,11 +7,11 @@ import signal
 import sys
 import threading
 import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ppokit.checkpoint import checkpoints_dir, list_checkpoints
 from ppokit.errors import UserError
 
 
@@ -147,14 +147,14 @@ class StopSignals:
     a second one abandons the update at once, leaving the last complete checkpoint to resume from.
     Installed only in the main thread (Python delivers signals there); restored by `uninstall`.
 
-    output_dir: the run's folder (its last complete checkpoint is named when abandoning);
+    last_checkpoint: the run's last complete checkpoint or None (named when abandoning);
     current_update: the number of updates done so far; accelerator: to share the request.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, output_dir, current_update: Callable[[], int], accelerator):
-        self.output_dir = output_dir
+    def __init__(self, last_checkpoint: Callable[[], Optional[Path]], current_update: Callable[[], int], accelerator):
+        self.last_checkpoint = last_checkpoint
         self.current_update = current_update
         self.accelerator = accelerator
         self.received: Optional[int] = None
@@ -174,8 +174,7 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         update = self.current_update()
         if self.received is not None:
-            found = list_checkpoints(checkpoints_dir(self.output_dir))
-            raise TrainingInterrupted(signum, update, found[-1] if found else None, abandoned=True)
+            raise TrainingInterrupted(signum, update, self.last_checkpoint(), abandoned=True)
         self.received = signum
         if self.accelerator.is_main_process:
             print(

@@ -148,6 +148,11 @@ def _space_problem(error: BaseException, tmp: Path) -> Optional[int]:
     return None
 
 
+def no_space(error: BaseException, path: Path) -> Optional[NoSpaceError]:
+    """The NoSpaceError for an OSError that says the disk is full while writing `path`, else None."""
+    return NoSpaceError(path, error.errno) if isinstance(error, OSError) and error.errno in _NO_SPACE else None
+
+
 def mount_point(path: Path) -> Path:
     path = Path(path).resolve()
     while not path.exists() or (not os.path.ismount(path) and path != path.parent):
@@ -321,10 +326,11 @@ def holds_run(folder: Path) -> Optional[str]:
     """A description of the run in `folder` when it holds one to lose (a checkpoint or final/), else None."""
     found = list_checkpoints(Path(folder) / CHECKPOINTS)
     state = read_state(found[-1]) if found else None
-    if state is not None and state.get("update", 0) < state.get("num_updates", 0):
-        return f"an unfinished run (checkpoint {found[-1].name} of {state['num_updates']} updates)"
+    update, total = (state.get("update"), state.get("num_updates")) if state is not None else (None, None)
+    if isinstance(update, int) and isinstance(total, int) and update < total:
+        return f"an unfinished run (checkpoint {found[-1].name} of {total} updates)"
     if state is not None or (Path(folder) / "final").is_dir():
-        updates = f"{state['update']} updates, " if state is not None else ""
+        updates = f"{update} updates, " if isinstance(update, int) else ""
         return f"a finished run ({updates}final/)"
     return None
 
@@ -398,13 +404,11 @@ class RunFolder:
     def staged(self) -> bool:
         return self.files != self.root
 
-    def start(self, fresh: bool, overwrite: bool) -> Path:
+    def start(self, fresh: bool, overwrite: bool, barrier: Callable[[], None] = lambda: None) -> Path:
         """-> where the run writes. A fresh run over a run that holds something (`holds_run`) needs
-        `overwrite` and is staged; otherwise the run writes in the folder itself."""
-        if not self.main_process:
-            self.files = self.root / NEW_RUN if (self.root / NEW_RUN).is_dir() else self.root
-            return self.files  # the main process decided (call after it, behind a barrier)
-        if fresh and holds_run(self.root) is not None:
+        `overwrite` and is staged; otherwise the run writes in the folder itself. The main process
+        decides; `barrier` (every process calls start) lets the others see where."""
+        if self.main_process and fresh and holds_run(self.root) is not None:
             if not overwrite:
                 check_run_start(str(self.root), resume=False, overwrite=False)  # raises, naming the run
             staging = self.root / NEW_RUN
@@ -413,14 +417,19 @@ class RunFolder:
             staging.mkdir()
             write_marker(staging, "new-run")
             self.files = staging
+        barrier()
+        if not self.main_process:
+            self.files = self.root / NEW_RUN if (self.root / NEW_RUN).is_dir() else self.root
         return self.files
 
-    def commit(self) -> Path:
-        """After a checkpoint or the final save: a staged run replaces the earlier one now. -> the folder written to."""
+    def commit(self, path: Optional[Path] = None) -> Path:
+        """After a checkpoint or the final save: a staged run replaces the earlier one now.
+        -> the folder the run writes in from now on, or where `path` (written in the old one) is now."""
+        written_in = self.files
         if self.staged and self.main_process:
             self._swap()
         self.files = self.root
-        return self.files
+        return self.root if path is None else self.root / Path(path).relative_to(written_in)
 
     def close(self) -> None:
         if self.main_process and self.staged and (self.root / NEW_RUN).exists():
@@ -438,10 +447,10 @@ class RunFolder:
             replaced.mkdir(exist_ok=True)
             write_marker(replaced, "replaced-run:aside")
             for entry in _run_entries(self.root):
-                _move(self.root / entry, replaced / entry)
+                move_into_place(self.root / entry, replaced / entry)
             write_marker(replaced, "replaced-run:in")
         for entry in _run_entries(staging):
-            _move(staging / entry, self.root / entry)
+            move_into_place(staging / entry, self.root / entry)
         shutil.rmtree(replaced, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -467,10 +476,13 @@ class RunFolder:
         return done
 
 
-def _move(source: Path, target: Path) -> None:
-    """Rename `source` to `target`; something already at `target` that is not ppokit's is renamed aside, never deleted."""
+def move_into_place(source: Path, target: Path) -> None:
+    """Rename `source` to `target`. Something already at `target` is deleted when it is ppokit's (a
+    marked folder or an owned checkpoint), and otherwise renamed aside to NAME.not-ppokit, never deleted."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
+    if target.is_dir() and (is_marked(target) or owned_checkpoint(target)):
+        shutil.rmtree(target)
+    elif target.exists():
         aside, n = target.with_name(f"{target.name}.not-ppokit"), 1
         while aside.exists():
             aside, n = target.with_name(f"{target.name}.not-ppokit-{n}"), n + 1

@@ -18,6 +18,7 @@ import gc
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,8 +27,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, checkpoint, roles
-from ppokit.checkpoint import RunFacts, TrainedParts, atomic_save_dir
+from ppokit import algo, checkpoint, roles, run_dir
+from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
 from ppokit.errors import UserError
@@ -67,6 +68,8 @@ class PPOTrainer:
             sources (objects with `name` and `score(ScoringBatch)`, e.g. `RemoteReward`), or entries
             as in `reward.functions`; they replace `config.reward.functions`.
         train_dataset / eval_dataset: a path, a list of prompts or row dicts, or a `datasets.Dataset`.
+        overwrite: a fresh run may replace the run in output_dir (kept until this one's first
+            checkpoint) or write into a folder that ppokit did not make (`ppokit.run_dir`).
     """
 
     def __init__(
@@ -84,12 +87,15 @@ class PPOTrainer:
         eval_dataset=None,
         accelerator: Optional[Accelerator] = None,
         show_progress: bool = True,
+        overwrite: bool = False,
     ):
         self.config = config = _run_config(config, model, reward_model, reward_functions)
         roles.check_environment(config)  # before any weights load
         self.accelerator = accelerator or _make_accelerator(config)
         set_seed(config.seed)
-        self.output_dir = Path(config.output_dir)
+        self.output_dir, self.overwrite, self.run = Path(config.output_dir), overwrite, None
+        if self.accelerator.is_main_process:
+            run_dir.check_run_folder(config.output_dir, overwrite)  # a folder it must not write in fails before any loading
         self.show_progress = show_progress and self.accelerator.is_main_process
         # Data first: a bad file should fail before any weights are loaded.
         self.train_data, self.eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
@@ -110,7 +116,7 @@ class PPOTrainer:
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
-        self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written
+        self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
         self._last_batch: tuple[list, list, list] = ([], [], [])  # prompts, completions, scores of the last update
 
     # ------------------------------------------------------------------ set-up steps
@@ -156,6 +162,15 @@ class PPOTrainer:
             self.scorer.reward_model.to(device).eval()
         reference = built.reference.to(device).eval() if built.reference is not None else None
         return model, optimizer, scheduler, reference
+
+    def _run_folder(self) -> run_dir.RunFolder:
+        """output_dir, locked for this run (until train() ends), its leftovers cleared (`ppokit.run_dir`)."""
+        if self.run is None:
+            self.run = run_dir.RunFolder.open(self.output_dir, self.accelerator.is_main_process, self.overwrite)
+            weakref.finalize(self, self.run.close)
+            for note in self.run.notes:
+                self._say(note)
+        return self.run
 
     def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
@@ -318,26 +333,35 @@ class PPOTrainer:
 
     def train(self) -> list[dict]:
         """Run every update; write the run directory. Returns the list of metric records."""
-        hp, state, out = self.config.ppo, self.state, self.output_dir
-        if self.accelerator.is_main_process:
-            out.mkdir(parents=True, exist_ok=True)
-            self.config.save(out / "config.yaml")
-            if state.update == 0 and (removed := checkpoint.remove_checkpoints(out)):
-                self._say(f"{out}: removed {removed} checkpoint(s) of an earlier run; this fresh run replaces it")
+        try:
+            self._train()
+        except OSError as e:
+            raise self._no_space(e, self._run_facts().output_dir) from None
+        finally:
+            if self.run is not None:
+                self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
+                self.run = None
+        return self.state.records
+
+    def _train(self) -> None:
+        hp, state, is_main = self.config.ppo, self.state, self.accelerator.is_main_process
+        files = self._run_folder().start(fresh=state.update == 0, overwrite=self.overwrite, barrier=self.accelerator.wait_for_everyone)
+        if is_main:
+            self.config.save(files / "config.yaml")
         # A resumed run's files were rewritten to the checkpoint's by resume_from; they continue from there.
-        sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update,
-                           is_main=self.accelerator.is_main_process, show_progress=self.show_progress)
+        sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update, is_main=is_main,
+                           show_progress=self.show_progress, folder=files)
         sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
-        signals = StopSignals(self.output_dir, lambda: state.update, self.accelerator).install()
+        signals = StopSignals(lambda: self._saved_at[1] if self._saved_at else None, lambda: state.update, self.accelerator).install()
         # Set-up allocated many long-lived objects; freezing them keeps each gc pass short.
         gc.collect()
         gc.freeze()
         try:
             while state.update < self.sizes.num_updates:
-                record = self.run_update()
+                record = self._saved_if_it_fails(self.run_update)
                 last = state.update == self.sizes.num_updates
                 if sample_every and not state.skipped_in_a_row and (state.update % sample_every == 0 or last):
-                    rows = self.sample_completions()
+                    rows = self._saved_if_it_fails(self.sample_completions, record)
                     scored = [r["score"] for r in rows if r["score"] is not None]
                     if scored and self.eval_data is not None:  # without eval data the rows are the training batch's
                         record["eval/scores"] = sum(scored) / len(scored)
@@ -351,9 +375,38 @@ class PPOTrainer:
             signals.uninstall()
             sinks.close()
             gc.unfreeze()
-        self.save_checkpoint()
+        path = self.save_checkpoint()
+        if state.skipped_updates == state.update:
+            raise NonFiniteStop(
+                f"every update of the run ({state.update}) was skipped, the last for a {state.last_nonfinite}; nothing was "
+                f"trained, so final/ is not written. The checkpoint {path} holds the starting weights and the counters; "
+                "fix the cause (reward, learning rate, data)"
+            )
         self.save_final()
-        return state.records
+
+    def _saved_if_it_fails(self, part: Callable, finished_record: Optional[dict] = None):
+        """part(), or on a user error (a reward source failing under reward.on_error=raise) a checkpoint of
+        the last complete update first, so that no update done so far is lost; then the error, with it.
+        `finished_record`: the update whose samples failed is itself complete (its record is kept)."""
+        try:
+            return part()
+        except UserError as error:
+            if self.accelerator.num_processes > 1:
+                raise  # the other processes are not stopping with it: no collective save can be made
+            if finished_record is not None:
+                self.state.records.append(finished_record)
+            if not self.state.update:
+                raise
+            raise UserError(f"{error}. Updates 1-{self.state.update} are saved in {self.save_checkpoint()}; "
+                            "fix the cause and continue with --resume") from None
+
+    def _no_space(self, error: OSError, path: Path) -> Exception:
+        """A full disk while the run writes: one line naming the last checkpoint, else the error as it is."""
+        full = run_dir.no_space(error, path)
+        if full is None:
+            return error
+        last = self._saved_at[1] if self._saved_at else None
+        return UserError(f"{full}; {f'the last complete checkpoint is {last}' if last else 'no checkpoint of this run was written'}")
 
     def run_update(self) -> dict[str, Any]:
         """`step` under the non-finite guard. An update whose score, loss or gradient is NaN or infinite is
@@ -362,8 +415,15 @@ class PPOTrainer:
         hp, state = self.config.ppo, self.state
         t0 = time.perf_counter()
         snapshot = UpdateSnapshot(self.model, self.optimizer, self.scheduler, weights=hp.nonfinite_rollback)
+        rng = checkpoint.rng_state()
         try:
             record = self.step()
+        except UserError:
+            # Scoring fails before any optimiser step: the state is the last complete update's, but for the
+            # random draws already made; they are undone too, so that a checkpoint now is that update's.
+            snapshot.restore(scheduler_steps=0)
+            checkpoint.set_rng_state(rng)
+            raise
         except NonFiniteUpdate as bad:
             snapshot.restore(scheduler_steps=hp.num_ppo_epochs * hp.num_mini_batches)
             self.model.train()
@@ -387,11 +447,18 @@ class PPOTrainer:
         hp, state = self.config.ppo, self.state
         if state.skipped_in_a_row >= hp.max_skipped_updates:
             path = self.save_checkpoint()
+            trained = [r["update"] for r in state.records if not any(k.startswith("nonfinite/") for k in r)]
+            if not hp.nonfinite_rollback:
+                weights = ("holds the weights with the skipped updates' optimiser steps kept (ppo.nonfinite_rollback=false), "
+                           "which may be unusable; resume from an earlier checkpoint if so")
+            elif trained:
+                weights = f"holds the weights of update {trained[-1]}, the last that trained (the skipped ones were rolled back)"
+            else:
+                weights = "holds the starting weights: no update trained"
             raise NonFiniteStop(
                 f"update {state.update}: {state.skipped_in_a_row} updates in a row were skipped "
                 f"(ppo.max_skipped_updates={hp.max_skipped_updates}), the last for a {state.last_nonfinite}. "
-                f"The checkpoint {path} holds the last good weights; fix the cause (reward, learning rate, data) "
-                "and continue with --resume"
+                f"The checkpoint {path} {weights}; fix the cause (reward, learning rate, data) and continue with --resume"
             )
         signum = signals.requested()
         if signum and state.update < self.sizes.num_updates:
@@ -402,11 +469,12 @@ class PPOTrainer:
         call train() next. Restores weights, optimiser, schedule, KL controller, reward-source state,
         RNG states, counters and metrics. A config that would change the result is refused unless `force`."""
         path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir)
+        self._run_folder()  # this run's from here on: the lock before anything is restored into it
         self.state = checkpoint.load_checkpoint(path, self._trained_parts(), self.config, self._run_facts(), self.accelerator,
                                                 force=force, say=self._say)
         own = checkpoint.checkpoints_dir(self.output_dir) / f"update-{self.state.update}"
-        if own.exists() and own.resolve() == path.resolve():
-            self._saved_at = (self.state.update, path)
+        # The checkpoint to name after a stop; it is re-saved only when it is another folder's.
+        self._saved_at = (self.state.update if own.exists() and own.resolve() == path.resolve() else -1, path)
         return path
 
     def _trained_parts(self) -> TrainedParts:
@@ -414,7 +482,8 @@ class PPOTrainer:
                             self.scorer, adapters=self.layout.policy_adapter or self.layout.critic_adapter)
 
     def _run_facts(self) -> RunFacts:
-        return RunFacts(self.output_dir, self.train_data, self.eval_data, self.sizes.batch, self.sizes.num_updates,
+        files = self.run.files if self.run is not None else self.output_dir  # where this run writes now (`RunFolder.start`)
+        return RunFacts(files, self.train_data, self.eval_data, self.sizes.batch, self.sizes.num_updates,
                         self.config.ppo.save_total_limit)
 
     @torch.inference_mode()
@@ -477,19 +546,25 @@ class PPOTrainer:
         update = self.state.update
         if self._saved_at is None or self._saved_at[0] != update:
             path = checkpoint.save_checkpoint(self.state, self._trained_parts(), self.config, self._run_facts(),
-                                              lambda folder: self.save_models(folder, merged=False), self.accelerator)
-            self._saved_at = (update, path)
+                                              lambda folder: self.save_models(folder, merged=False, kind="model"), self.accelerator)
+            run, replacing = self._run_folder(), self._run_folder().staged
+            self._saved_at = (update, run.commit(path))  # a run replacing another takes its place now
+            if replacing:
+                self._say(f"{run.root}: the earlier run there is replaced by this one, whose first checkpoint is written")
         return self._saved_at[1]
 
     def save_final(self) -> Path:
         """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/."""
-        target = self.output_dir / "final"
+        target = self._run_folder().commit() / "final"
         if self.accelerator.is_main_process:
-            self.save_models(target)
+            try:
+                self.save_models(target, replace_unmarked=self.overwrite)
+            except run_dir.NoSpaceError as e:
+                raise UserError(f"{e}; the last complete checkpoint is {self._saved_at[1]}") from None
         self.accelerator.wait_for_everyone()
         return target
 
-    def save_models(self, target: Path, merged: bool = True) -> None:
+    def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False) -> None:
         """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured."""
 
         def write(tmp: Path) -> None:
@@ -502,7 +577,7 @@ class PPOTrainer:
             self.tokenizer.save_pretrained(tmp / "value_model")
 
         with _no_save_progress_bars():
-            atomic_save_dir(target, write)
+            run_dir.atomic_save_dir(target, write, kind, replace_unmarked)
 
 
 def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPOConfig:
