@@ -25,8 +25,8 @@ def _ppo(args) -> int:
     config = PPOConfig.load(args.config, overrides)
     # Before any weights load: the run folder may be used (not another tool's, no run a fresh start would
     # replace) and is this run's alone (the lock, held until the command ends), and the checkpoint is found.
-    run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=False)
-    run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process())
+    run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
+    run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process(), overwrite=args.overwrite)
     try:
         for note in run.notes:
             print(f"ppokit: {note}", file=sys.stderr)
@@ -42,7 +42,7 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
 
     if _is_main_process():
         _preflight(config, args.ignore_plan)
-    trainer = PPOTrainer(config)
+    trainer = PPOTrainer(config, overwrite=args.overwrite)
     if resume_path is not None:
         trainer.resume_from(resume_path, force=args.resume_force)
         print(f"ppokit: resumed from {resume_path} (update {trainer.state.update} of {trainer.sizes.num_updates})", file=sys.stderr)
@@ -203,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     ppo.add_argument(
         "--resume-force", action="store_true",
         help="resume even when config keys that change the result differ from the checkpoint's (they are listed)",
+    )
+    ppo.add_argument(
+        "--overwrite", action="store_true",
+        help="start afresh in an output_dir that holds a run (it is replaced once this run has its first checkpoint) "
+        "or that ppokit did not make (only the names a run writes are replaced there)",
     )
     ppo.add_argument(
         "--ignore-plan", action="store_true",

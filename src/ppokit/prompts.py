@@ -31,7 +31,7 @@ def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optiona
     for i, prompt in enumerate(dataset.prompts):
         ids = tokenizer(prompt)["input_ids"]
         if not ids:
-            raise UserError(f"{dataset.source}: row {i}: the prompt encodes to no tokens")
+            raise UserError(f"{dataset.where(i)}: the prompt encodes to no tokens")
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             ids = ids[-max_prompt_length:]
             truncated += 1

@@ -13,14 +13,13 @@ no earlier stage ran in this invocation. So a crashed pipeline restarts at the s
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 
 from ppokit.config import PPOConfig, PipelineConfig, RMConfig, SFTConfig, apply_override, build, parse_override, read_yaml
 from ppokit.errors import UserError
-from ppokit.run_dir import check_output_dir, check_replaceable
+from ppokit.run_dir import check_output_dir, check_replaceable, check_run_folder, marker_kind
 from ppokit.stages.common import printer
 from ppokit.stages.rm import run_rm
 from ppokit.stages.sft import run_sft
@@ -77,7 +76,7 @@ def run_stage(stage: str, config, show_progress: bool, overwrite: bool = False) 
         return run_sft(config, show_progress, overwrite)
     if stage == "rm":
         return run_rm(config, show_progress, overwrite)
-    records = PPOTrainer(config, show_progress=show_progress).train()
+    records = PPOTrainer(config, show_progress=show_progress, overwrite=overwrite).train()
     return {
         "stage": "ppo",
         "output_dir": config.output_dir,
@@ -115,9 +114,10 @@ def run_pipeline(
             raise UserError(f"{stage}: {e}") from None
     for stage, config in configs.items():  # every output folder, before anything trains
         try:
-            check_output_dir(config.output_dir)
-            if stage != "ppo":
-                check_replaceable(config.output_dir, overwrite)
+            if stage == "ppo":
+                check_run_folder(config.output_dir, overwrite)
+            else:
+                check_replaceable(check_output_dir(config.output_dir), overwrite)
         except UserError as e:
             raise UserError(f"{stage}: {e}") from None
     summaries: dict[str, dict] = {}
@@ -139,9 +139,8 @@ def run_pipeline(
             say(f"{stage}: running again, an earlier stage produced new output")
         else:
             say(f"{stage}: running -> {out}")
-        if stage == "ppo" and (out / "final").exists():
-            # final/ marks a complete run; the old one must not outlive a run that crashes.
-            shutil.rmtree(out / "final")
-        summaries[stage] = runner(stage, config, show_progress, overwrite)
+        # Running a stage again replaces its earlier output; a ppo run's stays whole until the new one has a checkpoint.
+        replace = overwrite or (stage == "ppo" and marker_kind(out) == "ppo-run")
+        summaries[stage] = runner(stage, config, show_progress, replace)
         earlier_ran = True
     return summaries
