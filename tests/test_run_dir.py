@@ -420,3 +420,216 @@ def test_two_runs_on_one_folder_started_half_a_second_apart(model_dir, prompts_f
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def run_tree(folder: Path) -> dict[str, bytes]:
+    """A run folder's files, less the lock file (which holds the PID of whoever locked it last)."""
+    return {k: v for k, v in tree(folder).items() if k != ".ppokit.lock"}
+
+
+def finished_run(model_dir, prompts_file, tmp_path, **ppo) -> tuple[Path, Path]:
+    """A finished ppo run (4 updates, checkpoints 2 and 4, final/) -> (its folder, its config file)."""
+    from conftest import tiny_ppo_config
+
+    from ppokit.trainer import PPOTrainer
+
+    out = tmp_path / "run"
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=32, save_steps=2, **ppo)
+    PPOTrainer(config, show_progress=False).train()
+    path = tmp_path / "ppo.yaml"
+    config.save(path)
+    return out, path
+
+
+def test_a_fresh_run_over_a_run_is_refused_and_overwrite_keeps_the_old_run_until_its_first_checkpoint(
+    model_dir, prompts_file, tmp_path, capsys, monkeypatch
+):
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import PPOTrainer
+
+    out, config_path = finished_run(model_dir, prompts_file, tmp_path)
+    (out / "checkpoints" / "other-tool").mkdir()
+    (out / "checkpoints" / "other-tool" / "model.bin").write_text("another tool's weights\n")
+    before = run_tree(out)
+    assert main(["ppo", str(config_path)]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"ppokit: error: {out} holds a finished run (4 updates, final/): give another output_dir, continue it with --resume "
+        "(after raising ppo.total_episodes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
+    )
+    with pytest.raises(UserError, match="holds a finished run"):
+        PPOTrainer(PPOConfig.load(config_path), show_progress=False).train()  # the Python API too
+    assert run_tree(out) == before
+
+    # --overwrite, and the new run fails in update 3, before its first checkpoint (save_steps 0): the old run is whole.
+    real_step, calls = torch.optim.AdamW.step, []
+
+    def failing_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("simulated crash")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", failing_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(["ppo", str(config_path), "ppo.save_steps=0", "ppo.learning_rate=0.002", "--overwrite"])
+    monkeypatch.undo()
+    assert run_tree(out) == before
+
+    assert main(["ppo", str(config_path), "ppo.save_steps=0", "ppo.learning_rate=0.002", "--overwrite"]) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["ppo"]["learning_rate"] == 0.002
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["other-tool", "update-4"]
+    assert (out / "checkpoints" / "other-tool" / "model.bin").read_text() == "another tool's weights\n"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4 and (out / "final" / "model.safetensors").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".ppokit-")], "no staging or replaced folder left"
+
+
+def test_a_run_into_another_tools_folder_is_refused_and_deletes_only_ppokits_checkpoints(model_dir, prompts_file, tmp_path, capsys):
+    out = a_project(tmp_path / "run")
+    (out / "checkpoints" / "update-9").mkdir(parents=True)  # named like ppokit's, but not ppokit's
+    (out / "checkpoints" / "update-9" / "weights.bin").write_text("theirs\n")
+    config_path = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", out, total_episodes=32, save_steps=1, save_total_limit=1)
+    before = tree(out)
+    assert main(["ppo", str(config_path)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"ppokit: error: output_dir: {out} exists and is not a ppokit run folder (no .ppokit marker in it); give another output_dir, or pass --overwrite")
+    assert tree(out) == before
+    assert main(["ppo", str(config_path), "--overwrite"]) == 0
+    after = tree(out)
+    assert all(after[k] == v for k, v in before.items()), "every file of theirs is still there, unchanged"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["update-4", "update-9"]  # save_total_limit=1 pruned 1-3
+
+
+KILL_WHILE_SAVING = """
+import os, signal, sys
+sys.path[:0] = [{src!r}]
+import torch
+from ppokit import roles
+real_save, real_policy = torch.save, roles.save_policy
+def save(obj, path, *args, **kwargs):
+    if ".update-2.tmp-" in str(path) and str(path).endswith("scheduler.pt") and {where!r} == "checkpoint":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, path, *args, **kwargs)
+def save_policy(policy, folder, *args, **kwargs):
+    if ".final.tmp-" in str(folder) and {where!r} == "final":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_policy(policy, folder, *args, **kwargs)
+torch.save, roles.save_policy = save, save_policy
+from ppokit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_leftovers_of_a_run_killed_while_saving_are_removed_at_its_next_start(model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    config_path = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", out, total_episodes=32, save_steps=1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    for where, leftover_dir, pattern in (("checkpoint", out / "checkpoints", ".update-2.tmp-"), ("final", out, ".final.tmp-")):
+        killed = subprocess.run([sys.executable, "-c", KILL_WHILE_SAVING.format(src=SRC, where=where), "ppo", str(config_path),
+                                 *(["--resume"] if where == "final" else [])], env=env, capture_output=True, text=True, timeout=600)
+        assert killed.returncode == -9, killed.stderr
+        leftovers = [p for p in leftover_dir.iterdir() if p.name.startswith(pattern)]
+        assert len(leftovers) == 1 and run_dir.marker_kind(leftovers[0]) in ("checkpoint", "final")
+        assert main(["ppo", str(config_path), "--resume"]) == 0
+        err = capsys.readouterr().err
+        assert f"ppokit: removed {leftovers[0].name}, left by process {leftovers[0].name.rsplit('-', 1)[1]}" in err, err
+        assert not leftovers[0].exists()
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ppokit", ".ppokit.lock"]
+    assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_the_earlier_run_whole(model_dir, prompts_file, tmp_path, capsys):
+    out, config_path = finished_run(model_dir, prompts_file, tmp_path)
+    before = run_tree(out)
+    proc = ppokit_process("ppo", config_path, "ppo.save_steps=0", "--overwrite")
+    staged = out / ".ppokit-new-run" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (staged.exists() and staged.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert {k: v for k, v in run_tree(out).items() if not k.startswith(".ppokit-new-run/")} == before  # the old run is untouched
+    assert main(["ppo", str(config_path), "--resume"]) == 0  # the next start: the old run, finished, nothing to train
+    err = capsys.readouterr().err
+    assert f"removed the files of an --overwrite run that stopped before its first checkpoint; the earlier run in {out} is as it was" in err
+    assert run_tree(out) == before
+
+
+def test_a_full_disk_while_writing_a_checkpoint(model_dir, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    config_path = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", out, total_episodes=16, save_steps=1)
+    code, _, err = run_ppokit("ppo", config_path, limit_file_size=100 * 1024)  # a checkpoint's weights are bigger
+    assert code == 2, err
+    line = one_error_line(err)
+    assert line.startswith("ppokit: error: no space left on /") and line.endswith(
+        f"(File too large) while writing {out / 'checkpoints' / 'update-1'}; no checkpoint of this run was written yet"), line
+    assert list((out / "checkpoints").iterdir()) == [], "the half-written checkpoint is removed"
+
+
+def test_a_run_whose_every_update_was_skipped_fails_and_writes_no_final(model_dir, prompts_file, tmp_path, capsys):
+    judge = tmp_path / "judge.py"
+    judge.write_text("def unreachable(prompts, completions, **columns):\n    return [float('nan')] * len(completions)\n")
+    config_path = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", tmp_path / "run", total_episodes=16)
+    assert main(["ppo", str(config_path), f"reward.functions=[{judge}:unreachable]", "reward.on_error=skip"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("ppokit: error: every update of the run (2) was skipped, the last for a non-finite score: ")
+    assert line.endswith(f"nothing was trained, so final/ is not written. The checkpoint {tmp_path / 'run' / 'checkpoints' / 'update-2'} "
+                         "holds the starting weights and the counters; fix the cause (reward, learning rate, data)")
+    assert not (tmp_path / "run" / "final").exists()
+
+
+FLAKY_JUDGE = """import os
+
+calls = []
+
+
+def judge(prompts, completions, **columns):
+    calls.append(1)
+    fail_at = os.path.join(os.path.dirname(__file__), "fail-at")
+    if os.path.exists(fail_at) and len(calls) == int(open(fail_at).read()):
+        raise RuntimeError("the judge is down")
+    return [len(c.split()) / 10 for c in completions]
+"""
+
+
+def test_a_reward_error_under_on_error_raise_saves_the_last_complete_update(model_dir, prompts_file, tmp_path, capsys):
+    import importlib
+
+    from conftest import tiny_ppo_config
+
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import PPOTrainer
+
+    judge = tmp_path / "judge.py"
+    judge.write_text(FLAKY_JUDGE)
+
+    def config(out):
+        c = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=32, kl_target=0.5, kl_horizon=100)
+        c.reward.functions = [f"{judge}:judge"]
+        return c
+
+    PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
+    out = tmp_path / "run"
+    config_path = tmp_path / "ppo.yaml"
+    config(out).save(config_path)
+    (tmp_path / "fail-at").write_text("3")  # the third scoring call of the process: update 3 (save_steps 0: no checkpoint before)
+    importlib.invalidate_caches()
+    for module in [m for m in sys.modules if m.endswith("judge")]:
+        del sys.modules[module]
+    assert main(["ppo", str(config_path)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "raised RuntimeError: the judge is down" in line
+    assert line.endswith(f". Updates 1-2 are saved in {out / 'checkpoints' / 'update-2'}; fix the cause and continue with --resume")
+    (tmp_path / "fail-at").unlink()
+    trainer = PPOTrainer(PPOConfig.load(config_path), show_progress=False)
+    trainer.resume_from()
+    trainer.train()
+    wall_clock = ("eps", "time/")
+
+    def numbers(path):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(wall_clock)} for line in path.read_text().splitlines()]
+
+    assert numbers(out / "metrics.jsonl") == numbers(tmp_path / "straight" / "metrics.jsonl")  # as if it had never stopped

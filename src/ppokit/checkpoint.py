@@ -93,10 +93,10 @@ def find_checkpoint(spec: Optional[str], output_dir: str | Path) -> Path:
         candidates = [checkpoints_dir(output_dir)]
     else:
         path = Path(spec).expanduser()
-        if (path / STATE_FILE).exists() or _NAME.match(path.name):
-            if read_state(path) is None:
-                raise UserError(f"--resume {spec}: not a complete checkpoint (no trainer_state.json marked complete)")
-            return path
+        if (path / STATE_FILE).exists():
+            return path  # read_checkpoint says whether it is complete and whole
+        if _NAME.match(path.name):
+            raise UserError(f"--resume {spec}: not a complete checkpoint (no {STATE_FILE})")
         if not path.is_dir():
             raise UserError(f"--resume {spec}: no such checkpoint or run directory")
         candidates = [path / CHECKPOINTS, path]

@@ -31,6 +31,8 @@ def _ppo(args) -> int:
         for note in run.notes:
             print(f"ppokit: {note}", file=sys.stderr)
         resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir) if resume is not None else None
+        if resume_path is not None:
+            checkpoint.read_checkpoint(resume_path)  # a damaged file is found before any model loads
         return _train(args, config, overrides, resume_path)
     finally:
         run.close()

@@ -64,7 +64,7 @@ class PPOHyperparams:
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
     kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=lambda v: v in ("k1", "k2", "k3"))
     kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
-    kl_horizon: float = doc(10000, "Horizon (episodes) of the adaptive KL controller.", check=positive)
+    kl_horizon: float = doc(10000.0, "Horizon (episodes) of the adaptive KL controller.", check=positive)
     cliprange: float = doc(0.2, "Clip range of the policy ratio.", check=positive)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
@@ -186,7 +186,7 @@ class LoraConfig:
     """The `lora:` section: train LoRA adapters (peft) instead of every weight. null in the config: off."""
 
     r: int = doc(16, "Rank of each adapter's update matrices.", check=positive)
-    alpha: float = doc(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).", check=positive)
+    alpha: float = doc(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).", check=positive)
     dropout: float = doc(0.0, "Dropout on the adapter input. Default 0 (peft's is 0.05): dropout makes the PPO ratio differ from 1 before any update, as model dropout does.", check=fraction)
     target_modules: list[str] = doc(factory=lambda: ["all-linear"], help="Module names (or suffixes) that get adapters; `all-linear` is every linear layer except the output head.")
     use_dora: bool = doc(False, "Weight-decomposed LoRA (DoRA): adds a trainable magnitude per output feature; slower per step.")

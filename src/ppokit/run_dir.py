@@ -129,6 +129,8 @@ def _space_problem(error: BaseException, tmp: Path) -> Optional[int]:
     Not every writer says so: safetensors puts the OS error in its message, and torch.save raises
     a RuntimeError without any ("file write failed"); so the file system is asked too.
     """
+    if isinstance(error, NoSpaceError):  # from a folder written inside this one: named as this one
+        return error.errno
     if isinstance(error, OSError) and error.errno in _NO_SPACE:
         return error.errno
     said = re.search(r"os error (\d+)", str(error))
