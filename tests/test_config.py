@@ -83,6 +83,17 @@ def test_batch_arithmetic_and_inexact_division():
         PPOHyperparams(per_device_train_batch_size=8).derive(1, 5)
 
 
+def test_a_warmup_as_long_as_the_run_is_refused():
+    """Counted in optimiser steps (2 updates x 4 epochs x 2 minibatches = 16): 16 would never reach the peak rate."""
+    hp = dict(per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=4, total_episodes=16)
+    assert PPOHyperparams(**hp, warmup_steps=15).derive(1, 100).num_updates == 2
+    with pytest.raises(UserError) as error:
+        PPOHyperparams(**hp, warmup_steps=16).derive(1, 100)
+    assert str(error.value) == (
+        "ppo.warmup_steps (16) is not shorter than the run's 16 optimiser steps (2 updates x num_ppo_epochs 4 x "
+        "num_mini_batches 2): the learning rate would never reach ppo.learning_rate; set ppo.warmup_steps below 16")
+
+
 def test_missing_config_file_and_bad_yaml(tmp_path):
     with pytest.raises(UserError, match="config file not found"):
         PPOConfig.load(tmp_path / "nope.yaml")

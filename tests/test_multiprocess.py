@@ -42,6 +42,8 @@ def test_two_process_cpu_run_with_checkpoints_and_resume(model_dir, prompts_file
     assert len(result.stdout.strip().splitlines()) == 1  # one summary line, from the main process
     assert (tmp_path / "run" / "final" / "value_model").is_dir()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("update-")) == ["update-1", "update-2"]
+    # The main process alone holds the run lock (a second holder would have stopped with "in use by another ppokit run").
+    assert len((tmp_path / "run" / ".ppokit.lock").read_text().split()) == 1 and "in use by" not in result.stderr
     # resuming a finished run trains nothing and says so, on every process, without hanging
     resumed = _launch(config, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -140,6 +140,30 @@ def test_plan_reads_chat_prompts_and_the_eval_hold_out_as_the_trainer_does(model
     assert num_prompts == 8 and not notes  # 2 of 10 held out for evaluation
 
 
+def test_the_plan_reads_prompts_and_position_limits_as_the_trainer_does(model_dir, prompts_file, tmp_path, capsys):
+    """Prompt lengths under the same rule (prompts.encode_prompts), and the smallest position limit
+    of the models that read the policy's ids: `ppokit plan` names the problem; `ppokit ppo`'s
+    preflight leaves it to the trainer's own one-line error."""
+    from ppokit.trainer import PPOTrainer
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", response_length=6)
+    config.data.max_prompt_length = 4
+    trainer = PPOTrainer(config, show_progress=False)
+    assert plan_for(config).sequence["prompt"] == max(len(ids) for ids in trainer.train_query_ids) == 4
+    assert plan_for(config).stops == []
+    config.ref_model = str(model_dir("gpt2", max_positions=8))
+    plan = plan_for(config)
+    assert plan.stops == ["the longest prompt + response is 10 tokens (4 + ppo.response_length 6), over the ref_model's position "
+                          "limit of 8 tokens (n_positions in its config): `ppokit ppo` will stop; set data.max_prompt_length to at "
+                          "most 2 (it is 4)"]
+    assert "error: the longest prompt + response is 10 tokens" in plan.render()
+    path = tmp_path / "ppo.yaml"
+    config.save(path)
+    assert main(["ppo", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the longest prompt" not in err and "over the ref_model's position limit of 8 tokens" in err.splitlines()[-1]
+
+
 CUSTOM_CONFIG = """from transformers import LlamaConfig
 
 

@@ -1,8 +1,10 @@
 """`ppokit sft`, `ppokit rm`, `ppokit pipeline` and `ppokit data inspect` on tiny local models."""
 
+import contextlib
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -126,7 +128,8 @@ def test_long_prompts_truncated_and_counted_then_all_dropped_is_an_error(model_d
     rows = [{"prompt": "the movie was " * (20 if i % 2 else 1), "completion": "great ."} for i in range(20)]
     train = write_jsonl(tmp_path / "long.jsonl", rows)
     summary = run_sft(sft_config(model_dir("llama"), train, tmp_path / "a", eval_fraction=0.0, max_prompt_length=8), show_progress=False)
-    assert summary["length_rule"]["train"] == {"rows": 20, "prompts_truncated": 10, "completions_cut": 0, "dropped": 0}
+    assert summary["length_rule"]["train"] == {"rows": 20, "prompts_truncated": 10, "completions_cut": 0, "dropped": 0,
+                                               "identical_pairs": 0}
     with pytest.raises(UserError, match="no training rows left after the length rule .*20 rows dropped"):
         run_sft(sft_config(model_dir("llama"), train, tmp_path / "b", eval_fraction=0.0, max_prompt_length=8, max_length=3), show_progress=False)
 
@@ -156,6 +159,36 @@ def test_tokenizer_without_pad_token_uses_eos(files, tmp_path, demo_data):
     run_sft(sft_config(model_path, files["sft"], tmp_path / "out"), show_progress=False)
     saved = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert saved.pad_token == "<eos>"
+
+
+def test_a_tokenizer_folder_without_config_json_is_accepted(model_dir, files, tokenizer, tmp_path, capsys):
+    """`tokenizer:` is any folder a transformers tokenizer loads from, e.g. one `save_pretrained` wrote."""
+    folder = tmp_path / "tok"
+    tokenizer.save_pretrained(folder)
+    assert not (folder / "config.json").exists()
+    config = sft_config(model_dir("llama"), files["sft"], tmp_path / "out")
+    config.tokenizer = str(folder)
+    assert run_sft(config, show_progress=False)["train_rows"] > 0
+    assert main(["data", "inspect", files["sft"], "--tokenizer", str(folder)]) == 0
+    assert "rows           400" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a tokenizer")
+    for argv in (["data", "inspect", files["sft"], "--tokenizer", str(empty)],
+                 ["sft", str(_yaml(tmp_path, model_dir("llama"), files["sft"], tokenizer=str(empty)))]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (f"ppokit: error: tokenizer: {empty} exists but holds neither a saved tokenizer "
+                       "(tokenizer_config.json, tokenizer.json, vocab files) nor a saved model (config.json)")
+    assert main(["data", "inspect", files["sft"], "--tokenizer", str(empty / "notes.txt")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"tokenizer: {empty / 'notes.txt'} is a file; give a saved tokenizer or model folder")
+
+
+def _yaml(tmp_path, model, train, **keys):
+    path = tmp_path / "stage.yaml"
+    path.write_text(yaml.safe_dump({"model": str(model), "output_dir": str(tmp_path / "o"), "data": {"train": train}, **keys}))
+    return path
 
 
 # --------------------------------------------------------------------------- the pipeline
@@ -285,11 +318,140 @@ def test_cli_errors_are_one_line_with_exit_code_2(files, tmp_path, model_dir, ca
     assert not (tmp_path / "o").exists()
 
 
+def test_careless_model_and_tokenizer_inputs_are_one_line(model_dir, files, tokenizer, demo_data, tmp_path, capsys):
+    """Each was a traceback from inside torch/safetensors/transformers."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from ppokit.tiny import word_tokenizer
+
+    model = model_dir("llama")
+    # A tokenizer with more tokens than the model has embeddings (another model's, or tokens added later).
+    bigger = word_tokenizer([r["prompt"] + " " + r["completion"] for r in demo_data["sft"]] + [f"new{i}" for i in range(50)])
+    bigger.save_pretrained(tmp_path / "bigger")
+    new_words = write_jsonl(tmp_path / "new.jsonl", [{"prompt": "the movie was", "completion": "new7 ."}] * 8)
+    # A tokenizer without an EOS token: sft cannot end completions with it.
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, pad_token="<pad>", unk_token="<unk>").save_pretrained(
+        tmp_path / "no-eos")
+    # A model folder whose weights file was cut short (an interrupted copy or download).
+    shutil.copytree(model, tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    # A reward model where a causal LM belongs; the same without its tokenizer; a LoRA adapter folder.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.models import load_scalar_model
+
+    load_scalar_model(str(model), "x").save_pretrained(tmp_path / "scorer")
+    shutil.copytree(tmp_path / "scorer", tmp_path / "scorer-with-tokenizer")
+    tokenizer.save_pretrained(tmp_path / "scorer-with-tokenizer")
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), lora).save_pretrained(tmp_path / "adapter")
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "the movie was", "chosen": "good .", "rejected": "good ."}] * 8)
+    config = _yaml(tmp_path, model, files["sft"])
+    cases = [
+        (["rm", str(config), f"data.train={same}", "data.eval_fraction=0"],
+         f"ppokit: error: {same}: no training rows left after the length rule (0 of 8 prompts over max_prompt_length=256 "
+         "truncated from the left, 0 completions cut at max_length=512, 8 rows dropped (8 of them pairs whose chosen and "
+         "rejected are the same)); give pairs whose chosen and rejected completions differ"),
+        (["sft", str(config), f"model={tmp_path / 'scorer-with-tokenizer'}"],
+         f"ppokit: error: model: {tmp_path / 'scorer-with-tokenizer'} is a LlamaForSequenceClassification (a reward or "
+         "value model), not a causal LM; its language-model head would be random. Give the SFT (or base) model here; "
+         "a reward model goes in reward.model"),
+        (["sft", str(config), f"model={tmp_path / 'scorer'}"],
+         f"ppokit: error: tokenizer: {tmp_path / 'scorer'} holds a model but no tokenizer (no tokenizer_config.json, "
+         "tokenizer.json or vocab files); set `tokenizer` to the folder or id of its tokenizer"),
+        (["sft", str(config), f"model={tmp_path / 'adapter'}"],
+         f"ppokit: error: model: {tmp_path / 'adapter'} holds a LoRA adapter for {model}, not a whole model; give the "
+         "merged model (a LoRA PPO run writes final/merged/ with save_merged: true) or the base model"),
+        (["sft", str(config), f"tokenizer={tmp_path / 'bigger'}", f"data.train={new_words}", "data.eval_fraction=0"],
+         f"ppokit: error: {new_words}:1: token id {bigger.convert_tokens_to_ids('new7')} ('new7') is outside the model's "
+         f"vocabulary of {len(tokenizer)} (vocab_size in its config): the tokenizer of {len(bigger)} tokens is not this "
+         "model's; set `tokenizer` to the model's own, or resize the model's embeddings"),
+        (["rm", str(config), f"tokenizer={tmp_path / 'no-eos'}", f"data.train={files['pref']}"],
+         "ppokit: error: the tokenizer has no EOS token; every completion ends with EOS so that the model learns to stop: "
+         "set the tokenizer's eos_token and save it again (or give another `tokenizer`)"),
+        (["sft", str(config), f"model={tmp_path / 'cut'}"],
+         f"ppokit: error: model: could not load '{tmp_path / 'cut'}': Error while deserializing header: invalid header "
+         "length (a weights file is damaged or incomplete)"),
+        (["data", "inspect", files["sft"], "--max-prompt-length", "0"],
+         "ppokit data inspect: error: argument --max-prompt-length: expected a whole number > 0 or none, got 0"),
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) if argv[0] == "data" else contextlib.nullcontext() as exited:
+            assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1] == expected, (argv, err)
+        assert exited is None or exited.value.code == 2
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(UserError, match="max_length must be a whole number > 0"):
+        inspect_data(files["sft"], tokenizer, max_length=0)
+
+
 def test_cli_data_inspect_prints_the_report(files, model_dir, capsys):
     assert main(["data", "inspect", files["sft"], "--tokenizer", str(model_dir("llama"))]) == 0
     out = capsys.readouterr().out
     assert "format         prompt_completion (detected from the columns)" in out
     assert "rows           400" in out and "example 3" in out and "0 rows dropped" in out
+
+
+def test_data_inspect_and_the_stages_apply_one_length_rule(model_dir, tokenizer, tmp_path):
+    """inspect's counts are the stage's: the same rows truncated, cut and dropped (a pair that
+    cutting makes identical is dropped by rm, and inspect used to keep it)."""
+    rows = preference_rows(24) + [
+        # 3 prompt tokens leave 5: both completions cut to "great fun . great fun", identical.
+        {"prompt": "the movie was", "chosen": "great fun . great fun .", "rejected": "great fun . great fun dull"},
+        {"prompt": "the movie was " * 3, "chosen": "good .", "rejected": "bad ."},  # truncated to 8: no room, dropped
+    ]
+    pref = write_jsonl(tmp_path / "pref.jsonl", rows)
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
+    limits = {"max_prompt_length": 8, "max_length": 8, "eval_fraction": 0.0}
+    rm = run_rm(RMConfig.load(data={
+        "model": str(model_dir("llama")), "output_dir": str(tmp_path / "rm"), "data": {"train": pref, **limits},
+        "train": {"per_device_train_batch_size": 32},
+    }), show_progress=False)
+    inspected = inspect_data(pref, tokenizer, max_prompt_length=8, max_length=8)["length_rule"]
+    assert rm["length_rule"]["train"] == inspected
+    assert inspected["dropped"] == 2 and inspected["prompts_truncated"] == 1 and inspected["completions_cut"] >= 1
+    config = sft_config(model_dir("llama"), sft, tmp_path / "sft", **limits)
+    assert run_sft(config, show_progress=False)["length_rule"]["train"] == inspect_data(
+        sft, tokenizer, max_prompt_length=8, max_length=8)["length_rule"]
+
+
+def test_rows_over_the_models_position_limit_are_one_line_before_training(model_dir, files, tmp_path, capsys):
+    """A GPT-2-style model with n_positions 8 and rows longer than that: one line naming the row,
+    its length, the limit and the key to set, before any weights load (was an IndexError traceback)."""
+    short = model_dir("gpt2", max_positions=8)
+    config = _yaml(tmp_path, short, files["sft"])
+    for argv in (["sft", str(config)], ["rm", str(config), f"data.train={files['pref']}"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        line = err.strip().splitlines()[-1]
+        assert re.fullmatch(
+            r"ppokit: error: .*\.jsonl:\d+: prompt \+ completion is \d+ tokens after the length rule, over the "
+            r"model's position limit of 8 tokens \(n_positions in its config\); set data\.max_length to at most 8 "
+            r"\(\d+ rows are over it\)", line), line
+    assert main(["sft", str(config), "data.max_length=8", "train.num_train_epochs=0.1"]) == 0
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["steps"] > 0  # every row fits at max_length 8
+    capsys.readouterr()
+    # data inspect names them too, and takes several paths (a report each).
+    assert main(["data", "inspect", files["sft"], files["pref"], files["prompts"], "--tokenizer", str(short)]) == 0
+    out = capsys.readouterr().out
+    reports = out.split("\nsource")
+    assert len(reports) == 3 and [r.count("example 1") for r in reports] == [1, 1, 1]
+    positions = [line for line in out.splitlines() if line.startswith("positions")]
+    assert len(positions) == 3 and all("model limit 8 (n_positions):" in line for line in positions)
+    assert "set data.max_length to at most 8" in positions[0] and "data.max_prompt_length" not in positions[0]
+    assert main(["data", "inspect", files["prompts"], str(tmp_path / "none.jsonl"), "--json", "--tokenizer", str(short),
+                 "--response-length", "4", "--max-prompt-length", "4"]) == 2
+    captured = capsys.readouterr()
+    (report,) = [json.loads(line) for line in captured.out.splitlines()]
+    assert report["position_limit"] == {"tokens": 8, "key": "n_positions", "rows_over": 0, "first_over": None,
+                                        "fix": "set data.max_prompt_length to at most 4 (it is 4)"}
+    assert captured.err.strip() == f"ppokit: error: data file not found: {tmp_path / 'none.jsonl'}"
 
 
 def test_rm_on_chat_preferences_without_a_prompt_column(model_dir, tmp_path):

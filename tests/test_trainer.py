@@ -15,17 +15,40 @@ def _trainer(model_dir, prompts_file, tmp_path, arch="llama", **ppo):
     return PPOTrainer(tiny_ppo_config(model_dir(arch), prompts_file, tmp_path / "run", **ppo), show_progress=False)
 
 
+def _trainer_with_dropout(model_dir, prompts_file, tmp_path, arch, dropout, **ppo):
+    """A trainer on a checkpoint whose config has `dropout` in every dropout probability (None: the arch's defaults)."""
+    directory = model_dir(arch) if dropout is None else model_dir(arch, dropout=dropout)
+    return PPOTrainer(tiny_ppo_config(directory, prompts_file, tmp_path / "run", **ppo), show_progress=False)
+
+
+@pytest.mark.parametrize("dropout", [None, 0.5])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
-def test_ratio_is_one_on_first_minibatch(arch, model_dir, prompts_file, tmp_path):
-    """Sampling logprobs (logits / T, KV cache, left padding) equal the training forward's."""
-    trainer = _trainer(model_dir, prompts_file, tmp_path, arch, temperature=0.7, response_length=12)
+def test_ratio_is_one_on_first_minibatch(arch, dropout, model_dir, prompts_file, tmp_path):
+    """Sampling logprobs (logits / T, KV cache, left padding) equal the training forward's, also
+    for a checkpoint saved with dropout (Llama/Qwen2 attention copies `attention_dropout` at
+    construction: zeroing the config alone left a first-minibatch ratio of 0.64..1.36)."""
+    trainer = _trainer_with_dropout(model_dir, prompts_file, tmp_path, arch, dropout, temperature=0.7, response_length=12)
     rollout = trainer.generate([trainer.train_query_ids[i] for i in trainer.batch_indices(0)])
     assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
     mb = rollout.select(torch.arange(4))
+    assert trainer.model.training  # the training forward, in train mode as optimise() runs it
     logits, _ = trainer.model(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
     new_logprobs = algo.logprobs_from_logits(logits, mb.response_ids, 0.7)
     ratio = torch.exp(new_logprobs - mb.logprobs)[mb.response_mask]
     assert (ratio - 1).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_first_update_ratio_is_one_with_dropout_in_the_checkpoint(arch, model_dir, prompts_file, tmp_path):
+    """A real update (one minibatch, one epoch: every ratio is measured before the optimiser step)."""
+    trainer = _trainer_with_dropout(
+        model_dir, prompts_file, tmp_path, arch, 0.5, total_episodes=4, num_mini_batches=1, num_ppo_epochs=1,
+        num_sample_generations=0,
+    )
+    record = trainer.step()
+    assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert record["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
+    assert record["policy/clipfrac_avg"] == 0.0
 
 
 def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
@@ -53,18 +76,30 @@ def test_truncation_after_stop_and_early_stop(model_dir, prompts_file, tmp_path)
         assert rollout.response_ids.shape[1] == int(rollout.response_mask.sum(1).max())
 
 
-def test_dropout_is_off_in_every_model(tmp_path, tokenizer, prompts_file):
-    from ppokit.tiny import tiny_causal_lm
+def dropout_left(model: torch.nn.Module) -> list[str]:
+    """Every non-zero dropout probability a model holds: nn.Dropout modules and float attributes."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            found.append(f"{name}.p")
+        found += [f"{name}.{k}" for k, v in vars(module).items()
+                  if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v]
+    return found
 
-    model = tiny_causal_lm("gpt2", tokenizer)
-    model.config.attn_pdrop = model.config.resid_pdrop = model.config.embd_pdrop = 0.3
-    model = type(model)(model.config)
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    trainer = PPOTrainer(tiny_ppo_config(tmp_path / "m", prompts_file, tmp_path / "run"), show_progress=False)
-    for module in (trainer.policy, trainer.ref_model, trainer.value_model):
-        ps = [m.p for m in module.modules() if isinstance(m, torch.nn.Dropout)]
-        assert ps and all(p == 0.0 for p in ps)
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_dropout_is_off_in_every_model(arch, model_dir, prompts_file, tmp_path):
+    from ppokit.models import frozen_copy, load_scalar_model
+
+    directory = model_dir(arch, dropout=0.5)
+    reward_model = load_scalar_model(str(directory), "reward.model")
+    assert dropout_left(reward_model) and dropout_left(frozen_copy(reward_model))  # the checkpoint does hold some
+    trainer = PPOTrainer(
+        tiny_ppo_config(directory, prompts_file, tmp_path / "run"), reward_model=reward_model, show_progress=False
+    )
+    for role, module in (("policy", trainer.policy), ("ref_model", trainer.ref_model),
+                         ("value_model", trainer.value_model), ("reward", reward_model)):
+        assert not dropout_left(module), role
 
 
 def test_same_seed_same_metrics(model_dir, prompts_file, tmp_path):
@@ -229,6 +264,15 @@ def test_evaluate_scores_every_eval_prompt_repeatably_without_touching_training_
     assert trainer.evaluate() != first
 
 
+def test_tokenizer_folder_without_config_json(model_dir, prompts_file, tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=8, num_sample_generations=0)
+    config.tokenizer = str(tmp_path / "tok")
+    trainer = PPOTrainer(config, show_progress=False)
+    assert trainer.tokenizer.get_vocab() == tokenizer.get_vocab()
+    assert math.isfinite(trainer.step()["objective/scores"])
+
+
 def test_notices_go_to_stderr_and_stdout_stays_for_results(model_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "run"
     config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=8, num_sample_generations=0)
@@ -254,3 +298,35 @@ def test_the_callers_config_is_not_changed(model_dir, prompts_file, tmp_path, to
     assert config.to_dict() == before
     assert trainer.config.model == str(model_dir("llama"))  # what is recorded of the object: its saved path
     assert trainer.config.reward.functions != before["reward"]["functions"]
+
+
+def test_prompts_that_a_model_cannot_read_are_refused_before_its_weights_load(model_dir, prompts_file, tokenizer, demo_data, tmp_path):
+    """Token ids past the embeddings of any model that reads them, or prompt + response past the
+    smallest position limit among them: one line naming the row (both were IndexErrors in the model)."""
+    from ppokit.errors import UserError
+    from ppokit.tiny import word_tokenizer
+
+    bigger = word_tokenizer([r["prompt"] + " " + r["completion"] for r in demo_data["sft"]] + [f"new{i}" for i in range(50)])
+    rows = tmp_path / "new.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the movie was"] * 7 + ["the new7 was"]))
+    config = tiny_ppo_config(model_dir("llama"), rows, tmp_path / "run", total_episodes=8)
+    with pytest.raises(UserError) as error:
+        PPOTrainer(config, tokenizer=bigger, show_progress=False)
+    assert str(error.value) == (
+        f"data.train ({rows}: row 8): token id {bigger.convert_tokens_to_ids('new7')} ('new7') is outside the model's vocabulary "
+        f"of {len(tokenizer)} (vocab_size in its config): the tokenizer of {len(bigger)} tokens is not this model's; set "
+        "`tokenizer` to the model's own, or resize the model's embeddings")
+    # The reference has fewer positions than the policy: its limit is the one that counts.
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", response_length=6)
+    config.ref_model = str(model_dir("gpt2", max_positions=8))
+    with pytest.raises(UserError, match=r"data.train \(.*: row \d+\): the prompt is \d+ tokens; with ppo.response_length 6 that is "
+                                        r"\d+, over the ref_model's position limit of 8 tokens \(n_positions in its config\); "
+                                        r"set data.max_prompt_length to at most 2 \(it is null\) \(\d+ rows are over it\)"):
+        PPOTrainer(config, show_progress=False)
+    config.data.max_prompt_length = 2
+    assert max(len(ids) for ids in PPOTrainer(config, show_progress=False).train_query_ids) == 2
+    config.ppo.response_length = 8
+    with pytest.raises(UserError) as error:
+        PPOTrainer(config, show_progress=False)
+    assert str(error.value) == ("ppo.response_length 8 leaves no room for a prompt in the ref_model's position limit of 8 tokens "
+                                "(n_positions in its config); set ppo.response_length below 8")

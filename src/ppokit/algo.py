@@ -229,7 +229,8 @@ def clipped_policy_loss(
     logprobs (current policy, with grad), old_logprobs (sampling policy), advantages: (B, T);
     response_mask: (B, T) bool -> (scalar loss, PolicyLossStats).
     L = mean_t max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)), ratio = exp(logp - old_logp).
-    approxkl is 0.5 * mean((logp - old_logp)^2), as in TRL and OpenAI's baselines.
+    approxkl is 0.5 * mean((logp - old_logp)^2) over real tokens, as in OpenAI's baselines
+    (TRL's mean also counts padding slots, at 0).
     """
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)

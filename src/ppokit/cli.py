@@ -92,6 +92,8 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     except Exception as e:  # an estimate must never stop a run that might fit
         print(f"plan: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
         return
+    if plan.stops:
+        return  # the trainer stops on it before any weights load, with its own one line
     if not plan.fits and not ignore_plan:
         suggestion = f"; it would fit with {plan.suggestion}" if plan.suggestion else ""
         if config.data.max_prompt_length is None:
@@ -161,19 +163,50 @@ def _pipeline(args) -> int:
 
 
 def _data_inspect(args) -> int:
+    """One report per path (as a shell expands `data/*.jsonl`); a path that fails is one error
+    line and the others are still reported; the exit status is 2 when any failed."""
     from ppokit.stages.data_inspect import format_report, inspect_data
 
-    tokenizer = None
+    tokenizer = limit = None
     if args.tokenizer:
-        from ppokit.models import load_tokenizer
+        from ppokit.models import load_tokenizer, position_limit_of, resolve_model_path
 
         tokenizer = load_tokenizer(args.tokenizer)
-    report = inspect_data(
-        args.path, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
-        max_length=args.max_length, chat_template=args.chat_template,
-    )
-    print(json.dumps(report) if args.json else format_report(report))
-    return 0
+        path = resolve_model_path(args.tokenizer, "tokenizer", tokenizer=True)
+        if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+            limit = position_limit_of(args.tokenizer, "model")  # a model folder or id: rows over its positions too
+    failed = 0
+    for i, path in enumerate(args.paths):
+        try:
+            report = inspect_data(
+                path, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
+                max_length=args.max_length, chat_template=args.chat_template, position_limit=limit,
+                response_length=args.response_length,
+            )
+        except UserError as e:
+            if len(args.paths) == 1:
+                raise
+            print(f"ppokit: error: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(("\n" if i else "") + format_report(report))
+    return 2 if failed else 0
+
+
+def _limit(text: str):
+    """A length limit on the command line: a whole number > 0, or none/null for no limit."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0 or none, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0 or none, got {value}")
+    return value
 
 
 def _serve_rm(args) -> int:
@@ -231,14 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="look at a data source").add_subparsers(dest="data_command", required=True)
     inspect = data.add_parser("inspect", help="format, rows, lengths and examples of a data source as a stage sees it")
-    inspect.add_argument("path", help="data file, save_to_disk folder or hub dataset name")
-    inspect.add_argument("--tokenizer", help="tokenizer (or model) path: lengths in tokens, and rows over the limits")
+    inspect.add_argument("paths", nargs="+", metavar="path", help="data file, save_to_disk folder or hub dataset name; several give one report each")
+    inspect.add_argument("--tokenizer", help="tokenizer or model path: lengths in tokens, and rows over the limits "
+                         "(a model's also rows over its position limit)")
     inspect.add_argument("--format", default="auto", help="data format (default: detected from the columns)")
     inspect.add_argument("--stage", choices=("sft", "rm", "ppo"), help="read the data as this stage does (default: from the format)")
-    inspect.add_argument("--max-prompt-length", type=int, default=-1, help="default: the stage's data.max_prompt_length")
-    inspect.add_argument("--max-length", type=int, default=-1, help="default: the stage's data.max_length")
+    inspect.add_argument("--max-prompt-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_prompt_length)")
+    inspect.add_argument("--max-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_length)")
     inspect.add_argument("--chat-template", help="as data.chat_template (default: the tokenizer's, else plain)")
-    inspect.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    inspect.add_argument("--response-length", type=_limit, help="ppo data: tokens sampled after each prompt, for the position limit (default: ppo.response_length's default)")
+    inspect.add_argument("--json", action="store_true", help="print each report as one JSON object on its own line")
     inspect.set_defaults(func=_data_inspect)
 
     plan = sub.add_parser(

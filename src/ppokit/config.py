@@ -106,7 +106,7 @@ class PPOHyperparams:
                     f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                     f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches} x processes {world_size})"
                 )
-        return BatchSizes(
+        sizes = BatchSizes(
             micro_batch=self.per_device_train_batch_size,
             local_batch=local_batch,
             batch=batch,
@@ -114,6 +114,18 @@ class PPOHyperparams:
             total_episodes=total,
             num_updates=total // batch,
         )
+        self.check_warmup(sizes)
+        return sizes
+
+    def check_warmup(self, sizes: "BatchSizes") -> None:
+        """A warm-up as long as the run would never reach learning_rate (the schedule counts optimiser steps)."""
+        steps = sizes.num_updates * self.num_ppo_epochs * self.num_mini_batches
+        if self.warmup_steps and self.warmup_steps >= steps:
+            raise UserError(
+                f"ppo.warmup_steps ({self.warmup_steps}) is not shorter than the run's {steps} optimiser steps ({sizes.num_updates} "
+                f"updates x num_ppo_epochs {self.num_ppo_epochs} x num_mini_batches {self.num_mini_batches}): the learning rate "
+                f"would never reach ppo.learning_rate; set ppo.warmup_steps below {steps}"
+            )
 
 
 class BatchSizes(NamedTuple):

@@ -10,12 +10,17 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import json
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -31,29 +36,68 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name and name.count(os.sep) > 1
 
 
-def resolve_model_path(name: str, role: str) -> str:
-    """A local path that exists, or a hub id; a missing local path is a UserError naming the role."""
+# Files of which a saved tokenizer holds at least one (fast, slow BPE/WordPiece, SentencePiece, tiktoken).
+TOKENIZER_FILES = (
+    "tokenizer_config.json", "tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "tiktoken.model",
+)
+
+
+def resolve_model_path(name: str, role: str, tokenizer: bool = False) -> str:
+    """A local path that exists, or a hub id; a missing local path is a UserError naming the role.
+
+    A local folder must hold a saved model (config.json), or with `tokenizer` a saved model or a
+    saved tokenizer (as `tokenizer.save_pretrained` writes it: no config.json).
+    """
     expanded = os.path.expanduser(str(name))
     if os.path.exists(expanded):
-        if not Path(expanded, "config.json").is_file():
-            raise UserError(f"{role}: {name} exists but holds no config.json (is it a saved model directory?)")
-        return expanded
+        if not os.path.isdir(expanded):
+            what = "a saved tokenizer or model folder" if tokenizer else "a saved model folder"
+            raise UserError(f"{role}: {name} is a file; give {what}")
+        if Path(expanded, "config.json").is_file():
+            return expanded
+        if tokenizer and any(Path(expanded, f).is_file() for f in TOKENIZER_FILES):
+            return expanded
+        adapter = Path(expanded, "adapter_config.json")
+        if adapter.is_file():
+            raise UserError(f"{role}: {name} holds a LoRA adapter{_adapter_base(adapter)}, not a whole model; give the "
+                            "merged model (a LoRA PPO run writes final/merged/ with save_merged: true) or the base model")
+        if tokenizer:
+            raise UserError(
+                f"{role}: {name} exists but holds neither a saved tokenizer (tokenizer_config.json, tokenizer.json, "
+                "vocab files) nor a saved model (config.json)"
+            )
+        raise UserError(f"{role}: {name} exists but holds no config.json (is it a saved model directory?)")
     if _looks_like_path(str(name)):
-        raise UserError(f"{role}: model path {name} does not exist")
+        raise UserError(f"{role}: {'path' if role == 'tokenizer' else 'model path'} {name} does not exist")
     return str(name)
 
 
+def _adapter_base(adapter_config: Path) -> str:
+    try:
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" for {base}" if isinstance(base, str) and base else ""
+
+
 def _from_pretrained(loader, name: str, role: str, **kwargs):
-    path = resolve_model_path(name, role)
+    path = resolve_model_path(name, role, tokenizer=loader is AutoTokenizer)
     try:
         return loader.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, pickle.UnpicklingError) as e:
+    except (OSError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
         # UnpicklingError: a pickled .bin refused by torch.load(weights_only=True); never executed.
-        raise UserError(f"{role}: could not load {name!r}: {str(e).splitlines()[0]}") from None
+        # SafetensorError: a truncated or damaged .safetensors file.
+        damaged = " (a weights file is damaged or incomplete)" if isinstance(e, SafetensorError) else ""
+        raise UserError(f"{role}: could not load {name!r}: {str(e).splitlines()[0]}{damaged}") from None
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, role: str = "tokenizer") -> PreTrainedTokenizerBase:
     """Load a tokenizer; without a pad token, the EOS token is used as padding (documented fallback)."""
+    folder = Path(resolve_model_path(name, role, tokenizer=True))
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):  # so it holds config.json
+        raise UserError(f"{role}: {name} holds a model but no tokenizer (no tokenizer_config.json, tokenizer.json or "
+                        "vocab files); set `tokenizer` to the folder or id of its tokenizer")
     tokenizer = _from_pretrained(AutoTokenizer, name, role, trust_remote_code=trust_remote_code)
     return ensure_pad_token(tokenizer)
 
@@ -94,6 +138,13 @@ def load_causal_lm(name_or_model, role: str = "model", trust_remote_code: bool =
     """`load_kwargs` go to from_pretrained (e.g. quantization_config, device_map)."""
     if isinstance(name_or_model, nn.Module):
         return name_or_model
+    architectures = getattr(model_config(name_or_model, role, trust_remote_code), "architectures", None) or []
+    if architectures and all(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
+        # from_pretrained would load the backbone and a random LM head, with a warning nobody reads.
+        raise UserError(
+            f"{role}: {name_or_model} is a {', '.join(architectures)} (a reward or value model), not a causal LM; "
+            "its language-model head would be random. Give the SFT (or base) model here; a reward model goes in reward.model"
+        )
     return _from_pretrained(AutoModelForCausalLM, name_or_model, role, trust_remote_code=trust_remote_code, **load_kwargs)
 
 
@@ -157,13 +208,131 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout makes the PPO ratio differ from 1 even before any update [N+, "disable dropout"]."""
+    """Zero every dropout probability the model uses, so that training forwards equal sampling ones.
+
+    Dropout makes the PPO ratio differ from 1 even before any update [N+, "disable dropout"].
+    Three places hold a probability: `nn.Dropout` modules; float attributes that modules copied
+    from the config at construction (Llama/Qwen2 attention keeps `self.attention_dropout` and
+    passes it to the attention kernel in train mode); and the config itself, read at forward time
+    by some models and copied by any model built from it later (a value model from the policy's).
+    """
     for module in model.modules():
-        if isinstance(module, nn.Dropout):
+        if isinstance(module, _DropoutNd):
             module.p = 0.0
-    for attr in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout"):
-        if hasattr(getattr(model, "config", None), attr):
-            setattr(model.config, attr, 0.0)
+        _zero_dropout_attributes(module)
+    config = getattr(model, "config", None)
+    if config is not None:
+        _zero_dropout_attributes(config)
+
+
+def _is_dropout_name(name: str) -> bool:
+    # `*pdrop`: GPT-2's attn/resid/embd; `layerdrop`: OPT/BART skip whole layers at random in training.
+    return "dropout" in name or name.endswith(("pdrop", "layerdrop"))
+
+
+def _zero_dropout_attributes(obj, seen: Optional[set] = None) -> None:
+    """Set float attributes named like a dropout probability to 0.0, in nested configs too."""
+    from transformers import PretrainedConfig
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, PretrainedConfig):
+            _zero_dropout_attributes(value, seen)  # e.g. text_config of a multimodal config
+        elif _is_dropout_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            setattr(obj, name, 0.0)
+
+
+# Config keys that hold the number of positions a model has embeddings (or was built) for, in
+# the order they are looked up; GPT-2's n_positions also answers to max_position_embeddings.
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", "max_seq_len")
+
+
+@dataclass(frozen=True)
+class PositionLimit:
+    """The longest sequence (prompt + response, in tokens) a model takes, as its config states it.
+
+    Past it, learned position embeddings index out of range (GPT-2: `IndexError` deep inside the
+    model) and rotary ones run on positions the model never saw.
+    """
+
+    tokens: int
+    key: str  # the config key it was read from, for messages
+    role: str
+
+    def describe(self) -> str:
+        return f"the {self.role}'s position limit of {self.tokens} tokens ({self.key} in its config)"
+
+    def rows_over(self, lengths: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        """(where, length) of every sequence longer than the limit."""
+        return [(where, n) for where, n in lengths if n > self.tokens]
+
+    def check(self, lengths: Iterable[tuple[str, int]], what: Callable[[int], str], fix: str) -> None:
+        """Refuse the first (where, length) over the limit in one line: `where: what(length), over
+        <the limit>; fix (k rows are over)`."""
+        over = self.rows_over(lengths)
+        if over:
+            where, n = over[0]
+            more = f" ({len(over)} rows are over it)" if len(over) > 1 else ""
+            raise UserError(f"{where}: {what(n)}, over {self.describe()}; {fix}{more}")
+
+
+def position_limit(model_or_config, role: str = "model") -> Optional[PositionLimit]:
+    """The model's position limit, from its (text) config; None when the config states none."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in POSITION_LIMIT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            # The key as config.json spells it (GPT-2 maps max_position_embeddings to n_positions).
+            return PositionLimit(value, getattr(config, "attribute_map", {}).get(key, key), role)
+    return None
+
+
+def model_config(name_or_model, role: str = "model", trust_remote_code: bool = False):
+    """A model object's config, or a saved model's config.json (no weights are read)."""
+    if isinstance(name_or_model, nn.Module):
+        return name_or_model.config
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_model, role)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{role}: could not load {name_or_model!r}: {str(e).splitlines()[0]}") from None
+
+
+def position_limit_of(name_or_model, role: str = "model", trust_remote_code: bool = False) -> Optional[PositionLimit]:
+    """`position_limit` of a model object or a saved model."""
+    return position_limit(model_config(name_or_model, role, trust_remote_code), role)
+
+
+def check_token_ids(config, role: str, sequences: Iterable[tuple[str, list[int]]], tokenizer=None) -> None:
+    """Refuse a token id the model has no embedding row for (a tokenizer that is not the model's,
+    or one with tokens added after the model was saved) in one line, instead of an IndexError
+    (a device-side assert on CUDA) inside the model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    if not isinstance(rows, int) or rows <= 0:
+        return
+    for where, ids in sequences:
+        bad = max(ids, default=-1)
+        if bad >= rows:
+            token = f" ({tokenizer.convert_ids_to_tokens(bad)!r})" if tokenizer is not None else ""
+            size = f" of {len(tokenizer)} tokens" if tokenizer is not None else ""
+            raise UserError(
+                f"{where}: token id {bad}{token} is outside the {role}'s vocabulary of {rows} (vocab_size in its config): "
+                f"the tokenizer{size} is not this model's; set `tokenizer` to the model's own, or resize the model's embeddings"
+            )
+
+
+def tightest(limits: Iterable[Optional[PositionLimit]]) -> Optional[PositionLimit]:
+    """The smallest of several models' limits (the sequence goes through all of them)."""
+    known = [limit for limit in limits if limit is not None]
+    return min(known, key=lambda limit: limit.tokens) if known else None
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:

@@ -26,7 +26,8 @@ from torch import nn
 from ppokit.config import BatchSizes, LoraConfig, PPOConfig
 from ppokit.data import as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
-from ppokit.models import load_tokenizer, resolve_model_path, same_vocabulary
+from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
+from ppokit.prompts import encode_prompts, prompt_room
 from ppokit.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,
@@ -80,6 +81,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     suggestion: Optional[str] = None
     layout: Optional[RoleLayout] = None  # which model plays which role (roles.decide_roles)
+    # What `ppokit ppo` will refuse with its own one-line error (so its preflight does not repeat them).
+    stops: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -100,6 +103,7 @@ class Plan:
             "sizes": self.sizes._asdict() if self.sizes else None,
             "sequence": self.sequence,
             "warnings": self.warnings,
+            "stops": self.stops,
             "suggestion": self.suggestion,
             "layout": dataclasses.asdict(self.layout) if self.layout else None,
         }
@@ -123,6 +127,7 @@ class Plan:
                          f"{s.local_mini_batch}, {s.total_episodes} episodes = {s.num_updates} update{'' if s.num_updates == 1 else 's'}")
         lines.append(self.summary())
         lines.extend(f"warning: {w}" for w in self.warnings)
+        lines.extend(f"error: {w}" for w in self.stops)
         if self.suggestion:
             lines.append(f"would fit with: {self.suggestion}")
         return "\n".join(lines)
@@ -331,11 +336,14 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         roles.append(trained("policy", f"{config.model} + LoRA r={lora.r}" + (f", {quant} base" if quant else ""),
                              policy_params + adapter, policy_weights + 4 * adapter, adapter, 4, policy_act))
 
-    layout = decide_roles(config, reward_vocabulary=reward_vocabulary(config))  # as the trainer decides it
+    reads_policy_ids = reward_vocabulary(config)
+    layout = decide_roles(config, reward_vocabulary=reads_policy_ids)  # as the trainer decides it
+    limits = [position_limit(policy_config, "model")]  # of every model that reads the policy's ids, as the trainer checks
 
     # Reference.
     if layout.reference == REFERENCE_OWN:
         ref_config = _auto_config(config.ref_model, "ref_model", trc)
+        limits.append(position_limit(ref_config, "ref_model"))
         ref_params, ref_weights, _ = _stats(ref_config, False, _dtype(ref_config), None, trust_remote_code=trc)
         roles.append(RoleEstimate("reference", config.ref_model, ref_params, 0, ref_weights, 0, 0, 0))
     elif layout.reference == REFERENCE_BASE:
@@ -347,6 +355,8 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     reward_config = None
     if config.reward.model:
         reward_config = _auto_config(config.reward.model, "reward.model", trc)
+        if reads_policy_ids:
+            limits.append(position_limit(reward_config, "reward.model"))
         reward_params, reward_weights, _ = _stats(reward_config, True, _dtype(reward_config), quant, trust_remote_code=trc)
         roles.append(RoleEstimate("reward", config.reward.model, reward_params, 0, reward_weights, 0, 0, 0))
 
@@ -361,6 +371,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     else:
         if layout.critic == CRITIC_OWN:
             value_config, source = _auto_config(config.value_model, "value_model", trc), config.value_model
+            limits.append(position_limit(value_config, "value_model"))
         elif layout.copies_reward_model:
             value_config, source = reward_config, "the reward model's weights"
         else:
@@ -399,9 +410,15 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         warnings.append(f"quantization: {quant} needs a CUDA device; this machine has none, so `ppokit ppo` will stop before loading weights")
     if config.fp16 and not torch.cuda.is_available():
         warnings.append("fp16 needs a CUDA device; use bf16 on this machine")
+    stops = []
+    limit = tightest(limits)
+    if limit is not None and seq > limit.tokens:
+        stops.append(f"the longest prompt + response is {seq} tokens ({prompt_length} + ppo.response_length {hp.response_length}), "
+                     f"over {limit.describe()}: `ppokit ppo` will stop; "
+                     f"{prompt_room(limit, hp.response_length, config.data.max_prompt_length)}")
     plan = Plan(roles, phases, sizes,
                 {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk},
-                device[0], device[1], warnings, layout=layout)
+                device[0], device[1], warnings, layout=layout, stops=stops)
     if not plan.fits and suggest:
         plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
         plan.suggestion = _suggest(config, prompt_length, num_prompts, device)
@@ -470,15 +487,13 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
         try:
             tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
             render_chat_prompts(tokenizer, config.data.chat_template, dataset)  # chat rows: text only once rendered
-            longest = max(len(tokenizer(p)["input_ids"]) for p in dataset.prompts)
+            longest = max(len(ids) for ids in encode_prompts(tokenizer, dataset, limit, "data.train", lambda _: None))
         except UserError as e:
             notes.append(f"prompt lengths unknown ({e})")
     if longest is None:
         longest = limit or DEFAULT_PROMPT_LENGTH
         if limit is None:
             notes.append(f"assumed prompts of {DEFAULT_PROMPT_LENGTH} tokens")
-    elif limit is not None:
-        longest = min(longest, limit)
     return longest, (len(prompts) if prompts is not None else None), notes
 
 

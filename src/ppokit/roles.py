@@ -45,6 +45,7 @@ from ppokit.models import (
     frozen_copy,
     load_causal_lm,
     load_scalar_model,
+    model_config,
     unwrap_peft,
     value_model_from_policy,
 )
@@ -167,6 +168,25 @@ def decide_roles(
         critic_adapter=critic_lora and critic != CRITIC_SHARED,
         quantized=config.quantization,
     )
+
+
+def configs_reading_policy_ids(
+    layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, reward_vocabulary: Optional[bool], *,
+    model=None, ref_model=None, value_model=None,
+) -> dict:
+    """{role: model config} of every distinct model that reads the policy's token ids, before any
+    of their weights load: the policy (whose config its copies, adapters and backbone share), a
+    reference or critic of its own, and a reward model that scores the policy's ids (it starts the
+    critic too when the layout says so). For the checks of prompt lengths and token ids."""
+    trc = config.trust_remote_code
+    configs = {"model": model_config(model if model is not None else config.model, "model", trc)}
+    if layout.reference == REFERENCE_OWN:
+        configs["ref_model"] = model_config(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
+    if layout.critic == CRITIC_OWN:
+        configs["value_model"] = model_config(value_model if value_model is not None else config.value_model, "value_model", trc)
+    if reward_vocabulary and scorer.reward_model is not None:
+        configs["reward.model"] = scorer.reward_model.config
+    return configs
 
 
 @dataclass

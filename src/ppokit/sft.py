@@ -24,12 +24,10 @@ def build_example(prompt_ids: list[int], completion_ids: list[int], completion_o
     return list(prompt_ids) + list(completion_ids), labels
 
 
-def encode_pair(tokenizer, prompt: str, completion: str, completion_only_loss: bool = True, max_length: Optional[int] = None):
-    """-> (input_ids, labels) lists; labels are IGNORE_INDEX on the prompt when completion_only_loss."""
-    input_ids, labels = build_example(*tokenize_pair(tokenizer, prompt, completion), completion_only_loss)
-    if max_length is not None:
-        input_ids, labels = input_ids[:max_length], labels[:max_length]
-    return input_ids, labels
+def encode_pair(tokenizer, prompt: str, completion: str, completion_only_loss: bool = True):
+    """Text -> (input_ids, labels) with no length limit (`ppokit sft` applies the length rule
+    through `data.encode_row` first); labels are IGNORE_INDEX on the prompt when completion_only_loss."""
+    return build_example(*tokenize_pair(tokenizer, prompt, completion), completion_only_loss)
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_token_id: int):

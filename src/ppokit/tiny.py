@@ -6,7 +6,7 @@ the models are built from configs with random weights.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
@@ -41,8 +41,16 @@ def bpe_tokenizer(texts: Iterable[str], vocab_size: int = 300) -> PreTrainedToke
     )
 
 
-def tiny_config(arch: str, tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, max_positions: int = 256):
-    """A model config of architecture `arch` (gpt2, llama, qwen2) sized for CPU tests."""
+def tiny_config(
+    arch: str, tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, max_positions: int = 256,
+    dropout: Optional[float] = None,
+):
+    """A model config of architecture `arch` (gpt2, llama, qwen2) sized for CPU tests; `dropout`
+    (default: the architecture's own defaults) goes to every dropout probability its config has."""
+    drop = {} if dropout is None else (
+        dict(attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout, summary_first_dropout=dropout)
+        if arch == "gpt2" else dict(attention_dropout=dropout)
+    )
     ids = dict(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -50,7 +58,7 @@ def tiny_config(arch: str, tokenizer, hidden: int = 64, layers: int = 2, heads: 
         bos_token_id=tokenizer.bos_token_id,
     )
     if arch == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **ids)
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **drop, **ids)
     common = dict(
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -59,6 +67,7 @@ def tiny_config(arch: str, tokenizer, hidden: int = 64, layers: int = 2, heads: 
         num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
+        **drop,
         **ids,
     )
     if arch == "llama":

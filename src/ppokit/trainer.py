@@ -44,7 +44,7 @@ from ppokit.guards import (
 from ppokit.metrics import open_sinks
 from ppokit.models import ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logits, scalar_outputs
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
-from ppokit.prompts import encode_prompts, load_prompt_data
+from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
 from ppokit.rollout import HFSampler, Rollout
 from ppokit.state import TrainingState
@@ -106,13 +106,15 @@ class PPOTrainer:
         self.eval_query_ids = encode_prompts(self.tokenizer, self.eval_data, limit, "data.eval", self._say) if self.eval_data else None
         self.stop_token_id = resolve_stop_token(self.tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
         self.scorer = self._scorer(reward_model, reward_tokenizer, reward_functions)
+        reward_vocabulary = None if self.scorer.reward_model is None else self.scorer.reward_model_shares_vocabulary(self.tokenizer)
         self.layout = roles.decide_roles(
-            config,
-            reward_vocabulary=None if self.scorer.reward_model is None else self.scorer.reward_model_shares_vocabulary(self.tokenizer),
-            ref_model_given=ref_model is not None,
-            value_model_given=value_model is not None,
+            config, reward_vocabulary=reward_vocabulary, ref_model_given=ref_model is not None, value_model_given=value_model is not None
         )
-        built = roles.build_roles(self.layout, config, self.scorer, model=model, ref_model=ref_model, value_model=value_model)
+        given = dict(model=model, ref_model=ref_model, value_model=value_model)
+        readers = roles.configs_reading_policy_ids(self.layout, config, self.scorer, reward_vocabulary, **given)
+        check_prompts_fit(readers, [("data.train", self.train_data, self.train_query_ids), ("data.eval", self.eval_data, self.eval_query_ids)],
+                          config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
+        built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ppokit.errors import UserError
-from ppokit.models import left_pad, load_scalar_model, load_tokenizer, same_vocabulary, score_at_last_token
+from ppokit.models import left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
 from ppokit.rewards.sources import ScoringBatch
 
 
@@ -71,8 +71,8 @@ class RewardModelReward:
                     ids + [eos] if stopped and (not ids or ids[-1] != eos) else ids
                     for ids, stopped in zip(encoded, batch.ended.tolist())
                 ]
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        return [ids[-limit:] if limit and len(ids) > limit else ids for ids in encoded]
+        limit = position_limit(self.model, "reward.model")
+        return [ids[-limit.tokens :] if limit and len(ids) > limit.tokens else ids for ids in encoded]
 
 
 def full_texts(batch: ScoringBatch) -> list[str]:

@@ -12,10 +12,19 @@ from typing import Any, Callable
 import torch
 
 from ppokit.config import StageDataConfig
-from ppokit.data import LengthReport, Records, Renderer, describe_template, load_records, split_eval
+from ppokit.data import (
+    EncodedRow,
+    LengthReport,
+    Records,
+    Renderer,
+    describe_template,
+    encode_rows,
+    load_records,
+    split_eval,
+)
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
-from ppokit.models import load_tokenizer, resolve_model_path
+from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
 from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, remove_leftovers
 
 
@@ -29,15 +38,16 @@ def printer(enabled: bool, stage: str) -> Callable[[str], None]:
 def load_split(data: StageDataConfig, seed: int, convert: Callable[[Records], list], say) -> tuple[list, list, Records]:
     """Train items, eval items (from data.eval, else a seeded data.eval_fraction split), train Records.
 
-    `convert` turns Records into the stage's items and raises when the format is the wrong one,
-    so that a wrong file fails before any model is loaded.
+    `convert` turns Records into the stage's items, one per row, and raises when the format is the
+    wrong one, so that a wrong file fails before any model is loaded. Each item comes as
+    (where its row is, item), for messages about the row.
     """
     records = load_records(data.train, data.format)
-    items = convert(records)
+    items = located(records, convert)
     say(f"{records.source}: {len(records)} rows, format {records.describe()}")
     if data.eval:
         eval_records = load_records(data.eval, data.format)
-        held = convert(eval_records)
+        held = located(eval_records, convert)
         say(f"{eval_records.source}: {len(eval_records)} eval rows, format {eval_records.describe()}")
     else:
         items, held = split_eval(items, data.eval_fraction, seed)
@@ -46,12 +56,15 @@ def load_split(data: StageDataConfig, seed: int, convert: Callable[[Records], li
     return items, held, records
 
 
+def located(records: Records, convert: Callable[[Records], list]) -> list[tuple[str, Any]]:
+    return [(records.where(i), item) for i, item in enumerate(convert(records))]
+
+
 def require_rows(examples: list, report: LengthReport, data: StageDataConfig, source: str, split: str) -> None:
     if not examples:
-        raise UserError(
-            f"{source}: no {split} rows left after the length rule ({report.describe(data.max_prompt_length, data.max_length)}); "
-            f"raise data.max_length / data.max_prompt_length or shorten the prompts"
-        )
+        fix = ("raise data.max_length / data.max_prompt_length or shorten the prompts"
+               if report.identical_pairs < report.dropped else "give pairs whose chosen and rejected completions differ")
+        raise UserError(f"{source}: no {split} rows left after the length rule ({report.describe(data.max_prompt_length, data.max_length)}); {fix}")
 
 
 def report_lengths(say, report: LengthReport, data: StageDataConfig, split: str) -> None:
@@ -110,22 +123,45 @@ class PreparedData:
     eval_report: LengthReport
 
 
-def prepare_data(config, say, convert: Callable[[Records], list], encode: Callable) -> PreparedData:
-    """Load and split `config.data`, load the tokenizer, encode both splits with
-    `encode(rows, renderer, tokenizer, config, source) -> (encoded, report)`, report and check them."""
+def prepare_data(config, say, convert: Callable[[Records], list], build: Callable[[EncodedRow], Any]) -> PreparedData:
+    """Load and split `config.data`, load the tokenizer, encode both splits under the length rule
+    (`data.encode_rows`, as `data inspect` does), report and check them, and turn each kept row
+    into what the stage trains on with `build(row)`."""
     data = config.data
-    train_rows, eval_rows, records = load_split(data, config.seed, convert, say)
+    train_items, eval_items, records = load_split(data, config.seed, convert, say)
     resolve_model_path(config.model, "model")  # a missing path is named as the model, not the tokenizer
     tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
     renderer = Renderer(tokenizer, data.chat_template)
-    train, train_report = encode(train_rows, renderer, tokenizer, config, records.source)
-    evaluation, eval_report = encode(eval_rows, renderer, tokenizer, config, records.source)
+    train, train_report = encode_rows(train_items, renderer, tokenizer, data.max_prompt_length, data.max_length)
+    evaluation, eval_report = encode_rows(eval_items, renderer, tokenizer, data.max_prompt_length, data.max_length)
     report_lengths(say, train_report, data, "train")
     report_lengths(say, eval_report, data, "eval")
     require_rows(train, train_report, data, records.source, "training")
+    check_fits_model(config, train + evaluation, tokenizer)
     if renderer.template_used is not None:
         say(f"chat rows rendered with {describe_template(renderer.template_used)}")
-    return PreparedData(tokenizer, renderer, records, train, evaluation, train_report, eval_report)
+    return PreparedData(
+        tokenizer, renderer, records, [build(r) for r in train], [build(r) for r in evaluation], train_report, eval_report
+    )
+
+
+def check_fits_model(config, rows: list[EncodedRow], tokenizer) -> None:
+    """Every kept sequence fits the model's positions, and every token id its embeddings (read from
+    its config.json, before any weights load)."""
+    model = model_config(config.model, "model", config.trust_remote_code)
+    check_token_ids(model, "model", ((row.where, s) for row in rows for s in row.sequences), tokenizer)
+    limit = position_limit(model, "model")
+    if limit is not None:
+        limit.check(
+            ((row.where, max(len(s) for s in row.sequences)) for row in rows),
+            lambda n: f"prompt + completion is {n} tokens after the length rule",
+            max_length_room(limit),
+        )
+
+
+def max_length_room(limit: PositionLimit) -> str:
+    """How to make sft/rm sequences fit `limit`."""
+    return f"set data.max_length to at most {limit.tokens}"
 
 
 class StepLog:

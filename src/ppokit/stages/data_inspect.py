@@ -10,18 +10,23 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from ppokit.config import DataConfig, StageDataConfig
+from ppokit.config import DataConfig, PPOHyperparams, StageDataConfig
 from ppokit.data import (
     LengthReport,
     Renderer,
-    fit_lengths,
+    encode_prompt_text,
+    encode_row,
     load_records,
     preference_triples,
     prompt_dataset_from_records,
+    render_row,
     sft_pairs,
-    tokenize_pair,
+    truncate_prompt,
 )
 from ppokit.errors import UserError
+from ppokit.models import PositionLimit
+from ppokit.prompts import prompt_room
+from ppokit.stages.common import max_length_room
 
 STAGE_OF_FORMAT = {"preference": "rm", "prompt": "ppo"}  # everything else is sft data
 
@@ -47,23 +52,36 @@ def inspect_data(
     max_length: Optional[int] = -1,
     chat_template: Optional[str] = None,
     examples: int = 3,
+    position_limit: Optional[PositionLimit] = None,
+    response_length: Optional[int] = None,
 ) -> dict:
-    """-> a report dict. Limits of -1 mean the stage's default (`data.max_prompt_length` etc.)."""
+    """-> a report dict. Limits of -1 mean the stage's default (`data.max_prompt_length` etc.).
+
+    With a tokenizer, rows go through the stages' own length rule (`data.encode_row`; PPO
+    prompts: `data.truncate_prompt`), so the counts are what the stage will report. With the
+    model's `position_limit`, rows whose sequence (PPO: prompt + `response_length`, default
+    ppo.response_length's) would not fit the model are counted and the first is named.
+    """
     records = load_records(path, format)
     if stage is None and records.format == "messages" and not any(_ends_with_assistant(row) for row in records.rows):
         stage = "ppo"  # no conversation has an answer to train on: they are PPO prompts
     stage = stage or STAGE_OF_FORMAT.get(records.format, "sft")
     if stage not in ("sft", "rm", "ppo"):
         raise UserError(f"--stage must be sft, rm or ppo, got {stage!r}")
+    for key, value in (("max_prompt_length", max_prompt_length), ("max_length", max_length), ("response_length", response_length)):
+        if value is not None and value != -1 and (not isinstance(value, int) or value < 1):
+            raise UserError(f"{key} must be a whole number > 0 (or none for no limit), got {value!r}")
     defaults = DataConfig() if stage == "ppo" else StageDataConfig()
     if max_prompt_length == -1:
         max_prompt_length = defaults.max_prompt_length
     if max_length == -1:
         max_length = None if stage == "ppo" else defaults.max_length
+    if response_length is None:
+        response_length = PPOHyperparams().response_length
     renderer = Renderer(tokenizer, chat_template)
-    count = (lambda text, special=True: len(tokenizer(text, add_special_tokens=special)["input_ids"])) if tokenizer else (lambda text, special=True: len(text))
     lengths: dict[str, list[int]] = {}
     rule = LengthReport()
+    sequences: list[tuple[str, int]] = []  # (where, tokens through the model) of each kept row
     shown = []
 
     def add(name, value):
@@ -73,10 +91,14 @@ def inspect_data(
         dataset = prompt_dataset_from_records(records)
         dataset.render_chat(renderer)
         for i, prompt in enumerate(dataset.prompts):
-            n = count(prompt)
-            add("prompt", n)
-            rule.rows += 1
-            rule.prompts_truncated += tokenizer is not None and max_prompt_length is not None and n > max_prompt_length
+            if tokenizer is None:
+                add("prompt", len(prompt))
+            else:
+                ids = encode_prompt_text(tokenizer, prompt)
+                add("prompt", len(ids))
+                kept, truncated = truncate_prompt(ids, max_prompt_length)
+                rule.add(truncated)
+                sequences.append((records.where(i), len(kept) + response_length))
             if i < examples:
                 prompts, columns = dataset.rows([i])
                 shown.append({"prompt": _short(prompts[0]), **{k: _short(v[0]) for k, v in columns.items()}})
@@ -84,32 +106,27 @@ def inspect_data(
         items = sft_pairs(records) if stage == "sft" else preference_triples(records)
         names = ("completion",) if stage == "sft" else ("chosen", "rejected")
         for i, (prompt, *completions) in enumerate(items):
-            rule.rows += 1
-            row_view: dict = {}
-            dropped = prompt_cut = any_cut = False
-            for name, completion in zip(names, completions):
-                prompt_text, completion_text = renderer.pair(prompt, completion, records.where(i))
-                row_view["prompt"] = prompt_text
-                row_view[name] = completion_text
-                if tokenizer is None:
-                    if name == names[0]:
-                        add("prompt", len(prompt_text))
+            where = records.where(i)
+            if tokenizer is None:
+                texts = render_row(renderer, prompt, completions, where)
+                add("prompt", len(texts[0][0]))
+                for name, (_, completion_text) in zip(names, texts):
                     add(name, len(completion_text))
-                    continue
-                prompt_ids, completion_ids = tokenize_pair(tokenizer, prompt_text, completion_text)
-                if name == names[0]:
-                    add("prompt", len(prompt_ids))
-                add(name, len(completion_ids))
-                add("total" if stage == "sft" else f"total_{name}", len(prompt_ids) + len(completion_ids))
-                fitted, p_cut, c_cut = fit_lengths(prompt_ids, completion_ids, max_prompt_length, max_length)
-                prompt_cut, any_cut, dropped = prompt_cut or p_cut, any_cut or c_cut, dropped or fitted is None
-                if fitted is not None:
-                    row_view[f"{name}_tokens"] = tokenizer.decode(fitted[0] + fitted[1])
-            rule.prompts_truncated += prompt_cut
-            rule.completions_cut += any_cut and not dropped
-            rule.dropped += dropped
+            else:
+                row = encode_row(renderer, tokenizer, prompt, completions, where, max_prompt_length, max_length)
+                rule.add_row(row)
+                texts = row.texts
+                add("prompt", len(row.raw[0][0]))
+                for name, (prompt_ids, completion_ids) in zip(names, row.raw):
+                    add(name, len(completion_ids))
+                    add("total" if stage == "sft" else f"total_{name}", len(prompt_ids) + len(completion_ids))
+                if not row.dropped:
+                    sequences.append((where, max(len(s) for s in row.sequences)))
             if i < examples:
-                shown.append({k: _short(v) for k, v in row_view.items()})
+                view = {"prompt": texts[0][0], **{name: completion_text for name, (_, completion_text) in zip(names, texts)}}
+                if tokenizer is not None and not row.dropped:
+                    view.update({f"{name}_tokens": tokenizer.decode(s) for name, s in zip(names, row.sequences)})
+                shown.append({k: _short(v) for k, v in view.items()})
     return {
         "source": records.source,
         "format": records.format,
@@ -119,11 +136,26 @@ def inspect_data(
         "columns": records.columns,
         "length_unit": "tokens" if tokenizer is not None else "characters",
         "lengths": {name: percentiles(values) for name, values in lengths.items()},
-        "limits": {"max_prompt_length": max_prompt_length, "max_length": max_length},
+        "limits": {"max_prompt_length": max_prompt_length, "max_length": max_length,
+                   **({"response_length": response_length} if stage == "ppo" else {})},
         "length_rule": vars(rule) if tokenizer is not None else None,
+        "position_limit": _positions(position_limit, sequences, stage, response_length, max_prompt_length) if tokenizer is not None else None,
         "chat_template": renderer.template_used,
         "empty_cells": records.origin.empty_cells if records.origin is not None else None,
         "examples": shown,
+    }
+
+
+def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]], stage: str, response_length: int,
+               max_prompt_length: Optional[int]):
+    """Rows the model could not take: count, the first, and the key that fixes it."""
+    if limit is None:
+        return None
+    over = limit.rows_over(sequences)
+    fix = prompt_room(limit, response_length, max_prompt_length) if stage == "ppo" else max_length_room(limit)
+    return {
+        "tokens": limit.tokens, "key": limit.key, "rows_over": len(over),
+        "first_over": {"where": over[0][0], "tokens": over[0][1]} if over else None, "fix": fix,
     }
 
 
@@ -156,11 +188,18 @@ def format_report(report: dict) -> str:
         lines.append(row(
             "limits",
             f"max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated from the left "
-            f"| max_length {limits['max_length']}: {rule['completions_cut']} completions cut, {rule['dropped']} rows dropped",
+            f"| max_length {limits['max_length']}: {rule['completions_cut']} completions cut, {rule['dropped']} rows dropped"
+            + (f" ({rule['identical_pairs']} pairs with chosen == rejected)" if rule["identical_pairs"] else ""),
         ))
     if report.get("empty_cells"):
         cells = ", ".join(f"{column} {n}" for column, n in sorted(report["empty_cells"].items()))
         lines.append(row("empty cells", f"{cells} (read as empty strings)"))
+    positions = report.get("position_limit")
+    if positions is not None:
+        first = positions["first_over"]
+        lines.append(row("positions", f"model limit {positions['tokens']} ({positions['key']}): {positions['rows_over']} rows over" + (
+            f" (first {first['where']}, {first['tokens']} tokens{' with the response' if report['stage'] == 'ppo' else ''}); "
+            f"{positions['fix']}" if first else "")))
     if report["chat_template"] is not None:
         lines.append(row("template", report["chat_template"].replace("\n", "\\n")[:120]))
     for i, example in enumerate(report["examples"], start=1):

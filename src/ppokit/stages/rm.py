@@ -14,34 +14,10 @@ import torch
 
 from ppokit import algo
 from ppokit.config import RMConfig
-from ppokit.data import LengthReport, Renderer, fit_lengths, preference_triples, tokenize_pair
+from ppokit.data import preference_triples
 from ppokit.models import disable_dropout, left_pad, load_scalar_model, score_at_last_token
 from ppokit.sft import train_loop
 from ppokit.stages.common import StepLog, check_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
-
-
-def encode_pairs(triples, renderer: Renderer, tokenizer, config: RMConfig, source: str):
-    """(prompt, chosen, rejected) -> ([(chosen_ids, rejected_ids)], LengthReport).
-
-    Both sequences follow the length rule; a pair is dropped when either is, or when cutting
-    made the two sequences identical (no preference left to learn).
-    """
-    data = config.data
-    pairs, report = [], LengthReport(rows=len(triples))
-    for prompt, chosen, rejected in triples:
-        prompt_text, chosen_text = renderer.pair(prompt, chosen, source)
-        _, rejected_text = renderer.pair(prompt, rejected, source)
-        prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt_text, chosen_text)
-        _, rejected_ids = tokenize_pair(tokenizer, prompt_text, rejected_text)
-        fit_chosen, prompt_cut, chosen_cut = fit_lengths(prompt_ids, chosen_ids, data.max_prompt_length, data.max_length)
-        fit_rejected, _, rejected_cut = fit_lengths(prompt_ids, rejected_ids, data.max_prompt_length, data.max_length)
-        report.prompts_truncated += prompt_cut
-        report.completions_cut += chosen_cut or rejected_cut
-        if fit_chosen is None or fit_rejected is None or fit_chosen == fit_rejected:
-            report.dropped += 1
-            continue
-        pairs.append((fit_chosen[0] + fit_chosen[1], fit_rejected[0] + fit_rejected[1]))
-    return pairs, report
 
 
 def pair_scores(model, pairs, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +54,9 @@ def run_rm(config: RMConfig, show_progress: bool = True, overwrite: bool = False
     say = printer(show_progress, "rm")
     check_output(config.output_dir, overwrite, say)
     hp = config.train
-    prepared = prepare_data(config, say, preference_triples, encode_pairs)
+    # Each kept row: (chosen ids, rejected ids), prompt included; the length rule drops a pair
+    # that either sequence leaves no room for, or that cutting made identical.
+    prepared = prepare_data(config, say, preference_triples, lambda row: tuple(row.sequences))
     tokenizer, train_pairs, eval_pairs = prepared.tokenizer, prepared.train, prepared.eval
 
     torch.manual_seed(config.seed)

@@ -11,28 +11,10 @@ import time
 import torch
 
 from ppokit.config import SFTConfig
-from ppokit.data import LengthReport, Renderer, fit_lengths, sft_pairs, tokenize_pair
+from ppokit.data import sft_pairs
 from ppokit.models import load_causal_lm
 from ppokit.sft import build_example, train_sft
 from ppokit.stages.common import StepLog, check_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
-
-
-def encode_sft(pairs, renderer: Renderer, tokenizer, config: SFTConfig, source: str):
-    """(prompt, completion) items -> ((input_ids, labels) examples, LengthReport)."""
-    data = config.data
-    examples, report = [], LengthReport(rows=len(pairs))
-    for prompt, completion in pairs:
-        prompt_text, completion_text = renderer.pair(prompt, completion, source)
-        fitted, prompt_cut, completion_cut = fit_lengths(
-            *tokenize_pair(tokenizer, prompt_text, completion_text), data.max_prompt_length, data.max_length
-        )
-        report.prompts_truncated += prompt_cut
-        report.completions_cut += completion_cut
-        if fitted is None:
-            report.dropped += 1
-            continue
-        examples.append(build_example(*fitted, config.train.completion_only_loss))
-    return examples, report
 
 
 def run_sft(config: SFTConfig, show_progress: bool = True, overwrite: bool = False) -> dict:
@@ -43,7 +25,9 @@ def run_sft(config: SFTConfig, show_progress: bool = True, overwrite: bool = Fal
     say = printer(show_progress, "sft")
     check_output(config.output_dir, overwrite, say)
     hp = config.train
-    prepared = prepare_data(config, say, sft_pairs, encode_sft)
+    prepared = prepare_data(
+        config, say, sft_pairs, lambda row: build_example(*row.fitted[0], config.train.completion_only_loss)
+    )
     tokenizer, train_examples, eval_examples = prepared.tokenizer, prepared.train, prepared.eval
 
     torch.manual_seed(config.seed)
