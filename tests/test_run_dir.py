@@ -633,3 +633,23 @@ def test_a_reward_error_under_on_error_raise_saves_the_last_complete_update(mode
         return [{k: v for k, v in json.loads(line).items() if not k.startswith(wall_clock)} for line in path.read_text().splitlines()]
 
     assert numbers(out / "metrics.jsonl") == numbers(tmp_path / "straight" / "metrics.jsonl")  # as if it had never stopped
+
+
+def test_ppo_checks_its_output_dir_before_any_model_loads(model_dir, prompts_file, tmp_path, capsys, monkeypatch):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    config_path = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", tmp_path / "run", total_episodes=8)
+    monkeypatch.chdir(tmp_path)
+    import ppokit.trainer
+
+    monkeypatch.setattr(ppokit.trainer.PPOTrainer, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
+    cases = [
+        ("output_dir=.", "ppokit: error: output_dir: . is the current directory; ppokit writes each output into a folder of its own: give a new one, e.g. runs/NAME"),
+        ("output_dir=", "ppokit: error: output_dir: may not be empty (Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.)"),
+        (f"output_dir={a_file}", f"ppokit: error: output_dir: {a_file} is a file, not a folder"),
+        ("output_dir=/proc/self/run", "ppokit: error: output_dir: /proc/self/run is in /proc, a kernel file system, not a place for files; give a folder on disk"),
+    ]
+    for override, expected in cases:
+        assert main(["ppo", str(config_path), override, "--overwrite"]) == 2, override
+        assert one_error_line(capsys.readouterr().err) == expected
+    assert a_file.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "ppo.yaml"]

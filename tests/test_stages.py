@@ -249,8 +249,11 @@ def test_pipeline_skips_completed_stages_and_reruns_changed_ones(pipeline_run, c
 
 
 def test_pipeline_reruns_ppo_without_final(tmp_path):
+    from ppokit.run_dir import write_marker
+
     out = tmp_path / "ppo"
     out.mkdir()
+    write_marker(out, "ppo-run")  # a ppo run that stopped before its final save
     (out / "config.yaml").write_text("seed: 42\n")
     ran = []
     config = {"ppo": {"model": "m", "output_dir": str(out), "reward": {"functions": ["sentiment"]}, "data": {"train": "x.jsonl"}}}
