@@ -653,3 +653,15 @@ def test_ppo_checks_its_output_dir_before_any_model_loads(model_dir, prompts_fil
         assert main(["ppo", str(config_path), override, "--overwrite"]) == 2, override
         assert one_error_line(capsys.readouterr().err) == expected
     assert a_file.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "ppo.yaml"]
+
+
+def test_resuming_another_folders_checkpoint_over_a_run_is_refused(tmp_path, capsys):
+    ours = fake_run(tmp_path / "ours", "ours")
+    theirs = fake_run(tmp_path / "theirs", "theirs", updates=1, num_updates=4, final=False)
+    with pytest.raises(UserError, match=re.escape(
+        f"--resume {theirs / 'checkpoints' / 'update-1'}: {ours} holds a finished run (2 updates, final/) of its own, "
+        "which resuming there would overwrite; give another output_dir"
+    )):
+        run_dir.check_resume_into(ours, theirs / "checkpoints" / "update-1")
+    run_dir.check_resume_into(tmp_path / "new", theirs / "checkpoints" / "update-1")  # a new folder: fine
+    run_dir.check_resume_into(theirs, theirs / "checkpoints" / "update-1")  # its own checkpoint: fine

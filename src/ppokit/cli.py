@@ -32,6 +32,7 @@ def _ppo(args) -> int:
             print(f"ppokit: {note}", file=sys.stderr)
         resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir) if resume is not None else None
         if resume_path is not None:
+            run_dir.check_resume_into(config.output_dir, resume_path)
             checkpoint.read_checkpoint(resume_path)  # a damaged file is found before any model loads
         return _train(args, config, overrides, resume_path)
     finally:

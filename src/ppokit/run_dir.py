@@ -369,6 +369,18 @@ def check_run_start(output_dir: str, resume: bool, overwrite: bool) -> Path:
     return path
 
 
+def check_resume_into(output_dir: str | Path, checkpoint: Path) -> None:
+    """Resuming rewrites output_dir's metrics.jsonl and samples.jsonl to the checkpoint's: a checkpoint
+    of another folder may be resumed into output_dir only when no run of its own is there to lose."""
+    root = Path(output_dir).resolve()
+    if root in Path(checkpoint).resolve().parents or not root.is_dir():
+        return
+    held = holds_run(root)
+    if held is not None:
+        raise UserError(f"--resume {checkpoint}: {output_dir} holds {held} of its own, which resuming there would overwrite; "
+                        "give another output_dir")
+
+
 class RunFolder:
     """A ppo run's output_dir while the run uses it.
 
