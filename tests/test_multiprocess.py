@@ -1,59 +1,343 @@
-"""Two processes on CPU (torchrun, gloo): the run completes without hanging, the batch is split
-across processes, metrics are reduced over them, and the main process alone writes the run directory."""
+"""Several processes on CPU (torchrun, gloo): the run completes without hanging, the batch is split
+across processes, metrics are reduced over them, and the main process alone writes the run directory;
+the pieces of ppokit.parallel (FSDP2) checked by tests/parallel_checks.py under 1 and 2 processes."""
 
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 TORCHRUN = shutil.which("torchrun")
+CHECKS = Path(__file__).with_name("parallel_checks.py")
+needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
 
 
-def _config(model_dir, prompts_file, tmp_path):
-    config = tmp_path / "ppo.yaml"
+def _env(use_cpu: bool = True) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else src
+    if use_cpu:
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+WALL_CLOCK = ("eps", "time/")
+# Metrics that count tokens on either side of a threshold: a value at the clip boundary can fall either
+# way with float rounding (val/clipfrac_avg compares old + clamp(new - old) with new, which differ by
+# rounding even inside the range), so two strategies may differ by a token here and there.
+COUNTS = ("val/clipfrac_avg", "policy/clipfrac_avg")
+
+
+def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo) -> Path:
+    """4 updates of 16 episodes (2 processes x 4 per device x 2 minibatches), a checkpoint every 2."""
+    config = folder / f"ppo-{strategy}.yaml"
     config.write_text(yaml.safe_dump({
-        "model": str(model_dir("llama")), "output_dir": str(tmp_path / "run"),
-        "reward": {"functions": ["sentiment"]}, "data": {"train": str(prompts_file)},
-        "ppo": {"total_episodes": 32, "per_device_train_batch_size": 4, "num_mini_batches": 2, "num_ppo_epochs": 2,
-                "response_length": 8, "learning_rate": 1e-3, "num_sample_generations": 1, "save_steps": 1},
+        "model": str(model_dir("llama")), "output_dir": str(folder / f"run-{strategy}"),
+        # eval prompts: sample generations sample (under fsdp: gather the policy) inside inference mode too
+        "reward": {"functions": ["sentiment"]}, "data": {"train": str(prompts_file), "eval": str(prompts_file)},
+        "parallel": {"strategy": strategy},
+        "ppo": {"total_episodes": 64, "per_device_train_batch_size": 4, "num_mini_batches": 2, "num_ppo_epochs": 2,
+                "response_length": 8, "learning_rate": 1e-3, "num_sample_generations": 2, "save_steps": 2, **ppo},
     }))
     return config
 
 
 def _launch(config, *extra, use_cpu=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if use_cpu:
-        env["ACCELERATE_USE_CPU"] = "true"
     command = [TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(use_cpu))
 
 
-@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
-def test_two_process_cpu_run_with_checkpoints_and_resume(model_dir, prompts_file, tmp_path):
-    config = _config(model_dir, prompts_file, tmp_path)
-    result = _launch(config)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # 2 processes x 4 per device x 2 minibatches = 16 episodes per update: 2 updates of 32 episodes
-    assert [(r["update"], r["episode"]) for r in records] == [(1, 16), (2, 32)]
-    assert len(result.stdout.strip().splitlines()) == 1  # one summary line, from the main process
-    assert (tmp_path / "run" / "final" / "value_model").is_dir()
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("update-")) == ["update-1", "update-2"]
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in _records(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, prompts_file, tmp_path_factory):
+    """The same 2-process run under ddp and under fsdp: {strategy: (config path, run directory)}."""
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    folder = tmp_path_factory.mktemp("runs")
+    out = {}
+    for strategy in ("ddp", "fsdp"):
+        config = _config(model_dir, prompts_file, folder, strategy)
+        result = _launch(config)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert len(result.stdout.strip().splitlines()) == 1  # one summary line, from the main process
+        out[strategy] = (config, folder / f"run-{strategy}")
+    return out
+
+
+def test_two_process_cpu_run_with_checkpoints_and_resume(runs):
+    config, run = runs["ddp"]
+    # 2 processes x 4 per device x 2 minibatches = 16 episodes per update: 4 updates of 64 episodes
+    assert [(r["update"], r["episode"]) for r in _records(run)] == [(1, 16), (2, 32), (3, 48), (4, 64)]
+    assert (run / "final" / "value_model").is_dir()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("update-")) == ["update-2", "update-4"]
     # The main process alone holds the run lock (a second holder would have stopped with "in use by another ppokit run").
-    assert len((tmp_path / "run" / ".ppokit.lock").read_text().split()) == 1 and "in use by" not in result.stderr
+    assert len((run / ".ppokit.lock").read_text().split()) == 1
     # resuming a finished run trains nothing and says so, on every process, without hanging
     resumed = _launch(config, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "nothing left to train" in resumed.stderr
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
 
 
-@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
+def _optimizer_steps(checkpoint_dir: Path) -> set[int]:
+    state = torch.load(checkpoint_dir / "optimizer.pt", weights_only=True)["state"]
+    return {int(s["step"]) for s in state.values()}
+
+
+def test_two_processes_follow_the_one_process_learning_rate_schedule(runs, model_dir, prompts_file, tmp_path):
+    """The same global batch (16) on one process: the lr column, update by update, and the number of
+    optimiser steps are the same. (accelerate's scheduler wrapper once stepped the schedule once per
+    process per step: with 2 processes the rate reached 0 halfway through the run.)"""
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import PPOTrainer
+
+    config_path, run = runs["ddp"]
+    one = PPOConfig.load(config_path, [f"output_dir={tmp_path / 'one'}", "ppo.per_device_train_batch_size=8"])
+    PPOTrainer(one, show_progress=False).train()
+    two_lr, one_lr = [r["lr"] for r in _records(run)], [r["lr"] for r in _records(tmp_path / "one")]
+    print(f"lr, 1 process: {one_lr}\nlr, 2 processes: {two_lr}")  # shown with pytest -s
+    assert two_lr == one_lr == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    steps = 4 * 2 * 2  # updates x epochs x minibatches
+    assert _optimizer_steps(run / "checkpoints" / "update-4") == _optimizer_steps(tmp_path / "one" / "checkpoints" / "update-4") == {steps}
+
+
+def test_ddp_and_fsdp_give_the_same_metrics(runs):
+    """Same samples, gradients equal up to float rounding: every metric within 1e-4 relative over 4 updates."""
+    ddp, fsdp = _comparable(runs["ddp"][1]), _comparable(runs["fsdp"][1])
+    assert [r["update"] for r in fsdp] == [1, 2, 3, 4] and set(ddp[0]) == set(fsdp[0])
+    worst = {}
+    for d, f in zip(ddp, fsdp):
+        for key in d:
+            if key in COUNTS:
+                assert f[key] == pytest.approx(d[key], abs=0.02), key  # a token or two either side of a clip boundary
+            else:
+                assert f[key] == pytest.approx(d[key], rel=1e-4, abs=1e-6), key
+                worst[key] = max(worst.get(key, 0.0), abs(f[key] - d[key]) / max(abs(d[key]), 1e-12))
+    print("largest relative differences:", sorted(worst.items(), key=lambda kv: -kv[1])[:6])
+    # the same completions were sampled and scored
+    assert (runs["ddp"][1] / "samples.jsonl").read_text() == (runs["fsdp"][1] / "samples.jsonl").read_text()
+
+
+def test_an_fsdp_checkpoint_is_sharded_and_final_is_one_plain_model(runs):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    run = runs["fsdp"][1]
+    saved = run / "checkpoints" / "update-2"
+    assert sorted(p.name for p in (saved / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (saved / "model").exists() and not (saved / "optimizer.pt").exists()
+    assert json.loads((saved / "trainer_state.json").read_text())["parallel"] == {"strategy": "fsdp", "weights": "sharded"}
+    policy = AutoModelForCausalLM.from_pretrained(run / "final")
+    AutoModelForSequenceClassification.from_pretrained(run / "final" / "value_model")
+    ddp_policy = AutoModelForCausalLM.from_pretrained(runs["ddp"][1] / "final")
+    for (name, a), b in zip(policy.state_dict().items(), ddp_policy.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), name  # the same training, consolidated
+
+
+def test_resume_refuses_another_strategy_or_process_count(runs, capsys):
+    from ppokit.cli import main
+
+    ddp_config, _ = runs["ddp"]
+    fsdp_config, fsdp_run = runs["fsdp"]
+    checkpoint = fsdp_run / "checkpoints" / "update-2"
+    # an fsdp checkpoint resumed under ddp: refused, --resume-force or not (the files are another layout)
+    assert main(["ppo", str(ddp_config), "--resume", str(checkpoint), "--resume-force"]) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint was written under parallel.strategy fsdp and this run uses ddp" in err
+    # the same strategy with another process count: refused naming both counts, unless --resume-force
+    assert main(["ppo", str(fsdp_config), "parallel.strategy=ddp", "--resume", str(runs["ddp"][1] / "checkpoints" / "update-2")]) == 2
+    err = capsys.readouterr().err
+    assert "processes (checkpoint 2, now 1)" in err and "--resume-force" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_nodes(config: Path, *extra: str, log: Path) -> list[subprocess.Popen]:
+    """Two "nodes" of one process each on this machine, meeting at a rendezvous on a loopback port:
+    what `torchrun --nnodes 2 --node_rank R --master_addr HOST --master_port PORT` does across machines."""
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            [TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+             "--master_port", str(port), "-m", "ppokit", "ppo", str(config), *extra],
+            env=_env(), stdout=subprocess.DEVNULL, stderr=log.with_suffix(f".{rank}").open("w"), start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+
+
+def _wait(nodes: list[subprocess.Popen], log: Path, timeout: float = 240) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for n in nodes:
+        if n.poll() is None:
+            os.killpg(n.pid, signal.SIGKILL)
+            raise AssertionError(f"two-node run timed out:\n{log.with_suffix('.0').read_text()[-3000:]}")
+    return [n.returncode for n in nodes]
+
+
+def test_two_nodes_fsdp_killed_after_a_checkpoint_and_resumed_equal_the_straight_run(runs, tmp_path):
+    """Two one-process "nodes" run the fsdp config; both are killed with SIGKILL during update 4 (after the
+    checkpoint of update 2), resumed on two nodes, and the run's metrics.jsonl and samples.jsonl are the
+    straight single-node 2-process run's, every key but wall-clock time."""
+    config_path, straight = runs["fsdp"]
+    config = yaml.safe_load(config_path.read_text())
+    config["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump(config))
+    log, metrics = tmp_path / "node", tmp_path / "run" / "metrics.jsonl"
+    nodes = _two_nodes(tmp_path / "ppo.yaml", log=log)
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # update 3 logged: 4 under way
+        assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, log.with_suffix(".0").read_text()[-3000:]
+        time.sleep(0.005)
+    for n in nodes:
+        os.killpg(n.pid, signal.SIGKILL)  # the launcher and its worker, on both nodes
+    assert _wait(nodes, log) == [-signal.SIGKILL] * 2
+    assert len(metrics.read_text().splitlines()) == 3
+    from ppokit import checkpoint
+
+    assert checkpoint.find_checkpoint(None, tmp_path / "run").name == "update-2"
+
+    assert _wait(_two_nodes(tmp_path / "ppo.yaml", "--resume", log=log), log) == [0, 0], log.with_suffix(".0").read_text()[-3000:]
+    assert "resumed from" in log.with_suffix(".0").read_text()
+    assert _comparable(tmp_path / "run") == _comparable(straight)
+    assert (tmp_path / "run" / "samples.jsonl").read_text() == (straight / "samples.jsonl").read_text()
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+@needs_torchrun
 def test_processes_that_do_not_see_each_other_refuse_to_share_a_run_directory(model_dir, prompts_file, tmp_path):
     result = _launch(_config(model_dir, prompts_file, tmp_path), use_cpu=False)  # on CPU accelerate then sees 1 process each
     assert result.returncode != 0
     assert "launched as 2 processes (WORLD_SIZE) but accelerate sees 1" in result.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run-ddp" / "metrics.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- ppokit.parallel pieces
+
+
+@pytest.fixture(scope="module")
+def parallel_checks(tmp_path_factory):
+    """tests/parallel_checks.py as one process (FSDP over a mesh of one), then as two processes that
+    also read the one-process DCP checkpoint (resharding 1 -> 2). Returns (one, two) result folders."""
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    one, two = tmp_path_factory.mktemp("fsdp-1"), tmp_path_factory.mktemp("fsdp-2")
+    for command, out in (([sys.executable, str(CHECKS), str(one)], one),
+                         ([TORCHRUN, "--nproc_per_node", "2", str(CHECKS), str(two), str(one)], two)):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env())
+        assert result.returncode == 0, result.stderr[-4000:]
+    return one, two
+
+
+def _results(folder: Path) -> dict:
+    return json.loads((folder / "results.json").read_text())
+
+
+def test_fsdp_step_equals_ddp_step(parallel_checks):
+    """3 optimiser steps of forward/backward (2 micro-batches), clipping and AdamW, different rows per process."""
+    for folder in parallel_checks:
+        step = _results(folder)["step"]
+        assert step["max_weight_change"] > 1e-2  # the weights did move
+        assert step["max_weight_difference"] < 1e-5 and step["offload_max_weight_difference"] < 1e-5  # parallel.cpu_offload too
+        assert step["fsdp_grad_norms"] == pytest.approx(step["ddp_grad_norms"], rel=1e-5)
+        assert step["offload_grad_norms"] == pytest.approx(step["ddp_grad_norms"], rel=1e-5)
+
+
+def test_fsdp_holds_half_of_the_trainable_state_per_process(parallel_checks):
+    shards = _results(parallel_checks[1])["shards"]
+    full = shards["0"]["full_elements"]
+    assert sum(s["local_elements"] for s in shards.values()) == full
+    for s in shards.values():
+        assert s["local_elements"] <= full / 2 + 64  # dim-0 shards: a few rows of padding at most
+        assert s["optimizer_elements"] == 2 * s["local_elements"]  # AdamW's two moments, sharded alike
+
+
+def test_generation_under_sharding_gathers_once_per_rollout(parallel_checks):
+    for rank, g in _results(parallel_checks[1])["generation"].items():
+        assert g["same_tokens_as_whole"] and g["lazy_same_tokens_as_whole"], rank
+        assert g["all_gathers_unshard_once"] == g["units"]  # each unit once for the whole rollout
+        # without it: every decoder layer again at every one of the 6 decoded tokens
+        assert g["all_gathers_per_layer"] >= 6 * (g["units"] - 1)
+        assert g["resharded"]
+
+
+def test_dcp_checkpoint_round_trip_and_resharding(parallel_checks):
+    one, two = parallel_checks
+    dcp = _results(two)["dcp"]
+    assert [f for f in dcp["files"] if f.endswith(".distcp")] == ["__0_0.distcp", "__1_0.distcp"]  # one per process
+    assert dcp["moved_by_next_step"] > 1e-4
+    assert dcp["reloaded_vs_saved"] == 0.0 and dcp["next_step_vs_replay"] == 0.0
+    assert dcp["replayed_grad_norm"] == dcp["next_grad_norm"]
+    rollback = _results(two)["rollback"]  # the non-finite guard's snapshot under fsdp
+    assert rollback["moved"] > 1e-4 and rollback["restored_vs_before"] == 0.0
+    reshard = _results(two)["reshard"]
+    assert reshard == {"from_processes": 1, "max_difference_to_saved": 0.0}
+
+
+def test_consolidated_save_loads_with_transformers_alone(parallel_checks):
+    """final/-style folders written from the sharded model load in a process that imports neither
+    ppokit nor torch.distributed's process groups, and hold exactly the full weights."""
+    two = parallel_checks[1]
+    loaded = two / "loaded.pt"
+    probe = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification\n"
+        f"policy = AutoModelForCausalLM.from_pretrained({str(two / 'policy')!r})\n"
+        f"value = AutoModelForSequenceClassification.from_pretrained({str(two / 'value_model')!r})\n"
+        f"AutoModelForCausalLM.from_pretrained({str(two / 'lora_merged')!r})\n"
+        "assert 'ppokit' not in sys.modules and not torch.distributed.is_initialized()\n"
+        "assert policy.lm_head.weight.data_ptr() == policy.model.embed_tokens.weight.data_ptr()\n"
+        f"torch.save({{'policy': policy.state_dict(), 'value_model': value.state_dict()}}, {str(loaded)!r})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    full, saved = torch.load(two / "consolidated.pt"), torch.load(loaded)
+    for role in ("policy", "value_model"):
+        for name, tensor in saved[role].items():
+            assert torch.equal(tensor, full[f"{role}.{name}"]), (role, name)
+    assert not torch.equal(full["policy.model.norm.weight"], torch.load(two / "at_save.pt")["policy.model.norm.weight"])
+
+
+def test_sharded_lora_run_saves_adapter_and_merged_model(parallel_checks):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(CHECKS.parent))
+    import parallel_checks as checks
+    from ppokit.models import response_logits
+    from ppokit.tiny import word_tokenizer
+
+    two = parallel_checks[1]
+    assert _results(two)["lora"]["max_weight_difference"] < 1e-5  # LoRA (+ gradient checkpointing) under FSDP trains as under DDP
+    tokenizer = word_tokenizer([" ".join(checks.WORDS)])
+    ids, mask = checks.rows(tokenizer, 0)
+    expected = torch.load(two / "lora_logits.pt")
+    merged = AutoModelForCausalLM.from_pretrained(two / "lora_merged")
+    torch.manual_seed(0)
+    base = checks.tiny_causal_lm("llama", tokenizer, hidden=32, layers=2, heads=4)
+    adapter = PeftModel.from_pretrained(base, two / "lora_policy")
+    with torch.inference_mode():
+        for model in (merged, adapter):
+            assert torch.allclose(response_logits(model, ids, mask, checks.RESPONSE), expected, atol=1e-5)

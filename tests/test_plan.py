@@ -140,6 +140,49 @@ def test_plan_reads_chat_prompts_and_the_eval_hold_out_as_the_trainer_does(model
     assert num_prompts == 8 and not notes  # 2 of 10 held out for evaluation
 
 
+def test_plan_per_device_under_ddp_and_fsdp_and_the_smallest_process_count_that_fits(big_model_dir, tmp_path, capsys):
+    config = write_config(tmp_path / "big.yaml", model=str(big_model_dir), bf16=True, reward={"functions": ["sentiment"]},
+                          ppo={"total_episodes": 64, "per_device_train_batch_size": 4, "response_length": 64})
+    assert main(["plan", str(config), "--json", "--device-memory", "80", "--processes", "2"]) == PLAN_DOES_NOT_FIT
+    two = json.loads(capsys.readouterr().out)
+    assert two["strategy"] == "ddp" and two["processes"] == 2 and two["sizes"]["batch"] == 8  # 2 x 4 episodes per update
+    ddp, fsdp = two["per_device"]["ddp"], two["per_device"]["fsdp"]
+    for role in ("policy", "value", "reference"):  # the frozen reference is sharded too (parallel.shard_frozen)
+        assert fsdp["roles"][role] == -(-ddp["roles"][role] // 2)
+    assert two["suggestion"].startswith("lora: {}")  # the switches at this process count, as before
+    assert two["sharding_suggestion"].startswith("parallel.strategy: fsdp with 8 processes (estimated ")
+
+    # The suggestion fits, and 4 processes (the next smaller power of two) does not.
+    assert main(["plan", str(config), "parallel.strategy=fsdp", "--json", "--device-memory", "80", "--processes", "8"]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    assert eight["fits"] and eight["total_bytes"] == eight["per_device"]["fsdp"]["total_bytes"]
+    assert main(["plan", str(config), "parallel.strategy=fsdp", "--json", "--device-memory", "80", "--processes", "4"]) == PLAN_DOES_NOT_FIT
+    capsys.readouterr()
+
+    # Frozen roles kept whole; the table shows both columns; a bad count is refused.
+    assert main(["plan", str(config), "parallel.shard_frozen=false", "--device-memory", "80", "--processes", "8"]) == PLAN_DOES_NOT_FIT
+    table = capsys.readouterr().out
+    assert "ddp/dev" in table and "fsdp/dev" in table and "per device with 8 processes" in table
+    reference = next(line for line in table.splitlines() if line.startswith("reference"))
+    assert reference.split()[7] == reference.split()[8]  # whole under both strategies
+    assert main(["plan", str(config), "--processes", "0"]) == 2
+    assert "--processes 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_dir, tmp_path, monkeypatch, capsys):
+    from ppokit.cli import _preflight
+    from ppokit.config import PPOConfig
+
+    config = PPOConfig.load(write_config(tmp_path / "big.yaml", model=str(big_model_dir), bf16=True, reward={"functions": ["sentiment"]},
+                                         ppo={"total_episodes": 64, "per_device_train_batch_size": 4, "response_length": 64}))
+    monkeypatch.setattr("ppokit.plan.device_memory", lambda: ("cuda:0 test", 80 * GiB))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _preflight(config)
+    err = capsys.readouterr().err
+    assert "ddp, per device of 2 processes" in err and "DOES NOT FIT" in err
+    assert "plan: would fit with: parallel.strategy: fsdp with 8 processes" in err
+
+
 def test_the_plan_reads_prompts_and_position_limits_as_the_trainer_does(model_dir, prompts_file, tmp_path, capsys):
     """Prompt lengths under the same rule (prompts.encode_prompts), and the smallest position limit
     of the models that read the policy's ids: `ppokit plan` names the problem; `ppokit ppo`'s

@@ -2,6 +2,8 @@
 
 A checkpoint is the folder `output_dir/checkpoints/update-N/`:
 
+    weights and optimiser state, in one of two layouts (`PlainWeights`, or under parallel.strategy
+    fsdp `parallel.ShardedWeights`: sharded/, a torch.distributed.checkpoint folder of every process's shards):
     trainable.safetensors with LoRA: every trainable tensor (adapters, heads), what resume reads
     model/               policy + tokenizer as `trainer.save_models` writes them (the layout of final/:
                          full weights, or adapters for a PEFT model), value model in model/value_model/
@@ -14,7 +16,7 @@ A checkpoint is the folder `output_dir/checkpoints/update-N/`:
     config.yaml          the run's configuration, compared with the new one on resume
     trainer_state.json   counters, data position, KL controller, versions; written last ("complete": true)
 
-The folder is written under a temporary name and renamed into place (`atomic_save_dir`), so a
+The folder is written under a temporary name and renamed into place (`run_dir.temporary_dir`, `finish_dir`), so a
 crash while writing leaves the previous checkpoints as they were; only folders named update-N
 whose trainer_state.json says complete count. The data order is a pure function of
 (seed, update index) (`PPOTrainer.batch_indices`), so the update counter is the data position.
@@ -22,7 +24,8 @@ whose trainer_state.json says complete count. The data order is a pure function 
 `save_checkpoint` and `load_checkpoint` take what they write and restore, by name: the run's
 `TrainingState`, its `TrainedParts` (models, optimiser, schedule, KL controller, reward scorer),
 the config, the run's facts (`RunFacts`) and the accelerator. Loading restores the parts in place
-and returns the checkpoint's TrainingState; it sets nothing else.
+and returns the checkpoint's TrainingState; it sets nothing else. Every process calls both: the
+weights layout decides which processes write (all of them for shards, the main one otherwise).
 """
 
 from __future__ import annotations
@@ -48,13 +51,14 @@ from ppokit.metrics import JsonlWriter
 from ppokit.run_dir import (
     CHECKPOINTS,
     STATE_FILE,
-    NoSpaceError,
-    atomic_save_dir,
+    discard_dir,
+    finish_dir,
     list_checkpoints,
     move_into_place,
     owned_checkpoint,
     read_state,
     remove_leftovers,
+    temporary_dir,
 )
 from ppokit.state import TrainingState
 from ppokit.version import __version__
@@ -75,6 +79,10 @@ RESUME_SAFE_KEYS = frozenset(
         "ppo.save_steps",
         "ppo.save_total_limit",
         "ppo.max_skipped_updates",
+        # How the models are spread over the processes, not what they compute (all-gathers are exact).
+        "parallel.shard_frozen",
+        "parallel.wrap_classes",
+        "parallel.unshard_for_generation",
     }
 )
 
@@ -267,6 +275,11 @@ class TrainedParts:
     kl_controller: Any
     scorer: Any
     adapters: bool
+    weights: Any = None  # how weights and optimiser state are written: PlainWeights (default) or parallel.ShardedWeights
+
+    def __post_init__(self):
+        if self.weights is None:
+            self.weights = PlainWeights()
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Every parameter the optimiser updates, by its name under the model (each once)."""
@@ -283,6 +296,39 @@ class RunFacts:
     batch: int  # episodes per update, over every process
     num_updates: int
     save_total_limit: Optional[int] = None
+
+
+class PlainWeights:
+    """Weights and optimiser state as whole tensors, written by the main process: model/ (what final/
+    holds), trainable.safetensors with adapters, optimizer.pt. `parallel.ShardedWeights` is the other
+    layout, with the same two methods."""
+
+    kind = "plain"
+
+    def save(self, folder: Path, parts: TrainedParts, save_models: Callable[[Path], None], is_main: bool) -> None:
+        if not is_main:
+            return
+        save_models(folder / "model")
+        if parts.adapters:
+            # With adapters the roles share one base and model/ splits them by role (the shared critic's
+            # adapter sits inside the policy); resume reads this one file of exactly what trains instead.
+            # It is small: adapters and heads only. Full models are read back from model/ itself.
+            from safetensors.torch import save_file
+
+            save_file({k: p.detach().contiguous().cpu() for k, p in parts.trainable_parameters().items()},
+                      folder / "trainable.safetensors")
+        torch.save(parts.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load(self, path: Path, parts: TrainedParts) -> None:
+        if (path / "trainable.safetensors").exists():
+            _load_trainable(parts, path / "trainable.safetensors")
+        else:
+            load_weights(parts.model.policy, path / "model")
+            load_weights(parts.model.value_model, path / "model" / "value_model")
+        try:
+            parts.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
+        except (ValueError, KeyError) as e:
+            raise UserError(f"{path / 'optimizer.pt'}: does not fit the model's parameters ({e})") from None
 
 
 # --------------------------------------------------------------------------- save
@@ -304,30 +350,35 @@ def save_checkpoint(
     else:
         rng_all = [rng]
     target = checkpoints_dir(run.output_dir) / f"update-{state.update}"
-    if accelerator.is_main_process:
-        write = lambda tmp: _write(tmp, state, parts, config, run, save_models, rng_all, accelerator.num_processes)  # noqa: E731
-        try:
-            atomic_save_dir(target, write, "checkpoint", replace_unmarked=owned_checkpoint(target))
-        except NoSpaceError as e:
+    is_main = accelerator.is_main_process
+    # One temporary folder for every process (the weights layout may have each write its shards into it).
+    tmp = [str(temporary_dir(target, "checkpoint", replace_unmarked=owned_checkpoint(target))) if is_main else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(tmp)
+    try:
+        parts.weights.save(Path(tmp[0]), parts, save_models, is_main)
+        accelerator.wait_for_everyone()
+        if is_main:
+            _write(Path(tmp[0]), state, parts, config, run, rng_all, accelerator.num_processes)
+            finish_dir(Path(tmp[0]), target)  # may replace it: checked when the temporary folder was made
+    except BaseException as e:
+        full = discard_dir(Path(tmp[0]), target, e) if is_main else None
+        if full is not None:
             found = list_checkpoints(target.parent)
             last = f"the last complete checkpoint is {found[-1]}" if found else "no checkpoint of this run was written yet"
-            raise UserError(f"{e}; {last}") from None
+            raise UserError(f"{full}; {last}") from None
+        raise
+    if is_main:
         prune_checkpoints(target.parent, run.save_total_limit)
     accelerator.wait_for_everyone()
     set_rng_state(rng)
     return target
 
 
-def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: RunFacts, save_models, rng_all, processes: int) -> None:
-    save_models(tmp / "model")
-    if parts.adapters:
-        # With adapters the roles share one base and model/ splits them by role (the shared critic's
-        # adapter sits inside the policy); resume reads this one file of exactly what trains instead.
-        # It is small: adapters and heads only. Full models are read back from model/ itself.
-        from safetensors.torch import save_file
-
-        save_file({k: p.detach().contiguous().cpu() for k, p in parts.trainable_parameters().items()}, tmp / "trainable.safetensors")
-    torch.save(parts.optimizer.state_dict(), tmp / "optimizer.pt")
+def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: RunFacts, rng_all, processes: int) -> None:
+    """Everything but the weights and optimiser state, trainer_state.json last."""
     torch.save(parts.scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_all, tmp / "rng.pt")
     torch.save(parts.scorer.state_dict(), tmp / "reward_scorer.pt")
@@ -352,6 +403,7 @@ def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: Ru
         },
         "kl_controller": {"type": type(parts.kl_controller).__name__, **parts.kl_controller.state_dict()},
         "processes": processes,
+        "parallel": {"strategy": config.parallel.strategy, "weights": parts.weights.kind},
         "versions": _versions(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": sorted(p.name for p in tmp.iterdir()) + [STATE_FILE],
@@ -408,12 +460,24 @@ def read_checkpoint(path: str | Path) -> SavedCheckpoint:
     if len(records) != state.update:
         raise DamagedCheckpoint(path, f"metrics.jsonl: {len(records)} records for {state.update} updates (cut short?)")
     _read_jsonl(path, "samples.jsonl", required=False)
-    _open_torch(path, "optimizer.pt")
     scheduler, scorer, rng = (_open_torch(path, name, keep=True) for name in ("scheduler.pt", "reward_scorer.pt", "rng.pt"))
     if not isinstance(rng, list) or not rng or not all(isinstance(r, dict) and {"python", "numpy", "torch"} <= set(r) for r in rng):
         raise DamagedCheckpoint(path, "rng.pt: not a list of RNG states, one per process")
     if not isinstance(scheduler, dict) or "last_epoch" not in scheduler:
         raise DamagedCheckpoint(path, "scheduler.pt: not a learning-rate schedule's state")
+    _open_weights(path, manifest.get("parallel"))
+    return SavedCheckpoint(path, manifest, state, config, scheduler, scorer, rng)
+
+
+def _open_weights(path: Path, parallel: Any) -> None:
+    """The weight and optimiser files of the layout that wrote them (`PlainWeights`, `parallel.ShardedWeights`), opened."""
+    from ppokit.parallel import SHARDED_DIR
+
+    if isinstance(parallel, dict) and parallel.get("weights") == "sharded":
+        if not (path / SHARDED_DIR / ".metadata").is_file():
+            raise DamagedCheckpoint(path, f"{SHARDED_DIR}/.metadata: missing")
+        return  # DCP reads its shards itself, and names a bad one (ShardedWeights.load)
+    _open_torch(path, "optimizer.pt")
     weights = [path / "trainable.safetensors"] if (path / "trainable.safetensors").exists() else None
     for folder in (path / "model", path / "model" / "value_model") if weights is None else ():
         found = sorted(folder.glob("*.safetensors"))
@@ -422,7 +486,6 @@ def read_checkpoint(path: str | Path) -> SavedCheckpoint:
         weights = (weights or []) + found
     for file in weights:
         _open_safetensors(path, file)
-    return SavedCheckpoint(path, manifest, state, config, scheduler, scorer, rng)
 
 
 _MANIFEST_TYPES = {"format": int, "num_updates": int, "processes": int, "data": dict, "kl_controller": dict, "versions": dict}
@@ -449,6 +512,9 @@ def _read_manifest(path: Path) -> dict:
                                           f"{'integer' if kind is int else 'mapping'}")
     if not isinstance(manifest["kl_controller"].get("value"), (int, float)):
         raise DamagedCheckpoint(path, f"{STATE_FILE}: kl_controller.value is {manifest['kl_controller'].get('value')!r}, not a number")
+    layout = manifest.get("parallel")
+    if layout is not None and not (isinstance(layout, dict) and isinstance(layout.get("strategy"), str) and isinstance(layout.get("weights"), str)):
+        raise DamagedCheckpoint(path, f"{STATE_FILE}: parallel is {layout!r}, not {{strategy, weights}}")
     if isinstance(manifest.get("update"), int) and manifest["update"] > manifest["num_updates"]:
         raise DamagedCheckpoint(path, f"{STATE_FILE}: update {manifest['update']} is past the run's {manifest['num_updates']} updates")
     return manifest
@@ -540,6 +606,7 @@ def load_checkpoint(
     """
     saved = read_checkpoint(path)
     path, manifest = saved.path, saved.manifest
+    _check_weights_layout(path, manifest, parts, config)
     differences = config_differences(saved.config, config.to_dict(), PPOConfig().to_dict())
     if manifest["processes"] != accelerator.num_processes:
         differences.append(f"processes (checkpoint {manifest['processes']}, now {accelerator.num_processes})")
@@ -557,15 +624,7 @@ def load_checkpoint(
     if manifest["versions"] != _versions():
         say(f"note: checkpoint written with {manifest['versions']}, now {_versions()}; numbers may differ in the last digits")
 
-    if (path / "trainable.safetensors").exists():
-        _load_trainable(parts, path / "trainable.safetensors")
-    else:
-        load_weights(parts.model.policy, path / "model")
-        load_weights(parts.model.value_model, path / "model" / "value_model")
-    try:
-        parts.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
-    except (ValueError, KeyError) as e:
-        raise UserError(f"{path / 'optimizer.pt'}: does not fit the model's parameters ({e})") from None
+    parts.weights.load(path, parts)
     parts.scheduler.load_state_dict(saved.scheduler)
     parts.kl_controller.load_state_dict(manifest["kl_controller"])
     parts.scorer.load_state_dict(saved.scorer)
@@ -608,6 +667,19 @@ def apply_forced_hyperparameters(parts: TrainedParts, config) -> None:
     scheduler._last_lr = [group["lr"] for group in parts.optimizer.param_groups]
     if config.ppo.kl_target is None:
         parts.kl_controller.load_state_dict({"value": hp.kl_coef})
+
+
+def _check_weights_layout(path: Path, saved: dict, parts: TrainedParts, config) -> None:
+    """A checkpoint's weights are read only by the layout that wrote them, --resume-force or not: whole
+    tensors (ddp) and DCP shards (fsdp) are different files. A different process count is another matter:
+    shards are resharded on load, whole tensors need none (the config check asks for --resume-force)."""
+    written = saved.get("parallel", {"strategy": "ddp", "weights": PlainWeights.kind})
+    if written["weights"] != parts.weights.kind:
+        raise UserError(
+            f"resume from {path}: the checkpoint was written under parallel.strategy {written['strategy']} and this run uses "
+            f"{config.parallel.strategy}; a checkpoint's weights and optimiser state can only be read by the strategy that wrote "
+            f"them. Resume with parallel.strategy: {written['strategy']}, or start a new run from its model"
+        )
 
 
 def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:

@@ -106,8 +106,9 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     print(f"plan: {plan.summary()}", file=sys.stderr)
     for warning in plan.warnings:
         print(f"plan: warning: {warning}", file=sys.stderr)
-    if plan.suggestion:
-        print(f"plan: would fit with: {plan.suggestion} (see `ppokit plan`)", file=sys.stderr)
+    for suggestion in (plan.sharding_suggestion, plan.suggestion):
+        if suggestion:
+            print(f"plan: would fit with: {suggestion} (see `ppokit plan`)", file=sys.stderr)
 
 
 
@@ -116,7 +117,9 @@ def _plan(args) -> int:
     from ppokit.plan import plan_for, to_json
 
     config = PPOConfig.load(args.config, args.overrides)
-    plan = plan_for(config, args.device_memory)
+    if args.processes is not None and args.processes < 1:
+        raise UserError(f"--processes {args.processes}: must be at least 1")
+    plan = plan_for(config, args.device_memory, args.processes)
     print(to_json(plan) if args.json else plan.render())
     return 0 if plan.fits else PLAN_DOES_NOT_FIT
 
@@ -286,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
                       help="plan for a device of this many GiB instead of this machine's (CUDA memory, else RAM)")
+    plan.add_argument("--processes", type=int, metavar="N",
+                      help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
 
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")

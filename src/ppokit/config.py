@@ -207,6 +207,17 @@ class LoraConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The `parallel:` section: how several processes share the models (docs/parallel.md)."""
+
+    strategy: str = doc("ddp", "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=_rule("one of ddp, fsdp", lambda v: v in ("ddp", "fsdp")))
+    shard_frozen: bool = doc(True, "With fsdp: shard the reference and reward models too; false keeps a whole copy of each on every process (faster forwards, more memory).")
+    cpu_offload: bool = doc(False, "With fsdp: keep the sharded weights, gradients and optimiser state in CPU memory (FSDP2 CPUOffloadPolicy) and run the optimiser step on the CPU; each unit is copied to the device when it runs.")
+    wrap_classes: list[str] = doc(factory=list, help="With fsdp: class names of the modules sharded one by one (each one all-gather); default the model's `_no_split_modules` (its decoder layers). Set it for a model that declares none.")
+    unshard_for_generation: bool = doc(True, "With fsdp: gather the whole policy once per rollout for sampling (costs its full weights on every process while sampling); false gathers layer by layer at every decoded token (least memory, far slower).")
+
+
+@dataclass
 class PPOConfig:
     """Everything a PPO run needs. Load with `PPOConfig.load(path, overrides)` or build directly."""
 
@@ -226,6 +237,7 @@ class PPOConfig:
     bf16: bool = doc(False, "bfloat16 mixed precision (autocast through accelerate) for every forward: sampling, reference, value and training. Weights and optimiser state keep the checkpoint's dtype.")
     fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the hardware has it.")
     save_merged: bool = doc(False, "With `lora`: also write final/merged/, the policy with its adapter merged in, loadable by AutoModelForCausalLM.from_pretrained without peft.")
+    parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "PPOConfig":
@@ -256,7 +268,17 @@ class PPOConfig:
         if self.data.eval and self.data.eval_fraction:
             raise UserError("data.eval_fraction holds out training prompts for evaluation, but data.eval is set too; set one of them")
         self._validate_memory_switches(has_reward_model)
+        self._validate_parallel()
         return self
+
+    def _validate_parallel(self) -> None:
+        """Switches that FSDP sharding cannot combine with."""
+        if self.parallel.strategy != "fsdp":
+            return
+        if self.quantization is not None:
+            raise UserError(f"parallel.strategy: fsdp cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: ddp")
+        if self.fp16:
+            raise UserError("parallel.strategy: fsdp runs mixed precision as bf16 (FSDP's MixedPrecisionPolicy); set bf16: true instead of fp16")
 
     def _validate_memory_switches(self, has_reward_model: bool) -> None:
         """Combinations of lora / value_model / quantization / precision that cannot work."""

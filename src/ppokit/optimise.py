@@ -12,7 +12,6 @@ micro-batch's losses are computed; the optimiser and its schedule are built by `
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 
 from ppokit import algo
 from ppokit.config import BatchSizes, PPOHyperparams
-from ppokit.guards import check_finite, gradient_norm
+from ppokit.guards import check_finite
 from ppokit.models import response_logits, scalar_outputs
 from ppokit.rollout import Rollout
 from ppokit.statistics import training_metrics
@@ -84,10 +83,12 @@ def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, num_micr
 
 
 def ppo_epochs(
-    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, accelerator,
+    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, float]:
-    """Every optimiser step of one update; returns the loss statistics (means over processes)."""
+    """Every optimiser step of one update; returns the loss statistics (means over processes).
+    engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp."""
+    accelerator = engine.accelerator
     device = rollout.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
     # A micro-batch whose rows were all dropped (reward.on_error=skip) has no tokens: its statistics
@@ -100,18 +101,14 @@ def ppo_epochs(
             step_loss = torch.zeros((), device=device)
             for k, micro in enumerate(micros):
                 mb = rollout.select(micro)
-                # Gradients are synchronised across processes on the last micro-batch only.
-                with accelerator.no_sync(model) if k < len(micros) - 1 else contextlib.nullcontext():
+                with engine.no_sync(model, last=k == len(micros) - 1):
                     loss, micro_stats = micro_batch_loss(model, mb, hp, len(micros))
                     accelerator.backward(loss)
                 step_loss = step_loss + loss.detach()
                 for key, value in micro_stats.items():
                     stats.setdefault(key, []).append(value)
                 has_tokens.append(mb.response_mask.any())
-            if hp.max_grad_norm > 0:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
-            else:
-                grad_norm = gradient_norm(model.parameters())
+            grad_norm = engine.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
             # Checked before the step: a non-finite loss or gradient must never reach the weights.
             # One check of both, so that several processes agree in one reduction.
             check_finite({"loss": step_loss, "gradient": grad_norm}, accelerator)

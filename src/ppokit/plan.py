@@ -7,6 +7,11 @@ are exactly what the trainer will optimise. The memory formulas are in docs/memo
 The estimate is persistent memory (weights, gradients, optimiser state of every role) plus the
 largest of three phases that never overlap: sampling (KV cache), the no-gradient forwards
 (reference, value, reward) and training (policy and value activations of one micro-batch).
+
+It is per device, for `processes` processes (WORLD_SIZE, or `ppokit plan --processes N`), under
+both parallel strategies: ddp holds every role whole on each device; fsdp holds 1/N of each
+sharded role (the trainable ones always, the frozen ones with parallel.shard_frozen) and, while a
+phase runs, the units FSDP gathers whole (`Sharding`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,30 @@ class RoleEstimate:
 
 
 @dataclass
+class Sharding:
+    """What fsdp changes per device: `processes` shards, and the whole units gathered during each phase.
+
+    gathered (bytes, per phase): sampling holds the whole policy when parallel.unshard_for_generation
+    (else one layer); a forward holds two decoder layers (one running, one prefetched) and the
+    model's root unit (embeddings, final norm, head); training holds the same twice (the unit's
+    weights and its unsharded gradients before they are reduce-scattered).
+    """
+
+    processes: int = 1
+    shard_frozen: bool = True
+    cpu_offload: bool = False
+    gathered: dict = field(default_factory=dict)
+
+    def per_device(self, role: "RoleEstimate", strategy: str) -> int:
+        """The role's weights + gradients + optimiser state on one device under `strategy`."""
+        if strategy == "ddp" or not (role.trainable or self.shard_frozen):
+            return role.persistent
+        if self.cpu_offload:
+            return 0  # shards live in host memory; only gathered units reach the device
+        return -(-role.persistent // self.processes)
+
+
+@dataclass
 class Plan:
     roles: list[RoleEstimate]
     phases: dict[str, int]  # bytes at the peak of each phase, on top of persistent memory
@@ -83,10 +112,19 @@ class Plan:
     layout: Optional[RoleLayout] = None  # which model plays which role (roles.decide_roles)
     # What `ppokit ppo` will refuse with its own one-line error (so its preflight does not repeat them).
     stops: list[str] = field(default_factory=list)
+    strategy: str = "ddp"  # parallel.strategy of the config: what `total` and `fits` are for
+    sharding: Sharding = field(default_factory=Sharding)
+    sharding_suggestion: Optional[str] = None  # "parallel.strategy: fsdp with N processes (...)"
+
+    def total_for(self, strategy: str) -> int:
+        """Peak bytes on one device under `strategy` with `sharding.processes` processes."""
+        persistent = sum(self.sharding.per_device(r, strategy) for r in self.roles)
+        gathered = self.sharding.gathered if strategy == "fsdp" else {}
+        return persistent + max(v + gathered.get(k, 0) for k, v in self.phases.items())
 
     @property
     def total(self) -> int:
-        return sum(r.persistent for r in self.roles) + max(self.phases.values())
+        return self.total_for(self.strategy)
 
     @property
     def fits(self) -> bool:
@@ -106,18 +144,32 @@ class Plan:
             "stops": self.stops,
             "suggestion": self.suggestion,
             "layout": dataclasses.asdict(self.layout) if self.layout else None,
+            "strategy": self.strategy,
+            "processes": self.sharding.processes,
+            "per_device": {
+                strategy: {"total_bytes": self.total_for(strategy), "fits": self.total_for(strategy) <= HEADROOM * self.device_memory,
+                           "roles": {r.role: self.sharding.per_device(r, strategy) for r in self.roles}}
+                for strategy in ("ddp", "fsdp")
+            },
+            "sharding_suggestion": self.sharding_suggestion,
         }
 
     def render(self) -> str:
         """The table `ppokit plan` prints."""
-        lines = [f"{'role':<10} {'params':>9} {'trainable':>9} {'weights':>9} {'grads':>9} {'optim':>9} {'activ.':>9}  source"]
+        n = self.sharding.processes
+        lines = [f"{'role':<10} {'params':>9} {'trainable':>9} {'weights':>9} {'grads':>9} {'optim':>9} {'activ.':>9} "
+                 f"{'ddp/dev':>9} {'fsdp/dev':>9}  source"]
         for r in self.roles:
             lines.append(
                 f"{r.role:<10} {_count(r.params):>9} {_count(r.trainable):>9} {_gib(r.weights):>9} {_gib(r.gradients):>9} "
-                f"{_gib(r.optimizer):>9} {_gib(r.activations):>9}  {r.source}"
+                f"{_gib(r.optimizer):>9} {_gib(r.activations):>9} {_gib(self.sharding.per_device(r, 'ddp')):>9} "
+                f"{_gib(self.sharding.per_device(r, 'fsdp')):>9}  {r.source}"
             )
+        lines.append(f"per device with {n} process{'' if n == 1 else 'es'} (weights + grads + optim; fsdp adds the units it gathers): "
+                     + ", ".join(f"{s} {_gib(self.total_for(s))} peak" for s in ("ddp", "fsdp")))
         lines.append("phases (on top of weights, gradients and optimiser state): "
-                     + ", ".join(f"{k} {_gib(v)}" for k, v in self.phases.items()))
+                     + ", ".join(f"{k} {_gib(v)}" for k, v in self.phases.items())
+                     + "; fsdp gathers whole units on top: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.sharding.gathered.items()))
         seq = self.sequence
         lines.append(f"sequence: prompt <= {seq['prompt']} + response {seq['response']} tokens; micro-batch {seq['micro_batch']}, "
                      f"forward chunk {seq['forward_chunk']}")
@@ -128,14 +180,18 @@ class Plan:
         lines.append(self.summary())
         lines.extend(f"warning: {w}" for w in self.warnings)
         lines.extend(f"error: {w}" for w in self.stops)
+        if self.sharding_suggestion:
+            lines.append(f"would fit with: {self.sharding_suggestion}")
         if self.suggestion:
             lines.append(f"would fit with: {self.suggestion}")
         return "\n".join(lines)
 
     def summary(self) -> str:
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}, {int(HEADROOM * 100)}% usable): "
-                f"{verdict}")
+        n = self.sharding.processes
+        per_device = f"; {self.strategy}, per device of {n} processes" if n > 1 or self.strategy != "ddp" else ""
+        return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}{per_device}, "
+                f"{int(HEADROOM * 100)}% usable): {verdict}")
 
 
 def _gib(n: float) -> str:
@@ -309,8 +365,11 @@ def _same_vocabulary(policy_tokenizer: str, reward_model: str, trust_remote_code
 
 
 
-def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int], suggest: bool = True) -> Plan:
-    """Estimate for `config` with prompts of at most `prompt_length` tokens (no weights loaded)."""
+def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int], suggest: bool = True,
+             processes: Optional[int] = None) -> Plan:
+    """Estimate for `config` with prompts of at most `prompt_length` tokens (no weights loaded), per
+    device of `processes` processes (default: WORLD_SIZE, else 1)."""
+    processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
     hp, lora, quant = config.ppo, config.lora, config.quantization
     trc = config.trust_remote_code
     policy_config = _auto_config(config.model, "model", trc)
@@ -399,11 +458,20 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         "training": sum(r.activations for r in roles),
     }
 
+    models = [(policy_config, policy_weights)] + ([(reward_config, reward_weights)] if reward_config is not None else [])
+    unit = max(_unit_bytes(c, w) for c, w in models)  # the largest layer and root unit FSDP gathers
+    settings = config.parallel
+    sharding = Sharding(processes, settings.shard_frozen, settings.cpu_offload, gathered={
+        "sampling": policy_weights if settings.unshard_for_generation else unit[0],
+        "forward": 2 * unit[0] + unit[1],
+        "training": 2 * (2 * unit[0] + unit[1]),
+    })
+
     sizes = None
     warnings: list[str] = []
     try:
         if hp.total_episodes is not None or num_prompts is not None:
-            sizes = hp.derive(int(os.environ.get("WORLD_SIZE", "1")), num_prompts or 0)
+            sizes = hp.derive(processes, num_prompts or 0)
     except UserError as e:
         warnings.append(str(e))
     if quant is not None and not torch.cuda.is_available():
@@ -418,10 +486,11 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
                      f"{prompt_room(limit, hp.response_length, config.data.max_prompt_length)}")
     plan = Plan(roles, phases, sizes,
                 {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk},
-                device[0], device[1], warnings, layout=layout, stops=stops)
+                device[0], device[1], warnings, layout=layout, stops=stops, strategy=settings.strategy, sharding=sharding)
     if not plan.fits and suggest:
         plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
-        plan.suggestion = _suggest(config, prompt_length, num_prompts, device)
+        plan.sharding_suggestion = _suggest_processes(plan)
+        plan.suggestion = _suggest(config, prompt_length, num_prompts, device, processes)
         if plan.suggestion is None:
             frozen = sum(r.weights for r in plan.roles)
             plan.warnings.append(f"no combination of ppokit's switches fits: the weights alone take {_gib(frozen)}"
@@ -453,14 +522,35 @@ def _switches(config: PPOConfig) -> list[tuple[str, Callable[[PPOConfig], None]]
     return out
 
 
-def _suggest(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int]) -> Optional[str]:
+def _suggest_processes(plan: Plan, most: int = 1024) -> Optional[str]:
+    """parallel.strategy: fsdp with the smallest process count (from this plan's, doubling) that fits,
+    every other setting unchanged; None when even `most` processes do not (activations are per device)."""
+    n = max(2, plan.sharding.processes)
+    while n <= most:
+        trial = dataclasses.replace(plan, strategy="fsdp", sharding=dataclasses.replace(plan.sharding, processes=n))
+        if trial.fits:
+            return f"parallel.strategy: fsdp with {n} processes (estimated {_gib(trial.total)} per device)"
+        n *= 2
+    return None
+
+
+def _unit_bytes(model_config, weight_bytes: int) -> tuple[int, int]:
+    """(one decoder layer, the root unit: embeddings and head) of a model, in bytes, from its dims."""
+    d = _dims(model_config)
+    tied = getattr(model_config.get_text_config(), "tie_word_embeddings", False)
+    root = d["vocab"] * d["hidden"] * (1 if tied else 2) * _bytes(_dtype(model_config))
+    return max(0, (weight_bytes - root) // max(1, d["layers"])), root
+
+
+def _suggest(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int],
+             processes: Optional[int] = None) -> Optional[str]:
     """The shortest prefix of `_switches` whose estimate fits, with that estimate."""
     trial = copy.deepcopy(config)
     applied = []
     for text, apply in _switches(config):
         apply(trial)
         applied.append(text)
-        plan = estimate(trial, prompt_length, num_prompts, device, suggest=False)
+        plan = estimate(trial, prompt_length, num_prompts, device, suggest=False, processes=processes)
         if plan.fits:
             return f"{'; '.join(applied)} (estimated {_gib(plan.total)})"
     return None
@@ -497,11 +587,12 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     return longest, (len(prompts) if prompts is not None else None), notes
 
 
-def plan_for(config: PPOConfig, memory_gib: Optional[float] = None) -> Plan:
-    """The plan for a loaded config, against this machine's device memory or `memory_gib`."""
+def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: Optional[int] = None) -> Plan:
+    """The plan for a loaded config, against this machine's device memory or `memory_gib`, per device
+    of `processes` processes (default: WORLD_SIZE, else 1)."""
     prompt_length, num_prompts, notes = data_shape(config)
     device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
-    plan = estimate(config, prompt_length, num_prompts, device)
+    plan = estimate(config, prompt_length, num_prompts, device, processes=processes)
     plan.warnings.extend(notes)
     return plan
 

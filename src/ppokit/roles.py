@@ -362,8 +362,18 @@ class SharedBaseCritic(nn.Module):
         self.config = base.config
 
     def backbone(self, **inputs):
-        with active_adapter(self.policy, VALUE_ADAPTER):
-            return backbone(self.policy.get_base_model())(**inputs)
+        """The base's hidden states with the `value` adapter active. They are read from a forward of
+        the whole causal LM (its head on the last position only, a negligible cost), not of the backbone
+        alone: under FSDP the embeddings tied to the LM head are gathered by that model's forward."""
+        base = self.policy.get_base_model()
+        captured = {}
+        handle = backbone(base).register_forward_hook(lambda module, args, output: captured.setdefault("output", output))
+        try:
+            with active_adapter(self.policy, VALUE_ADAPTER):
+                base(**inputs, logits_to_keep=1)
+        finally:
+            handle.remove()
+        return captured["output"]
 
     def save_pretrained(self, directory) -> None:
         """adapter_config.json + adapter_model.safetensors (the `value` adapter) and the head."""

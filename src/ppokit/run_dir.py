@@ -167,22 +167,33 @@ def atomic_save_dir(target: Path, write: Callable[[Path], None], kind: str, repl
     when `write(tmp)` is done; an existing `target` is replaced only when it is ppokit's (or
     `replace_unmarked`). A failed write removes the temporary folder: nothing half-written stays,
     and the previous `target` is as it was. Running out of space raises NoSpaceError."""
+    tmp = temporary_dir(target, kind, replace_unmarked)
+    try:
+        write(tmp)
+    except BaseException as e:
+        full = discard_dir(tmp, target, e)
+        if full is not None:
+            raise full from None
+        raise
+    finish_dir(tmp, target)
+
+
+def temporary_dir(target: Path, kind: str, replace_unmarked: bool = False) -> Path:
+    """A fresh folder `.NAME.tmp-PID` beside `target`, marked as `kind`, to write `target` in. Refused
+    up front when `target` exists and may not be replaced (not ppokit's, not empty, no `replace_unmarked`)."""
     target = Path(target)
     if target.exists() and not replace_unmarked and not is_marked(target) and not is_empty_dir(target):
         raise UserError(f"{target} exists and was not written by ppokit (no {MARKER} marker in it); ppokit will not replace it")
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    try:
-        tmp.mkdir(parents=True)
-        write_marker(tmp, kind)
-        write(tmp)
-    except BaseException as e:
-        code = _space_problem(e, tmp) if tmp.exists() else None
-        shutil.rmtree(tmp, ignore_errors=True)
-        if code is not None:
-            raise NoSpaceError(target, code) from None
-        raise
+    tmp.mkdir(parents=True)
+    write_marker(tmp, kind)
+    return tmp
+
+
+def finish_dir(tmp: Path, target: Path) -> None:
+    """Rename the complete folder `tmp` to `target`, the one it replaces moved aside first and deleted last."""
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         target.rename(old)
@@ -190,6 +201,13 @@ def atomic_save_dir(target: Path, write: Callable[[Path], None], kind: str, repl
         shutil.rmtree(old)
     else:
         tmp.rename(target)
+
+
+def discard_dir(tmp: Path, target: Path, error: BaseException) -> Optional[NoSpaceError]:
+    """After writing `tmp` failed with `error`: remove it; -> a NoSpaceError naming `target` when the disk was full."""
+    code = _space_problem(error, tmp) if tmp.exists() else None
+    shutil.rmtree(tmp, ignore_errors=True)
+    return NoSpaceError(target, code) if code is not None else None
 
 
 def remove_leftovers(folder: Path, name: Optional[str] = None) -> list[str]:

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, checkpoint, roles, run_dir
+from ppokit import algo, checkpoint, parallel, roles, run_dir
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
@@ -92,6 +92,7 @@ class PPOTrainer:
         self.config = config = _run_config(config, model, reward_model, reward_functions)
         roles.check_environment(config)  # before any weights load
         self.accelerator = accelerator or _make_accelerator(config)
+        self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)
         self.output_dir, self.overwrite, self.run = Path(config.output_dir), overwrite, None
         if self.accelerator.is_main_process:
@@ -154,15 +155,14 @@ class PPOTrainer:
         )
 
     def _prepare(self, built: roles.Roles):
-        """Policy and critic under one trainable module with its optimiser over every optimiser step
-        of the run; frozen models on the device. -> (model, optimizer, scheduler, reference or None)."""
-        hp, device = self.config.ppo, self.accelerator.device
-        model = PolicyAndValue(built.policy, built.value).train()
-        optimizer, scheduler = build_optimiser(model, hp, self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches)
-        model, optimizer = self.accelerator.prepare(model, optimizer)
+        """Policy and critic under one trainable module with its optimiser over every optimiser step of the
+        run; frozen models placed by the engine too. -> (model, optimizer, scheduler, reference or None)."""
+        hp, steps = self.config.ppo, self.sizes.num_updates * self.config.ppo.num_ppo_epochs * self.config.ppo.num_mini_batches
+        model, optimizer, scheduler = self.engine.prepare(PolicyAndValue(built.policy, built.value).train(),
+                                                          lambda m: build_optimiser(m, hp, steps))
         if self.scorer.reward_model is not None:
-            self.scorer.reward_model.to(device).eval()
-        reference = built.reference.to(device).eval() if built.reference is not None else None
+            self.engine.place_frozen(self.scorer.reward_model).eval()
+        reference = self.engine.place_frozen(built.reference).eval() if built.reference is not None else None
         return model, optimizer, scheduler, reference
 
     def _run_folder(self) -> run_dir.RunFolder:
@@ -209,7 +209,7 @@ class PPOTrainer:
         sampler = HFSampler(self.policy, hp.response_length, hp.temperature, self.stop_token_id, self.tokenizer.pad_token_id,
                             hp.local_rollout_forward_batch_size)
         self.policy.eval()
-        with self.accelerator.autocast():  # the same precision as the training forward, so the first ratio is 1
+        with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
             rollout = sampler.sample(ids, mask)
         self.policy.train()
         return rollout
@@ -260,7 +260,7 @@ class PPOTrainer:
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics."""
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, self.config.ppo, self.sizes, self.accelerator,
+        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, self.config.ppo, self.sizes, self.engine,
                           self._sum_over_processes)
 
     def step(self) -> dict[str, Any]:
@@ -481,8 +481,8 @@ class PPOTrainer:
         return path
 
     def _trained_parts(self) -> TrainedParts:
-        return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller,
-                            self.scorer, adapters=self.layout.policy_adapter or self.layout.critic_adapter)
+        return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller, self.scorer,
+                            self.layout.policy_adapter or self.layout.critic_adapter, self.engine.checkpoint_weights())
 
     def _run_facts(self) -> RunFacts:
         files = self.run.files if self.run is not None else self.output_dir  # where this run writes now (`RunFolder.start`)
@@ -557,30 +557,31 @@ class PPOTrainer:
         return self._saved_at[1]
 
     def save_final(self) -> Path:
-        """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/."""
+        """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/, whole."""
         target = self._run_folder().commit() / "final"
-        if self.accelerator.is_main_process:
-            try:
-                self.save_models(target, replace_unmarked=self.overwrite)
-            except run_dir.NoSpaceError as e:
-                raise UserError(f"{e}; the last complete checkpoint is {self._saved_at[1]}") from None
+        try:
+            self.save_models(target, replace_unmarked=self.overwrite)
+        except run_dir.NoSpaceError as e:
+            raise UserError(f"{e}; the last complete checkpoint is {self._saved_at[1]}") from None
         self.accelerator.wait_for_everyone()
         return target
 
     def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False) -> None:
-        """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured."""
+        """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured.
+        Every process calls this; the main one writes the engine's whole copy of the models."""
+        with self.engine.consolidated(self.model) as whole, _no_save_progress_bars():
 
-        def write(tmp: Path) -> None:
-            merged_dir = tmp / "merged" if merged and self.config.save_merged else None
-            roles.save_policy(self.policy, tmp, merged_dir)
-            self.tokenizer.save_pretrained(tmp)
-            if merged_dir is not None:
-                self.tokenizer.save_pretrained(merged_dir)
-            roles.save_value_model(self.value_model, tmp / "value_model")
-            self.tokenizer.save_pretrained(tmp / "value_model")
+            def write(tmp: Path) -> None:
+                merged_dir = tmp / "merged" if merged and self.config.save_merged else None
+                roles.save_policy(whole.policy, tmp, merged_dir)
+                self.tokenizer.save_pretrained(tmp)
+                if merged_dir is not None:
+                    self.tokenizer.save_pretrained(merged_dir)
+                roles.save_value_model(whole.value_model, tmp / "value_model")
+                self.tokenizer.save_pretrained(tmp / "value_model")
 
-        with _no_save_progress_bars():
-            run_dir.atomic_save_dir(target, write, kind, replace_unmarked)
+            if whole is not None:
+                run_dir.atomic_save_dir(target, write, kind, replace_unmarked)
 
 
 def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPOConfig:
@@ -596,7 +597,7 @@ def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPO
 
 
 def _make_accelerator(config: PPOConfig) -> Accelerator:
-    accelerator = Accelerator(mixed_precision=roles.mixed_precision(config))
+    accelerator = Accelerator(mixed_precision=parallel.accelerator_mixed_precision(config.parallel, roles.mixed_precision(config)))
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes != launched:
         # Every process would believe it is the only one and write the same run directory.

@@ -1,0 +1,433 @@
+"""Several processes: how the models are spread over them, and the few things that changes.
+
+`parallel.strategy` picks one of two engines, both built by `engine(settings, accelerator)`:
+
+- `ddp` (Replicated, the default): every process holds every model whole; accelerate wraps the
+  trainable module in DistributedDataParallel, which averages gradients after backward. With one
+  process nothing is wrapped.
+- `fsdp` (Sharded): PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) splits the weights,
+  gradients and optimiser state of the trainable roles 1/N per process, and the frozen roles'
+  weights too (`parallel.shard_frozen`). The unit of all-gather is one decoder layer: before a
+  layer runs its weights are gathered, after it they are freed again. The rest of a model
+  (embeddings, final norm, head) is one more unit. With one process nothing is split, but the
+  same code runs (CPU offload, bf16 through `MixedPrecisionPolicy`, sharded checkpoints).
+
+What the trainer asks of an engine, each in one method:
+
+    prepare(model, build)            wrap the trainable module; build(model) -> (optimiser, schedule)
+                                     over the parameters it then holds
+    place_frozen(model)              a reference or reward model on the device (sharded or whole)
+    generation(policy)               context for sampling: under fsdp, gather the policy once for the
+                                     whole rollout instead of once per layer per decoded token
+    no_sync(model, last)             context for one micro-batch's backward
+    clip_grad_norm_(model, max_norm) the global gradient norm, clipped (max_norm 0: not clipped)
+    consolidated(model)              context yielding, on the main process, a plain module with
+                                     every full weight (for save_pretrained); None elsewhere
+    checkpoint_weights()             how a checkpoint holds weights and optimiser state: the plain
+                                     files of ppokit.checkpoint, or ShardedWeights (DCP, every
+                                     process writes its shards)
+
+Memory under fsdp, N processes, a policy of P parameters in b bytes each, trained with AdamW:
+weights + gradients + optimiser state take about (b + b + 8) P / N per process, against
+(b + b + 8) P under ddp. Sampling with `parallel.unshard_for_generation: true` (the default)
+holds the whole policy, b P, on every process for the length of the rollout, plus the KV cache;
+`false` holds one layer at a time but all-gathers every layer at every decoded token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from pathlib import Path
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from ppokit.errors import UserError
+
+STRATEGIES = ("ddp", "fsdp")
+SHARDED_DIR = "sharded"  # the DCP folder inside a checkpoint written under fsdp
+
+
+Build = Callable[[nn.Module], tuple]  # model -> (optimizer, scheduler)
+
+
+class Engine(Protocol):
+    strategy: str
+    accelerator: object
+
+    def prepare(self, model: nn.Module, build: Build) -> tuple: ...
+    def place_frozen(self, model: nn.Module) -> nn.Module: ...
+    def generation(self, policy: nn.Module) -> contextlib.AbstractContextManager: ...
+    def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor: ...
+    def consolidated(self, model: nn.Module) -> contextlib.AbstractContextManager: ...
+    def checkpoint_weights(self): ...
+
+
+def engine(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded":
+    """The engine `settings` (a ParallelConfig) asks for, on `accelerator`'s processes."""
+    if settings.strategy == "ddp":
+        return Replicated(accelerator)
+    if settings.strategy == "fsdp":
+        return Sharded(accelerator, settings, bf16=bf16)
+    raise UserError(f"parallel.strategy: unknown strategy {settings.strategy!r}; use one of {', '.join(STRATEGIES)}")
+
+
+def accelerator_mixed_precision(settings, precision: str) -> str:
+    """accelerate's mixed precision for the engine: under fsdp bf16 is FSDP's MixedPrecisionPolicy,
+    so accelerate must not add autocast on top of it."""
+    return "no" if settings.strategy == "fsdp" else precision
+
+
+# --------------------------------------------------------------------------- ddp
+
+
+class Replicated:
+    """Whole models on every process; DistributedDataParallel (through accelerate) when there are several."""
+
+    strategy = "ddp"
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def prepare(self, model, build):
+        # The schedule stays outside accelerate: its wrapper steps a schedule once per process per call.
+        optimizer, scheduler = build(model)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        return model, optimizer, scheduler
+
+    def place_frozen(self, model):
+        return model.to(self.accelerator.device)
+
+    def generation(self, policy):
+        return contextlib.nullcontext()
+
+    def no_sync(self, model, last):
+        # Gradients are averaged over processes once, after the last micro-batch of an optimiser step.
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+
+    def clip_grad_norm_(self, model, max_norm):
+        if max_norm > 0:
+            return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        from ppokit.guards import gradient_norm
+
+        return gradient_norm(model.parameters())
+
+    @contextlib.contextmanager
+    def consolidated(self, model):
+        yield self.accelerator.unwrap_model(model) if self.accelerator.is_main_process else None
+
+    def checkpoint_weights(self):
+        from ppokit.checkpoint import PlainWeights
+
+        return PlainWeights()
+
+
+# --------------------------------------------------------------------------- fsdp
+
+
+def _fsdp():
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    except ImportError:
+        raise UserError(
+            f"parallel.strategy: fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); "
+            f"this is torch {torch.__version__}"
+        ) from None
+    return fully_shard, FSDPModule, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
+
+
+def _process_group(accelerator) -> None:
+    """One process is launched without a process group; FSDP needs one (of size 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if accelerator.num_processes > 1:
+        raise UserError("parallel.strategy: fsdp with several processes needs torch.distributed initialised (launch with torchrun or accelerate launch)")
+    backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def decoder_layers(model: nn.Module, class_names: Sequence[str] = ()) -> list[nn.Module]:
+    """The modules FSDP shards one by one: instances of `class_names`, by default the classes in the
+    model's `_no_split_modules` (transformers' list of blocks that must stay whole: its decoder layers).
+    Innermost first, so that nested matches are sharded bottom-up as FSDP requires."""
+    from ppokit.models import unwrap_peft
+
+    base = unwrap_peft(model)
+    names = set(class_names) or set(getattr(base, "_no_split_modules", None) or ())
+    found = [m for m in base.modules() if type(m).__name__ in names and m is not base]
+    if not found:
+        repeated = sorted({type(m).__name__ for m in base.modules() if isinstance(m, nn.ModuleList) for m in m})
+        hint = f" (its repeated blocks: {', '.join(repeated)})" if repeated else ""
+        given = f"none of parallel.wrap_classes {sorted(names)} is in the model" if class_names else (
+            "it declares no _no_split_modules" if not names else f"none of its _no_split_modules {sorted(names)} is in the model")
+        raise UserError(
+            f"parallel.strategy: fsdp cannot find the decoder layers of {type(base).__name__} to shard: {given}; "
+            f"set parallel.wrap_classes to the layer class name(s){hint}"
+        )
+    return found[::-1]
+
+
+def _param_ids(module: nn.Module) -> set[int]:
+    return {id(p) for p in module.parameters()}
+
+
+def _units(model: nn.Module, class_names: Sequence[str]) -> tuple[list[nn.Module], nn.Module]:
+    """(units to shard bottom-up, the tree's root) for one model.
+
+    Units: the decoder layers; then the backbone (embeddings, final norm) and each head as units of
+    their own, because `models.scalar_outputs` calls a classifier's backbone and head directly, not
+    through the model's forward, and FSDP gathers a unit in its forward hook. A backbone or head
+    whose weights are tied to another module (a causal LM's embeddings and LM head) stays in the
+    root unit with it: FSDP requires tied weights in one unit.
+    """
+    from ppokit.models import unwrap_peft
+
+    from transformers import PreTrainedModel
+
+    root = unwrap_peft(model)
+    # A module of ppokit's own around another model's weights (the shared critic: a head on the
+    # policy's base) has no layers of its own.
+    units = decoder_layers(model, class_names) if isinstance(root, PreTrainedModel) else []
+    prefix = getattr(root, "base_model_prefix", None)
+    children = [(name, child) for name, child in root.named_children()]
+    for name, child in sorted(children, key=lambda item: item[0] != prefix):  # backbone first
+        if not any(True for _ in child.parameters()):
+            continue
+        inside = _param_ids(child)
+        elsewhere = set().union(*(_param_ids(c) for n, c in children if n != name))
+        if inside & elsewhere:
+            continue
+        units.append(child)
+    return units, root
+
+
+class Sharded:
+    """FSDP2: weights, gradients and optimiser state of each sharded model split over the processes."""
+
+    strategy = "fsdp"
+
+    def __init__(self, accelerator, settings, bf16: bool = False):
+        fully_shard, _, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy = _fsdp()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.accelerator = accelerator
+        self.settings = settings
+        _process_group(accelerator)
+        self.mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+        # Compute in bf16 with float32 master weights and float32 gradient reduction.
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        self.bf16 = bf16
+        self.offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if settings.cpu_offload else OffloadPolicy()
+        self._roots: list[nn.Module] = []  # root of every sharded tree
+        self._skeleton: Optional[nn.Module] = None
+        self._sharded_ids: set[int] = set()
+
+    # ------------------------------------------------------------------ wrapping
+
+    def shard(self, model: nn.Module, frozen: bool = False) -> nn.Module:
+        """Shard one model in place (its decoder layers, backbone, heads, then the rest); returns it.
+
+        FSDP keeps a tree's root unit gathered from its forward to its backward; a frozen model has no
+        backward, so its root is freed after each forward like every other unit."""
+        fully_shard = _fsdp()[0]
+        if id(model) in self._sharded_ids:
+            return model
+        units, root = _units(model, self.settings.wrap_classes)
+        kwargs = dict(mesh=self.mesh, mp_policy=self.mp_policy, offload_policy=self.offload)
+        if not self.settings.cpu_offload:
+            model.to(self.accelerator.device)  # with offload FSDP keeps the shards in host memory itself
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(root, **kwargs, reshard_after_forward=True if frozen else None)
+        # FSDP takes the first module to run forward as the root of the tree; sampling may run a
+        # sub-module first, so settle the root now.
+        fully_shard.state(root)._lazy_init()
+        # Gather each unit once here, outside inference mode: FSDP allocates its gather buffers on
+        # first use and keeps them, and buffers first made under torch.inference_mode (sampling,
+        # the reference pass) are inference tensors that training's autograd cannot use.
+        for unit in [*units, root]:
+            unit.unshard()
+            unit.reshard()
+        self._roots.append(root)
+        self._sharded_ids.update({id(model), id(root)})
+        return model
+
+    def prepare(self, model, build):
+        """Shard every child of `model` that holds weights (policy, value model) as a tree of its own;
+        the optimiser is built over the shards, so its state is 1/N per process too."""
+        if self.accelerator.is_main_process:
+            self._skeleton = meta_skeleton(model)
+        for child in model.children():
+            if any(p.requires_grad for p in child.parameters()):
+                self.shard(child)
+        optimizer, scheduler = build(model)
+        return model, optimizer, scheduler
+
+    def place_frozen(self, model):
+        if id(model) in self._sharded_ids:
+            return model  # already sharded as a trainable role (a critic's adapter on the reward model)
+        if self.settings.shard_frozen:
+            return self.shard(model, frozen=True)
+        model = model.to(self.accelerator.device)
+        # A whole frozen copy computes in the precision FSDP gives the sharded ones.
+        return model.to(torch.bfloat16) if self.bf16 else model
+
+    # ------------------------------------------------------------------ running
+
+    def _fsdp_modules(self, model: nn.Module) -> list[nn.Module]:
+        FSDPModule = _fsdp()[1]
+        return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    @contextlib.contextmanager
+    def generation(self, policy):
+        """Gather the policy's weights once, sample every token of the rollout, then free them.
+
+        Without it each decoded token would all-gather every layer again (the trap that made
+        TRL's ZeRO-3 generation ~10x slow). Costs the whole policy's weights on each process for
+        the duration (docs/parallel.md); `parallel.unshard_for_generation: false` turns it off.
+        """
+        if not self.settings.unshard_for_generation:
+            yield
+            return
+        modules = self._fsdp_modules(policy)
+        roots = {id(r) for r in self._roots}
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+                m.set_reshard_after_forward(id(m) not in roots, recurse=False)  # FSDP's defaults
+
+    def no_sync(self, model, last):
+        # Gradients are reduce-scattered after every micro-batch: accumulating them unsharded
+        # (FSDP's set_requires_gradient_sync(False)) would hold full-size gradients, what FSDP saves.
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, model, max_norm):
+        """The norm over every process's gradient shards (a DTensor reduced to one number); clipped when max_norm > 0."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.accelerator.device)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    # ------------------------------------------------------------------ saving
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every weight of `model` whole, on the CPU of the main process ({} elsewhere); every process calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    @contextlib.contextmanager
+    def consolidated(self, model):
+        """On the main process a plain (unsharded) copy of `model` on the CPU with every full weight,
+        built from the meta skeleton taken before sharding; None on the others. Every process enters."""
+        state = self.full_state_dict(model)
+        if not self.accelerator.is_main_process:
+            yield None
+            return
+        plain = materialize(self._skeleton, state)
+        try:
+            yield plain
+        finally:
+            del plain, state
+
+    def checkpoint_weights(self) -> "ShardedWeights":
+        return ShardedWeights()
+
+
+class ShardedWeights:
+    """A checkpoint's weights and optimiser state under fsdp: one DCP folder (`sharded/`) to which every
+    process writes its own shards, and which any number of processes can read (DCP reshards).
+
+    The same interface as ppokit.checkpoint.PlainWeights: save(folder, parts, save_models, is_main) on
+    every process, load(folder, parts). Only trainable tensors are written (a LoRA run's frozen base
+    comes from the model path again); final/ is consolidated separately (`Sharded.consolidated`).
+    """
+
+    kind = "sharded"
+
+    def save(self, folder: Path, parts, save_models, is_main: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_training_state(parts.model, parts.optimizer), checkpoint_id=str(Path(folder) / SHARDED_DIR))
+
+    def load(self, folder: Path, parts) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        source = Path(folder) / SHARDED_DIR
+        if not (source / ".metadata").is_file():
+            raise UserError(f"{folder}: no {SHARDED_DIR}/.metadata (a checkpoint written under parallel.strategy fsdp has one)")
+        state = _training_state(parts.model, parts.optimizer)
+        try:
+            dcp.load(state, checkpoint_id=str(source))
+        except Exception as e:  # DCP wraps each process's error in a CheckpointException
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{source}: cannot be read into this run's sharded model ({first})") from None
+        set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+def _training_state(model: nn.Module, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, optim = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": weights, "optimizer": optim}
+
+
+# --------------------------------------------------------------------------- a plain copy for saving
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s structure (wrappers, adapters, configs, tied weights) whose parameters are
+    on the meta device, so it costs no memory; buffers are copied (rotary tables: small)."""
+    memo: dict[int, object] = {}
+    for p in itertools.chain.from_iterable(m.parameters(recurse=False) for m in model.modules()):
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of `skeleton` holding the tensors of `state` (a full state dict of the same model)."""
+    plain = copy.deepcopy(skeleton)
+    missing = plain.load_state_dict(state, strict=False, assign=True).missing_keys
+    _retie(plain)
+    left = [n for n, p in plain.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"consolidated save: no full weight for {', '.join(left[:5])} (missing {missing[:5]})")
+    return plain
+
+
+def _retie(module: nn.Module) -> None:
+    """load_state_dict(assign=True) gives tied weights separate tensors; tie them again."""
+    for m in module.modules():
+        tie = getattr(m, "tie_weights", None)
+        if callable(tie) and hasattr(m, "get_input_embeddings") and not isinstance(m, _peft_types()):
+            tie()
+
+
+def _peft_types() -> tuple[type, ...]:
+    try:
+        from peft import PeftModel
+
+        return (PeftModel,)
+    except ImportError:
+        return ()
