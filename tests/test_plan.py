@@ -9,6 +9,7 @@ from conftest import tiny_ppo_config
 
 from ppokit.cli import PLAN_DOES_NOT_FIT, main
 from ppokit.config import LoraConfig
+from ppokit.errors import UserError
 from ppokit.plan import GiB, estimate, plan_for
 
 pytest.importorskip("peft")
@@ -177,7 +178,9 @@ def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_d
                                          ppo={"total_episodes": 64, "per_device_train_batch_size": 4, "response_length": 64}))
     monkeypatch.setattr("ppokit.plan.device_memory", lambda: ("cuda:0 test", 80 * GiB))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    _preflight(config)
+    with pytest.raises(UserError, match="ddp, per device of 2 processes.*DOES NOT FIT.*it would fit with parallel.strategy: fsdp with 8 processes"):
+        _preflight(config)  # the run stops before any weights load
+    _preflight(config, ignore_plan=True)  # --ignore-plan: the verdict and the way out are printed, and the run starts
     err = capsys.readouterr().err
     assert "ddp, per device of 2 processes" in err and "DOES NOT FIT" in err
     assert "plan: would fit with: parallel.strategy: fsdp with 8 processes" in err

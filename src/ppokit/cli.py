@@ -96,7 +96,8 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     if plan.stops:
         return  # the trainer stops on it before any weights load, with its own one line
     if not plan.fits and not ignore_plan:
-        suggestion = f"; it would fit with {plan.suggestion}" if plan.suggestion else ""
+        ways = [w for w in (plan.sharding_suggestion, plan.suggestion) if w]
+        suggestion = f"; it would fit with {' or with '.join(ways)}" if ways else ""
         if config.data.max_prompt_length is None:
             suggestion += "; data.max_prompt_length would cut long prompts"
         raise PlanDoesNotFit(
@@ -109,7 +110,6 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     for suggestion in (plan.sharding_suggestion, plan.suggestion):
         if suggestion:
             print(f"plan: would fit with: {suggestion} (see `ppokit plan`)", file=sys.stderr)
-
 
 
 def _plan(args) -> int:
