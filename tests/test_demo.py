@@ -18,3 +18,10 @@ def test_quick_demo_raises_the_score(tmp_path):
     assert (out / "sft" / "config.json").exists() and (out / "sft" / "tokenizer.json").exists()
     assert (out / "ppo" / "metrics.jsonl").exists() and (out / "ppo" / "final" / "value_model").is_dir()
     assert "before" in result.stderr and "after" in result.stderr  # side-by-side completions printed
+    # then the report on it, as the README says: one page, its figures, the demo's alarms (none)
+    report = ppokit("report", out / "ppo", cwd=tmp_path, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    summary = json.loads(report.stdout)
+    assert summary["output"] == "report.html" and (tmp_path / "report.html").stat().st_size > 100_000
+    assert len(summary["figures"]) == 7 and summary["runs"][0]["finished"]
+    assert summary["runs"][0]["alarms"] == [], summary["runs"][0]["alarms"]

@@ -83,6 +83,11 @@ RESUME_SAFE_KEYS = frozenset(
         "parallel.shard_frozen",
         "parallel.wrap_classes",
         "parallel.unshard_for_generation",
+        # where the numbers are also sent (ppokit.trackers): no number of the run depends on them
+        "report_to",
+        "run_name",
+        "project",
+        "mlflow_tracking_uri",
     }
 )
 

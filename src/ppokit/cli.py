@@ -221,6 +221,25 @@ def _serve_rm(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from ppokit.config import apply_override, parse_override, read_yaml
+    from ppokit.report import AlarmThresholds, make_report
+
+    settings = read_yaml(args.thresholds) if args.thresholds else {}
+    for text in args.threshold:
+        apply_override(settings, *parse_override(text))
+    thresholds = AlarmThresholds.from_mapping(settings, args.thresholds or "--threshold")
+    summary = make_report(args.run_dirs, args.output, thresholds, max_prompts=args.samples)
+    print(f"report: {summary['output']} (figures in {os.path.dirname(summary['figures'][0]) if summary['figures'] else 'none'})", file=sys.stderr)
+    for run in summary["runs"]:
+        alarms = "; ".join(f"update {a['update']}: {a['title']}" for a in run["alarms"]) or "no alarms"
+        print(f"report: {run['label']}: {run['updates']} updates, {alarms}", file=sys.stderr)
+    for note in [f"{r['label']}: {n}" for r in summary["runs"] for n in r["skipped"]] + summary["skipped"]:
+        print(f"report: skipped: {note}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0
+
+
 OVERWRITE_HELP = (
     "replace output_dir even when it is not a ppokit output (ppokit knows its own by the .ppokit marker in them; "
     "without this flag it replaces only those)"
@@ -298,6 +317,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="ppokit-demo", help="directory for data/, sft/ and ppo/ (default: ppokit-demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    report = sub.add_parser(
+        "report", help="HTML report of one or more runs: curves, reward-vs-KL frontier, samples and over-optimisation alarms",
+        description="Reads only the run directories (config.yaml, metrics.jsonl, samples.jsonl): works on finished, running "
+        "and crashed runs. Alarm thresholds are explained in docs/report.md.",
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (a PPO run's output_dir); several are overlaid")
+    report.add_argument("--output", default="report.html", help="the HTML file (default report.html); PNGs go to <name>_figures/ beside it")
+    report.add_argument("--thresholds", metavar="FILE", help="YAML mapping of alarm thresholds (docs/report.md lists them)")
+    report.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE", help="set one alarm threshold (repeatable; after --thresholds)")
+    report.add_argument("--samples", type=int, default=4, metavar="N", help="eval prompts whose completions are shown (default 4)")
+    report.set_defaults(func=_report)
 
     serve_rm = sub.add_parser("serve-rm", help="serve a reward model or reward function over HTTP (the reward.remote protocol)")
     serve_rm.add_argument("model", help="a saved reward model directory, a reward function (`sentiment`, `file.py:fn`, `module:fn`) or a YAML mapping such as '{function: contains, required: [great]}'")

@@ -20,6 +20,7 @@ import yaml
 
 from ppokit.data import decode_utf8
 from ppokit.errors import UserError
+from ppokit.trackers import TRACKERS
 
 
 def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None):
@@ -238,6 +239,11 @@ class PPOConfig:
     fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the hardware has it.")
     save_merged: bool = doc(False, "With `lora`: also write final/merged/, the policy with its adapter merged in, loadable by AutoModelForCausalLM.from_pretrained without peft.")
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
+    # Where the numbers also go (docs/report.md). None of these changes a number of the run.
+    report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.")
+    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.")
+    project: str = doc("ppokit", "W&B and trackio project, MLflow experiment.")
+    mlflow_tracking_uri: Optional[str] = doc(None, "MLflow tracking URI (a server, `sqlite:///mlflow.db`, a folder); default MLFLOW_TRACKING_URI when set, else a local file store in <output_dir>/mlruns.")
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "PPOConfig":
@@ -269,6 +275,7 @@ class PPOConfig:
             raise UserError("data.eval_fraction holds out training prompts for evaluation, but data.eval is set too; set one of them")
         self._validate_memory_switches(has_reward_model)
         self._validate_parallel()
+        self._validate_report_to()
         return self
 
     def _validate_parallel(self) -> None:
@@ -279,6 +286,15 @@ class PPOConfig:
             raise UserError(f"parallel.strategy: fsdp cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: ddp")
         if self.fp16:
             raise UserError("parallel.strategy: fsdp runs mixed precision as bf16 (FSDP's MixedPrecisionPolicy); set bf16: true instead of fp16")
+
+    def _validate_report_to(self) -> None:
+        for name in self.report_to:
+            if name not in TRACKERS:
+                close = difflib.get_close_matches(str(name), TRACKERS, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise UserError(f"report_to: unknown tracker {name!r}{hint}; known: {', '.join(TRACKERS)}")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise UserError(f"report_to: a tracker is listed twice: {self.report_to}")
 
     def _validate_memory_switches(self, has_reward_model: bool) -> None:
         """Combinations of lora / value_model / quantization / precision that cannot work."""

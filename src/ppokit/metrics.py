@@ -15,6 +15,8 @@ from typing import Any, Iterable, Protocol
 
 from tqdm.auto import tqdm
 
+from ppokit.trackers import open_trackers
+
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
@@ -135,13 +137,19 @@ class Sinks:
 
 
 def open_sinks(config, *, total_updates: int, done_updates: int, is_main: bool, show_progress: bool, folder=None) -> Sinks:
-    """The sinks of a PPO run: on the main process the run's files; the console where progress shows.
+    """The sinks of a PPO run: on the main process the run's files and the trackers of `report_to`
+    (ppokit.trackers); the console where progress shows.
 
-    done_updates > 0: a resumed run, whose files continue where the checkpoint left them.
+    done_updates > 0: a resumed run, whose files continue where the checkpoint left them (and whose
+    trackers continue their runs).
     folder: where the run's files go, if not config.output_dir (a run replacing another writes beside it first).
     """
     sinks: list[Sink] = []
     if is_main:
         sinks.append(RunFiles(folder or config.output_dir, append=done_updates > 0))
+        trackers = open_trackers(config, total_updates=total_updates, done_updates=done_updates,
+                                 say=lambda message: print(f"ppokit: {message}", file=sys.stderr) if show_progress else None)
+        if trackers is not None:
+            sinks.append(trackers)
     sinks.append(ConsoleReporter(total_updates, initial=done_updates, enabled=show_progress, logging_steps=config.ppo.logging_steps))
     return Sinks(sinks)

@@ -8,6 +8,7 @@ process would over the same episodes. Names follow TRL's PPOTrainer (docs/metric
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -20,7 +21,8 @@ ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 def objective_metrics(
     rollout: Rollout, kl: torch.Tensor, non_score: torch.Tensor, kept: torch.Tensor, kl_coef: float, reduce_sum: ReduceSum
 ) -> dict[str, float]:
-    """objective/* and val/num_eos_tokens: per-episode means (sums over tokens within an episode).
+    """objective/* and val/num_eos_tokens: per-episode means (sums over tokens within an episode), and
+    objective/scores_std, the spread of the scores within the update (population std over its episodes).
 
     kl, non_score: (B, R) per-token KL and KL penalty; kept: (B,) bool.
     """
@@ -34,11 +36,13 @@ def objective_metrics(
         (rollout.scores * keep).sum(),
         mask.sum().float(),
         (rollout.ended & kept).sum().float(),
+        (rollout.scores.square() * keep).sum(),
     ]))
-    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended = sums.tolist()
+    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended, score_sq_sum = sums.tolist()
     n = max(episodes, 1.0)
     return {
         "objective/scores": score_sum / n,
+        "objective/scores_std": math.sqrt(max(score_sq_sum / n - (score_sum / n) ** 2, 0.0)),
         "objective/kl": kl_sum / n,
         "objective/entropy": neg_logprob_sum / n,
         "objective/non_score_reward": non_score_total / n,

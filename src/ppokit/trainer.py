@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, checkpoint, parallel, roles, run_dir
+from ppokit import algo, checkpoint, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
@@ -91,6 +91,7 @@ class PPOTrainer:
     ):
         self.config = config = _run_config(config, model, reward_model, reward_functions)
         roles.check_environment(config)  # before any weights load
+        trackers.check_installed(config.report_to)  # likewise: a missing tracker package is one line, not a late crash
         self.accelerator = accelerator or _make_accelerator(config)
         self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)

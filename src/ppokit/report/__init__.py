@@ -1,0 +1,91 @@
+"""`ppokit report RUN_DIR [RUN_DIR ...]`: curves, the reward-vs-KL frontier, samples and alarms of
+one or more runs, as one self-contained HTML file plus a PNG of each figure.
+
+It reads only the run directories (config.yaml, metrics.jsonl, samples.jsonl) and never imports
+the trainer, so it works on runs from another machine or an older version, on runs still in
+progress and on crashed ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ppokit.errors import UserError
+from ppokit.report.alarms import Alarm, AlarmThresholds, find_alarms
+from ppokit.report.rundata import RunData, label_runs, read_run
+
+__all__ = ["Alarm", "AlarmThresholds", "RunData", "find_alarms", "make_report", "read_run"]
+
+
+def make_report(
+    run_dirs: Sequence[str | Path],
+    output: str | Path = "report.html",
+    thresholds: Optional[AlarmThresholds] = None,
+    max_prompts: int = 4,
+) -> dict:
+    """Write the report to `output` and its figures to `<output stem>_figures/*.png`; returns a summary
+    (paths, alarms and what was skipped, per run). A path that is not a run directory is skipped and
+    said; when none is a run, UserError."""
+    from ppokit.report import figures as fig
+    from ppokit.report.page import render_page
+
+    thresholds = thresholds or AlarmThresholds()
+    runs: list[RunData] = []
+    not_runs: list[str] = []
+    for path in run_dirs:
+        try:
+            runs.append(read_run(path))
+        except UserError as error:
+            not_runs.append(str(error))
+    if not runs:
+        raise UserError("; ".join(not_runs) if not_runs else "no run directory given")
+    label_runs(runs)
+    alarms = [alarm for run in runs for alarm in find_alarms(run, thresholds)]
+
+    output = Path(output)
+    figure_dir = output.with_name(output.stem + "_figures")
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    rendered, skipped_panels, written = [], list(not_runs), []
+    frontier = None
+    frontier_fig = fig.draw_frontier(runs)
+    if frontier_fig is not None:
+        frontier = ("frontier", "Reward vs KL frontier", fig.png_bytes(frontier_fig))
+    else:
+        skipped_panels.append("reward-vs-KL frontier: no update has both objective/scores and objective/kl")
+    for spec in fig.figure_specs(runs):
+        figure, skipped = fig.draw_curves(spec, runs, alarms)
+        skipped_panels += skipped
+        if figure is not None:
+            rendered.append((spec.name, spec.title, fig.png_bytes(figure)))
+    for name, _, png in ([frontier] if frontier else []) + rendered:
+        path = figure_dir / f"{name}.png"
+        path.write_bytes(png)
+        written.append(str(path))
+
+    from ppokit.version import __version__
+
+    generated = f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by ppokit {__version__} from the run directories' files."
+    page = render_page(runs, alarms, rendered, skipped_panels, thresholds, max_prompts, generated, frontier)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".partial")
+    partial.write_text(page, encoding="utf-8")
+    os.replace(partial, output)  # a reader never sees half a report
+    return {
+        "output": str(output),
+        "figures": written,
+        "runs": [
+            {
+                "label": run.label,
+                "path": str(run.path),
+                "updates": len(run.records),
+                "finished": run.finished,
+                "alarms": [{"kind": a.kind, "update": a.update, "title": a.title} for a in alarms if a.run == run.label],
+                "skipped": run.notes,
+            }
+            for run in runs
+        ],
+        "skipped": skipped_panels,
+    }

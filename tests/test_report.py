@@ -1,0 +1,405 @@
+"""`ppokit report`: alarms on constructed runs, bad and partial run directories, several runs,
+the self-contained HTML (and, where Chromium is installed, the page in a real browser)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ppokit.errors import UserError
+from ppokit.report import AlarmThresholds, find_alarms, make_report, read_run
+from test_cli import ppokit
+
+BATCH = 32
+
+
+def healthy_records(n: int = 24, seed: int = 0) -> list[dict]:
+    """A run that learns as it should: score up and levelling off, KL rising sublinearly, noise of a batch."""
+    rng = random.Random(seed)
+    noise = lambda scale: rng.uniform(-scale, scale)  # noqa: E731
+    records = []
+    for u in range(1, n + 1):
+        score = 0.1 + 0.6 * (1 - math.exp(-u / 8)) + noise(0.04)
+        kl = 0.4 * math.sqrt(u) + noise(0.1)
+        records.append({
+            "update": u, "episode": u * BATCH,
+            "objective/scores": score, "objective/scores_std": 0.4 + noise(0.03), "objective/kl": kl,
+            "objective/entropy": 13 + noise(1), "objective/non_score_reward": -0.05 * kl, "objective/rlhf_reward": score - 0.05 * kl,
+            "objective/kl_coef": 0.05, "objective/response_length": 8.5 + noise(0.6), "val/num_eos_tokens": BATCH - rng.randrange(2),
+            "policy/approxkl_avg": 0.02 + noise(0.01), "policy/clipfrac_avg": 0.05 + noise(0.02), "loss/policy_avg": -0.01 + noise(0.005),
+            "loss/value_avg": 0.1 + noise(0.02), "val/clipfrac_avg": 0.01, "policy/entropy_avg": 1.6 + noise(0.08),
+            "val/ratio": 1 + noise(0.01), "val/ratio_var": 0.001, "reward/sentiment": score, "reward/skipped": 0,
+            "lr": 3e-4 * (1 - (u - 1) / n), "eps": 12 + noise(1), "time/update": 2.5, "skipped_updates": 0,
+        })
+    for u in (8, 16, 24):
+        if u <= n:
+            records[u - 1]["eval/scores"] = records[u - 1]["objective/scores"] + 0.05
+    return records
+
+
+def sample_rows(updates=(8, 16, 24), completion=lambda u, k: f"pretty good and fun number {k} .", score=lambda u, k: 0.5) -> list[dict]:
+    return [{"update": u, "episode": u * BATCH, "split": "eval", "prompt": f"prompt {k}", "completion": completion(u, k), "score": score(u, k)}
+            for u in updates for k in range(4)]
+
+
+CONFIG = {"model": "sft", "reward": {"functions": ["sentiment"], "normalize": False},
+          "ppo": {"kl_coef": 0.05, "response_length": 16, "total_episodes": 24 * BATCH}}
+
+
+def write_run(path: Path, records, samples=None, config=CONFIG, finished=True) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (path / "config.yaml").write_text(yaml.safe_dump(config))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (samples if samples is not None else sample_rows())))
+    if finished:
+        (path / "final").mkdir(exist_ok=True)
+    return path
+
+
+def alarms_of(tmp_path, records, samples=None, config=CONFIG, **thresholds):
+    run = read_run(write_run(tmp_path / "run", records, samples, config))
+    return find_alarms(run, AlarmThresholds(**thresholds))
+
+
+def only(alarms, kind):
+    assert [a.kind for a in alarms] == [kind], [(a.kind, a.update, a.evidence) for a in alarms]
+    return alarms[0]
+
+
+# --------------------------------------------------------------------------- alarms on constructed runs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_healthy_run_has_no_alarm(tmp_path, seed):
+    assert alarms_of(tmp_path, healthy_records(seed=seed)) == []
+
+
+def test_kl_explosion_at_update_7_is_named(tmp_path):
+    records = healthy_records(16)
+    for r in records:
+        u = r["update"]
+        r["objective/kl"] = 0.1 * u if u < 7 else 0.6 * 2 ** (u - 6)  # 0.1 per update, then doubling from update 7
+    alarm = only(alarms_of(tmp_path, records), "kl_superlinear")
+    assert alarm.update == 7
+    assert "the steep rise starts at update 7: 1.2 at update 7, 2.4 at update 8" in alarm.evidence and "kl_coef" in alarm.advice
+
+
+def test_kl_step_that_levels_off_is_not_a_runaway(tmp_path):
+    """The demo's shape: KL climbs from ~0 over a few updates, then stays level."""
+    records = healthy_records(24)
+    for r, kl in zip(records, [0, 0.35, 0.11, 0.3, 1.2, 1.68, 2.18, 1.45, 1.58, 1.5, 2.09, 2.37, 1.54, 1.54, 2.12, 1.51]):
+        r["objective/kl"] = kl
+    for r in records[16:]:
+        r["objective/kl"] = 2.0
+    assert alarms_of(tmp_path, records) == []
+
+
+def test_response_length_drift(tmp_path):
+    records = healthy_records()
+    for r in records[10:]:
+        r["objective/response_length"] = 8.5 + 2 * (r["update"] - 10)  # 12.5 at update 12, 14.5 at 13
+    alarm = only(alarms_of(tmp_path, records), "length_drift")
+    assert alarm.update == 13  # the first update past 50% (12.75 tokens), and the next one too
+    assert "grew from" in alarm.evidence
+
+
+def test_length_pinned_at_response_length_with_the_stop_rate_collapsing(tmp_path):
+    records = healthy_records()
+    for r in records[11:]:
+        r["objective/response_length"] = 16.0
+        r["val/num_eos_tokens"] = 3
+    alarms = alarms_of(tmp_path, records, length_drift=1.0)  # length_drift=1.0: only the pinned alarm
+    alarm = only(alarms, "length_pinned")
+    assert alarm.update == 12
+    assert "ppo.response_length 16" in alarm.evidence and "missing_eos_penalty" in alarm.advice
+
+
+def test_entropy_collapse(tmp_path):
+    records = healthy_records()
+    for r in records[9:]:
+        r["policy/entropy_avg"] = 0.2
+    alarm = only(alarms_of(tmp_path, records), "entropy_collapse")
+    assert alarm.update == 10
+
+
+def test_repeated_ngrams_rising_in_completions(tmp_path):
+    looping = "great great great great great great great great ."
+    samples = sample_rows(completion=lambda u, k: looping if u == 24 else f"pretty good and fun number {k} .")
+    alarm = only(alarms_of(tmp_path, healthy_records(), samples), "repeated_ngrams")
+    assert alarm.update == 24 and looping in alarm.evidence
+
+
+def test_train_score_rising_while_eval_falls(tmp_path):
+    records = healthy_records()
+    for u, e in ((8, 0.7), (16, 0.75), (24, 0.45)):
+        records[u - 1]["eval/scores"] = e
+    alarm = only(alarms_of(tmp_path, records), "train_up_eval_down")
+    assert alarm.update == 24 and "update 16" in alarm.evidence
+
+
+def test_policy_ratio_far_from_one(tmp_path):
+    records = healthy_records()
+    for r in records[5:8]:
+        r["val/ratio"] = 1.5
+    assert only(alarms_of(tmp_path, records), "ratio_off").update == 6
+
+
+def test_clip_fraction_high(tmp_path):
+    records = healthy_records()
+    for r in records[14:]:
+        r["policy/clipfrac_avg"] = 0.45
+    assert only(alarms_of(tmp_path, records), "clipfrac_high").update == 15
+
+
+def test_nonfinite_skips(tmp_path):
+    records = healthy_records()
+    records[9] = {"update": 10, "episode": 320, "nonfinite/loss": 1, "skipped_updates": 1, "time/update": 1.0}
+    for r in records[10:]:
+        r["skipped_updates"] = 1
+    alarm = only(alarms_of(tmp_path, records), "nonfinite")
+    assert alarm.update == 10 and "update 10: loss" in alarm.evidence
+
+
+def weak_reward_records():
+    """A reward in [0, 0.2]: a batch's scores spread by ~0.03 while kl_coef x KL reaches 0.05 x 1.5."""
+    records = healthy_records()
+    for r in records:
+        r["objective/scores"] = 0.12 + 0.0005 * r["update"]
+        r["objective/scores_std"] = 0.03
+    return records
+
+
+def test_reward_too_weak_for_its_kl_penalty_names_reward_normalize(tmp_path):
+    alarm = only(alarms_of(tmp_path, weak_reward_records()), "weak_reward")
+    # judged over updates 4-12 (the first half of 24): spread 0.03 against 0.05 x 0.4 x sqrt(u), median 0.057
+    assert alarm.update == 12 and "over updates 4-12" in alarm.evidence
+    assert "`reward.normalize: true`" in alarm.advice and "0.12 -> 0.18" in alarm.advice
+
+
+def test_weak_reward_with_normalize_already_on_says_to_lower_kl_coef(tmp_path):
+    config = {**CONFIG, "reward": {"functions": ["sentiment"], "normalize": True}}
+    alarm = only(alarms_of(tmp_path, weak_reward_records(), config=config), "weak_reward")
+    assert "already on" in alarm.advice and "ppo.kl_coef" in alarm.advice
+
+
+def test_weak_reward_does_not_fire_on_a_run_that_converged(tmp_path):
+    """Every sample near the top score spreads little, but the score rose by far more than its spread."""
+    records = healthy_records()
+    for r in records[12:]:
+        r["objective/scores_std"] = 0.02
+    samples = sample_rows(score=lambda u, k: 0.9 + 0.01 * k)
+    assert alarms_of(tmp_path, records, samples) == []
+
+
+def test_weak_reward_from_sample_scores_when_the_run_has_no_scores_std(tmp_path):
+    records = weak_reward_records()
+    for r in records:
+        del r["objective/scores_std"]
+    samples = sample_rows(score=lambda u, k: 0.1 + 0.02 * k)  # std 0.022 at each generation
+    alarm = only(alarms_of(tmp_path, records, samples), "weak_reward")
+    assert alarm.update == 12 and "samples.jsonl" in alarm.evidence  # the generation at update 8
+
+
+def test_thresholds_are_configurable(tmp_path):
+    records = healthy_records()
+    for r in records[14:]:
+        r["policy/clipfrac_avg"] = 0.45
+    assert alarms_of(tmp_path, records, clipfrac_max=0.5) == []
+    with pytest.raises(UserError, match="clipfrac_mx"):
+        AlarmThresholds.from_mapping({"clipfrac_mx": 0.5})
+    with pytest.raises(UserError, match="clipfrac_max"):
+        AlarmThresholds.from_mapping({"clipfrac_max": 2})
+
+
+# --------------------------------------------------------------------------- the report and its inputs
+
+
+def test_report_of_a_healthy_run_says_no_alarms_and_is_self_contained(tmp_path):
+    run = write_run(tmp_path / "run", healthy_records())
+    summary = make_report([run], tmp_path / "out" / "report.html")
+    page = Path(summary["output"]).read_text()
+    assert "no alarms (24 updates checked)" in page
+    assert not re.search(r"""(src|href)=["']?(https?:|//)""", page)  # no request to anywhere
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == len(summary["figures"]) >= 6
+    from PIL import Image
+
+    for encoded, path in zip(images, summary["figures"]):
+        assert base64.b64decode(encoded) == Path(path).read_bytes()
+        assert Image.open(io.BytesIO(Path(path).read_bytes())).size[0] > 300
+    assert {Path(p).stem for p in summary["figures"]} == {"frontier", "score", "kl", "policy", "length", "value", "run"}
+    # the samples of each fixed eval prompt at each generation
+    assert page.count("<h3>prompt: prompt 0</h3>") == 1 and "pretty good and fun number 0" in page
+    assert "explained variance" in " ".join(summary["skipped"])  # not logged by this run: said, not drawn
+
+
+def test_report_names_alarms_with_update_and_evidence(tmp_path):
+    records = healthy_records(16)
+    for r in records:
+        r["objective/kl"] = 0.1 * r["update"] if r["update"] < 7 else 0.6 * 2 ** (r["update"] - 6)
+    summary = make_report([write_run(tmp_path / "run", records)], tmp_path / "report.html")
+    assert summary["runs"][0]["alarms"] == [{"kind": "kl_superlinear", "update": 7, "title": "KL growing faster than linear"}]
+    page = (tmp_path / "report.html").read_text()
+    assert "update 7: KL growing faster than linear" in page
+
+
+def test_critic_free_run_skips_value_curves_and_says_so(tmp_path):
+    records = healthy_records()
+    for r in records:
+        del r["loss/value_avg"], r["val/clipfrac_avg"]
+    summary = make_report([write_run(tmp_path / "run", records)], tmp_path / "report.html")
+    assert any("value loss" in s and "critic-free" in s for s in summary["skipped"]), summary["skipped"]
+
+
+def test_truncated_last_line_and_run_in_progress(tmp_path):
+    run = write_run(tmp_path / "run", healthy_records(10), finished=False)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"update": 11, "episode": 352, "objective/sco')  # killed mid-write
+    summary = make_report([run], tmp_path / "report.html")
+    assert summary["runs"][0]["updates"] == 10
+    assert summary["runs"][0]["skipped"] == ["metrics.jsonl: skipped line 11: the last line is cut short (a run stopped mid-write)"]
+    page = (tmp_path / "report.html").read_text()
+    assert "not finished (in progress, stopped or crashed): 10 of 24 updates" in page and "cut short" in page
+
+
+def test_empty_metrics_renders_and_says_what_is_missing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    (run / "metrics.jsonl").write_text("")
+    summary = make_report([run], tmp_path / "report.html")
+    notes = summary["runs"][0]["skipped"]
+    assert "metrics.jsonl: no update recorded yet; no curves or metric alarms" in notes
+    assert any(n.startswith("samples.jsonl: missing") for n in notes)
+    assert summary["figures"] == [] and "no alarms (no metrics to check)" in (tmp_path / "report.html").read_text()
+
+
+def test_several_runs_overlaid_with_distinct_labels(tmp_path):
+    a = write_run(tmp_path / "kl0.05" / "ppo", healthy_records(seed=1))
+    b = write_run(tmp_path / "kl0.2" / "ppo", healthy_records(seed=2), config={**CONFIG, "ppo": {**CONFIG["ppo"], "kl_coef": 0.2}})
+    not_a_run = tmp_path / "notes"
+    not_a_run.mkdir()
+    summary = make_report([a, b, not_a_run], tmp_path / "report.html")
+    assert [r["label"] for r in summary["runs"]] == ["kl0.05/ppo", "kl0.2/ppo"]
+    assert any("notes: not a run directory" in s for s in summary["skipped"])
+    page = (tmp_path / "report.html").read_text()
+    assert "Samples: kl0.05/ppo" in page and "Samples: kl0.2/ppo" in page and "<td class=num>0.200</td>" in page
+
+
+def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    write_run(tmp_path / "runs" / "ppo", healthy_records(4))
+    result = ppokit("report", tmp_path / "runs", "--output", tmp_path / "r.html")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"ppokit: error: {tmp_path / 'runs'}: not a run directory (none of config.yaml, metrics.jsonl, samples.jsonl); "
+        f"runs inside it: {tmp_path / 'runs' / 'ppo'}"
+    ]
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_cli_report_thresholds_from_yaml_and_flags(tmp_path, capsys):
+    from ppokit.cli import main
+
+    records = healthy_records()
+    for r in records[14:]:
+        r["policy/clipfrac_avg"] = 0.45
+    run = write_run(tmp_path / "run", records)
+    (tmp_path / "t.yaml").write_text("clipfrac_max: 0.5\n")
+    assert main(["report", str(run), "--output", str(tmp_path / "a.html"), "--thresholds", str(tmp_path / "t.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["alarms"] == []
+    assert main(["report", str(run), "--output", str(tmp_path / "b.html"), "--thresholds", str(tmp_path / "t.yaml"),
+                 "--threshold", "clipfrac_max=0.4"]) == 0
+    loud = capsys.readouterr()
+    assert [a["kind"] for a in json.loads(loud.out)["runs"][0]["alarms"]] == ["clipfrac_high"]
+    assert "update 15: Clip fraction high" in loud.err
+    assert main(["report", str(run), "--threshold", "clipfrac=0.4"]) == 2
+    assert "unknown config key clipfrac (did you mean clipfrac_max?)" in capsys.readouterr().err
+
+
+def test_report_on_a_real_ppo_run(model_dir, prompts_file, tmp_path):
+    """A tiny real run (no eval data: samples are training batches), then the report on its directory."""
+    from conftest import tiny_ppo_config
+    from ppokit.trainer import PPOTrainer
+
+    config = tiny_ppo_config(model_dir(), prompts_file, tmp_path / "run", total_episodes=32)
+    records = PPOTrainer(config, show_progress=False).train()
+    summary = make_report([tmp_path / "run"], tmp_path / "report.html")
+    assert summary["runs"][0]["updates"] == len(records) == 4 and summary["runs"][0]["finished"]
+    page = (tmp_path / "report.html").read_text()
+    assert "finished: 4 of 4 updates" in page and "training batch at each generation" in page
+
+
+# --------------------------------------------------------------------------- in a real browser
+
+
+PROBE = """<script>
+window.addEventListener("load", () => {
+  for (const img of document.images) if (!img.complete || img.naturalWidth === 0) console.error("image did not load: " + img.alt);
+  console.log("probe: " + document.images.length + " images");
+});
+</script>"""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium is not installed (Debian: apt-get install -y chromium)")
+def test_report_renders_in_headless_chromium(tmp_path):
+    run = write_run(tmp_path / "run", healthy_records())
+    make_report([run], tmp_path / "report.html")
+    # The probe reports, as console errors, any image the browser could not decode; the report has no script of its own.
+    page = (tmp_path / "report.html").read_text()
+    assert "<script" not in page
+    (tmp_path / "probed.html").write_text(page.replace("</body>", PROBE + "</body>"))
+    shot = tmp_path / "shot.png"
+    result = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
+         "--window-size=1320,2400", "--virtual-time-budget=5000", f"--screenshot={shot}", (tmp_path / "probed.html").as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    console = [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
+    assert any("probe: 7 images" in line for line in console), result.stderr[-2000:]
+    assert [line for line in console if "probe:" not in line] == []
+    from PIL import Image
+
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1320, 2400)
+    colours = image.getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 200  # text, tables and charts, not a blank page
+    white = max(colours)[0] / (image.size[0] * image.size[1])
+    assert white < 0.95
+
+
+def test_docs_list_every_threshold_with_its_default():
+    from ppokit.config import markdown_reference
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
+    assert markdown_reference(AlarmThresholds) in docs, "regenerate the thresholds table of docs/report.md"
+    for kind in ("kl_superlinear", "length_drift", "length_pinned", "entropy_collapse", "repeated_ngrams",
+                 "train_up_eval_down", "ratio_off", "clipfrac_high", "nonfinite", "weak_reward"):
+        assert f"(`{kind}`)" in docs
+
+
+def test_the_report_imports_nothing_of_the_trainer():
+    """It reads run directories only, so runs from other machines and versions work: its modules import
+    the config machinery, errors and the version, nothing that trains."""
+    import ast
+
+    allowed = {"ppokit.config", "ppokit.errors", "ppokit.version"}
+    package = Path(__file__).resolve().parents[1] / "src" / "ppokit" / "report"
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ppokit"):
+                assert node.module in allowed or node.module.startswith("ppokit.report"), f"{path.name} imports {node.module}"
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("ppokit") and not a.name.startswith("ppokit.report") for a in node.names), path.name
