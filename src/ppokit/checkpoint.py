@@ -53,10 +53,10 @@ from ppokit.run_dir import (
     STATE_FILE,
     discard_dir,
     finish_dir,
+    full_disk,
     list_checkpoints,
     move_into_place,
     owned_checkpoint,
-    read_state,
     remove_leftovers,
     temporary_dir,
 )
@@ -372,8 +372,7 @@ def save_checkpoint(
         full = discard_dir(Path(tmp[0]), target, e) if is_main else None
         if full is not None:
             found = list_checkpoints(target.parent)
-            last = f"the last complete checkpoint is {found[-1]}" if found else "no checkpoint of this run was written yet"
-            raise UserError(f"{full}; {last}") from None
+            raise full_disk(full, target, found[-1] if found else None) from None
         raise
     if is_main:
         prune_checkpoints(target.parent, run.save_total_limit)

@@ -29,6 +29,34 @@ class NonFiniteStop(UserError):
     """max_skipped_updates updates in a row were non-finite; the run stopped after a checkpoint."""
 
 
+def too_many_skipped(state, hp, checkpoint) -> NonFiniteStop:
+    """The stop after ppo.max_skipped_updates skipped updates in a row, saying what the checkpoint's
+    weights are: the last update that trained (rolled back to), the starting ones, or, without the
+    rollback, weights that kept the skipped updates' steps."""
+    trained = [r["update"] for r in state.records if not any(k.startswith("nonfinite/") for k in r)]
+    if not hp.nonfinite_rollback:
+        weights = ("holds the weights with the skipped updates' optimiser steps kept (ppo.nonfinite_rollback=false), "
+                   "which may be unusable; resume from an earlier checkpoint if so")
+    elif trained:
+        weights = f"holds the weights of update {trained[-1]}, the last that trained (the skipped ones were rolled back)"
+    else:
+        weights = "holds the starting weights: no update trained"
+    return NonFiniteStop(
+        f"update {state.update}: {state.skipped_in_a_row} updates in a row were skipped "
+        f"(ppo.max_skipped_updates={hp.max_skipped_updates}), the last for a {state.last_nonfinite}. "
+        f"The checkpoint {checkpoint} {weights}; fix the cause (reward, learning rate, data) and continue with --resume"
+    )
+
+
+def nothing_trained(state, checkpoint) -> NonFiniteStop:
+    """A run that ended with every update skipped: it fails, and writes no final/."""
+    return NonFiniteStop(
+        f"every update of the run ({state.update}) was skipped, the last for a {state.last_nonfinite}; nothing was "
+        f"trained, so final/ is not written. The checkpoint {checkpoint} holds the starting weights and the counters; "
+        "fix the cause (reward, learning rate, data)"
+    )
+
+
 def check_finite(values: dict[str, torch.Tensor], accelerator=None) -> None:
     """Raise NonFiniteUpdate for the first quantity of `values` (name -> tensor) that has a NaN or
     infinite element on any process.

@@ -150,9 +150,15 @@ def _space_problem(error: BaseException, tmp: Path) -> Optional[int]:
     return None
 
 
-def no_space(error: BaseException, path: Path) -> Optional[NoSpaceError]:
-    """The NoSpaceError for an OSError that says the disk is full while writing `path`, else None."""
-    return NoSpaceError(path, error.errno) if isinstance(error, OSError) and error.errno in _NO_SPACE else None
+def full_disk(error: BaseException, path: Path, last_checkpoint: Optional[Path]) -> Optional[UserError]:
+    """One line for a full disk while a run writes `path`, naming the checkpoint to resume from; None
+    when `error` is about something else."""
+    if not isinstance(error, NoSpaceError):
+        if not (isinstance(error, OSError) and error.errno in _NO_SPACE):
+            return None
+        error = NoSpaceError(path, error.errno)
+    last = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint of this run was written yet"
+    return UserError(f"{error}; {last}")
 
 
 def mount_point(path: Path) -> Path:

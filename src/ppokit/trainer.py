@@ -33,12 +33,13 @@ from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
 from ppokit.errors import UserError
 from ppokit.guards import (
-    NonFiniteStop,
     NonFiniteUpdate,
     StopSignals,
     TrainingInterrupted,
     UpdateSnapshot,
     check_finite,
+    nothing_trained,
+    too_many_skipped,
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
@@ -339,7 +340,7 @@ class PPOTrainer:
         try:
             self._train()
         except OSError as e:
-            raise self._no_space(e, self._run_facts().output_dir) from None
+            raise run_dir.full_disk(e, self._run_facts().output_dir, self._saved_at and self._saved_at[1]) or e from None
         finally:
             if self.run is not None:
                 self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
@@ -380,11 +381,7 @@ class PPOTrainer:
             gc.unfreeze()
         path = self.save_checkpoint()
         if state.skipped_updates == state.update:
-            raise NonFiniteStop(
-                f"every update of the run ({state.update}) was skipped, the last for a {state.last_nonfinite}; nothing was "
-                f"trained, so final/ is not written. The checkpoint {path} holds the starting weights and the counters; "
-                "fix the cause (reward, learning rate, data)"
-            )
+            raise nothing_trained(state, path)  # final/ would look finished with the starting weights
         self.save_final()
 
     def _saved_if_it_fails(self, part: Callable, finished_record: Optional[dict] = None):
@@ -402,14 +399,6 @@ class PPOTrainer:
                 raise
             raise UserError(f"{error}. Updates 1-{self.state.update} are saved in {self.save_checkpoint()}; "
                             "fix the cause and continue with --resume") from None
-
-    def _no_space(self, error: OSError, path: Path) -> Exception:
-        """A full disk while the run writes: one line naming the last checkpoint, else the error as it is."""
-        full = run_dir.no_space(error, path)
-        if full is None:
-            return error
-        last = self._saved_at[1] if self._saved_at else None
-        return UserError(f"{full}; {f'the last complete checkpoint is {last}' if last else 'no checkpoint of this run was written'}")
 
     def run_update(self) -> dict[str, Any]:
         """`step` under the non-finite guard. An update whose score, loss or gradient is NaN or infinite is
@@ -449,20 +438,7 @@ class PPOTrainer:
         """After an update: stop with a checkpoint after too many non-finite updates or on SIGINT/SIGTERM."""
         hp, state = self.config.ppo, self.state
         if state.skipped_in_a_row >= hp.max_skipped_updates:
-            path = self.save_checkpoint()
-            trained = [r["update"] for r in state.records if not any(k.startswith("nonfinite/") for k in r)]
-            if not hp.nonfinite_rollback:
-                weights = ("holds the weights with the skipped updates' optimiser steps kept (ppo.nonfinite_rollback=false), "
-                           "which may be unusable; resume from an earlier checkpoint if so")
-            elif trained:
-                weights = f"holds the weights of update {trained[-1]}, the last that trained (the skipped ones were rolled back)"
-            else:
-                weights = "holds the starting weights: no update trained"
-            raise NonFiniteStop(
-                f"update {state.update}: {state.skipped_in_a_row} updates in a row were skipped "
-                f"(ppo.max_skipped_updates={hp.max_skipped_updates}), the last for a {state.last_nonfinite}. "
-                f"The checkpoint {path} {weights}; fix the cause (reward, learning rate, data) and continue with --resume"
-            )
+            raise too_many_skipped(state, hp, self.save_checkpoint())
         signum = signals.requested()
         if signum and state.update < self.sizes.num_updates:
             raise TrainingInterrupted(signum, state.update, self.save_checkpoint())
@@ -563,7 +539,7 @@ class PPOTrainer:
         try:
             self.save_models(target, replace_unmarked=self.overwrite)
         except run_dir.NoSpaceError as e:
-            raise UserError(f"{e}; the last complete checkpoint is {self._saved_at[1]}") from None
+            raise run_dir.full_disk(e, target, self._saved_at[1]) from None
         self.accelerator.wait_for_everyone()
         return target
 
