@@ -128,19 +128,23 @@ def test_config_files_in_other_encodings_or_binary(tmp_path):
         PPOConfig.load(tmp_path)
 
 
-def test_a_key_or_section_written_twice_names_it_and_both_lines(tmp_path):
+@pytest.mark.parametrize(
+    "text, message",
+    [  # a key or a section written twice: the key and both lines (PyYAML would keep the second silently)
+        ("model: m\nppo:\n  kl_coef: 0.1\nreward:\n  functions: [sentiment]\nppo:\n  learning_rate: 1.0e-5\n",
+         "c.yaml:6: section ppo is written twice (lines 2 and 6)"),
+        ("model: m\nppo:\n  kl_coef: 0.1\n  cliprange: 0.3\n  kl_coef: 0.2\n", "c.yaml:5: key ppo.kl_coef is written twice (lines 3 and 5)"),
+        ("reward:\n  functions:\n    - {function: contains, required: [a], required: [b]}\n",
+         "key reward.functions[0].required is written twice"),
+        ("model: &m [*m]\n", "model: expected a string"),  # a recursive anchor is not followed for ever
+        ("'': 1\n", "unknown config key ''; known keys here: model"),  # odd keys are named visibly
+        ("ppo:\n  1: 2\n", "unknown config key ppo.1; known keys"),
+    ],
+)
+def test_yaml_mistakes_name_the_key_and_the_lines(tmp_path, text, message):
     path = tmp_path / "c.yaml"
-    path.write_text("model: m\nppo:\n  kl_coef: 0.1\nreward:\n  functions: [sentiment]\nppo:\n  learning_rate: 1.0e-5\n")
-    with pytest.raises(UserError, match=re.escape("c.yaml:6: section ppo is written twice (lines 2 and 6)")):
-        PPOConfig.load(path)
-    path.write_text("model: m\nppo:\n  kl_coef: 0.1\n  cliprange: 0.3\n  kl_coef: 0.2\n")
-    with pytest.raises(UserError, match=re.escape("c.yaml:5: key ppo.kl_coef is written twice (lines 3 and 5)")):
-        PPOConfig.load(path)
-    path.write_text("reward:\n  functions:\n    - {function: contains, required: [a], required: [b]}\n")
-    with pytest.raises(UserError, match=re.escape("key reward.functions[0].required is written twice")):
-        PPOConfig.load(path)
-    path.write_text("model: &m [*m]\n")  # a recursive anchor is not followed for ever
-    with pytest.raises(UserError, match="model: expected a string"):
+    path.write_text(text)
+    with pytest.raises(UserError, match=re.escape(message)):
         PPOConfig.load(path)
 
 
@@ -169,13 +173,3 @@ def test_seed_range_is_checked_at_config_time(seed, ok):
 def test_empty_keys_and_an_empty_output_dir_are_config_errors(override, message):
     with pytest.raises(UserError, match=re.escape(message)):
         PPOConfig.load(None, BASE + [override])
-
-
-def test_odd_yaml_keys_are_named_visibly(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("'': 1\n")
-    with pytest.raises(UserError, match=re.escape("unknown config key ''; known keys here: model")):
-        PPOConfig.load(path)
-    path.write_text("ppo:\n  1: 2\n")
-    with pytest.raises(UserError, match=re.escape("unknown config key ppo.1; known keys")):
-        PPOConfig.load(path)
