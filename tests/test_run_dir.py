@@ -396,7 +396,8 @@ def ppo_yaml(model_dir, prompts_file, path: Path, output_dir: Path, **ppo) -> Pa
 @pytest.mark.slow
 def test_two_runs_on_one_folder_started_half_a_second_apart(model_dir, prompts_file, tmp_path):
     out = tmp_path / "run"
-    config = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", out, total_episodes=32, save_steps=1)
+    # 8 updates: long enough that the second run starts its checks while the first is training.
+    config = ppo_yaml(model_dir, prompts_file, tmp_path / "ppo.yaml", out, total_episodes=64, save_steps=1, save_total_limit=2)
     first = ppokit_process("ppo", config)
     time.sleep(0.5)
     second = ppokit_process("ppo", config)
@@ -415,8 +416,8 @@ def test_two_runs_on_one_folder_started_half_a_second_apart(model_dir, prompts_f
     assert loser != second.pid or still_running, "the second run stopped while the first was still training"
     assert "Loading weights" not in err, "it stopped before loading any model"
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["update"] for line in lines] == [1, 2, 3, 4]  # one run's records, whole
-    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["update-1", "update-2", "update-3", "update-4"]
+    assert [json.loads(line)["update"] for line in lines] == list(range(1, 9))  # one run's records, whole
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["update-7", "update-8"]
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "final")

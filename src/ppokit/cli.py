@@ -23,11 +23,14 @@ def _ppo(args) -> int:
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
-    # Before any weights load: the run folder may be used (not another tool's, no run a fresh start would
-    # replace) and is this run's alone (the lock, held until the command ends), and the checkpoint is found.
-    run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
+    # Before any weights load: the run folder may be used (not another tool's), is this run's alone (the
+    # lock, held until the command ends: a run in progress is named by its PID), holds no run that a fresh
+    # start would replace, and the checkpoint to resume is found and read whole.
+    if resume is not None and args.overwrite:
+        raise UserError("--resume continues the run in output_dir and --overwrite replaces it: give one of them")
     run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process(), overwrite=args.overwrite)
     try:
+        run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
         for note in run.notes:
             print(f"ppokit: {note}", file=sys.stderr)
         resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir) if resume is not None else None
