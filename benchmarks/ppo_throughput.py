@@ -1,6 +1,6 @@
 """PPO throughput on a fixed tiny config; prints one JSON line.
 
-    python benchmarks/ppo_throughput.py [--updates N] [--arch llama]
+    python benchmarks/ppo_throughput.py [--updates N] [--arch llama] [--estimator gae] [--samples-per-prompt 1]
 
 A tiny Llama (hidden 128, 4 layers) built locally, VADER sentiment as the reward, 64 episodes
 per update, 16-token responses, 4 PPO epochs of 2 minibatches. The first update is a warm-up
@@ -34,6 +34,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--updates", type=int, default=4, help="updates to time, after one warm-up update")
     parser.add_argument("--arch", default="llama")
+    parser.add_argument("--estimator", default="gae", help="ppo.advantage_estimator")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay 64)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -61,6 +63,8 @@ def main() -> None:
             learning_rate=1e-4,
             stop_token=None,  # fixed-length responses: the same work every update
             num_sample_generations=0,
+            advantage_estimator=args.estimator,
+            num_samples_per_prompt=args.samples_per_prompt,
         ),
     )
     trainer = PPOTrainer(config, show_progress=False)
@@ -74,6 +78,8 @@ def main() -> None:
     result = {
         "benchmark": "ppo_throughput",
         "arch": args.arch,
+        "estimator": args.estimator,
+        "samples_per_prompt": args.samples_per_prompt,
         "parameters_m": round(sum(p.numel() for p in trainer.policy.parameters()) / 1e6, 2),
         "episodes_per_update": BATCH,
         "response_length": 16,

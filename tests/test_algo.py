@@ -190,3 +190,292 @@ def test_adaptive_kl_controller_by_hand():
     restored.load_state_dict(ctl.state_dict())
     assert restored.value == ctl.value
     assert algo.FixedKLController(0.05).update(100.0, 64) == 0.05
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+def _two_processes(fn, first, second):
+    """Run fn(inputs, all_reduce) on two threads that sum tensors between them, as two processes'
+    all-reduce does; returns both results."""
+    import threading
+
+    barrier, slots, results = threading.Barrier(2), [None, None], [None, None]
+
+    def reduce_from(rank):
+        def all_reduce(tensor):
+            slots[rank] = tensor.clone()
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            return total
+
+        return all_reduce
+
+    def run(rank, inputs):
+        results[rank] = fn(*inputs, reduce_from(rank))
+
+    threads = [threading.Thread(target=run, args=(r, x)) for r, x in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_grpo_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    valid = torch.ones(8, dtype=torch.bool)
+    # group 1: mean 0.5, std (Bessel) sqrt(4 * 0.25 / 3) = 0.57735; group 2: all equal -> 0
+    adv = algo.grpo_advantages(scores, valid, group_size=4)
+    assert adv.tolist() == pytest.approx([0.5 / (math.sqrt(1 / 3) + 1e-6) * s for s in (1, -1, -1, 1)] + [0.0] * 4, abs=1e-6)
+    # Dr. GRPO: no std
+    assert algo.grpo_advantages(scores, valid, 4, scale_std=False).tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+
+
+def test_grpo_leaves_dropped_rows_out_of_their_group():
+    scores = torch.tensor([1.0, 3.0, 100.0, 5.0, 7.0, 9.0])
+    valid = torch.tensor([True, True, False, True, False, False])
+    adv = algo.grpo_advantages(scores, valid, group_size=3, scale_std=False)
+    # group 1 is {1, 3} (mean 2); group 2 has one member left: no baseline, 0
+    assert adv.tolist() == pytest.approx([-1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_grpo_and_rloo_match_plain_loops():
+    import statistics
+
+    torch.manual_seed(0)
+    n, groups = 5, 4
+    scores = torch.randn(n * groups)
+    valid = torch.rand(n * groups) > 0.2
+    grpo = algo.grpo_advantages(scores, valid, n).tolist()
+    drgrpo = algo.grpo_advantages(scores, valid, n, scale_std=False).tolist()
+    rloo = algo.rloo_advantages(scores, valid, n).tolist()
+    for g in range(groups):
+        rows = range(g * n, (g + 1) * n)
+        members = [scores[i].item() for i in rows if valid[i]]
+        for i in rows:
+            if not valid[i] or len(members) < 2:
+                assert grpo[i] == drgrpo[i] == rloo[i] == 0.0
+                continue
+            mean = statistics.mean(members)
+            r = scores[i].item()
+            assert drgrpo[i] == pytest.approx(r - mean, abs=1e-5)
+            assert grpo[i] == pytest.approx((r - mean) / (statistics.stdev(members) + 1e-6), abs=1e-4)
+            others = list(members)
+            others.remove(r)
+            assert rloo[i] == pytest.approx(r - sum(others) / len(others), abs=1e-5)
+
+
+def test_rloo_by_hand():
+    adv = algo.rloo_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.ones(3, dtype=torch.bool), group_size=3)
+    # 1 - (2 + 3)/2, 2 - (1 + 3)/2, 3 - (1 + 2)/2; also = 3/2 * (r - mean)
+    assert adv.tolist() == pytest.approx([-1.5, 0.0, 1.5])
+    with pytest.raises(ValueError, match="whole groups"):
+        algo.rloo_advantages(torch.zeros(5), torch.ones(5, dtype=torch.bool), group_size=2)
+
+
+def test_discounted_returns_match_a_plain_loop():
+    torch.manual_seed(0)
+    rewards = torch.randn(4, 6)
+    lengths = [6, 3, 0, 1]
+    mask = torch.arange(6).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    returns = algo.discounted_returns(rewards, mask, gamma=0.9)
+    for b, length in enumerate(lengths):
+        for t in range(6):
+            expected = sum(0.9 ** (s - t) * rewards[b, s].item() for s in range(t, length)) if t < length else 0.0
+            assert returns[b, t].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_reinforce_pp_by_hand():
+    # score 1 on the last token, KL penalties -0.1 per token; gamma 1 -> G = [0.8, 0.9] and [-1.1]
+    rewards = torch.tensor([[-0.1, 0.9], [-1.1, 0.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    assert algo.reinforce_pp_advantages(rewards, mask, 1.0, whiten=False).flatten().tolist() == pytest.approx([0.8, 0.9, -1.1, 0.0])
+    adv = algo.reinforce_pp_advantages(rewards, mask, 1.0)
+    g = [0.8, 0.9, -1.1]
+    mean = sum(g) / 3
+    std = math.sqrt(sum((x - mean) ** 2 for x in g) / 2)
+    assert adv.flatten().tolist() == pytest.approx([(0.8 - mean) / std, (0.9 - mean) / std, (-1.1 - mean) / std, 0.0], abs=1e-4)
+
+
+def test_global_whitening_over_two_processes_equals_one_batch():
+    torch.manual_seed(0)
+    values = torch.randn(6, 5) * 3 + 10
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([5, 2, 4, 1, 3, 5]).unsqueeze(1)
+    whole = algo.whiten_over_batch(values, mask)
+    assert torch.allclose(whole, algo.masked_whiten(values, mask), atol=1e-5)
+    first, second = _two_processes(algo.whiten_over_batch, (values[:2], mask[:2]), (values[2:], mask[2:]))
+    assert torch.allclose(torch.cat([first, second]), whole, atol=1e-5)
+    # each half alone would not be whitened over the batch
+    assert not torch.allclose(algo.whiten_over_batch(values[:2], mask[:2]), whole[:2], atol=1e-2)
+
+
+def test_remax_by_hand():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    scores_only = torch.tensor([[0.0, 0.7, 0.0], [0.0, 0.0, 0.2]])
+    baseline = torch.tensor([0.5, 0.5])
+    assert algo.remax_advantages(scores_only, mask, baseline).flatten().tolist() == pytest.approx([0.2, 0.2, 0.0, -0.3, -0.3, -0.3])
+    with_kl = torch.tensor([[-0.1, 0.6, 0.0], [-0.1, -0.1, 0.1]])  # the same scores, KL penalty 0.1 per token
+    assert algo.remax_advantages(with_kl, mask, baseline).flatten().tolist() == pytest.approx([0.0, 0.1, 0.0, -0.6, -0.5, -0.4])
+
+
+def test_advantages_dispatches_each_estimator():
+    torch.manual_seed(0)
+    rewards, values = torch.randn(4, 3), torch.randn(4, 3)
+    mask = torch.tensor([[True, True, True], [True, False, False], [True, True, False], [True, True, True]])
+    rewards = rewards * mask
+    adv, ret = algo.advantages("gae", rewards, mask, values=values, gamma=0.9, lam=0.8, whiten=False)
+    assert torch.equal((adv, ret)[0], algo.gae(rewards, values, mask, 0.9, 0.8)[0])
+    outcome = rewards.sum(1)
+    for estimator, per_seq in (
+        ("grpo", algo.grpo_advantages(outcome, mask.any(1), 2)),
+        ("rloo", algo.rloo_advantages(outcome, mask.any(1), 2)),
+    ):
+        adv, ret = algo.advantages(estimator, rewards, mask, group_size=2)
+        assert ret is None
+        assert torch.allclose(adv, per_seq.unsqueeze(1) * mask)  # one advantage per response, on every real token
+    adv, ret = algo.advantages("reinforce_pp", rewards, mask, gamma=0.9)
+    assert ret is None and torch.allclose(adv, algo.whiten_over_batch(algo.discounted_returns(rewards, mask, 0.9), mask))
+    baseline = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    adv, ret = algo.advantages("remax", rewards, mask, baseline_scores=baseline)
+    assert ret is None and torch.allclose(adv, algo.remax_advantages(rewards, mask, baseline))
+    for estimator, missing in (("gae", "values"), ("remax", "greedy")):
+        with pytest.raises(ValueError, match=missing):
+            algo.advantages(estimator, rewards, mask)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        algo.advantages("ppo", rewards, mask)
+
+
+# --------------------------------------------------------------------------- loss variants
+
+
+def test_asymmetric_clip_by_hand():
+    ratios = torch.tensor([[1.3, 0.7, 1.3, 0.7]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, _, _, clipped, dual = algo.policy_loss_per_token(ratios.log(), torch.zeros(1, 4), adv, cliprange_low=0.2, cliprange_high=0.28)
+    # A > 0: max(-1.3, -1.28) = -1.28 (clipped high), max(-0.7, -0.8) = -0.7
+    # A < 0: max(1.3, 1.28) = 1.3, max(0.7, 0.8) = 0.8 (clipped low)
+    assert loss[0].tolist() == pytest.approx([-1.28, -0.7, 1.3, 0.8])
+    assert clipped[0].tolist() == [True, False, False, True] and dual is None
+
+
+def test_dual_clip_caps_the_loss_of_bad_actions():
+    ratios = torch.tensor([[5.0, 2.0, 5.0]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    loss, _, _, _, dual = algo.policy_loss_per_token(ratios.log(), torch.zeros(1, 3), adv, 0.2, 0.2, dual_clip_c=3.0)
+    # A < 0, ratio 5: max(5, 1.2) = 5 capped at 3; ratio 2: 2 < 3 stays; A > 0: max(-5, -1.2) = -1.2, no dual clip
+    assert loss[0].tolist() == pytest.approx([3.0, 2.0, -1.2])
+    assert dual[0].tolist() == [True, False, False]
+    plain, *_ = algo.policy_loss_per_token(ratios.log(), torch.zeros(1, 3), adv, 0.2, 0.2)
+    assert plain[0].tolist() == pytest.approx([5.0, 2.0, -1.2])
+
+
+def test_loss_aggregations_by_hand():
+    per_token = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])  # row 3: dropped
+    expected = {
+        "token_mean": (1 + 2 + 3) / 3,
+        "seq_mean_token_sum": (3 + 3) / 2,
+        "seq_mean_token_mean": (1.5 + 3) / 2,
+        "seq_mean_token_sum_norm": (3 + 3) / (2 * 4),  # response_length 4, the configured maximum
+    }
+    for aggregation, value in expected.items():
+        norm = algo.loss_normalisers(mask, aggregation, response_length=4)
+        assert algo.aggregate(per_token, algo.token_weights(mask, aggregation), norm.policy).item() == pytest.approx(value)
+        assert norm.value.item() == 3
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        algo.token_weights(mask, "sum")
+
+
+def _loss_inputs(seed=0, B=6, T=5):
+    torch.manual_seed(seed)
+    logits = torch.randn(B, T, 7, requires_grad=True)
+    values = torch.randn(B, T, requires_grad=True)
+    tokens = torch.randint(0, 7, (B, T))
+    lengths = torch.tensor([5, 1, 3, 2, 4, 5])[:B]
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    fixed = dict(old_logprobs=torch.randn(B, T) * 0.1 - 2, advantages=torch.randn(B, T), old_values=torch.randn(B, T),
+                 returns=torch.randn(B, T), ref_logprobs=torch.randn(B, T) * 0.1 - 2)
+    return logits, values, tokens, mask, fixed
+
+
+def _micro_batch_loss(settings, norm, rows, logits, values, tokens, mask, fixed):
+    logprobs, entropy = algo.logprobs_and_entropy(logits[rows], tokens[rows], 0.7, entropy_grad=True)
+    return algo.ppo_loss(
+        settings, norm, mask[rows], logprobs, fixed["old_logprobs"][rows], fixed["advantages"][rows], entropy,
+        values=values[rows], old_values=fixed["old_values"][rows], returns=fixed["returns"][rows], ref_logprobs=fixed["ref_logprobs"][rows],
+    )
+
+
+@pytest.mark.parametrize("aggregation", algo.LOSS_AGGREGATIONS)
+def test_a_minibatch_normaliser_makes_the_gradient_independent_of_the_micro_batch_split(aggregation):
+    logits, values, tokens, mask, fixed = _loss_inputs()
+    settings = algo.LossSettings(cliprange_low=0.2, cliprange_high=0.3, dual_clip_c=3.0, entropy_coef=0.01,
+                                 kl_loss_coef=0.1, kl_loss_estimator="k3", aggregation=aggregation)
+    norm = algo.loss_normalisers(mask, aggregation, response_length=5)
+    whole = _micro_batch_loss(settings, norm, torch.arange(6), logits, values, tokens, mask, fixed).loss
+    expected = torch.autograd.grad(whole, [logits, values])
+    for split in ([[0, 1, 2], [3, 4, 5]], [[0], [1, 2, 3, 4], [5]]):  # by count, and unevenly (as a token budget would)
+        total = sum(_micro_batch_loss(settings, norm, torch.tensor(rows), logits, values, tokens, mask, fixed).loss for rows in split)
+        assert total.item() == pytest.approx(whole.item(), abs=1e-6)
+        got = torch.autograd.grad(total, [logits, values])
+        assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(got, expected))
+
+
+def test_ppo_loss_terms_by_hand():
+    logits, values, tokens, mask, fixed = _loss_inputs()
+    logprobs, entropy = algo.logprobs_and_entropy(logits, tokens, 0.7, entropy_grad=True)
+    base = algo.LossSettings()
+    norm = algo.loss_normalisers(mask, "token_mean", 5)
+    plain = algo.ppo_loss(base, norm, mask, logprobs, fixed["old_logprobs"], fixed["advantages"], entropy,
+                          values=values, old_values=fixed["old_values"], returns=fixed["returns"])
+    assert plain.kl is None and plain.dual_clipfrac is None
+    assert plain.loss.item() == pytest.approx(plain.policy.item() + 0.1 * plain.value.item(), abs=1e-6)
+    pg, _ = algo.clipped_policy_loss(logprobs, fixed["old_logprobs"], fixed["advantages"], mask, 0.2)
+    assert plain.policy.item() == pytest.approx(pg.item())
+    knobs = base._replace(kl_loss_coef=0.5, kl_loss_estimator="k3", entropy_coef=0.02)
+    full = algo.ppo_loss(knobs, norm, mask, logprobs, fixed["old_logprobs"], fixed["advantages"], entropy,
+                         values=values, old_values=fixed["old_values"], returns=fixed["returns"], ref_logprobs=fixed["ref_logprobs"])
+    kl = algo.masked_mean(algo.kl_per_token(logprobs, fixed["ref_logprobs"], "k3"), mask)
+    assert full.kl.item() == pytest.approx(kl.item())
+    assert full.loss.item() == pytest.approx(plain.loss.item() + 0.5 * kl.item() - 0.02 * full.entropy.item(), abs=1e-6)
+    # without a critic there is no value term
+    critic_free = algo.ppo_loss(base, norm, mask, logprobs, fixed["old_logprobs"], fixed["advantages"], entropy)
+    assert critic_free.value is None and critic_free.loss.item() == pytest.approx(plain.policy.item())
+
+
+def test_entropy_bonus_has_a_gradient_only_when_asked():
+    logits = torch.randn(1, 2, 5, requires_grad=True)
+    tokens = torch.zeros(1, 2, dtype=torch.long)
+    assert not algo.logprobs_and_entropy(logits, tokens, 1.0)[1].requires_grad
+    _, entropy = algo.logprobs_and_entropy(logits, tokens, 1.0, entropy_grad=True)
+    entropy.sum().backward()
+    assert logits.grad.abs().sum() > 0
+
+
+def test_kl_loss_gradient_pulls_towards_the_reference():
+    logprobs = torch.tensor([[-1.0, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0, -2.0]])
+    kl = algo.kl_per_token(logprobs, ref, "k3").sum()
+    kl.backward()
+    # k3 = e^r - 1 - r with r = ref - logp; d/dlogp = 1 - e^r: positive where the policy is above the reference
+    assert logprobs.grad[0].tolist() == pytest.approx([1 - math.exp(-1.0), 1 - math.exp(1.0)])
+
+
+def test_explained_variance_by_hand_and_over_two_processes():
+    returns = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    assert algo.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert algo.explained_variance(torch.full_like(returns, 2.5), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    # residual [0, 0, 0, 1]: Var 0.25 (Bessel); Var(returns) 5/3 -> 1 - 0.15
+    values = torch.tensor([[1.0, 2.0], [3.0, 3.0]])
+    assert algo.explained_variance(values, returns, mask).item() == pytest.approx(0.85)
+    padded = torch.tensor([[True, True], [True, False]])
+    assert algo.explained_variance(values, returns, padded).item() == pytest.approx(1.0)  # the miss is on padding
+    assert algo.explained_variance(values, torch.ones_like(returns), mask).item() == 0.0  # nothing to explain
+    torch.manual_seed(0)
+    v, r = torch.randn(5, 4), torch.randn(5, 4)
+    m = torch.rand(5, 4) > 0.3
+    first, second = _two_processes(algo.explained_variance, (v[:2], r[:2], m[:2]), (v[2:], r[2:], m[2:]))
+    assert first.item() == pytest.approx(algo.explained_variance(v, r, m).item(), abs=1e-5) and first.item() == second.item()

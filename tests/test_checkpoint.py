@@ -39,12 +39,32 @@ def line_count(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+# The same run with the toolbox's estimators: GRPO's groups of 4 samples, and PPO whose critic warms up
+# for 3 updates first on its own learning rate (the policy's schedule starts after it).
+VARIANTS = {
+    "gae": {},
+    "grpo_n4": dict(advantage_estimator="grpo", num_samples_per_prompt=4),
+    "gae_critic_warmup": dict(critic_warmup_updates=3, vf_learning_rate=3e-3),  # the checkpoint (update 2) is inside the warm-up
+}
+
+
 @pytest.fixture(scope="module")
-def reference(model_dir, prompts_file, tmp_path_factory):
-    """metrics.jsonl of the 4 updates run straight through (no checkpoint but the final one)."""
-    out = tmp_path_factory.mktemp("reference")
-    PPOTrainer(tiny_ppo_config(model_dir("llama"), prompts_file, out, **RUN), show_progress=False).train()
-    return out
+def references(model_dir, prompts_file, tmp_path_factory):
+    """variant -> the folder of its 4 updates run straight through (no checkpoint but the final one)."""
+    made = {}
+
+    def reference_of(variant: str) -> Path:
+        if variant not in made:
+            out = made[variant] = tmp_path_factory.mktemp(f"reference-{variant}")
+            PPOTrainer(tiny_ppo_config(model_dir("llama"), prompts_file, out, **RUN, **VARIANTS[variant]), show_progress=False).train()
+        return made[variant]
+
+    return reference_of
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references("gae")
 
 
 def resume_and_finish(config: PPOConfig, path=None) -> PPOTrainer:
@@ -139,10 +159,12 @@ def _wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 1
         time.sleep(0.005)
 
 
-def test_resume_after_sigkill_mid_update_is_exact(model_dir, prompts_file, tmp_path, reference, capsys):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_after_sigkill_mid_update_is_exact(model_dir, prompts_file, tmp_path, references, capsys, variant):
+    reference = references(variant)
     out = tmp_path / "run"
     config_path = tmp_path / "ppo.yaml"
-    tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=2, **RUN).save(config_path)
+    tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=2, **RUN, **VARIANTS[variant]).save(config_path)
     log = tmp_path / "stderr.txt"
     proc = _cli(config_path, log)
     metrics = out / "metrics.jsonl"

@@ -173,3 +173,107 @@ def test_seed_range_is_checked_at_config_time(seed, ok):
 def test_empty_keys_and_an_empty_output_dir_are_config_errors(override, message):
     with pytest.raises(UserError, match=re.escape(message)):
         PPOConfig.load(None, BASE + [override])
+
+
+# --------------------------------------------------------------------------- the PPO toolbox (issue 9)
+
+
+def test_toolbox_defaults_reproduce_todays_ppo():
+    hp = PPOHyperparams()
+    assert (hp.advantage_estimator, hp.num_samples_per_prompt, hp.kl_in_reward, hp.kl_loss_coef) == ("gae", 1, True, 0.0)
+    assert (hp.top_k, hp.top_p, hp.min_p, hp.eval_temperature) == (0, 1.0, 0.0, None)
+    assert (hp.cliprange_low, hp.cliprange_high, hp.dual_clip_c, hp.entropy_coef) == (None, None, None, 0.0)
+    assert (hp.loss_aggregation, hp.vf_learning_rate, hp.critic_warmup_updates) == ("token_mean", None, 0)
+
+
+def test_toolbox_choices_are_algos():
+    from ppokit import algo, config
+
+    assert config.ADVANTAGE_ESTIMATORS == algo.ADVANTAGE_ESTIMATORS
+    assert set(config.CRITIC_FREE_ESTIMATORS) == algo.CRITIC_FREE_ESTIMATORS
+    assert set(config.GROUP_ESTIMATORS) == algo.GROUP_ESTIMATORS
+    assert config.LOSS_AGGREGATIONS == algo.LOSS_AGGREGATIONS and config.KL_ESTIMATORS == algo.KL_ESTIMATORS
+
+
+GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # ranges
+        (["ppo.advantage_estimator=ppo2"], "ppo.advantage_estimator: value 'ppo2' is out of range, it must be one of gae, grpo, rloo, reinforce_pp, remax"),
+        (["ppo.loss_aggregation=sum"], "ppo.loss_aggregation: value 'sum' is out of range, it must be one of token_mean"),
+        (["ppo.kl_loss_estimator=k4", "ppo.kl_loss_coef=0.1"], "ppo.kl_loss_estimator: value 'k4' is out of range"),
+        (["ppo.dual_clip_c=1"], "ppo.dual_clip_c: value 1.0 is out of range, it must be > 1"),
+        (["ppo.dual_clip_c=0.5"], "ppo.dual_clip_c: value 0.5 is out of range, it must be > 1"),
+        (["ppo.cliprange_low=1"], "ppo.cliprange_low: value 1.0 is out of range, it must be in (0, 1)"),
+        (["ppo.top_p=0"], "ppo.top_p: value 0.0 is out of range, it must be in (0, 1]"),
+        (["ppo.min_p=1"], "ppo.min_p: value 1.0 is out of range, it must be in [0, 1)"),
+        (["ppo.top_k=-1"], "ppo.top_k: value -1 is out of range, it must be >= 0"),
+        (["ppo.num_samples_per_prompt=0"], "ppo.num_samples_per_prompt: value 0 is out of range, it must be > 0"),
+        (["ppo.eval_temperature=-0.5"], "ppo.eval_temperature: value -0.5 is out of range, it must be >= 0"),
+        (["ppo.vf_learning_rate=0"], "ppo.vf_learning_rate: value 0.0 is out of range, it must be > 0"),
+        (["ppo.critic_warmup_updates=-1"], "ppo.critic_warmup_updates: value -1 is out of range, it must be >= 0"),
+        (["ppo.kl_loss_coef=-0.1"], "ppo.kl_loss_coef: value -0.1 is out of range, it must be >= 0"),
+        (["ppo.entropy_coef=-0.1"], "ppo.entropy_coef: value -0.1 is out of range, it must be >= 0"),
+        # n samples per prompt
+        (["ppo.advantage_estimator=grpo"], "ppo.num_samples_per_prompt: grpo needs at least 2 samples per prompt"),
+        (["ppo.advantage_estimator=rloo", "ppo.num_samples_per_prompt=1"], "ppo.num_samples_per_prompt: rloo needs at least 2 samples per prompt"),
+        (["ppo.num_samples_per_prompt=3"], "ppo.num_samples_per_prompt (3) must divide the rollout batch per device (8 = per_device_train_batch_size 8"),
+        # clip ranges
+        (["ppo.cliprange_low=0.3", "ppo.cliprange_high=0.2"], "ppo.cliprange_low (0.3) is larger than ppo.cliprange_high (0.2)"),
+        (["ppo.cliprange_low=0.3"], "ppo.cliprange_low (0.3) is larger than ppo.cliprange_high (0.2)"),  # high defaults to cliprange
+        # critic settings with a critic-free estimator
+        (GRPO + ["ppo.vf_learning_rate=1e-5"], "ppo.vf_learning_rate (1e-05) is for the value model, which ppo.advantage_estimator grpo does not build"),
+        (GRPO + ["ppo.critic_warmup_updates=2"], "ppo.critic_warmup_updates (2) is for the value model"),
+        (["ppo.advantage_estimator=reinforce_pp", "ppo.vf_coef=0.5"], "ppo.vf_coef (0.5) is for the value model, which ppo.advantage_estimator reinforce_pp"),
+        (["ppo.advantage_estimator=remax", "ppo.lam=0.9"], "ppo.lam (0.9) is for the value model"),
+        (GRPO + ["value_model=some/critic"], "value_model: ppo.advantage_estimator grpo builds no value model"),
+        (GRPO + ["lora={value_model_lora: false}"], "lora.value_model_lora: ppo.advantage_estimator grpo builds no value model"),
+        # keys the configuration would never read
+        (GRPO + ["ppo.gamma=0.9"], "ppo.gamma (0.9) is for discounting, which ppo.advantage_estimator grpo does not do"),
+        (GRPO + ["ppo.whiten_advantages=false"], "ppo.whiten_advantages: false has no effect with ppo.advantage_estimator grpo"),
+        (["ppo.grpo_scale_std=false"], "ppo.grpo_scale_std (False) is for ppo.advantage_estimator grpo (this run's is gae)"),
+        (["ppo.kl_in_reward=false", "ppo.kl_coef=0.1"], "ppo.kl_coef (0.1) is for the KL penalty in the reward, and ppo.kl_in_reward is false"),
+        (["ppo.kl_in_reward=false", "ppo.kl_target=6"], "ppo.kl_target (6.0) is for the KL penalty in the reward"),
+        (["ppo.kl_loss_estimator=k2"], "ppo.kl_loss_estimator ('k2') is for the KL term in the loss, and ppo.kl_loss_coef is 0"),
+    ],
+)
+def test_toolbox_bad_inputs_name_the_key_and_the_rule(overrides, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        PPOConfig.load(None, BASE + overrides)
+
+
+def test_toolbox_good_combinations_load():
+    for overrides in (
+        GRPO + ["ppo.grpo_scale_std=false", "ppo.kl_in_reward=false", "ppo.kl_loss_coef=0.001", "ppo.loss_aggregation=seq_mean_token_sum_norm"],
+        ["ppo.advantage_estimator=rloo", "ppo.num_samples_per_prompt=2", "ppo.cliprange_high=0.28", "ppo.dual_clip_c=3"],
+        ["ppo.advantage_estimator=reinforce_pp", "ppo.gamma=0.99", "ppo.whiten_advantages=false"],
+        ["ppo.advantage_estimator=remax", "ppo.eval_temperature=0", "ppo.top_p=0.9", "ppo.top_k=20", "ppo.min_p=0.05"],
+        ["ppo.vf_learning_rate=1e-5", "ppo.critic_warmup_updates=1", "ppo.entropy_coef=0.01", "ppo.kl_loss_coef=0.1", "ppo.kl_loss_estimator=k2"],
+        ["ppo.cliprange_low=0.1"],  # below the default high: fine
+    ):
+        PPOConfig.load(None, BASE + overrides)
+
+
+def test_batch_arithmetic_with_several_samples_per_prompt():
+    hp = PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, num_samples_per_prompt=4)
+    sizes = hp.derive(world_size=2, num_prompts=100)
+    # 32 episodes per update = 8 prompts x 4 samples, 4 prompts per process; one pass = 100 x 4 episodes -> 12 whole batches
+    assert (sizes.batch, sizes.prompts_per_update, sizes.local_prompts, sizes.samples_per_prompt) == (32, 8, 4, 4)
+    assert sizes.total_episodes == 384 and sizes.num_updates == 12
+    with pytest.raises(UserError, match=r"3 training prompts x 4 samples per prompt x 1 epoch\(s\) is less than one batch of 32"):
+        hp.derive(2, 3)
+    with pytest.raises(UserError, match=r"ppo.critic_warmup_updates \(2\) leaves no update that trains the policy: the run has 2 updates"):
+        PPOHyperparams(per_device_train_batch_size=8, total_episodes=16, critic_warmup_updates=2).derive(1, 100)
+    assert PPOHyperparams(per_device_train_batch_size=8, total_episodes=16, critic_warmup_updates=1).derive(1, 100).num_updates == 2
+
+
+def test_a_learning_rate_warm_up_must_fit_after_the_critic_warm_up():
+    hp = PPOHyperparams(per_device_train_batch_size=8, total_episodes=32, num_ppo_epochs=2, critic_warmup_updates=2, warmup_steps=4)
+    # 4 updates x 2 optimiser steps; the policy's schedule has the last 2 updates: 4 steps
+    with pytest.raises(UserError, match=r"ppo.warmup_steps \(4\) is not shorter than the policy's 4 optimiser steps after ppo.critic_warmup_updates \(2\)"):
+        hp.derive(1, 100)
+    hp.warmup_steps = 3
+    assert hp.derive(1, 100).num_updates == 4

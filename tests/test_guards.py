@@ -37,14 +37,14 @@ def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, pro
     trainer = make_trainer(model_dir, prompts_file, tmp_path)
     trainer.run_update()
     weights, moments = trainable(trainer), optimizer_tensors(trainer)
-    real_loss, calls = algo.clipped_value_loss, []
+    real_loss, calls = algo.value_loss_per_token, []
 
     def nan_at_second_minibatch(*args, **kwargs):  # the first optimiser step of the update has been taken
         calls.append(1)
-        loss, clipfrac = real_loss(*args, **kwargs)
-        return (loss * float("nan") if len(calls) == 2 else loss), clipfrac
+        loss, clipped = real_loss(*args, **kwargs)
+        return (loss * float("nan") if len(calls) == 2 else loss), clipped
 
-    monkeypatch.setattr(algo, "clipped_value_loss", nan_at_second_minibatch)
+    monkeypatch.setattr(algo, "value_loss_per_token", nan_at_second_minibatch)
     record = trainer.run_update()
     assert len(calls) == 2, "the update stopped at the bad step"
     assert record["update"] == 2 and record["nonfinite/loss"] == 1 and record["skipped_updates"] == 1

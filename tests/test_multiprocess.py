@@ -85,6 +85,7 @@ def test_two_process_cpu_run_with_checkpoints_and_resume(runs):
     # 2 processes x 4 per device x 2 minibatches = 16 episodes per update: 4 updates of 64 episodes
     assert [(r["update"], r["episode"]) for r in _records(run)] == [(1, 16), (2, 32), (3, 48), (4, 64)]
     assert (run / "final" / "value_model").is_dir()
+    assert all(-1.0 <= r["val/explained_variance"] <= 1.0 for r in _records(run))  # reduced over both processes' tokens
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("update-")) == ["update-2", "update-4"]
     # The main process alone holds the run lock (a second holder would have stopped with "in use by another ppokit run").
     assert len((run / ".ppokit.lock").read_text().split()) == 1
@@ -344,3 +345,42 @@ def test_sharded_lora_run_saves_adapter_and_merged_model(parallel_checks):
     with torch.inference_mode():
         for model in (merged, adapter):
             assert torch.allclose(response_logits(model, ids, mask, checks.RESPONSE), expected, atol=1e-5)
+
+
+REWARD_THAT_LOGS = """
+import json, os
+
+def logged_length(prompts, completions, row, **columns):
+    with open({log!r} + "-" + os.environ["RANK"], "a") as f:
+        f.write(json.dumps(row) + "\\n")
+    return [len(c) / 40 for c in completions]
+"""
+
+
+@needs_torchrun
+def test_two_processes_keep_each_prompts_samples_together_for_grpo(model_dir, prompts_file, tmp_path):
+    """GRPO's group statistics need a prompt's n samples in one place: each process takes whole prompts."""
+    log = tmp_path / "scored"
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_THAT_LOGS.format(log=str(log)))
+    numbered = tmp_path / "prompts.jsonl"  # prompt texts repeat in the demo data; a row number tells the rows apart
+    rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    numbered.write_text("".join(json.dumps({**r, "row": i}) + "\n" for i, r in enumerate(rows)))
+    config = _config(model_dir, numbered, tmp_path, total_episodes=32, save_steps=0, num_sample_generations=0,
+                     advantage_estimator="grpo", num_samples_per_prompt=4)
+    settings = yaml.safe_load(config.read_text())
+    settings["reward"]["functions"] = [f"{reward}:logged_length"]
+    config.write_text(yaml.safe_dump(settings))
+    result = _launch(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 16 episodes per update = 4 prompts x 4 samples, 2 prompts on each process
+    assert [(r["update"], r["episode"]) for r in _records(tmp_path / "run-ddp")] == [(1, 16), (2, 32)]
+    calls = [[json.loads(line) for line in (tmp_path / f"scored-{rank}").read_text().splitlines()] for rank in (0, 1)]
+    assert [len(c) for c in calls] == [2, 2]  # one scoring call per update on each process
+    for update in range(2):
+        per_process = [calls[rank][update] for rank in (0, 1)]
+        for rows in per_process:
+            assert len(rows) == 8 and all(rows[i] == rows[i - i % 4] for i in range(8))  # runs of 4 samples of one row
+        assert not set(per_process[0]) & set(per_process[1])  # no prompt's samples are split across processes
+        assert len(set(per_process[0]) | set(per_process[1])) == 4
+    assert not (tmp_path / "run-ddp" / "final" / "value_model").exists()

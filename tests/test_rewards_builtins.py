@@ -89,6 +89,11 @@ def test_length_in_words_and_tokens_with_each_shape():
         ({"pattern": "x"}, r"reward.functions\[0\].function: required"),
         ("nonsense", "expected a built-in"),
         (3, "expected a name or a mapping"),
+        (":", r"reward function ':': expected a built-in"),
+        ("my.py:", r"reward function 'my.py:': expected a built-in"),
+        (":fn", r"reward function ':fn': expected a built-in"),
+        ("  :  ", r"expected a built-in"),
+        (".relative:fn", r"importing module .relative raised TypeError"),
     ],
 )
 def test_bad_entries_are_user_errors_naming_the_key(entry, message):
@@ -101,6 +106,16 @@ def test_user_function_entry_gets_keyword_arguments(tmp_path):
     source = function_source({"function": "my_reward.py:bonus", "name": "flat", "amount": 2.5}, "k", tmp_path)
     assert source.name == "flat"
     assert source.score(ScoringBatch(["p"], ["c"])).tolist() == [2.5]
+
+
+def test_a_module_that_fails_or_exits_as_it_is_imported_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    (tmp_path / "breaks_on_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"importing .*exits_on_import.py raised SystemExit"):
+        function_source("exits_on_import.py:fn", "k", tmp_path)
+    with pytest.raises(UserError, match=r"importing module breaks_on_import raised RuntimeError: no GPU here"):
+        function_source("breaks_on_import:fn", "k")
 
 
 def test_file_function_that_is_missing_or_not_callable_says_which(tmp_path):

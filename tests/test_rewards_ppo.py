@@ -1,4 +1,11 @@
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -107,3 +114,138 @@ def test_python_objects_as_sources(model_dir, prompts_file, tmp_path, tokenizer,
     assert config.reward.functions == ["sentiment"]  # the caller's config is left as it was
     # the reward model has another vocabulary, so the critic starts from the policy, not from it
     assert trainer.value_model.get_input_embeddings().num_embeddings == len(tokenizer)
+
+
+def test_a_reward_function_that_edits_its_arguments_changes_nothing_outside_itself(model_dir, demo_data, tmp_path):
+    from ppokit import checkpoint
+
+    rows = [{"prompt": r["prompt"], "meta": {"tags": ["t"], "i": i}} for i, r in enumerate(demo_data["prompts"][:16])]
+    for name, part in (("train", rows[:12]), ("eval", rows[12:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    seen = []
+
+    def vandal(prompts, completions, meta, **columns):
+        n = len(completions)
+        prompts[0] = "EDITED prompt"
+        completions[:] = ["EDITED"] * n
+        for m in meta:
+            m["tags"].append("EDITED")
+            m["new"] = "EDITED"
+        meta.reverse()
+        completions.clear()  # was a traceback: the scorer counted 0 completions
+        return [1.0] * n
+
+    def witness(prompts, completions, meta, **columns):
+        seen.append(json.dumps([prompts, completions, meta]))
+        return [0.5] * len(completions)
+
+    def config():
+        c = tiny_ppo_config(model_dir("llama"), tmp_path / "train.jsonl", tmp_path / "run", total_episodes=8, save_steps=1)
+        c.data.eval = str(tmp_path / "eval.jsonl")
+        return c
+
+    trainer = PPOTrainer(config(), reward_functions=[vandal, witness], show_progress=False)
+    trainer.train()
+    samples = (tmp_path / "run" / "samples.jsonl").read_text()
+    assert samples and "EDITED" not in samples and seen and not any("EDITED" in s for s in seen)
+    prompts = {r["prompt"] for r in rows}
+    assert all(json.loads(line)["prompt"] in prompts for line in samples.splitlines())
+    assert trainer.train_data.columns["meta"] == [r["meta"] for r in rows[:12]]
+    assert trainer.eval_data.columns["meta"] == [r["meta"] for r in rows[12:]]
+    # the data a checkpoint records is the data on disk, so resuming is accepted
+    again = PPOTrainer(config(), reward_functions=[vandal, witness], show_progress=False)
+    saved = checkpoint.find_checkpoint(None, tmp_path / "run")
+    again.resume_from(saved)
+    assert saved.name == "update-1" and again.state.update == 1
+
+
+def test_a_reward_function_past_reward_timeout_s_is_skipped_like_any_failure(model_dir, prompts_file, tmp_path):
+    from ppokit.guards import NonFiniteStop
+
+    release = threading.Event()
+
+    def stalls(prompts, completions, **columns):
+        release.wait(120)  # released at the end of the test: no thread outlives it for long
+        return [1.0] * len(completions)
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=16, max_skipped_updates=2)
+    config.reward.timeout_s, config.reward.on_error = 1.0, "skip"
+    trainer = PPOTrainer(config, reward_functions=["sentiment", stalls], show_progress=False)
+    t0 = time.monotonic()
+    try:
+        with pytest.warns(UserWarning, match=r"reward function stalls did not return within reward.timeout_s=1s"):
+            with pytest.raises(NonFiniteStop, match=r"2 updates in a row were skipped .*stalls"):
+                trainer.train()
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 60
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line.get("nonfinite/score") for line in lines] == [1, 1]
+
+
+def test_a_reward_function_that_sleeps_for_ever_stops_the_run_with_one_line(model_dir, prompts_file, tmp_path):
+    (tmp_path / "sleepy.py").write_text("import time\n\ndef sleepy(prompts, completions, **columns):\n    time.sleep(3600)\n")
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump({
+        "model": str(model_dir("llama")), "output_dir": str(tmp_path / "run"), "data": {"train": str(prompts_file)},
+        "reward": {"functions": ["sleepy.py:sleepy"], "timeout_s": 2},
+        "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 2, "response_length": 8},
+    }))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "ppo.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - t0 < 200
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ppokit: error: reward function sleepy did not return within reward.timeout_s=2s (its thread is left running: Python cannot stop it)"
+    )
+
+
+@pytest.mark.parametrize("timeout_s", [600, None], ids=["worker-thread", "main-thread"])
+def test_a_second_sigterm_abandons_an_update_stuck_in_a_reward_function(model_dir, prompts_file, tmp_path, timeout_s):
+    (tmp_path / "sleepy.py").write_text(
+        "import time\n\nCALLS = 0\n\n"
+        "def sleepy(prompts, completions, **columns):\n"
+        "    global CALLS\n"
+        "    CALLS += 1\n"
+        "    if CALLS >= 2:  # update 1 completes (and is saved); update 2 never does\n"
+        "        open('sleeping', 'w').close()\n"
+        "        time.sleep(3600)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    out = tmp_path / "run"
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump({
+        "model": str(model_dir("llama")), "output_dir": str(out), "data": {"train": str(prompts_file)},
+        "reward": {"functions": ["sleepy.py:sleepy"], "timeout_s": timeout_s},
+        "ppo": {"total_episodes": 16, "per_device_train_batch_size": 4, "num_mini_batches": 2, "response_length": 8,
+                "save_steps": 1, "num_sample_generations": 0},
+    }))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "stderr.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "ppokit", "ppo", "ppo.yaml"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "sleeping").exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached update 2"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        while "finishing update 2" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        assert proc.poll() is None  # the first signal waits for the update, which never ends
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143, log.read_text()[-3000:]
+        assert time.monotonic() - sent < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = log.read_text()
+    assert f"SIGTERM received twice: abandoned update 2; the last complete checkpoint is {out / 'checkpoints' / 'update-1'}" in stderr
+    assert "Traceback" not in stderr

@@ -1,5 +1,8 @@
 import asyncio
 import math
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -163,3 +166,168 @@ def test_statistics_are_shared_across_processes_through_all_reduce():
     everything = torch.tensor([1.0, 2.0, 3.0, 0.0, 100.0, 1.0])
     assert m.count == 6 and m.mean == pytest.approx(everything.mean().item())
     assert m.var == pytest.approx(everything.var(unbiased=False).item())
+
+
+# --------------------------------------------------------------------------- each source its own copy
+
+
+def test_a_function_that_edits_its_arguments_changes_nothing_outside_itself():
+    messages = [[{"role": "user", "content": f"q{i}"}] for i in range(4)]
+    b = ScoringBatch(list(PROMPTS), list(COMPLETIONS), {"k": [0, 1, 2, 3], "messages": messages},
+                     input_ids=torch.arange(8).reshape(4, 2), completion_ids=[[1], [2], [3], [4]])
+    before = (list(b.prompts), list(b.completions), repr(b.columns), b.input_ids.clone(), [list(r) for r in b.completion_ids])
+    seen = []
+
+    def vandal(prompts, completions, k, messages, completion_ids, **columns):
+        n = len(completions)
+        prompts[0] = "edited"
+        completions.append("extra")
+        k.reverse()
+        messages[0][0]["content"] = "edited"
+        messages[1].append({"role": "assistant", "content": "injected"})
+        completion_ids[0].append(99)
+        completions.clear()  # was a traceback: the scorer then counted 0 completions
+        return [1.0] * n
+
+    def witness(prompts, completions, k, messages, **columns):
+        seen.append((list(prompts), list(completions), list(k), repr(messages)))
+        return [0.0] * len(completions)
+
+    class TensorVandal:  # a RewardSource object: it gets a copy too, tensors included
+        name = "tensor_vandal"
+
+        def score(self, batch):
+            batch.input_ids.zero_()
+            batch.prompts.clear()
+            return torch.ones(4)
+
+    result = scorer(vandal, TensorVandal(), witness).score(b)
+    assert result.valid.all() and result.scores.tolist() == [2.0] * 4
+    assert seen == [(before[0], before[1], [0, 1, 2, 3], repr(messages))] and "edited" not in before[2]
+    assert (b.prompts, b.completions, repr(b.columns)) == (before[0], before[1], before[2])
+    assert torch.equal(b.input_ids, before[3]) and b.completion_ids == before[4]
+
+
+def test_a_function_that_empties_its_completions_and_returns_nothing_fails_with_one_line():
+    def clears(prompts, completions, **columns):
+        completions.clear()
+        return [1.0 for _ in completions]
+
+    with pytest.raises(RewardError, match=r"reward function clears returned 0 scores for 4 completions; first row 0: prompt 'p0'"):
+        scorer(clears).score(batch())
+
+
+# --------------------------------------------------------------------------- what counts as a score
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (["0.5"] * 4, r"returned '0.5' \(a str\) for row 0: prompt 'p0', completion 'good'; expected a number"),
+        ("1111", r"returned '1111' \(a str\), not a list of numbers"),
+        ("11111111", r"returned '11111111' \(a str\), not a list of numbers"),
+        ([1.0, 1.0, b"1", 1.0], r"returned b'1' \(a bytes\) for row 2"),
+        ({"a": 1.0}, r"\(a dict\), not a list of numbers"),
+        (0.5, r"returned 0.5 \(a float\), not a list of numbers"),
+        ([[1.0, 2.0]] * 4, r"returned \[1.0, 2.0\] \(a list\) for row 0"),
+    ],
+)
+def test_strings_and_other_non_numbers_are_a_failed_source(returned, message):
+    fn = lambda prompts, completions, **columns: returned  # noqa: E731
+    with pytest.raises(RewardError, match=message) as e:
+        scorer(fn).score(batch())
+    assert str(e.value).count("prompt 'p0'") == 1, str(e.value)  # the row is named once, not again as the failing one
+    with pytest.warns(UserWarning, match=message):
+        assert not scorer(fn, on_error="skip").score(batch()).valid.any()
+
+
+def test_numbers_of_every_usual_kind_are_scores():
+    import numpy as np
+
+    kinds = [
+        [True, False, True, False], (1, 0, 1, 0), torch.tensor([1.0, 0.0, 1.0, 0.0]), np.array([1, 0, 1, 0]),
+        [np.float32(1), np.int64(0), torch.tensor(1.0), 0.0], (float(i % 2 == 0) for i in range(4)),
+    ]
+    for returned in kinds:
+        got = scorer(lambda prompts, completions, r=returned, **columns: r).score(batch()).scores.tolist()
+        assert got == [1.0, 0.0, 1.0, 0.0], returned
+
+
+def test_sys_exit_in_a_reward_function_is_that_function_failing():
+    def quits(prompts, completions, **columns):
+        if "boom" in completions:
+            sys.exit(0)
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"reward function quits called sys.exit\(0\).*failing row 2"):
+        scorer(quits).score(batch())
+    with pytest.warns(UserWarning, match=r"sys.exit\(0\)"):
+        assert scorer(quits, on_error="skip").score(batch()).valid.tolist() == [True, True, False, True]
+
+    class QuittingSource:  # a RewardSource object too
+        name = "quitter"
+
+        def score(self, batch):
+            raise SystemExit("bye")
+
+    with pytest.raises(RewardError, match=r"reward source quitter called sys.exit\('bye'\)"):
+        scorer(QuittingSource()).score(batch())
+
+
+# --------------------------------------------------------------------------- reward.timeout_s
+
+
+def test_a_function_past_its_deadline_fails_and_fails_at_once_until_it_returns():
+    release = threading.Event()
+    calls = []
+
+    def hangs(prompts, completions, **columns):
+        calls.append(len(completions))
+        if len(calls) == 1:
+            release.wait(60)  # the test releases it; never longer than a minute
+        return [1.0] * len(completions)
+
+    s = scorer(hangs, const(2.0), on_error="skip", timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning, match=r"reward function hangs did not return within reward.timeout_s=0.5s"):
+        result = s.score(batch())
+    assert time.monotonic() - t0 < 5 and not result.valid.any() and calls == [4]  # no row-by-row retry of a stuck function
+    t0 = time.monotonic()
+    again = s.score(batch())  # the stuck call still runs: this one fails at once, no second thread
+    assert time.monotonic() - t0 < 0.5 and not again.valid.any() and calls == [4]
+    assert "has still not returned" in again.errors[0]
+    release.set()
+    for _ in range(100):
+        if s.sources[0].stuck_s() is None:
+            break
+        time.sleep(0.05)
+    assert s.score(batch()).valid.all() and calls == [4, 4]
+    with pytest.raises(RewardError, match="did not return within reward.timeout_s=0.1s"):
+        scorer(lambda p, c, **k: time.sleep(5) or [1.0] * len(c), timeout_s=0.1).score(batch())
+
+
+def test_a_function_in_its_worker_thread_runs_in_the_callers_grad_mode():
+    modes = []
+
+    def records(prompts, completions, **columns):
+        modes.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), threading.current_thread().name))
+        return [1.0] * len(completions)
+
+    s = scorer(records, timeout_s=10)
+    with torch.no_grad():
+        s.score(batch())
+    with torch.inference_mode():
+        s.score(batch())
+    s.score(batch())
+    assert [m[:2] for m in modes] == [(False, False), (False, True), (True, False)]
+    assert all(m[2] == "reward-records" for m in modes)
+    scorer(records, timeout_s=None).score(batch())  # null: the caller's own thread
+    assert modes[-1][2] == threading.current_thread().name
+
+
+def test_timeout_s_is_a_checked_config_key():
+    from ppokit.config import validate
+
+    assert RewardConfig().timeout_s == 600.0
+    with pytest.raises(UserError, match=r"reward.timeout_s: value 0 is out of range, it must be > 0"):
+        validate(RewardConfig(timeout_s=0), prefix="reward.")

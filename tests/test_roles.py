@@ -330,7 +330,7 @@ def trainer_role_table(trainer) -> dict:
         "reference": count(trainer.ref_model) if trainer.ref_model is not None else 0,
         "policy frozen": count(trainer.policy, False),
     }
-    if trainer.layout.critic != roles_module.CRITIC_SHARED:
+    if trainer.layout.critic not in (roles_module.CRITIC_SHARED, roles_module.CRITIC_NONE):
         # The plan counts the weights a role holds itself: not the reward model's frozen ones, which a
         # critic's adapter may sit on.
         rm = trainer.scorer.reward_model
@@ -342,11 +342,11 @@ def trainer_role_table(trainer) -> dict:
 def plan_role_table(plan) -> dict:
     by_role = {r.role: r for r in plan.roles}
     table = {
-        "trainable": by_role["policy"].trainable + by_role["value"].trainable,
+        "trainable": by_role["policy"].trainable + (by_role["value"].trainable if "value" in by_role else 0),
         "reference": by_role["reference"].params,
         "policy frozen": by_role["policy"].params - by_role["policy"].trainable,
     }
-    if plan.layout.critic != roles_module.CRITIC_SHARED:
+    if plan.layout.critic not in (roles_module.CRITIC_SHARED, roles_module.CRITIC_NONE):
         table["value"] = by_role["value"].params
     return table
 
@@ -367,6 +367,9 @@ LAYOUTS = {
                                                    roles_module.CRITIC_POLICY_COPY),
     "lora, full critic": ({"lora": True, "value_model_lora": False}, roles_module.REFERENCE_BASE, roles_module.CRITIC_POLICY_COPY),
     "lora, own critic with its adapter": ({"lora": True, "value_model": "qwen2"}, roles_module.REFERENCE_BASE, roles_module.CRITIC_OWN),
+    "full, critic-free estimator": ({"estimator": "grpo"}, roles_module.REFERENCE_COPY, roles_module.CRITIC_NONE),
+    "lora, critic-free estimator, reward model": ({"lora": True, "reward": "same", "estimator": "reinforce_pp"},
+                                                  roles_module.REFERENCE_BASE, roles_module.CRITIC_NONE),
 }
 
 
@@ -384,6 +387,9 @@ def test_plan_and_trainer_agree_on_every_layout(name, model_dir, reward_model_di
         config.ref_model = str(model_dir(changes["ref_model"]))
     value = changes.get("value_model")
     config.value_model = str(model_dir(value)) if value in ("gpt2", "qwen2") else value
+    if "estimator" in changes:
+        config.ppo.advantage_estimator = changes["estimator"]
+        config.ppo.num_samples_per_prompt = 2
 
     plan = plan_for(config)
     trainer = PPOTrainer(config, show_progress=False)

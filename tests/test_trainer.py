@@ -21,13 +21,19 @@ def _trainer_with_dropout(model_dir, prompts_file, tmp_path, arch, dropout, **pp
     return PPOTrainer(tiny_ppo_config(directory, prompts_file, tmp_path / "run", **ppo), show_progress=False)
 
 
-@pytest.mark.parametrize("dropout", [None, 0.5])
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
-def test_ratio_is_one_on_first_minibatch(arch, dropout, model_dir, prompts_file, tmp_path):
+TRUNCATED = {"top_k": 5, "top_p": 0.9, "min_p": 0.05}
+
+
+@pytest.mark.parametrize(
+    "arch,dropout,sampling",
+    [(arch, dropout, {}) for arch in ("gpt2", "llama", "qwen2") for dropout in (None, 0.5)] + [("llama", None, TRUNCATED)],
+)
+def test_ratio_is_one_on_first_minibatch(arch, dropout, sampling, model_dir, prompts_file, tmp_path):
     """Sampling logprobs (logits / T, KV cache, left padding) equal the training forward's, also
     for a checkpoint saved with dropout (Llama/Qwen2 attention copies `attention_dropout` at
-    construction: zeroing the config alone left a first-minibatch ratio of 0.64..1.36)."""
-    trainer = _trainer_with_dropout(model_dir, prompts_file, tmp_path, arch, dropout, temperature=0.7, response_length=12)
+    construction: zeroing the config alone left a first-minibatch ratio of 0.64..1.36), and with
+    top-k / top-p / min-p sampling (the logprobs are the full softmax's, not the truncated distribution's)."""
+    trainer = _trainer_with_dropout(model_dir, prompts_file, tmp_path, arch, dropout, temperature=0.7, response_length=12, **sampling)
     rollout = trainer.generate([trainer.train_query_ids[i] for i in trainer.batch_indices(0)])
     assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
     mb = rollout.select(torch.arange(4))

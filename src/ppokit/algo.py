@@ -18,15 +18,58 @@ References:
            of Paired Comparisons", Biometrika 39(3/4).
   [O22]    Ouyang et al. 2022, "Training language models to follow instructions with human
            feedback", arXiv:2203.02155.
+  [GRPO]   Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+           Language Models", arXiv:2402.03300 (section 4.1.2, outcome supervision).
+  [DrGRPO] Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+           arXiv:2503.20783 (section 3.2: no std scaling, no 1/|o_i| length normalisation).
+  [RLOO]   Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+           Learning from Human Feedback in LLMs", arXiv:2402.14740 (section 3, RLOO estimator);
+           Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!".
+  [RPP]    Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
+           Models", arXiv:2501.03262 (token-level KL penalty, discounted return, advantage
+           normalisation over the global batch).
+  [ReMax]  Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+           Method for Aligning Large Language Models", arXiv:2310.10505 (Algorithm 1: the
+           greedy response's reward as the baseline).
+  [DAPO]   Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+           arXiv:2503.14476 (section 3.1 clip-higher, eps_low < eps_high; section 3.3 token-level
+           loss).
+  [DC]     Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+           Learning", arXiv:1912.09729 (dual-clip PPO: for A < 0 the loss is capped at c * |A|).
+
+Loss aggregation and micro-batches (the contract `ppo_loss` keeps; batching code relies on it):
+
+  Every loss term is  L = sum_{i,t} w_{i,t} * l_{i,t} / D.  The per-token weights w depend only
+  on their own row (`token_weights`: 1 on real tokens, or 1/|o_i| for seq_mean_token_mean), and
+  the normaliser D is one number for the set of rows that make one optimiser step
+  (`loss_normalisers`: real tokens, sequences, or sequences x response_length). So a caller that
+  computes D once over a whole minibatch, passes the same D to `ppo_loss` for every micro-batch
+  of it and lets the gradients add up gets exactly the gradient of the minibatch in one piece,
+  however its rows are split into micro-batches (by count or by a token budget).
+  The trainer's default (TRL's) instead computes D over each micro-batch and divides each
+  micro-batch's loss by the number of micro-batches: with micro-batches of equal token counts
+  the two agree; otherwise the default weights a token by its micro-batch's size. With several
+  processes (DDP averages gradients), a D summed over the processes' minibatches and a loss
+  multiplied by the number of processes normalise over the global minibatch.
+  The value loss is always a token mean (its own D: the real tokens); the policy, KL-loss and
+  entropy terms use the configured aggregation.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
+CRITIC_FREE_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp", "remax"})  # no value model
+GROUP_ESTIMATORS = frozenset({"grpo", "rloo"})  # a baseline from the other samples of a prompt: n >= 2
+GREEDY_BASELINE_ESTIMATORS = frozenset({"remax"})  # a greedy response per prompt is sampled and scored as the baseline
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+# Sums a tensor over every process (the trainer passes accelerate's reduce); None: one process.
+AllReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
 # --------------------------------------------------------------------------- logprobs
@@ -48,17 +91,20 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     return chosen - logsumexp
 
 
-def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`logprobs_from_logits` (with grad) and the entropy of the temperature-scaled distribution
-    at each position (detached, a statistic), from one log-softmax.
+    at each position, from one log-softmax.
 
     logits: (B, T, V); tokens: (B, T) long -> (logprobs (B, T) float32, entropy (B, T) float32).
     H = -sum_v p_v log p_v. The training step needs both; sharing the scaled log-softmax saves a
-    pass and a float32 copy over the vocabulary per micro-batch.
+    pass and a float32 copy over the vocabulary per micro-batch. The entropy is detached (a
+    statistic) unless `entropy_grad`, for an entropy bonus in the loss.
     """
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp.exp() * logp).sum(-1)
     return chosen, entropy
 
@@ -138,6 +184,46 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened * mask.to(values.dtype)
 
 
+def _summed(values: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+    return values if all_reduce is None else all_reduce(values)
+
+
+def _masked_mean_and_var(values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean, unbiased variance, count) of values over the real tokens of every process.
+
+    Two passes (the mean first, then the centred squares), one reduction each: the sum of squares
+    minus the squared sum loses the digits that matter when the mean is large.
+    """
+    maskf = mask.to(values.dtype)
+    count, total = _summed(torch.stack([maskf.sum(), (values * maskf).sum()]), all_reduce)
+    mean = total / count.clamp(min=1)
+    centred_sq = _summed((((values - mean) ** 2) * maskf).sum().reshape(1), all_reduce)[0]
+    var = torch.where(count > 1, centred_sq / (count - 1).clamp(min=1), centred_sq / count.clamp(min=1))
+    return mean, var, count
+
+
+def whiten_over_batch(values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce = None) -> torch.Tensor:
+    """`masked_whiten` with the mean and variance taken over the global batch: the real tokens of
+    every process (`all_reduce` sums a tensor over them) [RPP, global advantage normalisation].
+
+    values, mask: (B, T) -> (B, T), 0 on padding. Unbiased variance, as `masked_whiten`.
+    """
+    mean, var, _ = _masked_mean_and_var(values, mask, all_reduce)
+    return (values - mean) * torch.rsqrt(var + 1e-8) * mask.to(values.dtype)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce = None) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the real tokens of every process (scalar).
+
+    values (the critic's predictions at rollout time), returns (its targets), mask: (B, T).
+    1 is a perfect critic, 0 one no better than a constant, below 0 worse than a constant.
+    Returns of zero variance give 0 (nothing to explain), as the metric is a diagnostic.
+    """
+    _, var_returns, _ = _masked_mean_and_var(returns, mask, all_reduce)
+    _, var_residual, _ = _masked_mean_and_var(returns - values, mask, all_reduce)
+    return torch.where(var_returns > 0, 1 - var_residual / var_returns.clamp(min=torch.finfo(var_returns.dtype).tiny), torch.zeros_like(var_returns))
+
+
 # --------------------------------------------------------------------------- KL and rewards
 
 
@@ -206,15 +292,202 @@ def gae(
     return advantages, returns
 
 
+# --------------------------------------------------------------------------- critic-free estimators
+#
+# Group layout: the trainer samples n = group_size responses per prompt and keeps them adjacent,
+# so rows [g * n, (g + 1) * n) of a (B,) tensor are the n samples of prompt g (B = G * n).
+# A row dropped from the update (all padding, e.g. reward.on_error=skip) is no member of its group:
+# `valid` is False there, it gets advantage 0, and the others' baseline is taken without it.
+
+
+def sequence_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The outcome reward of each sequence: its per-token rewards summed over real tokens.
+
+    rewards: (B, T) from `shape_rewards`; response_mask: (B, T) bool -> (B,).
+    With the KL in the reward this is score - kl_coef * sum_t KL_t; without it, the score.
+    """
+    return (rewards * response_mask.to(rewards.dtype)).sum(-1)
+
+
+def _groups(scores: torch.Tensor, valid: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores (G, n), valid (G, n) float, members per group (G, 1)) for rows laid out in groups."""
+    if scores.shape[0] % group_size:
+        raise ValueError(f"{scores.shape[0]} rows are not whole groups of {group_size}")
+    r = scores.reshape(-1, group_size)
+    v = valid.reshape(-1, group_size).to(r.dtype)
+    return r, v, v.sum(1, keepdim=True)
+
+
+def grpo_advantages(
+    scores: torch.Tensor, valid: torch.Tensor, group_size: int, scale_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-normalised outcome advantage [GRPO, section 4.1.2]; unscaled with scale_std=False [DrGRPO].
+
+    scores: (B,) outcome reward of each sequence; valid: (B,) bool; B = G * group_size -> (B,).
+    A_i = (r_i - mean_g r) / (std_g r + eps)  (std with Bessel's correction, as torch.std), or
+    A_i = r_i - mean_g r  (Dr. GRPO), both over the valid members of i's group.
+    A group with fewer than two valid members has no baseline: its advantages are 0, and so are
+    a group's whose rewards are all equal.
+    """
+    r, v, count = _groups(scores, valid, group_size)
+    mean = (r * v).sum(1, keepdim=True) / count.clamp(min=1)
+    advantage = (r - mean) * v
+    if scale_std:
+        std = ((advantage**2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        advantage = advantage / (std + eps)
+    return torch.where(count >= 2, advantage, torch.zeros_like(advantage)).reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantage [RLOO, section 3].
+
+    scores: (B,); valid: (B,) bool; B = G * group_size -> (B,).
+    A_i = r_i - 1/(k - 1) * sum_{j != i} r_j over the k valid members of i's group
+        = k/(k - 1) * (r_i - mean_g r). Groups with fewer than two valid members: 0.
+    """
+    r, v, count = _groups(scores, valid, group_size)
+    total = (r * v).sum(1, keepdim=True)
+    advantage = (r - (total - r) / (count - 1).clamp(min=1)) * v
+    return torch.where(count >= 2, advantage, torch.zeros_like(advantage)).reshape(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) r_s over the real tokens of each row.
+
+    rewards: (B, T); response_mask: (B, T) bool -> (B, T), 0 on padding. One pass backwards.
+    """
+    maskf = response_mask.to(rewards.dtype)
+    rewards = rewards * maskf
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * maskf
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float, whiten: bool = True, all_reduce: AllReduce = None
+) -> torch.Tensor:
+    """REINFORCE++ [RPP]: the discounted return of the KL-shaped token rewards, normalised over
+    the global batch.
+
+    rewards: (B, T) from `shape_rewards` (score at the last real token, -kl_coef * KL_t on every
+    token); response_mask: (B, T) bool -> (B, T). A_t = (G_t - mean G) / std G over the real tokens
+    of every process (`all_reduce`); whiten=False keeps G_t (plain REINFORCE with a KL penalty).
+    """
+    returns = discounted_returns(rewards, response_mask, gamma)
+    return whiten_over_batch(returns, response_mask, all_reduce) if whiten else returns
+
+
+def remax_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tensor:
+    """ReMax [ReMax, Algorithm 1]: the return minus the greedy response's reward.
+
+    rewards: (B, T) per-token rewards of the sampled responses; baseline_scores: (B,) score of the
+    greedy response to the same prompt -> (B, T). A_t = sum_{s >= t} r_s - r(greedy); with no KL in
+    the reward, A_t = r - r(greedy) on every token.
+    """
+    returns = discounted_returns(rewards, response_mask, 1.0)
+    return (returns - baseline_scores.to(returns.dtype).unsqueeze(1)) * response_mask.to(returns.dtype)
+
+
+def advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    values: Optional[torch.Tensor] = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+    group_size: int = 1,
+    grpo_scale_std: bool = True,
+    baseline_scores: Optional[torch.Tensor] = None,
+    all_reduce: AllReduce = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The advantage of every response token under `estimator`, and the value targets.
+
+    rewards: (B, T) from `shape_rewards`; response_mask: (B, T) bool; values: (B, T), `gae` only;
+    baseline_scores: (B,) greedy scores, `remax` only -> (advantages (B, T), returns (B, T) for `gae`,
+    None for the critic-free estimators). Padding is 0.
+      gae           [GAE] with the critic's values; whitened per process if `whiten` (TRL does so);
+      grpo          [GRPO] / [DrGRPO] on the sequence rewards of each group of `group_size`;
+      rloo          [RLOO] on the sequence rewards of each group;
+      reinforce_pp  [RPP] discounted return, whitened over every process if `whiten`;
+      remax         [ReMax] return minus the greedy baseline.
+    The outcome estimators (grpo, rloo) give every token of a response the same advantage.
+    """
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("the gae estimator needs the critic's values")
+        adv, returns = gae(rewards, values, response_mask, gamma, lam)
+        return (masked_whiten(adv, response_mask) if whiten else adv), returns
+    maskf = response_mask.to(rewards.dtype)
+    if estimator in GROUP_ESTIMATORS:
+        scores, valid = sequence_rewards(rewards, response_mask), response_mask.any(-1)
+        if estimator == "grpo":
+            per_sequence = grpo_advantages(scores, valid, group_size, grpo_scale_std)
+        else:
+            per_sequence = rloo_advantages(scores, valid, group_size)
+        return per_sequence.unsqueeze(1) * maskf, None
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, response_mask, gamma, whiten, all_reduce), None
+    if estimator == "remax":
+        if baseline_scores is None:
+            raise ValueError("the remax estimator needs the greedy responses' scores")
+        return remax_advantages(rewards, response_mask, baseline_scores), None
+    raise ValueError(f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+
+
 # --------------------------------------------------------------------------- losses
 
 
 class PolicyLossStats(NamedTuple):
-    """Detached statistics of one policy-loss evaluation (scalars)."""
+    """Detached statistics of one policy-loss evaluation (scalars, means over real tokens)."""
 
     approxkl: torch.Tensor
     clipfrac: torch.Tensor
     ratio: torch.Tensor
+
+
+def policy_loss_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    cliprange_low: float,
+    cliprange_high: float,
+    dual_clip_c: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """PPO's clipped surrogate at every token, as a loss [PPO, eq. 7], with an asymmetric clip
+    range [DAPO, clip-higher] and an optional dual clip [DC].
+
+    logprobs (current policy, with grad), old_logprobs (sampling policy), advantages: (B, T)
+    -> (loss (B, T), log_ratio (B, T), ratio (B, T), clipped (B, T) bool, dual_clipped (B, T) bool or None).
+    l_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp);
+    with dual clip c > 1, where A < 0:  l_t = min(l_t, -A c), so a ratio far above 1 on a bad
+    action cannot make the loss unbounded. `clipped` marks the tokens where the clip bound was
+    taken, `dual_clipped` those where the dual clip was.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    loss = torch.max(unclipped, clipped)
+    dual_clipped = None
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        dual_clipped = (advantages < 0) & (loss > cap)
+        loss = torch.where(advantages < 0, torch.min(loss, cap), loss)
+    return loss, log_ratio, ratio, clipped > unclipped, dual_clipped
+
+
+def _policy_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, response_mask: torch.Tensor) -> PolicyLossStats:
+    with torch.no_grad():
+        return PolicyLossStats(
+            approxkl=0.5 * masked_mean(log_ratio**2, response_mask),
+            clipfrac=masked_mean(clipped.float(), response_mask),
+            ratio=masked_mean(ratio, response_mask),
+        )
 
 
 def clipped_policy_loss(
@@ -224,7 +497,7 @@ def clipped_policy_loss(
     response_mask: torch.Tensor,
     cliprange: float,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """PPO's clipped surrogate objective, as a loss to minimise [PPO, eq. 7].
+    """PPO's clipped surrogate objective, as a loss to minimise [PPO, eq. 7], a mean over real tokens.
 
     logprobs (current policy, with grad), old_logprobs (sampling policy), advantages: (B, T);
     response_mask: (B, T) bool -> (scalar loss, PolicyLossStats).
@@ -232,18 +505,22 @@ def clipped_policy_loss(
     approxkl is 0.5 * mean((logp - old_logp)^2) over real tokens, as in OpenAI's baselines
     (TRL's mean also counts padding slots, at 0).
     """
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), response_mask)
-    with torch.no_grad():
-        stats = PolicyLossStats(
-            approxkl=0.5 * masked_mean(log_ratio**2, response_mask),
-            clipfrac=masked_mean((clipped > unclipped).float(), response_mask),
-            ratio=masked_mean(ratio, response_mask),
-        )
-    return loss, stats
+    per_token, log_ratio, ratio, clipped, _ = policy_loss_per_token(logprobs, old_logprobs, advantages, cliprange, cliprange)
+    return masked_mean(per_token, response_mask), _policy_stats(log_ratio, ratio, clipped, response_mask)
+
+
+def value_loss_per_token(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) at every token, and where the clipped
+    term was the larger [PPO as implemented in OpenAI baselines; N+ "value function clipping"].
+
+    values (with grad), old_values (from the rollout), returns: (B, T) -> ((B, T), (B, T) bool).
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped_sq = (values - returns) ** 2
+    clipped_sq = (clipped_values - returns) ** 2
+    return torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
 
 
 def clipped_value_loss(
@@ -253,18 +530,159 @@ def clipped_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss [PPO as implemented in OpenAI baselines; N+ "value function clipping"].
+    """Clipped value loss, a mean over real tokens (see `value_loss_per_token`).
 
     values (with grad), old_values (from the rollout), returns: (B, T); response_mask: (B, T) bool
     -> (scalar loss, detached clip fraction).
     L = 0.5 * mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
     """
-    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
-    unclipped_sq = (values - returns) ** 2
-    clipped_sq = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped_sq, clipped_sq), response_mask)
-    clipfrac = masked_mean((clipped_sq > unclipped_sq).float(), response_mask).detach()
-    return loss, clipfrac
+    per_token, clipped = value_loss_per_token(values, old_values, returns, cliprange_value)
+    loss = 0.5 * masked_mean(per_token, response_mask)
+    return loss, masked_mean(clipped.float(), response_mask).detach()
+
+
+# --------------------------------------------------------------------------- loss aggregation
+
+
+def token_weights(response_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Per-token weights w of an aggregation (see the module docstring): (B, T) bool -> (B, T) float32.
+
+      token_mean, seq_mean_token_sum, seq_mean_token_sum_norm: 1 on every real token;
+      seq_mean_token_mean: 1/|o_i| on the real tokens of row i (each sequence weighs the same).
+    Padding is 0. Each row's weights depend on that row only, so they survive any split into
+    micro-batches.
+    """
+    maskf = response_mask.float()
+    if aggregation == "seq_mean_token_mean":
+        return maskf / maskf.sum(-1, keepdim=True).clamp(min=1)
+    if aggregation in LOSS_AGGREGATIONS:
+        return maskf
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
+
+
+class LossNormalisers(NamedTuple):
+    """The D of the module docstring for the rows of one optimiser step (0-dim float32 tensors)."""
+
+    policy: torch.Tensor  # policy, KL-loss and entropy terms, per the configured aggregation
+    value: torch.Tensor  # the value loss: the number of real tokens
+
+
+def loss_normalisers(response_mask: torch.Tensor, aggregation: str, response_length: int) -> LossNormalisers:
+    """Normalisers over the rows of `response_mask` (B, T) bool, each at least 1.
+
+      token_mean                 D = real tokens                 (TRL's, OpenRLHF's token-level loss) [DAPO, 3.3];
+      seq_mean_token_sum         D = sequences                   (a sum over each sequence, mean over sequences);
+      seq_mean_token_mean        D = sequences                   (weights 1/|o_i|: the original GRPO's mean of means) [GRPO, eq. 3];
+      seq_mean_token_sum_norm    D = sequences x response_length (a constant per sequence: Dr. GRPO's) [DrGRPO, 3.2].
+    Sequences count the rows with at least one real token (rows dropped from the update are none).
+    `response_length` is the configured maximum, not this batch's longest response, so that D
+    does not depend on what was sampled.
+    """
+    maskf = response_mask.float()
+    tokens = maskf.sum().clamp(min=1)
+    sequences = response_mask.any(-1).float().sum().clamp(min=1)
+    if aggregation == "token_mean":
+        policy = tokens
+    elif aggregation in ("seq_mean_token_sum", "seq_mean_token_mean"):
+        policy = sequences
+    elif aggregation == "seq_mean_token_sum_norm":
+        policy = sequences * response_length
+    else:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
+    return LossNormalisers(policy=policy, value=tokens)
+
+
+def aggregate(per_token: torch.Tensor, weights: torch.Tensor, normaliser: torch.Tensor) -> torch.Tensor:
+    """sum_{i,t} w_{i,t} l_{i,t} / D: per_token, weights (B, T); normaliser 0-dim -> scalar."""
+    return (per_token * weights.to(per_token.dtype)).sum() / normaliser
+
+
+class LossSettings(NamedTuple):
+    """The knobs of `ppo_loss` (the trainer builds it once from the config)."""
+
+    cliprange_low: float = 0.2
+    cliprange_high: float = 0.2
+    dual_clip_c: Optional[float] = None  # None: off; else > 1
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
+    aggregation: str = "token_mean"
+
+
+class LossTerms(NamedTuple):
+    """`ppo_loss`'s result: the loss to back-propagate and detached statistics (scalars).
+
+    A term that is off (no critic, no KL loss) is None; `dual_clipfrac` is None without dual clip.
+    """
+
+    loss: torch.Tensor
+    policy: torch.Tensor
+    value: Optional[torch.Tensor]
+    value_clipfrac: Optional[torch.Tensor]
+    kl: Optional[torch.Tensor]
+    entropy: torch.Tensor
+    stats: PolicyLossStats
+    dual_clipfrac: Optional[torch.Tensor]
+
+
+def ppo_loss(
+    settings: LossSettings,
+    normalisers: LossNormalisers,
+    response_mask: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    values: Optional[torch.Tensor] = None,
+    old_values: Optional[torch.Tensor] = None,
+    returns: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+) -> LossTerms:
+    """The loss of one micro-batch: policy + vf_coef * value + kl_loss_coef * KL - entropy_coef * H.
+
+    Tensors (B, T): response_mask bool; logprobs (with grad), old_logprobs, advantages, entropy (with
+    grad when entropy_coef > 0); values (with grad), old_values, returns: with a critic; ref_logprobs:
+    with kl_loss_coef > 0. normalisers: `loss_normalisers` over this micro-batch or over its whole
+    minibatch (module docstring). -> LossTerms.
+      policy  `policy_loss_per_token`, aggregated per `settings.aggregation`;
+      value   0.5 * `value_loss_per_token`, a token mean;
+      KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator)` in the loss (k3 is the usual
+              "low-variance KL" of GRPO [GRPO, eq. 4]), aggregated as the policy term;
+      H       the entropy of the policy at each token, aggregated as the policy term.
+    """
+    weights = token_weights(response_mask, settings.aggregation)
+    per_token, log_ratio, ratio, clipped, dual_clipped = policy_loss_per_token(
+        logprobs, old_logprobs, advantages, settings.cliprange_low, settings.cliprange_high, settings.dual_clip_c
+    )
+    policy = aggregate(per_token, weights, normalisers.policy)
+    loss = policy
+    value = value_clipfrac = kl = None
+    if values is not None:
+        value_per_token, value_clipped = value_loss_per_token(values, old_values, returns, settings.cliprange_value)
+        value = 0.5 * aggregate(value_per_token, response_mask, normalisers.value)
+        loss = loss + settings.vf_coef * value
+        value_clipfrac = masked_mean(value_clipped.float(), response_mask).detach()
+    if settings.kl_loss_coef > 0:
+        kl = aggregate(kl_per_token(logprobs, ref_logprobs, settings.kl_loss_estimator), weights, normalisers.policy)
+        loss = loss + settings.kl_loss_coef * kl
+        kl = kl.detach()
+    if settings.entropy_coef > 0:
+        loss = loss - settings.entropy_coef * aggregate(entropy, weights, normalisers.policy)
+    with torch.no_grad():
+        dual_clipfrac = masked_mean(dual_clipped.float(), response_mask) if dual_clipped is not None else None
+        return LossTerms(
+            loss=loss,
+            policy=policy.detach(),
+            value=value.detach() if value is not None else None,
+            value_clipfrac=value_clipfrac,
+            kl=kl,
+            entropy=masked_mean(entropy.detach(), response_mask),
+            stats=_policy_stats(log_ratio, ratio, clipped, response_mask),
+            dual_clipfrac=dual_clipfrac,
+        )
 
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:

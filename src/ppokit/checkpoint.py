@@ -301,6 +301,7 @@ class RunFacts:
     batch: int  # episodes per update, over every process
     num_updates: int
     save_total_limit: Optional[int] = None
+    samples_per_prompt: int = 1  # an update takes batch / samples_per_prompt prompts
 
 
 class PlainWeights:
@@ -329,7 +330,8 @@ class PlainWeights:
             _load_trainable(parts, path / "trainable.safetensors")
         else:
             load_weights(parts.model.policy, path / "model")
-            load_weights(parts.model.value_model, path / "model" / "value_model")
+            if parts.model.value_model is not None:  # a critic-free estimator has none
+                load_weights(parts.model.value_model, path / "model" / "value_model")
         try:
             parts.optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
         except (ValueError, KeyError) as e:
@@ -401,7 +403,8 @@ def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: Ru
             "seed": config.seed,
             "num_prompts": len(run.train_data),
             "batch": run.batch,
-            **state.data_position(len(run.train_data), run.batch),
+            "samples_per_prompt": run.samples_per_prompt,
+            **state.data_position(len(run.train_data), run.batch // run.samples_per_prompt),
             "train_sha256": data_fingerprint(run.train_data),
             "eval_sha256": data_fingerprint(run.eval_data),
         },

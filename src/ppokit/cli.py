@@ -130,7 +130,7 @@ def _plan(args) -> int:
 def _demo(args) -> int:
     from ppokit.demo import run_demo
 
-    summary = run_demo(args.output, quick=args.quick, seed=args.seed)
+    summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator)
     print(json.dumps(summary))
     return 0
 
@@ -219,8 +219,20 @@ def _limit(text: str):
 def _serve_rm(args) -> int:
     from ppokit.rewards import serve, source_from_argument
 
-    source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code)
-    serve(source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose)
+    token = None
+    if args.token_env is not None:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise UserError(f"serve-rm --token-env {args.token_env}: the environment variable {args.token_env} is not set or empty")
+    for flag, value in (("--workers", args.workers), ("--read-timeout-s", args.read_timeout_s), ("--stuck-after-s", args.stuck_after_s),
+                        ("--max-request-bytes", args.max_request_bytes), ("--max-rows", args.max_rows), ("--timeout-s", args.timeout_s)):
+        if not value > 0:
+            raise UserError(f"serve-rm {flag}: {value} is out of range, it must be > 0")
+    source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code, timeout_s=args.timeout_s)
+    serve(
+        source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose,
+        workers=args.workers, read_timeout_s=args.read_timeout_s, stuck_after_s=args.stuck_after_s, token=token,
+    )
     return 0
 
 
@@ -250,6 +262,8 @@ OVERWRITE_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ppokit.config import RewardConfig
+
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -315,10 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
 
+    from ppokit.config import ADVANTAGE_ESTIMATORS  # no torch: the parser stays quick
+
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")
     demo.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 cores")
     demo.add_argument("--output", default="ppokit-demo", help="directory for data/, sft/ and ppo/ (default: ppokit-demo)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--estimator", default="gae", choices=ADVANTAGE_ESTIMATORS,
+                      help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: gae)")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(
@@ -335,10 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_rm = sub.add_parser("serve-rm", help="serve a reward model or reward function over HTTP (the reward.remote protocol)")
     serve_rm.add_argument("model", help="a saved reward model directory, a reward function (`sentiment`, `file.py:fn`, `module:fn`) or a YAML mapping such as '{function: contains, required: [great]}'")
-    serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; there is no authentication)")
+    serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; beyond it, set --token-env)")
     serve_rm.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
+    serve_rm.add_argument("--token-env", metavar="VAR", help="require `Authorization: Bearer <token>` on every POST, the token read from environment variable VAR "
+                          "(clients send it with reward.remote.headers: {Authorization: \"Bearer ${VAR}\"})")
     serve_rm.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger requests are refused with HTTP 413 (default 16 MiB)")
     serve_rm.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
+    serve_rm.add_argument("--workers", type=int, default=8, help="connections handled at once (default 8); 4x as many more wait, the rest get HTTP 503")
+    serve_rm.add_argument("--read-timeout-s", type=float, default=30.0, help="a client must send its whole request within this time, else it is closed (default 30)")
+    serve_rm.add_argument("--stuck-after-s", type=float, default=60.0, help="a scoring call running longer than this makes GET / answer 503 and new POSTs get 503 instead of waiting (default 60)")
+    serve_rm.add_argument("--timeout-s", type=float, default=RewardConfig.timeout_s,
+                          help=f"a reward function's deadline per call, as reward.timeout_s (default {RewardConfig.timeout_s:g}); the request then gets HTTP 422")
     serve_rm.add_argument("--trust-remote-code", action="store_true", help="allow the model repository to run its own Python code")
     serve_rm.add_argument("--verbose", action="store_true", help="log every request to stderr")
     serve_rm.set_defaults(func=_serve_rm)

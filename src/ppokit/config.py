@@ -44,6 +44,22 @@ fraction = _rule("in [0, 1)", lambda v: 0 <= v < 1)
 seed_range = _rule("in 0..2**32-1 (what NumPy's RNG takes)", lambda v: 0 <= v < 2**32)
 a_path = _rule("a path", lambda v: bool(v.strip()))
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
+# The same names as ppokit.algo's (tests/test_config.py checks); repeated here so that reading a
+# config does not import torch.
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
+CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "remax")
+GROUP_ESTIMATORS = ("grpo", "rloo")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _one_of(choices: tuple[str, ...]):
+    return _rule(f"one of {', '.join(choices)}", lambda v: v in choices)
+
+
+above_one = _rule("> 1", lambda v: v > 1)
+open_unit = _rule("in (0, 1)", lambda v: 0 < v < 1)
+half_open_unit = _rule("in (0, 1]", lambda v: 0 < v <= 1)
 
 
 @dataclass
@@ -61,6 +77,11 @@ class PPOHyperparams:
     temperature: float = doc(0.7, "Sampling temperature; logits are divided by it in every logprob computation.", check=positive)
     stop_token: Optional[str] = doc("eos", "Token that ends a response: `eos` (the tokenizer's EOS), any other string that is one token, or null for none. Tokens after it are padding. Differs from TRL (None) because scoring text after EOS is never wanted.")
     stop_token_id: Optional[int] = doc(None, "Token id that ends a response; overrides `stop_token`.", check=non_negative)
+    top_k: int = doc(0, "Sample only from the k most likely tokens; 0: off. With top_k, top_p or min_p the logprobs in the PPO ratio and the KL are still the policy's full softmax at `temperature`, not the truncated distribution's.", check=non_negative)
+    top_p: float = doc(1.0, "Nucleus sampling: only the smallest set of most likely tokens whose probability reaches top_p (after top_k, before min_p, as transformers orders them); 1: off.", check=half_open_unit)
+    min_p: float = doc(0.0, "Sample only tokens with at least min_p x the most likely token's probability; 0: off.", check=fraction)
+    num_samples_per_prompt: int = doc(1, "Responses sampled per prompt, n (OpenRLHF `n_samples_per_prompt`, veRL `rollout.n`). Every batch size counts episodes = prompts x n: an update uses batch / n prompts, and `total_episodes` counts responses. The n samples of a prompt stay on one process, so n must divide the rollout batch per device.", check=positive)
+    eval_temperature: Optional[float] = doc(None, "Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely token at every step).", check=non_negative)
     missing_eos_penalty: Optional[float] = doc(None, "Subtracted from the score of responses that never produced the stop token.")
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
     kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=lambda v: v in ("k1", "k2", "k3"))
@@ -69,11 +90,23 @@ class PPOHyperparams:
     cliprange: float = doc(0.2, "Clip range of the policy ratio.", check=positive)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
-    gamma: float = doc(1.0, "Discount factor.", check=unit_interval)
-    lam: float = doc(0.95, "GAE lambda.", check=unit_interval)
+    gamma: float = doc(1.0, "Discount factor (gae and reinforce_pp).", check=unit_interval)
+    lam: float = doc(0.95, "GAE lambda (gae only).", check=unit_interval)
     whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE.")
-    whiten_advantages: bool = doc(True, "Whiten advantages over real tokens (as TRL always does).")
-    learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy and value).", check=positive)
+    whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
+    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `advantage_estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=_one_of(ADVANTAGE_ESTIMATORS))
+    grpo_scale_std: bool = doc(True, "grpo: divide by the group's standard deviation; false is Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo`, OpenRLHF `dr_grpo`).")
+    kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
+    kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `use_kl_loss` + `init_kl_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
+    kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=_one_of(KL_ESTIMATORS))
+    cliprange_low: Optional[float] = doc(None, "Lower clip range: the ratio is clipped below at 1 - cliprange_low; null: `cliprange` (veRL `clip_ratio_low`, OpenRLHF `eps_clip_low_high`).", check=open_unit)
+    cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a low of 0.2.", check=positive)
+    dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, OpenRLHF `dual_clip`).", check=above_one)
+    entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `entropy_loss_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
+    loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=_one_of(LOSS_AGGREGATIONS))
+    vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `critic_learning_rate`, veRL `critic.optim.lr`). gae only.", check=positive)
+    critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `freezing_actor_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
+    learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
     adam_epsilon: float = doc(1e-5, "AdamW epsilon. Differs from transformers' 1e-8: 1e-5 as in 'The N+ Implementation Details of RLHF with PPO'.", check=positive)
     weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
@@ -88,15 +121,22 @@ class PPOHyperparams:
     nonfinite_rollback: bool = doc(True, "Undo the optimiser steps a skipped update already took, from a copy of the trainable weights and optimiser state made at the start of every update (CPU memory, about 3x the trainable weights). false: keep them and skip only the rest of the update (for full fine-tunes too large to copy).")
 
     def derive(self, world_size: int, num_prompts: int) -> "BatchSizes":
-        """Batch arithmetic, as TRL does it; raises UserError on inexact division."""
+        """Batch arithmetic, as TRL does it; raises UserError on inexact division.
+
+        Sizes count episodes (responses). With n = num_samples_per_prompt, one update samples
+        n responses for each of batch / n prompts, local_batch / n of them on each process; a pass
+        over the training prompts is num_prompts x n episodes.
+        """
+        n = self.num_samples_per_prompt
         local_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
         batch = local_batch * world_size
         local_mini = local_batch // self.num_mini_batches
         if self.total_episodes is None:
-            total = (self.num_train_epochs * num_prompts) // batch * batch
+            total = (self.num_train_epochs * num_prompts * n) // batch * batch
             if total == 0:
+                samples = f" x {n} samples per prompt" if n > 1 else ""
                 raise UserError(
-                    f"ppo.total_episodes: {num_prompts} training prompts x {self.num_train_epochs} epoch(s) "
+                    f"ppo.total_episodes: {num_prompts} training prompts{samples} x {self.num_train_epochs} epoch(s) "
                     f"is less than one batch of {batch}; add prompts or lower the batch size"
                 )
         else:
@@ -107,6 +147,8 @@ class PPOHyperparams:
                     f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                     f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches} x processes {world_size})"
                 )
+        if self.critic_warmup_updates:
+            self.check_critic_warmup(total // batch)
         sizes = BatchSizes(
             micro_batch=self.per_device_train_batch_size,
             local_batch=local_batch,
@@ -114,6 +156,9 @@ class PPOHyperparams:
             local_mini_batch=local_mini,
             total_episodes=total,
             num_updates=total // batch,
+            samples_per_prompt=n,
+            prompts_per_update=batch // n,
+            local_prompts=local_batch // n,
         )
         self.check_warmup(sizes)
         return sizes
@@ -128,6 +173,62 @@ class PPOHyperparams:
                 f"would never reach ppo.learning_rate; set ppo.warmup_steps below {steps}"
             )
 
+    def check_critic_warmup(self, num_updates: int) -> None:
+        """The policy trains after the critic's warm-up, on a schedule of its own remaining optimiser steps."""
+        if self.critic_warmup_updates >= num_updates:
+            raise UserError(
+                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
+                f"the run has {num_updates} updates; it must be fewer"
+            )
+        policy_steps = (num_updates - self.critic_warmup_updates) * self.num_ppo_epochs * self.num_mini_batches
+        if self.warmup_steps >= policy_steps:
+            raise UserError(
+                f"ppo.warmup_steps ({self.warmup_steps}) is not shorter than the policy's {policy_steps} optimiser steps after "
+                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
+            )
+
+    def check_combination(self) -> None:
+        """Rules across keys of this section (each key's own range is checked by `validate`):
+        every bad combination is an error naming the key and the rule."""
+        n, estimator = self.num_samples_per_prompt, self.advantage_estimator
+        local_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        if estimator in GROUP_ESTIMATORS and n < 2:
+            raise UserError(
+                f"ppo.num_samples_per_prompt: {estimator} needs at least 2 samples per prompt (its baseline is the other "
+                f"samples of the same prompt), got {n}"
+            )
+        if local_batch % n:
+            raise UserError(
+                f"ppo.num_samples_per_prompt ({n}) must divide the rollout batch per device ({local_batch} = "
+                f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
+            )
+        low = self.cliprange if self.cliprange_low is None else self.cliprange_low
+        high = self.cliprange if self.cliprange_high is None else self.cliprange_high
+        if low > high:
+            raise UserError(
+                f"ppo.cliprange_low ({low}) is larger than ppo.cliprange_high ({high}); the lower clip range must not exceed the "
+                "upper (clip-higher widens the upper one); unset, each is ppo.cliprange"
+            )
+        # A key set away from its default that this configuration would never read is refused, not ignored.
+        unused = []
+        if estimator in CRITIC_FREE_ESTIMATORS:
+            why = f"the value model, which ppo.advantage_estimator {estimator} does not build"
+            unused += [(k, why) for k in ("vf_learning_rate", "critic_warmup_updates", "vf_coef", "cliprange_value", "lam")]
+        if estimator in ("grpo", "rloo", "remax"):
+            unused.append(("gamma", f"discounting, which ppo.advantage_estimator {estimator} does not do (an outcome reward)"))
+            if not self.whiten_advantages:
+                raise UserError(f"ppo.whiten_advantages: false has no effect with ppo.advantage_estimator {estimator}, which never whitens; remove it")
+        if estimator != "grpo":
+            unused.append(("grpo_scale_std", f"ppo.advantage_estimator grpo (this run's is {estimator})"))
+        if not self.kl_in_reward:
+            unused += [(k, "the KL penalty in the reward, and ppo.kl_in_reward is false") for k in ("kl_coef", "kl_target", "kl_horizon")]
+        if self.kl_loss_coef == 0:
+            unused.append(("kl_loss_estimator", "the KL term in the loss, and ppo.kl_loss_coef is 0"))
+        for key, why in unused:
+            if _differs_from_default(self, key):
+                raise UserError(f"ppo.{key} ({getattr(self, key)!r}) is for {why}; remove it")
+
 
 class BatchSizes(NamedTuple):
     """Derived sizes. local_* are per process; batch is the global rollout batch of one update."""
@@ -138,19 +239,48 @@ class BatchSizes(NamedTuple):
     local_mini_batch: int
     total_episodes: int
     num_updates: int
+    samples_per_prompt: int = 1  # n: episodes = prompts x n
+    prompts_per_update: int = 0  # batch / n, over every process
+    local_prompts: int = 0  # local_batch / n, on each process
+
+
+def http_url_problem(url: Any) -> Optional[str]:
+    """What is wrong with `url` as a remote scorer's address, or None: it must be http:// or https://
+    with a host, and carry no credentials (those go in headers, where a redirect cannot take them)."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return f"expected an http:// or https:// URL, got {url!r}"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        return f"{url!r} contains spaces or control characters"
+    if "://" not in url:
+        return f"{url!r} has no scheme; write http://{url} (or https://)"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises on a port that is not a number in 0-65535)
+    except ValueError as e:
+        return f"{url!r} is not a valid URL ({e})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"scheme {parts.scheme}:// is not supported; use http:// or https://"
+    if parts.username is not None or parts.password is not None:
+        return "user:password@ in the URL is not supported; put credentials in reward.remote.headers (e.g. Authorization: \"Bearer ${RM_TOKEN}\")"
+    if not parts.hostname:
+        return f"{url!r} has no host"
+    return None
 
 
 @dataclass
 class RemoteRewardConfig:
     """The `reward.remote:` section: a scorer behind HTTP (for example `ppokit serve-rm`)."""
 
-    url: Optional[str] = doc(None, "Endpoint that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}.")
-    timeout_s: float = doc(60.0, "Seconds to wait for one request before it counts as failed.", check=positive)
+    url: Optional[str] = doc(None, "Endpoint (http:// or https://) that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}. A redirect is followed only to the same scheme, host and port; see docs/rewards.md.")
+    timeout_s: float = doc(60.0, "Deadline in seconds for one whole request (connect, send, the answer read to its end); after it the request counts as failed and is retried.", check=positive)
     max_retries: int = doc(3, "Retries of a failed request (connection error, timeout, HTTP 429 or 5xx) before the run stops.", check=non_negative)
     backoff_s: float = doc(1.0, "Wait before the first retry; doubled for each further retry (capped at 30 s).", check=non_negative)
     batch_size: int = doc(64, "Rows per request.", check=positive)
     headers: dict = doc(factory=dict, help="Extra HTTP headers. `${VAR}` in a value is replaced by the environment variable VAR when the request is sent, so secrets stay out of config.yaml.")
     name: str = doc("remote", "Name of this source in the metrics (`reward/<name>`).")
+    max_response_bytes: int = doc(16 << 20, "Largest answer read, in bytes (default 16 MiB); a larger one fails this batch without being read further.", check=positive)
 
 
 @dataclass
@@ -166,12 +296,17 @@ class RewardConfig:
     length_penalty: float = doc(0.0, "Subtracted from the score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
+    timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts).", check=positive)
     on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=lambda v: v in ("raise", "skip"))
 
     def check_combination(self, n_sources: int) -> None:
         """Checks across keys of this section (each key's own range is checked by `validate`)."""
         if self.remote is not None and not self.remote.url:
             raise UserError("reward.remote.url: required (the endpoint to POST {prompts, completions, columns} to)")
+        if self.remote is not None:
+            problem = http_url_problem(self.remote.url)
+            if problem:
+                raise UserError(f"reward.remote.url: {problem}")
         if isinstance(self.normalize, list):
             if len(self.normalize) != n_sources or not all(isinstance(v, bool) for v in self.normalize):
                 raise UserError(f"reward.normalize: expected true, false or a list of {n_sources} true/false (one per source), got {self.normalize!r}")
@@ -268,6 +403,8 @@ class PPOConfig:
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")
         self.reward.check_combination(n_sources)
+        self.ppo.check_combination()
+        self._validate_estimator_roles()
         if self.ppo.missing_eos_penalty is not None and self.ppo.stop_token is None and self.ppo.stop_token_id is None:
             # Without a stop token no response "misses" it: the penalty would never apply.
             raise UserError("ppo.missing_eos_penalty needs a stop token; set ppo.stop_token (e.g. eos) or ppo.stop_token_id, or drop the penalty")
@@ -277,6 +414,16 @@ class PPOConfig:
         self._validate_parallel()
         self._validate_report_to()
         return self
+
+    def _validate_estimator_roles(self) -> None:
+        """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""
+        estimator = self.ppo.advantage_estimator
+        if estimator not in CRITIC_FREE_ESTIMATORS:
+            return
+        if self.value_model is not None:
+            raise UserError(f"value_model: ppo.advantage_estimator {estimator} builds no value model; remove value_model ({self.value_model!r})")
+        if self.lora is not None and not self.lora.value_model_lora:
+            raise UserError(f"lora.value_model_lora: ppo.advantage_estimator {estimator} builds no value model; remove the key")
 
     def _validate_parallel(self) -> None:
         """Switches that FSDP sharding cannot combine with."""
@@ -316,6 +463,12 @@ class PPOConfig:
 
 
 # --------------------------------------------------------------------------- generic machinery
+
+
+def _differs_from_default(obj, name: str) -> bool:
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return getattr(obj, name) != default
 
 
 def _unwrap_optional(tp):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
+from ppokit.errors import UserError
 from ppokit.sft import encode_pair, train_sft
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
 from ppokit.trainer import PPOTrainer
@@ -71,12 +72,19 @@ SETTINGS = {
 }
 
 
-def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True) -> dict:
-    """Run the whole demo; returns a summary with the first and last scores and the time taken."""
-    start = time.perf_counter()
+# Each estimator's usual setting (docs/algorithms.md); everything else is the same demo.
+ESTIMATORS = {
+    "gae": {},
+    "grpo": {"advantage_estimator": "grpo", "num_samples_per_prompt": 4},
+    "rloo": {"advantage_estimator": "rloo", "num_samples_per_prompt": 4},
+    "reinforce_pp": {"advantage_estimator": "reinforce_pp"},
+    "remax": {"advantage_estimator": "remax"},
+}
+
+
+def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
+    """Steps 1-3: the data, a tokenizer and a tiny model, fine-tuned by SFT into out/sft; returns out."""
     s = SETTINGS[quick]
-    out = Path(output_dir)
-    say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
     torch.manual_seed(seed)
 
     # 1. data
@@ -98,14 +106,35 @@ def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: 
     model.save_pretrained(sft_dir)
     tokenizer.save_pretrained(sft_dir)
     say(f"[3/4] SFT: loss {losses[0]:.2f} -> {sum(losses[-20:]) / len(losses[-20:]):.2f} over {len(losses)} steps -> {sft_dir}")
+    return out
+
+
+def run_demo(
+    output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True,
+    estimator: str = "gae", prepared: str | Path | None = None,
+) -> dict:
+    """Run the whole demo; returns a summary with the first and last scores and the time taken.
+
+    estimator: one of ESTIMATORS (ppo.advantage_estimator and its usual number of samples per
+    prompt). prepared: the output folder of an earlier demo with the same `quick` and `seed`,
+    whose data/ and sft/ are used instead of building them again.
+    """
+    if estimator not in ESTIMATORS:
+        raise UserError(f"demo --estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    start = time.perf_counter()
+    s = SETTINGS[quick]
+    out = Path(output_dir)
+    say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
+    base = Path(prepared) if prepared is not None else prepare_demo(out, quick, seed, say)
+    torch.manual_seed(seed)
 
     # 4. PPO against VADER sentiment
     config = PPOConfig(
-        model=str(sft_dir),
+        model=str(base / "sft"),
         output_dir=str(out / "ppo"),
         seed=seed,
         reward=RewardConfig(functions=["sentiment"]),
-        data=DataConfig(train=str(out / "data" / "prompts.jsonl"), eval=str(out / "data" / "eval_prompts.jsonl")),
+        data=DataConfig(train=str(base / "data" / "prompts.jsonl"), eval=str(base / "data" / "eval_prompts.jsonl")),
         ppo=PPOHyperparams(
             total_episodes=s["total_episodes"],
             per_device_train_batch_size=s["batch"] // 2,
@@ -118,10 +147,13 @@ def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: 
             kl_coef=0.05,
             num_sample_generations=4,
             num_eval_samples=8,
+            **ESTIMATORS[estimator],
         ),
     )
     trainer = PPOTrainer(config, show_progress=show_progress)
-    say(f"[4/4] PPO: {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes, reward = VADER compound sentiment")
+    n = trainer.sizes.samples_per_prompt
+    samples = f" ({trainer.sizes.prompts_per_update} prompts x {n} samples)" if n > 1 else ""
+    say(f"[4/4] PPO ({estimator}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes{samples}, reward = VADER compound sentiment")
     before = trainer.sample_completions()
     records = trainer.train()
     after = trainer.sample_completions()
@@ -137,6 +169,8 @@ def run_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: 
         "score_end": mean_score(records[-window:]),
         "eval_before": sum(r["score"] for r in before) / len(before),
         "eval_after": sum(r["score"] for r in after) / len(after),
+        "estimator": estimator,
+        "kl_start": records[0]["objective/kl"],
         "last_kl": records[-1]["objective/kl"],
         "updates": len(records),
         "seconds": round(elapsed, 1),

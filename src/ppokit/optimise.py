@@ -7,17 +7,22 @@
         clip gradients; refuse a non-finite loss or gradient; optimiser step; schedule step
 
 `micro_batches` is the one place micro-batches are formed and `micro_batch_loss` the one place a
-micro-batch's losses are computed; the optimiser and its schedule are built by `build_optimiser`.
+micro-batch's losses are computed (`algo.ppo_loss` with the knobs of `loss_settings`); the
+optimiser and its schedule are built by `build_optimiser`: two parameter groups, the policy's and
+the critic's (`ppo.vf_learning_rate`), each on its own schedule; during the first
+`ppo.critic_warmup_updates` updates only the critic moves. Without a critic (a critic-free
+estimator) there is one group and no value loss.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ppokit import algo
+from ppokit import algo, roles
 from ppokit.config import BatchSizes, PPOHyperparams
 from ppokit.guards import check_finite
 from ppokit.models import response_logits, scalar_outputs
@@ -26,36 +31,80 @@ from ppokit.statistics import training_metrics
 
 
 class PolicyAndValue(nn.Module):
-    """Policy and value model under one module, so one optimiser and one `prepare` cover both."""
+    """Policy and value model under one module, so one optimiser and one `prepare` cover both.
+    value_model is None for a critic-free estimator."""
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module):
+    def __init__(self, policy: nn.Module, value_model: Optional[nn.Module]):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
 
     def forward(self, input_ids, attention_mask, response_length: int):
-        """(B, P + R) -> (logits (B, R, V) predicting each response token, values (B, R))."""
-        logits = response_logits(self.policy, input_ids, attention_mask, response_length)
-        values = scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
-        return logits, values
+        """(B, P + R) -> (logits (B, R, V) predicting each response token, values (B, R) or None)."""
+        return response_logits(self.policy, input_ids, attention_mask, response_length), self.values(input_ids, attention_mask, response_length)
+
+    def values(self, input_ids, attention_mask, response_length: int) -> Optional[torch.Tensor]:
+        """(B, P + R) -> the critic's value of the state before each response token (B, R); None without a critic."""
+        if self.value_model is None:
+            return None
+        return scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
+
+    @contextlib.contextmanager
+    def critic_in_eval_mode(self):
+        """The critic in eval mode for the rollout's value pass (the policy is switched by the sampler's caller)."""
+        if self.value_model is None:
+            yield
+            return
+        self.value_model.eval()
+        try:
+            yield
+        finally:
+            self.value_model.train()
 
 
-def build_optimiser(model: nn.Module, hp: PPOHyperparams, num_steps: int):
-    """AdamW over every trainable parameter and its learning-rate schedule over `num_steps` optimiser steps.
+def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):
+    """AdamW and its learning-rate schedule over `num_steps` optimiser steps.
 
-    The schedule is stepped once per optimiser step by `ppo_epochs`, on every process alike; it is
-    deliberately not handed to accelerate, whose wrapper steps it once per process per call (with N
-    processes the rate then reaches 0 after 1/N of the run).
+    Two parameter groups: the policy's (`learning_rate`) and the critic's (`vf_learning_rate`,
+    default the same), in that order; both follow the schedule. The policy's schedule starts after
+    the critic's warm-up (`critic_warmup_updates`, counted here in optimiser steps), so its warm-up
+    and decay are the same as in a run without one. The schedule is stepped once per optimiser
+    step by `ppo_epochs`, on every process alike; it is deliberately not handed to accelerate,
+    whose wrapper steps it once per process per call (with N processes the rate then reaches 0
+    after 1/N of the run).
     """
+    policy_params, critic_params = roles.trainable_by_role(model.policy, model.value_model)
+    groups = [{"params": policy_params, "lr": hp.learning_rate}]
+    if critic_params:
+        groups.append({"params": critic_params, "lr": hp.vf_learning_rate or hp.learning_rate})
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        groups,
         lr=hp.learning_rate,
         eps=hp.adam_epsilon,
         weight_decay=hp.weight_decay,
         fused=_fused_adamw_supported(),  # one kernel per step instead of a loop of small ones
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps))
+    frozen = hp.critic_warmup_updates * hp.num_ppo_epochs * hp.num_mini_batches
+    schedules = [_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps - frozen, start=frozen)]
+    if critic_params:
+        schedules.append(_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     return optimizer, scheduler
+
+
+def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
+    """The knobs of `algo.ppo_loss` from the config (clip ranges default to `cliprange`)."""
+    return algo.LossSettings(
+        cliprange_low=hp.cliprange if hp.cliprange_low is None else hp.cliprange_low,
+        cliprange_high=hp.cliprange if hp.cliprange_high is None else hp.cliprange_high,
+        dual_clip_c=hp.dual_clip_c,
+        cliprange_value=hp.cliprange_value,
+        vf_coef=hp.vf_coef,
+        entropy_coef=hp.entropy_coef,
+        kl_loss_coef=hp.kl_loss_coef,
+        kl_loss_estimator=hp.kl_loss_estimator,
+        aggregation=hp.loss_aggregation,
+    )
 
 
 def micro_batches(minibatch: torch.Tensor, sizes: BatchSizes) -> list[torch.Tensor]:
@@ -66,29 +115,42 @@ def micro_batches(minibatch: torch.Tensor, sizes: BatchSizes) -> list[torch.Tens
 def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, num_micro_batches: int) -> tuple[torch.Tensor, dict]:
     """The loss to back-propagate for one micro-batch and its detached statistics.
 
-    Each micro-batch's token-mean loss is divided by the number of micro-batches, so the
-    accumulated gradient is their mean (TRL's gradient accumulation).
+    The loss is normalised over this micro-batch (`algo.loss_normalisers` of its rows) and divided
+    by the number of micro-batches, so the accumulated gradient is their mean (TRL's gradient
+    accumulation; `algo`'s docstring says how a normaliser over the whole minibatch makes the
+    gradient independent of the split instead).
     """
     width = mb.response_ids.shape[1]
     logits, new_values = model(mb.input_ids, mb.attention_mask, width)
-    new_logprobs, token_entropy = algo.logprobs_and_entropy(logits, mb.response_ids, hp.temperature)
-    pg_loss, pg_stats = algo.clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages, mb.response_mask, hp.cliprange)
-    vf_loss, vf_clipfrac = algo.clipped_value_loss(new_values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value)
-    loss = (pg_loss + hp.vf_coef * vf_loss) / num_micro_batches
+    new_logprobs, token_entropy = algo.logprobs_and_entropy(logits, mb.response_ids, hp.temperature, entropy_grad=hp.entropy_coef > 0)
+    terms = algo.ppo_loss(
+        loss_settings(hp), algo.loss_normalisers(mb.response_mask, hp.loss_aggregation, hp.response_length), mb.response_mask,
+        new_logprobs, mb.logprobs, mb.advantages, token_entropy,
+        values=new_values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
+    )
+    loss = terms.loss / num_micro_batches
     stats = {
-        "approxkl": pg_stats.approxkl, "clipfrac": pg_stats.clipfrac, "pg_loss": pg_loss.detach(), "vf_loss": vf_loss.detach(),
-        "vf_clipfrac": vf_clipfrac, "entropy": algo.masked_mean(token_entropy, mb.response_mask), "ratio": pg_stats.ratio,
+        "approxkl": terms.stats.approxkl, "clipfrac": terms.stats.clipfrac, "pg_loss": terms.policy, "entropy": terms.entropy,
+        "ratio": terms.stats.ratio,
     }
+    optional = {"vf_loss": terms.value, "vf_clipfrac": terms.value_clipfrac, "kl_loss": terms.kl, "dual_clipfrac": terms.dual_clipfrac}
+    stats.update({k: v for k, v in optional.items() if v is not None})
     return loss, stats
 
 
 def ppo_epochs(
     model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor], train_policy: bool = True,
 ) -> dict[str, float]:
     """Every optimiser step of one update; returns the loss statistics (means over processes).
-    engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp."""
+    engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
+
+    train_policy False (the critic's warm-up): the loss is computed and back-propagated as usual
+    (every process's gradients are reduced alike), then the policy's gradients are dropped before
+    clipping, so the optimiser moves the critic alone and the policy's AdamW state stays untouched.
+    """
     accelerator = engine.accelerator
+    policy_params = optimizer.param_groups[0]["params"]
     device = rollout.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
     # A micro-batch whose rows were all dropped (reward.on_error=skip) has no tokens: its statistics
@@ -108,6 +170,9 @@ def ppo_epochs(
                 for key, value in micro_stats.items():
                     stats.setdefault(key, []).append(value)
                 has_tokens.append(mb.response_mask.any())
+            if not train_policy:
+                for p in policy_params:
+                    p.grad = None
             grad_norm = engine.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
             # Checked before the step: a non-finite loss or gradient must never reach the weights.
             # One check of both, so that several processes agree in one reduction.
@@ -118,8 +183,13 @@ def ppo_epochs(
     return training_metrics(stats, has_tokens, reduce_sum)
 
 
-def _lr_lambda(kind: str, warmup: int, total: int):
+def _lr_lambda(kind: str, warmup: int, total: int, start: int = 0):
+    """The schedule's factor at each optimiser step; a schedule that starts at step `start` is 0 before it."""
+
     def factor(step: int) -> float:
+        if step < start:
+            return 0.0
+        step -= start
         if warmup and step < warmup:
             return (step + 1) / warmup
         if kind == "constant":

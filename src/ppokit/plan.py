@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ppokit.config import BatchSizes, LoraConfig, PPOConfig
+from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
 from ppokit.data import as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
@@ -421,7 +421,9 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
 
     # Value.
     value_dims = dims
-    if layout.critic == CRITIC_SHARED:
+    if not layout.has_critic:
+        value_dims = None  # a critic-free estimator: no value model, no value forward or backward
+    elif layout.critic == CRITIC_SHARED:
         head = dims["hidden"]
         adapter = _stats(policy_config, False, dtype, quant, lora, None, trust_remote_code=trc)[2]
         roles.append(trained("value", "adapter `value` + head on the policy's base (no copy)", adapter + head,
@@ -453,7 +455,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     phases = {
         "sampling": kv_cache_bytes(dims, chunk, seq, act_bytes) + 2 * chunk * dims["vocab"] * 4,
         "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1),
-                       inference_bytes(value_dims, chunk, seq, act_bytes, 0),
+                       inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
         "training": sum(r.activations for r in roles),
     }
@@ -504,7 +506,7 @@ def _switches(config: PPOConfig) -> list[tuple[str, Callable[[PPOConfig], None]]
     out: list[tuple[str, Callable[[PPOConfig], None]]] = []
     if config.lora is None:
         out.append(("lora: {}", lambda c: setattr(c, "lora", LoraConfig())))
-    if config.value_model is None:
+    if config.value_model is None and hp.advantage_estimator not in CRITIC_FREE_ESTIMATORS:
         out.append(("value_model: shared", lambda c: setattr(c, "value_model", "shared")))
     if not config.gradient_checkpointing:
         out.append(("gradient_checkpointing: true", lambda c: setattr(c, "gradient_checkpointing", True)))

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ppokit.config import LoraConfig, PPOConfig
+from ppokit.config import CRITIC_FREE_ESTIMATORS, LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.models import (
     backbone,
@@ -115,6 +115,7 @@ CRITIC_ON_REWARD = "adapter on the reward model"  # from_reward with lora: the r
 CRITIC_REWARD_COPY = "copy of the reward model"  # the reward model reads the policy's ids: its weights start the critic
 CRITIC_POLICY_PATH = "policy checkpoint"  # quantised policy: its checkpoint reloaded as a classifier
 CRITIC_POLICY_COPY = "policy backbone"  # a copy of the policy's backbone with a fresh head
+CRITIC_NONE = "none"  # a critic-free advantage estimator (grpo, rloo, reinforce_pp, remax): no value model
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ class RoleLayout:
     @property
     def copies_reward_model(self) -> bool:
         return self.critic in (CRITIC_ON_REWARD, CRITIC_REWARD_COPY)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic != CRITIC_NONE
 
 
 def decide_roles(
@@ -149,7 +154,11 @@ def decide_roles(
         reference = REFERENCE_BASE if lora is not None else REFERENCE_COPY
     if config.value_model == "from_reward" and not reward_vocabulary:
         raise UserError("value_model: from_reward needs reward.model with the policy's vocabulary (the critic reads the policy's token ids)")
-    if config.value_model == "shared":
+    if config.ppo.advantage_estimator in CRITIC_FREE_ESTIMATORS:
+        if value_model_given:
+            raise UserError(f"value_model=: ppo.advantage_estimator {config.ppo.advantage_estimator} builds no value model; do not pass one")
+        critic = CRITIC_NONE
+    elif config.value_model == "shared":
         critic = CRITIC_SHARED
     elif value_model_given or (config.value_model and config.value_model != "from_reward"):
         critic = CRITIC_OWN
@@ -165,7 +174,7 @@ def decide_roles(
         reference=reference,
         critic=critic,
         policy_adapter=lora is not None,
-        critic_adapter=critic_lora and critic != CRITIC_SHARED,
+        critic_adapter=critic_lora and critic not in (CRITIC_SHARED, CRITIC_NONE),
         quantized=config.quantization,
     )
 
@@ -191,11 +200,11 @@ def configs_reading_policy_ids(
 
 @dataclass
 class Roles:
-    """The trainable policy and critic, and the frozen reference (None: the policy's base, adapters off)."""
+    """The trainable policy and critic (None without one), and the frozen reference (None: the policy's base, adapters off)."""
 
     policy: nn.Module
     reference: Optional[nn.Module]
-    value: nn.Module
+    value: Optional[nn.Module]
 
 
 def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, model=None, ref_model=None, value_model=None) -> Roles:
@@ -220,6 +229,7 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
         CRITIC_REWARD_COPY: lambda: frozen_copy(reward_model).train().requires_grad_(True),
         CRITIC_POLICY_PATH: lambda: value_model_from_path(config.model, trc, critic_kwargs),
         CRITIC_POLICY_COPY: lambda: value_model_from_policy(policy),
+        CRITIC_NONE: lambda: None,
     }[layout.critic]()
     for m in (policy, reference, value, reward_model):
         if m is not None:
@@ -236,7 +246,7 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     if config.gradient_checkpointing:
         shared = policy if layout.critic == CRITIC_SHARED else None
         enable_gradient_checkpointing(policy, shared)
-        if shared is None:
+        if shared is None and value is not None:
             enable_gradient_checkpointing(value)
     return Roles(policy, reference, value)
 
@@ -310,6 +320,19 @@ def _wrap(get_peft_model, model: nn.Module, lora_config):
 def adapter_parameters(peft_model) -> list[nn.Parameter]:
     """Every adapter's trainable tensors (LoRA A/B, DoRA magnitudes, trained copies of heads)."""
     return [p for n, p in peft_model.named_parameters() if "lora_" in n or "modules_to_save" in n]
+
+
+def trainable_by_role(policy: nn.Module, value: Optional[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the policy's trainable parameters, the critic's), each once: the two optimiser parameter groups.
+
+    The shared critic's adapter `value` lives inside the policy's PeftModel but trains the critic,
+    so it goes with the critic's head, not with the policy.
+    """
+    critic = [p for p in value.parameters() if p.requires_grad] if value is not None else []
+    if isinstance(value, SharedBaseCritic):
+        critic += [p for n, p in policy.named_parameters() if p.requires_grad and f".{VALUE_ADAPTER}." in n]
+    taken = {id(p) for p in critic}
+    return [p for p in policy.parameters() if p.requires_grad and id(p) not in taken], critic
 
 
 @contextlib.contextmanager

@@ -15,8 +15,14 @@ from ppokit.models import causal_lm_step, position_ids_from_mask
 class Rollout:
     """One batch of episodes. B sequences, P prompt tokens (left-padded), R response tokens.
 
-    Filled in stages by the trainer: sampling fills the first six fields; scoring `scores`;
-    the reference and value passes `ref_logprobs` and `values`; shaping and GAE the rest.
+    Filled in stages by the trainer: sampling fills the first six fields; scoring `scores` (and
+    `baseline_scores` for ReMax); the reference and value passes `ref_logprobs` and `values`;
+    shaping and the advantage estimator the rest. Without a critic `values` and `returns` stay None.
+
+    Group layout: with n = ppo.num_samples_per_prompt, the n samples of a prompt are adjacent
+    rows, so rows [g * n, (g + 1) * n) answer prompt g and B = prompts x n. The group estimators
+    (algo.grpo_advantages, algo.rloo_advantages) read groups from this layout; only the
+    optimisation epochs shuffle rows, after the advantages are computed.
     """
 
     query_ids: torch.Tensor  # (B, P) long, left-padded with pad_token_id
@@ -28,9 +34,10 @@ class Rollout:
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) float, reference policy's logprobs
     values: Optional[torch.Tensor] = None  # (B, R) float, value of the state before each token
     scores: Optional[torch.Tensor] = None  # (B,) float, combined reward-source score per sequence
+    baseline_scores: Optional[torch.Tensor] = None  # (B,) float, ReMax: score of the greedy response to the row's prompt
     rewards: Optional[torch.Tensor] = None  # (B, R) float, per-token reward (KL penalty + score)
-    advantages: Optional[torch.Tensor] = None  # (B, R) float, GAE advantages (whitened if configured)
-    returns: Optional[torch.Tensor] = None  # (B, R) float, value targets
+    advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages (see algo.advantages)
+    returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (gae only)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -51,13 +58,22 @@ class Rollout:
         return self.query_ids.shape[0]
 
 
+def repeat_each(items: list, n: int) -> list:
+    """[a, b] -> [a, a, b, b] for n = 2: the n samples of each prompt in adjacent rows (Rollout's group layout)."""
+    return [item for item in items for _ in range(n)]
+
+
 @dataclass
 class HFSampler:
     """Batched ancestral sampling from a transformers causal LM with its KV cache.
 
-    Temperature only (top-k and top-p off, as in the reference implementations); stops as soon
-    as every row has produced the stop token. Logprobs are kept from sampling, so no second
-    policy forward is needed: with dropout off they equal a fresh forward's.
+    Tokens are drawn from the softmax of logits / temperature, truncated by top_k / top_p / min_p
+    when they are set (`truncate_distribution`; all off by default, as in the reference
+    implementations), or taken greedily (`greedy`, the argmax). Stops as soon as every row has
+    produced the stop token. The logprobs kept are those of the full softmax at the temperature,
+    not of the truncated distribution: they are what the training forward computes, so the PPO
+    ratio on the first minibatch is 1 and the KL is the policy's own. Kept from sampling, they
+    need no second policy forward: with dropout off they equal a fresh forward's.
     """
 
     model: torch.nn.Module
@@ -66,6 +82,23 @@ class HFSampler:
     stop_token_id: Optional[int]
     pad_token_id: int
     batch_size: int = 64
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    greedy: bool = False  # argmax instead of sampling (evaluation at temperature 0, ReMax's baseline)
+
+    @classmethod
+    def for_purpose(cls, model, hp, stop_token_id: Optional[int], pad_token_id: int, purpose: str = "train") -> "HFSampler":
+        """The sampler of the `ppo:` section `hp` for one purpose:
+          train   temperature, top_k / top_p / min_p;
+          eval    evaluate() and sample generations: eval_temperature (null: temperature), greedy at 0;
+          greedy  the most likely token at every step (ReMax's baseline responses).
+        Only training reads the logprobs; a greedy sampler keeps them at the training temperature."""
+        eval_temperature = hp.temperature if hp.eval_temperature is None else hp.eval_temperature
+        greedy = purpose == "greedy" or (purpose == "eval" and eval_temperature == 0)
+        temperature = eval_temperature if purpose == "eval" and not greedy else hp.temperature
+        return cls(model, hp.response_length, temperature, stop_token_id, pad_token_id, hp.local_rollout_forward_batch_size,
+                   top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
 
     @torch.inference_mode()
     def sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> Rollout:
@@ -103,7 +136,7 @@ class HFSampler:
         tokens, logprobs = [], []
         for step in range(self.response_length):
             step_logprobs = torch.log_softmax(logits[:, -1].float() / self.temperature, dim=-1)
-            token = torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
+            token = self._choose(step_logprobs)
             token = token.masked_fill(done, self.pad_token_id)
             tokens.append(token)
             logprobs.append(step_logprobs.gather(1, token.unsqueeze(1)).squeeze(1))
@@ -117,3 +150,39 @@ class HFSampler:
             logits, cache = causal_lm_step(self.model, token.unsqueeze(1), attention_mask, next_position, cache=cache)
             next_position = next_position + 1
         return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+    def _choose(self, step_logprobs: torch.Tensor) -> torch.Tensor:
+        """(rows, V) logprobs at the temperature -> (rows,) next tokens."""
+        if self.greedy:
+            return step_logprobs.argmax(-1)
+        if self.top_k or self.top_p < 1 or self.min_p > 0:
+            step_logprobs = truncate_distribution(step_logprobs, self.top_k, self.top_p, self.min_p)
+        return torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
+
+
+def truncate_distribution(logprobs: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The sampling distribution cut down by top-k, then top-p (nucleus), then min-p, in the order
+    transformers' logits processors apply them; each cut acts on the distribution the one before left.
+
+    logprobs: (rows, V) log-probabilities -> (rows, V) log-probabilities of the kept tokens,
+    renormalised, -inf elsewhere. The most likely token is always kept.
+      top_k > 0:  the k most likely tokens (ties at the k-th are kept);
+      top_p < 1:  the smallest set of most likely tokens whose probability reaches top_p
+                  [Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"];
+      min_p > 0:  the tokens with p >= min_p * p_max [Nguyen et al. 2024, "Turning Up the Heat:
+                  Min-p Sampling for Creative and Coherent LLM Outputs"].
+    """
+    cut = float("-inf")
+    if top_k > 0 and top_k < logprobs.shape[-1]:
+        kth = logprobs.topk(top_k, dim=-1).values[:, -1:]
+        logprobs = logprobs.masked_fill(logprobs < kth, cut)
+    if top_p < 1.0:
+        ordered, order = logprobs.sort(dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        mass_before = probs.cumsum(-1) - probs  # what the more likely tokens already cover
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+        logprobs = logprobs.masked_fill(drop, cut)
+    if min_p > 0.0:
+        probs = torch.softmax(logprobs, dim=-1)
+        logprobs = logprobs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, cut)
+    return torch.log_softmax(logprobs, dim=-1)

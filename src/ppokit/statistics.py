@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ppokit import algo
 from ppokit.rollout import Rollout
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
@@ -28,6 +29,7 @@ def objective_metrics(
     """
     mask = rollout.response_mask  # already False on dropped rows
     keep = kept.float()
+    baseline = rollout.baseline_scores  # ReMax: the greedy responses' scores
     sums = reduce_sum(torch.stack([
         keep.sum(),
         kl.sum(),
@@ -37,9 +39,15 @@ def objective_metrics(
         mask.sum().float(),
         (rollout.ended & kept).sum().float(),
         (rollout.scores.square() * keep).sum(),
+        (baseline * keep).sum() if baseline is not None else keep.new_zeros(()),
     ]))
-    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended, score_sq_sum = sums.tolist()
+    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended, score_sq_sum, baseline_sum = sums.tolist()
     n = max(episodes, 1.0)
+    estimator = {}
+    if baseline is not None:
+        estimator["objective/baseline_scores"] = baseline_sum / n
+    if rollout.returns is not None:  # a critic: how much of the returns' variance its values explain (its own reductions)
+        estimator["val/explained_variance"] = algo.explained_variance(rollout.values, rollout.returns, mask, reduce_sum).item()
     return {
         "objective/scores": score_sum / n,
         "objective/scores_std": math.sqrt(max(score_sq_sum / n - (score_sum / n) ** 2, 0.0)),
@@ -50,6 +58,7 @@ def objective_metrics(
         "objective/kl_coef": kl_coef,
         "objective/response_length": tokens / n,
         "val/num_eos_tokens": int(ended),
+        **estimator,
     }
 
 
@@ -62,6 +71,8 @@ TRAINING_METRICS = {
     "vf_clipfrac": "val/clipfrac_avg",
     "entropy": "policy/entropy_avg",
     "ratio": "val/ratio",
+    "kl_loss": "loss/kl_avg",  # ppo.kl_loss_coef > 0: the KL term of the loss, before its coefficient
+    "dual_clipfrac": "policy/dual_clipfrac_avg",  # ppo.dual_clip_c: share of tokens whose loss the dual clip capped
 }
 
 

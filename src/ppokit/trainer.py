@@ -1,11 +1,11 @@
 """PPOTrainer: one update is a sequence of numbered stages, readable top to bottom in `step`.
 
-    1. generate   sample a response for each prompt of the batch (KV cache, stop token)
-    2. score      reward sources on prompt + completion text (and token ids)
-    3. forward    reference logprobs and values for every response token
-    4. reward     per-token KL penalty plus the score at the last real token
-    5. advantages GAE, then whitening
-    6. optimise   num_ppo_epochs passes of clipped policy + value loss over minibatches
+    1. generate   sample n responses for each prompt of the batch (KV cache, stop token)
+    2. score      reward sources on prompt + completion text (and token ids); ReMax: its greedy baseline
+    3. forward    reference logprobs and (with a critic) values for every response token
+    4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at the last real token
+    5. advantages ppo.advantage_estimator (algo.advantages: gae, grpo, rloo, reinforce_pp, remax)
+    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches
     7. log        metrics.jsonl, console, samples.jsonl
     8. save       checkpoint every save_steps, final model at the end
 """
@@ -43,11 +43,11 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logits, scalar_outputs
+from ppokit.models import ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logits
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.rollout import HFSampler, Rollout
+from ppokit.rollout import HFSampler, Rollout, repeat_each
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
 
@@ -184,8 +184,9 @@ class PPOTrainer:
     # ------------------------------------------------------------------ data order
 
     def batch_indices(self, update: int) -> list[int]:
-        """Prompt indices of update `update` (0-based) on this process: a seeded shuffle per pass over the data."""
-        n, batch = len(self.train_data), self.sizes.batch
+        """Prompt indices of update `update` (0-based) on this process: a seeded shuffle per pass over the data.
+        Each process takes whole prompts and samples all n responses of each (docs/algorithms.md)."""
+        n, batch = len(self.train_data), self.sizes.prompts_per_update
         start = update * batch
         indices = []
         while len(indices) < batch:
@@ -205,11 +206,10 @@ class PPOTrainer:
     def value_model(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).value_model
 
-    def generate(self, query_ids: list[list[int]]) -> Rollout:
-        hp = self.config.ppo
+    def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
+        """One response per query; purpose: train, eval or greedy (rollout.HFSampler.for_purpose)."""
         ids, mask = left_pad(query_ids, self.tokenizer.pad_token_id, self.accelerator.device)
-        sampler = HFSampler(self.policy, hp.response_length, hp.temperature, self.stop_token_id, self.tokenizer.pad_token_id,
-                            hp.local_rollout_forward_batch_size)
+        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.tokenizer.pad_token_id, purpose)
         self.policy.eval()
         with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
             rollout = sampler.sample(ids, mask)
@@ -236,21 +236,21 @@ class PPOTrainer:
         }
 
     @torch.inference_mode()
-    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference logprobs and values for every response token, in forward-size chunks."""
+    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Reference logprobs and values (None without a critic) for every response token, in forward-size chunks."""
         hp, chunk = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
         ids, mask = rollout.input_ids, rollout.attention_mask
         width = rollout.response_ids.shape[1]
+        both = self.accelerator.unwrap_model(self.model)
         ref_logprobs, values = [], []
-        self.value_model.eval()
-        for i in range(0, ids.shape[0], chunk):
-            logits = self.reference_logits(ids[i : i + chunk], mask[i : i + chunk], width)
-            ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
-            with self.accelerator.autocast():
-                values.append(scalar_outputs(self.value_model, ids[i : i + chunk], mask[i : i + chunk])[:, -width - 1 : -1])
-        self.value_model.train()
-        response_mask = rollout.response_mask
-        return torch.cat(ref_logprobs).masked_fill(~response_mask, 0.0), torch.cat(values).masked_fill(~response_mask, 0.0)
+        with both.critic_in_eval_mode():
+            for i in range(0, ids.shape[0], chunk):
+                logits = self.reference_logits(ids[i : i + chunk], mask[i : i + chunk], width)
+                ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
+                with self.accelerator.autocast():
+                    values.append(both.values(ids[i : i + chunk], mask[i : i + chunk], width))
+        padding = ~rollout.response_mask
+        return torch.cat(ref_logprobs).masked_fill(padding, 0.0), None if both.value_model is None else torch.cat(values).masked_fill(padding, 0.0)
 
     def reference_logits(self, input_ids, attention_mask, response_length: int) -> torch.Tensor:
         """(B, P + R) -> (B, R, V) from the reference: its own model, or the LoRA policy's base with adapters off."""
@@ -261,9 +261,19 @@ class PPOTrainer:
                 return response_logits(self.policy, input_ids, attention_mask, response_length)
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
-        """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics."""
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, self.config.ppo, self.sizes, self.engine,
-                          self._sum_over_processes)
+        """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
+        During the first ppo.critic_warmup_updates updates only the critic moves."""
+        hp = self.config.ppo
+        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
+                          self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates)
+
+    def greedy_baseline(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ReMax's baseline: the score of one greedy response to each training prompt `indices`, repeated
+        for its n samples -> (scores (B,), valid (B,) bool). Scored without moving the reward normalisation."""
+        n = self.sizes.samples_per_prompt
+        greedy = self.generate([self.train_query_ids[i] for i in indices], purpose="greedy")
+        scores, extras = self.score(greedy, *self.train_data.rows(indices), update_statistics=False)
+        return scores.repeat_interleave(n), extras["valid"].repeat_interleave(n)
 
     def step(self) -> dict[str, Any]:
         """Run one PPO update and return its metrics."""
@@ -274,15 +284,20 @@ class PPOTrainer:
                 "raise ppo.total_episodes to train further"
             )
         t0 = time.perf_counter()
+        n = self.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
-        prompts, columns = self.train_data.rows(indices)
+        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (Rollout's group layout)
+        prompts, columns = self.train_data.rows(samples)
 
         # 1. generate
-        rollout = self.generate([self.train_query_ids[i] for i in indices])
+        rollout = self.generate([self.train_query_ids[i] for i in samples])
         t_generate = time.perf_counter()
 
         # 2. score
         rollout.scores, extras = self.score(rollout, prompts, columns)
+        if hp.advantage_estimator in algo.GREEDY_BASELINE_ESTIMATORS:
+            rollout.baseline_scores, baseline_valid = self.greedy_baseline(indices)
+            extras["valid"] = extras["valid"] & baseline_valid
         rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
         check_finite({"score": rollout.scores}, self.accelerator)
         check_some_scored(extras["valid"], extras["errors"], self.accelerator)
@@ -292,27 +307,29 @@ class PPOTrainer:
         rollout.ref_logprobs, rollout.values = self.reference_and_values(rollout)
         t_forward = time.perf_counter()
 
-        # 4. reward: per-token KL penalty, score at the last real token
+        # 4. reward: per-token KL penalty (when it is in the reward), score at the last real token
         mask = rollout.response_mask
         kl = algo.kl_per_token(rollout.logprobs, rollout.ref_logprobs, hp.kl_estimator) * mask
-        rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, self.kl_controller.value)
+        kl_coef = self.kl_controller.value if hp.kl_in_reward else 0.0
+        rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, kl_coef)
         if hp.whiten_rewards:
             rollout.rewards = algo.masked_whiten(rollout.rewards, mask, shift_mean=False)
 
         # 5. advantages
-        rollout.advantages, rollout.returns = algo.gae(rollout.rewards, rollout.values, mask, hp.gamma, hp.lam)
-        if hp.whiten_advantages:
-            rollout.advantages = algo.masked_whiten(rollout.advantages, mask)
+        rollout.advantages, rollout.returns = algo.advantages(
+            hp.advantage_estimator, rollout.rewards, mask, values=rollout.values, gamma=hp.gamma, lam=hp.lam,
+            whiten=hp.whiten_advantages, group_size=n, grpo_scale_std=hp.grpo_scale_std,
+            baseline_scores=rollout.baseline_scores, all_reduce=self._sum_over_processes,
+        )
 
         # 6. optimise
-        lr = self.scheduler.get_last_lr()[0]
+        lrs = self.scheduler.get_last_lr()
         train_stats = self.optimise(rollout)
         t_train = time.perf_counter()
 
         # 7. log
         state.update += 1
         state.episode += self.sizes.batch
-        kl_coef = self.kl_controller.value
         objective = objective_metrics(rollout, kl, non_score, extras["valid"], kl_coef, self._sum_over_processes)
         self.kl_controller.update(objective["objective/kl"], self.sizes.batch)
         elapsed = t_train - t0
@@ -322,7 +339,8 @@ class PPOTrainer:
             **objective,
             **train_stats,
             **extras["metrics"],
-            "lr": lr,
+            "lr": lrs[0],
+            **({"lr/value": lrs[1]} if hp.vf_learning_rate is not None or hp.critic_warmup_updates else {}),
             "eps": self.sizes.batch / elapsed,
             "time/generation": t_generate - t0,
             "time/scoring": t_score - t_generate,
@@ -464,7 +482,7 @@ class PPOTrainer:
     def _run_facts(self) -> RunFacts:
         files = self.run.files if self.run is not None else self.output_dir  # where this run writes now (`RunFolder.start`)
         return RunFacts(files, self.train_data, self.eval_data, self.sizes.batch, self.sizes.num_updates,
-                        self.config.ppo.save_total_limit)
+                        self.config.ppo.save_total_limit, self.sizes.samples_per_prompt)
 
     @torch.inference_mode()
     def evaluate(self, max_prompts: Optional[int] = None, seed: Optional[int] = None) -> dict[str, float]:
@@ -472,9 +490,9 @@ class PPOTrainer:
         current policy, score them, and return `eval/scores`, `eval/response_length`, `eval/ended`
         (share of responses that produced the stop token) and `eval/num_scored`.
 
-        Sampling uses its own generator seeded with `seed` (default `config.seed`), so the result is
-        repeatable and training's random stream is left as it was. Reward normalisation statistics
-        are not updated.
+        Sampling is at `ppo.eval_temperature` (default the training temperature; 0: greedy) with its
+        own generator seeded with `seed` (default `config.seed`), so the result is repeatable and
+        training's random stream is left as it was. Reward normalisation statistics are not updated.
         """
         if self.eval_data is None:
             raise UserError("evaluate: no eval prompts; set data.eval or data.eval_fraction, or pass eval_dataset=")
@@ -487,7 +505,7 @@ class PPOTrainer:
             for start in range(0, n, chunk):
                 rows = range(start, min(n, start + chunk))
                 prompts, columns = self.eval_data.rows(rows)
-                rollout = self.generate([self.eval_query_ids[i] for i in rows])
+                rollout = self.generate([self.eval_query_ids[i] for i in rows], purpose="eval")
                 batch_scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
                 valid = extras["valid"]
                 scores += batch_scores[valid].tolist()
@@ -510,7 +528,7 @@ class PPOTrainer:
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
             prompts, columns = self.eval_data.rows(range(n))
-            rollout = self.generate(self.eval_query_ids[:n])
+            rollout = self.generate(self.eval_query_ids[:n], purpose="eval")
             scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
             completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
         else:
@@ -534,7 +552,7 @@ class PPOTrainer:
         return self._saved_at[1]
 
     def save_final(self) -> Path:
-        """policy + tokenizer in final/, the value model (with the tokenizer) in final/value_model/, whole."""
+        """policy + tokenizer in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
         target = self._run_folder().commit() / "final"
         try:
             self.save_models(target, replace_unmarked=self.overwrite)
@@ -554,6 +572,8 @@ class PPOTrainer:
                 self.tokenizer.save_pretrained(tmp)
                 if merged_dir is not None:
                     self.tokenizer.save_pretrained(merged_dir)
+                if whole.value_model is None:  # a critic-free estimator
+                    return
                 roles.save_value_model(whole.value_model, tmp / "value_model")
                 self.tokenizer.save_pretrained(tmp / "value_model")
 

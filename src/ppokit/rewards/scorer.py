@@ -7,9 +7,12 @@
                  - length_penalty * max(0, completion tokens - length_penalty_start)
     score      = clip(score, *clip_range)
 
-A source that raises, returns the wrong count or a non-finite score stops the run with an error
-naming the source and a row; with `on_error: skip` those rows are marked invalid instead (the
-trainer masks them out of the update) and counted in `reward/skipped`.
+A source that raises, returns the wrong count, something that is not numbers or a non-finite
+score, or (a Python function) does not return within `reward.timeout_s`, stops the run with an
+error naming the source and a row; with `on_error: skip` those rows are marked invalid instead
+(the trainer masks them out of the update) and counted in `reward/skipped`. Every source scores
+its own copy of the batch: what one does to its arguments reaches neither the others nor the
+trainer (samples.jsonl, the dataset).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from ppokit.errors import UserError
 from ppokit.rewards.builtins import BUILTINS
 from ppokit.rewards.model import RewardModelReward, reward_model_source
 from ppokit.rewards.remote import RemoteReward
-from ppokit.rewards.sources import FunctionReward, RewardError, RewardSource, ScoringBatch, first_non_finite, load_function
+from ppokit.rewards.sources import (
+    FunctionReward, RewardError, RewardSource, RewardTimeout, ScoringBatch, first_non_finite, load_function,
+)
 
 
 @dataclass
@@ -127,11 +132,17 @@ class RewardScorer:
     def _score_source(self, name: str, source: RewardSource, batch: ScoringBatch) -> tuple[torch.Tensor, Optional[str]]:
         """-> (B,) scores (NaN where failed when skipping), the first error message or None."""
         try:
-            scores = source.score(batch).float().cpu()
+            scores = _score_copy(source, batch)
+        except RewardTimeout as e:  # trying each row alone would wait as long again, row after row
+            if self.on_error == "raise":
+                raise
+            self._warn_once(name, str(e))
+            return torch.full((len(batch),), float("nan")), str(e)
         except RewardError as e:
             rows = self._isolate(source, batch)
             bad = [i for i, s in enumerate(rows.tolist()) if not math.isfinite(s)]
-            message = f"{e} (failing {batch.describe_row(bad[0])})" if bad else str(e)
+            failing = batch.describe_row(bad[0]) if bad else None
+            message = f"{e} (failing {failing})" if failing and failing not in str(e) else str(e)
             if self.on_error == "raise":
                 raise RewardError(message) from e.__cause__
             self._warn_once(name, message)
@@ -151,7 +162,9 @@ class RewardScorer:
         scores = torch.full((len(batch),), float("nan"))
         for i in range(len(batch)):
             try:
-                scores[i] = source.score(batch.select([i])).float().cpu()[0]
+                scores[i] = _score_copy(source, batch.select([i]))[0]
+            except RewardTimeout:
+                break  # the function is stuck: the rows left fail too, without waiting for each
             except RewardError:
                 pass
         return scores
@@ -187,12 +200,22 @@ class RewardScorer:
             self.moments[name] = RunningMoments(**values)
 
 
+def _score_copy(source: RewardSource, batch: ScoringBatch) -> torch.Tensor:
+    """source(its own copy of batch) -> (B,) float32 on the CPU. sys.exit() inside a source is that
+    source failing, not the run ending (with exit status 0 and no final/)."""
+    try:
+        return source.score(batch.copy()).float().cpu()
+    except SystemExit as e:
+        raise RewardError(f"reward source {source.name} called sys.exit({'' if e.code is None else repr(e.code)})") from None
+
+
 # --------------------------------------------------------------------------- building sources
 
 
-def function_source(entry: str | dict, key: str, base_dir: Optional[Path] = None) -> FunctionReward:
+def function_source(entry: str | dict, key: str, base_dir: Optional[Path] = None, timeout_s: Optional[float] = None) -> FunctionReward:
     """A `reward.functions` entry -> a source: a built-in name, `file.py:fn`, `module:fn`, or a mapping
-    `{function: ..., name: ..., PARAM: value}` (parameters of a built-in, or keyword arguments of a user function)."""
+    `{function: ..., name: ..., PARAM: value}` (parameters of a built-in, or keyword arguments of a user function).
+    `timeout_s`: each call's deadline (reward.timeout_s); None calls the function without one."""
     if isinstance(entry, str):
         spec, label, params = entry, None, {}
     elif isinstance(entry, dict):
@@ -213,20 +236,21 @@ def function_source(entry: str | dict, key: str, base_dir: Optional[Path] = None
             raise UserError(f"{key}: the built-in {spec} takes no parameters (got {', '.join(map(str, params))})")
         else:
             fn = builtin
-        return FunctionReward(fn, str(label or spec))
+        return FunctionReward(fn, str(label or spec), timeout_s=timeout_s)
     name, fn = load_function(spec, base_dir)
-    return FunctionReward(fn, str(label or name), kwargs=params)
+    return FunctionReward(fn, str(label or name), kwargs=params, timeout_s=timeout_s)
 
 
-def as_source(item: Any, key: str, base_dir: Optional[Path] = None) -> RewardSource:
-    """A config entry (str or mapping), a RewardSource object, or any callable fn(prompts, completions, **columns)."""
+def as_source(item: Any, key: str, base_dir: Optional[Path] = None, timeout_s: Optional[float] = None) -> RewardSource:
+    """A config entry (str or mapping), a RewardSource object, or any callable fn(prompts, completions, **columns).
+    `timeout_s` applies to functions (a RewardSource object keeps its own)."""
     if isinstance(item, (str, dict)):
-        return function_source(item, key, base_dir)
+        return function_source(item, key, base_dir, timeout_s)
     if isinstance(item, RewardSource):
         return item
     if callable(item):
         fn = getattr(item, "func", item)  # functools.partial
-        return FunctionReward(item, getattr(item, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__)
+        return FunctionReward(item, getattr(item, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__, timeout_s=timeout_s)
     raise UserError(f"{key}: expected a reward function, a reward source or a spec string, got {type(item).__name__}")
 
 
@@ -255,7 +279,7 @@ def build_scorer(
     loaded or has more than one label is a UserError here, before any training. With several
     processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all."""
     items = reward_functions if reward_functions is not None else reward.functions
-    functions = [as_source(item, f"reward.functions[{i}]", base_dir) for i, item in enumerate(items)]
+    functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
     # A column a function needs but the data lacks fails now, not after every model has loaded.
     for source in functions:
         for split, columns in (data_columns or {}).items():
@@ -265,6 +289,13 @@ def build_scorer(
                     f"reward function {source.name} needs the data column(s) {', '.join(missing)}, which {split} "
                     f"does not have (columns: {', '.join(sorted(columns)) or 'none besides the prompt'})"
                 )
+    remote = None
+    if reward.remote is not None:  # its URL and headers are checked here, before any model loads
+        r = reward.remote
+        remote = RemoteReward(
+            r.url, r.timeout_s, r.max_retries, r.backoff_s, r.batch_size, dict(r.headers), r.name,
+            max_response_bytes=r.max_response_bytes, key="reward.remote",
+        )
     sources: list[RewardSource] = []
     rm_module = None
     if reward_model is not None or reward.model:
@@ -275,9 +306,8 @@ def build_scorer(
         sources.append(rm)
         rm_module = rm.model
     sources += functions
-    if reward.remote is not None:
-        r = reward.remote
-        sources.append(RemoteReward(r.url, r.timeout_s, r.max_retries, r.backoff_s, r.batch_size, dict(r.headers), r.name))
+    if remote is not None:
+        sources.append(remote)
     if not sources:
         raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
     weights = list(reward.weights) if reward.weights is not None else [1.0] * len(sources)
@@ -298,8 +328,9 @@ def build_scorer(
     )
 
 
-def source_from_argument(text: str, trust_remote_code: bool = False) -> RewardSource:
-    """`ppokit serve-rm MODEL`: a saved reward model directory, a function spec, or a YAML mapping entry."""
+def source_from_argument(text: str, trust_remote_code: bool = False, timeout_s: Optional[float] = RewardConfig.timeout_s) -> RewardSource:
+    """`ppokit serve-rm MODEL`: a saved reward model directory, a function spec, or a YAML mapping entry.
+    `timeout_s` is a function's deadline per call, as reward.timeout_s."""
     if Path(text).expanduser().is_dir():
         return reward_model_source(str(Path(text).expanduser()), trust_remote_code=trust_remote_code)
     if text.lstrip().startswith("{"):
@@ -309,8 +340,8 @@ def source_from_argument(text: str, trust_remote_code: bool = False) -> RewardSo
             entry = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise UserError(f"serve-rm: {text!r} is not a valid YAML mapping: {e}") from None
-        return function_source(entry, "serve-rm MODEL", Path.cwd())
+        return function_source(entry, "serve-rm MODEL", Path.cwd(), timeout_s)
     if ":" not in text and ("/" in text or text.startswith((".", "~"))):
         # Only a directory can be a model here; a path that is none is a missing model, not a misspelt function.
         raise UserError(f"serve-rm MODEL: reward model directory {text} does not exist")
-    return function_source(text, "serve-rm MODEL", Path.cwd())
+    return function_source(text, "serve-rm MODEL", Path.cwd(), timeout_s)

@@ -3,16 +3,23 @@
 A source takes a ScoringBatch (texts, extra dataset columns, and the policy's token ids) and
 returns one score per row. Scores are checked in one place (`check_scores`) so every kind of
 source fails the same way: an error naming the source and an example row, never a silent 0.
+Each source is handed its own copy of the batch (`ScoringBatch.copy`), so one that edits what it
+was given changes nothing outside itself. A Python function runs in a worker thread under a
+deadline (`ThreadCall`); one that does not return in time counts as failed (`RewardTimeout`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import importlib
 import importlib.util
 import inspect
 import sys
+import threading
+import time
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
@@ -54,8 +61,31 @@ class ScoringBatch:
             ended=take(self.ended),
         )
 
+    def copy(self) -> "ScoringBatch":
+        """A copy that a source may change at will: new lists, column values copied (deep), tensors
+        cloned. Only the tokenizer is shared."""
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        try:
+            columns = copy.deepcopy(self.columns)
+        except RecursionError:
+            raise UserError("a data column holds a value nested too deeply to copy for the reward sources") from None
+        return ScoringBatch(
+            prompts=list(self.prompts),
+            completions=list(self.completions),
+            columns=columns,
+            input_ids=clone(self.input_ids),
+            attention_mask=clone(self.attention_mask),
+            tokenizer=self.tokenizer,
+            completion_ids=None if self.completion_ids is None else [list(ids) for ids in self.completion_ids],
+            ended=clone(self.ended),
+        )
+
     def describe_row(self, row: int) -> str:
         return f"row {row}: prompt {_short(self.prompts[row])}, completion {_short(self.completions[row])}"
+
+    def first_row(self) -> str:
+        """'; first row 0: ...' for an error message, or nothing for an empty batch."""
+        return f"; first {self.describe_row(0)}" if len(self) else ""
 
 
 def completion_token_ids(response_ids: torch.Tensor, response_mask: torch.Tensor, stop_token_id: Optional[int]) -> list[list[int]]:
@@ -73,6 +103,11 @@ def _short(text: str, limit: int = 160) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+def _brief(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @runtime_checkable
 class RewardSource(Protocol):
     """Anything with a `name` and `score(batch) -> (B,) float32`. Any non-finite score is a failure."""
@@ -83,28 +118,58 @@ class RewardSource(Protocol):
 
 
 class RewardError(UserError):
-    """A reward source failed on the data it was given (raised, wrong count, NaN/inf).
+    """A reward source failed on the data it was given (raised, wrong count, NaN/inf, not numbers).
 
     `reward.on_error: skip` drops the rows concerned instead of stopping; a plain UserError
     (a missing column, an unreachable server) always stops the run.
     """
 
 
-def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward source") -> torch.Tensor:
-    """A list of B numbers -> (B,) float32; raises RewardError on the wrong type or count.
+class RewardTimeout(RewardError):
+    """A reward function did not return within `reward.timeout_s`. Every row of the batch failed:
+    the scorer does not retry the rows one at a time (each would wait as long again)."""
 
+
+def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward source") -> torch.Tensor:
+    """A list (or 1-D tensor/array) of B numbers -> (B,) float32; RewardError on anything else.
+
+    A string is not a list of numbers ('11111111' is not eight 1.0s), and an element must be a
+    number (bool, int, float, a NumPy or 0-d tensor scalar), never a string such as '0.5'.
     Non-finite values pass through (as NaN/inf): the caller decides whether they stop the run
     or drop the row. None becomes NaN (JSON has no NaN, so remote scorers send null).
     """
-    try:
-        scores = torch.as_tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
-    except (TypeError, ValueError) as e:
-        raise RewardError(f"{what} {name} returned something that is not a list of numbers ({e}); first {batch.describe_row(0)}") from None
-    if scores.ndim != 1 or scores.shape[0] != len(batch):
-        raise RewardError(
-            f"{what} {name} returned {scores.numel()} scores for {len(batch)} completions; first {batch.describe_row(0)}"
-        )
+    if isinstance(values, torch.Tensor) and values.ndim == 1 and not values.is_complex():
+        scores = values.detach().to("cpu", torch.float32)
+    else:
+        if isinstance(values, (str, bytes, bytearray, Mapping, Set)) or not hasattr(values, "__iter__"):
+            raise RewardError(
+                f"{what} {name} returned {_brief(values)} (a {type(values).__name__}), not a list of numbers{batch.first_row()}"
+            )
+        numbers = []
+        for row, value in enumerate(values):
+            number = _as_number(value)
+            if number is None:
+                where = batch.describe_row(row) if row < len(batch) else f"row {row}"
+                raise RewardError(
+                    f"{what} {name} returned {_brief(value)} (a {type(value).__name__}) for {where}; expected a number"
+                )
+            numbers.append(number)
+        scores = torch.tensor(numbers, dtype=torch.float32)
+    if scores.shape[0] != len(batch):
+        raise RewardError(f"{what} {name} returned {scores.shape[0]} scores for {len(batch)} completions{batch.first_row()}")
     return scores
+
+
+def _as_number(value) -> Optional[float]:
+    """A score as a float (None -> NaN); None when `value` is not a number (a str has no __float__)."""
+    if value is None:
+        return float("nan")
+    if isinstance(value, (str, bytes, bytearray)) or not hasattr(value, "__float__"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor of several elements
+        return None
 
 
 def first_non_finite(scores: torch.Tensor) -> Optional[int]:
@@ -115,6 +180,53 @@ def first_non_finite(scores: torch.Tensor) -> Optional[int]:
 # --------------------------------------------------------------------------- Python functions
 
 
+class DeadlineExceeded(Exception):
+    """A ThreadCall did not finish in time; its thread is left running."""
+
+
+class ThreadCall:
+    """fn() in a daemon thread, so the caller can stop waiting for it after a deadline.
+
+    The thread inherits the caller's autograd and inference mode and its CUDA device (both are
+    per-thread in PyTorch). Python cannot stop a thread: one that never returns is abandoned,
+    and a daemon thread does not keep the process alive at exit. Waiting is interruptible by
+    signal handlers, like any blocking call in the main thread.
+    """
+
+    def __init__(self, fn: Callable[[], Any], name: str = "ppokit-call"):
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+
+        def run():
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    self._value = fn()
+            except BaseException as e:  # SystemExit too: it is the caller's to judge, not this thread's to swallow
+                self._error = e
+            finally:
+                self._done.set()
+
+        self.started = time.monotonic()
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def result(self, timeout_s: Optional[float]) -> Any:
+        """fn's return value, or its exception re-raised; DeadlineExceeded after `timeout_s` seconds."""
+        if not self._done.wait(timeout_s):
+            raise DeadlineExceeded()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 @dataclass
 class FunctionReward:
     """fn(prompts, completions, **columns) -> list[float], sync or async.
@@ -122,11 +234,18 @@ class FunctionReward:
     A function that declares a `completion_ids` parameter also gets the completions as policy
     token ids (stop token not included), e.g. to count tokens. `kwargs` are fixed keyword
     arguments from the config entry; they may not share a name with a data column.
+
+    The function gets its own copies of the lists and column values. With `timeout_s`, it runs
+    in a worker thread and a call that has not returned after `timeout_s` seconds fails
+    (RewardTimeout); while that call is still running, later calls fail at once rather than
+    pile up threads. `timeout_s=None` calls it in the caller's thread, without a limit.
     """
 
     fn: Callable
     name: str
     kwargs: dict = field(default_factory=dict)
+    timeout_s: Optional[float] = None
+    _abandoned: Optional[ThreadCall] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         try:
@@ -153,18 +272,46 @@ class FunctionReward:
         clash = sorted(set(self.kwargs) & set(batch.columns))
         if clash:
             raise UserError(f"reward function {self.name}: parameter(s) {', '.join(clash)} have the name of a data column; rename one")
+        own = batch.copy()  # what the function does to its arguments stays with it
         extra = dict(self.kwargs)
         if self._wants_ids:
-            extra["completion_ids"] = batch.completion_ids
+            extra["completion_ids"] = own.completion_ids
+
+        def call():
+            result = self.fn(own.prompts, own.completions, **own.columns, **extra)
+            return run_coroutine(result) if inspect.isawaitable(result) else result
+
         try:
-            result = self.fn(batch.prompts, batch.completions, **batch.columns, **extra)
-            if inspect.isawaitable(result):
-                result = run_coroutine(result)
+            result = call() if self.timeout_s is None else self._call_with_deadline(call)
         except UserError:
             raise
+        except SystemExit as e:  # sys.exit() in a reward function is that function failing, not the run ending
+            raise RewardError(f"reward function {self.name} called sys.exit({'' if e.code is None else repr(e.code)})") from None
         except Exception as e:
             raise RewardError(f"reward function {self.name} raised {type(e).__name__}: {e}") from e
         return check_scores(result, batch, self.name, what="reward function")
+
+    def _call_with_deadline(self, call: Callable[[], Any]) -> Any:
+        if self._abandoned is not None and self._abandoned.running():
+            raise RewardTimeout(
+                f"reward function {self.name}: its call that passed reward.timeout_s={self.timeout_s:g}s "
+                f"{time.monotonic() - self._abandoned.started:.0f}s ago has still not returned; the function fails until it does"
+            )
+        running = ThreadCall(call, name=f"reward-{self.name}")
+        try:
+            return running.result(self.timeout_s)
+        except DeadlineExceeded:
+            self._abandoned = running
+            raise RewardTimeout(
+                f"reward function {self.name} did not return within reward.timeout_s={self.timeout_s:g}s "
+                "(its thread is left running: Python cannot stop it)"
+            ) from None
+
+    def stuck_s(self) -> Optional[float]:
+        """Seconds since the call that passed its deadline started, while it still runs; else None."""
+        if self._abandoned is not None and self._abandoned.running():
+            return time.monotonic() - self._abandoned.started
+        return None
 
 
 def run_coroutine(awaitable):
@@ -183,13 +330,13 @@ def run_coroutine(awaitable):
 
 def load_function(spec: str, base_dir: Path | None = None) -> tuple[str, Callable]:
     """`path/to/file.py:fn` or `package.module:fn` -> (display name, callable)."""
-    if ":" not in spec:
+    target, _, fn_name = spec.rpartition(":")
+    if not target.strip() or not fn_name.strip():
         from ppokit.rewards.builtins import BUILTINS
 
         raise UserError(
             f"reward function {spec!r}: expected a built-in ({', '.join(BUILTINS)}), 'file.py:function' or 'module:function'"
         )
-    target, fn_name = spec.rsplit(":", 1)
     if target.endswith(".py"):
         path = Path(target).expanduser()
         if not path.is_absolute() and base_dir is not None and not path.exists():
@@ -202,13 +349,15 @@ def load_function(spec: str, base_dir: Path | None = None) -> tuple[str, Callabl
         sys.modules[module_name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise UserError(f"reward function {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:
+            raise UserError(f"reward function {spec!r}: importing {path} raised {type(e).__name__}: {e}") from None
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as e:
             raise UserError(f"reward function {spec!r}: cannot import module {target}: {e}") from None
+        except (Exception, SystemExit) as e:  # a relative name ('.x'), or the module failing as it is imported
+            raise UserError(f"reward function {spec!r}: importing module {target} raised {type(e).__name__}: {e}") from None
     fn = getattr(module, fn_name, None)
     if fn is None:
         raise UserError(f"reward function {spec!r}: {target} has no function {fn_name}")
