@@ -486,7 +486,8 @@ def _open_weights(path: Path, parallel: Any) -> None:
         return  # DCP reads its shards itself, and names a bad one (ShardedWeights.load)
     _open_torch(path, "optimizer.pt")
     weights = [path / "trainable.safetensors"] if (path / "trainable.safetensors").exists() else None
-    for folder in (path / "model", path / "model" / "value_model") if weights is None else ():
+    critic = path / "model" / "value_model"  # absent for a critic-free estimator (PlainWeights.load asks for it otherwise)
+    for folder in (path / "model", *([critic] if critic.is_dir() else [])) if weights is None else ():
         found = sorted(folder.glob("*.safetensors"))
         if not found:
             raise DamagedCheckpoint(path, f"{folder.relative_to(path)}/: no .safetensors weights")
@@ -648,7 +649,7 @@ def load_checkpoint(
 # --------------------------------------------------------------------------- --resume-force
 
 # Keys whose checkpointed state would override a forced new value; resume sets them from the config.
-APPLIED_ON_FORCE = ("ppo.learning_rate", "ppo.adam_epsilon", "ppo.weight_decay", "ppo.kl_coef")
+APPLIED_ON_FORCE = ("ppo.learning_rate", "ppo.vf_learning_rate", "ppo.adam_epsilon", "ppo.weight_decay", "ppo.kl_coef")
 
 
 def refuse_unappliable(differences: list[str], config, path: Path) -> None:
@@ -663,13 +664,15 @@ def refuse_unappliable(differences: list[str], config, path: Path) -> None:
 def apply_forced_hyperparameters(parts: TrainedParts, config) -> None:
     """--resume-force: the optimiser state restored from the checkpoint carries its own learning rate,
     epsilon and weight decay, and a fixed KL controller its own coefficient; the run's config wins.
-    The learning rate becomes the schedule's base rate, so the schedule continues from the same
-    position at the new peak (lr = learning_rate x the schedule's factor at its step)."""
+    The learning rates (the policy's group, then the critic's: `optimise.build_optimiser`) become the
+    schedule's base rates, so the schedule continues from the same position at the new peak
+    (lr = learning_rate x the schedule's factor at its step)."""
     hp, scheduler = config.ppo, parts.scheduler
-    scheduler.base_lrs = [hp.learning_rate for _ in scheduler.base_lrs]
-    for i, group in enumerate(parts.optimizer.param_groups):
-        group["initial_lr"] = hp.learning_rate
-        group["lr"] = hp.learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    rates = [hp.learning_rate, hp.vf_learning_rate or hp.learning_rate][: len(parts.optimizer.param_groups)]
+    scheduler.base_lrs = list(rates)
+    for i, (group, rate) in enumerate(zip(parts.optimizer.param_groups, rates)):
+        group["initial_lr"] = rate
+        group["lr"] = rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
         group["eps"], group["weight_decay"] = hp.adam_epsilon, hp.weight_decay
     scheduler._last_lr = [group["lr"] for group in parts.optimizer.param_groups]
     if config.ppo.kl_target is None:
