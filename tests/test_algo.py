@@ -479,3 +479,13 @@ def test_explained_variance_by_hand_and_over_two_processes():
     m = torch.rand(5, 4) > 0.3
     first, second = _two_processes(algo.explained_variance, (v[:2], r[:2], m[:2]), (v[2:], r[2:], m[2:]))
     assert first.item() == pytest.approx(algo.explained_variance(v, r, m).item(), abs=1e-5) and first.item() == second.item()
+
+
+def test_values_inside_the_clip_range_never_count_as_clipped():
+    torch.manual_seed(0)
+    old = torch.randn(64, 32) * 3
+    values = old + (torch.rand(64, 32) - 0.5) * 0.39  # within 0.2 of the rollout value
+    returns = torch.randn(64, 32) * 3
+    per_token, clipped = algo.value_loss_per_token(values, old, returns, 0.2)
+    assert not clipped.any()
+    torch.testing.assert_close(per_token, (values - returns) ** 2, rtol=0, atol=0)

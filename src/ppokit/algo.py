@@ -516,8 +516,9 @@ def value_loss_per_token(
     term was the larger [PPO as implemented in OpenAI baselines; N+ "value function clipping"].
 
     values (with grad), old_values (from the rollout), returns: (B, T) -> ((B, T), (B, T) bool).
+    The clipped value is V itself inside the range by construction (a clamp against the bounds).
     """
-    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped_sq = (values - returns) ** 2
     clipped_sq = (clipped_values - returns) ** 2
     return torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
