@@ -7,11 +7,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import tiny_ppo_config, with_speed_switches
 
 import ppokit
@@ -139,17 +141,19 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(model_dir, pro
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full_in_update_2)
-    with pytest.raises(OSError, match="No space left"):
+    folder = out / "checkpoints"
+    with pytest.raises(UserError, match=(
+        f"^no space left on /.* \\(No space left on device\\) while writing {folder / 'update-2'}; "
+        f"the last complete checkpoint is {folder / 'update-1'}$"
+    )):
         PPOTrainer(config, show_progress=False).train()
     monkeypatch.setattr(torch, "save", real_save)
 
-    folder = out / "checkpoints"
     assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["update-1"]
-    assert list(folder.glob(".update-2.tmp-*")), "the half-written checkpoint stays under its temporary name"
+    assert not list(folder.glob(".update-*")), "the half-written checkpoint is removed"
     assert checkpoint.find_checkpoint(None, out) == folder / "update-1"
     resume_and_finish(tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, **RUN))
     assert_same_run(out, reference)
-    assert not list(folder.glob(".update-*")), "leftovers of the failed write are cleared by the next save"
 
 
 def _cli(config_path: Path, log: Path) -> subprocess.Popen:
@@ -406,3 +410,117 @@ def test_training_state_with_a_wrong_counter_is_named(field, value):
         TrainingState.from_counters(saved, [], "run/checkpoints/update-4/trainer_state.json")
     restored = TrainingState.from_counters({**saved, field: 2}, [{"update": 1}], "x")
     assert restored.counters()[field] == 2 and restored.records == [{"update": 1}]
+
+
+# --------------------------------------------------------------------------- damaged checkpoints, failed and forced resumes
+
+
+@pytest.fixture(scope="module")
+def saved_every_update(model_dir, prompts_file, tmp_path_factory):
+    """A finished run of 4 updates with a checkpoint after each -> (run folder, its config file)."""
+    out = tmp_path_factory.mktemp("every-update") / "run"
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, **RUN)
+    PPOTrainer(config, show_progress=False).train()
+    path = out.parent / "ppo.yaml"
+    config.save(path)
+    return out, path
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".ppokit.lock"}
+
+
+def _cut(file: Path, keep: float = 0.5) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+def _state(**change):
+    def edit(folder: Path) -> None:
+        state = json.loads((folder / "trainer_state.json").read_text())
+        for key, value in change.items():
+            state.pop(key) if value is KeyError else state.__setitem__(key, value)
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+
+    return edit
+
+
+DAMAGE = {
+    "weights cut short": (lambda c: _cut(c / "model" / "model.safetensors"),
+                          "model/model.safetensors: Error while deserializing header: incomplete metadata, file not fully covered"),
+    "value weights missing": (lambda c: (c / "model" / "value_model" / "model.safetensors").unlink(), "model/value_model/: no .safetensors weights"),
+    "optimizer cut short": (lambda c: _cut(c / "optimizer.pt"), "optimizer.pt: not a torch.save archive (cut short or overwritten)"),
+    "scheduler missing": (lambda c: (c / "scheduler.pt").unlink(), "scheduler.pt: missing"),
+    "rng not rng": (lambda c: torch.save({"python": 1}, c / "rng.pt"), "rng.pt: not a list of RNG states, one per process"),
+    "config missing": (lambda c: (c / "config.yaml").unlink(), "config.yaml: missing"),
+    "config garbage": (lambda c: (c / "config.yaml").write_text("- this\n- is not\n- a config\n"), "config.yaml: list, not a mapping of config keys"),
+    "config of another tool": (lambda c: (c / "config.yaml").write_text("learning_rate: 0.1\nepochs: 3\n"), "config.yaml: unknown config key learning_rate"),
+    "config cut short": (lambda c: (c / "config.yaml").write_text("ppo:\n  kl_coef: [0.05\n"), "config.yaml: not valid YAML"),
+    "metrics cut short": (lambda c: _cut(c / "metrics.jsonl", 0.9), "metrics.jsonl: line 4 is not valid JSON (cut short?)"),
+    "metrics short of records": (lambda c: (c / "metrics.jsonl").write_text((c / "metrics.jsonl").read_text().split("\n", 1)[1]),
+                                 "metrics.jsonl: 3 records for 4 updates (cut short?)"),
+    "state cut short": (lambda c: _cut(c / "trainer_state.json"), "trainer_state.json: not valid JSON"),
+    "state without episode": (_state(episode=KeyError), "trainer_state.json: episode must be a non-negative integer, got None"),
+    "state update -3": (_state(update=-3), "trainer_state.json: update must be a non-negative integer, got -3"),
+    "state processes text": (_state(processes="two"), "trainer_state.json: processes is 'two', not a positive integer"),
+    "state data missing": (_state(data=KeyError), "trainer_state.json: no data"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_named_with_the_one_before_it_and_nothing_changes(saved_every_update, tmp_path, damage, capsys, monkeypatch):
+    source, config_path = saved_every_update
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    config = tmp_path / "ppo.yaml"
+    config.write_text(config_path.read_text().replace(str(source), str(out)))
+    latest = out / "checkpoints" / "update-4"
+    edit, detail = DAMAGE[damage]
+    edit(latest)
+    before = files_of(out)
+    monkeypatch.setattr(PPOTrainer, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["ppo", str(config), "--resume", *([str(latest)] if damage == "state cut short" else [])]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"ppokit: error: checkpoint {latest} is damaged: {detail}"), line
+    assert line.endswith(f"; the previous complete one is {out / 'checkpoints' / 'update-3'}"), line
+    assert files_of(out) == before
+
+
+def test_a_failed_resume_changes_nothing_in_the_run(saved_every_update, tmp_path):
+    """A corrupt rng.pt used to be read after newer checkpoints had gone to superseded/ and metrics.jsonl was cut."""
+    source, _ = saved_every_update
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    _cut(out / "checkpoints" / "update-2" / "rng.pt")
+    before = files_of(out)
+    trainer = PPOTrainer(PPOConfig.load(source.parent / "ppo.yaml", [f"output_dir={out}"]), show_progress=False)
+    with pytest.raises(UserError, match=re.escape(
+        f"checkpoint {out / 'checkpoints' / 'update-2'} is damaged: rng.pt: not a torch.save archive (cut short or overwritten); "
+        f"the previous complete one is {out / 'checkpoints' / 'update-1'}"
+    )):
+        trainer.resume_from(out / "checkpoints" / "update-2")
+    assert files_of(out) == before and trainer.state.update == 0
+
+
+def test_resume_force_applies_a_new_learning_rate_or_refuses_what_it_cannot_apply(saved_every_update, model_dir, prompts_file, tmp_path):
+    source, _ = saved_every_update
+    saved = source / "checkpoints" / "update-2"
+    straight = comparable(source / "metrics.jsonl")
+    changed = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **{**RUN, "learning_rate": 5e-4, "adam_epsilon": 1e-6})
+    trainer = PPOTrainer(changed, show_progress=False)
+    trainer.resume_from(saved, force=True)
+    factor = straight[2]["lr"] / 1e-3  # the schedule's factor at update 3's first step, from the run that did not stop
+    groups = trainer.optimizer.param_groups  # the policy's and the critic's (vf_learning_rate: null, the same rate)
+    assert len(groups) == 2 and all(g["lr"] == pytest.approx(5e-4 * factor) and g["eps"] == 1e-6 for g in groups)
+    trainer.train()
+    records = comparable(tmp_path / "run" / "metrics.jsonl")
+    assert [r["lr"] for r in records[2:]] == [pytest.approx(5e-4 * r["lr"] / 1e-3) for r in straight[2:]]
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["ppo"]
+    assert (recorded["learning_rate"], recorded["adam_epsilon"]) == (5e-4, 1e-6)  # the values the run used
+
+    adaptive = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "other", **{**RUN, "kl_coef": 0.2})
+    with pytest.raises(UserError, match="ppo.kl_coef is the adaptive KL controller's starting value; .* cannot take effect, even with --resume-force"):
+        PPOTrainer(adaptive, show_progress=False).resume_from(saved, force=True)
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 
@@ -104,6 +105,36 @@ def test_reward_skip_warning_is_one_line_without_source(model_dir, prompts_file,
     assert "UserWarning" not in result.stderr and "_score_source(" not in result.stderr
 
 
+@pytest.mark.slow
+def test_a_run_the_plan_says_cannot_fit_stops_before_loading_weights_unless_forced(model_dir, tmp_path, capsys, monkeypatch):
+    from ppokit.cli import main
+
+    prompts = tmp_path / "huge.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie was " * 750_000}) + "\n" + '{"prompt": "the plot was"}\n' * 15)  # one 10 MB prompt
+    # A long-context model: the prompt is within its positions; what it does not fit is the memory.
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama", max_positions=4_000_000), prompts, tmp_path / "run")
+    assert main(["ppo", str(config)]) == 3
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("ppokit: error: plan: estimated peak ") and "DOES NOT FIT (prompts up to 2250000 tokens)" in line, err
+    assert line.endswith("data.max_prompt_length would cut long prompts. Change the config (see `ppokit plan`), or pass --ignore-plan to start anyway")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".ppokit", ".ppokit.lock"]  # the run folder, locked; nothing written
+
+    import ppokit.trainer
+
+    class Loaded(Exception):
+        pass
+
+    def reached_the_trainer(*args, **kwargs):
+        raise Loaded  # --ignore-plan goes on to load the models; the run itself would exhaust this machine
+
+    monkeypatch.setattr(ppokit.trainer, "PPOTrainer", reached_the_trainer)
+    with pytest.raises(Loaded):
+        main(["ppo", str(config), "--ignore-plan"])
+    with pytest.raises(Loaded):
+        main(["ppo", str(config), "data.max_prompt_length=16"])  # the plan's way out: it fits
+
+
 def test_a_prompt_longer_than_the_models_positions_is_one_line_before_any_update(model_dir, prompts_file, tmp_path):
     """A GPT-2-style model with n_positions 64 and an 800-token prompt: was `IndexError: index out of
     range in self` from inside the model; now one line naming the row, the lengths and the key."""
@@ -114,7 +145,7 @@ def test_a_prompt_longer_than_the_models_positions_is_one_line_before_any_update
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = write_config(tmp_path / "ppo.yaml", model, prompts, tmp_path / "run")
     result = ppokit("ppo", config)
-    _assert_user_error(result, f"data.train ({prompts}: row 3): the prompt is 800 tokens; with ppo.response_length 6 that is 806, "
+    _assert_user_error(result, f"data.train ({prompts}:3): the prompt is 800 tokens; with ppo.response_length 6 that is 806, "
                                "over the model's position limit of 64 tokens (n_positions in its config); "
                                "set data.max_prompt_length to at most 58 (it is null)")
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -40,9 +40,12 @@ def test_compiled_training_forward_equals_eager(model_dir):
             return [lp.detach(), ent, values.detach(), *torch.autograd.grad(loss, params, allow_unused=True)]
 
         eager, compiled = run(None, None), run(policy_fn, critic_fn)
-        for a, b in zip(eager, compiled):
+        for i, (a, b) in enumerate(zip(eager, compiled)):
             if a is not None:
-                assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
+                # Relative to the tensor's scale: inductor's kernels sum in another order than eager's, and a gradient
+                # entry near zero in a tensor whose largest is ~35 differs by ~1e-5 (seen when other tests ran first).
+                error, scale = (a - b).abs().max().item(), a.abs().max().item()
+                assert error <= 1e-5 * scale + 1e-6, (i, rows, error, scale)
 
 
 def test_compile_where_torch_compile_cannot_run_is_one_clear_error(tmp_path):

@@ -103,6 +103,78 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
         PPOConfig.load(bad)
 
 
+# --------------------------------------------------------------------------- config files a user can get wrong
+
+
+def test_config_files_in_other_encodings_or_binary(tmp_path):
+    good = "model: m\nreward: {functions: [sentiment]}\ndata: {train: p.jsonl}\nppo: {kl_coef: 0.1}\n"
+    for encoding in ("utf-16", "utf-8-sig"):  # what Windows editors and PowerShell's `>` write: with a byte-order mark
+        path = tmp_path / f"{encoding}.yaml"
+        path.write_bytes(good.encode(encoding))
+        assert PPOConfig.load(path).ppo.kl_coef == 0.1
+    binary = tmp_path / "model.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00")
+    with pytest.raises(UserError, match=r"model\.yaml:3: holds NUL bytes: a binary file .*save it as UTF-8"):
+        PPOConfig.load(binary)
+    headless = tmp_path / "utf16-no-bom.yaml"
+    headless.write_bytes(good.encode("utf-16-le"))
+    with pytest.raises(UserError, match=r"utf16-no-bom\.yaml:1: holds NUL bytes"):
+        PPOConfig.load(headless)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("model: m\n# café\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1\.yaml:2: not UTF-8 text \(byte 0xe9\)"):
+        PPOConfig.load(latin1)
+    with pytest.raises(UserError, match="is a directory, not a YAML config file"):
+        PPOConfig.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [  # a key or a section written twice: the key and both lines (PyYAML would keep the second silently)
+        ("model: m\nppo:\n  kl_coef: 0.1\nreward:\n  functions: [sentiment]\nppo:\n  learning_rate: 1.0e-5\n",
+         "c.yaml:6: section ppo is written twice (lines 2 and 6)"),
+        ("model: m\nppo:\n  kl_coef: 0.1\n  cliprange: 0.3\n  kl_coef: 0.2\n", "c.yaml:5: key ppo.kl_coef is written twice (lines 3 and 5)"),
+        ("reward:\n  functions:\n    - {function: contains, required: [a], required: [b]}\n",
+         "key reward.functions[0].required is written twice"),
+        ("model: &m [*m]\n", "model: expected a string"),  # a recursive anchor is not followed for ever
+        ("'': 1\n", "unknown config key ''; known keys here: model"),  # odd keys are named visibly
+        ("ppo:\n  1: 2\n", "unknown config key ppo.1; known keys"),
+    ],
+)
+def test_yaml_mistakes_name_the_key_and_the_lines(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=re.escape(message)):
+        PPOConfig.load(path)
+
+
+@pytest.mark.parametrize("seed, ok", [(0, True), (2**32 - 1, True), (-1, False), (2**32, False)])
+def test_seed_range_is_checked_at_config_time(seed, ok):
+    from ppokit.config import RMConfig, SFTConfig
+
+    for cls, args in ((PPOConfig, BASE), (SFTConfig, ["model=m", "data.train=t.jsonl"]), (RMConfig, ["model=m", "data.train=t.jsonl"])):
+        if ok:
+            assert cls.load(None, [*args, f"seed={seed}"]).seed == seed
+        else:
+            with pytest.raises(UserError, match=re.escape(f"seed: value {seed} is out of range, it must be in 0..2**32-1")):
+                cls.load(None, [*args, f"seed={seed}"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (".ppo=1", "override '.ppo=1': '.ppo' has an empty part; write section.key=value"),
+        ("ppo..kl_coef=1", "'ppo..kl_coef' has an empty part"),
+        ("ppo.=1", "'ppo.' has an empty part"),
+        ("output_dir=", "output_dir: may not be empty"),
+        ("output_dir=' '", "output_dir: may not be empty"),
+    ],
+)
+def test_empty_keys_and_an_empty_output_dir_are_config_errors(override, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        PPOConfig.load(None, BASE + [override])
+
+
 # --------------------------------------------------------------------------- the PPO toolbox (issue 9)
 
 

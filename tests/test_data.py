@@ -1,6 +1,7 @@
 """Data sources, format detection, chat rendering, the length rule, the eval split, and bad input."""
 
 import csv
+import re
 import json
 
 import pytest
@@ -264,3 +265,73 @@ def test_wrong_data_for_the_stage_says_what_the_stage_needs():
         preference_triples(prompts)
     with pytest.raises(UserError, match="last message must be the assistant's"):
         sft_pairs(load_records([{"messages": [{"role": "user", "content": "hi"}]}]))
+
+
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_bytes(b'{"prompt": "a"}\n\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"d\.jsonl:3: not UTF-8 text \(byte 0xe9\); save the file as UTF-8"):
+        load_records(str(jsonl))
+    table = tmp_path / "d.csv"
+    table.write_bytes(b"prompt,completion\nthe movie,was fine\n\xff\xfe,x\n")
+    with pytest.raises(UserError, match=r"d\.csv:3: not UTF-8 text \(byte 0xff\)"):
+        load_records(str(table))
+    whole = tmp_path / "d.json"
+    whole.write_bytes(b'[{"prompt": "a"},\n {"prompt": "\x80"}]')
+    with pytest.raises(UserError, match=r"d\.json:2: not UTF-8 text \(byte 0x80\)"):
+        load_records(str(whole))
+
+
+def test_a_byte_order_mark_does_not_end_up_in_a_column_name(tmp_path):
+    table = tmp_path / "excel.csv"
+    table.write_bytes("prompt,completion\nthe movie,was fine\n".encode("utf-8-sig"))  # Excel's "CSV UTF-8"
+    records = load_records(str(table))
+    assert records.columns == ["completion", "prompt"] and records.format == "prompt_completion"
+    lines = tmp_path / "bom.jsonl"
+    lines.write_bytes('{"prompt": "the movie"}\n'.encode("utf-8-sig"))
+    assert load_records(str(lines)).rows == [{"prompt": "the movie"}]
+
+
+def test_a_null_field_is_called_null(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": None}])
+    with pytest.raises(UserError) as e:
+        load_records(str(path))
+    assert str(e.value).startswith(f"{path}:2: field prompt is null; the prompt format needs a string")
+    with pytest.raises(UserError, match=r"row 1: fields prompt, completion are null"):
+        load_records([{"prompt": None, "completion": None}], format="prompt_completion")
+
+
+def test_prompt_field_that_the_data_lacks_is_an_error_not_a_fall_back(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "the movie was", "label": 1}] * 3)
+    with pytest.raises(UserError, match=r"data\.prompt_field is 'text' but the data has no such column \(columns: label, prompt\)"):
+        as_prompt_dataset(str(path), prompt_field="text")
+    some = write_jsonl(tmp_path / "some.jsonl", [{"text": "the movie was"}, {"question": "the plot"}])
+    with pytest.raises(UserError, match=r"some\.jsonl:2: no field text \(data\.prompt_field\); the row has question"):
+        as_prompt_dataset(str(some), prompt_field="text")
+    both = write_jsonl(tmp_path / "both.jsonl", [{"text": "the movie was", "prompt": "other"}])
+    with pytest.raises(UserError, match=r"both\.jsonl:1: data\.prompt_field is 'text' but the row also has a prompt column"):
+        as_prompt_dataset(str(both), prompt_field="text")
+    renamed = as_prompt_dataset(str(write_jsonl(tmp_path / "t.jsonl", [{"text": "the movie was", "label": 1}])), prompt_field="text")
+    assert renamed.prompts == ["the movie was"] and renamed.columns == {"label": [1]}
+
+
+def test_empty_csv_cells_are_counted_and_reported(tmp_path):
+    table = tmp_path / "d.csv"
+    table.write_text("prompt,completion,label\nthe movie,,1\nthe plot,was fine\n,was dull,0\n")
+    with pytest.warns(UserWarning, match=re.escape(
+        f"{table}: 3 empty cells (column completion: line 2; column label: line 3; column prompt: line 4) read as empty strings"
+    )):
+        rows = read_source(str(table))
+    assert rows.empty_cells == {"completion": 1, "label": 1, "prompt": 1}
+    assert rows.rows[1] == {"prompt": "the plot", "completion": "was fine", "label": ""}
+
+
+def test_an_empty_prompt_is_found_at_data_time_with_its_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "the movie was"}\n\n{"prompt": "the plot was"}\n{"prompt": "  "}\n')
+    with pytest.raises(UserError, match=re.escape(f"{path}:4: the prompt is empty")):
+        as_prompt_dataset(str(path))
+    with pytest.raises(UserError, match=re.escape("<list>: row 2: the prompt is empty")):
+        as_prompt_dataset(["a prompt", ""])
+    dataset = as_prompt_dataset(str(write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}])))
+    assert dataset.where(2).endswith("ok.jsonl:3") and dataset.subset([2, 0]).where(0).endswith("ok.jsonl:3")

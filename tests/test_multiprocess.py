@@ -87,6 +87,8 @@ def test_two_process_cpu_run_with_checkpoints_and_resume(runs):
     assert (run / "final" / "value_model").is_dir()
     assert all(-1.0 <= r["val/explained_variance"] <= 1.0 for r in _records(run))  # reduced over both processes' tokens
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("update-")) == ["update-2", "update-4"]
+    # The main process alone holds the run lock (a second holder would have stopped with "in use by another ppokit run").
+    assert len((run / ".ppokit.lock").read_text().split()) == 1
     # resuming a finished run trains nothing and says so, on every process, without hanging
     resumed = _launch(config, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -148,18 +150,21 @@ def test_an_fsdp_checkpoint_is_sharded_and_final_is_one_plain_model(runs):
         assert torch.allclose(a, b, atol=1e-5), name  # the same training, consolidated
 
 
-def test_resume_refuses_another_strategy_or_process_count(runs, capsys):
+def test_resume_refuses_another_strategy_or_process_count(runs, capsys, tmp_path):
     from ppokit.cli import main
 
     ddp_config, _ = runs["ddp"]
     fsdp_config, fsdp_run = runs["fsdp"]
     checkpoint = fsdp_run / "checkpoints" / "update-2"
+    # Into new folders: resuming another folder's checkpoint over a run of the folder's own is refused before all this.
+    elsewhere = [f"output_dir={tmp_path / 'a'}"]
     # an fsdp checkpoint resumed under ddp: refused, --resume-force or not (the files are another layout)
-    assert main(["ppo", str(ddp_config), "--resume", str(checkpoint), "--resume-force"]) == 2
+    assert main(["ppo", str(ddp_config), *elsewhere, "--resume", str(checkpoint), "--resume-force"]) == 2
     err = capsys.readouterr().err
     assert "the checkpoint was written under parallel.strategy fsdp and this run uses ddp" in err
     # the same strategy with another process count: refused naming both counts, unless --resume-force
-    assert main(["ppo", str(fsdp_config), "parallel.strategy=ddp", "--resume", str(runs["ddp"][1] / "checkpoints" / "update-2")]) == 2
+    assert main(["ppo", str(fsdp_config), "parallel.strategy=ddp", f"output_dir={tmp_path / 'b'}", "--resume",
+                 str(runs["ddp"][1] / "checkpoints" / "update-2")]) == 2
     err = capsys.readouterr().err
     assert "processes (checkpoint 2, now 1)" in err and "--resume-force" in err
 

@@ -9,6 +9,7 @@ from conftest import tiny_ppo_config
 
 from ppokit.cli import PLAN_DOES_NOT_FIT, main
 from ppokit.config import LoraConfig
+from ppokit.errors import UserError
 from ppokit.plan import GiB, estimate, plan_for
 
 pytest.importorskip("peft")
@@ -177,7 +178,9 @@ def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_d
                                          ppo={"total_episodes": 64, "per_device_train_batch_size": 4, "response_length": 64}))
     monkeypatch.setattr("ppokit.plan.device_memory", lambda: ("cuda:0 test", 80 * GiB))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    _preflight(config)
+    with pytest.raises(UserError, match="ddp, per device of 2 processes.*DOES NOT FIT.*it would fit with parallel.strategy: fsdp with 8 processes"):
+        _preflight(config)  # the run stops before any weights load
+    _preflight(config, ignore_plan=True)  # --ignore-plan: the verdict and the way out are printed, and the run starts
     err = capsys.readouterr().err
     assert "ddp, per device of 2 processes" in err and "DOES NOT FIT" in err
     assert "plan: would fit with: parallel.strategy: fsdp with 8 processes" in err
@@ -251,3 +254,72 @@ def test_plan_counts_the_lm_head_in_both_modes_and_suggests_a_token_budget(long_
     assert estimate(config, 256, 64, small_device).fits
     config.ppo.max_tokens_per_micro_batch = tokens + 512
     assert not estimate(config, 256, 64, small_device).fits  # the largest budget that fits
+
+
+CUSTOM_CONFIG = """from transformers import LlamaConfig
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "ppokit_custom"
+"""
+CUSTOM_MODELING = """from torch import nn
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, LlamaPreTrainedModel
+
+from .configuration_custom import CustomConfig
+
+
+class CustomModel(LlamaModel):
+    config_class = CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+
+
+class CustomForSequenceClassification(LlamaForSequenceClassification):
+    config_class = CustomConfig
+
+    def __init__(self, config):
+        LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = CustomModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+"""
+
+
+def test_plan_of_a_model_with_its_own_code_never_asks_on_the_terminal(model_dir, tmp_path):
+    """trust_remote_code: true reaches every model the plan builds on meta (no "Do you wish to run the custom code?")."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ppokit
+
+    custom = tmp_path / "custom"
+    shutil.copytree(model_dir("llama"), custom, ignore=shutil.ignore_patterns("*.safetensors"))
+    (custom / "configuration_custom.py").write_text(CUSTOM_CONFIG)
+    (custom / "modeling_custom.py").write_text(CUSTOM_MODELING)
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="ppokit_custom", architectures=["CustomForCausalLM"], auto_map={
+        "AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel",
+        "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_custom.CustomForSequenceClassification",
+    })
+    (custom / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump({"model": str(custom), "trust_remote_code": True, "reward": {"functions": ["sentiment"]},
+                                    "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4}}))
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"),
+               PYTHONPATH=os.pathsep.join([str(Path(ppokit.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "ppokit", "plan", str(path)], stdin=subprocess.DEVNULL, capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "custom code" not in result.stdout + result.stderr and "Traceback" not in result.stderr
+    assert "fits" in result.stdout
+    refused = subprocess.run([sys.executable, "-m", "ppokit", "plan", str(path), "trust_remote_code=false"], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(f"ppokit: error: model: could not read the config of '{custom}'")

@@ -243,18 +243,21 @@ def test_pipeline_skips_completed_stages_and_reruns_changed_ones(pipeline_run, c
     ran = []
     changed = json.loads(json.dumps(config))
     changed["rm"]["train"]["learning_rate"] = 5e-4
-    run_pipeline(data=changed, show_progress=True, runner=lambda stage, cfg, show: ran.append(stage) or {})
+    run_pipeline(data=changed, show_progress=True, runner=lambda stage, cfg, show, overwrite: ran.append(stage) or {})
     assert ran == ["rm", "ppo"]  # ppo follows because its reward model changes
     assert "rm: " in capsys.readouterr().err
 
 
 def test_pipeline_reruns_ppo_without_final(tmp_path):
+    from ppokit.run_dir import write_marker
+
     out = tmp_path / "ppo"
     out.mkdir()
+    write_marker(out, "ppo-run")  # a ppo run that stopped before its final save
     (out / "config.yaml").write_text("seed: 42\n")
     ran = []
     config = {"ppo": {"model": "m", "output_dir": str(out), "reward": {"functions": ["sentiment"]}, "data": {"train": "x.jsonl"}}}
-    run_pipeline(data=config, show_progress=False, runner=lambda stage, cfg, show: ran.append(stage) or {})
+    run_pipeline(data=config, show_progress=False, runner=lambda stage, cfg, show, overwrite: ran.append(stage) or {})
     assert ran == ["ppo"]
 
 
@@ -494,3 +497,20 @@ def test_ppo_takes_chat_prompts_and_passes_columns_to_reward_functions(model_dir
     assert all(isinstance(a, int) for a in seen["answer"]) and isinstance(seen["messages"][0], list)
     recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert "assistant:" in recorded["data"]["chat_template"]
+
+
+def test_data_inspect_cuts_long_examples_and_reports_empty_cells(tmp_path, capsys):
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({"prompt": "the movie was " * 750_000}) + "\n")  # 10.5 MB
+    assert main(["data", "inspect", str(huge)]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 2000 and "... (10500000 characters in all)" in out
+    report = inspect_data(str(huge))
+    assert report["lengths"]["prompt"]["max"] == 10_500_000 and len(report["examples"][0]["prompt"]) < 400
+
+    table = tmp_path / "d.csv"
+    table.write_text("prompt,completion\nthe movie,\nthe plot,was fine\n")
+    assert main(["data", "inspect", str(table)]) == 0
+    captured = capsys.readouterr()
+    assert "empty cells    completion 1 (read as empty strings)" in captured.out
+    assert f"ppokit: warning: {table}: 1 empty cell (column completion: line 2) read as empty strings" in captured.err

@@ -281,14 +281,14 @@ def test_tokenizer_folder_without_config_json(model_dir, prompts_file, tokenizer
 def test_notices_go_to_stderr_and_stdout_stays_for_results(model_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "run"
     config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=8, num_sample_generations=0)
-    PPOTrainer(config, show_progress=False).train()  # an earlier run whose checkpoint the next one replaces
+    PPOTrainer(config, show_progress=False).train()  # an earlier run that the next one replaces
     config.data.max_prompt_length = 3
     capsys.readouterr()
-    PPOTrainer(config, show_progress=True).train()
+    PPOTrainer(config, show_progress=True, overwrite=True).train()
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "prompts longer than data.max_prompt_length=3 were truncated" in captured.err
-    assert "removed 1 checkpoint(s) of an earlier run" in captured.err
+    assert f"{out}: the earlier run there is replaced by this one, whose first checkpoint is written" in captured.err
 
 
 def test_the_callers_config_is_not_changed(model_dir, prompts_file, tmp_path, tokenizer):
@@ -318,13 +318,13 @@ def test_prompts_that_a_model_cannot_read_are_refused_before_its_weights_load(mo
     with pytest.raises(UserError) as error:
         PPOTrainer(config, tokenizer=bigger, show_progress=False)
     assert str(error.value) == (
-        f"data.train ({rows}: row 8): token id {bigger.convert_tokens_to_ids('new7')} ('new7') is outside the model's vocabulary "
+        f"data.train ({rows}:8): token id {bigger.convert_tokens_to_ids('new7')} ('new7') is outside the model's vocabulary "
         f"of {len(tokenizer)} (vocab_size in its config): the tokenizer of {len(bigger)} tokens is not this model's; set "
         "`tokenizer` to the model's own, or resize the model's embeddings")
     # The reference has fewer positions than the policy: its limit is the one that counts.
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", response_length=6)
     config.ref_model = str(model_dir("gpt2", max_positions=8))
-    with pytest.raises(UserError, match=r"data.train \(.*: row \d+\): the prompt is \d+ tokens; with ppo.response_length 6 that is "
+    with pytest.raises(UserError, match=r"data.train \(.*:\d+\): the prompt is \d+ tokens; with ppo.response_length 6 that is "
                                         r"\d+, over the ref_model's position limit of 8 tokens \(n_positions in its config\); "
                                         r"set data.max_prompt_length to at most 2 \(it is null\) \(\d+ rows are over it\)"):
         PPOTrainer(config, show_progress=False)

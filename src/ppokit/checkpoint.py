@@ -16,7 +16,7 @@ A checkpoint is the folder `output_dir/checkpoints/update-N/`:
     config.yaml          the run's configuration, compared with the new one on resume
     trainer_state.json   counters, data position, KL controller, versions; written last ("complete": true)
 
-The folder is written under a temporary name and renamed into place (`atomic_save_dir`), so a
+The folder is written under a temporary name and renamed into place (`run_dir.temporary_dir`, `finish_dir`), so a
 crash while writing leaves the previous checkpoints as they were; only folders named update-N
 whose trainer_state.json says complete count. The data order is a pure function of
 (seed, update index) (`PPOTrainer.batch_indices`), so the update counter is the data position.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import random
 import re
@@ -48,13 +47,23 @@ import yaml
 
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
-from ppokit.metrics import JsonlWriter, read_jsonl_records
+from ppokit.metrics import JsonlWriter
+from ppokit.run_dir import (
+    CHECKPOINTS,
+    STATE_FILE,
+    discard_dir,
+    finish_dir,
+    full_disk,
+    list_checkpoints,
+    move_into_place,
+    owned_checkpoint,
+    remove_leftovers,
+    temporary_dir,
+)
 from ppokit.state import TrainingState
 from ppokit.version import __version__
 
 FORMAT = 1
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^update-(\d+)$")
 
 # Config keys that may differ between a checkpoint and the run that resumes it, because they do not
@@ -93,58 +102,11 @@ RESUME_SAFE_CHANGES = {
 }
 
 
-# --------------------------------------------------------------------------- atomic folders
-
-
-def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
-    """Write a directory under a temporary name and rename it into place when complete."""
-    tmp = _temporary_dir(Path(target))
-    write(tmp)
-    _move_into_place(tmp, Path(target))
-
-
-def _temporary_dir(target: Path) -> Path:
-    """A fresh, empty folder beside `target` under a name no checkpoint lookup takes for a checkpoint."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _move_into_place(tmp: Path, target: Path) -> None:
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(target)
-
-
 # --------------------------------------------------------------------------- finding checkpoints
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / CHECKPOINTS
-
-
-def read_state(path: Path) -> Optional[dict]:
-    """trainer_state.json of a complete checkpoint, else None."""
-    try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) and state.get("complete") is True else None
-
-
-def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Complete checkpoints in `folder` (a checkpoints/ folder), oldest first."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and read_state(p) is not None]
-    return [p for _, p in sorted(found)]
 
 
 def find_checkpoint(spec: Optional[str], output_dir: str | Path) -> Path:
@@ -154,10 +116,10 @@ def find_checkpoint(spec: Optional[str], output_dir: str | Path) -> Path:
         candidates = [checkpoints_dir(output_dir)]
     else:
         path = Path(spec).expanduser()
-        if (path / STATE_FILE).exists() or _NAME.match(path.name):
-            if read_state(path) is None:
-                raise UserError(f"--resume {spec}: not a complete checkpoint (no trainer_state.json marked complete)")
-            return path
+        if (path / STATE_FILE).exists():
+            return path  # read_checkpoint says whether it is complete and whole
+        if _NAME.match(path.name):
+            raise UserError(f"--resume {spec}: not a complete checkpoint (no {STATE_FILE})")
         if not path.is_dir():
             raise UserError(f"--resume {spec}: no such checkpoint or run directory")
         candidates = [path / CHECKPOINTS, path]
@@ -168,32 +130,15 @@ def find_checkpoint(spec: Optional[str], output_dir: str | Path) -> Path:
     raise UserError(f"--resume: no complete checkpoint in {candidates[0]}; nothing to resume (start without --resume)")
 
 
-def unfinished_run(output_dir: str | Path) -> Optional[tuple[Path, dict]]:
-    """(latest checkpoint, its state) when output_dir holds a run that stopped before its last update."""
-    found = list_checkpoints(checkpoints_dir(output_dir))
-    if not found:
-        return None
-    state = read_state(found[-1])
-    return (found[-1], state) if state["update"] < state["num_updates"] else None
-
-
-def remove_checkpoints(output_dir: str | Path) -> int:
-    """Delete output_dir/checkpoints (a fresh run replaces an earlier run's); returns how many there were."""
-    folder = checkpoints_dir(output_dir)
-    count = len(list_checkpoints(folder))
-    if folder.exists():
-        shutil.rmtree(folder)
-    return count
-
-
 def prune_checkpoints(folder: Path, keep: Optional[int]) -> None:
-    """Keep the newest `keep` complete checkpoints (never fewer than one); clear leftovers of failed writes."""
-    for leftover in folder.glob(".update-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    """Keep the newest `keep` complete checkpoints (never fewer than one); clear leftovers of killed writes.
+    Only ppokit's own checkpoint folders are ever deleted (`run_dir.owned_checkpoint`)."""
+    remove_leftovers(folder)
     if keep is None:
         return
     for old in list_checkpoints(folder)[: -max(1, keep)]:
-        shutil.rmtree(old)
+        if owned_checkpoint(old):
+            shutil.rmtree(old)
 
 
 # --------------------------------------------------------------------------- RNG states
@@ -426,16 +371,24 @@ def save_checkpoint(
     target = checkpoints_dir(run.output_dir) / f"update-{state.update}"
     is_main = accelerator.is_main_process
     # One temporary folder for every process (the weights layout may have each write its shards into it).
-    tmp = [str(_temporary_dir(target)) if is_main else None]
+    tmp = [str(temporary_dir(target, "checkpoint", replace_unmarked=owned_checkpoint(target))) if is_main else None]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(tmp)
-    parts.weights.save(Path(tmp[0]), parts, save_models, is_main)
-    accelerator.wait_for_everyone()
+    try:
+        parts.weights.save(Path(tmp[0]), parts, save_models, is_main)
+        accelerator.wait_for_everyone()
+        if is_main:
+            _write(Path(tmp[0]), state, parts, config, run, rng_all, accelerator.num_processes)
+            finish_dir(Path(tmp[0]), target)  # may replace it: checked when the temporary folder was made
+    except BaseException as e:
+        full = discard_dir(Path(tmp[0]), target, e) if is_main else None
+        if full is not None:
+            found = list_checkpoints(target.parent)
+            raise full_disk(full, target, found[-1] if found else None) from None
+        raise
     if is_main:
-        _write(Path(tmp[0]), state, parts, config, run, rng_all, accelerator.num_processes)
-        _move_into_place(Path(tmp[0]), target)
         prune_checkpoints(target.parent, run.save_total_limit)
     accelerator.wait_for_everyone()
     set_rng_state(rng)
@@ -481,28 +434,204 @@ def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: Ru
 # --------------------------------------------------------------------------- load
 
 
+class DamagedCheckpoint(UserError):
+    """A checkpoint file is missing, cut short or not what ppokit wrote; names the file and the checkpoint to fall back to."""
+
+    def __init__(self, path: Path, detail: str):
+        earlier = [p for p in list_checkpoints(path.parent) if _update_of(p) < _update_of(path)]
+        fallback = f"the previous complete one is {earlier[-1]}" if earlier else "there is no earlier complete checkpoint"
+        super().__init__(f"checkpoint {path} is damaged: {detail}; {fallback}")
+
+
+def _update_of(path: Path) -> int:
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else -1
+
+
+@dataclass
+class SavedCheckpoint:
+    """A checkpoint as read from disk, every file checked, before anything is restored from it."""
+
+    path: Path
+    manifest: dict  # trainer_state.json
+    state: TrainingState
+    config: dict  # config.yaml
+    scheduler: dict
+    scorer: dict
+    rng: list
+
+
+def read_checkpoint(path: str | Path) -> SavedCheckpoint:
+    """Read and check every file of checkpoint `path`, changing nothing: a damaged file is a
+    DamagedCheckpoint naming it, found before resume touches the run folder or the model.
+
+    The optimiser state and the weights are only opened here (zip directory, safetensors header: a
+    truncated file fails), not held; `load_checkpoint` reads them when it restores them.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    config = _read_config(path)
+    records = _read_jsonl(path, "metrics.jsonl", required=True)
+    try:
+        state = TrainingState.from_counters(manifest, records, STATE_FILE)
+    except UserError as e:
+        raise DamagedCheckpoint(path, str(e)) from None
+    if len(records) != state.update:
+        raise DamagedCheckpoint(path, f"metrics.jsonl: {len(records)} records for {state.update} updates (cut short?)")
+    _read_jsonl(path, "samples.jsonl", required=False)
+    scheduler, scorer, rng = (_open_torch(path, name, keep=True) for name in ("scheduler.pt", "reward_scorer.pt", "rng.pt"))
+    if not isinstance(rng, list) or not rng or not all(isinstance(r, dict) and {"python", "numpy", "torch"} <= set(r) for r in rng):
+        raise DamagedCheckpoint(path, "rng.pt: not a list of RNG states, one per process")
+    if not isinstance(scheduler, dict) or "last_epoch" not in scheduler:
+        raise DamagedCheckpoint(path, "scheduler.pt: not a learning-rate schedule's state")
+    _open_weights(path, manifest.get("parallel"))
+    return SavedCheckpoint(path, manifest, state, config, scheduler, scorer, rng)
+
+
+def _open_weights(path: Path, parallel: Any) -> None:
+    """The weight and optimiser files of the layout that wrote them (`PlainWeights`, `parallel.ShardedWeights`), opened."""
+    from ppokit.parallel import SHARDED_DIR
+
+    if isinstance(parallel, dict) and parallel.get("weights") == "sharded":
+        if not (path / SHARDED_DIR / ".metadata").is_file():
+            raise DamagedCheckpoint(path, f"{SHARDED_DIR}/.metadata: missing")
+        return  # DCP reads its shards itself, and names a bad one (ShardedWeights.load)
+    _open_torch(path, "optimizer.pt")
+    weights = [path / "trainable.safetensors"] if (path / "trainable.safetensors").exists() else None
+    critic = path / "model" / "value_model"  # absent for a critic-free estimator (PlainWeights.load asks for it otherwise)
+    for folder in (path / "model", *([critic] if critic.is_dir() else [])) if weights is None else ():
+        found = sorted(folder.glob("*.safetensors"))
+        if not found:
+            raise DamagedCheckpoint(path, f"{folder.relative_to(path)}/: no .safetensors weights")
+        weights = (weights or []) + found
+    for file in weights:
+        _open_safetensors(path, file)
+
+
+_MANIFEST_TYPES = {"format": int, "num_updates": int, "processes": int, "data": dict, "kl_controller": dict, "versions": dict}
+
+
+def _read_manifest(path: Path) -> dict:
+    file = path / STATE_FILE
+    if not file.exists():
+        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DamagedCheckpoint(path, f"{STATE_FILE}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("complete") is not True:
+        raise UserError(f"{path}: not a complete checkpoint ({STATE_FILE} is not marked complete)")
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"{path}: checkpoint format {manifest.get('format')!r}; this ppokit reads format {FORMAT}")
+    for key, kind in _MANIFEST_TYPES.items():
+        value = manifest.get(key)
+        if key not in manifest:
+            raise DamagedCheckpoint(path, f"{STATE_FILE}: no {key}")
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < (1 if key == "processes" else 0)):
+            raise DamagedCheckpoint(path, f"{STATE_FILE}: {key} is {value!r}, not a {'positive' if key == 'processes' else 'non-negative'} "
+                                          f"{'integer' if kind is int else 'mapping'}")
+    if not isinstance(manifest["kl_controller"].get("value"), (int, float)):
+        raise DamagedCheckpoint(path, f"{STATE_FILE}: kl_controller.value is {manifest['kl_controller'].get('value')!r}, not a number")
+    layout = manifest.get("parallel")
+    if layout is not None and not (isinstance(layout, dict) and isinstance(layout.get("strategy"), str) and isinstance(layout.get("weights"), str)):
+        raise DamagedCheckpoint(path, f"{STATE_FILE}: parallel is {layout!r}, not {{strategy, weights}}")
+    if isinstance(manifest.get("update"), int) and manifest["update"] > manifest["num_updates"]:
+        raise DamagedCheckpoint(path, f"{STATE_FILE}: update {manifest['update']} is past the run's {manifest['num_updates']} updates")
+    return manifest
+
+
+def _read_config(path: Path) -> dict:
+    from ppokit.config import build, parse_yaml_text
+
+    file = path / "config.yaml"
+    if not file.exists():
+        raise DamagedCheckpoint(path, "config.yaml: missing")
+    try:
+        saved = parse_yaml_text(file.read_text(encoding="utf-8"), Path("config.yaml"))
+        if not isinstance(saved, dict):
+            raise UserError(f"config.yaml: {type(saved).__name__}, not a mapping of config keys")
+        build(PPOConfig, saved)  # every key and value a config may hold; the comparison comes later
+    except UnicodeDecodeError:
+        raise DamagedCheckpoint(path, "config.yaml: not UTF-8 text") from None
+    except UserError as e:
+        detail = str(e) if str(e).startswith("config.yaml") else f"config.yaml: {e}"
+        raise DamagedCheckpoint(path, detail) from None
+    return saved
+
+
+def _read_jsonl(path: Path, name: str, required: bool) -> list[dict]:
+    file = path / name
+    if not file.exists():
+        if required:
+            raise DamagedCheckpoint(path, f"{name}: missing")
+        return []
+    records = []
+    for number, line in enumerate(file.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise DamagedCheckpoint(path, f"{name}: line {number} is not valid JSON (cut short?)") from None
+        if not isinstance(record, dict):
+            raise DamagedCheckpoint(path, f"{name}: line {number} is not a JSON object")
+        records.append(record)
+    return records
+
+
+def _open_torch(path: Path, name: str, keep: bool = False):
+    """Check a torch.save file (mapped, not read); `keep`: load it for real (the small files)."""
+    import zipfile
+
+    file = path / name
+    if not file.exists():
+        raise DamagedCheckpoint(path, f"{name}: missing")
+    if not zipfile.is_zipfile(file):
+        raise DamagedCheckpoint(path, f"{name}: not a torch.save archive (cut short or overwritten)")
+    try:
+        loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=not keep)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        raise DamagedCheckpoint(path, f"{name}: cannot be read ({str(e).splitlines()[0]})") from None
+    return loaded if keep else None
+
+
+def _open_safetensors(path: Path, file: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise DamagedCheckpoint(path, f"{file.relative_to(path)}: {e}") from None
+
+
+def _torch_load(path: Path):
+    """torch.load that only accepts tensors and plain containers: a checkpoint cannot run code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise UserError(f"{path}: cannot be read as a checkpoint file ({str(e).splitlines()[0]})") from None
+
+
 def load_checkpoint(
     path: str | Path, parts: TrainedParts, config, run: RunFacts, accelerator, force: bool = False,
     say: Callable[[str], None] = print,
 ) -> TrainingState:
     """Restore `parts` in place from checkpoint `path`; returns the checkpoint's TrainingState.
 
-    Refuses (UserError naming the keys) when the config, the number of processes or the data differ
-    in a way that changes the result, unless `force`.
+    Every file is read and checked first (`read_checkpoint`), then the config, the number of
+    processes and the data are compared; a difference that changes the result is refused (a
+    UserError naming the keys) unless `force`. Only then are the parts restored, and the run folder
+    (metrics.jsonl, samples.jsonl, newer checkpoints) is touched last: a resume that fails changes nothing on disk.
     """
-    path = Path(path)
-    saved = read_state(path)
-    if saved is None:
-        raise UserError(f"{path}: not a complete checkpoint (no trainer_state.json marked complete)")
-    if saved.get("format") != FORMAT:
-        raise UserError(f"{path}: checkpoint format {saved.get('format')!r}; this ppokit reads format {FORMAT}")
-    _check_weights_layout(path, saved, parts, config)
-    saved_config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    differences = config_differences(saved_config, config.to_dict(), PPOConfig().to_dict())
-    if saved["processes"] != accelerator.num_processes:
-        differences.append(f"processes (checkpoint {saved['processes']}, now {accelerator.num_processes})")
+    saved = read_checkpoint(path)
+    path, manifest = saved.path, saved.manifest
+    _check_weights_layout(path, manifest, parts, config)
+    differences = config_differences(saved.config, config.to_dict(), PPOConfig().to_dict())
+    if manifest["processes"] != accelerator.num_processes:
+        differences.append(f"processes (checkpoint {manifest['processes']}, now {accelerator.num_processes})")
     for split, dataset in (("train", run.train_data), ("eval", run.eval_data)):
-        if saved["data"].get(f"{split}_sha256") != data_fingerprint(dataset):
+        if manifest["data"].get(f"{split}_sha256") != data_fingerprint(dataset):
             differences.append(f"data.{split} contents (the prompt rows differ from the checkpoint's)")
     if differences and not force:
         raise UserError(
@@ -510,22 +639,56 @@ def load_checkpoint(
             f"{'; '.join(differences)}. Restore them, or pass --resume-force (resume_from(..., force=True)) to continue anyway"
         )
     if differences:
+        refuse_unappliable(differences, config, path)
         say(f"resuming despite differences (--resume-force): {'; '.join(differences)}")
-    if saved["versions"] != _versions():
-        say(f"note: checkpoint written with {saved['versions']}, now {_versions()}; numbers may differ in the last digits")
-    state = TrainingState.from_counters(saved, read_jsonl_records(path / "metrics.jsonl"), f"{path / STATE_FILE}")
+    if manifest["versions"] != _versions():
+        say(f"note: checkpoint written with {manifest['versions']}, now {_versions()}; numbers may differ in the last digits")
 
     parts.weights.load(path, parts)
-    parts.scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
-    parts.kl_controller.load_state_dict(saved["kl_controller"])
-    parts.scorer.load_state_dict(_torch_load(path / "reward_scorer.pt"))
+    parts.scheduler.load_state_dict(saved.scheduler)
+    parts.kl_controller.load_state_dict(manifest["kl_controller"])
+    parts.scorer.load_state_dict(saved.scorer)
+    if differences:
+        apply_forced_hyperparameters(parts, config)
 
     if accelerator.is_main_process:
-        _restore_run_files(path, Path(run.output_dir), state.update)
+        _restore_run_files(path, Path(run.output_dir), saved.state.update)
     accelerator.wait_for_everyone()
-    rng_all = _torch_load(path / "rng.pt")
-    set_rng_state(rng_all[accelerator.process_index % len(rng_all)])
-    return state
+    set_rng_state(saved.rng[accelerator.process_index % len(saved.rng)])
+    return saved.state
+
+
+# --------------------------------------------------------------------------- --resume-force
+
+# Keys whose checkpointed state would override a forced new value; resume sets them from the config.
+APPLIED_ON_FORCE = ("ppo.learning_rate", "ppo.vf_learning_rate", "ppo.adam_epsilon", "ppo.weight_decay", "ppo.kl_coef")
+
+
+def refuse_unappliable(differences: list[str], config, path: Path) -> None:
+    """A forced difference that cannot take effect is refused: the run's config.yaml would record a value it never used."""
+    if config.ppo.kl_target is not None and any(d.startswith("ppo.kl_coef ") for d in differences):
+        raise UserError(
+            f"resume from {path}: ppo.kl_coef is the adaptive KL controller's starting value; the run continues from the "
+            "coefficient it adapted to, so a new ppo.kl_coef cannot take effect, even with --resume-force. Restore it"
+        )
+
+
+def apply_forced_hyperparameters(parts: TrainedParts, config) -> None:
+    """--resume-force: the optimiser state restored from the checkpoint carries its own learning rate,
+    epsilon and weight decay, and a fixed KL controller its own coefficient; the run's config wins.
+    The learning rates (the policy's group, then the critic's: `optimise.build_optimiser`) become the
+    schedule's base rates, so the schedule continues from the same position at the new peak
+    (lr = learning_rate x the schedule's factor at its step)."""
+    hp, scheduler = config.ppo, parts.scheduler
+    rates = [hp.learning_rate, hp.vf_learning_rate or hp.learning_rate][: len(parts.optimizer.param_groups)]
+    scheduler.base_lrs = list(rates)
+    for i, (group, rate) in enumerate(zip(parts.optimizer.param_groups, rates)):
+        group["initial_lr"] = rate
+        group["lr"] = rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        group["eps"], group["weight_decay"] = hp.adam_epsilon, hp.weight_decay
+    scheduler._last_lr = [group["lr"] for group in parts.optimizer.param_groups]
+    if config.ppo.kl_target is None:
+        parts.kl_controller.load_state_dict({"value": hp.kl_coef})
 
 
 def _check_weights_layout(path: Path, saved: dict, parts: TrainedParts, config) -> None:
@@ -545,7 +708,8 @@ def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:
     """metrics.jsonl and samples.jsonl back to the checkpoint's; newer checkpoints of this run set aside.
 
     Records written after the checkpoint (by a process that was killed later) belong to a timeline that
-    the resumed run replaces; so do newer checkpoints, which move to checkpoints/superseded/.
+    the resumed run replaces; so do newer checkpoints, which move to checkpoints/superseded/ (only
+    ppokit's own: `run_dir.owned_checkpoint`).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path / "metrics.jsonl", output_dir / "metrics.jsonl")
@@ -555,9 +719,5 @@ def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:
         (output_dir / "samples.jsonl").unlink(missing_ok=True)
     folder = checkpoints_dir(output_dir)
     for newer in list_checkpoints(folder):
-        if read_state(newer)["update"] > update and newer.resolve() != path.resolve():
-            aside = folder / "superseded" / newer.name
-            if aside.exists():
-                shutil.rmtree(aside)
-            aside.parent.mkdir(exist_ok=True)
-            newer.rename(aside)
+        if _update_of(newer) > update and newer.resolve() != path.resolve() and owned_checkpoint(newer):
+            move_into_place(newer, folder / "superseded" / newer.name)

@@ -13,9 +13,8 @@ from ppokit.errors import UserError
 
 
 def _ppo(args) -> int:
-    from ppokit import checkpoint
+    from ppokit import checkpoint, run_dir
     from ppokit.config import PPOConfig
-    from ppokit.guards import TrainingInterrupted
 
     overrides, resume = list(args.overrides), args.resume
     if resume is not None and resume != "latest" and "=" in resume and not os.path.exists(resume):
@@ -24,23 +23,32 @@ def _ppo(args) -> int:
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
-    # Find the checkpoint (or refuse to start over an unfinished run) before loading any weights.
-    if resume is not None:
-        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir)
-    else:
-        resume_path = None
-        unfinished = checkpoint.unfinished_run(config.output_dir)
-        if unfinished:
-            path, state = unfinished
-            raise UserError(
-                f"{config.output_dir} holds an unfinished run (checkpoint {path.name} of {state['num_updates']} updates): "
-                f"continue it with --resume, or delete {checkpoint.checkpoints_dir(config.output_dir)} to start over"
-            )
+    # Before any weights load: the run folder may be used (not another tool's), is this run's alone (the
+    # lock, held until the command ends: a run in progress is named by its PID), holds no run that a fresh
+    # start would replace, and the checkpoint to resume is found and read whole.
+    if resume is not None and args.overwrite:
+        raise UserError("--resume continues the run in output_dir and --overwrite replaces it: give one of them")
+    run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process(), overwrite=args.overwrite)
+    try:
+        run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
+        for note in run.notes:
+            print(f"ppokit: {note}", file=sys.stderr)
+        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir) if resume is not None else None
+        if resume_path is not None:
+            run_dir.check_resume_into(config.output_dir, resume_path)
+            checkpoint.read_checkpoint(resume_path)  # a damaged file is found before any model loads
+        return _train(args, config, overrides, resume_path)
+    finally:
+        run.close()
+
+
+def _train(args, config, overrides: list[str], resume_path) -> int:
+    from ppokit.guards import TrainingInterrupted
     from ppokit.trainer import PPOTrainer
 
     if _is_main_process():
-        _preflight(config)
-    trainer = PPOTrainer(config)
+        _preflight(config, args.ignore_plan)
+    trainer = PPOTrainer(config, overwrite=args.overwrite)
     if resume_path is not None:
         trainer.resume_from(resume_path, force=args.resume_force)
         print(f"ppokit: resumed from {resume_path} (update {trainer.state.update} of {trainer.sizes.num_updates})", file=sys.stderr)
@@ -63,8 +71,19 @@ def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _preflight(config) -> None:
-    """The plan's verdict before any weights load: a warning, never a failure (config mistakes are the config's)."""
+PLAN_DOES_NOT_FIT = 3
+
+
+class PlanDoesNotFit(UserError):
+    """The plan estimates that the run does not fit the device: the run stops before any weights load."""
+
+    exit_code = PLAN_DOES_NOT_FIT
+
+
+def _preflight(config, ignore_plan: bool = False) -> None:
+    """The plan before any weights load. A run it estimates not to fit stops here, unless `ignore_plan`
+    (a run that cannot fit would fail later, after loading every model, or exhaust the machine's
+    memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
     from ppokit.plan import plan_for
 
     if config.ppo.total_episodes is not None:
@@ -77,15 +96,23 @@ def _preflight(config) -> None:
     except Exception as e:  # an estimate must never stop a run that might fit
         print(f"plan: skipped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
         return
+    if plan.stops:
+        return  # the trainer stops on it before any weights load, with its own one line
+    if not plan.fits and not ignore_plan:
+        ways = [w for w in (plan.sharding_suggestion, plan.suggestion) if w]
+        suggestion = f"; it would fit with {' or with '.join(ways)}" if ways else ""
+        if config.data.max_prompt_length is None:
+            suggestion += "; data.max_prompt_length would cut long prompts"
+        raise PlanDoesNotFit(
+            f"plan: {plan.summary()} (prompts up to {plan.sequence['prompt']} tokens){suggestion}. "
+            "Change the config (see `ppokit plan`), or pass --ignore-plan to start anyway"
+        )
     print(f"plan: {plan.summary()}", file=sys.stderr)
     for warning in plan.warnings:
         print(f"plan: warning: {warning}", file=sys.stderr)
     for suggestion in (plan.sharding_suggestion, plan.suggestion):
         if suggestion:
             print(f"plan: would fit with: {suggestion} (see `ppokit plan`)", file=sys.stderr)
-
-
-PLAN_DOES_NOT_FIT = 3
 
 
 def _plan(args) -> int:
@@ -120,7 +147,7 @@ def _sft(args) -> int:
     from ppokit.config import SFTConfig
     from ppokit.stages.sft import run_sft
 
-    summary = run_sft(SFTConfig.load(args.config, args.overrides))
+    summary = run_sft(SFTConfig.load(args.config, args.overrides), overwrite=args.overwrite)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
@@ -129,7 +156,7 @@ def _rm(args) -> int:
     from ppokit.config import RMConfig
     from ppokit.stages.rm import run_rm
 
-    summary = run_rm(RMConfig.load(args.config, args.overrides))
+    summary = run_rm(RMConfig.load(args.config, args.overrides), overwrite=args.overwrite)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
@@ -137,7 +164,7 @@ def _rm(args) -> int:
 def _pipeline(args) -> int:
     from ppokit.stages.pipeline import run_pipeline
 
-    summaries = run_pipeline(args.config, args.overrides)
+    summaries = run_pipeline(args.config, args.overrides, overwrite=args.overwrite)
     print(json.dumps({stage: {k: v for k, v in s.items() if k not in ("length_rule", "chat_template", "scores")} for stage, s in summaries.items()}))
     return 0
 
@@ -228,6 +255,12 @@ def _report(args) -> int:
     return 0
 
 
+OVERWRITE_HELP = (
+    "replace output_dir even when it is not a ppokit output (ppokit knows its own by the .ppokit marker in them; "
+    "without this flag it replaces only those)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ppokit.config import RewardConfig
 
@@ -246,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-force", action="store_true",
         help="resume even when config keys that change the result differ from the checkpoint's (they are listed)",
     )
+    ppo.add_argument(
+        "--overwrite", action="store_true",
+        help="start afresh in an output_dir that holds a run (it is replaced once this run has its first checkpoint) "
+        "or that ppokit did not make (only the names a run writes are replaced there)",
+    )
+    ppo.add_argument(
+        "--ignore-plan", action="store_true",
+        help=f"start even when the memory plan (`ppokit plan`) estimates that the run does not fit; without it such a run "
+        f"stops before loading any weights, with exit status {PLAN_DOES_NOT_FIT}",
+    )
     ppo.set_defaults(func=_ppo)
 
     for name, func, what in (
@@ -256,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         stage = sub.add_parser(name, help=what)
         stage.add_argument("config", help="YAML config file")
         stage.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        stage.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
         stage.set_defaults(func=func)
 
     data = sub.add_parser("data", help="look at a data source").add_subparsers(dest="data_command", required=True)
@@ -353,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         except UserError as e:
             print(f"ppokit: error: {e}", file=sys.stderr)
-            return 2
+            return getattr(e, "exit_code", 2)
         except KeyboardInterrupt:
             print("ppokit: interrupted", file=sys.stderr)
             return 130

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Optional
 
 import yaml
 
+from ppokit.data import decode_utf8
 from ppokit.errors import UserError
 from ppokit.trackers import TRACKERS
 
@@ -40,6 +41,8 @@ positive = _rule("> 0", lambda v: v > 0)
 non_negative = _rule(">= 0", lambda v: v >= 0)
 unit_interval = _rule("in [0, 1]", lambda v: 0 <= v <= 1)
 fraction = _rule("in [0, 1)", lambda v: 0 <= v < 1)
+seed_range = _rule("in 0..2**32-1 (what NumPy's RNG takes)", lambda v: 0 <= v < 2**32)
+a_path = _rule("a path", lambda v: bool(v.strip()))
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 # The same names as ppokit.algo's (tests/test_config.py checks); repeated here so that reading a
 # config does not import torch.
@@ -83,7 +86,7 @@ class PPOHyperparams:
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
     kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=lambda v: v in ("k1", "k2", "k3"))
     kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
-    kl_horizon: float = doc(10000, "Horizon (episodes) of the adaptive KL controller.", check=positive)
+    kl_horizon: float = doc(10000.0, "Horizon (episodes) of the adaptive KL controller.", check=positive)
     cliprange: float = doc(0.2, "Clip range of the policy ratio.", check=positive)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
@@ -333,7 +336,7 @@ class LoraConfig:
     """The `lora:` section: train LoRA adapters (peft) instead of every weight. null in the config: off."""
 
     r: int = doc(16, "Rank of each adapter's update matrices.", check=positive)
-    alpha: float = doc(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).", check=positive)
+    alpha: float = doc(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).", check=positive)
     dropout: float = doc(0.0, "Dropout on the adapter input. Default 0 (peft's is 0.05): dropout makes the PPO ratio differ from 1 before any update, as model dropout does.", check=fraction)
     target_modules: list[str] = doc(factory=lambda: ["all-linear"], help="Module names (or suffixes) that get adapters; `all-linear` is every linear layer except the output head.")
     use_dora: bool = doc(False, "Weight-decomposed LoRA (DoRA): adds a trainable magnitude per output feature; slower per step.")
@@ -361,8 +364,8 @@ class PPOConfig:
     value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`.")
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.")
-    seed: int = doc(42, "Seed for sampling, data order and initialisation; same seed and config give the same metrics.")
+    output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.", check=a_path)
+    seed: int = doc(42, "Seed for sampling, data order and initialisation; same seed and config give the same metrics.", check=seed_range)
     reward: RewardConfig = doc(factory=RewardConfig, help="Reward sources.")
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
@@ -548,7 +551,8 @@ def build(cls, data: dict, prefix: str = ""):
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            raise UserError(f"unknown config key {prefix}{key}{hint}; known keys here: {', '.join(names)}")
+            shown = f"{prefix}{key}" if isinstance(key, str) and key.strip() else f"{prefix}{key!r}"
+            raise UserError(f"unknown config key {shown}{hint}; known keys here: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
     return cls(**kwargs)
 
@@ -562,6 +566,8 @@ def validate(obj, prefix: str = "") -> None:
             validate(value, prefix=f"{key}.")
             continue
         check = f.metadata.get("check")
+        if check is not None and isinstance(value, str) and not value.strip():
+            raise UserError(f"{key}: may not be empty ({f.metadata['help']})")
         if check is not None and value is not None and not check(value):
             requirement = getattr(check, "requirement", None)
             must = f", it must be {requirement}" if requirement else ""
@@ -576,6 +582,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key:
         raise UserError(f"override {text!r}: empty key")
+    if any(not part.strip() for part in key.split(".")):
+        raise UserError(f"override {text!r}: {key!r} has an empty part; write section.key=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -596,18 +604,87 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
 
 
 def read_yaml(path: str | Path) -> dict:
+    """A YAML config file -> its top-level mapping; every way a file can be wrong is one UserError."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a YAML config file")
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML: {e}") from None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror})") from None
+    data = parse_yaml_text(decode_text(raw, path), path)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of config keys at the top level")
     return data
+
+
+_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
+         (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+
+
+def decode_text(raw: bytes, path: Path) -> str:
+    """Bytes of a config file -> text: UTF-8, or UTF-16/32 when a byte-order mark says so (as Windows
+    editors save); anything else (a binary file, another encoding) is an error naming the line."""
+    for bom, encoding in _BOMS:
+        if raw.startswith(bom):
+            try:
+                return raw.decode(encoding)
+            except UnicodeDecodeError:
+                raise UserError(f"{path}: starts with a {encoding.upper()} byte-order mark but is not {encoding.upper()} text") from None
+    if b"\x00" in raw:
+        line = raw.count(b"\n", 0, raw.index(b"\x00")) + 1
+        raise UserError(f"{path}:{line}: holds NUL bytes: a binary file (or UTF-16 without a byte-order mark), not a YAML config; save it as UTF-8 text")
+    return decode_utf8(raw, path)
+
+
+def parse_yaml_text(text: str, path: Path):
+    """YAML text -> data, refusing a key written twice in one mapping (PyYAML keeps the last silently:
+    a second `ppo:` section would replace the first one wholesale)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML: {_one_line(e)}") from None
+    if node is None:
+        return None
+    _refuse_duplicate_keys(node, path, "", set())
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML: {_one_line(e)}") from None
+
+
+def _one_line(error: yaml.YAMLError) -> str:
+    return " ".join(str(error).split())
+
+
+def _refuse_duplicate_keys(node, path: Path, prefix: str, seen: set) -> None:
+    if id(node) in seen:  # an alias of a node already checked (or a recursive anchor)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, path, f"{prefix}[{i}]", seen)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_line: dict = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key is not None and key != "<<":
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                what = "section" if isinstance(value_node, yaml.MappingNode) else "key"
+                raise UserError(
+                    f"{path}:{line}: {what} {name} is written twice (lines {first_line[key]} and {line}); "
+                    "YAML would keep only the second, so merge them into one"
+                )
+            first_line[key] = line
+        _refuse_duplicate_keys(value_node, path, name, seen)
 
 
 def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None):
@@ -710,8 +787,8 @@ class SFTConfig(ConfigFile):
     model: Optional[str] = doc(None, "Causal LM to fine-tune (local path or hub id).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.")
-    seed: int = doc(42, "Seed for the eval split, data order and initialisation.")
+    output_dir: str = doc("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.", check=a_path)
+    seed: int = doc(42, "Seed for the eval split, data order and initialisation.", check=seed_range)
     data: StageDataConfig = doc(factory=StageDataConfig, help="Training data.")
     train: SFTHyperparams = doc(factory=SFTHyperparams, help="Optimisation.")
 
@@ -727,8 +804,8 @@ class RMConfig(ConfigFile):
     model: Optional[str] = doc(None, "Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.")
-    seed: int = doc(42, "Seed for the eval split, data order and the score head's initialisation.")
+    output_dir: str = doc("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.", check=a_path)
+    seed: int = doc(42, "Seed for the eval split, data order and the score head's initialisation.", check=seed_range)
     data: StageDataConfig = doc(factory=StageDataConfig, help="Preference data.")
     train: SupervisedHyperparams = doc(factory=SupervisedHyperparams, help="Optimisation.")
 
@@ -741,7 +818,7 @@ class RMConfig(ConfigFile):
 class PipelineConfig(ConfigFile):
     """`ppokit pipeline`: sections sft, rm and ppo, each the config of that stage."""
 
-    output_dir: str = doc("runs/pipeline", "A stage without its own output_dir writes to <output_dir>/<stage>.")
+    output_dir: str = doc("runs/pipeline", "A stage without its own output_dir writes to <output_dir>/<stage>.", check=a_path)
     sft: Optional[dict] = doc(None, "The `ppokit sft` config (same keys). Its output is rm's `model` and ppo's `model` unless they are set.")
     rm: Optional[dict] = doc(None, "The `ppokit rm` config. Its output is ppo's `reward.model` and `value_model` unless they are set.")
     ppo: Optional[dict] = doc(None, "The `ppokit ppo` config.")

@@ -22,8 +22,10 @@ make token ids under the documented length rule. docs/data.md describes all of i
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -64,6 +66,7 @@ class Rows:
     rows: list[dict]
     source: str
     lines: Optional[list[int]] = None  # line of each row, for line-oriented files
+    empty_cells: Optional[dict[str, int]] = None  # CSV: column -> cells that were empty (read as '')
 
     def where(self, i: int) -> str:
         """Where row i (0-based) is, for error messages: `file:line` or `source: row n` (from 1)."""
@@ -72,27 +75,44 @@ class Rows:
         return f"{self.source}: row {i + 1}"
 
 
+def decode_utf8(raw: bytes, path: str | Path) -> str:
+    """File bytes -> text, or a UserError naming the file and the line of the first byte that is not
+    UTF-8. A leading byte-order mark is dropped (it would otherwise end up in the first key or column name)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
+    return text.removeprefix("\ufeff")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return decode_utf8(path.read_bytes(), path)
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror})") from None
+
+
 def _read_jsonl_rows(path: Path) -> Rows:
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
     rows, lines = [], []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-            lines.append(line_no)
+    for line_no, line in enumerate(_read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+        lines.append(line_no)
     return _non_empty(Rows(rows, str(path), lines))
 
 
 def _read_json(path: Path) -> Rows:
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -115,14 +135,29 @@ def _read_json(path: Path) -> Rows:
 
 def _read_csv(path: Path) -> Rows:
     rows, lines = [], []
-    with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        for row in reader:
-            if None in row:
-                raise UserError(f"{path}:{reader.line_num}: more values than the header has columns")
-            rows.append({k: _cell(v) for k, v in row.items()})
-            lines.append(reader.line_num)
-    return _non_empty(Rows(rows, str(path), lines))
+    empty: dict[str, list[int]] = {}  # column -> lines where its cell is empty or missing
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    for row in reader:
+        if None in row:
+            raise UserError(f"{path}:{reader.line_num}: more values than the header has columns")
+        for column, value in row.items():
+            if not value:
+                empty.setdefault(column, []).append(reader.line_num)
+        rows.append({k: _cell(v) for k, v in row.items()})
+        lines.append(reader.line_num)
+    if empty and rows:
+        warnings.warn(f"{path}: {describe_empty_cells(empty)} read as empty strings", stacklevel=2)
+    return _non_empty(Rows(rows, str(path), lines, {k: len(v) for k, v in empty.items()}))
+
+
+def describe_empty_cells(empty: dict[str, list[int]]) -> str:
+    """'3 empty cells (column completion: lines 4, 9; column prompt: line 7)', at most 5 lines per column."""
+    total = sum(len(v) for v in empty.values())
+    parts = []
+    for column, lines in sorted(empty.items()):
+        shown = ", ".join(map(str, lines[:5])) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+        parts.append(f"column {column}: line{'s' if len(lines) > 1 else ''} {shown}")
+    return f"{total} empty cell{'s' if total > 1 else ''} ({'; '.join(parts)})"
 
 
 def _cell(value: Optional[str]) -> Any:
@@ -286,7 +321,7 @@ def load_records(data, format: str = "auto", prompt_field: str = "prompt") -> Re
         if not isinstance(row, dict):
             raise UserError(f"{raw.where(i)}: expected a row object, got {type(row).__name__}")
     if prompt_field != "prompt":
-        raw = Rows([_rename(r, prompt_field, "prompt") for r in raw.rows], raw.source, raw.lines)
+        raw = _renamed_prompt_field(raw, prompt_field)
     columns = sorted({k for row in raw.rows for k in row})
     if format in (None, "auto"):
         fmt = detect_format(columns)
@@ -305,12 +340,25 @@ def load_records(data, format: str = "auto", prompt_field: str = "prompt") -> Re
     return records
 
 
-def _rename(row: dict, old: str, new: str) -> dict:
-    if old not in row:
-        return row
-    row = dict(row)
-    row[new] = row.pop(old)
-    return row
+def _renamed_prompt_field(raw: Rows, prompt_field: str) -> Rows:
+    """Rows with column `prompt_field` read as `prompt`; a row without it is an error (no fall-back
+    to a `prompt` column), and so is a row holding both (one would hide the other)."""
+    renamed = []
+    for i, row in enumerate(raw.rows):
+        if prompt_field not in row:
+            if not any(prompt_field in r for r in raw.rows):
+                columns = sorted({k for r in raw.rows for k in r})
+                raise UserError(f"{raw.source}: data.prompt_field is {prompt_field!r} but the data has no such column (columns: {', '.join(columns)})")
+            raise UserError(f"{raw.where(i)}: no field {prompt_field} (data.prompt_field); the row has {', '.join(sorted(row)) or 'nothing'}")
+        if "prompt" in row:
+            raise UserError(
+                f"{raw.where(i)}: data.prompt_field is {prompt_field!r} but the row also has a prompt column; "
+                "the prompt field is read as `prompt`, so one would hide the other: rename one of them"
+            )
+        row = dict(row)
+        row["prompt"] = row.pop(prompt_field)
+        renamed.append(row)
+    return Rows(renamed, raw.source, raw.lines, raw.empty_cells)
 
 
 def _check_row(records: Records, i: int, row: dict) -> None:
@@ -318,6 +366,12 @@ def _check_row(records: Records, i: int, row: dict) -> None:
     required = list(FORMAT_FIELDS[fmt])
     if fmt == "preference" and not (_is_messages(row.get("chosen")) and _is_messages(row.get("rejected"))):
         required = ["prompt", *required]  # only message lists can carry their prompt inside
+    nulls = [k for k in required if k in row and row[k] is None]
+    if nulls:
+        raise UserError(
+            f"{records.where(i)}: field{'s' if len(nulls) > 1 else ''} {', '.join(nulls)} "
+            f"{'are' if len(nulls) > 1 else 'is'} null; the {fmt} format needs a string or a list of {{role, content}} messages there"
+        )
     missing = [k for k in required if row.get(k) is None]
     if missing:
         raise UserError(
@@ -682,9 +736,14 @@ class PromptDataset:
     source: str
     chat: Optional[list[Optional[Messages]]] = None
     format: str = "prompt"
+    locations: Optional[list[str]] = None  # where each row is (`file:line`), for error messages
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def where(self, i: int) -> str:
+        """`file:line` (or `source: row n`, from 1) of prompt i (0-based)."""
+        return self.locations[i] if self.locations is not None else f"{self.source}: row {i + 1}"
 
     def rows(self, indices) -> tuple[list[str], dict[str, list[Any]]]:
         idx = [int(i) for i in indices]
@@ -693,7 +752,8 @@ class PromptDataset:
     def subset(self, indices: list[int]) -> "PromptDataset":
         chat = [self.chat[i] for i in indices] if self.chat is not None else None
         prompts, columns = self.rows(indices)
-        return PromptDataset(prompts, columns, self.source, chat, self.format)
+        locations = [self.where(i) for i in indices]
+        return PromptDataset(prompts, columns, self.source, chat, self.format, locations)
 
     def split(self, fraction: float, seed: int) -> tuple["PromptDataset", "PromptDataset"]:
         """(train, eval) by a seeded shuffle, as `split_eval`."""
@@ -735,12 +795,16 @@ def prompt_dataset_from_records(records: Records) -> PromptDataset:
             value = row.get("prompt")
             if value is None:
                 raise UserError(f"{records.where(i)}: a PPO prompt needs a prompt column; formats accepted: {FORMATS_ACCEPTED}")
+        if isinstance(value, str) and not value.strip():
+            # Found here, before any model loads: the policy would have nothing to continue.
+            raise UserError(f"{records.where(i)}: the prompt is empty")
         prompts.append(value if isinstance(value, str) else None)
         chat.append(None if isinstance(value, str) else value)
     other = [c for c in records.columns if c != "prompt"]
     columns = {k: [row.get(k) for row in records.rows] for k in other}
     has_chat = any(c is not None for c in chat)
-    return PromptDataset(prompts, columns, records.source, chat if has_chat else None, records.format)
+    locations = [records.where(i) for i in range(len(records))]
+    return PromptDataset(prompts, columns, records.source, chat if has_chat else None, records.format, locations)
 
 
 def as_prompt_dataset(data, prompt_field: str = "prompt", format: str = "auto") -> PromptDataset:

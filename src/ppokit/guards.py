@@ -7,11 +7,11 @@ import signal
 import sys
 import threading
 import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ppokit.checkpoint import checkpoints_dir, list_checkpoints
 from ppokit.errors import UserError
 
 
@@ -27,6 +27,34 @@ class NonFiniteUpdate(Exception):
 
 class NonFiniteStop(UserError):
     """max_skipped_updates updates in a row were non-finite; the run stopped after a checkpoint."""
+
+
+def too_many_skipped(state, hp, checkpoint) -> NonFiniteStop:
+    """The stop after ppo.max_skipped_updates skipped updates in a row, saying what the checkpoint's
+    weights are: the last update that trained (rolled back to), the starting ones, or, without the
+    rollback, weights that kept the skipped updates' steps."""
+    trained = [r["update"] for r in state.records if not any(k.startswith("nonfinite/") for k in r)]
+    if not hp.nonfinite_rollback:
+        weights = ("holds the weights with the skipped updates' optimiser steps kept (ppo.nonfinite_rollback=false), "
+                   "which may be unusable; resume from an earlier checkpoint if so")
+    elif trained:
+        weights = f"holds the weights of update {trained[-1]}, the last that trained (the skipped ones were rolled back)"
+    else:
+        weights = "holds the starting weights: no update trained"
+    return NonFiniteStop(
+        f"update {state.update}: {state.skipped_in_a_row} updates in a row were skipped "
+        f"(ppo.max_skipped_updates={hp.max_skipped_updates}), the last for a {state.last_nonfinite}. "
+        f"The checkpoint {checkpoint} {weights}; fix the cause (reward, learning rate, data) and continue with --resume"
+    )
+
+
+def nothing_trained(state, checkpoint) -> NonFiniteStop:
+    """A run that ended with every update skipped: it fails, and writes no final/."""
+    return NonFiniteStop(
+        f"every update of the run ({state.update}) was skipped, the last for a {state.last_nonfinite}; nothing was "
+        f"trained, so final/ is not written. The checkpoint {checkpoint} holds the starting weights and the counters; "
+        "fix the cause (reward, learning rate, data)"
+    )
 
 
 def check_finite(values: dict[str, torch.Tensor], accelerator=None) -> None:
@@ -147,14 +175,14 @@ class StopSignals:
     a second one abandons the update at once, leaving the last complete checkpoint to resume from.
     Installed only in the main thread (Python delivers signals there); restored by `uninstall`.
 
-    output_dir: the run's folder (its last complete checkpoint is named when abandoning);
+    last_checkpoint: the run's last complete checkpoint or None (named when abandoning);
     current_update: the number of updates done so far; accelerator: to share the request.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, output_dir, current_update: Callable[[], int], accelerator):
-        self.output_dir = output_dir
+    def __init__(self, last_checkpoint: Callable[[], Optional[Path]], current_update: Callable[[], int], accelerator):
+        self.last_checkpoint = last_checkpoint
         self.current_update = current_update
         self.accelerator = accelerator
         self.received: Optional[int] = None
@@ -174,8 +202,7 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         update = self.current_update()
         if self.received is not None:
-            found = list_checkpoints(checkpoints_dir(self.output_dir))
-            raise TrainingInterrupted(signum, update, found[-1] if found else None, abandoned=True)
+            raise TrainingInterrupted(signum, update, self.last_checkpoint(), abandoned=True)
         self.received = signum
         if self.accelerator.is_main_process:
             print(

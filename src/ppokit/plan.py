@@ -238,12 +238,12 @@ _STATS: dict = {}
 
 
 def _stats(model_config, scalar: bool, dtype: torch.dtype, quantization: Optional[str],
-           lora: Optional[LoraConfig] = None, task_type: Optional[str] = None) -> tuple[int, int, int]:
+           lora: Optional[LoraConfig] = None, task_type: Optional[str] = None, trust_remote_code: bool = False) -> tuple[int, int, int]:
     """(parameters, weight bytes, adapter parameters) of a model built on meta; memoised, since
     suggestions re-estimate the same models under several switches."""
-    key = (model_config.to_json_string(), scalar, dtype, quantization, repr(lora), task_type)
+    key = (model_config.to_json_string(), scalar, dtype, quantization, repr(lora), task_type, trust_remote_code)
     if key not in _STATS:
-        meta = _meta_model(model_config, scalar)
+        meta = _meta_model(model_config, scalar, trust_remote_code)
         params = sum(p.numel() for _, p in _unique_params(meta))
         weights = _weight_bytes(meta, dtype, quantization)
         adapter = _adapter_count(meta, lora, task_type) if lora is not None else 0
@@ -251,7 +251,7 @@ def _stats(model_config, scalar: bool, dtype: torch.dtype, quantization: Optiona
     return _STATS[key]
 
 
-def _meta_model(model_config, scalar: bool) -> nn.Module:
+def _meta_model(model_config, scalar: bool, trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model_config = copy.deepcopy(model_config)
@@ -259,9 +259,13 @@ def _meta_model(model_config, scalar: bool) -> nn.Module:
         model_config.num_labels = 1
         if model_config.pad_token_id is None:
             model_config.pad_token_id = 0
-    with torch.device("meta"):
-        cls = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
-        return cls.from_config(model_config)
+    cls = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            # The config's own choice, always given: left unset, transformers asks on the terminal for a model with custom code.
+            return cls.from_config(model_config, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise UserError(f"cannot build a {model_config.model_type} model as {cls.__name__}: {str(e).splitlines()[0]}") from None
 
 
 def _dtype(model_config) -> torch.dtype:
@@ -392,7 +396,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     seq = prompt_length + hp.response_length
     micro, chunk = hp.per_device_train_batch_size, hp.local_rollout_forward_batch_size
 
-    policy_params, policy_weights, _ = _stats(policy_config, False, dtype, quant)
+    policy_params, policy_weights, _ = _stats(policy_config, False, dtype, quant, trust_remote_code=trc)
     roles: list[RoleEstimate] = []
 
     def trained(role, source, params, weights, trainable, trainable_bytes, activations):
@@ -405,7 +409,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         roles.append(trained("policy", f"{config.model} ({policy_config.model_type}, {_bytes(dtype) * 8}-bit)", policy_params,
                              policy_weights, policy_params, _bytes(dtype), policy_act))
     else:
-        adapter = _stats(policy_config, False, dtype, quant, lora, "CAUSAL_LM")[2]
+        adapter = _stats(policy_config, False, dtype, quant, lora, "CAUSAL_LM", trust_remote_code=trc)[2]
         roles.append(trained("policy", f"{config.model} + LoRA r={lora.r}" + (f", {quant} base" if quant else ""),
                              policy_params + adapter, policy_weights + 4 * adapter, adapter, 4, policy_act))
 
@@ -417,7 +421,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     if layout.reference == REFERENCE_OWN:
         ref_config = _auto_config(config.ref_model, "ref_model", trc)
         limits.append(position_limit(ref_config, "ref_model"))
-        ref_params, ref_weights, _ = _stats(ref_config, False, _dtype(ref_config), None)
+        ref_params, ref_weights, _ = _stats(ref_config, False, _dtype(ref_config), None, trust_remote_code=trc)
         roles.append(RoleEstimate("reference", config.ref_model, ref_params, 0, ref_weights, 0, 0, 0))
     elif layout.reference == REFERENCE_BASE:
         roles.append(RoleEstimate("reference", "the policy's base, adapter disabled (no copy)", 0, 0, 0, 0, 0, 0))
@@ -430,7 +434,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         reward_config = _auto_config(config.reward.model, "reward.model", trc)
         if reads_policy_ids:
             limits.append(position_limit(reward_config, "reward.model"))
-        reward_params, reward_weights, _ = _stats(reward_config, True, _dtype(reward_config), quant)
+        reward_params, reward_weights, _ = _stats(reward_config, True, _dtype(reward_config), quant, trust_remote_code=trc)
         roles.append(RoleEstimate("reward", config.reward.model, reward_params, 0, reward_weights, 0, 0, 0))
 
     # Value.
@@ -439,7 +443,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         value_dims = None  # a critic-free estimator: no value model, no value forward or backward
     elif layout.critic == CRITIC_SHARED:
         head = dims["hidden"]
-        adapter = _stats(policy_config, False, dtype, quant, lora, None)[2]
+        adapter = _stats(policy_config, False, dtype, quant, lora, None, trust_remote_code=trc)[2]
         roles.append(trained("value", "adapter `value` + head on the policy's base (no copy)", adapter + head,
                              4 * (adapter + head), adapter + head, 4,
                              train_activation_bytes(dims, tokens, act_bytes, config.gradient_checkpointing)))
@@ -456,13 +460,13 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         act = train_activation_bytes(value_dims, tokens, act_bytes, config.gradient_checkpointing)
         if layout.critic_adapter:
             shares_reward = layout.critic == CRITIC_ON_REWARD
-            params, base_weights, adapter = _stats(value_config, True, value_dtype, quant, lora, "SEQ_CLS")
+            params, base_weights, adapter = _stats(value_config, True, value_dtype, quant, lora, "SEQ_CLS", trust_remote_code=trc)
             weights = 4 * adapter + (0 if shares_reward else base_weights)
             source += " (shared with the reward model)" if shares_reward else ""
             roles.append(trained("value", f"{source} + LoRA r={lora.r}", adapter + (0 if shares_reward else params), weights,
                                  adapter, 4, act))
         else:
-            params, weights, _ = _stats(value_config, True, value_dtype, None)
+            params, weights, _ = _stats(value_config, True, value_dtype, None, trust_remote_code=trc)
             roles.append(trained("value", source, params, weights, params, _bytes(value_dtype), act))
 
     # Phases that do not overlap.

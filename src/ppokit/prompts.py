@@ -34,17 +34,13 @@ def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optiona
     for i, prompt in enumerate(dataset.prompts):
         ids = encode_prompt_text(tokenizer, prompt)
         if not ids:
-            raise UserError(f"{_where(dataset, i)}: the prompt encodes to no tokens")
+            raise UserError(f"{dataset.where(i)}: the prompt encodes to no tokens")
         ids, cut = truncate_prompt(ids, max_prompt_length)
         truncated += cut
         encoded.append(ids)
     if truncated:
         say(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={max_prompt_length} were truncated from the left")
     return encoded
-
-
-def _where(dataset: PromptDataset, i: int) -> str:
-    return f"{dataset.source}: row {i + 1}"
 
 
 def check_prompts_fit(
@@ -67,7 +63,7 @@ def check_prompts_fit(
     if stop_token_id is not None:
         special.append(("ppo.stop_token_id", [stop_token_id]))
     for role, config in model_configs.items():
-        rows = ((f"{key} ({_where(dataset, i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
+        rows = ((f"{key} ({dataset.where(i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
         check_token_ids(config, role, itertools.chain(special, rows), tokenizer)
     limit = tightest(position_limit(config, role) for role, config in model_configs.items())
     if limit is None:
@@ -76,7 +72,7 @@ def check_prompts_fit(
         raise UserError(f"ppo.response_length {response_length} leaves no room for a prompt in {limit.describe()}; "
                         f"{prompt_room(limit, response_length, max_prompt_length)}")
     limit.check(
-        ((f"{key} ({_where(dataset, i)})", len(ids) + response_length)
+        ((f"{key} ({dataset.where(i)})", len(ids) + response_length)
          for key, dataset, encoded in prompts for i, ids in enumerate(encoded)),
         lambda n: f"the prompt is {n - response_length} tokens; with ppo.response_length {response_length} that is {n}",
         prompt_room(limit, response_length, max_prompt_length),

@@ -18,6 +18,7 @@ import gc
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,18 +27,19 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, parallel, roles, trackers
-from ppokit.checkpoint import RunFacts, TrainedParts, atomic_save_dir
+from ppokit import algo, batching, checkpoint, parallel, roles, run_dir, trackers
+from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
 from ppokit.errors import UserError
 from ppokit.guards import (
-    NonFiniteStop,
     NonFiniteUpdate,
     StopSignals,
     TrainingInterrupted,
     UpdateSnapshot,
     check_finite,
+    nothing_trained,
+    too_many_skipped,
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
@@ -75,6 +77,8 @@ class PPOTrainer:
             sources (objects with `name` and `score(ScoringBatch)`, e.g. `RemoteReward`), or entries
             as in `reward.functions`; they replace `config.reward.functions`.
         train_dataset / eval_dataset: a path, a list of prompts or row dicts, or a `datasets.Dataset`.
+        overwrite: a fresh run may replace the run in output_dir (kept until this one's first
+            checkpoint) or write into a folder that ppokit did not make (`ppokit.run_dir`).
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class PPOTrainer:
         eval_dataset=None,
         accelerator: Optional[Accelerator] = None,
         show_progress: bool = True,
+        overwrite: bool = False,
     ):
         self.config = config = _run_config(config, model, reward_model, reward_functions)
         roles.check_environment(config)  # before any weights load
@@ -99,7 +104,9 @@ class PPOTrainer:
         self.accelerator = accelerator or _make_accelerator(config)
         self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)
-        self.output_dir = Path(config.output_dir)
+        self.output_dir, self.overwrite, self.run = Path(config.output_dir), overwrite, None
+        if self.accelerator.is_main_process:
+            run_dir.check_run_folder(config.output_dir, overwrite)  # a folder it must not write in fails before any loading
         self.show_progress = show_progress and self.accelerator.is_main_process
         # Data first: a bad file should fail before any weights are loaded.
         self.train_data, self.eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
@@ -123,7 +130,7 @@ class PPOTrainer:
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
-        self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written
+        self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
         self._last_batch: tuple[list, list, list] = ([], [], [])  # prompts, completions, scores of the last update
 
     # ------------------------------------------------------------------ set-up steps
@@ -176,6 +183,15 @@ class PPOTrainer:
             self.engine.place_frozen(self.scorer.reward_model).eval()
         reference = self.engine.place_frozen(built.reference).eval() if built.reference is not None else None
         return model, optimizer, scheduler, reference
+
+    def _run_folder(self) -> run_dir.RunFolder:
+        """output_dir, locked for this run (until train() ends), its leftovers cleared (`ppokit.run_dir`)."""
+        if self.run is None:
+            self.run = run_dir.RunFolder.open(self.output_dir, self.accelerator.is_main_process, self.overwrite)
+            weakref.finalize(self, self.run.close)
+            for note in self.run.notes:
+                self._say(note)
+        return self.run
 
     def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
@@ -360,26 +376,35 @@ class PPOTrainer:
 
     def train(self) -> list[dict]:
         """Run every update; write the run directory. Returns the list of metric records."""
-        hp, state, out = self.config.ppo, self.state, self.output_dir
-        if self.accelerator.is_main_process:
-            out.mkdir(parents=True, exist_ok=True)
-            self.config.save(out / "config.yaml")
-            if state.update == 0 and (removed := checkpoint.remove_checkpoints(out)):
-                self._say(f"{out}: removed {removed} checkpoint(s) of an earlier run; this fresh run replaces it")
+        try:
+            self._train()
+        except OSError as e:
+            raise run_dir.full_disk(e, self._run_facts().output_dir, self._saved_at and self._saved_at[1]) or e from None
+        finally:
+            if self.run is not None:
+                self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
+                self.run = None
+        return self.state.records
+
+    def _train(self) -> None:
+        hp, state, is_main = self.config.ppo, self.state, self.accelerator.is_main_process
+        files = self._run_folder().start(fresh=state.update == 0, overwrite=self.overwrite, barrier=self.accelerator.wait_for_everyone)
+        if is_main:
+            self.config.save(files / "config.yaml")
         # A resumed run's files were rewritten to the checkpoint's by resume_from; they continue from there.
-        sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update,
-                           is_main=self.accelerator.is_main_process, show_progress=self.show_progress)
+        sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update, is_main=is_main,
+                           show_progress=self.show_progress, folder=files)
         sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
-        signals = StopSignals(self.output_dir, lambda: state.update, self.accelerator).install()
+        signals = StopSignals(lambda: self._saved_at[1] if self._saved_at else None, lambda: state.update, self.accelerator).install()
         # Set-up allocated many long-lived objects; freezing them keeps each gc pass short.
         gc.collect()
         gc.freeze()
         try:
             while state.update < self.sizes.num_updates:
-                record = self.run_update()
+                record = self._saved_if_it_fails(self.run_update)
                 last = state.update == self.sizes.num_updates
                 if sample_every and not state.skipped_in_a_row and (state.update % sample_every == 0 or last):
-                    rows = self.sample_completions()
+                    rows = self._saved_if_it_fails(self.sample_completions, record)
                     scored = [r["score"] for r in rows if r["score"] is not None]
                     if scored and self.eval_data is not None:  # without eval data the rows are the training batch's
                         record["eval/scores"] = sum(scored) / len(scored)
@@ -393,9 +418,26 @@ class PPOTrainer:
             signals.uninstall()
             sinks.close()
             gc.unfreeze()
-        self.save_checkpoint()
+        path = self.save_checkpoint()
+        if state.skipped_updates == state.update:
+            raise nothing_trained(state, path)  # final/ would look finished with the starting weights
         self.save_final()
-        return state.records
+
+    def _saved_if_it_fails(self, part: Callable, finished_record: Optional[dict] = None):
+        """part(), or on a user error (a reward source failing under reward.on_error=raise) a checkpoint of
+        the last complete update first, so that no update done so far is lost; then the error, with it.
+        `finished_record`: the update whose samples failed is itself complete (its record is kept)."""
+        try:
+            return part()
+        except UserError as error:
+            if self.accelerator.num_processes > 1:
+                raise  # the other processes are not stopping with it: no collective save can be made
+            if finished_record is not None:
+                self.state.records.append(finished_record)
+            if not self.state.update:
+                raise
+            raise UserError(f"{error}. Updates 1-{self.state.update} are saved in {self.save_checkpoint()}; "
+                            "fix the cause and continue with --resume") from None
 
     def run_update(self) -> dict[str, Any]:
         """`step` under the non-finite guard. An update whose score, loss or gradient is NaN or infinite is
@@ -404,8 +446,15 @@ class PPOTrainer:
         hp, state = self.config.ppo, self.state
         t0 = time.perf_counter()
         snapshot = UpdateSnapshot(self.model, self.optimizer, self.scheduler, weights=hp.nonfinite_rollback)
+        rng = checkpoint.rng_state()
         try:
             record = self.step()
+        except UserError:
+            # Scoring fails before any optimiser step: the state is the last complete update's, but for the
+            # random draws already made; they are undone too, so that a checkpoint now is that update's.
+            snapshot.restore(scheduler_steps=0)
+            checkpoint.set_rng_state(rng)
+            raise
         except NonFiniteUpdate as bad:
             snapshot.restore(scheduler_steps=hp.num_ppo_epochs * hp.num_mini_batches)
             self.model.train()
@@ -428,13 +477,7 @@ class PPOTrainer:
         """After an update: stop with a checkpoint after too many non-finite updates or on SIGINT/SIGTERM."""
         hp, state = self.config.ppo, self.state
         if state.skipped_in_a_row >= hp.max_skipped_updates:
-            path = self.save_checkpoint()
-            raise NonFiniteStop(
-                f"update {state.update}: {state.skipped_in_a_row} updates in a row were skipped "
-                f"(ppo.max_skipped_updates={hp.max_skipped_updates}), the last for a {state.last_nonfinite}. "
-                f"The checkpoint {path} holds the last good weights; fix the cause (reward, learning rate, data) "
-                "and continue with --resume"
-            )
+            raise too_many_skipped(state, hp, self.save_checkpoint())
         signum = signals.requested()
         if signum and state.update < self.sizes.num_updates:
             raise TrainingInterrupted(signum, state.update, self.save_checkpoint())
@@ -444,11 +487,13 @@ class PPOTrainer:
         call train() next. Restores weights, optimiser, schedule, KL controller, reward-source state,
         RNG states, counters and metrics. A config that would change the result is refused unless `force`."""
         path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir)
+        run_dir.check_resume_into(self.output_dir, path)
+        self._run_folder()  # this run's from here on: the lock before anything is restored into it
         self.state = checkpoint.load_checkpoint(path, self._trained_parts(), self.config, self._run_facts(), self.accelerator,
                                                 force=force, say=self._say)
         own = checkpoint.checkpoints_dir(self.output_dir) / f"update-{self.state.update}"
-        if own.exists() and own.resolve() == path.resolve():
-            self._saved_at = (self.state.update, path)
+        # The checkpoint to name after a stop; it is re-saved only when it is another folder's.
+        self._saved_at = (self.state.update if own.exists() and own.resolve() == path.resolve() else -1, path)
         return path
 
     def _trained_parts(self) -> TrainedParts:
@@ -456,7 +501,8 @@ class PPOTrainer:
                             self.layout.policy_adapter or self.layout.critic_adapter, self.engine.checkpoint_weights())
 
     def _run_facts(self) -> RunFacts:
-        return RunFacts(self.output_dir, self.train_data, self.eval_data, self.sizes.batch, self.sizes.num_updates,
+        files = self.run.files if self.run is not None else self.output_dir  # where this run writes now (`RunFolder.start`)
+        return RunFacts(files, self.train_data, self.eval_data, self.sizes.batch, self.sizes.num_updates,
                         self.config.ppo.save_total_limit, self.sizes.samples_per_prompt)
 
     @torch.inference_mode()
@@ -519,18 +565,24 @@ class PPOTrainer:
         update = self.state.update
         if self._saved_at is None or self._saved_at[0] != update:
             path = checkpoint.save_checkpoint(self.state, self._trained_parts(), self.config, self._run_facts(),
-                                              lambda folder: self.save_models(folder, merged=False), self.accelerator)
-            self._saved_at = (update, path)
+                                              lambda folder: self.save_models(folder, merged=False, kind="model"), self.accelerator)
+            run, replacing = self._run_folder(), self._run_folder().staged
+            self._saved_at = (update, run.commit(path))  # a run replacing another takes its place now
+            if replacing:
+                self._say(f"{run.root}: the earlier run there is replaced by this one, whose first checkpoint is written")
         return self._saved_at[1]
 
     def save_final(self) -> Path:
         """policy + tokenizer in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
-        target = self.output_dir / "final"
-        self.save_models(target)
+        target = self._run_folder().commit() / "final"
+        try:
+            self.save_models(target, replace_unmarked=self.overwrite)
+        except run_dir.NoSpaceError as e:
+            raise run_dir.full_disk(e, target, self._saved_at[1]) from None
         self.accelerator.wait_for_everyone()
         return target
 
-    def save_models(self, target: Path, merged: bool = True) -> None:
+    def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False) -> None:
         """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured.
         Every process calls this; the main one writes the engine's whole copy of the models."""
         with self.engine.consolidated(self.model) as whole, _no_save_progress_bars():
@@ -547,7 +599,7 @@ class PPOTrainer:
                 self.tokenizer.save_pretrained(tmp / "value_model")
 
             if whole is not None:
-                atomic_save_dir(target, write)
+                run_dir.atomic_save_dir(target, write, kind, replace_unmarked)
 
 
 def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPOConfig:

@@ -24,8 +24,8 @@ from ppokit.data import (
 )
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
-from ppokit.checkpoint import atomic_save_dir
 from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
+from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, remove_leftovers
 
 
 def printer(enabled: bool, stage: str) -> Callable[[str], None]:
@@ -84,7 +84,16 @@ def recorded_config(config, template_used):
     return recorded
 
 
-def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run) -> dict:
+def check_output(output_dir: str, overwrite: bool, say) -> None:
+    """Before any model loads: output_dir is usable and may be replaced (ppokit's own output, or
+    --overwrite); what an earlier run of this stage left there when it was killed is cleared."""
+    path = check_output_dir(output_dir)
+    check_replaceable(path, overwrite)
+    for done in remove_leftovers(path.parent, path.name):
+        say(done)
+
+
+def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run, stage: str, overwrite: bool = False) -> dict:
     """Run `write(tmp)` (trains and saves into tmp, returns the summary), add config.yaml and
     summary.json, and rename tmp to output_dir: an interrupted stage leaves no finished-looking output."""
     summary: dict = {}
@@ -94,7 +103,10 @@ def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run) 
         config_of_run().save(tmp / "config.yaml")
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
-    atomic_save_dir(Path(output_dir), complete)
+    try:
+        atomic_save_dir(Path(output_dir), complete, stage, replace_unmarked=overwrite)
+    except NoSpaceError as e:
+        raise UserError(f"{e}; the partial output was removed and {output_dir} is as it was before this run") from None
     return summary
 
 

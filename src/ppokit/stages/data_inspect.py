@@ -101,7 +101,7 @@ def inspect_data(
                 sequences.append((records.where(i), len(kept) + response_length))
             if i < examples:
                 prompts, columns = dataset.rows([i])
-                shown.append({"prompt": prompts[0], **{k: _short(v[0]) for k, v in columns.items()}})
+                shown.append({"prompt": _short(prompts[0]), **{k: _short(v[0]) for k, v in columns.items()}})
     else:
         items = sft_pairs(records) if stage == "sft" else preference_triples(records)
         names = ("completion",) if stage == "sft" else ("chosen", "rejected")
@@ -126,7 +126,7 @@ def inspect_data(
                 view = {"prompt": texts[0][0], **{name: completion_text for name, (_, completion_text) in zip(names, texts)}}
                 if tokenizer is not None and not row.dropped:
                     view.update({f"{name}_tokens": tokenizer.decode(s) for name, s in zip(names, row.sequences)})
-                shown.append(view)
+                shown.append({k: _short(v) for k, v in view.items()})
     return {
         "source": records.source,
         "format": records.format,
@@ -141,6 +141,7 @@ def inspect_data(
         "length_rule": vars(rule) if tokenizer is not None else None,
         "position_limit": _positions(position_limit, sequences, stage, response_length, max_prompt_length) if tokenizer is not None else None,
         "chat_template": renderer.template_used,
+        "empty_cells": records.origin.empty_cells if records.origin is not None else None,
         "examples": shown,
     }
 
@@ -158,9 +159,12 @@ def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]],
     }
 
 
-def _short(value, limit: int = 200):
+EXAMPLE_CHARS = 300  # an example longer than this is cut (a 10 MB prompt would fill the terminal)
+
+
+def _short(value, limit: int = EXAMPLE_CHARS):
     text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
 
 
 def format_report(report: dict) -> str:
@@ -187,6 +191,9 @@ def format_report(report: dict) -> str:
             f"| max_length {limits['max_length']}: {rule['completions_cut']} completions cut, {rule['dropped']} rows dropped"
             + (f" ({rule['identical_pairs']} pairs with chosen == rejected)" if rule["identical_pairs"] else ""),
         ))
+    if report.get("empty_cells"):
+        cells = ", ".join(f"{column} {n}" for column, n in sorted(report["empty_cells"].items()))
+        lines.append(row("empty cells", f"{cells} (read as empty strings)"))
     positions = report.get("position_limit")
     if positions is not None:
         first = positions["first_over"]

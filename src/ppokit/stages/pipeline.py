@@ -13,14 +13,13 @@ no earlier stage ran in this invocation. So a crashed pipeline restarts at the s
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import yaml
 
 from ppokit.config import PPOConfig, PipelineConfig, RMConfig, SFTConfig, apply_override, build, parse_override, read_yaml
 from ppokit.errors import UserError
+from ppokit.run_dir import check_output_dir, check_replaceable, check_run_folder, marker_kind
 from ppokit.stages.common import printer
 from ppokit.stages.rm import run_rm
 from ppokit.stages.sft import run_sft
@@ -72,12 +71,12 @@ def completed_output(stage: str, output_dir: Path) -> Optional[Path]:
     return recorded if done and recorded.is_file() else None
 
 
-def run_stage(stage: str, config, show_progress: bool) -> dict:
+def run_stage(stage: str, config, show_progress: bool, overwrite: bool = False) -> dict:
     if stage == "sft":
-        return run_sft(config, show_progress)
+        return run_sft(config, show_progress, overwrite)
     if stage == "rm":
-        return run_rm(config, show_progress)
-    records = PPOTrainer(config, show_progress=show_progress).train()
+        return run_rm(config, show_progress, overwrite)
+    records = PPOTrainer(config, show_progress=show_progress, overwrite=overwrite).train()
     return {
         "stage": "ppo",
         "output_dir": config.output_dir,
@@ -94,9 +93,11 @@ def run_pipeline(
     overrides: list[str] | None = None,
     data: dict | None = None,
     show_progress: bool = True,
-    runner: Callable[[str, Any, bool], dict] = run_stage,
+    runner: Callable[[str, Any, bool, bool], dict] = run_stage,
+    overwrite: bool = False,
 ) -> dict:
-    """Run (or skip) each stage in order; -> {stage: summary}, a skipped stage's summary has skipped=True."""
+    """Run (or skip) each stage in order; -> {stage: summary}, a skipped stage's summary has skipped=True.
+    `overwrite`: a stage may replace an output folder that ppokit did not write."""
     say = printer(show_progress, "pipeline")
     raw = dict(data or {})
     if path is not None:
@@ -111,13 +112,24 @@ def run_pipeline(
             configs[stage] = build(CONFIG_CLASSES[stage], section).validate()
         except UserError as e:
             raise UserError(f"{stage}: {e}") from None
+    for stage, config in configs.items():  # every output folder, before anything trains
+        try:
+            if stage == "ppo":
+                check_run_folder(config.output_dir, overwrite)
+            else:
+                check_replaceable(check_output_dir(config.output_dir), overwrite)
+        except UserError as e:
+            raise UserError(f"{stage}: {e}") from None
     summaries: dict[str, dict] = {}
     earlier_ran = False
     for stage, config in configs.items():
         out = Path(config.output_dir)
         recorded = completed_output(stage, out)
         if recorded is not None and not earlier_ran:
-            changed = differences(config.to_dict(), yaml.safe_load(recorded.read_text()) or {})
+            try:
+                changed = differences(config.to_dict(), read_yaml(recorded))
+            except UserError as e:  # a damaged record: the output cannot be trusted to match
+                changed = [f"its config.yaml is unreadable: {e}"]
             if not changed:
                 say(f"{stage}: skipped, {out} is complete and was made with this config")
                 summaries[stage] = {"stage": stage, "output_dir": str(out), "skipped": True}
@@ -127,9 +139,8 @@ def run_pipeline(
             say(f"{stage}: running again, an earlier stage produced new output")
         else:
             say(f"{stage}: running -> {out}")
-        if stage == "ppo" and (out / "final").exists():
-            # final/ marks a complete run; the old one must not outlive a run that crashes.
-            shutil.rmtree(out / "final")
-        summaries[stage] = runner(stage, config, show_progress)
+        # Running a stage again replaces its earlier output; a ppo run's stays whole until the new one has a checkpoint.
+        replace = overwrite or (stage == "ppo" and marker_kind(out) == "ppo-run")
+        summaries[stage] = runner(stage, config, show_progress, replace)
         earlier_ran = True
     return summaries

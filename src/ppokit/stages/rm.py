@@ -17,7 +17,7 @@ from ppokit.config import RMConfig
 from ppokit.data import preference_triples
 from ppokit.models import disable_dropout, left_pad, load_scalar_model, score_at_last_token
 from ppokit.sft import train_loop
-from ppokit.stages.common import StepLog, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
+from ppokit.stages.common import StepLog, check_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
 
 def pair_scores(model, pairs, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,11 +46,13 @@ def evaluate_pairs(model, pairs, pad_token_id: int, batch_size: int) -> dict:
     }
 
 
-def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
-    """Train, evaluate and save; returns the summary (also written to output_dir/summary.json)."""
+def run_rm(config: RMConfig, show_progress: bool = True, overwrite: bool = False) -> dict:
+    """Train, evaluate and save; returns the summary (also written to output_dir/summary.json).
+    An existing output_dir that is not a ppokit output is replaced only with `overwrite`."""
     start = time.perf_counter()
     config.validate()
     say = printer(show_progress, "rm")
+    check_output(config.output_dir, overwrite, say)
     hp = config.train
     # Each kept row: (chosen ids, rejected ids), prompt included; the length rule drops a pair
     # that either sequence leaves no room for, or that cutting made identical.
@@ -105,6 +107,6 @@ def run_rm(config: RMConfig, show_progress: bool = True) -> dict:
             "seconds": round(time.perf_counter() - start, 1),
         }
 
-    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used))
+    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used), "rm", overwrite)
     say(f"saved to {config.output_dir} (use it as ppo `reward.model` and `value_model`)")
     return summary

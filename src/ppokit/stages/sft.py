@@ -14,14 +14,16 @@ from ppokit.config import SFTConfig
 from ppokit.data import sft_pairs
 from ppokit.models import load_causal_lm
 from ppokit.sft import build_example, train_sft
-from ppokit.stages.common import StepLog, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
+from ppokit.stages.common import StepLog, check_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
 
-def run_sft(config: SFTConfig, show_progress: bool = True) -> dict:
-    """Train, evaluate and save; returns the summary (also written to output_dir/summary.json)."""
+def run_sft(config: SFTConfig, show_progress: bool = True, overwrite: bool = False) -> dict:
+    """Train, evaluate and save; returns the summary (also written to output_dir/summary.json).
+    An existing output_dir that is not a ppokit output is replaced only with `overwrite`."""
     start = time.perf_counter()
     config.validate()
     say = printer(show_progress, "sft")
+    check_output(config.output_dir, overwrite, say)
     hp = config.train
     prepared = prepare_data(
         config, say, sft_pairs, lambda row: build_example(*row.fitted[0], config.train.completion_only_loss)
@@ -60,6 +62,6 @@ def run_sft(config: SFTConfig, show_progress: bool = True) -> dict:
             "seconds": round(time.perf_counter() - start, 1),
         }
 
-    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used))
+    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used), "sft", overwrite)
     say(f"saved to {config.output_dir} (use it as ppo `model` and rm `model`)")
     return summary
