@@ -1,10 +1,30 @@
-"""PPO throughput on a fixed tiny config; prints one JSON line.
+"""PPO throughput; prints one JSON line.
 
     python benchmarks/ppo_throughput.py [--updates N] [--arch llama] [--estimator gae] [--samples-per-prompt 1]
+                                        [--config default|budget|light|compile]
+    python benchmarks/ppo_throughput.py --shape variable [--config default|budget|light|compile]
 
-A tiny Llama (hidden 128, 4 layers) built locally, VADER sentiment as the reward, 64 episodes
-per update, 16-token responses, 4 PPO epochs of 2 minibatches. The first update is a warm-up
-and is not counted. Stage times are seconds per update (mean over the counted updates).
+--shape fixed (the default, unchanged): a tiny Llama (hidden 128, 4 layers, word-level vocabulary)
+built locally, VADER sentiment as the reward, 64 episodes per update, 16-token responses without a
+stop token, 4 PPO epochs of 2 minibatches (micro-batches of 32).
+
+--shape variable: the realistic shape of benchmarks/variable_shape.py (32k-token byte-level BPE,
+an 11M-parameter SFT'd Llama, prompts of 8-64 tokens, responses that end at EOS at varied lengths up
+to 64 tokens), 64 episodes per update, 4 PPO epochs of 2 minibatches of 32 rows, each one
+micro-batch (as the fixed shape: so the default and the token budget normalise the loss alike, and
+the learning curves can be compared number for number).
+
+--config, cumulative switches (docs/speed.md):
+  default  today's defaults (fixed micro-batches, the direct LM head, eager)
+  budget   + ppo.max_tokens_per_micro_batch = half of a fixed micro-batch's rows x the longest possible
+           row (half its memory bound: sorted rows of similar length share a trimmed micro-batch)
+  light    + lm_head_chunk_size (the memory-light LM head)
+  compile  + compile: true
+
+The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
+update (mean over the counted updates); padding_share is the share of padding among the token
+positions the training forward passes processed; peak_rss_mb is this process's peak (one process
+per configuration). `curve` holds the first updates' metrics, to compare configurations' learning.
 """
 
 from __future__ import annotations
@@ -15,6 +35,7 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -23,39 +44,35 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig  # noqa: E402
-from ppokit.demo import make_data  # noqa: E402
-from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
 from ppokit.trainer import PPOTrainer  # noqa: E402
 
-BATCH = 64
+CONFIGS = ("default", "budget", "light", "compile")
+LIGHT_HEAD_CHUNK = 256
+CURVE_KEYS = ("objective/scores", "objective/kl", "objective/response_length", "loss/policy_avg", "loss/value_avg",
+              "policy/approxkl_avg", "policy/entropy_avg")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--updates", type=int, default=4, help="updates to time, after one warm-up update")
-    parser.add_argument("--arch", default="llama")
-    parser.add_argument("--estimator", default="gae", help="ppo.advantage_estimator")
-    parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay 64)")
-    args = parser.parse_args()
+def fixed_task(work: Path, updates: int, arch: str) -> tuple[PPOConfig, dict]:
+    from ppokit.demo import make_data
+    from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
+    batch = 64
     torch.manual_seed(0)
-    work = Path(tempfile.mkdtemp(prefix="ppokit-bench-"))
-    data = make_data(seed=0, n_sft=500, n_prompts=BATCH * (args.updates + 1), n_eval=4)
+    data = make_data(seed=0, n_sft=500, n_prompts=batch * (updates + 1), n_eval=4)
     tokenizer = word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
-    model = tiny_causal_lm(args.arch, tokenizer, hidden=128, layers=4, heads=4)
+    model = tiny_causal_lm(arch, tokenizer, hidden=128, layers=4, heads=4)
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in data["prompts"]))
-
     config = PPOConfig(
         model=str(work / "model"),
         output_dir=str(work / "run"),
         reward=RewardConfig(functions=["sentiment"]),
         data=DataConfig(train=str(prompts)),
         ppo=PPOHyperparams(
-            total_episodes=BATCH * (args.updates + 1),
-            per_device_train_batch_size=BATCH // 2,
+            total_episodes=batch * (updates + 1),
+            per_device_train_batch_size=batch // 2,
             num_mini_batches=2,
             num_ppo_epochs=4,
             response_length=16,
@@ -63,28 +80,127 @@ def main() -> None:
             learning_rate=1e-4,
             stop_token=None,  # fixed-length responses: the same work every update
             num_sample_generations=0,
-            advantage_estimator=args.estimator,
-            num_samples_per_prompt=args.samples_per_prompt,
         ),
     )
+    longest_prompt = max(len(tokenizer(r["prompt"])["input_ids"]) for r in data["prompts"])
+    return config, {"batch": batch, "longest_row": longest_prompt + 16}
+
+
+def variable_task(work: Path, updates: int) -> tuple[PPOConfig, dict]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import variable_shape
+
+    sft = variable_shape.build()
+    batch = 64
+    prompts = work / "prompts.jsonl"
+    variable_shape.write_prompts(prompts, batch * (updates + 1))
+    max_prompt = variable_shape.PROMPT_TOKENS[1]
+    config = PPOConfig(
+        model=str(sft),
+        output_dir=str(work / "run"),
+        reward=RewardConfig(functions=["sentiment"]),
+        data=DataConfig(train=str(prompts), max_prompt_length=max_prompt),
+        ppo=PPOHyperparams(
+            total_episodes=batch * (updates + 1),
+            per_device_train_batch_size=batch // 2,
+            num_mini_batches=2,
+            num_ppo_epochs=4,
+            response_length=variable_shape.RESPONSE_LENGTH,
+            temperature=1.0,
+            learning_rate=1e-5,
+            num_sample_generations=0,
+        ),
+    )
+    return config, {"batch": batch, "longest_row": max_prompt + variable_shape.RESPONSE_LENGTH}
+
+
+class PhaseRSS:
+    """Peak resident memory (MB) while each stage of the trainer runs, sampled every 10 ms from /proc (Linux).
+    RSS includes what every earlier stage left allocated: weights, gradients, AdamW state, the rollback copy."""
+
+    STAGES = {"generate": "sampling", "reference_and_values": "forward", "optimise": "training"}
+
+    def __init__(self, trainer):
+        self.stage, self.peaks = "setup", {"setup": self._rss()}
+        for method, stage in self.STAGES.items():
+            setattr(trainer, method, self._tagged(getattr(trainer, method), stage))
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    @staticmethod
+    def _rss() -> float:
+        try:
+            return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except (OSError, ValueError):
+            return 0.0
+
+    def _tagged(self, method, stage):
+        def run(*args, **kwargs):
+            self.stage = stage
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.stage = "other"
+        return run
+
+    def _sample(self):
+        while True:
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0.0), self._rss())
+            time.sleep(0.01)
+
+    def report(self) -> dict:
+        return {k: round(self.peaks.get(k, 0.0), 1) for k in ("setup", "sampling", "forward", "training")}
+
+
+def apply_switches(config: PPOConfig, name: str, longest_row: int) -> None:
+    level = CONFIGS.index(name)
+    if level >= 1:
+        config.ppo.max_tokens_per_micro_batch = config.ppo.per_device_train_batch_size * longest_row // 2
+    if level >= 2:
+        config.lm_head_chunk_size = LIGHT_HEAD_CHUNK
+    if level >= 3:
+        config.compile = True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=("fixed", "variable"), default="fixed")
+    parser.add_argument("--config", choices=CONFIGS, default="default", help="cumulative speed switches (see the module docstring)")
+    parser.add_argument("--updates", type=int, default=None, help="updates to time, after one warm-up update (default: 4 fixed, 3 variable)")
+    parser.add_argument("--arch", default="llama", help="fixed shape only")
+    parser.add_argument("--estimator", default="gae", help="ppo.advantage_estimator")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay the same)")
+    args = parser.parse_args()
+    updates = args.updates or (4 if args.shape == "fixed" else 3)
+
+    work = Path(tempfile.mkdtemp(prefix="ppokit-bench-"))
+    if args.shape == "fixed":
+        config, task = fixed_task(work, updates, args.arch)
+    else:
+        config, task = variable_task(work, updates)
+    config.ppo.advantage_estimator, config.ppo.num_samples_per_prompt = args.estimator, args.samples_per_prompt
+    apply_switches(config, args.config, task["longest_row"])
+    batch = task["batch"]
+
+    torch.manual_seed(0)
     trainer = PPOTrainer(config, show_progress=False)
+    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" else None
     start = time.perf_counter()
     records = trainer.train()
     wall = time.perf_counter() - start
     timed = records[1:]
     n = len(timed)
     mean = lambda key: sum(r[key] for r in timed) / n  # noqa: E731
-    generated = sum(r["objective/response_length"] * BATCH for r in timed)
+    generated = sum(r["objective/response_length"] * batch for r in timed)
     result = {
         "benchmark": "ppo_throughput",
         "arch": args.arch,
         "estimator": args.estimator,
         "samples_per_prompt": args.samples_per_prompt,
         "parameters_m": round(sum(p.numel() for p in trainer.policy.parameters()) / 1e6, 2),
-        "episodes_per_update": BATCH,
-        "response_length": 16,
+        "episodes_per_update": batch,
+        "response_length": config.ppo.response_length,
         "updates_timed": n,
-        "episodes_per_s": round(BATCH * n / sum(r["time/update"] for r in timed), 2),
+        "episodes_per_s": round(batch * n / sum(r["time/update"] for r in timed), 2),
         "tokens_per_s": round(generated / sum(r["time/generation"] for r in timed), 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "seconds_per_update": {
@@ -97,6 +213,18 @@ def main() -> None:
         "wall_s": round(wall, 2),
         "torch_threads": torch.get_num_threads(),
     }
+    if args.shape != "fixed" or args.config != "default":  # the fixed default line keeps its keys
+        result = {
+            "benchmark": "ppo_throughput", "shape": args.shape, "config": args.config, **{k: v for k, v in result.items() if k != "benchmark"},
+            "vocabulary": len(trainer.tokenizer),
+            "response_tokens_mean": round(sum(r["objective/response_length"] for r in timed) / n, 1),
+            "padding_share": round(mean("perf/padding_share"), 4) if all("perf/padding_share" in r for r in timed) else None,
+            "first_update_s": round(records[0]["time/update"], 2),
+            "peak_rss_mb_by_stage": phases.report(),
+            "switches": {"max_tokens_per_micro_batch": config.ppo.max_tokens_per_micro_batch,
+                         "lm_head_chunk_size": config.lm_head_chunk_size, "compile": config.compile},
+            "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
+        }
     print(json.dumps(result))
     sys.stdout.flush()
 

@@ -73,3 +73,27 @@ def tiny_ppo_config(model_dir: Path, prompts_file: Path, output_dir: Path, **ppo
         reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train=str(prompts_file)),
         ppo=PPOHyperparams(**hp),
     )
+
+
+@pytest.fixture(scope="session")
+def sft_model_dir(tmp_path_factory, tokenizer, demo_data):
+    """The tiny llama after one short SFT epoch on the demo reviews (under a second): it ends its
+    responses with EOS at varied lengths, as real policies do (random weights almost never stop)."""
+    from ppokit.sft import encode_pair, train_sft
+
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", tokenizer)
+    examples = [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in demo_data["sft"]]
+    train_sft(model, examples, tokenizer.pad_token_id, epochs=1, batch_size=16, learning_rate=3e-3)
+    path = tmp_path_factory.mktemp("tiny-sft")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def with_speed_switches(config, max_tokens_per_micro_batch=None, lm_head_chunk_size=None, compile=False):
+    """`config` with the speed switches of docs/speed.md set (ppo.max_tokens_per_micro_batch, lm_head_chunk_size, compile)."""
+    config.ppo.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+    config.lm_head_chunk_size = lm_head_chunk_size
+    config.compile = compile
+    return config

@@ -79,8 +79,9 @@ def train(engine, model, ids, mask) -> tuple[torch.nn.Module, torch.optim.Optimi
 def one_step(engine, model, optimizer, ids, mask) -> float:
     for k, (a, b) in enumerate(((0, 2), (2, 3))):  # two micro-batches per optimiser step
         with engine.no_sync(model, last=k == 1):
-            logits, values = model(ids[a:b], mask[a:b], RESPONSE)
-            loss = (logits.float().logsumexp(-1).mean() + values.pow(2).mean()) / 2
+            response_ids, response_mask = ids[a:b, -RESPONSE:], mask[a:b, -RESPONSE:].bool()
+            logprobs, _, values = model(ids[a:b], mask[a:b], response_ids, response_mask, 1.0)
+            loss = (logprobs.mean() + values.pow(2).mean()) / 2
             loss.backward()
     norm = engine.clip_grad_norm_(model, 1.0)
     optimizer.step()

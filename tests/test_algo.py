@@ -482,6 +482,7 @@ def test_explained_variance_by_hand_and_over_two_processes():
 
 
 def test_values_inside_the_clip_range_never_count_as_clipped():
+    # V_old + clamp(V - V_old) differs from V by rounding; such tokens were counted as clipped.
     torch.manual_seed(0)
     old = torch.randn(64, 32) * 3
     values = old + (torch.rand(64, 32) - 0.5) * 0.39  # within 0.2 of the rollout value

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_ppo_config
+from conftest import tiny_ppo_config, with_speed_switches
 
 import ppokit
 from ppokit import checkpoint
@@ -47,6 +47,9 @@ VARIANTS = {
     "gae_critic_warmup": dict(critic_warmup_updates=3, vf_learning_rate=3e-3),  # the checkpoint (update 2) is inside the warm-up
 }
 
+# docs/speed.md's switches: trimmed token-budget micro-batches (2 rows of the longest row) and the light LM head.
+SPEED = dict(max_tokens_per_micro_batch=28, lm_head_chunk_size=3)
+
 
 @pytest.fixture(scope="module")
 def references(model_dir, prompts_file, tmp_path_factory):
@@ -65,6 +68,15 @@ def references(model_dir, prompts_file, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(references):
     return references("gae")
+
+
+@pytest.fixture(scope="module")
+def reference_with_speed_switches(model_dir, prompts_file, tmp_path_factory):
+    """The same straight run with the speed switches on."""
+    out = tmp_path_factory.mktemp("reference-speed")
+    config = with_speed_switches(tiny_ppo_config(model_dir("llama"), prompts_file, out, **RUN), **SPEED)
+    PPOTrainer(config, show_progress=False).train()
+    return out
 
 
 def resume_and_finish(config: PPOConfig, path=None) -> PPOTrainer:
@@ -99,16 +111,21 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     assert (run_dir / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
 
 
-def test_resume_after_an_exception_mid_update_is_exact(model_dir, prompts_file, tmp_path, reference):
+@pytest.mark.parametrize("speed", [False, True], ids=["defaults", "speed-switches"])
+def test_resume_after_an_exception_mid_update_is_exact(model_dir, prompts_file, tmp_path, request, speed):
     out = tmp_path / "run"
-    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN)
-    trainer = PPOTrainer(config, show_progress=False)
+
+    def config():
+        run = tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN)
+        return with_speed_switches(run, **SPEED) if speed else run
+
+    trainer = PPOTrainer(config(), show_progress=False)
     train_until_crash_at_optimizer_step(trainer, 10)  # 4 optimiser steps per update: update 3 took one
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-1", "update-2"]
 
-    resumed = resume_and_finish(tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, save_total_limit=2, **RUN))
+    resumed = resume_and_finish(config())
     assert resumed.state.update == 4 and len(resumed.state.records) == 4
-    assert_same_run(out, reference)
+    assert_same_run(out, request.getfixturevalue("reference_with_speed_switches" if speed else "reference"))
     # save_total_limit=2 keeps the newest two; the end of the run always has one.
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["update-3", "update-4"]
 
@@ -253,11 +270,13 @@ def test_resume_refuses_config_changes_that_change_the_result(model_dir, prompts
     saved = reference / "checkpoints" / "update-4"
     changed = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "elsewhere", logging_steps=3, save_steps=5,
                               **{**RUN, "kl_horizon": 50})
-    trainer = PPOTrainer(changed, show_progress=False)
+    trainer = PPOTrainer(with_speed_switches(changed, **SPEED), show_progress=False)
     with pytest.raises(UserError) as refused:
         trainer.resume_from(saved)
     message = str(refused.value)
     assert "ppo.kl_horizon (checkpoint 100, now 50)" in message
+    # A token budget where there was none changes the loss normalisation; the light head only float rounding.
+    assert "ppo.max_tokens_per_micro_batch (checkpoint None, now 28)" in message and "lm_head_chunk_size" not in message
     # where the run is written and how often it prints or saves do not change a number: not listed
     assert "output_dir" not in message and "logging_steps" not in message and "save_steps" not in message
     assert trainer.state.update == 0  # nothing was loaded
@@ -271,6 +290,13 @@ def test_resume_refuses_config_changes_that_change_the_result(model_dir, prompts
                             train_dataset=["a different prompt"] * 8, show_progress=False)
     with pytest.raises(UserError, match="data.train contents"):
         other_data.resume_from(saved)
+
+
+def test_resume_may_change_a_token_budget_or_the_float_rounding_switches_but_not_the_normalisation():
+    base = PPOConfig(model="m").to_dict()
+    budget = lambda tokens, **top: {**base, **top, "ppo": {**base["ppo"], "max_tokens_per_micro_batch": tokens}}  # noqa: E731
+    assert checkpoint.config_differences(budget(512), budget(2048, compile=True, lm_head_chunk_size=64), base) == []
+    assert checkpoint.config_differences(budget(512), budget(None), base) == ["ppo.max_tokens_per_micro_batch (checkpoint 512, now None)"]
 
 
 def test_checkpoint_files_cannot_run_code(model_dir, prompts_file, tmp_path, reference):

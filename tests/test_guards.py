@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_ppo_config
+from conftest import tiny_ppo_config, with_speed_switches
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
@@ -18,7 +18,7 @@ from ppokit.trainer import PPOTrainer
 
 def make_trainer(model_dir, prompts_file, out, **kwargs):
     config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=24, **kwargs.pop("ppo", {}))
-    return PPOTrainer(config, show_progress=False, **kwargs)
+    return PPOTrainer(with_speed_switches(config, **kwargs.pop("speed", {})), show_progress=False, **kwargs)
 
 
 def trainable(trainer) -> list[torch.Tensor]:
@@ -33,8 +33,10 @@ def all_equal(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, prompts_file, tmp_path, monkeypatch):
-    trainer = make_trainer(model_dir, prompts_file, tmp_path)
+@pytest.mark.parametrize("speed", [False, True], ids=["defaults", "speed-switches"])
+def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, prompts_file, tmp_path, monkeypatch, speed):
+    # With the speed switches: one trimmed token-budget micro-batch per minibatch (4 rows of the longest row), light head.
+    trainer = make_trainer(model_dir, prompts_file, tmp_path, **({"speed": dict(max_tokens_per_micro_batch=56, lm_head_chunk_size=3)} if speed else {}))
     trainer.run_update()
     weights, moments = trainable(trainer), optimizer_tensors(trainer)
     real_loss, calls = algo.value_loss_per_token, []

@@ -384,3 +384,18 @@ def test_two_processes_keep_each_prompts_samples_together_for_grpo(model_dir, pr
         assert not set(per_process[0]) & set(per_process[1])  # no prompt's samples are split across processes
         assert len(set(per_process[0]) | set(per_process[1])) == 4
     assert not (tmp_path / "run-ddp" / "final" / "value_model").exists()
+
+
+@needs_torchrun
+def test_two_processes_with_the_speed_switches(model_dir, prompts_file, tmp_path):
+    """Token-budget micro-batches (one all-reduce of the minibatch's tokens per minibatch, on every process
+    alike) and the light LM head under ddp: the run finishes without hanging and its numbers are sane."""
+    config = _config(model_dir, prompts_file, tmp_path, max_tokens_per_micro_batch=28, total_episodes=32, save_steps=0)
+    data = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**data, "lm_head_chunk_size": 3}))
+    result = _launch(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "run-ddp")
+    assert [r["update"] for r in records] == [1, 2]
+    assert all(0 <= r["perf/padding_share"] < 0.5 for r in records)
+    assert records[0]["val/ratio"] == pytest.approx(1.0, abs=0.05)  # two epochs: the second moves away from 1 a little

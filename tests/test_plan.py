@@ -210,6 +210,52 @@ def test_the_plan_reads_prompts_and_position_limits_as_the_trainer_does(model_di
     assert "the longest prompt" not in err and "over the ref_model's position limit of 8 tokens" in err.splitlines()[-1]
 
 
+@pytest.fixture
+def long_vocab_model_dir(tmp_path):
+    """A config.json of a small Llama with a 128k vocabulary, where the LM head's float32 logits dominate activations."""
+    from transformers import LlamaConfig
+
+    path = tmp_path / "llama-128k"
+    LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                vocab_size=128256, tie_word_embeddings=True, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_plan_counts_the_lm_head_in_both_modes_and_suggests_a_token_budget(long_vocab_model_dir, prompts_file, tmp_path):
+    config = tiny_ppo_config(long_vocab_model_dir, prompts_file, tmp_path / "run", per_device_train_batch_size=32,
+                             num_mini_batches=1, total_episodes=32, response_length=256)
+    device = ("test", 16 * GiB)
+    direct = estimate(config, 256, 64, device)
+    head = 4 * 32 * 257 * 128256 * 4  # four float32 copies of the micro-batch's logits
+    assert direct.phases["training"] > head
+    assert not direct.fits
+
+    config.lm_head_chunk_size = 1024
+    light = estimate(config, 256, 64, device)
+    assert direct.phases["training"] - light.phases["training"] == head - 4 * 1024 * 128256 * 4
+    assert light.fits and light.total < direct.total / 3
+    assert light.phases["forward"] < direct.phases["forward"]  # the reference pass's logits, chunked too
+    assert light.sequence["lm_head_positions"] == 1024
+
+    config.ppo.max_tokens_per_micro_batch = 4 * 512
+    budget = estimate(config, 256, 64, device)
+    assert budget.sequence["micro_batch_tokens"] == 2048
+    chunk_bytes = 4 * 1024 * 128256 * 4  # the same light head in both
+    # 4 of the 32 longest rows per micro-batch: the backbones' activations are an eighth.
+    assert (light.phases["training"] - chunk_bytes) == 8 * (budget.phases["training"] - chunk_bytes)
+
+    config.lm_head_chunk_size, config.ppo.max_tokens_per_micro_batch = None, None
+    small_device = ("test", 4 * GiB)
+    suggestion = estimate(config, 256, 64, small_device).suggestion
+    assert suggestion.startswith("lm_head_chunk_size: 256; ppo.max_tokens_per_micro_batch: ")  # 128 MiB of logits per chunk
+    tokens = int(suggestion.split("ppo.max_tokens_per_micro_batch: ")[1].split(" ")[0].rstrip(";"))
+    assert tokens % 512 == 0 and 512 <= tokens < 32 * 512  # whole longest rows, fewer than a fixed micro-batch's
+    config.lm_head_chunk_size, config.ppo.max_tokens_per_micro_batch = 256, tokens
+    assert estimate(config, 256, 64, small_device).fits
+    config.ppo.max_tokens_per_micro_batch = tokens + 512
+    assert not estimate(config, 256, 64, small_device).fits  # the largest budget that fits
+
+
 CUSTOM_CONFIG = """from transformers import LlamaConfig
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
+from ppokit import algo
+
 from ppokit.config import LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.models import left_pad, load_causal_lm, response_logits, score_at_last_token
@@ -100,11 +102,12 @@ def test_reference_is_the_base_model_and_the_policy_is_not(model_dir, prompts_fi
     trainer.train()
     ids, mask = left_pad([[5, 6, 7, 8, 9], [10, 11, 12]], trainer.tokenizer.pad_token_id)
     base = load_causal_lm(str(path)).eval()
+    response_ids, response_mask = ids[:, -2:], mask[:, -2:].bool()
     with torch.no_grad():
         expected = response_logits(base, ids, mask, 2)
-        reference = trainer.reference_logits(ids, mask, 2)
+        reference = trainer.reference_logprobs(ids, mask, response_ids, response_mask)
         policy = response_logits(trainer.policy, ids, mask, 2)
-    torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(reference, algo.logprobs_from_logits(expected, response_ids, trainer.config.ppo.temperature), rtol=0, atol=1e-5)
     assert (policy - expected).abs().max() > 1e-3  # the adapter did train, and is on outside the reference
 
 
@@ -132,8 +135,9 @@ def test_gradient_checkpointing_recomputes_with_the_right_adapter(model_dir, pro
 
     def grads():
         model.zero_grad(set_to_none=True)
-        logits, values = model(ids, mask.long(), 3)
-        (logits.float().logsumexp(-1).mean() + values.pow(2).mean()).backward()
+        response_ids, response_mask = ids[:, -3:], mask[:, -3:].bool()
+        logprobs, _, values = model(ids, mask.long(), response_ids, response_mask, 1.0)
+        (logprobs.mean() + values.pow(2).mean()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     model.train()

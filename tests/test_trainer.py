@@ -38,8 +38,7 @@ def test_ratio_is_one_on_first_minibatch(arch, dropout, sampling, model_dir, pro
     assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
     mb = rollout.select(torch.arange(4))
     assert trainer.model.training  # the training forward, in train mode as optimise() runs it
-    logits, _ = trainer.model(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
-    new_logprobs = algo.logprobs_from_logits(logits, mb.response_ids, 0.7)
+    new_logprobs, _, _ = trainer.model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, 0.7)
     ratio = torch.exp(new_logprobs - mb.logprobs)[mb.response_mask]
     assert (ratio - 1).abs().max().item() < 1e-5
 

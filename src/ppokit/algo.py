@@ -60,6 +60,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.utils.checkpoint
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
@@ -97,16 +98,61 @@ def logprobs_and_entropy(
     """`logprobs_from_logits` (with grad) and the entropy of the temperature-scaled distribution
     at each position, from one log-softmax.
 
-    logits: (B, T, V); tokens: (B, T) long -> (logprobs (B, T) float32, entropy (B, T) float32).
-    H = -sum_v p_v log p_v. The training step needs both; sharing the scaled log-softmax saves a
-    pass and a float32 copy over the vocabulary per micro-batch. The entropy is detached (a
-    statistic) unless `entropy_grad`, for an entropy bonus in the loss.
+    logits: (B, T, V) (or (N, V)); tokens: (B, T) (or (N,)) long -> (logprobs, entropy), float32, tokens' shape.
+    H = -sum_v p_v log p_v. The entropy is a detached statistic unless `entropy_grad` (an entropy bonus
+    in the loss needs its gradient: dH/ds_k = -p_k (log p_k + H) for the scaled logits s).
+    The training step needs both; sharing the scaled log-softmax saves a pass and a float32 copy over
+    the vocabulary per micro-batch.
     """
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp.exp() * logp).sum(-1)
     return chosen, entropy
+
+
+def chunked_head_logprobs(
+    hidden: torch.Tensor,
+    head,
+    tokens: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropy) of `tokens` from hidden states, `chunk_size` positions at a time.
+
+    hidden: (N, H), the final hidden state at each position that predicts a token; head: a callable
+    (n, H) -> (n, V) logits (the model's output layer); tokens: (N,) long
+    -> (logprobs (N,) float32, entropy (N,) float32 or None).
+
+    The same numbers as `logprobs_and_entropy(head(hidden), tokens, temperature)`, but at most
+    chunk_size x V logits exist at a time instead of N x V. With gradients, each chunk runs under
+    activation checkpointing: the forward keeps only the chunk's hidden states, and the backward
+    recomputes the chunk's logits (one more head matmul) before differentiating them. Without
+    gradients (reference pass) there is nothing to recompute.
+    """
+
+    def one_chunk(h: torch.Tensor, t: torch.Tensor):
+        logits = head(h)
+        if with_entropy:
+            return logprobs_and_entropy(logits, t, temperature, entropy_grad)
+        return logprobs_from_logits(logits, t, temperature), None
+
+    needs_grad = torch.is_grad_enabled()
+    logprobs, entropy = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start : start + chunk_size], tokens[start : start + chunk_size]
+        if needs_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(one_chunk, h, t, use_reentrant=False)
+        else:
+            lp, ent = one_chunk(h, t)
+        logprobs.append(lp)
+        entropy.append(ent)
+    if not logprobs:  # no real token in the micro-batch
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(logprobs), (torch.cat(entropy) if with_entropy else None)
 
 
 # --------------------------------------------------------------------------- masks
@@ -516,7 +562,8 @@ def value_loss_per_token(
     term was the larger [PPO as implemented in OpenAI baselines; N+ "value function clipping"].
 
     values (with grad), old_values (from the rollout), returns: (B, T) -> ((B, T), (B, T) bool).
-    The clipped value is V itself inside the range by construction (a clamp against the bounds).
+    Inside the clip range the clipped value is V itself, bit for bit (clamp against the bounds, not
+    V_old + clamp(V - V_old), whose rounding made unclipped tokens count as clipped).
     """
     clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped_sq = (values - returns) ** 2

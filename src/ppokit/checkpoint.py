@@ -88,8 +88,18 @@ RESUME_SAFE_KEYS = frozenset(
         "run_name",
         "project",
         "mlflow_tracking_uri",
+        # The speed switches change numbers only within float rounding (docs/speed.md), as running on another
+        # machine's kernels does: a resume may turn them on or off (an OOM, a machine without a compiler).
+        # A bit-for-bit equal continuation needs the same values.
+        "lm_head_chunk_size",
+        "compile",
     }
 )
+# Keys a resume may change within one kind of value only: a token budget to another (the gradient does
+# not depend on the split), but not from or to null (TRL's per-micro-batch loss normalisation).
+RESUME_SAFE_CHANGES = {
+    "ppo.max_tokens_per_micro_batch": lambda before, now: before is not None and now is not None,
+}
 
 
 # --------------------------------------------------------------------------- finding checkpoints
@@ -235,7 +245,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def config_differences(saved: dict, current: dict, defaults: dict) -> list[str]:
-    """'key (checkpoint A, now B)' for every key outside RESUME_SAFE_KEYS whose value differs.
+    """'key (checkpoint A, now B)' for every key outside RESUME_SAFE_KEYS whose value differs (and
+    whose change RESUME_SAFE_CHANGES does not allow).
 
     Keys missing from the saved config (added to ppokit since) count as their default.
     """
@@ -246,6 +257,7 @@ def config_differences(saved: dict, current: dict, defaults: dict) -> list[str]:
         f"{key} (checkpoint {before.get(key)!r}, now {now.get(key)!r})"
         for key in sorted(set(before) | set(now))
         if key not in RESUME_SAFE_KEYS and before.get(key) != now.get(key)
+        and not RESUME_SAFE_CHANGES.get(key, lambda a, b: False)(before.get(key), now.get(key))
     ]
 
 

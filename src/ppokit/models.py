@@ -29,6 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ppokit import algo
 from ppokit.errors import UserError
 
 
@@ -387,15 +388,133 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return out.logits[:, :-1]
 
 
-def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The scalar head at every position of a one-label sequence classifier. (B, L) -> (B, L) float32."""
-    hidden = backbone(model)(
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None) -> torch.Tensor:
+    """The backbone's last hidden state at every position. (B, L) -> (B, L, H).
+
+    backbone_fn: a stand-in for the backbone with the same call (a `torch.compile`d one, `ppokit.compile`)."""
+    run = backbone_fn if backbone_fn is not None else backbone(model)
+    return run(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
+
+
+def output_head(model):
+    """hidden (..., H) -> logits (..., V) as the model's own forward computes them from its last hidden
+    state: the output embedding, then the transforms transformers applies after it for some families
+    (Cohere's logit_scale, Granite's logits_scaling, Gemma's final_logit_softcapping). Whether that is the
+    whole story for a model is checked once against its forward (`check_output_head`)."""
+    base = unwrap_peft(model)
+    lm_head = base.get_output_embeddings()
+    if lm_head is None:
+        raise UserError(f"{type(base).__name__} has no output embedding (get_output_embeddings() is None); lm_head_chunk_size and compile need one")
+    config = base.config.get_text_config()
+    scale = getattr(base, "logit_scale", None) if isinstance(getattr(base, "logit_scale", None), (int, float)) else None
+    divide = getattr(config, "logits_scaling", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = lm_head(hidden)
+        if scale is not None:
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return head
+
+
+@torch.no_grad()
+def check_output_head(model, what: str) -> None:
+    """Refuse `what` (the switch that needs backbone + `output_head`) for a model whose forward computes its
+    logits some other way: a few tokens through both must give the same logits."""
+    base = unwrap_peft(model)
+    device = next(base.parameters()).device
+    vocab = base.get_output_embeddings().weight.shape[0] if base.get_output_embeddings() is not None else 2
+    ids = (torch.arange(8, device=device).reshape(2, 4) * 7919) % max(vocab, 1)
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0  # one left-padded row, as prompts are
+    was_training = base.training
+    base.eval()
+    try:
+        direct = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False).logits.float()
+        light = output_head(model)(hidden_states(model, ids, mask)).float()
+    finally:
+        base.train(was_training)
+    gap = (direct - light).abs().max().item()
+    if not gap <= 1e-4 * max(1.0, direct.abs().max().item()):
+        raise UserError(
+            f"{what}: {type(base).__name__}'s forward computes its logits in a way ppokit does not reproduce from the "
+            f"last hidden state (largest difference {gap:.3g}); turn {what} off for this model"
+        )
+
+
+def response_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    *,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    backbone_fn=None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Logprobs (and entropy) of each response token under `model`: THE function every logprob site uses
+    (reference pass, training; sampling keeps its own per-step logprobs from the same formula).
+
+    input_ids, attention_mask: (B, P + R); response_ids, response_mask: (B, R)
+    -> (logprobs (B, R) float32, entropy (B, R) float32 or None), 0 at padding.
+
+    chunk_size None and no backbone_fn: the direct computation, logits at the R + 1 last positions from
+    the model's forward (`logits_to_keep`: never at prompt positions) and one log-softmax over them.
+    chunk_size N: the memory-light head. The backbone's hidden states at the positions that predict a
+    real response token (padding is skipped) go through the output layer N at a time, checkpointed
+    (`algo.chunked_head_logprobs`), so the full (B, R, V) float32 log-softmax never exists.
+    backbone_fn (a compiled backbone) also takes the backbone + head route, in one chunk if chunk_size is None.
+    Entropy: a detached statistic unless entropy_grad (an entropy bonus in the loss).
+    """
+    R = response_ids.shape[1]
+    if chunk_size is None and backbone_fn is None:
+        logits = response_logits(model, input_ids, attention_mask, R)
+        if with_entropy:
+            logprobs, entropy = algo.logprobs_and_entropy(logits, response_ids, temperature, entropy_grad)
+        else:
+            logprobs, entropy = algo.logprobs_from_logits(logits, response_ids, temperature), None
+        keep = response_mask.bool()
+        return logprobs.masked_fill(~keep, 0.0), (entropy.masked_fill(~keep, 0.0) if entropy is not None else None)
+    hidden = hidden_states(model, input_ids, attention_mask, backbone_fn)
+    L = hidden.shape[1]
+    keep = response_mask.bool()
+    predicting = hidden[:, L - R - 1 : L - 1][keep]  # (N, H): the state before each real response token
+    n = predicting.shape[0]
+    logprobs, entropy = algo.chunked_head_logprobs(
+        predicting, output_head(model), response_ids[keep], temperature, chunk_size or max(n, 1), with_entropy, entropy_grad
+    )
+    return _scatter(logprobs, keep), (_scatter(entropy, keep) if entropy is not None else None)
+
+
+def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N,) values at the True positions of mask (B, R) -> (B, R), 0 elsewhere; differentiable."""
+    out = values.new_zeros(mask.shape)
+    return out.masked_scatter(mask, values)
+
+
+def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None) -> torch.Tensor:
+    """The scalar head at every position of a one-label sequence classifier. (B, L) -> (B, L) float32."""
+    hidden = hidden_states(model, input_ids, attention_mask, backbone_fn)
     return unwrap_peft(model).score(hidden).squeeze(-1).float()
+
+
+def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, backbone_fn=None) -> torch.Tensor:
+    """Value of the state before each response token. (B, P + R) -> (B, R) float32."""
+    return scalar_outputs(model, input_ids, attention_mask, backbone_fn)[:, -response_length - 1 : -1]
 
 
 def score_at_last_token(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,10 @@
           loss = micro_batch_loss(...)
         clip gradients; refuse a non-finite loss or gradient; optimiser step; schedule step
 
-`micro_batches` is the one place micro-batches are formed and `micro_batch_loss` the one place a
-micro-batch's losses are computed (`algo.ppo_loss` with the knobs of `loss_settings`); the
+`micro_batches` is the one place micro-batches are formed (fixed rows, or a token budget:
+ppokit.batching), `loss_normalisers` the one place the loss normalisation is decided and
+`micro_batch_loss` the one place a micro-batch's losses are computed (`algo.ppo_loss` with the
+knobs of `loss_settings`); the
 optimiser and its schedule are built by `build_optimiser`: two parameter groups, the policy's and
 the critic's (`ppo.vf_learning_rate`), each on its own schedule; during the first
 `ppo.critic_warmup_updates` updates only the critic moves. Without a critic (a critic-free
@@ -22,32 +24,54 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ppokit import algo, roles
+from ppokit import algo, batching, roles
 from ppokit.config import BatchSizes, PPOHyperparams
 from ppokit.guards import check_finite
-from ppokit.models import response_logits, scalar_outputs
+from ppokit.models import response_logprobs, response_values
 from ppokit.rollout import Rollout
 from ppokit.statistics import training_metrics
 
 
 class PolicyAndValue(nn.Module):
     """Policy and value model under one module, so one optimiser and one `prepare` cover both.
-    value_model is None for a critic-free estimator."""
+    value_model is None for a critic-free estimator.
 
-    def __init__(self, policy: nn.Module, value_model: Optional[nn.Module]):
+    lm_head_chunk_size: the memory-light LM head's chunk (None: the direct computation);
+    `use_compiled_backbones()` runs both backbones through torch.compile in the training forward.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: Optional[nn.Module], lm_head_chunk_size: Optional[int] = None):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+        self.lm_head_chunk_size = lm_head_chunk_size
+        # Compiled stand-ins for the two backbones (training only); a plain attribute, not submodules:
+        # they wrap these modules' own weights, which must not appear twice in a state_dict.
+        self.__dict__["backbones"] = (None, None)
 
-    def forward(self, input_ids, attention_mask, response_length: int):
-        """(B, P + R) -> (logits (B, R, V) predicting each response token, values (B, R) or None)."""
-        return response_logits(self.policy, input_ids, attention_mask, response_length), self.values(input_ids, attention_mask, response_length)
+    def use_compiled_backbones(self) -> None:
+        from ppokit.compiled import compiled_backbone
 
-    def values(self, input_ids, attention_mask, response_length: int) -> Optional[torch.Tensor]:
+        critic = compiled_backbone(self.value_model) if self.value_model is not None else None
+        self.__dict__["backbones"] = (compiled_backbone(self.policy), critic)
+
+    def forward(self, input_ids, attention_mask, response_ids, response_mask, temperature: float, entropy_grad: bool = False):
+        """The training forward. (B, P + R), (B, R) -> (logprobs, entropy, values or None), each (B, R), 0 at padding.
+
+        Logprobs and entropy by `models.response_logprobs`, the function the reference pass uses too.
+        """
+        policy_backbone, value_backbone = self.__dict__["backbones"]
+        logprobs, entropy = response_logprobs(
+            self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=self.lm_head_chunk_size,
+            with_entropy=True, entropy_grad=entropy_grad, backbone_fn=policy_backbone,
+        )
+        return logprobs, entropy, self.values(input_ids, attention_mask, response_ids.shape[1], value_backbone)
+
+    def values(self, input_ids, attention_mask, response_length: int, backbone_fn=None) -> Optional[torch.Tensor]:
         """(B, P + R) -> the critic's value of the state before each response token (B, R); None without a critic."""
         if self.value_model is None:
             return None
-        return scalar_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
+        return response_values(self.value_model, input_ids, attention_mask, response_length, backbone_fn)
 
     @contextlib.contextmanager
     def critic_in_eval_mode(self):
@@ -107,28 +131,49 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
     )
 
 
-def micro_batches(minibatch: torch.Tensor, sizes: BatchSizes) -> list[torch.Tensor]:
-    """Row indices of each micro-batch of a minibatch: consecutive groups of `sizes.micro_batch` rows."""
-    return list(minibatch.split(sizes.micro_batch))
+def micro_batches(rollout: Rollout, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Rollout]:
+    """The micro-batches of a minibatch (row indices into `rollout`): consecutive groups of
+    `sizes.micro_batch` rows, or with ppo.max_tokens_per_micro_batch rows of similar length packed
+    within the token budget and trimmed (ppokit.batching)."""
+    return [mb for _, mb in batching.split(rollout, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch)]
 
 
-def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, num_micro_batches: int) -> tuple[torch.Tensor, dict]:
-    """The loss to back-propagate for one micro-batch and its detached statistics.
+def loss_normalisers(micros: list[Rollout], hp: PPOHyperparams, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                     processes: int) -> list[tuple[algo.LossNormalisers, float]]:
+    """(normalisers D, scale) for each micro-batch of one minibatch: its loss is ppo_loss(D) x scale.
+    The one place the loss normalisation is decided (algo's docstring states the contract).
 
-    The loss is normalised over this micro-batch (`algo.loss_normalisers` of its rows) and divided
-    by the number of micro-batches, so the accumulated gradient is their mean (TRL's gradient
-    accumulation; `algo`'s docstring says how a normaliser over the whole minibatch makes the
-    gradient independent of the split instead).
+    Default (TRL): D over each micro-batch's own rows, scale 1 / the number of micro-batches: the
+    gradient is the mean of the micro-batches' losses (a token weighs more in a micro-batch with fewer).
+    With ppo.max_tokens_per_micro_batch: one D over the whole minibatch, summed over every process and
+    divided by their number (DDP averages gradients), scale 1: the gradients of the micro-batches add
+    up to that of the global minibatch in one piece, however it was split.
     """
-    width = mb.response_ids.shape[1]
-    logits, new_values = model(mb.input_ids, mb.attention_mask, width)
-    new_logprobs, token_entropy = algo.logprobs_and_entropy(logits, mb.response_ids, hp.temperature, entropy_grad=hp.entropy_coef > 0)
+    if hp.max_tokens_per_micro_batch is None:
+        return [(algo.loss_normalisers(mb.response_mask, hp.loss_aggregation, hp.response_length), 1.0 / len(micros)) for mb in micros]
+    width = max(mb.response_mask.shape[1] for mb in micros)
+    minibatch = torch.cat([nn.functional.pad(mb.response_mask, (0, width - mb.response_mask.shape[1])) for mb in micros])
+    local = algo.loss_normalisers(minibatch, hp.loss_aggregation, hp.response_length)
+    policy, value = (reduce_sum(torch.stack([local.policy, local.value])) / processes).unbind()
+    return [(algo.LossNormalisers(policy=policy, value=value), 1.0)] * len(micros)
+
+
+# Statistics that are terms of the loss (sums over the micro-batch's tokens over the minibatch's D when the
+# normaliser is the minibatch's: they add up over micro-batches); the others are token means of each micro-batch.
+LOSS_TERMS = ("pg_loss", "vf_loss", "kl_loss")
+
+
+def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, normalisers: algo.LossNormalisers,
+                     scale: float) -> tuple[torch.Tensor, dict]:
+    """The loss to back-propagate for one micro-batch (ppo_loss over `normalisers`, times `scale`;
+    see `loss_normalisers`) and its detached statistics."""
+    new_logprobs, token_entropy, new_values = model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask,
+                                                    hp.temperature, entropy_grad=hp.entropy_coef > 0)
     terms = algo.ppo_loss(
-        loss_settings(hp), algo.loss_normalisers(mb.response_mask, hp.loss_aggregation, hp.response_length), mb.response_mask,
-        new_logprobs, mb.logprobs, mb.advantages, token_entropy,
+        loss_settings(hp), normalisers, mb.response_mask, new_logprobs, mb.logprobs, mb.advantages, token_entropy,
         values=new_values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
     )
-    loss = terms.loss / num_micro_batches
+    loss = terms.loss * scale
     stats = {
         "approxkl": terms.stats.approxkl, "clipfrac": terms.stats.clipfrac, "pg_loss": terms.policy, "entropy": terms.entropy,
         "ratio": terms.stats.ratio,
@@ -142,34 +187,54 @@ def ppo_epochs(
     model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor], train_policy: bool = True,
 ) -> dict[str, float]:
-    """Every optimiser step of one update; returns the loss statistics (means over processes).
+    """Every optimiser step of one update; returns the loss statistics (means over processes) and
+    perf/padding_share, the share of padding among the token positions the training forwards processed.
     engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
+
+    Statistics are per micro-batch, averaged over micro-batches (TRL); with ppo.max_tokens_per_micro_batch
+    they are per minibatch (the loss terms summed over its micro-batches, the rest token means over it),
+    averaged over minibatches, so that they do not depend on the split either (val/ratio_var is then
+    the variance over minibatches).
 
     train_policy False (the critic's warm-up): the loss is computed and back-propagated as usual
     (every process's gradients are reduced alike), then the policy's gradients are dropped before
     clipping, so the optimiser moves the critic alone and the policy's AdamW state stays untouched.
     """
     accelerator = engine.accelerator
+    by_tokens = hp.max_tokens_per_micro_batch is not None
     policy_params = optimizer.param_groups[0]["params"]
     device = rollout.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
-    # A micro-batch whose rows were all dropped (reward.on_error=skip) has no tokens: its statistics
-    # are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
+    # A micro-batch (by tokens: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
+    # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
+    processed, real = 0, torch.zeros((), device=device)
     for _ in range(hp.num_ppo_epochs):
         order = torch.randperm(len(rollout), device=device)
         for start in range(0, len(rollout), sizes.local_mini_batch):
-            micros = micro_batches(order[start : start + sizes.local_mini_batch], sizes)
+            micros = micro_batches(rollout, order[start : start + sizes.local_mini_batch], sizes, hp)
+            tokens = torch.stack([mb.response_mask.sum() for mb in micros]).float()
             step_loss = torch.zeros((), device=device)
-            for k, micro in enumerate(micros):
-                mb = rollout.select(micro)
+            minibatch_stats: dict[str, torch.Tensor] = {}
+            for k, (mb, (normalisers, scale)) in enumerate(zip(micros, loss_normalisers(micros, hp, reduce_sum, accelerator.num_processes))):
                 with engine.no_sync(model, last=k == len(micros) - 1):
-                    loss, micro_stats = micro_batch_loss(model, mb, hp, len(micros))
+                    loss, micro_stats = micro_batch_loss(model, mb, hp, normalisers, scale)
                     accelerator.backward(loss)
                 step_loss = step_loss + loss.detach()
-                for key, value in micro_stats.items():
+                if by_tokens:
+                    weight = tokens[k] / tokens.sum().clamp(min=1)
+                    for key, value in micro_stats.items():
+                        minibatch_stats[key] = minibatch_stats.get(key, 0.0) + value * (1.0 if key in LOSS_TERMS else weight)
+                else:
+                    for key, value in micro_stats.items():
+                        stats.setdefault(key, []).append(value)
+                    has_tokens.append(mb.response_mask.any())
+            if by_tokens:
+                for key, value in minibatch_stats.items():
                     stats.setdefault(key, []).append(value)
-                has_tokens.append(mb.response_mask.any())
+                has_tokens.append(tokens.sum() > 0)
+            mb_processed, mb_real = batching.padded_tokens(micros)
+            processed, real = processed + mb_processed, real + mb_real
             if not train_policy:
                 for p in policy_params:
                     p.grad = None
@@ -180,7 +245,8 @@ def ppo_epochs(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-    return training_metrics(stats, has_tokens, reduce_sum)
+    padding = reduce_sum(torch.stack([torch.tensor(float(processed), device=device), real.float()]))
+    return {**training_metrics(stats, has_tokens, reduce_sum), "perf/padding_share": 1.0 - padding[1].item() / max(padding[0].item(), 1.0)}
 
 
 def _lr_lambda(kind: str, warmup: int, total: int, start: int = 0):

@@ -172,7 +172,8 @@ class Plan:
                      + "; fsdp gathers whole units on top: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.sharding.gathered.items()))
         seq = self.sequence
         lines.append(f"sequence: prompt <= {seq['prompt']} + response {seq['response']} tokens; micro-batch {seq['micro_batch']}, "
-                     f"forward chunk {seq['forward_chunk']}")
+                     f"forward chunk {seq['forward_chunk']}; training micro-batch <= {seq['micro_batch_tokens']} tokens, "
+                     f"LM head {seq['lm_head_positions']} positions at a time")
         if self.sizes:
             s = self.sizes
             lines.append(f"batches: micro {s.micro_batch}, rollout batch {s.batch} (per process {s.local_batch}), minibatch "
@@ -328,21 +329,36 @@ def _dims(model_config) -> dict:
     return dict(hidden=hidden, layers=c.num_hidden_layers, kv=kv_heads * head_dim, intermediate=intermediate, vocab=c.vocab_size)
 
 
-def train_activation_bytes(dims: dict, rows: int, seq: int, act_bytes: int, checkpointing: bool, logits_positions: int) -> int:
-    """Stored activations of one forward+backward over `rows` sequences of `seq` tokens (docs/memory.md)."""
-    per_layer = rows * seq * (ACT_HIDDEN_FACTOR * dims["hidden"] + ACT_INTERMEDIATE_FACTOR * dims["intermediate"]) * act_bytes
+def train_activation_bytes(dims: dict, tokens: int, act_bytes: int, checkpointing: bool) -> int:
+    """Stored backbone activations of one forward+backward over a micro-batch of `tokens` token positions
+    (rows x their width; with ppo.max_tokens_per_micro_batch, at most the budget) (docs/memory.md)."""
+    per_layer = tokens * (ACT_HIDDEN_FACTOR * dims["hidden"] + ACT_INTERMEDIATE_FACTOR * dims["intermediate"]) * act_bytes
     if checkpointing:
-        stored = dims["layers"] * rows * seq * dims["hidden"] * act_bytes + per_layer  # layer inputs + one layer recomputed
-    else:
-        stored = dims["layers"] * per_layer
-    logits = LOGIT_COPIES * rows * logits_positions * dims["vocab"] * 4
-    return stored + logits
+        return dims["layers"] * tokens * dims["hidden"] * act_bytes + per_layer  # layer inputs + one layer recomputed
+    return dims["layers"] * per_layer
 
 
-def inference_bytes(dims: dict, rows: int, seq: int, act_bytes: int, logits_positions: int) -> int:
+def lm_head_bytes(dims: dict, positions: int, chunk: Optional[int], copies: int = LOGIT_COPIES) -> int:
+    """float32 tensors over the vocabulary for `positions` response positions of one pass: all of them at once
+    (the direct computation), or one chunk of lm_head_chunk_size tokens at a time (the memory-light head)."""
+    return copies * (min(positions, chunk) if chunk else positions) * dims["vocab"] * 4
+
+
+def inference_bytes(dims: dict, rows: int, seq: int, act_bytes: int, logits_positions: int, chunk: Optional[int] = None) -> int:
     """Peak of one no-gradient forward: a layer's transient tensors and the float32 logits."""
     layer = rows * seq * (ACT_HIDDEN_FACTOR * dims["hidden"] + ACT_INTERMEDIATE_FACTOR * dims["intermediate"]) * act_bytes
-    return layer + 2 * rows * logits_positions * dims["vocab"] * 4
+    return layer + lm_head_bytes(dims, rows * logits_positions, chunk, copies=2)
+
+
+def micro_batch_shape(config: PPOConfig, seq: int) -> tuple[int, int]:
+    """(token positions, response positions through the LM head) of the largest training micro-batch:
+    per_device_train_batch_size rows of the longest row, or with a token budget at most the budget
+    (every position of it a response position, at worst)."""
+    hp = config.ppo
+    rows = hp.per_device_train_batch_size
+    if hp.max_tokens_per_micro_batch is None:
+        return rows * seq, rows * (hp.response_length + 1)
+    return hp.max_tokens_per_micro_batch, min(hp.max_tokens_per_micro_batch, rows * hp.gradient_accumulation_steps * (hp.response_length + 1))
 
 
 def kv_cache_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
@@ -386,7 +402,9 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     def trained(role, source, params, weights, trainable, trainable_bytes, activations):
         return RoleEstimate(role, source, params, trainable, weights, trainable * trainable_bytes, 2 * trainable * trainable_bytes, activations)
 
-    policy_act = train_activation_bytes(dims, micro, seq, act_bytes, config.gradient_checkpointing, hp.response_length + 1)
+    tokens, head_positions = micro_batch_shape(config, seq)
+    head_chunk = config.lm_head_chunk_size
+    policy_act = train_activation_bytes(dims, tokens, act_bytes, config.gradient_checkpointing) + lm_head_bytes(dims, head_positions, head_chunk)
     if lora is None:
         roles.append(trained("policy", f"{config.model} ({policy_config.model_type}, {_bytes(dtype) * 8}-bit)", policy_params,
                              policy_weights, policy_params, _bytes(dtype), policy_act))
@@ -428,7 +446,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         adapter = _stats(policy_config, False, dtype, quant, lora, None, trust_remote_code=trc)[2]
         roles.append(trained("value", "adapter `value` + head on the policy's base (no copy)", adapter + head,
                              4 * (adapter + head), adapter + head, 4,
-                             train_activation_bytes(dims, micro, seq, act_bytes, config.gradient_checkpointing, 0)))
+                             train_activation_bytes(dims, tokens, act_bytes, config.gradient_checkpointing)))
     else:
         if layout.critic == CRITIC_OWN:
             value_config, source = _auto_config(config.value_model, "value_model", trc), config.value_model
@@ -439,7 +457,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
             value_config, source = policy_config, "the policy's backbone + a scalar head"
         value_dtype = _dtype(value_config)
         value_dims = _dims(value_config)
-        act = train_activation_bytes(value_dims, micro, seq, act_bytes, config.gradient_checkpointing, 0)
+        act = train_activation_bytes(value_dims, tokens, act_bytes, config.gradient_checkpointing)
         if layout.critic_adapter:
             shares_reward = layout.critic == CRITIC_ON_REWARD
             params, base_weights, adapter = _stats(value_config, True, value_dtype, quant, lora, "SEQ_CLS", trust_remote_code=trc)
@@ -454,7 +472,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     # Phases that do not overlap.
     phases = {
         "sampling": kv_cache_bytes(dims, chunk, seq, act_bytes) + 2 * chunk * dims["vocab"] * 4,
-        "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1),
+        "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1, head_chunk),
                        inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
         "training": sum(r.activations for r in roles),
@@ -487,7 +505,8 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
                      f"over {limit.describe()}: `ppokit ppo` will stop; "
                      f"{prompt_room(limit, hp.response_length, config.data.max_prompt_length)}")
     plan = Plan(roles, phases, sizes,
-                {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk},
+                {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk,
+                 "micro_batch_tokens": tokens, "lm_head_positions": min(head_positions, head_chunk or head_positions)},
                 device[0], device[1], warnings, layout=layout, stops=stops, strategy=settings.strategy, sharding=sharding)
     if not plan.fits and suggest:
         plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
@@ -500,10 +519,22 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     return plan
 
 
-def _switches(config: PPOConfig) -> list[tuple[str, Callable[[PPOConfig], None]]]:
-    """Memory switches in the order worth trying: cheapest loss of fidelity first."""
+def suggested_lm_head_chunk(vocab: int) -> int:
+    """A chunk whose float32 logits take about 128 MiB (1024 tokens at a 32k vocabulary, 256 at 128k), a power of two."""
+    tokens = max(1, (128 * 1024**2) // (4 * vocab))
+    return max(16, 1 << (tokens.bit_length() - 1))
+
+
+def _switches(config: PPOConfig, seq: int, chunk: int) -> list[tuple[str, Callable[[PPOConfig], None]]]:
+    """Memory switches in the order worth trying: cheapest loss of fidelity first. The memory-light LM head
+    and a token budget lose none (float rounding, docs/speed.md); the budget starts at one longest row
+    and `_suggest` raises it as far as the other switches allow."""
     hp = config.ppo
     out: list[tuple[str, Callable[[PPOConfig], None]]] = []
+    if config.lm_head_chunk_size is None:
+        out.append((LIGHT_HEAD_SWITCH, lambda c: setattr(c, "lm_head_chunk_size", chunk)))
+    if hp.max_tokens_per_micro_batch is None or hp.max_tokens_per_micro_batch > seq:
+        out.append((BUDGET_SWITCH, lambda c: setattr(c.ppo, "max_tokens_per_micro_batch", seq)))
     if config.lora is None:
         out.append(("lora: {}", lambda c: setattr(c, "lora", LoraConfig())))
     if config.value_model is None and hp.advantage_estimator not in CRITIC_FREE_ESTIMATORS:
@@ -516,11 +547,6 @@ def _switches(config: PPOConfig) -> list[tuple[str, Callable[[PPOConfig], None]]
         out.append(("quantization: 4bit", lambda c: setattr(c, "quantization", "4bit")))
     if hp.local_rollout_forward_batch_size > 8:
         out.append(("ppo.local_rollout_forward_batch_size: 8", lambda c: setattr(c.ppo, "local_rollout_forward_batch_size", 8)))
-    if hp.per_device_train_batch_size > 1:
-        n = hp.per_device_train_batch_size
-        out.append((f"ppo.per_device_train_batch_size: 1 with ppo.gradient_accumulation_steps: {hp.gradient_accumulation_steps * n}",
-                    lambda c: (setattr(c.ppo, "per_device_train_batch_size", 1),
-                               setattr(c.ppo, "gradient_accumulation_steps", c.ppo.gradient_accumulation_steps * n))))
     return out
 
 
@@ -544,18 +570,52 @@ def _unit_bytes(model_config, weight_bytes: int) -> tuple[int, int]:
     return max(0, (weight_bytes - root) // max(1, d["layers"])), root
 
 
+BUDGET_SWITCH, LIGHT_HEAD_SWITCH = "ppo.max_tokens_per_micro_batch", "lm_head_chunk_size"
+
+
 def _suggest(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int],
              processes: Optional[int] = None) -> Optional[str]:
-    """The shortest prefix of `_switches` whose estimate fits, with that estimate."""
+    """The shortest prefix of `_switches` whose estimate fits, with that estimate. The memory-light head and
+    the token budget are then left out again where the rest fits without them, and the budget is raised to
+    the largest number of longest rows (up to a micro-batch's) that still fits."""
+    seq = prompt_length + config.ppo.response_length
+    chunk = suggested_lm_head_chunk(_dims(_auto_config(config.model, "model", config.trust_remote_code))["vocab"])
+    fits = lambda c: estimate(c, prompt_length, num_prompts, device, suggest=False, processes=processes).fits  # noqa: E731
     trial = copy.deepcopy(config)
     applied = []
-    for text, apply in _switches(config):
+    for text, apply in _switches(config, seq, chunk):
         apply(trial)
         applied.append(text)
-        plan = estimate(trial, prompt_length, num_prompts, device, suggest=False, processes=processes)
-        if plan.fits:
-            return f"{'; '.join(applied)} (estimated {_gib(plan.total)})"
-    return None
+        if fits(trial):
+            break
+    else:
+        return None
+    for text, undo in ((LIGHT_HEAD_SWITCH, lambda c: setattr(c, "lm_head_chunk_size", None)),
+                       (BUDGET_SWITCH, lambda c: setattr(c.ppo, "max_tokens_per_micro_batch", None))):
+        without = copy.deepcopy(trial)
+        undo(without)
+        if text in applied and fits(without):
+            applied.remove(text)
+            trial = without
+    if BUDGET_SWITCH in applied:
+        hp = config.ppo
+        low, high = 1, (hp.max_tokens_per_micro_batch // seq if hp.max_tokens_per_micro_batch else hp.per_device_train_batch_size)
+        while low < high:  # the most longest rows per micro-batch that fit (fitting only gets harder with more)
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(_with_budget(trial, middle * seq)) else (low, middle - 1)
+        rows = low
+        trial = _with_budget(trial, rows * seq)
+        applied[applied.index(BUDGET_SWITCH)] = f"{BUDGET_SWITCH}: {rows * seq}"
+    if LIGHT_HEAD_SWITCH in applied:
+        applied[applied.index(LIGHT_HEAD_SWITCH)] = f"{LIGHT_HEAD_SWITCH}: {chunk}"
+    total = estimate(trial, prompt_length, num_prompts, device, suggest=False, processes=processes).total
+    return f"{'; '.join(applied)} (estimated {_gib(total)})"
+
+
+def _with_budget(config: PPOConfig, tokens: int) -> PPOConfig:
+    trial = copy.deepcopy(config)
+    trial.ppo.max_tokens_per_micro_batch = tokens
+    return trial
 
 
 # --------------------------------------------------------------------------- inputs from the config

@@ -79,6 +79,10 @@ def check_environment(config: PPOConfig) -> None:
             raise UserError(f"quantization: {config.quantization} needs bitsandbytes: pip install 'ppokit[quantization]'") from None
     if config.fp16 and not torch.cuda.is_available():
         raise UserError("fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine")
+    if config.compile:
+        from ppokit.compiled import check_available
+
+        check_available("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def mixed_precision(config: PPOConfig) -> str:

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, checkpoint, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.data import render_chat_prompts
@@ -43,7 +43,15 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logits
+from ppokit.models import (
+    check_output_head,
+    ensure_pad_token,
+    left_pad,
+    load_tokenizer,
+    resolve_stop_token,
+    response_logprobs,
+    response_values,
+)
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
@@ -108,6 +116,7 @@ class PPOTrainer:
         self.train_query_ids = encode_prompts(self.tokenizer, self.train_data, limit, "data.train", self._say)
         self.eval_query_ids = encode_prompts(self.tokenizer, self.eval_data, limit, "data.eval", self._say) if self.eval_data else None
         self.stop_token_id = resolve_stop_token(self.tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
+        batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in self.train_query_ids], config.ppo.response_length)
         self.scorer = self._scorer(reward_model, reward_tokenizer, reward_functions)
         reward_vocabulary = None if self.scorer.reward_model is None else self.scorer.reward_model_shares_vocabulary(self.tokenizer)
         self.layout = roles.decide_roles(
@@ -154,14 +163,22 @@ class PPOTrainer:
             reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=config.trust_remote_code,
             base_dir=Path.cwd(), all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
             load_kwargs=roles.load_kwargs(config), data_columns=data_columns,
+            reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None,
         )
 
     def _prepare(self, built: roles.Roles):
         """Policy and critic under one trainable module with its optimiser over every optimiser step of the
         run; frozen models placed by the engine too. -> (model, optimizer, scheduler, reference or None)."""
-        hp, steps = self.config.ppo, self.sizes.num_updates * self.config.ppo.num_ppo_epochs * self.config.ppo.num_mini_batches
-        model, optimizer, scheduler = self.engine.prepare(PolicyAndValue(built.policy, built.value).train(),
+        config, hp = self.config, self.config.ppo
+        steps = self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches
+        switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
+        for role in (built.policy, built.reference) if switch else ():
+            if role is not None:  # the light head and the compiled forward read logits from the last hidden state
+                check_output_head(role, switch)
+        model, optimizer, scheduler = self.engine.prepare(PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train(),
                                                           lambda m: build_optimiser(m, hp, steps))
+        if config.compile:
+            self.accelerator.unwrap_model(model).use_compiled_backbones()
         if self.scorer.reward_model is not None:
             self.engine.place_frozen(self.scorer.reward_model).eval()
         reference = self.engine.place_frozen(built.reference).eval() if built.reference is not None else None
@@ -237,28 +254,32 @@ class PPOTrainer:
 
     @torch.inference_mode()
     def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Reference logprobs and values (None without a critic) for every response token, in forward-size chunks."""
-        hp, chunk = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
-        ids, mask = rollout.input_ids, rollout.attention_mask
-        width = rollout.response_ids.shape[1]
+        """Reference logprobs and values (None without a critic) for every response token, in chunks of
+        local_rollout_forward_batch_size rows (with ppo.max_tokens_per_micro_batch: that many rows of the
+        batch's width in tokens, rows of similar length together, trimmed)."""
+        hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
+        budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
         both = self.accelerator.unwrap_model(self.model)
         ref_logprobs, values = [], []
         with both.critic_in_eval_mode():
-            for i in range(0, ids.shape[0], chunk):
-                logits = self.reference_logits(ids[i : i + chunk], mask[i : i + chunk], width)
-                ref_logprobs.append(algo.logprobs_from_logits(logits, rollout.response_ids[i : i + chunk], hp.temperature))
+            for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
+                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask)))
                 with self.accelerator.autocast():
-                    values.append(both.values(ids[i : i + chunk], mask[i : i + chunk], width))
-        padding = ~rollout.response_mask
-        return torch.cat(ref_logprobs).masked_fill(padding, 0.0), None if both.value_model is None else torch.cat(values).masked_fill(padding, 0.0)
+                    chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
+                if chunk_values is not None:
+                    values.append((index, chunk_values.masked_fill(~mb.response_mask, 0.0)))
+        shape = rollout.response_ids.shape
+        return batching.restore(ref_logprobs, *shape), batching.restore(values, *shape) if values else None
 
-    def reference_logits(self, input_ids, attention_mask, response_length: int) -> torch.Tensor:
-        """(B, P + R) -> (B, R, V) from the reference: its own model, or the LoRA policy's base with adapters off."""
+    def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
+        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with
+        adapters off; through `models.response_logprobs`, as the training forward."""
+        chunk, temperature = self.config.lm_head_chunk_size, self.config.ppo.temperature
         with self.accelerator.autocast():
             if self.ref_model is not None:
-                return response_logits(self.ref_model, input_ids, attention_mask, response_length)
+                return response_logprobs(self.ref_model, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
             with roles.adapters_disabled(self.policy):
-                return response_logits(self.policy, input_ids, attention_mask, response_length)
+                return response_logprobs(self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.

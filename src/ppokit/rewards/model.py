@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from ppokit import batching
 from ppokit.errors import UserError
 from ppokit.models import left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
 from ppokit.rewards.sources import ScoringBatch
@@ -33,6 +34,9 @@ class RewardModelReward:
     tokenizer: Any
     name: str = "reward_model"
     batch_size: int = 64
+    # With ppo.max_tokens_per_micro_batch: chunks by tokens (rows of similar length together, each
+    # chunk within batch_size rows of the batch's full width, trimmed to its own rows) instead of rows.
+    by_tokens: bool = False
     _shared: dict = field(default_factory=dict, repr=False)  # id(policy tokenizer) -> same vocabulary?
 
     @torch.inference_mode()
@@ -42,11 +46,18 @@ class RewardModelReward:
             ids, mask = batch.input_ids, batch.attention_mask
         else:
             ids, mask = left_pad(self.encode(batch), self.tokenizer.pad_token_id)
-        scores = [
-            score_at_last_token(self.model, ids[i : i + self.batch_size].to(device), mask[i : i + self.batch_size].to(device))
-            for i in range(0, ids.shape[0], self.batch_size)
-        ]
-        return torch.cat(scores).float().cpu()
+        if not self.by_tokens:
+            scores = [
+                score_at_last_token(self.model, ids[i : i + self.batch_size].to(device), mask[i : i + self.batch_size].to(device))
+                for i in range(0, ids.shape[0], self.batch_size)
+            ]
+            return torch.cat(scores).float().cpu()
+        plan = batching.plan_micro_batches(torch.arange(ids.shape[0]), *batching.row_spans(mask), self.batch_size * ids.shape[1])
+        pieces = []
+        for index in plan:
+            chunk_ids, chunk_mask = batching.trim_columns(ids[index], mask[index])
+            pieces.append((index, score_at_last_token(self.model, chunk_ids.to(device), chunk_mask.to(device)).float().cpu().unsqueeze(1)))
+        return batching.restore(pieces, ids.shape[0], 1).squeeze(1)
 
     def shares_vocabulary(self, policy_tokenizer) -> bool:
         if policy_tokenizer is None:

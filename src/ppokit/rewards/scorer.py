@@ -273,11 +273,13 @@ def build_scorer(
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     load_kwargs: Optional[dict] = None,
     data_columns: Optional[dict[str, set[str]]] = None,
+    reward_model_by_tokens: bool = False,
 ) -> RewardScorer:
     """Every source of the `reward:` section (objects passed in replace the config's entries), in
     `weights` order: reward model, functions, remote. Loads the reward model: a model that cannot be
     loaded or has more than one label is a UserError here, before any training. With several
-    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all."""
+    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all.
+    reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch)."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
     # A column a function needs but the data lacks fails now, not after every model has loaded.
@@ -303,6 +305,7 @@ def build_scorer(
             reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code,
             **(load_kwargs or {}),
         )
+        rm.by_tokens = reward_model_by_tokens
         sources.append(rm)
         rm_module = rm.model
     sources += functions

@@ -1,0 +1,178 @@
+"""Token-budget micro-batches: the plan, trimming both sides, restoring order."""
+
+import pytest
+import torch
+
+from ppokit import batching
+from ppokit.models import left_pad, position_ids_from_mask, response_logprobs
+from ppokit.rollout import Rollout
+
+
+def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, pad: int = 0) -> Rollout:
+    """Left-padded prompts, right-padded responses of `width` columns, as sampling leaves them."""
+    query_ids, query_mask = left_pad(prompts, pad)
+    response_ids = torch.full((len(responses), width), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(responses), width), dtype=torch.bool)
+    for i, r in enumerate(responses):
+        response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        response_mask[i, : len(r)] = True
+    logprobs = -torch.rand(len(responses), width) * response_mask
+    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, response_mask.any(1))
+
+
+def _spans(prompt: torch.Tensor, response: torch.Tensor):
+    """Spans of rows laid out as a rollout: prompts left-padded to the longest, responses after them."""
+    width = int(prompt.max())
+    return width - prompt, width + response
+
+
+def test_plan_packs_similar_lengths_within_the_budget_and_keeps_every_row_once():
+    prompt = torch.tensor([3, 10, 2, 9, 4, 1, 8, 5])
+    response = torch.tensor([2, 6, 1, 7, 3, 1, 5, 2])
+    rows = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])  # a minibatch's shuffled order
+    plan = batching.plan_micro_batches(rows, *_spans(prompt, response), max_tokens=40)
+    assert sorted(torch.cat(plan).tolist()) == sorted(rows.tolist())
+    totals = [(prompt[mb] + response[mb]).tolist() for mb in plan]
+    # Longest first, by hand: 16 (row 3), 16 (row 1), 13, ... each micro-batch's trimmed tensor fits 40.
+    assert totals[0][0] == 16
+    for mb in plan:
+        width = int(prompt[mb].max() + response[mb].max())
+        assert len(mb) * width <= 40
+    flat = [t for group in totals for t in group]
+    assert flat == sorted(flat, reverse=True), "rows of similar length are packed together"
+
+
+def test_plan_is_a_function_of_lengths_and_the_seeded_order():
+    prompt, response = torch.tensor([4, 4, 4, 4, 2, 2]), torch.tensor([1, 1, 1, 1, 3, 3])
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(7))
+    a = batching.plan_micro_batches(order, *_spans(prompt, response), max_tokens=12)
+    b = batching.plan_micro_batches(order.clone(), *_spans(prompt, response), max_tokens=12)
+    assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    # Equal lengths keep the minibatch's own (seeded) order: a stable sort.
+    assert [i for mb in a for i in mb.tolist()] == sorted(order.tolist(), key=lambda i: -(prompt[i] + response[i]).item())
+
+
+@pytest.mark.parametrize("budget, groups", [(10**6, 1), (1, None)])
+def test_budget_bounds(budget, groups):
+    prompt, response = torch.tensor([3, 2, 1]), torch.tensor([1, 2, 2])
+    if groups is None:
+        with pytest.raises(batching.BudgetTooSmall, match=r"a row of 4 tokens is longer than ppo.max_tokens_per_micro_batch=1"):
+            batching.plan_micro_batches(torch.arange(3), *_spans(prompt, response), budget)
+    else:
+        assert len(batching.plan_micro_batches(torch.arange(3), *_spans(prompt, response), budget)) == groups
+
+
+def test_check_budget_names_both_numbers():
+    batching.check_budget(None, [5, 9], 16)
+    batching.check_budget(25, [5, 9], 16)
+    with pytest.raises(batching.BudgetTooSmall, match=r"max_tokens_per_micro_batch=24 is smaller than .*25 tokens.*9 tokens.*response_length 16"):
+        batching.check_budget(24, [5, 9], 16)
+
+
+def test_trim_drops_only_all_padding_columns_on_both_sides():
+    rollout = _rollout([[5, 6], [7, 8, 9]], [[1], [2, 3]], width=5)
+    rollout = Rollout(**{**rollout.__dict__, "values": torch.arange(10.0).reshape(2, 5)})
+    rollout = Rollout(**{**rollout.__dict__,
+                         "query_ids": torch.cat([torch.zeros(2, 2, dtype=torch.long), rollout.query_ids], 1),
+                         "query_mask": torch.cat([torch.zeros(2, 2, dtype=torch.bool), rollout.query_mask], 1)})
+    trimmed = batching.trim(rollout)
+    assert trimmed.query_ids.tolist() == [[0, 5, 6], [7, 8, 9]]
+    assert trimmed.response_ids.tolist() == [[1, 0], [2, 3]]
+    assert trimmed.values.tolist() == [[0.0, 1.0], [5.0, 6.0]]
+    assert trimmed.ended.tolist() == rollout.ended.tolist()
+    # Positions of the real tokens are the same before and after.
+    before = position_ids_from_mask(rollout.attention_mask)[rollout.attention_mask.bool()]
+    after = position_ids_from_mask(trimmed.attention_mask)[trimmed.attention_mask.bool()]
+    assert before.tolist() == after.tolist()
+    assert batching.trim(trimmed) is trimmed
+
+
+def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
+    """Reference-style pass: per trimmed micro-batch logprobs, scattered back, equal the padded batch's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (7,), generator=g)]
+    responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(0, 7, (7,), generator=g)]
+    rollout = _rollout(prompts, responses, width=6)
+    with torch.no_grad():
+        full, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids,
+                                    rollout.response_mask, 0.7)
+        plan = batching.plan_rollout(torch.arange(7), rollout, max_tokens=30)
+        assert len(plan) > 1
+        pieces, micro = [], []
+        for index in plan:
+            mb = batching.trim(rollout.select(index))
+            micro.append(mb)
+            lp, _ = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, 0.7)
+            pieces.append((index, lp))
+    restored = batching.restore(pieces, 7, 6)
+    assert torch.allclose(restored, full, atol=1e-6)
+    processed, real = batching.padded_tokens(micro)
+    assert int(real) == int(rollout.query_mask.sum() + rollout.response_mask.sum())
+    assert real <= processed < rollout.query_ids.numel() + rollout.response_ids.numel()
+
+
+def test_spans_of_a_dropped_row_and_of_an_empty_row():
+    rollout = _rollout([[5, 6, 7], [8]], [[], [9, 9]], width=3)
+    start, end = batching.row_spans(rollout.attention_mask)
+    assert (start.tolist(), end.tolist()) == ([0, 2], [3, 5])  # the dropped row is its prompt only
+    assert [t.tolist() for t in batching.row_spans(torch.zeros(1, 4, dtype=torch.bool))] == [[0], [0]]
+    trimmed = batching.trim(rollout.select(torch.tensor([0])))
+    assert trimmed.query_ids.tolist() == [[5, 6, 7]] and trimmed.response_ids.shape == (1, 0)
+
+
+def test_trim_columns_of_any_padded_layout():
+    ids = torch.tensor([[0, 0, 4, 5, 0, 0], [0, 0, 0, 6, 7, 0]])
+    mask = ids > 0
+    t_ids, t_mask = batching.trim_columns(ids, mask)
+    assert t_ids.tolist() == [[4, 5, 0], [0, 6, 7]] and t_mask.sum() == mask.sum()
+
+
+@pytest.mark.parametrize("compact_every", [1, 3])
+def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokenizer, compact_every):
+    """Finished rows leave the forward batch and the KV cache; the random stream, and so every token, stays."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.rollout import HFSampler
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    texts = ["the movie was", "honestly the cast was", "the", "overall the story felt", "this film is", "the acting"]
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    free = HFSampler(model, 24, 2.0, None, tokenizer.pad_token_id).sample(ids, mask)
+    # A stop token that ends the rows at the most different lengths (and not all of them).
+    def spread(token):
+        hits = free.response_ids == token
+        return len({int(h.nonzero()[0]) for h in hits if h.any()}) if not hits.any(1).all() else 0
+
+    stop = max(set(free.response_ids.flatten().tolist()), key=spread)
+
+    def sample(every):
+        torch.manual_seed(1)
+        return HFSampler(model, 24, 2.0, stop, tokenizer.pad_token_id, compact_every=every).sample(ids, mask)
+
+    plain, compact = sample(0), sample(compact_every)
+    lengths = plain.response_mask.sum(1)
+    assert len(set(lengths.tolist())) > 2 and plain.ended.any() and not plain.ended.all()
+    assert torch.equal(plain.response_ids, compact.response_ids)
+    assert torch.equal(plain.response_mask, compact.response_mask)
+    assert torch.allclose(plain.logprobs, compact.logprobs, atol=1e-6)
+
+
+def test_reward_model_chunks_by_tokens_give_the_scores_of_row_chunks(model_dir, tokenizer):
+    from ppokit.models import load_scalar_model
+    from ppokit.rewards.model import RewardModelReward
+    from ppokit.rewards.sources import ScoringBatch
+
+    model = load_scalar_model(str(model_dir("llama")), "reward.model").eval()
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (9,), generator=g)]
+    responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(0, 7, (9,), generator=g)]
+    rollout = _rollout(prompts, responses, width=6)
+    batch = ScoringBatch(["p"] * 9, ["c"] * 9, {}, rollout.input_ids, rollout.attention_mask, tokenizer)
+    by_rows = RewardModelReward(model, tokenizer, batch_size=4).score(batch)
+    by_tokens = RewardModelReward(model, tokenizer, batch_size=4, by_tokens=True).score(batch)
+    assert torch.allclose(by_rows, by_tokens, atol=1e-5)

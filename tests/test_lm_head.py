@@ -1,0 +1,154 @@
+"""The memory-light LM head: the same logprobs, entropy and gradients as the direct computation."""
+
+import pytest
+import torch
+
+from ppokit import algo
+from ppokit.errors import UserError
+from ppokit.models import check_output_head, output_head, response_logprobs
+
+
+def _batch(vocab: int, seed: int = 0):
+    """Left-padded prompts and right-padded responses of varied lengths (one row with no response token)."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, R = 5, 6, 7
+    ids = torch.randint(4, vocab, (B, P + R), generator=g)
+    prompt_len, response_len = torch.tensor([6, 3, 1, 4, 2]), torch.tensor([7, 2, 5, 0, 1])
+    mask = torch.zeros(B, P + R, dtype=torch.long)
+    for b in range(B):
+        mask[b, P - prompt_len[b] : P + response_len[b]] = 1
+    response_mask = mask[:, P:].bool()
+    return ids, mask, ids[:, P:], response_mask
+
+
+def _grads(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1000])
+def test_light_head_equals_direct_values_and_gradients(model_dir, chunk_size):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    ids, mask, response_ids, response_mask = _batch(model.config.vocab_size)
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def run(**kw):
+        logprobs, entropy = response_logprobs(model, ids, mask, response_ids, response_mask, 0.7, with_entropy=True, entropy_grad=True, **kw)
+        loss = (logprobs * weights).sum() + (entropy * weights.flip(0)).sum()
+        return logprobs.detach(), entropy.detach(), _grads(model, loss)
+
+    direct = run()
+    light = run(chunk_size=chunk_size)
+    for a, b in zip(direct[:2], light[:2]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+        assert (b[~response_mask] == 0).all()
+    for ga, gb in zip(direct[2], light[2]):
+        assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-6), (ga - gb).abs().max()
+    assert max((ga - gb).abs().max().item() / max(ga.abs().max().item(), 1e-12) for ga, gb in zip(direct[2], light[2])) < 1e-5
+
+
+def test_light_head_in_float64_is_exact_to_1e_6(model_dir):
+    """The same comparison without float32 rounding in the way: 1e-6 relative on every gradient."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).double()
+    ids, mask, response_ids, response_mask = _batch(model.config.vocab_size, seed=3)
+
+    def run(**kw):
+        logprobs, entropy = response_logprobs(model, ids, mask, response_ids, response_mask, 1.3, with_entropy=True, entropy_grad=True, **kw)
+        return logprobs.detach(), _grads(model, logprobs.sum() - 0.01 * entropy.sum())
+
+    (lp_a, g_a), (lp_b, g_b) = run(), run(chunk_size=3)
+    assert torch.allclose(lp_a.float(), lp_b.float(), atol=1e-6)
+    for a, b in zip(g_a, g_b):
+        assert (a - b).abs().max().item() <= 1e-6 * max(a.abs().max().item(), 1.0)
+
+
+def test_entropy_gradient_only_when_asked():
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 11)
+    tokens = torch.randint(0, 11, (6,))
+    _, stat = algo.chunked_head_logprobs(hidden, head, tokens, 0.7, 4, with_entropy=True)
+    assert not stat.requires_grad
+    _, ent = algo.chunked_head_logprobs(hidden, head, tokens, 0.7, 4, with_entropy=True, entropy_grad=True)
+    (g,) = torch.autograd.grad(ent.sum(), hidden)
+    # dH/ds_k = -p_k (log p_k + H) by autograd through the direct formula: the same gradient.
+    _, direct = algo.logprobs_and_entropy(head(hidden), tokens, 0.7, entropy_grad=True)
+    (expected,) = torch.autograd.grad(direct.sum(), hidden)
+    assert torch.allclose(g, expected, atol=1e-6)
+    logp = torch.log_softmax(head(hidden).detach() / 0.7, -1)
+    manual = -(logp.exp() * (logp + (-(logp.exp() * logp).sum(-1, keepdim=True)))) / 0.7  # dH/dlogits
+    assert torch.allclose(manual @ head.weight, expected, atol=1e-5)
+
+
+def test_light_head_materialises_no_full_vocabulary_tensor(model_dir):
+    """Peak of the tensors autograd keeps: the direct path holds (B, R, V) float32 copies, the light head none."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    ids, mask, response_ids, response_mask = _batch(model.config.vocab_size)
+    V = model.config.vocab_size
+
+    def widest_saved(**kw):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() if t.shape and t.shape[-1] == V and t.dim() > 1 else 0)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logprobs, _ = response_logprobs(model, ids, mask, response_ids, response_mask, 0.7, with_entropy=True, **kw)
+        return max(sizes)
+
+    assert widest_saved() >= ids.shape[0] * response_ids.shape[1] * V
+    assert widest_saved(chunk_size=2) == 0  # checkpointed chunks keep only their hidden states
+
+
+def test_sampling_logprobs_equal_the_light_head(model_dir, tokenizer):
+    """Sampling keeps its own per-step logprobs (KV cache); they equal both heads' on the sampled rows."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.models import left_pad
+    from ppokit.rollout import HFSampler
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    ids, mask = left_pad([tokenizer("the movie was")["input_ids"], tokenizer("the acting")["input_ids"]], tokenizer.pad_token_id)
+    rollout = HFSampler(model, 9, 0.8, tokenizer.eos_token_id, tokenizer.pad_token_id).sample(ids, mask)
+    with torch.no_grad():
+        for kw in ({}, {"chunk_size": 3}):
+            lp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids, rollout.response_mask, 0.8, **kw)
+            assert torch.allclose(lp, rollout.logprobs, atol=1e-5)
+
+
+def test_a_model_whose_logits_the_head_cannot_reproduce_is_refused(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    check_output_head(model, "lm_head_chunk_size")
+    original = model.forward
+
+    def doubled(*a, **kw):
+        out = original(*a, **kw)
+        out.logits = out.logits * 2
+        return out
+
+    model.forward = doubled
+    with pytest.raises(UserError, match="lm_head_chunk_size: LlamaForCausalLM's forward computes its logits"):
+        check_output_head(model, "lm_head_chunk_size")
+
+
+def test_output_head_applies_the_families_logit_transforms(tokenizer):
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=3.0,
+                          pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    torch.nn.init.normal_(model.get_output_embeddings().weight, std=2.0)  # logits large enough for the cap to matter
+    check_output_head(model, "lm_head_chunk_size")
+    assert output_head(model)(torch.randn(3, 32)).abs().max() <= 3.0

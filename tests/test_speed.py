@@ -1,0 +1,95 @@
+"""The speed switches change no result beyond float rounding: the same gradients however a minibatch is
+split, the same learning curve as the padded path (docs/speed.md)."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_ppo_config, with_speed_switches
+
+from ppokit import batching, optimise
+from ppokit.errors import UserError
+from ppokit.trainer import PPOTrainer
+
+CURVE = ("objective/scores", "objective/kl", "objective/entropy", "objective/response_length", "policy/approxkl_avg",
+         "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "policy/entropy_avg", "val/ratio",
+         "val/ratio_var", "lr")
+
+
+class GradientRecorder(torch.optim.SGD):
+    """Learning rate 0 (the weights never move) and a copy of every step's gradients."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.grads: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for group in self.param_groups for p in group["params"] if p.grad is not None])
+        return super().step(closure)
+
+
+def _one_rollout(trainer: PPOTrainer):
+    """The rollout of the trainer's first update, with advantages and returns (captured from a real step)."""
+    captured, optimise_once = [], trainer.optimise
+    trainer.optimise = lambda rollout: captured.append(rollout) or optimise_once(rollout)
+    trainer.step()
+    return captured[0]
+
+
+def test_a_minibatch_split_three_ways_gives_the_same_gradients_and_metrics(sft_model_dir, prompts_file, tmp_path):
+    config = tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / "run", total_episodes=16, per_device_train_batch_size=8,
+                             num_mini_batches=2, num_ppo_epochs=1, response_length=10,
+                             max_grad_norm=0.0)
+    trainer = PPOTrainer(config, show_progress=False)
+    rollout = _one_rollout(trainer)
+    lengths = rollout.response_mask.sum(1)
+    assert len(set(lengths.tolist())) > 3, "responses of varied lengths"
+    longest = int(rollout.attention_mask.sum(1).max())
+    model = trainer.model
+    results = {}
+    for name, budget in (("small", longest), ("large", 3 * longest), ("one micro-batch", 10**6)):
+        hp = dataclasses.replace(config.ppo, max_tokens_per_micro_batch=budget)
+        counts = [len(batching.plan_rollout(rows, rollout, budget)) for rows in torch.arange(16).split(8)]
+        recorder = GradientRecorder([p for p in model.parameters() if p.requires_grad])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
+        torch.manual_seed(5)  # the same minibatch order each time
+        metrics = optimise.ppo_epochs(model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.engine, lambda t: t)
+        results[name] = (counts, recorder.grads, metrics)
+    assert results["small"][0][0] >= 3 and 1 < results["large"][0][0] < results["small"][0][0]
+    assert results["one micro-batch"][0] == [1, 1]
+    _, want_grads, want_metrics = results["one micro-batch"]
+    for name in ("small", "large"):
+        _, grads, metrics = results[name]
+        for step_got, step_want in zip(grads, want_grads):
+            for got, want in zip(step_got, step_want):
+                assert (got - want).norm() <= 1e-5 * want.norm() + 1e-12, name
+        for key, value in want_metrics.items():
+            # val/ratio_var is a variance of ratios near 1 from their sums of squares: float32 rounding of
+            # the ratios (1e-7) moves it by up to ~1e-6.
+            if key != "perf/padding_share":
+                assert metrics[key] == pytest.approx(value, rel=1e-5, abs=2e-6 if key == "val/ratio_var" else 1e-7), (name, key)
+        assert metrics["perf/padding_share"] < want_metrics["perf/padding_share"]  # smaller micro-batches, less padding
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_switches_on_follow_the_padded_learning_curve(sft_model_dir, prompts_file, tmp_path, compile):
+    """Same seed, 3 updates: token budget + light head (+ compile) against fixed, padded micro-batches
+    with the same loss normalisation (one micro-batch per minibatch): every metric within float rounding."""
+    def run(name, **switches):
+        config = tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / name, total_episodes=48,
+                                 per_device_train_batch_size=8, num_mini_batches=2, response_length=10,
+                                 num_sample_generations=0)
+        return PPOTrainer(with_speed_switches(config, **switches), show_progress=False).train()
+
+    padded = run("padded")
+    switched = run("switched", max_tokens_per_micro_batch=40, lm_head_chunk_size=7, compile=compile)
+    for want, got in zip(padded, switched):
+        for key in CURVE:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["update"], key)
+    assert all(g["perf/padding_share"] < w["perf/padding_share"] for w, g in zip(padded, switched))
+
+
+def test_a_budget_below_the_longest_row_is_refused_before_any_model_loads(sft_model_dir, prompts_file, tmp_path):
+    config = with_speed_switches(tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / "run"), max_tokens_per_micro_batch=9)
+    with pytest.raises(UserError, match=r"ppo.max_tokens_per_micro_batch=9 is smaller than the longest row this run can produce \(1[0-9] tokens"):
+        PPOTrainer(config, show_progress=False)
