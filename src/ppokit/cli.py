@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.func(args)
         except UserError as e:
-            print(f"ppokit: error: {e}", file=sys.stderr)
+            print(f"ppokit: error: {e}", file=sys.stderr, flush=True)
+            e.before_exit()
             return getattr(e, "exit_code", 2)
         except KeyboardInterrupt:
             print("ppokit: interrupted", file=sys.stderr)
