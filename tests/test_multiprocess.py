@@ -465,3 +465,38 @@ def test_a_reward_failing_on_one_process_stops_every_process_with_one_error(mode
         resumed = _launch(config, "--resume")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert [r["update"] for r in _records(run)] == [1, 2, 3, 4] and (run / "final").is_dir()
+
+
+REWARD_THAT_SKIPS = """
+import os
+
+batches = []
+
+def judge(prompts, completions, **columns):
+    if len(completions) > 1:  # a batch; rows scored alone come only after a batch failed (on_error: skip)
+        batches.append(1)
+    if (len(batches) == 2 and os.environ["RANK"] == "1") or len(batches) == 3:
+        raise RuntimeError("the judge is down")
+    return [len(c) / 40 for c in completions]
+"""
+
+
+@needs_torchrun
+def test_rows_skipped_on_one_process_keep_the_processes_in_step(model_dir, prompts_file, tmp_path):
+    """on_error=skip: in update 2 every row of rank 1 fails, in update 3 every row of both. The processes
+    decide alike: update 2 trains on rank 0's rows (the verdict "no row scored" is over all processes) and
+    counts rank 1's 8 dropped rows; update 3 is skipped by both; the run ends normally."""
+    judge = tmp_path / "judge.py"
+    judge.write_text(REWARD_THAT_SKIPS)
+    config = _config(model_dir, prompts_file, tmp_path, save_steps=0, num_sample_generations=0)
+    settings = yaml.safe_load(config.read_text())
+    settings["reward"] = {"functions": [f"{judge}:judge"], "on_error": "skip"}
+    config.write_text(yaml.safe_dump(settings))
+    result = _launch(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "run-ddp")
+    assert [r["update"] for r in records] == [1, 2, 3, 4]
+    assert [r.get("reward/skipped") for r in records] == [0, 8, None, 0]  # over both processes' rows
+    assert [r["skipped_updates"] for r in records] == [0, 0, 1, 1] and records[2]["nonfinite/score"] == 1
+    assert all(r["loss/policy_avg"] == r["loss/policy_avg"] for r in records if "loss/policy_avg" in r)  # finite: rank 1's empty share adds nothing
+    assert (tmp_path / "run-ddp" / "final").is_dir()

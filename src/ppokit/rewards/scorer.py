@@ -189,12 +189,19 @@ class RewardScorer:
         return any(isinstance(s, RewardModelReward) and s.shares_vocabulary(tokenizer) for s in self.sources)
 
     def metrics(self, result: ScoreResult) -> dict[str, float]:
-        """reward/<name>: mean raw score over the rows the source scored; reward/skipped: rows dropped."""
-        out = {}
-        for name, values in result.raw.items():
-            finite = values[torch.isfinite(values)]
-            out[f"reward/{name}"] = finite.mean().item() if finite.numel() else float("nan")
-        out["reward/skipped"] = float((~result.valid).sum())
+        """reward/<name>: mean raw score over the rows the source scored; reward/skipped: rows dropped;
+        over every process's rows (one all_reduce of the sums and counts)."""
+        sums = []
+        for values in result.raw.values():
+            finite = values[torch.isfinite(values)].double()
+            sums += [finite.sum().item(), float(finite.numel())]
+        sums = torch.tensor([*sums, float((~result.valid).sum())], dtype=torch.float64)
+        if self.all_reduce is not None:
+            sums = self.all_reduce(sums)
+        *totals, skipped = sums.tolist()
+        out = {f"reward/{name}": total / count if count else float("nan")
+               for name, total, count in zip(result.raw, totals[::2], totals[1::2])}
+        out["reward/skipped"] = skipped
         return out
 
     def state_dict(self) -> dict[str, Any]:
