@@ -124,7 +124,9 @@ def _plan(args) -> int:
         raise UserError(f"--processes {args.processes}: must be at least 1")
     plan = plan_for(config, args.device_memory, args.processes)
     print(to_json(plan) if args.json else plan.render())
-    return 0 if plan.fits else PLAN_DOES_NOT_FIT
+    for stop in plan.stops:  # `ppokit ppo` would stop on it, whatever the memory: a config error
+        print(f"ppokit: error: {stop}", file=sys.stderr)
+    return 2 if plan.stops else 0 if plan.fits else PLAN_DOES_NOT_FIT
 
 
 def _demo(args) -> int:
@@ -318,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan", help="estimate parameters, memory and batch sizes of a PPO config (reads config files only)",
-        description=f"Exit status: 0 when the estimate fits the device, {PLAN_DOES_NOT_FIT} when it does not, 2 on a config error.",
+        description=f"Exit status: 0 when the estimate fits the device, {PLAN_DOES_NOT_FIT} when it does not, 2 on a config error "
+        "or when `ppokit ppo` would stop on the config before training (e.g. prompt + response over a model's position limit).",
     )
     plan.add_argument("config", help="YAML config file, as for `ppokit ppo`")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
