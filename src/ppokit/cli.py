@@ -33,7 +33,8 @@ def _ppo(args) -> int:
         run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
         for note in run.notes:
             print(f"ppokit: {note}", file=sys.stderr)
-        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir) if resume is not None else None
+        say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if _is_main_process() else None
+        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir, say) if resume is not None else None
         if resume_path is not None:
             run_dir.check_resume_into(config.output_dir, resume_path)
             checkpoint.read_checkpoint(resume_path)  # a damaged file is found before any model loads

@@ -317,20 +317,46 @@ _CHECKPOINT_NAME = re.compile(r"^update-(\d+)$")
 
 def read_state(path: Path) -> Optional[dict]:
     """trainer_state.json of a complete checkpoint, else None."""
+    return _state_or_problem(path)[0]
+
+
+def _state_or_problem(path: Path) -> tuple[Optional[dict], str]:
+    """(trainer_state.json of a complete checkpoint, "") or (None, why it is not one)."""
+    file = Path(path) / STATE_FILE
     try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) and state.get("complete") is True else None
+        state = json.loads(file.read_text())
+    except FileNotFoundError:
+        return None, f"no {STATE_FILE}"
+    except OSError as e:
+        return None, f"{STATE_FILE} cannot be read ({e.strerror or e})"
+    except ValueError:
+        return None, f"{STATE_FILE} is not valid JSON (cut short?)"
+    if not isinstance(state, dict) or state.get("complete") is not True:
+        return None, f"{STATE_FILE} is not marked complete"
+    return state, ""
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """Complete checkpoints in `folder` (a checkpoints/ folder), oldest first."""
+    return [p for p, problem in _checkpoint_folders(folder) if not problem]
+
+
+def skipped_checkpoints(folder: str | Path) -> list[tuple[Path, str]]:
+    """(folder, why) for each checkpoint folder in `folder` newer than its latest complete checkpoint:
+    what a resume from the latest passes over. Checkpoints are written whole and then renamed, so
+    one of these was damaged afterwards (a trainer_state.json cut short, say)."""
+    found = _checkpoint_folders(folder)
+    complete = [i for i, (_, problem) in enumerate(found) if not problem]
+    return [(p, problem) for p, problem in found[complete[-1] + 1 if complete else 0:]]
+
+
+def _checkpoint_folders(folder: str | Path) -> list[tuple[Path, str]]:
+    """(checkpoint folder, "" if complete else why not) for every update-N folder in `folder`, oldest first."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and read_state(p) is not None]
-    return [p for _, p in sorted(found)]
+    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir())
+    return [(p, _state_or_problem(p)[1]) for _, p in found]
 
 
 def owned_checkpoint(path: Path) -> bool:

@@ -486,7 +486,7 @@ class PPOTrainer:
         """Continue from checkpoint `path` (default: the latest complete one in output_dir/checkpoints);
         call train() next. Restores weights, optimiser, schedule, KL controller, reward-source state,
         RNG states, counters and metrics. A config that would change the result is refused unless `force`."""
-        path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir)
+        path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir, self._say)
         run_dir.check_resume_into(self.output_dir, path)
         self._run_folder()  # this run's from here on: the lock before anything is restored into it
         self.state = checkpoint.load_checkpoint(path, self._trained_parts(), self.config, self._run_facts(), self.accelerator,
