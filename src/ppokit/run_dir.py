@@ -21,6 +21,7 @@ Only the standard library is used here: every other module may import this one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -30,7 +31,7 @@ import resource
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ppokit.errors import UserError
 
@@ -65,7 +66,8 @@ def is_marked(folder: Path) -> bool:
 
 
 def is_empty_dir(path: Path) -> bool:
-    return path.is_dir() and not any(path.iterdir())
+    """Nothing in it (but a run's lock file, `RunLock`: the lock of a stage that wrote nothing)."""
+    return path.is_dir() and not any(p.name != LOCK_FILE for p in path.iterdir())
 
 
 # --------------------------------------------------------------------------- checks before anything loads
@@ -298,11 +300,40 @@ class RunLock:
         lock = cls._held[key] = cls(key, fd)
         return lock
 
+    def remove_file(self) -> None:
+        """Delete the lock file while holding it, if the folder still has this one (not a newer folder renamed over it)."""
+        file = self.folder / LOCK_FILE
+        try:
+            on_disk, held = os.stat(file), os.fstat(self.fd)
+        except FileNotFoundError:
+            return
+        if (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino):
+            file.unlink()
+
     def release(self) -> None:
         self.count -= 1
         if self.count == 0 and self._held.get(self.folder) is self:
             del self._held[self.folder]
             os.close(self.fd)  # closing the file drops the flock
+
+
+@contextlib.contextmanager
+def locked_output(output_dir: str | Path) -> Iterator[None]:
+    """A stage's (sft, rm) output_dir locked for as long as the stage runs, by the lock of a ppo run's
+    folder (`RunLock`): a second run into it is refused while the first one lives. The lock file is in
+    the folder (made for it if absent); the finished output is renamed into place over the folder, the
+    file with it. A folder made for the lock alone is removed again when the stage writes nothing."""
+    path = Path(output_dir)
+    made = not path.exists()
+    lock = RunLock.acquire(path)
+    try:
+        yield
+    finally:
+        if lock.count == 1:  # a failed stage leaves the folder as it found it: no lock file, no folder it made
+            lock.remove_file()
+            if made and is_empty_dir(path):
+                path.rmdir()
+        lock.release()
 
 
 # --------------------------------------------------------------------------- ppo run folders
