@@ -488,6 +488,32 @@ def test_a_damaged_checkpoint_is_named_with_the_one_before_it_and_nothing_change
     assert files_of(out) == before
 
 
+def test_resume_latest_says_which_damaged_checkpoint_it_passes_over(saved_every_update, tmp_path, capsys):
+    """--resume without a path used to fall back from a checkpoint whose trainer_state.json is cut short to
+    the one before it without a word: it names the one skipped and why, then continues from the one before."""
+    source, config_path = saved_every_update
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    config = tmp_path / "ppo.yaml"
+    config.write_text(config_path.read_text().replace(str(source), str(out)))
+    shutil.rmtree(out / "final")
+    _cut(out / "checkpoints" / "update-4" / "trainer_state.json")
+    (out / "checkpoints" / "update-5").mkdir()  # no trainer_state.json at all
+    assert main(["ppo", str(config), "--resume"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    latest = out / "checkpoints" / "update-3"
+    assert f"ppokit: skipped checkpoint {out / 'checkpoints' / 'update-4'}: trainer_state.json is not valid JSON (cut short?); " \
+           f"the latest complete one is {latest}" in err
+    assert f"ppokit: skipped checkpoint {out / 'checkpoints' / 'update-5'}: no trainer_state.json; the latest complete one is {latest}" in err
+    assert any(line.startswith(f"ppokit: resumed from {latest} (update 3 of 4)") for line in err)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4 and (out / "final").is_dir()
+    # none complete is left: the error lists what is there
+    for folder in (out / "checkpoints").glob("update-*"):
+        (folder / "trainer_state.json").unlink(missing_ok=True)
+    with pytest.raises(UserError, match=r"no complete checkpoint in .*checkpoints \(update-1: no trainer_state.json; update-2: no"):
+        checkpoint.find_checkpoint(None, out)
+
+
 def test_a_failed_resume_changes_nothing_in_the_run(saved_every_update, tmp_path):
     """A corrupt rng.pt used to be read after newer checkpoints had gone to superseded/ and metrics.jsonl was cut."""
     source, _ = saved_every_update

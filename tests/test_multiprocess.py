@@ -399,3 +399,104 @@ def test_two_processes_with_the_speed_switches(model_dir, prompts_file, tmp_path
     assert [r["update"] for r in records] == [1, 2]
     assert all(0 <= r["perf/padding_share"] < 0.5 for r in records)
     assert records[0]["val/ratio"] == pytest.approx(1.0, abs=0.05)  # two epochs: the second moves away from 1 a little
+
+
+REWARD_THAT_FAILS_ON_RANK_1 = """
+import os, time
+
+calls = []
+
+def judge(prompts, completions, **columns):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == {fail_at}:
+        {failure}
+    return [len(c) / 40 for c in completions]
+"""
+
+
+def _failing_on_rank_1(model_dir, prompts_file, tmp_path, failure: str, **reward) -> Path:
+    """4 updates of 16 episodes without sample generations: rank 1's third scoring call (update 3) fails."""
+    judge = tmp_path / "judge.py"
+    judge.write_text(REWARD_THAT_FAILS_ON_RANK_1.format(fail_at=3, failure=failure))
+    config = _config(model_dir, prompts_file, tmp_path, save_steps=0, num_sample_generations=0)
+    settings = yaml.safe_load(config.read_text())
+    settings["reward"] = {"functions": [f"{judge}:judge"], **reward}
+    config.write_text(yaml.safe_dump(settings))
+    return config
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line[line.index("ppokit: error:"):] for line in stderr.splitlines() if "ppokit: error:" in line]  # after any progress bar
+
+
+def _worker_tracebacks(stderr: str) -> list[str]:
+    """Tracebacks printed by the ppokit processes; torchrun prints its own (ChildFailedError) whenever one exits non-zero."""
+    blocks = stderr.split("Traceback (most recent call last):")[1:]
+    return [b for b in blocks if "torchrun" not in b.strip().splitlines()[0]]
+
+
+@needs_torchrun
+@pytest.mark.parametrize("failure, says, reward", [
+    ("raise RuntimeError('the judge is down')", "raised RuntimeError: the judge is down", {}),
+    ("time.sleep(30)", "did not return within reward.timeout_s=1s", {"timeout_s": 1}),
+], ids=["raises", "times-out"])
+def test_a_reward_failing_on_one_process_stops_every_process_with_one_error(model_dir, prompts_file, tmp_path, failure, says, reward):
+    """on_error=raise, the reward failing on rank 1 alone: both processes stop together (no hang in the next
+    collective), with the same one-line error naming the process and the source, exit 2, no traceback, and
+    the last complete update saved as with one process (docs/checkpoints.md)."""
+    config = _failing_on_rank_1(model_dir, prompts_file, tmp_path, failure, **reward)
+    started = time.monotonic()
+    result = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)],
+                            capture_output=True, text=True, timeout=240, env=_env())
+    print(f"stopped after {time.monotonic() - started:.0f} s")
+    assert result.returncode != 0
+    assert not _worker_tracebacks(result.stderr), result.stderr[-3000:]
+    # torchrun's report: the first process to leave exited with 2; it left only once every process had stopped
+    # (torchrun may still end the other while its interpreter shuts down, after it has said why)
+    assert "exitcode  : 2" in result.stderr.split("Root Cause")[1].split("=====")[0], result.stderr[-3000:]
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 2 and lines[0] == lines[1], result.stderr[-3000:]  # every process, the same line
+    run = tmp_path / "run-ddp"
+    assert "process 1" in lines[0] and "reward function judge" in lines[0] and says in lines[0], lines[0]
+    assert lines[0].endswith(f"Updates 1-2 are saved in {run / 'checkpoints' / 'update-2'}; fix the cause and continue with --resume")
+    assert [r["update"] for r in _records(run)] == [1, 2]
+    assert not (run / "final").exists()
+    if "raise" in failure:  # the checkpoint is one to continue from: rank 1's judge fails only at its third call
+        resumed = _launch(config, "--resume")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [r["update"] for r in _records(run)] == [1, 2, 3, 4] and (run / "final").is_dir()
+
+
+REWARD_THAT_SKIPS = """
+import os
+
+batches = []
+
+def judge(prompts, completions, **columns):
+    if len(completions) > 1:  # a batch; rows scored alone come only after a batch failed (on_error: skip)
+        batches.append(1)
+    if (len(batches) == 2 and os.environ["RANK"] == "1") or len(batches) == 3:
+        raise RuntimeError("the judge is down")
+    return [len(c) / 40 for c in completions]
+"""
+
+
+@needs_torchrun
+def test_rows_skipped_on_one_process_keep_the_processes_in_step(model_dir, prompts_file, tmp_path):
+    """on_error=skip: in update 2 every row of rank 1 fails, in update 3 every row of both. The processes
+    decide alike: update 2 trains on rank 0's rows (the verdict "no row scored" is over all processes) and
+    counts rank 1's 8 dropped rows; update 3 is skipped by both; the run ends normally."""
+    judge = tmp_path / "judge.py"
+    judge.write_text(REWARD_THAT_SKIPS)
+    config = _config(model_dir, prompts_file, tmp_path, save_steps=0, num_sample_generations=0)
+    settings = yaml.safe_load(config.read_text())
+    settings["reward"] = {"functions": [f"{judge}:judge"], "on_error": "skip"}
+    config.write_text(yaml.safe_dump(settings))
+    result = _launch(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "run-ddp")
+    assert [r["update"] for r in records] == [1, 2, 3, 4]
+    assert [r.get("reward/skipped") for r in records] == [0, 8, None, 0]  # over both processes' rows
+    assert [r["skipped_updates"] for r in records] == [0, 0, 1, 1] and records[2]["nonfinite/score"] == 1
+    assert all(r["loss/policy_avg"] == r["loss/policy_avg"] for r in records if "loss/policy_avg" in r)  # finite: rank 1's empty share adds nothing
+    assert (tmp_path / "run-ddp" / "final").is_dir()

@@ -205,6 +205,11 @@ def test_the_plan_reads_prompts_and_position_limits_as_the_trainer_does(model_di
     assert "error: the longest prompt + response is 10 tokens" in plan.render()
     path = tmp_path / "ppo.yaml"
     config.save(path)
+    for json_flag in ([], ["--json"]):  # `ppokit plan` fails as the run would: exit 2, the stop on stderr
+        assert main(["plan", str(path), *json_flag]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.splitlines() == [f"ppokit: error: {plan.stops[0]}"]
+        assert ("error: the longest prompt" in captured.out) if not json_flag else json.loads(captured.out)["stops"] == plan.stops
     assert main(["ppo", str(path)]) == 2
     err = capsys.readouterr().err
     assert "the longest prompt" not in err and "over the ref_model's position limit of 8 tokens" in err.splitlines()[-1]

@@ -249,6 +249,46 @@ def test_the_run_lock_names_the_holder_and_dies_with_it(tmp_path):
     assert not run_dir.RunLock._held
 
 
+SFT_THAT_WAITS = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {src!r})
+import ppokit.stages.sft as stage
+from ppokit.cli import main
+train_sft = stage.train_sft
+
+def waiting(*args, **kwargs):  # holds the run at its first step until the test says go
+    print("training", flush=True)
+    while not Path({go!r}).exists():
+        time.sleep(0.05)
+    return train_sft(*args, **kwargs)
+
+stage.train_sft = waiting
+sys.exit(main(["sft", {config!r}, "output_dir={out}"]))
+"""
+
+
+def test_a_second_sft_run_into_the_folder_of_one_in_progress_is_refused(sft_files, tmp_path, capsys):
+    """sft (and rm: the same `stages.common.claimed_output`) hold the run lock of a ppo run on their output_dir."""
+    out, go = tmp_path / "out", tmp_path / "go"
+    script = SFT_THAT_WAITS.format(src=SRC, go=str(go), config=str(sft_files["config"]), out=out)
+    first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    try:
+        assert first.stdout.readline().strip() == "training", first.stderr.read() if first.poll() is not None else ""
+        assert main(["sft", str(sft_files["config"]), f"output_dir={out}"]) == 2
+        assert one_error_line(capsys.readouterr().err) == (
+            f"ppokit: error: {out} is in use by another ppokit run (PID {first.pid}); wait for it to end, or give another output_dir")
+        assert not run_dir.RunLock._held
+        assert (tmp_path / f".out.tmp-{first.pid}").is_dir()  # the first run's output in the making is untouched
+    finally:
+        go.touch()
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert json.loads((out / "summary.json").read_text())["stage"] == "sft"
+    assert not (out / ".ppokit.lock").exists()  # the lock file went with the folder the output replaced
+
+
 # --------------------------------------------------------------------------- ppo run folders, on their own
 
 

@@ -55,6 +55,7 @@ from ppokit.run_dir import (
     finish_dir,
     full_disk,
     list_checkpoints,
+    skipped_checkpoints,
     move_into_place,
     owned_checkpoint,
     remove_leftovers,
@@ -109,9 +110,10 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / CHECKPOINTS
 
 
-def find_checkpoint(spec: Optional[str], output_dir: str | Path) -> Path:
+def find_checkpoint(spec: Optional[str], output_dir: str | Path, say: Optional[Callable[[str], None]] = None) -> Path:
     """The checkpoint to resume: `spec` None -> the latest complete one in output_dir/checkpoints;
-    a checkpoint folder -> that one; a run folder or a checkpoints folder -> the latest in it."""
+    a checkpoint folder -> that one; a run folder or a checkpoints folder -> the latest in it.
+    `say` is told of each newer checkpoint folder passed over, and why (`run_dir.skipped_checkpoints`)."""
     if spec is None:
         candidates = [checkpoints_dir(output_dir)]
     else:
@@ -126,8 +128,12 @@ def find_checkpoint(spec: Optional[str], output_dir: str | Path) -> Path:
     for folder in candidates:
         found = list_checkpoints(folder)
         if found:
+            for skipped, why in skipped_checkpoints(folder) if say is not None else ():
+                say(f"skipped checkpoint {skipped}: {why}; the latest complete one is {found[-1]}")
             return found[-1]
-    raise UserError(f"--resume: no complete checkpoint in {candidates[0]}; nothing to resume (start without --resume)")
+    damaged = "; ".join(f"{p.name}: {why}" for p, why in skipped_checkpoints(candidates[0]))
+    raise UserError(f"--resume: no complete checkpoint in {candidates[0]}{f' ({damaged})' if damaged else ''}; "
+                    "nothing to resume (start without --resume)")
 
 
 def prune_checkpoints(folder: Path, keep: Optional[int]) -> None:

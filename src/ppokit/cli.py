@@ -33,7 +33,8 @@ def _ppo(args) -> int:
         run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
         for note in run.notes:
             print(f"ppokit: {note}", file=sys.stderr)
-        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir) if resume is not None else None
+        say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if _is_main_process() else None
+        resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir, say) if resume is not None else None
         if resume_path is not None:
             run_dir.check_resume_into(config.output_dir, resume_path)
             checkpoint.read_checkpoint(resume_path)  # a damaged file is found before any model loads
@@ -124,7 +125,9 @@ def _plan(args) -> int:
         raise UserError(f"--processes {args.processes}: must be at least 1")
     plan = plan_for(config, args.device_memory, args.processes)
     print(to_json(plan) if args.json else plan.render())
-    return 0 if plan.fits else PLAN_DOES_NOT_FIT
+    for stop in plan.stops:  # `ppokit ppo` would stop on it, whatever the memory: a config error
+        print(f"ppokit: error: {stop}", file=sys.stderr)
+    return 2 if plan.stops else 0 if plan.fits else PLAN_DOES_NOT_FIT
 
 
 def _demo(args) -> int:
@@ -318,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan", help="estimate parameters, memory and batch sizes of a PPO config (reads config files only)",
-        description=f"Exit status: 0 when the estimate fits the device, {PLAN_DOES_NOT_FIT} when it does not, 2 on a config error.",
+        description=f"Exit status: 0 when the estimate fits the device, {PLAN_DOES_NOT_FIT} when it does not, 2 on a config error "
+        "or when `ppokit ppo` would stop on the config before training (e.g. prompt + response over a model's position limit).",
     )
     plan.add_argument("config", help="YAML config file, as for `ppokit ppo`")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -396,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.func(args)
         except UserError as e:
-            print(f"ppokit: error: {e}", file=sys.stderr)
+            print(f"ppokit: error: {e}", file=sys.stderr, flush=True)
+            e.before_exit()
             return getattr(e, "exit_code", 2)
         except KeyboardInterrupt:
             print("ppokit: interrupted", file=sys.stderr)

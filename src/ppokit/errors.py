@@ -3,3 +3,6 @@
 
 class UserError(Exception):
     """A problem in the user's input. The CLI prints its message, without a traceback, and exits 2."""
+
+    def before_exit(self) -> None:
+        """What the CLI does after printing the message, before it exits (`parallel.EveryProcessStops`: wait for the others)."""

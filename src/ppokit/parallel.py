@@ -27,6 +27,9 @@ What the trainer asks of an engine, each in one method:
                                      files of ppokit.checkpoint, or ShardedWeights (DCP, every
                                      process writes its shards)
 
+And, engine or not, `stop_together(accelerator)`: a failure on one process (a reward error) shared,
+so that every process stops at the same point with the same error instead of waiting for it.
+
 Memory under fsdp, N processes, a policy of P parameters in b bytes each, trained with AdamW:
 weights + gradients + optimiser state take about (b + b + 8) P / N per process, against
 (b + b + 8) P under ddp. Sampling with `parallel.unshard_for_generation: true` (the default)
@@ -80,6 +83,40 @@ def accelerator_mixed_precision(settings, precision: str) -> str:
     """accelerate's mixed precision for the engine: under fsdp bf16 is FSDP's MixedPrecisionPolicy,
     so accelerate must not add autocast on top of it."""
     return "no" if settings.strategy == "fsdp" else precision
+
+
+class EveryProcessStops(UserError):
+    """A user error that every process raises at the same point (`stop_together`): they stop together,
+    so the run can still write a checkpoint, which needs all of them, on its way out."""
+
+    def before_exit(self) -> None:
+        # A launcher such as torchrun ends the other processes as soon as one exits non-zero: none may
+        # leave before every one has finished stopping (the main process commits the checkpoint, unlocks).
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+
+def stop_together(accelerator) -> Optional[Callable[[Optional[UserError]], None]]:
+    """With several processes: verdict(error or None), which every process calls at the same point of a
+    step that can fail on some of them alone (a reward source under reward.on_error=raise). If none
+    failed it returns; else every process raises the same EveryProcessStops, "process R: <R's error>",
+    R the first process that failed. One all-reduce of a flag per call; the message travels only on
+    failure. Without it the processes that did not fail would wait in their next collective for one
+    that has stopped. None with one process: its errors need no sharing."""
+    if accelerator.num_processes == 1:
+        return None
+
+    def verdict(error: Optional[UserError]) -> None:
+        world, rank = accelerator.num_processes, accelerator.process_index
+        flag = torch.tensor([float(world - rank if error is not None else 0)], device=accelerator.device)
+        first = world - int(accelerator.reduce(flag, "max").item())  # the lowest rank that failed
+        if first == world:
+            return
+        message = [str(error) if rank == first else None]
+        torch.distributed.broadcast_object_list(message, src=first)
+        raise EveryProcessStops(f"process {first}: {message[0]}") from (error if rank == first else None)
+
+    return verdict
 
 
 # --------------------------------------------------------------------------- ddp

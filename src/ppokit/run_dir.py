@@ -21,6 +21,7 @@ Only the standard library is used here: every other module may import this one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -30,7 +31,7 @@ import resource
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ppokit.errors import UserError
 
@@ -65,7 +66,8 @@ def is_marked(folder: Path) -> bool:
 
 
 def is_empty_dir(path: Path) -> bool:
-    return path.is_dir() and not any(path.iterdir())
+    """Nothing in it (but a run's lock file, `RunLock`: the lock of a stage that wrote nothing)."""
+    return path.is_dir() and not any(p.name != LOCK_FILE for p in path.iterdir())
 
 
 # --------------------------------------------------------------------------- checks before anything loads
@@ -298,11 +300,40 @@ class RunLock:
         lock = cls._held[key] = cls(key, fd)
         return lock
 
+    def remove_file(self) -> None:
+        """Delete the lock file while holding it, if the folder still has this one (not a newer folder renamed over it)."""
+        file = self.folder / LOCK_FILE
+        try:
+            on_disk, held = os.stat(file), os.fstat(self.fd)
+        except FileNotFoundError:
+            return
+        if (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino):
+            file.unlink()
+
     def release(self) -> None:
         self.count -= 1
         if self.count == 0 and self._held.get(self.folder) is self:
             del self._held[self.folder]
             os.close(self.fd)  # closing the file drops the flock
+
+
+@contextlib.contextmanager
+def locked_output(output_dir: str | Path) -> Iterator[None]:
+    """A stage's (sft, rm) output_dir locked for as long as the stage runs, by the lock of a ppo run's
+    folder (`RunLock`): a second run into it is refused while the first one lives. The lock file is in
+    the folder (made for it if absent); the finished output is renamed into place over the folder, the
+    file with it. A folder made for the lock alone is removed again when the stage writes nothing."""
+    path = Path(output_dir)
+    made = not path.exists()
+    lock = RunLock.acquire(path)
+    try:
+        yield
+    finally:
+        if lock.count == 1:  # a failed stage leaves the folder as it found it: no lock file, no folder it made
+            lock.remove_file()
+            if made and is_empty_dir(path):
+                path.rmdir()
+        lock.release()
 
 
 # --------------------------------------------------------------------------- ppo run folders
@@ -317,20 +348,46 @@ _CHECKPOINT_NAME = re.compile(r"^update-(\d+)$")
 
 def read_state(path: Path) -> Optional[dict]:
     """trainer_state.json of a complete checkpoint, else None."""
+    return _state_or_problem(path)[0]
+
+
+def _state_or_problem(path: Path) -> tuple[Optional[dict], str]:
+    """(trainer_state.json of a complete checkpoint, "") or (None, why it is not one)."""
+    file = Path(path) / STATE_FILE
     try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) and state.get("complete") is True else None
+        state = json.loads(file.read_text())
+    except FileNotFoundError:
+        return None, f"no {STATE_FILE}"
+    except OSError as e:
+        return None, f"{STATE_FILE} cannot be read ({e.strerror or e})"
+    except ValueError:
+        return None, f"{STATE_FILE} is not valid JSON (cut short?)"
+    if not isinstance(state, dict) or state.get("complete") is not True:
+        return None, f"{STATE_FILE} is not marked complete"
+    return state, ""
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """Complete checkpoints in `folder` (a checkpoints/ folder), oldest first."""
+    return [p for p, problem in _checkpoint_folders(folder) if not problem]
+
+
+def skipped_checkpoints(folder: str | Path) -> list[tuple[Path, str]]:
+    """(folder, why) for each checkpoint folder in `folder` newer than its latest complete checkpoint:
+    what a resume from the latest passes over. Checkpoints are written whole and then renamed, so
+    one of these was damaged afterwards (a trainer_state.json cut short, say)."""
+    found = _checkpoint_folders(folder)
+    complete = [i for i, (_, problem) in enumerate(found) if not problem]
+    return [(p, problem) for p, problem in found[complete[-1] + 1 if complete else 0:]]
+
+
+def _checkpoint_folders(folder: str | Path) -> list[tuple[Path, str]]:
+    """(checkpoint folder, "" if complete else why not) for every update-N folder in `folder`, oldest first."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and read_state(p) is not None]
-    return [p for _, p in sorted(found)]
+    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir())
+    return [(p, _state_or_problem(p)[1]) for _, p in found]
 
 
 def owned_checkpoint(path: Path) -> bool:

@@ -162,7 +162,7 @@ class PPOTrainer:
             config.reward, missing_eos_penalty=config.ppo.missing_eos_penalty, reward_model=reward_model,
             reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=config.trust_remote_code,
             base_dir=Path.cwd(), all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
-            load_kwargs=roles.load_kwargs(config), data_columns=data_columns,
+            load_kwargs=roles.load_kwargs(config), data_columns=data_columns, verdict=parallel.stop_together(self.accelerator),
             reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None,
         )
 
@@ -430,7 +430,7 @@ class PPOTrainer:
         try:
             return part()
         except UserError as error:
-            if self.accelerator.num_processes > 1:
+            if self.accelerator.num_processes > 1 and not isinstance(error, parallel.EveryProcessStops):
                 raise  # the other processes are not stopping with it: no collective save can be made
             if finished_record is not None:
                 self.state.records.append(finished_record)
@@ -486,7 +486,7 @@ class PPOTrainer:
         """Continue from checkpoint `path` (default: the latest complete one in output_dir/checkpoints);
         call train() next. Restores weights, optimiser, schedule, KL controller, reward-source state,
         RNG states, counters and metrics. A config that would change the result is refused unless `force`."""
-        path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir)
+        path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir, self._say)
         run_dir.check_resume_into(self.output_dir, path)
         self._run_folder()  # this run's from here on: the lock before anything is restored into it
         self.state = checkpoint.load_checkpoint(path, self._trained_parts(), self.config, self._run_facts(), self.accelerator,

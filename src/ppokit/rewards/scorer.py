@@ -87,6 +87,9 @@ class RewardScorer:
     clip_range: Optional[tuple[float, float]] = None
     reward_model: Optional[torch.nn.Module] = None  # the reward model's weights, when one is loaded
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over processes, for the statistics
+    # With several processes: called by each after every source with its error or None; raises on all of
+    # them when any failed (`parallel.stop_together`), so none waits for one that has stopped.
+    verdict: Optional[Callable[[Optional[UserError]], None]] = None
     moments: dict[str, RunningMoments] = field(default_factory=dict)
     _warned: set = field(default_factory=set, repr=False)  # sources whose skipped failure was reported
 
@@ -108,7 +111,14 @@ class RewardScorer:
         valid = torch.ones(n, dtype=torch.bool)
         raw, errors = {}, []
         for name, source in zip(self.names, self.sources):
-            raw[name], error = self._score_source(name, source, batch)
+            try:
+                raw[name], error = self._score_source(name, source, batch)
+            except UserError as failure:
+                if self.verdict is None:
+                    raise
+                self.verdict(failure)  # raises, on every process
+            if self.verdict is not None:
+                self.verdict(None)
             if error:
                 errors.append(error)
             valid &= torch.isfinite(raw[name])
@@ -179,12 +189,19 @@ class RewardScorer:
         return any(isinstance(s, RewardModelReward) and s.shares_vocabulary(tokenizer) for s in self.sources)
 
     def metrics(self, result: ScoreResult) -> dict[str, float]:
-        """reward/<name>: mean raw score over the rows the source scored; reward/skipped: rows dropped."""
-        out = {}
-        for name, values in result.raw.items():
-            finite = values[torch.isfinite(values)]
-            out[f"reward/{name}"] = finite.mean().item() if finite.numel() else float("nan")
-        out["reward/skipped"] = float((~result.valid).sum())
+        """reward/<name>: mean raw score over the rows the source scored; reward/skipped: rows dropped;
+        over every process's rows (one all_reduce of the sums and counts)."""
+        sums = []
+        for values in result.raw.values():
+            finite = values[torch.isfinite(values)].double()
+            sums += [finite.sum().item(), float(finite.numel())]
+        sums = torch.tensor([*sums, float((~result.valid).sum())], dtype=torch.float64)
+        if self.all_reduce is not None:
+            sums = self.all_reduce(sums)
+        *totals, skipped = sums.tolist()
+        out = {f"reward/{name}": total / count if count else float("nan")
+               for name, total, count in zip(result.raw, totals[::2], totals[1::2])}
+        out["reward/skipped"] = skipped
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -271,6 +288,7 @@ def build_scorer(
     trust_remote_code: bool = False,
     base_dir: Optional[Path] = None,
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    verdict: Optional[Callable[[Optional[UserError]], None]] = None,
     load_kwargs: Optional[dict] = None,
     data_columns: Optional[dict[str, set[str]]] = None,
     reward_model_by_tokens: bool = False,
@@ -278,7 +296,8 @@ def build_scorer(
     """Every source of the `reward:` section (objects passed in replace the config's entries), in
     `weights` order: reward model, functions, remote. Loads the reward model: a model that cannot be
     loaded or has more than one label is a UserError here, before any training. With several
-    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all.
+    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all, and
+    `verdict` (`parallel.stop_together`) makes a source failing on one of them stop every one.
     reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch)."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
@@ -328,6 +347,7 @@ def build_scorer(
         clip_range=tuple(reward.clip_range) if reward.clip_range is not None else None,
         reward_model=rm_module,
         all_reduce=all_reduce,
+        verdict=verdict,
     )
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -25,7 +26,7 @@ from ppokit.data import (
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
 from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
-from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, remove_leftovers
+from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers
 
 
 def printer(enabled: bool, stage: str) -> Callable[[str], None]:
@@ -84,13 +85,17 @@ def recorded_config(config, template_used):
     return recorded
 
 
-def check_output(output_dir: str, overwrite: bool, say) -> None:
-    """Before any model loads: output_dir is usable and may be replaced (ppokit's own output, or
-    --overwrite); what an earlier run of this stage left there when it was killed is cleared."""
+@contextlib.contextmanager
+def claimed_output(output_dir: str, overwrite: bool, say) -> Iterator[None]:
+    """For the whole stage, from before any model loads: output_dir is usable and may be replaced (ppokit's
+    own output, or --overwrite), is this run's alone (`run_dir.locked_output`: a second run into it is
+    refused), and what an earlier run of this stage left there when it was killed is cleared."""
     path = check_output_dir(output_dir)
     check_replaceable(path, overwrite)
-    for done in remove_leftovers(path.parent, path.name):
-        say(done)
+    with locked_output(path):
+        for done in remove_leftovers(path.parent, path.name):
+            say(done)
+        yield
 
 
 def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run, stage: str, overwrite: bool = False) -> dict:

@@ -17,7 +17,7 @@ from ppokit.config import RMConfig
 from ppokit.data import preference_triples
 from ppokit.models import disable_dropout, left_pad, load_scalar_model, score_at_last_token
 from ppokit.sft import train_loop
-from ppokit.stages.common import StepLog, check_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
+from ppokit.stages.common import StepLog, claimed_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
 
 def pair_scores(model, pairs, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +52,11 @@ def run_rm(config: RMConfig, show_progress: bool = True, overwrite: bool = False
     start = time.perf_counter()
     config.validate()
     say = printer(show_progress, "rm")
-    check_output(config.output_dir, overwrite, say)
+    with claimed_output(config.output_dir, overwrite, say):
+        return _train_and_save(config, say, overwrite, start)
+
+
+def _train_and_save(config: RMConfig, say, overwrite: bool, start: float) -> dict:
     hp = config.train
     # Each kept row: (chosen ids, rejected ids), prompt included; the length rule drops a pair
     # that either sequence leaves no room for, or that cutting made identical.

@@ -14,7 +14,7 @@ from ppokit.config import SFTConfig
 from ppokit.data import sft_pairs
 from ppokit.models import load_causal_lm
 from ppokit.sft import build_example, train_sft
-from ppokit.stages.common import StepLog, check_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
+from ppokit.stages.common import StepLog, claimed_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
 
 def run_sft(config: SFTConfig, show_progress: bool = True, overwrite: bool = False) -> dict:
@@ -23,7 +23,11 @@ def run_sft(config: SFTConfig, show_progress: bool = True, overwrite: bool = Fal
     start = time.perf_counter()
     config.validate()
     say = printer(show_progress, "sft")
-    check_output(config.output_dir, overwrite, say)
+    with claimed_output(config.output_dir, overwrite, say):
+        return _train_and_save(config, say, overwrite, start)
+
+
+def _train_and_save(config: SFTConfig, say, overwrite: bool, start: float) -> dict:
     hp = config.train
     prepared = prepare_data(
         config, say, sft_pairs, lambda row: build_example(*row.fitted[0], config.train.completion_only_loss)
