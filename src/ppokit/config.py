@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 
 import yaml
 
-from ppokit.data import decode_utf8
+from ppokit.data_sources import decode_utf8
 from ppokit.errors import UserError
 from ppokit.trackers import TRACKERS
 
