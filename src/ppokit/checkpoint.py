@@ -541,7 +541,7 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _read_config(path: Path) -> dict:
-    from ppokit.config import build, parse_yaml_text
+    from ppokit.dataclass_config import build, parse_yaml_text
 
     file = path / "config.yaml"
     if not file.exists():
