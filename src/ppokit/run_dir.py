@@ -312,7 +312,7 @@ STATE_FILE = "trainer_state.json"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "final")  # what a ppo run writes at the top of its folder
 NEW_RUN = ".ppokit-new-run"  # an --overwrite run's files until its first checkpoint
 REPLACED_RUN = ".ppokit-replaced-run"  # the earlier run's files while they are being swapped out
-_CHECKPOINT_NAME = re.compile(r"^update-(\d+)$")
+CHECKPOINT_NAME = re.compile(r"^update-(\d+)$")
 
 
 def read_state(path: Path) -> Optional[dict]:
@@ -329,14 +329,14 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and read_state(p) is not None]
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_NAME.match(p.name)) and read_state(p) is not None]
     return [p for _, p in sorted(found)]
 
 
 def owned_checkpoint(path: Path) -> bool:
     """A checkpoint folder ppokit may move or delete: marked, or holding a complete trainer_state.json
     (checkpoints written before markers existed)."""
-    return path.is_dir() and bool(_CHECKPOINT_NAME.match(path.name)) and (is_marked(path) or read_state(path) is not None)
+    return path.is_dir() and bool(CHECKPOINT_NAME.match(path.name)) and (is_marked(path) or read_state(path) is not None)
 
 
 def _run_entries(folder: Path) -> list[str]:
