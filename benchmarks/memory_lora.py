@@ -56,7 +56,8 @@ def rss_mib() -> float:
 def run_mode(mode: str, model_dir: str, prompts: str, output: str, updates: int, response_length: int) -> dict:
     import torch
 
-    from ppokit.config import load_config, PPOConfig
+    from ppokit.config import PPOConfig
+    from ppokit.dataclass_config import load_config
     from ppokit.trainer import PPOTrainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))

@@ -6,19 +6,11 @@ import json
 
 import pytest
 
-from ppokit.data import (
-    PLAIN_CHAT_TEMPLATE,
-    Renderer,
-    as_prompt_dataset,
-    fit_lengths,
-    load_records,
-    preference_triples,
-    read_source,
-    render_chat_prompts,
-    sft_pairs,
-    split_eval,
-    tokenize_pair,
-)
+from ppokit.chat import PLAIN_CHAT_TEMPLATE, Renderer
+from ppokit.data import load_records, preference_triples, sft_pairs, split_eval
+from ppokit.data_sources import read_source
+from ppokit.lengths import fit_lengths, tokenize_pair
+from ppokit.prompts import as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
 
 CHAT = [

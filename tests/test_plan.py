@@ -124,7 +124,7 @@ def test_ppo_command_prints_the_plan_first(model_dir, prompts_file, big_model_di
 
 
 def test_plan_reads_chat_prompts_and_the_eval_hold_out_as_the_trainer_does(model_dir, tmp_path):
-    from ppokit.data import as_prompt_dataset, render_chat_prompts
+    from ppokit.prompts import as_prompt_dataset, render_chat_prompts
     from ppokit.models import load_tokenizer
     from ppokit.plan import data_shape
 

@@ -381,7 +381,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
 
 def test_docs_list_every_threshold_with_its_default():
-    from ppokit.config import markdown_reference
+    from ppokit.configdoc import markdown_reference
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
     assert markdown_reference(AlarmThresholds) in docs, "regenerate the thresholds table of docs/report.md"

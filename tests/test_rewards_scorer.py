@@ -326,7 +326,7 @@ def test_a_function_in_its_worker_thread_runs_in_the_callers_grad_mode():
 
 
 def test_timeout_s_is_a_checked_config_key():
-    from ppokit.config import validate
+    from ppokit.dataclass_config import validate
 
     assert RewardConfig().timeout_s == 600.0
     with pytest.raises(UserError, match=r"reward.timeout_s: value 0 is out of range, it must be > 0"):

@@ -248,7 +248,7 @@ def test_config_rejects_impossible_switches(overrides, message):
 
 
 def _load(data):
-    from ppokit.config import load_config
+    from ppokit.dataclass_config import load_config
 
     return load_config(PPOConfig, data=data)
 

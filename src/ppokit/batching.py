@@ -113,14 +113,6 @@ def split(rollout: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: Optio
     return [(index, pack(rollout.select(index))) for index in plan_rollout(rows, rollout, max_tokens)]
 
 
-def _kept_columns(mask: torch.Tensor) -> tuple[int, int]:
-    start, end = row_spans(mask)
-    has_tokens = end > 0
-    if not bool(has_tokens.any()):
-        return 0, 0
-    return int(start[has_tokens].min()), int(end.max())
-
-
 def pack(rollout: Rollout) -> Rollout:
     """The same rows, each moved to end at the last column, as wide as the longest row (module docstring).
 

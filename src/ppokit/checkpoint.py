@@ -34,7 +34,6 @@ import hashlib
 import json
 import pickle
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -45,10 +44,21 @@ import numpy as np
 import torch
 import yaml
 
+from ppokit.checkpoint_files import (
+    FORMAT,
+    DamagedCheckpoint,
+    open_safetensors,
+    open_torch,
+    read_config,
+    read_jsonl,
+    read_manifest,
+    update_of,
+)
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
 from ppokit.run_dir import (
+    CHECKPOINT_NAME,
     CHECKPOINTS,
     STATE_FILE,
     discard_dir,
@@ -64,8 +74,6 @@ from ppokit.run_dir import (
 from ppokit.state import TrainingState
 from ppokit.version import __version__
 
-FORMAT = 1
-_NAME = re.compile(r"^update-(\d+)$")
 
 # Config keys that may differ between a checkpoint and the run that resumes it, because they do not
 # change any number the run computes: where the run is written, how often it prints or saves, how
@@ -120,7 +128,7 @@ def find_checkpoint(spec: Optional[str], output_dir: str | Path, say: Optional[C
         path = Path(spec).expanduser()
         if (path / STATE_FILE).exists():
             return path  # read_checkpoint says whether it is complete and whole
-        if _NAME.match(path.name):
+        if CHECKPOINT_NAME.match(path.name):
             raise UserError(f"--resume {spec}: not a complete checkpoint (no {STATE_FILE})")
         if not path.is_dir():
             raise UserError(f"--resume {spec}: no such checkpoint or run directory")
@@ -440,20 +448,6 @@ def _write(tmp: Path, state: TrainingState, parts: TrainedParts, config, run: Ru
 # --------------------------------------------------------------------------- load
 
 
-class DamagedCheckpoint(UserError):
-    """A checkpoint file is missing, cut short or not what ppokit wrote; names the file and the checkpoint to fall back to."""
-
-    def __init__(self, path: Path, detail: str):
-        earlier = [p for p in list_checkpoints(path.parent) if _update_of(p) < _update_of(path)]
-        fallback = f"the previous complete one is {earlier[-1]}" if earlier else "there is no earlier complete checkpoint"
-        super().__init__(f"checkpoint {path} is damaged: {detail}; {fallback}")
-
-
-def _update_of(path: Path) -> int:
-    m = _NAME.match(Path(path).name)
-    return int(m.group(1)) if m else -1
-
-
 @dataclass
 class SavedCheckpoint:
     """A checkpoint as read from disk, every file checked, before anything is restored from it."""
@@ -475,17 +469,17 @@ def read_checkpoint(path: str | Path) -> SavedCheckpoint:
     truncated file fails), not held; `load_checkpoint` reads them when it restores them.
     """
     path = Path(path)
-    manifest = _read_manifest(path)
-    config = _read_config(path)
-    records = _read_jsonl(path, "metrics.jsonl", required=True)
+    manifest = read_manifest(path)
+    config = read_config(path)
+    records = read_jsonl(path, "metrics.jsonl", required=True)
     try:
         state = TrainingState.from_counters(manifest, records, STATE_FILE)
     except UserError as e:
         raise DamagedCheckpoint(path, str(e)) from None
     if len(records) != state.update:
         raise DamagedCheckpoint(path, f"metrics.jsonl: {len(records)} records for {state.update} updates (cut short?)")
-    _read_jsonl(path, "samples.jsonl", required=False)
-    scheduler, scorer, rng = (_open_torch(path, name, keep=True) for name in ("scheduler.pt", "reward_scorer.pt", "rng.pt"))
+    read_jsonl(path, "samples.jsonl", required=False)
+    scheduler, scorer, rng = (open_torch(path, name, keep=True) for name in ("scheduler.pt", "reward_scorer.pt", "rng.pt"))
     if not isinstance(rng, list) or not rng or not all(isinstance(r, dict) and {"python", "numpy", "torch"} <= set(r) for r in rng):
         raise DamagedCheckpoint(path, "rng.pt: not a list of RNG states, one per process")
     if not isinstance(scheduler, dict) or "last_epoch" not in scheduler:
@@ -502,7 +496,7 @@ def _open_weights(path: Path, parallel: Any) -> None:
         if not (path / SHARDED_DIR / ".metadata").is_file():
             raise DamagedCheckpoint(path, f"{SHARDED_DIR}/.metadata: missing")
         return  # DCP reads its shards itself, and names a bad one (ShardedWeights.load)
-    _open_torch(path, "optimizer.pt")
+    open_torch(path, "optimizer.pt")
     weights = [path / "trainable.safetensors"] if (path / "trainable.safetensors").exists() else None
     critic = path / "model" / "value_model"  # absent for a critic-free estimator (PlainWeights.load asks for it otherwise)
     for folder in (path / "model", *([critic] if critic.is_dir() else [])) if weights is None else ():
@@ -511,112 +505,7 @@ def _open_weights(path: Path, parallel: Any) -> None:
             raise DamagedCheckpoint(path, f"{folder.relative_to(path)}/: no .safetensors weights")
         weights = (weights or []) + found
     for file in weights:
-        _open_safetensors(path, file)
-
-
-_MANIFEST_TYPES = {"format": int, "num_updates": int, "processes": int, "data": dict, "kl_controller": dict, "versions": dict}
-
-
-def _read_manifest(path: Path) -> dict:
-    file = path / STATE_FILE
-    if not file.exists():
-        raise UserError(f"{path}: not a complete checkpoint (no {STATE_FILE})")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise DamagedCheckpoint(path, f"{STATE_FILE}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("complete") is not True:
-        raise UserError(f"{path}: not a complete checkpoint ({STATE_FILE} is not marked complete)")
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{path}: checkpoint format {manifest.get('format')!r}; this ppokit reads format {FORMAT}")
-    for key, kind in _MANIFEST_TYPES.items():
-        value = manifest.get(key)
-        if key not in manifest:
-            raise DamagedCheckpoint(path, f"{STATE_FILE}: no {key}")
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < (1 if key == "processes" else 0)):
-            raise DamagedCheckpoint(path, f"{STATE_FILE}: {key} is {value!r}, not a {'positive' if key == 'processes' else 'non-negative'} "
-                                          f"{'integer' if kind is int else 'mapping'}")
-    if not isinstance(manifest["kl_controller"].get("value"), (int, float)):
-        raise DamagedCheckpoint(path, f"{STATE_FILE}: kl_controller.value is {manifest['kl_controller'].get('value')!r}, not a number")
-    layout = manifest.get("parallel")
-    if layout is not None and not (isinstance(layout, dict) and isinstance(layout.get("strategy"), str) and isinstance(layout.get("weights"), str)):
-        raise DamagedCheckpoint(path, f"{STATE_FILE}: parallel is {layout!r}, not {{strategy, weights}}")
-    if isinstance(manifest.get("update"), int) and manifest["update"] > manifest["num_updates"]:
-        raise DamagedCheckpoint(path, f"{STATE_FILE}: update {manifest['update']} is past the run's {manifest['num_updates']} updates")
-    return manifest
-
-
-def _read_config(path: Path) -> dict:
-    from ppokit.config import build, parse_yaml_text
-
-    file = path / "config.yaml"
-    if not file.exists():
-        raise DamagedCheckpoint(path, "config.yaml: missing")
-    try:
-        saved = parse_yaml_text(file.read_text(encoding="utf-8"), Path("config.yaml"))
-        if not isinstance(saved, dict):
-            raise UserError(f"config.yaml: {type(saved).__name__}, not a mapping of config keys")
-        build(PPOConfig, saved)  # every key and value a config may hold; the comparison comes later
-    except UnicodeDecodeError:
-        raise DamagedCheckpoint(path, "config.yaml: not UTF-8 text") from None
-    except UserError as e:
-        detail = str(e) if str(e).startswith("config.yaml") else f"config.yaml: {e}"
-        raise DamagedCheckpoint(path, detail) from None
-    return saved
-
-
-def _read_jsonl(path: Path, name: str, required: bool) -> list[dict]:
-    file = path / name
-    if not file.exists():
-        if required:
-            raise DamagedCheckpoint(path, f"{name}: missing")
-        return []
-    records = []
-    for number, line in enumerate(file.read_bytes().split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise DamagedCheckpoint(path, f"{name}: line {number} is not valid JSON (cut short?)") from None
-        if not isinstance(record, dict):
-            raise DamagedCheckpoint(path, f"{name}: line {number} is not a JSON object")
-        records.append(record)
-    return records
-
-
-def _open_torch(path: Path, name: str, keep: bool = False):
-    """Check a torch.save file (mapped, not read); `keep`: load it for real (the small files)."""
-    import zipfile
-
-    file = path / name
-    if not file.exists():
-        raise DamagedCheckpoint(path, f"{name}: missing")
-    if not zipfile.is_zipfile(file):
-        raise DamagedCheckpoint(path, f"{name}: not a torch.save archive (cut short or overwritten)")
-    try:
-        loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=not keep)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
-        raise DamagedCheckpoint(path, f"{name}: cannot be read ({str(e).splitlines()[0]})") from None
-    return loaded if keep else None
-
-
-def _open_safetensors(path: Path, file: Path) -> None:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), "pt") as f:
-            f.keys()
-    except (SafetensorError, OSError) as e:
-        raise DamagedCheckpoint(path, f"{file.relative_to(path)}: {e}") from None
-
-
-def _torch_load(path: Path):
-    """torch.load that only accepts tensors and plain containers: a checkpoint cannot run code."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        raise UserError(f"{path}: cannot be read as a checkpoint file ({str(e).splitlines()[0]})") from None
+        open_safetensors(path, file)
 
 
 def load_checkpoint(
@@ -725,5 +614,5 @@ def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:
         (output_dir / "samples.jsonl").unlink(missing_ok=True)
     folder = checkpoints_dir(output_dir)
     for newer in list_checkpoints(folder):
-        if _update_of(newer) > update and newer.resolve() != path.resolve() and owned_checkpoint(newer):
+        if update_of(newer) > update and newer.resolve() != path.resolve() and owned_checkpoint(newer):
             move_into_place(newer, folder / "superseded" / newer.name)

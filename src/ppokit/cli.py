@@ -240,7 +240,7 @@ def _serve_rm(args) -> int:
 
 
 def _report(args) -> int:
-    from ppokit.config import apply_override, parse_override, read_yaml
+    from ppokit.dataclass_config import apply_override, parse_override, read_yaml
     from ppokit.report import AlarmThresholds, make_report
 
     settings = read_yaml(args.thresholds) if args.thresholds else {}

@@ -1,4 +1,6 @@
-"""The configuration tree: dataclasses, YAML loading, `a.b=value` overrides, validation.
+"""The configuration schema: every section of every command as a dataclass, each key with its help
+text and range check, and the rules across keys (`validate`). Loading YAML and `a.b=value`
+overrides into it is `ppokit.dataclass_config`.
 
 Every field carries its documentation in `metadata["help"]`; `docs/config.md` is generated
 from it (`python -m ppokit.configdoc > docs/config.md`). Names in `PPOHyperparams` follow TRL's
@@ -9,40 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import yaml
 
-from ppokit.data import decode_utf8
+from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.errors import UserError
 from ppokit.trackers import TRACKERS
 
 
-def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None):
-    """A dataclass field with its help text and an optional range check `check(value) -> bool`."""
-    metadata = {"help": help, "check": check}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _rule(requirement: str, check):
-    """A range check that can say what it requires, for the error message."""
-    check.requirement = requirement
-    return check
-
-
-positive = _rule("> 0", lambda v: v > 0)
-non_negative = _rule(">= 0", lambda v: v >= 0)
-unit_interval = _rule("in [0, 1]", lambda v: 0 <= v <= 1)
-fraction = _rule("in [0, 1)", lambda v: 0 <= v < 1)
-seed_range = _rule("in 0..2**32-1 (what NumPy's RNG takes)", lambda v: 0 <= v < 2**32)
-a_path = _rule("a path", lambda v: bool(v.strip()))
+positive = rule("> 0", lambda v: v > 0)
+non_negative = rule(">= 0", lambda v: v >= 0)
+unit_interval = rule("in [0, 1]", lambda v: 0 <= v <= 1)
+fraction = rule("in [0, 1)", lambda v: 0 <= v < 1)
+seed_range = rule("in 0..2**32-1 (what NumPy's RNG takes)", lambda v: 0 <= v < 2**32)
+a_path = rule("a path", lambda v: bool(v.strip()))
+above_one = rule("> 1", lambda v: v > 1)
+open_unit = rule("in (0, 1)", lambda v: 0 < v < 1)
+half_open_unit = rule("in (0, 1]", lambda v: 0 < v <= 1)
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 # The same names as ppokit.algo's (tests/test_config.py checks); repeated here so that reading a
 # config does not import torch.
@@ -51,15 +39,6 @@ CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "remax")
 GROUP_ESTIMATORS = ("grpo", "rloo")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def _one_of(choices: tuple[str, ...]):
-    return _rule(f"one of {', '.join(choices)}", lambda v: v in choices)
-
-
-above_one = _rule("> 1", lambda v: v > 1)
-open_unit = _rule("in (0, 1)", lambda v: 0 < v < 1)
-half_open_unit = _rule("in (0, 1]", lambda v: 0 < v <= 1)
 
 
 @dataclass
@@ -94,16 +73,16 @@ class PPOHyperparams:
     lam: float = doc(0.95, "GAE lambda (gae only).", check=unit_interval)
     whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE.")
     whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
-    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `advantage_estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=_one_of(ADVANTAGE_ESTIMATORS))
+    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `advantage_estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=one_of(ADVANTAGE_ESTIMATORS))
     grpo_scale_std: bool = doc(True, "grpo: divide by the group's standard deviation; false is Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo`, OpenRLHF `dr_grpo`).")
     kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
     kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `use_kl_loss` + `init_kl_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
-    kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=_one_of(KL_ESTIMATORS))
+    kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=one_of(KL_ESTIMATORS))
     cliprange_low: Optional[float] = doc(None, "Lower clip range: the ratio is clipped below at 1 - cliprange_low; null: `cliprange` (veRL `clip_ratio_low`, OpenRLHF `eps_clip_low_high`).", check=open_unit)
     cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a low of 0.2.", check=positive)
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, OpenRLHF `dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `entropy_loss_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
-    loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=_one_of(LOSS_AGGREGATIONS))
+    loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
     vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `critic_learning_rate`, veRL `critic.optim.lr`). gae only.", check=positive)
     critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `freezing_actor_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
@@ -228,7 +207,7 @@ class PPOHyperparams:
         if self.kl_loss_coef == 0:
             unused.append(("kl_loss_estimator", "the KL term in the loss, and ppo.kl_loss_coef is 0"))
         for key, why in unused:
-            if _differs_from_default(self, key):
+            if differs_from_default(self, key):
                 raise UserError(f"ppo.{key} ({getattr(self, key)!r}) is for {why}; remove it")
 
 
@@ -348,7 +327,7 @@ class LoraConfig:
 class ParallelConfig:
     """The `parallel:` section: how several processes share the models (docs/parallel.md)."""
 
-    strategy: str = doc("ddp", "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=_rule("one of ddp, fsdp", lambda v: v in ("ddp", "fsdp")))
+    strategy: str = doc("ddp", "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=rule("one of ddp, fsdp", lambda v: v in ("ddp", "fsdp")))
     shard_frozen: bool = doc(True, "With fsdp: shard the reference and reward models too; false keeps a whole copy of each on every process (faster forwards, more memory).")
     cpu_offload: bool = doc(False, "With fsdp: keep the sharded weights, gradients and optimiser state in CPU memory (FSDP2 CPUOffloadPolicy) and run the optimiser step on the CPU; each unit is copied to the device when it runs.")
     wrap_classes: list[str] = doc(factory=list, help="With fsdp: class names of the modules sharded one by one (each one all-gather); default the model's `_no_split_modules` (its decoder layers). Set it for a model that declares none.")
@@ -466,276 +445,7 @@ class PPOConfig:
             raise UserError("save_merged: true with quantization would merge into a quantised base (lossy); save the adapter and merge it into the full-precision base with ppokit.roles.merge_adapter")
 
 
-# --------------------------------------------------------------------------- generic machinery
-
-
-def _differs_from_default(obj, name: str) -> bool:
-    f = next(f for f in dataclasses.fields(obj) if f.name == name)
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    return getattr(obj, name) != default
-
-
-def _unwrap_optional(tp):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert a YAML / command-line value to the field's type, or raise UserError naming the key."""
-    inner, optional = _unwrap_optional(tp)
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("null", "none", "~")):
-        if optional:
-            return None
-        raise UserError(f"{key}: may not be null")
-    if dataclasses.is_dataclass(inner):
-        if isinstance(value, inner):
-            return value
-        if not isinstance(value, dict):
-            raise UserError(f"{key}: expected a mapping of {inner.__name__} keys, got {value!r}")
-        return build(inner, value, prefix=f"{key}.")
-    if inner is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise UserError(f"{key}: expected true or false, got {value!r}")
-    if inner is int:
-        if isinstance(value, bool):
-            raise UserError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        try:
-            return int(str(value))
-        except ValueError:
-            raise UserError(f"{key}: expected an integer, got {value!r}") from None
-    if inner is float:
-        if isinstance(value, bool):
-            raise UserError(f"{key}: expected a number, got {value!r}")
-        try:
-            result = float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{key}: expected a number, got {value!r}") from None
-        if not math.isfinite(result):
-            raise UserError(f"{key}: must be finite, got {value!r}")
-        return result
-    if inner is str:
-        if isinstance(value, (dict, list)):
-            raise UserError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    origin = typing.get_origin(inner)
-    if origin is list:
-        (item_tp,) = typing.get_args(inner) or (Any,)
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or inner is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if inner is Any:
-        return value
-    # Unions of several kinds (e.g. str | dict) are taken as given.
-    return value
-
-
-def build(cls, data: dict, prefix: str = ""):
-    """Build dataclass `cls` from a mapping; unknown keys are an error naming the key."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            shown = f"{prefix}{key}" if isinstance(key, str) and key.strip() else f"{prefix}{key!r}"
-            raise UserError(f"unknown config key {shown}{hint}; known keys here: {', '.join(names)}")
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-def validate(obj, prefix: str = "") -> None:
-    """Run each field's range check (recursively); raise UserError naming the key."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            validate(value, prefix=f"{key}.")
-            continue
-        check = f.metadata.get("check")
-        if check is not None and isinstance(value, str) and not value.strip():
-            raise UserError(f"{key}: may not be empty ({f.metadata['help']})")
-        if check is not None and value is not None and not check(value):
-            requirement = getattr(check, "requirement", None)
-            must = f", it must be {requirement}" if requirement else ""
-            raise UserError(f"{key}: value {value!r} is out of range{must} ({f.metadata['help']})")
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b=value` -> (["a", "b"], value parsed as YAML)."""
-    if "=" not in text:
-        raise UserError(f"override {text!r}: expected key.sub=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise UserError(f"override {text!r}: empty key")
-    if any(not part.strip() for part in key.split(".")):
-        raise UserError(f"override {text!r}: {key!r} has an empty part; write section.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def apply_override(data: dict, path: list[str], value: Any) -> None:
-    node = data
-    for part in path[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise UserError(f"override {'.'.join(path)}: {part} is not a section")
-        node = child
-    node[path[-1]] = value
-
-
-def read_yaml(path: str | Path) -> dict:
-    """A YAML config file -> its top-level mapping; every way a file can be wrong is one UserError."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{path}: is a directory, not a YAML config file")
-    if not path.is_file():
-        raise UserError(f"config file not found: {path}")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{path}: cannot be read ({e.strerror})") from None
-    data = parse_yaml_text(decode_text(raw, path), path)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of config keys at the top level")
-    return data
-
-
-_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
-         (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
-
-
-def decode_text(raw: bytes, path: Path) -> str:
-    """Bytes of a config file -> text: UTF-8, or UTF-16/32 when a byte-order mark says so (as Windows
-    editors save); anything else (a binary file, another encoding) is an error naming the line."""
-    for bom, encoding in _BOMS:
-        if raw.startswith(bom):
-            try:
-                return raw.decode(encoding)
-            except UnicodeDecodeError:
-                raise UserError(f"{path}: starts with a {encoding.upper()} byte-order mark but is not {encoding.upper()} text") from None
-    if b"\x00" in raw:
-        line = raw.count(b"\n", 0, raw.index(b"\x00")) + 1
-        raise UserError(f"{path}:{line}: holds NUL bytes: a binary file (or UTF-16 without a byte-order mark), not a YAML config; save it as UTF-8 text")
-    return decode_utf8(raw, path)
-
-
-def parse_yaml_text(text: str, path: Path):
-    """YAML text -> data, refusing a key written twice in one mapping (PyYAML keeps the last silently:
-    a second `ppo:` section would replace the first one wholesale)."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML: {_one_line(e)}") from None
-    if node is None:
-        return None
-    _refuse_duplicate_keys(node, path, "", set())
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML: {_one_line(e)}") from None
-
-
-def _one_line(error: yaml.YAMLError) -> str:
-    return " ".join(str(error).split())
-
-
-def _refuse_duplicate_keys(node, path: Path, prefix: str, seen: set) -> None:
-    if id(node) in seen:  # an alias of a node already checked (or a recursive anchor)
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_duplicate_keys(item, path, f"{prefix}[{i}]", seen)
-        return
-    if not isinstance(node, yaml.MappingNode):
-        return
-    first_line: dict = {}
-    for key_node, value_node in node.value:
-        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if key is not None and key != "<<":
-            line = key_node.start_mark.line + 1
-            if key in first_line:
-                what = "section" if isinstance(value_node, yaml.MappingNode) else "key"
-                raise UserError(
-                    f"{path}:{line}: {what} {name} is written twice (lines {first_line[key]} and {line}); "
-                    "YAML would keep only the second, so merge them into one"
-                )
-            first_line[key] = line
-        _refuse_duplicate_keys(value_node, path, name, seen)
-
-
-def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None):
-    """YAML file (optional) + overrides -> validated config of type `cls`."""
-    merged = dict(data or {})
-    if path is not None:
-        merged.update(read_yaml(path))
-    for text in overrides or []:
-        apply_override(merged, *parse_override(text))
-    config = build(cls, merged)
-    if hasattr(config, "validate"):
-        config.validate()
-    else:
-        validate(config)
-    return config
-
-
-def markdown_reference(cls, prefix: str = "") -> str:
-    """Markdown table of every key of `cls` with its default and help text."""
-    lines, in_table = [], False
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        inner, _ = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(inner):
-            lines.append(f"\n### `{prefix}{f.name}`\n\n{f.metadata['help']}\n")
-            lines.append(markdown_reference(inner, prefix=f"{prefix}{f.name}."))
-            in_table = False  # keys after a section get a table of their own, not the section's
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if not in_table:
-            lines.append("\n| key | default | meaning |\n|---|---|---|" if lines else "| key | default | meaning |\n|---|---|---|")
-            in_table = True
-        lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {f.metadata['help']} |")
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- sft, rm, pipeline
-
-
-class ConfigFile:
-    """load / to_dict / save for the stage configs (each defines `validate`)."""
-
-    @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None):
-        return load_config(cls, path, overrides, data)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 @dataclass

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from ppokit.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig, markdown_reference
+import dataclasses
+import typing
+
+from ppokit.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig
+from ppokit.dataclass_config import unwrap_optional
 
 
 def reference_document() -> str:
@@ -16,6 +20,25 @@ def reference_document() -> str:
     for name, cls in (("sft", SFTConfig), ("rm", RMConfig), ("pipeline", PipelineConfig)):
         parts += [f"\n## `ppokit {name}`\n", markdown_reference(cls)]
     return "\n".join(parts) + "\n"
+
+
+def markdown_reference(cls, prefix: str = "") -> str:
+    """Markdown table of every key of `cls` with its default and help text."""
+    lines, in_table = [], False
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        inner, _ = unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(inner):
+            lines.append(f"\n### `{prefix}{f.name}`\n\n{f.metadata['help']}\n")
+            lines.append(markdown_reference(inner, prefix=f"{prefix}{f.name}."))
+            in_table = False  # keys after a section get a table of their own, not the section's
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if not in_table:
+            lines.append("\n| key | default | meaning |\n|---|---|---|" if lines else "| key | default | meaning |\n|---|---|---|")
+            in_table = True
+        lines.append(f"| `{prefix}{f.name}` | `{default!r}` | {f.metadata['help']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
-from ppokit.data import as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
-from ppokit.prompts import encode_prompts, prompt_room
+from ppokit.prompts import as_prompt_dataset, encode_prompts, prompt_room, render_chat_prompts
 from ppokit.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,

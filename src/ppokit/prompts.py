@@ -1,14 +1,109 @@
-"""The prompts of a PPO run: training and eval datasets from the config or the caller, and their token ids."""
+"""The prompts of a PPO run: `PromptDataset` (prompt texts or chats, and the other columns for reward
+functions), the training and eval datasets from the config or the caller, and their token ids."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ppokit.chat import Messages, Renderer, Text
 from ppokit.config import DataConfig
-from ppokit.data import PromptDataset, as_prompt_dataset, encode_prompt_text, truncate_prompt
+from ppokit.data import FORMATS_ACCEPTED, Records, alpaca_prompt, load_records, split_eval
 from ppokit.errors import UserError
+from ppokit.lengths import encode_prompt_text, truncate_prompt
 from ppokit.models import PositionLimit, check_token_ids, position_limit, tightest
+
+
+@dataclass
+class PromptDataset:
+    """Rows of PPO prompts: `prompts[i]` is the prompt text, `columns[name][i]` any other field.
+
+    Chat prompts (message lists) are kept in `chat` until `render_chat` turns them into text
+    with the policy's tokenizer; `prompts[i]` is None until then.
+    """
+
+    prompts: list[Optional[str]]
+    columns: dict[str, list[Any]]
+    source: str
+    chat: Optional[list[Optional[Messages]]] = None
+    format: str = "prompt"
+    locations: Optional[list[str]] = None  # where each row is (`file:line`), for error messages
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def where(self, i: int) -> str:
+        """`file:line` (or `source: row n`, from 1) of prompt i (0-based)."""
+        return self.locations[i] if self.locations is not None else f"{self.source}: row {i + 1}"
+
+    def rows(self, indices) -> tuple[list[str], dict[str, list[Any]]]:
+        idx = [int(i) for i in indices]
+        return [self.prompts[i] for i in idx], {k: [v[i] for i in idx] for k, v in self.columns.items()}
+
+    def subset(self, indices: list[int]) -> "PromptDataset":
+        chat = [self.chat[i] for i in indices] if self.chat is not None else None
+        prompts, columns = self.rows(indices)
+        locations = [self.where(i) for i in indices]
+        return PromptDataset(prompts, columns, self.source, chat, self.format, locations)
+
+    def split(self, fraction: float, seed: int) -> tuple["PromptDataset", "PromptDataset"]:
+        """(train, eval) by a seeded shuffle, as `split_eval`."""
+        train, held = split_eval(list(range(len(self))), fraction, seed)
+        return self.subset(train), self.subset(held)
+
+    def render_chat(self, renderer: Renderer) -> None:
+        """Render chat prompts with a generation prompt; no-op for text prompts."""
+        if self.chat is None:
+            return
+        for i, messages in enumerate(self.chat):
+            if messages is not None:
+                self.prompts[i] = renderer.prompt(messages)
+        self.chat = None
+
+
+def render_chat_prompts(tokenizer, chat_template: Optional[str], *datasets_: Optional[PromptDataset]) -> Optional[str]:
+    """Render every chat prompt of the given datasets; -> the template used, or None if none was needed."""
+    renderer = Renderer(tokenizer, chat_template)
+    for dataset in datasets_:
+        if dataset is not None:
+            dataset.render_chat(renderer)
+    return renderer.template_used
+
+
+def prompt_dataset_from_records(records: Records) -> PromptDataset:
+    """Any format with a prompt -> PromptDataset. Every column except the prompt column goes to
+    reward functions (a `messages` chat minus a final assistant turn is the prompt; the full
+    conversation stays available as the `messages` column)."""
+    prompts, chat = [], []
+    for i, row in enumerate(records.rows):
+        if records.format == "alpaca":
+            value: Text = alpaca_prompt(row)
+        elif records.format == "messages":
+            value = row["messages"][:-1] if row["messages"][-1]["role"] == "assistant" else row["messages"]
+            if not value:
+                raise UserError(f"{records.where(i)}: the conversation is a single assistant message; there is no prompt")
+        else:
+            value = row.get("prompt")
+            if value is None:
+                raise UserError(f"{records.where(i)}: a PPO prompt needs a prompt column; formats accepted: {FORMATS_ACCEPTED}")
+        if isinstance(value, str) and not value.strip():
+            # Found here, before any model loads: the policy would have nothing to continue.
+            raise UserError(f"{records.where(i)}: the prompt is empty")
+        prompts.append(value if isinstance(value, str) else None)
+        chat.append(None if isinstance(value, str) else value)
+    other = [c for c in records.columns if c != "prompt"]
+    columns = {k: [row.get(k) for row in records.rows] for k in other}
+    has_chat = any(c is not None for c in chat)
+    locations = [records.where(i) for i in range(len(records))]
+    return PromptDataset(prompts, columns, records.source, chat if has_chat else None, records.format, locations)
+
+
+def as_prompt_dataset(data, prompt_field: str = "prompt", format: str = "auto") -> PromptDataset:
+    """Accepts a PromptDataset, a path or hub name, a list of strings or dicts, or a `datasets.Dataset`."""
+    if isinstance(data, PromptDataset):
+        return data
+    return prompt_dataset_from_records(load_records(data, format, prompt_field))
 
 
 def load_prompt_data(data: DataConfig, seed: int, train_dataset=None, eval_dataset=None) -> tuple[PromptDataset, Optional[PromptDataset]]:
@@ -27,7 +122,7 @@ def load_prompt_data(data: DataConfig, seed: int, train_dataset=None, eval_datas
 
 
 def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optional[int], key: str, say: Callable[[str], None]) -> list[list[int]]:
-    """Token ids of every prompt under the length rule's first step (`data.truncate_prompt`: cut
+    """Token ids of every prompt under the length rule's first step (`lengths.truncate_prompt`: cut
     from the left to `max_prompt_length`, the end is what the response continues); how many were
     cut is said once."""
     encoded, truncated = [], 0

@@ -343,7 +343,7 @@ STATE_FILE = "trainer_state.json"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "final")  # what a ppo run writes at the top of its folder
 NEW_RUN = ".ppokit-new-run"  # an --overwrite run's files until its first checkpoint
 REPLACED_RUN = ".ppokit-replaced-run"  # the earlier run's files while they are being swapped out
-_CHECKPOINT_NAME = re.compile(r"^update-(\d+)$")
+CHECKPOINT_NAME = re.compile(r"^update-(\d+)$")
 
 
 def read_state(path: Path) -> Optional[dict]:
@@ -386,14 +386,14 @@ def _checkpoint_folders(folder: str | Path) -> list[tuple[Path, str]]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir())
+    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_NAME.match(p.name)) and p.is_dir())
     return [(p, _state_or_problem(p)[1]) for _, p in found]
 
 
 def owned_checkpoint(path: Path) -> bool:
     """A checkpoint folder ppokit may move or delete: marked, or holding a complete trainer_state.json
     (checkpoints written before markers existed)."""
-    return path.is_dir() and bool(_CHECKPOINT_NAME.match(path.name)) and (is_marked(path) or read_state(path) is not None)
+    return path.is_dir() and bool(CHECKPOINT_NAME.match(path.name)) and (is_marked(path) or read_state(path) is not None)
 
 
 def _run_entries(folder: Path) -> list[str]:

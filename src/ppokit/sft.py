@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ppokit.data import tokenize_pair
+from ppokit.lengths import tokenize_pair
 
 IGNORE_INDEX = -100
 

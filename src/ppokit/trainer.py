@@ -30,7 +30,6 @@ from torch import nn
 from ppokit import algo, batching, checkpoint, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
-from ppokit.data import render_chat_prompts
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -43,17 +42,9 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import (
-    check_output_head,
-    ensure_pad_token,
-    left_pad,
-    load_tokenizer,
-    resolve_stop_token,
-    response_logprobs,
-    response_values,
-)
+from ppokit.models import check_output_head, ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logprobs
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
-from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data
+from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
 from ppokit.rollout import HFSampler, Rollout, repeat_each
 from ppokit.state import TrainingState

@@ -14,7 +14,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ppokit.config import build, doc, non_negative, positive, unit_interval, validate
+# Only ppokit.config (tests/test_report.py): the report reads run folders and nothing that trains.
+from ppokit.config import doc, load_config, non_negative, positive, unit_interval
 from ppokit.errors import UserError
 from ppokit.report.rundata import RunData, score_spread, stop_rate
 
@@ -52,9 +53,7 @@ class AlarmThresholds:
         """Build from a YAML mapping; an unknown key or a value out of range is an error naming it."""
         if not isinstance(data, dict):
             raise UserError(f"{source}: expected a mapping of threshold names to values")
-        thresholds = build(cls, data)
-        validate(thresholds)
-        return thresholds
+        return load_config(cls, data=data)
 
 
 @dataclass

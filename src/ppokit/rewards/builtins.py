@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
-from ppokit.config import doc, non_negative, positive
+from ppokit.config import non_negative, positive
+from ppokit.dataclass_config import doc
 from ppokit.errors import UserError
 
 # --------------------------------------------------------------------------- sentiment

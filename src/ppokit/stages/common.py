@@ -12,18 +12,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ppokit.chat import Renderer, describe_template
 from ppokit.config import StageDataConfig
-from ppokit.data import (
-    EncodedRow,
-    LengthReport,
-    Records,
-    Renderer,
-    describe_template,
-    encode_rows,
-    load_records,
-    split_eval,
-)
+from ppokit.data import Records, load_records, split_eval
 from ppokit.errors import UserError
+from ppokit.lengths import EncodedRow, LengthReport, encode_rows
 from ppokit.metrics import JsonlWriter
 from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
 from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers

@@ -10,22 +10,13 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from ppokit.chat import Renderer
 from ppokit.config import DataConfig, PPOHyperparams, StageDataConfig
-from ppokit.data import (
-    LengthReport,
-    Renderer,
-    encode_prompt_text,
-    encode_row,
-    load_records,
-    preference_triples,
-    prompt_dataset_from_records,
-    render_row,
-    sft_pairs,
-    truncate_prompt,
-)
+from ppokit.data import load_records, preference_triples, sft_pairs
 from ppokit.errors import UserError
+from ppokit.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt
 from ppokit.models import PositionLimit
-from ppokit.prompts import prompt_room
+from ppokit.prompts import prompt_dataset_from_records, prompt_room
 from ppokit.stages.common import max_length_room
 
 STAGE_OF_FORMAT = {"preference": "rm", "prompt": "ppo"}  # everything else is sft data
