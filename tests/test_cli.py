@@ -156,3 +156,24 @@ def test_a_prompt_longer_than_the_models_positions_is_one_line_before_any_update
     positions = json.loads(report.stdout)["position_limit"]
     assert positions == {"tokens": 64, "key": "n_positions", "rows_over": 1, "first_over": {"where": f"{prompts}:3", "tokens": 806},
                          "fix": "set data.max_prompt_length to at most 58 (it is null)"}
+
+
+def test_the_command_destroys_the_process_group_it_created_and_keeps_the_callers(model_dir, prompts_file, tmp_path):
+    """Left alive to interpreter exit, a gloo group now and then aborted a finished process (SIGABRT,
+    "terminate called without an active exception") and so failed a whole torchrun launch. One process
+    under fsdp creates a group of one: the command destroys it on the way out, but not a caller's."""
+    import torch.distributed as dist
+
+    from ppokit.cli import main
+
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts_file, tmp_path / "run", parallel={"strategy": "fsdp"})
+    assert not dist.is_initialized()
+    assert main(["ppo", str(config)]) == 0
+    assert (tmp_path / "run" / "final").is_dir() and not dist.is_initialized()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert main(["ppo", str(config), f"output_dir={tmp_path / 'run2'}"]) == 0
+        assert dist.is_initialized()  # the caller's group: theirs to end
+    finally:
+        dist.destroy_process_group()

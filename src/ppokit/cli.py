@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     _quiet_transformers()
+    had_process_group = _process_group_initialized()
     with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
         _one_line_warnings()
         try:
@@ -401,6 +402,23 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("ppokit: interrupted", file=sys.stderr)
             return 130
+        finally:
+            if not had_process_group:
+                _end_process_group()
+
+
+def _process_group_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no group, and the parser stays quick
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _end_process_group() -> None:
+    """Destroy the process group this command created (accelerate's, or fsdp's group of one). Left to
+    interpreter exit, gloo's worker threads are torn down after Python, and a process that finished its
+    work cleanly aborts now and then ("terminate called without an active exception", SIGABRT), failing
+    the whole torchrun launch."""
+    if _process_group_initialized():
+        sys.modules["torch.distributed"].destroy_process_group()
 
 
 if __name__ == "__main__":
