@@ -130,7 +130,7 @@ def _plan(args) -> int:
 def _demo(args) -> int:
     from ppokit.demo import run_demo
 
-    summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator)
+    summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite)
     print(json.dumps(summary))
     return 0
 
@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--estimator", default="gae", choices=ADVANTAGE_ESTIMATORS,
                       help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: gae)")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="replace the run in DIR/ppo left by an earlier demo, or write into a folder the demo did not make "
+                      "(without it both are refused before any work)")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(
