@@ -122,6 +122,8 @@ def _plan(args) -> int:
     config = PPOConfig.load(args.config, args.overrides)
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: must be at least 1")
+    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
+        raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
     plan = plan_for(config, args.device_memory, args.processes)
     print(to_json(plan) if args.json else plan.render())
     return 0 if plan.fits else PLAN_DOES_NOT_FIT
@@ -244,6 +246,8 @@ def _report(args) -> int:
     for text in args.threshold:
         apply_override(settings, *parse_override(text))
     thresholds = AlarmThresholds.from_mapping(settings, args.thresholds or "--threshold")
+    if args.samples < 0:
+        raise UserError(f"--samples {args.samples}: must be 0 or more")
     summary = make_report(args.run_dirs, args.output, thresholds, max_prompts=args.samples)
     print(f"report: {summary['output']} (figures in {os.path.dirname(summary['figures'][0]) if summary['figures'] else 'none'})", file=sys.stderr)
     for run in summary["runs"]:
