@@ -177,3 +177,25 @@ def test_the_command_destroys_the_process_group_it_created_and_keeps_the_callers
         assert dist.is_initialized()  # the caller's group: theirs to end
     finally:
         dist.destroy_process_group()
+
+
+def test_a_finished_run_continues_as_its_message_says_with_overrides_after_the_flags(model_dir, prompts_file, tmp_path, capsys):
+    """`--resume a=1 b=2` and `--overwrite output_dir=x` were "unrecognized arguments"; the finished-run
+    message said `--resume` after raising ppo.total_episodes, which resume refuses without --resume-force."""
+    from test_run_dir import finished_run
+
+    from ppokit.cli import main
+
+    out, config = finished_run(model_dir, prompts_file, tmp_path)  # 4 updates of 8 episodes
+    assert main(["ppo", str(config)]) == 2
+    assert "continue it with --resume --resume-force after raising ppo.total_episodes" in capsys.readouterr().err
+    assert main(["ppo", str(config), "--resume", "ppo.total_episodes=48", "ppo.logging_steps=1"]) == 2
+    assert "ppo.total_episodes (checkpoint 32, now 48)" in capsys.readouterr().err
+    assert main(["ppo", str(config), "--resume", "--resume-force", "ppo.total_episodes=48", "ppo.logging_steps=1"]) == 0
+    assert [json.loads(line)["update"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+    assert main(["ppo", str(config), "--overwrite", f"output_dir={tmp_path / 'other'}", "seed=3", "ppo.total_episodes=8"]) == 0
+    assert yaml.safe_load((tmp_path / "other" / "config.yaml").read_text())["seed"] == 3
+    with pytest.raises(SystemExit) as refused:  # argparse's own exit for a word that is no override
+        main(["ppo", str(config), "--overwrite", "not-an-override"])
+    assert refused.value.code == 2 and "unrecognized arguments: not-an-override" in capsys.readouterr().err

@@ -17,9 +17,6 @@ def _ppo(args) -> int:
     from ppokit.config import PPOConfig
 
     overrides, resume = list(args.overrides), args.resume
-    if resume is not None and resume != "latest" and "=" in resume and not os.path.exists(resume):
-        overrides.append(resume)  # `--resume a.b=1`: argparse took an override for the optional path
-        resume = "latest"
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
@@ -396,7 +393,7 @@ def _one_line_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    args = _parse_args(build_parser(), argv)
     _quiet_transformers()
     had_process_group = _process_group_initialized()
     with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
@@ -412,6 +409,24 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if not had_process_group:
                 _end_process_group()
+
+
+def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with `key=value` overrides accepted after the flags too (`ppokit ppo c.yaml
+    --resume a=1 b=2`, `--overwrite output_dir=x`): argparse leaves those over, or takes the first for
+    --resume's optional PATH; they join the overrides in the order given."""
+    args, extra = parser.parse_known_args(argv)
+    if not hasattr(args, "overrides"):
+        return parser.parse_args(argv)  # a command without overrides: argparse's own message for leftovers
+    resume = getattr(args, "resume", None)
+    if resume not in (None, "latest") and "=" in resume and not os.path.exists(resume):
+        args.overrides.append(resume)
+        args.resume = "latest"
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
+    return args
 
 
 def _process_group_initialized() -> bool:
