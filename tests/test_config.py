@@ -45,6 +45,10 @@ def test_yaml_and_overrides(tmp_path):
         ("data.eval_fraction=1", "data.eval_fraction: value 1.0 is out of range, it must be in [0, 1)"),
         ("ppo.whiten_rewards=maybe", "ppo.whiten_rewards: expected true or false"),
         ("ppo=3", "ppo: expected a mapping"),
+        # run_name is a folder under <output_dir>/tensorboard: "../../x" wrote the events two levels up
+        ("run_name=../../x", "run_name: value '../../x' is out of range, it must be a name without / or \\, not . or .."),
+        ("run_name=a/b", "run_name: value 'a/b' is out of range"),
+        ("run_name=..", "run_name: value '..' is out of range"),
         ("nonsense", "expected key.sub=value"),
     ],
 )

@@ -58,6 +58,8 @@ def _one_of(choices: tuple[str, ...]):
 
 
 above_one = _rule("> 1", lambda v: v > 1)
+# run_name names a folder under <output_dir>/tensorboard: a separator or ".." would put it elsewhere.
+folder_name = _rule("a name without / or \\, not . or ..", lambda v: bool(v.strip()) and not {"/", "\\"} & set(v) and v not in (".", ".."))
 open_unit = _rule("in (0, 1)", lambda v: 0 < v < 1)
 half_open_unit = _rule("in (0, 1]", lambda v: 0 < v <= 1)
 
@@ -380,7 +382,7 @@ class PPOConfig:
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
     # Where the numbers also go (docs/report.md). None of these changes a number of the run.
     report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.")
-    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.")
+    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name)
     project: str = doc("ppokit", "W&B and trackio project, MLflow experiment.")
     mlflow_tracking_uri: Optional[str] = doc(None, "MLflow tracking URI (a server, `sqlite:///mlflow.db`, a folder); default MLFLOW_TRACKING_URI when set, else a local file store in <output_dir>/mlruns.")
 
