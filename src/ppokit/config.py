@@ -53,7 +53,7 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def _one_of(choices: tuple[str, ...]):
+def one_of(choices: tuple[str, ...]):
     return _rule(f"one of {', '.join(choices)}", lambda v: v in choices)
 
 
@@ -86,7 +86,7 @@ class PPOHyperparams:
     eval_temperature: Optional[float] = doc(None, "Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely token at every step).", check=non_negative)
     missing_eos_penalty: Optional[float] = doc(None, "Subtracted from the score of responses that never produced the stop token.")
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
-    kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=lambda v: v in ("k1", "k2", "k3"))
+    kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=one_of(KL_ESTIMATORS))
     kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
     kl_horizon: float = doc(10000.0, "Horizon (episodes) of the adaptive KL controller.", check=positive)
     cliprange: float = doc(0.2, "Clip range of the policy ratio.", check=positive)
@@ -96,23 +96,23 @@ class PPOHyperparams:
     lam: float = doc(0.95, "GAE lambda (gae only).", check=unit_interval)
     whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE.")
     whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
-    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `advantage_estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=_one_of(ADVANTAGE_ESTIMATORS))
+    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `advantage_estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=one_of(ADVANTAGE_ESTIMATORS))
     grpo_scale_std: bool = doc(True, "grpo: divide by the group's standard deviation; false is Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo`, OpenRLHF `dr_grpo`).")
     kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
     kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `use_kl_loss` + `init_kl_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
-    kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=_one_of(KL_ESTIMATORS))
+    kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=one_of(KL_ESTIMATORS))
     cliprange_low: Optional[float] = doc(None, "Lower clip range: the ratio is clipped below at 1 - cliprange_low; null: `cliprange` (veRL `clip_ratio_low`, OpenRLHF `eps_clip_low_high`).", check=open_unit)
     cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a low of 0.2.", check=positive)
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, OpenRLHF `dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `entropy_loss_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
-    loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=_one_of(LOSS_AGGREGATIONS))
+    loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
     vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `critic_learning_rate`, veRL `critic.optim.lr`). gae only.", check=positive)
     critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `freezing_actor_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
     adam_epsilon: float = doc(1e-5, "AdamW epsilon. Differs from transformers' 1e-8: 1e-5 as in 'The N+ Implementation Details of RLHF with PPO'.", check=positive)
     weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
-    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=lambda v: v in ("linear", "constant"))
+    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=one_of(("linear", "constant")))
     warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative)
     logging_steps: int = doc(1, "Print a line every this many updates (metrics.jsonl gets every update).", check=positive)
     save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative)
@@ -301,7 +301,7 @@ class RewardConfig:
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
     timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts).", check=positive)
-    on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=lambda v: v in ("raise", "skip"))
+    on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=one_of(("raise", "skip")))
 
     def check_combination(self, n_sources: int) -> None:
         """Checks across keys of this section (each key's own range is checked by `validate`)."""
@@ -328,7 +328,7 @@ class DataConfig:
     eval: Optional[str] = doc(None, "Evaluation prompts, same format; completions and scores go to samples.jsonl.")
     prompt_field: str = doc("prompt", "Name of the prompt column.")
     max_prompt_length: Optional[int] = doc(None, "Prompts longer than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
-    format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=lambda v: v in DATA_FORMATS)
+    format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=one_of(DATA_FORMATS))
     chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file or Jinja text. The run's config.yaml records the template used.")
     eval_fraction: float = doc(0.0, "When `eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=fraction)
 
@@ -372,7 +372,7 @@ class PPOConfig:
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
     lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
-    quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=lambda v: v in ("4bit", "8bit"))
+    quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
     gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")
     bf16: bool = doc(False, "bfloat16 mixed precision (autocast through accelerate) for every forward: sampling, reference, value and training. Weights and optimiser state keep the checkpoint's dtype.")
     fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the hardware has it.")
@@ -747,7 +747,7 @@ class StageDataConfig:
     train: Optional[str] = doc(None, "Training data: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder (`folder:split` picks a split) or a hub dataset name (`name`, `name:split`, `name@config:split`). See docs/data.md.")
     eval: Optional[str] = doc(None, "Held-out data in the same forms as `train`; when set, `eval_fraction` is not used.")
     eval_fraction: float = doc(0.05, "When `eval` is not set: share of the training rows held out for evaluation (a seeded shuffle, at least one row); 0: no evaluation.", check=fraction)
-    format: str = doc("auto", "Row format: auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=lambda v: v in DATA_FORMATS)
+    format: str = doc("auto", "Row format: auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=one_of(DATA_FORMATS))
     chat_template: Optional[str] = doc(None, "Template for chat rows: null/auto (the tokenizer's, else the plain fallback `role: content` lines), plain, tokenizer, a .jinja file or Jinja text. The output's config.yaml records the template used, and the saved tokenizer carries it.")
     max_prompt_length: Optional[int] = doc(256, "Prompts longer than this (tokens) keep their last max_prompt_length tokens (truncated from the left); the count is reported. null: no limit.", check=positive)
     max_length: Optional[int] = doc(512, "Limit on prompt + completion tokens (EOS included): longer completions are cut on the right; a row whose prompt leaves no room for a completion token is dropped; counts are reported. null: no limit.", check=positive)
