@@ -1,4 +1,4 @@
-"""Token-budget micro-batches: the plan, trimming both sides, restoring order."""
+"""Token-budget micro-batches: the plan, packing rows without padding between them, restoring order."""
 
 import pytest
 import torch
@@ -20,23 +20,21 @@ def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, p
     return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, response_mask.any(1))
 
 
-def _spans(prompt: torch.Tensor, response: torch.Tensor):
-    """Spans of rows laid out as a rollout: prompts left-padded to the longest, responses after them."""
-    width = int(prompt.max())
-    return width - prompt, width + response
+def _lengths(prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    return prompt + response
 
 
 def test_plan_packs_similar_lengths_within_the_budget_and_keeps_every_row_once():
     prompt = torch.tensor([3, 10, 2, 9, 4, 1, 8, 5])
     response = torch.tensor([2, 6, 1, 7, 3, 1, 5, 2])
     rows = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])  # a minibatch's shuffled order
-    plan = batching.plan_micro_batches(rows, *_spans(prompt, response), max_tokens=40)
+    plan = batching.plan_micro_batches(rows, _lengths(prompt, response), max_tokens=40)
     assert sorted(torch.cat(plan).tolist()) == sorted(rows.tolist())
     totals = [(prompt[mb] + response[mb]).tolist() for mb in plan]
-    # Longest first, by hand: 16 (row 3), 16 (row 1), 13, ... each micro-batch's trimmed tensor fits 40.
-    assert totals[0][0] == 16
+    # Longest first, by hand: 16 (row 3), 16 (row 1), 13, ... each micro-batch's packed tensor fits 40.
+    assert totals == [[16, 16], [13, 7, 7], [5, 3, 2]]
     for mb in plan:
-        width = int(prompt[mb].max() + response[mb].max())
+        width = int((prompt[mb] + response[mb]).max())
         assert len(mb) * width <= 40
     flat = [t for group in totals for t in group]
     assert flat == sorted(flat, reverse=True), "rows of similar length are packed together"
@@ -45,8 +43,8 @@ def test_plan_packs_similar_lengths_within_the_budget_and_keeps_every_row_once()
 def test_plan_is_a_function_of_lengths_and_the_seeded_order():
     prompt, response = torch.tensor([4, 4, 4, 4, 2, 2]), torch.tensor([1, 1, 1, 1, 3, 3])
     order = torch.randperm(6, generator=torch.Generator().manual_seed(7))
-    a = batching.plan_micro_batches(order, *_spans(prompt, response), max_tokens=12)
-    b = batching.plan_micro_batches(order.clone(), *_spans(prompt, response), max_tokens=12)
+    a = batching.plan_micro_batches(order, _lengths(prompt, response), max_tokens=12)
+    b = batching.plan_micro_batches(order.clone(), _lengths(prompt, response), max_tokens=12)
     assert [x.tolist() for x in a] == [x.tolist() for x in b]
     # Equal lengths keep the minibatch's own (seeded) order: a stable sort.
     assert [i for mb in a for i in mb.tolist()] == sorted(order.tolist(), key=lambda i: -(prompt[i] + response[i]).item())
@@ -57,9 +55,9 @@ def test_budget_bounds(budget, groups):
     prompt, response = torch.tensor([3, 2, 1]), torch.tensor([1, 2, 2])
     if groups is None:
         with pytest.raises(batching.BudgetTooSmall, match=r"a row of 4 tokens is longer than ppo.max_tokens_per_micro_batch=1"):
-            batching.plan_micro_batches(torch.arange(3), *_spans(prompt, response), budget)
+            batching.plan_micro_batches(torch.arange(3), _lengths(prompt, response), budget)
     else:
-        assert len(batching.plan_micro_batches(torch.arange(3), *_spans(prompt, response), budget)) == groups
+        assert len(batching.plan_micro_batches(torch.arange(3), _lengths(prompt, response), budget)) == groups
 
 
 def test_check_budget_names_both_numbers():
@@ -69,26 +67,41 @@ def test_check_budget_names_both_numbers():
         batching.check_budget(24, [5, 9], 16)
 
 
-def test_trim_drops_only_all_padding_columns_on_both_sides():
+def test_pack_ends_every_row_at_the_last_column_and_moves_its_token_fields_along():
     rollout = _rollout([[5, 6], [7, 8, 9]], [[1], [2, 3]], width=5)
     rollout = Rollout(**{**rollout.__dict__, "values": torch.arange(10.0).reshape(2, 5)})
     rollout = Rollout(**{**rollout.__dict__,
                          "query_ids": torch.cat([torch.zeros(2, 2, dtype=torch.long), rollout.query_ids], 1),
                          "query_mask": torch.cat([torch.zeros(2, 2, dtype=torch.bool), rollout.query_mask], 1)})
-    trimmed = batching.trim(rollout)
-    assert trimmed.query_ids.tolist() == [[0, 5, 6], [7, 8, 9]]
-    assert trimmed.response_ids.tolist() == [[1, 0], [2, 3]]
-    assert trimmed.values.tolist() == [[0.0, 1.0], [5.0, 6.0]]
-    assert trimmed.ended.tolist() == rollout.ended.tolist()
+    packed = batching.pack(rollout)
+    # Rows of 3 and 5 tokens: 5 columns, the last 2 the response columns; the short row's prompt reaches into them.
+    assert packed.input_ids.tolist() == [[0, 0, 5, 6, 1], [7, 8, 9, 2, 3]]
+    assert packed.attention_mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert packed.response_ids.tolist() == [[6, 1], [2, 3]] and packed.response_mask.tolist() == [[False, True], [True, True]]
+    assert packed.values.tolist() == [[0.0, 0.0], [5.0, 6.0]]  # token 0 of each response keeps its value
+    assert packed.ended.tolist() == rollout.ended.tolist()
     # Positions of the real tokens are the same before and after.
     before = position_ids_from_mask(rollout.attention_mask)[rollout.attention_mask.bool()]
-    after = position_ids_from_mask(trimmed.attention_mask)[trimmed.attention_mask.bool()]
+    after = position_ids_from_mask(packed.attention_mask)[packed.attention_mask.bool()]
     assert before.tolist() == after.tolist()
-    assert batching.trim(trimmed) is trimmed
+    assert batching.pack(packed).input_ids.tolist() == packed.input_ids.tolist()
+
+
+def test_pack_against_a_plain_loop():
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (9,), generator=g)]
+    responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(0, 7, (9,), generator=g)]
+    rollout = _rollout(prompts, responses, width=6)
+    packed = batching.pack(rollout)
+    width, width_r = max(len(p) + len(r) for p, r in zip(prompts, responses)), max(len(r) for r in responses)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        assert packed.input_ids[i].tolist() == [0] * (width - len(p) - len(r)) + p + r
+        assert packed.response_mask[i].tolist() == [False] * (width_r - len(r)) + [True] * len(r)
+        assert packed.logprobs[i][packed.response_mask[i]].tolist() == rollout.logprobs[i, : len(r)].tolist()
 
 
 def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
-    """Reference-style pass: per trimmed micro-batch logprobs, scattered back, equal the padded batch's."""
+    """Reference-style pass: per packed micro-batch logprobs, scattered back, equal the padded batch's."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
@@ -103,31 +116,24 @@ def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
         assert len(plan) > 1
         pieces, micro = [], []
         for index in plan:
-            mb = batching.trim(rollout.select(index))
+            mb = batching.pack(rollout.select(index))
             micro.append(mb)
             lp, _ = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, 0.7)
-            pieces.append((index, lp))
-    restored = batching.restore(pieces, 7, 6)
+            pieces.append((index, lp, mb.response_mask))
+    restored = batching.restore_tokens(pieces, rollout.response_mask)
     assert torch.allclose(restored, full, atol=1e-6)
     processed, real = batching.padded_tokens(micro)
     assert int(real) == int(rollout.query_mask.sum() + rollout.response_mask.sum())
     assert real <= processed < rollout.query_ids.numel() + rollout.response_ids.numel()
 
 
-def test_spans_of_a_dropped_row_and_of_an_empty_row():
+def test_pack_of_a_dropped_row_and_right_align_of_any_padded_layout():
     rollout = _rollout([[5, 6, 7], [8]], [[], [9, 9]], width=3)
-    start, end = batching.row_spans(rollout.attention_mask)
-    assert (start.tolist(), end.tolist()) == ([0, 2], [3, 5])  # the dropped row is its prompt only
-    assert [t.tolist() for t in batching.row_spans(torch.zeros(1, 4, dtype=torch.bool))] == [[0], [0]]
-    trimmed = batching.trim(rollout.select(torch.tensor([0])))
-    assert trimmed.query_ids.tolist() == [[5, 6, 7]] and trimmed.response_ids.shape == (1, 0)
-
-
-def test_trim_columns_of_any_padded_layout():
+    packed = batching.pack(rollout.select(torch.tensor([0])))  # a dropped row: its prompt only
+    assert packed.query_ids.tolist() == [[5, 6, 7]] and packed.response_ids.shape == (1, 0)
     ids = torch.tensor([[0, 0, 4, 5, 0, 0], [0, 0, 0, 6, 7, 0]])
-    mask = ids > 0
-    t_ids, t_mask = batching.trim_columns(ids, mask)
-    assert t_ids.tolist() == [[4, 5, 0], [0, 6, 7]] and t_mask.sum() == mask.sum()
+    aligned, mask, _ = batching.right_align(ids, ids > 0)
+    assert aligned.tolist() == [[4, 5], [6, 7]] and mask.all()
 
 
 @pytest.mark.parametrize("compact_every", [1, 3])

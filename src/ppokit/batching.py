@@ -1,4 +1,4 @@
-"""Micro-batches by a token budget: rows of similar length together, each trimmed to its own widest row.
+"""Micro-batches by a token budget: rows of similar length together, packed without padding between them.
 
 A rollout row is a left-padded prompt followed by a right-padded response (`ppokit.rollout.Rollout`):
 
@@ -6,20 +6,28 @@ A rollout row is a left-padded prompt followed by a right-padded response (`ppok
     query   [p p p p p p p]   response [r stop pad pad pad]
 
 Padded to the widest prompt and the longest response of the whole batch, a row of a short prompt and a
-short response costs as much as the longest one. Here, rows are sorted by length within a minibatch and
-packed greedily into micro-batches whose trimmed tensor fits a token budget; each micro-batch keeps only
-the prompt columns its own rows use (from the left) and the response columns up to its own longest
-response (from the right). Positions come from the attention mask (`models.position_ids_from_mask`), so
-dropping columns that are padding in every row changes no position, no attention and no logit.
+short response costs as much as the longest one; and trimming alone leaves a row of a long prompt and a
+short response beside one of a short prompt and a long response padded on both sides. Here, rows are
+sorted by their length (prompt + response) within a minibatch and packed greedily into micro-batches of
+at most the budget's tokens; in each micro-batch (`pack`) every row's tokens are moved to end at the last
+column, so the micro-batch is as wide as its longest row and no wider:
 
-What the budget bounds: rows x (widest prompt + longest response) of the micro-batch, i.e. the trimmed
-tensor the forward pass sees, padding left inside it included. The real prompt + response tokens of the
-rows are therefore within it too; the bound is on what costs memory. A row longer than the budget
-cannot be placed: `plan_micro_batches` raises `BudgetTooSmall` naming both numbers (the trainer checks
-the longest row a run can produce, longest prompt + `response_length`, before any model loads).
+    query   [pad p p p r r]   response [r stop]     (response columns: the last ones, right-aligned)
+    query   [p p p p p p p]   response [r stop]
+
+A prompt may reach into the response columns (the first row above): the micro-batch's attention mask
+(`Rollout.sequence_mask`) covers it while its response_mask marks only response tokens. Positions come
+from the attention mask (`models.position_ids_from_mask`), so moving a row changes no position, no
+attention and no logit; every logprob site reads the states before the last response columns, which
+holds in both layouts. Per-token results go back into the batch by the response masks (`restore_tokens`).
+
+What the budget bounds: rows x the longest row of the micro-batch, the tensor the forward pass sees,
+padding left inside it included. A row longer than the budget cannot be placed: `plan_micro_batches`
+raises `BudgetTooSmall` naming both numbers (the trainer checks the longest row a run can produce,
+longest prompt + `response_length`, before any model loads).
 
 The order of the micro-batches and of the rows in them depends only on the row lengths and the order of
-the rows given (the minibatch's seeded shuffle): the same seed gives the same plan. Widest micro-batch
+the rows given (the minibatch's seeded shuffle): the same seed gives the same plan. Longest micro-batch
 first, so a budget too large for the device fails on the first micro-batch, not the last.
 """
 
@@ -38,47 +46,47 @@ class BudgetTooSmall(UserError):
     """A single row is wider than the token budget (a user's setting, so a UserError naming both numbers)."""
 
 
-def row_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first real column (B,), one past the last real column (B,)) of each row of mask (B, L).
+def right_align(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's real tokens moved to end at the last column, as wide as the longest row (at least 1).
 
-    A left-padded prompt followed by a right-padded response is one contiguous span; so is any row
-    padded on either side. A row without real tokens gets the empty span (0, 0).
+    ids, mask: (B, L), L >= 1, each row's real tokens one contiguous span (a left-padded prompt and a
+    right-padded response; any row padded on either side) -> (ids (B, W), mask (B, W) bool,
+    source (B, W) long: the column of the input each output column came from, < 0 or >= L at padding).
+    Padding ids become 0 (never attended).
     """
-    width = mask.shape[1]
-    columns = torch.arange(width, device=mask.device)
-    real = mask.bool()
-    start = torch.where(real, columns, torch.full_like(columns, width)).min(1).values
-    end = torch.where(real, columns + 1, torch.zeros_like(columns)).max(1).values
-    return torch.where(end > 0, start, torch.zeros_like(start)), end
+    real_in = mask.bool()
+    columns_in = torch.arange(ids.shape[1], device=ids.device)
+    lengths = real_in.sum(1)
+    end = torch.where(real_in, columns_in + 1, torch.zeros_like(columns_in)).max(1).values
+    width = max(int(lengths.max()) if len(lengths) else 0, 1)
+    columns = torch.arange(width, device=ids.device)
+    source = columns + (end - width).unsqueeze(1)
+    real = columns >= (width - lengths).unsqueeze(1)
+    aligned = ids.gather(1, source.clamp(0, ids.shape[1] - 1)).masked_fill(~real, 0)
+    return aligned, real, source
 
 
-def plan_micro_batches(rows: torch.Tensor, start: torch.Tensor, end: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
     """Split `rows` (indices into the batch, in minibatch order) into micro-batches within `max_tokens`.
 
-    rows: (n,) long; start, end: (B,) long, each row's real span (`row_spans`) over the whole batch
+    rows: (n,) long; lengths: (B,) long, each row's real tokens (prompt + response) over the whole batch
     -> list of (n_i,) long index tensors that together hold every row of `rows` once.
-    Rows are sorted by span length, longest first (stable, so equal lengths keep the minibatch's
-    seeded order), and packed greedily: a row joins the current micro-batch while
-    rows x (the micro-batch's last real column - its first) stays within `max_tokens`.
+    Rows are sorted by length, longest first (stable, so equal lengths keep the minibatch's seeded
+    order), and packed greedily: a row joins the current micro-batch while rows x the micro-batch's
+    longest row (its packed width, `pack`) stays within `max_tokens`.
     """
     if rows.numel() == 0:
         return []
-    starts, ends = start[rows].tolist(), end[rows].tolist()
-    order = sorted(range(len(starts)), key=lambda i: starts[i] - ends[i])  # longest first; sorted() is stable
-    widest = ends[order[0]] - starts[order[0]]
-    if widest > max_tokens:
-        raise BudgetTooSmall(f"a row of {widest} tokens is longer than ppo.max_tokens_per_micro_batch={max_tokens}")
-    groups: list[list[int]] = []
-    current: list[int] = []
-    lo = hi = 0
-    for i in order:
-        new_lo, new_hi = (min(lo, starts[i]), max(hi, ends[i])) if current else (starts[i], ends[i])
-        if current and (len(current) + 1) * (new_hi - new_lo) > max_tokens:
-            groups.append(current)
-            current, new_lo, new_hi = [], starts[i], ends[i]
-        current.append(i)
-        lo, hi = new_lo, new_hi
-    groups.append(current)
+    row_lengths = lengths[rows].tolist()
+    order = sorted(range(len(row_lengths)), key=lambda i: -row_lengths[i])  # longest first; sorted() is stable
+    longest = row_lengths[order[0]]
+    if longest > max_tokens:
+        raise BudgetTooSmall(f"a row of {longest} tokens is longer than ppo.max_tokens_per_micro_batch={max_tokens}")
+    groups: list[list[int]] = [[]]
+    for i in order:  # longest first: a micro-batch's first row is its widest
+        if groups[-1] and (len(groups[-1]) + 1) * row_lengths[groups[-1][0]] > max_tokens:
+            groups.append([])
+        groups[-1].append(i)
     rows_list = rows.tolist()
     return [torch.tensor([rows_list[i] for i in g], dtype=torch.long, device=rows.device) for g in groups]
 
@@ -89,8 +97,8 @@ def plan_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 def plan_rollout(rows: torch.Tensor, rollout: Rollout, max_tokens: int) -> list[torch.Tensor]:
-    """`plan_micro_batches` over a rollout's rows (prompt + response spans)."""
-    return plan_micro_batches(rows, *row_spans(rollout.attention_mask), max_tokens)
+    """`plan_micro_batches` over a rollout's rows (their prompt + response tokens)."""
+    return plan_micro_batches(rows, rollout.attention_mask.sum(1), max_tokens)
 
 
 def split(rollout: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: Optional[int] = None) -> list[tuple[torch.Tensor, Rollout]]:
@@ -98,11 +106,11 @@ def split(rollout: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: Optio
     (row index (n_i,), the rows' Rollout) pairs, in the order to run them.
 
     max_tokens None: consecutive groups of `max_rows` rows as given, padded to the whole batch's width
-    (TRL's semantics). Else the token-budget plan (`plan_micro_batches`), each micro-batch trimmed.
+    (TRL's semantics). Else the token-budget plan (`plan_micro_batches`), each micro-batch packed.
     """
     if max_tokens is None:
         return [(index, rollout.select(index)) for index in plan_rows(rows, max_rows)]
-    return [(index, trim(rollout.select(index))) for index in plan_rollout(rows, rollout, max_tokens)]
+    return [(index, pack(rollout.select(index))) for index in plan_rollout(rows, rollout, max_tokens)]
 
 
 def _kept_columns(mask: torch.Tensor) -> tuple[int, int]:
@@ -113,29 +121,54 @@ def _kept_columns(mask: torch.Tensor) -> tuple[int, int]:
     return int(start[has_tokens].min()), int(end.max())
 
 
-def trim(rollout: Rollout) -> Rollout:
-    """The same rows without the columns that are padding in every row: prompt columns from the left,
-    response columns after the longest response. Every (B, P) field loses the same prompt columns and
-    every (B, R) field the same response columns; (B,) fields are kept. Positions are counted from the
-    attention mask, so no real token's position changes."""
-    width_p, width_r = rollout.query_ids.shape[1], rollout.response_ids.shape[1]
-    first, last = _kept_columns(rollout.attention_mask)
-    first, last = min(first, width_p), max(last, width_p)  # a prompt column always stays: a row's first token
-    if first == 0 and last == width_p + width_r:
-        return rollout
+def pack(rollout: Rollout) -> Rollout:
+    """The same rows, each moved to end at the last column, as wide as the longest row (module docstring).
+
+    In: query (B, P) left-padded, response (B, R) right-padded. Out: W = the longest row's tokens
+    (at least R' + 1: a prompt column always stays), R' = the longest response; query fields (B, W - R'),
+    response fields (B, R') with each row's response tokens in its last columns, `sequence_mask` (B, W)
+    True on every real token. (B,) fields are kept. Every (B, R) field moves with response_ids, so
+    token i of a row's response keeps its logprob, value and advantage.
+    """
+    width_p = rollout.query_ids.shape[1]
+    response_lengths = rollout.response_mask.sum(1)
+    width_r = int(response_lengths.max()) if len(rollout) else 0
+    ids, real, source = right_align(rollout.input_ids, rollout.attention_mask)
+    if ids.shape[1] < width_r + 1:  # every row a response alone: one prompt column of padding
+        ids, real, source = (_pad_left(ids, 0), _pad_left(real, False), _pad_left(source, -1))
+    width = ids.shape[1]
+    in_response = real[:, width - width_r :] & (source[:, width - width_r :] >= width_p)
+    response_source = (source[:, width - width_r :] - width_p).clamp(min=0)  # the column in the (B, R) fields
     picked = {}
     for f in fields(rollout):
         value = getattr(rollout, f.name)
-        if value is not None and value.dim() == 2:
-            value = value[:, first:] if f.name.startswith("query_") else value[:, : last - width_p]
+        if value is not None and value.dim() == 2 and f.name not in ("query_ids", "query_mask", "sequence_mask"):
+            value = value.gather(1, response_source).masked_fill(~in_response, 0)
         picked[f.name] = value
+    picked.update(query_ids=ids[:, : width - width_r], query_mask=real[:, : width - width_r], response_ids=ids[:, width - width_r :],
+                  response_mask=in_response, sequence_mask=real)
     return Rollout(**picked)
 
 
-def trim_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, L) ids and mask without the columns that are padding in every row, on either side."""
-    first, last = _kept_columns(attention_mask)
-    return input_ids[:, first:last], attention_mask[:, first:last]
+def _pad_left(x: torch.Tensor, fill) -> torch.Tensor:
+    """One column of `fill` on the left of (B, W)."""
+    return torch.cat([torch.full((x.shape[0], 1), fill, dtype=x.dtype, device=x.device), x], 1)
+
+
+def restore_tokens(pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token results of micro-batches back into the batch's layout, by the response masks.
+
+    pieces: [(index (n_i,) long, values (n_i, w_i), the micro-batch's response_mask (n_i, w_i))];
+    response_mask: (B, R) of the whole batch -> (B, R), 0 at padding. A row's response tokens are in
+    order in both masks, whichever columns they sit in (padded, trimmed or packed).
+    """
+    first = pieces[0][1]
+    out = torch.zeros(response_mask.shape, dtype=first.dtype, device=first.device)
+    for index, values, mask in pieces:
+        index = index.to(out.device)
+        rows = torch.zeros((len(index), response_mask.shape[1]), dtype=first.dtype, device=first.device)
+        out[index] = rows.masked_scatter(response_mask[index].bool(), values[mask.bool()])
+    return out
 
 
 def restore(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int, width: int, fill: float = 0.0) -> torch.Tensor:
@@ -162,7 +195,7 @@ def padded_tokens(micro_batches: list[Rollout]) -> tuple[int, torch.Tensor]:
     processed = sum(mb.query_ids.numel() + mb.response_ids.numel() for mb in micro_batches)
     if not micro_batches:
         return 0, torch.zeros((), dtype=torch.long)
-    real = torch.stack([mb.query_mask.sum() + mb.response_mask.sum() for mb in micro_batches]).sum()
+    real = torch.stack([mb.attention_mask.sum() for mb in micro_batches]).sum()
     return processed, real
 
 

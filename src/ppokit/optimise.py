@@ -134,7 +134,7 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
 def micro_batches(rollout: Rollout, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Rollout]:
     """The micro-batches of a minibatch (row indices into `rollout`): consecutive groups of
     `sizes.micro_batch` rows, or with ppo.max_tokens_per_micro_batch rows of similar length packed
-    within the token budget and trimmed (ppokit.batching)."""
+    within the token budget and packed (ppokit.batching)."""
     return [mb for _, mb in batching.split(rollout, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch)]
 
 

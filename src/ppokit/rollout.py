@@ -38,6 +38,9 @@ class Rollout:
     rewards: Optional[torch.Tensor] = None  # (B, R) float, per-token reward (KL penalty + score)
     advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages (see algo.advantages)
     returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (gae only)
+    # (B, P + R) bool, True on every real token: set only in a packed micro-batch (ppokit.batching.pack),
+    # whose rows end at the last column, so that a prompt may reach into the response columns.
+    sequence_mask: Optional[torch.Tensor] = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -47,6 +50,8 @@ class Rollout:
     @property
     def attention_mask(self) -> torch.Tensor:
         """(B, P + R) long."""
+        if self.sequence_mask is not None:
+            return self.sequence_mask.long()
         return torch.cat([self.query_mask, self.response_mask], dim=1).long()
 
     def select(self, index: torch.Tensor) -> "Rollout":

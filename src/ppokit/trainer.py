@@ -256,20 +256,20 @@ class PPOTrainer:
     def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Reference logprobs and values (None without a critic) for every response token, in chunks of
         local_rollout_forward_batch_size rows (with ppo.max_tokens_per_micro_batch: that many rows of the
-        batch's width in tokens, rows of similar length together, trimmed)."""
+        batch's width in tokens, rows of similar length together, packed)."""
         hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
         budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
         both = self.accelerator.unwrap_model(self.model)
         ref_logprobs, values = [], []
         with both.critic_in_eval_mode():
             for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
-                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask)))
+                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask), mb.response_mask))
                 with self.accelerator.autocast():
                     chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
                 if chunk_values is not None:
-                    values.append((index, chunk_values.masked_fill(~mb.response_mask, 0.0)))
-        shape = rollout.response_ids.shape
-        return batching.restore(ref_logprobs, *shape), batching.restore(values, *shape) if values else None
+                    values.append((index, chunk_values, mb.response_mask))
+        mask = rollout.response_mask
+        return batching.restore_tokens(ref_logprobs, mask), batching.restore_tokens(values, mask) if values else None
 
     def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
         """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with

@@ -35,7 +35,7 @@ class RewardModelReward:
     name: str = "reward_model"
     batch_size: int = 64
     # With ppo.max_tokens_per_micro_batch: chunks by tokens (rows of similar length together, each
-    # chunk within batch_size rows of the batch's full width, trimmed to its own rows) instead of rows.
+    # chunk within batch_size rows of the batch's full width, right-aligned to its own longest row) instead of rows.
     by_tokens: bool = False
     _shared: dict = field(default_factory=dict, repr=False)  # id(policy tokenizer) -> same vocabulary?
 
@@ -52,10 +52,10 @@ class RewardModelReward:
                 for i in range(0, ids.shape[0], self.batch_size)
             ]
             return torch.cat(scores).float().cpu()
-        plan = batching.plan_micro_batches(torch.arange(ids.shape[0]), *batching.row_spans(mask), self.batch_size * ids.shape[1])
+        plan = batching.plan_micro_batches(torch.arange(ids.shape[0]), mask.sum(1), self.batch_size * ids.shape[1])
         pieces = []
         for index in plan:
-            chunk_ids, chunk_mask = batching.trim_columns(ids[index], mask[index])
+            chunk_ids, chunk_mask, _ = batching.right_align(ids[index], mask[index])
             pieces.append((index, score_at_last_token(self.model, chunk_ids.to(device), chunk_mask.to(device)).float().cpu().unsqueeze(1)))
         return batching.restore(pieces, ids.shape[0], 1).squeeze(1)
 
