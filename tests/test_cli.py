@@ -156,3 +156,46 @@ def test_a_prompt_longer_than_the_models_positions_is_one_line_before_any_update
     positions = json.loads(report.stdout)["position_limit"]
     assert positions == {"tokens": 64, "key": "n_positions", "rows_over": 1, "first_over": {"where": f"{prompts}:3", "tokens": 806},
                          "fix": "set data.max_prompt_length to at most 58 (it is null)"}
+
+
+def test_the_command_destroys_the_process_group_it_created_and_keeps_the_callers(model_dir, prompts_file, tmp_path):
+    """Left alive to interpreter exit, a gloo group now and then aborted a finished process (SIGABRT,
+    "terminate called without an active exception") and so failed a whole torchrun launch. One process
+    under fsdp creates a group of one: the command destroys it on the way out, but not a caller's."""
+    import torch.distributed as dist
+
+    from ppokit.cli import main
+
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts_file, tmp_path / "run", parallel={"strategy": "fsdp"})
+    assert not dist.is_initialized()
+    assert main(["ppo", str(config)]) == 0
+    assert (tmp_path / "run" / "final").is_dir() and not dist.is_initialized()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert main(["ppo", str(config), f"output_dir={tmp_path / 'run2'}"]) == 0
+        assert dist.is_initialized()  # the caller's group: theirs to end
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_finished_run_continues_as_its_message_says_with_overrides_after_the_flags(model_dir, prompts_file, tmp_path, capsys):
+    """`--resume a=1 b=2` and `--overwrite output_dir=x` were "unrecognized arguments"; the finished-run
+    message said `--resume` after raising ppo.total_episodes, which resume refuses without --resume-force."""
+    from test_run_dir import finished_run
+
+    from ppokit.cli import main
+
+    out, config = finished_run(model_dir, prompts_file, tmp_path)  # 4 updates of 8 episodes
+    assert main(["ppo", str(config)]) == 2
+    assert "continue it with --resume --resume-force after raising ppo.total_episodes" in capsys.readouterr().err
+    assert main(["ppo", str(config), "--resume", "ppo.total_episodes=48", "ppo.logging_steps=1"]) == 2
+    assert "ppo.total_episodes (checkpoint 32, now 48)" in capsys.readouterr().err
+    assert main(["ppo", str(config), "--resume", "--resume-force", "ppo.total_episodes=48", "ppo.logging_steps=1"]) == 0
+    assert [json.loads(line)["update"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+    assert main(["ppo", str(config), "--overwrite", f"output_dir={tmp_path / 'other'}", "seed=3", "ppo.total_episodes=8"]) == 0
+    assert yaml.safe_load((tmp_path / "other" / "config.yaml").read_text())["seed"] == 3
+    with pytest.raises(SystemExit) as refused:  # argparse's own exit for a word that is no override
+        main(["ppo", str(config), "--overwrite", "not-an-override"])
+    assert refused.value.code == 2 and "unrecognized arguments: not-an-override" in capsys.readouterr().err

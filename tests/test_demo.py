@@ -18,6 +18,13 @@ def test_quick_demo_raises_the_score(tmp_path):
     assert (out / "sft" / "config.json").exists() and (out / "sft" / "tokenizer.json").exists()
     assert (out / "ppo" / "metrics.jsonl").exists() and (out / "ppo" / "final" / "value_model").is_dir()
     assert "before" in result.stderr and "after" in result.stderr  # side-by-side completions printed
+    # the same command again (or another --estimator into the same folder) stops at once, before redoing SFT
+    sft_written = (out / "sft" / "model.safetensors").stat().st_mtime_ns
+    again = ppokit("demo", "--quick", "--output", out, "--estimator", "grpo")
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert f"{out / 'ppo'} holds a finished run (32 updates, final/) from an earlier demo" in again.stderr
+    assert "another --output, or pass --overwrite" in again.stderr
+    assert (out / "sft" / "model.safetensors").stat().st_mtime_ns == sft_written
     # then the report on it, as the README says: one page, its figures, the demo's alarms (none)
     report = ppokit("report", out / "ppo", cwd=tmp_path, timeout=300)
     assert report.returncode == 0, report.stderr[-3000:]
@@ -25,3 +32,16 @@ def test_quick_demo_raises_the_score(tmp_path):
     assert summary["output"] == "report.html" and (tmp_path / "report.html").stat().st_size > 100_000
     assert len(summary["figures"]) == 7 and summary["runs"][0]["finished"]
     assert summary["runs"][0]["alarms"] == [], summary["runs"][0]["alarms"]
+
+
+def test_the_demo_refuses_a_folder_it_did_not_make_before_any_work(tmp_path):
+    mine = tmp_path / "project"
+    (mine / "sft").mkdir(parents=True)
+    (mine / "sft" / "model.safetensors").write_text("my own model")
+    for output, fragment in [(mine, "the folder exists and carries no `ppokit demo` marker"),
+                             ("/proc/ppokit-demo", "a kernel file system"),
+                             (mine / "sft" / "model.safetensors", "is a file, not a folder")]:
+        result = ppokit("demo", "--quick", "--output", output)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.startswith("ppokit: error: demo --output") and fragment in result.stderr, result.stderr
+    assert (mine / "sft" / "model.safetensors").read_text() == "my own model" and not (mine / "data").exists()

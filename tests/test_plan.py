@@ -106,6 +106,13 @@ def test_plan_cli_fits_and_does_not_fit(model_dir, prompts_file, big_model_dir, 
     out = capsys.readouterr().out
     assert "adapter disabled (no copy)" in out and "on the policy's base (no copy)" in out
 
+    for memory in ("0", "-3", "inf", "nan"):  # 0 was read as "not given" (this machine's memory), -3 planned against
+        assert main(["plan", str(small), "--device-memory", memory]) == 2
+        assert capsys.readouterr().err == f"ppokit: error: --device-memory {float(memory):g}: must be a number of GiB > 0\n"
+
+    assert main(["plan", str(small), "parallel.strategy=fsdp"]) == 0
+    assert "; fsdp, per device of 1 process, 90% usable): fits" in capsys.readouterr().out  # not "1 processes"
+
     assert main(["plan", str(small), "ppo.no_such_key=1"]) == 2
     assert "ppo.no_such_key" in capsys.readouterr().err
     assert main(["plan", str(small), "value_model=shared"]) == 2

@@ -309,6 +309,22 @@ def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     assert not (tmp_path / "r.html").exists()
 
 
+def test_cli_report_output_and_samples_mistakes_are_one_line(tmp_path, capsys):
+    """An --output that is a folder (or under a file) and a negative --samples were a traceback, a
+    leftover `.partial`, or a page silently missing its last prompt."""
+    from ppokit.cli import main
+
+    run = write_run(tmp_path / "run", healthy_records(4))
+    (tmp_path / "file").write_text("")
+    for args, line in [(["--output", str(tmp_path)], f"report output {tmp_path} is a folder; give the HTML file's name, e.g. {tmp_path / 'report.html'}"),
+                       (["--output", str(tmp_path / "file" / "r.html")], f"report output {tmp_path / 'file' / 'r.html'}: cannot make"),
+                       (["--samples", "-1", "--output", str(tmp_path / "r.html")], "--samples -1: must be 0 or more")]:
+        assert main(["report", str(run), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ppokit: error: {line}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]
+
+
 def test_cli_report_thresholds_from_yaml_and_flags(tmp_path, capsys):
     from ppokit.cli import main
 

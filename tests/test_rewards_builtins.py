@@ -84,6 +84,8 @@ def test_length_in_words_and_tokens_with_each_shape():
         ({"function": "regex", "pattern": "("}, "not a valid regular expression"),
         ({"function": "regex", "pattern": "a", "patern": "b"}, r"unknown config key reward.functions\[0\].patern \(did you mean"),
         ({"function": "length", "target": -3}, r"reward.functions\[0\].target: value -3.0 is out of range, it must be > 0"),
+        ({"function": "length", "target": 5, "unit": "lines"},
+         r"reward.functions\[0\].unit: value 'lines' is out of range, it must be one of tokens, words, characters"),
         ({"function": "contains"}, "needs `required` or `forbidden`"),
         ({"function": "sentiment", "scale": 2}, "takes no parameters"),
         ({"pattern": "x"}, r"reward.functions\[0\].function: required"),

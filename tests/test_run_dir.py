@@ -335,7 +335,7 @@ def test_a_ppo_run_starts_only_where_it_loses_nothing(tmp_path):
     finished = fake_run(tmp_path / "finished", "old")
     with pytest.raises(UserError, match=re.escape(
         f"{finished} holds a finished run (2 updates, final/): give another output_dir, continue it with --resume "
-        "(after raising ppo.total_episodes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
+        "--resume-force after raising ppo.total_episodes (the learning-rate schedule then changes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
     )):
         check(str(finished), resume=False, overwrite=False)
     unfinished = fake_run(tmp_path / "unfinished", "old", updates=1, num_updates=4, final=False)
@@ -495,7 +495,7 @@ def test_a_fresh_run_over_a_run_is_refused_and_overwrite_keeps_the_old_run_until
     assert main(["ppo", str(config_path)]) == 2
     assert one_error_line(capsys.readouterr().err) == (
         f"ppokit: error: {out} holds a finished run (4 updates, final/): give another output_dir, continue it with --resume "
-        "(after raising ppo.total_episodes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
+        "--resume-force after raising ppo.total_episodes (the learning-rate schedule then changes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
     )
     with pytest.raises(UserError, match="holds a finished run"):
         PPOTrainer(PPOConfig.load(config_path), show_progress=False).train()  # the Python API too

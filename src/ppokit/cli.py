@@ -17,9 +17,6 @@ def _ppo(args) -> int:
     from ppokit.config import PPOConfig
 
     overrides, resume = list(args.overrides), args.resume
-    if resume is not None and resume != "latest" and "=" in resume and not os.path.exists(resume):
-        overrides.append(resume)  # `--resume a.b=1`: argparse took an override for the optional path
-        resume = "latest"
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
@@ -123,6 +120,8 @@ def _plan(args) -> int:
     config = PPOConfig.load(args.config, args.overrides)
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: must be at least 1")
+    if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
+        raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
     plan = plan_for(config, args.device_memory, args.processes)
     print(to_json(plan) if args.json else plan.render())
     for stop in plan.stops:  # `ppokit ppo` would stop on it, whatever the memory: a config error
@@ -133,7 +132,7 @@ def _plan(args) -> int:
 def _demo(args) -> int:
     from ppokit.demo import run_demo
 
-    summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator)
+    summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite)
     print(json.dumps(summary))
     return 0
 
@@ -247,6 +246,8 @@ def _report(args) -> int:
     for text in args.threshold:
         apply_override(settings, *parse_override(text))
     thresholds = AlarmThresholds.from_mapping(settings, args.thresholds or "--threshold")
+    if args.samples < 0:
+        raise UserError(f"--samples {args.samples}: must be 0 or more")
     summary = make_report(args.run_dirs, args.output, thresholds, max_prompts=args.samples)
     print(f"report: {summary['output']} (figures in {os.path.dirname(summary['figures'][0]) if summary['figures'] else 'none'})", file=sys.stderr)
     for run in summary["runs"]:
@@ -341,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--estimator", default="gae", choices=ADVANTAGE_ESTIMATORS,
                       help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: gae)")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="replace the run in DIR/ppo left by an earlier demo, or write into a folder the demo did not make "
+                      "(without it both are refused before any work)")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(
@@ -393,8 +397,9 @@ def _one_line_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    args = _parse_args(build_parser(), argv)
     _quiet_transformers()
+    had_process_group = _process_group_initialized()
     with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
         _one_line_warnings()
         try:
@@ -406,6 +411,41 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("ppokit: interrupted", file=sys.stderr)
             return 130
+        finally:
+            if not had_process_group:
+                _end_process_group()
+
+
+def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with `key=value` overrides accepted after the flags too (`ppokit ppo c.yaml
+    --resume a=1 b=2`, `--overwrite output_dir=x`): argparse leaves those over, or takes the first for
+    --resume's optional PATH; they join the overrides in the order given."""
+    args, extra = parser.parse_known_args(argv)
+    if not hasattr(args, "overrides"):
+        return parser.parse_args(argv)  # a command without overrides: argparse's own message for leftovers
+    resume = getattr(args, "resume", None)
+    if resume not in (None, "latest") and "=" in resume and not os.path.exists(resume):
+        args.overrides.append(resume)
+        args.resume = "latest"
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
+    return args
+
+
+def _process_group_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no group, and the parser stays quick
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _end_process_group() -> None:
+    """Destroy the process group this command created (accelerate's, or fsdp's group of one). Left to
+    interpreter exit, gloo's worker threads are torn down after Python, and a process that finished its
+    work cleanly aborts now and then ("terminate called without an active exception", SIGABRT), failing
+    the whole torchrun launch."""
+    if _process_group_initialized():
+        sys.modules["torch.distributed"].destroy_process_group()
 
 
 if __name__ == "__main__":

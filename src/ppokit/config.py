@@ -31,6 +31,8 @@ a_path = rule("a path", lambda v: bool(v.strip()))
 above_one = rule("> 1", lambda v: v > 1)
 open_unit = rule("in (0, 1)", lambda v: 0 < v < 1)
 half_open_unit = rule("in (0, 1]", lambda v: 0 < v <= 1)
+# run_name names a folder under <output_dir>/tensorboard: a separator or ".." would put it elsewhere.
+folder_name = rule("a name without / or \\, not . or ..", lambda v: bool(v.strip()) and not {"/", "\\"} & set(v) and v not in (".", ".."))
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 # The same names as ppokit.algo's (tests/test_config.py checks); repeated here so that reading a
 # config does not import torch.
@@ -63,7 +65,7 @@ class PPOHyperparams:
     eval_temperature: Optional[float] = doc(None, "Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely token at every step).", check=non_negative)
     missing_eos_penalty: Optional[float] = doc(None, "Subtracted from the score of responses that never produced the stop token.")
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
-    kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=lambda v: v in ("k1", "k2", "k3"))
+    kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=one_of(KL_ESTIMATORS))
     kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
     kl_horizon: float = doc(10000.0, "Horizon (episodes) of the adaptive KL controller.", check=positive)
     cliprange: float = doc(0.2, "Clip range of the policy ratio.", check=positive)
@@ -89,7 +91,7 @@ class PPOHyperparams:
     adam_epsilon: float = doc(1e-5, "AdamW epsilon. Differs from transformers' 1e-8: 1e-5 as in 'The N+ Implementation Details of RLHF with PPO'.", check=positive)
     weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
-    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=lambda v: v in ("linear", "constant"))
+    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=one_of(("linear", "constant")))
     warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative)
     logging_steps: int = doc(1, "Print a line every this many updates (metrics.jsonl gets every update).", check=positive)
     save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative)
@@ -278,7 +280,7 @@ class RewardConfig:
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
     timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts).", check=positive)
-    on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=lambda v: v in ("raise", "skip"))
+    on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=one_of(("raise", "skip")))
 
     def check_combination(self, n_sources: int) -> None:
         """Checks across keys of this section (each key's own range is checked by `validate`)."""
@@ -305,7 +307,7 @@ class DataConfig:
     eval: Optional[str] = doc(None, "Evaluation prompts, same format; completions and scores go to samples.jsonl.")
     prompt_field: str = doc("prompt", "Name of the prompt column.")
     max_prompt_length: Optional[int] = doc(None, "Prompts longer than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
-    format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=lambda v: v in DATA_FORMATS)
+    format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=one_of(DATA_FORMATS))
     chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file or Jinja text. The run's config.yaml records the template used.")
     eval_fraction: float = doc(0.0, "When `eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=fraction)
 
@@ -349,7 +351,7 @@ class PPOConfig:
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
     lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
-    quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=lambda v: v in ("4bit", "8bit"))
+    quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
     gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")
     bf16: bool = doc(False, "bfloat16 mixed precision (autocast through accelerate) for every forward: sampling, reference, value and training. Weights and optimiser state keep the checkpoint's dtype.")
     fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the hardware has it.")
@@ -359,7 +361,7 @@ class PPOConfig:
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
     # Where the numbers also go (docs/report.md). None of these changes a number of the run.
     report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.")
-    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.")
+    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name)
     project: str = doc("ppokit", "W&B and trackio project, MLflow experiment.")
     mlflow_tracking_uri: Optional[str] = doc(None, "MLflow tracking URI (a server, `sqlite:///mlflow.db`, a folder); default MLFLOW_TRACKING_URI when set, else a local file store in <output_dir>/mlruns.")
 
@@ -455,7 +457,7 @@ class StageDataConfig:
     train: Optional[str] = doc(None, "Training data: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder (`folder:split` picks a split) or a hub dataset name (`name`, `name:split`, `name@config:split`). See docs/data.md.")
     eval: Optional[str] = doc(None, "Held-out data in the same forms as `train`; when set, `eval_fraction` is not used.")
     eval_fraction: float = doc(0.05, "When `eval` is not set: share of the training rows held out for evaluation (a seeded shuffle, at least one row); 0: no evaluation.", check=fraction)
-    format: str = doc("auto", "Row format: auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=lambda v: v in DATA_FORMATS)
+    format: str = doc("auto", "Row format: auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=one_of(DATA_FORMATS))
     chat_template: Optional[str] = doc(None, "Template for chat rows: null/auto (the tokenizer's, else the plain fallback `role: content` lines), plain, tokenizer, a .jinja file or Jinja text. The output's config.yaml records the template used, and the saved tokenizer carries it.")
     max_prompt_length: Optional[int] = doc(256, "Prompts longer than this (tokens) keep their last max_prompt_length tokens (truncated from the left); the count is reported. null: no limit.", check=positive)
     max_length: Optional[int] = doc(512, "Limit on prompt + completion tokens (EOS included): longer completions are cut on the right; a row whose prompt leaves no room for a completion token is dropped; counts are reported. null: no limit.", check=positive)

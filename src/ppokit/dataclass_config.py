@@ -34,7 +34,6 @@ def rule(requirement: str, check):
     return check
 
 
-
 def one_of(choices: tuple[str, ...]):
     return rule(f"one of {', '.join(choices)}", lambda v: v in choices)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ppokit import run_dir
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
 from ppokit.errors import UserError
 from ppokit.sft import encode_pair, train_sft
@@ -82,12 +83,34 @@ ESTIMATORS = {
 }
 
 
+DEMO_MARKER_KIND = "demo"
+
+
+def check_demo_output(out: Path, overwrite: bool) -> None:
+    """Before any work: may the demo write into `out`? Absent, empty or an earlier demo's folder, and no
+    earlier run in its ppo/, else only with `overwrite`: a refusal after minutes of SFT, or data/ and
+    sft/ written over someone's own files, is what this prevents."""
+    run_dir.check_output_dir(str(out), "demo --output")
+    if overwrite or not out.is_dir() or run_dir.is_empty_dir(out):
+        return
+    if run_dir.marker_kind(out) != DEMO_MARKER_KIND:
+        raise UserError(f"demo --output {out}: the folder exists and carries no `ppokit demo` marker (the demo writes data/, sft/ and "
+                        "ppo/ into it; a demo folder made before ppokit marked them has none); give another --output, or pass "
+                        "--overwrite to write there anyway")
+    held = run_dir.holds_run(out / "ppo") if (out / "ppo").is_dir() else None
+    if held is not None:
+        raise UserError(f"demo --output {out}: {out / 'ppo'} holds {held} from an earlier demo; give another --output, "
+                        "or pass --overwrite to replace it")
+
+
 def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
     """Steps 1-3: the data, a tokenizer and a tiny model, fine-tuned by SFT into out/sft; returns out."""
     s = SETTINGS[quick]
     torch.manual_seed(seed)
 
     # 1. data
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir.write_marker(out, DEMO_MARKER_KIND)
     data = make_data(seed, s["n_sft"], s["n_prompts"], 8)
     for name, rows in data.items():
         _write_jsonl(out / "data" / f"{name}.jsonl", rows)
@@ -111,19 +134,21 @@ def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
 
 def run_demo(
     output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True,
-    estimator: str = "gae", prepared: str | Path | None = None,
+    estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False,
 ) -> dict:
     """Run the whole demo; returns a summary with the first and last scores and the time taken.
 
     estimator: one of ESTIMATORS (ppo.advantage_estimator and its usual number of samples per
     prompt). prepared: the output folder of an earlier demo with the same `quick` and `seed`,
-    whose data/ and sft/ are used instead of building them again.
+    whose data/ and sft/ are used instead of building them again. overwrite: write into a folder that is
+    not an earlier demo's, or replace the run in its ppo/ (`check_demo_output`).
     """
     if estimator not in ESTIMATORS:
         raise UserError(f"demo --estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
     start = time.perf_counter()
     s = SETTINGS[quick]
     out = Path(output_dir)
+    check_demo_output(out, overwrite)
     say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
     base = Path(prepared) if prepared is not None else prepare_demo(out, quick, seed, say)
     torch.manual_seed(seed)
@@ -150,7 +175,7 @@ def run_demo(
             **ESTIMATORS[estimator],
         ),
     )
-    trainer = PPOTrainer(config, show_progress=show_progress)
+    trainer = PPOTrainer(config, show_progress=show_progress, overwrite=overwrite)
     n = trainer.sizes.samples_per_prompt
     samples = f" ({trainer.sizes.prompts_per_update} prompts x {n} samples)" if n > 1 else ""
     say(f"[4/4] PPO ({estimator}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes{samples}, reward = VADER compound sentiment")

@@ -189,7 +189,7 @@ class Plan:
     def summary(self) -> str:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         n = self.sharding.processes
-        per_device = f"; {self.strategy}, per device of {n} processes" if n > 1 or self.strategy != "ddp" else ""
+        per_device = f"; {self.strategy}, per device of {n} process{'es' if n > 1 else ''}" if n > 1 or self.strategy != "ddp" else ""
         return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}{per_device}, "
                 f"{int(HEADROOM * 100)}% usable): {verdict}")
 

@@ -33,6 +33,9 @@ def make_report(
     from ppokit.report.page import render_page
 
     thresholds = thresholds or AlarmThresholds()
+    output = Path(output)
+    if output.is_dir():
+        raise UserError(f"report output {output} is a folder; give the HTML file's name, e.g. {output / 'report.html'}")
     runs: list[RunData] = []
     not_runs: list[str] = []
     for path in run_dirs:
@@ -45,9 +48,11 @@ def make_report(
     label_runs(runs)
     alarms = [alarm for run in runs for alarm in find_alarms(run, thresholds)]
 
-    output = Path(output)
     figure_dir = output.with_name(output.stem + "_figures")
-    figure_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        figure_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"report output {output}: cannot make {figure_dir} ({e.strerror})") from None
     rendered, skipped_panels, written = [], list(not_runs), []
     frontier = None
     frontier_fig = fig.draw_frontier(runs)

@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any, Callable, Optional
 
 from ppokit.config import non_negative, positive
-from ppokit.dataclass_config import doc
+from ppokit.dataclass_config import doc, one_of
 from ppokit.errors import UserError
 
 # --------------------------------------------------------------------------- sentiment
@@ -149,7 +149,7 @@ class ExactMatch:
     """
 
     answer_column: str = doc("answer", "Column of the data with the reference answer (it may hold a full solution: its \\boxed{} or `####` part is taken).")
-    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the whole completion), `boxed`, `hash`, `last_number` or `none` (the whole completion).", check=lambda v: v in ("auto", "boxed", "hash", "last_number", "none"))
+    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the whole completion), `boxed`, `hash`, `last_number` or `none` (the whole completion).", check=one_of(("auto", "boxed", "hash", "last_number", "none")))
     case_sensitive: bool = doc(False, "Compare letters with their case.")
     on_correct: float = doc(1.0, "Score of a correct answer.")
     on_wrong: float = doc(0.0, "Score of a wrong or missing answer.")
@@ -183,7 +183,7 @@ class MathEquivalence(ExactMatch):
     """Like exact_match, but the answer defaults to the last number in the completion and numbers
     match within a tolerance: `0.5` = `1/2` = `\\frac{1}{2}` (a `%` sign is dropped: `50%` reads as 50)."""
 
-    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the last number), `boxed`, `hash`, `last_number` or `none`.", check=lambda v: v in ("auto", "boxed", "hash", "last_number", "none"))
+    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the last number), `boxed`, `hash`, `last_number` or `none`.", check=one_of(("auto", "boxed", "hash", "last_number", "none")))
     tolerance: float = doc(1e-6, "Relative tolerance of a numeric match (absolute below 1).", check=non_negative)
 
     name = "math_equivalence"
@@ -204,7 +204,7 @@ class Regex:
     """`on_match` when the pattern matches the completion, else `on_no_match`."""
 
     pattern: Optional[str] = doc(None, "Python regular expression (required).")
-    match: str = doc("search", "`search` (anywhere in the completion) or `fullmatch` (the whole completion).", check=lambda v: v in ("search", "fullmatch"))
+    match: str = doc("search", "`search` (anywhere in the completion) or `fullmatch` (the whole completion).", check=one_of(("search", "fullmatch")))
     ignore_case: bool = doc(False, "Match letters regardless of case.")
     dotall: bool = doc(False, "`.` also matches a newline.")
     strip: bool = doc(False, "Strip leading and trailing whitespace before matching.")
@@ -235,7 +235,7 @@ class Regex:
 class Format(Regex):
     """A format check: by default the pattern must match the whole (stripped) completion, `.` spanning lines."""
 
-    match: str = doc("fullmatch", "`fullmatch` (the whole completion) or `search` (anywhere).", check=lambda v: v in ("search", "fullmatch"))
+    match: str = doc("fullmatch", "`fullmatch` (the whole completion) or `search` (anywhere).", check=one_of(("search", "fullmatch")))
     dotall: bool = doc(True, "`.` also matches a newline.")
     strip: bool = doc(True, "Strip leading and trailing whitespace before matching.")
 
@@ -280,10 +280,10 @@ class Length:
     """
 
     target: Optional[float] = doc(None, "Target length (required).", check=positive)
-    unit: str = doc("tokens", "`tokens` (the policy's tokens, stop token not counted), `words` (split on whitespace) or `characters`.", check=lambda v: v in ("tokens", "words", "characters"))
-    shape: str = doc("linear", "`linear`, `quadratic` or `gaussian` (see above).", check=lambda v: v in ("linear", "quadratic", "gaussian"))
+    unit: str = doc("tokens", "`tokens` (the policy's tokens, stop token not counted), `words` (split on whitespace) or `characters`.", check=one_of(("tokens", "words", "characters")))
+    shape: str = doc("linear", "`linear`, `quadratic` or `gaussian` (see above).", check=one_of(("linear", "quadratic", "gaussian")))
     scale: Optional[float] = doc(None, "Distance that costs 1 (linear, quadratic) or one standard deviation (gaussian); default the target.", check=positive)
-    side: str = doc("both", "`both`, `over` (only longer completions are penalised) or `under` (only shorter).", check=lambda v: v in ("both", "over", "under"))
+    side: str = doc("both", "`both`, `over` (only longer completions are penalised) or `under` (only shorter).", check=one_of(("both", "over", "under")))
 
     name = "length"
 
