@@ -46,13 +46,6 @@ class JsonlWriter:
         self._file.close()
 
 
-def read_jsonl_records(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 CONSOLE_KEYS = (
     ("objective/scores", "score", "{:+.3f}"),
     ("objective/kl", "kl", "{:.3f}"),

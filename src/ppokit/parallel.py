@@ -23,9 +23,10 @@ What the trainer asks of an engine, each in one method:
     clip_grad_norm_(model, max_norm) the global gradient norm, clipped (max_norm 0: not clipped)
     consolidated(model)              context yielding, on the main process, a plain module with
                                      every full weight (for save_pretrained); None elsewhere
-    checkpoint_weights()             how a checkpoint holds weights and optimiser state: the plain
-                                     files of ppokit.checkpoint, or ShardedWeights (DCP, every
-                                     process writes its shards)
+    checkpoint_weights()             how a checkpoint holds weights and optimiser state: None for
+                                     the plain files of ppokit.checkpoint (its default; this module
+                                     does not import it), or ShardedWeights (DCP, every process
+                                     writes its shards)
 
 And, engine or not, `stop_together(accelerator)`: a failure on one process (a reward error) shared,
 so that every process stops at the same point with the same error instead of waiting for it.
@@ -158,9 +159,7 @@ class Replicated:
         yield self.accelerator.unwrap_model(model) if self.accelerator.is_main_process else None
 
     def checkpoint_weights(self):
-        from ppokit.checkpoint import PlainWeights
-
-        return PlainWeights()
+        return None  # TrainedParts' default: ppokit.checkpoint.PlainWeights
 
 
 # --------------------------------------------------------------------------- fsdp

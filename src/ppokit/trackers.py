@@ -364,8 +364,6 @@ def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda m
 
 
 def _replay(sink: Trackers, output_dir: Path, done_updates: int) -> None:
-    from ppokit.metrics import read_jsonl_records
-
     behind = min(t.state.get("last_update", 0) for t in sink.trackers)
     if behind >= done_updates:
         return
@@ -374,3 +372,11 @@ def _replay(sink: Trackers, output_dir: Path, done_updates: int) -> None:
         if behind < record["update"] <= done_updates:
             sink.samples([r for r in samples if r["update"] == record["update"]])
             sink.record(record)
+
+
+def read_jsonl_records(path: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl / samples.jsonl ([] when there is none yet)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
