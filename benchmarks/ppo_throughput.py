@@ -172,7 +172,11 @@ def main() -> None:
     args = parser.parse_args()
     updates = args.updates or (4 if args.shape == "fixed" else 3)
 
-    work = Path(tempfile.mkdtemp(prefix="ppokit-bench-"))
+    with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:  # the run's model and output go with it
+        measure(args, updates, Path(tmp))
+
+
+def measure(args, updates: int, work: Path) -> None:
     if args.shape == "fixed":
         config, task = fixed_task(work, updates, args.arch)
     else:
