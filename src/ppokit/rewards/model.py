@@ -108,8 +108,10 @@ def chat_messages(batch: ScoringBatch) -> Optional[list[list[dict]]]:
     return [list(row[:-1]) if row and row[-1]["role"] == "assistant" else list(row) for row in column]
 
 
-def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, trust_remote_code: bool = False, **load_kwargs) -> RewardModelReward:
+def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, trust_remote_code: bool = False, by_tokens: bool = False,
+                        **load_kwargs) -> RewardModelReward:
     """A path (its saved tokenizer is used) or a model object with its tokenizer -> a source.
+    by_tokens: score in token-budget chunks (`RewardModelReward.by_tokens`).
     `load_kwargs` go to from_pretrained (e.g. a quantisation config)."""
     model = load_reward_model(name_or_model, trust_remote_code, **load_kwargs)
     if tokenizer is None:
@@ -117,4 +119,4 @@ def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, tru
         if not path:
             raise UserError("reward model given as an object: pass its tokenizer too (`reward_tokenizer=`)")
         tokenizer = load_tokenizer(path, trust_remote_code)
-    return RewardModelReward(model, tokenizer, batch_size=batch_size)
+    return RewardModelReward(model, tokenizer, batch_size=batch_size, by_tokens=by_tokens)

@@ -323,9 +323,8 @@ def build_scorer(
     if reward_model is not None or reward.model:
         rm = reward_model_source(
             reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code,
-            **(load_kwargs or {}),
+            by_tokens=reward_model_by_tokens, **(load_kwargs or {}),
         )
-        rm.by_tokens = reward_model_by_tokens
         sources.append(rm)
         rm_module = rm.model
     sources += functions
