@@ -97,3 +97,47 @@ def with_speed_switches(config, max_tokens_per_micro_batch=None, lm_head_chunk_s
     config.lm_head_chunk_size = lm_head_chunk_size
     config.compile = compile
     return config
+
+
+class LiveTensors:
+    """A TorchDispatchMode that follows every tensor the ops inside it make (by storage, freed when the last
+    tensor on it is) and keeps the peak of their bytes alive at once, and of those of at least
+    `wide_elements` elements, their peak count. Tensors made before the mode (weights) are not counted."""
+
+    def __new__(cls, wide_elements: int = 0):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.live: dict[int, list] = {}  # storage pointer -> [bytes, ids of the tensors on it]
+                self.bytes = self.peak_bytes = self.peak_wide = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() == 0:
+                        continue
+                    key = t.untyped_storage().data_ptr()
+                    if key not in self.live:
+                        self.live[key] = [t.untyped_storage().nbytes(), set(), t.numel() >= wide_elements > 0]
+                        self.bytes += self.live[key][0]
+                    if id(t) not in self.live[key][1]:
+                        self.live[key][1].add(id(t))
+                        weakref.finalize(t, self._gone, key, id(t))
+                self.peak_bytes = max(self.peak_bytes, self.bytes)
+                self.peak_wide = max(self.peak_wide, sum(1 for v in self.live.values() if v[2]))
+                return out
+
+            def _gone(self, key, ident):
+                entry = self.live.get(key)
+                if entry is not None:
+                    entry[1].discard(ident)
+                    if not entry[1]:
+                        self.bytes -= entry[0]
+                        del self.live[key]
+
+        return Mode()

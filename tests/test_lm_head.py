@@ -152,3 +152,51 @@ def test_output_head_applies_the_families_logit_transforms(tokenizer):
     torch.nn.init.normal_(model.get_output_embeddings().weight, std=2.0)  # logits large enough for the cap to matter
     check_output_head(model, "lm_head_chunk_size")
     assert output_head(model)(torch.randn(3, 32)).abs().max() <= 3.0
+
+
+@pytest.mark.parametrize("temperature, entropy_grad, dtype", [(1.0, False, torch.float32), (0.7, True, torch.float32),
+                                                              (1.3, True, torch.float64), (0.7, True, torch.bfloat16)])
+def test_the_head_function_equals_the_autograd_chain(temperature, entropy_grad, dtype):
+    """`head_logprobs_and_entropy` (blocks of rows, one gradient buffer) against `logprobs_and_entropy`
+    (scale, log-softmax, exp, product by autograd): values and the logits' gradient, for blocks of 1 row,
+    of 3 rows and of every row."""
+    g = torch.Generator().manual_seed(0)
+    N, V = 7, 50
+    logits = (3 * torch.randn(N, V, generator=g)).to(dtype)
+    tokens = torch.randint(0, V, (N,), generator=g)
+    w_lp, w_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+
+    def run(fn):
+        x = logits.clone().requires_grad_()
+        lp, ent = fn(x)
+        loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_grad else 0)
+        loss.backward()
+        return lp.detach(), ent.detach(), x.grad
+
+    want = run(lambda x: algo.logprobs_and_entropy(x, tokens, temperature, entropy_grad))
+    tol = {torch.float32: 1e-6, torch.float64: 1e-6, torch.bfloat16: 1e-2}[dtype]  # both compute in float32
+    for rows in (1, 3, N):
+        got = run(lambda x: algo.head_logprobs_and_entropy(x, tokens, temperature, entropy_grad, block_elements=rows * V))
+        for a, b in zip(want, got):
+            assert a.dtype == b.dtype
+            assert torch.allclose(a.double(), b.double(), atol=tol, rtol=tol), (rows, (a.double() - b.double()).abs().max())
+
+
+def test_the_head_function_makes_one_vocabulary_wide_tensor():
+    """The autograd chain makes 3 (N, V) tensors (5 with the entropy's gradient) besides the logits; the head
+    function makes one, the logits' gradient, and the rest a block of rows at a time."""
+    from conftest import LiveTensors
+
+    N, V = 64, 5000
+    tokens = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(0))
+
+    def wide(fn, entropy_grad):
+        logits = torch.randn(N, V).requires_grad_()
+        with LiveTensors(wide_elements=N * V) as mode:
+            lp, ent = fn(logits, tokens, 0.7, entropy_grad)
+            (lp.sum() + (ent.sum() if entropy_grad else 0)).backward()
+        return mode.peak_wide
+
+    light = lambda *a: algo.head_logprobs_and_entropy(*a, block_elements=8 * V)  # noqa: E731
+    assert (wide(algo.logprobs_and_entropy, False), wide(algo.logprobs_and_entropy, True)) == (3, 5)
+    assert (wide(light, False), wide(light, True)) == (1, 1)

@@ -70,6 +70,19 @@ def test_each_switch_lowers_its_own_term(model_dir, prompts_file, tmp_path):
     assert shared.sizes.batch == 8 and shared.sizes.num_updates == 2
 
 
+def test_one_process_holds_one_models_training_activations_at_a_time(model_dir, prompts_file, tmp_path):
+    """On one process the policy's terms are back-propagated before the critic's forward: the training phase is
+    the larger of the two models' activations; under ddp with several processes, their sum."""
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", per_device_train_batch_size=8,
+                             num_mini_batches=1, total_episodes=16)
+    device = ("test", 64 * GiB)
+    one, two = estimate(config, 32, 64, device, processes=1), estimate(config, 32, 64, device, processes=2)
+    policy, value = roles_of(one)["policy"].activations, roles_of(one)["value"].activations
+    assert policy > 0 and value > 0
+    assert one.phases["training"] == max(policy, value)
+    assert two.phases["training"] == policy + value
+
+
 @pytest.fixture
 def big_model_dir(tmp_path):
     """A config.json of a 13B-parameter Llama and nothing else: plan never needs the weights."""
@@ -257,7 +270,7 @@ def test_plan_counts_the_lm_head_in_both_modes_and_suggests_a_token_budget(long_
     assert (light.phases["training"] - chunk_bytes) == 8 * (budget.phases["training"] - chunk_bytes)
 
     config.lm_head_chunk_size, config.ppo.max_tokens_per_micro_batch = None, None
-    small_device = ("test", 4 * GiB)
+    small_device = ("test", 3 * GiB)
     suggestion = estimate(config, 256, 64, small_device).suggestion
     assert suggestion.startswith("lm_head_chunk_size: 256; ppo.max_tokens_per_micro_batch: ")  # 128 MiB of logits per chunk
     tokens = int(suggestion.split("ppo.max_tokens_per_micro_batch: ")[1].split(" ")[0].rstrip(";"))

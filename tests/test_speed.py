@@ -71,6 +71,47 @@ def test_a_minibatch_split_three_ways_gives_the_same_gradients_and_metrics(sft_m
         assert metrics["perf/padding_share"] < want_metrics["perf/padding_share"]  # smaller micro-batches, less padding
 
 
+def test_policy_then_critic_backward_gives_the_combined_gradients_with_one_models_activations(sft_model_dir, prompts_file, tmp_path):
+    """One process back-propagates the policy's terms before the critic's forward (parallel.backward_separately):
+    every gradient and metric equals the one forward + one backward of both that ddp runs, with every loss term
+    on (KL loss, entropy bonus), and the tensors alive at once are fewer (the critic's activations come after
+    the policy's are freed)."""
+    import copy
+
+    from conftest import LiveTensors
+
+    config = tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / "run", total_episodes=16, per_device_train_batch_size=8,
+                             num_mini_batches=2, num_ppo_epochs=1, response_length=10, max_grad_norm=0.0,
+                             entropy_coef=0.01, kl_loss_coef=0.1)
+    trainer = PPOTrainer(config, show_progress=False)
+    assert trainer.engine.backward_separately  # one process
+    rollout = _one_rollout(trainer)
+    results = {}
+    for separately in (True, False):
+        engine = copy.copy(trainer.engine)
+        engine.backward_separately = separately
+        recorder = GradientRecorder([p for p in trainer.model.parameters() if p.requires_grad])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
+        torch.manual_seed(5)
+        metrics = optimise.ppo_epochs(trainer.model, recorder, scheduler, rollout, config.ppo, trainer.sizes, engine, lambda t: t)
+        mb = optimise.micro_batches(rollout, torch.arange(8), trainer.sizes, config.ppo)[0]
+        (normalisers, scale), = optimise.loss_normalisers([mb], config.ppo, lambda t: t, 1)
+        with LiveTensors() as mode:
+            optimise.micro_batch_backward(trainer.model, mb, config.ppo, normalisers, scale, torch.Tensor.backward, separately)
+        trainer.model.zero_grad(set_to_none=True)
+        results[separately] = recorder.grads, metrics, mode.peak_bytes
+    (grads, metrics, peak), (want_grads, want_metrics, combined_peak) = results[True], results[False]
+    assert len(grads) == len(want_grads) == 2
+    for step_got, step_want in zip(grads, want_grads):
+        assert len(step_got) == len(step_want)
+        for got, want in zip(step_got, step_want):
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-9)
+    assert metrics.keys() == want_metrics.keys() and "loss/value_avg" in metrics
+    for key, value in want_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert peak < 0.8 * combined_peak, (peak, combined_peak)
+
+
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_switches_on_follow_the_padded_learning_curve(sft_model_dir, prompts_file, tmp_path, compile):
     """Same seed, 3 updates: token budget + light head (+ compile) against fixed, padded micro-batches

@@ -111,6 +111,77 @@ def logprobs_and_entropy(
     return chosen, entropy
 
 
+class _HeadLogprobs(torch.autograd.Function):
+    """logits (N, V) -> (logprobs (N,), entropy (N,)) of the temperature-scaled distribution: the same numbers
+    as `logprobs_and_entropy`, whose chain of autograd ops (scale, log-softmax, exp, product) keeps four to
+    six (N, V) float32 tensors alive. Here the forward works `rows_per_block` rows at a time and keeps
+    nothing of that size; the backward writes the logits' gradient, the one (N, V) tensor it makes, a
+    block of rows at a time.
+
+    Saved for backward: the logits (alive anyway: the head's matmul made them), the tokens, and per row the
+    log-normaliser lse and the entropy H. With s = logits / temperature and p = softmax(s):
+      d logprob / d s = onehot(token) - p;   d H / d s = -p * (log p + H),  log p = s - lse.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature: float, entropy_grad: bool, rows_per_block: int):
+        lse, entropy, chosen = (logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(3))
+        for rows in _row_blocks(logits.shape[0], rows_per_block):
+            scaled = logits[rows].to(torch.float32, copy=True).div_(temperature)
+            shift = scaled.amax(-1, keepdim=True)
+            scaled.sub_(shift)  # s - max: every exp is at most 1
+            chosen[rows] = scaled.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
+            exps = scaled.exp()
+            total = exps.sum(-1)
+            weighted = torch.bmm(exps.unsqueeze(1), scaled.unsqueeze(2)).reshape(-1)  # sum_v exp(s_v - max) (s_v - max)
+            log_total = total.log()
+            lse[rows] = log_total + shift.squeeze(-1)
+            entropy[rows] = log_total - weighted / total  # -sum p log p, log p = (s - max) - log_total
+            chosen[rows] -= log_total
+        ctx.save_for_backward(logits, tokens, lse, entropy)
+        ctx.temperature, ctx.entropy_grad, ctx.rows_per_block = temperature, entropy_grad, rows_per_block
+        ctx.mark_non_differentiable(tokens)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return chosen, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
+        for rows in _row_blocks(logits.shape[0], ctx.rows_per_block):
+            log_p = logits[rows].to(torch.float32, copy=True).div_(ctx.temperature).sub_(lse[rows].unsqueeze(-1))
+            block = grad[rows]
+            torch.exp(log_p, out=block)  # p
+            if with_entropy:
+                log_p.add_(entropy[rows].unsqueeze(-1)).mul_(block).mul_(-grad_entropy[rows].unsqueeze(-1))  # dH/ds * g
+            if grad_logprobs is not None:
+                g = grad_logprobs[rows].unsqueeze(-1)
+                block.mul_(-g).scatter_add_(-1, tokens[rows].unsqueeze(-1), g)  # (onehot - p) * g
+                if with_entropy:
+                    block.add_(log_p)
+            elif with_entropy:
+                block.copy_(log_p)
+            else:
+                block.zero_()
+        return grad.div_(ctx.temperature).to(logits.dtype), None, None, None, None
+
+
+def _row_blocks(rows: int, rows_per_block: int):
+    return (slice(start, start + rows_per_block) for start in range(0, rows, rows_per_block))
+
+
+def head_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy_grad: bool = False,
+                              block_elements: int = 2**22):
+    """`logprobs_and_entropy` for logits (N, V) and tokens (N,) without (N, V) temporaries in the forward and
+    with one, the gradient, in the backward (`_HeadLogprobs`); rows are taken about `block_elements` logits
+    at a time. -> (logprobs (N,) float32 with grad, entropy (N,) float32, with grad only if entropy_grad)."""
+    rows_per_block = max(1, block_elements // max(logits.shape[-1], 1))
+    logprobs, entropy = _HeadLogprobs.apply(logits, tokens, temperature, entropy_grad and torch.is_grad_enabled(), rows_per_block)
+    return logprobs, (entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach())
+
+
 def chunked_head_logprobs(
     hidden: torch.Tensor,
     head,
@@ -127,17 +198,16 @@ def chunked_head_logprobs(
     -> (logprobs (N,) float32, entropy (N,) float32 or None).
 
     The same numbers as `logprobs_and_entropy(head(hidden), tokens, temperature)`, but at most
-    chunk_size x V logits exist at a time instead of N x V. With gradients, each chunk runs under
+    chunk_size x V logits exist at a time instead of N x V, and of the softmax over them only their
+    gradient in the backward (`head_logprobs_and_entropy`). With gradients, each chunk runs under
     activation checkpointing: the forward keeps only the chunk's hidden states, and the backward
     recomputes the chunk's logits (one more head matmul) before differentiating them. Without
     gradients (reference pass) there is nothing to recompute.
     """
 
     def one_chunk(h: torch.Tensor, t: torch.Tensor):
-        logits = head(h)
-        if with_entropy:
-            return logprobs_and_entropy(logits, t, temperature, entropy_grad)
-        return logprobs_from_logits(logits, t, temperature), None
+        logprobs, entropy = head_logprobs_and_entropy(head(h), t, temperature, entropy_grad)
+        return logprobs, (entropy if with_entropy else None)
 
     needs_grad = torch.is_grad_enabled()
     logprobs, entropy = [], []
@@ -675,6 +745,25 @@ class LossTerms(NamedTuple):
     dual_clipfrac: Optional[torch.Tensor]
 
 
+def value_loss(
+    settings: LossSettings,
+    normalisers: LossNormalisers,
+    response_mask: torch.Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The value term of `ppo_loss` (before vf_coef): 0.5 * `value_loss_per_token`, a token mean over
+    normalisers.value, and the share of tokens whose value was clipped (detached).
+
+    Tensors (B, T); values with grad. A trainer that back-propagates the policy and the value terms one
+    after the other (their models share no forward) adds vf_coef * this to the policy terms' loss.
+    """
+    value_per_token, value_clipped = value_loss_per_token(values, old_values, returns, settings.cliprange_value)
+    value = 0.5 * aggregate(value_per_token, response_mask, normalisers.value)
+    return value, masked_mean(value_clipped.float(), response_mask).detach()
+
+
 def ppo_loss(
     settings: LossSettings,
     normalisers: LossNormalisers,
@@ -709,10 +798,8 @@ def ppo_loss(
     loss = policy
     value = value_clipfrac = kl = None
     if values is not None:
-        value_per_token, value_clipped = value_loss_per_token(values, old_values, returns, settings.cliprange_value)
-        value = 0.5 * aggregate(value_per_token, response_mask, normalisers.value)
+        value, value_clipfrac = value_loss(settings, normalisers, response_mask, values, old_values, returns)
         loss = loss + settings.vf_coef * value
-        value_clipfrac = masked_mean(value_clipped.float(), response_mask).detach()
     if settings.kl_loss_coef > 0:
         kl = aggregate(kl_per_token(logprobs, ref_logprobs, settings.kl_loss_estimator), weights, normalisers.policy)
         loss = loss + settings.kl_loss_coef * kl

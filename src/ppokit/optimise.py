@@ -2,13 +2,13 @@
 
     for each epoch:                       rows of the rollout in a fresh random order
       for each minibatch:                 one optimiser step
-        for each micro-batch:             one forward + backward; gradients accumulate
-          loss = micro_batch_loss(...)
+        for each micro-batch:             forward + backward (policy, then critic); gradients accumulate
+          micro_batch_backward(...)
         clip gradients; refuse a non-finite loss or gradient; optimiser step; schedule step
 
 `micro_batches` is the one place micro-batches are formed (fixed rows, or a token budget:
 ppokit.batching), `loss_normalisers` the one place the loss normalisation is decided and
-`micro_batch_loss` the one place a micro-batch's losses are computed (`algo.ppo_loss` with the
+`micro_batch_backward` the one place a micro-batch's losses are computed and back-propagated (`algo.ppo_loss` with the
 knobs of `loss_settings`); the
 optimiser and its schedule are built by `build_optimiser`: two parameter groups, the policy's and
 the critic's (`ppo.vf_learning_rate`), each on its own schedule; during the first
@@ -55,23 +55,29 @@ class PolicyAndValue(nn.Module):
         critic = compiled_backbone(self.value_model) if self.value_model is not None else None
         self.__dict__["backbones"] = (compiled_backbone(self.policy), critic)
 
-    def forward(self, input_ids, attention_mask, response_ids, response_mask, temperature: float, entropy_grad: bool = False):
-        """The training forward. (B, P + R), (B, R) -> (logprobs, entropy, values or None), each (B, R), 0 at padding.
+    def forward(self, input_ids, attention_mask, response_ids, response_mask, temperature: float, entropy_grad: bool = False,
+                part: str = "both"):
+        """The training forward. (B, P + R), (B, R) -> (logprobs, entropy, values), each (B, R), 0 at padding.
 
+        part "policy" runs the policy alone (values None), "value" the critic alone (logprobs and entropy None),
+        "both" both. Each part goes through this forward, so that what accelerate wraps it in (autocast) applies.
         Logprobs and entropy by `models.response_logprobs`, the function the reference pass uses too.
         """
-        policy_backbone, value_backbone = self.__dict__["backbones"]
-        logprobs, entropy = response_logprobs(
-            self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=self.lm_head_chunk_size,
-            with_entropy=True, entropy_grad=entropy_grad, backbone_fn=policy_backbone,
-        )
-        return logprobs, entropy, self.values(input_ids, attention_mask, response_ids.shape[1], value_backbone)
+        logprobs = entropy = values = None
+        if part in ("both", "policy"):
+            logprobs, entropy = response_logprobs(
+                self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=self.lm_head_chunk_size,
+                with_entropy=True, entropy_grad=entropy_grad, backbone_fn=self.__dict__["backbones"][0],
+            )
+        if part in ("both", "value"):
+            values = self.values(input_ids, attention_mask, response_ids.shape[1])
+        return logprobs, entropy, values
 
-    def values(self, input_ids, attention_mask, response_length: int, backbone_fn=None) -> Optional[torch.Tensor]:
+    def values(self, input_ids, attention_mask, response_length: int) -> Optional[torch.Tensor]:
         """(B, P + R) -> the critic's value of the state before each response token (B, R); None without a critic."""
         if self.value_model is None:
             return None
-        return response_values(self.value_model, input_ids, attention_mask, response_length, backbone_fn)
+        return response_values(self.value_model, input_ids, attention_mask, response_length, self.__dict__["backbones"][1])
 
     @contextlib.contextmanager
     def critic_in_eval_mode(self):
@@ -163,24 +169,51 @@ def loss_normalisers(micros: list[Rollout], hp: PPOHyperparams, reduce_sum: Call
 LOSS_TERMS = ("pg_loss", "vf_loss", "kl_loss")
 
 
-def micro_batch_loss(model: nn.Module, mb: Rollout, hp: PPOHyperparams, normalisers: algo.LossNormalisers,
-                     scale: float) -> tuple[torch.Tensor, dict]:
-    """The loss to back-propagate for one micro-batch (ppo_loss over `normalisers`, times `scale`;
-    see `loss_normalisers`) and its detached statistics."""
-    new_logprobs, token_entropy, new_values = model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask,
-                                                    hp.temperature, entropy_grad=hp.entropy_coef > 0)
-    terms = algo.ppo_loss(
-        loss_settings(hp), normalisers, mb.response_mask, new_logprobs, mb.logprobs, mb.advantages, token_entropy,
-        values=new_values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
+def micro_batch_backward(model: nn.Module, mb: Rollout, hp: PPOHyperparams, normalisers: algo.LossNormalisers, scale: float,
+                         backward: Callable[[torch.Tensor], None], separately: bool) -> tuple[torch.Tensor, dict]:
+    """Back-propagate one micro-batch's loss (ppo_loss over `normalisers`, times `scale`; see `loss_normalisers`)
+    -> (that loss, detached; its detached statistics).
+
+    separately (`parallel.backward_separately`): the policy's terms are back-propagated before the critic runs
+    its forward, so that only one model's activations are alive at a time. The gradients are the same (each
+    model's come from its own terms; shared weights add up both), as are the statistics. Otherwise one forward
+    of both models and one backward of the summed loss, as DDP needs (one backward per forward).
+    """
+    inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, hp.temperature)
+    if not separately or model.value_model is None:
+        logprobs, entropy, values = model(*inputs, entropy_grad=hp.entropy_coef > 0)
+        terms = _ppo_loss(hp, normalisers, mb, logprobs, entropy, values)
+        loss = terms.loss * scale
+        backward(loss)
+        return loss.detach(), _loss_stats(terms, terms.value, terms.value_clipfrac)
+    settings = loss_settings(hp)
+    logprobs, entropy, _ = model(*inputs, entropy_grad=hp.entropy_coef > 0, part="policy")
+    terms = _ppo_loss(hp, normalisers, mb, logprobs, entropy, None)
+    policy_loss = terms.loss * scale
+    backward(policy_loss)
+    del logprobs, entropy  # the policy's graph is freed: the critic's activations come next
+    values = model(*inputs, part="value")[2]
+    value, value_clipfrac = algo.value_loss(settings, normalisers, mb.response_mask, values, mb.values, mb.returns)
+    value_loss = settings.vf_coef * value * scale
+    backward(value_loss)
+    return (policy_loss + value_loss).detach(), _loss_stats(terms, value.detach(), value_clipfrac)
+
+
+def _ppo_loss(hp: PPOHyperparams, normalisers: algo.LossNormalisers, mb: Rollout, logprobs, entropy, values) -> algo.LossTerms:
+    return algo.ppo_loss(
+        loss_settings(hp), normalisers, mb.response_mask, logprobs, mb.logprobs, mb.advantages, entropy,
+        values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
     )
-    loss = terms.loss * scale
+
+
+def _loss_stats(terms: algo.LossTerms, value: Optional[torch.Tensor], value_clipfrac: Optional[torch.Tensor]) -> dict:
     stats = {
         "approxkl": terms.stats.approxkl, "clipfrac": terms.stats.clipfrac, "pg_loss": terms.policy, "entropy": terms.entropy,
         "ratio": terms.stats.ratio,
     }
-    optional = {"vf_loss": terms.value, "vf_clipfrac": terms.value_clipfrac, "kl_loss": terms.kl, "dual_clipfrac": terms.dual_clipfrac}
+    optional = {"vf_loss": value, "vf_clipfrac": value_clipfrac, "kl_loss": terms.kl, "dual_clipfrac": terms.dual_clipfrac}
     stats.update({k: v for k, v in optional.items() if v is not None})
-    return loss, stats
+    return stats
 
 
 def ppo_epochs(
@@ -218,9 +251,9 @@ def ppo_epochs(
             minibatch_stats: dict[str, torch.Tensor] = {}
             for k, (mb, (normalisers, scale)) in enumerate(zip(micros, loss_normalisers(micros, hp, reduce_sum, accelerator.num_processes))):
                 with engine.no_sync(model, last=k == len(micros) - 1):
-                    loss, micro_stats = micro_batch_loss(model, mb, hp, normalisers, scale)
-                    accelerator.backward(loss)
-                step_loss = step_loss + loss.detach()
+                    loss, micro_stats = micro_batch_backward(model, mb, hp, normalisers, scale, accelerator.backward,
+                                                             engine.backward_separately)
+                step_loss = step_loss + loss
                 if by_tokens:
                     weight = tokens[k] / tokens.sum().clamp(min=1)
                     for key, value in micro_stats.items():

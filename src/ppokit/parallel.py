@@ -61,6 +61,7 @@ Build = Callable[[nn.Module], tuple]  # model -> (optimizer, scheduler)
 class Engine(Protocol):
     strategy: str
     accelerator: object
+    backward_separately: bool  # see `backward_separately`
 
     def prepare(self, model: nn.Module, build: Build) -> tuple: ...
     def place_frozen(self, model: nn.Module) -> nn.Module: ...
@@ -69,6 +70,15 @@ class Engine(Protocol):
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor: ...
     def consolidated(self, model: nn.Module) -> contextlib.AbstractContextManager: ...
     def checkpoint_weights(self): ...
+
+
+def backward_separately(strategy: str, processes: int) -> bool:
+    """Whether training back-propagates a micro-batch's policy terms before the critic's forward
+    (`optimise.micro_batch_backward`), so that the two models' activations are never alive together:
+    the same gradients, the larger of the two models' activations instead of their sum (`ppokit plan`
+    counts it so). On one process. DDP wants one backward per forward of the module it wraps, so under
+    ddp with several processes both models run one forward and one backward together."""
+    return processes == 1 and strategy in ("ddp", "fsdp")
 
 
 def engine(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded":
@@ -130,11 +140,16 @@ class Replicated:
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
+        self.backward_separately = backward_separately(self.strategy, accelerator.num_processes)
 
     def prepare(self, model, build):
         # The schedule stays outside accelerate: its wrapper steps a schedule once per process per call.
         optimizer, scheduler = build(model)
         model, optimizer = self.accelerator.prepare(model, optimizer)
+        if self.accelerator.num_processes == 1 and isinstance(model, nn.parallel.DistributedDataParallel):
+            # torchrun with one process: accelerate wraps DDP all the same, which has no one to average with and
+            # would hold training to one forward and one backward per step (see `backward_separately`).
+            model = model.module
         return model, optimizer, scheduler
 
     def place_frozen(self, model):
@@ -254,6 +269,7 @@ class Sharded:
 
         self.accelerator = accelerator
         self.settings = settings
+        self.backward_separately = backward_separately(self.strategy, accelerator.num_processes)
         _process_group(accelerator)
         self.mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
         # Compute in bf16 with float32 master weights and float32 gradient reduction.

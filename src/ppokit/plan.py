@@ -31,6 +31,7 @@ from torch import nn
 from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
+from ppokit.parallel import backward_separately
 from ppokit.prompts import as_prompt_dataset, encode_prompts, prompt_room, render_chat_prompts
 from ppokit.roles import (
     CRITIC_ON_REWARD,
@@ -337,6 +338,13 @@ def train_activation_bytes(dims: dict, tokens: int, act_bytes: int, checkpointin
     return dims["layers"] * per_layer
 
 
+def training_activations(roles, strategy: str, processes: int) -> int:
+    """The training phase's activations: the larger of the policy's and the critic's where they are
+    back-propagated one after the other (`parallel.backward_separately`: one process), else their sum."""
+    activations = [r.activations for r in roles]
+    return max(activations) if backward_separately(strategy, processes) else sum(activations)
+
+
 def lm_head_bytes(dims: dict, positions: int, chunk: Optional[int], copies: int = LOGIT_COPIES) -> int:
     """float32 tensors over the vocabulary for `positions` response positions of one pass: all of them at once
     (the direct computation), or one chunk of lm_head_chunk_size tokens at a time (the memory-light head)."""
@@ -474,7 +482,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1, head_chunk),
                        inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
-        "training": sum(r.activations for r in roles),
+        "training": training_activations(roles, config.parallel.strategy, processes),
     }
 
     models = [(policy_config, policy_weights)] + ([(reward_config, reward_weights)] if reward_config is not None else [])
@@ -554,7 +562,8 @@ def _suggest_processes(plan: Plan, most: int = 1024) -> Optional[str]:
     every other setting unchanged; None when even `most` processes do not (activations are per device)."""
     n = max(2, plan.sharding.processes)
     while n <= most:
-        trial = dataclasses.replace(plan, strategy="fsdp", sharding=dataclasses.replace(plan.sharding, processes=n))
+        trial = dataclasses.replace(plan, strategy="fsdp", sharding=dataclasses.replace(plan.sharding, processes=n),
+                                    phases={**plan.phases, "training": training_activations(plan.roles, "fsdp", n)})
         if trial.fits:
             return f"parallel.strategy: fsdp with {n} processes (estimated {_gib(trial.total)} per device)"
         n *= 2

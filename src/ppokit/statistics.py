@@ -62,7 +62,7 @@ def objective_metrics(
     }
 
 
-# Training statistics (keys of `optimise.micro_batch_loss`'s stats) -> their metric names.
+# Training statistics (keys of `optimise.micro_batch_backward`'s stats) -> their metric names.
 TRAINING_METRICS = {
     "approxkl": "policy/approxkl_avg",
     "clipfrac": "policy/clipfrac_avg",
