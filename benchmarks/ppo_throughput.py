@@ -225,8 +225,9 @@ def measure(args, updates: int, work: Path) -> None:
             "padding_share": round(mean("perf/padding_share"), 4) if all("perf/padding_share" in r for r in timed) else None,
             "first_update_s": round(records[0]["time/update"], 2),
             "peak_rss_mb_by_stage": phases.report(),
-            "switches": {"max_tokens_per_micro_batch": config.ppo.max_tokens_per_micro_batch,
-                         "lm_head_chunk_size": config.lm_head_chunk_size, "compile": config.compile},
+            # getattr: the tree before these switches runs the default configuration too (docs/speed.md)
+            "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
+                         "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False)},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from ppokit.demo import NEGATIVE, NOUNS, OPENERS, POSITIVE, _review
-from ppokit.models import hidden_states, output_head
 from ppokit.sft import IGNORE_INDEX, collate, encode_pair, train_loop
 from ppokit.tiny import bpe_tokenizer, tiny_causal_lm
 
@@ -96,6 +95,8 @@ def cache_dir() -> Path:
 
 def _sft_loss(model, batch, pad_token_id):
     """Completion cross-entropy with logits only at the labelled positions (the vocabulary is large)."""
+    from ppokit.models import hidden_states, output_head  # here: a tree without them can still run the cached task
+
     ids, mask, labels = collate(batch, pad_token_id)
     hidden = hidden_states(model, ids, mask)[:, :-1]
     target = labels[:, 1:]

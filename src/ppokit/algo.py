@@ -116,7 +116,7 @@ class _HeadLogprobs(torch.autograd.Function):
     as `logprobs_and_entropy`, whose chain of autograd ops (scale, log-softmax, exp, product) keeps four to
     six (N, V) float32 tensors alive. Here the forward works `rows_per_block` rows at a time and keeps
     nothing of that size; the backward writes the logits' gradient, the one (N, V) tensor it makes, a
-    block of rows at a time.
+    block of rows at a time, in place (with the entropy's gradient, one block-sized temporary).
 
     Saved for backward: the logits (alive anyway: the head's matmul made them), the tokens, and per row the
     log-normaliser lse and the entropy H. With s = logits / temperature and p = softmax(s):
@@ -151,18 +151,19 @@ class _HeadLogprobs(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         with_entropy = ctx.entropy_grad and grad_entropy is not None
         for rows in _row_blocks(logits.shape[0], ctx.rows_per_block):
-            log_p = logits[rows].to(torch.float32, copy=True).div_(ctx.temperature).sub_(lse[rows].unsqueeze(-1))
             block = grad[rows]
-            torch.exp(log_p, out=block)  # p
+            block.copy_(logits[rows]).div_(ctx.temperature).sub_(lse[rows].unsqueeze(-1))  # log p
+            entropy_term = block + entropy[rows].unsqueeze(-1) if with_entropy else None  # log p + H, a block's size
+            block.exp_()  # p
             if with_entropy:
-                log_p.add_(entropy[rows].unsqueeze(-1)).mul_(block).mul_(-grad_entropy[rows].unsqueeze(-1))  # dH/ds * g
+                entropy_term.mul_(block).mul_(-grad_entropy[rows].unsqueeze(-1))  # dH/ds * g
             if grad_logprobs is not None:
                 g = grad_logprobs[rows].unsqueeze(-1)
                 block.mul_(-g).scatter_add_(-1, tokens[rows].unsqueeze(-1), g)  # (onehot - p) * g
                 if with_entropy:
-                    block.add_(log_p)
+                    block.add_(entropy_term)
             elif with_entropy:
-                block.copy_(log_p)
+                block.copy_(entropy_term)
             else:
                 block.zero_()
         return grad.div_(ctx.temperature).to(logits.dtype), None, None, None, None
