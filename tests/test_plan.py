@@ -257,7 +257,7 @@ def test_plan_counts_the_lm_head_in_both_modes_and_suggests_a_token_budget(long_
 
     config.lm_head_chunk_size = 1024
     light = estimate(config, 256, 64, device)
-    assert direct.phases["training"] - light.phases["training"] == head - 4 * 1024 * 128256 * 4
+    assert direct.phases["training"] - light.phases["training"] == head - 2 * 1024 * 128256 * 4  # a chunk's logits and gradient
     assert light.fits and light.total < direct.total / 3
     assert light.phases["forward"] < direct.phases["forward"]  # the reference pass's logits, chunked too
     assert light.sequence["lm_head_positions"] == 1024
@@ -265,12 +265,12 @@ def test_plan_counts_the_lm_head_in_both_modes_and_suggests_a_token_budget(long_
     config.ppo.max_tokens_per_micro_batch = 4 * 512
     budget = estimate(config, 256, 64, device)
     assert budget.sequence["micro_batch_tokens"] == 2048
-    chunk_bytes = 4 * 1024 * 128256 * 4  # the same light head in both
+    chunk_bytes = 2 * 1024 * 128256 * 4  # the same light head in both
     # 4 of the 32 longest rows per micro-batch: the backbones' activations are an eighth.
     assert (light.phases["training"] - chunk_bytes) == 8 * (budget.phases["training"] - chunk_bytes)
 
     config.lm_head_chunk_size, config.ppo.max_tokens_per_micro_batch = None, None
-    small_device = ("test", 3 * GiB)
+    small_device = ("test", int(2.5 * GiB))
     suggestion = estimate(config, 256, 64, small_device).suggestion
     assert suggestion.startswith("lm_head_chunk_size: 256; ppo.max_tokens_per_micro_batch: ")  # 128 MiB of logits per chunk
     tokens = int(suggestion.split("ppo.max_tokens_per_micro_batch: ")[1].split(" ")[0].rstrip(";"))

@@ -55,6 +55,7 @@ QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 # product). Attention probabilities are not stored with SDPA/flash attention.
 ACT_HIDDEN_FACTOR, ACT_INTERMEDIATE_FACTOR = 8, 4
 LOGIT_COPIES = 4  # logits, logits / T, log-softmax, entropy terms: float32, (R + 1) positions
+LIGHT_HEAD_COPIES = 2  # the memory-light head: a chunk's logits and their gradient (algo.head_logprobs_and_entropy)
 
 
 @dataclass
@@ -345,9 +346,12 @@ def training_activations(roles, strategy: str, processes: int) -> int:
     return max(activations) if backward_separately(strategy, processes) else sum(activations)
 
 
-def lm_head_bytes(dims: dict, positions: int, chunk: Optional[int], copies: int = LOGIT_COPIES) -> int:
+def lm_head_bytes(dims: dict, positions: int, chunk: Optional[int], copies: Optional[int] = None) -> int:
     """float32 tensors over the vocabulary for `positions` response positions of one pass: all of them at once
-    (the direct computation), or one chunk of lm_head_chunk_size tokens at a time (the memory-light head)."""
+    (the direct computation, LOGIT_COPIES of them), or one chunk of lm_head_chunk_size tokens at a time (the
+    memory-light head, LIGHT_HEAD_COPIES)."""
+    if copies is None:
+        copies = LIGHT_HEAD_COPIES if chunk else LOGIT_COPIES
     return copies * (min(positions, chunk) if chunk else positions) * dims["vocab"] * 4
 
 
