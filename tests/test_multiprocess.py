@@ -51,8 +51,8 @@ def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo)
     return config
 
 
-def _launch(config, *extra, use_cpu=True):
-    command = [TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config), *extra]
+def _launch(config, *extra, use_cpu=True, processes=2):
+    command = [TORCHRUN, "--nproc_per_node", str(processes), "-m", "ppokit", "ppo", str(config), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(use_cpu))
 
 
@@ -384,6 +384,30 @@ def test_two_processes_keep_each_prompts_samples_together_for_grpo(model_dir, pr
         assert not set(per_process[0]) & set(per_process[1])  # no prompt's samples are split across processes
         assert len(set(per_process[0]) | set(per_process[1])) == 4
     assert not (tmp_path / "run-ddp" / "final" / "value_model").exists()
+
+
+@needs_torchrun
+def test_one_process_under_torchrun_trains_as_a_plain_run(model_dir, prompts_file, tmp_path):
+    """torchrun with one process, under ddp (accelerate's DDP wrapper dropped) and under fsdp (a mesh of one),
+    back-propagates policy and critic one after the other like a plain `ppokit ppo` run: the same numbers."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        config = _config(model_dir, prompts_file, tmp_path, strategy, total_episodes=16, num_sample_generations=0, save_steps=0)
+        result = _launch(config, processes=1)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[strategy] = _comparable(tmp_path / f"run-{strategy}")
+    (tmp_path / "plain").mkdir()
+    plain = _config(model_dir, prompts_file, tmp_path / "plain", "ddp", total_episodes=16, num_sample_generations=0, save_steps=0)
+    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(plain)], capture_output=True, text=True, timeout=300,
+                            env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = _comparable(tmp_path / "plain" / "run-ddp")
+    assert len(want) == 2 and "loss/value_avg" in want[0]
+    for strategy, records in runs.items():
+        assert len(records) == len(want)
+        for got, expected in zip(records, want):
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (strategy, key)
 
 
 @needs_torchrun
