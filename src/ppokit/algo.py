@@ -150,23 +150,24 @@ class _HeadLogprobs(torch.autograd.Function):
         logits, tokens, lse, entropy = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         with_entropy = ctx.entropy_grad and grad_entropy is not None
+        inverse_t = 1.0 / ctx.temperature  # d s / d logits, folded into the per-row factors
         for rows in _row_blocks(logits.shape[0], ctx.rows_per_block):
             block = grad[rows]
-            block.copy_(logits[rows]).div_(ctx.temperature).sub_(lse[rows].unsqueeze(-1))  # log p
+            torch.add(-lse[rows].unsqueeze(-1), logits[rows], alpha=inverse_t, out=block)  # log p = logits / T - lse, in float32
             entropy_term = block + entropy[rows].unsqueeze(-1) if with_entropy else None  # log p + H, a block's size
             block.exp_()  # p
             if with_entropy:
-                entropy_term.mul_(block).mul_(-grad_entropy[rows].unsqueeze(-1))  # dH/ds * g
+                entropy_term.mul_(block).mul_(grad_entropy[rows].unsqueeze(-1) * -inverse_t)  # dH/ds * g / T
             if grad_logprobs is not None:
-                g = grad_logprobs[rows].unsqueeze(-1)
-                block.mul_(-g).scatter_add_(-1, tokens[rows].unsqueeze(-1), g)  # (onehot - p) * g
+                g = grad_logprobs[rows].unsqueeze(-1) * inverse_t
+                block.mul_(-g).scatter_add_(-1, tokens[rows].unsqueeze(-1), g)  # (onehot - p) * g / T
                 if with_entropy:
                     block.add_(entropy_term)
             elif with_entropy:
                 block.copy_(entropy_term)
             else:
                 block.zero_()
-        return grad.div_(ctx.temperature).to(logits.dtype), None, None, None, None
+        return grad.to(logits.dtype), None, None, None, None
 
 
 def _row_blocks(rows: int, rows_per_block: int):
