@@ -134,3 +134,30 @@ def test_a_budget_below_the_longest_row_is_refused_before_any_model_loads(sft_mo
     config = with_speed_switches(tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / "run"), max_tokens_per_micro_batch=9)
     with pytest.raises(UserError, match=r"ppo.max_tokens_per_micro_batch=9 is smaller than the longest row this run can produce \(1[0-9] tokens"):
         PPOTrainer(config, show_progress=False)
+
+
+def test_the_compiled_backbones_run_in_training_only(sft_model_dir, prompts_file, tmp_path):
+    """compile: true wraps the training forward; the rollout's reference and value passes stay eager (docs/speed.md).
+    The stand-ins here are the eager backbones behind a call counter, so no compile is paid."""
+    from ppokit.models import backbone
+
+    config = tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / "run", total_episodes=8, per_device_train_batch_size=4,
+                             num_mini_batches=1, num_ppo_epochs=1, response_length=6)
+    trainer = PPOTrainer(config, show_progress=False)
+    calls = {"policy": 0, "value": 0}
+
+    def counted(role, module):
+        def run(*args, **kwargs):
+            calls[role] += 1
+            return module(*args, **kwargs)
+        return run
+
+    model = trainer.model
+    model.__dict__["backbones"] = (counted("policy", backbone(model.policy)), counted("value", backbone(model.value_model)))
+    rollout = _one_rollout(trainer)  # one whole update: sampling, reference and values, training
+    trained = dict(calls)
+    assert trained["policy"] >= 1 and trained["value"] >= 1
+    calls.update(policy=0, value=0)
+    with torch.no_grad():
+        trainer.reference_and_values(rollout)
+    assert calls == {"policy": 0, "value": 0}

@@ -180,8 +180,9 @@ def head_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temper
     with one, the gradient, in the backward (`_HeadLogprobs`); rows are taken about `block_elements` logits
     at a time. -> (logprobs (N,) float32 with grad, entropy (N,) float32, with grad only if entropy_grad)."""
     rows_per_block = max(1, block_elements // max(logits.shape[-1], 1))
-    logprobs, entropy = _HeadLogprobs.apply(logits, tokens, temperature, entropy_grad and torch.is_grad_enabled(), rows_per_block)
-    return logprobs, (entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach())
+    entropy_grad = entropy_grad and torch.is_grad_enabled()
+    logprobs, entropy = _HeadLogprobs.apply(logits, tokens, temperature, entropy_grad, rows_per_block)
+    return logprobs, (entropy if entropy_grad else entropy.detach())
 
 
 def chunked_head_logprobs(

@@ -70,14 +70,15 @@ class PolicyAndValue(nn.Module):
                 with_entropy=True, entropy_grad=entropy_grad, backbone_fn=self.__dict__["backbones"][0],
             )
         if part in ("both", "value"):
-            values = self.values(input_ids, attention_mask, response_ids.shape[1])
+            values = self.values(input_ids, attention_mask, response_ids.shape[1], self.__dict__["backbones"][1])
         return logprobs, entropy, values
 
-    def values(self, input_ids, attention_mask, response_length: int) -> Optional[torch.Tensor]:
-        """(B, P + R) -> the critic's value of the state before each response token (B, R); None without a critic."""
+    def values(self, input_ids, attention_mask, response_length: int, backbone_fn=None) -> Optional[torch.Tensor]:
+        """(B, P + R) -> the critic's value of the state before each response token (B, R); None without a critic.
+        backbone_fn: the compiled backbone (training only; the rollout's value pass runs eager)."""
         if self.value_model is None:
             return None
-        return response_values(self.value_model, input_ids, attention_mask, response_length, self.__dict__["backbones"][1])
+        return response_values(self.value_model, input_ids, attention_mask, response_length, backbone_fn)
 
     @contextlib.contextmanager
     def critic_in_eval_mode(self):
@@ -180,15 +181,15 @@ def micro_batch_backward(model: nn.Module, mb: Rollout, hp: PPOHyperparams, norm
     of both models and one backward of the summed loss, as DDP needs (one backward per forward).
     """
     inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, hp.temperature)
+    settings = loss_settings(hp)
     if not separately or model.value_model is None:
         logprobs, entropy, values = model(*inputs, entropy_grad=hp.entropy_coef > 0)
-        terms = _ppo_loss(hp, normalisers, mb, logprobs, entropy, values)
+        terms = _ppo_loss(settings, normalisers, mb, logprobs, entropy, values)
         loss = terms.loss * scale
         backward(loss)
         return loss.detach(), _loss_stats(terms, terms.value, terms.value_clipfrac)
-    settings = loss_settings(hp)
     logprobs, entropy, _ = model(*inputs, entropy_grad=hp.entropy_coef > 0, part="policy")
-    terms = _ppo_loss(hp, normalisers, mb, logprobs, entropy, None)
+    terms = _ppo_loss(settings, normalisers, mb, logprobs, entropy, None)
     policy_loss = terms.loss * scale
     backward(policy_loss)
     del logprobs, entropy  # the policy's graph is freed: the critic's activations come next
@@ -199,9 +200,9 @@ def micro_batch_backward(model: nn.Module, mb: Rollout, hp: PPOHyperparams, norm
     return (policy_loss + value_loss).detach(), _loss_stats(terms, value.detach(), value_clipfrac)
 
 
-def _ppo_loss(hp: PPOHyperparams, normalisers: algo.LossNormalisers, mb: Rollout, logprobs, entropy, values) -> algo.LossTerms:
+def _ppo_loss(settings: algo.LossSettings, normalisers: algo.LossNormalisers, mb: Rollout, logprobs, entropy, values) -> algo.LossTerms:
     return algo.ppo_loss(
-        loss_settings(hp), normalisers, mb.response_mask, logprobs, mb.logprobs, mb.advantages, entropy,
+        settings, normalisers, mb.response_mask, logprobs, mb.logprobs, mb.advantages, entropy,
         values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
     )
 

@@ -72,13 +72,14 @@ class Engine(Protocol):
     def checkpoint_weights(self): ...
 
 
-def backward_separately(strategy: str, processes: int) -> bool:
+def backward_separately(processes: int) -> bool:
     """Whether training back-propagates a micro-batch's policy terms before the critic's forward
     (`optimise.micro_batch_backward`), so that the two models' activations are never alive together:
     the same gradients, the larger of the two models' activations instead of their sum (`ppokit plan`
     counts it so). On one process. DDP wants one backward per forward of the module it wraps, so under
-    ddp with several processes both models run one forward and one backward together."""
-    return processes == 1 and strategy in ("ddp", "fsdp")
+    ddp with several processes both models run one forward and one backward together (fsdp with
+    several processes does the same: not tried the other way)."""
+    return processes == 1
 
 
 def engine(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded":
@@ -140,7 +141,7 @@ class Replicated:
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
-        self.backward_separately = backward_separately(self.strategy, accelerator.num_processes)
+        self.backward_separately = backward_separately(accelerator.num_processes)
 
     def prepare(self, model, build):
         # The schedule stays outside accelerate: its wrapper steps a schedule once per process per call.
@@ -269,7 +270,7 @@ class Sharded:
 
         self.accelerator = accelerator
         self.settings = settings
-        self.backward_separately = backward_separately(self.strategy, accelerator.num_processes)
+        self.backward_separately = backward_separately(accelerator.num_processes)
         _process_group(accelerator)
         self.mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
         # Compute in bf16 with float32 master weights and float32 gradient reduction.

@@ -339,11 +339,11 @@ def train_activation_bytes(dims: dict, tokens: int, act_bytes: int, checkpointin
     return dims["layers"] * per_layer
 
 
-def training_activations(roles, strategy: str, processes: int) -> int:
+def training_activations(roles, processes: int) -> int:
     """The training phase's activations: the larger of the policy's and the critic's where they are
     back-propagated one after the other (`parallel.backward_separately`: one process), else their sum."""
     activations = [r.activations for r in roles]
-    return max(activations) if backward_separately(strategy, processes) else sum(activations)
+    return max(activations) if backward_separately(processes) else sum(activations)
 
 
 def lm_head_bytes(dims: dict, positions: int, chunk: Optional[int], copies: Optional[int] = None) -> int:
@@ -486,7 +486,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1, head_chunk),
                        inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
-        "training": training_activations(roles, config.parallel.strategy, processes),
+        "training": training_activations(roles, processes),
     }
 
     models = [(policy_config, policy_weights)] + ([(reward_config, reward_weights)] if reward_config is not None else [])
@@ -567,7 +567,7 @@ def _suggest_processes(plan: Plan, most: int = 1024) -> Optional[str]:
     n = max(2, plan.sharding.processes)
     while n <= most:
         trial = dataclasses.replace(plan, strategy="fsdp", sharding=dataclasses.replace(plan.sharding, processes=n),
-                                    phases={**plan.phases, "training": training_activations(plan.roles, "fsdp", n)})
+                                    phases={**plan.phases, "training": training_activations(plan.roles, n)})
         if trial.fits:
             return f"parallel.strategy: fsdp with {n} processes (estimated {_gib(trial.total)} per device)"
         n *= 2
