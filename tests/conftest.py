@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -15,6 +16,20 @@ torch.set_num_threads(1)
 
 from ppokit.demo import make_data  # noqa: E402
 from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
+
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+
+def assert_float32_close(got: torch.Tensor, want: torch.Tensor, terms: int, ulps: float = 4.0, scale: float | None = None):
+    """`got` and `want` are one float32 quantity computed two ways that differ only in kernels or summation
+    order (another CPU's vector width, another chunking or batch shape). Each element comes out of reductions
+    of at most `terms` terms no larger than `scale` (default: the largest |want|), so the two differ by a few
+    ulps of `scale`, growing like sqrt(terms). A bug moves a result by far more than this bound."""
+    scale = want.detach().abs().max().item() if scale is None else scale
+    tol = ulps * FLOAT32_EPS * math.sqrt(terms) * max(scale, torch.finfo(torch.float32).tiny)
+    diff = (got.detach().double() - want.detach().double()).abs().max().item()
+    assert diff <= tol, f"differ by {diff:.3g} > {tol:.3g} ({ulps} ulps x sqrt({terms}) of {scale:.3g})"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -134,7 +134,10 @@ def test_critic_warmup_trains_only_the_value_model_first(model_dir, prompts_file
     first = trainer.run_update()
     assert all(torch.equal(policy[n], p) for n, p in trainer.policy.named_parameters())  # the policy did not move
     assert any(not torch.equal(value[n], p) for n, p in trainer.value_model.named_parameters())
-    assert first["lr"] == 0.0 and first["val/ratio"] == pytest.approx(1.0, abs=1e-5) and first["policy/approxkl_avg"] == 0.0
+    # The weights did not move, yet the training forward (other batch shapes) recomputes the rollout's logprobs
+    # only to float32 rounding (|log ratio| ~ 1e-6): the KL estimate is ~1e-12, not 0, on some CPUs.
+    assert first["lr"] == 0.0 and first["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert first["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-8)
     second = trainer.run_update()
     assert second["lr"] == pytest.approx(1e-3)  # the policy's schedule starts after the warm-up, at its peak
     assert any(not torch.equal(policy[n], p) for n, p in trainer.policy.named_parameters())

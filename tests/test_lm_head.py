@@ -1,7 +1,10 @@
 """The memory-light LM head: the same logprobs, entropy and gradients as the direct computation."""
 
+import math
+
 import pytest
 import torch
+from conftest import assert_float32_close
 
 from ppokit import algo
 from ppokit.errors import UserError
@@ -41,12 +44,14 @@ def test_light_head_equals_direct_values_and_gradients(model_dir, chunk_size):
 
     direct = run()
     light = run(chunk_size=chunk_size)
+    # The chunks change the summation order over the vocabulary (log-sum-exp) and, in the backward, over the
+    # hidden and intermediate features: equal to a few float32 ulps of each tensor's magnitude.
+    terms = max(model.config.vocab_size, model.config.intermediate_size)
     for a, b in zip(direct[:2], light[:2]):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+        assert_float32_close(b, a, terms)
         assert (b[~response_mask] == 0).all()
     for ga, gb in zip(direct[2], light[2]):
-        assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-6), (ga - gb).abs().max()
-    assert max((ga - gb).abs().max().item() / max(ga.abs().max().item(), 1e-12) for ga, gb in zip(direct[2], light[2])) < 1e-5
+        assert_float32_close(gb, ga, terms)
 
 
 def test_light_head_in_float64_is_exact_to_1e_6(model_dir):
@@ -78,10 +83,11 @@ def test_entropy_gradient_only_when_asked():
     # dH/ds_k = -p_k (log p_k + H) by autograd through the direct formula: the same gradient.
     _, direct = algo.logprobs_and_entropy(head(hidden), tokens, 0.7, entropy_grad=True)
     (expected,) = torch.autograd.grad(direct.sum(), hidden)
-    assert torch.allclose(g, expected, atol=1e-6)
+    # the terms p_k (log p_k + H) / T are at most about log(V) / T
+    assert_float32_close(g, expected, terms=11, scale=math.log(11) / 0.7)
     logp = torch.log_softmax(head(hidden).detach() / 0.7, -1)
     manual = -(logp.exp() * (logp + (-(logp.exp() * logp).sum(-1, keepdim=True)))) / 0.7  # dH/dlogits
-    assert torch.allclose(manual @ head.weight, expected, atol=1e-5)
+    assert_float32_close(manual @ head.weight, expected, terms=11, scale=math.log(11) / 0.7)
 
 
 def test_light_head_materialises_no_full_vocabulary_tensor(model_dir):
@@ -121,7 +127,8 @@ def test_sampling_logprobs_equal_the_light_head(model_dir, tokenizer):
     with torch.no_grad():
         for kw in ({}, {"chunk_size": 3}):
             lp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids, rollout.response_mask, 0.8, **kw)
-            assert torch.allclose(lp, rollout.logprobs, atol=1e-5)
+            # the KV cache's incremental attention against one full forward: float32 rounding through the model
+            assert_float32_close(lp, rollout.logprobs, terms=model.config.intermediate_size)
 
 
 def test_a_model_whose_logits_the_head_cannot_reproduce_is_refused(model_dir):
@@ -174,12 +181,14 @@ def test_the_head_function_equals_the_autograd_chain(temperature, entropy_grad, 
         return lp.detach(), ent.detach(), x.grad
 
     want = run(lambda x: algo.logprobs_and_entropy(x, tokens, temperature, entropy_grad))
-    tol = {torch.float32: 1e-6, torch.float64: 1e-6, torch.bfloat16: 1e-2}[dtype]  # both compute in float32
     for rows in (1, 3, N):
         got = run(lambda x: algo.head_logprobs_and_entropy(x, tokens, temperature, entropy_grad, block_elements=rows * V))
         for a, b in zip(want, got):
             assert a.dtype == b.dtype
-            assert torch.allclose(a.double(), b.double(), atol=tol, rtol=tol), (rows, (a.double() - b.double()).abs().max())
+            if dtype == torch.bfloat16:  # both compute in float32: one bfloat16 rounding (2^-8 relative) apart at most
+                assert torch.allclose(a.double(), b.double(), atol=1e-2, rtol=1e-2), (rows, (a.double() - b.double()).abs().max())
+            else:  # reductions over the vocabulary in float32
+                assert_float32_close(b, a, terms=V)
 
 
 def test_the_head_function_makes_one_vocabulary_wide_tensor():
