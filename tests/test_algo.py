@@ -221,6 +221,28 @@ def test_k3_is_bounded_beyond_the_log_ratio_clamp():
     assert logprobs.grad[0].tolist() == [1.0, 1.0]  # only the -r term's: 1 - e^r without the clamp
 
 
+def test_kl_clamp_by_hand():
+    logprobs = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[15.0, 0.5, -15.0]], dtype=torch.float64)  # r = 15, 0.5, -15
+    k3 = algo.kl_per_token(logprobs, ref, "k3", clamp=10.0)
+    # k3(15) = e^15 - 16 ~ 3.3e6 -> 10; k3(0.5) = e^0.5 - 1.5, inside; k3(-15) = e^-15 + 14 -> 10
+    assert k3[0].tolist() == pytest.approx([10.0, math.expm1(0.5) - 0.5, 10.0], rel=1e-15)
+    k3.sum().backward()
+    # d k3 / d logprob = 1 - e^r: -3.3e6 at r = 15 unclamped; 0 where the clamp is active
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, 1 - math.exp(0.5), 0.0], rel=1e-15)
+    assert logprobs.grad[0, 0].item() == 0.0
+    k1 = algo.kl_per_token(logprobs.detach(), ref, "k1", clamp=10.0)
+    assert k1[0].tolist() == [-10.0, -0.5, 10.0]  # every estimator, both signs
+    assert torch.equal(algo.kl_per_token(logprobs.detach(), ref, "k2", clamp=None), 0.5 * ref**2)
+    # in the loss: the KL term is the clamped estimate
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    settings = algo.LossSettings(kl_loss_coef=1.0, kl_clamp=10.0)
+    terms = algo.ppo_loss(settings, algo.loss_normalisers(mask, "token_mean", 3), mask, logprobs.detach(), logprobs.detach(),
+                          torch.zeros(1, 3, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64),
+                          ref_logprobs=ref)
+    assert terms.kl.item() == pytest.approx((20.0 + math.expm1(0.5) - 0.5) / 3, rel=1e-12)
+
+
 def test_clipped_value_loss_by_hand():
     old = torch.tensor([[0.0, 0.0]])
     new = torch.tensor([[1.0, 0.1]])

@@ -360,7 +360,8 @@ def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 
-def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1",
+                 clamp: Optional[float] = None) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens [KL].
 
     logprobs, ref_logprobs: (B, T) -> (B, T). With r = ref_logprobs - logprobs:
@@ -368,15 +369,20 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
       k2 = r^2 / 2          biased, always >= 0, low variance;
       k3 = (e^r - 1) - r    unbiased, always >= 0, low variance; e^r with r clamped to
                             +-LOG_RATIO_CLAMP (`clamp_log_ratio`: beyond it, no gradient through e^r).
+    clamp: the estimate is clamped to [-clamp, clamp] (`ppo.kl_clamp`; None: not clamped). Where the
+    clamp is active the estimate is the constant +-clamp and its gradient 0: k3's gradient with respect
+    to logprobs, 1 - e^r (-3.3e6 at r = 15), becomes 0 there.
     """
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.expm1(clamp_log_ratio(log_ratio)) - log_ratio
-    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+        kl = -log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio**2
+    elif estimator == "k3":
+        kl = torch.expm1(clamp_log_ratio(log_ratio)) - log_ratio
+    else:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 def shape_rewards(
@@ -745,6 +751,7 @@ class LossSettings(NamedTuple):
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
+    kl_clamp: Optional[float] = None  # None: off; else the per-token KL estimate is clamped to +-kl_clamp
     aggregation: str = "token_mean"
 
 
@@ -805,7 +812,7 @@ def ppo_loss(
     minibatch (module docstring). -> LossTerms.
       policy  `policy_loss_per_token`, aggregated per `settings.aggregation`;
       value   0.5 * `value_loss_per_token`, a token mean;
-      KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator)` in the loss (k3 is the usual
+      KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator, kl_clamp)` in the loss (k3 is the usual
               "low-variance KL" of GRPO [GRPO, eq. 4]), aggregated as the policy term;
       H       the entropy of the policy at each token, aggregated as the policy term.
     """
@@ -820,7 +827,7 @@ def ppo_loss(
         value, value_clipfrac = value_loss(settings, normalisers, response_mask, values, old_values, returns)
         loss = loss + settings.vf_coef * value
     if settings.kl_loss_coef > 0:
-        kl = aggregate(kl_per_token(logprobs, ref_logprobs, settings.kl_loss_estimator), weights, normalisers.policy)
+        kl = aggregate(kl_per_token(logprobs, ref_logprobs, settings.kl_loss_estimator, settings.kl_clamp), weights, normalisers.policy)
         loss = loss + settings.kl_loss_coef * kl
         kl = kl.detach()
     if settings.entropy_coef > 0:

@@ -80,6 +80,7 @@ class PPOHyperparams:
     kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
     kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `use_kl_loss` + `init_kl_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
     kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=one_of(KL_ESTIMATORS))
+    kl_clamp: Optional[float] = doc(None, "Clamp every per-token KL estimate to [-kl_clamp, kl_clamp], in the reward (`kl_estimator`; `objective/kl` reports the clamped values) and in the loss (`kl_loss_estimator`); where the clamp is active the KL term's gradient is 0 (k3's is 1 - e^r otherwise: -3.3e6 at r = 15). null: off. OpenRLHF clamps every estimator to 10 (always on); veRL clamps k3 `low_var_kl` to 10 (`kl_penalty`/`kl_loss_type` low_var_kl).", check=positive)
     cliprange_low: Optional[float] = doc(None, "Lower clip range: the ratio is clipped below at 1 - cliprange_low; null: `cliprange` (veRL `clip_ratio_low`, OpenRLHF `eps_clip_low_high`).", check=open_unit)
     cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a low of 0.2.", check=positive)
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, OpenRLHF `dual_clip`).", check=above_one)
@@ -208,6 +209,8 @@ class PPOHyperparams:
             unused += [(k, "the KL penalty in the reward, and ppo.kl_in_reward is false") for k in ("kl_coef", "kl_target", "kl_horizon")]
         if self.kl_loss_coef == 0:
             unused.append(("kl_loss_estimator", "the KL term in the loss, and ppo.kl_loss_coef is 0"))
+        if not self.kl_in_reward and self.kl_loss_coef == 0:
+            unused.append(("kl_clamp", "a KL in the reward or the loss, and this run has neither"))
         for key, why in unused:
             if differs_from_default(self, key):
                 raise UserError(f"ppo.{key} ({getattr(self, key)!r}) is for {why}; remove it")
