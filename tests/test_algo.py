@@ -168,6 +168,81 @@ def test_policy_loss_ignores_padding_and_has_gradient():
     assert new.grad[0].tolist() == pytest.approx([-0.5, -1.0, 0.0])
 
 
+def test_log_ratio_clamp_bounds_the_policy_loss_by_hand():
+    # Log-ratios 25, 25, -25 and 0.1 (float64: the values below are exact up to exp's rounding).
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    new = torch.tensor([[25.0, 25.0, -25.0, 0.1]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[-2.0, 2.0, -2.0, -1.0]], dtype=torch.float64)
+    loss, log_ratio, ratio, clipped, _ = algo.policy_loss_per_token(new, old, adv, 0.2, 0.2)
+    # token 1 (A < 0, ratio above the clip): max(2 e^20, 2 x 1.2) = 2 e^20 ~ 9.7e8, not 2 e^25 ~ 1.4e11;
+    # token 2 (A > 0): max(-2 e^20, -2 x 1.2) = -2.4 (clipped); token 3: max(2 e^-20, 2 x 0.8) = 1.6;
+    # token 4, inside the clip range: e^0.1.
+    assert loss[0].tolist() == pytest.approx([2 * math.exp(20), -2.4, 1.6, math.exp(0.1)], rel=1e-15)
+    assert ratio[0, :3].tolist() == pytest.approx([math.exp(20), math.exp(20), math.exp(-20)], rel=1e-15)
+    assert log_ratio[0, 0].item() == 25.0  # the statistics see the log-ratio itself
+    loss.sum().backward()
+    # Beyond the clamp the ratio is a constant: token 1 contributes no gradient (2 e^25 without the clamp);
+    # tokens 2 and 3 have none from the clip either; token 4's is -A e^0.1.
+    assert new.grad[0, :3].tolist() == [0.0, 0.0, 0.0]
+    assert new.grad[0, 3].item() == pytest.approx(math.exp(0.1), rel=1e-15)
+    capped, *_ = algo.policy_loss_per_token(new.detach(), old, adv, 0.2, 0.2, dual_clip_c=3.0)
+    assert capped[0, 0].item() == 6.0  # the dual clip caps it lower still: c |A|
+
+
+def test_log_ratio_clamp_changes_nothing_within_its_bound():
+    # Every log-ratio in [-20, 20], the bounds included: the loss, its gradient and k3 are those of the
+    # unclamped formulas bit for bit (the clamp returns its input there and passes the gradient through).
+    torch.manual_seed(0)
+    old = torch.randint(-4, 5, (4, 64)).float()  # integers: old + 20 - old is 20 exactly, and no difference exceeds it
+    log_ratio = torch.cat([torch.tensor([-20.0, 20.0]), torch.empty(254).uniform_(-20, 20)]).reshape(4, 64)
+    assert ((old + log_ratio) - old).abs().max() <= algo.LOG_RATIO_CLAMP
+    adv = torch.randn(4, 64)
+    for dual_clip_c in (None, 3.0):
+        new = (old + log_ratio).requires_grad_()
+        loss, _, ratio, _, _ = algo.policy_loss_per_token(new, old, adv, 0.2, 0.28, dual_clip_c)
+        loss.sum().backward()
+        plain = new.detach().clone().requires_grad_()
+        plain_ratio = torch.exp(plain - old)
+        plain_loss = torch.max(-adv * plain_ratio, -adv * torch.clamp(plain_ratio, 0.8, 1.28))
+        if dual_clip_c is not None:
+            plain_loss = torch.where(adv < 0, torch.min(plain_loss, -adv * dual_clip_c), plain_loss)
+        plain_loss.sum().backward()
+        assert torch.equal(ratio, plain_ratio) and torch.equal(loss, plain_loss) and torch.equal(new.grad, plain.grad)
+    ref = old + log_ratio
+    assert torch.equal(algo.kl_per_token(old, ref, "k3"), torch.expm1(ref - old) - (ref - old))
+
+
+def test_k3_is_bounded_beyond_the_log_ratio_clamp():
+    logprobs = torch.tensor([[0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[25.0, 100.0]], dtype=torch.float64)  # log(ref / policy) = 25 and 100
+    k3 = algo.kl_per_token(logprobs, ref, "k3")
+    assert k3[0].tolist() == pytest.approx([math.expm1(20) - 25, math.expm1(20) - 100], rel=1e-15)
+    k3.sum().backward()
+    assert logprobs.grad[0].tolist() == [1.0, 1.0]  # only the -r term's: 1 - e^r without the clamp
+
+
+def test_kl_clamp_by_hand():
+    logprobs = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[15.0, 0.5, -15.0]], dtype=torch.float64)  # r = 15, 0.5, -15
+    k3 = algo.kl_per_token(logprobs, ref, "k3", clamp=10.0)
+    # k3(15) = e^15 - 16 ~ 3.3e6 -> 10; k3(0.5) = e^0.5 - 1.5, inside; k3(-15) = e^-15 + 14 -> 10
+    assert k3[0].tolist() == pytest.approx([10.0, math.expm1(0.5) - 0.5, 10.0], rel=1e-15)
+    k3.sum().backward()
+    # d k3 / d logprob = 1 - e^r: -3.3e6 at r = 15 unclamped; 0 where the clamp is active
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, 1 - math.exp(0.5), 0.0], rel=1e-15)
+    assert logprobs.grad[0, 0].item() == 0.0
+    k1 = algo.kl_per_token(logprobs.detach(), ref, "k1", clamp=10.0)
+    assert k1[0].tolist() == [-10.0, -0.5, 10.0]  # every estimator, both signs
+    assert torch.equal(algo.kl_per_token(logprobs.detach(), ref, "k2", clamp=None), 0.5 * ref**2)
+    # in the loss: the KL term is the clamped estimate
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    settings = algo.LossSettings(kl_loss_coef=1.0, kl_clamp=10.0)
+    terms = algo.ppo_loss(settings, algo.loss_normalisers(mask, "token_mean", 3), mask, logprobs.detach(), logprobs.detach(),
+                          torch.zeros(1, 3, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64),
+                          ref_logprobs=ref)
+    assert terms.kl.item() == pytest.approx((20.0 + math.expm1(0.5) - 0.5) / 3, rel=1e-12)
+
+
 def test_clipped_value_loss_by_hand():
     old = torch.tensor([[0.0, 0.0]])
     new = torch.tensor([[1.0, 0.1]])

@@ -214,6 +214,8 @@ GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
         (["ppo.critic_warmup_updates=-1"], "ppo.critic_warmup_updates: value -1 is out of range, it must be >= 0"),
         (["ppo.kl_loss_coef=-0.1"], "ppo.kl_loss_coef: value -0.1 is out of range, it must be >= 0"),
         (["ppo.entropy_coef=-0.1"], "ppo.entropy_coef: value -0.1 is out of range, it must be >= 0"),
+        (["ppo.kl_clamp=0"], "ppo.kl_clamp: value 0.0 is out of range, it must be > 0"),
+        (["ppo.kl_clamp=-10"], "ppo.kl_clamp: value -10.0 is out of range, it must be > 0"),
         # n samples per prompt
         (["ppo.advantage_estimator=grpo"], "ppo.num_samples_per_prompt: grpo needs at least 2 samples per prompt"),
         (["ppo.advantage_estimator=rloo", "ppo.num_samples_per_prompt=1"], "ppo.num_samples_per_prompt: rloo needs at least 2 samples per prompt"),
@@ -235,6 +237,7 @@ GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
         (["ppo.kl_in_reward=false", "ppo.kl_coef=0.1"], "ppo.kl_coef (0.1) is for the KL penalty in the reward, and ppo.kl_in_reward is false"),
         (["ppo.kl_in_reward=false", "ppo.kl_target=6"], "ppo.kl_target (6.0) is for the KL penalty in the reward"),
         (["ppo.kl_loss_estimator=k2"], "ppo.kl_loss_estimator ('k2') is for the KL term in the loss, and ppo.kl_loss_coef is 0"),
+        (["ppo.kl_in_reward=false", "ppo.kl_clamp=10"], "ppo.kl_clamp (10.0) is for a KL in the reward or the loss, and this run has neither"),
     ],
 )
 def test_toolbox_bad_inputs_name_the_key_and_the_rule(overrides, message):
@@ -250,6 +253,7 @@ def test_toolbox_good_combinations_load():
         ["ppo.advantage_estimator=remax", "ppo.eval_temperature=0", "ppo.top_p=0.9", "ppo.top_k=20", "ppo.min_p=0.05"],
         ["ppo.vf_learning_rate=1e-5", "ppo.critic_warmup_updates=1", "ppo.entropy_coef=0.01", "ppo.kl_loss_coef=0.1", "ppo.kl_loss_estimator=k2"],
         ["ppo.cliprange_low=0.1"],  # below the default high: fine
+        ["ppo.kl_clamp=10"], GRPO + ["ppo.kl_in_reward=false", "ppo.kl_loss_coef=0.001", "ppo.kl_clamp=10"],
     ):
         PPOConfig.load(None, BASE + overrides)
 

@@ -93,6 +93,17 @@ def test_kl_in_the_loss_instead_of_the_reward(model_dir, prompts_file, tmp_path)
     assert all(r["objective/kl"] == r["objective/kl"] for r in records)  # the rollout's KL is still measured
 
 
+def test_kl_clamp_bounds_the_kl_in_the_reward_and_in_the_loss(model_dir, prompts_file, tmp_path):
+    # A clamp of 1e-6 per token: the KL of a sequence (at most 8 tokens) is within 8e-6 in the reward,
+    # and the loss's KL term (a token mean) within 1e-6; unclamped they grow well past that (a learning rate of 1e-3).
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", kl_loss_coef=0.1, kl_clamp=1e-6)
+    records = PPOTrainer(config, show_progress=False).train()
+    length = config.ppo.response_length
+    assert all(abs(r["objective/kl"]) <= 1e-6 * length * (1 + 1e-5) for r in records)
+    assert all(abs(r["loss/kl_avg"]) <= 1e-6 * (1 + 1e-5) for r in records)
+    assert records[-1]["loss/kl_avg"] > 0  # the policy moved, the clamp was active
+
+
 def test_dual_clip_and_clip_higher_and_aggregation_run_and_report(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, cliprange_high=0.28, dual_clip_c=3.0, entropy_coef=0.01,
                        loss_aggregation="seq_mean_token_sum_norm", **GRPO)

@@ -68,6 +68,7 @@ CRITIC_FREE_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp", "remax"})  #
 GROUP_ESTIMATORS = frozenset({"grpo", "rloo"})  # a baseline from the other samples of a prompt: n >= 2
 GREEDY_BASELINE_ESTIMATORS = frozenset({"remax"})  # a greedy response per prompt is sampled and scored as the baseline
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOG_RATIO_CLAMP = 20.0  # |log p - log q| bound before exp (verl's and OpenRLHF's): e^20 ~ 4.9e8, finite in bf16 and float32
 
 # Sums a tensor over every process (the trainer passes accelerate's reduce); None: one process.
 AllReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -346,22 +347,42 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 # --------------------------------------------------------------------------- KL and rewards
 
 
-def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """A log-prob difference clamped to +-LOG_RATIO_CLAMP, taken before every exp of one (the PPO ratio, k3).
+
+    (any shape) -> same shape. Within the bound it is log_ratio itself, bit for bit, and so is the gradient
+    through it. Beyond it the value is +-20 and the gradient through it is 0 (clamp's derivative outside its
+    range), so exp(...) of it is at most e^20 ~ 4.9e8 and such a token adds a bounded term and no gradient
+    through the exp (verl and OpenRLHF do the same). Without it one token at log-ratio 25 adds |A| e^25 ~
+    7e10 |A| to the policy loss and to its gradient, and float32/bf16 reach inf from log-ratio ~89 on.
+    """
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1",
+                 clamp: Optional[float] = None) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens [KL].
 
     logprobs, ref_logprobs: (B, T) -> (B, T). With r = ref_logprobs - logprobs:
       k1 = -r               unbiased, can be negative per token;
       k2 = r^2 / 2          biased, always >= 0, low variance;
-      k3 = (e^r - 1) - r    unbiased, always >= 0, low variance.
+      k3 = (e^r - 1) - r    unbiased, always >= 0, low variance; e^r with r clamped to
+                            +-LOG_RATIO_CLAMP (`clamp_log_ratio`: beyond it, no gradient through e^r).
+    clamp: the estimate is clamped to [-clamp, clamp] (`ppo.kl_clamp`; None: not clamped). Where the
+    clamp is active the estimate is the constant +-clamp and its gradient 0: k3's gradient with respect
+    to logprobs, 1 - e^r (-3.3e6 at r = 15), becomes 0 there.
     """
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.expm1(log_ratio) - log_ratio
-    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+        kl = -log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio**2
+    elif estimator == "k3":
+        kl = torch.expm1(clamp_log_ratio(log_ratio)) - log_ratio
+    else:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 def shape_rewards(
@@ -582,13 +603,14 @@ def policy_loss_per_token(
 
     logprobs (current policy, with grad), old_logprobs (sampling policy), advantages: (B, T)
     -> (loss (B, T), log_ratio (B, T), ratio (B, T), clipped (B, T) bool, dual_clipped (B, T) bool or None).
-    l_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp);
+    l_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp) with the log-ratio
+    clamped to +-LOG_RATIO_CLAMP (`clamp_log_ratio`: beyond it r = e^{+-20} and no gradient);
     with dual clip c > 1, where A < 0:  l_t = min(l_t, -A c), so a ratio far above 1 on a bad
     action cannot make the loss unbounded. `clipped` marks the tokens where the clip bound was
     taken, `dual_clipped` those where the dual clip was.
     """
     log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(clamp_log_ratio(log_ratio))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
     loss = torch.max(unclipped, clipped)
@@ -729,6 +751,7 @@ class LossSettings(NamedTuple):
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
+    kl_clamp: Optional[float] = None  # None: off; else the per-token KL estimate is clamped to +-kl_clamp
     aggregation: str = "token_mean"
 
 
@@ -789,7 +812,7 @@ def ppo_loss(
     minibatch (module docstring). -> LossTerms.
       policy  `policy_loss_per_token`, aggregated per `settings.aggregation`;
       value   0.5 * `value_loss_per_token`, a token mean;
-      KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator)` in the loss (k3 is the usual
+      KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator, kl_clamp)` in the loss (k3 is the usual
               "low-variance KL" of GRPO [GRPO, eq. 4]), aggregated as the policy term;
       H       the entropy of the policy at each token, aggregated as the policy term.
     """
@@ -804,7 +827,7 @@ def ppo_loss(
         value, value_clipfrac = value_loss(settings, normalisers, response_mask, values, old_values, returns)
         loss = loss + settings.vf_coef * value
     if settings.kl_loss_coef > 0:
-        kl = aggregate(kl_per_token(logprobs, ref_logprobs, settings.kl_loss_estimator), weights, normalisers.policy)
+        kl = aggregate(kl_per_token(logprobs, ref_logprobs, settings.kl_loss_estimator, settings.kl_clamp), weights, normalisers.policy)
         loss = loss + settings.kl_loss_coef * kl
         kl = kl.detach()
     if settings.entropy_coef > 0:

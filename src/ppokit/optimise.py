@@ -134,6 +134,7 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
         entropy_coef=hp.entropy_coef,
         kl_loss_coef=hp.kl_loss_coef,
         kl_loss_estimator=hp.kl_loss_estimator,
+        kl_clamp=hp.kl_clamp,
         aggregation=hp.loss_aggregation,
     )
 

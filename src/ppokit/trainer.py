@@ -321,7 +321,7 @@ class PPOTrainer:
 
         # 4. reward: per-token KL penalty (when it is in the reward), score at the last real token
         mask = rollout.response_mask
-        kl = algo.kl_per_token(rollout.logprobs, rollout.ref_logprobs, hp.kl_estimator) * mask
+        kl = algo.kl_per_token(rollout.logprobs, rollout.ref_logprobs, hp.kl_estimator, hp.kl_clamp) * mask
         kl_coef = self.kl_controller.value if hp.kl_in_reward else 0.0
         rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, kl_coef)
         if hp.whiten_rewards:
