@@ -199,3 +199,41 @@ def test_a_finished_run_continues_as_its_message_says_with_overrides_after_the_f
     with pytest.raises(SystemExit) as refused:  # argparse's own exit for a word that is no override
         main(["ppo", str(config), "--overwrite", "not-an-override"])
     assert refused.value.code == 2 and "unrecognized arguments: not-an-override" in capsys.readouterr().err
+
+
+HEAVY_MODULES = ("torch", "transformers", "accelerate", "peft", "datasets")
+IMPORTED_BY = """
+import json, sys
+from ppokit.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:  # --help and --version exit from the parser
+    code = e.code
+print(json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules]}))
+""" % (HEAVY_MODULES,)
+
+
+@pytest.mark.parametrize("command", [["--help"], ["--version"], ["report", "RUN", "--output", "OUT"], ["report", "--help"]])
+def test_the_cheap_commands_import_neither_torch_nor_transformers(tmp_path, command):
+    """`ppokit --help`, `--version` and `report` took 4 s and more: the package imported the trainer (torch,
+    transformers). Asserted on what is imported, which is what costs the seconds, not on a time."""
+    from test_report import healthy_records, write_run
+
+    run = write_run(tmp_path / "run", healthy_records())
+    argv = [str(run) if a == "RUN" else str(tmp_path / "report.html") if a == "OUT" else a for a in command]
+    result = subprocess.run([sys.executable, "-c", IMPORTED_BY, *argv], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome == {"code": 0, "heavy": []}, (outcome, result.stderr)
+    if command == ["--version"]:
+        from ppokit.version import __version__
+
+        assert result.stdout.splitlines()[0] == f"ppokit {__version__}"
+
+
+def test_the_package_api_still_names_the_trainer_and_imports_it_only_when_asked():
+    code = ("import sys, ppokit; assert 'torch' not in sys.modules; from ppokit import PPOTrainer, PPOConfig, RewardConfig, "
+            "DataConfig, PPOHyperparams, UserError, __version__; import ppokit.trainer; assert PPOTrainer is ppokit.trainer.PPOTrainer; "
+            "assert 'PPOTrainer' in dir(ppokit); print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

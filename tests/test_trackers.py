@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy
 import pytest
 
 # trackio reads its store's location once, when first imported: point it at a folder of the tests.
@@ -131,8 +132,17 @@ def expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def float32(value: float) -> float:
+    return float(numpy.float32(value))
+
+
+# TensorBoard holds float32 scalars (its default loader shows no float64 ones): each value is the record's rounded once.
+STORED_AS = {"tensorboard": float32}
+
+
 def assert_same_series(got: dict, records: list[dict], name: str) -> None:
-    want = expected(records)
+    stored = STORED_AS.get(name, lambda value: value)
+    want = {key: [(step, stored(value)) for step, value in points] for key, points in expected(records).items()}
     missing = sorted(set(want) - set(got))
     assert not missing, f"{name}: metrics not logged: {missing}"
     for key, points in want.items():
@@ -183,6 +193,53 @@ def test_every_tracker_round_trips_metrics_config_and_samples(tmp_path):
     logs = read_trackio(out)
     assert_same_series(trackio_series(logs), records, "trackio")
     assert [log["samples"]["_value"][0]["update"] for log in logs if "samples" in log] == [3, 6]
+
+
+def test_tensorboard_started_as_documented_shows_every_scalar(tmp_path):
+    """`tensorboard --logdir <output_dir>/tensorboard` with its default (fast) loader said "No scalar data was
+    found": the scalars were float64 tensors, which only `--load_fast=false` reads. The real server, on a
+    loopback port, read back through the HTTP endpoint its scalar dashboard reads."""
+    import re
+    import urllib.parse
+    import urllib.request
+
+    records = healthy_records(4)
+    sink = trackers.open_trackers(config_for(tmp_path / "run", ["tensorboard"], run_name="tb"), total_updates=4, done_updates=0)
+    feed(sink, records, ())
+    sink.close()
+    want = {key: [[step, value] for step, value in points] for key, points in expected(records).items()}
+
+    log = tmp_path / "tensorboard.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "run" / "tensorboard"),
+                                   "--host", "127.0.0.1", "--port", "0"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+    try:
+        def get(path: str, **query):
+            port = re.search(r"at http://127\.0\.0\.1:(\d+)/", log.read_text()).group(1)
+            url = f"http://127.0.0.1:{port}/data/plugin/scalars/{path}?{urllib.parse.urlencode(query)}"
+            with urllib.request.urlopen(url, timeout=30) as response:
+                return json.loads(response.read())
+
+        deadline = time.monotonic() + 240  # starts in seconds; its loader reads the logdir in the background
+        tags = {}
+        while set(tags.get("tb", ())) != set(want):
+            assert server.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"no scalars after 240 s: {tags}\n{log.read_text()}"
+            time.sleep(1)
+            try:
+                tags = get("tags")
+            except (AttributeError, OSError):  # not listening yet (no port printed, or refused)
+                pass
+        for key, points in want.items():
+            shown = [[step, value] for _, step, value in get("scalars", run="tb", tag=key)]
+            assert shown == [[step, float32(value)] for step, value in points], key
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def test_resume_continues_the_same_tracker_runs_and_sends_each_update_once(tmp_path):

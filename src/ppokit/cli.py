@@ -10,6 +10,7 @@ import sys
 import warnings
 
 from ppokit.errors import UserError
+from ppokit.version import __version__
 
 
 def _ppo(args) -> int:
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ppokit.config import RewardConfig
 
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
+    parser.add_argument("--version", action="version", version=f"ppokit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ppo = sub.add_parser("ppo", help="run PPO from a YAML config")
@@ -381,13 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _one_line_warnings() -> None:
     # ppokit's own warnings (e.g. reward.on_error=skip dropping rows) are for the user, not a source line:
     # print them as one line, above the progress bar rather than through it.
-    from tqdm.auto import tqdm
-
     package_dir = os.path.dirname(os.path.abspath(__file__))
     default = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         if os.path.abspath(filename).startswith(package_dir + os.sep):
+            from tqdm.auto import tqdm  # here, not at start: a command that warns nothing stays quick
+
             tqdm.write(f"ppokit: warning: {message}", file=sys.stderr)
         else:
             default(message, category, filename, lineno, file, line)
@@ -398,7 +400,8 @@ def _one_line_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parse_args(build_parser(), argv)
-    _quiet_transformers()
+    if args.func is not _report:  # the report reads files only: importing transformers would cost it seconds
+        _quiet_transformers()
     had_process_group = _process_group_initialized()
     with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
         _one_line_warnings()
