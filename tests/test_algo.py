@@ -395,6 +395,26 @@ def test_remax_by_hand():
     assert algo.remax_advantages(with_kl, mask, baseline).flatten().tolist() == pytest.approx([0.0, 0.1, 0.0, -0.6, -0.5, -0.4])
 
 
+def test_reward_whitening_rewards_length_so_only_gae_may_use_it():
+    """Why ppo.whiten_rewards is refused with the critic-free estimators (config.check_combination):
+    whitening with the mean kept is r' = r / std + mean (1 - 1 / std) on every real token, so two responses
+    with the same return but different lengths no longer have the same return, and no transform of a
+    sequence-level baseline (remax's greedy score) can take that back out."""
+    # Tokens 3 | 1 -1 3 | -1: mean 1, centred 2 0 -2 2 -2, unbiased variance 16 / 4 = 4, std 2 -> r' = r / 2 + 1 / 2.
+    rewards = torch.tensor([[3.0, 0.0, 0.0], [1.0, -1.0, 3.0], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, False, False], [True, True, True], [True, False, False]])
+    white = algo.masked_whiten(rewards, mask, shift_mean=False)
+    assert white.flatten().tolist() == pytest.approx([2.0, 0, 0, 1.0, 0.0, 2.0, 0.0, 0, 0], abs=1e-6)
+    assert algo.sequence_rewards(rewards, mask).tolist() == pytest.approx([3.0, 3.0, -1.0])
+    assert algo.sequence_rewards(white, mask).tolist() == pytest.approx([2.0, 3.0, 0.0], abs=1e-6)  # +0.5 per token
+    # remax: rows 0 and 1 score exactly what their greedy response (3) scores, so their advantage is 0 ...
+    greedy = torch.tensor([3.0, 3.0, -1.0])
+    assert algo.remax_advantages(rewards, mask, greedy)[:, 0].tolist() == pytest.approx([0.0, 0.0, 0.0])
+    # ... but not once the sampled side is whitened, nor with the baseline whitened as a one-token reward (3 -> 2)
+    assert algo.remax_advantages(white, mask, greedy)[:, 0].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
+    assert algo.remax_advantages(white, mask, greedy / 2 + 0.5)[:, 0].tolist() == pytest.approx([0.0, 1.0, 0.0], abs=1e-6)
+
+
 def test_advantages_dispatches_each_estimator():
     torch.manual_seed(0)
     rewards, values = torch.randn(4, 3), torch.randn(4, 3)

@@ -238,6 +238,11 @@ GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
         (["ppo.kl_in_reward=false", "ppo.kl_target=6"], "ppo.kl_target (6.0) is for the KL penalty in the reward"),
         (["ppo.kl_loss_estimator=k2"], "ppo.kl_loss_estimator ('k2') is for the KL term in the loss, and ppo.kl_loss_coef is 0"),
         (["ppo.kl_in_reward=false", "ppo.kl_clamp=10"], "ppo.kl_clamp (10.0) is for a KL in the reward or the loss, and this run has neither"),
+        # reward whitening keeps the mean: a per-token shift that only gae's critic absorbs (test_algo shows it)
+        (["ppo.advantage_estimator=remax", "ppo.whiten_rewards=true"], "ppo.whiten_rewards: true is for gae: it keeps the mean, which adds the same amount to every token, so a whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator remax has none and its greedy baseline is not whitened; remove it"),
+        (GRPO + ["ppo.whiten_rewards=true"], "but ppo.advantage_estimator grpo has none; remove it"),
+        (["ppo.advantage_estimator=rloo", "ppo.num_samples_per_prompt=2", "ppo.whiten_rewards=true"], "ppo.advantage_estimator rloo has none;"),
+        (["ppo.advantage_estimator=reinforce_pp", "ppo.whiten_rewards=true"], "ppo.advantage_estimator reinforce_pp has none;"),
     ],
 )
 def test_toolbox_bad_inputs_name_the_key_and_the_rule(overrides, message):

@@ -73,7 +73,7 @@ class PPOHyperparams:
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
     gamma: float = doc(1.0, "Discount factor (gae and reinforce_pp).", check=unit_interval)
     lam: float = doc(0.95, "GAE lambda (gae only).", check=unit_interval)
-    whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE.")
+    whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE. gae only: keeping the mean adds the same amount to every token, which a critic learns but a critic-free estimator would take as a reward for length (refused there).")
     whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
     advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `--algo.advantage.estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=one_of(ADVANTAGE_ESTIMATORS))
     grpo_scale_std: bool = doc(True, "grpo: divide by the group's standard deviation; false is Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo`, OpenRLHF's `dr_grpo` estimator).")
@@ -193,6 +193,16 @@ class PPOHyperparams:
             raise UserError(
                 f"ppo.cliprange_low ({low}) is larger than ppo.cliprange_high ({high}); the lower clip range must not exceed the "
                 "upper (clip-higher widens the upper one); unset, each is ppo.cliprange"
+            )
+        if self.whiten_rewards and estimator in CRITIC_FREE_ESTIMATORS:
+            # Whitening keeps the mean: r' = r / std + mean (1 - 1 / std) on every real token, so a return gains
+            # mean (1 - 1 / std) per remaining token. GAE's critic learns that; a baseline of sequence rewards cannot
+            # remove a term that differs with each response's length (and remax's greedy score is not whitened at all).
+            baseline = " and its greedy baseline is not whitened" if estimator == "remax" else ""
+            raise UserError(
+                "ppo.whiten_rewards: true is for gae: it keeps the mean, which adds the same amount to every token, so a "
+                f"whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator {estimator} "
+                f"has none{baseline}; remove it"
             )
         # A key set away from its default that this configuration would never read is refused, not ignored.
         unused = []
