@@ -234,7 +234,7 @@ def test_processes_that_do_not_see_each_other_refuse_to_share_a_run_directory(mo
     result = _launch(_config(model_dir, prompts_file, tmp_path), use_cpu=False)  # on CPU accelerate then sees 1 process each
     assert result.returncode != 0
     assert "launched as 2 processes (WORLD_SIZE) but accelerate sees 1" in result.stderr
-    assert not (tmp_path / "run-ddp" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run-ddp").exists()  # README: refused "before anything is written"
 
 
 def test_accelerate_launch_of_two_processes_that_starts_one_is_refused(model_dir, prompts_file, tmp_path):
