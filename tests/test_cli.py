@@ -75,6 +75,39 @@ def test_cli_user_errors(model_dir, prompts_file, tmp_path):
     assert not (tmp_path / "run" / "final").exists()  # nothing that looks finished
 
 
+REFUSALS = {  # what refuses the run, as overrides / flags / environment -> exit status, the error's start
+    "config value": (["ppo.cliprange=-1"], {}, 2, "ppo.cliprange"),
+    "data": (["data.train=missing.jsonl"], {}, 2, "data file not found: missing.jsonl"),
+    "reward source": (["reward.functions=[missing.py:judge]"], {}, 2, "reward function 'missing.py:judge'"),
+    "resume without a checkpoint": (["--resume"], {}, 2, "--resume"),
+    "launch (WORLD_SIZE, one process seen)": ([], {"WORLD_SIZE": "2", "RANK": "0"}, 2, "launched as 2 processes"),
+    "plan": ([], {"plan": True}, 3, "plan: "),
+}
+
+
+@pytest.mark.parametrize("existed", [False, True], ids=["new folder", "empty folder of the user's"])
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_refused_run_leaves_output_dir_as_it_found_it(case, existed, model_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    """Refusals found after the run folder was locked (data, reward source, launch, plan, resume) once left
+    it behind holding `.ppokit` and `.ppokit.lock`: an empty run folder for every failed try."""
+    from ppokit.cli import main
+
+    args, env, status, error = REFUSALS[case]
+    for name, value in env.items():
+        if name == "plan":  # a device of 1 KiB: the tiny model does not fit
+            monkeypatch.setattr("ppokit.plan.device_memory", lambda: ("cpu test", 1024))
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    if existed:
+        run.mkdir()
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts_file, run)
+    assert main(["ppo", str(config), *args]) == status
+    assert f"ppokit: error: {error}" in capsys.readouterr().err
+    assert (sorted(run.iterdir()) == [] if existed else not run.exists())
+
+
 def test_user_reward_function_file_and_columns(model_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "the movie was", "target": "great"}) + "\n" for _ in range(8)))
@@ -118,7 +151,7 @@ def test_a_run_the_plan_says_cannot_fit_stops_before_loading_weights_unless_forc
     line = err.strip().splitlines()[-1]
     assert line.startswith("ppokit: error: plan: estimated peak ") and "DOES NOT FIT (prompts up to 2250000 tokens)" in line, err
     assert line.endswith("data.max_prompt_length would cut long prompts. Change the config (see `ppokit plan`), or pass --ignore-plan to start anyway")
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".ppokit", ".ppokit.lock"]  # the run folder, locked; nothing written
+    assert not (tmp_path / "run").exists()  # nothing written
 
     import ppokit.trainer
 

@@ -234,7 +234,22 @@ def test_processes_that_do_not_see_each_other_refuse_to_share_a_run_directory(mo
     result = _launch(_config(model_dir, prompts_file, tmp_path), use_cpu=False)  # on CPU accelerate then sees 1 process each
     assert result.returncode != 0
     assert "launched as 2 processes (WORLD_SIZE) but accelerate sees 1" in result.stderr
-    assert not (tmp_path / "run-ddp" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run-ddp").exists()  # README: refused "before anything is written"
+
+
+def test_accelerate_launch_of_two_processes_that_starts_one_is_refused(model_dir, prompts_file, tmp_path):
+    """Without GPUs, `accelerate launch --num_processes 2` (the README's line) starts one process; it once
+    trained alone, with twice the updates. The real launcher, with no accelerate config file of the user's."""
+    config = _config(model_dir, prompts_file, tmp_path)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "-m", "ppokit", "ppo", str(config)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**_env(use_cpu=False), "HF_HOME": str(tmp_path / "hf")})
+    assert result.returncode != 0
+    assert _error_lines(result.stderr) == [
+        "ppokit: error: accelerate launch was asked for several processes but started one (MASTER_ADDR is set, WORLD_SIZE is not): "
+        "without GPUs `accelerate launch --num_processes N` runs a single process; "
+        "on CPU launch with: ACCELERATE_USE_CPU=true torchrun --nproc_per_node N -m ppokit ppo CONFIG"
+    ]
+    assert not (tmp_path / "run-ddp").exists()
 
 
 # --------------------------------------------------------------------------- ppokit.parallel pieces

@@ -14,9 +14,10 @@ from ppokit.version import __version__
 
 
 def _ppo(args) -> int:
-    from ppokit import checkpoint, run_dir
+    from ppokit import checkpoint, launch, run_dir
     from ppokit.config import PPOConfig
 
+    launch.check_launch()  # a launch that cannot run as asked stops first, before the config is even read
     overrides, resume = list(args.overrides), args.resume
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
@@ -83,11 +84,12 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     """The plan before any weights load. A run it estimates not to fit stops here, unless `ignore_plan`
     (a run that cannot fit would fail later, after loading every model, or exhaust the machine's
     memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
+    from ppokit.launch import launched_processes
     from ppokit.plan import plan_for
 
     if config.ppo.total_episodes is not None:
         # A batch size that does not divide is a config error: report it once, not also as a plan warning.
-        config.ppo.derive(int(os.environ.get("WORLD_SIZE", "1")), 0)
+        config.ppo.derive(launched_processes(), 0)
     try:
         plan = plan_for(config)
     except UserError:

@@ -30,6 +30,7 @@ from torch import nn
 
 from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
 from ppokit.errors import UserError
+from ppokit.launch import launched_processes
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
 from ppokit.parallel import backward_separately
 from ppokit.prompts import as_prompt_dataset, encode_prompts, prompt_room, render_chat_prompts
@@ -396,7 +397,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
              processes: Optional[int] = None) -> Plan:
     """Estimate for `config` with prompts of at most `prompt_length` tokens (no weights loaded), per
     device of `processes` processes (default: WORLD_SIZE, else 1)."""
-    processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
+    processes = processes or launched_processes()
     hp, lora, quant = config.ppo, config.lora, config.quantization
     trc = config.trust_remote_code
     policy_config = _auto_config(config.model, "model", trc)

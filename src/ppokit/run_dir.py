@@ -470,13 +470,16 @@ class RunFolder:
     folder itself, or — for a fresh run replacing an earlier one (`overwrite`) — `.ppokit-new-run/`
     inside it, so that the earlier run stays whole until the new one has a checkpoint; `commit`
     (after every checkpoint and final save) then swaps the new run in, once. `close` releases the lock
-    and removes a new run's files that never reached a checkpoint.
+    and removes a new run's files that never reached a checkpoint; a run refused before it wrote
+    anything (a config, data, plan or launch error found after `open`) leaves the folder as it found
+    it: the marker, lock file and folder that `open` made are removed again.
     """
 
     def __init__(self, root: Path, main_process: bool, lock: Optional[RunLock]):
         self.root, self.main_process, self.lock = root, main_process, lock
         self.files = root
         self.notes: list[str] = []  # what was cleaned up at open, for the run's first lines
+        self.made: list[Path] = []  # what open created (the folder, its lock file, its marker): removed if the run writes nothing
 
     @classmethod
     def open(cls, output_dir: str | Path, main_process: bool = True, overwrite: bool = False) -> "RunFolder":
@@ -484,14 +487,17 @@ class RunFolder:
         if not main_process:
             return cls(root, False, None)
         check_run_folder(str(root), overwrite)  # before anything is written in it
+        made = [path for path in (root, root / LOCK_FILE, root / MARKER) if not path.exists()]
         lock = RunLock.acquire(root)
         run = cls(root, True, lock)
+        if lock.count == 1:  # not a second open of a folder this process holds: that one's opener undoes
+            run.made = made
         try:
             if marker_kind(root) != "ppo-run":
                 write_marker(root, "ppo-run")
             run.notes += run._repair()
         except BaseException:
-            lock.release()
+            run.close()
             raise
         return run
 
@@ -531,8 +537,23 @@ class RunFolder:
             shutil.rmtree(self.root / NEW_RUN, ignore_errors=True)  # no checkpoint: the earlier run stays as it was
             self.files = self.root
         if self.lock is not None:
+            if self.lock.count == 1:
+                self._remove_if_unused()
             self.lock.release()
             self.lock = None
+
+    def _remove_if_unused(self) -> None:
+        """Undo `open` when the run wrote nothing: the folder holds only what open made (marker, lock file)."""
+        if not self.made or not self.root.is_dir() or any(p.name not in (MARKER, LOCK_FILE) for p in self.root.iterdir()):
+            return
+        for path in reversed(self.made):  # marker, lock file (removed while held), folder
+            if path == self.root / LOCK_FILE:
+                self.lock.remove_file()
+            elif path == self.root:
+                with contextlib.suppress(OSError):  # another run made something in it meanwhile: it stays
+                    path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
 
     # The swap, resumable: phase "aside" moves the earlier run's entries into REPLACED_RUN, phase "in"
     # moves the new run's entries up; a run killed half way is completed by the next open (`_repair`).

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, launch, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
@@ -606,14 +606,9 @@ def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPO
 
 
 def _make_accelerator(config: PPOConfig) -> Accelerator:
+    launch.check_launch()  # a malformed launcher environment is one line, not accelerate's traceback
     accelerator = Accelerator(mixed_precision=parallel.accelerator_mixed_precision(config.parallel, roles.mixed_precision(config)))
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and accelerator.num_processes != launched:
-        # Every process would believe it is the only one and write the same run directory.
-        raise UserError(
-            f"launched as {launched} processes (WORLD_SIZE) but accelerate sees {accelerator.num_processes}; "
-            "on CPU set ACCELERATE_USE_CPU=true for torchrun, or start with `accelerate launch`"
-        )
+    launch.check_world_size(accelerator.num_processes)
     return accelerator
 
 
