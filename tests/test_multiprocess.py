@@ -2,6 +2,7 @@
 across processes, metrics are reduced over them, and the main process alone writes the run directory;
 the pieces of ppokit.parallel (FSDP2) checked by tests/parallel_checks.py under 1 and 2 processes."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -524,3 +525,50 @@ def test_rows_skipped_on_one_process_keep_the_processes_in_step(model_dir, promp
     assert [r["skipped_updates"] for r in records] == [0, 0, 1, 1] and records[2]["nonfinite/score"] == 1
     assert all(r["loss/policy_avg"] == r["loss/policy_avg"] for r in records if "loss/policy_avg" in r)  # finite: rank 1's empty share adds nothing
     assert (tmp_path / "run-ddp" / "final").is_dir()
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (OSError, IndexError):
+        return False
+
+
+@needs_torchrun
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_processes_whose_launcher_is_killed_while_starting_exit_and_release_the_run_lock(model_dir, prompts_file, tmp_path):
+    """SIGKILL of torchrun's agent while its processes start: they waited 30 minutes in the rendezvous for the
+    agent's store, holding the run lock. Now each ends with its launcher (launcher.follow_launcher)."""
+    import fcntl
+
+    config = _config(model_dir, prompts_file, tmp_path, total_episodes=16, save_steps=0, num_sample_generations=0)
+    agent = subprocess.Popen([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)], env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"), start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(ranks := _children(agent.pid)) < 2:
+        assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(1.0)  # the processes are importing, or waiting in the rendezvous
+    agent.kill()
+    agent.wait()
+    deadline = time.monotonic() + 240  # a loaded machine takes a while to import torch: the process may check only then
+    while any(_alive(p) for p in ranks):
+        if time.monotonic() > deadline:
+            for p in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            raise AssertionError(f"processes {sorted(ranks)} outlived their launcher:\n{(tmp_path / 'stderr').read_text()[-3000:]}")
+        time.sleep(0.1)
+    lock = tmp_path / "run-ddp" / ".ppokit.lock"
+    if lock.exists():  # the main process had taken it: released with the process
+        with lock.open() as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert "Traceback" not in (tmp_path / "stderr").read_text()

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, launcher, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
@@ -606,8 +606,10 @@ def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPO
 
 
 def _make_accelerator(config: PPOConfig) -> Accelerator:
+    launcher.check_environment()  # before accelerate parses it
+    launcher.follow_launcher()  # before the rendezvous, which waits for a launcher that may be gone
     accelerator = Accelerator(mixed_precision=parallel.accelerator_mixed_precision(config.parallel, roles.mixed_precision(config)))
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launcher.processes()
     if launched > 1 and accelerator.num_processes != launched:
         # Every process would believe it is the only one and write the same run directory.
         raise UserError(
