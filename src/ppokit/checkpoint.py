@@ -72,6 +72,7 @@ from ppokit.run_dir import (
     temporary_dir,
 )
 from ppokit.state import TrainingState
+from ppokit.trackers import TrackerState
 from ppokit.version import __version__
 
 
@@ -538,6 +539,8 @@ def load_checkpoint(
         say(f"resuming despite differences (--resume-force): {'; '.join(differences)}")
     if manifest["versions"] != _versions():
         say(f"note: checkpoint written with {manifest['versions']}, now {_versions()}; numbers may differ in the last digits")
+    if config.report_to:  # the trackers read it after the run folder is restored: a damaged one stops the resume now
+        TrackerState.load(Path(run.output_dir), resumed=True)
 
     parts.weights.load(path, parts)
     parts.scheduler.load_state_dict(saved.scheduler)
