@@ -17,6 +17,8 @@ import pytest
 import torch
 import yaml
 
+from ppokit import parallel
+
 TORCHRUN = shutil.which("torchrun")
 CHECKS = Path(__file__).with_name("parallel_checks.py")
 needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
@@ -176,14 +178,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _two_nodes(config: Path, *extra: str, log: Path) -> list[subprocess.Popen]:
+def _two_nodes(config: Path, *extra: str, log: Path, per_node=((), ())) -> list[subprocess.Popen]:
     """Two "nodes" of one process each on this machine, meeting at a rendezvous on a loopback port:
-    what `torchrun --nnodes 2 --node_rank R --master_addr HOST --master_port PORT` does across machines."""
+    what `torchrun --nnodes 2 --node_rank R --master_addr HOST --master_port PORT` does across machines.
+    per_node: more arguments for node 0 and node 1."""
     port = _free_port()
     return [
         subprocess.Popen(
             [TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-             "--master_port", str(port), "-m", "ppokit", "ppo", str(config), *extra],
+             "--master_port", str(port), "-m", "ppokit", "ppo", str(config), *extra, *per_node[rank]],
             env=_env(), stdout=subprocess.DEVNULL, stderr=log.with_suffix(f".{rank}").open("w"), start_new_session=True,
         )
         for rank in (0, 1)
@@ -228,6 +231,24 @@ def test_two_nodes_fsdp_killed_after_a_checkpoint_and_resumed_equal_the_straight
     assert _comparable(tmp_path / "run") == _comparable(straight)
     assert (tmp_path / "run" / "samples.jsonl").read_text() == (straight / "samples.jsonl").read_text()
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+@needs_torchrun
+def test_two_nodes_whose_output_dirs_are_not_one_folder_refuse_together(model_dir, prompts_file, tmp_path):
+    """Node 1's output_dir is not the folder node 0 writes in (as two machines without a shared file system):
+    under fsdp each node used to write its shards of every checkpoint into its own folder and exit 0, node 0's
+    checkpoints marked complete without node 1's shards. Both stop before training, with the same one line."""
+    config = _config(model_dir, prompts_file, tmp_path, "fsdp", total_episodes=16, save_steps=0, num_sample_generations=0)
+    log = tmp_path / "node"
+    nodes = _two_nodes(config, log=log, per_node=([f"output_dir={tmp_path / 'node-0'}"], [f"output_dir={tmp_path / 'node-1'}"]))
+    assert _wait(nodes, log) == [1, 1]  # torchrun's status when its process exits non-zero
+    lines = [_error_lines(log.with_suffix(f".{rank}").read_text()) for rank in (0, 1)]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert lines[0][0].startswith(f"ppokit: error: process 1: output_dir: this process (on {socket.gethostname()}) does not see the run "
+                                  f"folder {tmp_path / 'node-0'} that process 0 writes in, at {tmp_path / 'node-1'} (its output_dir)"), lines[0]
+    for rank in (0, 1):
+        assert not _worker_tracebacks(log.with_suffix(f".{rank}").read_text())
+    assert not (tmp_path / "node-0" / "metrics.jsonl").exists() and not (tmp_path / "node-0" / parallel.SHARED_MARKER).exists()
 
 
 @needs_torchrun

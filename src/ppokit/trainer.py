@@ -380,6 +380,7 @@ class PPOTrainer:
     def _train(self) -> None:
         hp, state, is_main = self.config.ppo, self.state, self.accelerator.is_main_process
         files = self._run_folder().start(fresh=state.update == 0, overwrite=self.overwrite, barrier=self.accelerator.wait_for_everyone)
+        parallel.check_shared_folder(files, self.accelerator)
         if is_main:
             self.config.save(files / "config.yaml")
         # A resumed run's files were rewritten to the checkpoint's by resume_from; they continue from there.
