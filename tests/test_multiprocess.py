@@ -593,3 +593,82 @@ def test_processes_whose_launcher_is_killed_while_starting_exit_and_release_the_
         with lock.open() as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
+DAMAGED_SHARDS = {
+    "deleted": (lambda f: f.unlink(), "sharded/__1_0.distcp: missing"),
+    "cut in half": (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "sharded/__1_0.distcp: cut short ("),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_SHARDS))
+def test_a_damaged_shard_is_named_with_the_checkpoint_before_it(runs, tmp_path, damage, capsys):
+    """A shard deleted or cut short used to end the resume in a traceback (DCP's CheckpointException is a
+    BaseException): now the one-process message, found before any model loads, and nothing changes."""
+    from ppokit.cli import main
+
+    config, source = runs["fsdp"]
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    edit, detail = DAMAGED_SHARDS[damage]
+    edit(run / "checkpoints" / "update-4" / "sharded" / "__1_0.distcp")
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".ppokit.lock"}
+    assert main(["ppo", str(config), f"output_dir={run}", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = [line for line in err.splitlines() if line.startswith("ppokit: error:")]
+    assert len(line) == 1 and line[0].startswith(f"ppokit: error: checkpoint {run / 'checkpoints' / 'update-4'} is damaged: {detail}"), err
+    assert line[0].endswith(f"; the previous complete one is {run / 'checkpoints' / 'update-2'}")
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".ppokit.lock"} == before
+
+
+def test_a_shard_that_dcp_cannot_read_is_named_with_the_checkpoint_before_it(runs, tmp_path):
+    """Whole in size but not readable (zeroed bytes): DCP's CheckpointException, a BaseException that
+    `except Exception` let through, becomes the damaged-checkpoint message."""
+    from ppokit.config import PPOConfig
+    from ppokit.errors import UserError
+    from ppokit.trainer import PPOTrainer
+
+    config, source = runs["fsdp"]
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    shard = run / "checkpoints" / "update-2" / "sharded" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[:-64] = bytes(len(data) - 64)
+    shard.write_bytes(bytes(data))
+    trainer = PPOTrainer(PPOConfig.load(config, [f"output_dir={run}"]), show_progress=False)
+    with pytest.raises(UserError) as raised:
+        trainer.resume_from(run / "checkpoints" / "update-2", force=True)  # one process: the count differs
+    assert str(raised.value).startswith(f"checkpoint {run / 'checkpoints' / 'update-2'} is damaged: sharded/: cannot be read "
+                                        "into this run's sharded model (process 0: ")
+    assert str(raised.value).endswith("; there is no earlier complete checkpoint")
+
+
+@needs_torchrun
+def test_a_process_killed_mid_run_leaves_the_other_with_one_line(model_dir, prompts_file, tmp_path):
+    """SIGKILL of process 1 while training: process 0 printed gloo's "Connection reset by peer" traceback. Now
+    one line naming the process that ended and the last complete checkpoint."""
+    config = _config(model_dir, prompts_file, tmp_path, save_steps=1, num_sample_generations=0)
+    stderr = tmp_path / "stderr"
+    agent = subprocess.Popen([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)], env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=stderr.open("w"), start_new_session=True)
+    run = tmp_path / "run-ddp"
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "update-1").is_dir():
+        assert agent.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        time.sleep(0.05)
+    ranks = {int(p): Path(f"/proc/{p}/environ").read_bytes() for p in _children(agent.pid)}
+    os.kill(next(p for p, env in ranks.items() if b"\0RANK=1\0" in b"\0" + env), signal.SIGKILL)
+    try:
+        agent.wait(timeout=240)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    text = stderr.read_text()
+    assert not _worker_tracebacks(text), text[-3000:]
+    lines = _error_lines(text)
+    assert len(lines) == 1, text[-3000:]
+    assert lines[0].startswith("ppokit: error: process 1 of the run ended while process 0 waited for it ("), lines[0]
+    named = lines[0].split("the last complete checkpoint is ")[1].split(": see that process's output")[0]
+    assert named.startswith(str(run / "checkpoints" / "update-")) and (Path(named) / "trainer_state.json").is_file(), lines[0]
+    assert lines[0].endswith("see that process's output for why, and continue with --resume"), lines[0]

@@ -491,12 +491,15 @@ def read_checkpoint(path: str | Path) -> SavedCheckpoint:
 
 def _open_weights(path: Path, parallel: Any) -> None:
     """The weight and optimiser files of the layout that wrote them (`PlainWeights`, `parallel.ShardedWeights`), opened."""
-    from ppokit.parallel import SHARDED_DIR
+    from ppokit.parallel import SHARDED_DIR, missing_shards
 
     if isinstance(parallel, dict) and parallel.get("weights") == "sharded":
         if not (path / SHARDED_DIR / ".metadata").is_file():
             raise DamagedCheckpoint(path, f"{SHARDED_DIR}/.metadata: missing")
-        return  # DCP reads its shards itself, and names a bad one (ShardedWeights.load)
+        problem = missing_shards(path / SHARDED_DIR)  # DCP reads the shards themselves (ShardedWeights.load)
+        if problem:
+            raise DamagedCheckpoint(path, problem)
+        return
     open_torch(path, "optimizer.pt")
     weights = [path / "trainable.safetensors"] if (path / "trainable.safetensors").exists() else None
     critic = path / "model" / "value_model"  # absent for a critic-free estimator (PlainWeights.load asks for it otherwise)

@@ -170,6 +170,24 @@ def check_shared_folder(folder: Path, accelerator) -> None:
             marker.unlink(missing_ok=True)
 
 
+# gloo's words when the process at the other end of a connection has gone (killed, crashed)
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_process(error: BaseException, accelerator, last_checkpoint: Optional[Path]) -> Optional[UserError]:
+    """One line for a collective that failed because another process of the run ended (SIGKILL, a crash):
+    which process, and the checkpoint to resume from; None when `error` is something else."""
+    text = str(error)
+    if accelerator.num_processes == 1 or not isinstance(error, RuntimeError) or not any(p in text for p in _PEER_GONE):
+        return None
+    others = [r for r in range(accelerator.num_processes) if r != accelerator.process_index]
+    who = f"process {others[0]}" if len(others) == 1 else "another process"
+    said = next(p for p in _PEER_GONE if p in text)
+    last = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint of this run was written yet"
+    return UserError(f"{who} of the run ended while process {accelerator.process_index} waited for it ({said}); {last}: "
+                     "see that process's output for why, and continue with --resume")
+
+
 # --------------------------------------------------------------------------- ddp
 
 
@@ -475,12 +493,20 @@ class ShardedWeights:
         source = Path(folder) / SHARDED_DIR
         if not (source / ".metadata").is_file():
             raise UserError(f"{folder}: no {SHARDED_DIR}/.metadata (a checkpoint written under parallel.strategy fsdp has one)")
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ppokit.checkpoint_files import DamagedCheckpoint
+
         state = _training_state(parts.model, parts.optimizer)
         try:
             dcp.load(state, checkpoint_id=str(source))
-        except Exception as e:  # DCP wraps each process's error in a CheckpointException
+        except (Exception, CheckpointException) as e:  # DCP wraps each process's error in a CheckpointException, a BaseException
+            failures = getattr(e, "failures", None) or {}  # rank -> (exception, traceback)
+            for rank, failure in sorted(failures.items())[:1]:
+                cause = failure[0] if isinstance(failure, tuple) else failure
+                e = f"process {rank}: {type(cause).__name__}: {str(cause).strip()}"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"{source}: cannot be read into this run's sharded model ({first})") from None
+            raise DamagedCheckpoint(Path(folder), f"{SHARDED_DIR}/: cannot be read into this run's sharded model ({first})") from None
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
 

@@ -369,8 +369,12 @@ class PPOTrainer:
         """Run every update; write the run directory. Returns the list of metric records."""
         try:
             self._train()
-        except OSError as e:
-            raise run_dir.full_disk(e, self._run_facts().output_dir, self._saved_at and self._saved_at[1]) or e from None
+        except (OSError, RuntimeError) as e:  # a full disk; another process gone
+            last = self._saved_at and self._saved_at[1]
+            said = run_dir.full_disk(e, self._run_facts().output_dir, last) or parallel.lost_process(e, self.accelerator, last)
+            if said is None:
+                raise
+            raise said from None
         finally:
             if self.run is not None:
                 self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
