@@ -550,3 +550,32 @@ def test_resume_force_applies_a_new_learning_rate_or_refuses_what_it_cannot_appl
     with pytest.raises(UserError, match="ppo.kl_coef is the adaptive KL controller's starting value; .* cannot take effect, even with --resume-force"):
         PPOTrainer(adaptive, show_progress=False).resume_from(saved, force=True)
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+DAMAGED_TRACKERS = {
+    "empty mapping": ("{}", 'is not a mapping with a "trackers" mapping in it'),
+    "a list": ("[]", 'is not a mapping with a "trackers" mapping in it'),
+    "entry not a mapping": ('{"trackers": {"tensorboard": 3}}', "trackers.tensorboard is 3, not a mapping"),
+    "last_update text": ('{"trackers": {"tensorboard": {"last_update": "abc"}}}', "trackers.tensorboard.last_update is 'abc', not a whole number >= 0"),
+    "cut short": ('{"trackers": {"tensorb', "is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_TRACKERS))
+def test_a_damaged_trackers_file_stops_the_resume_before_it_changes_the_run(saved_every_update, tmp_path, damage, capsys):
+    """trackers.json used to be read after the resume had cut metrics.jsonl to the checkpoint and moved the newer
+    checkpoints to superseded/, and a damaged one then crashed with a traceback."""
+    source, config_path = saved_every_update
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    text, detail = DAMAGED_TRACKERS[damage]
+    (out / "trackers.json").write_text(text)
+    before = files_of(out)
+    assert main(["ppo", str(config_path), f"output_dir={out}", "report_to=[tensorboard]", "--resume",
+                 str(out / "checkpoints" / "update-2")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("ppokit: error:")]
+    assert errors == [f"ppokit: error: {out / 'trackers.json'}: {detail}; it records which updates each tracker of report_to was sent. "
+                      "Restore it, or delete it to have the trackers start new runs and be sent every update of the run again"], err
+    assert files_of(out) == before

@@ -1,10 +1,10 @@
-"""The launcher's environment read before anything loads (ppokit.launch); the real `accelerate launch`
+"""The launcher's environment read before anything loads (ppokit.launcher); the real `accelerate launch`
 is in tests/test_multiprocess.py."""
 
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.launch import check_launch, check_world_size, launched_processes
+from ppokit.launcher import check_launch, check_world_size, launched_processes
 
 # What `accelerate launch` puts in a child's environment besides the user's (accelerate's utils/launch.py).
 ACCELERATE = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_USE_CPU": "False"}
@@ -43,7 +43,8 @@ def test_processes_that_do_not_see_each_other_are_refused():
 
 
 @pytest.mark.parametrize("name, value", [("WORLD_SIZE", ""), ("WORLD_SIZE", "two"), ("WORLD_SIZE", "0"), ("PMI_SIZE", "-1"),
-                                         ("ACCELERATE_USE_CPU", ""), ("ACCELERATE_USE_CPU", "cpu")])
+                                         ("ACCELERATE_USE_CPU", ""), ("ACCELERATE_USE_CPU", "cpu"),
+                                         ("RANK", "one"), ("RANK", "1"), ("LOCAL_RANK", "-1")])
 def test_a_malformed_launcher_environment_is_one_line_naming_the_variable(name, value):
     with pytest.raises(UserError, match=rf"^{name}={value!r} in the environment is not "):
         check_launch({name: value})

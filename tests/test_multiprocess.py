@@ -2,6 +2,7 @@
 across processes, metrics are reduced over them, and the main process alone writes the run directory;
 the pieces of ppokit.parallel (FSDP2) checked by tests/parallel_checks.py under 1 and 2 processes."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from ppokit import parallel
 
 TORCHRUN = shutil.which("torchrun")
 CHECKS = Path(__file__).with_name("parallel_checks.py")
@@ -175,14 +178,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _two_nodes(config: Path, *extra: str, log: Path) -> list[subprocess.Popen]:
+def _two_nodes(config: Path, *extra: str, log: Path, per_node=((), ())) -> list[subprocess.Popen]:
     """Two "nodes" of one process each on this machine, meeting at a rendezvous on a loopback port:
-    what `torchrun --nnodes 2 --node_rank R --master_addr HOST --master_port PORT` does across machines."""
+    what `torchrun --nnodes 2 --node_rank R --master_addr HOST --master_port PORT` does across machines.
+    per_node: more arguments for node 0 and node 1."""
     port = _free_port()
     return [
         subprocess.Popen(
             [TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-             "--master_port", str(port), "-m", "ppokit", "ppo", str(config), *extra],
+             "--master_port", str(port), "-m", "ppokit", "ppo", str(config), *extra, *per_node[rank]],
             env=_env(), stdout=subprocess.DEVNULL, stderr=log.with_suffix(f".{rank}").open("w"), start_new_session=True,
         )
         for rank in (0, 1)
@@ -227,6 +231,24 @@ def test_two_nodes_fsdp_killed_after_a_checkpoint_and_resumed_equal_the_straight
     assert _comparable(tmp_path / "run") == _comparable(straight)
     assert (tmp_path / "run" / "samples.jsonl").read_text() == (straight / "samples.jsonl").read_text()
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+@needs_torchrun
+def test_two_nodes_whose_output_dirs_are_not_one_folder_refuse_together(model_dir, prompts_file, tmp_path):
+    """Node 1's output_dir is not the folder node 0 writes in (as two machines without a shared file system):
+    under fsdp each node used to write its shards of every checkpoint into its own folder and exit 0, node 0's
+    checkpoints marked complete without node 1's shards. Both stop before training, with the same one line."""
+    config = _config(model_dir, prompts_file, tmp_path, "fsdp", total_episodes=16, save_steps=0, num_sample_generations=0)
+    log = tmp_path / "node"
+    nodes = _two_nodes(config, log=log, per_node=([f"output_dir={tmp_path / 'node-0'}"], [f"output_dir={tmp_path / 'node-1'}"]))
+    assert _wait(nodes, log) == [1, 1]  # torchrun's status when its process exits non-zero
+    lines = [_error_lines(log.with_suffix(f".{rank}").read_text()) for rank in (0, 1)]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert lines[0][0].startswith(f"ppokit: error: process 1: output_dir: this process (on {socket.gethostname()}) does not see the run "
+                                  f"folder {tmp_path / 'node-0'} that process 0 writes in, at {tmp_path / 'node-1'} (its output_dir)"), lines[0]
+    for rank in (0, 1):
+        assert not _worker_tracebacks(log.with_suffix(f".{rank}").read_text())
+    assert not (tmp_path / "node-0" / "metrics.jsonl").exists() and not (tmp_path / "node-0" / parallel.SHARED_MARKER).exists()
 
 
 @needs_torchrun
@@ -539,3 +561,129 @@ def test_rows_skipped_on_one_process_keep_the_processes_in_step(model_dir, promp
     assert [r["skipped_updates"] for r in records] == [0, 0, 1, 1] and records[2]["nonfinite/score"] == 1
     assert all(r["loss/policy_avg"] == r["loss/policy_avg"] for r in records if "loss/policy_avg" in r)  # finite: rank 1's empty share adds nothing
     assert (tmp_path / "run-ddp" / "final").is_dir()
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (OSError, IndexError):
+        return False
+
+
+@needs_torchrun
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_processes_whose_launcher_is_killed_while_starting_exit_and_release_the_run_lock(model_dir, prompts_file, tmp_path):
+    """SIGKILL of torchrun's agent while its processes start: they waited 30 minutes in the rendezvous for the
+    agent's store, holding the run lock. Now each ends with its launcher (launcher.follow_launcher)."""
+    import fcntl
+
+    config = _config(model_dir, prompts_file, tmp_path, total_episodes=16, save_steps=0, num_sample_generations=0)
+    agent = subprocess.Popen([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)], env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"), start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(ranks := _children(agent.pid)) < 2:
+        assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(1.0)  # the processes are importing, or waiting in the rendezvous
+    agent.kill()
+    agent.wait()
+    deadline = time.monotonic() + 240  # a loaded machine takes a while to import torch: the process may check only then
+    while any(_alive(p) for p in ranks):
+        if time.monotonic() > deadline:
+            for p in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            raise AssertionError(f"processes {sorted(ranks)} outlived their launcher:\n{(tmp_path / 'stderr').read_text()[-3000:]}")
+        time.sleep(0.1)
+    lock = tmp_path / "run-ddp" / ".ppokit.lock"
+    if lock.exists():  # the main process had taken it: released with the process
+        with lock.open() as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
+DAMAGED_SHARDS = {
+    "deleted": (lambda f: f.unlink(), "sharded/__1_0.distcp: missing"),
+    "cut in half": (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "sharded/__1_0.distcp: cut short ("),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_SHARDS))
+def test_a_damaged_shard_is_named_with_the_checkpoint_before_it(runs, tmp_path, damage, capsys):
+    """A shard deleted or cut short used to end the resume in a traceback (DCP's CheckpointException is a
+    BaseException): now the one-process message, found before any model loads, and nothing changes."""
+    from ppokit.cli import main
+
+    config, source = runs["fsdp"]
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    edit, detail = DAMAGED_SHARDS[damage]
+    edit(run / "checkpoints" / "update-4" / "sharded" / "__1_0.distcp")
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".ppokit.lock"}
+    assert main(["ppo", str(config), f"output_dir={run}", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = [line for line in err.splitlines() if line.startswith("ppokit: error:")]
+    assert len(line) == 1 and line[0].startswith(f"ppokit: error: checkpoint {run / 'checkpoints' / 'update-4'} is damaged: {detail}"), err
+    assert line[0].endswith(f"; the previous complete one is {run / 'checkpoints' / 'update-2'}")
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".ppokit.lock"} == before
+
+
+def test_a_shard_that_dcp_cannot_read_is_named_with_the_checkpoint_before_it(runs, tmp_path):
+    """Whole in size but not readable (zeroed bytes): DCP's CheckpointException, a BaseException that
+    `except Exception` let through, becomes the damaged-checkpoint message."""
+    from ppokit.config import PPOConfig
+    from ppokit.errors import UserError
+    from ppokit.trainer import PPOTrainer
+
+    config, source = runs["fsdp"]
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    shard = run / "checkpoints" / "update-2" / "sharded" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[:-64] = bytes(len(data) - 64)
+    shard.write_bytes(bytes(data))
+    trainer = PPOTrainer(PPOConfig.load(config, [f"output_dir={run}"]), show_progress=False)
+    with pytest.raises(UserError) as raised:
+        trainer.resume_from(run / "checkpoints" / "update-2", force=True)  # one process: the count differs
+    assert str(raised.value).startswith(f"checkpoint {run / 'checkpoints' / 'update-2'} is damaged: sharded/: cannot be read "
+                                        "into this run's sharded model (process 0: ")
+    assert str(raised.value).endswith("; there is no earlier complete checkpoint")
+
+
+@needs_torchrun
+def test_a_process_killed_mid_run_leaves_the_other_with_one_line(model_dir, prompts_file, tmp_path):
+    """SIGKILL of process 1 while training: process 0 printed gloo's "Connection reset by peer" traceback. Now
+    one line naming the process that ended and the last complete checkpoint."""
+    config = _config(model_dir, prompts_file, tmp_path, save_steps=1, num_sample_generations=0)
+    stderr = tmp_path / "stderr"
+    agent = subprocess.Popen([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)], env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=stderr.open("w"), start_new_session=True)
+    run = tmp_path / "run-ddp"
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "update-1").is_dir():
+        assert agent.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        time.sleep(0.05)
+    ranks = {int(p): Path(f"/proc/{p}/environ").read_bytes() for p in _children(agent.pid)}
+    os.kill(next(p for p, env in ranks.items() if b"\0RANK=1\0" in b"\0" + env), signal.SIGKILL)
+    try:
+        agent.wait(timeout=240)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    text = stderr.read_text()
+    assert not _worker_tracebacks(text), text[-3000:]
+    lines = _error_lines(text)
+    assert len(lines) == 1, text[-3000:]
+    assert lines[0].startswith("ppokit: error: process 1 of the run ended while process 0 waited for it ("), lines[0]
+    named = lines[0].split("the last complete checkpoint is ")[1].split(": see that process's output")[0]
+    assert named.startswith(str(run / "checkpoints" / "update-")) and (Path(named) / "trainer_state.json").is_file(), lines[0]
+    assert lines[0].endswith("see that process's output for why, and continue with --resume"), lines[0]

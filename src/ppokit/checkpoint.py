@@ -72,6 +72,7 @@ from ppokit.run_dir import (
     temporary_dir,
 )
 from ppokit.state import TrainingState
+from ppokit.trackers import TrackerState
 from ppokit.version import __version__
 
 
@@ -490,12 +491,15 @@ def read_checkpoint(path: str | Path) -> SavedCheckpoint:
 
 def _open_weights(path: Path, parallel: Any) -> None:
     """The weight and optimiser files of the layout that wrote them (`PlainWeights`, `parallel.ShardedWeights`), opened."""
-    from ppokit.parallel import SHARDED_DIR
+    from ppokit.parallel import SHARDED_DIR, missing_shards
 
     if isinstance(parallel, dict) and parallel.get("weights") == "sharded":
         if not (path / SHARDED_DIR / ".metadata").is_file():
             raise DamagedCheckpoint(path, f"{SHARDED_DIR}/.metadata: missing")
-        return  # DCP reads its shards itself, and names a bad one (ShardedWeights.load)
+        problem = missing_shards(path / SHARDED_DIR)  # DCP reads the shards themselves (ShardedWeights.load)
+        if problem:
+            raise DamagedCheckpoint(path, problem)
+        return
     open_torch(path, "optimizer.pt")
     weights = [path / "trainable.safetensors"] if (path / "trainable.safetensors").exists() else None
     critic = path / "model" / "value_model"  # absent for a critic-free estimator (PlainWeights.load asks for it otherwise)
@@ -538,6 +542,8 @@ def load_checkpoint(
         say(f"resuming despite differences (--resume-force): {'; '.join(differences)}")
     if manifest["versions"] != _versions():
         say(f"note: checkpoint written with {manifest['versions']}, now {_versions()}; numbers may differ in the last digits")
+    if config.report_to:  # the trackers read it after the run folder is restored: a damaged one stops the resume now
+        TrackerState.load(Path(run.output_dir), resumed=True)
 
     parts.weights.load(path, parts)
     parts.scheduler.load_state_dict(saved.scheduler)

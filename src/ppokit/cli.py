@@ -14,10 +14,10 @@ from ppokit.version import __version__
 
 
 def _ppo(args) -> int:
-    from ppokit import checkpoint, launch, run_dir
+    from ppokit import checkpoint, launcher, run_dir
     from ppokit.config import PPOConfig
 
-    launch.check_launch()  # a launch that cannot run as asked stops first, before the config is even read
+    launcher.check_launch()  # a launch that cannot run as asked stops first, before the config is even read
     overrides, resume = list(args.overrides), args.resume
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
@@ -84,7 +84,7 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     """The plan before any weights load. A run it estimates not to fit stops here, unless `ignore_plan`
     (a run that cannot fit would fail later, after loading every model, or exhaust the machine's
     memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
-    from ppokit.launch import launched_processes
+    from ppokit.launcher import launched_processes
     from ppokit.plan import plan_for
 
     if config.ppo.total_episodes is not None:

@@ -131,6 +131,63 @@ def stop_together(accelerator) -> Optional[Callable[[Optional[UserError]], None]
     return verdict
 
 
+SHARED_MARKER = ".ppokit-shared"  # written by the main process at the start of a run of several processes, then removed
+
+
+def check_shared_folder(folder: Path, accelerator) -> None:
+    """With several processes: every process sees the run folder the main process writes in, at that
+    process's own path to it (`folder`) and at the main process's (where the others write their shards of a
+    checkpoint). Nodes whose output_dir is not one shared folder would each write their part of every
+    checkpoint somewhere else. The main process writes a random token into the folder; every process reads
+    it back; if one cannot, every process stops with the same one line (`stop_together`)."""
+    if accelerator.num_processes == 1:
+        return
+    import secrets
+    import socket
+
+    main = accelerator.is_main_process
+    marker = Path(folder) / SHARED_MARKER
+    if main:
+        marker.write_text(secrets.token_hex(16))
+    sent = [marker.read_text() if main else None, str(Path(folder).resolve()) if main else None]
+    torch.distributed.broadcast_object_list(sent, src=0)
+    token, main_folder = sent
+    unseen = []
+    for path in dict.fromkeys([Path(folder), Path(main_folder)]):
+        try:
+            if (path / SHARED_MARKER).read_text() != token:
+                unseen.append(path)
+        except OSError:
+            unseen.append(path)
+    error = None if not unseen else UserError(
+        f"output_dir: this process (on {socket.gethostname()}) does not see the run folder {main_folder} that process 0 "
+        f"writes in{f', at {unseen[0]} (its output_dir)' if unseen[0] != Path(main_folder) else ''}; every process of a run "
+        "must see one folder: give every node the same output_dir, on a file system they share")
+    try:
+        stop_together(accelerator)(error)
+    finally:
+        if main:
+            marker.unlink(missing_ok=True)
+
+
+# gloo's words when the process at the other end of a connection has gone (killed, crashed)
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_process(error: BaseException, accelerator, last_checkpoint: Optional[Path]) -> Optional[UserError]:
+    """One line for a collective that failed because another process of the run ended (SIGKILL, a crash):
+    which process, and the checkpoint to resume from; None when `error` is something else."""
+    text = str(error)
+    if accelerator.num_processes == 1 or not isinstance(error, RuntimeError) or not any(p in text for p in _PEER_GONE):
+        return None
+    others = [r for r in range(accelerator.num_processes) if r != accelerator.process_index]
+    who = f"process {others[0]}" if len(others) == 1 else "another process"
+    said = next(p for p in _PEER_GONE if p in text)
+    last = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint of this run was written yet"
+    return UserError(f"{who} of the run ended while process {accelerator.process_index} waited for it ({said}); {last}: "
+                     "see that process's output for why, and continue with --resume")
+
+
 # --------------------------------------------------------------------------- ddp
 
 
@@ -417,9 +474,17 @@ class ShardedWeights:
     kind = "sharded"
 
     def save(self, folder: Path, parts, save_models, is_main: bool) -> None:
+        """Every process writes its shards; the checkpoint is complete only when the main process finds every
+        shard in it (a process writing into a folder the main one does not see is refused on every process)."""
         import torch.distributed.checkpoint as dcp
 
         dcp.save(_training_state(parts.model, parts.optimizer), checkpoint_id=str(Path(folder) / SHARDED_DIR))
+        problem = [missing_shards(Path(folder) / SHARDED_DIR) if is_main else None]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise EveryProcessStops(f"{folder}: {problem[0]}; the checkpoint is not complete: every process must write into one "
+                                    "folder that the main process sees (output_dir on a file system every node shares)")
 
     def load(self, folder: Path, parts) -> None:
         import torch.distributed.checkpoint as dcp
@@ -428,14 +493,43 @@ class ShardedWeights:
         source = Path(folder) / SHARDED_DIR
         if not (source / ".metadata").is_file():
             raise UserError(f"{folder}: no {SHARDED_DIR}/.metadata (a checkpoint written under parallel.strategy fsdp has one)")
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ppokit.checkpoint_files import DamagedCheckpoint
+
         state = _training_state(parts.model, parts.optimizer)
         try:
             dcp.load(state, checkpoint_id=str(source))
-        except Exception as e:  # DCP wraps each process's error in a CheckpointException
+        except (Exception, CheckpointException) as e:  # DCP wraps each process's error in a CheckpointException, a BaseException
+            failures = getattr(e, "failures", None) or {}  # rank -> (exception, traceback)
+            for rank, failure in sorted(failures.items())[:1]:
+                cause = failure[0] if isinstance(failure, tuple) else failure
+                e = f"process {rank}: {type(cause).__name__}: {str(cause).strip()}"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"{source}: cannot be read into this run's sharded model ({first})") from None
+            raise DamagedCheckpoint(Path(folder), f"{SHARDED_DIR}/: cannot be read into this run's sharded model ({first})") from None
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+def missing_shards(folder: Path) -> str:
+    """What of a DCP folder's shards is missing or cut short, going by its .metadata (where every tensor
+    lies: file, offset, length), or "" when every shard is whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # pickle of DCP's own types: any error means a .metadata that cannot be used
+        return f"{SHARDED_DIR}/.metadata: cannot be read ({type(e).__name__})"
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = Path(folder) / name
+        if not file.is_file():
+            return f"{SHARDED_DIR}/{name}: missing"
+        if file.stat().st_size < end:
+            return f"{SHARDED_DIR}/{name}: cut short ({file.stat().st_size} of {end} bytes)"
+    return ""
 
 
 def _training_state(model: nn.Module, optimizer) -> dict:

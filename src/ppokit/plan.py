@@ -30,7 +30,7 @@ from torch import nn
 
 from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
 from ppokit.errors import UserError
-from ppokit.launch import launched_processes
+from ppokit.launcher import launched_processes
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
 from ppokit.parallel import backward_separately
 from ppokit.prompts import as_prompt_dataset, encode_prompts, prompt_room, render_chat_prompts

@@ -81,13 +81,23 @@ class TrackerState:
 
     @classmethod
     def load(cls, output_dir: Path, resumed: bool) -> "TrackerState":
+        """A resumed run's trackers.json, checked (a UserError naming the file and what is wrong in it:
+        `checkpoint.load_checkpoint` reads it before the resume changes anything); a fresh state otherwise."""
         path = Path(output_dir) / STATE_FILE
-        if resumed and path.is_file():
-            try:
-                return cls(output_dir, json.loads(path.read_text()))
-            except (OSError, json.JSONDecodeError):
-                pass  # unreadable: the trackers start new runs, and replay the checkpoint's updates into them
-        return cls(output_dir, {"trackers": {}})
+        if not (resumed and path.is_file()):
+            return cls(output_dir, {"trackers": {}})
+        problem = "is not valid JSON"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            problem = _state_problem(data)
+        except (OSError, UnicodeDecodeError) as e:
+            problem = f"cannot be read ({getattr(e, 'strerror', None) or e})"
+        except ValueError:
+            pass
+        if problem:
+            raise UserError(f"{path}: {problem}; it records which updates each tracker of report_to was sent. Restore it, or "
+                            "delete it to have the trackers start new runs and be sent every update of the run again")
+        return cls(output_dir, data)
 
     def of(self, name: str) -> dict:
         return self.data["trackers"].setdefault(name, {})
@@ -97,6 +107,26 @@ class TrackerState:
         partial = self.path.with_name(self.path.name + ".partial")
         partial.write_text(json.dumps(self.data, indent=1))
         os.replace(partial, self.path)
+
+
+# The keys TrackerState.save writes in a tracker's entry, and their types.
+_ENTRY_TYPES = {"last_update": int, "hparams_written": bool, "log_dir": str, "tracking_uri": str, "run_id": str, "id": str, "name": str}
+
+
+def _state_problem(data: Any) -> str:
+    """What is wrong with the contents of trackers.json, or ""."""
+    if not isinstance(data, dict) or not isinstance(data.get("trackers"), dict):
+        return 'is not a mapping with a "trackers" mapping in it'
+    if "run_name" in data and not isinstance(data["run_name"], str):
+        return f"run_name is {data['run_name']!r}, not text"
+    for name, entry in data["trackers"].items():
+        if not isinstance(entry, dict):
+            return f"trackers.{name} is {entry!r}, not a mapping"
+        for key, kind in _ENTRY_TYPES.items():
+            value = entry.get(key)
+            if key in entry and (not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0))):
+                return f"trackers.{name}.{key} is {value!r}, not {'a whole number >= 0' if kind is int else kind.__name__}"
+    return ""
 
 
 class Tracker:

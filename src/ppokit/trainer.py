@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, launch, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, launcher, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
@@ -369,8 +369,12 @@ class PPOTrainer:
         """Run every update; write the run directory. Returns the list of metric records."""
         try:
             self._train()
-        except OSError as e:
-            raise run_dir.full_disk(e, self._run_facts().output_dir, self._saved_at and self._saved_at[1]) or e from None
+        except (OSError, RuntimeError) as e:  # a full disk; another process gone
+            last = self._saved_at and self._saved_at[1]
+            said = run_dir.full_disk(e, self._run_facts().output_dir, last) or parallel.lost_process(e, self.accelerator, last)
+            if said is None:
+                raise
+            raise said from None
         finally:
             if self.run is not None:
                 self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
@@ -380,6 +384,7 @@ class PPOTrainer:
     def _train(self) -> None:
         hp, state, is_main = self.config.ppo, self.state, self.accelerator.is_main_process
         files = self._run_folder().start(fresh=state.update == 0, overwrite=self.overwrite, barrier=self.accelerator.wait_for_everyone)
+        parallel.check_shared_folder(files, self.accelerator)
         if is_main:
             self.config.save(files / "config.yaml")
         # A resumed run's files were rewritten to the checkpoint's by resume_from; they continue from there.
@@ -606,9 +611,10 @@ def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPO
 
 
 def _make_accelerator(config: PPOConfig) -> Accelerator:
-    launch.check_launch()  # a malformed launcher environment is one line, not accelerate's traceback
+    launcher.check_launch()  # a malformed launcher environment is one line, not accelerate's traceback
+    launcher.follow_launcher()  # before the rendezvous, which waits for a launcher that may be gone
     accelerator = Accelerator(mixed_precision=parallel.accelerator_mixed_precision(config.parallel, roles.mixed_precision(config)))
-    launch.check_world_size(accelerator.num_processes)
+    launcher.check_world_size(accelerator.num_processes)
     return accelerator
 
 
