@@ -40,3 +40,17 @@ def test_algorithms_page_has_every_estimator_and_knob():
     table = [line for line in page.splitlines() if line.startswith("| `")]
     for name in [f"advantage_estimator: {e}" for e in ADVANTAGE_ESTIMATORS] + [f"loss_aggregation: {a}" for a in LOSS_AGGREGATIONS] + list(knobs):
         assert any(f"`{name}" in line or f", `{name}`" in line for line in table), name
+
+
+def test_the_cpu_constraints_select_the_cpu_build_of_torch():
+    """`torch==2.13.0` alone resolves from PyPI to the CUDA build on Linux: on x86-64 the pin carries the
+    `+cpu` local version, which only PyTorch's CPU index (named in the file) or a local CPU wheel has."""
+    from packaging.requirements import Requirement
+
+    lines = [line.strip() for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines()]
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    pins = [Requirement(line) for line in lines if line and not line.startswith(("#", "--"))]
+    for machine, platform, version in (("x86_64", "linux", "2.13.0+cpu"), ("AMD64", "win32", "2.13.0+cpu"),
+                                       ("aarch64", "linux", "2.13.0"), ("arm64", "darwin", "2.13.0")):
+        applying = [r for r in pins if r.marker is None or r.marker.evaluate({"platform_machine": machine, "sys_platform": platform})]
+        assert [(r.name, str(r.specifier)) for r in applying] == [("torch", f"=={version}")], (machine, platform)
