@@ -40,6 +40,8 @@ def test_cli_ppo_smoke_with_overrides(model_dir, prompts_file, tmp_path):
     assert len(metrics) == 2 and metrics[-1]["episode"] == 16
     assert (run / "final" / "model.safetensors").exists() and (run / "final" / "value_model" / "model.safetensors").exists()
     assert json.loads(result.stdout.strip().splitlines()[-1])["updates"] == 2
+    assert "\r" not in result.stderr and "\x1b" not in result.stderr, result.stderr  # into a pipe: plain lines, no bar
+    assert [line.split(" | ")[0] for line in result.stderr.splitlines() if line.startswith("update ")] == ["update 1/2", "update 2/2"]
 
 
 def _assert_user_error(result, *fragments):

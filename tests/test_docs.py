@@ -1,4 +1,11 @@
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from ppokit.configdoc import reference_document
 
@@ -40,3 +47,99 @@ def test_algorithms_page_has_every_estimator_and_knob():
     table = [line for line in page.splitlines() if line.startswith("| `")]
     for name in [f"advantage_estimator: {e}" for e in ADVANTAGE_ESTIMATORS] + [f"loss_aggregation: {a}" for a in LOSS_AGGREGATIONS] + list(knobs):
         assert any(f"`{name}" in line or f", `{name}`" in line for line in table), name
+
+
+def test_the_cpu_constraints_select_the_cpu_build_of_torch():
+    """`torch==2.13.0` alone resolves from PyPI to the CUDA build on Linux: on x86-64 the pin carries the
+    `+cpu` local version, which only PyTorch's CPU index (named in the file) or a local CPU wheel has."""
+    from packaging.requirements import Requirement
+
+    lines = [line.strip() for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines()]
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    pins = [Requirement(line) for line in lines if line and not line.startswith(("#", "--"))]
+    for machine, platform, version in (("x86_64", "linux", "2.13.0+cpu"), ("AMD64", "win32", "2.13.0+cpu"),
+                                       ("aarch64", "linux", "2.13.0"), ("arm64", "darwin", "2.13.0")):
+        applying = [r for r in pins if r.marker is None or r.marker.evaluate({"platform_machine": machine, "sys_platform": platform})]
+        assert [(r.name, str(r.specifier)) for r in applying] == [("torch", f"=={version}")], (machine, platform)
+
+
+# --------------------------------------------------------------------------- the docs' runnable shell blocks
+
+RUNNABLE = "<!-- runnable"  # an HTML comment (not rendered) on the line before a ```bash block: the test runs it
+
+
+def runnable_blocks() -> list[tuple[str, str]]:
+    """(where, script) of every shell block of README.md and docs/*.md marked runnable. Kept to commands of
+    seconds (--help, plan, data inspect, report), run in a workspace the fixture below makes."""
+    blocks = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines[:-1]):
+            if line.startswith(RUNNABLE):
+                assert lines[i + 1] == "```bash", f"{path.name}:{i + 1}: the runnable marker must stand right before a ```bash block"
+                end = lines.index("```", i + 2)
+                blocks.append((f"{path.relative_to(ROOT)}:{i + 2}", "\n".join(lines[i + 2: end])))
+    return blocks
+
+
+def readme_block(first_line: str) -> str:
+    """The README's fenced block that starts with `first_line`."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n" + first_line + "\n") + 1
+    return text[start: text.index("```", start)]
+
+
+@pytest.fixture(scope="module")
+def docs_workspace(tmp_path_factory, model_dir, demo_data):
+    """What the marked commands expect in the folder they run in: the README's ppo.yaml (also as
+    config.yaml), a demo-like folder (data, a tiny SFT model, a PPO run) and the runs the README makes
+    (their metrics.jsonl and samples.jsonl made up: `ppokit report` reads only those), and examples/."""
+    from test_report import healthy_records, write_run
+
+    work = tmp_path_factory.mktemp("docs")
+    (work / "ppokit-demo" / "data").mkdir(parents=True)
+    for name in ("prompts", "eval_prompts"):
+        (work / "ppokit-demo" / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in demo_data[name]))
+    shutil.copytree(model_dir("llama"), work / "ppokit-demo" / "sft")
+    ppo_yaml = readme_block("# ppo.yaml")
+    (work / "ppo.yaml").write_text(ppo_yaml)
+    (work / "config.yaml").write_text(ppo_yaml)
+    for run, seed in (("ppokit-demo/ppo", 0), ("runs/sentiment", 1), ("runs/k3", 2)):
+        write_run(work / run, healthy_records(seed=seed))
+    (work / "examples").symlink_to(ROOT / "examples")
+    # `ppokit` and `python` as the docs name them, running this checkout
+    bin_dir = work / ".bin"
+    bin_dir.mkdir()
+    (bin_dir / "ppokit").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ppokit "$@"\n')
+    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "ppokit").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return work, env
+
+
+def test_some_blocks_are_marked_runnable():
+    where = [w for w, _ in runnable_blocks()]
+    assert any(w.startswith("README.md") for w in where) and any(w.startswith("docs/") for w in where), where
+
+
+@pytest.mark.parametrize("where,script", runnable_blocks(), ids=[w for w, _ in runnable_blocks()])
+def test_a_runnable_block_of_the_docs_runs(docs_workspace, where, script):
+    work, env = docs_workspace
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{where} exited {result.returncode}:\n{script}\n{result.stderr[-3000:]}"
+
+
+def test_the_readme_api_example_reward_fires_on_the_demo_data(demo_data):
+    """`mentions_acting` looked for a word of the prompts that no completion holds: it gave 0 to every
+    demo sample. The README's function, run on the demo's own completions, must tell some apart."""
+    api = readme_block("from ppokit import PPOConfig, PPOTrainer, RewardConfig, DataConfig, PPOHyperparams")
+    source = api[api.index("def "):]
+    source = source[: source.index("\n\n")]
+    namespace: dict = {}
+    exec(source, namespace)
+    reward = next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
+    completions = [r["completion"] for r in demo_data["sft"]]
+    scores = reward([r["prompt"] for r in demo_data["sft"]], completions)
+    assert 0 < sum(scores) < len(scores), f"{reward.__name__} gives {set(scores)} to every demo completion"
+    assert f"reward_functions=[\"sentiment\", {reward.__name__}]" in api

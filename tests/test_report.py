@@ -297,6 +297,33 @@ def test_several_runs_overlaid_with_distinct_labels(tmp_path):
     assert "Samples: kl0.05/ppo" in page and "Samples: kl0.2/ppo" in page and "<td class=num>0.200</td>" in page
 
 
+def test_a_normalised_runs_scores_are_labelled_where_they_meet_raw_scores(tmp_path):
+    """With reward.normalize the scores are z-scores: overlaid on a raw run's, unlabelled, they read as
+    the same scale. Read back from the matplotlib figures the report draws and from its table."""
+    from ppokit.report import figures
+    from ppokit.report.page import runs_table
+
+    raw = read_run(write_run(tmp_path / "raw", healthy_records(seed=1)))
+    normalised = {**CONFIG, "reward": {"functions": ["sentiment"], "normalize": [True]}}
+    norm = read_run(write_run(tmp_path / "norm", healthy_records(seed=2), config=normalised))
+    assert (raw.normalised_scores, norm.normalised_scores) == (False, True)
+    mark = "normalised (reward.normalize)"
+
+    spec = next(s for s in figures.figure_specs([raw, norm]) if s.name == "score")
+    fig, _ = figures.draw_curves(spec, [raw, norm], [])
+    legends = {ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes if ax.get_legend()}
+    assert legends["score: train (objective/scores) and eval (eval/scores)"] == [
+        "raw train", "raw eval", f"norm train {mark}", f"norm eval {mark}"]
+    assert legends["score - beta x KL (objective/rlhf_reward)"] == ["raw", f"norm {mark}"]
+    assert legends["reward/sentiment (raw score of the source)"] == ["raw", "norm"]  # raw in both runs
+    frontier = [t.get_text() for t in figures.draw_frontier([raw, norm]).axes[0].get_legend().get_texts()]
+    assert frontier == ["raw (mean of 5 updates)", "raw eval score", f"norm {mark} (mean of 5 updates)", f"norm eval score {mark}"]
+
+    alone, _ = figures.draw_curves(spec, [norm], [])  # one run: its lines say it too
+    assert [t.get_text() for t in alone.axes[0].get_legend().get_texts()] == [f"train {mark}", f"eval {mark}"]
+    assert "(normalised)</td>" in runs_table([norm]) and "(normalised)" not in runs_table([raw])
+
+
 def test_cli_report_on_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     (tmp_path / "runs" / "a").mkdir(parents=True)
     write_run(tmp_path / "runs" / "ppo", healthy_records(4))

@@ -242,6 +242,18 @@ def test_tensorboard_started_as_documented_shows_every_scalar(tmp_path):
             server.wait()
 
 
+def test_trackio_says_where_its_run_is_on_stderr_without_colour_codes(tmp_path, capsys):
+    """trackio prints its banner to stdout, which carries only results, with terminal colour codes that
+    a log file would keep as noise."""
+    # a project of its own: trackio prints the banner once per project and process
+    config = config_for(tmp_path / "run", ["trackio"], run_name="plain", project="banner")
+    sink = trackers.open_trackers(config, total_updates=2, done_updates=0)
+    feed(sink, healthy_records(2), ())
+    sink.close()
+    out, err = capsys.readouterr()
+    assert out == "" and 'trackio show --project "banner"' in err and "\x1b" not in err, (out, err)
+
+
 def test_resume_continues_the_same_tracker_runs_and_sends_each_update_once(tmp_path):
     """Updates 1-4, a stop, then a resume from the checkpoint at update 3: the trackers hold 1-4 already
     (kept), a tracker added on resume gets 1-3 replayed from the run files, and 5-6 follow; every step once."""

@@ -17,3 +17,25 @@ def test_ppo_runs_and_writes_run_directory(arch, model_dir, prompts_file, tmp_pa
     assert (run / "final" / "config.json").exists()
     assert (run / "final" / "value_model" / "config.json").exists()
     assert (run / "config.yaml").exists()
+
+
+def test_progress_into_a_log_file_is_plain_lines_without_library_bars(model_dir, prompts_file, tmp_path, capsys):
+    """stderr that is no terminal (a log file, a pipe; pytest's capture here): one plain line per update with
+    the time left, instead of a bar redrawn with carriage returns, and no transformers bar ("Loading
+    weights", "Writing model shards") for the models ppokit loads and saves."""
+    from transformers.utils import logging as hf_logging
+
+    config = tiny_ppo_config(model_dir(), prompts_file, tmp_path / "run", total_episodes=24, logging_steps=2)
+    capsys.readouterr()
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process: an earlier in-process `ppokit` command turns them off
+    try:
+        PPOTrainer(config).train()
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err and "Loading weights" not in err and "Writing model shards" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("update ")]
+    assert [line.split(" | ")[0] for line in lines] == ["update 1/3", "update 2/3", "update 3/3"], err
+    assert "score" not in lines[0] and "score" in lines[1] and "score" in lines[2]  # metrics every logging_steps, and the last
+    assert all(line.endswith(" left") and " elapsed, " in line for line in lines), lines

@@ -20,6 +20,7 @@ import torch
 from ppokit import run_dir
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
 from ppokit.errors import UserError
+from ppokit.models import no_progress_bars
 from ppokit.sft import encode_pair, train_sft
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
 from ppokit.trainer import PPOTrainer
@@ -126,7 +127,8 @@ def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
     examples = [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in data["sft"]]
     losses = train_sft(model, examples, tokenizer.pad_token_id, epochs=s["sft_epochs"], batch_size=32, learning_rate=3e-3, seed=seed)
     sft_dir = out / "sft"
-    model.save_pretrained(sft_dir)
+    with no_progress_bars():
+        model.save_pretrained(sft_dir)
     tokenizer.save_pretrained(sft_dir)
     say(f"[3/4] SFT: loss {losses[0]:.2f} -> {sum(losses[-20:]) / len(losses[-20:]):.2f} over {len(losses)} steps -> {sft_dir}")
     return out

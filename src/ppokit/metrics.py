@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 from tqdm.auto import tqdm
 
+from ppokit.console import is_terminal
 from ppokit.trackers import open_trackers
 
 
@@ -85,23 +87,44 @@ class RunFiles:
 
 
 class ConsoleReporter:
-    """A progress bar with ETA over updates, and one line every `logging_steps` updates (and the last)."""
+    """A progress bar with ETA over updates, and one line every `logging_steps` updates (and the last).
+
+    Where stderr is not a terminal (a log file, a pipe), a bar's redraws would be carriage-return noise:
+    there each update prints one plain line instead, with the time so far and the estimated time left.
+    """
 
     def __init__(self, total_updates: int, initial: int = 0, enabled: bool = True, description: str = "ppo", logging_steps: int = 1):
         self.enabled = enabled
         self.logging_steps = logging_steps
-        self.bar = tqdm(total=total_updates, initial=initial, desc=description, unit="update", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+        self.total, self.initial = total_updates, initial
+        self.plain = not is_terminal(sys.stderr)
+        self.started = time.monotonic()
+        self.bar = tqdm(total=total_updates, initial=initial, desc=description, unit="update", disable=not enabled or self.plain,
+                        file=sys.stderr, dynamic_ncols=True)
 
     def record(self, record: dict) -> None:
         if not self.enabled:
             return
         self.bar.update(1)
-        if record["update"] % self.logging_steps == 0 or record["update"] == self.bar.total:
-            parts = [f"update {record['update']}/{self.bar.total}"]
+        logged = record["update"] % self.logging_steps == 0 or record["update"] == self.total
+        if not (logged or self.plain):
+            return
+        parts = [f"update {record['update']}/{self.total}"]
+        if logged:
             parts += [f"{label} {fmt.format(record[key])}" for key, label, fmt in CONSOLE_KEYS if key in record]
             if "eval/scores" in record:
                 parts.append(f"eval {record['eval/scores']:+.3f}")
+        if self.plain:
+            parts.append(self._times(record["update"]))
+            print(" | ".join(parts), file=sys.stderr, flush=True)
+        else:
             self.bar.write(" | ".join(parts), file=sys.stderr)
+
+    def _times(self, update: int) -> str:
+        elapsed = time.monotonic() - self.started
+        done = update - self.initial
+        left = elapsed / done * (self.total - update) if done > 0 else 0.0
+        return f"{tqdm.format_interval(elapsed)} elapsed, {tqdm.format_interval(left)} left"
 
     def samples(self, rows: list[dict]) -> None:
         pass

@@ -7,6 +7,7 @@ that scalar at every response position gives values; at the last real token, a r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -82,10 +83,27 @@ def _adapter_base(adapter_config: Path) -> str:
     return f" for {base}" if isinstance(base, str) and base else ""
 
 
+@contextlib.contextmanager
+def no_progress_bars():
+    """Without transformers' progress bars ("Loading weights", "Writing model shards"): ppokit's loads and
+    saves are steps of its own, and a bar for each would interleave with the run's progress (and fill
+    a log file with carriage returns). The caller's setting is restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _from_pretrained(loader, name: str, role: str, **kwargs):
     path = resolve_model_path(name, role, tokenizer=loader is AutoTokenizer)
     try:
-        return loader.from_pretrained(path, **kwargs)
+        with no_progress_bars():
+            return loader.from_pretrained(path, **kwargs)
     except (OSError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
         # UnpicklingError: a pickled .bin refused by torch.load(weights_only=True); never executed.
         # SafetensorError: a truncated or damaged .safetensors file.

@@ -46,6 +46,7 @@ from ppokit.models import (
     load_causal_lm,
     load_scalar_model,
     model_config,
+    no_progress_bars,
     unwrap_peft,
     value_model_from_policy,
 )
@@ -523,5 +524,6 @@ def merge_adapter(base: str, adapter: str, output: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
-    model.merge_and_unload().save_pretrained(output)
+    with no_progress_bars():
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+        model.merge_and_unload().save_pretrained(output)

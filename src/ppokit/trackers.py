@@ -19,18 +19,17 @@ already has from before an interruption are kept, not repeated.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import math
 import os
-import sys
 import time
 import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ppokit.console import stdout_to_stderr
 from ppokit.errors import UserError
 
 # tracker -> the module its library installs (what must be importable); the extra has the tracker's name
@@ -277,7 +276,7 @@ class TrackioTracker(Tracker):
     name = "trackio"
 
     def start(self) -> None:
-        with contextlib.redirect_stdout(sys.stderr):  # trackio prints its banner; stdout is for results
+        with stdout_to_stderr():  # trackio prints its banner, coloured
             import trackio
 
             self.trackio = trackio
@@ -296,7 +295,7 @@ class TrackioTracker(Tracker):
         self.run.log(values, step=update)
 
     def finish(self, complete: bool) -> None:
-        with contextlib.redirect_stdout(sys.stderr):
+        with stdout_to_stderr():
             self.trackio.finish()  # finishes the current run (ours) and forgets it, so exit does not finish it again
 
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import os
@@ -42,7 +41,7 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import check_output_head, ensure_pad_token, left_pad, load_tokenizer, resolve_stop_token, response_logprobs
+from ppokit.models import check_output_head, ensure_pad_token, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
@@ -581,7 +580,7 @@ class PPOTrainer:
     def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False) -> None:
         """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured.
         Every process calls this; the main one writes the engine's whole copy of the models."""
-        with self.engine.consolidated(self.model) as whole, _no_save_progress_bars():
+        with self.engine.consolidated(self.model) as whole, no_progress_bars():
 
             def write(tmp: Path) -> None:
                 merged_dir = tmp / "merged" if merged and self.config.save_merged else None
@@ -616,20 +615,6 @@ def _make_accelerator(config: PPOConfig) -> Accelerator:
     accelerator = Accelerator(mixed_precision=parallel.accelerator_mixed_precision(config.parallel, roles.mixed_precision(config)))
     launcher.check_world_size(accelerator.num_processes)
     return accelerator
-
-
-@contextlib.contextmanager
-def _no_save_progress_bars():
-    """A per-shard bar for every save would interleave with the run's own progress bar."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _scores_or_none(scores: torch.Tensor, valid: torch.Tensor) -> list[Optional[float]]:

@@ -15,6 +15,11 @@ from ppokit.report.rundata import RunData, stop_rate
 
 Series = Callable[[RunData], tuple[list[int], list[float]]]
 
+# Metrics on the combined score's scale: for a run with reward.normalize they are z-scores, labelled as such
+# wherever they are drawn, so that they are not read against raw scores on the same axes.
+SCORE_KEYS = ("objective/scores", "eval/scores", "objective/rlhf_reward")
+NORMALISED = "normalised (reward.normalize)"
+
 
 @dataclass
 class Line:
@@ -123,6 +128,8 @@ def draw_curves(spec: FigureSpec, runs: list[RunData], alarms: list[Alarm]) -> t
             label = run.label if len(runs) > 1 else ""
             if len(panel.lines) > 1:
                 label = f"{label} {line.label}".strip()
+            if line.key in SCORE_KEYS and run.normalised_scores:
+                label = f"{label} {NORMALISED}".strip()
             ax.plot(updates, values, color=colors[run.label], label=label or None, linewidth=1.4, **line.style)
         for alarm in alarms:
             if alarm.run in {run.label for run, *_ in data}:
@@ -156,17 +163,19 @@ def draw_frontier(runs: list[RunData]) -> Optional[Figure]:
     for run, points, evals in data:
         updates = [p[0] for p in points]
         xs, ys = [p[1] for p in points], [p[2] for p in points]
+        normalised = f" {NORMALISED}" if run.normalised_scores else ""
         if len(data) == 1:
-            dots = ax.scatter(xs, ys, c=updates, cmap="viridis", s=22, zorder=3, label="train score, one point per update")
+            dots = ax.scatter(xs, ys, c=updates, cmap="viridis", s=22, zorder=3, label=f"train score{normalised}, one point per update")
             fig.colorbar(dots, ax=ax, label="update")
             ax.plot(_rolling_mean(xs), _rolling_mean(ys), color="0.35", linewidth=1.2, zorder=2, label="path (mean of 5 updates)")
         else:
             ax.scatter(xs, ys, color=colors[run.label], s=8, alpha=0.45)
-            ax.plot(_rolling_mean(xs), _rolling_mean(ys), color=colors[run.label], linewidth=1.6, label=f"{run.label} (mean of 5 updates)")
+            ax.plot(_rolling_mean(xs), _rolling_mean(ys), color=colors[run.label], linewidth=1.6,
+                    label=f"{run.label}{normalised} (mean of 5 updates)")
             ax.annotate(f"update {updates[-1]}", (xs[-1], ys[-1]), fontsize=7, color=colors[run.label])
         if evals:
             ax.scatter([e[1] for e in evals], [e[2] for e in evals], facecolors="none", edgecolors=colors[run.label] if len(data) > 1 else "C3",
-                       s=60, linewidths=1.4, zorder=4, label=f"{run.label + ' ' if len(data) > 1 else ''}eval score")
+                       s=60, linewidths=1.4, zorder=4, label=f"{run.label + ' ' if len(data) > 1 else ''}eval score{normalised}")
     ax.set_xlabel("KL to the reference (objective/kl, nats per sequence)")
     ax.set_ylabel("score (objective/scores)")
     ax.set_title("Reward vs KL: score gained for the distance travelled from the reference", fontsize=11)

@@ -72,7 +72,8 @@ def runs_table(runs: list[RunData]) -> str:
                 f"<td>{e(run.label)}</td>", f"<td><code>{e(run.path)}</code></td>", f"<td>{e(_status(run))}</td>",
                 f"<td>{e(run.setting('model', ''))}</td>", f"<td>{e(_sources(run))}</td>",
                 f"<td class=num>{_num(run.setting('ppo.kl_coef'), signed=False)}</td>",
-                f"<td class=num>{_num(last.get('objective/scores'))}</td>", f"<td class=num>{_num(last.get('objective/kl'), signed=False)}</td>",
+                f"<td class=num>{_num(last.get('objective/scores'))}{' (normalised)' if run.normalised_scores else ''}</td>",
+                f"<td class=num>{_num(last.get('objective/kl'), signed=False)}</td>",
             ]) + "</tr>"
         )
     head = "".join(f"<th>{h}</th>" for h in ("run", "directory", "status", "model", "reward", "kl_coef", "last score", "last KL"))

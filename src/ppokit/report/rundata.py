@@ -48,6 +48,13 @@ class RunData:
     def has(self, key: str) -> bool:
         return any(key in r for r in self.records)
 
+    @property
+    def normalised_scores(self) -> bool:
+        """The run's scores (objective/scores, eval/scores, rlhf_reward) combine standardised sources
+        (`reward.normalize` on for any): z-scores, not the sources' raw scale (reward/<name>)."""
+        normalize = self.setting("reward.normalize")
+        return normalize is True or (isinstance(normalize, list) and any(v is True for v in normalize))
+
     def setting(self, dotted: str, default: Any = None) -> Any:
         """A config value by dotted key (`ppo.kl_coef`), or `default` when config.yaml lacks it."""
         node: Any = self.config

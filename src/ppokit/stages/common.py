@@ -18,7 +18,7 @@ from ppokit.data import Records, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.lengths import EncodedRow, LengthReport, encode_rows
 from ppokit.metrics import JsonlWriter
-from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, position_limit, resolve_model_path
+from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, no_progress_bars, position_limit, resolve_model_path
 from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers
 
 
@@ -190,6 +190,7 @@ def save_model_and_tokenizer(model, tokenizer, renderer: Renderer, directory: Pa
     if renderer.template_used is not None:
         tokenizer.chat_template = renderer.template_used
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(directory)
+    with no_progress_bars():
+        model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
