@@ -17,7 +17,7 @@ import yaml
 from conftest import tiny_ppo_config, with_speed_switches
 
 import ppokit
-from ppokit import checkpoint
+from ppokit import checkpoint, run_dir
 from ppokit.cli import main
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
@@ -579,3 +579,17 @@ def test_a_damaged_trackers_file_stops_the_resume_before_it_changes_the_run(save
     assert errors == [f"ppokit: error: {out / 'trackers.json'}: {detail}; it records which updates each tracker of report_to was sent. "
                       "Restore it, or delete it to have the trackers start new runs and be sent every update of the run again"], err
     assert files_of(out) == before
+
+
+def test_a_resume_sets_the_abandoned_timelines_final_model_aside(saved_every_update, tmp_path):
+    """A resumed run killed before writing its own final/ used to keep the earlier run's, and the folder looked
+    finished. final/ moves to checkpoints/superseded/ with the newer checkpoints; the folder is an unfinished run."""
+    source, config_path = saved_every_update
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    final = (out / "final" / "model.safetensors").read_bytes()
+    trainer = PPOTrainer(PPOConfig.load(config_path, [f"output_dir={out}"]), show_progress=False)
+    trainer.resume_from(out / "checkpoints" / "update-2")
+    assert not (out / "final").exists()
+    assert (out / "checkpoints" / "superseded" / "final" / "model.safetensors").read_bytes() == final
+    assert run_dir.holds_run(out) == "an unfinished run (checkpoint update-2 of 4 updates)"

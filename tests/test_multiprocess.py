@@ -687,3 +687,19 @@ def test_a_process_killed_mid_run_leaves_the_other_with_one_line(model_dir, prom
     named = lines[0].split("the last complete checkpoint is ")[1].split(": see that process's output")[0]
     assert named.startswith(str(run / "checkpoints" / "update-")) and (Path(named) / "trainer_state.json").is_file(), lines[0]
     assert lines[0].endswith("see that process's output for why, and continue with --resume"), lines[0]
+
+
+def test_a_two_process_checkpoint_resumed_on_one_process_ends_at_total_episodes(runs, tmp_path):
+    """--resume-force with half the processes halves the batch: the run used to take the one-process number of
+    updates from the start, and ran past total_episodes (episodes 40, 48, ..., 80 after the checkpoint's 32, with
+    total_episodes=64). It continues with the updates of the episodes left, at its own batch."""
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import PPOTrainer
+
+    config, source = runs["ddp"]
+    trainer = PPOTrainer(PPOConfig.load(config, [f"output_dir={tmp_path / 'run'}", "ppo.num_sample_generations=0"]),
+                         show_progress=False)
+    trainer.resume_from(source / "checkpoints" / "update-2", force=True)
+    assert (trainer.state.update, trainer.state.episode, trainer.sizes.batch, trainer.sizes.num_updates) == (2, 32, 8, 6)
+    trainer.train()
+    assert [(r["update"], r["episode"]) for r in _records(tmp_path / "run")] == [(1, 16), (2, 32), (3, 40), (4, 48), (5, 56), (6, 64)]

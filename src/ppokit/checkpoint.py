@@ -64,6 +64,7 @@ from ppokit.run_dir import (
     discard_dir,
     finish_dir,
     full_disk,
+    is_marked,
     list_checkpoints,
     skipped_checkpoints,
     move_into_place,
@@ -542,6 +543,7 @@ def load_checkpoint(
         say(f"resuming despite differences (--resume-force): {'; '.join(differences)}")
     if manifest["versions"] != _versions():
         say(f"note: checkpoint written with {manifest['versions']}, now {_versions()}; numbers may differ in the last digits")
+    continued_updates(run.batch * run.num_updates, run.batch, saved.state, path)  # the resumed run can end at total_episodes
     if config.report_to:  # the trackers read it after the run folder is restored: a damaged one stops the resume now
         TrackerState.load(Path(run.output_dir), resumed=True)
 
@@ -557,6 +559,18 @@ def load_checkpoint(
     accelerator.wait_for_everyone()
     set_rng_state(saved.rng[accelerator.process_index % len(saved.rng)])
     return saved.state
+
+
+def continued_updates(total_episodes: int, batch: int, state: TrainingState, path: Path) -> int:
+    """The number of updates of a run resumed at `state`: the checkpoint's plus those of the episodes left at
+    this run's `batch`, so that it ends at ppo.total_episodes also when the batch differs from the checkpoint's
+    (another process count, under --resume-force). total_episodes // batch for the same batch."""
+    left = total_episodes - state.episode
+    if left < 0 or left % batch:
+        raise UserError(f"resume from {path}: {state.episode} of ppo.total_episodes={total_episodes} episodes are done, and "
+                        f"the {left} left are not a whole number of this run's updates of {batch} episodes; "
+                        "change ppo.total_episodes or the batch size so that they are")
+    return state.update + left // batch
 
 
 # --------------------------------------------------------------------------- --resume-force
@@ -606,13 +620,17 @@ def _check_weights_layout(path: Path, saved: dict, parts: TrainedParts, config) 
 
 
 def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:
-    """metrics.jsonl and samples.jsonl back to the checkpoint's; newer checkpoints of this run set aside.
+    """metrics.jsonl and samples.jsonl back to the checkpoint's; newer checkpoints of this run and final/ set aside.
 
     Records written after the checkpoint (by a process that was killed later) belong to a timeline that
     the resumed run replaces; so do newer checkpoints, which move to checkpoints/superseded/ (only
-    ppokit's own: `run_dir.owned_checkpoint`).
+    ppokit's own: `run_dir.owned_checkpoint`), as does final/ (when ppokit's: marked), which a resumed run killed before
+    its own end would otherwise leave looking finished.
     """
     output_dir.mkdir(parents=True, exist_ok=True)
+    superseded = checkpoints_dir(output_dir) / "superseded"
+    if is_marked(output_dir / "final"):  # the abandoned timeline's model: the resumed run writes its own at its end
+        move_into_place(output_dir / "final", superseded / "final")
     shutil.copyfile(path / "metrics.jsonl", output_dir / "metrics.jsonl")
     if (path / "samples.jsonl").exists():
         shutil.copyfile(path / "samples.jsonl", output_dir / "samples.jsonl")
@@ -621,4 +639,4 @@ def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:
     folder = checkpoints_dir(output_dir)
     for newer in list_checkpoints(folder):
         if update_of(newer) > update and newer.resolve() != path.resolve() and owned_checkpoint(newer):
-            move_into_place(newer, folder / "superseded" / newer.name)
+            move_into_place(newer, superseded / newer.name)

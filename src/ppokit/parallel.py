@@ -501,11 +501,14 @@ class ShardedWeights:
         try:
             dcp.load(state, checkpoint_id=str(source))
         except (Exception, CheckpointException) as e:  # DCP wraps each process's error in a CheckpointException, a BaseException
-            failures = getattr(e, "failures", None) or {}  # rank -> (exception, traceback)
-            for rank, failure in sorted(failures.items())[:1]:
+            failures = sorted((getattr(e, "failures", None) or {}).items())  # [(rank, (exception, traceback))]
+            if failures:
+                rank, failure = failures[0]
                 cause = failure[0] if isinstance(failure, tuple) else failure
-                e = f"process {rank}: {type(cause).__name__}: {str(cause).strip()}"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                said = f"process {rank}: {type(cause).__name__}: {str(cause).strip()}"
+            else:
+                said = str(e).strip() or type(e).__name__
+            first = said.splitlines()[0]
             raise DamagedCheckpoint(Path(folder), f"{SHARDED_DIR}/: cannot be read into this run's sharded model ({first})") from None
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))

@@ -486,6 +486,7 @@ class PPOTrainer:
         self._run_folder()  # this run's from here on: the lock before anything is restored into it
         self.state = checkpoint.load_checkpoint(path, self._trained_parts(), self.config, self._run_facts(), self.accelerator,
                                                 force=force, say=self._say)
+        self.sizes = self.sizes._replace(num_updates=checkpoint.continued_updates(self.sizes.total_episodes, self.sizes.batch, self.state, path))
         own = checkpoint.checkpoints_dir(self.output_dir) / f"update-{self.state.update}"
         # The checkpoint to name after a stop; it is re-saved only when it is another folder's.
         self._saved_at = (self.state.update if own.exists() and own.resolve() == path.resolve() else -1, path)
