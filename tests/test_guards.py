@@ -33,16 +33,19 @@ def all_equal(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("speed", [False, True], ids=["defaults", "speed-switches"])
-def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, prompts_file, tmp_path, monkeypatch, speed):
+@pytest.mark.parametrize("rollback, speed", [("memory", False), ("memory", True), ("disk", False)],
+                         ids=["memory-defaults", "memory-speed-switches", "disk"])
+def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, prompts_file, tmp_path, monkeypatch, rollback, speed):
     # With the speed switches: one trimmed token-budget micro-batch per minibatch (4 rows of the longest row), light head.
-    trainer = make_trainer(model_dir, prompts_file, tmp_path, **({"speed": dict(max_tokens_per_micro_batch=56, lm_head_chunk_size=3)} if speed else {}))
+    trainer = make_trainer(model_dir, prompts_file, tmp_path, ppo=dict(nonfinite_rollback=rollback),
+                           **({"speed": dict(max_tokens_per_micro_batch=56, lm_head_chunk_size=3)} if speed else {}))
     trainer.run_update()
     weights, moments = trainable(trainer), optimizer_tensors(trainer)
-    real_loss, calls = algo.value_loss_per_token, []
+    real_loss, calls, snapshots = algo.value_loss_per_token, [], []
 
     def nan_at_second_minibatch(*args, **kwargs):  # the first optimiser step of the update has been taken
         calls.append(1)
+        snapshots.append(sorted(p.name for p in tmp_path.rglob("process-*.pt*")))
         loss, clipped = real_loss(*args, **kwargs)
         return (loss * float("nan") if len(calls) == 2 else loss), clipped
 
@@ -56,6 +59,9 @@ def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, pro
     assert trainer.scheduler.last_epoch == 8
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (12 - 8) / 12)
     assert not any(p.grad is not None for p in trainer.model.parameters())
+    # disk: the snapshot was a file of its own while the update ran, and is gone after it; memory: no file
+    assert snapshots == ([["process-0.pt"]] * 2 if rollback == "disk" else [[]] * 2)
+    assert not list(tmp_path.rglob("process-*.pt*"))
 
     monkeypatch.undo()
     record = trainer.run_update()
@@ -65,7 +71,7 @@ def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, pro
 
 
 def test_nonfinite_gradient_with_finite_loss_is_caught(model_dir, prompts_file, tmp_path):
-    trainer = make_trainer(model_dir, prompts_file, tmp_path, ppo=dict(max_grad_norm=0.0))  # no clipping: own norm
+    trainer = make_trainer(model_dir, prompts_file, tmp_path, ppo=dict(max_grad_norm=0.0, nonfinite_rollback="memory"))  # no clipping: own norm
     weights = trainable(trainer)
     param = next(p for p in trainer.value_model.parameters() if p.requires_grad)
     hook = param.register_hook(lambda grad: torch.full_like(grad, float("inf")))
@@ -74,6 +80,50 @@ def test_nonfinite_gradient_with_finite_loss_is_caught(model_dir, prompts_file, 
     assert record["nonfinite/gradient"] == 1 and "nonfinite/loss" not in record
     assert str(trainer.state.last_nonfinite).startswith("non-finite gradient: inf")
     assert all_equal(trainable(trainer), weights)
+
+
+def _adam_steps(trainer) -> set[float]:
+    return {float(s["step"]) for s in trainer.optimizer.state.values()}
+
+
+def test_by_default_a_nonfinite_step_is_skipped_and_the_update_goes_on(model_dir, prompts_file, tmp_path, monkeypatch):
+    trainer = make_trainer(model_dir, prompts_file, tmp_path)  # nonfinite_rollback: off
+    assert trainer.config.ppo.rollback == "off"
+    trainer.run_update()
+    weights = trainable(trainer)
+    assert _adam_steps(trainer) == {4.0}  # 2 epochs x 2 minibatches
+    real_loss, calls = algo.value_loss_per_token, []
+
+    def nan_at_second_minibatch(*args, **kwargs):
+        calls.append(1)
+        loss, clipped = real_loss(*args, **kwargs)
+        return (loss * float("nan") if len(calls) == 2 else loss), clipped
+
+    monkeypatch.setattr(algo, "value_loss_per_token", nan_at_second_minibatch)
+    record = trainer.run_update()
+    assert len(calls) == 4, "the update went on after the bad step"
+    # One step of four skipped: the optimiser stepped 3 times (its state counts them), the schedule 4 times,
+    # the update trained and its metrics are finite (the skipped step's statistics are left out).
+    assert record["nonfinite_steps"] == 1 and record["skipped_updates"] == 0
+    assert not any(k.startswith("nonfinite/") for k in record)
+    assert _adam_steps(trainer) == {7.0} and trainer.scheduler.last_epoch == 8
+    assert all(math.isfinite(record[k]) for k in ("loss/policy_avg", "loss/value_avg", "policy/approxkl_avg"))
+    assert all(torch.isfinite(w).all() for w in trainable(trainer)) and not all_equal(trainable(trainer), weights)
+    assert not list(tmp_path.rglob("process-*.pt*"))  # nothing is copied
+
+
+def test_by_default_an_update_whose_every_step_is_nonfinite_is_skipped_without_a_step(model_dir, prompts_file, tmp_path):
+    trainer = make_trainer(model_dir, prompts_file, tmp_path, ppo=dict(max_grad_norm=0.0))
+    trainer.run_update()
+    weights, moments = trainable(trainer), optimizer_tensors(trainer)
+    param = next(p for p in trainer.value_model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    record = trainer.run_update()
+    hook.remove()
+    assert record["nonfinite/gradient"] == 1 and record["skipped_updates"] == 1 and trainer.state.skipped_in_a_row == 1
+    assert all_equal(trainable(trainer), weights) and all_equal(optimizer_tensors(trainer), moments)
+    assert trainer.scheduler.last_epoch == 8
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (12 - 8) / 12)
 
 
 def test_nonfinite_scores_stop_the_run_with_a_checkpoint_of_the_last_good_state(model_dir, prompts_file, tmp_path):

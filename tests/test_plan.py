@@ -348,3 +348,19 @@ def test_plan_of_a_model_with_its_own_code_never_asks_on_the_terminal(model_dir,
                              capture_output=True, text=True, env=env, timeout=300)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1].startswith(f"ppokit: error: model: could not read the config of '{custom}'")
+
+
+def test_plan_counts_the_nonfinite_rollback_copy(model_dir, prompts_file, tmp_path):
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run")
+    off = plan_for(config)
+    assert off.rollback == "off" and off.rollback_bytes() == 0 and "non-finite rollback" not in off.render()
+    trainable = sum(r.gradients + r.optimizer for r in off.roles)  # trainable weights + AdamW's two moments
+    assert trainable == 3 * sum(r.gradients for r in off.roles) > 0
+    for mode, where in (("memory", "host memory"), ("disk", "the run folder")):
+        config.ppo.nonfinite_rollback = mode
+        plan = plan_for(config)
+        assert plan.rollback_bytes() == trainable and plan.to_dict()["rollback"] == {"mode": mode, "bytes_per_process": trainable}
+        assert f"(ppo.nonfinite_rollback: {mode})" in plan.render() and where in plan.render()
+        assert plan.total == off.total  # none of it is on the device
+    config.parallel.strategy = "fsdp"
+    assert plan_for(config, processes=2).rollback_bytes() == -(-trainable // 2)  # each process copies its shard

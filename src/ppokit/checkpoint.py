@@ -79,7 +79,8 @@ from ppokit.version import __version__
 
 # Config keys that may differ between a checkpoint and the run that resumes it, because they do not
 # change any number the run computes: where the run is written, how often it prints or saves, how
-# many checkpoints it keeps, when it gives up on non-finite updates, whether remote code may run.
+# many checkpoints it keeps, when it gives up on non-finite updates and how it undoes them, whether
+# remote code may run.
 # Every other key (and the number of processes, and the contents of the data files) must match
 # unless the user says --resume-force. Keys added by later features are refused until listed here.
 RESUME_SAFE_KEYS = frozenset(
@@ -90,6 +91,7 @@ RESUME_SAFE_KEYS = frozenset(
         "ppo.save_steps",
         "ppo.save_total_limit",
         "ppo.max_skipped_updates",
+        "ppo.nonfinite_rollback",  # what a non-finite step does: the same numbers until one appears
         # How the models are spread over the processes, not what they compute (all-gathers are exact).
         "parallel.shard_frozen",
         "parallel.wrap_classes",

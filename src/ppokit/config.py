@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import yaml
 
@@ -31,6 +31,7 @@ a_path = rule("a path", lambda v: bool(v.strip()))
 above_one = rule("> 1", lambda v: v > 1)
 open_unit = rule("in (0, 1)", lambda v: 0 < v < 1)
 half_open_unit = rule("in (0, 1]", lambda v: 0 < v <= 1)
+ROLLBACK_CHOICE = rule("one of memory, disk, off, true (memory), false (off)", lambda v: isinstance(v, bool) or v in ("memory", "disk", "off"))
 # run_name names a folder under <output_dir>/tensorboard: a separator or ".." would put it elsewhere.
 folder_name = rule("a name without / or \\, not . or ..", lambda v: bool(v.strip()) and not {"/", "\\"} & set(v) and v not in (".", ".."))
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
@@ -99,10 +100,15 @@ class PPOHyperparams:
     num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); 0 disables.", check=non_negative)
     num_eval_samples: int = doc(8, "Prompts (from data.eval, else the current batch) in each sample generation.", check=positive)
     save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive)
-    max_skipped_updates: int = doc(3, "An update with a non-finite score, loss or gradient is rolled back and skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive)
-    nonfinite_rollback: bool = doc(True, "Undo the optimiser steps a skipped update already took, from a copy of the trainable weights and optimiser state made at the start of every update (CPU memory, about 3x the trainable weights). false: keep them and skip only the rest of the update (for full fine-tunes too large to copy).")
+    max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive)
+    nonfinite_rollback: Union[str, bool] = doc("off", "What a non-finite loss or gradient at an optimiser step does. `off`: that step is skipped (no weight or optimiser-state change; every process agrees) and the update goes on, counted in `skipped_steps`; an update whose every step was skipped is a skipped update; nothing is copied. `memory`: the whole update is undone and skipped, from a copy of the trainable weights and optimiser state made at the start of every update in CPU memory (about 3x the trainable weights with AdamW, per process: ~84 GB for a 7B full fine-tune). `disk`: the same copy, written to the run folder (`.rollback/`, one file per process) instead. true means memory, false off (YAML reads an unquoted off as false).", check=ROLLBACK_CHOICE)
     # Speed (docs/speed.md).
     max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch (per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar length are packed together, longest first, while rows x the micro-batch's longest row (prompt + response) stays within the budget, and each micro-batch is packed: every row's tokens end at the last column, so it is as wide as its longest row (no padding between a prompt and its response, none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the gradient does not depend on the split: a memory knob, not a result knob. The reference, value and reward-model passes are then chunked and packed the same way, each chunk within local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at least the longest prompt + response_length (checked at start). null: fixed micro-batches of per_device_train_batch_size rows, each loss a mean over its own tokens (TRL).", check=positive)
+
+    @property
+    def rollback(self) -> str:
+        """`nonfinite_rollback` as one of memory, disk, off (true and false are its aliases)."""
+        return {True: "memory", False: "off"}.get(self.nonfinite_rollback, self.nonfinite_rollback)
 
     def derive(self, world_size: int, num_prompts: int) -> "BatchSizes":
         """Batch arithmetic, as TRL does it; raises UserError on inexact division.

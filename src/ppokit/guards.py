@@ -1,5 +1,5 @@
-"""What stops a run safely: non-finite numbers (an update is rolled back and skipped) and
-SIGINT/SIGTERM (the current update finishes, a checkpoint is written, the run exits)."""
+"""What stops a run safely: non-finite numbers (an optimiser step is skipped, or an update rolled back
+and skipped) and SIGINT/SIGTERM (the current update finishes, a checkpoint is written, the run exits)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,12 @@ class NonFiniteStop(UserError):
 
 def too_many_skipped(state, hp, checkpoint) -> NonFiniteStop:
     """The stop after ppo.max_skipped_updates skipped updates in a row, saying what the checkpoint's
-    weights are: the last update that trained (rolled back to), the starting ones, or, without the
-    rollback, weights that kept the skipped updates' steps."""
+    weights are: the last update that trained, or the starting ones. A skipped update leaves no step in
+    the weights: it was rolled back (nonfinite_rollback memory/disk), or every step of it was skipped (off)."""
     trained = [r["update"] for r in state.records if not any(k.startswith("nonfinite/") for k in r)]
-    if not hp.nonfinite_rollback:
-        weights = ("holds the weights with the skipped updates' optimiser steps kept (ppo.nonfinite_rollback=false), "
-                   "which may be unusable; resume from an earlier checkpoint if so")
-    elif trained:
-        weights = f"holds the weights of update {trained[-1]}, the last that trained (the skipped ones were rolled back)"
+    if trained:
+        how = "the skipped ones were rolled back" if hp.rollback != "off" else "the skipped ones took no optimiser step"
+        weights = f"holds the weights of update {trained[-1]}, the last that trained ({how})"
     else:
         weights = "holds the starting weights: no update trained"
     return NonFiniteStop(
@@ -109,23 +107,77 @@ def _cpu_copy(obj):
     return obj
 
 
-class UpdateSnapshot:
-    """Trainable weights, optimiser state and schedule position at the start of an update.
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's own shard (fsdp's DTensor), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
-    A PPO update takes num_ppo_epochs x num_mini_batches optimiser steps; a NaN found at step k
-    means steps 1..k-1 already moved the weights. Restoring this snapshot undoes them, so a skipped
-    update leaves no trace but its place in the schedule. The copies live in CPU memory (about 3x the
-    trainable weights with AdamW); with `weights=False` only the schedule is kept.
+
+class UpdateSnapshot:
+    """What a skipped update goes back to: trainable weights, optimiser state and schedule position at
+    the start of the update (`ppo.nonfinite_rollback`).
+
+    A PPO update takes num_ppo_epochs x num_mini_batches optimiser steps; with rollback "memory" or "disk"
+    a NaN found at step k (the update stops there) means steps 1..k-1 already moved the weights, and
+    restoring this snapshot undoes them, so a skipped update leaves no trace but its place in the schedule.
+    "memory": the copies live in CPU memory (about 3x the trainable weights with AdamW). "disk": they are
+    written to `file` (each process its own) and read back, memory-mapped, only to restore. "off": only the
+    schedule is kept; the steps are checked one by one instead (`optimise.ppo_epochs` skips a bad one), so
+    an update that is skipped took no step.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer, scheduler, weights: bool = True):
+    def __init__(self, model: torch.nn.Module, optimizer, scheduler, rollback: str = "memory", file: Optional[Path] = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.params = [p.detach().to("cpu", copy=True) for p in self._trainable()] if weights else None
-        self.optimizer_state = _cpu_copy(optimizer.state_dict()) if weights else None
+        self.params = self.optimizer_state = self.file = None
+        if rollback == "memory":
+            self.params = [p.detach().to("cpu", copy=True) for p in self._trainable()]
+            self.optimizer_state = _cpu_copy(optimizer.state_dict())
+        elif rollback == "disk":
+            self.file = Path(file)
+            self._write(self.file)
         self.scheduler_state = _cpu_copy(scheduler.state_dict())
 
     def _trainable(self):
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _optimised(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _write(self, file: Path) -> None:
+        """Weights and each optimised parameter's state (None where it has none yet), one tensor at a time
+        through torch.save (no whole copy in host memory); written beside and renamed, so a file is whole."""
+        file.parent.mkdir(parents=True, exist_ok=True)
+        state = [self.optimizer.state.get(p) for p in self._optimised()]
+        saved = {
+            "params": [_local(p.detach()) for p in self._trainable()],
+            "optimizer": [None if not s else {k: _local(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                          for s in state],
+        }
+        partial = file.with_name(file.name + ".partial")
+        torch.save(saved, partial)
+        partial.replace(file)
+
+    def _read(self) -> None:
+        """The disk snapshot copied back in place (the weights' and the optimiser state's own tensors, so
+        that their devices, dtypes and sharding stay as they are); a state the snapshot lacks is dropped."""
+        saved = torch.load(self.file, map_location="cpu", mmap=True, weights_only=True)
+        with torch.no_grad():
+            for p, value in zip(self._trainable(), saved["params"]):
+                _local(p).copy_(value)
+            for p, before in zip(self._optimised(), saved["optimizer"]):
+                if before is None:
+                    self.optimizer.state.pop(p, None)
+                    continue
+                now = self.optimizer.state[p]
+                for key, value in before.items():
+                    if isinstance(value, torch.Tensor) and isinstance(now.get(key), torch.Tensor):
+                        _local(now[key]).copy_(value)
+                    else:
+                        now[key] = value
+
+    def discard(self) -> None:
+        """Delete the disk snapshot (the update it guarded is over)."""
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
 
     def restore(self, scheduler_steps: int) -> None:
         """Weights and optimiser back to the snapshot; the schedule moved on by one whole update,
@@ -136,11 +188,18 @@ class UpdateSnapshot:
                 for p, saved in zip(self._trainable(), self.params):
                     p.copy_(saved)
             self.optimizer.load_state_dict(self.optimizer_state)
+        elif self.file is not None:
+            self._read()
         self.scheduler.load_state_dict(self.scheduler_state)
         with warnings.catch_warnings():  # stepping the schedule without an optimiser step is the point here
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             for _ in range(scheduler_steps):
                 self.scheduler.step()
+
+
+def rollback_file(run_folder: Path, process_index: int) -> Path:
+    """Where process `process_index` writes its snapshot under nonfinite_rollback: disk."""
+    return Path(run_folder) / ".rollback" / f"process-{process_index}.pt"
 
 
 # --------------------------------------------------------------------------- signals

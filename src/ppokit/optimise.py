@@ -4,7 +4,8 @@
       for each minibatch:                 one optimiser step
         for each micro-batch:             forward + backward (policy, then critic); gradients accumulate
           micro_batch_backward(...)
-        clip gradients; refuse a non-finite loss or gradient; optimiser step; schedule step
+        clip gradients; a non-finite loss or gradient: skip the step (or stop the update, to be rolled
+        back: ppo.nonfinite_rollback memory/disk); optimiser step; schedule step
 
 `micro_batches` is the one place micro-batches are formed (fixed rows, or a token budget:
 ppokit.batching), `loss_normalisers` the one place the loss normalisation is decided and
@@ -19,6 +20,7 @@ estimator) there is one group and no value loss.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +28,7 @@ from torch import nn
 
 from ppokit import algo, batching, roles
 from ppokit.config import BatchSizes, PPOHyperparams
-from ppokit.guards import check_finite
+from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.models import response_logprobs, response_values
 from ppokit.rollout import Rollout
 from ppokit.statistics import training_metrics
@@ -221,6 +223,7 @@ def _loss_stats(terms: algo.LossTerms, value: Optional[torch.Tensor], value_clip
 def ppo_epochs(
     model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor], train_policy: bool = True,
+    on_skipped_step: Optional[Callable[[NonFiniteUpdate], None]] = None,
 ) -> dict[str, float]:
     """Every optimiser step of one update; returns the loss statistics (means over processes) and
     perf/padding_share, the share of padding among the token positions the training forwards processed.
@@ -234,6 +237,13 @@ def ppo_epochs(
     train_policy False (the critic's warm-up): the loss is computed and back-propagated as usual
     (every process's gradients are reduced alike), then the policy's gradients are dropped before
     clipping, so the optimiser moves the critic alone and the policy's AdamW state stays untouched.
+
+    A step whose loss or gradient is not finite (on any process: they agree in one reduction) never reaches
+    the weights. With ppo.nonfinite_rollback off it is skipped: its gradients are dropped, the optimiser does
+    not step (its state stays), the schedule does, its statistics are left out, and the update goes on;
+    `nonfinite_steps` counts such steps, and `on_skipped_step` is told of each. If every step was skipped, NonFiniteUpdate is raised at the end (a
+    skipped update that took no step). With memory or disk, NonFiniteUpdate is raised at the first bad step,
+    for the caller to roll the whole update back.
     """
     accelerator = engine.accelerator
     by_tokens = hp.max_tokens_per_micro_batch is not None
@@ -244,12 +254,15 @@ def ppo_epochs(
     # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
     processed, real = 0, torch.zeros((), device=device)
+    skipped: list[NonFiniteUpdate] = []
+    steps = 0
     for _ in range(hp.num_ppo_epochs):
         order = torch.randperm(len(rollout), device=device)
         for start in range(0, len(rollout), sizes.local_mini_batch):
             micros = micro_batches(rollout, order[start : start + sizes.local_mini_batch], sizes, hp)
             tokens = torch.stack([mb.response_mask.sum() for mb in micros]).float()
             step_loss = torch.zeros((), device=device)
+            kept = ({key: len(values) for key, values in stats.items()}, len(has_tokens))  # to drop a skipped step's
             minibatch_stats: dict[str, torch.Tensor] = {}
             for k, (mb, (normalisers, scale)) in enumerate(zip(micros, loss_normalisers(micros, hp, reduce_sum, accelerator.num_processes))):
                 with engine.no_sync(model, last=k == len(micros) - 1):
@@ -276,12 +289,38 @@ def ppo_epochs(
             grad_norm = engine.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
             # Checked before the step: a non-finite loss or gradient must never reach the weights.
             # One check of both, so that several processes agree in one reduction.
-            check_finite({"loss": step_loss, "gradient": grad_norm}, accelerator)
+            steps += 1
+            try:
+                check_finite({"loss": step_loss, "gradient": grad_norm}, accelerator)
+            except NonFiniteUpdate as bad:
+                if hp.rollback != "off":
+                    raise
+                skipped.append(bad)
+                if on_skipped_step is not None:
+                    on_skipped_step(bad)
+                _drop_since(stats, has_tokens, *kept)
+                optimizer.zero_grad(set_to_none=True)
+                with warnings.catch_warnings():  # the schedule steps without the optimiser on purpose
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                    scheduler.step()
+                continue
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+    if skipped and len(skipped) == steps:  # every step was skipped: the update took none
+        raise skipped[0]
     padding = reduce_sum(torch.stack([torch.tensor(float(processed), device=device), real.float()]))
-    return {**training_metrics(stats, has_tokens, reduce_sum), "perf/padding_share": 1.0 - padding[1].item() / max(padding[0].item(), 1.0)}
+    return {**training_metrics(stats, has_tokens, reduce_sum), "perf/padding_share": 1.0 - padding[1].item() / max(padding[0].item(), 1.0),
+            "nonfinite_steps": len(skipped)}
+
+
+def _drop_since(stats: dict[str, list], has_tokens: list, lengths: dict[str, int], tokens_length: int) -> None:
+    """Statistics back to their `lengths` (a skipped step's are left out of the update's averages)."""
+    for key in list(stats):
+        del stats[key][lengths.get(key, 0):]
+        if not stats[key]:
+            del stats[key]
+    del has_tokens[tokens_length:]
 
 
 def _lr_lambda(kind: str, warmup: int, total: int, start: int = 0):

@@ -117,6 +117,15 @@ class Plan:
     strategy: str = "ddp"  # parallel.strategy of the config: what `total` and `fits` are for
     sharding: Sharding = field(default_factory=Sharding)
     sharding_suggestion: Optional[str] = None  # "parallel.strategy: fsdp with N processes (...)"
+    rollback: str = "off"  # ppo.nonfinite_rollback: where the copy of each update's start goes (host memory, disk, none)
+
+    def rollback_bytes(self) -> int:
+        """The copy ppo.nonfinite_rollback memory/disk makes before every update, per process: the trainable
+        weights and their AdamW moments (each process its shard under fsdp); 0 when off."""
+        if self.rollback == "off":
+            return 0
+        copy = sum(r.gradients + r.optimizer for r in self.roles)  # gradients: one trainable weight's bytes each
+        return -(-copy // self.sharding.processes) if self.strategy == "fsdp" else copy
 
     def total_for(self, strategy: str) -> int:
         """Peak bytes on one device under `strategy` with `sharding.processes` processes."""
@@ -154,6 +163,7 @@ class Plan:
                 for strategy in ("ddp", "fsdp")
             },
             "sharding_suggestion": self.sharding_suggestion,
+            "rollback": {"mode": self.rollback, "bytes_per_process": self.rollback_bytes()},
         }
 
     def render(self) -> str:
@@ -180,6 +190,10 @@ class Plan:
             s = self.sizes
             lines.append(f"batches: micro {s.micro_batch}, rollout batch {s.batch} (per process {s.local_batch}), minibatch "
                          f"{s.local_mini_batch}, {s.total_episodes} episodes = {s.num_updates} update{'' if s.num_updates == 1 else 's'}")
+        if self.rollback != "off":
+            where = "host memory" if self.rollback == "memory" else "the run folder, rewritten every update"
+            lines.append(f"non-finite rollback (ppo.nonfinite_rollback: {self.rollback}): {_gib(self.rollback_bytes())} per process "
+                         f"in {where}, not on the device")
         lines.append(self.summary())
         lines.extend(f"warning: {w}" for w in self.warnings)
         lines.extend(f"error: {w}" for w in self.stops)
@@ -195,6 +209,13 @@ class Plan:
         per_device = f"; {self.strategy}, per device of {n} process{'es' if n > 1 else ''}" if n > 1 or self.strategy != "ddp" else ""
         return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}{per_device}, "
                 f"{int(HEADROOM * 100)}% usable): {verdict}")
+
+
+def _host_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _gib(n: float) -> str:
@@ -216,11 +237,7 @@ def device_memory() -> tuple[str, int]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return f"cuda:0 {props.name}", props.total_memory
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 16 * GiB
-    return "cpu RAM", ram
+    return "cpu RAM", _host_memory() or 16 * GiB
 
 
 # --------------------------------------------------------------------------- models on meta
@@ -519,7 +536,13 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     plan = Plan(roles, phases, sizes,
                 {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk,
                  "micro_batch_tokens": tokens, "lm_head_positions": min(head_positions, head_chunk or head_positions)},
-                device[0], device[1], warnings, layout=layout, stops=stops, strategy=settings.strategy, sharding=sharding)
+                device[0], device[1], warnings, layout=layout, stops=stops, strategy=settings.strategy, sharding=sharding,
+                rollback=hp.rollback)
+    host = _host_memory()
+    if plan.rollback == "memory" and host and plan.rollback_bytes() * processes > HEADROOM * host:
+        plan.warnings.append(f"ppo.nonfinite_rollback: memory copies {_gib(plan.rollback_bytes())} per process to host memory "
+                             f"({_gib(plan.rollback_bytes() * processes)} for {processes} on one machine), more than this machine's "
+                             f"{_gib(host)} of RAM can spare; use off (the default) or disk")
     if not plan.fits and suggest:
         plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
         plan.sharding_suggestion = _suggest_processes(plan)

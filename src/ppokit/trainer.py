@@ -36,6 +36,7 @@ from ppokit.guards import (
     TrainingInterrupted,
     UpdateSnapshot,
     check_finite,
+    rollback_file,
     nothing_trained,
     too_many_skipped,
     check_some_scored,
@@ -276,7 +277,12 @@ class PPOTrainer:
         During the first ppo.critic_warmup_updates updates only the critic moves."""
         hp = self.config.ppo
         return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
-                          self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates)
+                          self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
+                          on_skipped_step=self._say_skipped_step)
+
+    def _say_skipped_step(self, bad: NonFiniteUpdate) -> None:
+        if self.show_progress:
+            print(f"update {self.state.update + 1}: an optimiser step skipped, {bad}", file=sys.stderr)
 
     def greedy_baseline(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """ReMax's baseline: the score of one greedy response to each training prompt `indices`, repeated
@@ -435,12 +441,14 @@ class PPOTrainer:
                             "fix the cause and continue with --resume") from None
 
     def run_update(self) -> dict[str, Any]:
-        """`step` under the non-finite guard. An update whose score, loss or gradient is NaN or infinite is
+        """`step` under the non-finite guard. An update whose score is NaN or infinite, whose every optimiser
+        step had a non-finite loss or gradient, or (ppo.nonfinite_rollback memory/disk) any step did, is
         rolled back to its start (ppokit.guards.UpdateSnapshot), counted in `skipped_updates` and logged
         as `nonfinite/<quantity>`; its batch is not retried (the data position moves on)."""
         hp, state = self.config.ppo, self.state
         t0 = time.perf_counter()
-        snapshot = UpdateSnapshot(self.model, self.optimizer, self.scheduler, weights=hp.nonfinite_rollback)
+        file = rollback_file(self.run.files if self.run is not None else self.output_dir, self.accelerator.process_index)
+        snapshot = UpdateSnapshot(self.model, self.optimizer, self.scheduler, hp.rollback, file)
         rng = checkpoint.rng_state()
         try:
             record = self.step()
@@ -459,11 +467,13 @@ class PPOTrainer:
             state.skipped_in_a_row += 1
             state.last_nonfinite = str(bad)
             if self.show_progress:
-                print(f"update {state.update}: skipped and rolled back, {bad}", file=sys.stderr)
+                print(f"update {state.update}: skipped{' and rolled back' if hp.rollback != 'off' else ''}, {bad}", file=sys.stderr)
             return {
                 "update": state.update, "episode": state.episode, f"nonfinite/{bad.quantity}": 1,
                 "skipped_updates": state.skipped_updates, "time/update": time.perf_counter() - t0,
             }
+        finally:
+            snapshot.discard()
         state.skipped_in_a_row = 0
         record["skipped_updates"] = state.skipped_updates
         return record
