@@ -20,6 +20,7 @@ def _ppo(args) -> int:
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
+    check_run_config(config)
     # Before any weights load: the run folder may be used (not another tool's), is this run's alone (the
     # lock, held until the command ends: a run in progress is named by its PID), holds no run that a fresh
     # start would replace, and the checkpoint to resume is found and read whole.
@@ -64,6 +65,16 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     return 0
 
 
+def check_run_config(config, processes: int | None = None) -> None:
+    """What `ppokit ppo` refuses from the loaded config and the process count alone (`processes`, default
+    WORLD_SIZE, else 1), before anything is written or loaded. `ppokit plan` calls it too, so a config
+    the run refuses is the same one line and exit status 2 there."""
+    if processes is not None and processes < 1:
+        raise UserError(f"--processes {processes}: must be at least 1")
+    if config.ppo.total_episodes is not None:  # without it the batch arithmetic needs the prompts (the plan and the trainer)
+        config.ppo.derive(processes or int(os.environ.get("WORLD_SIZE", "1")), 0)
+
+
 def _is_main_process() -> bool:
     # Read from the launcher's environment: the Accelerator does not exist yet when the plan prints.
     return os.environ.get("RANK", "0") == "0"
@@ -84,9 +95,6 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
     from ppokit.plan import plan_for
 
-    if config.ppo.total_episodes is not None:
-        # A batch size that does not divide is a config error: report it once, not also as a plan warning.
-        config.ppo.derive(int(os.environ.get("WORLD_SIZE", "1")), 0)
     try:
         plan = plan_for(config)
     except UserError:
@@ -118,8 +126,7 @@ def _plan(args) -> int:
     from ppokit.plan import plan_for, to_json
 
     config = PPOConfig.load(args.config, args.overrides)
-    if args.processes is not None and args.processes < 1:
-        raise UserError(f"--processes {args.processes}: must be at least 1")
+    check_run_config(config, args.processes)
     if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
         raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
     plan = plan_for(config, args.device_memory, args.processes)
