@@ -181,7 +181,8 @@ def test_plan_per_device_under_ddp_and_fsdp_and_the_smallest_process_count_that_
     capsys.readouterr()
 
     # Frozen roles kept whole; the table shows both columns; a bad count is refused.
-    assert main(["plan", str(config), "parallel.shard_frozen=false", "--device-memory", "80", "--processes", "8"]) == PLAN_DOES_NOT_FIT
+    assert main(["plan", str(config), "parallel.strategy=fsdp", "parallel.shard_frozen=false", "--device-memory", "80",
+                 "--processes", "8"]) == PLAN_DOES_NOT_FIT
     table = capsys.readouterr().out
     assert "ddp/dev" in table and "fsdp/dev" in table and "per device with 8 processes" in table
     reference = next(line for line in table.splitlines() if line.startswith("reference"))

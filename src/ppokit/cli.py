@@ -226,6 +226,7 @@ def _limit(text: str):
 
 
 def _serve_rm(args) -> int:
+    from ppokit.config import positive, timeout_range
     from ppokit.rewards import serve, source_from_argument
 
     token = None
@@ -233,10 +234,13 @@ def _serve_rm(args) -> int:
         token = os.environ.get(args.token_env)
         if not token:
             raise UserError(f"serve-rm --token-env {args.token_env}: the environment variable {args.token_env} is not set or empty")
-    for flag, value in (("--workers", args.workers), ("--read-timeout-s", args.read_timeout_s), ("--stuck-after-s", args.stuck_after_s),
-                        ("--max-request-bytes", args.max_request_bytes), ("--max-rows", args.max_rows), ("--timeout-s", args.timeout_s)):
-        if not value > 0:
-            raise UserError(f"serve-rm {flag}: {value} is out of range, it must be > 0")
+    for flag, value, check in (
+        ("--workers", args.workers, positive), ("--read-timeout-s", args.read_timeout_s, timeout_range),
+        ("--stuck-after-s", args.stuck_after_s, timeout_range), ("--max-request-bytes", args.max_request_bytes, positive),
+        ("--max-rows", args.max_rows, positive), ("--timeout-s", args.timeout_s, timeout_range),
+    ):
+        if not check(value):
+            raise UserError(f"serve-rm {flag}: {value} is out of range, it must be {check.requirement}")
     source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code, timeout_s=args.timeout_s)
     serve(
         source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose,
