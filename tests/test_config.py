@@ -1,4 +1,5 @@
 import re
+import threading
 
 import pytest
 import yaml
@@ -238,6 +239,20 @@ GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
         (["ppo.kl_in_reward=false", "ppo.kl_target=6"], "ppo.kl_target (6.0) is for the KL penalty in the reward"),
         (["ppo.kl_loss_estimator=k2"], "ppo.kl_loss_estimator ('k2') is for the KL term in the loss, and ppo.kl_loss_coef is 0"),
         (["ppo.kl_in_reward=false", "ppo.kl_clamp=10"], "ppo.kl_clamp (10.0) is for a KL in the reward or the loss, and this run has neither"),
+        (["ppo.cliprange_low=0.1", "ppo.cliprange_high=0.3", "ppo.cliprange=0.25"], "ppo.cliprange (0.25) is for a clip range that ppo.cliprange_low or ppo.cliprange_high leaves unset, and both are set; remove it"),
+        # a lower clip bound 1 - eps <= 0 never clips: refused from either key
+        (["ppo.cliprange=1.0"], "ppo.cliprange (1.0) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower bound 1 - 1.0 = 0 is not above 0, so it would never clip; it must be below 1"),
+        (["ppo.cliprange=1.5"], "ppo.cliprange (1.5) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower bound 1 - 1.5 = -0.5"),
+        (["ppo.cliprange_low=1.5", "ppo.cliprange=2"], "ppo.cliprange_low: value 1.5 is out of range, it must be in (0, 1)"),
+        # fsdp's own keys under ddp: never read there
+        (["parallel.cpu_offload=true"], "parallel.cpu_offload (True) is for parallel.strategy: fsdp, and this run's is ddp, which never reads it; remove it, or set parallel.strategy: fsdp"),
+        (["parallel.shard_frozen=false"], "parallel.shard_frozen (False) is for parallel.strategy: fsdp, and this run's is ddp"),
+        (["parallel.unshard_for_generation=false"], "parallel.unshard_for_generation (False) is for parallel.strategy: fsdp"),
+        (["parallel.wrap_classes=[Block]"], "parallel.wrap_classes (['Block']) is for parallel.strategy: fsdp"),
+        # timeouts past threading.TIMEOUT_MAX raised OverflowError at every call
+        (["reward.timeout_s=1e12"], f"reward.timeout_s: value 1000000000000.0 is out of range, it must be in (0, {threading.TIMEOUT_MAX:.0f}] seconds (threading.TIMEOUT_MAX: the longest wait Python takes)"),
+        (["reward.timeout_s=0"], "reward.timeout_s: value 0.0 is out of range, it must be in (0, "),
+        (["reward.remote={url: 'http://localhost:1'}", "reward.remote.timeout_s=1e300"], "reward.remote.timeout_s: value 1e+300 is out of range, it must be in (0, "),
         # reward whitening keeps the mean: a per-token shift that only gae's critic absorbs (test_algo shows it)
         (["ppo.advantage_estimator=remax", "ppo.whiten_rewards=true"], "ppo.whiten_rewards: true is for gae: it keeps the mean, which adds the same amount to every token, so a whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator remax has none and its greedy baseline is not whitened; remove it"),
         (GRPO + ["ppo.whiten_rewards=true"], "but ppo.advantage_estimator grpo has none; remove it"),
@@ -259,6 +274,11 @@ def test_toolbox_good_combinations_load():
         ["ppo.vf_learning_rate=1e-5", "ppo.critic_warmup_updates=1", "ppo.entropy_coef=0.01", "ppo.kl_loss_coef=0.1", "ppo.kl_loss_estimator=k2"],
         ["ppo.cliprange_low=0.1"],  # below the default high: fine
         ["ppo.kl_clamp=10"], GRPO + ["ppo.kl_in_reward=false", "ppo.kl_loss_coef=0.001", "ppo.kl_clamp=10"],
+        ["ppo.cliprange_low=0.2", "ppo.cliprange=1.5"],  # cliprange is only the upper range here: 1 + 1.5
+        ["ppo.cliprange=0.999", "ppo.cliprange_value=1e300", f"reward.timeout_s={threading.TIMEOUT_MAX}"],
+        ["reward.timeout_s=null"],  # no deadline at all: the main thread, no wait
+        ["parallel.strategy=fsdp", "parallel.cpu_offload=true", "parallel.shard_frozen=false", "parallel.unshard_for_generation=false"],
+        ["parallel.cpu_offload=false"],  # ddp with fsdp's default: what ddp does anyway
     ):
         PPOConfig.load(None, BASE + overrides)
 

@@ -10,7 +10,7 @@ from conftest import tiny_ppo_config
 from ppokit.cli import PLAN_DOES_NOT_FIT, main
 from ppokit.config import LoraConfig
 from ppokit.errors import UserError
-from ppokit.plan import GiB, estimate, plan_for
+from ppokit.plan import HEADROOM, GiB, estimate, plan_for
 
 pytest.importorskip("peft")
 
@@ -181,13 +181,79 @@ def test_plan_per_device_under_ddp_and_fsdp_and_the_smallest_process_count_that_
     capsys.readouterr()
 
     # Frozen roles kept whole; the table shows both columns; a bad count is refused.
-    assert main(["plan", str(config), "parallel.shard_frozen=false", "--device-memory", "80", "--processes", "8"]) == PLAN_DOES_NOT_FIT
+    assert main(["plan", str(config), "parallel.strategy=fsdp", "parallel.shard_frozen=false", "--device-memory", "80",
+                 "--processes", "8"]) == PLAN_DOES_NOT_FIT
     table = capsys.readouterr().out
     assert "ddp/dev" in table and "fsdp/dev" in table and "per device with 8 processes" in table
     reference = next(line for line in table.splitlines() if line.startswith("reference"))
     assert reference.split()[7] == reference.split()[8]  # whole under both strategies
     assert main(["plan", str(config), "--processes", "0"]) == 2
     assert "--processes 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_a_token_budget_counts_only_the_tokens_a_micro_batch_can_hold(model_dir, prompts_file, tmp_path, capsys):
+    """A budget packs rows of one minibatch: a micro-batch never holds more than the minibatch's rows x (prompt +
+    response), however large the budget (1e12 was counted whole: 7.6 PB, and the run refused)."""
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, num_mini_batches=1, total_episodes=8,
+                             local_rollout_forward_batch_size=1)  # training is the largest phase
+    device = ("test", 64 * GiB)
+    seq = 32 + config.ppo.response_length
+    plans = {}
+    for budget in (8 * seq, 10**12):
+        config.ppo.max_tokens_per_micro_batch = budget
+        plans[budget] = estimate(config, 32, 64, device)
+    assert plans[10**12].sequence["micro_batch_tokens"] == 8 * seq  # the minibatch's 8 rows
+    assert plans[10**12].phases == plans[8 * seq].phases and plans[10**12].fits
+    path = write_config(tmp_path / "small.yaml", model=str(model_dir("llama")), reward={"functions": ["sentiment"]},
+                        data={"train": str(prompts_file)}, ppo={"total_episodes": 8, "per_device_train_batch_size": 4,
+                                                                 "response_length": 8, "max_tokens_per_micro_batch": 10**12})
+    assert main(["plan", str(path)]) == 0
+    capsys.readouterr()
+
+    # Where the budget is what does not fit (a whole minibatch of 8 rows per micro-batch; without a budget 4 rows),
+    # the suggestion names it with the value that fits: it was blank, the budget "left out again" as null.
+    config.lm_head_chunk_size = 64  # so that the budget is the first switch tried
+    config.ppo.max_tokens_per_micro_batch = None
+    without = estimate(config, 32, 64, device).total
+    config.ppo.max_tokens_per_micro_batch = 10**12
+    whole = estimate(config, 32, 64, device).total
+    assert whole > without
+    between = ("test", int((whole + without) / 2 / HEADROOM))
+    plan = estimate(config, 32, 64, between)
+    assert not plan.fits and plan.suggestion.startswith("ppo.max_tokens_per_micro_batch: ")
+    rows = int(plan.suggestion.split(": ")[1].split(" ")[0]) // seq
+    assert 4 <= rows < 8
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ppo.total_episodes=12"], "ppo.total_episodes (12) is not a multiple of the batch size (8 = per_device_train_batch_size 4 x "
+         "gradient_accumulation_steps 1 x num_mini_batches 2 x processes 1)"),
+        (["--processes", "3"], "ppo.total_episodes (16) is not a multiple of the batch size (24 = "),
+        (["--processes", "1000000"], "ppo.total_episodes (16) is not a multiple of the batch size (8000000 = "),
+        (["ppo.total_episodes=1e23"], "ppo.total_episodes: expected an integer, got '1e23'"),
+        (["ppo.warmup_steps=4"], "ppo.warmup_steps (4) is not shorter than the run's 4 optimiser steps"),
+        (["ppo.total_episodes=null", "ppo.per_device_train_batch_size=64"], "ppo.total_episodes: 64 training prompts x 1 epoch(s) is less than one batch of 128"),
+    ],
+)
+def test_plan_refuses_what_the_run_refuses_with_the_same_line(model_dir, prompts_file, tmp_path, capsys, monkeypatch, args, message):
+    path = write_config(tmp_path / "ppo.yaml", model=str(model_dir("llama")), output_dir=str(tmp_path / "run"),
+                        reward={"functions": ["sentiment"]}, data={"train": str(prompts_file)},
+                        ppo={"total_episodes": 16, "per_device_train_batch_size": 4, "num_mini_batches": 2, "num_ppo_epochs": 1,
+                             "response_length": 4})
+    assert main(["plan", str(path), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"ppokit: error: {message}") and captured.err.count("\n") == 1
+    if "--processes" in args:  # `ppokit ppo` reads the process count from its launcher's WORLD_SIZE
+        monkeypatch.setenv("WORLD_SIZE", args[1])
+        args = []
+    if "less than one batch" in message:
+        return  # the run's trainer says it with the prompts counted, after the run folder is made (its own test)
+    assert main(["ppo", str(path), *args]) == 2
+    assert capsys.readouterr().err == captured.err
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_dir, tmp_path, monkeypatch, capsys):

@@ -516,13 +516,21 @@ def test_serve_rm_command_with_a_token_from_the_environment(tmp_path):
         proc.wait(timeout=10)
 
 
+TIMEOUT_RULE = f"in (0, {threading.TIMEOUT_MAX:.0f}] seconds (threading.TIMEOUT_MAX: the longest wait Python takes)"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--token-env", "PPOKIT_UNSET_VARIABLE"], "serve-rm --token-env PPOKIT_UNSET_VARIABLE: the environment variable PPOKIT_UNSET_VARIABLE is not set or empty"),
         (["--workers", "0"], "serve-rm --workers: 0 is out of range, it must be > 0"),
-        (["--read-timeout-s", "-1"], "serve-rm --read-timeout-s: -1.0 is out of range, it must be > 0"),
-        (["--timeout-s", "0"], "serve-rm --timeout-s: 0.0 is out of range, it must be > 0"),
+        (["--read-timeout-s", "-1"], "serve-rm --read-timeout-s: -1.0 is out of range, it must be in (0, "),
+        (["--timeout-s", "0"], "serve-rm --timeout-s: 0.0 is out of range, it must be in (0, "),
+        # past threading.TIMEOUT_MAX every wait raised OverflowError: every request unanswered or 422
+        (["--read-timeout-s", "inf"], f"serve-rm --read-timeout-s: inf is out of range, it must be {TIMEOUT_RULE}"),
+        (["--timeout-s", "inf"], "serve-rm --timeout-s: inf is out of range, it must be in (0, "),
+        (["--timeout-s", "1e300"], "serve-rm --timeout-s: 1e+300 is out of range, it must be in (0, "),
+        (["--stuck-after-s", "nan"], "serve-rm --stuck-after-s: nan is out of range, it must be in (0, "),
         (["--port", "70000"], "serve-rm: cannot listen on 127.0.0.1:70000: bind(): port must be 0-65535"),
         (["--port", "{taken}"], "serve-rm: cannot listen on 127.0.0.1:{taken}: [Errno"),
     ],

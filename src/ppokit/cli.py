@@ -22,6 +22,7 @@ def _ppo(args) -> int:
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
+    check_run_config(config)
     # Before any weights load: the run folder may be used (not another tool's), is this run's alone (the
     # lock, held until the command ends: a run in progress is named by its PID), holds no run that a fresh
     # start would replace, and the checkpoint to resume is found and read whole.
@@ -66,6 +67,18 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     return 0
 
 
+def check_run_config(config, processes: int | None = None) -> None:
+    """What `ppokit ppo` refuses from the loaded config and the process count alone (`processes`, default
+    WORLD_SIZE, else 1), before anything is written or loaded. `ppokit plan` calls it too, so a config
+    the run refuses is the same one line and exit status 2 there."""
+    if processes is not None and processes < 1:
+        raise UserError(f"--processes {processes}: must be at least 1")
+    from ppokit.launcher import launched_processes
+
+    if config.ppo.total_episodes is not None:  # without it the batch arithmetic needs the prompts (the plan and the trainer)
+        config.ppo.derive(processes or launched_processes(), 0)
+
+
 def _is_main_process() -> bool:
     # Read from the launcher's environment: the Accelerator does not exist yet when the plan prints.
     return os.environ.get("RANK", "0") == "0"
@@ -84,12 +97,8 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     """The plan before any weights load. A run it estimates not to fit stops here, unless `ignore_plan`
     (a run that cannot fit would fail later, after loading every model, or exhaust the machine's
     memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
-    from ppokit.launcher import launched_processes
     from ppokit.plan import plan_for
 
-    if config.ppo.total_episodes is not None:
-        # A batch size that does not divide is a config error: report it once, not also as a plan warning.
-        config.ppo.derive(launched_processes(), 0)
     try:
         plan = plan_for(config)
     except UserError:
@@ -121,8 +130,7 @@ def _plan(args) -> int:
     from ppokit.plan import plan_for, to_json
 
     config = PPOConfig.load(args.config, args.overrides)
-    if args.processes is not None and args.processes < 1:
-        raise UserError(f"--processes {args.processes}: must be at least 1")
+    check_run_config(config, args.processes)
     if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
         raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
     plan = plan_for(config, args.device_memory, args.processes)
@@ -222,6 +230,7 @@ def _limit(text: str):
 
 
 def _serve_rm(args) -> int:
+    from ppokit.config import positive, timeout_range
     from ppokit.rewards import serve, source_from_argument
 
     token = None
@@ -229,10 +238,13 @@ def _serve_rm(args) -> int:
         token = os.environ.get(args.token_env)
         if not token:
             raise UserError(f"serve-rm --token-env {args.token_env}: the environment variable {args.token_env} is not set or empty")
-    for flag, value in (("--workers", args.workers), ("--read-timeout-s", args.read_timeout_s), ("--stuck-after-s", args.stuck_after_s),
-                        ("--max-request-bytes", args.max_request_bytes), ("--max-rows", args.max_rows), ("--timeout-s", args.timeout_s)):
-        if not value > 0:
-            raise UserError(f"serve-rm {flag}: {value} is out of range, it must be > 0")
+    for flag, value, check in (
+        ("--workers", args.workers, positive), ("--read-timeout-s", args.read_timeout_s, timeout_range),
+        ("--stuck-after-s", args.stuck_after_s, timeout_range), ("--max-request-bytes", args.max_request_bytes, positive),
+        ("--max-rows", args.max_rows, positive), ("--timeout-s", args.timeout_s, timeout_range),
+    ):
+        if not check(value):
+            raise UserError(f"serve-rm {flag}: {value} is out of range, it must be {check.requirement}")
     source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code, timeout_s=args.timeout_s)
     serve(
         source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
@@ -32,6 +33,10 @@ above_one = rule("> 1", lambda v: v > 1)
 open_unit = rule("in (0, 1)", lambda v: 0 < v < 1)
 half_open_unit = rule("in (0, 1]", lambda v: 0 < v <= 1)
 ROLLBACK_CHOICE = rule("one of memory, disk, off, true (memory), false (off)", lambda v: isinstance(v, bool) or v in ("memory", "disk", "off"))
+# Every wait on a timeout goes through Python's threading (Event.wait, Timer) or a socket timeout: a longer one
+# raises OverflowError at every call. One rule for config keys and command-line flags alike.
+timeout_range = rule(f"in (0, {threading.TIMEOUT_MAX:.0f}] seconds (threading.TIMEOUT_MAX: the longest wait Python takes)",
+                     lambda v: 0 < v <= threading.TIMEOUT_MAX)
 # run_name names a folder under <output_dir>/tensorboard: a separator or ".." would put it elsewhere.
 folder_name = rule("a name without / or \\, not . or ..", lambda v: bool(v.strip()) and not {"/", "\\"} & set(v) and v not in (".", ".."))
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
@@ -69,7 +74,7 @@ class PPOHyperparams:
     kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=one_of(KL_ESTIMATORS))
     kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
     kl_horizon: float = doc(10000.0, "Horizon (episodes) of the adaptive KL controller.", check=positive)
-    cliprange: float = doc(0.2, "Clip range of the policy ratio.", check=positive)
+    cliprange: float = doc(0.2, "Clip range of the policy ratio: clipped to [1 - cliprange, 1 + cliprange], so below 1 unless `cliprange_low` is set (a lower bound <= 0 would never clip).", check=positive)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
     gamma: float = doc(1.0, "Discount factor (gae and reinforce_pp).", check=unit_interval)
@@ -193,6 +198,12 @@ class PPOHyperparams:
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
+        if self.cliprange_low is None and self.cliprange >= 1:  # cliprange_low's own range is (0, 1)
+            raise UserError(
+                f"ppo.cliprange ({self.cliprange}) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower "
+                f"bound 1 - {self.cliprange} = {1 - self.cliprange:g} is not above 0, so it would never clip; it must be below 1 "
+                "(set ppo.cliprange_high for a wider upper range)"
+            )
         low = self.cliprange if self.cliprange_low is None else self.cliprange_low
         high = self.cliprange if self.cliprange_high is None else self.cliprange_high
         if low > high:
@@ -227,6 +238,8 @@ class PPOHyperparams:
             unused.append(("kl_loss_estimator", "the KL term in the loss, and ppo.kl_loss_coef is 0"))
         if not self.kl_in_reward and self.kl_loss_coef == 0:
             unused.append(("kl_clamp", "a KL in the reward or the loss, and this run has neither"))
+        if self.cliprange_low is not None and self.cliprange_high is not None:
+            unused.append(("cliprange", "a clip range that ppo.cliprange_low or ppo.cliprange_high leaves unset, and both are set"))
         for key, why in unused:
             if differs_from_default(self, key):
                 raise UserError(f"ppo.{key} ({getattr(self, key)!r}) is for {why}; remove it")
@@ -276,7 +289,7 @@ class RemoteRewardConfig:
     """The `reward.remote:` section: a scorer behind HTTP (for example `ppokit serve-rm`)."""
 
     url: Optional[str] = doc(None, "Endpoint (http:// or https://) that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}. A redirect is followed only to the same scheme, host and port; see docs/rewards.md.")
-    timeout_s: float = doc(60.0, "Deadline in seconds for one whole request (connect, send, the answer read to its end); after it the request counts as failed and is retried.", check=positive)
+    timeout_s: float = doc(60.0, "Deadline in seconds for one whole request (connect, send, the answer read to its end); after it the request counts as failed and is retried. At most threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
     max_retries: int = doc(3, "Retries of a failed request (connection error, timeout, HTTP 429 or 5xx) before the run stops.", check=non_negative)
     backoff_s: float = doc(1.0, "Wait before the first retry; doubled for each further retry (capped at 30 s).", check=non_negative)
     batch_size: int = doc(64, "Rows per request.", check=positive)
@@ -298,7 +311,7 @@ class RewardConfig:
     length_penalty: float = doc(0.0, "Subtracted from the score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
-    timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts).", check=positive)
+    timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts). At most threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
     on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=one_of(("raise", "skip")))
 
     def check_combination(self, n_sources: int) -> None:
@@ -430,8 +443,14 @@ class PPOConfig:
             raise UserError(f"lora.value_model_lora: ppo.advantage_estimator {estimator} builds no value model; remove the key")
 
     def _validate_parallel(self) -> None:
-        """Switches that FSDP sharding cannot combine with."""
+        """Switches that FSDP sharding cannot combine with, and fsdp's own keys set under ddp (never read there)."""
         if self.parallel.strategy != "fsdp":
+            for key in ("shard_frozen", "cpu_offload", "wrap_classes", "unshard_for_generation"):
+                if differs_from_default(self.parallel, key):
+                    raise UserError(
+                        f"parallel.{key} ({getattr(self.parallel, key)!r}) is for parallel.strategy: fsdp, and this run's is "
+                        f"{self.parallel.strategy}, which never reads it; remove it, or set parallel.strategy: fsdp"
+                    )
             return
         if self.quantization is not None:
             raise UserError(f"parallel.strategy: fsdp cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: ddp")

@@ -381,13 +381,15 @@ def inference_bytes(dims: dict, rows: int, seq: int, act_bytes: int, logits_posi
 
 def micro_batch_shape(config: PPOConfig, seq: int) -> tuple[int, int]:
     """(token positions, response positions through the LM head) of the largest training micro-batch:
-    per_device_train_batch_size rows of the longest row, or with a token budget at most the budget
-    (every position of it a response position, at worst)."""
+    per_device_train_batch_size rows of the longest row, or with a token budget at most the budget and at
+    most the whole minibatch it packs (per_device_train_batch_size x gradient_accumulation_steps longest
+    rows; every position a response position, at worst)."""
     hp = config.ppo
     rows = hp.per_device_train_batch_size
     if hp.max_tokens_per_micro_batch is None:
         return rows * seq, rows * (hp.response_length + 1)
-    return hp.max_tokens_per_micro_batch, min(hp.max_tokens_per_micro_batch, rows * hp.gradient_accumulation_steps * (hp.response_length + 1))
+    minibatch_rows = rows * hp.gradient_accumulation_steps
+    return min(hp.max_tokens_per_micro_batch, minibatch_rows * seq), min(hp.max_tokens_per_micro_batch, minibatch_rows * (hp.response_length + 1))
 
 
 def kv_cache_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
@@ -516,13 +518,9 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         "training": 2 * (2 * unit[0] + unit[1]),
     })
 
-    sizes = None
+    # Batch sizes that do not divide are a config error, as `ppokit ppo` (the trainer) raises it: not a warning.
+    sizes = hp.derive(processes, num_prompts or 0) if hp.total_episodes is not None or num_prompts is not None else None
     warnings: list[str] = []
-    try:
-        if hp.total_episodes is not None or num_prompts is not None:
-            sizes = hp.derive(processes, num_prompts or 0)
-    except UserError as e:
-        warnings.append(str(e))
     if quant is not None and not torch.cuda.is_available():
         warnings.append(f"quantization: {quant} needs a CUDA device; this machine has none, so `ppokit ppo` will stop before loading weights")
     if config.fp16 and not torch.cuda.is_available():
@@ -626,16 +624,21 @@ def _suggest(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
             break
     else:
         return None
-    for text, undo in ((LIGHT_HEAD_SWITCH, lambda c: setattr(c, "lm_head_chunk_size", None)),
-                       (BUDGET_SWITCH, lambda c: setattr(c.ppo, "max_tokens_per_micro_batch", None))):
+    # Left out again means back to the config's own value (a budget the config set stays as it was, so the
+    # suggestion never drops a switch it changed).
+    for text, undo in ((LIGHT_HEAD_SWITCH, lambda c: setattr(c, "lm_head_chunk_size", config.lm_head_chunk_size)),
+                       (BUDGET_SWITCH, lambda c: setattr(c.ppo, "max_tokens_per_micro_batch", config.ppo.max_tokens_per_micro_batch))):
         without = copy.deepcopy(trial)
         undo(without)
         if text in applied and fits(without):
             applied.remove(text)
             trial = without
+    if not applied:
+        return None
     if BUDGET_SWITCH in applied:
         hp = config.ppo
-        low, high = 1, (hp.max_tokens_per_micro_batch // seq if hp.max_tokens_per_micro_batch else hp.per_device_train_batch_size)
+        minibatch_rows = hp.per_device_train_batch_size * hp.gradient_accumulation_steps  # more rows than this a micro-batch never holds
+        low, high = 1, (min(hp.max_tokens_per_micro_batch // seq, minibatch_rows) if hp.max_tokens_per_micro_batch else hp.per_device_train_batch_size)
         while low < high:  # the most longest rows per micro-batch that fit (fitting only gets harder with more)
             middle = (low + high + 1) // 2
             low, high = (middle, high) if fits(_with_budget(trial, middle * seq)) else (low, middle - 1)
