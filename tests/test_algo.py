@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_float32_close
 
 from ppokit import algo
 
@@ -390,9 +391,10 @@ def test_remax_by_hand():
     mask = torch.tensor([[True, True, False], [True, True, True]])
     scores_only = torch.tensor([[0.0, 0.7, 0.0], [0.0, 0.0, 0.2]])
     baseline = torch.tensor([0.5, 0.5])
-    assert algo.remax_advantages(scores_only, mask, baseline).flatten().tolist() == pytest.approx([0.2, 0.2, 0.0, -0.3, -0.3, -0.3])
+    # the zeros come from float32 sums of tenths minus the baseline: exact in decimal, a few ulps of 1 in float32
+    assert algo.remax_advantages(scores_only, mask, baseline).flatten().tolist() == pytest.approx([0.2, 0.2, 0.0, -0.3, -0.3, -0.3], abs=1e-6)
     with_kl = torch.tensor([[-0.1, 0.6, 0.0], [-0.1, -0.1, 0.1]])  # the same scores, KL penalty 0.1 per token
-    assert algo.remax_advantages(with_kl, mask, baseline).flatten().tolist() == pytest.approx([0.0, 0.1, 0.0, -0.6, -0.5, -0.4])
+    assert algo.remax_advantages(with_kl, mask, baseline).flatten().tolist() == pytest.approx([0.0, 0.1, 0.0, -0.6, -0.5, -0.4], abs=1e-6)
 
 
 def test_reward_whitening_rewards_length_so_only_gae_may_use_it():
@@ -515,7 +517,8 @@ def test_a_minibatch_normaliser_makes_the_gradient_independent_of_the_micro_batc
         total = sum(_micro_batch_loss(settings, norm, torch.tensor(rows), logits, values, tokens, mask, fixed).loss for rows in split)
         assert total.item() == pytest.approx(whole.item(), abs=1e-6)
         got = torch.autograd.grad(total, [logits, values])
-        assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(got, expected))
+        for a, b in zip(got, expected):  # the split changes only the order of the sums over the tokens
+            assert_float32_close(a, b, terms=mask.numel())
 
 
 def test_ppo_loss_terms_by_hand():
