@@ -233,6 +233,13 @@ def test_pipeline_gives_an_accurate_reward_model_and_a_rising_score(pipeline_run
     ppo_recorded = yaml.safe_load(open(f"{out}/ppo/config.yaml"))
     assert ppo_recorded["model"] == f"{out}/sft"
     assert ppo_recorded["reward"]["model"] == f"{out}/rm" and ppo_recorded["value_model"] == f"{out}/rm"
+    # every saved model has its card: what it came from and how it ended
+    sft_card, rm_card, ppo_card = (open(f"{out}/{path}/README.md").read() for path in ("sft", "rm", "ppo/final"))
+    assert "pipeline_tag: text-generation" in sft_card and f"| base model | `{config['sft']['model']}` |" in sft_card
+    assert "| `train.learning_rate` | 0.003 |" in sft_card and "| `last_loss` |" in sft_card and "(`ppokit sft`)" in sft_card
+    assert "pipeline_tag: text-classification" in rm_card and f"| base model | `{out}/sft` |" in rm_card
+    assert f"| `eval_accuracy` | {rm['eval_accuracy']:.6g} |" in rm_card and "AutoModelForSequenceClassification.from_pretrained" in rm_card
+    assert f"| reward | reward model `{out}/rm` |" in ppo_card and f"| base model | `{out}/sft` |" in ppo_card
 
 
 def test_pipeline_skips_completed_stages_and_reruns_changed_ones(pipeline_run, capsys):

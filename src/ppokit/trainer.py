@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, launcher, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
@@ -579,18 +579,20 @@ class PPOTrainer:
         return self._saved_at[1]
 
     def save_final(self) -> Path:
-        """policy + tokenizer in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
+        """policy + tokenizer + model card in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
         target = self._run_folder().commit() / "final"
+        card = model_card.ppo_card(self.config, self.state.records[-1] if self.state.records else None, self.sizes.num_updates)
         try:
-            self.save_models(target, replace_unmarked=self.overwrite)
+            self.save_models(target, replace_unmarked=self.overwrite, card=card)
         except run_dir.NoSpaceError as e:
             raise run_dir.full_disk(e, target, self._saved_at[1]) from None
         self.accelerator.wait_for_everyone()
         return target
 
-    def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False) -> None:
-        """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured.
-        Every process calls this; the main one writes the engine's whole copy of the models."""
+    def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False,
+                    card: Optional[model_card.ModelCard] = None) -> None:
+        """Policy, tokenizer and value model as loadable folders (with `card`, their README.md); `merged`: also
+        final/merged/ if configured. Every process calls this; the main one writes the engine's whole copy of the models."""
         with self.engine.consolidated(self.model) as whole, no_progress_bars():
 
             def write(tmp: Path) -> None:
@@ -599,6 +601,10 @@ class PPOTrainer:
                 self.tokenizer.save_pretrained(tmp)
                 if merged_dir is not None:
                     self.tokenizer.save_pretrained(merged_dir)
+                if card is not None:
+                    card.write(tmp)
+                    if merged_dir is not None:
+                        card.merged().write(merged_dir)
                 if whole.value_model is None:  # a critic-free estimator
                     return
                 roles.save_value_model(whole.value_model, tmp / "value_model")
