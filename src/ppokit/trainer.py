@@ -42,7 +42,9 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import check_output_head, ensure_pad_token, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs
+from ppokit.models import (
+    check_output_head, ensure_pad_token, input_pad_id, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
+)
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
@@ -115,6 +117,7 @@ class PPOTrainer:
         )
         given = dict(model=model, ref_model=ref_model, value_model=value_model)
         readers = roles.configs_reading_policy_ids(self.layout, config, self.scorer, reward_vocabulary, **given)
+        self.pad_id = input_pad_id(self.tokenizer, readers.values())  # what pads every model input (not text)
         check_prompts_fit(readers, [("data.train", self.train_data, self.train_query_ids), ("data.eval", self.eval_data, self.eval_query_ids)],
                           config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
         built = roles.build_roles(self.layout, config, self.scorer, **given)
@@ -216,8 +219,8 @@ class PPOTrainer:
 
     def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
         """One response per query; purpose: train, eval or greedy (rollout.HFSampler.for_purpose)."""
-        ids, mask = left_pad(query_ids, self.tokenizer.pad_token_id, self.accelerator.device)
-        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.tokenizer.pad_token_id, purpose)
+        ids, mask = left_pad(query_ids, self.pad_id, self.accelerator.device)
+        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.pad_id, purpose)
         self.policy.eval()
         with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
             rollout = sampler.sample(ids, mask)
