@@ -521,3 +521,24 @@ def test_data_inspect_cuts_long_examples_and_reports_empty_cells(tmp_path, capsy
     captured = capsys.readouterr()
     assert "empty cells    completion 1 (read as empty strings)" in captured.out
     assert f"ppokit: warning: {table}: 1 empty cell (column completion: line 2) read as empty strings" in captured.err
+
+
+def test_sft_and_rm_train_with_a_pad_token_the_model_has_no_row_for(model_dir, files, tmp_path):
+    """A `[PAD]` added to the tokenizer without resizing the embeddings: the stages pad with an id the
+    model has (models.input_pad_id) and train as with the model's own pad token (masks are positional)."""
+    from transformers import AutoTokenizer
+
+    base = model_dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    tokenizer.save_pretrained(tmp_path / "added-pad")
+    summaries = {}
+    for name in ("added-pad", "own-pad"):
+        sft = sft_config(base, files["sft"], tmp_path / f"sft-{name}")
+        rm = RMConfig.load(data={"model": str(base), "output_dir": str(tmp_path / f"rm-{name}"), "data": {"train": files["pref"]},
+                                 "train": {"per_device_train_batch_size": 16, "learning_rate": 1e-3}})
+        sft.tokenizer = rm.tokenizer = str(tmp_path / "added-pad") if name == "added-pad" else None
+        summaries[name] = [run_sft(sft, show_progress=False), run_rm(rm, show_progress=False)]
+    for added, own in zip(summaries["added-pad"], summaries["own-pad"]):
+        for key in ("first_loss", "last_loss", "eval_loss"):  # masked positions add exact zeros
+            assert added[key] == pytest.approx(own[key], rel=1e-6), key
