@@ -66,6 +66,62 @@ def test_bad_keys_and_values_name_the_key(override, message):
         PPOConfig.load(None, BASE + [override])
 
 
+def test_a_flat_trl_config_names_every_unknown_key_and_where_it_goes(tmp_path):
+    """TRL's configs are flat (one namespace of TrainingArguments, ModelConfig and ScriptArguments): such a
+    file once failed one key at a time, with no hint. Now one line names every key and where it belongs."""
+    path = tmp_path / "trl.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_name_or_path": "EleutherAI/pythia-1b-deduped", "sft_model_path": "sft", "reward_model_path": "rm",
+        "dataset_name": "trl-internal-testing/descriptiveness-sentiment-trl-style", "output_dir": "runs/x",
+        "learning_rate": 3e-6, "total_episodes": 10000, "gradient_checkpointing": True, "push_to_hub": True,
+        "ppo": {"kl_coeff": 0.1, "model": "m"},
+    }, sort_keys=False))
+    with pytest.raises(UserError) as error:
+        PPOConfig.load(path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "unknown config keys "
+        "model_name_or_path (TRL's name; ppokit's is model, the policy, whose tokenizer is used unless tokenizer is set), "
+        "sft_model_path (TRL's name; ppokit's is model, the policy to start from and the reference), "
+        "reward_model_path (TRL's name; ppokit's is reward.model, where the value model also starts unless value_model is set), "
+        "dataset_name (TRL's name; ppokit's is data.train: a file, folder or hub dataset name, NAME:SPLIT picks a split), "
+        "learning_rate (did you mean ppo.learning_rate?), total_episodes (did you mean ppo.total_episodes?), push_to_hub, "
+        "ppo.kl_coeff (did you mean ppo.kl_coef?), ppo.model (did you mean model or reward.model?); "
+        "known keys at the top level: model, ref_model, "
+    )
+    assert "known keys in ppo" not in message  # each unknown key in ppo has its hint
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["batch_size=8"], "unknown config key batch_size (TRL derives it, and so does ppokit: set ppo.per_device_train_batch_size, "),
+    (["ppo.batch_size=8"], "unknown config key ppo.batch_size (TRL derives it"),
+    (["ppo.eval=x"], "unknown config key ppo.eval (did you mean data.eval?)"),  # a key in another section
+    (["lora_r=8"], "unknown config key lora_r (TRL's name; ppokit's is lora.r)"),
+    (["ppo.kl_coeff=1", "ppo.bogus=1"], "unknown config keys ppo.kl_coeff (did you mean ppo.kl_coef?), ppo.bogus; known keys here: total_episodes, "),
+])
+def test_an_unknown_key_is_told_where_it_goes(overrides, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        PPOConfig.load(None, BASE + overrides)
+
+
+def test_the_stage_configs_point_trl_names_too():
+    from ppokit.config import SFTConfig
+
+    with pytest.raises(UserError, match=re.escape("unknown config keys model_name_or_path (TRL's name; ppokit's is model), "
+                                                  "learning_rate (did you mean train.learning_rate?)")):
+        SFTConfig.load(None, ["model_name_or_path=m", "learning_rate=1e-5", "data.train=x.jsonl"])
+
+
+def test_every_trl_name_is_in_the_side_by_side_table_of_docs_trl():
+    from pathlib import Path
+
+    from ppokit.config import TRL_PPO_NAMES
+
+    table = Path(__file__).resolve().parents[1].joinpath("docs", "trl.md").read_text()
+    assert [name for name in TRL_PPO_NAMES if f"| `{name}` |" not in table] == []
+
+
 def test_required_keys():
     with pytest.raises(UserError, match="model: required"):
         PPOConfig.load(None, ["reward.functions=[sentiment]"])

@@ -231,6 +231,16 @@ print("merged ok")
     adapter = load_file(value_dir / "adapter_model.safetensors")
     assert adapter and all("lora_" in k and f".{POLICY_ADAPTER}." not in k for k in adapter)
 
+    # Model cards: ours replaces peft's boilerplate beside the adapter; the merged model has its own.
+    final = tmp_path / "run" / "final"
+    card, merged_card = (final / "README.md").read_text(), (merged / "README.md").read_text()
+    assert "library_name: peft" in card and "| trained weights | a LoRA adapter (r 4, alpha 8) on the frozen base |" in card
+    assert f"AutoPeftModelForCausalLM.from_pretrained({str(final)!r})" in card
+    assert "library_name: transformers" in merged_card and "| trained weights | the LoRA adapter merged into the base weights |" in merged_card
+    from peft import AutoPeftModelForCausalLM
+
+    assert AutoPeftModelForCausalLM.from_pretrained(final) is not None  # the card does not stand in peft's way
+
 
 @pytest.mark.parametrize("overrides,message", [
     ({"bf16": True, "fp16": True}, "bf16 and fp16"),

@@ -233,6 +233,13 @@ def test_pipeline_gives_an_accurate_reward_model_and_a_rising_score(pipeline_run
     ppo_recorded = yaml.safe_load(open(f"{out}/ppo/config.yaml"))
     assert ppo_recorded["model"] == f"{out}/sft"
     assert ppo_recorded["reward"]["model"] == f"{out}/rm" and ppo_recorded["value_model"] == f"{out}/rm"
+    # every saved model has its card: what it came from and how it ended
+    sft_card, rm_card, ppo_card = (open(f"{out}/{path}/README.md").read() for path in ("sft", "rm", "ppo/final"))
+    assert "pipeline_tag: text-generation" in sft_card and f"| base model | `{config['sft']['model']}` |" in sft_card
+    assert "| `train.learning_rate` | 0.003 |" in sft_card and "| `last_loss` |" in sft_card and "(`ppokit sft`)" in sft_card
+    assert "pipeline_tag: text-classification" in rm_card and f"| base model | `{out}/sft` |" in rm_card
+    assert f"| `eval_accuracy` | {rm['eval_accuracy']:.6g} |" in rm_card and "AutoModelForSequenceClassification.from_pretrained" in rm_card
+    assert f"| reward | reward model `{out}/rm` |" in ppo_card and f"| base model | `{out}/sft` |" in ppo_card
 
 
 def test_pipeline_skips_completed_stages_and_reruns_changed_ones(pipeline_run, capsys):
@@ -514,3 +521,24 @@ def test_data_inspect_cuts_long_examples_and_reports_empty_cells(tmp_path, capsy
     captured = capsys.readouterr()
     assert "empty cells    completion 1 (read as empty strings)" in captured.out
     assert f"ppokit: warning: {table}: 1 empty cell (column completion: line 2) read as empty strings" in captured.err
+
+
+def test_sft_and_rm_train_with_a_pad_token_the_model_has_no_row_for(model_dir, files, tmp_path):
+    """A `[PAD]` added to the tokenizer without resizing the embeddings: the stages pad with an id the
+    model has (models.input_pad_id) and train as with the model's own pad token (masks are positional)."""
+    from transformers import AutoTokenizer
+
+    base = model_dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    tokenizer.save_pretrained(tmp_path / "added-pad")
+    summaries = {}
+    for name in ("added-pad", "own-pad"):
+        sft = sft_config(base, files["sft"], tmp_path / f"sft-{name}")
+        rm = RMConfig.load(data={"model": str(base), "output_dir": str(tmp_path / f"rm-{name}"), "data": {"train": files["pref"]},
+                                 "train": {"per_device_train_batch_size": 16, "learning_rate": 1e-3}})
+        sft.tokenizer = rm.tokenizer = str(tmp_path / "added-pad") if name == "added-pad" else None
+        summaries[name] = [run_sft(sft, show_progress=False), run_rm(rm, show_progress=False)]
+    for added, own in zip(summaries["added-pad"], summaries["own-pad"]):
+        for key in ("first_loss", "last_loss", "eval_loss"):  # masked positions add exact zeros
+            assert added[key] == pytest.approx(own[key], rel=1e-6), key

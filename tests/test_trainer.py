@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -335,3 +336,49 @@ def test_prompts_that_a_model_cannot_read_are_refused_before_its_weights_load(mo
         PPOTrainer(config, show_progress=False)
     assert str(error.value) == ("ppo.response_length 8 leaves no room for a prompt in the ref_model's position limit of 8 tokens "
                                 "(n_positions in its config); set ppo.response_length below 8")
+
+
+def test_a_pad_token_outside_the_models_vocabulary_pads_with_one_it_has(model_dir, prompts_file, tmp_path):
+    """A pad token added to the tokenizer without resizing the embeddings (TRL's examples add `[PAD]`) was
+    refused ("token id 33 ('[PAD]') is outside the model's vocabulary of 33"). Every mask is positional, so
+    the inputs are padded with an id the model has (EOS here): the run is the one padded with the model's
+    own pad token (another id), sample for sample; prompt and stop tokens outside the vocabulary are still refused."""
+    from transformers import AutoTokenizer
+
+    from ppokit.errors import UserError
+
+    base = model_dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows, own_pad = len(tokenizer), tokenizer.pad_token_id
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    assert tokenizer.pad_token_id == rows and own_pad != tokenizer.eos_token_id
+    tokenizer.save_pretrained(tmp_path / "added-pad")
+    runs = {}
+    for name in ("added-pad", "own-pad"):
+        config = tiny_ppo_config(base, prompts_file, tmp_path / f"run-{name}", total_episodes=8, num_sample_generations=1)
+        config.tokenizer = str(tmp_path / name) if name == "added-pad" else None
+        config.data.eval = str(prompts_file)
+        trainer = PPOTrainer(config, show_progress=False)
+        assert trainer.pad_id == (tokenizer.eos_token_id if name == "added-pad" else own_pad)
+        records = [{k: v for k, v in r.items() if not k.startswith(("time/", "eps"))} for r in trainer.train()]
+        samples = [json.loads(line) for line in (tmp_path / f"run-{name}" / "samples.jsonl").read_text().splitlines()]
+        runs[name] = records, samples
+    (added, added_samples), (own, own_samples) = runs["added-pad"], runs["own-pad"]
+    assert added_samples == own_samples  # the same tokens sampled, decoded and scored
+    assert added[0].keys() == own[0].keys()
+    for key, value in own[0].items():  # masked positions add exact zeros; tolerance only for kernels that might block differently
+        assert added[0][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+    prompts = tmp_path / "with-pad.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie [PAD] was"}) + "\n")
+    refused = {"data.train": (["data.train=" + str(prompts)], f"token id {rows} ('[PAD]') is outside the model's vocabulary of {rows}"),
+               "ppo.stop_token_id": ([f"ppo.stop_token_id={rows}"], f"ppo.stop_token_id: token id {rows} ('[PAD]') is outside")}
+    for key, (overrides, message) in refused.items():
+        config = tiny_ppo_config(base, prompts_file, tmp_path / "refused")
+        config.tokenizer = str(tmp_path / "added-pad")
+        for text in overrides:
+            name, value = text.split("=", 1)
+            section, _, field = name.rpartition(".")
+            setattr(getattr(config, section) if section else config, field, int(value) if value.isdigit() else value)
+        with pytest.raises(UserError, match=re.escape(message)):
+            PPOTrainer(config, show_progress=False)

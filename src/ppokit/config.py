@@ -49,6 +49,35 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+# TRL's flat names (its PPOConfig, ModelConfig, ScriptArguments) that ppokit spells otherwise: an unknown
+# key of one of these names is told where it goes (docs/trl.md). They are not aliases: TRL's PPO example
+# loads the tokenizer from model_name_or_path and the policy from sft_model_path, and one ppokit key for
+# both would have to drop one of two values the user set.
+TRL_STAGE_NAMES = {
+    "model_name_or_path": "TRL's name; ppokit's is model",
+    "dataset_name": "TRL's name; ppokit's is data.train: a file, folder or hub dataset name, NAME:SPLIT picks a split",
+    "dataset_train_split": "TRL's name; ppokit's is the split in data.train: NAME:SPLIT",
+    "dataset_test_split": "TRL's name; ppokit's is the split in data.eval: NAME:SPLIT",
+    "max_seq_length": "TRL's name; ppokit's is data.max_length",
+}
+TRL_PPO_NAMES = {
+    **TRL_STAGE_NAMES,
+    "model_name_or_path": "TRL's name; ppokit's is model, the policy, whose tokenizer is used unless tokenizer is set",
+    "sft_model_path": "TRL's name; ppokit's is model, the policy to start from and the reference",
+    "reward_model_path": "TRL's name; ppokit's is reward.model, where the value model also starts unless value_model is set",
+    "value_model_path": "TRL's name; ppokit's is value_model",
+    "max_seq_length": "TRL's name; ppokit's are data.max_prompt_length and ppo.response_length",
+    "use_peft": "TRL's name; ppokit's is a lora section: lora: {} takes every default",
+    "lora_r": "TRL's name; ppokit's is lora.r",
+    "lora_alpha": "TRL's name; ppokit's is lora.alpha",
+    "lora_dropout": "TRL's name; ppokit's is lora.dropout",
+    "lora_target_modules": "TRL's name; ppokit's is lora.target_modules",
+    "load_in_4bit": "TRL's name; ppokit's is quantization: 4bit",
+    "load_in_8bit": "TRL's name; ppokit's is quantization: 8bit",
+    "batch_size": "TRL derives it, and so does ppokit: set ppo.per_device_train_batch_size, ppo.gradient_accumulation_steps, ppo.num_mini_batches",
+}
+
+
 @dataclass
 class PPOHyperparams:
     """The `ppo:` section. Names and defaults follow TRL's PPOConfig."""
@@ -372,6 +401,8 @@ class ParallelConfig:
 class PPOConfig:
     """Everything a PPO run needs. Load with `PPOConfig.load(path, overrides)` or build directly."""
 
+    OTHER_NAMES = TRL_PPO_NAMES  # not a field (no annotation): hints for unknown keys (dataclass_config.unknown_keys)
+
     model: Optional[str] = doc(None, "Policy to start from (local path or hub id), usually an SFT model.")
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
     value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
@@ -534,6 +565,8 @@ def _stage_checks(config, what: str) -> None:
 class SFTConfig(ConfigFile):
     """Everything `ppokit sft` needs."""
 
+    OTHER_NAMES = TRL_STAGE_NAMES
+
     model: Optional[str] = doc(None, "Causal LM to fine-tune (local path or hub id).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
@@ -550,6 +583,8 @@ class SFTConfig(ConfigFile):
 @dataclass
 class RMConfig(ConfigFile):
     """Everything `ppokit rm` needs."""
+
+    OTHER_NAMES = TRL_STAGE_NAMES
 
     model: Optional[str] = doc(None, "Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")

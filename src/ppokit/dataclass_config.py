@@ -112,18 +112,79 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def build(cls, data: dict, prefix: str = ""):
-    """Build dataclass `cls` from a mapping; unknown keys are an error naming the key."""
+    """Build dataclass `cls` from a mapping; unknown keys anywhere in it are one error naming each
+    (`unknown_keys`)."""
+    unknown = unknown_keys(cls, data, prefix)
+    if unknown:
+        raise UserError(_unknown_keys_message(unknown))
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
+    return cls(**{key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in data.items()})
+
+
+class UnknownKey(typing.NamedTuple):
+    shown: str  # the key as written, with its section: ppo.kl_coeff
+    hint: str  # " (did you mean ...?)" or ""
+    section: str  # where it was found: "" for the top level, else "ppo."
+    known: tuple[str, ...]  # the keys of that section
+
+
+def unknown_keys(cls, data: dict, prefix: str = "") -> list[UnknownKey]:
+    """Every key of `data` (and of its sections) that `cls` does not have, each with a hint, in order:
+    the config's own word for another tool's name (`cls.OTHER_NAMES`: e.g. TRL's flat names), a key of
+    that name in another section (`learning_rate` -> ppo.learning_rate), a close spelling in its own."""
+    other_names = getattr(cls, "OTHER_NAMES", {})
+    elsewhere = _key_paths(cls)
+    return _unknown_in(cls, data, prefix, lambda key, here, section: _hint(key, here, section, prefix, other_names, elsewhere))
+
+
+def _unknown_in(cls, data: dict, section: str, hint) -> list[UnknownKey]:
+    hints = typing.get_type_hints(cls)
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    found = []
     for key, value in data.items():
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            shown = f"{prefix}{key}" if isinstance(key, str) and key.strip() else f"{prefix}{key!r}"
-            raise UserError(f"unknown config key {shown}{hint}; known keys here: {', '.join(names)}")
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
-    return cls(**kwargs)
+            shown = f"{section}{key}" if isinstance(key, str) and key.strip() else f"{section}{key!r}"
+            found.append(UnknownKey(shown, hint(key, names, section), section, names))
+            continue
+        inner, _ = unwrap_optional(hints[key])
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            found += _unknown_in(inner, value, f"{section}{key}.", hint)
+    return found
+
+
+def _hint(key, here: tuple[str, ...], section: str, prefix: str, other_names: dict, elsewhere: dict) -> str:
+    """`key`, unknown among the keys `here` of `section`, in a config whose root is at `prefix`."""
+    if key in other_names:
+        return f" ({other_names[key]})"
+    if key in elsewhere:
+        return f" (did you mean {' or '.join(prefix + path for path in elsewhere[key])}?)"
+    close = difflib.get_close_matches(str(key), here, n=1)
+    return f" (did you mean {section}{close[0]}?)" if close else ""
+
+
+def _key_paths(cls, section: str = "") -> dict[str, list[str]]:
+    """{key: [its dotted path in every section of `cls` that has it]}."""
+    paths: dict[str, list[str]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        paths.setdefault(f.name, []).append(section + f.name)
+        inner, _ = unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(inner):
+            for key, found in _key_paths(inner, f"{section}{f.name}.").items():
+                paths.setdefault(key, []).extend(found)
+    return paths
+
+
+def _unknown_keys_message(unknown: list[UnknownKey]) -> str:
+    """One line: every unknown key with its hint, then the known keys of each section they were found in."""
+    if len(unknown) == 1:
+        return f"unknown config key {unknown[0].shown}{unknown[0].hint}; known keys here: {', '.join(unknown[0].known)}"
+    keys = ", ".join(u.shown + u.hint for u in unknown)
+    sections = {u.section: u.known for u in unknown if not u.hint}  # where a key has no hint, the keys it could be
+    one_section = len({u.section for u in unknown}) == 1
+    known = "".join(f"; known keys {'here' if one_section else f'in {s[:-1]}' if s else 'at the top level'}: {', '.join(k)}"
+                    for s, k in sections.items())
+    return f"unknown config keys {keys}{known}"
 
 
 def validate(obj, prefix: str = "") -> None:

@@ -329,13 +329,33 @@ def position_limit_of(name_or_model, role: str = "model", trust_remote_code: boo
     return position_limit(model_config(name_or_model, role, trust_remote_code), role)
 
 
+def embedding_rows(config) -> Optional[int]:
+    """The rows of a model's token embedding (vocab_size in its config), or None where the config does not say."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    return rows if isinstance(rows, int) and rows > 0 else None
+
+
+def input_pad_id(tokenizer, model_configs: Iterable) -> int:
+    """The id at the padding positions of every model input: the tokenizer's pad token where every model
+    in `model_configs` has an embedding row for it, else its EOS token, else 0. A pad token added to a
+    tokenizer without resizing the embeddings is common (TRL's examples add `[PAD]`, and TRL masks pads
+    to 0 before each forward). Every mask here is built from positions, never from ids, so the id at a
+    masked position changes no result: it only has to be one the models can embed. Decoding still sees
+    the tokenizer's own pad token."""
+    rows = min((r for r in map(embedding_rows, model_configs) if r is not None), default=None)
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None and (rows is None or candidate < rows):
+            return candidate
+    return 0
+
+
 def check_token_ids(config, role: str, sequences: Iterable[tuple[str, list[int]]], tokenizer=None) -> None:
     """Refuse a token id the model has no embedding row for (a tokenizer that is not the model's,
     or one with tokens added after the model was saved) in one line, instead of an IndexError
     (a device-side assert on CUDA) inside the model."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    rows = getattr(text, "vocab_size", None)
-    if not isinstance(rows, int) or rows <= 0:
+    rows = embedding_rows(config)
+    if rows is None:
         return
     for where, ids in sequences:
         bad = max(ids, default=-1)

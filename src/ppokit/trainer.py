@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, launcher, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.errors import UserError
@@ -42,7 +42,9 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metrics import open_sinks
-from ppokit.models import check_output_head, ensure_pad_token, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs
+from ppokit.models import (
+    check_output_head, ensure_pad_token, input_pad_id, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
+)
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
@@ -115,6 +117,7 @@ class PPOTrainer:
         )
         given = dict(model=model, ref_model=ref_model, value_model=value_model)
         readers = roles.configs_reading_policy_ids(self.layout, config, self.scorer, reward_vocabulary, **given)
+        self.pad_id = input_pad_id(self.tokenizer, readers.values())  # what pads every model input (not text)
         check_prompts_fit(readers, [("data.train", self.train_data, self.train_query_ids), ("data.eval", self.eval_data, self.eval_query_ids)],
                           config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
         built = roles.build_roles(self.layout, config, self.scorer, **given)
@@ -216,8 +219,8 @@ class PPOTrainer:
 
     def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
         """One response per query; purpose: train, eval or greedy (rollout.HFSampler.for_purpose)."""
-        ids, mask = left_pad(query_ids, self.tokenizer.pad_token_id, self.accelerator.device)
-        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.tokenizer.pad_token_id, purpose)
+        ids, mask = left_pad(query_ids, self.pad_id, self.accelerator.device)
+        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.pad_id, purpose)
         self.policy.eval()
         with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
             rollout = sampler.sample(ids, mask)
@@ -579,18 +582,20 @@ class PPOTrainer:
         return self._saved_at[1]
 
     def save_final(self) -> Path:
-        """policy + tokenizer in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
+        """policy + tokenizer + model card in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
         target = self._run_folder().commit() / "final"
+        card = model_card.ppo_card(self.config, self.state.records[-1] if self.state.records else None, self.sizes.num_updates)
         try:
-            self.save_models(target, replace_unmarked=self.overwrite)
+            self.save_models(target, replace_unmarked=self.overwrite, card=card)
         except run_dir.NoSpaceError as e:
             raise run_dir.full_disk(e, target, self._saved_at[1]) from None
         self.accelerator.wait_for_everyone()
         return target
 
-    def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False) -> None:
-        """Policy, tokenizer and value model as loadable folders; `merged`: also final/merged/ if configured.
-        Every process calls this; the main one writes the engine's whole copy of the models."""
+    def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False,
+                    card: Optional[model_card.ModelCard] = None) -> None:
+        """Policy, tokenizer and value model as loadable folders (with `card`, their README.md); `merged`: also
+        final/merged/ if configured. Every process calls this; the main one writes the engine's whole copy of the models."""
         with self.engine.consolidated(self.model) as whole, no_progress_bars():
 
             def write(tmp: Path) -> None:
@@ -599,6 +604,10 @@ class PPOTrainer:
                 self.tokenizer.save_pretrained(tmp)
                 if merged_dir is not None:
                     self.tokenizer.save_pretrained(merged_dir)
+                if card is not None:
+                    card.write(tmp)
+                    if merged_dir is not None:
+                        card.merged().write(merged_dir)
                 if whole.value_model is None:  # a critic-free estimator
                     return
                 roles.save_value_model(whole.value_model, tmp / "value_model")

@@ -9,7 +9,7 @@ import torch
 
 from ppokit import batching
 from ppokit.errors import UserError
-from ppokit.models import left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
+from ppokit.models import input_pad_id, left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
 from ppokit.rewards.sources import ScoringBatch
 
 
@@ -45,7 +45,7 @@ class RewardModelReward:
         if batch.input_ids is not None and self.shares_vocabulary(batch.tokenizer):
             ids, mask = batch.input_ids, batch.attention_mask
         else:
-            ids, mask = left_pad(self.encode(batch), self.tokenizer.pad_token_id)
+            ids, mask = left_pad(self.encode(batch), input_pad_id(self.tokenizer, [self.model.config]))
         if not self.by_tokens:
             scores = [
                 score_at_last_token(self.model, ids[i : i + self.batch_size].to(device), mask[i : i + self.batch_size].to(device))

@@ -18,6 +18,7 @@ from ppokit.data import Records, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.lengths import EncodedRow, LengthReport, encode_rows
 from ppokit.metrics import JsonlWriter
+from ppokit.model_card import stage_card
 from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, no_progress_bars, position_limit, resolve_model_path
 from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers
 
@@ -100,6 +101,7 @@ def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run, 
         summary.update(write(tmp))
         config_of_run().save(tmp / "config.yaml")
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        stage_card(stage, config_of_run(), summary).write(tmp)
 
     try:
         atomic_save_dir(Path(output_dir), complete, stage, replace_unmarked=overwrite)

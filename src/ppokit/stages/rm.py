@@ -15,7 +15,7 @@ import torch
 from ppokit import algo
 from ppokit.config import RMConfig
 from ppokit.data import preference_triples
-from ppokit.models import disable_dropout, left_pad, load_scalar_model, score_at_last_token
+from ppokit.models import disable_dropout, input_pad_id, left_pad, load_scalar_model, score_at_last_token
 from ppokit.sft import train_loop
 from ppokit.stages.common import StepLog, claimed_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
@@ -68,7 +68,7 @@ def _train_and_save(config: RMConfig, say, overwrite: bool, start: float) -> dic
     model.config.pad_token_id = tokenizer.pad_token_id
     disable_dropout(model)
     model.to(device())
-    pad = tokenizer.pad_token_id
+    pad = input_pad_id(tokenizer, [model.config])
     evaluate = (lambda: evaluate_pairs(model, eval_pairs, pad, hp.eval_batch_size)) if eval_pairs else None
     before = evaluate() if evaluate else {}
     if before:

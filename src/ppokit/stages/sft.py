@@ -12,7 +12,7 @@ import torch
 
 from ppokit.config import SFTConfig
 from ppokit.data import sft_pairs
-from ppokit.models import load_causal_lm
+from ppokit.models import input_pad_id, load_causal_lm
 from ppokit.sft import build_example, train_sft
 from ppokit.stages.common import StepLog, claimed_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
 
@@ -41,7 +41,7 @@ def _train_and_save(config: SFTConfig, say, overwrite: bool, start: float) -> di
         log = StepLog(tmp / "metrics.jsonl", say, hp.logging_steps, lambda r: f"eval loss {r['eval_loss']:.4f}")
         try:
             losses = train_sft(
-                model, train_examples, tokenizer.pad_token_id, epochs=hp.num_train_epochs,
+                model, train_examples, input_pad_id(tokenizer, [model.config]), epochs=hp.num_train_epochs,
                 batch_size=hp.per_device_train_batch_size, learning_rate=hp.learning_rate, seed=config.seed,
                 on_step=log.on_step, eval_examples=eval_examples or None, eval_every=hp.eval_steps,
                 eval_batch_size=hp.eval_batch_size, on_eval=log.on_eval, weight_decay=hp.weight_decay,
