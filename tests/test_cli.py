@@ -108,6 +108,27 @@ def test_a_refused_run_leaves_output_dir_as_it_found_it(case, existed, model_dir
     assert main(["ppo", str(config), *args]) == status
     assert f"ppokit: error: {error}" in capsys.readouterr().err
     assert (sorted(run.iterdir()) == [] if existed else not run.exists())
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # values the run crashed on after writing config.yaml and empty jsonl files (NaN probabilities, an overflow)
+        (["ppo.temperature=1e-46"], "ppo.temperature: value 1e-46 is out of range, it must be >= 1e-30: logits / temperature is computed in float32"),
+        (["ppo.temperature=1e-40"], "ppo.temperature: value 1e-40 is out of range, it must be >= 1e-30: "),
+        (["ppo.eval_temperature=1e-40"], "ppo.eval_temperature: value 1e-40 is out of range, it must be 0 (greedy) or >= 1e-30: "),
+        (["ppo.cliprange_high=1e300"], "ppo.cliprange_high: value 1e+300 is out of range, it must be in (0, 3.4e38]: "),
+    ],
+)
+def test_values_a_run_cannot_use_are_one_line_before_anything_is_written(tmp_path, capsys, change, message):
+    from ppokit.cli import main
+
+    extra, overrides = (change, []) if isinstance(change, dict) else ({}, change)
+    config = write_config(tmp_path / "ppo.yaml", "some/model", tmp_path / "p.jsonl", tmp_path / "run", **extra)
+    for command in ("ppo", "plan"):
+        assert main([command, str(config), *overrides]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"ppokit: error: {message}") and captured.err.count("\n") == 1, captured.err
+        assert captured.out == ""
+    assert not (tmp_path / "run").exists()
 
 
 def test_user_reward_function_file_and_columns(model_dir, tmp_path):

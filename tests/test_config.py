@@ -39,7 +39,7 @@ def test_yaml_and_overrides(tmp_path):
     [
         ("ppo.kl_coeff=0.1", "unknown config key ppo.kl_coeff (did you mean ppo.kl_coef?)"),
         ("learning_rate=1e-5", "unknown config key learning_rate"),
-        ("ppo.cliprange=-1", "ppo.cliprange: value -1.0 is out of range, it must be > 0"),
+        ("ppo.cliprange=-1", "ppo.cliprange: value -1.0 is out of range, it must be in (0, 3.4e38]"),
         ("ppo.kl_estimator=k4", "ppo.kl_estimator: value 'k4' is out of range, it must be one of k1, k2, k3"),
         ("reward.on_error=ignore", "reward.on_error: value 'ignore' is out of range, it must be one of raise, skip"),
         ("ppo.lr_scheduler_type=cosine", "ppo.lr_scheduler_type: value 'cosine' is out of range, it must be one of linear, constant"),
@@ -266,7 +266,14 @@ GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
         (["ppo.min_p=1"], "ppo.min_p: value 1.0 is out of range, it must be in [0, 1)"),
         (["ppo.top_k=-1"], "ppo.top_k: value -1 is out of range, it must be >= 0"),
         (["ppo.num_samples_per_prompt=0"], "ppo.num_samples_per_prompt: value 0 is out of range, it must be > 0"),
-        (["ppo.eval_temperature=-0.5"], "ppo.eval_temperature: value -0.5 is out of range, it must be >= 0"),
+        (["ppo.eval_temperature=-0.5"], "ppo.eval_temperature: value -0.5 is out of range, it must be 0 (greedy) or >= 1e-30"),
+        # logits / temperature overflowed float32 (sampling then failed on NaN probabilities), 1 + 1e300 the ratio's clamp
+        (["ppo.temperature=1e-46"], "ppo.temperature: value 1e-46 is out of range, it must be >= 1e-30: logits / temperature is computed in float32, whose largest value is 3.4e38, and this keeps it finite for logits up to 3.4e8"),
+        (["ppo.temperature=1e-40"], "ppo.temperature: value 1e-40 is out of range, it must be >= 1e-30: "),
+        (["ppo.temperature=0"], "ppo.temperature: value 0.0 is out of range, it must be >= 1e-30: "),
+        (["ppo.eval_temperature=1e-40"], "ppo.eval_temperature: value 1e-40 is out of range, it must be 0 (greedy) or >= 1e-30: logits / temperature"),
+        (["ppo.cliprange_high=1e300"], "ppo.cliprange_high: value 1e+300 is out of range, it must be in (0, 3.4e38]: 1 + it bounds the float32 ratio exp(logp - old logp), whose largest value is 3.4e38"),
+        (["ppo.cliprange_low=0.2", "ppo.cliprange=1e39"], "ppo.cliprange: value 1e+39 is out of range, it must be in (0, 3.4e38]"),
         (["ppo.vf_learning_rate=0"], "ppo.vf_learning_rate: value 0.0 is out of range, it must be > 0"),
         (["ppo.critic_warmup_updates=-1"], "ppo.critic_warmup_updates: value -1 is out of range, it must be >= 0"),
         (["ppo.kl_loss_coef=-0.1"], "ppo.kl_loss_coef: value -0.1 is out of range, it must be >= 0"),
@@ -331,6 +338,7 @@ def test_toolbox_good_combinations_load():
         ["ppo.cliprange_low=0.1"],  # below the default high: fine
         ["ppo.kl_clamp=10"], GRPO + ["ppo.kl_in_reward=false", "ppo.kl_loss_coef=0.001", "ppo.kl_clamp=10"],
         ["ppo.cliprange_low=0.2", "ppo.cliprange=1.5"],  # cliprange is only the upper range here: 1 + 1.5
+        ["ppo.temperature=1e-30", "ppo.eval_temperature=1e-30", "ppo.cliprange_high=3.4e38"],  # the bounds themselves
         ["ppo.cliprange=0.999", "ppo.cliprange_value=1e300", f"reward.timeout_s={threading.TIMEOUT_MAX}"],
         ["reward.timeout_s=null"],  # no deadline at all: the main thread, no wait
         ["parallel.strategy=fsdp", "parallel.cpu_offload=true", "parallel.shard_frozen=false", "parallel.unshard_for_generation=false"],

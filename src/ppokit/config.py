@@ -37,6 +37,15 @@ ROLLBACK_CHOICE = rule("one of memory, disk, off, true (memory), false (off)", l
 # raises OverflowError at every call. One rule for config keys and command-line flags alike.
 timeout_range = rule(f"in (0, {threading.TIMEOUT_MAX:.0f}] seconds (threading.TIMEOUT_MAX: the longest wait Python takes)",
                      lambda v: 0 < v <= threading.TIMEOUT_MAX)
+# logits / temperature and the policy ratio are float32 (bfloat16 logits are cast up first): both must stay below its
+# largest value, 3.4e38. A temperature of 1e-30 keeps logits up to 3.4e8 in magnitude finite (1e-40 made them inf,
+# and sampling failed on NaN probabilities); a clip range up to 3.4e38 keeps 1 + it a float32 clamp bound.
+MIN_TEMPERATURE = 1e-30
+temperature_range = rule(f">= {MIN_TEMPERATURE:g}: logits / temperature is computed in float32, whose largest value is 3.4e38, "
+                         "and this keeps it finite for logits up to 3.4e8", lambda v: v >= MIN_TEMPERATURE)
+eval_temperature_range = rule(f"0 (greedy) or {temperature_range.requirement}", lambda v: v == 0 or v >= MIN_TEMPERATURE)
+clip_range = rule("in (0, 3.4e38]: 1 + it bounds the float32 ratio exp(logp - old logp), whose largest value is 3.4e38",
+                  lambda v: 0 < v <= 3.4e38)
 # run_name names a folder under <output_dir>/tensorboard: a separator or ".." would put it elsewhere.
 folder_name = rule("a name without / or \\, not . or ..", lambda v: bool(v.strip()) and not {"/", "\\"} & set(v) and v not in (".", ".."))
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
@@ -90,20 +99,20 @@ class PPOHyperparams:
     num_ppo_epochs: int = doc(4, "Passes of PPO optimisation over each rollout batch.", check=positive)
     local_rollout_forward_batch_size: int = doc(64, "Rows per forward pass during sampling and the reference and value passes (no gradients); the reward model uses `reward.batch_size`.", check=positive)
     response_length: int = doc(53, "Maximum new tokens sampled per prompt.", check=positive)
-    temperature: float = doc(0.7, "Sampling temperature; logits are divided by it in every logprob computation.", check=positive)
+    temperature: float = doc(0.7, f"Sampling temperature; logits are divided by it in every logprob computation. At least {MIN_TEMPERATURE:g}, so that logits / temperature stays a finite float32.", check=temperature_range)
     stop_token: Optional[str] = doc("eos", "Token that ends a response: `eos` (the tokenizer's EOS), any other string that is one token, or null for none. Tokens after it are padding. Differs from TRL (None) because scoring text after EOS is never wanted.")
     stop_token_id: Optional[int] = doc(None, "Token id that ends a response; overrides `stop_token`.", check=non_negative)
     top_k: int = doc(0, "Sample only from the k most likely tokens; 0: off. With top_k, top_p or min_p the logprobs in the PPO ratio and the KL are still the policy's full softmax at `temperature`, not the truncated distribution's.", check=non_negative)
     top_p: float = doc(1.0, "Nucleus sampling: only the smallest set of most likely tokens whose probability reaches top_p (after top_k, before min_p, as transformers orders them); 1: off.", check=half_open_unit)
     min_p: float = doc(0.0, "Sample only tokens with at least min_p x the most likely token's probability; 0: off.", check=fraction)
     num_samples_per_prompt: int = doc(1, "Responses sampled per prompt, n (OpenRLHF `--rollout.n_samples_per_prompt`, veRL `rollout.n`). Every batch size counts episodes = prompts x n: an update uses batch / n prompts, and `total_episodes` counts responses. The n samples of a prompt stay on one process, so n must divide the rollout batch per device.", check=positive)
-    eval_temperature: Optional[float] = doc(None, "Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely token at every step).", check=non_negative)
+    eval_temperature: Optional[float] = doc(None, f"Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely token at every step); otherwise at least {MIN_TEMPERATURE:g}, as `temperature`.", check=eval_temperature_range)
     missing_eos_penalty: Optional[float] = doc(None, "Subtracted from the score of responses that never produced the stop token.")
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
     kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=one_of(KL_ESTIMATORS))
     kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
     kl_horizon: float = doc(10000.0, "Horizon (episodes) of the adaptive KL controller.", check=positive)
-    cliprange: float = doc(0.2, "Clip range of the policy ratio: clipped to [1 - cliprange, 1 + cliprange], so below 1 unless `cliprange_low` is set (a lower bound <= 0 would never clip).", check=positive)
+    cliprange: float = doc(0.2, "Clip range of the policy ratio: clipped to [1 - cliprange, 1 + cliprange], so below 1 unless `cliprange_low` is set (a lower bound <= 0 would never clip).", check=clip_range)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
     gamma: float = doc(1.0, "Discount factor (gae and reinforce_pp).", check=unit_interval)
@@ -117,7 +126,7 @@ class PPOHyperparams:
     kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=one_of(KL_ESTIMATORS))
     kl_clamp: Optional[float] = doc(None, "Clamp every per-token KL estimate to [-kl_clamp, kl_clamp], in the reward (`kl_estimator`; `objective/kl` reports the clamped values) and in the loss (`kl_loss_estimator`); where the clamp is active the KL term's gradient is 0 (k3's is 1 - e^r otherwise: -3.3e6 at r = 15). null: off. OpenRLHF clamps every estimator to 10 (always on); veRL clamps k3 `low_var_kl` to 10 (`kl_penalty`/`kl_loss_type` low_var_kl).", check=positive)
     cliprange_low: Optional[float] = doc(None, "Lower clip range: the ratio is clipped below at 1 - cliprange_low; null: `cliprange` (veRL `clip_ratio_low`, OpenRLHF `--actor.eps_clip_low_high`).", check=open_unit)
-    cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a low of 0.2.", check=positive)
+    cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a low of 0.2. At most 3.4e38 (1 + it is a float32 bound).", check=clip_range)
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
     loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
