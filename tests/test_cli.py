@@ -116,6 +116,9 @@ def test_a_refused_run_leaves_output_dir_as_it_found_it(case, existed, model_dir
         (["ppo.temperature=1e-40"], "ppo.temperature: value 1e-40 is out of range, it must be >= 1e-30: "),
         (["ppo.eval_temperature=1e-40"], "ppo.eval_temperature: value 1e-40 is out of range, it must be 0 (greedy) or >= 1e-30: "),
         (["ppo.cliprange_high=1e300"], "ppo.cliprange_high: value 1e+300 is out of range, it must be in (0, 3.4e38]: "),
+        # not a list of reward functions, in the file or as an override (was a traceback-free error only once the models were loading)
+        ({"reward": {"functions": 7}}, "reward.functions: expected a string or a mapping, got 7"),
+        (["reward.functions=[sentiment, 7]"], "reward.functions[1]: expected a string or a mapping, got 7"),
     ],
 )
 def test_values_a_run_cannot_use_are_one_line_before_anything_is_written(tmp_path, capsys, change, message):

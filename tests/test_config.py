@@ -48,6 +48,10 @@ def test_yaml_and_overrides(tmp_path):
         ("data.eval_fraction=1", "data.eval_fraction: value 1.0 is out of range, it must be in [0, 1)"),
         ("ppo.whiten_rewards=maybe", "ppo.whiten_rewards: expected true or false"),
         ("ppo=3", "ppo: expected a mapping"),
+        # a value of none of a union's kinds: refused at load, not by the code that first uses it
+        ("reward.functions=7", "reward.functions: expected a string or a mapping, got 7"),
+        ("reward.functions=[sentiment, 1.5]", "reward.functions[1]: expected a string or a mapping, got 1.5"),
+        ("reward.normalize=maybe", "reward.normalize: expected true/false or a list, got 'maybe'"),
         # run_name is a folder under <output_dir>/tensorboard: "../../x" wrote the events two levels up
         ("run_name=../../x", "run_name: value '../../x' is out of range, it must be a name without / or \\, not . or .."),
         ("run_name=a/b", "run_name: value 'a/b' is out of range"),

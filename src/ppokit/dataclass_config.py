@@ -99,7 +99,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(inner) or (Any,)
         if not isinstance(value, (list, tuple)):
-            value = [value]
+            return [_coerce(value, item_tp, key)]  # one item written without the list: named as the key itself
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict or inner is dict:
         if not isinstance(value, dict):
@@ -107,8 +107,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return dict(value)
     if inner is Any:
         return value
-    # Unions of several kinds (e.g. str | dict) are taken as given.
+    # Unions of several kinds (e.g. str | dict) are taken as given when the value is one of them (their own
+    # checks look further); anything else (reward.functions: 7) is refused here, not by the first code to use it.
+    kinds = [typing.get_origin(t) or t for t in typing.get_args(inner)]
+    if kinds and all(isinstance(k, type) for k in kinds) and not isinstance(value, tuple(kinds)):
+        names = " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
+        raise UserError(f"{key}: expected {names}, got {value!r}")
     return value
+
+
+_KIND_NAMES = {str: "a string", dict: "a mapping", list: "a list", bool: "true/false", int: "an integer", float: "a number"}
 
 
 def build(cls, data: dict, prefix: str = ""):
