@@ -104,7 +104,7 @@ def docs_workspace(tmp_path_factory, model_dir, demo_data):
     ppo_yaml = readme_block("# ppo.yaml")
     (work / "ppo.yaml").write_text(ppo_yaml)
     (work / "config.yaml").write_text(ppo_yaml)
-    for run, seed in (("ppokit-demo/ppo", 0), ("runs/sentiment", 1), ("runs/k3", 2)):
+    for run, seed in (("ppokit-demo/ppo", 0), ("runs/sentiment", 1), ("runs/k3", 2), ("runs/ppo", 3)):
         write_run(work / run, healthy_records(seed=seed))
     (work / "examples").symlink_to(ROOT / "examples")
     # `ppokit` and `python` as the docs name them, running this checkout
