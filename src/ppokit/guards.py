@@ -175,9 +175,13 @@ class UpdateSnapshot:
                         now[key] = value
 
     def discard(self) -> None:
-        """Delete the disk snapshot (the update it guarded is over)."""
+        """Delete the disk snapshot (the update it guarded is over), and its folder once no process's is left."""
         if self.file is not None:
             self.file.unlink(missing_ok=True)
+            try:
+                self.file.parent.rmdir()
+            except OSError:  # another process's snapshot is still there, or the folder is gone
+                pass
 
     def restore(self, scheduler_steps: int) -> None:
         """Weights and optimiser back to the snapshot; the schedule moved on by one whole update,
