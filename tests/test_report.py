@@ -344,6 +344,32 @@ def test_cli_report_thresholds_from_yaml_and_flags(tmp_path, capsys):
     assert "unknown config key clipfrac (did you mean clipfrac_max?)" in capsys.readouterr().err
 
 
+def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
+    """`"episode": null`, a string where a number belongs, `update` 10**400, numbers at the float limit and
+    `reward.functions: 7` were tracebacks. As for a damaged line, what cannot be used is left out and said."""
+    records = healthy_records(8)
+    records[0]["episode"] = None
+    records[2]["objective/kl"] = "high"
+    records[3]["reward/skipped"] = [1]
+    records[4]["eps"] = 10**400  # JSON integers have no limit; no float holds it
+    for r in records:
+        r["loss/policy_avg"] = 1.7e308 * (-1) ** r["update"]  # finite, but no chart axis spans it
+        r["policy/entropy_avg"] = 1.7e308  # finite, but their mean (an alarm's baseline) is not
+    run = write_run(tmp_path / "run", records, config={**CONFIG, "reward": {"functions": 7}})
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"update": 1' + "0" * 400 + ', "episode": 9}\n{"update": -1, "episode": 9}\n')
+    summary = make_report([run], tmp_path / "report.html")
+    assert summary["runs"][0]["updates"] == 8
+    assert summary["runs"][0]["skipped"] == [
+        "metrics.jsonl: skipped lines 9-10: no integer `update` from 0 to 9007199254740992",
+        "metrics.jsonl: left out values that are not numbers: episode (line 1); objective/kl (line 3); reward/skipped (line 4); eps (line 5)",
+    ]
+    drawn = {Path(p).stem for p in summary["figures"]}
+    assert "value" in drawn or any(s.startswith("Losses and the critic: not drawn, its values are out of the range matplotlib can draw")
+                                   for s in summary["skipped"]), summary["skipped"]
+    assert "<td>7</td>" in (tmp_path / "report.html").read_text()  # the reward source, as config.yaml has it
+
+
 def test_report_on_a_real_ppo_run(model_dir, prompts_file, tmp_path):
     """A tiny real run (no eval data: samples are training batches), then the report on its directory."""
     from conftest import tiny_ppo_config

@@ -54,17 +54,12 @@ def make_report(
     except OSError as e:
         raise UserError(f"report output {output}: cannot make {figure_dir} ({e.strerror})") from None
     rendered, skipped_panels, written = [], list(not_runs), []
-    frontier = None
-    frontier_fig = fig.draw_frontier(runs)
-    if frontier_fig is not None:
-        frontier = ("frontier", "Reward vs KL frontier", fig.png_bytes(frontier_fig))
-    else:
-        skipped_panels.append("reward-vs-KL frontier: no update has both objective/scores and objective/kl")
+    png = fig.png_of(lambda: fig.draw_frontier(runs, skipped_panels), "reward-vs-KL frontier", skipped_panels)
+    frontier = ("frontier", "Reward vs KL frontier", png) if png else None
     for spec in fig.figure_specs(runs):
-        figure, skipped = fig.draw_curves(spec, runs, alarms)
-        skipped_panels += skipped
-        if figure is not None:
-            rendered.append((spec.name, spec.title, fig.png_bytes(figure)))
+        png = fig.png_of(lambda: fig.draw_curves(spec, runs, alarms, skipped_panels), spec.title, skipped_panels)
+        if png:
+            rendered.append((spec.name, spec.title, png))
     for name, _, png in ([frontier] if frontier else []) + rendered:
         path = figure_dir / f"{name}.png"
         path.write_bytes(png)
