@@ -344,6 +344,38 @@ def test_cli_report_thresholds_from_yaml_and_flags(tmp_path, capsys):
     assert "unknown config key clipfrac (did you mean clipfrac_max?)" in capsys.readouterr().err
 
 
+def run_files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def test_report_output_never_replaces_a_file_of_a_run_it_reads(tmp_path, capsys):
+    """`--output RUN/metrics.jsonl` exited 0 having replaced the run's metrics with the page. A run folder
+    may hold a report only as a new *.html page directly in it (a run writes no such name)."""
+    from ppokit.cli import main
+
+    run = write_run(tmp_path / "run", healthy_records(4))
+    (run / "checkpoints" / "update-2").mkdir(parents=True)
+    (run / "link.html").symlink_to(run / "metrics.jsonl")  # resolved: it is the metrics file
+    (run / "redirected_figures").symlink_to(run / "checkpoints")  # its PNGs would land in checkpoints/
+    before = run_files(run)
+    for output in ("metrics.jsonl", "config.yaml", "samples.jsonl", "final", "final/r.html", "checkpoints/update-2/r.html",
+                   "new/r.html", "link.html", "redirected.html", "."):
+        assert main(["report", str(run), "--output", str(run / output)]) == 2, output
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("ppokit: error: report output "), err
+        assert "is a folder" in err if output in (".", "final") else f"would write into the files of run {run}, which the report reads" in err
+    other = write_run(tmp_path / "other", healthy_records(4))  # among several runs, any one counts
+    assert main(["report", str(other), str(run), "--output", str(run / "samples.jsonl")]) == 2
+    assert f"would write into the files of run {run}," in capsys.readouterr().err
+    assert run_files(run) == before
+    assert main(["report", str(run), "--output", str(run / "report.html")]) == 0  # a new page beside the run's files
+    assert main(["report", str(run), "--output", str(run / "report.html")]) == 0  # and again: the report's own page
+    capsys.readouterr()
+    after = run_files(run)
+    assert {name: data for name, data in after.items() if not name.startswith("report")} == before
+    assert "report.html" in after and "report_figures/score.png" in after
+
+
 def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
     """`"episode": null`, a string where a number belongs, `update` 10**400, numbers at the float limit and
     `reward.functions: 7` were tracebacks. As for a damaged line, what cannot be used is left out and said."""

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from ppokit.errors import UserError
 from ppokit.report.alarms import Alarm, AlarmThresholds, find_alarms
+from ppokit.report.output import check_output, figure_dir
 from ppokit.report.rundata import RunData, label_runs, read_run
 
 __all__ = ["Alarm", "AlarmThresholds", "RunData", "find_alarms", "make_report", "read_run"]
@@ -45,14 +46,15 @@ def make_report(
             not_runs.append(str(error))
     if not runs:
         raise UserError("; ".join(not_runs) if not_runs else "no run directory given")
+    check_output(output, [run.path for run in runs])
     label_runs(runs)
     alarms = [alarm for run in runs for alarm in find_alarms(run, thresholds)]
 
-    figure_dir = output.with_name(output.stem + "_figures")
+    figures = figure_dir(output)
     try:
-        figure_dir.mkdir(parents=True, exist_ok=True)
+        figures.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"report output {output}: cannot make {figure_dir} ({e.strerror})") from None
+        raise UserError(f"report output {output}: cannot make {figures} ({e.strerror})") from None
     rendered, skipped_panels, written = [], list(not_runs), []
     png = fig.png_of(lambda: fig.draw_frontier(runs, skipped_panels), "reward-vs-KL frontier", skipped_panels)
     frontier = ("frontier", "Reward vs KL frontier", png) if png else None
@@ -61,7 +63,7 @@ def make_report(
         if png:
             rendered.append((spec.name, spec.title, png))
     for name, _, png in ([frontier] if frontier else []) + rendered:
-        path = figure_dir / f"{name}.png"
+        path = figures / f"{name}.png"
         path.write_bytes(png)
         written.append(str(path))
 
