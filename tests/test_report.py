@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -400,6 +401,51 @@ def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
     assert "value" in drawn or any(s.startswith("Losses and the critic: not drawn, its values are out of the range matplotlib can draw")
                                    for s in summary["skipped"]), summary["skipped"]
     assert "<td>7</td>" in (tmp_path / "report.html").read_text()  # the reward source, as config.yaml has it
+
+
+def test_report_onto_a_full_disk_or_into_a_read_only_folder_is_one_line_and_leaves_nothing_half_written(tmp_path):
+    """Both were a traceback, the full disk with a partial PNG left. The page and its PNGs are written to
+    temporary names and renamed into place only once all are written: the earlier report stays whole.
+    A full disk and a read-only folder are real tmpfs mounts where a private mount namespace is allowed;
+    elsewhere a file size limit (EFBIG, as `ulimit -f`) stands for the full disk and permission bits
+    for the read-only folder (root ignores those: skipped)."""
+    from test_run_dir import one_error_line, ppokit_on_a_mount, private_mount_namespace, run_ppokit, tree
+
+    run = write_run(tmp_path / "run", healthy_records(8))
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+
+    def error_and_what_is_left(code: int, err: str) -> tuple[str, str]:
+        *lines, left = err.rstrip("\n").split("\n")
+        assert code == 2 and left.startswith("left:"), err
+        return one_error_line("\n".join(lines)), left.removeprefix("left:").strip()
+
+    page = folder / "report.html"
+    if private_mount_namespace():  # the PNGs (50-120 kB each) do not fit in 64 kB
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("size=64k", folder, "report", run, "--output", page))
+        assert line.startswith(f"ppokit: error: report output {page}: cannot write {folder / 'report_figures'}/"), line
+        assert line.endswith(".png (No space left on device)") and left == "", (line, left)
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("ro,size=64k", folder, "report", run, "--output", page))
+        assert line == f"ppokit: error: report output {page}: cannot make {folder / 'report_figures'} (Read-only file system)"
+        assert left == ""
+    else:
+        make_report([run], page)  # an earlier complete report, kept whole
+        before = tree(folder)
+        code, _, err = run_ppokit("report", run, "--output", page, "--samples", "1", limit_file_size=32 * 1024)
+        assert code == 2, err
+        line = one_error_line(err)
+        assert line.startswith(f"ppokit: error: report output {page}: cannot write ") and line.endswith(" (File too large)"), line
+        assert tree(folder) == before
+        if os.geteuid() == 0:
+            pytest.skip("root ignores permission bits, and no private mount namespace to mount a read-only folder")
+        shutil.rmtree(folder)
+        folder.mkdir(mode=0o555)
+        try:
+            code, _, err = run_ppokit("report", run, "--output", page)
+        finally:
+            folder.chmod(0o755)
+        assert code == 2 and one_error_line(err) == f"ppokit: error: report output {page}: cannot make {folder / 'report_figures'} (Permission denied)"
+        assert list(folder.iterdir()) == []
 
 
 def test_report_on_a_real_ppo_run(model_dir, prompts_file, tmp_path):

@@ -9,13 +9,12 @@ progress and on crashed ones.
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ppokit.errors import UserError
 from ppokit.report.alarms import Alarm, AlarmThresholds, find_alarms
-from ppokit.report.output import check_output, figure_dir
+from ppokit.report.output import check_output, figure_dir, write_files
 from ppokit.report.rundata import RunData, label_runs, read_run
 
 __all__ = ["Alarm", "AlarmThresholds", "RunData", "find_alarms", "make_report", "read_run"]
@@ -50,34 +49,23 @@ def make_report(
     label_runs(runs)
     alarms = [alarm for run in runs for alarm in find_alarms(run, thresholds)]
 
-    figures = figure_dir(output)
-    try:
-        figures.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"report output {output}: cannot make {figures} ({e.strerror})") from None
-    rendered, skipped_panels, written = [], list(not_runs), []
+    rendered, skipped_panels = [], list(not_runs)
     png = fig.png_of(lambda: fig.draw_frontier(runs, skipped_panels), "reward-vs-KL frontier", skipped_panels)
     frontier = ("frontier", "Reward vs KL frontier", png) if png else None
     for spec in fig.figure_specs(runs):
         png = fig.png_of(lambda: fig.draw_curves(spec, runs, alarms, skipped_panels), spec.title, skipped_panels)
         if png:
             rendered.append((spec.name, spec.title, png))
-    for name, _, png in ([frontier] if frontier else []) + rendered:
-        path = figures / f"{name}.png"
-        path.write_bytes(png)
-        written.append(str(path))
+    figures = [(figure_dir(output) / f"{name}.png", png) for name, _, png in ([frontier] if frontier else []) + rendered]
 
     from ppokit.version import __version__
 
     generated = f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by ppokit {__version__} from the run directories' files."
     page = render_page(runs, alarms, rendered, skipped_panels, thresholds, max_prompts, generated, frontier)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(output.name + ".partial")
-    partial.write_text(page, encoding="utf-8")
-    os.replace(partial, output)  # a reader never sees half a report
+    write_files(output, figures + [(output, page.encode("utf-8"))])  # a reader never sees half a report
     return {
         "output": str(output),
-        "figures": written,
+        "figures": [str(path) for path, _ in figures],
         "runs": [
             {
                 "label": run.label,
