@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -369,6 +370,109 @@ def test_cli_report_thresholds_from_yaml_and_flags(tmp_path, capsys):
     assert "update 15: Clip fraction high" in loud.err
     assert main(["report", str(run), "--threshold", "clipfrac=0.4"]) == 2
     assert "unknown config key clipfrac (did you mean clipfrac_max?)" in capsys.readouterr().err
+
+
+def run_files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def test_report_output_never_replaces_a_file_of_a_run_it_reads(tmp_path, capsys):
+    """`--output RUN/metrics.jsonl` exited 0 having replaced the run's metrics with the page. A run folder
+    may hold a report only as a new *.html page directly in it (a run writes no such name)."""
+    from ppokit.cli import main
+
+    run = write_run(tmp_path / "run", healthy_records(4))
+    (run / "checkpoints" / "update-2").mkdir(parents=True)
+    (run / "link.html").symlink_to(run / "metrics.jsonl")  # resolved: it is the metrics file
+    (run / "redirected_figures").symlink_to(run / "checkpoints")  # its PNGs would land in checkpoints/
+    before = run_files(run)
+    for output in ("metrics.jsonl", "config.yaml", "samples.jsonl", "final", "final/r.html", "checkpoints/update-2/r.html",
+                   "new/r.html", "link.html", "redirected.html", "."):
+        assert main(["report", str(run), "--output", str(run / output)]) == 2, output
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("ppokit: error: report output "), err
+        assert "is a folder" in err if output in (".", "final") else f"would write into the files of run {run}, which the report reads" in err
+    other = write_run(tmp_path / "other", healthy_records(4))  # among several runs, any one counts
+    assert main(["report", str(other), str(run), "--output", str(run / "samples.jsonl")]) == 2
+    assert f"would write into the files of run {run}," in capsys.readouterr().err
+    assert run_files(run) == before
+    assert main(["report", str(run), "--output", str(run / "report.html")]) == 0  # a new page beside the run's files
+    assert main(["report", str(run), "--output", str(run / "report.html")]) == 0  # and again: the report's own page
+    capsys.readouterr()
+    after = run_files(run)
+    assert {name: data for name, data in after.items() if not name.startswith("report")} == before
+    assert "report.html" in after and "report_figures/score.png" in after
+
+
+def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
+    """`"episode": null`, a string where a number belongs, `update` 10**400, numbers at the float limit and
+    `reward.functions: 7` were tracebacks. As for a damaged line, what cannot be used is left out and said."""
+    records = healthy_records(8)
+    records[0]["episode"] = None
+    records[2]["objective/kl"] = "high"
+    records[3]["reward/skipped"] = [1]
+    records[4]["eps"] = 10**400  # JSON integers have no limit; no float holds it
+    for r in records:
+        r["loss/policy_avg"] = 1.7e308 * (-1) ** r["update"]  # finite, but no chart axis spans it
+        r["policy/entropy_avg"] = 1.7e308  # finite, but their mean (an alarm's baseline) is not
+    run = write_run(tmp_path / "run", records, config={**CONFIG, "reward": {"functions": 7}})
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"update": 1' + "0" * 400 + ', "episode": 9}\n{"update": -1, "episode": 9}\n')
+    summary = make_report([run], tmp_path / "report.html")
+    assert summary["runs"][0]["updates"] == 8
+    assert summary["runs"][0]["skipped"] == [
+        "metrics.jsonl: skipped lines 9-10: no integer `update` from 0 to 9007199254740992",
+        "metrics.jsonl: left out values that are not numbers: episode (line 1); objective/kl (line 3); reward/skipped (line 4); eps (line 5)",
+    ]
+    drawn = {Path(p).stem for p in summary["figures"]}
+    assert "value" in drawn or any(s.startswith("Losses and the critic: not drawn, its values are out of the range matplotlib can draw")
+                                   for s in summary["skipped"]), summary["skipped"]
+    assert "<td>7</td>" in (tmp_path / "report.html").read_text()  # the reward source, as config.yaml has it
+
+
+def test_report_onto_a_full_disk_or_into_a_read_only_folder_is_one_line_and_leaves_nothing_half_written(tmp_path):
+    """Both were a traceback, the full disk with a partial PNG left. The page and its PNGs are written to
+    temporary names and renamed into place only once all are written: the earlier report stays whole.
+    A full disk and a read-only folder are real tmpfs mounts where a private mount namespace is allowed;
+    elsewhere a file size limit (EFBIG, as `ulimit -f`) stands for the full disk and permission bits
+    for the read-only folder (root ignores those: skipped)."""
+    from test_run_dir import one_error_line, ppokit_on_a_mount, private_mount_namespace, run_ppokit, tree
+
+    run = write_run(tmp_path / "run", healthy_records(8))
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+
+    def error_and_what_is_left(code: int, err: str) -> tuple[str, str]:
+        *lines, left = err.rstrip("\n").split("\n")
+        assert code == 2 and left.startswith("left:"), err
+        return one_error_line("\n".join(lines)), left.removeprefix("left:").strip()
+
+    page = folder / "report.html"
+    if private_mount_namespace():  # the PNGs (50-120 kB each) do not fit in 64 kB
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("size=64k", folder, "report", run, "--output", page))
+        assert line.startswith(f"ppokit: error: report output {page}: cannot write {folder / 'report_figures'}/"), line
+        assert line.endswith(".png (No space left on device)") and left == "", (line, left)
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("ro,size=64k", folder, "report", run, "--output", page))
+        assert line == f"ppokit: error: report output {page}: cannot make {folder / 'report_figures'} (Read-only file system)"
+        assert left == ""
+    else:
+        make_report([run], page)  # an earlier complete report, kept whole
+        before = tree(folder)
+        code, _, err = run_ppokit("report", run, "--output", page, "--samples", "1", limit_file_size=32 * 1024)
+        assert code == 2, err
+        line = one_error_line(err)
+        assert line.startswith(f"ppokit: error: report output {page}: cannot write ") and line.endswith(" (File too large)"), line
+        assert tree(folder) == before
+        if os.geteuid() == 0:
+            pytest.skip("root ignores permission bits, and no private mount namespace to mount a read-only folder")
+        shutil.rmtree(folder)
+        folder.mkdir(mode=0o555)
+        try:
+            code, _, err = run_ppokit("report", run, "--output", page)
+        finally:
+            folder.chmod(0o755)
+        assert code == 2 and one_error_line(err) == f"ppokit: error: report output {page}: cannot make {folder / 'report_figures'} (Permission denied)"
+        assert list(folder.iterdir()) == []
 
 
 def test_report_on_a_real_ppo_run(model_dir, prompts_file, tmp_path):

@@ -431,6 +431,57 @@ def test_half_sent_requests_hold_no_more_threads_than_the_pool_and_are_cut_at_th
         assert RemoteReward(url, max_retries=6, backoff_s=0.2, timeout_s=5).score(BATCH).tolist() == [1.0, 0.0, 1.0]
 
 
+def test_with_every_worker_held_by_slow_clients_a_valid_post_is_answered_503_at_once():
+    """45 connections trickling their headers held a valid POST in the queue for over 15 s (each queued
+    connection may keep a worker for read_timeout_s): a connection no worker is free for gets 503 at once."""
+    source = function_source({"function": "contains", "required": ["great"]}, "k")
+    with running(make_server(source, port=0, workers=4, read_timeout_s=60)) as url:
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        slow = []
+        try:
+            for _ in range(45):
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")  # and the rest never comes
+                slow.append(s)
+            for _ in range(3):
+                t0 = time.monotonic()
+                status, body = post(url, GOOD, timeout=30)
+                assert (status, body) == (503, {"error": "busy: every worker is taken; retry later"})
+                assert time.monotonic() - t0 < 5  # milliseconds when quiet; the old queue held it up to read_timeout_s
+        finally:
+            for s in slow:
+                s.close()
+        for _ in range(200):  # the workers see their clients gone and are free again
+            status, body = post(url, GOOD, timeout=30)
+            if status == 200:
+                break
+            time.sleep(0.05)
+        assert (status, body) == (200, {"rewards": [1.0]})
+
+
+@pytest.mark.parametrize("request_line, status, error", [
+    (b"\x00\x01\x02\xff\xfe noise\r\n\r\n", 400, "Bad HTTP/0.9 request type ('\\x00\\x01\\x02\u00ff\u00fe')"),
+    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, "Bad request syntax"),  # TLS to a plain-HTTP port
+    (b"POST /\r\n\r\n", 400, "Bad HTTP/0.9 request type ('POST')"),  # no version, so no headers
+    (b"PUT / HTTP/1.1\r\n\r\n", 501, "Unsupported method ('PUT')"),
+    (b"GET / HTTP/2.0\r\n\r\n", 505, "Invalid HTTP version (2.0)"),
+])
+def test_requests_http_server_refuses_itself_get_json_with_a_status_line(request_line, status, error):
+    """A binary or header-less request got http.server's HTML page, without even a status line for a
+    request line without a version: now JSON like every other answer."""
+    source = function_source({"function": "contains", "required": ["great"]}, "k")
+    with running(make_server(source, port=0)) as url:
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1].strip("/"))), timeout=10) as s:
+            s.sendall(request_line)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(f"HTTP/1.0 {status} ".encode()) and b"Content-Type: application/json" in head, answer
+        assert list(json.loads(body)) == ["error"] and json.loads(body)["error"].startswith(error), body
+        assert post(url, GOOD) == (200, {"rewards": [1.0]})
+
+
 def test_a_deeply_nested_body_is_answered_400_and_the_server_carries_on():
     source = function_source({"function": "contains", "required": ["great"]}, "k")
     with running(make_server(source, port=0)) as url:

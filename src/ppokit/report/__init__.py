@@ -9,12 +9,12 @@ progress and on crashed ones.
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ppokit.errors import UserError
 from ppokit.report.alarms import Alarm, AlarmThresholds, find_alarms
+from ppokit.report.output import check_output, figure_dir, write_files
 from ppokit.report.rundata import RunData, label_runs, read_run
 
 __all__ = ["Alarm", "AlarmThresholds", "RunData", "find_alarms", "make_report", "read_run"]
@@ -45,42 +45,27 @@ def make_report(
             not_runs.append(str(error))
     if not runs:
         raise UserError("; ".join(not_runs) if not_runs else "no run directory given")
+    check_output(output, [run.path for run in runs])
     label_runs(runs)
     alarms = [alarm for run in runs for alarm in find_alarms(run, thresholds)]
 
-    figure_dir = output.with_name(output.stem + "_figures")
-    try:
-        figure_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"report output {output}: cannot make {figure_dir} ({e.strerror})") from None
-    rendered, skipped_panels, written = [], list(not_runs), []
-    frontier = None
-    frontier_fig = fig.draw_frontier(runs)
-    if frontier_fig is not None:
-        frontier = ("frontier", "Reward vs KL frontier", fig.png_bytes(frontier_fig))
-    else:
-        skipped_panels.append("reward-vs-KL frontier: no update has both objective/scores and objective/kl")
+    rendered, skipped_panels = [], list(not_runs)
+    png = fig.png_of(lambda: fig.draw_frontier(runs, skipped_panels), "reward-vs-KL frontier", skipped_panels)
+    frontier = ("frontier", "Reward vs KL frontier", png) if png else None
     for spec in fig.figure_specs(runs):
-        figure, skipped = fig.draw_curves(spec, runs, alarms)
-        skipped_panels += skipped
-        if figure is not None:
-            rendered.append((spec.name, spec.title, fig.png_bytes(figure)))
-    for name, _, png in ([frontier] if frontier else []) + rendered:
-        path = figure_dir / f"{name}.png"
-        path.write_bytes(png)
-        written.append(str(path))
+        png = fig.png_of(lambda: fig.draw_curves(spec, runs, alarms, skipped_panels), spec.title, skipped_panels)
+        if png:
+            rendered.append((spec.name, spec.title, png))
+    figures = [(figure_dir(output) / f"{name}.png", png) for name, _, png in ([frontier] if frontier else []) + rendered]
 
     from ppokit.version import __version__
 
     generated = f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by ppokit {__version__} from the run directories' files."
     page = render_page(runs, alarms, rendered, skipped_panels, thresholds, max_prompts, generated, frontier)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(output.name + ".partial")
-    partial.write_text(page, encoding="utf-8")
-    os.replace(partial, output)  # a reader never sees half a report
+    write_files(output, figures + [(output, page.encode("utf-8"))])  # a reader never sees half a report
     return {
         "output": str(output),
-        "figures": written,
+        "figures": [str(path) for path, _ in figures],
         "runs": [
             {
                 "label": run.label,

@@ -96,8 +96,13 @@ def _finite(updates: list[int], values: list[float]) -> tuple[list[int], list[fl
     return [u for u, _ in pairs], [v for _, v in pairs]
 
 
+def _mean(values: list[float]) -> float:
+    """Overflows to inf where statistics.fmean raises (finite metrics near 1.8e308 are damaged, not a crash)."""
+    return sum(values) / len(values)
+
+
 def _baseline(values: list[float], t: AlarmThresholds) -> float:
-    return statistics.fmean(values[: t.baseline_updates])
+    return _mean(values[: t.baseline_updates])
 
 
 def _fmt(x: float) -> str:
@@ -332,7 +337,7 @@ def weak_reward(run: RunData, t: AlarmThresholds) -> Optional[Alarm]:
     if not penalties or not spreads:
         return None
     penalty, typical_spread = statistics.median(penalties), statistics.median(spreads)
-    start_spread = statistics.fmean([sd for u, sd in zip(spread_updates, spread) if u <= s_updates[t.baseline_updates - 1]] or spread[:1])
+    start_spread = _mean([sd for u, sd in zip(spread_updates, spread) if u <= s_updates[t.baseline_updates - 1]] or spread[:1])
     start_score = _baseline(scores, t)
     score_at_end = dict(zip(s_updates, _smoothed(scores)))[max(u for u in s_updates if u <= end)]
     gain = score_at_end - start_score

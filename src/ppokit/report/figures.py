@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy
 from matplotlib.figure import Figure
 
 from ppokit.report.alarms import Alarm
@@ -103,10 +105,10 @@ def _colors(runs: list[RunData]) -> dict[str, str]:
     return {r.label: palette[i % len(palette)] for i, r in enumerate(runs)}
 
 
-def draw_curves(spec: FigureSpec, runs: list[RunData], alarms: list[Alarm]) -> tuple[Optional[Figure], list[str]]:
-    """The figure of `spec` (None when no run has any of its metrics) and the panels left out, in words."""
+def draw_curves(spec: FigureSpec, runs: list[RunData], alarms: list[Alarm], skipped: list[str]) -> Optional[Figure]:
+    """The figure of `spec` (None when no run has any of its metrics); the panels left out go to `skipped`, in words."""
     colors = _colors(runs)
-    drawn, skipped = [], []
+    drawn = []
     for panel in spec.panels:
         data = [(run, line, *line.series(run)) for run in runs for line in panel.lines]
         data = [d for d in data if d[2]]
@@ -118,7 +120,7 @@ def draw_curves(spec: FigureSpec, runs: list[RunData], alarms: list[Alarm]) -> t
             why = f" ({panel.absent})" if panel.absent else ""
             skipped.append(f"{panel.title}: not in the metrics{why}")
     if not drawn:
-        return None, skipped
+        return None
     columns = 2 if len(drawn) > 1 else 1
     rows = math.ceil(len(drawn) / columns)
     fig = Figure(figsize=(6.4 * columns, 3.2 * rows), layout="constrained")
@@ -142,11 +144,12 @@ def draw_curves(spec: FigureSpec, runs: list[RunData], alarms: list[Alarm]) -> t
             ax.legend(fontsize=7.5)
     for ax in axes[len(drawn):]:
         ax.set_visible(False)
-    return fig, skipped
+    return fig
 
 
-def draw_frontier(runs: list[RunData]) -> Optional[Figure]:
-    """Score against KL, one point per update: the reward-vs-KL frontier of RLHF papers."""
+def draw_frontier(runs: list[RunData], skipped: list[str]) -> Optional[Figure]:
+    """Score against KL, one point per update: the reward-vs-KL frontier of RLHF papers (None, said in
+    `skipped`, when no update has both)."""
     data = []
     for run in runs:
         kl = dict(zip(*run.series("objective/kl")))
@@ -156,6 +159,7 @@ def draw_frontier(runs: list[RunData]) -> Optional[Figure]:
         if points:
             data.append((run, points, evals))
     if not data:
+        skipped.append("reward-vs-KL frontier: no update has both objective/scores and objective/kl")
         return None
     fig = Figure(figsize=(7.5, 5), layout="constrained")
     ax = fig.subplots()
@@ -188,7 +192,19 @@ def _rolling_mean(values: list[float], k: int = 5) -> list[float]:
     return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
 
 
-def png_bytes(fig: Figure) -> bytes:
+def png_of(draw: Callable[[], Optional[Figure]], title: str, skipped: list[str]) -> Optional[bytes]:
+    """The figure `draw` makes, as PNG; None when it makes none, or (said in `skipped`) when matplotlib
+    cannot draw it: finite values near the float limit (a damaged metrics.jsonl) leave an axis no
+    scale to compute, and matplotlib fails on them in plot, axvline or savefig."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
+    try:
+        with warnings.catch_warnings(), numpy.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            fig = draw()
+            if fig is None:
+                return None
+            fig.savefig(buffer, format="png", dpi=110)
+    except (ValueError, OverflowError) as e:  # numpy's LinAlgError is a ValueError
+        skipped.append(f"{title}: not drawn, its values are out of the range matplotlib can draw ({e})")
+        return None
     return buffer.getvalue()

@@ -55,8 +55,11 @@ def _status(run: RunData) -> str:
 
 def _sources(run: RunData) -> str:
     reward = run.config.get("reward") if isinstance(run.config.get("reward"), dict) else {}
+    functions = reward.get("functions") or []
+    if not isinstance(functions, list):  # a damaged config.yaml: shown as it is
+        functions = [functions]
     parts = ([f"model {reward['model']}"] if reward.get("model") else []) + [
-        str(f.get("function", f)) if isinstance(f, dict) else str(f) for f in reward.get("functions") or []
+        str(f.get("function", f)) if isinstance(f, dict) else str(f) for f in functions
     ]
     if reward.get("remote"):
         parts.append("remote")

@@ -19,6 +19,7 @@ import yaml
 from ppokit.errors import UserError
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl")
+MAX_UPDATE = 2**53  # update numbers are counts: beyond this a float (a chart's axis) no longer holds them exactly
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -72,7 +73,7 @@ class RunData:
             return None
         first = self.records[0]
         batch = first.get("episode", 0) // max(1, first["update"])
-        return total // batch if batch else None
+        return total // batch if batch > 0 else None
 
 
 def stop_rate(run: RunData) -> tuple[list[int], list[float]]:
@@ -187,14 +188,26 @@ def _read_metrics(path: Path, notes: list[str]) -> list[dict]:
         return []
     by_update: dict[int, dict] = {}
     without_update = []
+    not_numbers: dict[str, list[int]] = {}  # key -> lines where its value is not a number
     for number, row in _jsonl_rows(path, notes):
         update = row.get("update")
-        if isinstance(update, bool) or not isinstance(update, int):
+        if not _is_number(update) or not isinstance(update, int) or not 0 <= update <= MAX_UPDATE:
             without_update.append(number)
             continue
-        by_update[update] = {k: _number(v) for k, v in row.items()}  # a later line for the same update wins
+        record = {}
+        for key, value in row.items():
+            value = _number(value)
+            if _is_number(value):
+                record[key] = value
+            else:
+                not_numbers.setdefault(key, []).append(number)
+        by_update[update] = record  # a later line for the same update wins
     if without_update:
-        notes.append(f"metrics.jsonl: skipped line{'s' if len(without_update) > 1 else ''} {_ranges(without_update)}: no integer `update`")
+        notes.append(f"metrics.jsonl: skipped line{'s' if len(without_update) > 1 else ''} {_ranges(without_update)}: "
+                     f"no integer `update` from 0 to {MAX_UPDATE}")
+    if not_numbers:
+        left_out = "; ".join(f"{key} (line{'s' if len(lines) > 1 else ''} {_ranges(lines)})" for key, lines in not_numbers.items())
+        notes.append(f"metrics.jsonl: left out values that are not numbers: {left_out}")
     if not by_update:
         notes.append("metrics.jsonl: no update recorded yet; no curves or metric alarms")
     return [by_update[u] for u in sorted(by_update)]
@@ -212,6 +225,17 @@ def _read_samples(path: Path, notes: list[str]) -> list[dict]:
     if not rows:
         notes.append("samples.jsonl: no sample rows yet")
     return rows
+
+
+def _is_number(value: Any) -> bool:
+    """A metric value the report can compute with: an int or float (not a bool) that a float holds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:  # JSON integers have no limit: 10**400 would break every sum and chart
+        return False
+    return True
 
 
 def _number(value: Any) -> Any:

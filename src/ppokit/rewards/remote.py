@@ -11,13 +11,15 @@ What the client will not do: talk anything but http:// or https://; follow a red
 scheme, host or port (the configured headers, credentials included, would go there); wait past
 `timeout_s` for one request, however slowly the server trickles its answer; read an answer larger
 than `max_response_bytes`. What the server will not do: give a connection more than
-`read_timeout_s` to send its request, run more than `workers` handlers at once (further
-connections wait in a short queue, then get 503), parse a body nested deeper than MAX_NESTING
-levels, or answer a POST without the bearer token when one is set.
+`read_timeout_s` to send its request, run more than `workers` handlers at once or keep a
+connection waiting for one (when every worker is taken it gets 503 at once), parse a body nested
+deeper than MAX_NESTING levels, answer a POST without the bearer token when one is set, or answer
+anything but JSON (http.server's own refusals, e.g. of a binary request line, included).
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import http.client
 import ipaddress
@@ -339,18 +341,25 @@ def _nested_deeper_than(value, limit: int) -> bool:
     return False
 
 
+REFUSED_LINGER_S = 1.0  # a connection answered 503 stays open this long for the answer to be read
+MAX_REFUSED_LINGERING = 256  # at most this many at once (file descriptors); the oldest are closed first
+
+
 class PooledHTTPServer(HTTPServer):
     """An HTTPServer whose connections are handled by a fixed pool of daemon threads.
 
-    Accepted connections wait in a queue of `pending` places; when it is full, a connection is
-    answered 503 at once and closed, so no number of slow or idle clients can take more threads
-    than `workers` (plus one deadline timer per busy worker).
+    An accepted connection goes to an idle worker; when every worker is taken it is answered 503 at
+    once and closed. None waits in a queue: a queue would hold a valid request behind slow clients,
+    each of which may keep its worker for `read_timeout_s`. So no number of slow or idle clients can
+    take more threads than `workers` (plus one deadline timer per busy worker) or delay an answer.
     """
 
     request_queue_size = 128  # the listen backlog, before accept
 
-    def __init__(self, address, handler, workers: int, pending: int):
-        self._waiting: queue.Queue = queue.Queue(maxsize=pending)
+    def __init__(self, address, handler, workers: int):
+        self._idle = threading.Semaphore(workers)  # taken by each connection handed to a worker until it is done
+        self._waiting: queue.Queue = queue.Queue()  # never more than `workers` items: each holds an idle worker
+        self._refused: collections.deque = collections.deque()  # (close at, socket) of connections answered 503
         self._closing = threading.Event()
         try:
             super().__init__(address, handler)
@@ -361,19 +370,39 @@ class PooledHTTPServer(HTTPServer):
             thread.start()
 
     def process_request(self, request, client_address):
+        if self._idle.acquire(blocking=False):
+            self._waiting.put((request, client_address))
+            return
+        body = json.dumps({"error": "busy: every worker is taken; retry later"}).encode()
         try:
-            self._waiting.put_nowait((request, client_address))
-        except queue.Full:
-            body = json.dumps({"error": "busy: every worker is taken and the queue is full; retry later"}).encode()
+            request.settimeout(1.0)
+            request.sendall(
+                b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+            )
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.shutdown_request(request)
+            return
+        # Closed at once, a socket whose request was not read (or arrives after the answer) is reset, and the
+        # reset can reach the client before it reads the 503: it is closed a little later, its input drained.
+        self._refused.append((time.monotonic() + REFUSED_LINGER_S, request))
+        self._close_refused()
+
+    def _close_refused(self, everything: bool = False) -> None:
+        now = time.monotonic()
+        while self._refused and (everything or self._refused[0][0] <= now or len(self._refused) > MAX_REFUSED_LINGERING):
+            _, request = self._refused.popleft()
             try:
-                request.settimeout(1.0)
-                request.sendall(
-                    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-                )
+                request.setblocking(False)
+                while request.recv(65536):
+                    pass
             except OSError:
                 pass
-            self.shutdown_request(request)
+            request.close()
+
+    def service_actions(self):
+        self._close_refused()
 
     def _work(self):
         while not self._closing.is_set():
@@ -387,14 +416,18 @@ class PooledHTTPServer(HTTPServer):
                 self.handle_error(request, client_address, e)
             finally:
                 self.shutdown_request(request)
+                self._idle.release()
 
     def handle_error(self, request, client_address, error: Optional[BaseException] = None):
         error = error or sys.exc_info()[1]
+        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            return  # the client left, or was cut at read_timeout_s: nobody to answer, nothing wrong here
         sys.stderr.write(f"serve-rm: request from {client_address[0]} failed: {type(error).__name__}: {error}\n")
 
     def server_close(self):
         super().server_close()
         self._closing.set()
+        self._close_refused(everything=True)
         while True:
             try:
                 request, _ = self._waiting.get_nowait()
@@ -410,7 +443,7 @@ def make_server(
     """An HTTP server scoring with `source`, one batch at a time; `port` 0 picks a free port.
 
     read_timeout_s   a connection must deliver its whole request within this time (else it is closed)
-    workers          connections handled at once; 4 x workers more may wait, the rest get 503
+    workers          connections handled at once; any more get 503 at once
     stuck_after_s    a scoring call running longer than this makes GET / answer 503 and new POSTs
                      get 503 instead of waiting behind it
     token            when set, a POST needs `Authorization: Bearer <token>` (compared in constant time)
@@ -431,6 +464,9 @@ def make_server(
 
     class Handler(BaseHTTPRequestHandler):
         timeout = read_timeout_s  # every socket read
+        # A request line without a version (HTTP/0.9, or binary noise) is answered as HTTP/1.0: with a status
+        # line and headers, so a client can tell an error from a score.
+        default_request_version = "HTTP/1.0"
 
         def setup(self):
             super().setup()
@@ -456,6 +492,12 @@ def make_server(
                 self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
+
+        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+            # http.server's own refusals (a request line or headers it cannot parse, a method it has no
+            # handler for) in JSON like every other answer, not its HTML page.
+            self.close_connection = True
+            self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]}, {"Connection": "close"})
 
         def _discard_body(self, length: int) -> None:
             # Read a small refused body, so closing the socket does not reset the answer away.
@@ -511,7 +553,7 @@ def make_server(
             if verbose:
                 sys.stderr.write(f"serve-rm: {self.address_string()} {format % args}\n")
 
-    return PooledHTTPServer((host, port), Handler, workers=workers, pending=4 * workers)
+    return PooledHTTPServer((host, port), Handler, workers=workers)
 
 
 def is_loopback(host: str) -> bool:
