@@ -58,9 +58,7 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     try:
         records = trainer.train()
     except TrainingInterrupted as e:
-        command = shlex.join(["ppokit", "ppo", args.config, *overrides, "--resume"])
-        print(f"ppokit: {e}\nppokit: resume with: {command}", file=sys.stderr)
-        return e.exit_code
+        return _stopped(e, "resume with: " + shlex.join(["ppokit", "ppo", args.config, *overrides, "--resume"]))
     scores = [r["objective/scores"] for r in records if "objective/scores" in r]
     if _is_main_process():
         print(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": scores[-1] if scores else None}))
@@ -142,10 +140,20 @@ def _plan(args) -> int:
 
 def _demo(args) -> int:
     from ppokit.demo import run_demo
+    from ppokit.guards import TrainingInterrupted
 
-    summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite)
+    try:
+        summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite)
+    except TrainingInterrupted as e:  # the demo has no --resume
+        return _stopped(e, "run the demo again with --overwrite to start over")
     print(json.dumps(summary))
     return 0
+
+
+def _stopped(e, next_step: str) -> int:
+    """A run stopped by SIGINT/SIGTERM (guards.TrainingInterrupted): its line and what to do next, no traceback."""
+    print(f"ppokit: {e}\nppokit: {next_step}", file=sys.stderr)
+    return e.exit_code
 
 
 def _quiet_transformers() -> None:
@@ -175,9 +183,13 @@ def _rm(args) -> int:
 
 
 def _pipeline(args) -> int:
+    from ppokit.guards import TrainingInterrupted
     from ppokit.stages.pipeline import run_pipeline
 
-    summaries = run_pipeline(args.config, args.overrides, overwrite=args.overwrite)
+    try:
+        summaries = run_pipeline(args.config, args.overrides, overwrite=args.overwrite)
+    except TrainingInterrupted as e:
+        return _stopped(e, "run the pipeline again: a stage whose output is complete with this config is skipped")
     print(json.dumps({stage: {k: v for k, v in s.items() if k not in ("length_rule", "chat_template", "scores")} for stage, s in summaries.items()}))
     return 0
 
