@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import assert_float32_close
 
 from ppokit import batching
 from ppokit.models import left_pad, position_ids_from_mask, response_logprobs
@@ -121,7 +122,8 @@ def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
             lp, _ = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, 0.7)
             pieces.append((index, lp, mb.response_mask))
     restored = batching.restore_tokens(pieces, rollout.response_mask)
-    assert torch.allclose(restored, full, atol=1e-6)
+    # other batch shapes, other kernels: a logprob near 0 (p ~ 1) still carries rounding of its logits' size
+    assert_float32_close(restored, full, terms=model.config.vocab_size)
     processed, real = batching.padded_tokens(micro)
     assert int(real) == int(rollout.query_mask.sum() + rollout.response_mask.sum())
     assert real <= processed < rollout.query_ids.numel() + rollout.response_ids.numel()
@@ -164,7 +166,7 @@ def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokeniz
     assert len(set(lengths.tolist())) > 2 and plain.ended.any() and not plain.ended.all()
     assert torch.equal(plain.response_ids, compact.response_ids)
     assert torch.equal(plain.response_mask, compact.response_mask)
-    assert torch.allclose(plain.logprobs, compact.logprobs, atol=1e-6)
+    assert_float32_close(compact.logprobs, plain.logprobs, terms=model.config.vocab_size)  # other batch shapes
 
 
 def test_reward_model_chunks_by_tokens_give_the_scores_of_row_chunks(model_dir, tokenizer):

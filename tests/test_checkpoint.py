@@ -165,7 +165,7 @@ def _cli(config_path: Path, log: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
-def _wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+def _wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:  # minutes when loaded
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None:
@@ -213,7 +213,7 @@ def test_sigterm_finishes_the_update_writes_a_checkpoint_and_says_how_to_resume(
     proc = _cli(config_path, log)
     _wait_until(lambda: line_count(out / "metrics.jsonl") >= 1, proc, log)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=180) == 143  # 128 + SIGTERM, the shell's convention
+    assert proc.wait(timeout=600) == 143  # 128 + SIGTERM, the shell's convention
     stderr = log.read_text()
     done = line_count(out / "metrics.jsonl")
     assert 1 <= done < 4

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 
-def ppokit(*args, cwd=None, timeout=300):
+def ppokit(*args, cwd=None, timeout=900):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "ppokit", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 

@@ -6,7 +6,7 @@ from test_cli import ppokit
 
 
 def test_quick_demo_raises_the_score(tmp_path):
-    result = ppokit("demo", "--quick", "--output", tmp_path / "demo", timeout=600)
+    result = ppokit("demo", "--quick", "--output", tmp_path / "demo", timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["score_end"] > summary["score_start"] + 0.2, summary

@@ -32,7 +32,7 @@ def test_the_documented_generator_command_prints_the_reference_and_nothing_else(
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-m", "ppokit.configdoc"], capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "ppokit.configdoc"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout == reference_document()
 

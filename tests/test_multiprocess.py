@@ -56,7 +56,7 @@ def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo)
 
 def _launch(config, *extra, use_cpu=True, processes=2):
     command = [TORCHRUN, "--nproc_per_node", str(processes), "-m", "ppokit", "ppo", str(config), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(use_cpu))
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env(use_cpu))
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -214,7 +214,7 @@ def test_two_nodes_fsdp_killed_after_a_checkpoint_and_resumed_equal_the_straight
     (tmp_path / "ppo.yaml").write_text(yaml.safe_dump(config))
     log, metrics = tmp_path / "node", tmp_path / "run" / "metrics.jsonl"
     nodes = _two_nodes(tmp_path / "ppo.yaml", log=log)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 900
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # update 3 logged: 4 under way
         assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, log.with_suffix(".0").read_text()[-3000:]
         time.sleep(0.005)
@@ -286,7 +286,7 @@ def parallel_checks(tmp_path_factory):
     one, two = tmp_path_factory.mktemp("fsdp-1"), tmp_path_factory.mktemp("fsdp-2")
     for command, out in (([sys.executable, str(CHECKS), str(one)], one),
                          ([TORCHRUN, "--nproc_per_node", "2", str(CHECKS), str(two), str(one)], two)):
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env())
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env())
         assert result.returncode == 0, result.stderr[-4000:]
     return one, two
 
@@ -435,7 +435,7 @@ def test_one_process_under_torchrun_trains_as_a_plain_run(model_dir, prompts_fil
         runs[strategy] = _comparable(tmp_path / f"run-{strategy}")
     (tmp_path / "plain").mkdir()
     plain = _config(model_dir, prompts_file, tmp_path / "plain", "ddp", total_episodes=16, num_sample_generations=0, save_steps=0)
-    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(plain)], capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(plain)], capture_output=True, text=True, timeout=900,
                             env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     want = _comparable(tmp_path / "plain" / "run-ddp")
@@ -508,7 +508,7 @@ def test_a_reward_failing_on_one_process_stops_every_process_with_one_error(mode
     config = _failing_on_rank_1(model_dir, prompts_file, tmp_path, failure, **reward)
     started = time.monotonic()
     result = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)],
-                            capture_output=True, text=True, timeout=240, env=_env())
+                            capture_output=True, text=True, timeout=900, env=_env())
     print(f"stopped after {time.monotonic() - started:.0f} s")
     assert result.returncode != 0
     assert not _worker_tracebacks(result.stderr), result.stderr[-3000:]

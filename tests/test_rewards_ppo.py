@@ -165,7 +165,7 @@ def test_a_reward_function_past_reward_timeout_s_is_skipped_like_any_failure(mod
     release = threading.Event()
 
     def stalls(prompts, completions, **columns):
-        release.wait(120)  # released at the end of the test: no thread outlives it for long
+        release.wait(900)  # released at the end of the test: no thread outlives it for long
         return [1.0] * len(completions)
 
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=16, max_skipped_updates=2)
@@ -178,13 +178,19 @@ def test_a_reward_function_past_reward_timeout_s_is_skipped_like_any_failure(mod
                 trainer.train()
     finally:
         release.set()
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 600  # the run did not wait for the stalled call (900 s)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line.get("nonfinite/score") for line in lines] == [1, 1]
 
 
-def test_a_reward_function_that_sleeps_for_ever_stops_the_run_with_one_line(model_dir, prompts_file, tmp_path):
-    (tmp_path / "sleepy.py").write_text("import time\n\ndef sleepy(prompts, completions, **columns):\n    time.sleep(3600)\n")
+@pytest.mark.parametrize("stuck", [
+    "time.sleep(3600)",
+    # a judge model that never answers: its thread is inside torch's C++ code (GIL released) when the
+    # program exits, where the interpreter's shutdown used to abort the process (SIGABRT) or hang it
+    "x = torch.randn(64, 64)\n    while True:\n        x = (x @ x).tanh()",
+], ids=["sleeping", "computing-in-torch"])
+def test_a_reward_function_that_sleeps_for_ever_stops_the_run_with_one_line(model_dir, prompts_file, tmp_path, stuck):
+    (tmp_path / "sleepy.py").write_text(f"import time\n\nimport torch\n\n\ndef sleepy(prompts, completions, **columns):\n    {stuck}\n")
     (tmp_path / "ppo.yaml").write_text(yaml.safe_dump({
         "model": str(model_dir("llama")), "output_dir": str(tmp_path / "run"), "data": {"train": str(prompts_file)},
         "reward": {"functions": ["sleepy.py:sleepy"], "timeout_s": 2},
@@ -192,11 +198,10 @@ def test_a_reward_function_that_sleeps_for_ever_stops_the_run_with_one_line(mode
     }))
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    t0 = time.monotonic()
+    # stopping takes seconds quiet and minutes on a loaded machine; the call it must not wait for takes an hour
     proc = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "ppo.yaml"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 2, proc.stderr
-    assert time.monotonic() - t0 < 200
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "ppokit: error: reward function sleepy did not return within reward.timeout_s=2s (its thread is left running: Python cannot stop it)"
@@ -228,7 +233,7 @@ def test_a_second_sigterm_abandons_an_update_stuck_in_a_reward_function(model_di
     proc = subprocess.Popen([sys.executable, "-m", "ppokit", "ppo", "ppo.yaml"], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 900  # start-up takes minutes on a loaded machine
         while not (tmp_path / "sleeping").exists():
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the run never reached update 2"
@@ -240,8 +245,8 @@ def test_a_second_sigterm_abandons_an_update_stuck_in_a_reward_function(model_di
         assert proc.poll() is None  # the first signal waits for the update, which never ends
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 143, log.read_text()[-3000:]
-        assert time.monotonic() - sent < 30
+        assert proc.wait(timeout=300) == 143, log.read_text()[-3000:]  # at once, not after the hour-long call
+        assert time.monotonic() - sent < 300
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -339,7 +339,7 @@ def test_timeout_s_is_a_deadline_for_the_whole_request_however_slowly_it_trickle
         with pytest.raises(UserError, match=r"failed 2 time\(s\) \(timeout 1.5s.*last error: no complete answer within timeout_s=1.5s"):
             RemoteReward(url, timeout_s=1.5, max_retries=1, backoff_s=0.01).score(BATCH)
         elapsed = time.monotonic() - t0
-    assert elapsed < 6, elapsed  # 2 x 1.5 s, not 40 bytes x 0.5 s per attempt
+    assert elapsed < 15, elapsed  # 2 x 1.5 s (slack for a loaded machine), not 40 bytes x 0.5 s = 20 s per attempt
 
 
 class Floods(BaseHTTPRequestHandler):
@@ -414,7 +414,7 @@ def test_half_sent_requests_hold_no_more_threads_than_the_pool_and_are_cut_at_th
         lone.sendall(b"POST / HTTP/1.1\r\nContent-Length: 50\r\n")  # and never the rest
         lone.settimeout(10)
         assert lone.recv(100) in (b"",)  # closed by the server, not left open
-        assert 0.5 < time.monotonic() - t0 < 5
+        assert 0.5 < time.monotonic() - t0 < 9  # cut at the 1 s read timeout, before the 10 s of our own
         lone.close()
         half = []
         try:
@@ -510,7 +510,7 @@ def test_health_and_posts_say_so_when_the_source_is_stuck():
         assert status == 503 and body["status"] == "stuck" and "scoring one request for" in body["error"]
         t0 = time.monotonic()
         status, body = post(url, GOOD)
-        assert status == 503 and body["error"].startswith("busy: the source has been scoring") and time.monotonic() - t0 < 3
+        assert status == 503 and body["error"].startswith("busy: the source has been scoring") and time.monotonic() - t0 < 15  # not the stuck call's 60 s
         release.set()
         first.join(10)
         assert get(url) == (200, {"status": "ok", "source": "hangs"})
@@ -672,4 +672,4 @@ def test_https_verifies_the_certificate_and_keeps_the_deadline(self_signed, monk
         t0 = time.monotonic()
         with pytest.raises(UserError, match="no complete answer within timeout_s=1.5s"):
             RemoteReward(url.replace("http://", "https://"), timeout_s=1.5, max_retries=0).score(BATCH)
-        assert time.monotonic() - t0 < 4
+        assert time.monotonic() - t0 < 15  # 1.5 s, not 40 bytes x 0.5 s = 20 s

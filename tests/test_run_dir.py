@@ -39,7 +39,7 @@ def ppokit_process(*args, cwd=None, limit_file_size=None, **popen):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limits, **popen)
 
 
-def run_ppokit(*args, timeout=300, **kwargs):
+def run_ppokit(*args, timeout=900, **kwargs):
     proc = ppokit_process(*args, **kwargs)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
@@ -586,7 +586,7 @@ def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_the_earlier_
     before = run_tree(out)
     proc = ppokit_process("ppo", config_path, "ppo.save_steps=0", "--overwrite")
     staged = out / ".ppokit-new-run" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     while not (staged.exists() and staged.read_text().count("\n") >= 1):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
         time.sleep(0.01)

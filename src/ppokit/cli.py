@@ -424,6 +424,8 @@ def _one_line_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the program itself (the `ppokit` script, python -m ppokit), not a call in-process
+        return _exit_past_abandoned_calls(main(sys.argv[1:]))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parse_args(build_parser(), argv)
     if args.func is not _report:  # the report reads files only: importing transformers would cost it seconds
@@ -466,6 +468,20 @@ def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argp
 def _process_group_initialized() -> bool:
     dist = sys.modules.get("torch.distributed")  # not imported: no group, and the parser stays quick
     return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _exit_past_abandoned_calls(code: int) -> int:
+    """`code`, or, while a reward call that passed its deadline still runs (`ThreadCall.left_running`),
+    the exit with `code` now: the atexit handlers run, the interpreter's shutdown does not."""
+    sources = sys.modules.get("ppokit.rewards.sources")  # not imported: no call was made
+    if sources is None or not sources.ThreadCall.left_running():
+        return code
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _end_process_group() -> None:

@@ -193,6 +193,8 @@ class ThreadCall:
     signal handlers, like any blocking call in the main thread.
     """
 
+    abandoned: "set[ThreadCall]" = set()  # the calls whose caller stopped waiting (`left_running`)
+
     def __init__(self, fn: Callable[[], Any], name: str = "ppokit-call"):
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -218,9 +220,18 @@ class ThreadCall:
     def running(self) -> bool:
         return not self._done.is_set()
 
+    @classmethod
+    def left_running(cls) -> bool:
+        """Whether a call past its deadline is still running. Its thread may be inside torch's C++ code
+        when the interpreter shuts down, and a daemon thread that wakes there aborts the process
+        ("terminate called without an active exception") or hangs it: the program leaves without
+        that shutdown (`cli.main`)."""
+        return any(call.running() for call in cls.abandoned)
+
     def result(self, timeout_s: Optional[float]) -> Any:
         """fn's return value, or its exception re-raised; DeadlineExceeded after `timeout_s` seconds."""
         if not self._done.wait(timeout_s):
+            ThreadCall.abandoned.add(self)
             raise DeadlineExceeded()
         if self._error is not None:
             raise self._error
