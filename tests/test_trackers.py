@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy
@@ -396,6 +397,76 @@ def test_a_failing_tracker_is_said_once_and_training_goes_on(tmp_path, monkeypat
     assert {n: e["last_update"] for n, e in tracker_state(out)["trackers"].items()} == {"tensorboard": 5, "mlflow": 2}
     assert_same_series(read_tensorboard(out), records, "tensorboard")
     assert_same_series(read_mlflow(out, expected(records)), records[:2], "mlflow")
+
+
+def test_an_unwritable_trackio_store_stops_the_run_before_any_model_loads(model_dir, prompts_file, tmp_path, monkeypatch):
+    """A read-only TRACKIO_DIR exited 0 with trackio's raw warning while trackers.json recorded every update
+    as logged (trackio writes from a background thread that only warns). A store under a file cannot be
+    made, even by root; a read-only folder is tried too where permission bits hold (not for root)."""
+    import trackio.utils
+    from conftest import tiny_ppo_config
+
+    from ppokit import roles
+    from ppokit.trainer import PPOTrainer
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("models were loaded")
+
+    monkeypatch.setattr(roles, "build_roles", no_models)
+    config = tiny_ppo_config(model_dir(), prompts_file, tmp_path / "run")
+    config.report_to = ["trackio"]
+    (tmp_path / "a-file").write_text("")
+    stores = [(tmp_path / "a-file" / "trackio", "Not a directory")]
+    if os.geteuid() != 0:
+        (tmp_path / "read-only").mkdir(mode=0o555)
+        stores.append((tmp_path / "read-only", "Permission denied"))
+    for store, why in stores:
+        monkeypatch.setattr(trackio.utils, "TRACKIO_DIR", store)  # where trackio keeps it (read from TRACKIO_DIR once)
+        with pytest.raises(UserError) as error:
+            PPOTrainer(config, show_progress=False)
+        assert str(error.value) == (f"report_to: trackio cannot write its store TRACKIO_DIR={store} ({why}): "
+                                    "set TRACKIO_DIR to a writable folder, or leave trackio out of report_to")
+    assert not (tmp_path / "run").exists()
+
+
+def test_updates_trackio_could_not_store_are_not_recorded_as_logged_and_a_resume_sends_them(tmp_path):
+    """The store breaks after update 2 (its lock file replaced by a folder: trackio's writes fail, as on a
+    disk gone read-only): the run goes on, says so in one line, and trackers.json keeps what the store
+    holds; the resume sends the rest, each update once."""
+    import trackio.utils
+    from trackio.sqlite_storage import SQLiteStorage
+
+    out = tmp_path / "run"
+    records = healthy_records(4)
+    project = f"ppokit-lost-{os.getpid()}"  # its own database and lock in the tests' trackio store
+    said = []
+    sink = trackers.open_trackers(config_for(out, ["trackio"], project=project, run_name="lost"), total_updates=4, done_updates=0,
+                                  say=said.append)
+    feed(sink, records[:2])
+    for _ in range(600):  # trackio writes from its thread every fraction of a second; 60 s at most
+        if SQLiteStorage.get_last_step(project, "lost") == 2:
+            break
+        time.sleep(0.1)
+    assert SQLiteStorage.get_last_step(project, "lost") == 2
+    lock = Path(trackio.utils.TRACKIO_DIR) / f"{project}.lock"
+    lock.unlink()
+    lock.mkdir()
+    try:
+        with warnings.catch_warnings():  # trackio's own warning, from its thread
+            warnings.simplefilter("ignore")
+            feed(sink, records[2:])
+            sink.close()
+    finally:
+        lock.rmdir()
+    assert said == [f"warning: trackio: its store TRACKIO_DIR={trackio.utils.TRACKIO_DIR} holds updates up to 2 of the 4 sent "
+                    "(it could not write them); trackers.json records only those, and --resume sends it the rest"]
+    assert tracker_state(out)["trackers"]["trackio"]["last_update"] == 2
+
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    resumed = trackers.open_trackers(config_for(out, ["trackio"], project=project, run_name="lost"), total_updates=4, done_updates=4)
+    resumed.close()
+    assert tracker_state(out)["trackers"]["trackio"]["last_update"] == 4
+    assert_same_series(trackio_series(read_trackio(out, project)), records, "trackio")
 
 
 def test_a_tracker_that_cannot_start_is_one_error_naming_it(tmp_path):

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import math
 import os
+import tempfile
 import time
 import uuid
 import warnings
@@ -50,6 +51,18 @@ def check_installed(names: Iterable[str]) -> None:
             f"which {'is' if len(missing) == 1 else 'are'} not installed: pip install \"ppokit[{extras}]\" "
             f"(in a checkout: pip install -e \".[{extras}]\"; \".[trackers]\" brings all four)"
         )
+
+
+def check_usable(names: Iterable[str]) -> None:
+    """Before any model loads: each tracker's package is installed, and trackio's local store can be
+    written (trackio writes it from a background thread that only warns when it fails)."""
+    check_installed(names)
+    if "trackio" in names:
+        TrackioTracker.check_store()
+
+
+class NotStored(Exception):
+    """A tracker's store holds fewer updates than it was sent; trackers.json was set back to what it holds."""
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -273,9 +286,48 @@ class WandbTracker(Tracker):
 
 
 class TrackioTracker(Tracker):
+    """trackio logs from a background thread that only warns when its store cannot be written: the store
+    is checked at start, and what it holds is read back when the run finishes or resumes, so
+    trackers.json never records an update as logged that the store lacks."""
+
     name = "trackio"
 
+    @staticmethod
+    def local_store() -> Optional[Path]:
+        """trackio's local store (TRACKIO_DIR, by default under HF_HOME), or None when it logs to a Space or server."""
+        if os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL"):
+            return None
+        with stdout_to_stderr():
+            from trackio.utils import TRACKIO_DIR  # trackio's own answer, read when it is first imported
+        return Path(TRACKIO_DIR)
+
+    @classmethod
+    def check_store(cls) -> None:
+        store = cls.local_store()
+        if store is None:
+            return
+        try:
+            store.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=store):
+                pass
+        except OSError as e:
+            raise UserError(f"report_to: trackio cannot write its store TRACKIO_DIR={store} ({e.strerror or e}): "
+                            "set TRACKIO_DIR to a writable folder, or leave trackio out of report_to") from None
+
+    def stored_last_update(self) -> Optional[int]:
+        """The last update trackio's local store holds for this run (0: none), or None when it logs remotely."""
+        if self.local_store() is None:
+            return None
+        from trackio.sqlite_storage import SQLiteStorage
+
+        return SQLiteStorage.get_last_step(self.settings.project, self.state["name"]) or 0
+
     def start(self) -> None:
+        self.check_store()
+        if "name" in self.state:  # resuming: what an interrupted run sent may never have reached the store
+            stored = self.stored_last_update()
+            if stored is not None and stored < self.state.get("last_update", 0):
+                self.state["last_update"] = stored
         with stdout_to_stderr():  # trackio prints its banner, coloured
             import trackio
 
@@ -297,6 +349,11 @@ class TrackioTracker(Tracker):
     def finish(self, complete: bool) -> None:
         with stdout_to_stderr():
             self.trackio.finish()  # finishes the current run (ours) and forgets it, so exit does not finish it again
+        stored, sent = self.stored_last_update(), self.state.get("last_update", 0)
+        if stored is not None and stored < sent:
+            self.state["last_update"] = stored
+            raise NotStored(f"its store TRACKIO_DIR={self.local_store()} holds updates up to {stored} of the {sent} sent "
+                            "(it could not write them); trackers.json records only those, and --resume sends it the rest")
 
 
 CLASSES = {cls.name: cls for cls in (TensorBoardTracker, MLflowTracker, WandbTracker, TrackioTracker)}
@@ -343,6 +400,8 @@ class Trackers:
         for tracker in self.trackers:
             try:
                 tracker.finish(complete)
+            except NotStored as error:
+                self.say(f"warning: {tracker.name}: {error}")
             except Exception as error:  # the run's models are saved after the sinks close: never stop that
                 self.say(f"warning: {tracker.name}: could not finish its run ({type(error).__name__}: {error})")
         self.state.save()
@@ -384,6 +443,8 @@ def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda m
         except Exception as error:
             for started in trackers:
                 started.finish(False)
+            if isinstance(error, UserError):
+                raise
             raise UserError(f"report_to: {name} could not start its run: {type(error).__name__}: {error}") from error
         trackers.append(tracker)
     sink = Trackers(trackers, state, total_updates, say)

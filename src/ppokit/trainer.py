@@ -93,7 +93,7 @@ class PPOTrainer:
     ):
         self.config = config = _run_config(config, model, reward_model, reward_functions)
         roles.check_environment(config)  # before any weights load
-        trackers.check_installed(config.report_to)  # likewise: a missing tracker package is one line, not a late crash
+        trackers.check_usable(config.report_to)  # likewise: a missing tracker package or an unwritable store is one line, not a late crash
         self.accelerator = accelerator or _make_accelerator(config)
         self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)
