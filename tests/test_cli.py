@@ -296,3 +296,35 @@ def test_the_package_api_still_names_the_trainer_and_imports_it_only_when_asked(
             "assert 'PPOTrainer' in dir(ppokit); print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_ctrl_c_at_any_moment_is_one_line_and_exit_130_never_a_traceback(model_dir, prompts_file, tmp_path):
+    """Ctrl-C during `import torch` (1 s after start) was a traceback. SIGINT at several moments once the
+    command's own code runs (timed from a measured start-up, so that a slow machine moves them along): during
+    the imports and the model loading it is `ppokit: interrupted` and 130; in training the trainer's own
+    handling stops after the update (130, with the resume command); a finished run exits 0. Never a traceback.
+    (Before the package's first lines run, in the interpreter's start-up, Python's own handler still applies.)"""
+    import signal
+    import time
+
+    from conftest import tiny_ppo_config
+
+    config = tmp_path / "ppo.yaml"
+    tiny_ppo_config(model_dir(), prompts_file, tmp_path / "run").save(config)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import ppokit.cli"], env=env, check=True, timeout=300)
+    start_up = time.monotonic() - t0  # interpreter, package and cli module, and the interpreter's exit: an upper bound
+    for delay in (start_up + 0.1, 2 * start_up + 0.5, 2 * start_up + 2):
+        proc = subprocess.Popen([sys.executable, "-m", "ppokit", "ppo", str(config), "--overwrite"], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+        assert "Traceback" not in err, (delay, err)
+        assert proc.returncode in (130, 0), (delay, proc.returncode, err)
+        if proc.returncode == 130:
+            last = err.rstrip().splitlines()[-1]
+            assert last == "ppokit: interrupted" or last.startswith("ppokit: resume with: ppokit ppo "), (delay, err)
+        else:
+            assert json.loads(out)["updates"] == 4, (delay, out, err)

@@ -426,6 +426,14 @@ def _one_line_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (the `ppokit` script, python -m ppokit), not a call in-process
         return _exit_past_abandoned_calls(main(sys.argv[1:]))
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C anywhere, heavy imports and model loading included: one line, no traceback
+        print("ppokit: interrupted", file=sys.stderr)
+        return 130  # the shell's convention for SIGINT
+
+
+def _main(argv: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parse_args(build_parser(), argv)
     if args.func is not _report:  # the report reads files only: importing transformers would cost it seconds
@@ -439,9 +447,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ppokit: error: {e}", file=sys.stderr, flush=True)
             e.before_exit()
             return getattr(e, "exit_code", 2)
-        except KeyboardInterrupt:
-            print("ppokit: interrupted", file=sys.stderr)
-            return 130
         finally:
             if not had_process_group:
                 _end_process_group()
