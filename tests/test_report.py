@@ -311,16 +311,16 @@ def test_a_normalised_runs_scores_are_labelled_where_they_meet_raw_scores(tmp_pa
     mark = "normalised (reward.normalize)"
 
     spec = next(s for s in figures.figure_specs([raw, norm]) if s.name == "score")
-    fig, _ = figures.draw_curves(spec, [raw, norm], [])
+    fig = figures.draw_curves(spec, [raw, norm], [], skipped=[])
     legends = {ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes if ax.get_legend()}
     assert legends["score: train (objective/scores) and eval (eval/scores)"] == [
         "raw train", "raw eval", f"norm train {mark}", f"norm eval {mark}"]
     assert legends["score - beta x KL (objective/rlhf_reward)"] == ["raw", f"norm {mark}"]
     assert legends["reward/sentiment (raw score of the source)"] == ["raw", "norm"]  # raw in both runs
-    frontier = [t.get_text() for t in figures.draw_frontier([raw, norm]).axes[0].get_legend().get_texts()]
+    frontier = [t.get_text() for t in figures.draw_frontier([raw, norm], []).axes[0].get_legend().get_texts()]
     assert frontier == ["raw (mean of 5 updates)", "raw eval score", f"norm {mark} (mean of 5 updates)", f"norm eval score {mark}"]
 
-    alone, _ = figures.draw_curves(spec, [norm], [])  # one run: its lines say it too
+    alone = figures.draw_curves(spec, [norm], [], skipped=[])  # one run: its lines say it too
     assert [t.get_text() for t in alone.axes[0].get_legend().get_texts()] == [f"train {mark}", f"eval {mark}"]
     assert "(normalised)</td>" in runs_table([norm]) and "(normalised)" not in runs_table([raw])
 

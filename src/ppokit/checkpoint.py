@@ -557,7 +557,8 @@ def load_checkpoint(
         apply_forced_hyperparameters(parts, config)
 
     if accelerator.is_main_process:
-        _restore_run_files(path, Path(run.output_dir), saved.state.update)
+        at_end = saved.state.episode >= run.batch * run.num_updates  # then final/ is this timeline's own model
+        _restore_run_files(path, Path(run.output_dir), saved.state.update, keep_final=at_end)
     accelerator.wait_for_everyone()
     set_rng_state(saved.rng[accelerator.process_index % len(saved.rng)])
     return saved.state
@@ -621,17 +622,18 @@ def _check_weights_layout(path: Path, saved: dict, parts: TrainedParts, config) 
         )
 
 
-def _restore_run_files(path: Path, output_dir: Path, update: int) -> None:
+def _restore_run_files(path: Path, output_dir: Path, update: int, keep_final: bool = False) -> None:
     """metrics.jsonl and samples.jsonl back to the checkpoint's; newer checkpoints of this run and final/ set aside.
 
     Records written after the checkpoint (by a process that was killed later) belong to a timeline that
     the resumed run replaces; so do newer checkpoints, which move to checkpoints/superseded/ (only
     ppokit's own: `run_dir.owned_checkpoint`), as does final/ (when ppokit's: marked), which a resumed run killed before
-    its own end would otherwise leave looking finished.
+    its own end would otherwise leave looking finished. `keep_final`: the checkpoint is the run's last update,
+    so final/ was made from it.
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     superseded = checkpoints_dir(output_dir) / "superseded"
-    if is_marked(output_dir / "final"):  # the abandoned timeline's model: the resumed run writes its own at its end
+    if not keep_final and is_marked(output_dir / "final"):  # the abandoned timeline's model: the resumed run writes its own at its end
         move_into_place(output_dir / "final", superseded / "final")
     shutil.copyfile(path / "metrics.jsonl", output_dir / "metrics.jsonl")
     if (path / "samples.jsonl").exists():

@@ -444,7 +444,10 @@ def _main(argv: list[str]) -> int:
         try:
             return args.func(args)
         except UserError as e:
-            print(f"ppokit: error: {e}", file=sys.stderr, flush=True)
+            # one write: under torchrun (python -u) print's text and newline are two, and the lines of two
+            # processes failing together interleave
+            sys.stderr.write(f"ppokit: error: {e}\n")
+            sys.stderr.flush()
             e.before_exit()
             return getattr(e, "exit_code", 2)
         finally:
