@@ -1,0 +1,82 @@
+"""The rollout-engine interface: what the trainer asks of whatever samples its episodes.
+
+Two kinds of engine sit behind it: one that samples from the training weights themselves (`hf`:
+transformers with its KV cache), and one that holds its own copy of the policy (an inference server
+such as vLLM), whose weights the trainer pushes after every optimiser update and whose logprobs are
+not bit-for-bit the training forward's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Protocol
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ppokit.episodes import Episodes
+
+PURPOSES = ("train", "eval", "greedy")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample one call's responses; the same meaning for every engine.
+
+    temperature: tokens are drawn from softmax(logits / temperature); the logprobs returned are of that
+    full distribution (not of the truncated one), which is what the training forward computes.
+    top_k 0, top_p 1, min_p 0: off. greedy: the most likely token at every step (logprobs still at
+    `temperature`). max_new_tokens: the response budget; stop_token_id: ends a response (None: none).
+    """
+
+    max_new_tokens: int
+    temperature: float
+    stop_token_id: Optional[int]
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    greedy: bool = False
+
+    @classmethod
+    def for_purpose(cls, hp, stop_token_id: Optional[int], purpose: str = "train") -> "Sampling":
+        """The sampling of the `ppo:` section `hp` for one purpose:
+          train   temperature, top_k / top_p / min_p;
+          eval    evaluate() and sample generations: eval_temperature (null: temperature), greedy at 0;
+          greedy  the most likely token at every step (a greedy-baseline estimator's responses).
+        Only training reads the logprobs; a greedy sampling keeps them at the training temperature."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
+        eval_temperature = hp.temperature if hp.eval_temperature is None else hp.eval_temperature
+        greedy = purpose == "greedy" or (purpose == "eval" and eval_temperature == 0)
+        temperature = eval_temperature if purpose == "eval" and not greedy else hp.temperature
+        return cls(hp.response_length, temperature, stop_token_id, top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
+
+
+class RolloutEngine(Protocol):
+    """What samples episodes for the trainer.
+
+    logprobs_are_trainers: True when the logprobs `generate` returns are the training forward's own
+        (same weights, same kernels, same precision), so they serve as the PPO ratio's old logprobs.
+        False: the trainer recomputes them with one no-gradient forward of the policy and logs the
+        difference (an external engine: vLLM).
+    generate(prompts, sampling): one response per prompt (token ids, no padding) -> Episodes with
+        query_ids, response_ids, attention_mask, loss_mask, logprobs, ended, score_index filled.
+        Rows come back in the order of `prompts`. Randomness comes from torch's generator.
+    sync_weights(policy): make the engine sample from `policy`'s current weights (after an update);
+        a no-op for an engine that samples from the training weights.
+    release() / resume(): around training, free / take back the engine's memory (KV cache, its
+        weight copy); no-ops where there is nothing to free.
+    close(): free everything at the end of the run.
+    """
+
+    logprobs_are_trainers: bool
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> "Episodes": ...
+
+    def sync_weights(self, policy: "nn.Module") -> None: ...
+
+    def release(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,90 @@
+"""Episodes: the batch container that carries one update's sampled sequences through every stage.
+
+Three masks, each with one meaning (a reader uses the one it means):
+
+    attention_mask (B, P + R)  the real tokens: what every forward reads
+    loss_mask      (B, R)      the tokens the policy produced and is trained on (policy loss, KL
+                               penalty, advantages, value targets): a subset of the real response
+                               tokens, possibly several spans per row (a multi-turn episode's model
+                               turns, with observation tokens between them read but not trained on)
+    valid          (B,)        the rows in the update (False: a reward source failed on the row
+                               under reward.on_error=skip, or its episode failed)
+
+`trained_mask` = loss_mask & valid is what the losses, advantages and their statistics average over.
+
+Layout: P prompt columns, left-padded; R response columns, right-padded. A row's real tokens are
+contiguous (prompt at the right of its columns, then the response region from the first response
+column), which is what packing (`ppokit.batching.pack`) relies on. A packed micro-batch keeps that
+meaning with the split moved: W - R' prompt columns, R' response columns, and a prompt may reach
+into the response columns (attention_mask says which columns are real).
+
+Group layout: with n = ppo.num_samples_per_prompt, the n samples of a prompt are adjacent rows, so
+rows [g * n, (g + 1) * n) answer prompt g and B = prompts x n. The group estimators read groups from
+this layout; only the optimisation epochs shuffle rows, after the advantages are computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Episodes:
+    """One batch of episodes, filled in stages: a rollout engine fills the first seven fields; scoring
+    `scores` (and `baseline_scores` for an estimator with a greedy baseline) and `valid`; the reference
+    and value passes `ref_logprobs` and `values`; shaping and the advantage estimator the rest. Without
+    a critic `values` and `returns` stay None. Per-token fields are 0 outside `loss_mask`."""
+
+    query_ids: torch.Tensor  # (B, P) long, left-padded
+    response_ids: torch.Tensor  # (B, R) long: model turns (and observations between them), right-padded
+    attention_mask: torch.Tensor  # (B, P + R) bool, True on every real token
+    loss_mask: torch.Tensor  # (B, R) bool, True on the tokens the policy is trained on
+    logprobs: torch.Tensor  # (B, R) float, the policy's logprobs (logits / temperature) of the loss tokens
+    ended: torch.Tensor  # (B,) bool, True where the episode ended by itself (the stop token, the environment)
+    score_index: torch.Tensor  # (B,) long, the response column that receives the score (single-turn: the last loss token)
+    valid: Optional[torch.Tensor] = None  # (B,) bool, rows in the update; None: all of them
+    ref_logprobs: Optional[torch.Tensor] = None  # (B, R) float, reference policy's logprobs
+    values: Optional[torch.Tensor] = None  # (B, R) float, value of the state before each token
+    scores: Optional[torch.Tensor] = None  # (B,) float, combined reward-source score per episode
+    baseline_scores: Optional[torch.Tensor] = None  # (B,) float, the greedy response's score (a greedy-baseline estimator)
+    rewards: Optional[torch.Tensor] = None  # (B, R) float, per-token reward (KL penalty + score)
+    advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages
+    returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (critic estimators only)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(B, P + R) prompt and response."""
+        return torch.cat([self.query_ids, self.response_ids], dim=1)
+
+    @property
+    def query_mask(self) -> torch.Tensor:
+        """(B, P) bool, the real tokens of the prompt columns."""
+        return self.attention_mask[:, : self.query_ids.shape[1]]
+
+    @property
+    def rows_valid(self) -> torch.Tensor:
+        """(B,) bool: `valid`, all True while no stage has dropped a row."""
+        if self.valid is None:
+            return torch.ones(self.query_ids.shape[0], dtype=torch.bool, device=self.query_ids.device)
+        return self.valid
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """(B, R) bool: loss tokens of the rows in the update."""
+        return self.loss_mask & self.rows_valid.unsqueeze(1)
+
+    def select(self, index: torch.Tensor) -> "Episodes":
+        """Rows `index` of every filled field."""
+        picked = {f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None) for f in fields(self)}
+        return Episodes(**picked)
+
+    def __len__(self) -> int:
+        return self.query_ids.shape[0]
+
+
+def repeat_each(items: list, n: int) -> list:
+    """[a, b] -> [a, a, b, b] for n = 2: the n samples of each prompt in adjacent rows (the group layout)."""
+    return [item for item in items for _ in range(n)]
