@@ -36,7 +36,7 @@ class Rollout:
     scores: Optional[torch.Tensor] = None  # (B,) float, combined reward-source score per sequence
     baseline_scores: Optional[torch.Tensor] = None  # (B,) float, ReMax: score of the greedy response to the row's prompt
     rewards: Optional[torch.Tensor] = None  # (B, R) float, per-token reward (KL penalty + score)
-    advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages (see algo.advantages)
+    advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages (ppokit.estimators)
     returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (gae only)
     # (B, P + R) bool, True on every real token: set only in a packed micro-batch (ppokit.batching.pack),
     # whose rows end at the last column, so that a prompt may reach into the response columns.
