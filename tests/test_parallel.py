@@ -1,4 +1,4 @@
-"""ppokit.parallel in one process, without a process group: choosing the engine, finding the layers to
+"""ppokit.parallel in one process, without a process group: choosing the strategy, finding the layers to
 shard, the meta skeleton that consolidated saves are built on, and the config checks. The multi-process
 behaviour is in tests/test_multiprocess.py."""
 
@@ -37,11 +37,11 @@ def test_bad_parallel_settings_are_refused_naming_the_key(overrides, message):
         PPOConfig.load(None, BASE + overrides)
 
 
-def test_an_unknown_strategy_object_is_refused_by_the_engine_too():
+def test_an_unknown_strategy_object_is_refused_by_the_strategy_too():
     settings = PPOConfig().parallel
     settings.strategy = "zero3"  # set in Python, past the config check
     with pytest.raises(UserError, match="parallel.strategy: unknown strategy 'zero3'; use one of ddp, fsdp"):
-        parallel.engine(settings, accelerator=None)
+        parallel.strategy(settings, accelerator=None)
 
 
 def test_decoder_layers_come_from_no_split_modules(tokenizer):

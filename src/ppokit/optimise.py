@@ -221,13 +221,13 @@ def _loss_stats(terms: algo.LossTerms, value: Optional[torch.Tensor], value_clip
 
 
 def ppo_epochs(
-    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
+    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, strategy,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor], train_policy: bool = True,
     on_skipped_step: Optional[Callable[[NonFiniteUpdate], None]] = None,
 ) -> dict[str, float]:
     """Every optimiser step of one update; returns the loss statistics (means over processes) and
     perf/padding_share, the share of padding among the token positions the training forwards processed.
-    engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
+    strategy (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
 
     Statistics are per micro-batch, averaged over micro-batches (TRL); with ppo.max_tokens_per_micro_batch
     they are per minibatch (the loss terms summed over its micro-batches, the rest token means over it),
@@ -245,7 +245,7 @@ def ppo_epochs(
     skipped update that took no step). With memory or disk, NonFiniteUpdate is raised at the first bad step,
     for the caller to roll the whole update back.
     """
-    accelerator = engine.accelerator
+    accelerator = strategy.accelerator
     by_tokens = hp.max_tokens_per_micro_batch is not None
     policy_params = optimizer.param_groups[0]["params"]
     device = rollout.query_ids.device
@@ -265,9 +265,9 @@ def ppo_epochs(
             kept = ({key: len(values) for key, values in stats.items()}, len(has_tokens))  # to drop a skipped step's
             minibatch_stats: dict[str, torch.Tensor] = {}
             for k, (mb, (normalisers, scale)) in enumerate(zip(micros, loss_normalisers(micros, hp, reduce_sum, accelerator.num_processes))):
-                with engine.no_sync(model, last=k == len(micros) - 1):
+                with strategy.no_sync(model, last=k == len(micros) - 1):
                     loss, micro_stats = micro_batch_backward(model, mb, hp, normalisers, scale, accelerator.backward,
-                                                             engine.backward_separately)
+                                                             strategy.backward_separately)
                 step_loss = step_loss + loss
                 if by_tokens:
                     weight = tokens[k] / tokens.sum().clamp(min=1)
@@ -286,7 +286,7 @@ def ppo_epochs(
             if not train_policy:
                 for p in policy_params:
                     p.grad = None
-            grad_norm = engine.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
+            grad_norm = strategy.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
             # Checked before the step: a non-finite loss or gradient must never reach the weights.
             # One check of both, so that several processes agree in one reduction.
             steps += 1
