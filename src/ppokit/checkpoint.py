@@ -73,6 +73,7 @@ from ppokit.run_dir import (
     temporary_dir,
 )
 from ppokit.state import TrainingState
+from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TrackerState
 from ppokit.version import __version__
 
@@ -494,9 +495,9 @@ def read_checkpoint(path: str | Path) -> SavedCheckpoint:
 
 def _open_weights(path: Path, parallel: Any) -> None:
     """The weight and optimiser files of the layout that wrote them (`PlainWeights`, `parallel.ShardedWeights`), opened."""
-    from ppokit.parallel import SHARDED_DIR, missing_shards
+    from ppokit.parallel import SHARDED_DIR, ShardedWeights, missing_shards
 
-    if isinstance(parallel, dict) and parallel.get("weights") == "sharded":
+    if isinstance(parallel, dict) and parallel.get("weights") == ShardedWeights.kind:
         if not (path / SHARDED_DIR / ".metadata").is_file():
             raise DamagedCheckpoint(path, f"{SHARDED_DIR}/.metadata: missing")
         problem = missing_shards(path / SHARDED_DIR)  # DCP reads the shards themselves (ShardedWeights.load)
@@ -613,7 +614,7 @@ def _check_weights_layout(path: Path, saved: dict, parts: TrainedParts, config) 
     """A checkpoint's weights are read only by the layout that wrote them, --resume-force or not: whole
     tensors (ddp) and DCP shards (fsdp) are different files. A different process count is another matter:
     shards are resharded on load, whole tensors need none (the config check asks for --resume-force)."""
-    written = saved.get("parallel", {"strategy": "ddp", "weights": PlainWeights.kind})
+    written = saved.get("parallel", {"strategy": DEFAULT_STRATEGY, "weights": STRATEGIES[DEFAULT_STRATEGY].checkpoint_weights})
     if written["weights"] != parts.weights.kind:
         raise UserError(
             f"resume from {path}: the checkpoint was written under parallel.strategy {written['strategy']} and this run uses "

@@ -20,6 +20,7 @@ import yaml
 
 from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.errors import UserError
+from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TRACKERS
 
 
@@ -399,7 +400,7 @@ class LoraConfig:
 class ParallelConfig:
     """The `parallel:` section: how several processes share the models (docs/parallel.md)."""
 
-    strategy: str = doc("ddp", "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=rule("one of ddp, fsdp", lambda v: v in ("ddp", "fsdp")))
+    strategy: str = doc(DEFAULT_STRATEGY, "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=one_of(tuple(STRATEGIES)))
     shard_frozen: bool = doc(True, "With fsdp: shard the reference and reward models too; false keeps a whole copy of each on every process (faster forwards, more memory).")
     cpu_offload: bool = doc(False, "With fsdp: keep the sharded weights, gradients and optimiser state in CPU memory (FSDP2 CPUOffloadPolicy) and run the optimiser step on the CPU; each unit is copied to the device when it runs.")
     wrap_classes: list[str] = doc(factory=list, help="With fsdp: class names of the modules sharded one by one (each one all-gather); default the model's `_no_split_modules` (its decoder layers). Set it for a model that declares none.")
@@ -483,19 +484,20 @@ class PPOConfig:
             raise UserError(f"lora.value_model_lora: ppo.advantage_estimator {estimator} builds no value model; remove the key")
 
     def _validate_parallel(self) -> None:
-        """Switches that FSDP sharding cannot combine with, and fsdp's own keys set under ddp (never read there)."""
-        if self.parallel.strategy != "fsdp":
-            for key in ("shard_frozen", "cpu_offload", "wrap_classes", "unshard_for_generation"):
-                if differs_from_default(self.parallel, key):
-                    raise UserError(
-                        f"parallel.{key} ({getattr(self.parallel, key)!r}) is for parallel.strategy: fsdp, and this run's is "
-                        f"{self.parallel.strategy}, which never reads it; remove it, or set parallel.strategy: fsdp"
-                    )
-            return
-        if self.quantization is not None:
-            raise UserError(f"parallel.strategy: fsdp cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: ddp")
-        if self.fp16:
-            raise UserError("parallel.strategy: fsdp runs mixed precision as bf16 (FSDP's MixedPrecisionPolicy); set bf16: true instead of fp16")
+        """Switches the strategy cannot combine with (strategies.STRATEGIES), and another strategy's keys (never read by this one)."""
+        name = self.parallel.strategy
+        facts = STRATEGIES[name]
+        for key in (k for other in STRATEGIES.values() for k in other.keys if k not in facts.keys):
+            if differs_from_default(self.parallel, key):
+                readers = " or ".join(s.name for s in STRATEGIES.values() if key in s.keys)
+                raise UserError(
+                    f"parallel.{key} ({getattr(self.parallel, key)!r}) is for parallel.strategy: {readers}, and this run's is "
+                    f"{name}, which never reads it; remove it, or set parallel.strategy: {readers}"
+                )
+        if self.quantization is not None and not facts.holds_quantized:
+            raise UserError(f"parallel.strategy: {name} cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: {DEFAULT_STRATEGY}")
+        if self.fp16 and facts.own_mixed_precision:
+            raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
 
     def _validate_report_to(self) -> None:
         for name in self.report_to:

@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from ppokit.errors import UserError
+from ppokit.strategies import STRATEGIES
 
-STRATEGIES = ("ddp", "fsdp")
 SHARDED_DIR = "sharded"  # the DCP folder inside a checkpoint written under fsdp
 
 
@@ -83,18 +83,17 @@ def backward_separately(processes: int) -> bool:
 
 
 def strategy(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded":
-    """The strategy `settings` (a ParallelConfig) asks for, on `accelerator`'s processes."""
-    if settings.strategy == "ddp":
-        return Replicated(accelerator)
-    if settings.strategy == "fsdp":
-        return Sharded(accelerator, settings, bf16=bf16)
-    raise UserError(f"parallel.strategy: unknown strategy {settings.strategy!r}; use one of {', '.join(STRATEGIES)}")
+    """The strategy `settings` (a ParallelConfig) asks for, on `accelerator`'s processes (its class: ppokit.strategies)."""
+    facts = STRATEGIES.get(settings.strategy)
+    if facts is None:
+        raise UserError(f"parallel.strategy: unknown strategy {settings.strategy!r}; use one of {', '.join(STRATEGIES)}")
+    return globals()[facts.implementation](accelerator, settings, bf16=bf16)
 
 
 def accelerator_mixed_precision(settings, precision: str) -> str:
-    """accelerate's mixed precision for the strategy: under fsdp bf16 is FSDP's MixedPrecisionPolicy,
-    so accelerate must not add autocast on top of it."""
-    return "no" if settings.strategy == "fsdp" else precision
+    """accelerate's mixed precision for the strategy: under one with its own policy (fsdp: FSDP's
+    MixedPrecisionPolicy) bf16 is that policy, so accelerate must not add autocast on top of it."""
+    return "no" if STRATEGIES[settings.strategy].own_mixed_precision else precision
 
 
 class EveryProcessStops(UserError):
@@ -196,7 +195,7 @@ class Replicated:
 
     strategy = "ddp"
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, settings=None, bf16: bool = False):
         self.accelerator = accelerator
         self.backward_separately = backward_separately(accelerator.num_processes)
 
