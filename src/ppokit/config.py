@@ -88,10 +88,21 @@ TRL_PPO_NAMES = {
 }
 
 
-def same_budget_kind(before: Optional[int], now: Optional[int]) -> bool:
+# How the PPO loss is normalised (`PPOHyperparams.loss_normalisation`, decided once from ppo.max_tokens_per_micro_batch):
+# PER_MICRO_BATCH (TRL): each micro-batch's loss over its own tokens, the gradient the mean of the micro-batches'
+# losses, the statistics per micro-batch; PER_MINIBATCH (a token budget): one normaliser over the whole minibatch, so
+# the gradient does not depend on how it is split, the statistics per minibatch (ppokit.optimise).
+PER_MICRO_BATCH, PER_MINIBATCH = "micro_batch", "minibatch"
+
+
+def loss_normalisation(max_tokens_per_micro_batch: Optional[int]) -> str:
+    return PER_MICRO_BATCH if max_tokens_per_micro_batch is None else PER_MINIBATCH
+
+
+def same_loss_normalisation(before: Optional[int], now: Optional[int]) -> bool:
     """ppo.max_tokens_per_micro_batch on resume: a token budget may become another (the gradient does not depend
-    on the split), but not null or from null (TRL's per-micro-batch loss normalisation)."""
-    return before is not None and now is not None
+    on the split), but not null or from null (the other loss normalisation)."""
+    return loss_normalisation(before) == loss_normalisation(now)
 
 
 @dataclass
@@ -157,7 +168,12 @@ class PPOHyperparams:
     max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive, resume=True)
     nonfinite_rollback: Union[str, bool] = doc("off", "What a non-finite loss or gradient at an optimiser step does. `off`: that step is skipped (no weight or optimiser-state change; every process agrees) and the update goes on, counted in `skipped_steps`; an update whose every step was skipped is a skipped update; nothing is copied. `memory`: the whole update is undone and skipped, from a copy of the trainable weights and optimiser state made at the start of every update in CPU memory (about 3x the trainable weights with AdamW, per process: ~84 GB for a 7B full fine-tune). `disk`: the same copy, written to the run folder (`.rollback/`, one file per process) instead. true means memory, false off (YAML reads an unquoted off as false).", check=ROLLBACK_CHOICE, resume=True)
     # Speed (docs/speed.md).
-    max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch (per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar length are packed together, longest first, while rows x the micro-batch's longest row (prompt + response) stays within the budget, and each micro-batch is packed: every row's tokens end at the last column, so it is as wide as its longest row (no padding between a prompt and its response, none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the gradient does not depend on the split: a memory knob, not a result knob. The reference, value and reward-model passes are then chunked and packed the same way, each chunk within local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at least the longest prompt + response_length (checked at start). null: fixed micro-batches of per_device_train_batch_size rows, each loss a mean over its own tokens (TRL).", check=positive, resume=same_budget_kind)
+    max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch (per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar length are packed together, longest first, while rows x the micro-batch's longest row (prompt + response) stays within the budget, and each micro-batch is packed: every row's tokens end at the last column, so it is as wide as its longest row (no padding between a prompt and its response, none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the gradient does not depend on the split: a memory knob, not a result knob. The reference, value and reward-model passes are then chunked and packed the same way, each chunk within local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at least the longest prompt + response_length (checked at start). null: fixed micro-batches of per_device_train_batch_size rows, each loss a mean over its own tokens (TRL).", check=positive, resume=same_loss_normalisation)
+
+    @property
+    def loss_normalisation(self) -> str:
+        """PER_MICRO_BATCH or PER_MINIBATCH: how the loss is normalised and the statistics gathered (ppokit.optimise)."""
+        return loss_normalisation(self.max_tokens_per_micro_batch)
 
     @property
     def rollback(self) -> str:
