@@ -206,7 +206,7 @@ def micro_batch_backward(model: nn.Module, mb: Rollout, hp: PPOHyperparams, norm
 def _ppo_loss(settings: algo.LossSettings, normalisers: algo.LossNormalisers, mb: Rollout, logprobs, entropy, values) -> algo.LossTerms:
     return algo.ppo_loss(
         settings, normalisers, mb.response_mask, logprobs, mb.logprobs, mb.advantages, entropy,
-        values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
+        values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs, is_weights=mb.rollout_is_weights,
     )
 
 

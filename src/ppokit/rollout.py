@@ -38,6 +38,7 @@ class Rollout:
     rewards: Optional[torch.Tensor] = None  # (B, R) float, per-token reward (KL penalty + score)
     advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages (see algo.advantages)
     returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (gae only)
+    rollout_is_weights: Optional[torch.Tensor] = None  # (B, R) float, ppo.rollout_is's truncated importance weights
     # (B, P + R) bool, True on every real token: set only in a packed micro-batch (ppokit.batching.pack),
     # whose rows end at the last column, so that a prompt may reach into the response columns.
     sequence_mask: Optional[torch.Tensor] = None

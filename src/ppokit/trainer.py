@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -26,9 +27,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, launcher, model_card, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, engines, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
+from ppokit.engines.base import EngineSetup, Sampling
+from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -43,12 +46,12 @@ from ppokit.guards import (
 )
 from ppokit.metrics import open_sinks
 from ppokit.models import (
-    check_output_head, ensure_pad_token, input_pad_id, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
+    check_output_head, ensure_pad_token, eval_mode, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
 )
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.rollout import HFSampler, Rollout, repeat_each
+from ppokit.rollout import Rollout, repeat_each
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
 
@@ -122,6 +125,9 @@ class PPOTrainer:
                           config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
         built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
+        self.rollout_engine = engines.build(config.rollout.engine, EngineSetup(
+            lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size, self._sampling_context,
+            config.rollout))
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
@@ -192,6 +198,12 @@ class PPOTrainer:
             return tensor
         return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum").to(tensor.device)
 
+    def _max_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A 0-dim tensor's largest value over the processes."""
+        if self.accelerator.num_processes == 1:
+            return tensor
+        return self.accelerator.gather(tensor.reshape(1).to(self.accelerator.device)).max().to(tensor.device)
+
     # ------------------------------------------------------------------ data order
 
     def batch_indices(self, update: int) -> list[int]:
@@ -218,14 +230,14 @@ class PPOTrainer:
         return self.accelerator.unwrap_model(self.model).value_model
 
     def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
-        """One response per query; purpose: train, eval or greedy (rollout.HFSampler.for_purpose)."""
-        ids, mask = left_pad(query_ids, self.pad_id, self.accelerator.device)
-        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.pad_id, purpose)
-        self.policy.eval()
-        with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
-            rollout = sampler.sample(ids, mask)
-        self.policy.train()
-        return rollout
+        """One response per query by the rollout engine; purpose: train, eval or greedy (engines.base.Sampling.for_purpose)."""
+        return self.rollout_engine.generate(query_ids, Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose))
+
+    @contextlib.contextmanager
+    def _sampling_context(self, policy: nn.Module):
+        """Sampling from the training weights: the strategy's (fsdp: unsharded) at the training forward's precision (first ratio 1)."""
+        with self.engine.generation(policy), self.accelerator.autocast():
+            yield
 
     def score(self, rollout: Rollout, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
@@ -247,41 +259,56 @@ class PPOTrainer:
         }
 
     @torch.inference_mode()
-    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Reference logprobs and values (None without a critic) for every response token, in chunks of
-        local_rollout_forward_batch_size rows (with ppo.max_tokens_per_micro_batch: that many rows of the
-        batch's width in tokens, rows of similar length together, packed)."""
+    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Reference logprobs, values (None without a critic) and, where the rollout engine's logprobs are not the
+        trainer's, the policy's own (else None) for every response token, in chunks of local_rollout_forward_batch_size
+        rows (with ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, rows of similar length
+        together, packed)."""
         hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
         budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
         both = self.accelerator.unwrap_model(self.model)
-        ref_logprobs, values = [], []
-        with both.critic_in_eval_mode():
+        own = not self.rollout_engine.logprobs_are_trainers
+        ref_logprobs, values, logprobs = [], [], []
+        with both.critic_in_eval_mode(), (eval_mode(self.policy) if own else contextlib.nullcontext()):
             for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
-                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask), mb.response_mask))
+                inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask)
+                ref_logprobs.append((index, self.reference_logprobs(*inputs), mb.response_mask))
+                if own:  # the old logprobs of the PPO ratio and the KL: the training forward's, as sampling from the training weights gives
+                    logprobs.append((index, self._logprobs(self.policy, *inputs), mb.response_mask))
                 with self.accelerator.autocast():
                     chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
                 if chunk_values is not None:
                     values.append((index, chunk_values, mb.response_mask))
-        mask = rollout.response_mask
-        return batching.restore_tokens(ref_logprobs, mask), batching.restore_tokens(values, mask) if values else None
+        restored = [batching.restore_tokens(pieces, rollout.response_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs)]
+        return tuple(restored)
 
     def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
-        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with
-        adapters off; through `models.response_logprobs`, as the training forward."""
-        chunk, temperature = self.config.lm_head_chunk_size, self.config.ppo.temperature
+        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with adapters off."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, input_ids, attention_mask, response_ids, response_mask)
+        with roles.adapters_disabled(self.policy):
+            return self._logprobs(self.policy, input_ids, attention_mask, response_ids, response_mask)
+
+    def _logprobs(self, model: nn.Module, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
+        """(B, R) logprobs of the response tokens under `model`, through `models.response_logprobs` as the training forward."""
         with self.accelerator.autocast():
-            if self.ref_model is not None:
-                return response_logprobs(self.ref_model, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
-            with roles.adapters_disabled(self.policy):
-                return response_logprobs(self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
+            return response_logprobs(model, input_ids, attention_mask, response_ids, response_mask, self.config.ppo.temperature,
+                                     chunk_size=self.config.lm_head_chunk_size)[0]
 
     def optimise(self, rollout: Rollout) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
-        During the first ppo.critic_warmup_updates updates only the critic moves."""
+        During the first ppo.critic_warmup_updates updates only the critic moves. The rollout engine gives its
+        memory to the training meanwhile, and samples from the updated weights after it."""
         hp = self.config.ppo
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
-                          self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
-                          on_skipped_step=self._say_skipped_step)
+        self.rollout_engine.release()
+        try:
+            stats = ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
+                               self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
+                               on_skipped_step=self._say_skipped_step)
+        finally:
+            self.rollout_engine.resume()
+        self.rollout_engine.sync_weights(self.policy)
+        return stats
 
     def _say_skipped_step(self, bad: NonFiniteUpdate) -> None:
         if self.show_progress:
@@ -323,8 +350,9 @@ class PPOTrainer:
         check_some_scored(extras["valid"], extras["errors"], self.accelerator)
         t_score = time.perf_counter()
 
-        # 3. forward: reference logprobs and values
-        rollout.ref_logprobs, rollout.values = self.reference_and_values(rollout)
+        # 3. forward: reference logprobs and values (and the policy's own logprobs, where the engine's are not the trainer's)
+        rollout.ref_logprobs, rollout.values, trainer_logprobs = self.reference_and_values(rollout)
+        mismatch = use_trainer_logprobs(rollout, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes, self._max_over_processes)
         t_forward = time.perf_counter()
 
         # 4. reward: per-token KL penalty (when it is in the reward), score at the last real token
@@ -357,6 +385,7 @@ class PPOTrainer:
             "update": state.update,
             "episode": state.episode,
             **objective,
+            **mismatch,
             **train_stats,
             **extras["metrics"],
             "lr": lrs[0],
@@ -384,6 +413,7 @@ class PPOTrainer:
                 raise
             raise said from None
         finally:
+            self.rollout_engine.close()
             if self.run is not None:
                 self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
                 self.run = None
@@ -503,6 +533,7 @@ class PPOTrainer:
         own = checkpoint.checkpoints_dir(self.output_dir) / f"update-{self.state.update}"
         # The checkpoint to name after a stop; it is re-saved only when it is another folder's.
         self._saved_at = (self.state.update if own.exists() and own.resolve() == path.resolve() else -1, path)
+        self.rollout_engine.sync_weights(self.policy)
         return path
 
     def _trained_parts(self) -> TrainedParts:

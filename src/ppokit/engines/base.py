@@ -9,11 +9,13 @@ not bit-for-bit the training forward's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
+    from ppokit.config import RolloutConfig
     from ppokit.episodes import Episodes
 
 PURPOSES = ("train", "eval", "greedy")
@@ -50,6 +52,27 @@ class Sampling:
         greedy = purpose == "greedy" or (purpose == "eval" and eval_temperature == 0)
         temperature = eval_temperature if purpose == "eval" and not greedy else hp.temperature
         return cls(hp.response_length, temperature, stop_token_id, top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What the trainer hands to the engine it builds (`ppokit.engines.build`); each engine reads what it needs.
+
+    policy: the current policy module (unwrapped), asked for at every call: the trainer's wrapping may change it.
+    pad_token_id: what pads every model input (`models.input_pad_id`). device: where the episodes' tensors go.
+    rows_per_forward: rows per forward pass while sampling (ppo.local_rollout_forward_batch_size).
+    sampling_context(policy): entered around sampling from the training weights: the parallel strategy's
+        (fsdp: the policy unsharded) and the training forward's precision (autocast), so that the
+        sampled logprobs are the training forward's.
+    settings: the `rollout:` section.
+    """
+
+    policy: Callable[[], "nn.Module"]
+    pad_token_id: int
+    device: "torch.device"
+    rows_per_forward: int
+    sampling_context: Callable[["nn.Module"], ContextManager]
+    settings: "RolloutConfig"
 
 
 class RolloutEngine(Protocol):
