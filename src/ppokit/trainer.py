@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import os
@@ -30,7 +29,6 @@ from torch import nn
 from ppokit import algo, batching, checkpoint, engines, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
-from ppokit.engines.base import EngineSetup, Sampling
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.errors import UserError
 from ppokit.guards import (
@@ -125,9 +123,9 @@ class PPOTrainer:
                           config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
         built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
-        self.rollout_engine = engines.build(config.rollout.engine, EngineSetup(
-            lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size, self._sampling_context,
-            config.rollout))
+        self.rollout_engine = engines.build(config.rollout.engine, engines.EngineSetup(
+            lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size,
+            lambda policy: (self.engine.generation(policy), self.accelerator.autocast()), config.rollout))
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
@@ -198,12 +196,6 @@ class PPOTrainer:
             return tensor
         return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum").to(tensor.device)
 
-    def _max_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A 0-dim tensor's largest value over the processes."""
-        if self.accelerator.num_processes == 1:
-            return tensor
-        return self.accelerator.gather(tensor.reshape(1).to(self.accelerator.device)).max().to(tensor.device)
-
     # ------------------------------------------------------------------ data order
 
     def batch_indices(self, update: int) -> list[int]:
@@ -231,13 +223,7 @@ class PPOTrainer:
 
     def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
         """One response per query by the rollout engine; purpose: train, eval or greedy (engines.base.Sampling.for_purpose)."""
-        return self.rollout_engine.generate(query_ids, Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose))
-
-    @contextlib.contextmanager
-    def _sampling_context(self, policy: nn.Module):
-        """Sampling from the training weights: the strategy's (fsdp: unsharded) at the training forward's precision (first ratio 1)."""
-        with self.engine.generation(policy), self.accelerator.autocast():
-            yield
+        return self.rollout_engine.generate(query_ids, engines.Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose))
 
     def score(self, rollout: Rollout, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
@@ -260,27 +246,24 @@ class PPOTrainer:
 
     @torch.inference_mode()
     def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Reference logprobs, values (None without a critic) and, where the rollout engine's logprobs are not the
-        trainer's, the policy's own (else None) for every response token, in chunks of local_rollout_forward_batch_size
-        rows (with ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, rows of similar length
-        together, packed)."""
+        """Reference logprobs, values (None without a critic) and the policy's own logprobs (None where the rollout engine's
+        are the trainer's) for every response token, in chunks of local_rollout_forward_batch_size rows (with
+        ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, rows of similar length together, packed)."""
         hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
         budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
         both = self.accelerator.unwrap_model(self.model)
-        own = not self.rollout_engine.logprobs_are_trainers
         ref_logprobs, values, logprobs = [], [], []
-        with both.critic_in_eval_mode(), (eval_mode(self.policy) if own else contextlib.nullcontext()):
+        with both.critic_in_eval_mode(), eval_mode(self.policy):
             for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
                 inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask)
                 ref_logprobs.append((index, self.reference_logprobs(*inputs), mb.response_mask))
-                if own:  # the old logprobs of the PPO ratio and the KL: the training forward's, as sampling from the training weights gives
+                if not self.rollout_engine.logprobs_are_trainers:  # the PPO ratio's and the KL's old logprobs: the training forward's
                     logprobs.append((index, self._logprobs(self.policy, *inputs), mb.response_mask))
                 with self.accelerator.autocast():
                     chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
                 if chunk_values is not None:
                     values.append((index, chunk_values, mb.response_mask))
-        restored = [batching.restore_tokens(pieces, rollout.response_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs)]
-        return tuple(restored)
+        return tuple(batching.restore_tokens(pieces, rollout.response_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs))
 
     def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
         """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with adapters off."""
@@ -300,15 +283,10 @@ class PPOTrainer:
         During the first ppo.critic_warmup_updates updates only the critic moves. The rollout engine gives its
         memory to the training meanwhile, and samples from the updated weights after it."""
         hp = self.config.ppo
-        self.rollout_engine.release()
-        try:
-            stats = ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
-                               self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
-                               on_skipped_step=self._say_skipped_step)
-        finally:
-            self.rollout_engine.resume()
-        self.rollout_engine.sync_weights(self.policy)
-        return stats
+        with engines.training_between_rollouts(self.rollout_engine, self.policy):
+            return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
+                              self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
+                              on_skipped_step=self._say_skipped_step)
 
     def _say_skipped_step(self, bad: NonFiniteUpdate) -> None:
         if self.show_progress:
@@ -352,7 +330,7 @@ class PPOTrainer:
 
         # 3. forward: reference logprobs and values (and the policy's own logprobs, where the engine's are not the trainer's)
         rollout.ref_logprobs, rollout.values, trainer_logprobs = self.reference_and_values(rollout)
-        mismatch = use_trainer_logprobs(rollout, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes, self._max_over_processes)
+        mismatch = use_trainer_logprobs(rollout, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes)
         t_forward = time.perf_counter()
 
         # 4. reward: per-token KL penalty (when it is in the reward), score at the last real token

@@ -10,10 +10,8 @@ class methods below (`create`, `sampling_bytes`), and one entry in ENGINES.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ppokit.engines.base import EngineSetup, RolloutEngine
+from ppokit.engines.base import EngineSetup, RolloutEngine, Sampling, training_between_rollouts  # noqa: F401  (torch-free)
 
 # name -> "module:class". Every engine class has
 #   create(setup: EngineSetup) -> the engine, reading what it needs of the setup;

@@ -8,8 +8,9 @@ not bit-for-bit the training forward's.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -61,9 +62,9 @@ class EngineSetup:
     policy: the current policy module (unwrapped), asked for at every call: the trainer's wrapping may change it.
     pad_token_id: what pads every model input (`models.input_pad_id`). device: where the episodes' tensors go.
     rows_per_forward: rows per forward pass while sampling (ppo.local_rollout_forward_batch_size).
-    sampling_context(policy): entered around sampling from the training weights: the parallel strategy's
-        (fsdp: the policy unsharded) and the training forward's precision (autocast), so that the
-        sampled logprobs are the training forward's.
+    sampling_contexts(policy): context managers entered in order around sampling from the training weights:
+        the parallel strategy's (fsdp: the policy unsharded) and the training forward's precision (autocast),
+        so that the sampled logprobs are the training forward's (the first PPO ratio is 1).
     settings: the `rollout:` section.
     """
 
@@ -71,7 +72,7 @@ class EngineSetup:
     pad_token_id: int
     device: "torch.device"
     rows_per_forward: int
-    sampling_context: Callable[["nn.Module"], ContextManager]
+    sampling_contexts: Callable[["nn.Module"], Sequence[ContextManager]]
     settings: "RolloutConfig"
 
 
@@ -103,3 +104,15 @@ class RolloutEngine(Protocol):
     def resume(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@contextlib.contextmanager
+def training_between_rollouts(engine: RolloutEngine, policy: "nn.Module"):
+    """Around the optimisation of an update: the engine's memory released to the training, taken back after
+    it (also when it fails), and, once the update is done, the engine synced to the trained `policy`."""
+    engine.release()
+    try:
+        yield
+    finally:
+        engine.resume()
+    engine.sync_weights(policy)

@@ -16,7 +16,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def use_trainer_logprobs(episodes, trainer_logprobs: Optional[torch.Tensor], rollout_is: Optional[str], cap: float,
-                         reduce_sum: Reduce, reduce_max: Reduce) -> dict[str, float]:
+                         reduce_sum: Reduce) -> dict[str, float]:
     """Put `trainer_logprobs` (B, R) in place of the engine's logprobs in `episodes` (with `rollout_is` tis, their
     truncated importance weights in `episodes.rollout_is_weights` first) -> the mismatch metrics:
     rollout/logprob_diff_mean and rollout/logprob_diff_max, |engine - trainer| over the trained tokens of every
@@ -26,7 +26,9 @@ def use_trainer_logprobs(episodes, trainer_logprobs: Optional[torch.Tensor], rol
     mask = episodes.response_mask
     diff = (episodes.logprobs.float() - trainer_logprobs.float()).abs() * mask
     total, count = reduce_sum(torch.stack([diff.sum(), mask.sum().float()])).unbind()
-    biggest = reduce_max(diff.max() if diff.numel() else diff.new_zeros(()))
+    biggest = diff.max() if diff.numel() else diff.new_zeros(())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(biggest, op=torch.distributed.ReduceOp.MAX)
     if rollout_is == "tis":
         episodes.rollout_is_weights = algo.truncated_is_weights(trainer_logprobs, episodes.logprobs, cap)
     episodes.logprobs = trainer_logprobs

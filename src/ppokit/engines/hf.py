@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional, Union
+from typing import Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from ppokit.rollout import COMPACT_FINISHED_ROWS_EVERY, HFSampler
 
 
 class HFEngine:
-    """A `RolloutEngine` around `HFSampler`: the policy in eval mode (no dropout), under `sampling_context`
+    """A `RolloutEngine` around `HFSampler`: the policy in eval mode (no dropout), under `sampling_contexts`
     (the parallel strategy's and the training forward's precision: the first PPO ratio is 1), back in train mode after.
 
     policy: the policy module, or a function returning the current one. pad_token_id: left-pads the prompts.
@@ -25,18 +25,18 @@ class HFEngine:
     """
 
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, device: torch.device,
-                 rows_per_forward: int, sampling_context: Optional[Callable[[nn.Module], ContextManager]] = None,
+                 rows_per_forward: int, sampling_contexts: Optional[Callable[[nn.Module], Sequence[ContextManager]]] = None,
                  logprobs_are_trainers: bool = True):
         self._policy = policy
         self.pad_token_id = pad_token_id
         self.device = device
         self.rows_per_forward = rows_per_forward
-        self.sampling_context = sampling_context or (lambda policy: contextlib.nullcontext())
+        self.sampling_contexts = sampling_contexts or (lambda policy: ())
         self.logprobs_are_trainers = logprobs_are_trainers
 
     @classmethod
     def create(cls, setup: EngineSetup) -> "HFEngine":
-        return cls(setup.policy, setup.pad_token_id, setup.device, setup.rows_per_forward, setup.sampling_context)
+        return cls(setup.policy, setup.pad_token_id, setup.device, setup.rows_per_forward, setup.sampling_contexts)
 
     @property
     def policy(self) -> nn.Module:
@@ -48,7 +48,9 @@ class HFEngine:
         sampler = HFSampler(policy, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_id, self.pad_token_id,
                             self.rows_per_forward, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
                             greedy=sampling.greedy, compact_every=COMPACT_FINISHED_ROWS_EVERY)
-        with eval_mode(policy), self.sampling_context(policy):
+        with eval_mode(policy), contextlib.ExitStack() as inside:
+            for context in self.sampling_contexts(policy):
+                inside.enter_context(context)
             return sampler.sample(ids, mask)
 
     def sync_weights(self, policy: nn.Module) -> None:
