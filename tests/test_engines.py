@@ -182,3 +182,17 @@ def test_tis_weights_scale_the_policy_loss(model_dir, prompts_file, tmp_path):
     assert corrected["loss/policy_avg"] == pytest.approx(math.exp(0.25) * plain["loss/policy_avg"], rel=1e-4)
     assert capped["loss/policy_avg"] == pytest.approx(1.1 * plain["loss/policy_avg"], rel=1e-4)
     assert corrected["objective/scores"] == plain["objective/scores"]  # the same episodes
+
+
+def test_resume_refuses_another_engine_and_reads_an_older_checkpoint_as_hf():
+    """Another engine samples with other kernels (other logprobs, other tokens): a changed rollout.engine is a
+    difference --resume-force must allow; a checkpoint written before the key existed counts as its default."""
+    from ppokit import checkpoint
+
+    base = PPOConfig(model="m").to_dict()
+    older = {k: v for k, v in base.items() if k != "rollout"}
+    assert checkpoint.config_differences(older, base, base) == []
+    other = {**base, "rollout": {**base["rollout"], "engine": "vllm"}}
+    assert checkpoint.config_differences(base, other, base) == ["rollout.engine (checkpoint 'hf', now 'vllm')"]
+    tis = {**base, "ppo": {**base["ppo"], "rollout_is": "tis"}}
+    assert checkpoint.config_differences(base, tis, base) == ["ppo.rollout_is (checkpoint None, now 'tis')"]
