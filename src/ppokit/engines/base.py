@@ -90,7 +90,12 @@ class RolloutEngine(Protocol):
         a no-op for an engine that samples from the training weights.
     release() / resume(): around training, free / take back the engine's memory (KV cache, its
         weight copy); no-ops where there is nothing to free.
-    close(): free everything at the end of the run.
+    close(): free everything; the trainer calls it when train() ends. A later `generate` (evaluate() or
+        sample_completions() after training) must still work: an engine that freed itself builds itself again.
+
+    Built by `ppokit.engines.build(name, EngineSetup)`; the trainer calls `generate` in stage 1 (and for
+    evaluation and greedy baselines), `release` / `resume` / `sync_weights` around and after the optimisation
+    of every update (`training_between_rollouts`), `sync_weights` after a resume restored the weights.
     """
 
     logprobs_are_trainers: bool
