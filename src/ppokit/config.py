@@ -21,6 +21,7 @@ import yaml
 from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.engines import ENGINES
 from ppokit.errors import UserError
+from ppokit.estimators import ESTIMATORS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TRACKERS
 
@@ -53,9 +54,6 @@ folder_name = rule("a name without / or \\, not . or ..", lambda v: bool(v.strip
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 # The same names as ppokit.algo's (tests/test_config.py checks); repeated here so that reading a
 # config does not import torch.
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
-CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "remax")
-GROUP_ESTIMATORS = ("grpo", "rloo")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -134,11 +132,13 @@ class PPOHyperparams:
     cliprange: float = doc(0.2, "Clip range of the policy ratio: clipped to [1 - cliprange, 1 + cliprange], so below 1 unless `cliprange_low` is set (a lower bound <= 0 would never clip).", check=clip_range)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
-    gamma: float = doc(1.0, "Discount factor (gae and reinforce_pp).", check=unit_interval)
+    gamma: float = doc(1.0, f"Discount factor ({' and '.join(e.name for e in ESTIMATORS.values() if e.discounts)}).", check=unit_interval)
     lam: float = doc(0.95, "GAE lambda (gae only).", check=unit_interval)
     whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE. gae only: keeping the mean adds the same amount to every token, which a critic learns but a critic-free estimator would take as a reward for length (refused there).")
     whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
-    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `--algo.advantage.estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=one_of(ADVANTAGE_ESTIMATORS))
+    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `--algo.advantage.estimator`, veRL `algorithm.adv_estimator`): "
+                                   + "; ".join(f"`{e.name}` ({e.doc})" for e in ESTIMATORS.values())
+                                   + ". docs/algorithms.md has the formulas.", check=one_of(ESTIMATORS))
     grpo_scale_std: bool = doc(True, "grpo: divide by the group's standard deviation; false is Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo`, OpenRLHF's `dr_grpo` estimator).")
     kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
     kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `--algo.kl.use_loss` + `--algo.kl.init_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
@@ -177,6 +177,11 @@ class PPOHyperparams:
     def loss_normalisation(self) -> str:
         """PER_MICRO_BATCH or PER_MINIBATCH: how the loss is normalised and the statistics gathered (ppokit.optimise)."""
         return loss_normalisation(self.max_tokens_per_micro_batch)
+
+    @property
+    def estimator(self) -> Estimator:
+        """The declaration of `advantage_estimator` (ppokit.estimators): its function and traits."""
+        return ESTIMATORS[self.advantage_estimator]
 
     @property
     def rollback(self) -> str:
@@ -253,12 +258,12 @@ class PPOHyperparams:
     def check_combination(self) -> None:
         """Rules across keys of this section (each key's own range is checked by `validate`):
         every bad combination is an error naming the key and the rule."""
-        n, estimator = self.num_samples_per_prompt, self.advantage_estimator
+        n, estimator = self.num_samples_per_prompt, self.estimator
         local_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
-        if estimator in GROUP_ESTIMATORS and n < 2:
+        if n < estimator.min_samples_per_prompt:
             raise UserError(
-                f"ppo.num_samples_per_prompt: {estimator} needs at least 2 samples per prompt (its baseline is the other "
-                f"samples of the same prompt), got {n}"
+                f"ppo.num_samples_per_prompt: {estimator.name} needs at least {estimator.min_samples_per_prompt} samples per prompt "
+                f"(its baseline is the other samples of the same prompt), got {n}"
             )
         if local_batch % n:
             raise UserError(
@@ -281,27 +286,20 @@ class PPOHyperparams:
                 f"ppo.cliprange_low ({low}) is larger than ppo.cliprange_high ({high}); the lower clip range must not exceed the "
                 "upper (clip-higher widens the upper one); unset, each is ppo.cliprange"
             )
-        if self.whiten_rewards and estimator in CRITIC_FREE_ESTIMATORS:
+        if self.whiten_rewards and not estimator.critic:
             # Whitening keeps the mean: r' = r / std + mean (1 - 1 / std) on every real token, so a return gains
             # mean (1 - 1 / std) per remaining token. GAE's critic learns that; a baseline of sequence rewards cannot
-            # remove a term that differs with each response's length (and remax's greedy score is not whitened at all).
-            baseline = " and its greedy baseline is not whitened" if estimator == "remax" else ""
+            # remove a term that differs with each response's length (and a greedy baseline's score is not whitened at all).
+            baseline = " and its greedy baseline is not whitened" if estimator.greedy_baseline else ""
             raise UserError(
                 "ppo.whiten_rewards: true is for gae: it keeps the mean, which adds the same amount to every token, so a "
-                f"whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator {estimator} "
+                f"whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator {estimator.name} "
                 f"has none{baseline}; remove it"
             )
+        if not estimator.whitens and not self.whiten_advantages:
+            raise UserError(f"ppo.whiten_advantages: false has no effect with ppo.advantage_estimator {estimator.name}, which never whitens; remove it")
         # A key set away from its default that this configuration would never read is refused, not ignored.
-        unused = []
-        if estimator in CRITIC_FREE_ESTIMATORS:
-            why = f"the value model, which ppo.advantage_estimator {estimator} does not build"
-            unused += [(k, why) for k in ("vf_learning_rate", "critic_warmup_updates", "vf_coef", "cliprange_value", "lam")]
-        if estimator in ("grpo", "rloo", "remax"):
-            unused.append(("gamma", f"discounting, which ppo.advantage_estimator {estimator} does not do (an outcome reward)"))
-            if not self.whiten_advantages:
-                raise UserError(f"ppo.whiten_advantages: false has no effect with ppo.advantage_estimator {estimator}, which never whitens; remove it")
-        if estimator != "grpo":
-            unused.append(("grpo_scale_std", f"ppo.advantage_estimator grpo (this run's is {estimator})"))
+        unused = estimator.unread_keys()
         if not self.kl_in_reward:
             unused += [(k, "the KL penalty in the reward, and ppo.kl_in_reward is false") for k in ("kl_coef", "kl_target", "kl_horizon")]
         if self.kl_loss_coef == 0:
@@ -521,7 +519,7 @@ class PPOConfig:
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""
         estimator = self.ppo.advantage_estimator
-        if estimator not in CRITIC_FREE_ESTIMATORS:
+        if self.ppo.estimator.critic:
             return
         if self.value_model is not None:
             raise UserError(f"value_model: ppo.advantage_estimator {estimator} builds no value model; remove value_model ({self.value_model!r})")
