@@ -1,8 +1,8 @@
 """Multi-turn episodes: environments that answer the model, tools it can call (docs/environments.md).
 
     base.py   the Environment protocol, load_environment(spec), EnvironmentRunner (deadlines, checks)
-    tools.py  the Hermes/Qwen tool-call parser, loading tools, running one call under a deadline
-    builtin.py  the built-in environments: Tools, GuessNumber (the demo game)
+    tools.py  the Hermes/Qwen tool-call parser, loading tools, running a call; the built-in Tools environment
+    guess.py  the demo game GuessNumber, its data rows and SFT transcripts
 """
 
 from ppokit.environments.base import (
@@ -14,8 +14,12 @@ from ppokit.environments.base import (
     Step,
     load_environment,
 )
+from ppokit.environments.guess import GuessNumber, guess_rows, guess_transcripts
+from ppokit.environments.tools import BadToolCall, ToolCall, Tools, load_tools, parse_tool_calls, run_tool, tool_schemas
 
 __all__ = [
     "Environment", "EnvironmentEpisode", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
     "load_environment",
+    "GuessNumber", "guess_rows", "guess_transcripts",
+    "BadToolCall", "ToolCall", "Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas",
 ]

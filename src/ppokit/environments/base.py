@@ -17,13 +17,14 @@ A hung call fails its episode; its thread is left running (Python cannot stop a 
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ppokit.errors import UserError
-from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall
+from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number
 from ppokit.user_code import load_attribute
 
 BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
@@ -92,7 +93,8 @@ class EnvironmentRunner:
     """Makes one environment instance per episode and runs its calls under a deadline.
 
     spec: the config's `environment` (for messages); cls: the loaded class; args: `environment_args`;
-    timeout_s: `environment_timeout_s` (None: call in the caller's thread, no limit).
+    timeout_s: `environment_timeout_s` (None: call in the caller's thread, no limit); base_dir: the config
+    file's folder, passed as `base_dir` to a constructor that declares that parameter (unless args set it).
 
         runner = EnvironmentRunner.from_config(spec, args, timeout_s, base_dir)
         runner.tools, runner.observation_role           # for rendering prompts and observations
@@ -100,10 +102,13 @@ class EnvironmentRunner:
         steps = runner.step_many(episodes, completions) # per episode: a Step or an EnvironmentFailure
     """
 
-    def __init__(self, spec: str, cls: type, args: Optional[dict] = None, timeout_s: Optional[float] = 60.0):
+    def __init__(self, spec: str, cls: type, args: Optional[dict] = None, timeout_s: Optional[float] = 60.0,
+                 base_dir: Optional[Path] = None):
         self.spec = spec
         self.cls = cls
         self.args = dict(args or {})
+        if base_dir is not None and "base_dir" not in self.args and _declares(cls, "base_dir"):
+            self.args["base_dir"] = str(base_dir)  # for relative paths in its arguments (Tools' tool files)
         self.timeout_s = timeout_s
         # One instance made now: a wrong environment_args (or a tools list that does not import) fails at
         # start, in one line, rather than in the first episode; and it tells the tools and the role.
@@ -118,7 +123,7 @@ class EnvironmentRunner:
 
     @classmethod
     def from_config(cls, spec: str, args: Optional[dict], timeout_s: Optional[float], base_dir: Optional[Path] = None) -> "EnvironmentRunner":
-        return cls(spec, load_environment(spec, base_dir), args, timeout_s)
+        return cls(spec, load_environment(spec, base_dir), args, timeout_s, base_dir)
 
     # ------------------------------------------------------------------ one episode at a time
 
@@ -202,7 +207,7 @@ class EnvironmentRunner:
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){where}")
         observation, reward, done = result
-        number = _as_number(reward)
+        number = None if reward is None else as_number(reward)  # None would read as NaN: a forgotten return
         if number is None:
             raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {_short(reward)} (a {type(reward).__name__}); expected a number{where}")
         if not math.isfinite(number):
@@ -228,22 +233,19 @@ class EnvironmentEpisode:
         return self.runner.check_step(self.env, result, self.prompt)
 
 
+def _declares(cls: type, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _outcome(call):
     """call() or the EnvironmentFailure it raised (any other exception propagates)."""
     try:
         return call()
     except EnvironmentFailure as e:
         return e
-
-
-def _as_number(value) -> Optional[float]:
-    """A reward as a float: bool, int, float, NumPy or 0-d tensor scalars; None for anything else (a str too)."""
-    if value is None or isinstance(value, (str, bytes, bytearray)) or not hasattr(value, "__float__"):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return None
 
 
 def _is_flag(value) -> bool:

@@ -145,7 +145,7 @@ def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward sou
             )
         numbers = []
         for row, value in enumerate(values):
-            number = _as_number(value)
+            number = as_number(value)
             if number is None:
                 where = batch.describe_row(row) if row < len(batch) else f"row {row}"
                 raise RewardError(
@@ -158,7 +158,7 @@ def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward sou
     return scores
 
 
-def _as_number(value) -> Optional[float]:
+def as_number(value) -> Optional[float]:
     """A score as a float (None -> NaN); None when `value` is not a number (a str has no __float__)."""
     if value is None:
         return float("nan")
