@@ -250,4 +250,5 @@ def _outcome(call):
 
 def _is_flag(value) -> bool:
     """True/False or a NumPy bool; not 1, not 'yes', not None (a forgotten return)."""
-    return isinstance(value, bool) or type(value).__name__ == "bool_"
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))  # NumPy 2 / 1
