@@ -162,29 +162,24 @@ class EnvironmentRunner:
     # ------------------------------------------------------------------ the checks
 
     def _call(self, fn, what: str, prompt: Optional[str]):
-        where = "" if prompt is None else f"; prompt {_short(prompt)}"
-        if self.timeout_s is None:
-            try:
-                return fn()
-            except UserError:
-                raise
-            except (Exception, SystemExit) as e:
-                raise EnvironmentFailure(f"environment {self.spec}: {what} raised {type(e).__name__}: {e}{where}") from e
-        running = ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}")
+        """fn() under the deadline; EnvironmentFailure (or EnvironmentTimeout) naming `what` and the prompt.
+        A UserError the environment raises itself (its own one-line complaint) passes through: it stops the run."""
         try:
-            return running.result(self.timeout_s)
+            if self.timeout_s is None:
+                return fn()
+            return ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}").result(self.timeout_s)
         except DeadlineExceeded:
             raise EnvironmentTimeout(
                 f"environment {self.spec}: {what} did not return within environment_timeout_s={self.timeout_s:g}s "
-                f"(its thread is left running: Python cannot stop it){where}"
+                f"(its thread is left running: Python cannot stop it){_where(prompt)}"
             ) from None
-        except UserError:  # the environment's own one-line complaint about its configuration: stops the run
+        except UserError:
             raise
         except (Exception, SystemExit) as e:
-            raise EnvironmentFailure(f"environment {self.spec}: {what} raised {type(e).__name__}: {e}{where}") from e
+            raise EnvironmentFailure(f"environment {self.spec}: {what} raised {type(e).__name__}: {e}{_where(prompt)}") from e
 
     def _check_observation(self, env, observation, what: str, prompt: Optional[str]) -> Step:
-        where = "" if prompt is None else f"; prompt {_short(prompt)}"
+        where = _where(prompt)
         if observation is not None and not isinstance(observation, str):
             raise EnvironmentFailure(f"environment {self.spec}: {what} returned the observation {_short(observation)} (a {type(observation).__name__}); expected a str or None{where}")
         return Step(observation, 0.0, False, self._messages(env, observation, what, prompt))
@@ -197,13 +192,13 @@ class EnvironmentRunner:
             return [{"role": self.observation_role, "content": observation}]
         messages = self._call(lambda: render(observation), f"observation_messages after {what}", prompt)
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            where = "" if prompt is None else f"; prompt {_short(prompt)}"
+            where = _where(prompt)
             raise EnvironmentFailure(f"environment {self.spec}: observation_messages returned {_short(messages)}; expected a list of {{role, content}} dicts{where}")
         return messages
 
     def check_step(self, env, result, prompt: Optional[str]) -> Step:
         """step's return value -> a Step; EnvironmentFailure naming the environment and the value otherwise."""
-        where = "" if prompt is None else f"; prompt {_short(prompt)}"
+        where = _where(prompt)
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){where}")
         observation, reward, done = result
@@ -231,6 +226,11 @@ class EnvironmentEpisode:
     def step(self, completion: str) -> Step:
         result = self.runner._call(lambda: self.env.step(completion), "step", self.prompt)
         return self.runner.check_step(self.env, result, self.prompt)
+
+
+def _where(prompt: Optional[str]) -> str:
+    """'; prompt ...' naming the episode in an error line, or nothing."""
+    return "" if prompt is None else f"; prompt {_short(prompt)}"
 
 
 def _declares(cls: type, parameter: str) -> bool:
