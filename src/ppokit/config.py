@@ -372,7 +372,7 @@ class RewardConfig:
 
     model: Optional[str] = doc(None, "Sequence-classification reward model (local path or hub id), one label; scored at the last real token.")
     functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, `exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping `{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> list[float]. See docs/rewards.md.")
-    weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote; default all 1.")
+    weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote, environment; default all 1.")
     batch_size: int = doc(64, "Rows per reward-model forward pass.", check=positive)
     remote: Optional[RemoteRewardConfig] = doc(None, "A remote scorer over HTTP; it comes after the functions in `weights`.")
     normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: true for all sources, or one true/false per source in `weights` order. The statistics are part of the training state.")
@@ -443,6 +443,13 @@ class RolloutConfig:
     response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine."""
 
     engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's).", check=one_of(tuple(ENGINES)))
+    max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
+    max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
+    turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
+
+
+ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName' (e.g. ppokit.environments:Tools)",
+                        lambda v: bool(v.strip()) and ":" in v and all(part.strip() for part in v.rpartition(":")[::2]))
 
 
 @dataclass
@@ -462,7 +469,7 @@ class PPOConfig:
     reward: RewardConfig = doc(factory=RewardConfig, help="Reward sources.")
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
-    rollout: RolloutConfig = doc(factory=RolloutConfig, help="The rollout engine.")
+    rollout: RolloutConfig = doc(factory=RolloutConfig, help="How episodes are sampled: the rollout engine, and the turns and token budget of multi-turn episodes.")
     lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
     quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
     gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")
@@ -475,6 +482,9 @@ class PPOConfig:
     lm_head_chunk_size: Optional[int] = doc(None, "Memory-light LM head: logprobs and entropy of the response tokens are computed this many tokens at a time, only at real response tokens (padding skipped), and recomputed in the backward pass, so the full (rows, response, vocabulary) float32 log-softmax is never held; every logprob pass (reference, training) uses it. Equal to the direct computation within float rounding; checked once against the model's own forward. Memory per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch (TRL).", check=positive, resume=True)
     compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this machine.", resume=True)
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
+    environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) and `ppokit.environments:GuessNumber` (the demo game). One instance per episode. Its step rewards, summed, are a reward source (`reward/environment`), the last in `reward.weights` order. null: no environment, one response per prompt. Its code runs in the trainer's process.", check=ENVIRONMENT_SPEC)
+    environment_args: dict = doc(factory=dict, help="Keyword arguments of the environment's constructor, e.g. `{tools: [\"tools.py:add\"]}` for ppokit.environments:Tools.")
+    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). The issue's `environment.timeout_s`. null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
     # Where the numbers also go (docs/report.md). None of these changes a number of the run (resume=True).
     report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.", resume=True)
     run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name, resume=True)
@@ -498,9 +508,10 @@ class PPOConfig:
         if not self.model and not model_given:
             raise UserError("model: required (a path to a saved causal LM or a hub id)")
         has_reward_model = bool(self.reward.model) or reward_model_given
-        if not has_reward_model and not self.reward.functions and self.reward.remote is None:
-            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
-        n_sources = int(has_reward_model) + len(self.reward.functions) + int(self.reward.remote is not None)
+        has_environment = self.environment is not None
+        if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment:
+            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment)")
+        n_sources = int(has_reward_model) + len(self.reward.functions) + int(self.reward.remote is not None) + int(has_environment)
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")
         self.reward.check_combination(n_sources)
@@ -512,9 +523,22 @@ class PPOConfig:
         if self.data.eval and self.data.eval_fraction:
             raise UserError("data.eval_fraction holds out training prompts for evaluation, but data.eval is set too; set one of them")
         self._validate_memory_switches(has_reward_model)
+        self._validate_environment()
         self._validate_parallel()
         self._validate_report_to()
         return self
+
+    def _validate_environment(self) -> None:
+        """Keys of multi-turn episodes set without an environment would never be read: refused."""
+        if self.environment is not None:
+            return
+        needs = [("environment_args", self, "environment_args"), ("environment_timeout_s", self, "environment_timeout_s"),
+                 ("rollout.max_episode_tokens", self.rollout, "max_episode_tokens"), ("rollout.turn_rewards", self.rollout, "turn_rewards")]
+        for name, section, key in needs:
+            if differs_from_default(section, key):
+                raise UserError(f"{name} ({getattr(section, key)!r}) is for multi-turn episodes, and `environment` is not set; set environment, or remove {name}")
+        if self.rollout.max_turns > 1:
+            raise UserError(f"rollout.max_turns ({self.rollout.max_turns}): a second turn needs an environment to answer the first; set `environment` (docs/environments.md), or rollout.max_turns: 1")
 
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""
