@@ -29,9 +29,9 @@ from torch import nn
 from ppokit import algo, batching, roles
 from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperparams
 from ppokit.guards import NonFiniteUpdate, check_finite
+from ppokit.metric_values import training_metrics
 from ppokit.models import response_logprobs, response_values
 from ppokit.rollout import Rollout
-from ppokit.statistics import training_metrics
 
 
 class PolicyAndValue(nn.Module):

@@ -18,7 +18,7 @@ from ppokit.config import StageDataConfig
 from ppokit.data import Records, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.lengths import EncodedRow, LengthReport, encode_rows
-from ppokit.metrics import JsonlWriter
+from ppokit.metric_sinks import JsonlWriter
 from ppokit.model_card import stage_card
 from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, no_progress_bars, position_limit, resolve_model_path
 from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers
