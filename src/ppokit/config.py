@@ -631,50 +631,45 @@ class SFTHyperparams(SupervisedHyperparams):
     completion_only_loss: bool = doc(True, "Loss on completion tokens only (prompt tokens masked); false trains on the prompt too.")
 
 
-def _stage_checks(config, what: str) -> None:
-    validate(config)
-    if not config.model:
-        raise UserError(f"model: required (the {what})")
-    if not config.data.train:
-        raise UserError("data.train: required (a data file, a save_to_disk folder or a hub dataset name)")
+def _stage_config(name: str, command: str, *, model: str, output_dir: tuple[str, str], seed: str, data: str,
+                  train: type, what: str) -> type:
+    """The config class of a supervised stage (`ppokit sft`, `ppokit rm`): the same keys in the same order,
+    each with the stage's own help text where they differ. `what`: the model, named when `model` is missing."""
 
-
-@dataclass
-class SFTConfig(ConfigFile):
-    """Everything `ppokit sft` needs."""
-
-    OTHER_NAMES = TRL_STAGE_NAMES
-
-    model: Optional[str] = doc(None, "Causal LM to fine-tune (local path or hub id).")
-    tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
-    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.", check=a_path)
-    seed: int = doc(42, "Seed for the eval split, data order and initialisation.", check=seed_range)
-    data: StageDataConfig = doc(factory=StageDataConfig, help="Training data.")
-    train: SFTHyperparams = doc(factory=SFTHyperparams, help="Optimisation.")
-
-    def validate(self) -> "SFTConfig":
-        _stage_checks(self, "causal LM to fine-tune")
+    def check(self):
+        validate(self)
+        if not self.model:
+            raise UserError(f"model: required (the {what})")
+        if not self.data.train:
+            raise UserError("data.train: required (a data file, a save_to_disk folder or a hub dataset name)")
         return self
 
+    fields = [
+        ("model", Optional[str], doc(None, model)),
+        ("tokenizer", Optional[str], doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")),
+        ("trust_remote_code", bool, doc(False, "Allow model repositories to run their own Python code.")),
+        ("output_dir", str, doc(output_dir[0], output_dir[1], check=a_path)),
+        ("seed", int, doc(42, seed, check=seed_range)),
+        ("data", StageDataConfig, doc(factory=StageDataConfig, help=data)),
+        ("train", train, doc(factory=train, help="Optimisation.")),
+    ]
+    namespace = {"__doc__": f"Everything `ppokit {command}` needs.", "__module__": __name__, "OTHER_NAMES": TRL_STAGE_NAMES,
+                 "validate": check}
+    return dataclasses.make_dataclass(name, fields, bases=(ConfigFile,), namespace=namespace)
 
-@dataclass
-class RMConfig(ConfigFile):
-    """Everything `ppokit rm` needs."""
 
-    OTHER_NAMES = TRL_STAGE_NAMES
-
-    model: Optional[str] = doc(None, "Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.")
-    tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
-    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.", check=a_path)
-    seed: int = doc(42, "Seed for the eval split, data order and the score head's initialisation.", check=seed_range)
-    data: StageDataConfig = doc(factory=StageDataConfig, help="Preference data.")
-    train: SupervisedHyperparams = doc(factory=SupervisedHyperparams, help="Optimisation.")
-
-    def validate(self) -> "RMConfig":
-        _stage_checks(self, "model to start from, usually the SFT output")
-        return self
+SFTConfig = _stage_config(
+    "SFTConfig", "sft", model="Causal LM to fine-tune (local path or hub id).",
+    output_dir=("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete."),
+    seed="Seed for the eval split, data order and initialisation.", data="Training data.", train=SFTHyperparams,
+    what="causal LM to fine-tune",
+)
+RMConfig = _stage_config(
+    "RMConfig", "rm", model="Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.",
+    output_dir=("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete."),
+    seed="Seed for the eval split, data order and the score head's initialisation.", data="Preference data.", train=SupervisedHyperparams,
+    what="model to start from, usually the SFT output",
+)
 
 
 @dataclass

@@ -42,7 +42,8 @@ from ppokit.guards import (
     too_many_skipped,
     check_some_scored,
 )
-from ppokit.metrics import open_sinks
+from ppokit.metric_sinks import open_sinks
+from ppokit.metric_values import objective_metrics
 from ppokit.models import (
     check_output_head, ensure_pad_token, eval_mode, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
 )
@@ -51,7 +52,6 @@ from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, 
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
 from ppokit.episodes import Episodes, repeat_each
 from ppokit.state import TrainingState
-from ppokit.statistics import objective_metrics
 
 
 class PPOTrainer:
