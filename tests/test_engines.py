@@ -142,7 +142,7 @@ class _OffsetEngine(HFEngine):
 def _with_engine(trainer, offset):
     trainer.rollout_engine = _OffsetEngine(
         lambda: trainer.policy, trainer.pad_id, trainer.accelerator.device, trainer.config.ppo.local_rollout_forward_batch_size,
-        lambda p: (trainer.engine.generation(p), trainer.accelerator.autocast()), offset=offset,
+        lambda p: (trainer.strategy.generation(p), trainer.accelerator.autocast()), offset=offset,
     )
     return trainer
 
