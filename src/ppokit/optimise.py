@@ -28,9 +28,9 @@ from torch import nn
 
 from ppokit import algo, batching, roles
 from ppokit.config import BatchSizes, PPOHyperparams
+from ppokit.episodes import Episodes
 from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.models import response_logprobs, response_values
-from ppokit.episodes import Episodes
 from ppokit.statistics import training_metrics
 
 
@@ -252,7 +252,7 @@ def ppo_epochs(
     policy_params = optimizer.param_groups[0]["params"]
     device = episodes.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
-    # A micro-batch (by tokens: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
+    # A micro-batch (by tokens: a minibatch) whose rows were all dropped (reward.on_error=skip) has no trained tokens: its
     # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
     processed, real = 0, torch.zeros((), device=device)

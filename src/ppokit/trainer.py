@@ -29,6 +29,7 @@ from torch import nn
 from ppokit import algo, batching, checkpoint, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
+from ppokit.episodes import Episodes, repeat_each
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -48,7 +49,6 @@ from ppokit.models import (
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.episodes import Episodes, repeat_each
 from ppokit.rollout import HFSampler
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
