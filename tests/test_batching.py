@@ -1,10 +1,10 @@
 """Token-budget micro-batches: the plan, packing rows without padding between them, restoring order."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import assert_float32_close
-
-from dataclasses import replace
 
 from ppokit import algo, batching
 from ppokit.episodes import Episodes

@@ -252,7 +252,7 @@ def ppo_epochs(
     policy_params = optimizer.param_groups[0]["params"]
     device = episodes.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
-    # A micro-batch (per_minibatch: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
+    # A micro-batch (per_minibatch: a minibatch) whose rows were all dropped (reward.on_error=skip) has no trained tokens: its
     # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
     processed, real = 0, torch.zeros((), device=device)

@@ -30,6 +30,7 @@ from ppokit import algo, batching, checkpoint, engines, launcher, model_card, pa
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
+from ppokit.episodes import Episodes, repeat_each
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -50,7 +51,6 @@ from ppokit.models import (
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.episodes import Episodes, repeat_each
 from ppokit.state import TrainingState
 
 
