@@ -1,0 +1,209 @@
+"""Multi-turn episodes: the episode loop's layout (which positions are trained), turn limits, the token
+budget, turn reward placement, failures, and the loop over a real transformers engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppokit.chat import PLAIN_CHAT_TEMPLATE
+from ppokit.engines.base import Sampling
+from ppokit.environments.episode_loop import EpisodeLoop, ObservationFormat
+from ppokit.episodes import Episodes
+from ppokit.models import left_pad, response_logprobs
+from ppokit.tiny import tiny_causal_lm, word_tokenizer
+
+WORDS = "guess the number from 1 to 16 : 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 higher lower correct user assistant"
+
+
+@pytest.fixture(scope="module")
+def game_tokenizer():
+    return word_tokenizer([WORDS])
+
+
+class ScriptedEngine:
+    """A rollout engine answering every context with the same tokens (-0.5 logprob each); counts its calls."""
+
+    logprobs_are_trainers = True
+
+    def __init__(self, answer: list[int], pad: int, stop: int):
+        self.answer, self.pad, self.stop, self.calls = answer, pad, stop, []
+
+    def generate(self, prompts, sampling):
+        self.calls.append([list(p) for p in prompts])
+        answer = self.answer[: sampling.max_new_tokens]
+        query, query_mask = left_pad(prompts, self.pad)
+        rows = len(prompts)
+        response = torch.tensor([answer] * rows)
+        real = torch.ones_like(response, dtype=torch.bool)
+        return Episodes(query, response, torch.cat([query_mask, real], 1), real, torch.full(response.shape, -0.5),
+                        torch.tensor([self.stop in answer] * rows), torch.full((rows,), len(answer) - 1))
+
+
+class Script:
+    """An environment replaying (observation, reward, done) steps; records what it was given."""
+
+    def __init__(self, steps, first=None):
+        self.steps, self.first, self.seen, self.row = list(steps), first, [], None
+
+    def reset(self, row):
+        self.row = row
+        return self.first
+
+    def step(self, completion):
+        self.seen.append(completion)
+        return self.steps.pop(0)
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def make_loop(tokenizer, engine, make_env, **kw):
+    args = dict(name="script.py:Script", max_turns=3, max_episode_tokens=None, pad_token_id=tokenizer.pad_token_id)
+    args.update(kw)
+    return EpisodeLoop(engine, tokenizer, make_env, **args)
+
+
+def sampling(tokenizer, n=8):
+    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
+
+
+def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+    envs = []
+
+    def make():
+        envs.append(Script([("higher", 0.25, False), ("correct", 1.0, True)], first="1 to 16"))
+        return envs[-1]
+
+    prompt = ids(tok, "guess the number")
+    episodes, outcome = make_loop(tok, engine, make).run([prompt], [{"prompt": "guess the number"}], sampling(tok))
+    # response region: [1 to 16] (reset) 7 <eos> [higher] 7 <eos>; the final "correct" is not appended
+    want = ids(tok, "1 to 16") + [seven, eos] + ids(tok, "higher") + [seven, eos]
+    assert episodes.response_ids[0].tolist() == want
+    assert episodes.loss_mask[0].tolist() == [False, False, False, True, True, False, True, True]
+    assert episodes.attention_mask[0].tolist() == [True] * (len(prompt) + len(want))
+    assert episodes.logprobs[0].tolist() == [0, 0, 0, -0.5, -0.5, 0, -0.5, -0.5]
+    assert episodes.score_index.tolist() == [7]
+    assert episodes.query_ids[0].tolist() == prompt and bool(episodes.ended[0])
+    # each step's reward at the last token of the turn that earned it; the episode's reward is their sum
+    assert outcome.turn_rewards[0].tolist() == [0, 0, 0, 0, 0.25, 0, 0, 1.0]
+    assert outcome.rewards.tolist() == [1.25] and outcome.turns == [2] and outcome.done == [True]
+    assert outcome.model_tokens == [4] and outcome.observation_tokens == [4] and outcome.truncated == [False]
+    assert envs[0].seen == ["7", "7"] and envs[0].row == {"prompt": "guess the number"}
+    # the second turn's context is the prompt and everything after it so far
+    assert engine.calls[1] == [prompt + want[:6]]
+    assert outcome.metrics["rollout/turns"] == 2 and outcome.metrics["env/done_rate"] == 1
+
+
+def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+    # episode 0 is done after one turn, episode 1 after two, episode 2 never: max_turns=3 ends it
+    plans = iter([[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5])
+    loop = make_loop(tok, engine, lambda: Script(next(plans)), max_turns=3)
+    prompt = ids(tok, "guess the number")
+    episodes, outcome = loop.run([prompt] * 3, [{"prompt": "p"}] * 3, sampling(tok))
+    assert [len(c) for c in engine.calls] == [3, 2, 1]  # the unfinished episodes, batched
+    assert outcome.turns == [1, 2, 3] and outcome.done == [True, True, False] and outcome.truncated == [False] * 3
+    assert episodes.loss_mask.sum(1).tolist() == [2, 4, 6]
+    assert episodes.attention_mask[:, len(prompt):].sum(1).tolist() == [2, 5, 8]
+    assert outcome.metrics["env/done_rate"] == pytest.approx(2 / 3)
+
+
+def test_token_budget_cuts_observations_and_turns(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    observation = "higher than 16"  # 3 tokens ("than" is unknown: one <unk>)
+    prompt = ids(tok, "guess")
+
+    def run(budget):
+        engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+        loop = make_loop(tok, engine, lambda: Script([(observation, 0.0, False)] * 5), max_turns=5, max_episode_tokens=budget)
+        return loop.run([prompt], [{"prompt": "guess"}], sampling(tok))
+
+    episodes, outcome = run(4)  # 7 <eos> + 2 of the observation's 3 tokens: cut, truncated
+    assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation)[:2]
+    assert episodes.loss_mask[0].tolist() == [True, True, False, False]
+    assert outcome.truncated == [True] and outcome.turns == [1] and not bool(episodes.ended[0])
+    episodes, outcome = run(6)  # 7 <eos> obs(3) + one token of the next turn, cut
+    assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation) + [seven]
+    assert episodes.loss_mask[0].tolist() == [True, True, False, False, False, True]
+    assert episodes.score_index.tolist() == [5] and outcome.truncated == [True] and outcome.turns == [2]
+    episodes, outcome = run(None)  # no budget: five turns, four observations between them
+    assert outcome.turns == [5] and outcome.truncated == [False] and episodes.attention_mask[0, 1:].sum() == 5 * 2 + 4 * 3
+
+
+def test_environment_failures_are_the_episodes_own(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+
+    class Raises(Script):
+        def step(self, completion):
+            raise KeyError("boom")
+
+    kinds = iter([lambda: Script([("higher", "lots", False)]), lambda: Raises([]), lambda: Script([("correct", 1.0, True)])])
+    loop = make_loop(tok, engine, lambda: next(kinds)())
+    _, outcome = loop.run([ids(tok, "guess")] * 3, [{"prompt": "first"}, {"prompt": "second"}, {"prompt": "third"}], sampling(tok))
+    assert outcome.errors[0] == "script.py:Script.step returned the reward 'lots', expected a finite number (episode with prompt 'first')"
+    assert outcome.errors[1] == "script.py:Script raised KeyError: 'boom' (episode with prompt 'second')"
+    assert outcome.errors[2] is None
+    assert torch.isnan(outcome.rewards[:2]).all() and outcome.rewards[2] == 1.0
+
+
+def test_chat_observations_use_the_template(game_tokenizer):
+    tok = game_tokenizer
+    fmt = ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, role="user", stop_token_id=tok.eos_token_id)
+    # plain template: "role: content\n" lines, "assistant:" as the generation prompt
+    assert fmt.text("higher") == "\nuser: higher\nassistant:"
+    assert ObservationFormat(tok).text("higher") == "higher"
+
+
+@pytest.fixture(scope="module")
+def game_model(game_tokenizer):
+    torch.manual_seed(0)
+    return tiny_causal_lm("llama", game_tokenizer).eval()
+
+
+class SamplerEngine:
+    """The transformers sampler behind the rollout-engine interface."""
+
+    logprobs_are_trainers = True
+
+    def __init__(self, model, pad):
+        self.model, self.pad, self.calls = model, pad, 0
+
+    def generate(self, prompts, sampling):
+        from ppokit.rollout import HFSampler
+
+        self.calls += 1
+        query, query_mask = left_pad(prompts, self.pad)
+        sampler = HFSampler(self.model, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_id, self.pad)
+        r = sampler.sample(query, query_mask)
+        return Episodes(r.query_ids, r.response_ids, torch.cat([r.query_mask, r.response_mask], 1), r.response_mask,
+                        r.logprobs, r.ended, r.response_mask.sum(1) - 1)
+
+
+def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
+    """Over a real model, the logprobs the loop keeps for each model token are a fresh forward's over the
+    whole episode (observations included): the contexts were assembled as the trainer will read them."""
+    tok = game_tokenizer
+    engine = SamplerEngine(game_model, tok.pad_token_id)
+    loop = make_loop(tok, engine, lambda: Script([("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]),
+                     max_turns=3, max_episode_tokens=20)
+    prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
+    torch.manual_seed(1)
+    episodes, outcome = loop.run(prompts, [{"prompt": "a"}, {"prompt": "b"}], sampling(tok, n=4))
+    assert engine.calls == max(outcome.turns)
+    assert (episodes.loss_mask <= episodes.attention_mask[:, episodes.query_ids.shape[1]:]).all()
+    with torch.no_grad():
+        fresh, _ = response_logprobs(game_model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
+                                     episodes.loss_mask, 1.0)
+    mask = episodes.loss_mask
+    assert (fresh[mask] - episodes.logprobs[mask]).abs().max() < 1e-4
+    assert outcome.observation_tokens[0] > 0 and all(m > 0 for m in outcome.model_tokens)
