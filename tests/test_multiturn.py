@@ -8,6 +8,7 @@ import torch
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
+from ppokit.environments import EnvironmentRunner
 from ppokit.environments.episode_loop import EpisodeLoop, ObservationFormat
 from ppokit.episodes import Episodes
 from ppokit.models import left_pad, response_logprobs
@@ -41,17 +42,17 @@ class ScriptedEngine:
 
 
 class Script:
-    """An environment replaying (observation, reward, done) steps; records what it was given."""
+    """An environment replaying the (observation, reward, done) steps of its row's `plan`, after reset's `first`."""
 
-    def __init__(self, steps, first=None):
-        self.steps, self.first, self.seen, self.row = list(steps), first, [], None
+    seen: list = []  # (row, completions) of every episode, in order
 
     def reset(self, row):
-        self.row = row
-        return self.first
+        self.steps, self.completions = [tuple(s) if isinstance(s, list) else s for s in row["plan"]], []
+        Script.seen.append((row, self.completions))
+        return row.get("first")
 
     def step(self, completion):
-        self.seen.append(completion)
+        self.completions.append(completion)
         return self.steps.pop(0)
 
 
@@ -59,10 +60,11 @@ def ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def make_loop(tokenizer, engine, make_env, **kw):
-    args = dict(name="script.py:Script", max_turns=3, max_episode_tokens=None, pad_token_id=tokenizer.pad_token_id)
+def make_loop(tokenizer, engine, cls=None, **kw):
+    args = dict(max_turns=3, max_episode_tokens=None, pad_token_id=tokenizer.pad_token_id)
     args.update(kw)
-    return EpisodeLoop(engine, tokenizer, make_env, **args)
+    Script.seen = []
+    return EpisodeLoop(engine, tokenizer, EnvironmentRunner("script.py:Script", cls or Script, {}, timeout_s=None), **args)
 
 
 def sampling(tokenizer, n=8):
@@ -73,14 +75,9 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     tok = game_tokenizer
     eos, seven = tok.eos_token_id, ids(tok, "7")[0]
     engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
-    envs = []
-
-    def make():
-        envs.append(Script([("higher", 0.25, False), ("correct", 1.0, True)], first="1 to 16"))
-        return envs[-1]
-
     prompt = ids(tok, "guess the number")
-    episodes, outcome = make_loop(tok, engine, make).run([prompt], [{"prompt": "guess the number"}], sampling(tok))
+    row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.25, False), ("correct", 1.0, True)]}
+    episodes, outcome = make_loop(tok, engine).run([prompt], [row], sampling(tok))
     # response region: [1 to 16] (reset) 7 <eos> [higher] 7 <eos>; the final "correct" is not appended
     want = ids(tok, "1 to 16") + [seven, eos] + ids(tok, "higher") + [seven, eos]
     assert episodes.response_ids[0].tolist() == want
@@ -93,7 +90,7 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     assert outcome.turn_rewards[0].tolist() == [0, 0, 0, 0, 0.25, 0, 0, 1.0]
     assert outcome.rewards.tolist() == [1.25] and outcome.turns == [2] and outcome.done == [True]
     assert outcome.model_tokens == [4] and outcome.observation_tokens == [4] and outcome.truncated == [False]
-    assert envs[0].seen == ["7", "7"] and envs[0].row == {"prompt": "guess the number"}
+    assert Script.seen == [(row, ["7", "7"])]
     # the second turn's context is the prompt and everything after it so far
     assert engine.calls[1] == [prompt + want[:6]]
     assert outcome.metrics["rollout/turns"] == 2 and outcome.metrics["env/done_rate"] == 1
@@ -104,10 +101,10 @@ def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
     eos, seven = tok.eos_token_id, ids(tok, "7")[0]
     engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
     # episode 0 is done after one turn, episode 1 after two, episode 2 never: max_turns=3 ends it
-    plans = iter([[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5])
-    loop = make_loop(tok, engine, lambda: Script(next(plans)), max_turns=3)
+    plans = [[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5]
+    loop = make_loop(tok, engine, max_turns=3)
     prompt = ids(tok, "guess the number")
-    episodes, outcome = loop.run([prompt] * 3, [{"prompt": "p"}] * 3, sampling(tok))
+    episodes, outcome = loop.run([prompt] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
     assert [len(c) for c in engine.calls] == [3, 2, 1]  # the unfinished episodes, batched
     assert outcome.turns == [1, 2, 3] and outcome.done == [True, True, False] and outcome.truncated == [False] * 3
     assert episodes.loss_mask.sum(1).tolist() == [2, 4, 6]
@@ -123,8 +120,8 @@ def test_token_budget_cuts_observations_and_turns(game_tokenizer):
 
     def run(budget):
         engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
-        loop = make_loop(tok, engine, lambda: Script([(observation, 0.0, False)] * 5), max_turns=5, max_episode_tokens=budget)
-        return loop.run([prompt], [{"prompt": "guess"}], sampling(tok))
+        loop = make_loop(tok, engine, max_turns=5, max_episode_tokens=budget)
+        return loop.run([prompt], [{"prompt": "guess", "plan": [(observation, 0.0, False)] * 5}], sampling(tok))
 
     episodes, outcome = run(4)  # 7 <eos> + 2 of the observation's 3 tokens: cut, truncated
     assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation)[:2]
@@ -145,22 +142,26 @@ def test_environment_failures_are_the_episodes_own(game_tokenizer):
 
     class Raises(Script):
         def step(self, completion):
-            raise KeyError("boom")
+            if self.steps[0] == "raise":
+                raise KeyError("boom")
+            return super().step(completion)
 
-    kinds = iter([lambda: Script([("higher", "lots", False)]), lambda: Raises([]), lambda: Script([("correct", 1.0, True)])])
-    loop = make_loop(tok, engine, lambda: next(kinds)())
-    _, outcome = loop.run([ids(tok, "guess")] * 3, [{"prompt": "first"}, {"prompt": "second"}, {"prompt": "third"}], sampling(tok))
-    assert outcome.errors[0] == "script.py:Script.step returned the reward 'lots', expected a finite number (episode with prompt 'first')"
-    assert outcome.errors[1] == "script.py:Script raised KeyError: 'boom' (episode with prompt 'second')"
+    plans = [[("higher", "lots", False)], ["raise"], [("correct", 1.0, True)]]
+    loop = make_loop(tok, engine, Raises)
+    rows = [{"prompt": name, "plan": plan} for name, plan in zip(["first", "second", "third"], plans)]
+    _, outcome = loop.run([ids(tok, "guess")] * 3, rows, sampling(tok))
+    assert outcome.errors[0].startswith("environment script.py:Script: step returned the reward 'lots'") and "'first'" in outcome.errors[0]
+    assert outcome.errors[1] == "environment script.py:Script: step raised KeyError: 'boom'; prompt 'second'"
     assert outcome.errors[2] is None
     assert torch.isnan(outcome.rewards[:2]).all() and outcome.rewards[2] == 1.0
 
 
 def test_chat_observations_use_the_template(game_tokenizer):
     tok = game_tokenizer
-    fmt = ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, role="user", stop_token_id=tok.eos_token_id)
+    fmt = ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id)
     # plain template: "role: content\n" lines, "assistant:" as the generation prompt
     assert fmt.text("higher") == "\nuser: higher\nassistant:"
+    assert fmt.text("4", [{"role": "tool", "content": "4"}]) == "\ntool: 4\nassistant:"
     assert ObservationFormat(tok).text("higher") == "higher"
 
 
@@ -194,11 +195,11 @@ def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
     whole episode (observations included): the contexts were assembled as the trainer will read them."""
     tok = game_tokenizer
     engine = SamplerEngine(game_model, tok.pad_token_id)
-    loop = make_loop(tok, engine, lambda: Script([("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]),
-                     max_turns=3, max_episode_tokens=20)
+    loop = make_loop(tok, engine, max_turns=3, max_episode_tokens=20)
     prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
+    plan = [("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]
     torch.manual_seed(1)
-    episodes, outcome = loop.run(prompts, [{"prompt": "a"}, {"prompt": "b"}], sampling(tok, n=4))
+    episodes, outcome = loop.run(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
     assert engine.calls == max(outcome.turns)
     assert (episodes.loss_mask <= episodes.attention_mask[:, episodes.query_ids.shape[1]:]).all()
     with torch.no_grad():

@@ -18,7 +18,6 @@ back beside it in an `EpisodeOutcome`.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -28,46 +27,45 @@ if TYPE_CHECKING:
     from ppokit.engines.base import RolloutEngine, Sampling
     from ppokit.episodes import Episodes
 
-# A stand-in for an observation's text while the chat template renders the message around it.
-_MARK = "\u2063OBSERVATION\u2063"
-
-
 class ObservationFormat:
-    """How an observation's text becomes the tokens appended after a model turn.
+    """How an observation becomes the tokens appended after a model turn.
 
-    Plain text data: the observation as it is. Chat data (`chat_template` given): a `role` message
-    (user, or tool) rendered by the template, with what the template writes between an assistant
-    message and the next one (its end-of-turn text), and the generation prompt for the next model
-    turn. When the model's turn ended with the stop token and the template's end-of-turn text begins
-    with that token, the token is not written twice.
+    Plain text data: the observation's text as it is. Chat data (`chat_template` given): its messages
+    (a `user` or `tool` message, `Step.messages`) rendered by the template as they follow an assistant
+    message: the template's end-of-turn text, the messages, and the generation prompt for the next
+    model turn. When the model's turn ended with the stop token and the end-of-turn text begins with
+    it, the token is not written twice. `tools` (JSON schemas) go to the template as `tools=`.
     """
 
-    def __init__(self, tokenizer, chat_template: Optional[str] = None, role: str = "user", stop_token_id: Optional[int] = None):
-        self.tokenizer = tokenizer
-        self.chat = chat_template is not None
-        if not self.chat:
+    def __init__(self, tokenizer, chat_template: Optional[str] = None, stop_token_id: Optional[int] = None,
+                 tools: Optional[list[dict]] = None):
+        self.tokenizer, self.chat_template, self.tools = tokenizer, chat_template, tools
+        if chat_template is None:
             return
-        render = lambda messages, generation: tokenizer.apply_chat_template(  # noqa: E731
-            messages, chat_template=chat_template, add_generation_prompt=generation, tokenize=False)
-        turn = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
-        before = render(turn, False)
-        after = render(turn + [{"role": role, "content": _MARK}], True)
-        if not after.startswith(before) or _MARK not in after:
-            raise ValueError("the chat template does not render an observation after an assistant turn as a continuation")
-        end_of_turn = before[before.rindex("A") + 1:]
-        self.open, self.close = after[len(before):].split(_MARK)
-        self.end_of_turn = end_of_turn
+        self.turn = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+        self.before = self._render(self.turn, False)
+        end_of_turn = self.before[self.before.rindex("A") + 1:]
         stop_text = tokenizer.decode([stop_token_id]) if stop_token_id is not None else None
+        self.end_of_turn = end_of_turn
         self.end_of_stopped_turn = end_of_turn[len(stop_text):] if stop_text and end_of_turn.startswith(stop_text) else end_of_turn
 
-    def text(self, observation: str, turn_stopped: bool = True) -> str:
-        """The text appended after a model turn (turn_stopped: it ended with the stop token)."""
-        if not self.chat:
-            return observation
-        return (self.end_of_stopped_turn if turn_stopped else self.end_of_turn) + self.open + observation + self.close
+    def _render(self, messages: list[dict], generation: bool) -> str:
+        extra = {"tools": self.tools} if self.tools else {}
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, add_generation_prompt=generation,
+                                                  tokenize=False, **extra)
 
-    def ids(self, observation: str, turn_stopped: bool = True) -> list[int]:
-        return self.tokenizer(self.text(observation, turn_stopped), add_special_tokens=False)["input_ids"]
+    def text(self, observation: str, messages: Optional[list[dict]] = None, turn_stopped: bool = True) -> str:
+        """The text appended after a model turn (turn_stopped: it ended with the stop token)."""
+        if self.chat_template is None:
+            return observation
+        after = self._render(self.turn + (messages or [{"role": "user", "content": observation}]), True)
+        if not after.startswith(self.before):
+            raise ValueError("the chat template does not render an observation after an assistant turn as a continuation "
+                             "(set data.chat_template=plain or another template)")
+        return (self.end_of_stopped_turn if turn_stopped else self.end_of_turn) + after[len(self.before):]
+
+    def ids(self, observation: str, messages: Optional[list[dict]] = None, turn_stopped: bool = True) -> list[int]:
+        return self.tokenizer(self.text(observation, messages, turn_stopped), add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -76,7 +74,7 @@ class EpisodeOutcome:
 
     rewards: torch.Tensor  # (B,) float64: the sum of each episode's step rewards; NaN where it failed
     turn_rewards: torch.Tensor  # (B, R) float32: each step's reward at the last token of the turn that earned it
-    errors: list[Optional[str]]  # one line per failed episode (the environment raised, timed out, or returned a bad reward)
+    errors: list[Optional[str]]  # one line per failed episode (the environment raised, timed out, or returned a bad value)
     turns: list[int]  # model turns per episode
     done: list[bool]  # the environment said done
     truncated: list[bool]  # cut by rollout.max_episode_tokens
@@ -85,15 +83,11 @@ class EpisodeOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def direct_call(fn: Callable, *args):
-    return fn(*args)
-
-
 @dataclass
 class _Episode:
     """One episode while it runs: its token ids after the prompt, which of them are the model's."""
 
-    environment: Any = None
+    environment: Any = None  # the runner's EnvironmentEpisode
     ids: list[int] = field(default_factory=list)
     trained: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -115,46 +109,35 @@ class _Episode:
         self.error, self.running = message, False
 
 
-def check_step(result: Any, name: str) -> tuple[Optional[str], float, bool]:
-    """An environment's `step` result -> (observation, reward, done), or a ValueError naming what is wrong."""
-    if not isinstance(result, tuple) or len(result) != 3:
-        raise ValueError(f"{name}.step returned {type(result).__name__}, expected a tuple (observation, reward, done)")
-    observation, reward, done = result
-    if observation is not None and not isinstance(observation, str):
-        raise ValueError(f"{name}.step returned an observation of type {type(observation).__name__}, expected str or None")
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-        raise ValueError(f"{name}.step returned the reward {reward!r}, expected a finite number")
-    return observation, float(reward), bool(done)
-
-
 class EpisodeLoop:
     """Runs batches of multi-turn episodes over a rollout engine (see the module docstring).
 
-    make_environment: a new environment for one episode (`reset(row)`, `step(completion)`).
-    name: how errors name the environment (its spec). call(fn, *args): how environment code is
-    called (e.g. in a thread under a timeout); it raises what fn raises. max_episode_tokens: the
-    response region's budget (model turns + observations); None: only max_turns bounds it.
-    describe(row): how an error names an episode (default: its prompt).
+    runner: makes and calls the environments (`ppokit.environments.EnvironmentRunner`: start_many(rows,
+    prompts) -> per row an episode with `.first` (a Step) or the exception it failed with;
+    step_many(episodes, completions) -> per episode a Step (observation, reward, done, messages) or an
+    exception). max_episode_tokens: the response region's budget (model turns + observations).
+    observation: how observations become tokens (plain text by default).
     """
 
     def __init__(
-        self, engine: "RolloutEngine", tokenizer, make_environment: Callable[[], Any], *, name: str, max_turns: int,
-        max_episode_tokens: Optional[int], pad_token_id: int, observation: Optional[ObservationFormat] = None,
-        call: Callable = direct_call,
+        self, engine: "RolloutEngine", tokenizer, runner, *, max_turns: int, max_episode_tokens: Optional[int],
+        pad_token_id: int, observation: Optional[ObservationFormat] = None,
     ):
-        self.engine, self.tokenizer, self.make_environment, self.name = engine, tokenizer, make_environment, name
+        self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
         self.max_turns, self.max_episode_tokens, self.pad_token_id = max_turns, max_episode_tokens, pad_token_id
         self.observation = observation or ObservationFormat(tokenizer)
-        self.call = call
 
     def _room(self, episode: _Episode) -> float:
         return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - len(episode.ids)
 
-    def _observe(self, episode: _Episode, text: Optional[str], turn_stopped: bool) -> None:
+    def _observe(self, episode: _Episode, step, turn_stopped: bool) -> None:
         """Append an observation, cut to the room left (the episode then ends, truncated)."""
-        if text is None:
+        if step.observation is None:
             return
-        ids = self.observation.ids(text, turn_stopped) if episode.turns else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if episode.turns:
+            ids = self.observation.ids(step.observation, step.messages, turn_stopped)
+        else:  # reset's observation continues the prompt as text
+            ids = self.tokenizer(step.observation, add_special_tokens=False)["input_ids"]
         room = self._room(episode)
         if len(ids) >= room:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
@@ -163,63 +146,55 @@ class EpisodeLoop:
     def run(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
         """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""
         episodes = [_Episode() for _ in prompts]
-        for episode, row in zip(episodes, rows):
-            try:
-                episode.environment = self.call(self.make_environment)
-                first = self.call(episode.environment.reset, row)
-                if first is not None and not isinstance(first, str):
-                    raise ValueError(f"{self.name}.reset returned {type(first).__name__}, expected str or None")
-            except Exception as e:  # the user's code: its failure is this episode's, named with its prompt
-                episode.fail(self._failure(e, row))
+        texts = [str(row.get("prompt", "")) for row in rows]
+        for episode, started in zip(episodes, self.runner.start_many([dict(row) for row in rows], texts)):
+            if isinstance(started, BaseException):
+                episode.fail(str(started))
                 continue
-            self._observe(episode, first, turn_stopped=True)
+            episode.environment = started
+            if started.first is not None:
+                self._observe(episode, started.first, turn_stopped=True)
         device = None
         while True:
-            running = [i for i, e in enumerate(episodes) if e.running]
+            running = [e for e in episodes if e.running]
             if not running:
                 break
-            rooms = [self._room(episodes[i]) for i in running]
-            budget = int(min(sampling.max_new_tokens, max(rooms)))
-            turn = self.engine.generate([prompts[i] + episodes[i].ids for i in running], replace(sampling, max_new_tokens=budget))
+            budget = int(min(sampling.max_new_tokens, max(self._room(e) for e in running)))
+            turn = self.engine.generate([prompts[i] + e.ids for i, e in enumerate(episodes) if e.running],
+                                        replace(sampling, max_new_tokens=budget))
             device = turn.response_ids.device
-            for k, i in enumerate(running):
-                self._take_turn(episodes[i], turn, k, rows[i])
+            completions = [self._add_turn(e, turn, k) for k, e in enumerate(running)]
+            steps = self.runner.step_many([e.environment for e in running], completions)
+            for e, step in zip(running, steps):
+                self._answer(e, step)
         return self._collect(prompts, episodes, device)
 
-    def _take_turn(self, episode: _Episode, turn: "Episodes", k: int, row: dict) -> None:
+    def _add_turn(self, episode: _Episode, turn: "Episodes", k: int) -> str:
+        """Row k of one generate call is the episode's next model turn (cut to the room left) -> its text."""
         mask = turn.loss_mask[k]
         ids, logprobs = turn.response_ids[k][mask].tolist(), turn.logprobs[k][mask].tolist()
         room = self._room(episode)
-        cut = len(ids) > room
-        if cut:
-            ids, logprobs = ids[: int(room)], logprobs[: int(room)]
-        stopped = bool(turn.ended[k]) and not cut
+        if len(ids) > room:
+            ids, logprobs, episode.truncated = ids[: int(room)], logprobs[: int(room)], True
         episode.add(ids, logprobs)
         episode.turns += 1
-        episode.last_turn_stopped = stopped
-        try:
-            completion = self.tokenizer.decode(ids, skip_special_tokens=True)
-            observation, reward, done = check_step(self.call(episode.environment.step, completion), self.name)
-        except Exception as e:
-            episode.fail(self._failure(e, row))
-            return
-        episode.reward += reward
-        episode.turn_ends.append((len(episode.ids) - 1, reward))
-        episode.done = done
-        if done or episode.turns >= self.max_turns:
-            episode.running = False
-        elif cut or self._room(episode) <= 0:
-            episode.truncated, episode.running = True, False
-        else:
-            self._observe(episode, observation, stopped)
-            if episode.running and self._room(episode) <= 0:
-                episode.truncated, episode.running = True, False
+        episode.last_turn_stopped = bool(turn.ended[k]) and not episode.truncated
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _failure(self, error: Exception, row: dict) -> str:
-        prompt = str(row.get("prompt", ""))
-        shown = prompt if len(prompt) <= 80 else prompt[:77] + "..."
-        detail = str(error) if isinstance(error, ValueError) and str(error).startswith(self.name) else f"{self.name} raised {type(error).__name__}: {error}"
-        return f"{detail} (episode with prompt {shown!r})"
+    def _answer(self, episode: _Episode, step) -> None:
+        """The environment's answer to the episode's last turn: its reward, and the next observation or the end."""
+        if isinstance(step, BaseException):
+            episode.fail(str(step))
+            return
+        episode.reward += step.reward
+        episode.turn_ends.append((len(episode.ids) - 1, step.reward))
+        episode.done = step.done
+        if step.done or episode.turns >= self.max_turns or episode.truncated:
+            episode.running = False
+            return
+        self._observe(episode, step, episode.last_turn_stopped)
+        if episode.running and self._room(episode) <= 0:
+            episode.truncated, episode.running = True, False
 
     def _collect(self, prompts: list[list[int]], episodes: list[_Episode], device) -> tuple["Episodes", EpisodeOutcome]:
         from ppokit.episodes import Episodes
