@@ -77,7 +77,7 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
     prompt = ids(tok, "guess the number")
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.25, False), ("correct", 1.0, True)]}
-    episodes, outcome = make_loop(tok, engine).run([prompt], [row], sampling(tok))
+    episodes, outcome = make_loop(tok, engine).sample([prompt], [row], sampling(tok))
     # response region: [1 to 16] (reset) 7 <eos> [higher] 7 <eos>; the final "correct" is not appended
     want = ids(tok, "1 to 16") + [seven, eos] + ids(tok, "higher") + [seven, eos]
     assert episodes.response_ids[0].tolist() == want
@@ -104,7 +104,7 @@ def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
     plans = [[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5]
     loop = make_loop(tok, engine, max_turns=3)
     prompt = ids(tok, "guess the number")
-    episodes, outcome = loop.run([prompt] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
+    episodes, outcome = loop.sample([prompt] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
     assert [len(c) for c in engine.calls] == [3, 2, 1]  # the unfinished episodes, batched
     assert outcome.turns == [1, 2, 3] and outcome.done == [True, True, False] and outcome.truncated == [False] * 3
     assert episodes.loss_mask.sum(1).tolist() == [2, 4, 6]
@@ -121,7 +121,7 @@ def test_token_budget_cuts_observations_and_turns(game_tokenizer):
     def run(budget):
         engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
         loop = make_loop(tok, engine, max_turns=5, max_episode_tokens=budget)
-        return loop.run([prompt], [{"prompt": "guess", "plan": [(observation, 0.0, False)] * 5}], sampling(tok))
+        return loop.sample([prompt], [{"prompt": "guess", "plan": [(observation, 0.0, False)] * 5}], sampling(tok))
 
     episodes, outcome = run(4)  # 7 <eos> + 2 of the observation's 3 tokens: cut, truncated
     assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation)[:2]
@@ -149,7 +149,7 @@ def test_environment_failures_are_the_episodes_own(game_tokenizer):
     plans = [[("higher", "lots", False)], ["raise"], [("correct", 1.0, True)]]
     loop = make_loop(tok, engine, Raises)
     rows = [{"prompt": name, "plan": plan} for name, plan in zip(["first", "second", "third"], plans)]
-    _, outcome = loop.run([ids(tok, "guess")] * 3, rows, sampling(tok))
+    _, outcome = loop.sample([ids(tok, "guess")] * 3, rows, sampling(tok))
     assert outcome.errors[0].startswith("environment script.py:Script: step returned the reward 'lots'") and "'first'" in outcome.errors[0]
     assert outcome.errors[1] == "environment script.py:Script: step raised KeyError: 'boom'; prompt 'second'"
     assert outcome.errors[2] is None
@@ -199,7 +199,7 @@ def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
     prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
     plan = [("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]
     torch.manual_seed(1)
-    episodes, outcome = loop.run(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
+    episodes, outcome = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
     assert engine.calls == max(outcome.turns)
     assert (episodes.loss_mask <= episodes.attention_mask[:, episodes.query_ids.shape[1]:]).all()
     with torch.no_grad():
@@ -208,3 +208,26 @@ def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
     mask = episodes.loss_mask
     assert (fresh[mask] - episodes.logprobs[mask]).abs().max() < 1e-4
     assert outcome.observation_tokens[0] > 0 and all(m > 0 for m in outcome.model_tokens)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_environment_reward_is_a_source_whose_failures_follow_on_error(on_error):
+    from ppokit.config import RewardConfig
+    from ppokit.environments.episode_loop import EnvironmentReward
+    from ppokit.rewards import ScoringBatch, build_scorer
+    from ppokit.rewards.sources import RewardError
+
+    scorer = build_scorer(RewardConfig(functions=[lambda prompts, completions: [0.5] * len(prompts)], weights=[1.0, 2.0], on_error=on_error),
+                          environment=EnvironmentReward())
+    error = "environment g.py:Game: step raised KeyError: 'x'; prompt 'b'"
+    batch = ScoringBatch(["a", "b", "c"], ["1", "2", "3"], environment_rewards=[1.0, float("nan"), -1.0],
+                         environment_errors=[None, error, None])
+    if on_error == "raise":
+        with pytest.raises(RewardError, match="step raised KeyError"):
+            scorer.score(batch)
+        return
+    with pytest.warns(UserWarning, match="step raised KeyError"):
+        result = scorer.score(batch)
+    assert result.valid.tolist() == [True, False, True]
+    assert result.scores.tolist() == [0.5 + 2.0, 0.0, 0.5 - 2.0]
+    assert scorer.metrics(result)["reward/environment"] == 0.0

@@ -143,7 +143,7 @@ class EpisodeLoop:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
         episode.add(ids, None)
 
-    def run(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
+    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
         """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""
         episodes = [_Episode() for _ in prompts]
         texts = [str(row.get("prompt", "")) for row in rows]
@@ -239,6 +239,51 @@ class EpisodeLoop:
         )
         outcome.metrics = episode_metrics(outcome)
         return batch, outcome
+
+
+class SingleTurn:
+    """One prompt, one response: the rollout engine's own `generate` (no environment; no outcome)."""
+
+    def __init__(self, engine: "RolloutEngine"):
+        self.engine = engine
+
+    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", None]:
+        return self.engine.generate(prompts, sampling), None
+
+
+def episode_source(engine: "RolloutEngine", tokenizer, *, environment: Optional[str], environment_args: dict,
+                   timeout_s: Optional[float], max_turns: int, max_episode_tokens: Optional[int], response_length: int,
+                   pad_token_id: int, stop_token_id: Optional[int], chat_template: Optional[str], base_dir=None):
+    """What the trainer samples its episodes from, decided once: without an environment the engine itself
+    (`SingleTurn`); with one, the `EpisodeLoop` (budget: max_episode_tokens, default max_turns x response_length;
+    observations rendered by `chat_template` when the prompts were chats, else as plain text)."""
+    if environment is None:
+        return SingleTurn(engine)
+    from ppokit.environments.base import EnvironmentRunner
+
+    runner = EnvironmentRunner.from_config(environment, environment_args, timeout_s, base_dir)
+    budget = max_episode_tokens if max_episode_tokens is not None else max_turns * response_length
+    observation = ObservationFormat(tokenizer, chat_template, stop_token_id, runner.tools)
+    return EpisodeLoop(engine, tokenizer, runner, max_turns=max_turns, max_episode_tokens=budget, pad_token_id=pad_token_id,
+                       observation=observation)
+
+
+class EnvironmentReward:
+    """The environment as a reward source (`reward/environment`): each episode's summed step rewards.
+    An episode whose environment failed fails here, with the environment's own one-line message, so
+    `reward.on_error` applies to it as to any source (skip: that episode leaves the update)."""
+
+    name = "environment"
+
+    def score(self, batch) -> torch.Tensor:
+        from ppokit.environments.base import EnvironmentFailure
+
+        if batch.environment_rewards is None:
+            raise EnvironmentFailure("the environment reward source was given a batch without environment rewards")
+        failed = [error for error in batch.environment_errors or [] if error]
+        if failed:
+            raise EnvironmentFailure(failed[0])
+        return torch.tensor(batch.environment_rewards, dtype=torch.float32)
 
 
 def episode_metrics(outcome: EpisodeOutcome) -> dict[str, float]:
