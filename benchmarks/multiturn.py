@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ def main() -> None:
     from ppokit.engines.base import Sampling
     from ppokit.engines.hf import HFEngine
     from ppokit.environments.episode_loop import episode_source
+    from ppokit.environments.guess import guess_rows
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ppokit-multiturn-"))
     if not (work / "sft").is_dir():
@@ -44,7 +44,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(work / "sft")
     model = AutoModelForCausalLM.from_pretrained(work / "sft").eval()
     engine = HFEngine(model, tokenizer.pad_token_id, torch.device("cpu"), rows_per_forward=64)
-    rows = demo_game.game_rows(random.Random(1), args.episodes)
+    rows = guess_rows(1, args.episodes)
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
     result = {"benchmark": "multiturn", "episodes": args.episodes, "repeats": args.repeats, "threads": torch.get_num_threads()}

@@ -1,7 +1,7 @@
 """The multi-turn demo: a tiny model learns to play a guessing game (`ppokit demo --environment guess`).
 
-1. play games of the built-in GuessNumber environment (a number from 1 to 16; it answers "higher",
-   "lower" or "correct") with a scripted player that half the time ignores the answers;
+1. games of the built-in GuessNumber environment (a number from 1 to 16; it answers "higher",
+   "lower" or "correct") by a player that guesses at random within what the answers allow;
 2. train a word-level tokenizer on the transcripts and build a tiny Llama-style model;
 3. fine-tune it (SFT) on the transcripts, its own turns only, so that it knows the format;
 4. run PPO with the game as the environment: the episode's reward is the environment's. The share
@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from pathlib import Path
@@ -20,12 +19,11 @@ import torch
 from ppokit import run_dir
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
 from ppokit.models import no_progress_bars
-from ppokit.sft import build_example, train_sft
+from ppokit.sft import IGNORE_INDEX, build_example, train_sft
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
 GAME = "ppokit.environments:GuessNumber"
-LOW, HIGH, MAX_TURNS = 1, 16, 5
-PROMPT = f"guess a number from {LOW} to {HIGH} ."
+MAX_TURNS = 5
 
 SETTINGS = {
     # quick: a few minutes on 2 cores; full: a larger model and a longer run.
@@ -34,59 +32,19 @@ SETTINGS = {
 }
 
 
-def game_rows(rng: random.Random, n: int) -> list[dict]:
-    """Data rows of the game: the prompt and the secret number GuessNumber reads (`number`)."""
-    return [{"prompt": PROMPT, "number": rng.randint(LOW, HIGH)} for _ in range(n)]
-
-
-def noisy_player(rng: random.Random, ignore: float = 0.5):
-    """A player that guesses within what the answers so far allow, but `ignore` of the time anywhere."""
-    low, high = LOW, HIGH
-
-    def turn(last_guess, observation):
-        nonlocal low, high
-        if observation is not None and "higher" in observation:
-            low = max(low, last_guess + 1)
-        elif observation is not None and "lower" in observation:
-            high = min(high, last_guess - 1)
-        if rng.random() < ignore or low > high:
-            return rng.randint(LOW, HIGH)
-        return rng.randint(low, high)
-
-    return turn
-
-
-def play(runner, rows: list[dict], rng: random.Random) -> list[list[tuple[str, str | None]]]:
-    """Each row's game with the noisy player -> its turns: (the player's guess, the observation after it
-    or None after the last turn)."""
-    games = []
-    for row in rows:
-        episode = runner.start(row, row["prompt"])
-        player, guess, observation, turns = noisy_player(rng), None, None, []
-        for t in range(MAX_TURNS):
-            guess = player(guess, observation)
-            step = episode.step(str(guess))
-            observation = step.observation
-            last = step.done or t + 1 == MAX_TURNS
-            turns.append((str(guess), None if last else observation))
-            if last:
-                break
-        games.append(turns)
-    return games
-
-
-def sft_examples(tokenizer, rows: list[dict], games) -> list[tuple[list[int], list[int]]]:
-    """One example per game: the prompt, then each guess and EOS (trained on) and the observation after it (not)."""
+def sft_examples(tokenizer, games: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """One example per game (`guess_transcripts`): the prompt, then each guess and EOS (trained on) and the
+    answer after it (read, not trained on); the answer to the last turn ends the game and is not there."""
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     examples = []
-    for row, turns in zip(rows, games):
-        ids, labels = build_example(encode(row["prompt"]), [])
-        for guess, observation in turns:
+    for game in games:
+        ids, labels = build_example(encode(game["prompt"]), [])
+        for i, (guess, word) in enumerate(game["turns"]):
             turn = encode(guess) + [tokenizer.eos_token_id]
             ids, labels = ids + turn, labels + turn
-            if observation is not None:
-                seen = encode(observation)
-                ids, labels = ids + seen, labels + [-100] * len(seen)
+            if i + 1 < len(game["turns"]):
+                seen = encode(word)
+                ids, labels = ids + seen, labels + [IGNORE_INDEX] * len(seen)
         examples.append((ids, labels))
     return examples
 
@@ -94,25 +52,24 @@ def sft_examples(tokenizer, rows: list[dict], games) -> list[tuple[list[int], li
 def prepare_game_demo(out: Path, quick: bool, seed: int, say) -> Path:
     """Steps 1-3: the game's data, a tokenizer and a tiny model fine-tuned on played games, in out/sft."""
     from ppokit.demo import DEMO_MARKER_KIND, _write_jsonl
-    from ppokit.environments.base import EnvironmentRunner
+    from ppokit.environments.guess import guess_rows, guess_transcripts, vocabulary
 
-    s, rng = SETTINGS[quick], random.Random(seed)
+    s = SETTINGS[quick]
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     run_dir.write_marker(out, DEMO_MARKER_KIND)
-    runner = EnvironmentRunner.from_config(GAME, {}, None)
-    sft_rows = game_rows(rng, s["n_games"])
-    games = play(runner, sft_rows, rng)
-    _write_jsonl(out / "data" / "prompts.jsonl", game_rows(rng, s["n_prompts"]))
-    say(f"[1/4] data: {len(games)} games played by a noisy player ({sum(len(t) for t in games) / len(games):.2f} turns each), "
-        f"{s['n_prompts']} PPO prompts -> {out / 'data'}")
+    games = guess_transcripts(seed, s["n_games"], strategy="random", max_turns=MAX_TURNS)
+    _write_jsonl(out / "data" / "games.jsonl", games)
+    _write_jsonl(out / "data" / "prompts.jsonl", guess_rows(seed + 1, s["n_prompts"]))
+    won = sum(game["turns"][-1][1] == "correct" for game in games) / len(games)
+    say(f"[1/4] data: {len(games)} games of a player guessing at random within what the answers allow ({won:.0%} won within "
+        f"{MAX_TURNS} turns, {sum(len(g['turns']) for g in games) / len(games):.2f} turns each), {s['n_prompts']} PPO prompts -> {out / 'data'}")
 
-    texts = [PROMPT] + [" ".join(f"{g} {o or ''}" for g, o in turns) for turns in games] + [" ".join(map(str, range(LOW, HIGH + 1)))]
-    tokenizer = word_tokenizer(texts)
+    tokenizer = word_tokenizer([" ".join(vocabulary())])
     model = tiny_causal_lm("llama", tokenizer, hidden=s["hidden"], layers=s["layers"], heads=4)
     say(f"[2/4] model: tiny Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
 
-    examples = sft_examples(tokenizer, sft_rows, games)
+    examples = sft_examples(tokenizer, games)
     losses = train_sft(model, examples, tokenizer.pad_token_id, epochs=s["sft_epochs"], batch_size=32, learning_rate=3e-3, seed=seed)
     sft_dir = out / "sft"
     with no_progress_bars():
