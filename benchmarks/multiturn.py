@@ -33,6 +33,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ppokit import demo_game
+    from ppokit.config import RolloutConfig
     from ppokit.engines.base import Sampling
     from ppokit.engines.hf import HFEngine
     from ppokit.environments.episode_loop import episode_source
@@ -50,7 +51,7 @@ def main() -> None:
     result = {"benchmark": "multiturn", "episodes": args.episodes, "repeats": args.repeats, "threads": torch.get_num_threads()}
     for turns in (1, 2, 4):
         source = episode_source(engine, tokenizer, environment=demo_game.GAME, environment_args={}, timeout_s=None,
-                                max_turns=turns, max_episode_tokens=None, response_length=3, pad_token_id=tokenizer.pad_token_id,
+                                rollout=RolloutConfig(max_turns=turns), response_length=3, pad_token_id=tokenizer.pad_token_id,
                                 stop_token_id=tokenizer.eos_token_id, chat_template=None)
         torch.manual_seed(0)
         source.sample(prompts, rows, sampling)  # warm-up

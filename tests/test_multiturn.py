@@ -95,6 +95,15 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     assert engine.calls[1] == [prompt + want[:6]]
     assert outcome.metrics["rollout/turns"] == 2 and outcome.metrics["env/done_rate"] == 1
 
+    # rollout.turn_rewards: the environment's part of the score (weight 2 x 1.25) moves to the turns that earned it
+    loop = make_loop(tok, engine, turn_weight=2.0)
+    kl = torch.tensor([[0, 0, 0, -0.1, -0.1, 0, -0.1, -0.1]])
+    shaped = kl.clone()
+    shaped[0, 7] += 0.5 + 2.0 * 1.25  # another source's 0.5 and the environment's, weighted, at the last model token
+    placed = loop.place_rewards(shaped, outcome, episodes.score_index)
+    assert placed[0].tolist() == pytest.approx([0, 0, 0, -0.1, -0.1 + 0.5, 0, -0.1, -0.1 + 0.5 + 2.0])
+    assert make_loop(tok, engine).place_rewards(shaped, outcome, episodes.score_index) is shaped  # turn rewards off
+
 
 def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
     tok = game_tokenizer
@@ -154,6 +163,19 @@ def test_environment_failures_are_the_episodes_own(game_tokenizer):
     assert outcome.errors[1] == "environment script.py:Script: step raised KeyError: 'boom'; prompt 'second'"
     assert outcome.errors[2] is None
     assert torch.isnan(outcome.rewards[:2]).all() and outcome.rewards[2] == 1.0
+
+
+def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
+    from ppokit.config import RewardConfig, RolloutConfig
+    from ppokit.environments.episode_loop import turn_weight
+    from ppokit.errors import UserError
+
+    assert turn_weight(RolloutConfig(turn_rewards=False), RewardConfig()) is None
+    assert turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(functions=["length"], weights=[1.0, 3.0])) == 3.0
+    with pytest.raises(UserError, match="reward.clip_range"):
+        turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(clip_range=[-1, 1]))
+    with pytest.raises(UserError, match="reward.normalize on the environment"):
+        turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(functions=["length"], normalize=[False, True]))
 
 
 def test_chat_observations_use_the_template(game_tokenizer):

@@ -116,14 +116,16 @@ class EpisodeLoop:
     prompts) -> per row an episode with `.first` (a Step) or the exception it failed with;
     step_many(episodes, completions) -> per episode a Step (observation, reward, done, messages) or an
     exception). max_episode_tokens: the response region's budget (model turns + observations).
-    observation: how observations become tokens (plain text by default).
+    observation: how observations become tokens (plain text by default). turn_weight: rollout.turn_rewards
+    on, the environment's weight in reward.weights (`place_rewards`); None: off.
     """
 
     def __init__(
         self, engine: "RolloutEngine", tokenizer, runner, *, max_turns: int, max_episode_tokens: Optional[int],
-        pad_token_id: int, observation: Optional[ObservationFormat] = None,
+        pad_token_id: int, observation: Optional[ObservationFormat] = None, turn_weight: Optional[float] = None,
     ):
         self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
+        self.turn_weight = turn_weight
         self.max_turns, self.max_episode_tokens, self.pad_token_id = max_turns, max_episode_tokens, pad_token_id
         self.observation = observation or ObservationFormat(tokenizer)
 
@@ -196,6 +198,18 @@ class EpisodeLoop:
         if episode.running and self._room(episode) <= 0:
             episode.truncated, episode.running = True, False
 
+    def place_rewards(self, rewards: torch.Tensor, outcome: EpisodeOutcome, score_index: torch.Tensor) -> torch.Tensor:
+        """Per-token rewards (B, R) with the score at score_index -> with rollout.turn_rewards, the environment's
+        part of the score (weight x its summed step rewards) moved to the turns that earned it: each step's
+        reward, weighted, at the last token of its turn. Unchanged without turn rewards."""
+        if self.turn_weight is None:
+            return rewards
+        rows = torch.arange(rewards.shape[0], device=rewards.device)
+        summed = torch.nan_to_num(outcome.rewards.to(rewards.device, rewards.dtype))  # a failed episode is out of the update
+        moved = rewards.clone()
+        moved[rows, score_index] -= self.turn_weight * summed
+        return moved + self.turn_weight * outcome.turn_rewards.to(rewards.device, rewards.dtype)
+
     def _collect(self, prompts: list[list[int]], episodes: list[_Episode], device) -> tuple["Episodes", EpisodeOutcome]:
         from ppokit.episodes import Episodes
 
@@ -250,22 +264,59 @@ class SingleTurn:
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", None]:
         return self.engine.generate(prompts, sampling), None
 
+    def place_rewards(self, rewards: torch.Tensor, outcome: None, score_index: torch.Tensor) -> torch.Tensor:
+        return rewards
+
 
 def episode_source(engine: "RolloutEngine", tokenizer, *, environment: Optional[str], environment_args: dict,
-                   timeout_s: Optional[float], max_turns: int, max_episode_tokens: Optional[int], response_length: int,
-                   pad_token_id: int, stop_token_id: Optional[int], chat_template: Optional[str], base_dir=None):
+                   timeout_s: Optional[float], rollout, response_length: int, pad_token_id: int, stop_token_id: Optional[int],
+                   chat_template: Optional[str], reward=None, base_dir=None):
     """What the trainer samples its episodes from, decided once: without an environment the engine itself
-    (`SingleTurn`); with one, the `EpisodeLoop` (budget: max_episode_tokens, default max_turns x response_length;
-    observations rendered by `chat_template` when the prompts were chats, else as plain text)."""
+    (`SingleTurn`); with one, the `EpisodeLoop` over the `rollout:` section's turns and budget
+    (max_episode_tokens, default max_turns x response_length); observations rendered by `chat_template`
+    when the prompts were chats, else as plain text. reward: the `reward:` section (the environment's
+    weight, the last, for rollout.turn_rewards)."""
     if environment is None:
         return SingleTurn(engine)
     from ppokit.environments.base import EnvironmentRunner
 
     runner = EnvironmentRunner.from_config(environment, environment_args, timeout_s, base_dir)
-    budget = max_episode_tokens if max_episode_tokens is not None else max_turns * response_length
+    budget = rollout.max_episode_tokens if rollout.max_episode_tokens is not None else rollout.max_turns * response_length
     observation = ObservationFormat(tokenizer, chat_template, stop_token_id, runner.tools)
-    return EpisodeLoop(engine, tokenizer, runner, max_turns=max_turns, max_episode_tokens=budget, pad_token_id=pad_token_id,
-                       observation=observation)
+    return EpisodeLoop(engine, tokenizer, runner, max_turns=rollout.max_turns, max_episode_tokens=budget, pad_token_id=pad_token_id,
+                       observation=observation, turn_weight=turn_weight(rollout, reward))
+
+
+def turn_weight(rollout, reward) -> Optional[float]:
+    """The environment's weight when its step rewards are placed per turn (rollout.turn_rewards), else None.
+    Moving them is exact only while the score is a plain weighted sum: a normalised environment source or
+    reward.clip_range with turn rewards is refused."""
+    if not rollout.turn_rewards:
+        return None
+    from ppokit.errors import UserError
+
+    normalize = reward.normalize[-1] if isinstance(reward.normalize, list) else reward.normalize
+    if normalize or reward.clip_range is not None:
+        which = "reward.normalize on the environment" if normalize else "reward.clip_range"
+        raise UserError(f"rollout.turn_rewards places each step reward at its turn, which needs the score to be a plain weighted "
+                        f"sum; {which} changes it as a whole; turn one of them off")
+    return float(reward.weights[-1]) if reward.weights is not None else 1.0
+
+
+def data_rows(prompts: list[str], columns: dict[str, list]) -> list[dict]:
+    """The data rows an environment's reset sees: the prompt and every other column."""
+    return [{"prompt": prompt, **{name: values[i] for name, values in columns.items()}} for i, prompt in enumerate(prompts)]
+
+
+def scoring_fields(outcome: Optional[EpisodeOutcome]) -> dict:
+    """What a ScoringBatch carries of the episodes' environment (nothing without one)."""
+    if outcome is None:
+        return {}
+    return {"environment_rewards": outcome.rewards.tolist(), "environment_errors": list(outcome.errors)}
+
+
+def outcome_metrics(outcome: Optional[EpisodeOutcome]) -> dict[str, float]:
+    return {} if outcome is None else dict(outcome.metrics)
 
 
 class EnvironmentReward:
