@@ -253,3 +253,17 @@ def test_environment_reward_is_a_source_whose_failures_follow_on_error(on_error)
     assert result.valid.tolist() == [True, False, True]
     assert result.scores.tolist() == [0.5 + 2.0, 0.0, 0.5 - 2.0]
     assert scorer.metrics(result)["reward/environment"] == 0.0
+
+
+def test_demo_game_sft_examples_train_the_guesses_only():
+    from ppokit.demo_game import sft_examples
+    from ppokit.environments.guess import vocabulary
+
+    tok = word_tokenizer([" ".join(vocabulary())])
+    game = {"prompt": "guess a number from 1 to 16 .", "turns": [["8", "higher"], ["12", "lower"], ["10", "correct"]]}
+    (ids, labels), = sft_examples(tok, [game])
+    eos = tok.eos_token_id
+    text = tok.convert_ids_to_tokens(ids)
+    assert text == "guess a number from 1 to 16 . 8 <eos> higher 12 <eos> lower 10 <eos>".split()
+    trained = [t for t, label in zip(text, labels) if label != -100]
+    assert trained == ["8", "<eos>", "12", "<eos>", "10", "<eos>"] and labels[-1] == eos
