@@ -281,10 +281,18 @@ def episode_source(engine: "RolloutEngine", tokenizer, *, environment: Optional[
     from ppokit.environments.base import EnvironmentRunner
 
     runner = EnvironmentRunner.from_config(environment, environment_args, timeout_s, base_dir)
-    budget = rollout.max_episode_tokens if rollout.max_episode_tokens is not None else rollout.max_turns * response_length
+    budget = response_room(rollout, environment, response_length)
     observation = ObservationFormat(tokenizer, chat_template, stop_token_id, runner.tools)
     return EpisodeLoop(engine, tokenizer, runner, max_turns=rollout.max_turns, max_episode_tokens=budget, pad_token_id=pad_token_id,
                        observation=observation, turn_weight=turn_weight(rollout, reward))
+
+
+def response_room(rollout, environment: Optional[str], response_length: int) -> int:
+    """Tokens after the prompt an episode may take: ppo.response_length for one response; with an environment
+    rollout.max_episode_tokens (default max_turns x response_length). What the budget and position checks use."""
+    if environment is None:
+        return response_length
+    return rollout.max_episode_tokens if rollout.max_episode_tokens is not None else rollout.max_turns * response_length
 
 
 def turn_weight(rollout, reward) -> Optional[float]:
