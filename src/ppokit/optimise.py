@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ppokit import algo, batching, roles
-from ppokit.config import BatchSizes, PPOHyperparams
+from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperparams
 from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.models import response_logprobs, response_values
 from ppokit.rollout import Rollout
@@ -151,15 +151,15 @@ def micro_batches(rollout: Rollout, minibatch: torch.Tensor, sizes: BatchSizes, 
 def loss_normalisers(micros: list[Rollout], hp: PPOHyperparams, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                      processes: int) -> list[tuple[algo.LossNormalisers, float]]:
     """(normalisers D, scale) for each micro-batch of one minibatch: its loss is ppo_loss(D) x scale.
-    The one place the loss normalisation is decided (algo's docstring states the contract).
+    The one place the loss normalisation (`hp.loss_normalisation`) is applied (algo's docstring states the contract).
 
-    Default (TRL): D over each micro-batch's own rows, scale 1 / the number of micro-batches: the
+    PER_MICRO_BATCH (TRL, the default): D over each micro-batch's own rows, scale 1 / the number of micro-batches: the
     gradient is the mean of the micro-batches' losses (a token weighs more in a micro-batch with fewer).
-    With ppo.max_tokens_per_micro_batch: one D over the whole minibatch, summed over every process and
+    PER_MINIBATCH (with ppo.max_tokens_per_micro_batch): one D over the whole minibatch, summed over every process and
     divided by their number (DDP averages gradients), scale 1: the gradients of the micro-batches add
     up to that of the global minibatch in one piece, however it was split.
     """
-    if hp.max_tokens_per_micro_batch is None:
+    if hp.loss_normalisation == PER_MICRO_BATCH:
         return [(algo.loss_normalisers(mb.response_mask, hp.loss_aggregation, hp.response_length), 1.0 / len(micros)) for mb in micros]
     width = max(mb.response_mask.shape[1] for mb in micros)
     minibatch = torch.cat([nn.functional.pad(mb.response_mask, (0, width - mb.response_mask.shape[1])) for mb in micros])
@@ -221,16 +221,16 @@ def _loss_stats(terms: algo.LossTerms, value: Optional[torch.Tensor], value_clip
 
 
 def ppo_epochs(
-    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
+    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, strategy,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor], train_policy: bool = True,
     on_skipped_step: Optional[Callable[[NonFiniteUpdate], None]] = None,
 ) -> dict[str, float]:
     """Every optimiser step of one update; returns the loss statistics (means over processes) and
     perf/padding_share, the share of padding among the token positions the training forwards processed.
-    engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
+    strategy (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
 
-    Statistics are per micro-batch, averaged over micro-batches (TRL); with ppo.max_tokens_per_micro_batch
-    they are per minibatch (the loss terms summed over its micro-batches, the rest token means over it),
+    Statistics follow the loss normalisation: per micro-batch, averaged over micro-batches (TRL); PER_MINIBATCH
+    (ppo.max_tokens_per_micro_batch) they are per minibatch (the loss terms summed over its micro-batches, the rest token means over it),
     averaged over minibatches, so that they do not depend on the split either (val/ratio_var is then
     the variance over minibatches).
 
@@ -245,12 +245,12 @@ def ppo_epochs(
     skipped update that took no step). With memory or disk, NonFiniteUpdate is raised at the first bad step,
     for the caller to roll the whole update back.
     """
-    accelerator = engine.accelerator
-    by_tokens = hp.max_tokens_per_micro_batch is not None
+    accelerator = strategy.accelerator
+    per_minibatch = hp.loss_normalisation == PER_MINIBATCH  # the loss terms add up over its micro-batches
     policy_params = optimizer.param_groups[0]["params"]
     device = rollout.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
-    # A micro-batch (by tokens: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
+    # A micro-batch (per_minibatch: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
     # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
     processed, real = 0, torch.zeros((), device=device)
@@ -265,11 +265,11 @@ def ppo_epochs(
             kept = ({key: len(values) for key, values in stats.items()}, len(has_tokens))  # to drop a skipped step's
             minibatch_stats: dict[str, torch.Tensor] = {}
             for k, (mb, (normalisers, scale)) in enumerate(zip(micros, loss_normalisers(micros, hp, reduce_sum, accelerator.num_processes))):
-                with engine.no_sync(model, last=k == len(micros) - 1):
+                with strategy.no_sync(model, last=k == len(micros) - 1):
                     loss, micro_stats = micro_batch_backward(model, mb, hp, normalisers, scale, accelerator.backward,
-                                                             engine.backward_separately)
+                                                             strategy.backward_separately)
                 step_loss = step_loss + loss
-                if by_tokens:
+                if per_minibatch:
                     weight = tokens[k] / tokens.sum().clamp(min=1)
                     for key, value in micro_stats.items():
                         minibatch_stats[key] = minibatch_stats.get(key, 0.0) + value * (1.0 if key in LOSS_TERMS else weight)
@@ -277,7 +277,7 @@ def ppo_epochs(
                     for key, value in micro_stats.items():
                         stats.setdefault(key, []).append(value)
                     has_tokens.append(mb.response_mask.any())
-            if by_tokens:
+            if per_minibatch:
                 for key, value in minibatch_stats.items():
                     stats.setdefault(key, []).append(value)
                 has_tokens.append(tokens.sum() > 0)
@@ -286,7 +286,7 @@ def ppo_epochs(
             if not train_policy:
                 for p in policy_params:
                     p.grad = None
-            grad_norm = engine.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
+            grad_norm = strategy.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
             # Checked before the step: a non-finite loss or gradient must never reach the weights.
             # One check of both, so that several processes agree in one reduction.
             steps += 1

@@ -95,7 +95,7 @@ class PPOTrainer:
         roles.check_environment(config)  # before any weights load
         trackers.check_usable(config.report_to)  # likewise: a missing tracker package or an unwritable store is one line, not a late crash
         self.accelerator = accelerator or _make_accelerator(config)
-        self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
+        self.strategy = parallel.strategy(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)
         self.output_dir, self.overwrite, self.run = Path(config.output_dir), overwrite, None
         if self.accelerator.is_main_process:
@@ -162,20 +162,20 @@ class PPOTrainer:
 
     def _prepare(self, built: roles.Roles):
         """Policy and critic under one trainable module with its optimiser over every optimiser step of the
-        run; frozen models placed by the engine too. -> (model, optimizer, scheduler, reference or None)."""
+        run; frozen models placed by the strategy too. -> (model, optimizer, scheduler, reference or None)."""
         config, hp = self.config, self.config.ppo
         steps = self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches
         switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
         for role in (built.policy, built.reference) if switch else ():
             if role is not None:  # the light head and the compiled forward read logits from the last hidden state
                 check_output_head(role, switch)
-        model, optimizer, scheduler = self.engine.prepare(PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train(),
+        model, optimizer, scheduler = self.strategy.prepare(PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train(),
                                                           lambda m: build_optimiser(m, hp, steps))
         if config.compile:
             self.accelerator.unwrap_model(model).use_compiled_backbones()
         if self.scorer.reward_model is not None:
-            self.engine.place_frozen(self.scorer.reward_model).eval()
-        reference = self.engine.place_frozen(built.reference).eval() if built.reference is not None else None
+            self.strategy.place_frozen(self.scorer.reward_model).eval()
+        reference = self.strategy.place_frozen(built.reference).eval() if built.reference is not None else None
         return model, optimizer, scheduler, reference
 
     def _run_folder(self) -> run_dir.RunFolder:
@@ -222,7 +222,7 @@ class PPOTrainer:
         ids, mask = left_pad(query_ids, self.pad_id, self.accelerator.device)
         sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.pad_id, purpose)
         self.policy.eval()
-        with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
+        with self.strategy.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
             rollout = sampler.sample(ids, mask)
         self.policy.train()
         return rollout
@@ -279,7 +279,7 @@ class PPOTrainer:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
         During the first ppo.critic_warmup_updates updates only the critic moves."""
         hp = self.config.ppo
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
+        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.strategy,
                           self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
                           on_skipped_step=self._say_skipped_step)
 
@@ -507,7 +507,7 @@ class PPOTrainer:
 
     def _trained_parts(self) -> TrainedParts:
         return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller, self.scorer,
-                            self.layout.policy_adapter or self.layout.critic_adapter, self.engine.checkpoint_weights())
+                            self.layout.policy_adapter or self.layout.critic_adapter, self.strategy.checkpoint_weights())
 
     def _run_facts(self) -> RunFacts:
         files = self.run.files if self.run is not None else self.output_dir  # where this run writes now (`RunFolder.start`)
@@ -595,8 +595,8 @@ class PPOTrainer:
     def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False,
                     card: Optional[model_card.ModelCard] = None) -> None:
         """Policy, tokenizer and value model as loadable folders (with `card`, their README.md); `merged`: also
-        final/merged/ if configured. Every process calls this; the main one writes the engine's whole copy of the models."""
-        with self.engine.consolidated(self.model) as whole, no_progress_bars():
+        final/merged/ if configured. Every process calls this; the main one writes the strategy's whole copy of the models."""
+        with self.strategy.consolidated(self.model) as whole, no_progress_bars():
 
             def write(tmp: Path) -> None:
                 merged_dir = tmp / "merged" if merged and self.config.save_merged else None
