@@ -27,8 +27,10 @@ MAX_TURNS = 5
 
 SETTINGS = {
     # quick: a few minutes on 2 cores; full: a larger model and a longer run.
-    True: dict(hidden=64, layers=2, n_games=3000, sft_epochs=2, n_prompts=512, total_episodes=1024, batch=32, lr=1e-3),
-    False: dict(hidden=128, layers=4, n_games=6000, sft_epochs=3, n_prompts=2048, total_episodes=4096, batch=64, lr=5e-4),
+    True: dict(hidden=64, layers=2, n_games=3000, sft_epochs=2, n_prompts=512, total_episodes=1024, batch=32, lr=1e-3,
+                length_penalty=0.02),
+    False: dict(hidden=128, layers=4, n_games=6000, sft_epochs=3, n_prompts=2048, total_episodes=4096, batch=64, lr=5e-4,
+                 length_penalty=0.02),
 }
 
 
@@ -87,7 +89,7 @@ def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict) 
         seed=seed,
         environment=GAME,
         rollout=RolloutConfig(max_turns=MAX_TURNS, max_episode_tokens=8 * MAX_TURNS),
-        reward=RewardConfig(),
+        reward=RewardConfig(length_penalty=s["length_penalty"]),  # a little per model token: winning sooner scores more
         data=DataConfig(train=str(base / "data" / "prompts.jsonl")),
         ppo=PPOHyperparams(
             total_episodes=s["total_episodes"], per_device_train_batch_size=s["batch"] // 2, gradient_accumulation_steps=1,
