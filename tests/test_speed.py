@@ -42,14 +42,14 @@ def test_a_minibatch_split_three_ways_gives_the_same_gradients_and_metrics(sft_m
                              max_grad_norm=0.0)
     trainer = PPOTrainer(config, show_progress=False)
     rollout = _one_rollout(trainer)
-    lengths = rollout.response_mask.sum(1)
+    lengths = rollout.loss_mask.sum(1)
     assert len(set(lengths.tolist())) > 3, "responses of varied lengths"
     longest = int(rollout.attention_mask.sum(1).max())
     model = trainer.model
     results = {}
     for name, budget in (("small", longest), ("large", 3 * longest), ("one micro-batch", 10**6)):
         hp = dataclasses.replace(config.ppo, max_tokens_per_micro_batch=budget)
-        counts = [len(batching.plan_rollout(rows, rollout, budget)) for rows in torch.arange(16).split(8)]
+        counts = [len(batching.plan_episodes(rows, rollout, budget)) for rows in torch.arange(16).split(8)]
         recorder = GradientRecorder([p for p in model.parameters() if p.requires_grad])
         scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
         torch.manual_seed(5)  # the same minibatch order each time

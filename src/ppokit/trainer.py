@@ -3,7 +3,7 @@
     1. generate   sample n responses for each prompt of the batch (KV cache, stop token)
     2. score      reward sources on prompt + completion text (and token ids); ReMax: its greedy baseline
     3. forward    reference logprobs and (with a critic) values for every response token
-    4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at the last real token
+    4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at each episode's score position
     5. advantages ppo.advantage_estimator (algo.advantages: gae, grpo, rloo, reinforce_pp, remax)
     6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches
     7. log        metrics.jsonl, console, samples.jsonl
@@ -48,7 +48,8 @@ from ppokit.models import (
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.rollout import HFSampler, Rollout, repeat_each
+from ppokit.episodes import Episodes, repeat_each
+from ppokit.rollout import HFSampler
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
 
@@ -217,28 +218,28 @@ class PPOTrainer:
     def value_model(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).value_model
 
-    def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
+    def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Episodes:
         """One response per query; purpose: train, eval or greedy (rollout.HFSampler.for_purpose)."""
         ids, mask = left_pad(query_ids, self.pad_id, self.accelerator.device)
         sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.pad_id, purpose)
         self.policy.eval()
         with self.strategy.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
-            rollout = sampler.sample(ids, mask)
+            episodes = sampler.sample(ids, mask)
         self.policy.train()
-        return rollout
+        return episodes
 
-    def score(self, rollout: Rollout, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
+    def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
         reward.on_error=skip, errors: the first message of each failed source, metrics}).
         Evaluation passes update_statistics=False so it does not move the reward normalisation."""
         completions = self.tokenizer.batch_decode(
-            rollout.response_ids.masked_fill(~rollout.response_mask, self.tokenizer.pad_token_id),
+            episodes.response_ids.masked_fill(~episodes.loss_mask, self.tokenizer.pad_token_id),
             skip_special_tokens=True,
         )
         batch = ScoringBatch(
-            prompts, completions, columns, rollout.input_ids, rollout.attention_mask, self.tokenizer,
-            completion_ids=completion_token_ids(rollout.response_ids, rollout.response_mask, self.stop_token_id),
-            ended=rollout.ended.cpu() if self.stop_token_id is not None else None,
+            prompts, completions, columns, episodes.input_ids, episodes.attention_mask.long(), self.tokenizer,
+            completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, self.stop_token_id),
+            ended=episodes.ended.cpu() if self.stop_token_id is not None else None,
         )
         result = self.scorer.score(batch, update_statistics)
         device = self.accelerator.device
@@ -247,39 +248,40 @@ class PPOTrainer:
         }
 
     @torch.inference_mode()
-    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Reference logprobs and values (None without a critic) for every response token, in chunks of
+    def reference_and_values(self, episodes: Episodes) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Reference logprobs and values (None without a critic) for every trained token (0 elsewhere), in chunks of
         local_rollout_forward_batch_size rows (with ppo.max_tokens_per_micro_batch: that many rows of the
         batch's width in tokens, rows of similar length together, packed)."""
         hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
-        budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
+        budget = batching.forward_budget(episodes, rows) if hp.max_tokens_per_micro_batch is not None else None
         both = self.accelerator.unwrap_model(self.model)
         ref_logprobs, values = [], []
         with both.critic_in_eval_mode():
-            for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
-                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask), mb.response_mask))
+            for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget):
+                trained = mb.trained_mask
+                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, trained), trained))
                 with self.accelerator.autocast():
                     chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
                 if chunk_values is not None:
-                    values.append((index, chunk_values, mb.response_mask))
-        mask = rollout.response_mask
+                    values.append((index, chunk_values, trained))
+        mask = episodes.trained_mask
         return batching.restore_tokens(ref_logprobs, mask), batching.restore_tokens(values, mask) if values else None
 
-    def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
+    def reference_logprobs(self, input_ids, attention_mask, response_ids, trained_mask) -> torch.Tensor:
         """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with
         adapters off; through `models.response_logprobs`, as the training forward."""
         chunk, temperature = self.config.lm_head_chunk_size, self.config.ppo.temperature
         with self.accelerator.autocast():
             if self.ref_model is not None:
-                return response_logprobs(self.ref_model, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
+                return response_logprobs(self.ref_model, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk)[0]
             with roles.adapters_disabled(self.policy):
-                return response_logprobs(self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
+                return response_logprobs(self.policy, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk)[0]
 
-    def optimise(self, rollout: Rollout) -> dict[str, float]:
+    def optimise(self, episodes: Episodes) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
         During the first ppo.critic_warmup_updates updates only the critic moves."""
         hp = self.config.ppo
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.strategy,
+        return ppo_epochs(self.model, self.optimizer, self.scheduler, episodes, hp, self.sizes, self.strategy,
                           self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
                           on_skipped_step=self._say_skipped_step)
 
@@ -306,51 +308,51 @@ class PPOTrainer:
         t0 = time.perf_counter()
         n = self.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
-        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (Rollout's group layout)
+        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (the episodes' group layout)
         prompts, columns = self.train_data.rows(samples)
 
         # 1. generate
-        rollout = self.generate([self.train_query_ids[i] for i in samples])
+        episodes = self.generate([self.train_query_ids[i] for i in samples])
         t_generate = time.perf_counter()
 
         # 2. score
-        rollout.scores, extras = self.score(rollout, prompts, columns)
+        episodes.scores, extras = self.score(episodes, prompts, columns)
         if hp.advantage_estimator in algo.GREEDY_BASELINE_ESTIMATORS:
-            rollout.baseline_scores, baseline_valid = self.greedy_baseline(indices)
+            episodes.baseline_scores, baseline_valid = self.greedy_baseline(indices)
             extras["valid"] = extras["valid"] & baseline_valid
-        rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
-        check_finite({"score": rollout.scores}, self.accelerator)
+        episodes.valid = extras["valid"]  # failed rows (on_error: skip) leave the update
+        check_finite({"score": episodes.scores}, self.accelerator)
         check_some_scored(extras["valid"], extras["errors"], self.accelerator)
         t_score = time.perf_counter()
 
         # 3. forward: reference logprobs and values
-        rollout.ref_logprobs, rollout.values = self.reference_and_values(rollout)
+        episodes.ref_logprobs, episodes.values = self.reference_and_values(episodes)
         t_forward = time.perf_counter()
 
-        # 4. reward: per-token KL penalty (when it is in the reward), score at the last real token
-        mask = rollout.response_mask
-        kl = algo.kl_per_token(rollout.logprobs, rollout.ref_logprobs, hp.kl_estimator, hp.kl_clamp) * mask
+        # 4. reward: per-token KL penalty (when it is in the reward), the score at each episode's score position
+        mask = episodes.trained_mask
+        kl = algo.kl_per_token(episodes.logprobs, episodes.ref_logprobs, hp.kl_estimator, hp.kl_clamp) * mask
         kl_coef = self.kl_controller.value if hp.kl_in_reward else 0.0
-        rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, kl_coef)
+        episodes.rewards, non_score = algo.shape_rewards(episodes.scores, kl, mask, kl_coef, episodes.score_index)
         if hp.whiten_rewards:
-            rollout.rewards = algo.masked_whiten(rollout.rewards, mask, shift_mean=False)
+            episodes.rewards = algo.masked_whiten(episodes.rewards, mask, shift_mean=False)
 
         # 5. advantages
-        rollout.advantages, rollout.returns = algo.advantages(
-            hp.advantage_estimator, rollout.rewards, mask, values=rollout.values, gamma=hp.gamma, lam=hp.lam,
+        episodes.advantages, episodes.returns = algo.advantages(
+            hp.advantage_estimator, episodes.rewards, mask, values=episodes.values, gamma=hp.gamma, lam=hp.lam,
             whiten=hp.whiten_advantages, group_size=n, grpo_scale_std=hp.grpo_scale_std,
-            baseline_scores=rollout.baseline_scores, all_reduce=self._sum_over_processes,
+            baseline_scores=episodes.baseline_scores, all_reduce=self._sum_over_processes,
         )
 
         # 6. optimise
         lrs = self.scheduler.get_last_lr()
-        train_stats = self.optimise(rollout)
+        train_stats = self.optimise(episodes)
         t_train = time.perf_counter()
 
         # 7. log
         state.update += 1
         state.episode += self.sizes.batch
-        objective = objective_metrics(rollout, kl, non_score, extras["valid"], kl_coef, self._sum_over_processes)
+        objective = objective_metrics(episodes, kl, non_score, extras["valid"], kl_coef, self._sum_over_processes)
         self.kl_controller.update(objective["objective/kl"], self.sizes.batch)
         elapsed = t_train - t0
         record = {
@@ -368,7 +370,7 @@ class PPOTrainer:
             "time/training": t_train - t_forward,
             "time/update": elapsed,
         }
-        self._last_batch = (prompts, extras["completions"], _scores_or_none(rollout.scores, extras["valid"]))
+        self._last_batch = (prompts, extras["completions"], _scores_or_none(episodes.scores, extras["valid"]))
         return record
 
     # ------------------------------------------------------------------ the run
@@ -535,12 +537,12 @@ class PPOTrainer:
             for start in range(0, n, chunk):
                 rows = range(start, min(n, start + chunk))
                 prompts, columns = self.eval_data.rows(rows)
-                rollout = self.generate([self.eval_query_ids[i] for i in rows], purpose="eval")
-                batch_scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
+                episodes = self.generate([self.eval_query_ids[i] for i in rows], purpose="eval")
+                batch_scores, extras = self.score(episodes, prompts, columns, update_statistics=False)
                 valid = extras["valid"]
                 scores += batch_scores[valid].tolist()
-                lengths += rollout.response_mask.sum(1)[valid].tolist()
-                ended += rollout.ended[valid].tolist()
+                lengths += episodes.loss_mask.sum(1)[valid].tolist()
+                ended += episodes.ended[valid].tolist()
         if not scores:
             raise UserError(f"evaluate: no reward source could score any of the {n} eval completions")
         return {
@@ -558,8 +560,8 @@ class PPOTrainer:
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
             prompts, columns = self.eval_data.rows(range(n))
-            rollout = self.generate(self.eval_query_ids[:n], purpose="eval")
-            scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
+            episodes = self.generate(self.eval_query_ids[:n], purpose="eval")
+            scores, extras = self.score(episodes, prompts, columns, update_statistics=False)
             completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
         else:
             prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)
