@@ -267,3 +267,59 @@ def test_demo_game_sft_examples_train_the_guesses_only():
     assert text == "guess a number from 1 to 16 . 8 <eos> higher 12 <eos> lower 10 <eos>".split()
     trained = [t for t, label in zip(text, labels) if label != -100]
     assert trained == ["8", "<eos>", "12", "<eos>", "10", "<eos>"] and labels[-1] == eos
+
+
+CRITIC = '''
+class Critic:
+    """Answers every turn with words of the demo's vocabulary; rewards a turn by its length; done after 2 turns."""
+
+    def reset(self, row):
+        self.turns = 0
+        return None
+
+    def step(self, completion):
+        self.turns += 1
+        return "the movie was", float(len(completion.split()) % 3), self.turns >= 2
+'''
+
+
+def multi_turn_config(model_dir, prompts_file, out, env_file, **ppo):
+    from conftest import tiny_ppo_config
+
+    from ppokit.config import RolloutConfig
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=32, advantage_estimator="grpo",
+                             num_samples_per_prompt=4, **ppo)
+    config.environment = f"{env_file}:Critic"
+    config.rollout = RolloutConfig(max_turns=3, max_episode_tokens=24)
+    return config
+
+
+def test_multi_turn_grpo_resumes_exactly_after_sigkill(model_dir, prompts_file, tmp_path):
+    """A multi-turn grpo run killed mid-update and resumed writes the metrics of one that never stopped."""
+    import signal
+
+    from test_checkpoint import _cli, _wait_until, comparable, line_count
+
+    from ppokit import checkpoint
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import PPOTrainer
+
+    env_file = tmp_path / "critic.py"
+    env_file.write_text(CRITIC)
+    reference = tmp_path / "reference"
+    records = PPOTrainer(multi_turn_config(model_dir, prompts_file, reference, env_file), show_progress=False).train()
+    assert records[0]["rollout/turns"] == 2 and records[0]["rollout/observation_tokens"] > 0 and "reward/environment" in records[0]
+
+    out, config_path, log = tmp_path / "run", tmp_path / "ppo.yaml", tmp_path / "stderr.txt"
+    multi_turn_config(model_dir, prompts_file, out, env_file, save_steps=2).save(config_path)
+    proc = _cli(config_path, log)
+    _wait_until(lambda: line_count(out / "metrics.jsonl") >= 3, proc, log)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.find_checkpoint(None, out).name == "update-2"
+    trainer = PPOTrainer(PPOConfig.load(config_path), show_progress=False)
+    trainer.resume_from()
+    trainer.train()
+    assert comparable(out / "metrics.jsonl") == comparable(reference / "metrics.jsonl")
+    assert (out / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
