@@ -60,7 +60,7 @@ def test_first_update_ratio_is_one_with_dropout_in_the_checkpoint(arch, model_di
 def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, temperature=0.5)
     rollout = trainer.generate(trainer.train_query_ids[:4])
-    ref_logprobs, values = trainer.reference_and_values(rollout)
+    ref_logprobs, values, _ = trainer.reference_and_values(rollout)
     # The reference starts equal to the policy, so with logits / T everywhere the KL is exactly 0.
     assert torch.allclose(ref_logprobs, rollout.logprobs, atol=1e-5)
     assert torch.all(values == 0)  # fresh value head starts at zero

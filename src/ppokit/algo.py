@@ -40,6 +40,9 @@ References:
            loss).
   [DC]     Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
            Learning", arXiv:1912.09729 (dual-clip PPO: for A < 0 the loss is capped at c * |A|).
+  [TIS]    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+           https://fengyao.notion.site/off-policy-rl (truncated importance sampling between the
+           rollout engine's and the trainer's probabilities).
 
 Loss aggregation and micro-batches (the contract `ppo_loss` keeps; batching code relies on it):
 
@@ -630,6 +633,19 @@ class PolicyLossStats(NamedTuple):
     ratio: torch.Tensor
 
 
+def truncated_is_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights of tokens sampled by a rollout engine whose probabilities are not the
+    trainer's [TIS]: w_t = min(pi_trainer(y_t) / pi_engine(y_t), cap) = min(exp(trainer - engine), cap).
+
+    trainer_logprobs (the old policy under the training forward), engine_logprobs (what the engine sampled
+    with): (B, T) -> (B, T) float, detached (a weight, not a path for gradients). Where the two agree, 1.
+    The policy-gradient loss of each token is multiplied by its weight, which corrects the gradient for
+    sampling from pi_engine instead of pi_trainer; the cap bounds its variance (a token the engine found
+    far less likely than the trainer does). Padding (both 0) gets 1.
+    """
+    return torch.exp(trainer_logprobs.detach().float() - engine_logprobs.detach().float()).clamp(max=cap)
+
+
 def policy_loss_per_token(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -843,14 +859,15 @@ def ppo_loss(
     old_values: Optional[torch.Tensor] = None,
     returns: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None,
 ) -> LossTerms:
     """The loss of one micro-batch: policy + vf_coef * value + kl_loss_coef * KL - entropy_coef * H.
 
     Tensors (B, T): mask bool, the trained tokens; logprobs (with grad), old_logprobs, advantages, entropy (with
     grad when entropy_coef > 0); values (with grad), old_values, returns: with a critic; ref_logprobs:
-    with kl_loss_coef > 0. normalisers: `loss_normalisers` over this micro-batch or over its whole
+    with kl_loss_coef > 0; is_weights (no grad): `truncated_is_weights`, or None. normalisers: `loss_normalisers` over this micro-batch or over its whole
     minibatch (module docstring). -> LossTerms.
-      policy  `policy_loss_per_token`, aggregated per `settings.aggregation`;
+      policy  `policy_loss_per_token` (times is_weights token by token, when given), aggregated per `settings.aggregation`;
       value   0.5 * `value_loss_per_token`, a token mean;
       KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator, kl_clamp)` in the loss (k3 is the usual
               "low-variance KL" of GRPO [GRPO, eq. 4]), aggregated as the policy term;
@@ -860,6 +877,8 @@ def ppo_loss(
     per_token, log_ratio, ratio, clipped, dual_clipped = policy_loss_per_token(
         logprobs, old_logprobs, advantages, settings.cliprange_low, settings.cliprange_high, settings.dual_clip_c
     )
+    if is_weights is not None:
+        per_token = per_token * is_weights
     policy = aggregate(per_token, weights, normalisers.policy)
     loss = policy
     value = value_clipfrac = kl = None

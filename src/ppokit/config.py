@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Optional, Union
 import yaml
 
 from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
+from ppokit.engines import ENGINES
 from ppokit.errors import UserError
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TRACKERS
@@ -148,6 +149,8 @@ class PPOHyperparams:
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
     loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
+    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward): `tis`, truncated importance sampling (Yao et al. 2025): each token's policy-gradient loss times min(p_trainer / p_engine, `rollout_is_cap`) (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--enable_vllm_is_correction` with `--vllm_is_truncated_threshold`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(("tis",)))
+    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is: tis` (veRL `rollout_is_threshold`, OpenRLHF `--vllm_is_truncated_threshold`).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
     vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `--critic.adam.lr`, veRL `critic.optim.lr`). gae only.", check=positive)
     critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `--critic.freezing_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
@@ -263,6 +266,8 @@ class PPOHyperparams:
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
+        if self.rollout_is is None and differs_from_default(self, "rollout_is_cap"):
+            raise UserError(f"ppo.rollout_is_cap ({self.rollout_is_cap}) is the cap of ppo.rollout_is: tis, which is off; set ppo.rollout_is: tis or remove the key")
         if self.cliprange_low is None and self.cliprange >= 1:  # cliprange_low's own range is (0, 1)
             raise UserError(
                 f"ppo.cliprange ({self.cliprange}) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower "
@@ -435,6 +440,14 @@ class ParallelConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """The `rollout:` section: what samples the episodes (`ppokit.engines`). The sampling itself (temperature,
+    response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine."""
+
+    engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's).", check=one_of(tuple(ENGINES)))
+
+
+@dataclass
 class PPOConfig:
     """Everything a PPO run needs. Load with `PPOConfig.load(path, overrides)` or build directly."""
 
@@ -451,6 +464,7 @@ class PPOConfig:
     reward: RewardConfig = doc(factory=RewardConfig, help="Reward sources.")
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
+    rollout: RolloutConfig = doc(factory=RolloutConfig, help="The rollout engine.")
     lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
     quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
     gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")

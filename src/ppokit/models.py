@@ -99,6 +99,17 @@ def no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """`model` in eval mode (no dropout) inside, in train mode after: the policy while it samples or
+    scores its own samples, between training forwards."""
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train()
+
+
 def _from_pretrained(loader, name: str, role: str, **kwargs):
     path = resolve_model_path(name, role, tokenizer=loader is AutoTokenizer)
     try:

@@ -208,7 +208,7 @@ def micro_batch_backward(model: nn.Module, mb: Episodes, hp: PPOHyperparams, nor
 def _ppo_loss(settings: algo.LossSettings, normalisers: algo.LossNormalisers, mb: Episodes, logprobs, entropy, values) -> algo.LossTerms:
     return algo.ppo_loss(
         settings, normalisers, mb.trained_mask, logprobs, mb.logprobs, mb.advantages, entropy,
-        values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
+        values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs, is_weights=mb.rollout_is_weights,
     )
 
 

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ppokit import engines
 from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
@@ -393,10 +394,6 @@ def micro_batch_shape(config: PPOConfig, seq: int) -> tuple[int, int]:
     return min(hp.max_tokens_per_micro_batch, minibatch_rows * seq), min(hp.max_tokens_per_micro_batch, minibatch_rows * (hp.response_length + 1))
 
 
-def kv_cache_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
-    return 2 * dims["layers"] * dims["kv"] * rows * seq * act_bytes
-
-
 # --------------------------------------------------------------------------- the estimate
 
 
@@ -503,7 +500,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
 
     # Phases that do not overlap.
     phases = {
-        "sampling": kv_cache_bytes(dims, chunk, seq, act_bytes) + 2 * chunk * dims["vocab"] * 4,
+        "sampling": engines.engine_class(config.rollout.engine).sampling_bytes(dims, chunk, seq, act_bytes),
         "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1, head_chunk),
                        inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),

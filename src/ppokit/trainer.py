@@ -26,9 +26,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, launcher, model_card, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, engines, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
+from ppokit.engines.correction import use_trainer_logprobs
+from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, outcome_metrics, response_room, scoring_fields
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -43,15 +45,12 @@ from ppokit.guards import (
 )
 from ppokit.metrics import open_sinks
 from ppokit.models import (
-    check_output_head, ensure_pad_token, input_pad_id, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
+    check_output_head, ensure_pad_token, eval_mode, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
 )
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.engines.base import Sampling
-from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, outcome_metrics, response_room, scoring_fields
 from ppokit.episodes import Episodes, repeat_each
-from ppokit.rollout import HFSampler
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
 
@@ -126,6 +125,9 @@ class PPOTrainer:
                           room, limit, self.tokenizer, self.stop_token_id)
         built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
+        self.rollout_engine = engines.build(config.rollout.engine, engines.EngineSetup(
+            lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size,
+            lambda policy: (self.strategy.generation(policy), self.accelerator.autocast()), config.rollout))
         self.episode_source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
             self.rollout_engine, self.tokenizer, environment=config.environment, environment_args=config.environment_args,
             timeout_s=config.environment_timeout_s, rollout=config.rollout, response_length=config.ppo.response_length,
@@ -231,8 +233,8 @@ class PPOTrainer:
     def generate(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train"):
         """-> (episodes, what their environment said or None): one response per query by the rollout engine, or with an
         `environment` a multi-turn episode over it (environments.episode_loop), the data rows (`prompts`, `columns`)
-        given to its reset; purpose: train, eval or greedy (engines.base.Sampling.for_purpose)."""
-        sampling = Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose)
+        given to its reset; purpose: train, eval or greedy (engines.Sampling.for_purpose)."""
+        sampling = engines.Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose)
         return self.episode_source.sample(query_ids, data_rows(prompts, columns), sampling)
 
     def score(self, episodes: Episodes, outcome, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
@@ -257,42 +259,48 @@ class PPOTrainer:
         }
 
     @torch.inference_mode()
-    def reference_and_values(self, episodes: Episodes) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Reference logprobs and values (None without a critic) for every trained token (0 elsewhere), in chunks of
-        local_rollout_forward_batch_size rows (with ppo.max_tokens_per_micro_batch: that many rows of the
-        batch's width in tokens, rows of similar length together, packed)."""
+    def reference_and_values(self, episodes: Episodes) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Reference logprobs, values (None without a critic) and the policy's own logprobs (None where the rollout engine's
+        are the trainer's) for every trained token (0 elsewhere), in chunks of local_rollout_forward_batch_size rows (with
+        ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, rows of similar length together, packed)."""
         hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
         budget = batching.forward_budget(episodes, rows) if hp.max_tokens_per_micro_batch is not None else None
         both = self.accelerator.unwrap_model(self.model)
-        ref_logprobs, values = [], []
-        with both.critic_in_eval_mode():
+        ref_logprobs, values, logprobs = [], [], []
+        with both.critic_in_eval_mode(), eval_mode(self.policy):
             for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget):
-                trained = mb.trained_mask
-                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, trained), trained))
+                inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask)
+                ref_logprobs.append((index, self.reference_logprobs(*inputs), mb.trained_mask))
+                if not self.rollout_engine.logprobs_are_trainers:  # the PPO ratio's and the KL's old logprobs: the training forward's
+                    logprobs.append((index, self._logprobs(self.policy, *inputs), mb.trained_mask))
                 with self.accelerator.autocast():
                     chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
                 if chunk_values is not None:
-                    values.append((index, chunk_values, trained))
-        mask = episodes.trained_mask
-        return batching.restore_tokens(ref_logprobs, mask), batching.restore_tokens(values, mask) if values else None
+                    values.append((index, chunk_values, mb.trained_mask))
+        return tuple(batching.restore_tokens(pieces, episodes.trained_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs))
 
     def reference_logprobs(self, input_ids, attention_mask, response_ids, trained_mask) -> torch.Tensor:
-        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with
-        adapters off; through `models.response_logprobs`, as the training forward."""
-        chunk, temperature = self.config.lm_head_chunk_size, self.config.ppo.temperature
+        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with adapters off."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, input_ids, attention_mask, response_ids, trained_mask)
+        with roles.adapters_disabled(self.policy):
+            return self._logprobs(self.policy, input_ids, attention_mask, response_ids, trained_mask)
+
+    def _logprobs(self, model: nn.Module, input_ids, attention_mask, response_ids, trained_mask) -> torch.Tensor:
+        """(B, R) logprobs of the response tokens under `model`, through `models.response_logprobs` as the training forward."""
         with self.accelerator.autocast():
-            if self.ref_model is not None:
-                return response_logprobs(self.ref_model, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk)[0]
-            with roles.adapters_disabled(self.policy):
-                return response_logprobs(self.policy, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk)[0]
+            return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, self.config.ppo.temperature,
+                                     chunk_size=self.config.lm_head_chunk_size)[0]
 
     def optimise(self, episodes: Episodes) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
-        During the first ppo.critic_warmup_updates updates only the critic moves."""
+        During the first ppo.critic_warmup_updates updates only the critic moves. The rollout engine gives its
+        memory to the training meanwhile, and samples from the updated weights after it."""
         hp = self.config.ppo
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, episodes, hp, self.sizes, self.strategy,
-                          self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
-                          on_skipped_step=self._say_skipped_step)
+        with engines.training_between_rollouts(self.rollout_engine, self.policy):
+            return ppo_epochs(self.model, self.optimizer, self.scheduler, episodes, hp, self.sizes, self.strategy,
+                              self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
+                              on_skipped_step=self._say_skipped_step)
 
     def _say_skipped_step(self, bad: NonFiniteUpdate) -> None:
         if self.show_progress:
@@ -335,8 +343,9 @@ class PPOTrainer:
         check_some_scored(extras["valid"], extras["errors"], self.accelerator)
         t_score = time.perf_counter()
 
-        # 3. forward: reference logprobs and values
-        episodes.ref_logprobs, episodes.values = self.reference_and_values(episodes)
+        # 3. forward: reference logprobs and values (and the policy's own logprobs, where the engine's are not the trainer's)
+        episodes.ref_logprobs, episodes.values, trainer_logprobs = self.reference_and_values(episodes)
+        mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes)
         t_forward = time.perf_counter()
 
         # 4. reward: per-token KL penalty (when it is in the reward), the score at each episode's score position
@@ -370,6 +379,7 @@ class PPOTrainer:
             "update": state.update,
             "episode": state.episode,
             **objective,
+            **mismatch,
             **train_stats,
             **extras["metrics"],
             "lr": lrs[0],
@@ -397,6 +407,7 @@ class PPOTrainer:
                 raise
             raise said from None
         finally:
+            self.rollout_engine.close()
             if self.run is not None:
                 self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
                 self.run = None
@@ -516,6 +527,7 @@ class PPOTrainer:
         own = checkpoint.checkpoints_dir(self.output_dir) / f"update-{self.state.update}"
         # The checkpoint to name after a stop; it is re-saved only when it is another folder's.
         self._saved_at = (self.state.update if own.exists() and own.resolve() == path.resolve() else -1, path)
+        self.rollout_engine.sync_weights(self.policy)
         return path
 
     def _trained_parts(self) -> TrainedParts:
