@@ -8,6 +8,7 @@ import torch
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
+from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner
 from ppokit.environments.episode_loop import EpisodeLoop, ObservationFormat
 from ppokit.episodes import Episodes
@@ -193,30 +194,20 @@ def game_model(game_tokenizer):
     return tiny_causal_lm("llama", game_tokenizer).eval()
 
 
-class SamplerEngine:
-    """The transformers sampler behind the rollout-engine interface."""
-
-    logprobs_are_trainers = True
-
-    def __init__(self, model, pad):
-        self.model, self.pad, self.calls = model, pad, 0
+class CountingEngine:
+    def __init__(self, engine):
+        self.engine, self.calls, self.logprobs_are_trainers = engine, 0, engine.logprobs_are_trainers
 
     def generate(self, prompts, sampling):
-        from ppokit.rollout import HFSampler
-
         self.calls += 1
-        query, query_mask = left_pad(prompts, self.pad)
-        sampler = HFSampler(self.model, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_id, self.pad)
-        r = sampler.sample(query, query_mask)
-        return Episodes(r.query_ids, r.response_ids, torch.cat([r.query_mask, r.response_mask], 1), r.response_mask,
-                        r.logprobs, r.ended, r.response_mask.sum(1) - 1)
+        return self.engine.generate(prompts, sampling)
 
 
 def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
     """Over a real model, the logprobs the loop keeps for each model token are a fresh forward's over the
     whole episode (observations included): the contexts were assembled as the trainer will read them."""
     tok = game_tokenizer
-    engine = SamplerEngine(game_model, tok.pad_token_id)
+    engine = CountingEngine(HFEngine(game_model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=8))
     loop = make_loop(tok, engine, max_turns=3, max_episode_tokens=20)
     prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
     plan = [("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]
