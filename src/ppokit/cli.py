@@ -143,7 +143,8 @@ def _demo(args) -> int:
     from ppokit.guards import TrainingInterrupted
 
     try:
-        summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite)
+        summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite,
+                           environment=args.environment)
     except TrainingInterrupted as e:  # the demo has no --resume
         return _stopped(e, "run the demo again with --overwrite to start over")
     print(json.dumps(summary))
@@ -373,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--overwrite", action="store_true",
                       help="replace the run in DIR/ppo left by an earlier demo, or write into a folder the demo did not make "
                       "(without it both are refused before any work)")
+    demo.add_argument("--environment", choices=["guess"], default=None,
+                      help="a multi-turn demo instead: guess (a number from 1 to 16; the environment answers higher/lower/correct)")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(

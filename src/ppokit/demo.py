@@ -82,6 +82,7 @@ def estimator_settings(name: str) -> dict:
 
 
 DEMO_MARKER_KIND = "demo"
+DEMO_ENVIRONMENTS = ("guess",)  # `--environment`: a multi-turn demo instead of the reviews
 
 
 def check_demo_output(out: Path, overwrite: bool) -> None:
@@ -133,21 +134,28 @@ def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
 
 def run_demo(
     output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True,
-    estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False,
+    estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False, environment: str | None = None,
 ) -> dict:
     """Run the whole demo; returns a summary with the first and last scores and the time taken.
 
     estimator: one of ppokit.estimators.ESTIMATORS (ppo.advantage_estimator and its usual number of samples per
     prompt). prepared: the output folder of an earlier demo with the same `quick` and `seed`,
     whose data/ and sft/ are used instead of building them again. overwrite: write into a folder that is
-    not an earlier demo's, or replace the run in its ppo/ (`check_demo_output`).
+    not an earlier demo's, or replace the run in its ppo/ (`check_demo_output`). environment: None (the
+    movie reviews) or one of DEMO_ENVIRONMENTS (`guess`: the multi-turn game of `ppokit.demo_game`).
     """
     if estimator not in ESTIMATORS:
         raise UserError(f"demo --estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    if environment is not None and environment not in DEMO_ENVIRONMENTS:
+        raise UserError(f"demo --environment: expected one of {', '.join(DEMO_ENVIRONMENTS)}, got {environment!r}")
     start = time.perf_counter()
     s = SETTINGS[quick]
     out = Path(output_dir)
     check_demo_output(out, overwrite)
+    if environment is not None:
+        from ppokit.demo_game import run_game_demo
+
+        return run_game_demo(out, quick, seed, show_progress, estimator, prepared, overwrite)
     say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
     base = Path(prepared) if prepared is not None else prepare_demo(out, quick, seed, say)
     torch.manual_seed(seed)

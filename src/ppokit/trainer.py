@@ -31,6 +31,7 @@ from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.episodes import Episodes, repeat_each
+from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, outcome_metrics, response_room, scoring_fields
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -110,7 +111,8 @@ class PPOTrainer:
         self.train_query_ids = encode_prompts(self.tokenizer, self.train_data, limit, "data.train", self._say)
         self.eval_query_ids = encode_prompts(self.tokenizer, self.eval_data, limit, "data.eval", self._say) if self.eval_data else None
         self.stop_token_id = resolve_stop_token(self.tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
-        batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in self.train_query_ids], config.ppo.response_length)
+        room = response_room(config.rollout, config.environment, config.ppo.response_length)  # tokens after the prompt
+        batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in self.train_query_ids], room)
         self.scorer = self._scorer(reward_model, reward_tokenizer, reward_functions)
         reward_vocabulary = None if self.scorer.reward_model is None else self.scorer.reward_model_shares_vocabulary(self.tokenizer)
         self.layout = roles.decide_roles(
@@ -120,12 +122,17 @@ class PPOTrainer:
         readers = roles.configs_reading_policy_ids(self.layout, config, self.scorer, reward_vocabulary, **given)
         self.pad_id = input_pad_id(self.tokenizer, readers.values())  # what pads every model input (not text)
         check_prompts_fit(readers, [("data.train", self.train_data, self.train_query_ids), ("data.eval", self.eval_data, self.eval_query_ids)],
-                          config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
+                          room, limit, self.tokenizer, self.stop_token_id)
         built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.rollout_engine = engines.build(config.rollout.engine, engines.EngineSetup(
             lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size,
             lambda policy: (self.strategy.generation(policy), self.accelerator.autocast()), config.rollout))
+        self.episode_source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
+            self.rollout_engine, self.tokenizer, environment=config.environment, environment_args=config.environment_args,
+            timeout_s=config.environment_timeout_s, rollout=config.rollout, response_length=config.ppo.response_length,
+            pad_token_id=self.pad_id, stop_token_id=self.stop_token_id, chat_template=self.chat_template, reward=config.reward,
+            base_dir=Path.cwd())
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
@@ -149,6 +156,7 @@ class PPOTrainer:
         template = render_chat_prompts(tokenizer, config.data.chat_template, self.train_data, self.eval_data)
         if template is not None:
             config.data.chat_template = template
+        self.chat_template = template  # None: text prompts (observations are appended as text)
         return tokenizer
 
     def _scorer(self, reward_model, reward_tokenizer, reward_functions):
@@ -161,6 +169,7 @@ class PPOTrainer:
             reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, trust_remote_code=config.trust_remote_code,
             base_dir=Path.cwd(), all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
             load_kwargs=roles.load_kwargs(config), data_columns=data_columns, verdict=parallel.stop_together(self.accelerator),
+            environment=EnvironmentReward() if config.environment is not None else None,
             reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None,
         )
 
@@ -221,27 +230,32 @@ class PPOTrainer:
     def value_model(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).value_model
 
-    def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Episodes:
-        """One response per query by the rollout engine; purpose: train, eval or greedy (engines.base.Sampling.for_purpose)."""
-        return self.rollout_engine.generate(query_ids, engines.Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose))
+    def generate(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train"):
+        """-> (episodes, what their environment said or None): one response per query by the rollout engine, or with an
+        `environment` a multi-turn episode over it (environments.episode_loop), the data rows (`prompts`, `columns`)
+        given to its reset; purpose: train, eval or greedy (engines.Sampling.for_purpose)."""
+        sampling = engines.Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose)
+        return self.episode_source.sample(query_ids, data_rows(prompts, columns), sampling)
 
-    def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
+    def score(self, episodes: Episodes, outcome, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
         reward.on_error=skip, errors: the first message of each failed source, metrics}).
-        Evaluation passes update_statistics=False so it does not move the reward normalisation."""
+        Evaluation passes update_statistics=False so it does not move the reward normalisation. The completion
+        is everything after the prompt (with an environment: every turn and observation); `outcome` the environment's."""
         completions = self.tokenizer.batch_decode(
-            episodes.response_ids.masked_fill(~episodes.loss_mask, self.tokenizer.pad_token_id),
+            episodes.response_ids.masked_fill(~episodes.attention_mask[:, episodes.query_ids.shape[1]:], self.tokenizer.pad_token_id),
             skip_special_tokens=True,
         )
         batch = ScoringBatch(
             prompts, completions, columns, episodes.input_ids, episodes.attention_mask.long(), self.tokenizer,
             completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, self.stop_token_id),
-            ended=episodes.ended.cpu() if self.stop_token_id is not None else None,
+            ended=episodes.ended.cpu() if self.stop_token_id is not None else None, **scoring_fields(outcome),
         )
         result = self.scorer.score(batch, update_statistics)
         device = self.accelerator.device
         return result.scores.to(device), {
-            "completions": completions, "valid": result.valid.to(device), "errors": result.errors, "metrics": self.scorer.metrics(result),
+            "completions": completions, "valid": result.valid.to(device), "errors": result.errors,
+            "metrics": {**outcome_metrics(outcome), **self.scorer.metrics(result)},
         }
 
     @torch.inference_mode()
@@ -297,8 +311,9 @@ class PPOTrainer:
         training prompt `indices`, repeated for its n samples -> (scores (B,), valid (B,) bool). Scored without
         moving the reward normalisation."""
         n = self.sizes.samples_per_prompt
-        greedy = self.generate([self.train_query_ids[i] for i in indices], purpose="greedy")
-        scores, extras = self.score(greedy, *self.train_data.rows(indices), update_statistics=False)
+        prompts, columns = self.train_data.rows(indices)
+        greedy, outcome = self.generate([self.train_query_ids[i] for i in indices], prompts, columns, purpose="greedy")
+        scores, extras = self.score(greedy, outcome, prompts, columns, update_statistics=False)
         return scores.repeat_interleave(n), extras["valid"].repeat_interleave(n)
 
     def step(self) -> dict[str, Any]:
@@ -317,11 +332,11 @@ class PPOTrainer:
         prompts, columns = self.train_data.rows(samples)
 
         # 1. generate
-        episodes = self.generate([self.train_query_ids[i] for i in samples])
+        episodes, outcome = self.generate([self.train_query_ids[i] for i in samples], prompts, columns)
         t_generate = time.perf_counter()
 
         # 2. score
-        episodes.scores, extras = self.score(episodes, prompts, columns)
+        episodes.scores, extras = self.score(episodes, outcome, prompts, columns)
         if estimator.greedy_baseline:
             episodes.baseline_scores, baseline_valid = self.greedy_baseline(indices)
             extras["valid"] = extras["valid"] & baseline_valid
@@ -340,6 +355,7 @@ class PPOTrainer:
         kl = algo.kl_per_token(episodes.logprobs, episodes.ref_logprobs, hp.kl_estimator, hp.kl_clamp) * mask
         kl_coef = self.kl_controller.value if hp.kl_in_reward else 0.0
         episodes.rewards, non_score = algo.shape_rewards(episodes.scores, kl, mask, kl_coef, episodes.score_index)
+        episodes.rewards = self.episode_source.place_rewards(episodes.rewards, outcome, episodes.score_index)  # rollout.turn_rewards
         if hp.whiten_rewards:
             episodes.rewards = algo.masked_whiten(episodes.rewards, mask, shift_mean=False)
 
@@ -546,8 +562,8 @@ class PPOTrainer:
             for start in range(0, n, chunk):
                 rows = range(start, min(n, start + chunk))
                 prompts, columns = self.eval_data.rows(rows)
-                episodes = self.generate([self.eval_query_ids[i] for i in rows], purpose="eval")
-                batch_scores, extras = self.score(episodes, prompts, columns, update_statistics=False)
+                episodes, outcome = self.generate([self.eval_query_ids[i] for i in rows], prompts, columns, purpose="eval")
+                batch_scores, extras = self.score(episodes, outcome, prompts, columns, update_statistics=False)
                 valid = extras["valid"]
                 scores += batch_scores[valid].tolist()
                 lengths += episodes.loss_mask.sum(1)[valid].tolist()
@@ -569,8 +585,8 @@ class PPOTrainer:
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
             prompts, columns = self.eval_data.rows(range(n))
-            episodes = self.generate(self.eval_query_ids[:n], purpose="eval")
-            scores, extras = self.score(episodes, prompts, columns, update_statistics=False)
+            episodes, outcome = self.generate(self.eval_query_ids[:n], prompts, columns, purpose="eval")
+            scores, extras = self.score(episodes, outcome, prompts, columns, update_statistics=False)
             completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
         else:
             prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)

@@ -293,13 +293,15 @@ def build_scorer(
     load_kwargs: Optional[dict] = None,
     data_columns: Optional[dict[str, set[str]]] = None,
     reward_model_by_tokens: bool = False,
+    environment: Optional[RewardSource] = None,
 ) -> RewardScorer:
     """Every source of the `reward:` section (objects passed in replace the config's entries), in
-    `weights` order: reward model, functions, remote. Loads the reward model: a model that cannot be
+    `weights` order: reward model, functions, remote, environment. Loads the reward model: a model that cannot be
     loaded or has more than one label is a UserError here, before any training. With several
     processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all, and
     `verdict` (`parallel.stop_together`) makes a source failing on one of them stop every one.
-    reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch)."""
+    reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch).
+    environment: the episodes' environment as a source (`environments.EnvironmentReward`), the last in weights order."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
     # A column a function needs but the data lacks fails now, not after every model has loaded.
@@ -330,6 +332,8 @@ def build_scorer(
     sources += functions
     if remote is not None:
         sources.append(remote)
+    if environment is not None:
+        sources.append(environment)
     if not sources:
         raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
     weights = list(reward.weights) if reward.weights is not None else [1.0] * len(sources)

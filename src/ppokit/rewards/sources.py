@@ -39,6 +39,9 @@ class ScoringBatch:
     tokenizer: Any = None  # the policy's tokenizer
     completion_ids: Optional[list[list[int]]] = None  # B completions in policy tokens, stop token not included
     ended: Optional[torch.Tensor] = None  # (B,) bool: the response produced the stop token; None: no stop token
+    # Multi-turn episodes (an `environment`): each episode's summed step rewards (NaN: it failed) and its failure or None.
+    environment_rewards: Optional[list[float]] = None
+    environment_errors: Optional[list[Optional[str]]] = None
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -57,6 +60,8 @@ class ScoringBatch:
             tokenizer=self.tokenizer,
             completion_ids=pick(self.completion_ids),
             ended=take(self.ended),
+            environment_rewards=pick(self.environment_rewards),
+            environment_errors=pick(self.environment_errors),
         )
 
     def copy(self) -> "ScoringBatch":
@@ -76,6 +81,8 @@ class ScoringBatch:
             tokenizer=self.tokenizer,
             completion_ids=None if self.completion_ids is None else [list(ids) for ids in self.completion_ids],
             ended=clone(self.ended),
+            environment_rewards=None if self.environment_rewards is None else list(self.environment_rewards),
+            environment_errors=None if self.environment_errors is None else list(self.environment_errors),
         )
 
     def describe_row(self, row: int) -> str:

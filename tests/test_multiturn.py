@@ -1,0 +1,316 @@
+"""Multi-turn episodes: the episode loop's layout (which positions are trained), turn limits, the token
+budget, turn reward placement, failures, and the loop over a real transformers engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppokit.chat import PLAIN_CHAT_TEMPLATE
+from ppokit.engines.base import Sampling
+from ppokit.engines.hf import HFEngine
+from ppokit.environments import EnvironmentRunner
+from ppokit.environments.episode_loop import EpisodeLoop, ObservationFormat
+from ppokit.episodes import Episodes
+from ppokit.models import left_pad, response_logprobs
+from ppokit.tiny import tiny_causal_lm, word_tokenizer
+
+WORDS = "guess the number from 1 to 16 : 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 higher lower correct user assistant"
+
+
+@pytest.fixture(scope="module")
+def game_tokenizer():
+    return word_tokenizer([WORDS])
+
+
+class ScriptedEngine:
+    """A rollout engine answering every context with the same tokens (-0.5 logprob each); counts its calls."""
+
+    logprobs_are_trainers = True
+
+    def __init__(self, answer: list[int], pad: int, stop: int):
+        self.answer, self.pad, self.stop, self.calls = answer, pad, stop, []
+
+    def generate(self, prompts, sampling):
+        self.calls.append([list(p) for p in prompts])
+        answer = self.answer[: sampling.max_new_tokens]
+        query, query_mask = left_pad(prompts, self.pad)
+        rows = len(prompts)
+        response = torch.tensor([answer] * rows)
+        real = torch.ones_like(response, dtype=torch.bool)
+        return Episodes(query, response, torch.cat([query_mask, real], 1), real, torch.full(response.shape, -0.5),
+                        torch.tensor([self.stop in answer] * rows), torch.full((rows,), len(answer) - 1))
+
+
+class Script:
+    """An environment replaying the (observation, reward, done) steps of its row's `plan`, after reset's `first`."""
+
+    seen: list = []  # (row, completions) of every episode, in order
+
+    def reset(self, row):
+        self.steps, self.completions = [tuple(s) if isinstance(s, list) else s for s in row["plan"]], []
+        Script.seen.append((row, self.completions))
+        return row.get("first")
+
+    def step(self, completion):
+        self.completions.append(completion)
+        return self.steps.pop(0)
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def make_loop(tokenizer, engine, cls=None, **kw):
+    args = dict(max_turns=3, max_episode_tokens=None, pad_token_id=tokenizer.pad_token_id)
+    args.update(kw)
+    Script.seen = []
+    return EpisodeLoop(engine, tokenizer, EnvironmentRunner("script.py:Script", cls or Script, {}, timeout_s=None), **args)
+
+
+def sampling(tokenizer, n=8):
+    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
+
+
+def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+    prompt = ids(tok, "guess the number")
+    row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.25, False), ("correct", 1.0, True)]}
+    episodes, outcome = make_loop(tok, engine).sample([prompt], [row], sampling(tok))
+    # response region: [1 to 16] (reset) 7 <eos> [higher] 7 <eos>; the final "correct" is not appended
+    want = ids(tok, "1 to 16") + [seven, eos] + ids(tok, "higher") + [seven, eos]
+    assert episodes.response_ids[0].tolist() == want
+    assert episodes.loss_mask[0].tolist() == [False, False, False, True, True, False, True, True]
+    assert episodes.attention_mask[0].tolist() == [True] * (len(prompt) + len(want))
+    assert episodes.logprobs[0].tolist() == [0, 0, 0, -0.5, -0.5, 0, -0.5, -0.5]
+    assert episodes.score_index.tolist() == [7]
+    assert episodes.query_ids[0].tolist() == prompt and bool(episodes.ended[0])
+    # each step's reward at the last token of the turn that earned it; the episode's reward is their sum
+    assert outcome.turn_rewards[0].tolist() == [0, 0, 0, 0, 0.25, 0, 0, 1.0]
+    assert outcome.rewards.tolist() == [1.25] and outcome.turns == [2] and outcome.done == [True]
+    assert outcome.model_tokens == [4] and outcome.observation_tokens == [4] and outcome.truncated == [False]
+    assert Script.seen == [(row, ["7", "7"])]
+    # the second turn's context is the prompt and everything after it so far
+    assert engine.calls[1] == [prompt + want[:6]]
+    assert outcome.metrics["rollout/turns"] == 2 and outcome.metrics["env/done_rate"] == 1
+
+    # rollout.turn_rewards: the environment's part of the score (weight 2 x 1.25) moves to the turns that earned it
+    loop = make_loop(tok, engine, turn_weight=2.0)
+    kl = torch.tensor([[0, 0, 0, -0.1, -0.1, 0, -0.1, -0.1]])
+    shaped = kl.clone()
+    shaped[0, 7] += 0.5 + 2.0 * 1.25  # another source's 0.5 and the environment's, weighted, at the last model token
+    placed = loop.place_rewards(shaped, outcome, episodes.score_index)
+    assert placed[0].tolist() == pytest.approx([0, 0, 0, -0.1, -0.1 + 0.5, 0, -0.1, -0.1 + 0.5 + 2.0])
+    assert make_loop(tok, engine).place_rewards(shaped, outcome, episodes.score_index) is shaped  # turn rewards off
+
+
+def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+    # episode 0 is done after one turn, episode 1 after two, episode 2 never: max_turns=3 ends it
+    plans = [[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5]
+    loop = make_loop(tok, engine, max_turns=3)
+    prompt = ids(tok, "guess the number")
+    episodes, outcome = loop.sample([prompt] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
+    assert [len(c) for c in engine.calls] == [3, 2, 1]  # the unfinished episodes, batched
+    assert outcome.turns == [1, 2, 3] and outcome.done == [True, True, False] and outcome.truncated == [False] * 3
+    assert episodes.loss_mask.sum(1).tolist() == [2, 4, 6]
+    assert episodes.attention_mask[:, len(prompt):].sum(1).tolist() == [2, 5, 8]
+    assert outcome.metrics["env/done_rate"] == pytest.approx(2 / 3)
+
+
+def test_token_budget_cuts_observations_and_turns(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    observation = "higher than 16"  # 3 tokens ("than" is unknown: one <unk>)
+    prompt = ids(tok, "guess")
+
+    def run(budget):
+        engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+        loop = make_loop(tok, engine, max_turns=5, max_episode_tokens=budget)
+        return loop.sample([prompt], [{"prompt": "guess", "plan": [(observation, 0.0, False)] * 5}], sampling(tok))
+
+    episodes, outcome = run(4)  # 7 <eos> + 2 of the observation's 3 tokens: cut, truncated
+    assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation)[:2]
+    assert episodes.loss_mask[0].tolist() == [True, True, False, False]
+    assert outcome.truncated == [True] and outcome.turns == [1] and not bool(episodes.ended[0])
+    episodes, outcome = run(6)  # 7 <eos> obs(3) + one token of the next turn, cut
+    assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation) + [seven]
+    assert episodes.loss_mask[0].tolist() == [True, True, False, False, False, True]
+    assert episodes.score_index.tolist() == [5] and outcome.truncated == [True] and outcome.turns == [2]
+    episodes, outcome = run(None)  # no budget: five turns, four observations between them
+    assert outcome.turns == [5] and outcome.truncated == [False] and episodes.attention_mask[0, 1:].sum() == 5 * 2 + 4 * 3
+
+
+def test_environment_failures_are_the_episodes_own(game_tokenizer):
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
+
+    class Raises(Script):
+        def step(self, completion):
+            if self.steps[0] == "raise":
+                raise KeyError("boom")
+            return super().step(completion)
+
+    plans = [[("higher", "lots", False)], ["raise"], [("correct", 1.0, True)]]
+    loop = make_loop(tok, engine, Raises)
+    rows = [{"prompt": name, "plan": plan} for name, plan in zip(["first", "second", "third"], plans)]
+    _, outcome = loop.sample([ids(tok, "guess")] * 3, rows, sampling(tok))
+    assert outcome.errors[0].startswith("environment script.py:Script: step returned the reward 'lots'") and "'first'" in outcome.errors[0]
+    assert outcome.errors[1] == "environment script.py:Script: step raised KeyError: 'boom'; prompt 'second'"
+    assert outcome.errors[2] is None
+    assert torch.isnan(outcome.rewards[:2]).all() and outcome.rewards[2] == 1.0
+
+
+def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
+    from ppokit.config import RewardConfig, RolloutConfig
+    from ppokit.environments.episode_loop import turn_weight
+    from ppokit.errors import UserError
+
+    assert turn_weight(RolloutConfig(turn_rewards=False), RewardConfig()) is None
+    assert turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(functions=["length"], weights=[1.0, 3.0])) == 3.0
+    with pytest.raises(UserError, match="reward.clip_range"):
+        turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(clip_range=[-1, 1]))
+    with pytest.raises(UserError, match="reward.normalize on the environment"):
+        turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(functions=["length"], normalize=[False, True]))
+
+
+def test_chat_observations_use_the_template(game_tokenizer):
+    tok = game_tokenizer
+    fmt = ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id)
+    # plain template: "role: content\n" lines, "assistant:" as the generation prompt
+    assert fmt.text("higher") == "\nuser: higher\nassistant:"
+    assert fmt.text("4", [{"role": "tool", "content": "4"}]) == "\ntool: 4\nassistant:"
+    assert ObservationFormat(tok).text("higher") == "higher"
+
+
+@pytest.fixture(scope="module")
+def game_model(game_tokenizer):
+    torch.manual_seed(0)
+    return tiny_causal_lm("llama", game_tokenizer).eval()
+
+
+class CountingEngine:
+    def __init__(self, engine):
+        self.engine, self.calls, self.logprobs_are_trainers = engine, 0, engine.logprobs_are_trainers
+
+    def generate(self, prompts, sampling):
+        self.calls += 1
+        return self.engine.generate(prompts, sampling)
+
+
+def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
+    """Over a real model, the logprobs the loop keeps for each model token are a fresh forward's over the
+    whole episode (observations included): the contexts were assembled as the trainer will read them."""
+    tok = game_tokenizer
+    engine = CountingEngine(HFEngine(game_model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=8))
+    loop = make_loop(tok, engine, max_turns=3, max_episode_tokens=20)
+    prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
+    plan = [("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]
+    torch.manual_seed(1)
+    episodes, outcome = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
+    assert engine.calls == max(outcome.turns)
+    assert (episodes.loss_mask <= episodes.attention_mask[:, episodes.query_ids.shape[1]:]).all()
+    with torch.no_grad():
+        fresh, _ = response_logprobs(game_model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
+                                     episodes.loss_mask, 1.0)
+    mask = episodes.loss_mask
+    assert (fresh[mask] - episodes.logprobs[mask]).abs().max() < 1e-4
+    assert outcome.observation_tokens[0] > 0 and all(m > 0 for m in outcome.model_tokens)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_environment_reward_is_a_source_whose_failures_follow_on_error(on_error):
+    from ppokit.config import RewardConfig
+    from ppokit.environments.episode_loop import EnvironmentReward
+    from ppokit.rewards import ScoringBatch, build_scorer
+    from ppokit.rewards.sources import RewardError
+
+    scorer = build_scorer(RewardConfig(functions=[lambda prompts, completions: [0.5] * len(prompts)], weights=[1.0, 2.0], on_error=on_error),
+                          environment=EnvironmentReward())
+    error = "environment g.py:Game: step raised KeyError: 'x'; prompt 'b'"
+    batch = ScoringBatch(["a", "b", "c"], ["1", "2", "3"], environment_rewards=[1.0, float("nan"), -1.0],
+                         environment_errors=[None, error, None])
+    if on_error == "raise":
+        with pytest.raises(RewardError, match="step raised KeyError"):
+            scorer.score(batch)
+        return
+    with pytest.warns(UserWarning, match="step raised KeyError"):
+        result = scorer.score(batch)
+    assert result.valid.tolist() == [True, False, True]
+    assert result.scores.tolist() == [0.5 + 2.0, 0.0, 0.5 - 2.0]
+    assert scorer.metrics(result)["reward/environment"] == 0.0
+
+
+def test_demo_game_sft_examples_train_the_guesses_only():
+    from ppokit.demo_game import sft_examples
+    from ppokit.environments.guess import vocabulary
+
+    tok = word_tokenizer([" ".join(vocabulary())])
+    game = {"prompt": "guess a number from 1 to 16 .", "turns": [["8", "higher"], ["12", "lower"], ["10", "correct"]]}
+    (ids, labels), = sft_examples(tok, [game])
+    eos = tok.eos_token_id
+    text = tok.convert_ids_to_tokens(ids)
+    assert text == "guess a number from 1 to 16 . 8 <eos> higher 12 <eos> lower 10 <eos>".split()
+    trained = [t for t, label in zip(text, labels) if label != -100]
+    assert trained == ["8", "<eos>", "12", "<eos>", "10", "<eos>"] and labels[-1] == eos
+
+
+CRITIC = '''
+class Critic:
+    """Answers every turn with words of the demo's vocabulary; rewards a turn by its length; done after 2 turns."""
+
+    def reset(self, row):
+        self.turns = 0
+        return None
+
+    def step(self, completion):
+        self.turns += 1
+        return "the movie was", float(len(completion.split()) % 3), self.turns >= 2
+'''
+
+
+def multi_turn_config(model_dir, prompts_file, out, env_file, **ppo):
+    from conftest import tiny_ppo_config
+
+    from ppokit.config import RolloutConfig
+
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=32, advantage_estimator="grpo",
+                             num_samples_per_prompt=4, **ppo)
+    config.environment = f"{env_file}:Critic"
+    config.rollout = RolloutConfig(max_turns=3, max_episode_tokens=24)
+    return config
+
+
+def test_multi_turn_grpo_resumes_exactly_after_sigkill(model_dir, prompts_file, tmp_path):
+    """A multi-turn grpo run killed mid-update and resumed writes the metrics of one that never stopped."""
+    import signal
+
+    from test_checkpoint import _cli, _wait_until, comparable, line_count
+
+    from ppokit import checkpoint
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import PPOTrainer
+
+    env_file = tmp_path / "critic.py"
+    env_file.write_text(CRITIC)
+    reference = tmp_path / "reference"
+    records = PPOTrainer(multi_turn_config(model_dir, prompts_file, reference, env_file), show_progress=False).train()
+    assert records[0]["rollout/turns"] == 2 and records[0]["rollout/observation_tokens"] > 0 and "reward/environment" in records[0]
+
+    out, config_path, log = tmp_path / "run", tmp_path / "ppo.yaml", tmp_path / "stderr.txt"
+    multi_turn_config(model_dir, prompts_file, out, env_file, save_steps=2).save(config_path)
+    proc = _cli(config_path, log)
+    _wait_until(lambda: line_count(out / "metrics.jsonl") >= 3, proc, log)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.find_checkpoint(None, out).name == "update-2"
+    trainer = PPOTrainer(PPOConfig.load(config_path), show_progress=False)
+    trainer.resume_from()
+    trainer.train()
+    assert comparable(out / "metrics.jsonl") == comparable(reference / "metrics.jsonl")
+    assert (out / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
