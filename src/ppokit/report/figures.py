@@ -162,7 +162,7 @@ def draw_frontier(runs: list[RunData], skipped: list[str]) -> Optional[Figure]:
         skipped.append("reward-vs-KL frontier: no update has both objective/scores and objective/kl")
         return None
     fig = Figure(figsize=(7.5, 5))
-    ax = fig.subplots(gridspec_kw=_fixed_margins(fig, left=0.75, bottom=0.55, right=0.1))
+    ax = fig.subplots(gridspec_kw=_fixed_margins(fig, left=0.75, bottom=0.55, right=0.55))  # room for "update N" past the last point
     colors = _colors(runs)
     for run, points, evals in data:
         updates = [p[0] for p in points]
