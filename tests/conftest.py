@@ -11,8 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Tiny models run fastest on one thread, and a busy machine makes extra threads spin.
+# Tiny models run fastest on one thread, and a busy machine makes extra threads spin: one thread here and in
+# every process a test starts (`ppokit ...` subprocesses), as the suite runs on two workers (pyproject addopts).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from ppokit.demo import make_data  # noqa: E402
 from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402

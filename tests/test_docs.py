@@ -52,11 +52,15 @@ def test_algorithms_page_has_every_estimator_and_knob():
 
 def test_the_cpu_constraints_select_the_cpu_build_of_torch():
     """`torch==2.13.0` alone resolves from PyPI to the CUDA build on Linux: on x86-64 the pin carries the
-    `+cpu` local version, which only PyTorch's CPU index (named in the file) or a local CPU wheel has."""
+    `+cpu` local version, which only PyTorch's CPU index (the README's line before the two commands) or a
+    local CPU wheel has. The file names no index: pip would ask it for every package, retrying each for
+    seconds on a machine that cannot reach it."""
     from packaging.requirements import Requirement
 
+    readme = (ROOT / "README.md").read_text()
+    assert "\npip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu\n" in readme
     lines = [line.strip() for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines()]
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    assert not [line for line in lines if line.startswith("-")], "an option line in constraints/cpu.txt"
     pins = [Requirement(line) for line in lines if line and not line.startswith(("#", "--"))]
     for machine, platform, version in (("x86_64", "linux", "2.13.0+cpu"), ("AMD64", "win32", "2.13.0+cpu"),
                                        ("aarch64", "linux", "2.13.0"), ("arm64", "darwin", "2.13.0")):
