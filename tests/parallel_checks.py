@@ -30,7 +30,7 @@ from ppokit import parallel, roles  # noqa: E402
 from ppokit.config import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.guards import UpdateSnapshot  # noqa: E402
 from ppokit.models import response_logits, value_model_from_policy  # noqa: E402
-from ppokit.rollout import HFSampler  # noqa: E402
+from ppokit.engines.hf import HFSampler  # noqa: E402
 from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
 from ppokit.optimise import PolicyAndValue  # noqa: E402
 

@@ -170,7 +170,7 @@ def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokeniz
     """Finished rows leave the forward batch and the KV cache; the random stream, and so every token, stays."""
     from transformers import AutoModelForCausalLM
 
-    from ppokit.rollout import HFSampler
+    from ppokit.engines.hf import HFSampler
 
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
     texts = ["the movie was", "honestly the cast was", "the", "overall the story felt", "this film is", "the acting"]

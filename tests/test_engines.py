@@ -13,10 +13,9 @@ from conftest import tiny_ppo_config
 from ppokit import algo, engines
 from ppokit.config import PPOConfig, PPOHyperparams
 from ppokit.engines.base import Sampling
-from ppokit.engines.hf import HFEngine
+from ppokit.engines.hf import HFEngine, HFSampler
 from ppokit.errors import UserError
 from ppokit.models import left_pad, load_causal_lm
-from ppokit.rollout import HFSampler
 from ppokit.trainer import PPOTrainer
 
 

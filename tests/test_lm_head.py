@@ -118,7 +118,7 @@ def test_sampling_logprobs_equal_the_light_head(model_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from ppokit.models import left_pad
-    from ppokit.rollout import HFSampler
+    from ppokit.engines.hf import HFSampler
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()

@@ -7,7 +7,7 @@ import torch
 
 from ppokit import algo
 from ppokit.models import left_pad, load_causal_lm, response_logits
-from ppokit.rollout import HFSampler, truncate_distribution
+from ppokit.engines.hf import HFSampler, truncate_distribution
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
