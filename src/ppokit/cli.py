@@ -139,12 +139,14 @@ def _plan(args) -> int:
 
 
 def _demo(args) -> int:
-    from ppokit.demo import run_demo
     from ppokit.guards import TrainingInterrupted
 
+    if args.environment == "guess":
+        from ppokit.demo_game import run_game_demo as run
+    else:
+        from ppokit.demo import run_demo as run
     try:
-        summary = run_demo(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite,
-                           environment=args.environment)
+        summary = run(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite)
     except TrainingInterrupted as e:  # the demo has no --resume
         return _stopped(e, "run the demo again with --overwrite to start over")
     print(json.dumps(summary))

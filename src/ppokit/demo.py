@@ -63,7 +63,7 @@ def make_data(seed: int, n_sft: int, n_prompts: int, n_eval: int) -> dict[str, l
     return {"sft": sft, "prompts": prompts, "eval_prompts": eval_prompts}
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -82,7 +82,6 @@ def estimator_settings(name: str) -> dict:
 
 
 DEMO_MARKER_KIND = "demo"
-DEMO_ENVIRONMENTS = ("guess",)  # `--environment`: a multi-turn demo instead of the reviews
 
 
 def check_demo_output(out: Path, overwrite: bool) -> None:
@@ -102,6 +101,15 @@ def check_demo_output(out: Path, overwrite: bool) -> None:
                         "or pass --overwrite to replace it")
 
 
+def demo_folder(output_dir: str | Path, estimator: str, overwrite: bool) -> Path:
+    """The demo's output folder, once the estimator and the folder are checked (`check_demo_output`)."""
+    if estimator not in ESTIMATORS:
+        raise UserError(f"demo --estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    out = Path(output_dir)
+    check_demo_output(out, overwrite)
+    return out
+
+
 def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
     """Steps 1-3: the data, a tokenizer and a tiny model, fine-tuned by SFT into out/sft; returns out."""
     s = SETTINGS[quick]
@@ -112,7 +120,7 @@ def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
     run_dir.write_marker(out, DEMO_MARKER_KIND)
     data = make_data(seed, s["n_sft"], s["n_prompts"], 8)
     for name, rows in data.items():
-        _write_jsonl(out / "data" / f"{name}.jsonl", rows)
+        write_jsonl(out / "data" / f"{name}.jsonl", rows)
     say(f"[1/4] data: {len(data['sft'])} SFT reviews, {len(data['prompts'])} PPO prompts -> {out / 'data'}")
 
     # 2. tokenizer and model
@@ -134,28 +142,19 @@ def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
 
 def run_demo(
     output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True,
-    estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False, environment: str | None = None,
+    estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False,
 ) -> dict:
     """Run the whole demo; returns a summary with the first and last scores and the time taken.
 
     estimator: one of ppokit.estimators.ESTIMATORS (ppo.advantage_estimator and its usual number of samples per
     prompt). prepared: the output folder of an earlier demo with the same `quick` and `seed`,
     whose data/ and sft/ are used instead of building them again. overwrite: write into a folder that is
-    not an earlier demo's, or replace the run in its ppo/ (`check_demo_output`). environment: None (the
-    movie reviews) or one of DEMO_ENVIRONMENTS (`guess`: the multi-turn game of `ppokit.demo_game`).
+    not an earlier demo's, or replace the run in its ppo/ (`check_demo_output`). The multi-turn demo is
+    `ppokit.demo_game.run_game_demo`.
     """
-    if estimator not in ESTIMATORS:
-        raise UserError(f"demo --estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
-    if environment is not None and environment not in DEMO_ENVIRONMENTS:
-        raise UserError(f"demo --environment: expected one of {', '.join(DEMO_ENVIRONMENTS)}, got {environment!r}")
+    out = demo_folder(output_dir, estimator, overwrite)
     start = time.perf_counter()
     s = SETTINGS[quick]
-    out = Path(output_dir)
-    check_demo_output(out, overwrite)
-    if environment is not None:
-        from ppokit.demo_game import run_game_demo
-
-        return run_game_demo(out, quick, seed, show_progress, estimator, prepared, overwrite)
     say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
     base = Path(prepared) if prepared is not None else prepare_demo(out, quick, seed, say)
     torch.manual_seed(seed)

@@ -18,6 +18,7 @@ import torch
 
 from ppokit import run_dir
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+from ppokit.demo import DEMO_MARKER_KIND, demo_folder, estimator_settings, write_jsonl
 from ppokit.models import no_progress_bars
 from ppokit.sft import IGNORE_INDEX, build_example, train_sft
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
@@ -53,7 +54,6 @@ def sft_examples(tokenizer, games: list[dict]) -> list[tuple[list[int], list[int
 
 def prepare_game_demo(out: Path, quick: bool, seed: int, say) -> Path:
     """Steps 1-3: the game's data, a tokenizer and a tiny model fine-tuned on played games, in out/sft."""
-    from ppokit.demo import DEMO_MARKER_KIND, _write_jsonl
     from ppokit.environments.guess import guess_rows, guess_transcripts, vocabulary
 
     s = SETTINGS[quick]
@@ -61,8 +61,8 @@ def prepare_game_demo(out: Path, quick: bool, seed: int, say) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     run_dir.write_marker(out, DEMO_MARKER_KIND)
     games = guess_transcripts(seed, s["n_games"], strategy="random", max_turns=MAX_TURNS)
-    _write_jsonl(out / "data" / "games.jsonl", games)
-    _write_jsonl(out / "data" / "prompts.jsonl", guess_rows(seed + 1, s["n_prompts"]))
+    write_jsonl(out / "data" / "games.jsonl", games)
+    write_jsonl(out / "data" / "prompts.jsonl", guess_rows(seed + 1, s["n_prompts"]))
     won = sum(game["turns"][-1][1] == "correct" for game in games) / len(games)
     say(f"[1/4] data: {len(games)} games of a player guessing at random within what the answers allow ({won:.0%} won within "
         f"{MAX_TURNS} turns, {sum(len(g['turns']) for g in games) / len(games):.2f} turns each), {s['n_prompts']} PPO prompts -> {out / 'data'}")
@@ -99,16 +99,17 @@ def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict) 
     )
 
 
-def run_game_demo(out: Path, quick: bool, seed: int, show_progress: bool, estimator: str, prepared, overwrite: bool) -> dict:
-    """Steps 1-4 (`ppokit.demo.run_demo` with environment='guess'); returns the first and last success rate and turns."""
-    from ppokit.demo import ESTIMATORS
+def run_game_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True,
+                  estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False) -> dict:
+    """Steps 1-4 of the game (the arguments as `ppokit.demo.run_demo`'s); returns the first and last success rate and turns."""
+    out = demo_folder(output_dir, estimator, overwrite)
     from ppokit.trainer import PPOTrainer
 
     start = time.perf_counter()
     say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
     base = Path(prepared) if prepared is not None else prepare_game_demo(out, quick, seed, say)
     torch.manual_seed(seed)
-    trainer = PPOTrainer(game_config(base, out, quick, seed, ESTIMATORS[estimator]), show_progress=show_progress, overwrite=overwrite)
+    trainer = PPOTrainer(game_config(base, out, quick, seed, estimator_settings(estimator)), show_progress=show_progress, overwrite=overwrite)
     say(f"[4/4] PPO ({estimator}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} games, up to {MAX_TURNS} turns each, "
         "reward = the game's")
     records = trainer.train()
