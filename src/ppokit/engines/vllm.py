@@ -43,7 +43,9 @@ SEED_RANGE = 2**31 - 1  # per-request seeds drawn from torch's generator
 def import_vllm():
     """vllm, set up to run in this process; one line naming the install command when it is missing."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # its INFO lines would flood ppokit's stderr
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
+    if quiet:  # its INFO and WARNING lines (about a CPU set-up ppokit chose) would flood ppokit's stderr
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     try:
         import vllm
     except ImportError as e:
@@ -88,7 +90,8 @@ class VLLMEngine:
     """A vLLM engine in this process sampling for the trainer (see the module docstring).
 
     policy: the causal LM being trained (transformers, peft over it, DDP- or FSDP-wrapped); its config,
-        dtype and weights make the engine. pad_token_id: the model-input pad id of the query/response
+        dtype and weights make the engine. device: where the episodes' tensors go (default: the policy's).
+        pad_token_id: the model-input pad id of the query/response
         padding. max_model_len: longest prompt + response budget. max_num_seqs: sequences decoded
         together (the rollout batch). gpu_memory_utilization: the device share vLLM takes (weights +
         KV cache) on GPU; on CPU the KV cache is sized for max_num_seqs sequences instead.
@@ -98,7 +101,7 @@ class VLLMEngine:
 
     def __init__(self, policy: nn.Module, pad_token_id: int, max_model_len: int, *, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enforce_eager: bool = True,
-                 sleep: bool = False, seed: int = 0, model_name: Optional[str] = None):
+                 sleep: bool = False, seed: int = 0, model_name: Optional[str] = None, device: Optional[torch.device] = None):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -115,7 +118,7 @@ class VLLMEngine:
         check_cpu_head_dim(config, self.model_name)
         param = next(base.parameters())
         self.dtype = param.dtype
-        self.device = param.device if param.device.type != "meta" else torch.device("cpu")
+        self.device = device if device is not None else param.device
         self.pad_token_id = pad_token_id
         self.max_model_len = max_model_len
         self.sleep = sleep
