@@ -70,27 +70,27 @@ def adamw(model) -> tuple[torch.optim.Optimizer, None]:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-5), None
 
 
-def train(engine, model, ids, mask) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
-    model, optimizer, _ = engine.prepare(model, adamw)
-    norms = [one_step(engine, model, optimizer, ids, mask) for _ in range(STEPS)]
+def train(strategy, model, ids, mask) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
+    model, optimizer, _ = strategy.prepare(model, adamw)
+    norms = [one_step(strategy, model, optimizer, ids, mask) for _ in range(STEPS)]
     return model, optimizer, norms
 
 
-def one_step(engine, model, optimizer, ids, mask) -> float:
+def one_step(strategy, model, optimizer, ids, mask) -> float:
     for k, (a, b) in enumerate(((0, 2), (2, 3))):  # two micro-batches per optimiser step
-        with engine.no_sync(model, last=k == 1):
+        with strategy.no_sync(model, last=k == 1):
             response_ids, response_mask = ids[a:b, -RESPONSE:], mask[a:b, -RESPONSE:].bool()
             logprobs, _, values = model(ids[a:b], mask[a:b], response_ids, response_mask, 1.0)
             loss = (logprobs.mean() + values.pow(2).mean()) / 2
             loss.backward()
-    norm = engine.clip_grad_norm_(model, 1.0)
+    norm = strategy.clip_grad_norm_(model, 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
 
 
-def full_weights(engine, model) -> dict[str, torch.Tensor]:
-    with engine.consolidated(model) as plain:
+def full_weights(strategy, model) -> dict[str, torch.Tensor]:
+    with strategy.consolidated(model) as plain:
         return {k: v.detach().clone() for k, v in plain.state_dict().items()} if plain is not None else {}
 
 
@@ -137,15 +137,15 @@ def main(out: Path, load_from: Path | None) -> None:
     tokenizer = word_tokenizer([" ".join(WORDS)])
     ids, mask = rows(tokenizer, rank)
     results: dict = {"processes": world}
-    ddp = parallel.engine(ParallelConfig(strategy="ddp"), accelerator)
-    fsdp = parallel.engine(ParallelConfig(strategy="fsdp"), accelerator)
-    lazy = parallel.engine(ParallelConfig(strategy="fsdp", unshard_for_generation=False), accelerator)
+    ddp = parallel.strategy(ParallelConfig(strategy="ddp"), accelerator)
+    fsdp = parallel.strategy(ParallelConfig(strategy="fsdp"), accelerator)
+    lazy = parallel.strategy(ParallelConfig(strategy="fsdp", unshard_for_generation=False), accelerator)
 
     # 1. forward, backward, clipping and AdamW: FSDP equals DDP. Rows differ per process, so the
     #    gradients are only right if both average them over processes the same way.
     ddp_model, _, ddp_norms = train(ddp, build(tokenizer), ids, mask)
     fsdp_model, fsdp_optimizer, fsdp_norms = train(fsdp, build(tokenizer), ids, mask)
-    offload = parallel.engine(ParallelConfig(strategy="fsdp", cpu_offload=True), accelerator)
+    offload = parallel.strategy(ParallelConfig(strategy="fsdp", cpu_offload=True), accelerator)
     offload_model, _, offload_norms = train(offload, build(tokenizer), ids, mask)  # on CPU the shards just stay put
     ddp_weights, fsdp_weights = full_weights(ddp, ddp_model), full_weights(fsdp, fsdp_model)
     offload_weights = full_weights(offload, offload_model)
@@ -245,7 +245,7 @@ def main(out: Path, load_from: Path | None) -> None:
 
     # 6. resharding: a DCP checkpoint written by another process count, read into this one.
     if load_from is not None:
-        other = parallel.engine(ParallelConfig(strategy="fsdp"), accelerator)
+        other = parallel.strategy(ParallelConfig(strategy="fsdp"), accelerator)
         target, target_optimizer, _ = other.prepare(build(tokenizer), adamw)
         other.checkpoint_weights().load(load_from / "dcp", SimpleNamespace(model=target, optimizer=target_optimizer))
         loaded = full_weights(other, target)

@@ -70,9 +70,18 @@ def test_shape_rewards_adds_score_at_last_real_token():
     scores = torch.tensor([2.0, -1.0])
     kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    rewards, non_score = algo.shape_rewards(scores, kl, mask, kl_coef=0.5)
+    rewards, non_score = algo.shape_rewards(scores, kl, mask, 0.5, algo.last_token_index(mask))
     assert non_score.flatten().tolist() == pytest.approx([-0.05, -0.1, 0.0, -0.2, -0.25, -0.3])
     assert rewards.flatten().tolist() == pytest.approx([-0.05, 1.9, 0.0, -0.2, -0.25, -1.3])
+
+
+def test_shape_rewards_adds_score_at_the_declared_position():
+    # the score goes where score_index says (a multi-turn episode's last model token), not at the mask's last token
+    scores = torch.tensor([2.0])
+    kl = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    mask = torch.tensor([[True, False, True, True]])
+    rewards, _ = algo.shape_rewards(scores, kl, mask, 1.0, torch.tensor([2]))
+    assert rewards.flatten().tolist() == pytest.approx([-0.1, 0.0, 1.7, -0.4])
 
 
 def test_shape_rewards_gives_an_empty_row_nothing():
@@ -80,7 +89,7 @@ def test_shape_rewards_gives_an_empty_row_nothing():
     scores = torch.tensor([2.0, 5.0])
     kl = torch.tensor([[0.1, 0.2], [0.3, 0.4]])
     mask = torch.tensor([[True, True], [False, False]])
-    rewards, non_score = algo.shape_rewards(scores, kl, mask, kl_coef=1.0)
+    rewards, non_score = algo.shape_rewards(scores, kl, mask, 1.0, torch.tensor([1, 1]))
     assert rewards.flatten().tolist() == pytest.approx([-0.1, 1.8, 0.0, 0.0])
     assert non_score[1].tolist() == [0.0, 0.0]
 
@@ -132,6 +141,59 @@ def test_gae_matches_plain_loop_with_padding():
     assert torch.allclose(adv, expected, atol=1e-5)
     assert torch.allclose(ret, (expected + values) * mask, atol=1e-5)
     assert torch.all(adv[~mask] == 0)
+
+
+def _gae_loop_skipping(rewards, values, mask, gamma, lam):
+    """The recursion over each row's masked positions alone, plain floats: a position outside the mask
+    is no step, so the one before a gap bootstraps from the value after it."""
+    advantages = [[0.0] * len(row) for row in rewards]
+    for b, row_mask in enumerate(mask):
+        steps = [t for t, m in enumerate(row_mask) if m]
+        last, next_value = 0.0, 0.0
+        for t in reversed(steps):
+            delta = rewards[b][t] + gamma * next_value - values[b][t]
+            last = delta + gamma * lam * last
+            advantages[b][t] = last
+            next_value = values[b][t]
+    return advantages
+
+
+def test_gae_by_hand_bootstraps_across_a_gap():
+    # columns 2 and 3 are an observation (read, not trained on): their rewards and values must not count
+    rewards = torch.tensor([[0.0, 0.0, 9.0, 9.0, 3.0]])
+    values = torch.tensor([[1.0, 2.0, 9.0, 9.0, 4.0]])
+    mask = torch.tensor([[True, True, False, False, True]])
+    adv, ret = algo.gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    # t=4: delta = 3 + 0 - 4 = -1;               A4 = -1
+    # t=1: delta = 0 + V4 - V1 = 4 - 2 = 2;      A1 = 2 + 0.5 * A4 = 1.5
+    # t=0: delta = 0 + V1 - V0 = 2 - 1 = 1;      A0 = 1 + 0.5 * A1 = 1.75
+    assert adv[0].tolist() == [1.75, 1.5, 0.0, 0.0, -1.0]  # exact: halves and small integers
+    assert ret[0].tolist() == [2.75, 3.5, 0.0, 0.0, 3.0]
+
+
+def test_gae_with_gaps_matches_a_plain_loop():
+    torch.manual_seed(0)
+    rewards, values = torch.randn(6, 9), torch.randn(6, 9)
+    mask = torch.rand(6, 9) < 0.6
+    mask[0] = False  # a row outside the update
+    mask[1] = True
+    adv, ret = algo.gae(rewards, values, mask, gamma=0.99, lam=0.95)
+    expected = torch.tensor(_gae_loop_skipping(rewards.tolist(), values.tolist(), mask.tolist(), 0.99, 0.95))
+    assert_float32_close(adv, expected, terms=2 * 9)  # each A_t: a sum of at most 2 terms per later step
+    assert_float32_close(ret, (expected + values) * mask, terms=2 * 9 + 1)
+    assert torch.all(adv[~mask] == 0) and torch.all(ret[~mask] == 0)
+
+
+def test_gae_of_one_span_from_the_start_is_the_plain_recursion_bit_for_bit():
+    # the single-turn layout (each row's trained tokens one span from column 0): moving the masked positions
+    # to the front is the identity, so the arithmetic is the recursion's over the padded row, unchanged
+    torch.manual_seed(1)
+    rewards, values = torch.randn(5, 7), torch.randn(5, 7)
+    mask = torch.arange(7).unsqueeze(0) < torch.tensor([7, 3, 1, 0, 6]).unsqueeze(1)
+    assert torch.equal(algo.mask_first_order(mask), torch.arange(7).expand(5, 7))
+    adv, ret = algo.gae(rewards, values, mask, gamma=0.99, lam=0.95)
+    plain_adv, plain_ret = algo._gae_prefix(rewards, values, mask, 0.99, 0.95)
+    assert torch.equal(adv, plain_adv) and torch.equal(ret, plain_ret)
 
 
 def test_masked_statistics_and_whitening():
@@ -361,6 +423,13 @@ def test_discounted_returns_match_a_plain_loop():
         for t in range(6):
             expected = sum(0.9 ** (s - t) * rewards[b, s].item() for s in range(t, length)) if t < length else 0.0
             assert returns[b, t].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_discounted_returns_by_hand_skip_a_gap():
+    # G_3 = 2; G_0 = 1 + 0.5 * G_3 = 2: the gap (columns 1, 2) is no step, its rewards do not count
+    rewards = torch.tensor([[1.0, 7.0, 7.0, 2.0]])
+    mask = torch.tensor([[True, False, False, True]])
+    assert algo.discounted_returns(rewards, mask, gamma=0.5)[0].tolist() == [2.0, 0.0, 0.0, 2.0]
 
 
 def test_reinforce_pp_by_hand():

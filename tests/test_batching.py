@@ -4,12 +4,14 @@ import pytest
 import torch
 from conftest import assert_float32_close
 
-from ppokit import batching
+from dataclasses import replace
+
+from ppokit import algo, batching
+from ppokit.episodes import Episodes
 from ppokit.models import left_pad, position_ids_from_mask, response_logprobs
-from ppokit.rollout import Rollout
 
 
-def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, pad: int = 0) -> Rollout:
+def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, pad: int = 0) -> Episodes:
     """Left-padded prompts, right-padded responses of `width` columns, as sampling leaves them."""
     query_ids, query_mask = left_pad(prompts, pad)
     response_ids = torch.full((len(responses), width), pad, dtype=torch.long)
@@ -18,7 +20,8 @@ def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, p
         response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         response_mask[i, : len(r)] = True
     logprobs = -torch.rand(len(responses), width) * response_mask
-    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, response_mask.any(1))
+    return Episodes(query_ids, response_ids, torch.cat([query_mask, response_mask], 1), response_mask, logprobs,
+                    response_mask.any(1), algo.last_token_index(response_mask))
 
 
 def _lengths(prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
@@ -70,15 +73,15 @@ def test_check_budget_names_both_numbers():
 
 def test_pack_ends_every_row_at_the_last_column_and_moves_its_token_fields_along():
     rollout = _rollout([[5, 6], [7, 8, 9]], [[1], [2, 3]], width=5)
-    rollout = Rollout(**{**rollout.__dict__, "values": torch.arange(10.0).reshape(2, 5)})
-    rollout = Rollout(**{**rollout.__dict__,
-                         "query_ids": torch.cat([torch.zeros(2, 2, dtype=torch.long), rollout.query_ids], 1),
-                         "query_mask": torch.cat([torch.zeros(2, 2, dtype=torch.bool), rollout.query_mask], 1)})
+    rollout = replace(rollout, values=torch.arange(10.0).reshape(2, 5))
+    rollout = replace(rollout, query_ids=torch.cat([torch.zeros(2, 2, dtype=torch.long), rollout.query_ids], 1),
+                      attention_mask=torch.cat([torch.zeros(2, 2, dtype=torch.bool), rollout.attention_mask], 1))
     packed = batching.pack(rollout)
     # Rows of 3 and 5 tokens: 5 columns, the last 2 the response columns; the short row's prompt reaches into them.
     assert packed.input_ids.tolist() == [[0, 0, 5, 6, 1], [7, 8, 9, 2, 3]]
-    assert packed.attention_mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
-    assert packed.response_ids.tolist() == [[6, 1], [2, 3]] and packed.response_mask.tolist() == [[False, True], [True, True]]
+    assert packed.attention_mask.long().tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert packed.response_ids.tolist() == [[6, 1], [2, 3]] and packed.loss_mask.tolist() == [[False, True], [True, True]]
+    assert packed.score_index.tolist() == [1, 1]  # each row's last response token, where it now sits
     assert packed.values.tolist() == [[0.0, 0.0], [5.0, 6.0]]  # token 0 of each response keeps its value
     assert packed.ended.tolist() == rollout.ended.tolist()
     # Positions of the real tokens are the same before and after.
@@ -97,8 +100,8 @@ def test_pack_against_a_plain_loop():
     width, width_r = max(len(p) + len(r) for p, r in zip(prompts, responses)), max(len(r) for r in responses)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         assert packed.input_ids[i].tolist() == [0] * (width - len(p) - len(r)) + p + r
-        assert packed.response_mask[i].tolist() == [False] * (width_r - len(r)) + [True] * len(r)
-        assert packed.logprobs[i][packed.response_mask[i]].tolist() == rollout.logprobs[i, : len(r)].tolist()
+        assert packed.loss_mask[i].tolist() == [False] * (width_r - len(r)) + [True] * len(r)
+        assert packed.logprobs[i][packed.loss_mask[i]].tolist() == rollout.logprobs[i, : len(r)].tolist()
 
 
 def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
@@ -112,20 +115,20 @@ def test_trimmed_micro_batches_restore_the_padded_results(model_dir):
     rollout = _rollout(prompts, responses, width=6)
     with torch.no_grad():
         full, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids,
-                                    rollout.response_mask, 0.7)
-        plan = batching.plan_rollout(torch.arange(7), rollout, max_tokens=30)
+                                    rollout.trained_mask, 0.7)
+        plan = batching.plan_episodes(torch.arange(7), rollout, max_tokens=30)
         assert len(plan) > 1
         pieces, micro = [], []
         for index in plan:
             mb = batching.pack(rollout.select(index))
             micro.append(mb)
-            lp, _ = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, 0.7)
-            pieces.append((index, lp, mb.response_mask))
-    restored = batching.restore_tokens(pieces, rollout.response_mask)
+            lp, _ = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask, 0.7)
+            pieces.append((index, lp, mb.trained_mask))
+    restored = batching.restore_tokens(pieces, rollout.trained_mask)
     # other batch shapes, other kernels: a logprob near 0 (p ~ 1) still carries rounding of its logits' size
     assert_float32_close(restored, full, terms=model.config.vocab_size)
     processed, real = batching.padded_tokens(micro)
-    assert int(real) == int(rollout.query_mask.sum() + rollout.response_mask.sum())
+    assert int(real) == int(rollout.attention_mask.sum())
     assert real <= processed < rollout.query_ids.numel() + rollout.response_ids.numel()
 
 
@@ -136,6 +139,30 @@ def test_pack_of_a_dropped_row_and_right_align_of_any_padded_layout():
     ids = torch.tensor([[0, 0, 4, 5, 0, 0], [0, 0, 0, 6, 7, 0]])
     aligned, mask, _ = batching.right_align(ids, ids > 0)
     assert aligned.tolist() == [[4, 5], [6, 7]] and mask.all()
+
+
+def test_a_row_outside_the_update_is_forwarded_as_its_prompt():
+    # valid False (reward.on_error=skip): no forward needs its response, in either kind of micro-batch
+    rollout = replace(_rollout([[5, 6, 7], [8]], [[4, 4], [9, 9]], width=3), valid=torch.tensor([False, True]))
+    for budget in (None, 100):
+        ((_, mb),) = batching.split(rollout, torch.arange(2), 2, budget)
+        real = [row[m].tolist() for row, m in zip(mb.input_ids, mb.attention_mask)]
+        assert real == [[5, 6, 7], [8, 9, 9]]
+        assert mb.trained_mask.sum(1).tolist() == [0, 2]
+
+
+def test_pack_moves_a_loss_mask_with_a_gap_and_restore_tokens_puts_it_back():
+    # response [a o o b]: o an observation, read (attention) but not trained on (loss_mask)
+    rollout = _rollout([[5, 6], [7]], [[1, 2, 3, 4], [8]], width=4)
+    loss_mask = torch.tensor([[True, False, False, True], [True, False, False, False]])
+    rollout = replace(rollout, loss_mask=loss_mask, values=torch.arange(8.0).reshape(2, 4), score_index=torch.tensor([3, 0]))
+    ((index, mb),) = batching.split(rollout, torch.arange(2), 2, 100)
+    assert mb.input_ids.tolist() == [[5, 6, 1, 2, 3, 4], [0, 0, 0, 0, 7, 8]]
+    assert mb.loss_mask.tolist() == [[True, False, False, True], [False, False, False, True]]
+    assert mb.values.tolist() == [[0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 4.0]]
+    assert mb.score_index.tolist() == [3, 3]
+    restored = batching.restore_tokens([(index, mb.values + 10, mb.trained_mask)], rollout.trained_mask)
+    assert restored.tolist() == [[10.0, 0.0, 0.0, 13.0], [14.0, 0.0, 0.0, 0.0]]
 
 
 @pytest.mark.parametrize("compact_every", [1, 3])
@@ -162,10 +189,10 @@ def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokeniz
         return HFSampler(model, 24, 2.0, stop, tokenizer.pad_token_id, compact_every=every).sample(ids, mask)
 
     plain, compact = sample(0), sample(compact_every)
-    lengths = plain.response_mask.sum(1)
+    lengths = plain.loss_mask.sum(1)
     assert len(set(lengths.tolist())) > 2 and plain.ended.any() and not plain.ended.all()
     assert torch.equal(plain.response_ids, compact.response_ids)
-    assert torch.equal(plain.response_mask, compact.response_mask)
+    assert torch.equal(plain.loss_mask, compact.loss_mask)
     assert_float32_close(compact.logprobs, plain.logprobs, terms=model.config.vocab_size)  # other batch shapes
 
 
@@ -180,7 +207,7 @@ def test_reward_model_chunks_by_tokens_give_the_scores_of_row_chunks(model_dir, 
     prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (9,), generator=g)]
     responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(0, 7, (9,), generator=g)]
     rollout = _rollout(prompts, responses, width=6)
-    batch = ScoringBatch(["p"] * 9, ["c"] * 9, {}, rollout.input_ids, rollout.attention_mask, tokenizer)
+    batch = ScoringBatch(["p"] * 9, ["c"] * 9, {}, rollout.input_ids, rollout.attention_mask.long(), tokenizer)
     by_rows = RewardModelReward(model, tokenizer, batch_size=4).score(batch)
     by_tokens = RewardModelReward(model, tokenizer, batch_size=4, by_tokens=True).score(batch)
     assert torch.allclose(by_rows, by_tokens, atol=1e-5)

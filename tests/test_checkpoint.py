@@ -292,6 +292,19 @@ def test_resume_refuses_config_changes_that_change_the_result(model_dir, prompts
         other_data.resume_from(saved)
 
 
+def test_the_keys_a_resume_may_change_are_those_declared_so_with_the_key():
+    # doc(..., resume=...) in ppokit.config; a key without it (any key added later) is refused
+    assert set(checkpoint.RESUME_RULES) == {
+        "output_dir", "trust_remote_code", "ppo.logging_steps", "ppo.save_steps", "ppo.save_total_limit",
+        "ppo.max_skipped_updates", "ppo.nonfinite_rollback", "ppo.max_tokens_per_micro_batch", "parallel.shard_frozen",
+        "parallel.wrap_classes", "parallel.unshard_for_generation", "report_to", "run_name", "project",
+        "mlflow_tracking_uri", "lm_head_chunk_size", "compile",
+    }
+    base = PPOConfig(model="m").to_dict()
+    changed = {**base, "seed": 7, "project": "other", "ppo": {**base["ppo"], "learning_rate": 1.0, "save_steps": 9}}
+    assert checkpoint.config_differences(base, changed, base) == ["ppo.learning_rate (checkpoint 3e-06, now 1.0)", "seed (checkpoint 42, now 7)"]
+
+
 def test_resume_may_change_a_token_budget_or_the_float_rounding_switches_but_not_the_normalisation():
     base = PPOConfig(model="m").to_dict()
     budget = lambda tokens, **top: {**base, **top, "ppo": {**base["ppo"], "max_tokens_per_micro_batch": tokens}}  # noqa: E731

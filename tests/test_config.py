@@ -4,7 +4,7 @@ import threading
 import pytest
 import yaml
 
-from ppokit.config import PPOConfig, PPOHyperparams
+from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, PPOConfig, PPOHyperparams
 from ppokit.errors import UserError
 
 BASE = ["model=some/model", "reward.functions=[sentiment]", "data.train=p.jsonl"]
@@ -16,6 +16,11 @@ def test_defaults_follow_trl():
     assert (hp.temperature, hp.kl_coef, hp.kl_estimator, hp.cliprange, hp.vf_coef) == (0.7, 0.05, "k1", 0.2, 0.1)
     assert (hp.cliprange_value, hp.gamma, hp.lam, hp.whiten_rewards) == (0.2, 1.0, 0.95, False)
     assert (hp.missing_eos_penalty, hp.num_sample_generations, hp.local_rollout_forward_batch_size) == (None, 10, 64)
+
+
+def test_the_loss_normalisation_is_decided_once_from_the_token_budget():
+    assert PPOHyperparams().loss_normalisation == PER_MICRO_BATCH  # TRL's
+    assert PPOHyperparams(max_tokens_per_micro_batch=512).loss_normalisation == PER_MINIBATCH
 
 
 def test_yaml_and_overrides(tmp_path):

@@ -126,7 +126,7 @@ def test_sampling_logprobs_equal_the_light_head(model_dir, tokenizer):
     rollout = HFSampler(model, 9, 0.8, tokenizer.eos_token_id, tokenizer.pad_token_id).sample(ids, mask)
     with torch.no_grad():
         for kw in ({}, {"chunk_size": 3}):
-            lp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids, rollout.response_mask, 0.8, **kw)
+            lp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_ids, rollout.loss_mask, 0.8, **kw)
             # the KV cache's incremental attention against one full forward: float32 rounding through the model
             assert_float32_close(lp, rollout.logprobs, terms=model.config.intermediate_size)
 

@@ -1,7 +1,8 @@
-"""ppokit.parallel in one process, without a process group: choosing the engine, finding the layers to
+"""ppokit.parallel in one process, without a process group: choosing the strategy, finding the layers to
 shard, the meta skeleton that consolidated saves are built on, and the config checks. The multi-process
 behaviour is in tests/test_multiprocess.py."""
 
+import dataclasses
 import re
 
 import pytest
@@ -37,11 +38,23 @@ def test_bad_parallel_settings_are_refused_naming_the_key(overrides, message):
         PPOConfig.load(None, BASE + overrides)
 
 
-def test_an_unknown_strategy_object_is_refused_by_the_engine_too():
+def test_an_unknown_strategy_object_is_refused_by_the_strategy_too():
     settings = PPOConfig().parallel
     settings.strategy = "zero3"  # set in Python, past the config check
     with pytest.raises(UserError, match="parallel.strategy: unknown strategy 'zero3'; use one of ddp, fsdp"):
-        parallel.engine(settings, accelerator=None)
+        parallel.strategy(settings, accelerator=None)
+
+
+def test_each_declared_strategy_has_its_class_and_checkpoint_layout():
+    from ppokit.checkpoint import PlainWeights
+    from ppokit.strategies import STRATEGIES
+
+    layouts = {PlainWeights.kind, parallel.ShardedWeights.kind}
+    for name, facts in STRATEGIES.items():
+        cls = getattr(parallel, facts.implementation)
+        assert cls.strategy == name and facts.checkpoint_weights in layouts
+        assert set(facts.keys) <= {f.name for f in dataclasses.fields(PPOConfig().parallel)} - {"strategy"}
+    assert parallel.Replicated(type("Accelerator", (), {"num_processes": 1})()).checkpoint_weights() is None  # PlainWeights
 
 
 def test_decoder_layers_come_from_no_split_modules(tokenizer):

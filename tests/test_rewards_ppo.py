@@ -91,9 +91,9 @@ def test_every_source_from_the_config_with_skipped_rows_masked_out(model_dir, pr
     skipped = sum(r["reward/skipped"] for r in records)
     assert skipped > 0
     for rollout in seen:  # skipped rows take no part in the update: no tokens, no advantage, score 0
-        dropped = ~rollout.response_mask.any(1)
+        dropped = ~rollout.trained_mask.any(1)
         assert rollout.advantages[dropped].abs().sum() == 0 and rollout.scores[dropped].abs().sum() == 0
-    assert sum(int((~rollout.response_mask.any(1)).sum()) for rollout in seen) == skipped
+    assert sum(int((~rollout.trained_mask.any(1)).sum()) for rollout in seen) == skipped
 
 
 def test_python_objects_as_sources(model_dir, prompts_file, tmp_path, tokenizer, demo_data):

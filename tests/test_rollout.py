@@ -54,12 +54,12 @@ def test_truncated_sampling_keeps_full_softmax_logprobs(policy_and_prompts, knob
     with torch.no_grad():
         logits = response_logits(policy, rollout.input_ids, rollout.attention_mask, rollout.response_ids.shape[1])
     fresh = algo.logprobs_from_logits(logits, rollout.response_ids, 0.7)
-    ratio = torch.exp(fresh - rollout.logprobs)[rollout.response_mask]
+    ratio = torch.exp(fresh - rollout.logprobs)[rollout.loss_mask]
     assert (ratio - 1).abs().max().item() < 1e-5
     # and every sampled token was inside the truncated distribution
     allowed = truncate_distribution(torch.log_softmax(logits.float() / 0.7, -1).flatten(0, 1), **knobs).isfinite()
     chosen = allowed.gather(1, rollout.response_ids.flatten().unsqueeze(1)).squeeze(1)
-    assert chosen[rollout.response_mask.flatten()].all()
+    assert chosen[rollout.loss_mask.flatten()].all()
 
 
 def test_greedy_is_the_argmax_and_top_k_one_is_greedy(policy_and_prompts):
@@ -73,5 +73,5 @@ def test_greedy_is_the_argmax_and_top_k_one_is_greedy(policy_and_prompts):
     with torch.no_grad():
         logits = response_logits(policy, greedy.input_ids, greedy.attention_mask, greedy.response_ids.shape[1])
     argmax = logits.argmax(-1)
-    assert torch.equal(argmax[greedy.response_mask], greedy.response_ids[greedy.response_mask])
-    assert greedy.logprobs[greedy.response_mask].max().item() <= 0 and not math.isnan(greedy.logprobs.sum().item())
+    assert torch.equal(argmax[greedy.loss_mask], greedy.response_ids[greedy.loss_mask])
+    assert greedy.logprobs[greedy.loss_mask].max().item() <= 0 and not math.isnan(greedy.logprobs.sum().item())

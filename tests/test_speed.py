@@ -42,18 +42,18 @@ def test_a_minibatch_split_three_ways_gives_the_same_gradients_and_metrics(sft_m
                              max_grad_norm=0.0)
     trainer = PPOTrainer(config, show_progress=False)
     rollout = _one_rollout(trainer)
-    lengths = rollout.response_mask.sum(1)
+    lengths = rollout.loss_mask.sum(1)
     assert len(set(lengths.tolist())) > 3, "responses of varied lengths"
     longest = int(rollout.attention_mask.sum(1).max())
     model = trainer.model
     results = {}
     for name, budget in (("small", longest), ("large", 3 * longest), ("one micro-batch", 10**6)):
         hp = dataclasses.replace(config.ppo, max_tokens_per_micro_batch=budget)
-        counts = [len(batching.plan_rollout(rows, rollout, budget)) for rows in torch.arange(16).split(8)]
+        counts = [len(batching.plan_episodes(rows, rollout, budget)) for rows in torch.arange(16).split(8)]
         recorder = GradientRecorder([p for p in model.parameters() if p.requires_grad])
         scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
         torch.manual_seed(5)  # the same minibatch order each time
-        metrics = optimise.ppo_epochs(model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.engine, lambda t: t)
+        metrics = optimise.ppo_epochs(model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.strategy, lambda t: t)
         results[name] = (counts, recorder.grads, metrics)
     assert results["small"][0][0] >= 3 and 1 < results["large"][0][0] < results["small"][0][0]
     assert results["one micro-batch"][0] == [1, 1]
@@ -85,16 +85,16 @@ def test_policy_then_critic_backward_gives_the_combined_gradients_with_one_model
                              num_mini_batches=2, num_ppo_epochs=1, response_length=10, max_grad_norm=0.0,
                              entropy_coef=0.01, kl_loss_coef=0.1)
     trainer = PPOTrainer(config, show_progress=False)
-    assert trainer.engine.backward_separately  # one process
+    assert trainer.strategy.backward_separately  # one process
     rollout = _one_rollout(trainer)
     results = {}
     for separately in (True, False):
-        engine = copy.copy(trainer.engine)
-        engine.backward_separately = separately
+        strategy = copy.copy(trainer.strategy)
+        strategy.backward_separately = separately
         recorder = GradientRecorder([p for p in trainer.model.parameters() if p.requires_grad])
         scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
         torch.manual_seed(5)
-        metrics = optimise.ppo_epochs(trainer.model, recorder, scheduler, rollout, config.ppo, trainer.sizes, engine, lambda t: t)
+        metrics = optimise.ppo_epochs(trainer.model, recorder, scheduler, rollout, config.ppo, trainer.sizes, strategy, lambda t: t)
         mb = optimise.micro_batches(rollout, torch.arange(8), trainer.sizes, config.ppo)[0]
         (normalisers, scale), = optimise.loss_normalisers([mb], config.ppo, lambda t: t, 1)
         with LiveTensors() as mode:

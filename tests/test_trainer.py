@@ -39,8 +39,8 @@ def test_ratio_is_one_on_first_minibatch(arch, dropout, sampling, model_dir, pro
     assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
     mb = rollout.select(torch.arange(4))
     assert trainer.model.training  # the training forward, in train mode as optimise() runs it
-    new_logprobs, _, _ = trainer.model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, 0.7)
-    ratio = torch.exp(new_logprobs - mb.logprobs)[mb.response_mask]
+    new_logprobs, _, _ = trainer.model(mb.input_ids, mb.attention_mask, mb.response_ids, mb.loss_mask, 0.7)
+    ratio = torch.exp(new_logprobs - mb.logprobs)[mb.loss_mask]
     assert (ratio - 1).abs().max().item() < 1e-5
 
 
@@ -60,7 +60,7 @@ def test_first_update_ratio_is_one_with_dropout_in_the_checkpoint(arch, model_di
 def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, temperature=0.5)
     rollout = trainer.generate(trainer.train_query_ids[:4])
-    ref_logprobs, values = trainer.reference_and_values(rollout)
+    ref_logprobs, values, _ = trainer.reference_and_values(rollout)
     # The reference starts equal to the policy, so with logits / T everywhere the KL is exactly 0.
     assert torch.allclose(ref_logprobs, rollout.logprobs, atol=1e-5)
     assert torch.all(values == 0)  # fresh value head starts at zero
@@ -70,7 +70,7 @@ def test_truncation_after_stop_and_early_stop(model_dir, prompts_file, tmp_path)
     trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=40)
     eos = trainer.tokenizer.eos_token_id
     rollout = trainer.generate(trainer.train_query_ids[:8])
-    for ids, mask, ended in zip(rollout.response_ids, rollout.response_mask, rollout.ended):
+    for ids, mask, ended in zip(rollout.response_ids, rollout.loss_mask, rollout.ended):
         real = ids[mask].tolist()
         if ended:
             assert real[-1] == eos and eos not in real[:-1]
@@ -79,7 +79,7 @@ def test_truncation_after_stop_and_early_stop(model_dir, prompts_file, tmp_path)
             assert eos not in real
     if rollout.ended.all():
         # every row stopped: sampling stops too, before response_length
-        assert rollout.response_ids.shape[1] == int(rollout.response_mask.sum(1).max())
+        assert rollout.response_ids.shape[1] == int(rollout.loss_mask.sum(1).max())
 
 
 def dropout_left(model: torch.nn.Module) -> list[str]:
@@ -199,8 +199,8 @@ def test_rows_dropped_by_on_error_skip_count_in_no_statistic(model_dir, prompts_
     with pytest.warns(UserWarning, match="one_row_scores returned nan"):
         record = trainer.step()
     (rollout,) = seen
-    assert rollout.response_mask.any(1).tolist() == [True, False, False, False]
-    real = rollout.response_mask[0]
+    assert rollout.trained_mask.any(1).tolist() == [True, False, False, False]
+    real = rollout.trained_mask[0]
     kl = (rollout.logprobs[0] - rollout.ref_logprobs[0])[real].sum().item()
     assert abs(kl) > 1e-3
     # Means over the one kept episode, not over all four rows.

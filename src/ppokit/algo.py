@@ -2,8 +2,12 @@
 
 This module imports only torch. Every function documents the shapes it takes
 and returns, using B for the number of sequences, T for response tokens and
-V for the vocabulary. Masks are boolean tensors, True on real response tokens
-(the stop token included) and False on padding after it.
+V for the vocabulary. Masks are boolean tensors over the response columns, True on the tokens
+trained on and False elsewhere: the trainer passes `Episodes.trained_mask` (ppokit.episodes), the
+policy's own tokens (the stop token included) of the rows in the update; padding after a response,
+tokens the policy reads but did not produce (an observation between two model turns) and rows
+outside the update are False. A mask may have several spans per row: whatever runs backwards in
+time (`gae`, `discounted_returns`) steps from one True position to the previous one.
 
 References:
   [PPO]    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
@@ -36,6 +40,9 @@ References:
            loss).
   [DC]     Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
            Learning", arXiv:1912.09729 (dual-clip PPO: for A < 0 the loss is capped at c * |A|).
+  [TIS]    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+           https://fengyao.notion.site/off-policy-rl (truncated importance sampling between the
+           rollout engine's and the trainer's probabilities).
 
 Loss aggregation and micro-batches (the contract `ppo_loss` keeps; batching code relies on it):
 
@@ -257,11 +264,28 @@ def truncate_after_stop(response_ids: torch.Tensor, stop_token_id: int, pad_toke
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last True in each row of a right-padded mask (0 for an empty row).
+    """Index of the last True in each row (0 for an empty row).
 
     mask: (B, T) bool -> (B,) long.
     """
-    return (mask.long().sum(-1) - 1).clamp(min=0)
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(-1).values.clamp(min=0)
+
+
+def mask_first_order(mask: torch.Tensor) -> torch.Tensor:
+    """A permutation of each row's columns: its True positions first, then the others, each in order.
+
+    mask: (B, T) bool -> order (B, T) long. `x.gather(1, order)` puts a row's masked positions side by
+    side at its start, so that a recursion over time that stops at the first padding column treats
+    the positions between two spans as absent; `restore_order` moves the result back. A mask that is
+    already a prefix of each row (one span from column 0) gives the identity.
+    """
+    return torch.sort((~mask.bool()).to(torch.uint8), dim=-1, stable=True).indices
+
+
+def restore_order(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of `x.gather(1, order)`: values (B, T) in `order`'s columns -> (B, T) in the original ones."""
+    return torch.empty_like(values).scatter_(1, order, values)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -386,36 +410,47 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
 
 
 def shape_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float, score_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: a KL penalty on every token, the score added at the last real token.
+    """Per-token rewards: a KL penalty on every trained token, the score added at each row's score position.
 
-    scores: (B,); kl: (B, T); response_mask: (B, T) bool
-    -> (rewards (B, T), non_score_rewards (B, T)), both 0 on padding.
-    r_t = -kl_coef * KL_t, and r_last += score  [Z19, eq. 2; N+ "per-token KL penalty"].
-    A row without real tokens (one dropped from the update) gets no score: it is all padding.
+    scores: (B,); kl: (B, T); mask: (B, T) bool, the trained tokens; score_index: (B,) long, the column
+    that receives the score (`Episodes.score_index`: single-turn, the last trained token)
+    -> (rewards (B, T), non_score_rewards (B, T)), both 0 outside the mask.
+    r_t = -kl_coef * KL_t, and r_score_index += score  [Z19, eq. 2; N+ "per-token KL penalty"].
+    A row without trained tokens (one dropped from the update) gets no score: it is all padding.
     """
-    maskf = response_mask.to(kl.dtype)
+    maskf = mask.to(kl.dtype)
     non_score = -kl_coef * kl * maskf
     rewards = non_score.clone()
-    last = last_token_index(response_mask)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
-    rewards[rows, last] += scores.to(rewards.dtype) * maskf[rows, last]
+    score_index = score_index.to(rewards.device)
+    rewards[rows, score_index] += scores.to(rewards.dtype) * maskf[rows, score_index]
     return rewards, non_score
 
 
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over response tokens [GAE, eq. 16].
+    """Generalised advantage estimation over the trained tokens [GAE, eq. 16].
 
-    rewards, values: (B, T); response_mask: (B, T) bool -> (advantages (B, T), returns (B, T)).
-    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}.
-    Values and rewards on padding are treated as 0, so the episode ends after the last
-    real token (V after it is 0). Vectorised over the batch; one pass backwards in time.
-    returns = advantages + values (the value target).
+    rewards, values: (B, T); mask: (B, T) bool, the trained tokens -> (advantages (B, T), returns (B, T)),
+    0 outside the mask. With t' the next masked position after t:
+    delta_t = r_t + gamma * V_{t'} - V_t;  A_t = delta_t + gamma * lam * A_{t'}.
+    The positions outside the mask are not steps: between two spans of a row (an observation between
+    two model turns) the value bootstraps across the gap as if its tokens were not there; after the
+    last masked position the episode ends (V after it is 0). Vectorised over the batch; one pass
+    backwards in time over each row's masked positions moved to its front (`mask_first_order`; with
+    one span from column 0, the identity). returns = advantages + values (the value target).
     """
-    maskf = response_mask.to(values.dtype)
+    order = mask_first_order(mask)
+    advantages, returns = _gae_prefix(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order), gamma, lam)
+    return restore_order(advantages, order), restore_order(returns, order)
+
+
+def _gae_prefix(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """`gae` for a mask that is a prefix of each row: padding after it holds r = V = 0."""
+    maskf = mask.to(values.dtype)
     values = values * maskf
     rewards = rewards * maskf
     length = rewards.shape[1]
@@ -440,13 +475,13 @@ def gae(
 # `valid` is False there, it gets advantage 0, and the others' baseline is taken without it.
 
 
-def sequence_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def sequence_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The outcome reward of each sequence: its per-token rewards summed over real tokens.
 
-    rewards: (B, T) from `shape_rewards`; response_mask: (B, T) bool -> (B,).
+    rewards: (B, T) from `shape_rewards`; mask: (B, T) bool, the trained tokens -> (B,).
     With the KL in the reward this is score - kl_coef * sum_t KL_t; without it, the score.
     """
-    return (rewards * response_mask.to(rewards.dtype)).sum(-1)
+    return (rewards * mask.to(rewards.dtype)).sum(-1)
 
 
 def _groups(scores: torch.Tensor, valid: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -491,12 +526,20 @@ def rloo_advantages(scores: torch.Tensor, valid: torch.Tensor, group_size: int) 
     return torch.where(count >= 2, advantage, torch.zeros_like(advantage)).reshape(-1)
 
 
-def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = sum_{s >= t} gamma^(s - t) r_s over the real tokens of each row.
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_k gamma^k r_{t_k} over the masked positions t = t_0 < t_1 < ... of each row.
 
-    rewards: (B, T); response_mask: (B, T) bool -> (B, T), 0 on padding. One pass backwards.
+    rewards: (B, T); mask: (B, T) bool, the trained tokens -> (B, T), 0 outside the mask. Positions
+    outside the mask are not steps (a gap between two spans is not discounted over), as in `gae`.
+    One pass backwards over each row's masked positions moved to its front (`mask_first_order`).
     """
-    maskf = response_mask.to(rewards.dtype)
+    order = mask_first_order(mask)
+    return restore_order(_discounted_returns_prefix(rewards.gather(1, order), mask.gather(1, order), gamma), order)
+
+
+def _discounted_returns_prefix(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """`discounted_returns` for a mask that is a prefix of each row."""
+    maskf = mask.to(rewards.dtype)
     rewards = rewards * maskf
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
@@ -507,34 +550,34 @@ def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma
 
 
 def reinforce_pp_advantages(
-    rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float, whiten: bool = True, all_reduce: AllReduce = None
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float, whiten: bool = True, all_reduce: AllReduce = None
 ) -> torch.Tensor:
     """REINFORCE++ [RPP]: the discounted return of the KL-shaped token rewards, normalised over
     the global batch.
 
     rewards: (B, T) from `shape_rewards` (score at the last real token, -kl_coef * KL_t on every
-    token); response_mask: (B, T) bool -> (B, T). A_t = (G_t - mean G) / std G over the real tokens
+    token); mask: (B, T) bool, the trained tokens -> (B, T). A_t = (G_t - mean G) / std G over the real tokens
     of every process (`all_reduce`); whiten=False keeps G_t (plain REINFORCE with a KL penalty).
     """
-    returns = discounted_returns(rewards, response_mask, gamma)
-    return whiten_over_batch(returns, response_mask, all_reduce) if whiten else returns
+    returns = discounted_returns(rewards, mask, gamma)
+    return whiten_over_batch(returns, mask, all_reduce) if whiten else returns
 
 
-def remax_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tensor:
+def remax_advantages(rewards: torch.Tensor, mask: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tensor:
     """ReMax [ReMax, Algorithm 1]: the return minus the greedy response's reward.
 
     rewards: (B, T) per-token rewards of the sampled responses; baseline_scores: (B,) score of the
     greedy response to the same prompt -> (B, T). A_t = sum_{s >= t} r_s - r(greedy); with no KL in
     the reward, A_t = r - r(greedy) on every token.
     """
-    returns = discounted_returns(rewards, response_mask, 1.0)
-    return (returns - baseline_scores.to(returns.dtype).unsqueeze(1)) * response_mask.to(returns.dtype)
+    returns = discounted_returns(rewards, mask, 1.0)
+    return (returns - baseline_scores.to(returns.dtype).unsqueeze(1)) * mask.to(returns.dtype)
 
 
 def advantages(
     estimator: str,
     rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    mask: torch.Tensor,
     *,
     values: Optional[torch.Tensor] = None,
     gamma: float = 1.0,
@@ -547,7 +590,7 @@ def advantages(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The advantage of every response token under `estimator`, and the value targets.
 
-    rewards: (B, T) from `shape_rewards`; response_mask: (B, T) bool; values: (B, T), `gae` only;
+    rewards: (B, T) from `shape_rewards`; mask: (B, T) bool, the trained tokens; values: (B, T), `gae` only;
     baseline_scores: (B,) greedy scores, `remax` only -> (advantages (B, T), returns (B, T) for `gae`,
     None for the critic-free estimators). Padding is 0.
       gae           [GAE] with the critic's values; whitened per process if `whiten` (TRL does so);
@@ -560,22 +603,22 @@ def advantages(
     if estimator == "gae":
         if values is None:
             raise ValueError("the gae estimator needs the critic's values")
-        adv, returns = gae(rewards, values, response_mask, gamma, lam)
-        return (masked_whiten(adv, response_mask) if whiten else adv), returns
-    maskf = response_mask.to(rewards.dtype)
+        adv, returns = gae(rewards, values, mask, gamma, lam)
+        return (masked_whiten(adv, mask) if whiten else adv), returns
+    maskf = mask.to(rewards.dtype)
     if estimator in GROUP_ESTIMATORS:
-        scores, valid = sequence_rewards(rewards, response_mask), response_mask.any(-1)
+        scores, valid = sequence_rewards(rewards, mask), mask.any(-1)
         if estimator == "grpo":
             per_sequence = grpo_advantages(scores, valid, group_size, grpo_scale_std)
         else:
             per_sequence = rloo_advantages(scores, valid, group_size)
         return per_sequence.unsqueeze(1) * maskf, None
     if estimator == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, response_mask, gamma, whiten, all_reduce), None
+        return reinforce_pp_advantages(rewards, mask, gamma, whiten, all_reduce), None
     if estimator == "remax":
         if baseline_scores is None:
             raise ValueError("the remax estimator needs the greedy responses' scores")
-        return remax_advantages(rewards, response_mask, baseline_scores), None
+        return remax_advantages(rewards, mask, baseline_scores), None
     raise ValueError(f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
 
 
@@ -588,6 +631,19 @@ class PolicyLossStats(NamedTuple):
     approxkl: torch.Tensor
     clipfrac: torch.Tensor
     ratio: torch.Tensor
+
+
+def truncated_is_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights of tokens sampled by a rollout engine whose probabilities are not the
+    trainer's [TIS]: w_t = min(pi_trainer(y_t) / pi_engine(y_t), cap) = min(exp(trainer - engine), cap).
+
+    trainer_logprobs (the old policy under the training forward), engine_logprobs (what the engine sampled
+    with): (B, T) -> (B, T) float, detached (a weight, not a path for gradients). Where the two agree, 1.
+    The policy-gradient loss of each token is multiplied by its weight, which corrects the gradient for
+    sampling from pi_engine instead of pi_trainer; the cap bounds its variance (a token the engine found
+    far less likely than the trainer does). Padding (both 0) gets 1.
+    """
+    return torch.exp(trainer_logprobs.detach().float() - engine_logprobs.detach().float()).clamp(max=cap)
 
 
 def policy_loss_per_token(
@@ -622,12 +678,12 @@ def policy_loss_per_token(
     return loss, log_ratio, ratio, clipped > unclipped, dual_clipped
 
 
-def _policy_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, response_mask: torch.Tensor) -> PolicyLossStats:
+def _policy_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor) -> PolicyLossStats:
     with torch.no_grad():
         return PolicyLossStats(
-            approxkl=0.5 * masked_mean(log_ratio**2, response_mask),
-            clipfrac=masked_mean(clipped.float(), response_mask),
-            ratio=masked_mean(ratio, response_mask),
+            approxkl=0.5 * masked_mean(log_ratio**2, mask),
+            clipfrac=masked_mean(clipped.float(), mask),
+            ratio=masked_mean(ratio, mask),
         )
 
 
@@ -635,19 +691,19 @@ def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    mask: torch.Tensor,
     cliprange: float,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO's clipped surrogate objective, as a loss to minimise [PPO, eq. 7], a mean over real tokens.
 
     logprobs (current policy, with grad), old_logprobs (sampling policy), advantages: (B, T);
-    response_mask: (B, T) bool -> (scalar loss, PolicyLossStats).
+    mask: (B, T) bool, the trained tokens -> (scalar loss, PolicyLossStats).
     L = mean_t max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)), ratio = exp(logp - old_logp).
     approxkl is 0.5 * mean((logp - old_logp)^2) over real tokens, as in OpenAI's baselines
     (TRL's mean also counts padding slots, at 0).
     """
     per_token, log_ratio, ratio, clipped, _ = policy_loss_per_token(logprobs, old_logprobs, advantages, cliprange, cliprange)
-    return masked_mean(per_token, response_mask), _policy_stats(log_ratio, ratio, clipped, response_mask)
+    return masked_mean(per_token, mask), _policy_stats(log_ratio, ratio, clipped, mask)
 
 
 def value_loss_per_token(
@@ -670,24 +726,24 @@ def clipped_value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    response_mask: torch.Tensor,
+    mask: torch.Tensor,
     cliprange_value: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss, a mean over real tokens (see `value_loss_per_token`).
 
-    values (with grad), old_values (from the rollout), returns: (B, T); response_mask: (B, T) bool
+    values (with grad), old_values (from the rollout), returns: (B, T); mask: (B, T) bool, the trained tokens
     -> (scalar loss, detached clip fraction).
     L = 0.5 * mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
     """
     per_token, clipped = value_loss_per_token(values, old_values, returns, cliprange_value)
-    loss = 0.5 * masked_mean(per_token, response_mask)
-    return loss, masked_mean(clipped.float(), response_mask).detach()
+    loss = 0.5 * masked_mean(per_token, mask)
+    return loss, masked_mean(clipped.float(), mask).detach()
 
 
 # --------------------------------------------------------------------------- loss aggregation
 
 
-def token_weights(response_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def token_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
     """Per-token weights w of an aggregation (see the module docstring): (B, T) bool -> (B, T) float32.
 
       token_mean, seq_mean_token_sum, seq_mean_token_sum_norm: 1 on every real token;
@@ -695,7 +751,7 @@ def token_weights(response_mask: torch.Tensor, aggregation: str) -> torch.Tensor
     Padding is 0. Each row's weights depend on that row only, so they survive any split into
     micro-batches.
     """
-    maskf = response_mask.float()
+    maskf = mask.float()
     if aggregation == "seq_mean_token_mean":
         return maskf / maskf.sum(-1, keepdim=True).clamp(min=1)
     if aggregation in LOSS_AGGREGATIONS:
@@ -710,8 +766,8 @@ class LossNormalisers(NamedTuple):
     value: torch.Tensor  # the value loss: the number of real tokens
 
 
-def loss_normalisers(response_mask: torch.Tensor, aggregation: str, response_length: int) -> LossNormalisers:
-    """Normalisers over the rows of `response_mask` (B, T) bool, each at least 1.
+def loss_normalisers(mask: torch.Tensor, aggregation: str, response_length: int) -> LossNormalisers:
+    """Normalisers over the rows of `mask` (B, T) bool, each at least 1.
 
       token_mean                 D = real tokens                 (TRL's, OpenRLHF's token-level loss) [DAPO, 3.3];
       seq_mean_token_sum         D = sequences                   (a sum over each sequence, mean over sequences);
@@ -721,9 +777,9 @@ def loss_normalisers(response_mask: torch.Tensor, aggregation: str, response_len
     `response_length` is the configured maximum, not this batch's longest response, so that D
     does not depend on what was sampled.
     """
-    maskf = response_mask.float()
+    maskf = mask.float()
     tokens = maskf.sum().clamp(min=1)
-    sequences = response_mask.any(-1).float().sum().clamp(min=1)
+    sequences = mask.any(-1).float().sum().clamp(min=1)
     if aggregation == "token_mean":
         policy = tokens
     elif aggregation in ("seq_mean_token_sum", "seq_mean_token_mean"):
@@ -774,7 +830,7 @@ class LossTerms(NamedTuple):
 def value_loss(
     settings: LossSettings,
     normalisers: LossNormalisers,
-    response_mask: torch.Tensor,
+    mask: torch.Tensor,
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
@@ -786,14 +842,14 @@ def value_loss(
     after the other (their models share no forward) adds vf_coef * this to the policy terms' loss.
     """
     value_per_token, value_clipped = value_loss_per_token(values, old_values, returns, settings.cliprange_value)
-    value = 0.5 * aggregate(value_per_token, response_mask, normalisers.value)
-    return value, masked_mean(value_clipped.float(), response_mask).detach()
+    value = 0.5 * aggregate(value_per_token, mask, normalisers.value)
+    return value, masked_mean(value_clipped.float(), mask).detach()
 
 
 def ppo_loss(
     settings: LossSettings,
     normalisers: LossNormalisers,
-    response_mask: torch.Tensor,
+    mask: torch.Tensor,
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -803,28 +859,31 @@ def ppo_loss(
     old_values: Optional[torch.Tensor] = None,
     returns: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None,
 ) -> LossTerms:
     """The loss of one micro-batch: policy + vf_coef * value + kl_loss_coef * KL - entropy_coef * H.
 
-    Tensors (B, T): response_mask bool; logprobs (with grad), old_logprobs, advantages, entropy (with
+    Tensors (B, T): mask bool, the trained tokens; logprobs (with grad), old_logprobs, advantages, entropy (with
     grad when entropy_coef > 0); values (with grad), old_values, returns: with a critic; ref_logprobs:
-    with kl_loss_coef > 0. normalisers: `loss_normalisers` over this micro-batch or over its whole
+    with kl_loss_coef > 0; is_weights (no grad): `truncated_is_weights`, or None. normalisers: `loss_normalisers` over this micro-batch or over its whole
     minibatch (module docstring). -> LossTerms.
-      policy  `policy_loss_per_token`, aggregated per `settings.aggregation`;
+      policy  `policy_loss_per_token` (times is_weights token by token, when given), aggregated per `settings.aggregation`;
       value   0.5 * `value_loss_per_token`, a token mean;
       KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator, kl_clamp)` in the loss (k3 is the usual
               "low-variance KL" of GRPO [GRPO, eq. 4]), aggregated as the policy term;
       H       the entropy of the policy at each token, aggregated as the policy term.
     """
-    weights = token_weights(response_mask, settings.aggregation)
+    weights = token_weights(mask, settings.aggregation)
     per_token, log_ratio, ratio, clipped, dual_clipped = policy_loss_per_token(
         logprobs, old_logprobs, advantages, settings.cliprange_low, settings.cliprange_high, settings.dual_clip_c
     )
+    if is_weights is not None:
+        per_token = per_token * is_weights
     policy = aggregate(per_token, weights, normalisers.policy)
     loss = policy
     value = value_clipfrac = kl = None
     if values is not None:
-        value, value_clipfrac = value_loss(settings, normalisers, response_mask, values, old_values, returns)
+        value, value_clipfrac = value_loss(settings, normalisers, mask, values, old_values, returns)
         loss = loss + settings.vf_coef * value
     if settings.kl_loss_coef > 0:
         kl = aggregate(kl_per_token(logprobs, ref_logprobs, settings.kl_loss_estimator, settings.kl_clamp), weights, normalisers.policy)
@@ -833,15 +892,15 @@ def ppo_loss(
     if settings.entropy_coef > 0:
         loss = loss - settings.entropy_coef * aggregate(entropy, weights, normalisers.policy)
     with torch.no_grad():
-        dual_clipfrac = masked_mean(dual_clipped.float(), response_mask) if dual_clipped is not None else None
+        dual_clipfrac = masked_mean(dual_clipped.float(), mask) if dual_clipped is not None else None
         return LossTerms(
             loss=loss,
             policy=policy.detach(),
             value=value.detach() if value is not None else None,
             value_clipfrac=value_clipfrac,
             kl=kl,
-            entropy=masked_mean(entropy.detach(), response_mask),
-            stats=_policy_stats(log_ratio, ratio, clipped, response_mask),
+            entropy=masked_mean(entropy.detach(), mask),
+            stats=_policy_stats(log_ratio, ratio, clipped, mask),
             dual_clipfrac=dual_clipfrac,
         )
 

@@ -1,6 +1,6 @@
 """Micro-batches by a token budget: rows of similar length together, packed without padding between them.
 
-A rollout row is a left-padded prompt followed by a right-padded response (`ppokit.rollout.Rollout`):
+A row of an update's episodes is a left-padded prompt followed by a right-padded response (`ppokit.episodes.Episodes`):
 
     query   [pad pad p p p]   response [r r r stop pad pad]
     query   [p p p p p p p]   response [r stop pad pad pad]
@@ -15,11 +15,16 @@ column, so the micro-batch is as wide as its longest row and no wider:
     query   [pad p p p r r]   response [r stop]     (response columns: the last ones, right-aligned)
     query   [p p p p p p p]   response [r stop]
 
-A prompt may reach into the response columns (the first row above): the micro-batch's attention mask
-(`Rollout.sequence_mask`) covers it while its response_mask marks only response tokens. Positions come
-from the attention mask (`models.position_ids_from_mask`), so moving a row changes no position, no
-attention and no logit; every logprob site reads the states before the last response columns, which
-holds in both layouts. Per-token results go back into the batch by the response masks (`restore_tokens`).
+A packed micro-batch is an Episodes like any other: its `attention_mask` marks every real token, and a
+prompt may reach into the response columns (the first row above), while its (B, R) fields (loss_mask,
+logprobs, values, ...) hold response tokens only. Positions come from the attention mask
+(`models.position_ids_from_mask`), so moving a row changes no position, no attention and no logit; every
+logprob site reads the states before the last response columns, which holds in both layouts. Per-token
+results go back into the batch by the trained masks (`restore_tokens`).
+
+Every micro-batch (`split`, either way) carries what the forwards over trained tokens need: each row's
+real tokens up to its last trained token, the prompt alone for a row with none (a row outside the update,
+`Episodes.valid`). A causal model's outputs at the trained tokens do not depend on later tokens.
 
 What the budget bounds: rows x the longest row of the micro-batch, the tensor the forward pass sees,
 padding left inside it included. A row longer than the budget cannot be placed: `plan_micro_batches`
@@ -33,13 +38,14 @@ first, so a budget too large for the device fails on the first micro-batch, not 
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Optional
 
 import torch
 
+from ppokit import algo
+from ppokit.episodes import Episodes
 from ppokit.errors import UserError
-from ppokit.rollout import Rollout
 
 
 class BudgetTooSmall(UserError):
@@ -96,50 +102,66 @@ def plan_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(rows.split(size))
 
 
-def plan_rollout(rows: torch.Tensor, rollout: Rollout, max_tokens: int) -> list[torch.Tensor]:
-    """`plan_micro_batches` over a rollout's rows (their prompt + response tokens)."""
-    return plan_micro_batches(rows, rollout.attention_mask.sum(1), max_tokens)
+def forward_view(episodes: Episodes) -> Episodes:
+    """The episodes as the forwards over trained tokens read them: each row's attention_mask cut after its
+    last trained token, to its prompt for a row without one (a row outside the update). Unpacked layout
+    (P prompt columns, R response columns). A row trained to its last real token is unchanged."""
+    trained = episodes.trained_mask
+    prompt_width, response_width = episodes.query_ids.shape[1], trained.shape[1]
+    end = torch.where(trained.any(1), algo.last_token_index(trained) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
+    needed = torch.arange(prompt_width + response_width, device=trained.device) < (prompt_width + end).unsqueeze(1)
+    return replace(episodes, attention_mask=episodes.attention_mask & needed)
 
 
-def split(rollout: Rollout, rows: torch.Tensor, max_rows: int, max_tokens: Optional[int] = None) -> list[tuple[torch.Tensor, Rollout]]:
-    """The micro-batches (training) or chunks (no-gradient passes) of `rows` of a rollout, as
-    (row index (n_i,), the rows' Rollout) pairs, in the order to run them.
+def plan_episodes(rows: torch.Tensor, episodes: Episodes, max_tokens: int) -> list[torch.Tensor]:
+    """`plan_micro_batches` over rows of `episodes` by their real tokens (prompt + response)."""
+    return plan_micro_batches(rows, episodes.attention_mask.sum(1), max_tokens)
+
+
+def split(episodes: Episodes, rows: torch.Tensor, max_rows: int, max_tokens: Optional[int] = None) -> list[tuple[torch.Tensor, Episodes]]:
+    """The micro-batches (training) or chunks (no-gradient passes) of `rows` of the episodes, as
+    (row index (n_i,), the rows' Episodes, each row cut to what the forwards need: `forward_view`)
+    pairs, in the order to run them.
 
     max_tokens None: consecutive groups of `max_rows` rows as given, padded to the whole batch's width
     (TRL's semantics). Else the token-budget plan (`plan_micro_batches`), each micro-batch packed.
     """
+    view = forward_view(episodes)
     if max_tokens is None:
-        return [(index, rollout.select(index)) for index in plan_rows(rows, max_rows)]
-    return [(index, pack(rollout.select(index))) for index in plan_rollout(rows, rollout, max_tokens)]
+        return [(index, view.select(index)) for index in plan_rows(rows, max_rows)]
+    return [(index, pack(view.select(index))) for index in plan_episodes(rows, view, max_tokens)]
 
 
-def pack(rollout: Rollout) -> Rollout:
+def pack(episodes: Episodes) -> Episodes:
     """The same rows, each moved to end at the last column, as wide as the longest row (module docstring).
 
-    In: query (B, P) left-padded, response (B, R) right-padded. Out: W = the longest row's tokens
-    (at least R' + 1: a prompt column always stays), R' = the longest response; query fields (B, W - R'),
-    response fields (B, R') with each row's response tokens in its last columns, `sequence_mask` (B, W)
-    True on every real token. (B,) fields are kept. Every (B, R) field moves with response_ids, so
-    token i of a row's response keeps its logprob, value and advantage.
+    In: the unpacked layout, query (B, P) left-padded, response (B, R) right-padded; a row's response
+    tokens are the real tokens of its response columns. Out: W = the longest row's real tokens (at least
+    R' + 1: a prompt column always stays), R' = the longest response; query_ids (B, W - R'), (B, R') fields
+    with each row's response tokens in its last columns, attention_mask (B, W) True on every real token,
+    score_index moved with its token. valid is kept. Every (B, R) field (loss_mask included) moves with
+    response_ids, so token i of a row's response keeps its logprob, value and advantage.
     """
-    width_p = rollout.query_ids.shape[1]
-    response_lengths = rollout.response_mask.sum(1)
-    width_r = int(response_lengths.max()) if len(rollout) else 0
-    ids, real, source = right_align(rollout.input_ids, rollout.attention_mask)
+    width_p = episodes.query_ids.shape[1]
+    response_lengths = episodes.attention_mask[:, width_p:].sum(1)
+    width_r = int(response_lengths.max()) if len(episodes) else 0
+    ids, real, source = right_align(episodes.input_ids, episodes.attention_mask)
     if ids.shape[1] < width_r + 1:  # every row a response alone: one prompt column of padding
         ids, real, source = (_pad_left(ids, 0), _pad_left(real, False), _pad_left(source, -1))
     width = ids.shape[1]
     in_response = real[:, width - width_r :] & (source[:, width - width_r :] >= width_p)
     response_source = (source[:, width - width_r :] - width_p).clamp(min=0)  # the column in the (B, R) fields
     picked = {}
-    for f in fields(rollout):
-        value = getattr(rollout, f.name)
-        if value is not None and value.dim() == 2 and f.name not in ("query_ids", "query_mask", "sequence_mask"):
+    for f in fields(episodes):
+        value = getattr(episodes, f.name)
+        if value is not None and value.dim() == 2 and f.name not in ("query_ids", "attention_mask"):
             value = value.gather(1, response_source).masked_fill(~in_response, 0)
         picked[f.name] = value
-    picked.update(query_ids=ids[:, : width - width_r], query_mask=real[:, : width - width_r], response_ids=ids[:, width - width_r :],
-                  response_mask=in_response, sequence_mask=real)
-    return Rollout(**picked)
+    at_score = in_response & (response_source == episodes.score_index.unsqueeze(1))  # one True, or none in a row cut before it
+    score_index = (at_score.long() * torch.arange(width_r, device=at_score.device)).sum(1)
+    picked.update(query_ids=ids[:, : width - width_r], response_ids=ids[:, width - width_r :], attention_mask=real,
+                  score_index=score_index)
+    return Episodes(**picked)
 
 
 def _pad_left(x: torch.Tensor, fill) -> torch.Tensor:
@@ -147,19 +169,19 @@ def _pad_left(x: torch.Tensor, fill) -> torch.Tensor:
     return torch.cat([torch.full((x.shape[0], 1), fill, dtype=x.dtype, device=x.device), x], 1)
 
 
-def restore_tokens(pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token results of micro-batches back into the batch's layout, by the response masks.
+def restore_tokens(pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], trained_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token results of micro-batches back into the batch's layout, by the trained masks.
 
-    pieces: [(index (n_i,) long, values (n_i, w_i), the micro-batch's response_mask (n_i, w_i))];
-    response_mask: (B, R) of the whole batch -> (B, R), 0 at padding. A row's response tokens are in
+    pieces: [(index (n_i,) long, values (n_i, w_i), the micro-batch's trained_mask (n_i, w_i))];
+    trained_mask: (B, R) of the whole batch -> (B, R), 0 elsewhere. A row's trained tokens are in
     order in both masks, whichever columns they sit in (padded, trimmed or packed).
     """
     first = pieces[0][1]
-    out = torch.zeros(response_mask.shape, dtype=first.dtype, device=first.device)
+    out = torch.zeros(trained_mask.shape, dtype=first.dtype, device=first.device)
     for index, values, mask in pieces:
         index = index.to(out.device)
-        rows = torch.zeros((len(index), response_mask.shape[1]), dtype=first.dtype, device=first.device)
-        out[index] = rows.masked_scatter(response_mask[index].bool(), values[mask.bool()])
+        rows = torch.zeros((len(index), trained_mask.shape[1]), dtype=first.dtype, device=first.device)
+        out[index] = rows.masked_scatter(trained_mask[index].bool(), values[mask.bool()])
     return out
 
 
@@ -176,13 +198,13 @@ def restore(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int, width: i
     return out
 
 
-def forward_budget(rollout: Rollout, rows_per_forward: int) -> int:
+def forward_budget(episodes: Episodes, rows_per_forward: int) -> int:
     """Token budget of the no-gradient passes: `rows_per_forward` rows of the batch's full padded width,
     the most one fixed-size chunk of today costs, so trimmed chunks never take more memory than that."""
-    return rows_per_forward * (rollout.query_ids.shape[1] + rollout.response_ids.shape[1])
+    return rows_per_forward * (episodes.query_ids.shape[1] + episodes.response_ids.shape[1])
 
 
-def padded_tokens(micro_batches: list[Rollout]) -> tuple[int, torch.Tensor]:
+def padded_tokens(micro_batches: list[Episodes]) -> tuple[int, torch.Tensor]:
     """(token positions the forward passes of these micro-batches process, of which real (0-dim tensor))."""
     processed = sum(mb.query_ids.numel() + mb.response_ids.numel() for mb in micro_batches)
     if not micro_batches:

@@ -55,6 +55,7 @@ from ppokit.checkpoint_files import (
     update_of,
 )
 from ppokit.config import PPOConfig
+from ppokit.dataclass_config import resume_rules
 from ppokit.errors import UserError
 from ppokit.metrics import JsonlWriter
 from ppokit.run_dir import (
@@ -73,46 +74,15 @@ from ppokit.run_dir import (
     temporary_dir,
 )
 from ppokit.state import TrainingState
+from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TrackerState
 from ppokit.version import __version__
 
 
-# Config keys that may differ between a checkpoint and the run that resumes it, because they do not
-# change any number the run computes: where the run is written, how often it prints or saves, how
-# many checkpoints it keeps, when it gives up on non-finite updates and how it undoes them, whether
-# remote code may run.
-# Every other key (and the number of processes, and the contents of the data files) must match
-# unless the user says --resume-force. Keys added by later features are refused until listed here.
-RESUME_SAFE_KEYS = frozenset(
-    {
-        "output_dir",
-        "trust_remote_code",
-        "ppo.logging_steps",
-        "ppo.save_steps",
-        "ppo.save_total_limit",
-        "ppo.max_skipped_updates",
-        "ppo.nonfinite_rollback",  # what a non-finite step does: the same numbers until one appears
-        # How the models are spread over the processes, not what they compute (all-gathers are exact).
-        "parallel.shard_frozen",
-        "parallel.wrap_classes",
-        "parallel.unshard_for_generation",
-        # where the numbers are also sent (ppokit.trackers): no number of the run depends on them
-        "report_to",
-        "run_name",
-        "project",
-        "mlflow_tracking_uri",
-        # The speed switches change numbers only within float rounding (docs/speed.md), as running on another
-        # machine's kernels does: a resume may turn them on or off (an OOM, a machine without a compiler).
-        # A bit-for-bit equal continuation needs the same values.
-        "lm_head_chunk_size",
-        "compile",
-    }
-)
-# Keys a resume may change within one kind of value only: a token budget to another (the gradient does
-# not depend on the split), but not from or to null (TRL's per-micro-batch loss normalisation).
-RESUME_SAFE_CHANGES = {
-    "ppo.max_tokens_per_micro_batch": lambda before, now: before is not None and now is not None,
-}
+# Which config keys may differ between a checkpoint and the run that resumes it is declared with each key
+# (`doc(..., resume=...)` in ppokit.config): those that change no number the run computes. Every other key
+# (and the number of processes, and the contents of the data files) must match unless the user says --resume-force.
+RESUME_RULES = resume_rules(PPOConfig)
 
 
 # --------------------------------------------------------------------------- finding checkpoints
@@ -263,8 +233,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def config_differences(saved: dict, current: dict, defaults: dict) -> list[str]:
-    """'key (checkpoint A, now B)' for every key outside RESUME_SAFE_KEYS whose value differs (and
-    whose change RESUME_SAFE_CHANGES does not allow).
+    """'key (checkpoint A, now B)' for every key whose value differs in a way its declaration (RESUME_RULES)
+    does not allow; a value inside a mapping-valued key counts as that key's.
 
     Keys missing from the saved config (added to ppokit since) count as their default.
     """
@@ -274,9 +244,19 @@ def config_differences(saved: dict, current: dict, defaults: dict) -> list[str]:
     return [
         f"{key} (checkpoint {before.get(key)!r}, now {now.get(key)!r})"
         for key in sorted(set(before) | set(now))
-        if key not in RESUME_SAFE_KEYS and before.get(key) != now.get(key)
-        and not RESUME_SAFE_CHANGES.get(key, lambda a, b: False)(before.get(key), now.get(key))
+        if before.get(key) != now.get(key) and not _may_change(key, before.get(key), now.get(key))
     ]
+
+
+def _may_change(key: str, before: Any, now: Any) -> bool:
+    """Whether a resume may change flattened `key` from `before` to `now`: the rule of the key, or of the
+    mapping-valued key it lies in; refused when none is declared."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        rule = RESUME_RULES.get(".".join(parts[:end]))
+        if rule is not None:
+            return rule(before, now)
+    return False
 
 
 def data_fingerprint(dataset) -> Optional[str]:
@@ -494,9 +474,9 @@ def read_checkpoint(path: str | Path) -> SavedCheckpoint:
 
 def _open_weights(path: Path, parallel: Any) -> None:
     """The weight and optimiser files of the layout that wrote them (`PlainWeights`, `parallel.ShardedWeights`), opened."""
-    from ppokit.parallel import SHARDED_DIR, missing_shards
+    from ppokit.parallel import SHARDED_DIR, ShardedWeights, missing_shards
 
-    if isinstance(parallel, dict) and parallel.get("weights") == "sharded":
+    if isinstance(parallel, dict) and parallel.get("weights") == ShardedWeights.kind:
         if not (path / SHARDED_DIR / ".metadata").is_file():
             raise DamagedCheckpoint(path, f"{SHARDED_DIR}/.metadata: missing")
         problem = missing_shards(path / SHARDED_DIR)  # DCP reads the shards themselves (ShardedWeights.load)
@@ -613,7 +593,7 @@ def _check_weights_layout(path: Path, saved: dict, parts: TrainedParts, config) 
     """A checkpoint's weights are read only by the layout that wrote them, --resume-force or not: whole
     tensors (ddp) and DCP shards (fsdp) are different files. A different process count is another matter:
     shards are resharded on load, whole tensors need none (the config check asks for --resume-force)."""
-    written = saved.get("parallel", {"strategy": "ddp", "weights": PlainWeights.kind})
+    written = saved.get("parallel", {"strategy": DEFAULT_STRATEGY, "weights": STRATEGIES[DEFAULT_STRATEGY].checkpoint_weights})
     if written["weights"] != parts.weights.kind:
         raise UserError(
             f"resume from {path}: the checkpoint was written under parallel.strategy {written['strategy']} and this run uses "

@@ -19,7 +19,9 @@ from typing import Any, NamedTuple, Optional, Union
 import yaml
 
 from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
+from ppokit.engines import ENGINES
 from ppokit.errors import UserError
+from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TRACKERS
 
 
@@ -87,6 +89,23 @@ TRL_PPO_NAMES = {
 }
 
 
+# How the PPO loss is normalised (`PPOHyperparams.loss_normalisation`, decided once from ppo.max_tokens_per_micro_batch):
+# PER_MICRO_BATCH (TRL): each micro-batch's loss over its own tokens, the gradient the mean of the micro-batches'
+# losses, the statistics per micro-batch; PER_MINIBATCH (a token budget): one normaliser over the whole minibatch, so
+# the gradient does not depend on how it is split, the statistics per minibatch (ppokit.optimise).
+PER_MICRO_BATCH, PER_MINIBATCH = "micro_batch", "minibatch"
+
+
+def loss_normalisation(max_tokens_per_micro_batch: Optional[int]) -> str:
+    return PER_MICRO_BATCH if max_tokens_per_micro_batch is None else PER_MINIBATCH
+
+
+def same_loss_normalisation(before: Optional[int], now: Optional[int]) -> bool:
+    """ppo.max_tokens_per_micro_batch on resume: a token budget may become another (the gradient does not depend
+    on the split), but not null or from null (the other loss normalisation)."""
+    return loss_normalisation(before) == loss_normalisation(now)
+
+
 @dataclass
 class PPOHyperparams:
     """The `ppo:` section. Names and defaults follow TRL's PPOConfig."""
@@ -130,6 +149,8 @@ class PPOHyperparams:
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
     loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
+    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward): `tis`, truncated importance sampling (Yao et al. 2025): each token's policy-gradient loss times min(p_trainer / p_engine, `rollout_is_cap`) (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--enable_vllm_is_correction` with `--vllm_is_truncated_threshold`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(("tis",)))
+    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is: tis` (veRL `rollout_is_threshold`, OpenRLHF `--vllm_is_truncated_threshold`).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
     vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `--critic.adam.lr`, veRL `critic.optim.lr`). gae only.", check=positive)
     critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `--critic.freezing_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
@@ -138,15 +159,24 @@ class PPOHyperparams:
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
     lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=one_of(("linear", "constant")))
     warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative)
-    logging_steps: int = doc(1, "Print a line every this many updates (metrics.jsonl gets every update).", check=positive)
-    save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative)
+    # resume=True (here and below): keys that change no number the run computes, so a resumed run may set them
+    # otherwise without --resume-force (ppokit.checkpoint.config_differences): how often it prints or saves, how many
+    # checkpoints it keeps, when it gives up on non-finite updates and how it undoes them (the same numbers until one
+    # appears). Every key without it must match the checkpoint's.
+    logging_steps: int = doc(1, "Print a line every this many updates (metrics.jsonl gets every update).", check=positive, resume=True)
+    save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative, resume=True)
     num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); 0 disables.", check=non_negative)
     num_eval_samples: int = doc(8, "Prompts (from data.eval, else the current batch) in each sample generation.", check=positive)
-    save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive)
-    max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive)
-    nonfinite_rollback: Union[str, bool] = doc("off", "What a non-finite loss or gradient at an optimiser step does. `off`: that step is skipped (no weight or optimiser-state change; every process agrees) and the update goes on, counted in `skipped_steps`; an update whose every step was skipped is a skipped update; nothing is copied. `memory`: the whole update is undone and skipped, from a copy of the trainable weights and optimiser state made at the start of every update in CPU memory (about 3x the trainable weights with AdamW, per process: ~84 GB for a 7B full fine-tune). `disk`: the same copy, written to the run folder (`.rollback/`, one file per process) instead. true means memory, false off (YAML reads an unquoted off as false).", check=ROLLBACK_CHOICE)
+    save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive, resume=True)
+    max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive, resume=True)
+    nonfinite_rollback: Union[str, bool] = doc("off", "What a non-finite loss or gradient at an optimiser step does. `off`: that step is skipped (no weight or optimiser-state change; every process agrees) and the update goes on, counted in `skipped_steps`; an update whose every step was skipped is a skipped update; nothing is copied. `memory`: the whole update is undone and skipped, from a copy of the trainable weights and optimiser state made at the start of every update in CPU memory (about 3x the trainable weights with AdamW, per process: ~84 GB for a 7B full fine-tune). `disk`: the same copy, written to the run folder (`.rollback/`, one file per process) instead. true means memory, false off (YAML reads an unquoted off as false).", check=ROLLBACK_CHOICE, resume=True)
     # Speed (docs/speed.md).
-    max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch (per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar length are packed together, longest first, while rows x the micro-batch's longest row (prompt + response) stays within the budget, and each micro-batch is packed: every row's tokens end at the last column, so it is as wide as its longest row (no padding between a prompt and its response, none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the gradient does not depend on the split: a memory knob, not a result knob. The reference, value and reward-model passes are then chunked and packed the same way, each chunk within local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at least the longest prompt + response_length (checked at start). null: fixed micro-batches of per_device_train_batch_size rows, each loss a mean over its own tokens (TRL).", check=positive)
+    max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch (per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar length are packed together, longest first, while rows x the micro-batch's longest row (prompt + response) stays within the budget, and each micro-batch is packed: every row's tokens end at the last column, so it is as wide as its longest row (no padding between a prompt and its response, none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the gradient does not depend on the split: a memory knob, not a result knob. The reference, value and reward-model passes are then chunked and packed the same way, each chunk within local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at least the longest prompt + response_length (checked at start). null: fixed micro-batches of per_device_train_batch_size rows, each loss a mean over its own tokens (TRL).", check=positive, resume=same_loss_normalisation)
+
+    @property
+    def loss_normalisation(self) -> str:
+        """PER_MICRO_BATCH or PER_MINIBATCH: how the loss is normalised and the statistics gathered (ppokit.optimise)."""
+        return loss_normalisation(self.max_tokens_per_micro_batch)
 
     @property
     def rollback(self) -> str:
@@ -236,6 +266,8 @@ class PPOHyperparams:
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
+        if self.rollout_is is None and differs_from_default(self, "rollout_is_cap"):
+            raise UserError(f"ppo.rollout_is_cap ({self.rollout_is_cap}) is the cap of ppo.rollout_is: tis, which is off; set ppo.rollout_is: tis or remove the key")
         if self.cliprange_low is None and self.cliprange >= 1:  # cliprange_low's own range is (0, 1)
             raise UserError(
                 f"ppo.cliprange ({self.cliprange}) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower "
@@ -399,11 +431,20 @@ class LoraConfig:
 class ParallelConfig:
     """The `parallel:` section: how several processes share the models (docs/parallel.md)."""
 
-    strategy: str = doc("ddp", "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=rule("one of ddp, fsdp", lambda v: v in ("ddp", "fsdp")))
-    shard_frozen: bool = doc(True, "With fsdp: shard the reference and reward models too; false keeps a whole copy of each on every process (faster forwards, more memory).")
+    strategy: str = doc(DEFAULT_STRATEGY, "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=one_of(tuple(STRATEGIES)))
+    # resume=True: how the models are spread over the processes, not what they compute (all-gathers are exact).
+    shard_frozen: bool = doc(True, "With fsdp: shard the reference and reward models too; false keeps a whole copy of each on every process (faster forwards, more memory).", resume=True)
     cpu_offload: bool = doc(False, "With fsdp: keep the sharded weights, gradients and optimiser state in CPU memory (FSDP2 CPUOffloadPolicy) and run the optimiser step on the CPU; each unit is copied to the device when it runs.")
-    wrap_classes: list[str] = doc(factory=list, help="With fsdp: class names of the modules sharded one by one (each one all-gather); default the model's `_no_split_modules` (its decoder layers). Set it for a model that declares none.")
-    unshard_for_generation: bool = doc(True, "With fsdp: gather the whole policy once per rollout for sampling (costs its full weights on every process while sampling); false gathers layer by layer at every decoded token (least memory, far slower).")
+    wrap_classes: list[str] = doc(factory=list, help="With fsdp: class names of the modules sharded one by one (each one all-gather); default the model's `_no_split_modules` (its decoder layers). Set it for a model that declares none.", resume=True)
+    unshard_for_generation: bool = doc(True, "With fsdp: gather the whole policy once per rollout for sampling (costs its full weights on every process while sampling); false gathers layer by layer at every decoded token (least memory, far slower).", resume=True)
+
+
+@dataclass
+class RolloutConfig:
+    """The `rollout:` section: what samples the episodes (`ppokit.engines`). The sampling itself (temperature,
+    response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine."""
+
+    engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's).", check=one_of(tuple(ENGINES)))
 
 
 @dataclass
@@ -416,26 +457,31 @@ class PPOConfig:
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
     value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`.")
-    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.", check=a_path)
+    # resume=True: whether remote code may run and where the run is written change no number.
+    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.", resume=True)
+    output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.", check=a_path, resume=True)
     seed: int = doc(42, "Seed for sampling, data order and initialisation; same seed and config give the same metrics.", check=seed_range)
     reward: RewardConfig = doc(factory=RewardConfig, help="Reward sources.")
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
+    rollout: RolloutConfig = doc(factory=RolloutConfig, help="The rollout engine.")
     lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
     quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
     gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")
     bf16: bool = doc(False, "bfloat16 mixed precision (autocast through accelerate) for every forward: sampling, reference, value and training. Weights and optimiser state keep the checkpoint's dtype.")
     fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the hardware has it.")
     save_merged: bool = doc(False, "With `lora`: also write final/merged/, the policy with its adapter merged in, loadable by AutoModelForCausalLM.from_pretrained without peft.")
-    lm_head_chunk_size: Optional[int] = doc(None, "Memory-light LM head: logprobs and entropy of the response tokens are computed this many tokens at a time, only at real response tokens (padding skipped), and recomputed in the backward pass, so the full (rows, response, vocabulary) float32 log-softmax is never held; every logprob pass (reference, training) uses it. Equal to the direct computation within float rounding; checked once against the model's own forward. Memory per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch (TRL).", check=positive)
-    compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this machine.")
+    # resume=True: the speed switches change numbers only within float rounding (docs/speed.md), as another machine's
+    # kernels do: a resume may turn them on or off (an OOM, a machine without a compiler). A bit-for-bit equal
+    # continuation needs the same values.
+    lm_head_chunk_size: Optional[int] = doc(None, "Memory-light LM head: logprobs and entropy of the response tokens are computed this many tokens at a time, only at real response tokens (padding skipped), and recomputed in the backward pass, so the full (rows, response, vocabulary) float32 log-softmax is never held; every logprob pass (reference, training) uses it. Equal to the direct computation within float rounding; checked once against the model's own forward. Memory per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch (TRL).", check=positive, resume=True)
+    compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this machine.", resume=True)
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
-    # Where the numbers also go (docs/report.md). None of these changes a number of the run.
-    report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.")
-    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name)
-    project: str = doc("ppokit", "W&B and trackio project, MLflow experiment.")
-    mlflow_tracking_uri: Optional[str] = doc(None, "MLflow tracking URI (a server, `sqlite:///mlflow.db`, a folder); default MLFLOW_TRACKING_URI when set, else a local file store in <output_dir>/mlruns.")
+    # Where the numbers also go (docs/report.md). None of these changes a number of the run (resume=True).
+    report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.", resume=True)
+    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name, resume=True)
+    project: str = doc("ppokit", "W&B and trackio project, MLflow experiment.", resume=True)
+    mlflow_tracking_uri: Optional[str] = doc(None, "MLflow tracking URI (a server, `sqlite:///mlflow.db`, a folder); default MLFLOW_TRACKING_URI when set, else a local file store in <output_dir>/mlruns.", resume=True)
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "PPOConfig":
@@ -483,19 +529,20 @@ class PPOConfig:
             raise UserError(f"lora.value_model_lora: ppo.advantage_estimator {estimator} builds no value model; remove the key")
 
     def _validate_parallel(self) -> None:
-        """Switches that FSDP sharding cannot combine with, and fsdp's own keys set under ddp (never read there)."""
-        if self.parallel.strategy != "fsdp":
-            for key in ("shard_frozen", "cpu_offload", "wrap_classes", "unshard_for_generation"):
-                if differs_from_default(self.parallel, key):
-                    raise UserError(
-                        f"parallel.{key} ({getattr(self.parallel, key)!r}) is for parallel.strategy: fsdp, and this run's is "
-                        f"{self.parallel.strategy}, which never reads it; remove it, or set parallel.strategy: fsdp"
-                    )
-            return
-        if self.quantization is not None:
-            raise UserError(f"parallel.strategy: fsdp cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: ddp")
-        if self.fp16:
-            raise UserError("parallel.strategy: fsdp runs mixed precision as bf16 (FSDP's MixedPrecisionPolicy); set bf16: true instead of fp16")
+        """Switches the strategy cannot combine with (strategies.STRATEGIES), and another strategy's keys (never read by this one)."""
+        name = self.parallel.strategy
+        facts = STRATEGIES[name]
+        for key in (k for other in STRATEGIES.values() for k in other.keys if k not in facts.keys):
+            if differs_from_default(self.parallel, key):
+                readers = " or ".join(s.name for s in STRATEGIES.values() if key in s.keys)
+                raise UserError(
+                    f"parallel.{key} ({getattr(self.parallel, key)!r}) is for parallel.strategy: {readers}, and this run's is "
+                    f"{name}, which never reads it; remove it, or set parallel.strategy: {readers}"
+                )
+        if self.quantization is not None and not facts.holds_quantized:
+            raise UserError(f"parallel.strategy: {name} cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: {DEFAULT_STRATEGY}")
+        if self.fp16 and facts.own_mixed_precision:
+            raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
 
     def _validate_report_to(self) -> None:
         for name in self.report_to:

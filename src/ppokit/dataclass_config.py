@@ -20,9 +20,14 @@ from ppokit.data_sources import decode_utf8
 from ppokit.errors import UserError
 
 
-def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None):
-    """A dataclass field with its help text and an optional range check `check(value) -> bool`."""
-    metadata = {"help": help, "check": check}
+def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None, resume: Any = False):
+    """A dataclass field with its help text and an optional range check `check(value) -> bool`.
+
+    resume: whether a run resumed from a checkpoint may hold another value of the key without
+    --resume-force (`resume_rules`): False (the default: any change is refused, as it may change a
+    number of the run), True (any change: the key changes no number), or `allowed(before, now) -> bool`.
+    """
+    metadata = {"help": help, "check": check, "resume": resume}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -36,6 +41,24 @@ def rule(requirement: str, check):
 
 def one_of(choices: tuple[str, ...]):
     return rule(f"one of {', '.join(choices)}", lambda v: v in choices)
+
+
+def resume_rules(cls, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: allowed(before, now) -> bool} for every key of `cls` (and its sections) that a resume
+    may change (`doc(..., resume=...)`); a key not listed may not change."""
+    rules: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        inner, _ = unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(inner):
+            rules.update(resume_rules(inner, f"{prefix}{f.name}."))
+            continue
+        allowed = f.metadata.get("resume", False)
+        if allowed is True:
+            rules[prefix + f.name] = lambda before, now: True
+        elif callable(allowed):
+            rules[prefix + f.name] = allowed
+    return rules
 
 
 def differs_from_default(obj, name: str) -> bool:

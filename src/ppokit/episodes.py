@@ -53,6 +53,7 @@ class Episodes:
     rewards: Optional[torch.Tensor] = None  # (B, R) float, per-token reward (KL penalty + score)
     advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages
     returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (critic estimators only)
+    rollout_is_weights: Optional[torch.Tensor] = None  # (B, R) float, ppo.rollout_is's truncated importance weights
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -99,6 +99,17 @@ def no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """`model` in eval mode (no dropout) inside, in train mode after: the policy while it samples or
+    scores its own samples, between training forwards."""
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train()
+
+
 def _from_pretrained(loader, name: str, role: str, **kwargs):
     path = resolve_model_path(name, role, tokenizer=loader is AutoTokenizer)
     try:
@@ -418,7 +429,7 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """
     out = model(
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        attention_mask=attention_mask.long(),  # a bool mask (Episodes') as the 0/1 integers models are given
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
         logits_to_keep=response_length + 1,
@@ -433,7 +444,7 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     run = backbone_fn if backbone_fn is not None else backbone(model)
     return run(
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        attention_mask=attention_mask.long(),  # a bool mask (Episodes') as the 0/1 integers models are given
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
@@ -496,7 +507,7 @@ def response_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
+    trained_mask: torch.Tensor,
     temperature: float,
     *,
     chunk_size: Optional[int] = None,
@@ -507,13 +518,14 @@ def response_logprobs(
     """Logprobs (and entropy) of each response token under `model`: THE function every logprob site uses
     (reference pass, training; sampling keeps its own per-step logprobs from the same formula).
 
-    input_ids, attention_mask: (B, P + R); response_ids, response_mask: (B, R)
-    -> (logprobs (B, R) float32, entropy (B, R) float32 or None), 0 at padding.
+    input_ids, attention_mask: (B, P + R), attention_mask True (or 1) on the real tokens the model reads;
+    response_ids, trained_mask: (B, R), the response and the tokens whose logprobs are wanted
+    -> (logprobs (B, R) float32, entropy (B, R) float32 or None), 0 outside trained_mask.
 
     chunk_size None and no backbone_fn: the direct computation, logits at the R + 1 last positions from
     the model's forward (`logits_to_keep`: never at prompt positions) and one log-softmax over them.
     chunk_size N: the memory-light head. The backbone's hidden states at the positions that predict a
-    real response token (padding is skipped) go through the output layer N at a time, checkpointed
+    trained token (padding is skipped) go through the output layer N at a time, checkpointed
     (`algo.chunked_head_logprobs`), so the full (B, R, V) float32 log-softmax never exists.
     backbone_fn (a compiled backbone) also takes the backbone + head route, in one chunk if chunk_size is None.
     Entropy: a detached statistic unless entropy_grad (an entropy bonus in the loss).
@@ -525,11 +537,11 @@ def response_logprobs(
             logprobs, entropy = algo.logprobs_and_entropy(logits, response_ids, temperature, entropy_grad)
         else:
             logprobs, entropy = algo.logprobs_from_logits(logits, response_ids, temperature), None
-        keep = response_mask.bool()
+        keep = trained_mask.bool()
         return logprobs.masked_fill(~keep, 0.0), (entropy.masked_fill(~keep, 0.0) if entropy is not None else None)
     hidden = hidden_states(model, input_ids, attention_mask, backbone_fn)
     L = hidden.shape[1]
-    keep = response_mask.bool()
+    keep = trained_mask.bool()
     predicting = hidden[:, L - R - 1 : L - 1][keep]  # (N, H): the state before each real response token
     n = predicting.shape[0]
     logprobs, entropy = algo.chunked_head_logprobs(

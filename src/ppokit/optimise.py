@@ -1,6 +1,6 @@
 """Stage 6 of an update: num_ppo_epochs passes of clipped policy + value loss over minibatches.
 
-    for each epoch:                       rows of the rollout in a fresh random order
+    for each epoch:                       rows of the episodes in a fresh random order
       for each minibatch:                 one optimiser step
         for each micro-batch:             forward + backward (policy, then critic); gradients accumulate
           micro_batch_backward(...)
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from ppokit import algo, batching, roles
-from ppokit.config import BatchSizes, PPOHyperparams
+from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperparams
 from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.models import response_logprobs, response_values
-from ppokit.rollout import Rollout
+from ppokit.episodes import Episodes
 from ppokit.statistics import training_metrics
 
 
@@ -57,9 +57,10 @@ class PolicyAndValue(nn.Module):
         critic = compiled_backbone(self.value_model) if self.value_model is not None else None
         self.__dict__["backbones"] = (compiled_backbone(self.policy), critic)
 
-    def forward(self, input_ids, attention_mask, response_ids, response_mask, temperature: float, entropy_grad: bool = False,
+    def forward(self, input_ids, attention_mask, response_ids, trained_mask, temperature: float, entropy_grad: bool = False,
                 part: str = "both"):
-        """The training forward. (B, P + R), (B, R) -> (logprobs, entropy, values), each (B, R), 0 at padding.
+        """The training forward. input_ids, attention_mask (B, P + R); response_ids, trained_mask (B, R)
+        -> (logprobs, entropy, values), each (B, R); logprobs and entropy 0 outside trained_mask.
 
         part "policy" runs the policy alone (values None), "value" the critic alone (logprobs and entropy None),
         "both" both. Each part goes through this forward, so that what accelerate wraps it in (autocast) applies.
@@ -68,7 +69,7 @@ class PolicyAndValue(nn.Module):
         logprobs = entropy = values = None
         if part in ("both", "policy"):
             logprobs, entropy = response_logprobs(
-                self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=self.lm_head_chunk_size,
+                self.policy, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=self.lm_head_chunk_size,
                 with_entropy=True, entropy_grad=entropy_grad, backbone_fn=self.__dict__["backbones"][0],
             )
         if part in ("both", "value"):
@@ -141,28 +142,29 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
     )
 
 
-def micro_batches(rollout: Rollout, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Rollout]:
-    """The micro-batches of a minibatch (row indices into `rollout`): consecutive groups of
+def micro_batches(episodes: Episodes, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Episodes]:
+    """The micro-batches of a minibatch (row indices into `episodes`): consecutive groups of
     `sizes.micro_batch` rows, or with ppo.max_tokens_per_micro_batch rows of similar length packed
     within the token budget and packed (ppokit.batching)."""
-    return [mb for _, mb in batching.split(rollout, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch)]
+    return [mb for _, mb in batching.split(episodes, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch)]
 
 
-def loss_normalisers(micros: list[Rollout], hp: PPOHyperparams, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+def loss_normalisers(micros: list[Episodes], hp: PPOHyperparams, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                      processes: int) -> list[tuple[algo.LossNormalisers, float]]:
     """(normalisers D, scale) for each micro-batch of one minibatch: its loss is ppo_loss(D) x scale.
-    The one place the loss normalisation is decided (algo's docstring states the contract).
+    The one place the loss normalisation (`hp.loss_normalisation`) is applied (algo's docstring states the contract).
 
-    Default (TRL): D over each micro-batch's own rows, scale 1 / the number of micro-batches: the
+    PER_MICRO_BATCH (TRL, the default): D over each micro-batch's own rows, scale 1 / the number of micro-batches: the
     gradient is the mean of the micro-batches' losses (a token weighs more in a micro-batch with fewer).
-    With ppo.max_tokens_per_micro_batch: one D over the whole minibatch, summed over every process and
+    PER_MINIBATCH (with ppo.max_tokens_per_micro_batch): one D over the whole minibatch, summed over every process and
     divided by their number (DDP averages gradients), scale 1: the gradients of the micro-batches add
     up to that of the global minibatch in one piece, however it was split.
     """
-    if hp.max_tokens_per_micro_batch is None:
-        return [(algo.loss_normalisers(mb.response_mask, hp.loss_aggregation, hp.response_length), 1.0 / len(micros)) for mb in micros]
-    width = max(mb.response_mask.shape[1] for mb in micros)
-    minibatch = torch.cat([nn.functional.pad(mb.response_mask, (0, width - mb.response_mask.shape[1])) for mb in micros])
+    if hp.loss_normalisation == PER_MICRO_BATCH:
+        return [(algo.loss_normalisers(mb.trained_mask, hp.loss_aggregation, hp.response_length), 1.0 / len(micros)) for mb in micros]
+    masks = [mb.trained_mask for mb in micros]
+    width = max(mask.shape[1] for mask in masks)
+    minibatch = torch.cat([nn.functional.pad(mask, (0, width - mask.shape[1])) for mask in masks])
     local = algo.loss_normalisers(minibatch, hp.loss_aggregation, hp.response_length)
     policy, value = (reduce_sum(torch.stack([local.policy, local.value])) / processes).unbind()
     return [(algo.LossNormalisers(policy=policy, value=value), 1.0)] * len(micros)
@@ -173,7 +175,7 @@ def loss_normalisers(micros: list[Rollout], hp: PPOHyperparams, reduce_sum: Call
 LOSS_TERMS = ("pg_loss", "vf_loss", "kl_loss")
 
 
-def micro_batch_backward(model: nn.Module, mb: Rollout, hp: PPOHyperparams, normalisers: algo.LossNormalisers, scale: float,
+def micro_batch_backward(model: nn.Module, mb: Episodes, hp: PPOHyperparams, normalisers: algo.LossNormalisers, scale: float,
                          backward: Callable[[torch.Tensor], None], separately: bool) -> tuple[torch.Tensor, dict]:
     """Back-propagate one micro-batch's loss (ppo_loss over `normalisers`, times `scale`; see `loss_normalisers`)
     -> (that loss, detached; its detached statistics).
@@ -183,7 +185,7 @@ def micro_batch_backward(model: nn.Module, mb: Rollout, hp: PPOHyperparams, norm
     model's come from its own terms; shared weights add up both), as are the statistics. Otherwise one forward
     of both models and one backward of the summed loss, as DDP needs (one backward per forward).
     """
-    inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask, hp.temperature)
+    inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask, hp.temperature)
     settings = loss_settings(hp)
     if not separately or model.value_model is None:
         logprobs, entropy, values = model(*inputs, entropy_grad=hp.entropy_coef > 0)
@@ -197,16 +199,16 @@ def micro_batch_backward(model: nn.Module, mb: Rollout, hp: PPOHyperparams, norm
     backward(policy_loss)
     del logprobs, entropy  # the policy's graph is freed: the critic's activations come next
     values = model(*inputs, part="value")[2]
-    value, value_clipfrac = algo.value_loss(settings, normalisers, mb.response_mask, values, mb.values, mb.returns)
+    value, value_clipfrac = algo.value_loss(settings, normalisers, mb.trained_mask, values, mb.values, mb.returns)
     value_loss = settings.vf_coef * value * scale
     backward(value_loss)
     return (policy_loss + value_loss).detach(), _loss_stats(terms, value.detach(), value_clipfrac)
 
 
-def _ppo_loss(settings: algo.LossSettings, normalisers: algo.LossNormalisers, mb: Rollout, logprobs, entropy, values) -> algo.LossTerms:
+def _ppo_loss(settings: algo.LossSettings, normalisers: algo.LossNormalisers, mb: Episodes, logprobs, entropy, values) -> algo.LossTerms:
     return algo.ppo_loss(
-        settings, normalisers, mb.response_mask, logprobs, mb.logprobs, mb.advantages, entropy,
-        values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs,
+        settings, normalisers, mb.trained_mask, logprobs, mb.logprobs, mb.advantages, entropy,
+        values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs, is_weights=mb.rollout_is_weights,
     )
 
 
@@ -221,16 +223,16 @@ def _loss_stats(terms: algo.LossTerms, value: Optional[torch.Tensor], value_clip
 
 
 def ppo_epochs(
-    model: nn.Module, optimizer, scheduler, rollout: Rollout, hp: PPOHyperparams, sizes: BatchSizes, engine,
+    model: nn.Module, optimizer, scheduler, episodes: Episodes, hp: PPOHyperparams, sizes: BatchSizes, strategy,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor], train_policy: bool = True,
     on_skipped_step: Optional[Callable[[NonFiniteUpdate], None]] = None,
 ) -> dict[str, float]:
     """Every optimiser step of one update; returns the loss statistics (means over processes) and
     perf/padding_share, the share of padding among the token positions the training forwards processed.
-    engine (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
+    strategy (ppokit.parallel): how gradients are synchronised and clipped under ddp or fsdp.
 
-    Statistics are per micro-batch, averaged over micro-batches (TRL); with ppo.max_tokens_per_micro_batch
-    they are per minibatch (the loss terms summed over its micro-batches, the rest token means over it),
+    Statistics follow the loss normalisation: per micro-batch, averaged over micro-batches (TRL); PER_MINIBATCH
+    (ppo.max_tokens_per_micro_batch) they are per minibatch (the loss terms summed over its micro-batches, the rest token means over it),
     averaged over minibatches, so that they do not depend on the split either (val/ratio_var is then
     the variance over minibatches).
 
@@ -245,39 +247,39 @@ def ppo_epochs(
     skipped update that took no step). With memory or disk, NonFiniteUpdate is raised at the first bad step,
     for the caller to roll the whole update back.
     """
-    accelerator = engine.accelerator
-    by_tokens = hp.max_tokens_per_micro_batch is not None
+    accelerator = strategy.accelerator
+    per_minibatch = hp.loss_normalisation == PER_MINIBATCH  # the loss terms add up over its micro-batches
     policy_params = optimizer.param_groups[0]["params"]
-    device = rollout.query_ids.device
+    device = episodes.query_ids.device
     stats: dict[str, list[torch.Tensor]] = {}
-    # A micro-batch (by tokens: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
+    # A micro-batch (per_minibatch: a minibatch) whose rows were all dropped (reward.on_error=skip) has no tokens: its
     # statistics are 0 by convention, not measurements, so it is left out of the averages (ratio 0 would read as a collapse).
     has_tokens: list[torch.Tensor] = []
     processed, real = 0, torch.zeros((), device=device)
     skipped: list[NonFiniteUpdate] = []
     steps = 0
     for _ in range(hp.num_ppo_epochs):
-        order = torch.randperm(len(rollout), device=device)
-        for start in range(0, len(rollout), sizes.local_mini_batch):
-            micros = micro_batches(rollout, order[start : start + sizes.local_mini_batch], sizes, hp)
-            tokens = torch.stack([mb.response_mask.sum() for mb in micros]).float()
+        order = torch.randperm(len(episodes), device=device)
+        for start in range(0, len(episodes), sizes.local_mini_batch):
+            micros = micro_batches(episodes, order[start : start + sizes.local_mini_batch], sizes, hp)
+            tokens = torch.stack([mb.trained_mask.sum() for mb in micros]).float()
             step_loss = torch.zeros((), device=device)
             kept = ({key: len(values) for key, values in stats.items()}, len(has_tokens))  # to drop a skipped step's
             minibatch_stats: dict[str, torch.Tensor] = {}
             for k, (mb, (normalisers, scale)) in enumerate(zip(micros, loss_normalisers(micros, hp, reduce_sum, accelerator.num_processes))):
-                with engine.no_sync(model, last=k == len(micros) - 1):
+                with strategy.no_sync(model, last=k == len(micros) - 1):
                     loss, micro_stats = micro_batch_backward(model, mb, hp, normalisers, scale, accelerator.backward,
-                                                             engine.backward_separately)
+                                                             strategy.backward_separately)
                 step_loss = step_loss + loss
-                if by_tokens:
+                if per_minibatch:
                     weight = tokens[k] / tokens.sum().clamp(min=1)
                     for key, value in micro_stats.items():
                         minibatch_stats[key] = minibatch_stats.get(key, 0.0) + value * (1.0 if key in LOSS_TERMS else weight)
                 else:
                     for key, value in micro_stats.items():
                         stats.setdefault(key, []).append(value)
-                    has_tokens.append(mb.response_mask.any())
-            if by_tokens:
+                    has_tokens.append(mb.trained_mask.any())
+            if per_minibatch:
                 for key, value in minibatch_stats.items():
                     stats.setdefault(key, []).append(value)
                 has_tokens.append(tokens.sum() > 0)
@@ -286,7 +288,7 @@ def ppo_epochs(
             if not train_policy:
                 for p in policy_params:
                     p.grad = None
-            grad_norm = engine.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
+            grad_norm = strategy.clip_grad_norm_(model, hp.max_grad_norm)  # max_grad_norm 0: the norm, unclipped
             # Checked before the step: a non-finite loss or gradient must never reach the weights.
             # One check of both, so that several processes agree in one reduction.
             steps += 1

@@ -1,6 +1,6 @@
 """Several processes: how the models are spread over them, and the few things that changes.
 
-`parallel.strategy` picks one of two engines, both built by `engine(settings, accelerator)`:
+`parallel.strategy` picks one of two strategies, both built by `strategy(settings, accelerator)`:
 
 - `ddp` (Replicated, the default): every process holds every model whole; accelerate wraps the
   trainable module in DistributedDataParallel, which averages gradients after backward. With one
@@ -12,7 +12,7 @@
   (embeddings, final norm, head) is one more unit. With one process nothing is split, but the
   same code runs (CPU offload, bf16 through `MixedPrecisionPolicy`, sharded checkpoints).
 
-What the trainer asks of an engine, each in one method:
+What the trainer asks of a strategy, each in one method:
 
     prepare(model, build)            wrap the trainable module; build(model) -> (optimiser, schedule)
                                      over the parameters it then holds
@@ -28,7 +28,7 @@ What the trainer asks of an engine, each in one method:
                                      does not import it), or ShardedWeights (DCP, every process
                                      writes its shards)
 
-And, engine or not, `stop_together(accelerator)`: a failure on one process (a reward error) shared,
+And, strategy or not, `stop_together(accelerator)`: a failure on one process (a reward error) shared,
 so that every process stops at the same point with the same error instead of waiting for it.
 
 Memory under fsdp, N processes, a policy of P parameters in b bytes each, trained with AdamW:
@@ -50,15 +50,15 @@ import torch
 from torch import nn
 
 from ppokit.errors import UserError
+from ppokit.strategies import STRATEGIES
 
-STRATEGIES = ("ddp", "fsdp")
 SHARDED_DIR = "sharded"  # the DCP folder inside a checkpoint written under fsdp
 
 
 Build = Callable[[nn.Module], tuple]  # model -> (optimizer, scheduler)
 
 
-class Engine(Protocol):
+class Strategy(Protocol):
     strategy: str
     accelerator: object
     backward_separately: bool  # see `backward_separately`
@@ -82,19 +82,18 @@ def backward_separately(processes: int) -> bool:
     return processes == 1
 
 
-def engine(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded":
-    """The engine `settings` (a ParallelConfig) asks for, on `accelerator`'s processes."""
-    if settings.strategy == "ddp":
-        return Replicated(accelerator)
-    if settings.strategy == "fsdp":
-        return Sharded(accelerator, settings, bf16=bf16)
-    raise UserError(f"parallel.strategy: unknown strategy {settings.strategy!r}; use one of {', '.join(STRATEGIES)}")
+def strategy(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded":
+    """The strategy `settings` (a ParallelConfig) asks for, on `accelerator`'s processes (its class: ppokit.strategies)."""
+    facts = STRATEGIES.get(settings.strategy)
+    if facts is None:
+        raise UserError(f"parallel.strategy: unknown strategy {settings.strategy!r}; use one of {', '.join(STRATEGIES)}")
+    return globals()[facts.implementation](accelerator, settings, bf16=bf16)
 
 
 def accelerator_mixed_precision(settings, precision: str) -> str:
-    """accelerate's mixed precision for the engine: under fsdp bf16 is FSDP's MixedPrecisionPolicy,
-    so accelerate must not add autocast on top of it."""
-    return "no" if settings.strategy == "fsdp" else precision
+    """accelerate's mixed precision for the strategy: under one with its own policy (fsdp: FSDP's
+    MixedPrecisionPolicy) bf16 is that policy, so accelerate must not add autocast on top of it."""
+    return "no" if STRATEGIES[settings.strategy].own_mixed_precision else precision
 
 
 class EveryProcessStops(UserError):
@@ -196,7 +195,7 @@ class Replicated:
 
     strategy = "ddp"
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, settings=None, bf16: bool = False):
         self.accelerator = accelerator
         self.backward_separately = backward_separately(accelerator.num_processes)
 

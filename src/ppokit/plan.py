@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ppokit import engines
 from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
@@ -44,6 +45,7 @@ from ppokit.roles import (
     decide_roles,
     peft_lora_config,
 )
+from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, SHARDING, STRATEGIES
 
 GiB = 1024**3
 HEADROOM = 0.9  # CUDA context, allocator fragmentation and framework buffers are not counted
@@ -94,7 +96,7 @@ class Sharding:
 
     def per_device(self, role: "RoleEstimate", strategy: str) -> int:
         """The role's weights + gradients + optimiser state on one device under `strategy`."""
-        if strategy == "ddp" or not (role.trainable or self.shard_frozen):
+        if not STRATEGIES[strategy].shards or not (role.trainable or self.shard_frozen):
             return role.persistent
         if self.cpu_offload:
             return 0  # shards live in host memory; only gathered units reach the device
@@ -114,7 +116,7 @@ class Plan:
     layout: Optional[RoleLayout] = None  # which model plays which role (roles.decide_roles)
     # What `ppokit ppo` will refuse with its own one-line error (so its preflight does not repeat them).
     stops: list[str] = field(default_factory=list)
-    strategy: str = "ddp"  # parallel.strategy of the config: what `total` and `fits` are for
+    strategy: str = DEFAULT_STRATEGY  # parallel.strategy of the config: what `total` and `fits` are for
     sharding: Sharding = field(default_factory=Sharding)
     sharding_suggestion: Optional[str] = None  # "parallel.strategy: fsdp with N processes (...)"
     rollback: str = "off"  # ppo.nonfinite_rollback: where the copy of each update's start goes (host memory, disk, none)
@@ -125,12 +127,12 @@ class Plan:
         if self.rollback == "off":
             return 0
         copy = sum(r.gradients + r.optimizer for r in self.roles)  # gradients: one trainable weight's bytes each
-        return -(-copy // self.sharding.processes) if self.strategy == "fsdp" else copy
+        return -(-copy // self.sharding.processes) if STRATEGIES[self.strategy].shards else copy
 
     def total_for(self, strategy: str) -> int:
         """Peak bytes on one device under `strategy` with `sharding.processes` processes."""
         persistent = sum(self.sharding.per_device(r, strategy) for r in self.roles)
-        gathered = self.sharding.gathered if strategy == "fsdp" else {}
+        gathered = self.sharding.gathered if STRATEGIES[strategy].shards else {}
         return persistent + max(v + gathered.get(k, 0) for k, v in self.phases.items())
 
     @property
@@ -160,7 +162,7 @@ class Plan:
             "per_device": {
                 strategy: {"total_bytes": self.total_for(strategy), "fits": self.total_for(strategy) <= HEADROOM * self.device_memory,
                            "roles": {r.role: self.sharding.per_device(r, strategy) for r in self.roles}}
-                for strategy in ("ddp", "fsdp")
+                for strategy in STRATEGIES
             },
             "sharding_suggestion": self.sharding_suggestion,
             "rollback": {"mode": self.rollback, "bytes_per_process": self.rollback_bytes()},
@@ -170,15 +172,15 @@ class Plan:
         """The table `ppokit plan` prints."""
         n = self.sharding.processes
         lines = [f"{'role':<10} {'params':>9} {'trainable':>9} {'weights':>9} {'grads':>9} {'optim':>9} {'activ.':>9} "
-                 f"{'ddp/dev':>9} {'fsdp/dev':>9}  source"]
+                 + "".join(f"{s + '/dev':>9} " for s in STRATEGIES) + " source"]
         for r in self.roles:
             lines.append(
                 f"{r.role:<10} {_count(r.params):>9} {_count(r.trainable):>9} {_gib(r.weights):>9} {_gib(r.gradients):>9} "
-                f"{_gib(r.optimizer):>9} {_gib(r.activations):>9} {_gib(self.sharding.per_device(r, 'ddp')):>9} "
-                f"{_gib(self.sharding.per_device(r, 'fsdp')):>9}  {r.source}"
+                f"{_gib(r.optimizer):>9} {_gib(r.activations):>9} "
+                + "".join(f"{_gib(self.sharding.per_device(r, s)):>9} " for s in STRATEGIES) + f" {r.source}"
             )
         lines.append(f"per device with {n} process{'' if n == 1 else 'es'} (weights + grads + optim; fsdp adds the units it gathers): "
-                     + ", ".join(f"{s} {_gib(self.total_for(s))} peak" for s in ("ddp", "fsdp")))
+                     + ", ".join(f"{s} {_gib(self.total_for(s))} peak" for s in STRATEGIES))
         lines.append("phases (on top of weights, gradients and optimiser state): "
                      + ", ".join(f"{k} {_gib(v)}" for k, v in self.phases.items())
                      + "; fsdp gathers whole units on top: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.sharding.gathered.items()))
@@ -206,7 +208,7 @@ class Plan:
     def summary(self) -> str:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         n = self.sharding.processes
-        per_device = f"; {self.strategy}, per device of {n} process{'es' if n > 1 else ''}" if n > 1 or self.strategy != "ddp" else ""
+        per_device = f"; {self.strategy}, per device of {n} process{'es' if n > 1 else ''}" if n > 1 or self.strategy != DEFAULT_STRATEGY else ""
         return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}{per_device}, "
                 f"{int(HEADROOM * 100)}% usable): {verdict}")
 
@@ -392,10 +394,6 @@ def micro_batch_shape(config: PPOConfig, seq: int) -> tuple[int, int]:
     return min(hp.max_tokens_per_micro_batch, minibatch_rows * seq), min(hp.max_tokens_per_micro_batch, minibatch_rows * (hp.response_length + 1))
 
 
-def kv_cache_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
-    return 2 * dims["layers"] * dims["kv"] * rows * seq * act_bytes
-
-
 # --------------------------------------------------------------------------- the estimate
 
 
@@ -502,7 +500,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
 
     # Phases that do not overlap.
     phases = {
-        "sampling": kv_cache_bytes(dims, chunk, seq, act_bytes) + 2 * chunk * dims["vocab"] * 4,
+        "sampling": engines.engine_class(config.rollout.engine).sampling_bytes(dims, chunk, seq, act_bytes),
         "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1, head_chunk),
                        inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
@@ -584,14 +582,14 @@ def _switches(config: PPOConfig, seq: int, chunk: int) -> list[tuple[str, Callab
 
 
 def _suggest_processes(plan: Plan, most: int = 1024) -> Optional[str]:
-    """parallel.strategy: fsdp with the smallest process count (from this plan's, doubling) that fits,
+    """parallel.strategy: fsdp (strategies.SHARDING) with the smallest process count (from this plan's, doubling) that fits,
     every other setting unchanged; None when even `most` processes do not (activations are per device)."""
     n = max(2, plan.sharding.processes)
     while n <= most:
-        trial = dataclasses.replace(plan, strategy="fsdp", sharding=dataclasses.replace(plan.sharding, processes=n),
+        trial = dataclasses.replace(plan, strategy=SHARDING, sharding=dataclasses.replace(plan.sharding, processes=n),
                                     phases={**plan.phases, "training": training_activations(plan.roles, n)})
         if trial.fits:
-            return f"parallel.strategy: fsdp with {n} processes (estimated {_gib(trial.total)} per device)"
+            return f"parallel.strategy: {SHARDING} with {n} processes (estimated {_gib(trial.total)} per device)"
         n *= 2
     return None
 

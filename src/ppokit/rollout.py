@@ -1,76 +1,20 @@
-"""Sampling responses with the KV cache, and the Rollout container that carries them through an update."""
+"""Sampling responses with the KV cache into Episodes (`ppokit.episodes`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ppokit import algo
+from ppokit.episodes import Episodes
 from ppokit.models import causal_lm_step, position_ids_from_mask
-
-
-@dataclass
-class Rollout:
-    """One batch of episodes. B sequences, P prompt tokens (left-padded), R response tokens.
-
-    Filled in stages by the trainer: sampling fills the first six fields; scoring `scores` (and
-    `baseline_scores` for ReMax); the reference and value passes `ref_logprobs` and `values`;
-    shaping and the advantage estimator the rest. Without a critic `values` and `returns` stay None.
-
-    Group layout: with n = ppo.num_samples_per_prompt, the n samples of a prompt are adjacent
-    rows, so rows [g * n, (g + 1) * n) answer prompt g and B = prompts x n. The group estimators
-    (algo.grpo_advantages, algo.rloo_advantages) read groups from this layout; only the
-    optimisation epochs shuffle rows, after the advantages are computed.
-    """
-
-    query_ids: torch.Tensor  # (B, P) long, left-padded with pad_token_id
-    query_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
-    response_ids: torch.Tensor  # (B, R) long, pad_token_id after the stop token
-    response_mask: torch.Tensor  # (B, R) bool, True up to and including the stop token
-    logprobs: torch.Tensor  # (B, R) float, sampling policy's logprobs (logits / temperature)
-    ended: torch.Tensor  # (B,) bool, True where the response contains the stop token
-    ref_logprobs: Optional[torch.Tensor] = None  # (B, R) float, reference policy's logprobs
-    values: Optional[torch.Tensor] = None  # (B, R) float, value of the state before each token
-    scores: Optional[torch.Tensor] = None  # (B,) float, combined reward-source score per sequence
-    baseline_scores: Optional[torch.Tensor] = None  # (B,) float, ReMax: score of the greedy response to the row's prompt
-    rewards: Optional[torch.Tensor] = None  # (B, R) float, per-token reward (KL penalty + score)
-    advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages (see algo.advantages)
-    returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (gae only)
-    # (B, P + R) bool, True on every real token: set only in a packed micro-batch (ppokit.batching.pack),
-    # whose rows end at the last column, so that a prompt may reach into the response columns.
-    sequence_mask: Optional[torch.Tensor] = None
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """(B, P + R) prompt and response."""
-        return torch.cat([self.query_ids, self.response_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        """(B, P + R) long."""
-        if self.sequence_mask is not None:
-            return self.sequence_mask.long()
-        return torch.cat([self.query_mask, self.response_mask], dim=1).long()
-
-    def select(self, index: torch.Tensor) -> "Rollout":
-        """Rows `index` of every filled field."""
-        picked = {f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None) for f in fields(self)}
-        return Rollout(**picked)
-
-    def __len__(self) -> int:
-        return self.query_ids.shape[0]
 
 
 # Rows that have produced the stop token leave the forward batch every this many decoding steps (the
 # trainer's setting; measured on the variable-shape benchmark: ~10% less sampling time, same tokens).
 COMPACT_FINISHED_ROWS_EVERY = 8
-
-
-def repeat_each(items: list, n: int) -> list:
-    """[a, b] -> [a, a, b, b] for n = 2: the n samples of each prompt in adjacent rows (Rollout's group layout)."""
-    return [item for item in items for _ in range(n)]
 
 
 @dataclass
@@ -115,7 +59,10 @@ class HFSampler:
                    compact_every=COMPACT_FINISHED_ROWS_EVERY)
 
     @torch.inference_mode()
-    def sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> Rollout:
+    def sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> Episodes:
+        """query_ids, query_mask: (B, P) left-padded prompts -> Episodes of one response each: the response
+        up to and including the stop token is real and trained on (one span from the first response
+        column), its score at the last of those tokens."""
         chunks = [
             self._sample_chunk(query_ids[i : i + self.batch_size], query_mask[i : i + self.batch_size])
             for i in range(0, query_ids.shape[0], self.batch_size)
@@ -130,15 +77,15 @@ class HFSampler:
         else:
             response_mask = torch.ones_like(response_ids, dtype=torch.bool)
             ended = torch.zeros(response_ids.shape[0], dtype=torch.bool, device=response_ids.device)
-        rollout = Rollout(
+        return Episodes(
             query_ids=query_ids,
-            query_mask=query_mask,
             response_ids=response_ids,
-            response_mask=response_mask,
+            attention_mask=torch.cat([query_mask.bool(), response_mask], dim=1),
+            loss_mask=response_mask,
             logprobs=logprobs.masked_fill(~response_mask, 0.0),
             ended=ended,
+            score_index=algo.last_token_index(response_mask),
         )
-        return rollout
 
     def _sample_chunk(self, query_ids, query_mask):
         rows = query_ids.shape[0]

@@ -1,7 +1,7 @@
 """The metrics of one update, each decided once: what it averages over and how processes combine.
 
 Every mean is over the episodes kept in the update (rows dropped by reward.on_error=skip count in
-none) or over their real tokens, and every process's sums are added in one reduction
+none) or over their trained tokens, and every process's sums are added in one reduction
 (`reduce_sum`, the identity on one process) before dividing, so that N processes report what one
 process would over the same episodes. Names follow TRL's PPOTrainer (docs/metrics.md).
 """
@@ -14,40 +14,41 @@ from typing import Callable
 import torch
 
 from ppokit import algo
-from ppokit.rollout import Rollout
+from ppokit.episodes import Episodes
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 def objective_metrics(
-    rollout: Rollout, kl: torch.Tensor, non_score: torch.Tensor, kept: torch.Tensor, kl_coef: float, reduce_sum: ReduceSum
+    episodes: Episodes, kl: torch.Tensor, non_score: torch.Tensor, kept: torch.Tensor, kl_coef: float, reduce_sum: ReduceSum
 ) -> dict[str, float]:
     """objective/* and val/num_eos_tokens: per-episode means (sums over tokens within an episode), and
     objective/scores_std, the spread of the scores within the update (population std over its episodes).
 
-    kl, non_score: (B, R) per-token KL and KL penalty; kept: (B,) bool.
+    kl, non_score: (B, R) per-token KL and KL penalty; kept: (B,) bool. Token sums are over the trained
+    tokens (`Episodes.trained_mask`: none on a dropped row).
     """
-    mask = rollout.response_mask  # already False on dropped rows
+    mask = episodes.trained_mask
     keep = kept.float()
-    baseline = rollout.baseline_scores  # ReMax: the greedy responses' scores
+    baseline = episodes.baseline_scores  # ReMax: the greedy responses' scores
     sums = reduce_sum(torch.stack([
         keep.sum(),
         kl.sum(),
-        (-rollout.logprobs * mask).sum(),
+        (-episodes.logprobs * mask).sum(),
         non_score.sum(),
-        (rollout.scores * keep).sum(),
+        (episodes.scores * keep).sum(),
         mask.sum().float(),
-        (rollout.ended & kept).sum().float(),
-        (rollout.scores.square() * keep).sum(),
+        (episodes.ended & kept).sum().float(),
+        (episodes.scores.square() * keep).sum(),
         (baseline * keep).sum() if baseline is not None else keep.new_zeros(()),
     ]))
-    episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended, score_sq_sum, baseline_sum = sums.tolist()
-    n = max(episodes, 1.0)
+    kept_episodes, kl_sum, neg_logprob_sum, non_score_total, score_sum, tokens, ended, score_sq_sum, baseline_sum = sums.tolist()
+    n = max(kept_episodes, 1.0)
     estimator = {}
     if baseline is not None:
         estimator["objective/baseline_scores"] = baseline_sum / n
-    if rollout.returns is not None:  # a critic: how much of the returns' variance its values explain (its own reductions)
-        estimator["val/explained_variance"] = algo.explained_variance(rollout.values, rollout.returns, mask, reduce_sum).item()
+    if episodes.returns is not None:  # a critic: how much of the returns' variance its values explain (its own reductions)
+        estimator["val/explained_variance"] = algo.explained_variance(episodes.values, episodes.returns, mask, reduce_sum).item()
     return {
         "objective/scores": score_sum / n,
         "objective/scores_std": math.sqrt(max(score_sq_sum / n - (score_sum / n) ** 2, 0.0)),

@@ -3,7 +3,7 @@
     1. generate   sample n responses for each prompt of the batch (KV cache, stop token)
     2. score      reward sources on prompt + completion text (and token ids); ReMax: its greedy baseline
     3. forward    reference logprobs and (with a critic) values for every response token
-    4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at the last real token
+    4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at each episode's score position
     5. advantages ppo.advantage_estimator (algo.advantages: gae, grpo, rloo, reinforce_pp, remax)
     6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches
     7. log        metrics.jsonl, console, samples.jsonl
@@ -26,9 +26,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, launcher, model_card, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, engines, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
+from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -43,12 +44,12 @@ from ppokit.guards import (
 )
 from ppokit.metrics import open_sinks
 from ppokit.models import (
-    check_output_head, ensure_pad_token, input_pad_id, left_pad, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
+    check_output_head, ensure_pad_token, eval_mode, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
 )
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
 from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
-from ppokit.rollout import HFSampler, Rollout, repeat_each
+from ppokit.episodes import Episodes, repeat_each
 from ppokit.state import TrainingState
 from ppokit.statistics import objective_metrics
 
@@ -95,7 +96,7 @@ class PPOTrainer:
         roles.check_environment(config)  # before any weights load
         trackers.check_usable(config.report_to)  # likewise: a missing tracker package or an unwritable store is one line, not a late crash
         self.accelerator = accelerator or _make_accelerator(config)
-        self.engine = parallel.engine(config.parallel, self.accelerator, bf16=config.bf16)
+        self.strategy = parallel.strategy(config.parallel, self.accelerator, bf16=config.bf16)
         set_seed(config.seed)
         self.output_dir, self.overwrite, self.run = Path(config.output_dir), overwrite, None
         if self.accelerator.is_main_process:
@@ -122,6 +123,9 @@ class PPOTrainer:
                           config.ppo.response_length, limit, self.tokenizer, self.stop_token_id)
         built = roles.build_roles(self.layout, config, self.scorer, **given)
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
+        self.rollout_engine = engines.build(config.rollout.engine, engines.EngineSetup(
+            lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size,
+            lambda policy: (self.strategy.generation(policy), self.accelerator.autocast()), config.rollout))
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
@@ -162,20 +166,20 @@ class PPOTrainer:
 
     def _prepare(self, built: roles.Roles):
         """Policy and critic under one trainable module with its optimiser over every optimiser step of the
-        run; frozen models placed by the engine too. -> (model, optimizer, scheduler, reference or None)."""
+        run; frozen models placed by the strategy too. -> (model, optimizer, scheduler, reference or None)."""
         config, hp = self.config, self.config.ppo
         steps = self.sizes.num_updates * hp.num_ppo_epochs * hp.num_mini_batches
         switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
         for role in (built.policy, built.reference) if switch else ():
             if role is not None:  # the light head and the compiled forward read logits from the last hidden state
                 check_output_head(role, switch)
-        model, optimizer, scheduler = self.engine.prepare(PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train(),
+        model, optimizer, scheduler = self.strategy.prepare(PolicyAndValue(built.policy, built.value, config.lm_head_chunk_size).train(),
                                                           lambda m: build_optimiser(m, hp, steps))
         if config.compile:
             self.accelerator.unwrap_model(model).use_compiled_backbones()
         if self.scorer.reward_model is not None:
-            self.engine.place_frozen(self.scorer.reward_model).eval()
-        reference = self.engine.place_frozen(built.reference).eval() if built.reference is not None else None
+            self.strategy.place_frozen(self.scorer.reward_model).eval()
+        reference = self.strategy.place_frozen(built.reference).eval() if built.reference is not None else None
         return model, optimizer, scheduler, reference
 
     def _run_folder(self) -> run_dir.RunFolder:
@@ -217,28 +221,22 @@ class PPOTrainer:
     def value_model(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).value_model
 
-    def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Rollout:
-        """One response per query; purpose: train, eval or greedy (rollout.HFSampler.for_purpose)."""
-        ids, mask = left_pad(query_ids, self.pad_id, self.accelerator.device)
-        sampler = HFSampler.for_purpose(self.policy, self.config.ppo, self.stop_token_id, self.pad_id, purpose)
-        self.policy.eval()
-        with self.engine.generation(self.policy), self.accelerator.autocast():  # training's precision: first ratio 1
-            rollout = sampler.sample(ids, mask)
-        self.policy.train()
-        return rollout
+    def generate(self, query_ids: list[list[int]], purpose: str = "train") -> Episodes:
+        """One response per query by the rollout engine; purpose: train, eval or greedy (engines.base.Sampling.for_purpose)."""
+        return self.rollout_engine.generate(query_ids, engines.Sampling.for_purpose(self.config.ppo, self.stop_token_id, purpose))
 
-    def score(self, rollout: Rollout, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
+    def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
         """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
         reward.on_error=skip, errors: the first message of each failed source, metrics}).
         Evaluation passes update_statistics=False so it does not move the reward normalisation."""
         completions = self.tokenizer.batch_decode(
-            rollout.response_ids.masked_fill(~rollout.response_mask, self.tokenizer.pad_token_id),
+            episodes.response_ids.masked_fill(~episodes.loss_mask, self.tokenizer.pad_token_id),
             skip_special_tokens=True,
         )
         batch = ScoringBatch(
-            prompts, completions, columns, rollout.input_ids, rollout.attention_mask, self.tokenizer,
-            completion_ids=completion_token_ids(rollout.response_ids, rollout.response_mask, self.stop_token_id),
-            ended=rollout.ended.cpu() if self.stop_token_id is not None else None,
+            prompts, completions, columns, episodes.input_ids, episodes.attention_mask.long(), self.tokenizer,
+            completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, self.stop_token_id),
+            ended=episodes.ended.cpu() if self.stop_token_id is not None else None,
         )
         result = self.scorer.score(batch, update_statistics)
         device = self.accelerator.device
@@ -247,41 +245,48 @@ class PPOTrainer:
         }
 
     @torch.inference_mode()
-    def reference_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Reference logprobs and values (None without a critic) for every response token, in chunks of
-        local_rollout_forward_batch_size rows (with ppo.max_tokens_per_micro_batch: that many rows of the
-        batch's width in tokens, rows of similar length together, packed)."""
+    def reference_and_values(self, episodes: Episodes) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Reference logprobs, values (None without a critic) and the policy's own logprobs (None where the rollout engine's
+        are the trainer's) for every trained token (0 elsewhere), in chunks of local_rollout_forward_batch_size rows (with
+        ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, rows of similar length together, packed)."""
         hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
-        budget = batching.forward_budget(rollout, rows) if hp.max_tokens_per_micro_batch is not None else None
+        budget = batching.forward_budget(episodes, rows) if hp.max_tokens_per_micro_batch is not None else None
         both = self.accelerator.unwrap_model(self.model)
-        ref_logprobs, values = [], []
-        with both.critic_in_eval_mode():
-            for index, mb in batching.split(rollout, torch.arange(len(rollout), device=rollout.query_ids.device), rows, budget):
-                ref_logprobs.append((index, self.reference_logprobs(mb.input_ids, mb.attention_mask, mb.response_ids, mb.response_mask), mb.response_mask))
+        ref_logprobs, values, logprobs = [], [], []
+        with both.critic_in_eval_mode(), eval_mode(self.policy):
+            for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget):
+                inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask)
+                ref_logprobs.append((index, self.reference_logprobs(*inputs), mb.trained_mask))
+                if not self.rollout_engine.logprobs_are_trainers:  # the PPO ratio's and the KL's old logprobs: the training forward's
+                    logprobs.append((index, self._logprobs(self.policy, *inputs), mb.trained_mask))
                 with self.accelerator.autocast():
                     chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
                 if chunk_values is not None:
-                    values.append((index, chunk_values, mb.response_mask))
-        mask = rollout.response_mask
-        return batching.restore_tokens(ref_logprobs, mask), batching.restore_tokens(values, mask) if values else None
+                    values.append((index, chunk_values, mb.trained_mask))
+        return tuple(batching.restore_tokens(pieces, episodes.trained_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs))
 
-    def reference_logprobs(self, input_ids, attention_mask, response_ids, response_mask) -> torch.Tensor:
-        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with
-        adapters off; through `models.response_logprobs`, as the training forward."""
-        chunk, temperature = self.config.lm_head_chunk_size, self.config.ppo.temperature
+    def reference_logprobs(self, input_ids, attention_mask, response_ids, trained_mask) -> torch.Tensor:
+        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with adapters off."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, input_ids, attention_mask, response_ids, trained_mask)
+        with roles.adapters_disabled(self.policy):
+            return self._logprobs(self.policy, input_ids, attention_mask, response_ids, trained_mask)
+
+    def _logprobs(self, model: nn.Module, input_ids, attention_mask, response_ids, trained_mask) -> torch.Tensor:
+        """(B, R) logprobs of the response tokens under `model`, through `models.response_logprobs` as the training forward."""
         with self.accelerator.autocast():
-            if self.ref_model is not None:
-                return response_logprobs(self.ref_model, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
-            with roles.adapters_disabled(self.policy):
-                return response_logprobs(self.policy, input_ids, attention_mask, response_ids, response_mask, temperature, chunk_size=chunk)[0]
+            return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, self.config.ppo.temperature,
+                                     chunk_size=self.config.lm_head_chunk_size)[0]
 
-    def optimise(self, rollout: Rollout) -> dict[str, float]:
+    def optimise(self, episodes: Episodes) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
-        During the first ppo.critic_warmup_updates updates only the critic moves."""
+        During the first ppo.critic_warmup_updates updates only the critic moves. The rollout engine gives its
+        memory to the training meanwhile, and samples from the updated weights after it."""
         hp = self.config.ppo
-        return ppo_epochs(self.model, self.optimizer, self.scheduler, rollout, hp, self.sizes, self.engine,
-                          self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
-                          on_skipped_step=self._say_skipped_step)
+        with engines.training_between_rollouts(self.rollout_engine, self.policy):
+            return ppo_epochs(self.model, self.optimizer, self.scheduler, episodes, hp, self.sizes, self.strategy,
+                              self._sum_over_processes, train_policy=self.state.update >= hp.critic_warmup_updates,
+                              on_skipped_step=self._say_skipped_step)
 
     def _say_skipped_step(self, bad: NonFiniteUpdate) -> None:
         if self.show_progress:
@@ -306,57 +311,59 @@ class PPOTrainer:
         t0 = time.perf_counter()
         n = self.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
-        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (Rollout's group layout)
+        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (the episodes' group layout)
         prompts, columns = self.train_data.rows(samples)
 
         # 1. generate
-        rollout = self.generate([self.train_query_ids[i] for i in samples])
+        episodes = self.generate([self.train_query_ids[i] for i in samples])
         t_generate = time.perf_counter()
 
         # 2. score
-        rollout.scores, extras = self.score(rollout, prompts, columns)
+        episodes.scores, extras = self.score(episodes, prompts, columns)
         if hp.advantage_estimator in algo.GREEDY_BASELINE_ESTIMATORS:
-            rollout.baseline_scores, baseline_valid = self.greedy_baseline(indices)
+            episodes.baseline_scores, baseline_valid = self.greedy_baseline(indices)
             extras["valid"] = extras["valid"] & baseline_valid
-        rollout.response_mask = rollout.response_mask & extras["valid"].unsqueeze(1)  # failed rows (on_error: skip) leave the update
-        check_finite({"score": rollout.scores}, self.accelerator)
+        episodes.valid = extras["valid"]  # failed rows (on_error: skip) leave the update
+        check_finite({"score": episodes.scores}, self.accelerator)
         check_some_scored(extras["valid"], extras["errors"], self.accelerator)
         t_score = time.perf_counter()
 
-        # 3. forward: reference logprobs and values
-        rollout.ref_logprobs, rollout.values = self.reference_and_values(rollout)
+        # 3. forward: reference logprobs and values (and the policy's own logprobs, where the engine's are not the trainer's)
+        episodes.ref_logprobs, episodes.values, trainer_logprobs = self.reference_and_values(episodes)
+        mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes)
         t_forward = time.perf_counter()
 
-        # 4. reward: per-token KL penalty (when it is in the reward), score at the last real token
-        mask = rollout.response_mask
-        kl = algo.kl_per_token(rollout.logprobs, rollout.ref_logprobs, hp.kl_estimator, hp.kl_clamp) * mask
+        # 4. reward: per-token KL penalty (when it is in the reward), the score at each episode's score position
+        mask = episodes.trained_mask
+        kl = algo.kl_per_token(episodes.logprobs, episodes.ref_logprobs, hp.kl_estimator, hp.kl_clamp) * mask
         kl_coef = self.kl_controller.value if hp.kl_in_reward else 0.0
-        rollout.rewards, non_score = algo.shape_rewards(rollout.scores, kl, mask, kl_coef)
+        episodes.rewards, non_score = algo.shape_rewards(episodes.scores, kl, mask, kl_coef, episodes.score_index)
         if hp.whiten_rewards:
-            rollout.rewards = algo.masked_whiten(rollout.rewards, mask, shift_mean=False)
+            episodes.rewards = algo.masked_whiten(episodes.rewards, mask, shift_mean=False)
 
         # 5. advantages
-        rollout.advantages, rollout.returns = algo.advantages(
-            hp.advantage_estimator, rollout.rewards, mask, values=rollout.values, gamma=hp.gamma, lam=hp.lam,
+        episodes.advantages, episodes.returns = algo.advantages(
+            hp.advantage_estimator, episodes.rewards, mask, values=episodes.values, gamma=hp.gamma, lam=hp.lam,
             whiten=hp.whiten_advantages, group_size=n, grpo_scale_std=hp.grpo_scale_std,
-            baseline_scores=rollout.baseline_scores, all_reduce=self._sum_over_processes,
+            baseline_scores=episodes.baseline_scores, all_reduce=self._sum_over_processes,
         )
 
         # 6. optimise
         lrs = self.scheduler.get_last_lr()
-        train_stats = self.optimise(rollout)
+        train_stats = self.optimise(episodes)
         t_train = time.perf_counter()
 
         # 7. log
         state.update += 1
         state.episode += self.sizes.batch
-        objective = objective_metrics(rollout, kl, non_score, extras["valid"], kl_coef, self._sum_over_processes)
+        objective = objective_metrics(episodes, kl, non_score, extras["valid"], kl_coef, self._sum_over_processes)
         self.kl_controller.update(objective["objective/kl"], self.sizes.batch)
         elapsed = t_train - t0
         record = {
             "update": state.update,
             "episode": state.episode,
             **objective,
+            **mismatch,
             **train_stats,
             **extras["metrics"],
             "lr": lrs[0],
@@ -368,7 +375,7 @@ class PPOTrainer:
             "time/training": t_train - t_forward,
             "time/update": elapsed,
         }
-        self._last_batch = (prompts, extras["completions"], _scores_or_none(rollout.scores, extras["valid"]))
+        self._last_batch = (prompts, extras["completions"], _scores_or_none(episodes.scores, extras["valid"]))
         return record
 
     # ------------------------------------------------------------------ the run
@@ -384,6 +391,7 @@ class PPOTrainer:
                 raise
             raise said from None
         finally:
+            self.rollout_engine.close()
             if self.run is not None:
                 self.run.close()  # the lock; a replacing run that reached no checkpoint leaves the earlier one as it was
                 self.run = None
@@ -503,11 +511,12 @@ class PPOTrainer:
         own = checkpoint.checkpoints_dir(self.output_dir) / f"update-{self.state.update}"
         # The checkpoint to name after a stop; it is re-saved only when it is another folder's.
         self._saved_at = (self.state.update if own.exists() and own.resolve() == path.resolve() else -1, path)
+        self.rollout_engine.sync_weights(self.policy)
         return path
 
     def _trained_parts(self) -> TrainedParts:
         return TrainedParts(self.accelerator.unwrap_model(self.model), self.optimizer, self.scheduler, self.kl_controller, self.scorer,
-                            self.layout.policy_adapter or self.layout.critic_adapter, self.engine.checkpoint_weights())
+                            self.layout.policy_adapter or self.layout.critic_adapter, self.strategy.checkpoint_weights())
 
     def _run_facts(self) -> RunFacts:
         files = self.run.files if self.run is not None else self.output_dir  # where this run writes now (`RunFolder.start`)
@@ -535,12 +544,12 @@ class PPOTrainer:
             for start in range(0, n, chunk):
                 rows = range(start, min(n, start + chunk))
                 prompts, columns = self.eval_data.rows(rows)
-                rollout = self.generate([self.eval_query_ids[i] for i in rows], purpose="eval")
-                batch_scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
+                episodes = self.generate([self.eval_query_ids[i] for i in rows], purpose="eval")
+                batch_scores, extras = self.score(episodes, prompts, columns, update_statistics=False)
                 valid = extras["valid"]
                 scores += batch_scores[valid].tolist()
-                lengths += rollout.response_mask.sum(1)[valid].tolist()
-                ended += rollout.ended[valid].tolist()
+                lengths += episodes.loss_mask.sum(1)[valid].tolist()
+                ended += episodes.ended[valid].tolist()
         if not scores:
             raise UserError(f"evaluate: no reward source could score any of the {n} eval completions")
         return {
@@ -558,8 +567,8 @@ class PPOTrainer:
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
             prompts, columns = self.eval_data.rows(range(n))
-            rollout = self.generate(self.eval_query_ids[:n], purpose="eval")
-            scores, extras = self.score(rollout, prompts, columns, update_statistics=False)
+            episodes = self.generate(self.eval_query_ids[:n], purpose="eval")
+            scores, extras = self.score(episodes, prompts, columns, update_statistics=False)
             completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
         else:
             prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)
@@ -595,8 +604,8 @@ class PPOTrainer:
     def save_models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False,
                     card: Optional[model_card.ModelCard] = None) -> None:
         """Policy, tokenizer and value model as loadable folders (with `card`, their README.md); `merged`: also
-        final/merged/ if configured. Every process calls this; the main one writes the engine's whole copy of the models."""
-        with self.engine.consolidated(self.model) as whole, no_progress_bars():
+        final/merged/ if configured. Every process calls this; the main one writes the strategy's whole copy of the models."""
+        with self.strategy.consolidated(self.model) as whole, no_progress_bars():
 
             def write(tmp: Path) -> None:
                 merged_dir = tmp / "merged" if merged and self.config.save_merged else None

@@ -1,5 +1,33 @@
 """Rollout engines: what samples the episodes of an update (`base.RolloutEngine`).
 
-`ENGINES` names every engine `rollout.engine` may take; `build` makes one. Importing this package
-imports no torch (the config reads ENGINES).
+`ENGINES` names every engine `rollout.engine` may take, each with where its class lives; `build` makes
+one, importing its module only then. Importing this package imports no torch (the config reads ENGINES).
+
+To add an engine: one module here with a class that implements `base.RolloutEngine` and the two
+class methods below (`create`, `sampling_bytes`), and one entry in ENGINES.
 """
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from ppokit.engines.base import EngineSetup, RolloutEngine, Sampling, training_between_rollouts  # noqa: F401  (torch-free)
+
+# name -> "module:class". Every engine class has
+#   create(setup: EngineSetup) -> the engine, reading what it needs of the setup;
+#   sampling_bytes(dims, rows, seq, act_bytes) -> its memory while sampling `rows` sequences of `seq` tokens
+#     (ppokit.plan's model dimensions), for `ppokit plan`.
+ENGINES = {
+    "hf": "ppokit.engines.hf:HFEngine",
+}
+
+
+def engine_class(name: str) -> type:
+    """The class of engine `name` (a key of ENGINES; the config has checked it)."""
+    module, _, cls = ENGINES[name].partition(":")
+    return getattr(import_module(module), cls)
+
+
+def build(name: str, setup: "EngineSetup") -> "RolloutEngine":
+    """The engine `name`, built from what the trainer hands over."""
+    return engine_class(name).create(setup)

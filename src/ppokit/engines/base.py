@@ -8,12 +8,15 @@ not bit-for-bit the training forward's.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
+    from ppokit.config import RolloutConfig
     from ppokit.episodes import Episodes
 
 PURPOSES = ("train", "eval", "greedy")
@@ -52,6 +55,27 @@ class Sampling:
         return cls(hp.response_length, temperature, stop_token_id, top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
 
 
+@dataclass(frozen=True)
+class EngineSetup:
+    """What the trainer hands to the engine it builds (`ppokit.engines.build`); each engine reads what it needs.
+
+    policy: the current policy module (unwrapped), asked for at every call: the trainer's wrapping may change it.
+    pad_token_id: what pads every model input (`models.input_pad_id`). device: where the episodes' tensors go.
+    rows_per_forward: rows per forward pass while sampling (ppo.local_rollout_forward_batch_size).
+    sampling_contexts(policy): context managers entered in order around sampling from the training weights:
+        the parallel strategy's (fsdp: the policy unsharded) and the training forward's precision (autocast),
+        so that the sampled logprobs are the training forward's (the first PPO ratio is 1).
+    settings: the `rollout:` section.
+    """
+
+    policy: Callable[[], "nn.Module"]
+    pad_token_id: int
+    device: "torch.device"
+    rows_per_forward: int
+    sampling_contexts: Callable[["nn.Module"], Sequence[ContextManager]]
+    settings: "RolloutConfig"
+
+
 class RolloutEngine(Protocol):
     """What samples episodes for the trainer.
 
@@ -66,7 +90,12 @@ class RolloutEngine(Protocol):
         a no-op for an engine that samples from the training weights.
     release() / resume(): around training, free / take back the engine's memory (KV cache, its
         weight copy); no-ops where there is nothing to free.
-    close(): free everything at the end of the run.
+    close(): free everything; the trainer calls it when train() ends. A later `generate` (evaluate() or
+        sample_completions() after training) must still work: an engine that freed itself builds itself again.
+
+    Built by `ppokit.engines.build(name, EngineSetup)`; the trainer calls `generate` in stage 1 (and for
+    evaluation and greedy baselines), `release` / `resume` / `sync_weights` around and after the optimisation
+    of every update (`training_between_rollouts`), `sync_weights` after a resume restored the weights.
     """
 
     logprobs_are_trainers: bool
@@ -80,3 +109,15 @@ class RolloutEngine(Protocol):
     def resume(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@contextlib.contextmanager
+def training_between_rollouts(engine: RolloutEngine, policy: "nn.Module"):
+    """Around the optimisation of an update: the engine's memory released to the training, taken back after
+    it (also when it fails), and, once the update is done, the engine synced to the trained `policy`."""
+    engine.release()
+    try:
+        yield
+    finally:
+        engine.resume()
+    engine.sync_weights(policy)

@@ -88,10 +88,11 @@ class ScoringBatch:
         return f"; first {self.describe_row(0)}" if len(self) else ""
 
 
-def completion_token_ids(response_ids: torch.Tensor, response_mask: torch.Tensor, stop_token_id: Optional[int]) -> list[list[int]]:
-    """(B, R) sampled responses -> B lists of completion token ids, without padding or the stop token."""
+def completion_token_ids(response_ids: torch.Tensor, loss_mask: torch.Tensor, stop_token_id: Optional[int]) -> list[list[int]]:
+    """(B, R) sampled responses and their loss masks (the sampled tokens) -> B lists of completion token
+    ids, without padding or the stop token."""
     rows = []
-    for ids, mask in zip(response_ids.cpu(), response_mask.cpu()):
+    for ids, mask in zip(response_ids.cpu(), loss_mask.cpu()):
         row = ids[mask.bool()].tolist()
         if row and stop_token_id is not None and row[-1] == stop_token_id:
             row.pop()

@@ -1,0 +1,35 @@
+"""What the trainer does with the episodes of an engine whose logprobs are not its own (`logprobs_are_trainers`
+False): the policy's own logprobs, recomputed by the trainer with one no-gradient forward, replace the
+engine's as the old logprobs of the PPO ratio and of the KL (so the first minibatch's ratio is 1, as with
+an engine that samples from the training weights), the difference is measured, and with `ppo.rollout_is`
+the remaining off-policyness is corrected by truncated importance weights (`algo.truncated_is_weights`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ppokit import algo
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def use_trainer_logprobs(episodes, trainer_logprobs: Optional[torch.Tensor], rollout_is: Optional[str], cap: float,
+                         reduce_sum: Reduce) -> dict[str, float]:
+    """Put `trainer_logprobs` (B, R) in place of the engine's logprobs in `episodes` (with `rollout_is` tis, their
+    truncated importance weights in `episodes.rollout_is_weights` first) -> the mismatch metrics:
+    rollout/logprob_diff_mean and rollout/logprob_diff_max, |engine - trainer| over the trained tokens of every
+    process. trainer_logprobs None (the engine's are the trainer's): nothing changes, no metrics."""
+    if trainer_logprobs is None:
+        return {}
+    mask = episodes.trained_mask
+    diff = (episodes.logprobs.float() - trainer_logprobs.float()).abs() * mask
+    total, count = reduce_sum(torch.stack([diff.sum(), mask.sum().float()])).unbind()
+    biggest = diff.max() if diff.numel() else diff.new_zeros(())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(biggest, op=torch.distributed.ReduceOp.MAX)
+    if rollout_is == "tis":
+        episodes.rollout_is_weights = algo.truncated_is_weights(trainer_logprobs, episodes.logprobs, cap)
+    episodes.logprobs = trainer_logprobs
+    return {"rollout/logprob_diff_mean": (total / count.clamp(min=1)).item(), "rollout/logprob_diff_max": biggest.item()}

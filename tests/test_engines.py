@@ -1,0 +1,198 @@
+"""The rollout-engine seam: the engine table, Sampling per purpose, HFEngine against the sampler it wraps,
+the trainer's own logprobs where an engine's are not its own, and truncated importance sampling."""
+
+import math
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from conftest import tiny_ppo_config
+
+from ppokit import algo, engines
+from ppokit.config import PPOConfig, PPOHyperparams
+from ppokit.engines.base import Sampling
+from ppokit.engines.hf import HFEngine
+from ppokit.errors import UserError
+from ppokit.models import left_pad, load_causal_lm
+from ppokit.rollout import HFSampler
+from ppokit.trainer import PPOTrainer
+
+
+def test_engine_table_imports_no_torch():
+    code = "import sys, ppokit.engines, ppokit.config; assert 'torch' not in sys.modules; print(sorted(ppokit.engines.ENGINES))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['hf']"
+
+
+def test_unknown_engine_is_one_line_naming_the_key():
+    with pytest.raises(UserError, match=r"^rollout\.engine: .*one of hf"):
+        PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm2"]).validate()
+
+
+def test_rollout_is_cap_without_rollout_is_is_refused():
+    with pytest.raises(UserError, match=r"ppo\.rollout_is_cap .* ppo\.rollout_is: tis"):
+        PPOHyperparams(rollout_is_cap=3.0).check_combination()
+    PPOHyperparams(rollout_is="tis", rollout_is_cap=3.0).check_combination()
+
+
+def test_sampling_for_purpose():
+    hp = types.SimpleNamespace(temperature=0.7, eval_temperature=None, response_length=9, top_k=3, top_p=0.9, min_p=0.0)
+    train = Sampling.for_purpose(hp, 2, "train")
+    assert (train.temperature, train.greedy, train.max_new_tokens, train.top_k, train.stop_token_id) == (0.7, False, 9, 3, 2)
+    assert Sampling.for_purpose(hp, 2, "eval") == train  # eval_temperature null: the training temperature
+    greedy = Sampling.for_purpose(hp, 2, "greedy")
+    assert greedy.greedy and greedy.temperature == 0.7  # logprobs stay at the training temperature
+    hp.eval_temperature = 0
+    assert Sampling.for_purpose(hp, 2, "eval") == greedy
+    hp.eval_temperature = 1.3
+    assert Sampling.for_purpose(hp, 2, "eval").temperature == 1.3
+    with pytest.raises(ValueError):
+        Sampling.for_purpose(hp, 2, "sample")
+
+
+def test_hf_engine_is_the_sampler_it_wraps(model_dir, tokenizer, demo_data):
+    """Same tokens, same logprobs, bit for bit; the policy back in train mode after; sampling runs in eval mode."""
+    policy = load_causal_lm(str(model_dir("llama"))).train()
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in demo_data["prompts"][:6]]
+    sampling = Sampling(max_new_tokens=8, temperature=0.9, stop_token_id=tokenizer.eos_token_id, top_k=5)
+    modes = []
+    engine = HFEngine(lambda: policy, tokenizer.pad_token_id, torch.device("cpu"), rows_per_forward=4,
+                      sampling_contexts=lambda p: (_recording(modes, p),))
+    torch.manual_seed(3)
+    got = engine.generate(prompts, sampling)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    torch.manual_seed(3)
+    want = HFSampler(policy.eval(), 8, 0.9, tokenizer.eos_token_id, tokenizer.pad_token_id, 4, top_k=5, compact_every=8).sample(ids, mask)
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.logprobs, want.logprobs)
+    assert modes == [False] and engine.logprobs_are_trainers
+    engine.sync_weights(policy), engine.release(), engine.resume(), engine.close()  # no-ops
+
+
+class _recording:
+    def __init__(self, modes, policy):
+        self.modes, self.policy = modes, policy
+
+    def __enter__(self):
+        self.modes.append(self.policy.training)
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_plan_reads_the_engines_sampling_memory():
+    dims = dict(layers=2, kv=8, vocab=10)
+    # keys and values: 2 x layers x kv x rows x seq x bytes; logits and their log-softmax: 2 x rows x vocab x 4
+    assert engines.engine_class("hf").sampling_bytes(dims, rows=3, seq=5, act_bytes=4) == 2 * 2 * 8 * 3 * 5 * 4 + 2 * 3 * 10 * 4
+
+
+# --------------------------------------------------------------------------- truncated importance sampling
+
+
+def test_truncated_is_weights_by_hand():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -2.0, 0.0]])
+    engine = torch.tensor([[-1.0, -3.0, -1.0, -1.0, 0.0]])
+    # exp(trainer - engine) = 1, e (capped to 2), e^0.5, e^-1; padding (both 0): 1
+    want = [1.0, 2.0, math.exp(0.5), math.exp(-1.0), 1.0]
+    assert algo.truncated_is_weights(trainer, engine, cap=2.0)[0].tolist() == pytest.approx(want, rel=1e-6)
+    assert algo.truncated_is_weights(trainer, engine, cap=3.0)[0, 1].item() == pytest.approx(math.e, rel=1e-6)
+    grad = trainer.clone().requires_grad_(True)
+    assert not algo.truncated_is_weights(grad, engine, 2.0).requires_grad  # a weight, not a path for gradients
+    huge = algo.truncated_is_weights(torch.tensor([[0.0]]), torch.tensor([[-200.0]]), 2.0)
+    assert huge.item() == 2.0  # exp overflows to inf; the cap still holds
+
+
+def test_ppo_loss_multiplies_each_tokens_policy_loss_by_its_weight():
+    """A plain loop: token_mean of w_t x max(-A r, -A clip(r)) over the real tokens."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    logprobs, old = torch.randn(2, 3) * 0.3 - 1, torch.randn(2, 3) * 0.3 - 1
+    advantages, weights = torch.randn(2, 3), torch.tensor([[1.0, 2.0, 0.5], [1.5, 0.25, 1.0]])
+    settings = algo.LossSettings()
+    normalisers = algo.loss_normalisers(mask, settings.aggregation, 3)
+    got = algo.ppo_loss(settings, normalisers, mask, logprobs, old, advantages, torch.zeros(2, 3), is_weights=weights).policy
+    total, count = 0.0, 0
+    for i in range(2):
+        for t in range(3):
+            if mask[i, t]:
+                r = math.exp(logprobs[i, t].item() - old[i, t].item())
+                a = advantages[i, t].item()
+                total += weights[i, t].item() * max(-a * r, -a * min(max(r, 0.8), 1.2))
+                count += 1
+    assert got.item() == pytest.approx(total / count, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- an engine whose logprobs are not the trainer's
+
+
+class _OffsetEngine(HFEngine):
+    """The hf engine, reporting every sampled logprob `offset` too low, as an engine with other kernels might."""
+
+    def __init__(self, *args, offset: float, **kwargs):
+        super().__init__(*args, logprobs_are_trainers=False, **kwargs)
+        self.offset = offset
+
+    def generate(self, prompts, sampling):
+        episodes = super().generate(prompts, sampling)
+        episodes.logprobs = (episodes.logprobs - self.offset) * episodes.response_mask
+        return episodes
+
+
+def _with_engine(trainer, offset):
+    trainer.rollout_engine = _OffsetEngine(
+        lambda: trainer.policy, trainer.pad_id, trainer.accelerator.device, trainer.config.ppo.local_rollout_forward_batch_size,
+        lambda p: (trainer.engine.generation(p), trainer.accelerator.autocast()), offset=offset,
+    )
+    return trainer
+
+
+ONE_STEP = dict(total_episodes=8, per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0)
+
+
+@pytest.mark.parametrize("offset", [0.0, 0.25])
+def test_trainer_recomputes_old_logprobs_where_the_engines_are_not_its_own(offset, model_dir, prompts_file, tmp_path):
+    """The first minibatch's ratio is 1 (every ratio of a one-step update is measured before the optimiser step),
+    the KL starts at 0 (reference = policy), and the mismatch metrics measure the engine's offset."""
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **ONE_STEP)
+    record = _with_engine(PPOTrainer(config, show_progress=False), offset).step()
+    assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert record["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
+    assert record["objective/kl"] == pytest.approx(0.0, abs=1e-4)
+    assert record["rollout/logprob_diff_mean"] == pytest.approx(offset, abs=1e-5)
+    assert record["rollout/logprob_diff_max"] == pytest.approx(offset, abs=1e-5)
+
+
+def test_hf_engine_logs_no_mismatch(model_dir, prompts_file, tmp_path):
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **ONE_STEP)
+    record = PPOTrainer(config, show_progress=False).step()
+    assert not any(key.startswith("rollout/") for key in record)
+
+
+def test_tis_weights_scale_the_policy_loss(model_dir, prompts_file, tmp_path):
+    """An engine whose every logprob is 0.25 too low: each weight is p_trainer / p_engine = exp(0.25) (under the
+    cap 2), so the first step's policy loss (ratio 1: the mean of -A, not whitened to 0) is exp(0.25) times the
+    uncorrected one; with cap 1.1 it is 1.1 times."""
+    def first_step(**ppo):
+        config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / f"run{len(ppo)}-{ppo.get('rollout_is_cap')}", whiten_advantages=False, **ONE_STEP, **ppo)
+        return _with_engine(PPOTrainer(config, show_progress=False), 0.25).step()
+
+    plain, corrected, capped = first_step(), first_step(rollout_is="tis"), first_step(rollout_is="tis", rollout_is_cap=1.1)
+    assert abs(plain["loss/policy_avg"]) > 1e-3
+    assert corrected["loss/policy_avg"] == pytest.approx(math.exp(0.25) * plain["loss/policy_avg"], rel=1e-4)
+    assert capped["loss/policy_avg"] == pytest.approx(1.1 * plain["loss/policy_avg"], rel=1e-4)
+    assert corrected["objective/scores"] == plain["objective/scores"]  # the same episodes
+
+
+def test_resume_refuses_another_engine_and_reads_an_older_checkpoint_as_hf():
+    """Another engine samples with other kernels (other logprobs, other tokens): a changed rollout.engine is a
+    difference --resume-force must allow; a checkpoint written before the key existed counts as its default."""
+    from ppokit import checkpoint
+
+    base = PPOConfig(model="m").to_dict()
+    older = {k: v for k, v in base.items() if k != "rollout"}
+    assert checkpoint.config_differences(older, base, base) == []
+    other = {**base, "rollout": {**base["rollout"], "engine": "vllm"}}
+    assert checkpoint.config_differences(base, other, base) == ["rollout.engine (checkpoint 'hf', now 'vllm')"]
+    tis = {**base, "ppo": {**base["ppo"], "rollout_is": "tis"}}
+    assert checkpoint.config_differences(base, tis, base) == ["ppo.rollout_is (checkpoint None, now 'tis')"]
