@@ -125,7 +125,9 @@ class PPOTrainer:
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.rollout_engine = engines.build(config.rollout.engine, engines.EngineSetup(
             lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size,
-            lambda policy: (self.strategy.generation(policy), self.accelerator.autocast()), config.rollout))
+            lambda policy: (self.strategy.generation(policy), self.accelerator.autocast()), config.rollout,
+            longest_sequence=max(map(len, self.train_query_ids + (self.eval_query_ids or []))) + config.ppo.response_length,
+            rows_per_rollout=self.sizes.local_batch, seed=config.seed))
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from

