@@ -486,33 +486,6 @@ def test_reward_whitening_rewards_length_so_only_gae_may_use_it():
     assert algo.remax_advantages(white, mask, greedy / 2 + 0.5)[:, 0].tolist() == pytest.approx([0.0, 1.0, 0.0], abs=1e-6)
 
 
-def test_advantages_dispatches_each_estimator():
-    torch.manual_seed(0)
-    rewards, values = torch.randn(4, 3), torch.randn(4, 3)
-    mask = torch.tensor([[True, True, True], [True, False, False], [True, True, False], [True, True, True]])
-    rewards = rewards * mask
-    adv, ret = algo.advantages("gae", rewards, mask, values=values, gamma=0.9, lam=0.8, whiten=False)
-    assert torch.equal((adv, ret)[0], algo.gae(rewards, values, mask, 0.9, 0.8)[0])
-    outcome = rewards.sum(1)
-    for estimator, per_seq in (
-        ("grpo", algo.grpo_advantages(outcome, mask.any(1), 2)),
-        ("rloo", algo.rloo_advantages(outcome, mask.any(1), 2)),
-    ):
-        adv, ret = algo.advantages(estimator, rewards, mask, group_size=2)
-        assert ret is None
-        assert torch.allclose(adv, per_seq.unsqueeze(1) * mask)  # one advantage per response, on every real token
-    adv, ret = algo.advantages("reinforce_pp", rewards, mask, gamma=0.9)
-    assert ret is None and torch.allclose(adv, algo.whiten_over_batch(algo.discounted_returns(rewards, mask, 0.9), mask))
-    baseline = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    adv, ret = algo.advantages("remax", rewards, mask, baseline_scores=baseline)
-    assert ret is None and torch.allclose(adv, algo.remax_advantages(rewards, mask, baseline))
-    for estimator, missing in (("gae", "values"), ("remax", "greedy")):
-        with pytest.raises(ValueError, match=missing):
-            algo.advantages(estimator, rewards, mask)
-    with pytest.raises(ValueError, match="estimator must be one of"):
-        algo.advantages("ppo", rewards, mask)
-
-
 # --------------------------------------------------------------------------- loss variants
 
 

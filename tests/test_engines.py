@@ -135,14 +135,14 @@ class _OffsetEngine(HFEngine):
 
     def generate(self, prompts, sampling):
         episodes = super().generate(prompts, sampling)
-        episodes.logprobs = (episodes.logprobs - self.offset) * episodes.response_mask
+        episodes.logprobs = (episodes.logprobs - self.offset) * episodes.loss_mask
         return episodes
 
 
 def _with_engine(trainer, offset):
     trainer.rollout_engine = _OffsetEngine(
         lambda: trainer.policy, trainer.pad_id, trainer.accelerator.device, trainer.config.ppo.local_rollout_forward_batch_size,
-        lambda p: (trainer.engine.generation(p), trainer.accelerator.autocast()), offset=offset,
+        lambda p: (trainer.strategy.generation(p), trainer.accelerator.autocast()), offset=offset,
     )
     return trainer
 

@@ -1,6 +1,7 @@
 """The PPO toolbox on the trainer (issue 9): n samples per prompt, the critic-free estimators, KL
 placement, the critic's own learning rate and warm-up, greedy evaluation. The learning tests run
-each estimator on the embedded demo within the quick demo's budget of episodes."""
+each estimator on the embedded demo within the quick demo's budget of episodes. The table of
+estimators (issue 21): each one's adapter calls its function, and a new estimator is one declaration."""
 
 import json
 
@@ -8,9 +9,11 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import roles
-from ppokit.config import DataConfig
-from ppokit.demo import ESTIMATORS, prepare_demo, run_demo
+from ppokit import algo, roles
+from ppokit.config import DataConfig, PPOConfig
+from ppokit.demo import estimator_settings, prepare_demo, run_demo
+from ppokit.errors import UserError
+from ppokit.estimators import ESTIMATORS, Estimator
 from ppokit.plan import estimate
 from ppokit.trainer import PPOTrainer
 
@@ -193,3 +196,100 @@ def test_a_value_model_object_with_a_critic_free_estimator_is_refused(model_dir,
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **GRPO)
     with pytest.raises(UserError, match="ppo.advantage_estimator grpo builds no value model"):
         PPOTrainer(config, value_model=load_scalar_model(str(model_dir("llama")), "value_model"), show_progress=False)
+
+
+# --------------------------------------------------------------------------- the table of estimators
+
+
+def test_each_estimator_calls_its_function():
+    torch.manual_seed(0)
+    rewards, values = torch.randn(4, 3), torch.randn(4, 3)
+    mask = torch.tensor([[True, True, True], [True, False, False], [True, True, False], [True, True, True]])
+    rewards = rewards * mask
+    adv, ret = ESTIMATORS["gae"].advantages(rewards, mask, values=values, gamma=0.9, lam=0.8, whiten=False)
+    assert torch.equal(adv, algo.gae(rewards, values, mask, 0.9, 0.8)[0]) and torch.equal(ret, algo.gae(rewards, values, mask, 0.9, 0.8)[1])
+    outcome = rewards.sum(1)
+    for estimator, per_seq in (
+        ("grpo", algo.grpo_advantages(outcome, mask.any(1), 2)),
+        ("rloo", algo.rloo_advantages(outcome, mask.any(1), 2)),
+    ):
+        adv, ret = ESTIMATORS[estimator].advantages(rewards, mask, group_size=2)
+        assert ret is None
+        assert torch.allclose(adv, per_seq.unsqueeze(1) * mask)  # one advantage per response, on every real token
+    adv, ret = ESTIMATORS["reinforce_pp"].advantages(rewards, mask, gamma=0.9)
+    assert ret is None and torch.allclose(adv, algo.whiten_over_batch(algo.discounted_returns(rewards, mask, 0.9), mask))
+    baseline = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    adv, ret = ESTIMATORS["remax"].advantages(rewards, mask, baseline_scores=baseline)
+    assert ret is None and torch.allclose(adv, algo.remax_advantages(rewards, mask, baseline))
+    for estimator, missing in (("gae", "values"), ("remax", "greedy")):
+        with pytest.raises(ValueError, match=missing):
+            ESTIMATORS[estimator].advantages(rewards, mask)
+
+
+def test_the_declared_traits_are_todays_rules():
+    critic_free = {name for name, e in ESTIMATORS.items() if not e.critic}
+    assert list(ESTIMATORS) == ["gae", "grpo", "rloo", "reinforce_pp", "remax"]
+    assert critic_free == {"grpo", "rloo", "reinforce_pp", "remax"}
+    assert {name for name, e in ESTIMATORS.items() if e.min_samples_per_prompt >= 2} == {"grpo", "rloo"}
+    assert {name for name, e in ESTIMATORS.items() if e.greedy_baseline} == {"remax"}
+    assert {name: estimator_settings(name)["num_samples_per_prompt"] for name in ESTIMATORS} == {
+        "gae": 1, "grpo": 4, "rloo": 4, "reinforce_pp": 1, "remax": 1}
+
+
+@pytest.fixture
+def toy_estimator(monkeypatch):
+    """A new estimator registered for one test: the declaration and its function, nothing else. It has
+    every trait a module must serve: no critic, groups of at least 2, a greedy baseline, a key of its own
+    (grpo's, so that the config has one to read). Records what stage 5 gave it."""
+    calls = []
+
+    def toy(x):
+        calls.append(x)
+        return algo.remax_advantages(x.rewards, x.mask, x.baseline_scores) * 0.5, None
+
+    declaration = Estimator("toy", "Toy: half the ReMax advantage, no value model", toy, min_samples_per_prompt=2,
+                            usual_samples_per_prompt=2, greedy_baseline=True, own_keys=("grpo_scale_std",))
+    monkeypatch.setitem(ESTIMATORS, "toy", declaration)
+    return calls
+
+
+def test_a_new_estimator_is_served_by_config_roles_plan_demo_cli_and_card(toy_estimator, model_dir, prompts_file):
+    from ppokit.cli import build_parser
+    from ppokit.model_card import ppo_card
+
+    base = [f"model={model_dir('llama')}", f"data.train={prompts_file}", "reward.functions=[sentiment]", "output_dir=runs/r",
+            "ppo.advantage_estimator=toy"]
+
+    def load(*overrides):
+        return PPOConfig.load(None, base + list(overrides)).validate()
+
+    with pytest.raises(UserError, match="ppo.num_samples_per_prompt: toy needs at least 2 samples per prompt"):
+        load()
+    for key, why in (("ppo.vf_coef=0.5", "the value model, which ppo.advantage_estimator toy does not build"),
+                     ("ppo.gamma=0.9", "discounting, which ppo.advantage_estimator toy does not do"),
+                     ("ppo.whiten_rewards=true", "toy has none and its greedy baseline is not whitened"),
+                     ("ppo.whiten_advantages=false", "toy, which never whitens"),
+                     ("value_model=some/critic", "value_model: ppo.advantage_estimator toy builds no value model")):
+        with pytest.raises(UserError, match=why):
+            load("ppo.num_samples_per_prompt=2", key)
+    config = load("ppo.num_samples_per_prompt=2", "ppo.grpo_scale_std=false")  # its own key is read
+    with pytest.raises(UserError, match=r"ppo.grpo_scale_std \(False\) is for ppo.advantage_estimator grpo or toy \(this run's is gae\)"):
+        PPOConfig.load(None, base[:-1] + ["ppo.grpo_scale_std=false"]).validate()
+    assert roles.decide_roles(config, reward_vocabulary=None).critic == roles.CRITIC_NONE
+    plan = estimate(config, prompt_length=8, num_prompts=64, device=("cpu", 8 << 30))
+    assert "value" not in {r.role for r in plan.roles}
+    assert estimator_settings("toy") == {"advantage_estimator": "toy", "num_samples_per_prompt": 2}
+    assert build_parser().parse_args(["demo", "--estimator", "toy"]).estimator == "toy"
+    card = ppo_card(config, None, 1).render()
+    assert "| advantage estimator | `toy`: Toy: half the ReMax advantage, no value model |" in card and "| value model |" not in card
+
+
+def test_a_new_estimator_trains_with_its_traits_served(toy_estimator, model_dir, prompts_file, tmp_path):
+    trainer = _trainer(model_dir, prompts_file, tmp_path, advantage_estimator="toy", num_samples_per_prompt=2)
+    assert trainer.value_model is None
+    records = trainer.train()
+    assert len(toy_estimator) == len(records) == 2
+    for x in toy_estimator:  # stage 2 scored the greedy baseline; stage 5 gave the toy its group size and no values
+        assert x.values is None and x.group_size == 2 and x.baseline_scores.shape == (8,)
+        assert torch.equal(x.baseline_scores[0::2], x.baseline_scores[1::2])  # one greedy response per prompt
+    assert all("objective/baseline_scores" in r and "loss/value_avg" not in r for r in records)

@@ -70,10 +70,6 @@ import torch
 import torch.utils.checkpoint
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
-CRITIC_FREE_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_pp", "remax"})  # no value model
-GROUP_ESTIMATORS = frozenset({"grpo", "rloo"})  # a baseline from the other samples of a prompt: n >= 2
-GREEDY_BASELINE_ESTIMATORS = frozenset({"remax"})  # a greedy response per prompt is sampled and scored as the baseline
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 LOG_RATIO_CLAMP = 20.0  # |log p - log q| bound before exp (verl's and OpenRLHF's): e^20 ~ 4.9e8, finite in bf16 and float32
 
@@ -572,54 +568,6 @@ def remax_advantages(rewards: torch.Tensor, mask: torch.Tensor, baseline_scores:
     """
     returns = discounted_returns(rewards, mask, 1.0)
     return (returns - baseline_scores.to(returns.dtype).unsqueeze(1)) * mask.to(returns.dtype)
-
-
-def advantages(
-    estimator: str,
-    rewards: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    values: Optional[torch.Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    whiten: bool = True,
-    group_size: int = 1,
-    grpo_scale_std: bool = True,
-    baseline_scores: Optional[torch.Tensor] = None,
-    all_reduce: AllReduce = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The advantage of every response token under `estimator`, and the value targets.
-
-    rewards: (B, T) from `shape_rewards`; mask: (B, T) bool, the trained tokens; values: (B, T), `gae` only;
-    baseline_scores: (B,) greedy scores, `remax` only -> (advantages (B, T), returns (B, T) for `gae`,
-    None for the critic-free estimators). Padding is 0.
-      gae           [GAE] with the critic's values; whitened per process if `whiten` (TRL does so);
-      grpo          [GRPO] / [DrGRPO] on the sequence rewards of each group of `group_size`;
-      rloo          [RLOO] on the sequence rewards of each group;
-      reinforce_pp  [RPP] discounted return, whitened over every process if `whiten`;
-      remax         [ReMax] return minus the greedy baseline.
-    The outcome estimators (grpo, rloo) give every token of a response the same advantage.
-    """
-    if estimator == "gae":
-        if values is None:
-            raise ValueError("the gae estimator needs the critic's values")
-        adv, returns = gae(rewards, values, mask, gamma, lam)
-        return (masked_whiten(adv, mask) if whiten else adv), returns
-    maskf = mask.to(rewards.dtype)
-    if estimator in GROUP_ESTIMATORS:
-        scores, valid = sequence_rewards(rewards, mask), mask.any(-1)
-        if estimator == "grpo":
-            per_sequence = grpo_advantages(scores, valid, group_size, grpo_scale_std)
-        else:
-            per_sequence = rloo_advantages(scores, valid, group_size)
-        return per_sequence.unsqueeze(1) * maskf, None
-    if estimator == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, mask, gamma, whiten, all_reduce), None
-    if estimator == "remax":
-        if baseline_scores is None:
-            raise ValueError("the remax estimator needs the greedy responses' scores")
-        return remax_advantages(rewards, mask, baseline_scores), None
-    raise ValueError(f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
 
 
 # --------------------------------------------------------------------------- losses

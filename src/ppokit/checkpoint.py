@@ -57,7 +57,7 @@ from ppokit.checkpoint_files import (
 from ppokit.config import PPOConfig
 from ppokit.dataclass_config import resume_rules
 from ppokit.errors import UserError
-from ppokit.metrics import JsonlWriter
+from ppokit.metric_sinks import JsonlWriter
 from ppokit.run_dir import (
     CHECKPOINT_NAME,
     CHECKPOINTS,

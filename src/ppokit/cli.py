@@ -362,13 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
 
-    from ppokit.config import ADVANTAGE_ESTIMATORS  # no torch: the parser stays quick
+    from ppokit.estimators import ESTIMATORS  # no torch: the parser stays quick
 
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")
     demo.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 cores")
     demo.add_argument("--output", default="ppokit-demo", help="directory for data/, sft/ and ppo/ (default: ppokit-demo)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--estimator", default="gae", choices=ADVANTAGE_ESTIMATORS,
+    demo.add_argument("--estimator", default="gae", choices=list(ESTIMATORS),
                       help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: gae)")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace the run in DIR/ppo left by an earlier demo, or write into a folder the demo did not make "

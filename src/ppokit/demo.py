@@ -20,6 +20,7 @@ import torch
 from ppokit import run_dir
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
 from ppokit.errors import UserError
+from ppokit.estimators import ESTIMATORS
 from ppokit.models import no_progress_bars
 from ppokit.sft import encode_pair, train_sft
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
@@ -74,14 +75,10 @@ SETTINGS = {
 }
 
 
-# Each estimator's usual setting (docs/algorithms.md); everything else is the same demo.
-ESTIMATORS = {
-    "gae": {},
-    "grpo": {"advantage_estimator": "grpo", "num_samples_per_prompt": 4},
-    "rloo": {"advantage_estimator": "rloo", "num_samples_per_prompt": 4},
-    "reinforce_pp": {"advantage_estimator": "reinforce_pp"},
-    "remax": {"advantage_estimator": "remax"},
-}
+def estimator_settings(name: str) -> dict:
+    """The ppo keys of one estimator's demo: it, with its usual samples per prompt (ppokit.estimators);
+    everything else is the same demo."""
+    return {"advantage_estimator": name, "num_samples_per_prompt": ESTIMATORS[name].usual_samples_per_prompt}
 
 
 DEMO_MARKER_KIND = "demo"
@@ -140,7 +137,7 @@ def run_demo(
 ) -> dict:
     """Run the whole demo; returns a summary with the first and last scores and the time taken.
 
-    estimator: one of ESTIMATORS (ppo.advantage_estimator and its usual number of samples per
+    estimator: one of ppokit.estimators.ESTIMATORS (ppo.advantage_estimator and its usual number of samples per
     prompt). prepared: the output folder of an earlier demo with the same `quick` and `seed`,
     whose data/ and sft/ are used instead of building them again. overwrite: write into a folder that is
     not an earlier demo's, or replace the run in its ppo/ (`check_demo_output`).
@@ -174,7 +171,7 @@ def run_demo(
             kl_coef=0.05,
             num_sample_generations=4,
             num_eval_samples=8,
-            **ESTIMATORS[estimator],
+            **estimator_settings(estimator),
         ),
     )
     trainer = PPOTrainer(config, show_progress=show_progress, overwrite=overwrite)

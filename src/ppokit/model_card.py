@@ -22,13 +22,6 @@ import yaml
 from ppokit.version import __version__
 
 FILE = "README.md"
-ESTIMATORS = {  # one phrase each; docs/algorithms.md has the formulas
-    "gae": "PPO with a learned value model and GAE",
-    "grpo": "GRPO: rewards normalised within each prompt's group of samples, no value model",
-    "rloo": "RLOO: each sample's baseline is the mean reward of the other samples of its prompt, no value model",
-    "reinforce_pp": "REINFORCE++: discounted return whitened over the batch, no value model",
-    "remax": "ReMax: the baseline is the reward of a greedy response, no value model",
-}
 # What the card shows of the `ppo:` section (the whole config is the run's config.yaml).
 PPO_KEYS = ("learning_rate", "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
             "num_ppo_epochs", "num_samples_per_prompt", "response_length", "temperature", "kl_coef", "kl_estimator", "kl_target",
@@ -102,13 +95,12 @@ class ModelCard:
 def ppo_card(config, final_record: Optional[dict], total_updates: int) -> ModelCard:
     """The card of a ppo run's final/ from its config (a PPOConfig) and the last metrics record."""
     hp = config.ppo
-    estimator = hp.advantage_estimator
-    critic = estimator == "gae"
+    estimator, critic = hp.advantage_estimator, hp.estimator.critic
     training = [
         ("base model", _code(config.model)),
         ("data", _data_cell({"train": config.data.train, "eval": config.data.eval})),
         ("reward", _reward_sources(config.reward)),
-        ("advantage estimator", f"`{estimator}`: {ESTIMATORS.get(estimator, estimator)}"),
+        ("advantage estimator", f"`{estimator}`: {hp.estimator.doc}"),
         ("trained weights", f"a LoRA adapter (r {config.lora.r}, alpha {config.lora.alpha:g}) on the frozen base" if config.lora
          else "all weights"),
     ]
@@ -127,7 +119,7 @@ def ppo_card(config, final_record: Optional[dict], total_updates: int) -> ModelC
     return ModelCard(
         title=_folder_name(config.output_dir), location=str(Path(config.output_dir) / "final"), base_model=config.model, data={"train": config.data.train, "eval": config.data.eval},
         summary=f"A policy trained from {_code(config.model)} with reinforcement learning by ppokit {__version__}: "
-                f"{ESTIMATORS.get(estimator, estimator)}.",
+                f"{hp.estimator.doc}.",
         training=training, hyperparameters=hyperparameters, results=results, results_title=title,
         adapter=config.lora is not None, tags=["rlhf", "ppo" if critic else estimator],
     )

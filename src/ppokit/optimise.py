@@ -28,10 +28,10 @@ from torch import nn
 
 from ppokit import algo, batching, roles
 from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperparams
-from ppokit.guards import NonFiniteUpdate, check_finite
-from ppokit.models import response_logprobs, response_values
 from ppokit.episodes import Episodes
-from ppokit.statistics import training_metrics
+from ppokit.guards import NonFiniteUpdate, check_finite
+from ppokit.metric_values import training_metrics
+from ppokit.models import response_logprobs, response_values
 
 
 class PolicyAndValue(nn.Module):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ppokit import engines
-from ppokit.config import CRITIC_FREE_ESTIMATORS, BatchSizes, LoraConfig, PPOConfig
+from ppokit.config import BatchSizes, LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
@@ -568,7 +568,7 @@ def _switches(config: PPOConfig, seq: int, chunk: int) -> list[tuple[str, Callab
         out.append((BUDGET_SWITCH, lambda c: setattr(c.ppo, "max_tokens_per_micro_batch", seq)))
     if config.lora is None:
         out.append(("lora: {}", lambda c: setattr(c, "lora", LoraConfig())))
-    if config.value_model is None and hp.advantage_estimator not in CRITIC_FREE_ESTIMATORS:
+    if config.value_model is None and hp.estimator.critic:
         out.append(("value_model: shared", lambda c: setattr(c, "value_model", "shared")))
     if not config.gradient_checkpointing:
         out.append(("gradient_checkpointing: true", lambda c: setattr(c, "gradient_checkpointing", True)))

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ppokit.config import CRITIC_FREE_ESTIMATORS, LoraConfig, PPOConfig
+from ppokit.config import LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.models import (
     backbone,
@@ -120,7 +120,7 @@ CRITIC_ON_REWARD = "adapter on the reward model"  # from_reward with lora: the r
 CRITIC_REWARD_COPY = "copy of the reward model"  # the reward model reads the policy's ids: its weights start the critic
 CRITIC_POLICY_PATH = "policy checkpoint"  # quantised policy: its checkpoint reloaded as a classifier
 CRITIC_POLICY_COPY = "policy backbone"  # a copy of the policy's backbone with a fresh head
-CRITIC_NONE = "none"  # a critic-free advantage estimator (grpo, rloo, reinforce_pp, remax): no value model
+CRITIC_NONE = "none"  # a critic-free advantage estimator (ppokit.estimators: not `critic`): no value model
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def decide_roles(
         reference = REFERENCE_BASE if lora is not None else REFERENCE_COPY
     if config.value_model == "from_reward" and not reward_vocabulary:
         raise UserError("value_model: from_reward needs reward.model with the policy's vocabulary (the critic reads the policy's token ids)")
-    if config.ppo.advantage_estimator in CRITIC_FREE_ESTIMATORS:
+    if not config.ppo.estimator.critic:
         if value_model_given:
             raise UserError(f"value_model=: ppo.advantage_estimator {config.ppo.advantage_estimator} builds no value model; do not pass one")
         critic = CRITIC_NONE

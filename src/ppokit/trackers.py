@@ -360,7 +360,7 @@ CLASSES = {cls.name: cls for cls in (TensorBoardTracker, MLflowTracker, WandbTra
 
 
 class Trackers:
-    """The metrics sink that feeds every configured tracker (ppokit.metrics.Sink).
+    """The metrics sink that feeds every configured tracker (ppokit.metric_sinks.Sink).
 
     Samples wait for their update's record, so a tracker logs an update's metrics and samples at one
     step. An update a tracker was already sent (trackers.json) is not sent again. A tracker that fails

@@ -1,10 +1,10 @@
 """PPOTrainer: one update is a sequence of numbered stages, readable top to bottom in `step`.
 
     1. generate   sample n responses for each prompt of the batch (KV cache, stop token)
-    2. score      reward sources on prompt + completion text (and token ids); ReMax: its greedy baseline
+    2. score      reward sources on prompt + completion text (and token ids); the greedy baseline an estimator asks for
     3. forward    reference logprobs and (with a critic) values for every response token
     4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at each episode's score position
-    5. advantages ppo.advantage_estimator (algo.advantages: gae, grpo, rloo, reinforce_pp, remax)
+    5. advantages ppo.advantage_estimator's function (ppokit.estimators: gae, grpo, rloo, reinforce_pp, remax)
     6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches
     7. log        metrics.jsonl, console, samples.jsonl
     8. save       checkpoint every save_steps, final model at the end
@@ -42,7 +42,8 @@ from ppokit.guards import (
     too_many_skipped,
     check_some_scored,
 )
-from ppokit.metrics import open_sinks
+from ppokit.metric_sinks import open_sinks
+from ppokit.metric_values import objective_metrics
 from ppokit.models import (
     check_output_head, ensure_pad_token, eval_mode, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
 )
@@ -51,7 +52,6 @@ from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, 
 from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
 from ppokit.episodes import Episodes, repeat_each
 from ppokit.state import TrainingState
-from ppokit.statistics import objective_metrics
 
 
 class PPOTrainer:
@@ -295,8 +295,9 @@ class PPOTrainer:
             print(f"update {self.state.update + 1}: an optimiser step skipped, {bad}", file=sys.stderr)
 
     def greedy_baseline(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """ReMax's baseline: the score of one greedy response to each training prompt `indices`, repeated
-        for its n samples -> (scores (B,), valid (B,) bool). Scored without moving the reward normalisation."""
+        """The baseline of an estimator with `greedy_baseline` (ReMax): the score of one greedy response to each
+        training prompt `indices`, repeated for its n samples -> (scores (B,), valid (B,) bool). Scored without
+        moving the reward normalisation."""
         n = self.sizes.samples_per_prompt
         greedy = self.generate([self.train_query_ids[i] for i in indices], purpose="greedy")
         scores, extras = self.score(greedy, *self.train_data.rows(indices), update_statistics=False)
@@ -305,6 +306,7 @@ class PPOTrainer:
     def step(self) -> dict[str, Any]:
         """Run one PPO update and return its metrics."""
         state, hp = self.state, self.config.ppo
+        estimator = hp.estimator
         if state.update >= self.sizes.num_updates:
             raise UserError(
                 f"all {self.sizes.num_updates} updates of ppo.total_episodes={self.sizes.total_episodes} are done; "
@@ -322,7 +324,7 @@ class PPOTrainer:
 
         # 2. score
         episodes.scores, extras = self.score(episodes, prompts, columns)
-        if hp.advantage_estimator in algo.GREEDY_BASELINE_ESTIMATORS:
+        if estimator.greedy_baseline:
             episodes.baseline_scores, baseline_valid = self.greedy_baseline(indices)
             extras["valid"] = extras["valid"] & baseline_valid
         episodes.valid = extras["valid"]  # failed rows (on_error: skip) leave the update
@@ -344,8 +346,8 @@ class PPOTrainer:
             episodes.rewards = algo.masked_whiten(episodes.rewards, mask, shift_mean=False)
 
         # 5. advantages
-        episodes.advantages, episodes.returns = algo.advantages(
-            hp.advantage_estimator, episodes.rewards, mask, values=episodes.values, gamma=hp.gamma, lam=hp.lam,
+        episodes.advantages, episodes.returns = estimator.advantages(
+            episodes.rewards, mask, values=episodes.values, gamma=hp.gamma, lam=hp.lam,
             whiten=hp.whiten_advantages, group_size=n, grpo_scale_std=hp.grpo_scale_std,
             baseline_scores=episodes.baseline_scores, all_reduce=self._sum_over_processes,
         )

@@ -13,10 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import importlib
-import importlib.util
 import inspect
-import sys
 import threading
 import time
 from collections.abc import Mapping, Set
@@ -27,6 +24,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 import torch
 
 from ppokit.errors import UserError
+from ppokit.user_code import load_attribute
 
 
 @dataclass
@@ -148,7 +146,7 @@ def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward sou
             )
         numbers = []
         for row, value in enumerate(values):
-            number = _as_number(value)
+            number = as_number(value)
             if number is None:
                 where = batch.describe_row(row) if row < len(batch) else f"row {row}"
                 raise RewardError(
@@ -161,7 +159,7 @@ def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward sou
     return scores
 
 
-def _as_number(value) -> Optional[float]:
+def as_number(value) -> Optional[float]:
     """A score as a float (None -> NaN); None when `value` is not a number (a str has no __float__)."""
     if value is None:
         return float("nan")
@@ -342,37 +340,11 @@ def run_coroutine(awaitable):
 
 def load_function(spec: str, base_dir: Path | None = None) -> tuple[str, Callable]:
     """`path/to/file.py:fn` or `package.module:fn` -> (display name, callable)."""
-    target, _, fn_name = spec.rpartition(":")
-    if not target.strip() or not fn_name.strip():
-        from ppokit.rewards.builtins import BUILTINS
+    from ppokit.rewards.builtins import BUILTINS
 
-        raise UserError(
-            f"reward function {spec!r}: expected a built-in ({', '.join(BUILTINS)}), 'file.py:function' or 'module:function'"
-        )
-    if target.endswith(".py"):
-        path = Path(target).expanduser()
-        if not path.is_absolute() and base_dir is not None and not path.exists():
-            path = base_dir / path
-        if not path.is_file():
-            raise UserError(f"reward function {spec!r}: file {target} not found")
-        module_name = f"ppokit_user_reward_{abs(hash(str(path.resolve())))}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as e:
-            raise UserError(f"reward function {spec!r}: importing {path} raised {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise UserError(f"reward function {spec!r}: cannot import module {target}: {e}") from None
-        except (Exception, SystemExit) as e:  # a relative name ('.x'), or the module failing as it is imported
-            raise UserError(f"reward function {spec!r}: importing module {target} raised {type(e).__name__}: {e}") from None
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        raise UserError(f"reward function {spec!r}: {target} has no function {fn_name}")
+    expected = f"a built-in ({', '.join(BUILTINS)}), 'file.py:function' or 'module:function'"
+    fn_name, fn = load_attribute(spec, base_dir, "reward function", "function", expected)
     if not callable(fn):
+        target = spec.rpartition(":")[0]
         raise UserError(f"reward function {spec!r}: {fn_name} in {target} is not a function (its type is {type(fn).__name__})")
     return fn_name, fn

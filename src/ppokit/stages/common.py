@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -17,7 +18,7 @@ from ppokit.config import StageDataConfig
 from ppokit.data import Records, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.lengths import EncodedRow, LengthReport, encode_rows
-from ppokit.metrics import JsonlWriter
+from ppokit.metric_sinks import JsonlWriter
 from ppokit.model_card import stage_card
 from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, no_progress_bars, position_limit, resolve_model_path
 from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers
@@ -92,6 +93,16 @@ def claimed_output(output_dir: str, overwrite: bool, say) -> Iterator[None]:
         yield
 
 
+def run_stage(stage: str, config, train_and_save: Callable[..., dict], show_progress: bool, overwrite: bool) -> dict:
+    """A stage from its config to its summary: the config checked, output_dir claimed for the whole stage
+    (`claimed_output`), then train_and_save(config, say, overwrite, start) -> the summary."""
+    start = time.perf_counter()
+    config.validate()
+    say = printer(show_progress, stage)
+    with claimed_output(config.output_dir, overwrite, say):
+        return train_and_save(config, say, overwrite, start)
+
+
 def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run, stage: str, overwrite: bool = False) -> dict:
     """Run `write(tmp)` (trains and saves into tmp, returns the summary), add config.yaml and
     summary.json, and rename tmp to output_dir: an interrupted stage leaves no finished-looking output."""
@@ -110,6 +121,13 @@ def write_output(output_dir: str, write: Callable[[Path], dict], config_of_run, 
     return summary
 
 
+def save_stage(config, stage: str, write: Callable[[Path], dict], prepared: "PreparedData", overwrite: bool, say, use: str) -> dict:
+    """`write_output` with the run's config as recorded (its chat template included); says where to use the output."""
+    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used), stage, overwrite)
+    say(f"saved to {config.output_dir} (use it as {use})")
+    return summary
+
+
 @dataclass
 class PreparedData:
     """A stage's tokenizer, chat renderer and encoded train/eval rows, with the length-rule reports."""
@@ -121,6 +139,25 @@ class PreparedData:
     eval: list
     train_report: LengthReport
     eval_report: LengthReport
+
+    def summary(self, stage: str, output_dir: str, unit: str, losses: list[float], evals: dict, start: float) -> dict:
+        """A stage's summary.json: what it trained on (`unit`: rows or pairs), its losses, its own evaluation
+        entries `evals`, the length rule's counts, the chat template used and the seconds since `start`."""
+        tail = losses[-10:]
+        return {
+            "stage": stage,
+            "output_dir": output_dir,
+            "format": self.records.format,
+            f"train_{unit}": len(self.train),
+            f"eval_{unit}": len(self.eval),
+            "steps": len(losses),
+            "first_loss": losses[0],
+            "last_loss": sum(tail) / len(tail),
+            **evals,
+            "length_rule": {"train": vars(self.train_report), "eval": vars(self.eval_report)},
+            "chat_template": self.renderer.template_used,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
 
 
 def prepare_data(config, say, convert: Callable[[Records], list], build: Callable[[EncodedRow], Any]) -> PreparedData:

@@ -8,8 +8,6 @@ The output folder is what `ppokit ppo` takes as `reward.model` and as `value_mod
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ppokit import algo
@@ -17,7 +15,7 @@ from ppokit.config import RMConfig
 from ppokit.data import preference_triples
 from ppokit.models import disable_dropout, input_pad_id, left_pad, load_scalar_model, score_at_last_token
 from ppokit.sft import train_loop
-from ppokit.stages.common import StepLog, claimed_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
+from ppokit.stages.common import StepLog, device, prepare_data, run_stage, save_model_and_tokenizer, save_stage
 
 
 def pair_scores(model, pairs, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,11 +47,7 @@ def evaluate_pairs(model, pairs, pad_token_id: int, batch_size: int) -> dict:
 def run_rm(config: RMConfig, show_progress: bool = True, overwrite: bool = False) -> dict:
     """Train, evaluate and save; returns the summary (also written to output_dir/summary.json).
     An existing output_dir that is not a ppokit output is replaced only with `overwrite`."""
-    start = time.perf_counter()
-    config.validate()
-    say = printer(show_progress, "rm")
-    with claimed_output(config.output_dir, overwrite, say):
-        return _train_and_save(config, say, overwrite, start)
+    return run_stage("rm", config, _train_and_save, show_progress, overwrite)
 
 
 def _train_and_save(config: RMConfig, say, overwrite: bool, start: float) -> dict:
@@ -92,25 +86,12 @@ def _train_and_save(config: RMConfig, say, overwrite: bool, start: float) -> dic
             log.close()
         save_model_and_tokenizer(model, tokenizer, prepared.renderer, tmp)
         last = log.evals[-1] if log.evals else {}
-        tail = losses[-10:]
-        return {
-            "stage": "rm",
-            "output_dir": config.output_dir,
-            "format": prepared.records.format,
-            "train_pairs": len(train_pairs),
-            "eval_pairs": len(eval_pairs),
-            "steps": len(losses),
-            "first_loss": losses[0],
-            "last_loss": sum(tail) / len(tail),
+        evals = {
             "eval_accuracy_before": before.get("eval_accuracy"),
             "eval_accuracy": last.get("eval_accuracy"),
             "eval_margin": last.get("eval_margin"),
             "eval_loss": last.get("eval_loss"),
-            "length_rule": {"train": vars(prepared.train_report), "eval": vars(prepared.eval_report)},
-            "chat_template": prepared.renderer.template_used,
-            "seconds": round(time.perf_counter() - start, 1),
         }
+        return prepared.summary("rm", config.output_dir, "pairs", losses, evals, start)
 
-    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used), "rm", overwrite)
-    say(f"saved to {config.output_dir} (use it as ppo `reward.model` and `value_model`)")
-    return summary
+    return save_stage(config, "rm", write, prepared, overwrite, say, "ppo `reward.model` and `value_model`")

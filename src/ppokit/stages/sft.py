@@ -6,25 +6,19 @@ data (any source, sft format) -> eval split -> render chats -> tokens under the 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ppokit.config import SFTConfig
 from ppokit.data import sft_pairs
 from ppokit.models import input_pad_id, load_causal_lm
 from ppokit.sft import build_example, train_sft
-from ppokit.stages.common import StepLog, claimed_output, device, prepare_data, printer, recorded_config, save_model_and_tokenizer, write_output
+from ppokit.stages.common import StepLog, device, prepare_data, run_stage, save_model_and_tokenizer, save_stage
 
 
 def run_sft(config: SFTConfig, show_progress: bool = True, overwrite: bool = False) -> dict:
     """Train, evaluate and save; returns the summary (also written to output_dir/summary.json).
     An existing output_dir that is not a ppokit output is replaced only with `overwrite`."""
-    start = time.perf_counter()
-    config.validate()
-    say = printer(show_progress, "sft")
-    with claimed_output(config.output_dir, overwrite, say):
-        return _train_and_save(config, say, overwrite, start)
+    return run_stage("sft", config, _train_and_save, show_progress, overwrite)
 
 
 def _train_and_save(config: SFTConfig, say, overwrite: bool, start: float) -> dict:
@@ -50,22 +44,7 @@ def _train_and_save(config: SFTConfig, say, overwrite: bool, start: float) -> di
         finally:
             log.close()
         save_model_and_tokenizer(model, tokenizer, prepared.renderer, tmp)
-        tail = losses[-10:]
-        return {
-            "stage": "sft",
-            "output_dir": config.output_dir,
-            "format": prepared.records.format,
-            "train_rows": len(train_examples),
-            "eval_rows": len(eval_examples),
-            "steps": len(losses),
-            "first_loss": losses[0],
-            "last_loss": sum(tail) / len(tail),
-            "eval_loss": log.evals[-1]["eval_loss"] if log.evals else None,
-            "length_rule": {"train": vars(prepared.train_report), "eval": vars(prepared.eval_report)},
-            "chat_template": prepared.renderer.template_used,
-            "seconds": round(time.perf_counter() - start, 1),
-        }
+        evals = {"eval_loss": log.evals[-1]["eval_loss"] if log.evals else None}
+        return prepared.summary("sft", config.output_dir, "rows", losses, evals, start)
 
-    summary = write_output(config.output_dir, write, lambda: recorded_config(config, prepared.renderer.template_used), "sft", overwrite)
-    say(f"saved to {config.output_dir} (use it as ppo `model` and rm `model`)")
-    return summary
+    return save_stage(config, "sft", write, prepared, overwrite, say, "ppo `model` and rm `model`")

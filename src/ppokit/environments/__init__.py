@@ -1,0 +1,28 @@
+"""Multi-turn episodes: environments that answer the model, tools it can call (docs/environments.md).
+
+    base.py   the Environment protocol, load_environment(spec), EnvironmentRunner (deadlines, checks)
+    tools.py  the Hermes/Qwen tool-call parser, loading tools, running a call; the built-in Tools environment
+    guess.py  the demo game GuessNumber, its data rows and SFT transcripts
+    python_tool.py  run_python: a tool that runs the model's code in a separate, limited process
+"""
+
+from ppokit.environments.base import (
+    Environment,
+    EnvironmentEpisode,
+    EnvironmentFailure,
+    EnvironmentRunner,
+    EnvironmentTimeout,
+    Step,
+    load_environment,
+)
+from ppokit.environments.guess import GuessNumber, guess_rows, guess_transcripts
+from ppokit.environments.python_tool import execute_python, run_python
+from ppokit.environments.tools import BadToolCall, ToolCall, Tools, load_tools, parse_tool_calls, run_tool, tool_schemas
+
+__all__ = [
+    "Environment", "EnvironmentEpisode", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
+    "load_environment",
+    "GuessNumber", "guess_rows", "guess_transcripts",
+    "execute_python", "run_python",
+    "BadToolCall", "ToolCall", "Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas",
+]

@@ -1,0 +1,254 @@
+"""The environment protocol, loading an environment by name, and running its code under a deadline.
+
+An environment answers the model in a multi-turn episode (a game, a tool, an interpreter). The user
+names its class in the config (`environment: path/to/env.py:ClassName` or `package.module:ClassName`,
+`environment_args: {...}` for its constructor); one instance serves one episode:
+
+    env = cls(**environment_args)
+    observation = env.reset(row)                     # str or None, appended after the prompt
+    observation, reward, done = env.step(completion) # after each model turn (decoded text)
+
+`EnvironmentRunner` is what the episode loop holds: it makes the instances and calls them in worker
+threads under `environment_timeout_s` (`ThreadCall`), checks what they return, and turns every
+failure into an `EnvironmentFailure` (a RewardError, so `reward.on_error` applies: skip that episode
+or stop the run) whose one-line message names the environment, the call and the episode's prompt.
+A hung call fails its episode; its thread is left running (Python cannot stop a thread).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from ppokit.errors import UserError
+from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number
+from ppokit.user_code import load_attribute
+
+BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
+SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What answers the model in an episode. One instance per episode, built as cls(**environment_args).
+
+    Optional attributes the episode loop reads (the built-in Tools environment sets them):
+      observation_role: str = "user"    the chat role an observation is rendered as ("user" or "tool")
+      tools: list[dict] | None          JSON schemas passed to the chat template as `tools=` (class or
+                                        instance attribute; read once from a first instance)
+      observation_messages(observation) -> list[dict]   the chat messages for one observation, when it
+                                        is more than one message (several tool results)
+    """
+
+    def reset(self, row: dict) -> Optional[str]:
+        """row: the data row (the prompt and every other column). Returns the first observation,
+        appended after the prompt, or None for none."""
+        ...
+
+    def step(self, completion: str) -> tuple[Optional[str], float, bool]:
+        """The model's turn (decoded text, stop token not included) -> (observation or None, reward, done)."""
+        ...
+
+
+class EnvironmentFailure(RewardError):
+    """An environment call raised, timed out or returned something malformed: that episode failed.
+    A RewardError, so `reward.on_error: skip` drops the episode and `raise` stops the run."""
+
+
+class EnvironmentTimeout(EnvironmentFailure):
+    """An environment call did not return within `environment_timeout_s`."""
+
+
+def load_environment(spec: str, base_dir: Optional[Path] = None) -> type:
+    """`path/to/env.py:ClassName` or `package.module:ClassName` -> the class; a one-line UserError
+    naming the spec when it does not import, is not a class, or lacks a callable reset or step."""
+    name, cls = load_attribute(spec, base_dir, "environment", "class", SPEC_FORMS)
+    if not isinstance(cls, type):
+        raise UserError(f"environment {spec!r}: {name} is not a class (its type is {type(cls).__name__}); an instance per episode is made as {name}(**environment_args)")
+    missing = [method for method in ("reset", "step") if not callable(getattr(cls, method, None))]
+    if missing:
+        raise UserError(f"environment {spec!r}: class {name} has no {' or '.join(missing)} method; an environment needs reset(row) and step(completion) (docs/environments.md)")
+    return cls
+
+
+@dataclass
+class Step:
+    """What one `step` returned, checked: the observation (None: none), its chat messages, the reward, done."""
+
+    observation: Optional[str]
+    reward: float
+    done: bool
+    messages: list[dict] = field(default_factory=list)  # [] when observation is None
+
+
+def _short(text: Any, limit: int = 120) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class EnvironmentRunner:
+    """Makes one environment instance per episode and runs its calls under a deadline.
+
+    spec: the config's `environment` (for messages); cls: the loaded class; args: `environment_args`;
+    timeout_s: `environment_timeout_s` (None: call in the caller's thread, no limit); base_dir: the config
+    file's folder, passed as `base_dir` to a constructor that declares that parameter (unless args set it).
+
+        runner = EnvironmentRunner.from_config(spec, args, timeout_s, base_dir)
+        runner.tools, runner.observation_role           # for rendering prompts and observations
+        episodes = runner.start_many(rows, prompts)     # per row: an EnvironmentEpisode or an EnvironmentFailure
+        steps = runner.step_many(episodes, completions) # per episode: a Step or an EnvironmentFailure
+    """
+
+    def __init__(self, spec: str, cls: type, args: Optional[dict] = None, timeout_s: Optional[float] = 60.0,
+                 base_dir: Optional[Path] = None):
+        self.spec = spec
+        self.cls = cls
+        self.args = dict(args or {})
+        if base_dir is not None and "base_dir" not in self.args and _declares(cls, "base_dir"):
+            self.args["base_dir"] = str(base_dir)  # for relative paths in its arguments (Tools' tool files)
+        self.timeout_s = timeout_s
+        # One instance made now: a wrong environment_args (or a tools list that does not import) fails at
+        # start, in one line, rather than in the first episode; and it tells the tools and the role.
+        try:
+            probe = self._call(lambda: cls(**self.args), "constructing it", prompt=None)
+        except EnvironmentFailure as e:
+            raise UserError(str(e)) from None
+        self.tools: Optional[list[dict]] = getattr(probe, "tools", None)
+        self.observation_role: str = getattr(probe, "observation_role", "user")
+        if self.observation_role not in ("user", "tool"):
+            raise UserError(f"environment {spec}: observation_role must be 'user' or 'tool', got {self.observation_role!r}")
+
+    @classmethod
+    def from_config(cls, spec: str, args: Optional[dict], timeout_s: Optional[float], base_dir: Optional[Path] = None) -> "EnvironmentRunner":
+        return cls(spec, load_environment(spec, base_dir), args, timeout_s, base_dir)
+
+    # ------------------------------------------------------------------ one episode at a time
+
+    def start(self, row: dict, prompt: Optional[str] = None) -> "EnvironmentEpisode":
+        """A new instance for one episode, reset on `row`; `prompt` names the episode in errors."""
+
+        def make_and_reset():
+            env = self.cls(**self.args)
+            return env, env.reset(dict(row))
+
+        env, observation = self._call(make_and_reset, "reset", prompt)
+        episode = EnvironmentEpisode(self, env, prompt)
+        episode.first = self._check_observation(env, observation, "reset", prompt)
+        return episode
+
+    # ------------------------------------------------------------------ many episodes at once
+
+    def start_many(self, rows: list[dict], prompts: Optional[list[str]] = None) -> list:
+        """`start` for every row, the calls running side by side; per row an EnvironmentEpisode or the
+        EnvironmentFailure it raised (the caller applies reward.on_error)."""
+        prompts = prompts if prompts is not None else [None] * len(rows)
+        return self._side_by_side([lambda r=r, p=p: self.start(r, p) for r, p in zip(rows, prompts)])
+
+    def step_many(self, episodes: list["EnvironmentEpisode"], completions: list[str]) -> list:
+        """episode.step(completion) for each pair, side by side; per episode a Step or an EnvironmentFailure."""
+        return self._side_by_side([lambda e=e, c=c: e.step(c) for e, c in zip(episodes, completions)])
+
+    def _side_by_side(self, calls: list) -> list:
+        # Each call runs its environment code in its own ThreadCall under the deadline; these outer threads
+        # only let the deadlines run concurrently, so B slow episodes cost one deadline, not B.
+        if len(calls) <= 1 or self.timeout_s is None:
+            return [_outcome(call) for call in calls]
+        outer = [ThreadCall(lambda call=call: _outcome(call), name="ppokit-env") for call in calls]
+        return [o.result(None) for o in outer]
+
+    # ------------------------------------------------------------------ the checks
+
+    def _call(self, fn, what: str, prompt: Optional[str]):
+        """fn() under the deadline; EnvironmentFailure (or EnvironmentTimeout) naming `what` and the prompt.
+        A UserError the environment raises itself (its own one-line complaint) passes through: it stops the run."""
+        try:
+            if self.timeout_s is None:
+                return fn()
+            return ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}").result(self.timeout_s)
+        except DeadlineExceeded:
+            raise EnvironmentTimeout(
+                f"environment {self.spec}: {what} did not return within environment_timeout_s={self.timeout_s:g}s "
+                f"(its thread is left running: Python cannot stop it){_where(prompt)}"
+            ) from None
+        except UserError:
+            raise
+        except (Exception, SystemExit) as e:
+            raise EnvironmentFailure(f"environment {self.spec}: {what} raised {type(e).__name__}: {e}{_where(prompt)}") from e
+
+    def _check_observation(self, env, observation, what: str, prompt: Optional[str]) -> Step:
+        where = _where(prompt)
+        if observation is not None and not isinstance(observation, str):
+            raise EnvironmentFailure(f"environment {self.spec}: {what} returned the observation {_short(observation)} (a {type(observation).__name__}); expected a str or None{where}")
+        return Step(observation, 0.0, False, self._messages(env, observation, what, prompt))
+
+    def _messages(self, env, observation: Optional[str], what: str, prompt: Optional[str]) -> list[dict]:
+        if observation is None:
+            return []
+        render = getattr(env, "observation_messages", None)
+        if render is None:
+            return [{"role": self.observation_role, "content": observation}]
+        messages = self._call(lambda: render(observation), f"observation_messages after {what}", prompt)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            where = _where(prompt)
+            raise EnvironmentFailure(f"environment {self.spec}: observation_messages returned {_short(messages)}; expected a list of {{role, content}} dicts{where}")
+        return messages
+
+    def check_step(self, env, result, prompt: Optional[str]) -> Step:
+        """step's return value -> a Step; EnvironmentFailure naming the environment and the value otherwise."""
+        where = _where(prompt)
+        if not isinstance(result, (tuple, list)) or len(result) != 3:
+            raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){where}")
+        observation, reward, done = result
+        number = None if reward is None else as_number(reward)  # None would read as NaN: a forgotten return
+        if number is None:
+            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {_short(reward)} (a {type(reward).__name__}); expected a number{where}")
+        if not math.isfinite(number):
+            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {number}; expected a finite number{where}")
+        if not _is_flag(done):
+            raise EnvironmentFailure(f"environment {self.spec}: step returned done={_short(done)} (a {type(done).__name__}); expected True or False{where}")
+        step = self._check_observation(env, observation, "step", prompt)
+        step.reward, step.done = number, bool(done)
+        return step
+
+
+class EnvironmentEpisode:
+    """One episode's environment instance. `first`: reset's observation as a Step (reward 0, not done)."""
+
+    def __init__(self, runner: EnvironmentRunner, env: Any, prompt: Optional[str]):
+        self.runner = runner
+        self.env = env
+        self.prompt = prompt
+        self.first: Optional[Step] = None
+
+    def step(self, completion: str) -> Step:
+        result = self.runner._call(lambda: self.env.step(completion), "step", self.prompt)
+        return self.runner.check_step(self.env, result, self.prompt)
+
+
+def _where(prompt: Optional[str]) -> str:
+    """'; prompt ...' naming the episode in an error line, or nothing."""
+    return "" if prompt is None else f"; prompt {_short(prompt)}"
+
+
+def _declares(cls: type, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _outcome(call):
+    """call() or the EnvironmentFailure it raised (any other exception propagates)."""
+    try:
+        return call()
+    except EnvironmentFailure as e:
+        return e
+
+
+def _is_flag(value) -> bool:
+    """True/False or a NumPy bool; not 1, not 'yes', not None (a forgotten return)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))  # NumPy 2 / 1
