@@ -174,3 +174,28 @@ def test_head_dim_unsupported_on_cpu_is_named(tokenizer):
     model = tiny_causal_lm("llama", tokenizer)  # hidden 64, 4 heads: head_dim 16
     with pytest.raises(UserError, match="head_dim 16, which vLLM's CPU attention does not support"):
         VLLMEngine(model, tokenizer.pad_token_id, MAX_LEN, model_name="tiny-llama")
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path):
+    """Through the trainer (`rollout.engine: vllm`): the first minibatch's ratio is 1 (the trainer's own logprobs
+    are the old ones), and the engine's logprobs differ from the trainer's by float rounding only, also after the
+    update's weights were sent."""
+    from conftest import tiny_ppo_config
+    from ppokit.trainer import PPOTrainer
+
+    n = 4 if estimator == "grpo" else 1
+    config = tiny_ppo_config(model_dir("llama", hidden=HIDDEN, heads=HEADS), prompts_file, tmp_path / "run", total_episodes=16,
+                             per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0,
+                             advantage_estimator=estimator, num_samples_per_prompt=n, learning_rate=3e-2)
+    config.rollout.engine = "vllm"
+    trainer = PPOTrainer(config, show_progress=False)
+    try:
+        first, second = trainer.step(), trainer.step()
+    finally:
+        trainer.rollout_engine.close()
+    for record in (first, second):
+        assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # one minibatch, one epoch: measured before the step
+        assert 0 <= record["rollout/logprob_diff_max"] < 1e-4, record["rollout/logprob_diff_max"]
+        assert record["rollout/logprob_diff_mean"] <= record["rollout/logprob_diff_max"]
+    assert second["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)

@@ -77,13 +77,18 @@ def check_cpu_head_dim(config, model_name: str) -> None:
                         f"(it supports {', '.join(map(str, supported))}); use rollout.engine: hf for this model")
 
 
+KV_BLOCK_TOKENS = 128  # a generous block size: vLLM hands out the cache in blocks of tokens
+KV_CACHE_FLOOR = 64 * 2**20  # a tiny model's cache still needs whole blocks of every layer
+
+
 def kv_cache_bytes(config, dtype: torch.dtype, sequences: int, max_model_len: int) -> int:
-    """KV-cache bytes for `sequences` sequences of `max_model_len` tokens (keys and values of every
-    layer), plus one sequence of slack for vLLM's block rounding."""
+    """KV-cache bytes for `sequences` sequences of `max_model_len` tokens (keys and values of every layer),
+    each rounded up to whole blocks, plus one sequence of slack; at least KV_CACHE_FLOOR."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim(config) * torch.finfo(dtype).bits // 8
-    return per_token * max_model_len * (sequences + 1)
+    tokens = math.ceil(max_model_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return max(KV_CACHE_FLOOR, per_token * tokens * (sequences + 1))
 
 
 class VLLMEngine:
