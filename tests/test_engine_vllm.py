@@ -199,3 +199,19 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
         assert 0 <= record["rollout/logprob_diff_max"] < 1e-4, record["rollout/logprob_diff_max"]
         assert record["rollout/logprob_diff_mean"] <= record["rollout/logprob_diff_max"]
     assert second["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_model_vllm_cannot_serve_is_one_line_naming_it(tokenizer):
+    from transformers import LlamaForCausalLM
+
+    from ppokit.engines.vllm import VLLMEngine
+
+    class HomeGrownLM(LlamaForCausalLM):  # an architecture vLLM has never heard of
+        pass
+
+    torch.manual_seed(0)
+    model = HomeGrownLM(tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).config)
+    with pytest.raises(UserError) as error:
+        VLLMEngine(model, tokenizer.pad_token_id, MAX_LEN, model_name="home-grown")
+    said = str(error.value)
+    assert said.startswith("rollout.engine: vllm cannot serve home-grown (HomeGrownLM): ") and "\n" not in said, said
