@@ -49,7 +49,7 @@ def run_one(size: str, engine_name: str, repeats: int) -> dict:
         sampler = HFSampler(model, NEW_TOKENS, 1.0, None, pad, batch_size=PROMPTS)
 
         def generate():
-            return sampler.sample(query_ids, query_mask).response_mask.sum().item()
+            return sampler.sample(query_ids, query_mask).loss_mask.sum().item()
     else:
         from ppokit.engines.vllm import VLLMEngine
 

@@ -52,7 +52,7 @@ def responses(episodes):
 def hf_greedy(model, prompts, pad_token_id, stop_token_id=None, new_tokens=NEW_TOKENS):
     query_ids, query_mask = left_pad(prompts, pad_token_id)
     rollout = HFSampler(model, new_tokens, 1.0, stop_token_id, pad_token_id, greedy=True).sample(query_ids, query_mask)
-    return [rollout.response_ids[i][rollout.response_mask[i]].tolist() for i in range(len(prompts))]
+    return responses(rollout)
 
 
 @torch.no_grad()
