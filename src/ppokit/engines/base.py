@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ppokit.config import RolloutConfig
     from ppokit.episodes import Episodes
 
 PURPOSES = ("train", "eval", "greedy")
@@ -76,7 +75,7 @@ class EngineSetup:
     device: "torch.device"
     rows_per_forward: int
     sampling_contexts: Callable[["nn.Module"], Sequence[ContextManager]]
-    settings: "RolloutConfig"
+    settings: Any  # the `rollout:` section, ppokit.config.RolloutConfig (config imports this package: no import back)
     longest_sequence: int = 0
     rows_per_rollout: int = 0
     seed: int = 0
