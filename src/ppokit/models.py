@@ -39,6 +39,9 @@ def _looks_like_path(name: str) -> bool:
 
 
 # Files of which a saved tokenizer holds at least one (fast, slow BPE/WordPiece, SentencePiece, tiktoken).
+# The policy's LoRA adapter: peft's default name (a critic on the same base has its own, roles.VALUE_ADAPTER).
+POLICY_ADAPTER = "default"
+
 TOKENIZER_FILES = (
     "tokenizer_config.json", "tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
     "sentencepiece.bpe.model", "tiktoken.model",

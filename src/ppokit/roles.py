@@ -40,6 +40,7 @@ from torch import nn
 from ppokit.config import LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.models import (
+    POLICY_ADAPTER,
     backbone,
     disable_dropout,
     frozen_copy,
@@ -52,7 +53,6 @@ from ppokit.models import (
 )
 from ppokit.rewards import RewardModelReward, RewardScorer
 
-POLICY_ADAPTER = "default"
 VALUE_ADAPTER = "value"
 VALUE_HEAD_FILE = "value_head.safetensors"
 SHARED_CRITIC_FILE = "shared_value_model.json"

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ppokit.errors import UserError
-from ppokit.roles import POLICY_ADAPTER
+from ppokit.models import POLICY_ADAPTER
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
