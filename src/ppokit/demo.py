@@ -113,31 +113,38 @@ def demo_folder(output_dir: str | Path, estimator: str, overwrite: bool) -> Path
 def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
     """Steps 1-3: the data, a tokenizer and a tiny model, fine-tuned by SFT into out/sft; returns out."""
     s = SETTINGS[quick]
-    torch.manual_seed(seed)
+    start_demo_folder(out, seed)
 
     # 1. data
-    out.mkdir(parents=True, exist_ok=True)
-    run_dir.write_marker(out, DEMO_MARKER_KIND)
     data = make_data(seed, s["n_sft"], s["n_prompts"], 8)
     for name, rows in data.items():
         write_jsonl(out / "data" / f"{name}.jsonl", rows)
     say(f"[1/4] data: {len(data['sft'])} SFT reviews, {len(data['prompts'])} PPO prompts -> {out / 'data'}")
 
-    # 2. tokenizer and model
-    texts = [r["prompt"] + " " + r["completion"] for r in data["sft"]]
-    tokenizer = word_tokenizer(texts)
-    model = tiny_causal_lm("llama", tokenizer, hidden=s["hidden"], layers=s["layers"], heads=4)
-    say(f"[2/4] model: tiny Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
+    # 2. tokenizer and model, 3. SFT
+    tokenizer = word_tokenizer([r["prompt"] + " " + r["completion"] for r in data["sft"]])
+    sft_tiny_model(out, tokenizer, lambda: [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in data["sft"]], s, seed, say)
+    return out
 
-    # 3. SFT
-    examples = [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in data["sft"]]
-    losses = train_sft(model, examples, tokenizer.pad_token_id, epochs=s["sft_epochs"], batch_size=32, learning_rate=3e-3, seed=seed)
+
+def start_demo_folder(out: Path, seed: int) -> None:
+    """out made and marked as a demo's (`run_dir`); the random stream seeded for steps 1-3."""
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir.write_marker(out, DEMO_MARKER_KIND)
+
+
+def sft_tiny_model(out: Path, tokenizer, examples, settings: dict, seed: int, say, what: str = "") -> None:
+    """Steps 2-3 of a demo: a tiny Llama of the demo's size for `tokenizer`, fine-tuned on `examples()` (built once
+    the model exists, as the random stream expects), saved with the tokenizer in out/sft."""
+    model = tiny_causal_lm("llama", tokenizer, hidden=settings["hidden"], layers=settings["layers"], heads=4)
+    say(f"[2/4] model: tiny Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
+    losses = train_sft(model, examples(), tokenizer.pad_token_id, epochs=settings["sft_epochs"], batch_size=32, learning_rate=3e-3, seed=seed)
     sft_dir = out / "sft"
     with no_progress_bars():
         model.save_pretrained(sft_dir)
     tokenizer.save_pretrained(sft_dir)
-    say(f"[3/4] SFT: loss {losses[0]:.2f} -> {sum(losses[-20:]) / len(losses[-20:]):.2f} over {len(losses)} steps -> {sft_dir}")
-    return out
+    say(f"[3/4] SFT{what}: loss {losses[0]:.2f} -> {sum(losses[-20:]) / len(losses[-20:]):.2f} over {len(losses)} steps -> {sft_dir}")
 
 
 def run_demo(

@@ -16,12 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ppokit import run_dir
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
-from ppokit.demo import DEMO_MARKER_KIND, demo_folder, estimator_settings, write_jsonl
-from ppokit.models import no_progress_bars
-from ppokit.sft import IGNORE_INDEX, build_example, train_sft
-from ppokit.tiny import tiny_causal_lm, word_tokenizer
+from ppokit.demo import demo_folder, estimator_settings, sft_tiny_model, start_demo_folder, write_jsonl
+from ppokit.sft import IGNORE_INDEX, build_example
+from ppokit.tiny import word_tokenizer
 
 GAME = "ppokit.environments:GuessNumber"
 MAX_TURNS = 5
@@ -57,9 +55,7 @@ def prepare_game_demo(out: Path, quick: bool, seed: int, say) -> Path:
     from ppokit.environments.guess import guess_rows, guess_transcripts, vocabulary
 
     s = SETTINGS[quick]
-    torch.manual_seed(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    run_dir.write_marker(out, DEMO_MARKER_KIND)
+    start_demo_folder(out, seed)
     games = guess_transcripts(seed, s["n_games"], strategy="random", max_turns=MAX_TURNS)
     write_jsonl(out / "data" / "games.jsonl", games)
     write_jsonl(out / "data" / "prompts.jsonl", guess_rows(seed + 1, s["n_prompts"]))
@@ -68,16 +64,7 @@ def prepare_game_demo(out: Path, quick: bool, seed: int, say) -> Path:
         f"{MAX_TURNS} turns, {sum(len(g['turns']) for g in games) / len(games):.2f} turns each), {s['n_prompts']} PPO prompts -> {out / 'data'}")
 
     tokenizer = word_tokenizer([" ".join(vocabulary())])
-    model = tiny_causal_lm("llama", tokenizer, hidden=s["hidden"], layers=s["layers"], heads=4)
-    say(f"[2/4] model: tiny Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
-
-    examples = sft_examples(tokenizer, games)
-    losses = train_sft(model, examples, tokenizer.pad_token_id, epochs=s["sft_epochs"], batch_size=32, learning_rate=3e-3, seed=seed)
-    sft_dir = out / "sft"
-    with no_progress_bars():
-        model.save_pretrained(sft_dir)
-    tokenizer.save_pretrained(sft_dir)
-    say(f"[3/4] SFT on the games: loss {losses[0]:.2f} -> {sum(losses[-20:]) / len(losses[-20:]):.2f} over {len(losses)} steps -> {sft_dir}")
+    sft_tiny_model(out, tokenizer, lambda: sft_examples(tokenizer, games), s, seed, say, " on the games")
     return out
 
 
