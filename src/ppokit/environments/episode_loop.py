@@ -81,6 +81,7 @@ class EpisodeOutcome:
     model_tokens: list[int]
     observation_tokens: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
+    transcripts: list[list[dict]] = field(default_factory=list)  # per episode its turns: {"role": assistant|user|tool, "text"}
 
 
 @dataclass
@@ -99,6 +100,7 @@ class _Episode:
     truncated: bool = False
     last_turn_stopped: bool = False
     error: Optional[str] = None
+    transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded, the environment's as it said them
 
     def add(self, ids: list[int], logprobs: Optional[list[float]]) -> None:
         self.ids += ids
@@ -144,6 +146,8 @@ class EpisodeLoop:
         if len(ids) >= room:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
         episode.add(ids, None)
+        episode.transcript += [{"role": m.get("role", "user"), "text": str(m.get("content", ""))} for m in step.messages] or \
+            [{"role": "user", "text": step.observation}]
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
         """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""
@@ -181,7 +185,9 @@ class EpisodeLoop:
         episode.add(ids, logprobs)
         episode.turns += 1
         episode.last_turn_stopped = bool(turn.ended[k]) and not episode.truncated
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        episode.transcript.append({"role": "assistant", "text": text})
+        return text
 
     def _answer(self, episode: _Episode, step) -> None:
         """The environment's answer to the episode's last turn: its reward, and the next observation or the end."""
@@ -249,7 +255,7 @@ class EpisodeLoop:
             rewards=torch.tensor([math.nan if e.error else e.reward for e in episodes], dtype=torch.float64),
             turn_rewards=turn_rewards.to(device), errors=[e.error for e in episodes], turns=[e.turns for e in episodes],
             done=[e.done for e in episodes], truncated=[e.truncated for e in episodes],
-            model_tokens=model_tokens, observation_tokens=observation_tokens,
+            model_tokens=model_tokens, observation_tokens=observation_tokens, transcripts=[e.transcript for e in episodes],
         )
         outcome.metrics = episode_metrics(outcome)
         return batch, outcome
@@ -321,6 +327,16 @@ def scoring_fields(outcome: Optional[EpisodeOutcome]) -> dict:
     if outcome is None:
         return {}
     return {"environment_rewards": outcome.rewards.tolist(), "environment_errors": list(outcome.errors)}
+
+
+def transcripts(outcome: Optional[EpisodeOutcome], rows: int) -> list[Optional[list[dict]]]:
+    """Each episode's turns (`EpisodeOutcome.transcripts`), the `turns` of its samples.jsonl row; None per row without an environment."""
+    return [None] * rows if outcome is None else list(outcome.transcripts)
+
+
+def sample_row(row: dict, turns: Optional[list[dict]]) -> dict:
+    """A samples.jsonl row with its episode's turns marked (`turns`), unchanged for a single-turn response."""
+    return row if turns is None else {**row, "turns": turns}
 
 
 def outcome_metrics(outcome: Optional[EpisodeOutcome]) -> dict[str, float]:
