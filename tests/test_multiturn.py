@@ -125,6 +125,35 @@ def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
     assert outcome.metrics["env/done_rate"] == pytest.approx(2 / 3)
 
 
+def test_episode_metrics_are_means_over_every_process(game_tokenizer):
+    """rollout/* and env/* add every process's sums and counts before dividing: with a fake all-reduce that
+    doubles them (two processes with these same episodes) the means are unchanged, and a process's own
+    sums are what it adds (sum and count, not its mean, go into the reduction)."""
+    from ppokit.environments.episode_loop import EPISODE_METRICS, outcome_metrics
+
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    plans = [[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5]
+    loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos), max_turns=3)
+    _, outcome = loop.sample([ids(tok, "guess")] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
+    reduced = []
+
+    def doubled(sums):
+        reduced.append(sums.clone())
+        return sums * 2
+
+    metrics = outcome_metrics(outcome, doubled)
+    assert len(reduced) == 1 and reduced[0].tolist() == [6, 12, 3, 0, 2, 3]  # turns, model/obs tokens, truncated, done, episodes
+    assert set(metrics) == set(EPISODE_METRICS)
+    assert metrics == outcome_metrics(outcome) == outcome.metrics  # exact: small integer sums, the same division
+    assert metrics["rollout/turns"] == 2 and metrics["env/done_rate"] == 2 / 3
+
+    # a second process with other episodes: the means are over all of them, not a mean of means
+    other = torch.tensor([1.0, 2.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)  # one episode: 1 turn, truncated, done
+    together = outcome_metrics(outcome, lambda sums: sums + other)
+    assert together["rollout/turns"] == 7 / 4 and together["rollout/truncated"] == 1 / 4 and together["env/done_rate"] == 3 / 4
+
+
 def test_token_budget_cuts_observations_and_turns(game_tokenizer):
     tok = game_tokenizer
     eos, seven = tok.eos_token_id, ids(tok, "7")[0]

@@ -255,7 +255,7 @@ class PPOTrainer:
         device = self.accelerator.device
         return result.scores.to(device), {
             "completions": completions, "turns": transcripts(outcome, len(completions)), "valid": result.valid.to(device), "errors": result.errors,
-            "metrics": {**outcome_metrics(outcome), **self.scorer.metrics(result)},
+            "metrics": {**outcome_metrics(outcome, self._sum_over_processes), **self.scorer.metrics(result)},
         }
 
     @torch.inference_mode()

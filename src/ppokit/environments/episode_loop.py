@@ -339,8 +339,9 @@ def sample_row(row: dict, turns: Optional[list[dict]]) -> dict:
     return row if turns is None else {**row, "turns": turns}
 
 
-def outcome_metrics(outcome: Optional[EpisodeOutcome]) -> dict[str, float]:
-    return {} if outcome is None else dict(outcome.metrics)
+def outcome_metrics(outcome: Optional[EpisodeOutcome], reduce_sum=None) -> dict[str, float]:
+    """The episodes' rollout/* and env/* metrics over every process's episodes (`episode_metrics`); {} without an environment."""
+    return {} if outcome is None else episode_metrics(outcome, reduce_sum)
 
 
 class EnvironmentReward:
@@ -361,13 +362,15 @@ class EnvironmentReward:
         return torch.tensor(batch.environment_rewards, dtype=torch.float32)
 
 
-def episode_metrics(outcome: EpisodeOutcome) -> dict[str, float]:
-    """Means per episode over one batch (this process's episodes)."""
-    n = max(1, len(outcome.turns))
-    return {
-        "rollout/turns": sum(outcome.turns) / n,
-        "rollout/model_tokens": sum(outcome.model_tokens) / n,
-        "rollout/observation_tokens": sum(outcome.observation_tokens) / n,
-        "rollout/truncated": sum(outcome.truncated) / n,
-        "env/done_rate": sum(outcome.done) / n,
-    }
+EPISODE_METRICS = ("rollout/turns", "rollout/model_tokens", "rollout/observation_tokens", "rollout/truncated", "env/done_rate")
+
+
+def episode_metrics(outcome: EpisodeOutcome, reduce_sum=None) -> dict[str, float]:
+    """Means per episode over one batch: this process's episodes, or with `reduce_sum` (a sum over processes,
+    `metric_values.ReduceSum`) every process's, the sums and the count added in one reduction before dividing."""
+    columns = (outcome.turns, outcome.model_tokens, outcome.observation_tokens, outcome.truncated, outcome.done)
+    sums = torch.tensor([float(sum(c)) for c in columns] + [float(len(outcome.turns))], dtype=torch.float64)
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    *totals, n = sums.tolist()
+    return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}
