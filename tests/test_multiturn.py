@@ -220,6 +220,31 @@ def test_chat_observations_use_the_template(game_tokenizer):
     assert ObservationFormat(tok).text("higher") == "higher"
 
 
+def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_tokenizer):
+    """With chat data, prompt + reset's observation + model turn + step's observation is, token for token, what
+    the template renders for [user prompt, user observation, assistant turn, user observation]: the prompt's
+    generation prompt moves after the first observation (read, not trained on)."""
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+
+    def render(messages):
+        return ids(tok, tok.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False))
+
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    prompt = render([user("guess the number")])
+    row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
+    loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
+                     observation=ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
+    episodes, outcome = loop.sample([prompt], [row], sampling(tok))
+    whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
+    # the stop token ends the assistant turn where the plain template writes its newline (not written twice)
+    want = render([user("guess the number"), user("1 to 16"), {"role": "assistant", "content": "7"}, user("higher")])
+    assert whole == want[: want.index(seven) + 1] + [eos] + want[want.index(seven) + 1:] + [seven, eos]
+    assert episodes.query_ids[0].tolist() == prompt[:-2]  # "assistant :" moved after the observation
+    trained = episodes.response_ids[0][episodes.loss_mask[0]].tolist()
+    assert trained == [seven, eos, seven, eos] and outcome.observation_tokens == [len(whole) - len(prompt) + 2 - 4]
+
+
 @pytest.fixture(scope="module")
 def game_model(game_tokenizer):
     torch.manual_seed(0)

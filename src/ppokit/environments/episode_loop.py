@@ -9,7 +9,8 @@ or when its response region reaches `max_episode_tokens` (a model turn or an obs
 what is left is cut there, and the episode is marked truncated).
 
 The result is one `Episodes` for the batch, in the layout of a single-turn rollout: the prompt in
-query_ids, everything after it (model turns and observations) in the response region; loss_mask is
+query_ids (with chat data and a reset observation, without its generation prompt, which follows the
+observation: `ObservationFormat.first`), everything after it (model turns and observations) in the response region; loss_mask is
 True on the model's tokens only (observations are read, never trained on); score_index is the last
 model token. What the environment said (rewards per step and their sum, failures, metrics) comes
 back beside it in an `EpisodeOutcome`.
@@ -48,6 +49,8 @@ class ObservationFormat:
         stop_text = tokenizer.decode([stop_token_id]) if stop_token_id is not None else None
         self.end_of_turn = end_of_turn
         self.end_of_stopped_turn = end_of_turn[len(stop_text):] if stop_text and end_of_turn.startswith(stop_text) else end_of_turn
+        self.closed_prompt = self._render(self.turn[:1], False)
+        self.generation_prompt = self._render(self.turn[:1], True)[len(self.closed_prompt):]
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         extra = {"tools": self.tools} if self.tools else {}
@@ -66,6 +69,23 @@ class ObservationFormat:
 
     def ids(self, observation: str, messages: Optional[list[dict]] = None, turn_stopped: bool = True) -> list[int]:
         return self.tokenizer(self.text(observation, messages, turn_stopped), add_special_tokens=False)["input_ids"]
+
+    def first(self, prompt: list[int], observation: str, messages: Optional[list[dict]] = None) -> tuple[list[int], list[int]]:
+        """reset's observation after a prompt (token ids) -> (the prompt's ids, the ids appended after them).
+
+        Plain text: the prompt as it is, the observation's text after it. Chat data: the observation is the
+        next user (or tool) message of the prompt's conversation, so that prompt + observation is what the
+        template renders for [prompt's messages..., observation's messages] with the generation prompt:
+        the prompt's own generation prompt (its last tokens) moves after the observation."""
+        ids = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        if self.chat_template is None:
+            return prompt, ids(observation)
+        rendered = self._render(self.turn[:1] + (messages or [{"role": "user", "content": observation}]), True)
+        generation = ids(self.generation_prompt) if self.generation_prompt else []
+        if not rendered.startswith(self.closed_prompt) or prompt[len(prompt) - len(generation):] != generation:
+            raise ValueError("the chat template does not render a first observation after the prompt as a continuation "
+                             "(set data.chat_template=plain or another template)")
+        return prompt[: len(prompt) - len(generation)], ids(rendered[len(self.closed_prompt):])
 
 
 @dataclass
@@ -134,14 +154,13 @@ class EpisodeLoop:
     def _room(self, episode: _Episode) -> float:
         return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - len(episode.ids)
 
-    def _observe(self, episode: _Episode, step, turn_stopped: bool) -> None:
-        """Append an observation, cut to the room left (the episode then ends, truncated)."""
+    def _observe(self, episode: _Episode, step, turn_stopped: bool, ids: Optional[list[int]] = None) -> None:
+        """Append an observation (its `ids` when given: reset's, `ObservationFormat.first`), cut to the room left
+        (the episode then ends, truncated)."""
         if step.observation is None:
             return
-        if episode.turns:
+        if ids is None:
             ids = self.observation.ids(step.observation, step.messages, turn_stopped)
-        else:  # reset's observation continues the prompt as text
-            ids = self.tokenizer(step.observation, add_special_tokens=False)["input_ids"]
         room = self._room(episode)
         if len(ids) >= room:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
@@ -151,15 +170,16 @@ class EpisodeLoop:
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
         """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""
-        episodes = [_Episode() for _ in prompts]
+        episodes, prompts = [_Episode() for _ in prompts], list(prompts)
         texts = [str(row.get("prompt", "")) for row in rows]
-        for episode, started in zip(episodes, self.runner.start_many([dict(row) for row in rows], texts)):
+        for i, (episode, started) in enumerate(zip(episodes, self.runner.start_many([dict(row) for row in rows], texts))):
             if isinstance(started, BaseException):
                 episode.fail(str(started))
                 continue
             episode.environment = started
-            if started.first is not None:
-                self._observe(episode, started.first, turn_stopped=True)
+            if started.first is not None and started.first.observation is not None:
+                prompts[i], ids = self.observation.first(prompts[i], started.first.observation, started.first.messages)
+                self._observe(episode, started.first, turn_stopped=True, ids=ids)
         device = None
         while True:
             running = [e for e in episodes if e.running]
