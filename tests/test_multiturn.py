@@ -3,6 +3,8 @@ budget, turn reward placement, failures, and the loop over a real transformers e
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -336,8 +338,8 @@ def multi_turn_config(model_dir, prompts_file, out, env_file, **ppo):
 
     from ppokit.config import RolloutConfig
 
-    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=32, advantage_estimator="grpo",
-                             num_samples_per_prompt=4, **ppo)
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, **{"total_episodes": 32, "advantage_estimator": "grpo",
+                                                                      "num_samples_per_prompt": 4, **ppo})
     config.environment = f"{env_file}:Critic"
     config.rollout = RolloutConfig(max_turns=3, max_episode_tokens=24)
     return config
@@ -371,3 +373,59 @@ def test_multi_turn_grpo_resumes_exactly_after_sigkill(model_dir, prompts_file, 
     trainer.train()
     assert comparable(out / "metrics.jsonl") == comparable(reference / "metrics.jsonl")
     assert (out / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
+
+
+# The curve of a multi-turn grpo run: scores, KL, lengths, the loss statistics, the episodes' shape.
+EPISODE_CURVE = ("objective/scores", "objective/kl", "objective/entropy", "objective/response_length", "policy/approxkl_avg",
+                 "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg", "val/ratio", "rollout/turns",
+                 "rollout/model_tokens", "rollout/observation_tokens", "reward/environment")
+
+
+def _episode_run(model_dir, prompts_file, tmp_path, name, **switches):
+    """2 updates of a multi-turn grpo run (2 turns, an observation between them), with `switches` set."""
+    import json
+
+    from conftest import with_speed_switches
+
+    from ppokit.trainer import PPOTrainer
+
+    env_file = tmp_path / "critic.py"
+    env_file.write_text(CRITIC)
+    lora = switches.pop("lora", None)
+    config = with_speed_switches(multi_turn_config(model_dir, prompts_file, tmp_path / name, env_file, total_episodes=16), **switches)
+    if lora is not None:
+        from ppokit.config import LoraConfig
+
+        config.lora = LoraConfig(**lora)
+    records = PPOTrainer(config, show_progress=False).train()
+    samples = [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+    return records, samples
+
+
+@pytest.fixture(scope="module")
+def plain_episode_run(model_dir, prompts_file, tmp_path_factory):
+    return _episode_run(model_dir, prompts_file, tmp_path_factory.mktemp("episodes"), "plain")
+
+
+@pytest.mark.parametrize("switch", [{"max_tokens_per_micro_batch": 64}, {"lm_head_chunk_size": 7}, {"lora": {}}],
+                         ids=["token_budget", "light_head", "lora"])
+def test_multi_turn_runs_hold_with_the_speed_switches_and_lora(model_dir, prompts_file, tmp_path, plain_episode_run, switch):
+    """A multi-turn run trains with the token budget, the light head and LoRA: finite metrics, episodes of 2 turns
+    with observation tokens between them (the loss mask's gaps). The token budget and the light head change only
+    how the same sums are batched, so their curve is the plain run's within float rounding: after the first
+    optimiser step a few-ulp difference (~1e-7 relative) goes through 2 updates of Adam at lr 1e-3 and the same
+    sampled tokens; rel 1e-4 is far above that and far below what a wrong mask or a lost row moves (tests/test_speed.py)."""
+    plain, plain_samples = plain_episode_run
+    records, samples = _episode_run(model_dir, prompts_file, tmp_path, "switched", **switch)
+    assert len(records) == len(plain) == 2
+    for record in records:
+        assert all(math.isfinite(record[key]) for key in EPISODE_CURVE), record
+        assert record["rollout/turns"] == 2 and record["rollout/observation_tokens"] > 0
+    if "lora" not in switch:
+        for want, got in zip(plain, records):
+            for key in EPISODE_CURVE:
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["update"], key)
+    # samples.jsonl: each episode's transcript, turns marked, besides its completion text
+    roles = [[t["role"] for t in row["turns"]] for row in plain_samples + samples]
+    assert roles and all(r == ["assistant", "user", "assistant"] for r in roles)
+    assert all(row["turns"][1]["text"] == "the movie was" for row in plain_samples)
