@@ -3,6 +3,8 @@ budget, turn reward placement, failures, and the loop over a real transformers e
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -95,6 +97,9 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     # the second turn's context is the prompt and everything after it so far
     assert engine.calls[1] == [prompt + want[:6]]
     assert outcome.metrics["rollout/turns"] == 2 and outcome.metrics["env/done_rate"] == 1
+    # the transcript: every turn as text, marked with who spoke (samples.jsonl's `turns`)
+    assert outcome.transcripts == [[{"role": "user", "text": "1 to 16"}, {"role": "assistant", "text": "7"},
+                                    {"role": "user", "text": "higher"}, {"role": "assistant", "text": "7"}]]
 
     # rollout.turn_rewards: the environment's part of the score (weight 2 x 1.25) moves to the turns that earned it
     loop = make_loop(tok, engine, turn_weight=2.0)
@@ -120,6 +125,35 @@ def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
     assert episodes.loss_mask.sum(1).tolist() == [2, 4, 6]
     assert episodes.attention_mask[:, len(prompt):].sum(1).tolist() == [2, 5, 8]
     assert outcome.metrics["env/done_rate"] == pytest.approx(2 / 3)
+
+
+def test_episode_metrics_are_means_over_every_process(game_tokenizer):
+    """rollout/* and env/* add every process's sums and counts before dividing: with a fake all-reduce that
+    doubles them (two processes with these same episodes) the means are unchanged, and a process's own
+    sums are what it adds (sum and count, not its mean, go into the reduction)."""
+    from ppokit.environments.episode_loop import EPISODE_METRICS, outcome_metrics
+
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+    plans = [[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5]
+    loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos), max_turns=3)
+    _, outcome = loop.sample([ids(tok, "guess")] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
+    reduced = []
+
+    def doubled(sums):
+        reduced.append(sums.clone())
+        return sums * 2
+
+    metrics = outcome_metrics(outcome, doubled)
+    assert len(reduced) == 1 and reduced[0].tolist() == [6, 12, 3, 0, 2, 3]  # turns, model/obs tokens, truncated, done, episodes
+    assert set(metrics) == set(EPISODE_METRICS)
+    assert metrics == outcome_metrics(outcome) == outcome.metrics  # exact: small integer sums, the same division
+    assert metrics["rollout/turns"] == 2 and metrics["env/done_rate"] == 2 / 3
+
+    # a second process with other episodes: the means are over all of them, not a mean of means
+    other = torch.tensor([1.0, 2.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)  # one episode: 1 turn, truncated, done
+    together = outcome_metrics(outcome, lambda sums: sums + other)
+    assert together["rollout/turns"] == 7 / 4 and together["rollout/truncated"] == 1 / 4 and together["env/done_rate"] == 3 / 4
 
 
 def test_token_budget_cuts_observations_and_turns(game_tokenizer):
@@ -186,6 +220,31 @@ def test_chat_observations_use_the_template(game_tokenizer):
     assert fmt.text("higher") == "\nuser: higher\nassistant:"
     assert fmt.text("4", [{"role": "tool", "content": "4"}]) == "\ntool: 4\nassistant:"
     assert ObservationFormat(tok).text("higher") == "higher"
+
+
+def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_tokenizer):
+    """With chat data, prompt + reset's observation + model turn + step's observation is, token for token, what
+    the template renders for [user prompt, user observation, assistant turn, user observation]: the prompt's
+    generation prompt moves after the first observation (read, not trained on)."""
+    tok = game_tokenizer
+    eos, seven = tok.eos_token_id, ids(tok, "7")[0]
+
+    def render(messages):
+        return ids(tok, tok.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False))
+
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    prompt = render([user("guess the number")])
+    row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
+    loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
+                     observation=ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
+    episodes, outcome = loop.sample([prompt], [row], sampling(tok))
+    whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
+    # the stop token ends the assistant turn where the plain template writes its newline (not written twice)
+    want = render([user("guess the number"), user("1 to 16"), {"role": "assistant", "content": "7"}, user("higher")])
+    assert whole == want[: want.index(seven) + 1] + [eos] + want[want.index(seven) + 1:] + [seven, eos]
+    assert episodes.query_ids[0].tolist() == prompt[:-2]  # "assistant :" moved after the observation
+    trained = episodes.response_ids[0][episodes.loss_mask[0]].tolist()
+    assert trained == [seven, eos, seven, eos] and outcome.observation_tokens == [len(whole) - len(prompt) + 2 - 4]
 
 
 @pytest.fixture(scope="module")
@@ -279,8 +338,8 @@ def multi_turn_config(model_dir, prompts_file, out, env_file, **ppo):
 
     from ppokit.config import RolloutConfig
 
-    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=32, advantage_estimator="grpo",
-                             num_samples_per_prompt=4, **ppo)
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, **{"total_episodes": 32, "advantage_estimator": "grpo",
+                                                                      "num_samples_per_prompt": 4, **ppo})
     config.environment = f"{env_file}:Critic"
     config.rollout = RolloutConfig(max_turns=3, max_episode_tokens=24)
     return config
@@ -314,3 +373,83 @@ def test_multi_turn_grpo_resumes_exactly_after_sigkill(model_dir, prompts_file, 
     trainer.train()
     assert comparable(out / "metrics.jsonl") == comparable(reference / "metrics.jsonl")
     assert (out / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
+
+
+# The curve of a multi-turn grpo run: scores, KL, lengths, the loss statistics, the episodes' shape.
+EPISODE_CURVE = ("objective/scores", "objective/kl", "objective/entropy", "objective/response_length", "policy/approxkl_avg",
+                 "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg", "val/ratio", "rollout/turns",
+                 "rollout/model_tokens", "rollout/observation_tokens", "reward/environment")
+
+
+def _episode_run(model_dir, prompts_file, tmp_path, name, **switches):
+    """2 updates of a multi-turn grpo run (2 turns, an observation between them), with `switches` set."""
+    import json
+
+    from conftest import with_speed_switches
+
+    from ppokit.trainer import PPOTrainer
+
+    env_file = tmp_path / "critic.py"
+    env_file.write_text(CRITIC)
+    lora = switches.pop("lora", None)
+    config = with_speed_switches(multi_turn_config(model_dir, prompts_file, tmp_path / name, env_file, total_episodes=16), **switches)
+    if lora is not None:
+        from ppokit.config import LoraConfig
+
+        config.lora = LoraConfig(**lora)
+    records = PPOTrainer(config, show_progress=False).train()
+    samples = [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+    return records, samples
+
+
+@pytest.fixture(scope="module")
+def plain_episode_run(model_dir, prompts_file, tmp_path_factory):
+    return _episode_run(model_dir, prompts_file, tmp_path_factory.mktemp("episodes"), "plain")
+
+
+@pytest.mark.parametrize("switch", [{"max_tokens_per_micro_batch": 64}, {"lm_head_chunk_size": 7}, {"lora": {}}],
+                         ids=["token_budget", "light_head", "lora"])
+def test_multi_turn_runs_hold_with_the_speed_switches_and_lora(model_dir, prompts_file, tmp_path, plain_episode_run, switch):
+    """A multi-turn run trains with the token budget, the light head and LoRA: finite metrics, episodes of 2 turns
+    with observation tokens between them (the loss mask's gaps). The token budget and the light head change only
+    how the same sums are batched, so their curve is the plain run's within float rounding: after the first
+    optimiser step a few-ulp difference (~1e-7 relative) goes through 2 updates of Adam at lr 1e-3 and the same
+    sampled tokens; rel 1e-4 is far above that and far below what a wrong mask or a lost row moves (tests/test_speed.py)."""
+    plain, plain_samples = plain_episode_run
+    records, samples = _episode_run(model_dir, prompts_file, tmp_path, "switched", **switch)
+    assert len(records) == len(plain) == 2
+    for record in records:
+        assert all(math.isfinite(record[key]) for key in EPISODE_CURVE), record
+        assert record["rollout/turns"] == 2 and record["rollout/observation_tokens"] > 0
+    if "lora" not in switch:
+        for want, got in zip(plain, records):
+            for key in EPISODE_CURVE:
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["update"], key)
+    # samples.jsonl: each episode's transcript, turns marked, besides its completion text
+    roles = [[t["role"] for t in row["turns"]] for row in plain_samples + samples]
+    assert roles and all(r == ["assistant", "user", "assistant"] for r in roles)
+    assert all(row["turns"][1]["text"] == "the movie was" for row in plain_samples)
+
+
+def test_a_multi_turn_run_trains_under_fsdp_on_two_processes(model_dir, prompts_file, tmp_path):
+    """2 processes under fsdp, multi-turn grpo episodes: it trains (finite metrics, 2-turn episodes with observation
+    tokens between the turns, 16 episodes per update over both processes)."""
+    import yaml
+    from test_multiprocess import TORCHRUN, _config, _launch, _records
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    env_file = tmp_path / "critic.py"
+    env_file.write_text(CRITIC)
+    config = _config(model_dir, prompts_file, tmp_path, "fsdp", total_episodes=32, save_steps=0, num_sample_generations=0,
+                     advantage_estimator="grpo", num_samples_per_prompt=4)
+    settings = yaml.safe_load(config.read_text())
+    settings.update(environment=f"{env_file}:Critic", rollout={"max_turns": 3, "max_episode_tokens": 24})
+    config.write_text(yaml.safe_dump(settings))
+    result = _launch(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "run-fsdp")
+    assert [(r["update"], r["episode"]) for r in records] == [(1, 16), (2, 32)]
+    for record in records:
+        assert all(math.isfinite(record[key]) for key in EPISODE_CURVE), record
+        assert record["rollout/turns"] == 2 and record["rollout/observation_tokens"] > 0 and record["env/done_rate"] == 1

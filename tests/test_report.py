@@ -550,3 +550,14 @@ def test_the_report_imports_nothing_of_the_trainer():
                 assert node.module in allowed or node.module.startswith("ppokit.report"), f"{path.name} imports {node.module}"
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("ppokit") and not a.name.startswith("ppokit.report") for a in node.names), path.name
+
+
+def test_samples_of_multi_turn_episodes_show_their_turns_marked(tmp_path):
+    from ppokit.report.page import samples_section
+
+    turns = [{"role": "assistant", "text": "8"}, {"role": "user", "text": "higher <b>"}, {"role": "assistant", "text": "12"}]
+    samples = sample_rows()
+    samples[0] = {**samples[0], "completion": "8 higher <b> 12", "turns": turns}
+    html = samples_section(read_run(write_run(tmp_path / "run", healthy_records(), samples)), max_prompts=2)
+    assert "<b>assistant:</b> 8<br><b>user:</b> higher &lt;b&gt;<br><b>assistant:</b> 12" in html
+    assert "pretty good and fun number 1 ." in html  # single-turn rows as before

@@ -31,7 +31,7 @@ from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.episodes import Episodes, repeat_each
-from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, outcome_metrics, response_room, scoring_fields
+from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, outcome_metrics, response_room, sample_row, scoring_fields, transcripts
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -138,7 +138,7 @@ class PPOTrainer:
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
-        self._last_batch: tuple[list, list, list] = ([], [], [])  # prompts, completions, scores of the last update
+        self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
 
     # ------------------------------------------------------------------ set-up steps
 
@@ -256,8 +256,8 @@ class PPOTrainer:
         result = self.scorer.score(batch, update_statistics)
         device = self.accelerator.device
         return result.scores.to(device), {
-            "completions": completions, "valid": result.valid.to(device), "errors": result.errors,
-            "metrics": {**outcome_metrics(outcome), **self.scorer.metrics(result)},
+            "completions": completions, "turns": transcripts(outcome, len(completions)), "valid": result.valid.to(device), "errors": result.errors,
+            "metrics": {**outcome_metrics(outcome, self._sum_over_processes), **self.scorer.metrics(result)},
         }
 
     @torch.inference_mode()
@@ -395,7 +395,7 @@ class PPOTrainer:
             "time/training": t_train - t_forward,
             "time/update": elapsed,
         }
-        self._last_batch = (prompts, extras["completions"], _scores_or_none(episodes.scores, extras["valid"]))
+        self._last_batch = (prompts, extras["completions"], _scores_or_none(episodes.scores, extras["valid"]), extras["turns"])
         return record
 
     # ------------------------------------------------------------------ the run
@@ -589,13 +589,13 @@ class PPOTrainer:
             prompts, columns = self.eval_data.rows(range(n))
             episodes, outcome = self.generate(self.eval_query_ids[:n], prompts, columns, purpose="eval")
             scores, extras = self.score(episodes, outcome, prompts, columns, update_statistics=False)
-            completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
+            completions, scores, turns, split = extras["completions"], _scores_or_none(scores, extras["valid"]), extras["turns"], "eval"
         else:
-            prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)
+            prompts, completions, scores, turns = (x[: hp.num_eval_samples] for x in self._last_batch)
             split = "train"
         return [
-            {"update": self.state.update, "episode": self.state.episode, "split": split, "prompt": p, "completion": c, "score": s}
-            for p, c, s in zip(prompts, completions, scores)
+            sample_row({"update": self.state.update, "episode": self.state.episode, "split": split, "prompt": p, "completion": c, "score": s}, t)
+            for p, c, s, t in zip(prompts, completions, scores, turns)
         ]
 
     def save_checkpoint(self) -> Path:

@@ -9,7 +9,8 @@ or when its response region reaches `max_episode_tokens` (a model turn or an obs
 what is left is cut there, and the episode is marked truncated).
 
 The result is one `Episodes` for the batch, in the layout of a single-turn rollout: the prompt in
-query_ids, everything after it (model turns and observations) in the response region; loss_mask is
+query_ids (with chat data and a reset observation, without its generation prompt, which follows the
+observation: `ObservationFormat.first`), everything after it (model turns and observations) in the response region; loss_mask is
 True on the model's tokens only (observations are read, never trained on); score_index is the last
 model token. What the environment said (rewards per step and their sum, failures, metrics) comes
 back beside it in an `EpisodeOutcome`.
@@ -48,6 +49,8 @@ class ObservationFormat:
         stop_text = tokenizer.decode([stop_token_id]) if stop_token_id is not None else None
         self.end_of_turn = end_of_turn
         self.end_of_stopped_turn = end_of_turn[len(stop_text):] if stop_text and end_of_turn.startswith(stop_text) else end_of_turn
+        self.closed_prompt = self._render(self.turn[:1], False)
+        self.generation_prompt = self._render(self.turn[:1], True)[len(self.closed_prompt):]
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         extra = {"tools": self.tools} if self.tools else {}
@@ -67,6 +70,23 @@ class ObservationFormat:
     def ids(self, observation: str, messages: Optional[list[dict]] = None, turn_stopped: bool = True) -> list[int]:
         return self.tokenizer(self.text(observation, messages, turn_stopped), add_special_tokens=False)["input_ids"]
 
+    def first(self, prompt: list[int], observation: str, messages: Optional[list[dict]] = None) -> tuple[list[int], list[int]]:
+        """reset's observation after a prompt (token ids) -> (the prompt's ids, the ids appended after them).
+
+        Plain text: the prompt as it is, the observation's text after it. Chat data: the observation is the
+        next user (or tool) message of the prompt's conversation, so that prompt + observation is what the
+        template renders for [prompt's messages..., observation's messages] with the generation prompt:
+        the prompt's own generation prompt (its last tokens) moves after the observation."""
+        ids = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        if self.chat_template is None:
+            return prompt, ids(observation)
+        rendered = self._render(self.turn[:1] + (messages or [{"role": "user", "content": observation}]), True)
+        generation = ids(self.generation_prompt) if self.generation_prompt else []
+        if not rendered.startswith(self.closed_prompt) or prompt[len(prompt) - len(generation):] != generation:
+            raise ValueError("the chat template does not render a first observation after the prompt as a continuation "
+                             "(set data.chat_template=plain or another template)")
+        return prompt[: len(prompt) - len(generation)], ids(rendered[len(self.closed_prompt):])
+
 
 @dataclass
 class EpisodeOutcome:
@@ -81,6 +101,7 @@ class EpisodeOutcome:
     model_tokens: list[int]
     observation_tokens: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
+    transcripts: list[list[dict]] = field(default_factory=list)  # per episode its turns: {"role": assistant|user|tool, "text"}
 
 
 @dataclass
@@ -99,6 +120,7 @@ class _Episode:
     truncated: bool = False
     last_turn_stopped: bool = False
     error: Optional[str] = None
+    transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded, the environment's as it said them
 
     def add(self, ids: list[int], logprobs: Optional[list[float]]) -> None:
         self.ids += ids
@@ -132,30 +154,32 @@ class EpisodeLoop:
     def _room(self, episode: _Episode) -> float:
         return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - len(episode.ids)
 
-    def _observe(self, episode: _Episode, step, turn_stopped: bool) -> None:
-        """Append an observation, cut to the room left (the episode then ends, truncated)."""
+    def _observe(self, episode: _Episode, step, turn_stopped: bool, ids: Optional[list[int]] = None) -> None:
+        """Append an observation (its `ids` when given: reset's, `ObservationFormat.first`), cut to the room left
+        (the episode then ends, truncated)."""
         if step.observation is None:
             return
-        if episode.turns:
+        if ids is None:
             ids = self.observation.ids(step.observation, step.messages, turn_stopped)
-        else:  # reset's observation continues the prompt as text
-            ids = self.tokenizer(step.observation, add_special_tokens=False)["input_ids"]
         room = self._room(episode)
         if len(ids) >= room:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
         episode.add(ids, None)
+        episode.transcript += [{"role": m.get("role", "user"), "text": str(m.get("content", ""))} for m in step.messages] or \
+            [{"role": "user", "text": step.observation}]
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
         """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""
-        episodes = [_Episode() for _ in prompts]
+        episodes, prompts = [_Episode() for _ in prompts], list(prompts)
         texts = [str(row.get("prompt", "")) for row in rows]
-        for episode, started in zip(episodes, self.runner.start_many([dict(row) for row in rows], texts)):
+        for i, (episode, started) in enumerate(zip(episodes, self.runner.start_many([dict(row) for row in rows], texts))):
             if isinstance(started, BaseException):
                 episode.fail(str(started))
                 continue
             episode.environment = started
-            if started.first is not None:
-                self._observe(episode, started.first, turn_stopped=True)
+            if started.first is not None and started.first.observation is not None:
+                prompts[i], ids = self.observation.first(prompts[i], started.first.observation, started.first.messages)
+                self._observe(episode, started.first, turn_stopped=True, ids=ids)
         device = None
         while True:
             running = [e for e in episodes if e.running]
@@ -181,7 +205,9 @@ class EpisodeLoop:
         episode.add(ids, logprobs)
         episode.turns += 1
         episode.last_turn_stopped = bool(turn.ended[k]) and not episode.truncated
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        episode.transcript.append({"role": "assistant", "text": text})
+        return text
 
     def _answer(self, episode: _Episode, step) -> None:
         """The environment's answer to the episode's last turn: its reward, and the next observation or the end."""
@@ -249,7 +275,7 @@ class EpisodeLoop:
             rewards=torch.tensor([math.nan if e.error else e.reward for e in episodes], dtype=torch.float64),
             turn_rewards=turn_rewards.to(device), errors=[e.error for e in episodes], turns=[e.turns for e in episodes],
             done=[e.done for e in episodes], truncated=[e.truncated for e in episodes],
-            model_tokens=model_tokens, observation_tokens=observation_tokens,
+            model_tokens=model_tokens, observation_tokens=observation_tokens, transcripts=[e.transcript for e in episodes],
         )
         outcome.metrics = episode_metrics(outcome)
         return batch, outcome
@@ -323,8 +349,19 @@ def scoring_fields(outcome: Optional[EpisodeOutcome]) -> dict:
     return {"environment_rewards": outcome.rewards.tolist(), "environment_errors": list(outcome.errors)}
 
 
-def outcome_metrics(outcome: Optional[EpisodeOutcome]) -> dict[str, float]:
-    return {} if outcome is None else dict(outcome.metrics)
+def transcripts(outcome: Optional[EpisodeOutcome], rows: int) -> list[Optional[list[dict]]]:
+    """Each episode's turns (`EpisodeOutcome.transcripts`), the `turns` of its samples.jsonl row; None per row without an environment."""
+    return [None] * rows if outcome is None else list(outcome.transcripts)
+
+
+def sample_row(row: dict, turns: Optional[list[dict]]) -> dict:
+    """A samples.jsonl row with its episode's turns marked (`turns`), unchanged for a single-turn response."""
+    return row if turns is None else {**row, "turns": turns}
+
+
+def outcome_metrics(outcome: Optional[EpisodeOutcome], reduce_sum=None) -> dict[str, float]:
+    """The episodes' rollout/* and env/* metrics over every process's episodes (`episode_metrics`); {} without an environment."""
+    return {} if outcome is None else episode_metrics(outcome, reduce_sum)
 
 
 class EnvironmentReward:
@@ -345,13 +382,15 @@ class EnvironmentReward:
         return torch.tensor(batch.environment_rewards, dtype=torch.float32)
 
 
-def episode_metrics(outcome: EpisodeOutcome) -> dict[str, float]:
-    """Means per episode over one batch (this process's episodes)."""
-    n = max(1, len(outcome.turns))
-    return {
-        "rollout/turns": sum(outcome.turns) / n,
-        "rollout/model_tokens": sum(outcome.model_tokens) / n,
-        "rollout/observation_tokens": sum(outcome.observation_tokens) / n,
-        "rollout/truncated": sum(outcome.truncated) / n,
-        "env/done_rate": sum(outcome.done) / n,
-    }
+EPISODE_METRICS = ("rollout/turns", "rollout/model_tokens", "rollout/observation_tokens", "rollout/truncated", "env/done_rate")
+
+
+def episode_metrics(outcome: EpisodeOutcome, reduce_sum=None) -> dict[str, float]:
+    """Means per episode over one batch: this process's episodes, or with `reduce_sum` (a sum over processes,
+    `metric_values.ReduceSum`) every process's, the sums and the count added in one reduction before dividing."""
+    columns = (outcome.turns, outcome.model_tokens, outcome.observation_tokens, outcome.truncated, outcome.done)
+    sums = torch.tensor([float(sum(c)) for c in columns] + [float(len(outcome.turns))], dtype=torch.float64)
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    *totals, n = sums.tolist()
+    return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}

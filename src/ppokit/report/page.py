@@ -126,15 +126,23 @@ def samples_section(run: RunData, max_prompts: int) -> str:
             rows = [(u, g[k]) for u, g in generations.items() if k < len(g)]
             if not rows:
                 break
-            body = "".join(f"<tr><td class=num>{u}</td><td class=num>{_num(r.get('score'))}</td><td>{e(r['completion'])}</td></tr>" for u, r in rows)
+            body = "".join(f"<tr><td class=num>{u}</td><td class=num>{_num(r.get('score'))}</td><td>{_completion(r)}</td></tr>" for u, r in rows)
             parts.append(f"<h3>prompt: {e(rows[0][1].get('prompt', ''))}</h3><table><tr><th>update</th><th>score</th><th>completion</th></tr>{body}</table>")
         return "\n".join(parts)
     parts = ["<p class=note>These samples come from the training batch at each generation (the run had no eval data), "
              "so the prompts differ from one generation to the next.</p>"]
     for u, rows in generations.items():
-        body = "".join(f"<tr><td>{e(r.get('prompt', ''))}</td><td class=num>{_num(r.get('score'))}</td><td>{e(r['completion'])}</td></tr>" for r in rows[:max_prompts])
+        body = "".join(f"<tr><td>{e(r.get('prompt', ''))}</td><td class=num>{_num(r.get('score'))}</td><td>{_completion(r)}</td></tr>" for r in rows[:max_prompts])
         parts.append(f"<h3>update {u}</h3><table><tr><th>prompt</th><th>score</th><th>completion</th></tr>{body}</table>")
     return "\n".join(parts)
+
+
+def _completion(row: dict) -> str:
+    """A sample's completion as HTML: a multi-turn episode's turns (`turns`) one per line, each marked with its role."""
+    turns = row.get("turns")
+    if not isinstance(turns, list) or not turns:
+        return e(row["completion"])
+    return "<br>".join(f"<b>{e(str(t.get('role', '?')))}:</b> {e(str(t.get('text', '')))}" for t in turns if isinstance(t, dict))
 
 
 def thresholds_table(thresholds: AlarmThresholds) -> str:
