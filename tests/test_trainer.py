@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import algo
+from ppokit import algo, experience
 from ppokit.trainer import PPOTrainer
 
 
@@ -59,8 +59,10 @@ def test_first_update_ratio_is_one_with_dropout_in_the_checkpoint(arch, model_di
 
 def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, temperature=0.5)
-    rollout = trainer.generate(trainer.train_query_ids[:4])
-    ref_logprobs, values, _ = trainer.reference_and_values(rollout)
+    rollout, _ = trainer.generate(trainer.train_query_ids[:4], *trainer.train_data.rows(range(4)))
+    ref_logprobs, values, _ = experience.reference_and_values(
+        rollout, trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model, rows=trainer.config.ppo.local_rollout_forward_batch_size,
+        packed=False, temperature=trainer.config.ppo.temperature, chunk_size=trainer.config.lm_head_chunk_size)
     # The reference starts equal to the policy, so with logits / T everywhere the KL is exactly 0.
     assert torch.allclose(ref_logprobs, rollout.logprobs, atol=1e-5)
     assert torch.all(values == 0)  # fresh value head starts at zero
