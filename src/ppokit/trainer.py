@@ -1,14 +1,16 @@
 """PPOTrainer: one update is a sequence of numbered stages, readable top to bottom in `step`.
 
-    1. generate   sample n responses for each prompt of the batch (KV cache, stop token)
+    1. generate   sample n responses for each prompt of the batch (the rollout engine, or episodes over an environment)
     2. score      reward sources on prompt + completion text (and token ids); the greedy baseline an estimator asks for
-    3. forward    reference logprobs and (with a critic) values for every response token
+    3. forward    reference logprobs and (with a critic) values for every trained token
     4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at each episode's score position
     5. advantages ppo.advantage_estimator's function (ppokit.estimators: gae, grpo, rloo, reinforce_pp, remax)
-    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches
+    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches (ppokit.optimise)
     7. log        metrics.jsonl, console, samples.jsonl
     8. save       checkpoint every save_steps, final model at the end
-"""
+
+Stages 2-5 are functions of their explicit inputs in ppokit.experience; the trainer holds what they read
+(models, scorer, settings) and hands it to them."""
 
 from __future__ import annotations
 
@@ -253,10 +255,15 @@ class PPOTrainer:
         training prompt `indices`, repeated for its n samples -> (scores (B,), valid (B,) bool). Scored without
         moving the reward normalisation."""
         n = self.sizes.samples_per_prompt
-        prompts, columns = self.train_data.rows(indices)
-        greedy, outcome = self.generate([self.train_query_ids[i] for i in indices], prompts, columns, purpose="greedy")
-        scores, extras = self.score(greedy, outcome, prompts, columns, update_statistics=False)
+        _, scores, extras = self._sample_and_score(self.train_data, self.train_query_ids, indices, "greedy")
         return scores.repeat_interleave(n), extras["valid"].repeat_interleave(n)
+
+    def _sample_and_score(self, data, query_ids: list[list[int]], rows, purpose: str) -> tuple[Episodes, torch.Tensor, dict]:
+        """Episodes for prompts `rows` of `data` sampled for `purpose`, and their scores and extras (`score`), scored
+        without moving the reward normalisation."""
+        prompts, columns = data.rows(rows)
+        episodes, outcome = self.generate([query_ids[i] for i in rows], prompts, columns, purpose=purpose)
+        return episodes, *self.score(episodes, outcome, prompts, columns, update_statistics=False)
 
     def step(self) -> dict[str, Any]:
         """Run one PPO update and return its metrics."""
@@ -500,10 +507,8 @@ class PPOTrainer:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.config.seed if seed is None else seed)
             for start in range(0, n, chunk):
-                rows = range(start, min(n, start + chunk))
-                prompts, columns = self.eval_data.rows(rows)
-                episodes, outcome = self.generate([self.eval_query_ids[i] for i in rows], prompts, columns, purpose="eval")
-                batch_scores, extras = self.score(episodes, outcome, prompts, columns, update_statistics=False)
+                episodes, batch_scores, extras = self._sample_and_score(self.eval_data, self.eval_query_ids,
+                                                                        range(start, min(n, start + chunk)), "eval")
                 valid = extras["valid"]
                 scores += batch_scores[valid].tolist()
                 lengths += episodes.loss_mask.sum(1)[valid].tolist()
@@ -524,9 +529,8 @@ class PPOTrainer:
         hp = self.config.ppo
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
-            prompts, columns = self.eval_data.rows(range(n))
-            episodes, outcome = self.generate(self.eval_query_ids[:n], prompts, columns, purpose="eval")
-            scores, extras = self.score(episodes, outcome, prompts, columns, update_statistics=False)
+            prompts = self.eval_data.prompts[:n]
+            _, scores, extras = self._sample_and_score(self.eval_data, self.eval_query_ids, range(n), "eval")
             completions, scores, split = extras["completions"], _scores_or_none(scores, extras["valid"]), "eval"
         else:
             prompts, completions, scores = (x[: hp.num_eval_samples] for x in self._last_batch)
@@ -564,24 +568,10 @@ class PPOTrainer:
         """Policy, tokenizer and value model as loadable folders (with `card`, their README.md); `merged`: also
         final/merged/ if configured. Every process calls this; the main one writes the strategy's whole copy of the models."""
         with self.strategy.consolidated(self.model) as whole, no_progress_bars():
-
-            def write(tmp: Path) -> None:
-                merged_dir = tmp / "merged" if merged and self.config.save_merged else None
-                roles.save_policy(whole.policy, tmp, merged_dir)
-                self.tokenizer.save_pretrained(tmp)
-                if merged_dir is not None:
-                    self.tokenizer.save_pretrained(merged_dir)
-                if card is not None:
-                    card.write(tmp)
-                    if merged_dir is not None:
-                        card.merged().write(merged_dir)
-                if whole.value_model is None:  # a critic-free estimator
-                    return
-                roles.save_value_model(whole.value_model, tmp / "value_model")
-                self.tokenizer.save_pretrained(tmp / "value_model")
-
             if whole is not None:
-                run_dir.atomic_save_dir(target, write, kind, replace_unmarked)
+                merged = merged and self.config.save_merged
+                run_dir.atomic_save_dir(target, lambda folder: roles.write_models(folder, whole, self.tokenizer, merged, card), kind,
+                                        replace_unmarked)
 
 
 def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPOConfig:
