@@ -47,7 +47,7 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metric_sinks import open_sinks
-from ppokit.metric_values import objective_metrics
+from ppokit.metric_values import eval_metrics, objective_metrics
 from ppokit.models import (
     check_output_head, ensure_pad_token, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token,
 )
@@ -437,11 +437,7 @@ class PPOTrainer:
         except NonFiniteUpdate as bad:
             snapshot.restore(scheduler_steps=hp.num_ppo_epochs * hp.num_mini_batches)
             self.model.train()
-            state.update += 1
-            state.episode += self.sizes.batch
-            state.skipped_updates += 1
-            state.skipped_in_a_row += 1
-            state.last_nonfinite = str(bad)
+            state.count_skipped(str(bad), self.sizes.batch)
             if self.show_progress:
                 print(f"update {state.update}: skipped{' and rolled back' if hp.rollback != 'off' else ''}, {bad}", file=sys.stderr)
             return {
@@ -515,12 +511,7 @@ class PPOTrainer:
                 ended += episodes.ended[valid].tolist()
         if not scores:
             raise UserError(f"evaluate: no reward source could score any of the {n} eval completions")
-        return {
-            "eval/scores": sum(scores) / len(scores),
-            "eval/response_length": sum(lengths) / len(lengths),
-            "eval/ended": sum(ended) / len(ended),
-            "eval/num_scored": len(scores),
-        }
+        return eval_metrics(scores, lengths, ended)
 
     @torch.inference_mode()
     def sample_completions(self) -> list[dict]:
