@@ -43,6 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from ppokit import experience  # noqa: E402
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig  # noqa: E402
 from ppokit.trainer import PPOTrainer  # noqa: E402
 
@@ -118,12 +119,12 @@ class PhaseRSS:
     """Peak resident memory (MB) while each stage of the trainer runs, sampled every 10 ms from /proc (Linux).
     RSS includes what every earlier stage left allocated: weights, gradients, AdamW state, the rollback copy."""
 
-    STAGES = {"generate": "sampling", "reference_and_values": "forward", "optimise": "training"}
-
     def __init__(self, trainer):
         self.stage, self.peaks = "setup", {"setup": self._rss()}
-        for method, stage in self.STAGES.items():
-            setattr(trainer, method, self._tagged(getattr(trainer, method), stage))
+        # stage 3 is a function of ppokit.experience, which the trainer looks up there at every update
+        for owner, name, stage in ((trainer, "generate", "sampling"), (experience, "reference_and_values", "forward"),
+                                   (trainer, "optimise", "training")):
+            setattr(owner, name, self._tagged(getattr(owner, name), stage))
         threading.Thread(target=self._sample, daemon=True).start()
 
     @staticmethod

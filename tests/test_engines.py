@@ -143,6 +143,7 @@ def _with_engine(trainer, offset):
         lambda: trainer.policy, trainer.pad_id, trainer.accelerator.device, trainer.config.ppo.local_rollout_forward_batch_size,
         lambda p: (trainer.strategy.generation(p), trainer.accelerator.autocast()), offset=offset,
     )
+    trainer.episode_source.engine = trainer.rollout_engine  # single-turn episodes are the engine's own (episode_loop.SingleTurn)
     return trainer
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import algo
+from ppokit import algo, experience
 
 from ppokit.config import LoraConfig, PPOConfig
 from ppokit.errors import UserError
@@ -105,7 +105,8 @@ def test_reference_is_the_base_model_and_the_policy_is_not(model_dir, prompts_fi
     response_ids, response_mask = ids[:, -2:], mask[:, -2:].bool()
     with torch.no_grad():
         expected = response_logits(base, ids, mask, 2)
-        reference = trainer.reference_logprobs(ids, mask, response_ids, response_mask)
+        reference = experience.reference_logprobs(trainer.policy, trainer.ref_model, ids, mask, response_ids, response_mask,
+                                                  temperature=trainer.config.ppo.temperature, chunk_size=trainer.config.lm_head_chunk_size)
         policy = response_logits(trainer.policy, ids, mask, 2)
     torch.testing.assert_close(reference, algo.logprobs_from_logits(expected, response_ids, trainer.config.ppo.temperature), rtol=0, atol=1e-5)
     assert (policy - expected).abs().max() > 1e-3  # the adapter did train, and is on outside the reference

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_ppo_config, with_speed_switches
 
-from ppokit import batching, optimise
+from ppokit import batching, experience, optimise
 from ppokit.errors import UserError
 from ppokit.trainer import PPOTrainer
 
@@ -160,5 +160,8 @@ def test_the_compiled_backbones_run_in_training_only(sft_model_dir, prompts_file
     assert trained["policy"] >= 1 and trained["value"] >= 1
     calls.update(policy=0, value=0)
     with torch.no_grad():
-        trainer.reference_and_values(rollout)
+        hp = trainer.config.ppo
+        experience.reference_and_values(rollout, model, trainer.ref_model, rows=hp.local_rollout_forward_batch_size,
+                                        packed=hp.max_tokens_per_micro_batch is not None, temperature=hp.temperature,
+                                        chunk_size=trainer.config.lm_head_chunk_size)
     assert calls == {"policy": 0, "value": 0}

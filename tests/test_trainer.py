@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import algo
+from ppokit import algo, experience
 from ppokit.trainer import PPOTrainer
 
 
@@ -35,7 +35,8 @@ def test_ratio_is_one_on_first_minibatch(arch, dropout, sampling, model_dir, pro
     construction: zeroing the config alone left a first-minibatch ratio of 0.64..1.36), and with
     top-k / top-p / min-p sampling (the logprobs are the full softmax's, not the truncated distribution's)."""
     trainer = _trainer_with_dropout(model_dir, prompts_file, tmp_path, arch, dropout, temperature=0.7, response_length=12, **sampling)
-    rollout = trainer.generate([trainer.train_query_ids[i] for i in trainer.batch_indices(0)])
+    indices = trainer.batch_indices(0)
+    rollout, _ = trainer.generate([trainer.train_query_ids[i] for i in indices], *trainer.train_data.rows(indices))
     assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
     mb = rollout.select(torch.arange(4))
     assert trainer.model.training  # the training forward, in train mode as optimise() runs it
@@ -59,8 +60,10 @@ def test_first_update_ratio_is_one_with_dropout_in_the_checkpoint(arch, model_di
 
 def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, temperature=0.5)
-    rollout = trainer.generate(trainer.train_query_ids[:4])
-    ref_logprobs, values, _ = trainer.reference_and_values(rollout)
+    rollout, _ = trainer.generate(trainer.train_query_ids[:4], *trainer.train_data.rows(range(4)))
+    ref_logprobs, values, _ = experience.reference_and_values(
+        rollout, trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model, rows=trainer.config.ppo.local_rollout_forward_batch_size,
+        packed=False, temperature=trainer.config.ppo.temperature, chunk_size=trainer.config.lm_head_chunk_size)
     # The reference starts equal to the policy, so with logits / T everywhere the KL is exactly 0.
     assert torch.allclose(ref_logprobs, rollout.logprobs, atol=1e-5)
     assert torch.all(values == 0)  # fresh value head starts at zero
@@ -69,7 +72,7 @@ def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, t
 def test_truncation_after_stop_and_early_stop(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=40)
     eos = trainer.tokenizer.eos_token_id
-    rollout = trainer.generate(trainer.train_query_ids[:8])
+    rollout, _ = trainer.generate(trainer.train_query_ids[:8], *trainer.train_data.rows(range(8)))
     for ids, mask, ended in zip(rollout.response_ids, rollout.loss_mask, rollout.ended):
         real = ids[mask].tolist()
         if ended:
@@ -138,8 +141,8 @@ def test_metrics_and_samples_contents(model_dir, prompts_file, tmp_path):
 def test_missing_eos_penalty_lowers_unfinished_scores(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=2, missing_eos_penalty=3.0)
     prompts, columns = trainer.train_data.rows(range(8))
-    rollout = trainer.generate(trainer.train_query_ids[:8])
-    scores, extras = trainer.score(rollout, prompts, columns)
+    rollout, outcome = trainer.generate(trainer.train_query_ids[:8], prompts, columns)
+    scores, extras = trainer.score(rollout, outcome, prompts, columns)
     from ppokit.rewards import sentiment
 
     raw = torch.tensor(sentiment(prompts, extras["completions"]))

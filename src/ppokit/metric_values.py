@@ -93,3 +93,15 @@ def training_metrics(stats: dict[str, list[torch.Tensor]], has_tokens: list[torc
     mean = {k: t / max(count, 1) for k, t in zip(names, totals)}
     ratio_var = max(ratio_sq - count * mean["ratio"] ** 2, 0.0) / (count - 1) if count > 1 else 0.0
     return {**{TRAINING_METRICS.get(k, f"train/{k}"): v for k, v in mean.items()}, "val/ratio_var": ratio_var}
+
+
+def eval_metrics(scores: list[float], lengths: list[int], ended: list[bool]) -> dict[str, float]:
+    """`PPOTrainer.evaluate`'s metrics over the scored eval episodes (one entry of each list per episode; at least
+    one): eval/scores, eval/response_length (trained tokens), eval/ended (share that produced the stop token),
+    eval/num_scored."""
+    return {
+        "eval/scores": sum(scores) / len(scores),
+        "eval/response_length": sum(lengths) / len(lengths),
+        "eval/ended": sum(ended) / len(ended),
+        "eval/num_scored": len(scores),
+    }

@@ -1,11 +1,14 @@
 """The prompts of a PPO run: `PromptDataset` (prompt texts or chats, and the other columns for reward
-functions), the training and eval datasets from the config or the caller, and their token ids."""
+functions), the training and eval datasets from the config or the caller, their token ids, and which
+prompts each update takes (`batch_indices`)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import torch
 
 from ppokit.chat import Messages, Renderer, Text
 from ppokit.config import DataConfig
@@ -179,3 +182,16 @@ def prompt_room(limit: PositionLimit, response_length: int, max_prompt_length: O
         return f"set ppo.response_length below {limit.tokens}"
     now = "null" if max_prompt_length is None else max_prompt_length
     return f"set data.max_prompt_length to at most {limit.tokens - response_length} (it is {now})"
+
+
+def batch_indices(update: int, num_prompts: int, prompts_per_update: int, seed: int, rank: int = 0, world: int = 1) -> list[int]:
+    """Prompt indices of update `update` (0-based) on process `rank` of `world`: a shuffle seeded with seed + pass
+    per pass over the `num_prompts` prompts, `prompts_per_update` of them per update (a batch may span two passes).
+    Each process takes whole prompts and samples all n responses of each (docs/algorithms.md). The order depends on
+    (seed, update) alone, so the update counter is the data position on resume."""
+    start, indices = update * prompts_per_update, []
+    while len(indices) < prompts_per_update:
+        epoch, offset = divmod(start + len(indices), num_prompts)
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        indices.extend(order[offset : offset + prompts_per_update - len(indices)])
+    return indices[rank::world]

@@ -516,6 +516,25 @@ def save_value_model(value_model: nn.Module, directory: Path) -> None:
     value_model.save_pretrained(directory)
 
 
+def write_models(folder: Path, whole, tokenizer, merged: bool = False, card=None) -> None:
+    """What a saved run's model folder holds: the policy (`save_policy`) and its tokenizer in `folder`, with
+    `merged` the merged LoRA policy in folder/merged/; `card` (a `model_card.ModelCard`, or None) as the README.md
+    of each; the value model, if there is one (`whole.value_model`), with the tokenizer in folder/value_model/."""
+    merged_dir = folder / "merged" if merged else None
+    save_policy(whole.policy, folder, merged_dir)
+    tokenizer.save_pretrained(folder)
+    if merged_dir is not None:
+        tokenizer.save_pretrained(merged_dir)
+    if card is not None:
+        card.write(folder)
+        if merged_dir is not None:
+            card.merged().write(merged_dir)
+    if whole.value_model is None:  # a critic-free estimator
+        return
+    save_value_model(whole.value_model, folder / "value_model")
+    tokenizer.save_pretrained(folder / "value_model")
+
+
 def merge_adapter(base: str, adapter: str, output: str) -> None:
     """Merge a saved policy adapter (e.g. final/) into its full-precision base and save it plainly.
 

@@ -23,6 +23,15 @@ class TrainingState:
     records: list[dict] = field(default_factory=list)  # metric records of updates 1..update
     last_nonfinite: Optional[str] = None  # what the last skipped update found, e.g. "non-finite loss: nan at ..."
 
+    def count_skipped(self, reason: str, episodes: int) -> None:
+        """An update rolled back and skipped (`reason`: what it found): the data position and the episode count move
+        on past its batch of `episodes`, as after a trained one."""
+        self.update += 1
+        self.episode += episodes
+        self.skipped_updates += 1
+        self.skipped_in_a_row += 1
+        self.last_nonfinite = reason
+
     def data_position(self, num_prompts: int, batch: int) -> dict:
         """The pass over the prompts and the offset in it where the next update starts."""
         done = self.update * batch

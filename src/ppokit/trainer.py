@@ -1,14 +1,16 @@
 """PPOTrainer: one update is a sequence of numbered stages, readable top to bottom in `step`.
 
-    1. generate   sample n responses for each prompt of the batch (KV cache, stop token)
+    1. generate   sample n responses for each prompt of the batch (the rollout engine, or episodes over an environment)
     2. score      reward sources on prompt + completion text (and token ids); the greedy baseline an estimator asks for
-    3. forward    reference logprobs and (with a critic) values for every response token
+    3. forward    reference logprobs and (with a critic) values for every trained token
     4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at each episode's score position
     5. advantages ppo.advantage_estimator's function (ppokit.estimators: gae, grpo, rloo, reinforce_pp, remax)
-    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches
+    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches (ppokit.optimise)
     7. log        metrics.jsonl, console, samples.jsonl
     8. save       checkpoint every save_steps, final model at the end
-"""
+
+Stages 2-5 are functions of their explicit inputs in ppokit.experience; the trainer holds what they read
+(models, scorer, settings) and hands it to them."""
 
 from __future__ import annotations
 
@@ -26,12 +28,12 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, engines, launcher, model_card, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, engines, experience, launcher, model_card, parallel, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.episodes import Episodes, repeat_each
-from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, outcome_metrics, response_room, sample_row, scoring_fields, transcripts
+from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, response_room, sample_row
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -45,13 +47,13 @@ from ppokit.guards import (
     check_some_scored,
 )
 from ppokit.metric_sinks import open_sinks
-from ppokit.metric_values import objective_metrics
+from ppokit.metric_values import eval_metrics, objective_metrics
 from ppokit.models import (
-    check_output_head, ensure_pad_token, eval_mode, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token, response_logprobs,
+    check_output_head, ensure_pad_token, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token,
 )
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
-from ppokit.prompts import check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
-from ppokit.rewards import ScoringBatch, build_scorer, completion_token_ids, source_label
+from ppokit.prompts import batch_indices, check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
+from ppokit.rewards import build_scorer, source_label
 from ppokit.state import TrainingState
 
 
@@ -210,17 +212,9 @@ class PPOTrainer:
     # ------------------------------------------------------------------ data order
 
     def batch_indices(self, update: int) -> list[int]:
-        """Prompt indices of update `update` (0-based) on this process: a seeded shuffle per pass over the data.
-        Each process takes whole prompts and samples all n responses of each (docs/algorithms.md)."""
-        n, batch = len(self.train_data), self.sizes.prompts_per_update
-        start = update * batch
-        indices = []
-        while len(indices) < batch:
-            epoch, offset = divmod(start + len(indices), n)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch)).tolist()
-            indices.extend(order[offset : offset + batch - len(indices)])
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        return indices[rank::world]
+        """Prompt indices of update `update` (0-based) on this process (`prompts.batch_indices`)."""
+        return batch_indices(update, len(self.train_data), self.sizes.prompts_per_update, self.config.seed,
+                             self.accelerator.process_index, self.accelerator.num_processes)
 
     # ------------------------------------------------------------------ one update
 
@@ -240,59 +234,9 @@ class PPOTrainer:
         return self.episode_source.sample(query_ids, data_rows(prompts, columns), sampling)
 
     def score(self, episodes: Episodes, outcome, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
-        """-> (scores (B,), {completions, valid (B,) bool: False where a source failed under
-        reward.on_error=skip, errors: the first message of each failed source, metrics}).
-        Evaluation passes update_statistics=False so it does not move the reward normalisation. The completion
-        is everything after the prompt (with an environment: every turn and observation); `outcome` the environment's."""
-        completions = self.tokenizer.batch_decode(
-            episodes.response_ids.masked_fill(~episodes.attention_mask[:, episodes.query_ids.shape[1]:], self.tokenizer.pad_token_id),
-            skip_special_tokens=True,
-        )
-        batch = ScoringBatch(
-            prompts, completions, columns, episodes.input_ids, episodes.attention_mask.long(), self.tokenizer,
-            completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, self.stop_token_id),
-            ended=episodes.ended.cpu() if self.stop_token_id is not None else None, **scoring_fields(outcome),
-        )
-        result = self.scorer.score(batch, update_statistics)
-        device = self.accelerator.device
-        return result.scores.to(device), {
-            "completions": completions, "turns": transcripts(outcome, len(completions)), "valid": result.valid.to(device), "errors": result.errors,
-            "metrics": {**outcome_metrics(outcome, self._sum_over_processes), **self.scorer.metrics(result)},
-        }
-
-    @torch.inference_mode()
-    def reference_and_values(self, episodes: Episodes) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Reference logprobs, values (None without a critic) and the policy's own logprobs (None where the rollout engine's
-        are the trainer's) for every trained token (0 elsewhere), in chunks of local_rollout_forward_batch_size rows (with
-        ppo.max_tokens_per_micro_batch: that many rows of the batch's width in tokens, rows of similar length together, packed)."""
-        hp, rows = self.config.ppo, self.config.ppo.local_rollout_forward_batch_size
-        budget = batching.forward_budget(episodes, rows) if hp.max_tokens_per_micro_batch is not None else None
-        both = self.accelerator.unwrap_model(self.model)
-        ref_logprobs, values, logprobs = [], [], []
-        with both.critic_in_eval_mode(), eval_mode(self.policy):
-            for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget):
-                inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask)
-                ref_logprobs.append((index, self.reference_logprobs(*inputs), mb.trained_mask))
-                if not self.rollout_engine.logprobs_are_trainers:  # the PPO ratio's and the KL's old logprobs: the training forward's
-                    logprobs.append((index, self._logprobs(self.policy, *inputs), mb.trained_mask))
-                with self.accelerator.autocast():
-                    chunk_values = both.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
-                if chunk_values is not None:
-                    values.append((index, chunk_values, mb.trained_mask))
-        return tuple(batching.restore_tokens(pieces, episodes.trained_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs))
-
-    def reference_logprobs(self, input_ids, attention_mask, response_ids, trained_mask) -> torch.Tensor:
-        """(B, P + R), (B, R) -> (B, R) logprobs under the reference: its own model, or the LoRA policy's base with adapters off."""
-        if self.ref_model is not None:
-            return self._logprobs(self.ref_model, input_ids, attention_mask, response_ids, trained_mask)
-        with roles.adapters_disabled(self.policy):
-            return self._logprobs(self.policy, input_ids, attention_mask, response_ids, trained_mask)
-
-    def _logprobs(self, model: nn.Module, input_ids, attention_mask, response_ids, trained_mask) -> torch.Tensor:
-        """(B, R) logprobs of the response tokens under `model`, through `models.response_logprobs` as the training forward."""
-        with self.accelerator.autocast():
-            return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, self.config.ppo.temperature,
-                                     chunk_size=self.config.lm_head_chunk_size)[0]
+        """-> (scores (B,), {completions, turns, valid, errors, metrics}) by this run's reward sources (`experience.score`)."""
+        return experience.score(self.scorer, self.tokenizer, episodes, outcome, prompts, columns, stop_token_id=self.stop_token_id,
+                                device=self.accelerator.device, update_statistics=update_statistics, all_reduce=self._sum_over_processes)
 
     def optimise(self, episodes: Episodes) -> dict[str, float]:
         """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
@@ -313,10 +257,15 @@ class PPOTrainer:
         training prompt `indices`, repeated for its n samples -> (scores (B,), valid (B,) bool). Scored without
         moving the reward normalisation."""
         n = self.sizes.samples_per_prompt
-        prompts, columns = self.train_data.rows(indices)
-        greedy, outcome = self.generate([self.train_query_ids[i] for i in indices], prompts, columns, purpose="greedy")
-        scores, extras = self.score(greedy, outcome, prompts, columns, update_statistics=False)
+        _, scores, extras = self._sample_and_score(self.train_data, self.train_query_ids, indices, "greedy")
         return scores.repeat_interleave(n), extras["valid"].repeat_interleave(n)
+
+    def _sample_and_score(self, data, query_ids: list[list[int]], rows, purpose: str) -> tuple[Episodes, torch.Tensor, dict]:
+        """Episodes for prompts `rows` of `data` sampled for `purpose`, and their scores and extras (`score`), scored
+        without moving the reward normalisation."""
+        prompts, columns = data.rows(rows)
+        episodes, outcome = self.generate([query_ids[i] for i in rows], prompts, columns, purpose=purpose)
+        return episodes, *self.score(episodes, outcome, prompts, columns, update_statistics=False)
 
     def step(self) -> dict[str, Any]:
         """Run one PPO update and return its metrics."""
@@ -348,25 +297,23 @@ class PPOTrainer:
         t_score = time.perf_counter()
 
         # 3. forward: reference logprobs and values (and the policy's own logprobs, where the engine's are not the trainer's)
-        episodes.ref_logprobs, episodes.values, trainer_logprobs = self.reference_and_values(episodes)
+        episodes.ref_logprobs, episodes.values, trainer_logprobs = experience.reference_and_values(
+            episodes, self.accelerator.unwrap_model(self.model), self.ref_model, rows=hp.local_rollout_forward_batch_size,
+            packed=hp.max_tokens_per_micro_batch is not None, temperature=hp.temperature, chunk_size=self.config.lm_head_chunk_size,
+            autocast=self.accelerator.autocast, policy_logprobs=not self.rollout_engine.logprobs_are_trainers)
         mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes)
         t_forward = time.perf_counter()
 
         # 4. reward: per-token KL penalty (when it is in the reward), the score at each episode's score position
-        mask = episodes.trained_mask
-        kl = algo.kl_per_token(episodes.logprobs, episodes.ref_logprobs, hp.kl_estimator, hp.kl_clamp) * mask
         kl_coef = self.kl_controller.value if hp.kl_in_reward else 0.0
-        episodes.rewards, non_score = algo.shape_rewards(episodes.scores, kl, mask, kl_coef, episodes.score_index)
-        episodes.rewards = self.episode_source.place_rewards(episodes.rewards, outcome, episodes.score_index)  # rollout.turn_rewards
-        if hp.whiten_rewards:
-            episodes.rewards = algo.masked_whiten(episodes.rewards, mask, shift_mean=False)
+        episodes.rewards, kl, non_score = experience.rewards(
+            episodes, outcome, kl_estimator=hp.kl_estimator, kl_clamp=hp.kl_clamp, kl_coef=kl_coef, whiten=hp.whiten_rewards,
+            place_rewards=self.episode_source.place_rewards)  # rollout.turn_rewards
 
         # 5. advantages
-        episodes.advantages, episodes.returns = estimator.advantages(
-            episodes.rewards, mask, values=episodes.values, gamma=hp.gamma, lam=hp.lam,
-            whiten=hp.whiten_advantages, group_size=n, grpo_scale_std=hp.grpo_scale_std,
-            baseline_scores=episodes.baseline_scores, all_reduce=self._sum_over_processes,
-        )
+        episodes.advantages, episodes.returns = experience.advantages(
+            estimator, episodes, gamma=hp.gamma, lam=hp.lam, whiten=hp.whiten_advantages, group_size=n,
+            grpo_scale_std=hp.grpo_scale_std, all_reduce=self._sum_over_processes)
 
         # 6. optimise
         lrs = self.scheduler.get_last_lr()
@@ -492,11 +439,7 @@ class PPOTrainer:
         except NonFiniteUpdate as bad:
             snapshot.restore(scheduler_steps=hp.num_ppo_epochs * hp.num_mini_batches)
             self.model.train()
-            state.update += 1
-            state.episode += self.sizes.batch
-            state.skipped_updates += 1
-            state.skipped_in_a_row += 1
-            state.last_nonfinite = str(bad)
+            state.count_skipped(str(bad), self.sizes.batch)
             if self.show_progress:
                 print(f"update {state.update}: skipped{' and rolled back' if hp.rollback != 'off' else ''}, {bad}", file=sys.stderr)
             return {
@@ -562,22 +505,15 @@ class PPOTrainer:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.config.seed if seed is None else seed)
             for start in range(0, n, chunk):
-                rows = range(start, min(n, start + chunk))
-                prompts, columns = self.eval_data.rows(rows)
-                episodes, outcome = self.generate([self.eval_query_ids[i] for i in rows], prompts, columns, purpose="eval")
-                batch_scores, extras = self.score(episodes, outcome, prompts, columns, update_statistics=False)
+                episodes, batch_scores, extras = self._sample_and_score(self.eval_data, self.eval_query_ids,
+                                                                        range(start, min(n, start + chunk)), "eval")
                 valid = extras["valid"]
                 scores += batch_scores[valid].tolist()
                 lengths += episodes.loss_mask.sum(1)[valid].tolist()
                 ended += episodes.ended[valid].tolist()
         if not scores:
             raise UserError(f"evaluate: no reward source could score any of the {n} eval completions")
-        return {
-            "eval/scores": sum(scores) / len(scores),
-            "eval/response_length": sum(lengths) / len(lengths),
-            "eval/ended": sum(ended) / len(ended),
-            "eval/num_scored": len(scores),
-        }
+        return eval_metrics(scores, lengths, ended)
 
     @torch.inference_mode()
     def sample_completions(self) -> list[dict]:
@@ -586,9 +522,8 @@ class PPOTrainer:
         hp = self.config.ppo
         if self.eval_data is not None:
             n = min(hp.num_eval_samples, len(self.eval_data))
-            prompts, columns = self.eval_data.rows(range(n))
-            episodes, outcome = self.generate(self.eval_query_ids[:n], prompts, columns, purpose="eval")
-            scores, extras = self.score(episodes, outcome, prompts, columns, update_statistics=False)
+            prompts = self.eval_data.prompts[:n]
+            _, scores, extras = self._sample_and_score(self.eval_data, self.eval_query_ids, range(n), "eval")
             completions, scores, turns, split = extras["completions"], _scores_or_none(scores, extras["valid"]), extras["turns"], "eval"
         else:
             prompts, completions, scores, turns = (x[: hp.num_eval_samples] for x in self._last_batch)
@@ -626,24 +561,10 @@ class PPOTrainer:
         """Policy, tokenizer and value model as loadable folders (with `card`, their README.md); `merged`: also
         final/merged/ if configured. Every process calls this; the main one writes the strategy's whole copy of the models."""
         with self.strategy.consolidated(self.model) as whole, no_progress_bars():
-
-            def write(tmp: Path) -> None:
-                merged_dir = tmp / "merged" if merged and self.config.save_merged else None
-                roles.save_policy(whole.policy, tmp, merged_dir)
-                self.tokenizer.save_pretrained(tmp)
-                if merged_dir is not None:
-                    self.tokenizer.save_pretrained(merged_dir)
-                if card is not None:
-                    card.write(tmp)
-                    if merged_dir is not None:
-                        card.merged().write(merged_dir)
-                if whole.value_model is None:  # a critic-free estimator
-                    return
-                roles.save_value_model(whole.value_model, tmp / "value_model")
-                self.tokenizer.save_pretrained(tmp / "value_model")
-
             if whole is not None:
-                run_dir.atomic_save_dir(target, write, kind, replace_unmarked)
+                merged = merged and self.config.save_merged
+                run_dir.atomic_save_dir(target, lambda folder: roles.write_models(folder, whole, self.tokenizer, merged, card), kind,
+                                        replace_unmarked)
 
 
 def _run_config(config: PPOConfig, model, reward_model, reward_functions) -> PPOConfig:
