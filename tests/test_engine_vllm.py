@@ -215,3 +215,44 @@ def test_a_model_vllm_cannot_serve_is_one_line_naming_it(tokenizer):
         VLLMEngine(model, tokenizer.pad_token_id, MAX_LEN, model_name="home-grown")
     said = str(error.value)
     assert said.startswith("rollout.engine: vllm cannot serve home-grown (HomeGrownLM): ") and "\n" not in said, said
+
+
+def test_the_multi_turn_loop_over_the_vllm_engine(tokenizer):
+    """The episode loop (ppokit.environments.episode_loop) drives vLLM as it drives the hf engine: one batched
+    generate per turn, observations between the turns read but not trained on, and the engine's logprobs of
+    the model's tokens are the trainer's forward over the whole episode, observations included, within float
+    tolerance (vLLM's kernels are not the trainer's)."""
+    from test_multiturn import make_loop, sampling
+
+    from ppokit.engines.vllm import VLLMEngine
+
+    torch.manual_seed(4)
+    policy = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).eval()
+    # Its own engine: closing another in-process engine (the runs above) tears down vLLM's process groups.
+    engine = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32, seed=0)
+    calls = []
+
+    class Counting:
+        logprobs_are_trainers = engine.logprobs_are_trainers
+
+        def generate(self, prompts, sampling):
+            calls.append(len(prompts))
+            return engine.generate(prompts, sampling)
+
+    loop = make_loop(tokenizer, Counting(), max_turns=3, max_episode_tokens=30)
+    prompts = [tokenizer("the movie was")["input_ids"], tokenizer("this film is")["input_ids"]]
+    plan = [("the plot was", 0.0, False), ("the ending was", 0.0, False), ("great", 1.0, True)]
+    torch.manual_seed(1)
+    try:
+        episodes, outcome = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tokenizer, n=4))
+    finally:
+        engine.close()
+    assert len(calls) == max(outcome.turns) and calls[0] == 2
+    response_real = episodes.attention_mask[:, episodes.query_ids.shape[1]:]
+    assert (episodes.loss_mask <= response_real).all() and (response_real & ~episodes.loss_mask).any()  # observations: read, not trained
+    with torch.no_grad():
+        fresh, _ = response_logprobs(policy, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
+                                     episodes.loss_mask, 1.0)
+    mask = episodes.loss_mask
+    # As in test_sampled_token_logprobs_agree_with_a_training_forward: other kernels, a few ulps per layer's reductions.
+    assert_float32_close(episodes.logprobs[mask], fresh[mask], terms=HIDDEN * LAYERS, ulps=16, scale=fresh[mask].abs().max().item())
