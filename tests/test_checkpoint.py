@@ -299,6 +299,8 @@ def test_the_keys_a_resume_may_change_are_those_declared_so_with_the_key():
         "ppo.max_skipped_updates", "ppo.nonfinite_rollback", "ppo.max_tokens_per_micro_batch", "parallel.shard_frozen",
         "parallel.wrap_classes", "parallel.unshard_for_generation", "report_to", "run_name", "project",
         "mlflow_tracking_uri", "lm_head_chunk_size", "compile",
+        # the vLLM engine's memory and speed settings: what it samples is the policy's, whatever they are
+        "rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.max_model_len", "rollout.sleep",
     }
     base = PPOConfig(model="m").to_dict()
     changed = {**base, "seed": 7, "project": "other", "ppo": {**base["ppo"], "learning_rate": 1.0, "save_steps": 9}}
