@@ -73,6 +73,10 @@ class HFEngine:
         pass
 
     @staticmethod
+    def check_installed() -> None:
+        """transformers and torch are ppokit's own dependencies."""
+
+    @staticmethod
     def sampling_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
         """Memory while sampling `rows` sequences of up to `seq` tokens (`ppokit plan`'s model dimensions
         `dims`: layers, kv = key/value heads x head_dim, vocab): keys and values of every layer at the

@@ -156,6 +156,10 @@ class VLLMEngine:
                    enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
 
     @staticmethod
+    def check_installed() -> None:
+        import_vllm()
+
+    @staticmethod
     def sampling_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
         """The engine's KV cache for `rows` sequences of `seq` tokens (on CPU it is sized so; on GPU it is what the
         rows need of gpu_memory_utilization). Its copy of the weights is held beside the training ones."""
