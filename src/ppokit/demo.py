@@ -213,7 +213,10 @@ def run_demo(
     say(f"[4/4] PPO ({estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes{samples}, reward = VADER compound sentiment")
     before = trainer.sample_completions()
     records = trainer.train()
-    after = trainer.sample_completions()
+    try:
+        after = trainer.sample_completions()
+    finally:  # train() closed the engine and these samples built it again: closed before the command ends its process group
+        trainer.rollout_engine.close()
     elapsed = time.perf_counter() - start
 
     say("\ncompletions before -> after PPO (score):")
