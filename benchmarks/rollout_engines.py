@@ -1,6 +1,8 @@
-"""Sampling speed and memory of the rollout engines (`rollout.engine`: hf, vllm); one JSON line per configuration.
+"""Sampling speed and memory of the rollout engines (`rollout.engine`: hf, vllm), and a full PPO update with
+each; one JSON line per configuration.
 
-    python benchmarks/rollout_engines.py [--sizes small,50m] [--engines hf,vllm] [--repeats 3]
+    python benchmarks/rollout_engines.py [--modes sampling,ppo] [--sizes small,50m] [--engines hf,vllm] [--repeats 3]
+                                         [--updates 2]
 
 Two Llamas built locally with head_dim 64 (vLLM's CPU attention needs >= 32) and the demo's word-level
 vocabulary: `small` (hidden 128, 2 layers, 2 heads: ~0.3M parameters) and `50m` (hidden 768, 9 layers,
@@ -10,6 +12,13 @@ generate, then `repeats` timed ones: tokens_per_s is the median (best beside it)
 process's peak (model, engine and KV cache included); sync_s (vllm) the median time of one
 `sync_weights` (every weight sent into the running engine). vLLM on CPU: in-process, eager, KV cache
 sized for the batch.
+
+--modes ppo: the same models through the real trainer (`ppokit.trainer.PPOTrainer`, `rollout.engine` set,
+VADER sentiment as the reward): 32 episodes per update (2 minibatches of 16), 1 PPO epoch, 32-token
+responses without a stop token, a critic of the policy's size; one warm-up update, then `updates` timed
+ones. episodes_per_s is the timed updates' episodes over their summed `time/update` (sampling, scoring,
+the reference/value/logprob forward, training, and with vllm the weight sync after the optimisation);
+seconds_per_update splits it (means). peak_rss_mb is the process's peak.
 """
 
 from __future__ import annotations
@@ -25,22 +34,32 @@ import time
 
 SIZES = {"small": dict(hidden=128, layers=2, heads=2), "50m": dict(hidden=768, layers=9, heads=12)}
 PROMPTS, NEW_TOKENS = 64, 64
+PPO_EPISODES, PPO_RESPONSE = 32, 32  # per update; response tokens
 
 
-def run_one(size: str, engine_name: str, repeats: int) -> dict:
+def demo_task(size: str, n_prompts: int):
+    """-> (the demo's data with `n_prompts` prompts, its word-level tokenizer, a Llama of `size` with random weights)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
     from ppokit.demo import make_data
+    from ppokit.tiny import tiny_causal_lm, word_tokenizer
+
+    data = make_data(seed=0, n_sft=400, n_prompts=n_prompts, n_eval=4)
+    tokenizer = word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
+    torch.manual_seed(0)
+    return data, tokenizer, tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size])
+
+
+def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
+    import torch
+
     from ppokit.engines.base import Sampling
     from ppokit.models import left_pad
     from ppokit.engines.hf import HFSampler
-    from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
-    data = make_data(seed=0, n_sft=400, n_prompts=PROMPTS, n_eval=4)
-    tokenizer = word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
-    torch.manual_seed(0)
-    model = tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size]).eval()
+    data, tokenizer, model = demo_task(size, PROMPTS)
+    model.eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in data["prompts"]]
     pad = tokenizer.pad_token_id
     sync_s = None
@@ -78,25 +97,74 @@ def run_one(size: str, engine_name: str, repeats: int) -> dict:
                 threads=torch.get_num_threads())
 
 
+def run_ppo(size: str, engine_name: str, updates: int) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.models import no_progress_bars
+    from ppokit.trainer import PPOTrainer
+
+    episodes = PPO_EPISODES * (updates + 1)
+    data, tokenizer, model = demo_task(size, episodes)
+    with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:
+        work = Path(tmp)
+        with no_progress_bars():
+            model.save_pretrained(work / "model")
+        tokenizer.save_pretrained(work / "model")
+        (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data["prompts"]))
+        config = PPOConfig(
+            model=str(work / "model"), output_dir=str(work / "run"), seed=0,
+            reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train=str(work / "prompts.jsonl")),
+            rollout=RolloutConfig(engine=engine_name),
+            ppo=PPOHyperparams(total_episodes=episodes, per_device_train_batch_size=PPO_EPISODES // 2, num_mini_batches=2,
+                               num_ppo_epochs=1, response_length=PPO_RESPONSE, temperature=1.0, learning_rate=1e-5,
+                               stop_token=None, num_sample_generations=0),
+        )
+        del model
+        torch.manual_seed(0)
+        trainer = PPOTrainer(config, show_progress=False)
+        records = trainer.train()
+    timed = records[1:]
+    mean = lambda key: round(sum(r[key] for r in timed) / len(timed), 3)  # noqa: E731
+    return dict(benchmark="ppo_update", engine=engine_name, size=size, parameters=sum(p.numel() for p in trainer.policy.parameters()),
+                episodes_per_update=PPO_EPISODES, response_length=PPO_RESPONSE, ppo_epochs=1, updates_timed=len(timed),
+                episodes_per_s=round(PPO_EPISODES * len(timed) / sum(r["time/update"] for r in timed), 2),
+                seconds_per_update={"generation": mean("time/generation"), "scoring": mean("time/scoring"),
+                                    "forward": mean("time/forward"), "training": mean("time/training"), "total": mean("time/update")},
+                logprob_diff_max=max((r["rollout/logprob_diff_max"] for r in records if "rollout/logprob_diff_max" in r), default=None),
+                peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), threads=torch.get_num_threads())
+
+
+RUNS = {"sampling": run_sampling, "ppo": run_ppo}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="small,50m")
     parser.add_argument("--engines", default="hf,vllm")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--one", nargs=2, metavar=("SIZE", "ENGINE"), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="sampling,ppo", help="sampling (tokens/s of the engine alone), ppo (a full PPO update "
+                        "through the trainer), or both: sampling,ppo")
+    parser.add_argument("--repeats", type=int, default=3, help="sampling: timed generates")
+    parser.add_argument("--updates", type=int, default=2, help="ppo: timed updates, after one warm-up update")
+    parser.add_argument("--one", nargs=3, metavar=("MODE", "SIZE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(*args.one, args.repeats)), flush=True)
+        mode, size, engine = args.one
+        print(json.dumps(RUNS[mode](size, engine, args.repeats if mode == "sampling" else args.updates)), flush=True)
         return
-    for size in args.sizes.split(","):
-        for engine in args.engines.split(","):
-            result = subprocess.run([sys.executable, __file__, "--one", size, engine, "--repeats", str(args.repeats)],
-                                    capture_output=True, text=True)
-            lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-            if result.returncode or not lines:
-                print(f"rollout_engines: {size} {engine} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
-                continue
-            print(lines[-1], flush=True)
+    for mode in args.modes.split(","):
+        for size in args.sizes.split(","):
+            for engine in args.engines.split(","):
+                result = subprocess.run([sys.executable, __file__, "--one", mode, size, engine, "--repeats", str(args.repeats),
+                                         "--updates", str(args.updates)], capture_output=True, text=True)
+                lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+                if result.returncode or not lines:
+                    print(f"rollout_engines: {mode} {size} {engine} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                print(lines[-1], flush=True)
 
 
 if __name__ == "__main__":
