@@ -37,18 +37,24 @@ PROMPTS, NEW_TOKENS = 64, 64
 PPO_EPISODES, PPO_RESPONSE = 32, 32  # per update; response tokens
 
 
-def demo_task(size: str, n_prompts: int):
-    """-> (the demo's data with `n_prompts` prompts, its word-level tokenizer, a Llama of `size` with random weights)."""
+def demo_data(n_prompts: int):
+    """-> (the demo's data with `n_prompts` prompts, its word-level tokenizer)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-
     from ppokit.demo import make_data
-    from ppokit.tiny import tiny_causal_lm, word_tokenizer
+    from ppokit.tiny import word_tokenizer
 
     data = make_data(seed=0, n_sft=400, n_prompts=n_prompts, n_eval=4)
-    tokenizer = word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
+    return data, word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
+
+
+def size_model(size: str, tokenizer):
+    """A Llama of `size` (SIZES) for `tokenizer`, random weights drawn from seed 0."""
+    import torch
+
+    from ppokit.tiny import tiny_causal_lm
+
     torch.manual_seed(0)
-    return data, tokenizer, tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size])
+    return tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size])
 
 
 def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
@@ -58,8 +64,8 @@ def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
     from ppokit.models import left_pad
     from ppokit.engines.hf import HFSampler
 
-    data, tokenizer, model = demo_task(size, PROMPTS)
-    model.eval()
+    data, tokenizer = demo_data(PROMPTS)
+    model = size_model(size, tokenizer).eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in data["prompts"]]
     pad = tokenizer.pad_token_id
     sync_s = None
@@ -98,44 +104,73 @@ def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
 
 
 def run_ppo(size: str, engine_name: str, updates: int) -> dict:
+    import torch
+
+    data, tokenizer = demo_data(PPO_EPISODES * (updates + 1))
+    records, facts = ppo_records(lambda: size_model(size, tokenizer), tokenizer, data["prompts"], [f"rollout.engine={engine_name}"],
+                                      updates=updates)
+    return dict(benchmark="ppo_update", engine=engine_name, size=size, parameters=facts["parameters"], response_length=PPO_RESPONSE, ppo_epochs=1,
+                **ppo_figures(records, PPO_EPISODES), peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                threads=torch.get_num_threads())
+
+
+def ppo_config(model_dir: str, prompts_file: str, output_dir: str, overrides: list[str], *, updates: int,
+               episodes: int = PPO_EPISODES, response_length: int = PPO_RESPONSE):
+    """The benchmark's PPO config, validated: `episodes` per update (2 minibatches), 1 PPO epoch, `response_length`
+    tokens without a stop token, VADER sentiment as the reward, updates + 1 updates (the first a warm-up), then
+    `overrides` as on the command line (e.g. "rollout.engine=vllm", "bf16=true"). Nothing is read from disk."""
+    from ppokit.config import PPOConfig
+    from ppokit.dataclass_config import load_config
+
+    base = {
+        "model": model_dir, "output_dir": output_dir, "seed": 0,
+        "reward": {"functions": ["sentiment"]}, "data": {"train": prompts_file},
+        "ppo": dict(total_episodes=episodes * (updates + 1), per_device_train_batch_size=episodes // 2, num_mini_batches=2,
+                    num_ppo_epochs=1, response_length=response_length, temperature=1.0, learning_rate=1e-5, stop_token=None,
+                    num_sample_generations=0),
+    }
+    return load_config(PPOConfig, None, overrides, data=base)
+
+
+def ppo_records(build_model, tokenizer, prompts: list[dict], overrides: list[str], *, updates: int, **sizes) -> tuple[list[dict], dict]:
+    """Train the model `build_model()` makes (saved, then dropped: the trainer loads its own) on `prompts` with
+    `ppo_config(overrides, **sizes)` -> (the metric records of every update, {"parameters": the policy's count,
+    "policy_dtype": its weights' dtype as the trainer loaded them})."""
     import tempfile
     from pathlib import Path
 
     import torch
 
-    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
     from ppokit.models import no_progress_bars
     from ppokit.trainer import PPOTrainer
 
-    episodes = PPO_EPISODES * (updates + 1)
-    data, tokenizer, model = demo_task(size, episodes)
     with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:
         work = Path(tmp)
+        model = build_model()
         with no_progress_bars():
             model.save_pretrained(work / "model")
         tokenizer.save_pretrained(work / "model")
-        (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data["prompts"]))
-        config = PPOConfig(
-            model=str(work / "model"), output_dir=str(work / "run"), seed=0,
-            reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train=str(work / "prompts.jsonl")),
-            rollout=RolloutConfig(engine=engine_name),
-            ppo=PPOHyperparams(total_episodes=episodes, per_device_train_batch_size=PPO_EPISODES // 2, num_mini_batches=2,
-                               num_ppo_epochs=1, response_length=PPO_RESPONSE, temperature=1.0, learning_rate=1e-5,
-                               stop_token=None, num_sample_generations=0),
-        )
+        parameters = sum(p.numel() for p in model.parameters())
         del model
+        (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+        config = ppo_config(str(work / "model"), str(work / "prompts.jsonl"), str(work / "run"), overrides, updates=updates, **sizes)
         torch.manual_seed(0)
         trainer = PPOTrainer(config, show_progress=False)
         records = trainer.train()
+    return records, {"parameters": parameters, "policy_dtype": str(next(trainer.policy.parameters()).dtype).removeprefix("torch.")}
+
+
+def ppo_figures(records: list[dict], episodes: int) -> dict:
+    """What a PPO benchmark line says of its updates of `episodes` episodes: the first is a warm-up; episodes/s and
+    the mean seconds of each stage over the others; the engine-vs-trainer logprob difference (vllm) over all."""
     timed = records[1:]
     mean = lambda key: round(sum(r[key] for r in timed) / len(timed), 3)  # noqa: E731
-    return dict(benchmark="ppo_update", engine=engine_name, size=size, parameters=sum(p.numel() for p in trainer.policy.parameters()),
-                episodes_per_update=PPO_EPISODES, response_length=PPO_RESPONSE, ppo_epochs=1, updates_timed=len(timed),
-                episodes_per_s=round(PPO_EPISODES * len(timed) / sum(r["time/update"] for r in timed), 2),
+    return dict(episodes_per_update=episodes, updates_timed=len(timed),
+                episodes_per_s=round(episodes * len(timed) / sum(r["time/update"] for r in timed), 2),
+                first_update_s=round(records[0]["time/update"], 2),
                 seconds_per_update={"generation": mean("time/generation"), "scoring": mean("time/scoring"),
                                     "forward": mean("time/forward"), "training": mean("time/training"), "total": mean("time/update")},
-                logprob_diff_max=max((r["rollout/logprob_diff_max"] for r in records if "rollout/logprob_diff_max" in r), default=None),
-                peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), threads=torch.get_num_threads())
+                logprob_diff_max=max((r["rollout/logprob_diff_max"] for r in records if "rollout/logprob_diff_max" in r), default=None))
 
 
 RUNS = {"sampling": run_sampling, "ppo": run_ppo}
