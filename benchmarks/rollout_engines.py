@@ -18,7 +18,8 @@ VADER sentiment as the reward): 32 episodes per update (2 minibatches of 16), 1 
 responses without a stop token, a critic of the policy's size; one warm-up update, then `updates` timed
 ones. episodes_per_s is the timed updates' episodes over their summed `time/update` (sampling, scoring,
 the reference/value/logprob forward, training, and with vllm the weight sync after the optimisation);
-seconds_per_update splits it (means). peak_rss_mb is the process's peak.
+seconds_per_update splits it (means). peak_rss_mb is the process's peak. load_avg: the machine's 1- and
+5-minute load averages when the configuration ended.
 """
 
 from __future__ import annotations
@@ -188,7 +189,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         mode, size, engine = args.one
-        print(json.dumps(RUNS[mode](size, engine, args.repeats if mode == "sampling" else args.updates)), flush=True)
+        result = RUNS[mode](size, engine, args.repeats if mode == "sampling" else args.updates)
+        # the machine's load while it ran (1 and 5 minute averages, at the end): a shared machine's figures swing with it
+        print(json.dumps({**result, "load_avg": [round(x, 1) for x in os.getloadavg()[:2]]}), flush=True)
         return
     for mode in args.modes.split(","):
         for size in args.sizes.split(","):
