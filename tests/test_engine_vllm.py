@@ -102,6 +102,28 @@ def test_greedy_equals_transformers_before_and_after_updates(engine, policy, pro
     assert after != before  # the updates changed what greedy decoding says: the sync carried them
 
 
+def test_a_long_prompt_seen_before_a_weight_sync_is_read_again_with_the_new_weights(tokenizer):
+    """vLLM keeps the keys and values of whole prompt blocks (128 tokens on CPU) and reuses them for a prompt that
+    starts the same (prefix caching, on by default): without emptying that cache at a weight sync, a long prompt
+    sampled again after the update was continued from the old weights' keys and values."""
+    from ppokit.engines.vllm import VLLMEngine
+
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).eval()
+    torch.manual_seed(1)
+    long_prompts = [torch.randint(4, len(tokenizer), (140,)).tolist() for _ in range(4)]
+    engine = VLLMEngine(model, tokenizer.pad_token_id, 140 + NEW_TOKENS, max_num_seqs=4)
+    try:
+        assert_greedy_equal(engine, model, long_prompts, tokenizer.pad_token_id)  # their first blocks are cached now
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        engine.sync_weights(model)
+        assert_greedy_equal(engine, model, long_prompts, tokenizer.pad_token_id)
+    finally:
+        engine.close()
+
+
 def test_sampled_token_logprobs_agree_with_a_training_forward(engine, policy, prompts, tokenizer):
     temperature = 0.7
     torch.manual_seed(3)
