@@ -57,11 +57,15 @@ def test_two_processes_each_sample_from_the_updated_weights(strategy, model_dir,
     assert stale_at_least > 100 * second["rollout/logprob_diff_max"], (second["objective/kl"], second["rollout/logprob_diff_max"])
 
 
-def test_an_engine_leaves_a_process_group_it_did_not_make(tokenizer, prompts, tmp_path):
+def test_an_engine_leaves_the_trainers_process_group_and_random_streams_alone(tokenizer, prompts, tmp_path):
     """With a default process group already there (the trainer's under torchrun; here one of one process),
     closing the engine keeps that group working, a closed engine builds itself again inside it, and the group
     destroyed first (the trainer's teardown after an error) leaves the engine's close nothing to raise about:
-    vLLM's own shutdown destroys the default group whoever made it, and raises when it is gone."""
+    vLLM's own shutdown destroys the default group whoever made it, and raises when it is gone. Building an
+    engine (vLLM seeds the global generators with its seed) leaves torch's, Python's and NumPy's as they were."""
+    import random
+
+    import numpy
     import torch.distributed as dist
 
     from ppokit.engines.base import Sampling
@@ -71,7 +75,10 @@ def test_an_engine_leaves_a_process_group_it_did_not_make(tokenizer, prompts, tm
     policy = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).eval()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
+        streams = torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy()
         engine = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32)
+        assert torch.equal(torch.get_rng_state(), streams[0]) and random.getstate() == streams[1]
+        assert (numpy.random.get_state()[1] == streams[2]).all()
         engine.close()
         assert dist.is_initialized()
         total = torch.ones(1)
