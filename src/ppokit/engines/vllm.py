@@ -185,7 +185,7 @@ class VLLMEngine:
         self._dir = Path(tempfile.mkdtemp(prefix="ppokit-vllm-"))  # the engine reads the model's config from a folder
         (self._dir / "config.json").write_text(json.dumps(config_dict, indent=1))
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
-        vllms_group = not torch.distributed.is_initialized()  # else the trainer's (torchrun): vLLM joins it
+        found = _groups_there()  # the trainer's default group under torchrun: vLLM joins it
         try:
             with _random_state_kept():
                 self.llm = vllm.LLM(model=str(self._dir), **self._options)
@@ -196,7 +196,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
         # In place of vLLM's own exit hook (it runs first: finalizers run newest first): also at exit, or when
         # the engine is dropped unclosed, the engine is shut down leaving the trainer's process group alone.
-        self._shutdown = weakref.finalize(self, _shut_down, self.llm, vllms_group)
+        self._shutdown = weakref.finalize(self, _shut_down, self.llm, found)
         self.sync_weights(self.policy)
 
     def _engine(self):
@@ -289,8 +289,8 @@ class VLLMEngine:
             self.asleep = False
 
     def close(self) -> None:
-        """Shut the engine down (`_shut_down`: a process group that is not vLLM's own is left to its owner, in
-        either order of the two teardowns); a later generate builds it again."""
+        """Shut the engine down (`_shut_down`: process groups it did not make are left to their owner, in either
+        order of the two teardowns); a later generate builds it again."""
         llm, self.llm, self.asleep = self.llm, None, False
         if llm is not None:
             self._shutdown()
@@ -299,16 +299,26 @@ class VLLMEngine:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _shut_down(llm, vllms_group: bool) -> None:
-    """Shut `llm` down. vLLM's shutdown ends by destroying its process groups and then torch.distributed's
-    default group, whoever made it; and it raises when that group is gone already (its groups went with it).
-    So: its groups and the default one when the default is vLLM's own (one process); only its groups when the
-    default is the trainer's (torchrun: the trainer still reduces over it and destroys it last); none, only
-    forgotten, when the default group was destroyed first (an error ended the run before the engine was closed)."""
+def _groups_there() -> tuple[bool, bool]:
+    """(torch.distributed's default process group, vLLM's process groups): whether each exists already."""
+    from vllm.distributed import parallel_state
+
+    return torch.distributed.is_initialized(), parallel_state._WORLD is not None
+
+
+def _shut_down(llm, found: tuple[bool, bool]) -> None:
+    """Shut `llm` down, destroying only the process groups its building made (`found`: `_groups_there()` then).
+    vLLM's own shutdown ends by destroying its groups and then torch.distributed's default group, whoever made
+    them, and raises when the default group is gone already (its groups went with it). So: both when the engine
+    made both (one process); only vLLM's when the default group is the trainer's (torchrun: the trainer still
+    reduces over it and destroys it last); none when another engine in this process made vLLM's groups (they are
+    its); none, only forgotten, when the default group was destroyed first (an error ended the run before the
+    engine was closed)."""
     from vllm.distributed import parallel_state as state
 
     alive = torch.distributed.is_initialized()
-    if alive and vllms_group:
+    made_default, made_vllms = not found[0], not found[1]
+    if alive and made_default and made_vllms:
         llm.llm_engine.engine_core.shutdown()
         return
 
@@ -322,9 +332,16 @@ def _shut_down(llm, vllms_group: bool) -> None:
             if isinstance(value, state.GroupCoordinator):
                 setattr(state, name, None)
 
+    def kept():
+        pass
+
+    if not alive:
+        instead = {"destroy_model_parallel": forgotten, "destroy_distributed_environment": forgotten}
+    elif made_vllms:
+        instead = {"destroy_model_parallel": state.destroy_model_parallel, "destroy_distributed_environment": vllms_world_only}
+    else:
+        instead = {"destroy_model_parallel": kept, "destroy_distributed_environment": kept}
     # vLLM's cleanup (parallel_state.cleanup_dist_env_and_memory) calls these two by their module's names.
-    instead = {"destroy_model_parallel": state.destroy_model_parallel if alive else forgotten,
-               "destroy_distributed_environment": vllms_world_only if alive else forgotten}
     saved = {name: getattr(state, name) for name in instead}
     try:
         for name, function in instead.items():
