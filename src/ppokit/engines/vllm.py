@@ -186,9 +186,14 @@ class VLLMEngine:
         (self._dir / "config.json").write_text(json.dumps(config_dict, indent=1))
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         found = _groups_there()  # the trainer's default group under torchrun: vLLM joins it
+        options = dict(self._options)
+        if found[0] and torch.distributed.get_world_size() > 1 and {"RANK", "LOCAL_RANK"} <= os.environ.keys():
+            # Its worker then takes its rank and device from the launcher's RANK / LOCAL_RANK (torchrun, accelerate);
+            # the default executor takes local rank 0 in every process (on GPU: every engine on cuda:0, made current).
+            options["distributed_executor_backend"] = "external_launcher"
         try:
             with _random_state_kept():
-                self.llm = vllm.LLM(model=str(self._dir), **self._options)
+                self.llm = vllm.LLM(model=str(self._dir), **options)
         except Exception as e:  # vLLM's own refusal (architecture, option), in one line
             shutil.rmtree(self._dir, ignore_errors=True)
             raise UserError(f"rollout.engine: vllm cannot serve {self.model_name} ({architecture(base)}): {_last_words(e)}") from None
