@@ -153,8 +153,9 @@ class VLLMEngine:
         """From the trainer's EngineSetup: the `rollout:` keys, and the engine's shape (`engine_shape`)."""
         settings = setup.settings
         if settings.max_model_len is not None and settings.max_model_len < setup.longest_sequence:
-            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + ppo.response_length "
-                            f"({setup.longest_sequence}); raise it or remove the key (its default is that sum)")
+            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + the tokens after it "
+                            f"(ppo.response_length, or with an environment the episode's budget: {setup.longest_sequence}); "
+                            "raise it or remove the key (its default is that sum)")
         max_model_len, max_num_seqs = engine_shape(settings, setup.longest_sequence, setup.rows_per_rollout, setup.rows_per_forward)
         return cls(setup.policy, setup.pad_token_id, max_model_len, max_num_seqs=max_num_seqs,
                    gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
