@@ -504,7 +504,7 @@ def test_report_output_never_replaces_a_file_of_a_run_it_reads(tmp_path, capsys)
     run = write_run(tmp_path / "run", healthy_records(4))
     (run / "checkpoints" / "update-2").mkdir(parents=True)
     (run / "link.html").symlink_to(run / "metrics.jsonl")  # resolved: it is the metrics file
-    (run / "redirected_figures").symlink_to(run / "checkpoints")  # its PNGs would land in checkpoints/
+    (run / "redirected_figures").symlink_to(run / "checkpoints")  # its figures would land in checkpoints/
     before = run_files(run)
     for output in ("metrics.jsonl", "config.yaml", "samples.jsonl", "final", "final/r.html", "checkpoints/update-2/r.html",
                    "new/r.html", "link.html", "redirected.html", "."):
@@ -521,7 +521,7 @@ def test_report_output_never_replaces_a_file_of_a_run_it_reads(tmp_path, capsys)
     capsys.readouterr()
     after = run_files(run)
     assert {name: data for name, data in after.items() if not name.startswith("report")} == before
-    assert "report.html" in after and "report_figures/score.png" in after
+    assert "report.html" in after and "report_figures/score.svg" in after
 
 
 def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
@@ -544,14 +544,18 @@ def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
         "metrics.jsonl: skipped lines 9-10: no integer `update` from 0 to 9007199254740992",
         "metrics.jsonl: left out values that are not numbers: episode (line 1); objective/kl (line 3); reward/skipped (line 4); eps (line 5)",
     ]
-    drawn = {Path(p).stem for p in summary["figures"]}
-    assert "value" in drawn or any(s.startswith("Losses and the critic: not drawn, its values are out of the range matplotlib can draw")
-                                   for s in summary["skipped"]), summary["skipped"]
+    # a panel whose values no axis can span is left out and said; the rest of its figure is drawn
+    assert "policy loss (loss/policy_avg): not drawn, its values (from -1.7e+308 to 1.7e+308) span more than a chart's axis can" in summary["skipped"]
+    assert "entropy per token (policy/entropy_avg): not drawn, its values (from 1.7e+308 to 1.7e+308) span more than a chart's axis can" in summary["skipped"]
+    value = panels_of(Path(summary["figures"][5]).read_text())
+    assert summary["figures"][5].endswith("value.svg") and list(value) == ["value loss (loss/value_avg)"]
+    lines, _, x_tol, _ = read_back(panels_of(Path(summary["figures"][6]).read_text())["episodes per second (eps)"])
+    assert [round(x) for x, _ in lines[0]] == [1, 2, 3, 4, 6, 7, 8]  # eps of update 5 (10**400) left out
     assert "<td>7</td>" in (tmp_path / "report.html").read_text()  # the reward source, as config.yaml has it
 
 
 def test_report_onto_a_full_disk_or_into_a_read_only_folder_is_one_line_and_leaves_nothing_half_written(tmp_path):
-    """Both were a traceback, the full disk with a partial PNG left. The page and its PNGs are written to
+    """Both were a traceback, the full disk with a partial PNG left. The page and its figures are written to
     temporary names and renamed into place only once all are written: the earlier report stays whole.
     A full disk and a read-only folder are real tmpfs mounts where a private mount namespace is allowed;
     elsewhere a file size limit (EFBIG, as `ulimit -f`) stands for the full disk and permission bits
@@ -568,11 +572,11 @@ def test_report_onto_a_full_disk_or_into_a_read_only_folder_is_one_line_and_leav
         return one_error_line("\n".join(lines)), left.removeprefix("left:").strip()
 
     page = folder / "report.html"
-    if private_mount_namespace():  # the PNGs (50-120 kB each) do not fit in 64 kB
-        line, left = error_and_what_is_left(*ppokit_on_a_mount("size=64k", folder, "report", run, "--output", page))
+    if private_mount_namespace():  # the figures (4-12 kB each) do not fit in 16 kB
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("size=16k", folder, "report", run, "--output", page))
         assert line.startswith(f"ppokit: error: report output {page}: cannot write {folder / 'report_figures'}/"), line
-        assert line.endswith(".png (No space left on device)") and left == "", (line, left)
-        line, left = error_and_what_is_left(*ppokit_on_a_mount("ro,size=64k", folder, "report", run, "--output", page))
+        assert line.endswith(".svg (No space left on device)") and left == "", (line, left)
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("ro,size=16k", folder, "report", run, "--output", page))
         assert line == f"ppokit: error: report output {page}: cannot make {folder / 'report_figures'} (Read-only file system)"
         assert left == ""
     else:
@@ -613,8 +617,12 @@ def test_report_on_a_real_ppo_run(model_dir, prompts_file, tmp_path):
 
 PROBE = """<script>
 window.addEventListener("load", () => {
-  for (const img of document.images) if (!img.complete || img.naturalWidth === 0) console.error("image did not load: " + img.alt);
-  console.log("probe: " + document.images.length + " images");
+  const charts = document.querySelectorAll("svg.chart");
+  for (const svg of charts) {
+    const box = svg.getBoundingClientRect(), lines = svg.querySelectorAll("polyline, circle").length;
+    if (box.width < 300 || box.height < 150 || lines === 0) console.error("chart not drawn: " + svg.getAttribute("aria-label"));
+  }
+  console.log("probe: " + charts.length + " charts");
 });
 </script>"""
 
@@ -623,7 +631,7 @@ window.addEventListener("load", () => {
 def test_report_renders_in_headless_chromium(tmp_path):
     run = write_run(tmp_path / "run", healthy_records())
     make_report([run], tmp_path / "report.html")
-    # The probe reports, as console errors, any image the browser could not decode; the report has no script of its own.
+    # The probe reports, as console errors, any chart the browser lays out empty or tiny; the report has no script of its own.
     page = (tmp_path / "report.html").read_text()
     assert "<script" not in page
     (tmp_path / "probed.html").write_text(page.replace("</body>", PROBE + "</body>"))
@@ -635,7 +643,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     console = [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
-    assert any("probe: 7 images" in line for line in console), result.stderr[-2000:]
+    assert any("probe: 7 charts" in line for line in console), result.stderr[-2000:]
     assert [line for line in console if "probe:" not in line] == []
     from PIL import Image
 
