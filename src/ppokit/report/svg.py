@@ -96,6 +96,8 @@ def ticks(low: float, high: float, count: int, integer: bool = False) -> list[tu
     steps = [(m, k) for k in range(k0 - 1, k0 + 3) for m in (1, 2, 5) if not (integer and k < 0)] or [(1, 0)]
     for m, k in steps:
         step = m * 10.0**k
+        if step == 0:  # 10**k below the smallest float
+            continue
         first, last = math.ceil(low / step - 1e-9), math.floor(high / step + 1e-9)
         if last - first + 1 <= count:
             break
@@ -248,10 +250,7 @@ def draw_series(series: Series, frame: Frame) -> list[str]:
     if series.markers:
         colors = series.marker_colors or [series.color] * len(series.xs)
         dots = [(x, y, c) for x, y, c in zip(series.xs, series.ys, colors) if math.isfinite(x) and math.isfinite(y)]
-        for x, y, color in dots:
-            paint = f'fill="#fff" fill-opacity="0" stroke="{color}" stroke-width="1.4"' if series.hollow else f'fill="{color}"'
-            out.append(f'<circle class="marker" cx="{frame.px(x):.1f}" cy="{frame.py(y):.1f}" r="{series.marker_radius}" {paint} '
-                       f'opacity="{series.opacity}"/>')
+        out += [marker(frame.px(x), frame.py(y), series.marker_radius, color, series.hollow, "marker", series.opacity) for x, y, color in dots]
     points = series.points()
     if series.note and points:
         x, y = frame.px(points[-1][0]), frame.py(points[-1][1])
@@ -274,30 +273,41 @@ def finite_runs(series: Series) -> list[list[tuple[float, float]]]:
 
 def legend(entries: list[Series], frame: Frame, avoid: list[tuple[float, float]]) -> list[str]:
     """A box of `entries` (a sample of each line or marker, then its label) in the corner of the plot area
-    where it covers the fewest points of the lines; labels too wide for the plot are narrowed."""
+    where it covers the fewest points of `avoid`; in columns when they are more than its height holds,
+    labels too wide for the plot narrowed."""
     if not entries:
         return []
     row, sample = TEXT + 5, 24
-    room = frame.right - frame.left - 12
+    per_column = max(1, int((frame.bottom - frame.top - 18) // row))
+    columns = math.ceil(len(entries) / per_column)
+    per_column = math.ceil(len(entries) / columns)
+    room = (frame.right - frame.left - 12) / columns
     label_room = min(max(text_width(s.label, TEXT) for s in entries), room - sample - 14)
-    width, height = sample + label_room + 14, row * len(entries) + 6
+    column_width = sample + label_room + 14
+    width, height = column_width * columns, row * per_column + 6
     x, y = best_corner(width, height, frame, avoid)
     out = [f'<g class="legend"><rect x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" rx="3" '
            f'fill="#fff" fill-opacity="0.85" stroke="#ccc"/>']
     for i, s in enumerate(entries):
-        middle = y + 3 + row * i + row / 2
+        left, middle = x + column_width * (i // per_column), y + 3 + row * (i % per_column) + row / 2
         if s.line:
             dash = ' stroke-dasharray="5 3"' if s.dashed else ""
-            out.append(f'<line x1="{x + 6:.1f}" x2="{x + sample:.1f}" y1="{middle:.1f}" y2="{middle:.1f}" stroke="{s.color}" '
+            out.append(f'<line x1="{left + 6:.1f}" x2="{left + sample:.1f}" y1="{middle:.1f}" y2="{middle:.1f}" stroke="{s.color}" '
                        f'stroke-width="{s.width}"{dash}/>')
         if s.markers:
             color = s.marker_colors[len(s.marker_colors) // 2] if s.marker_colors else s.color
-            paint = f'fill="#fff" fill-opacity="0" stroke="{color}" stroke-width="1.4"' if s.hollow else f'fill="{color}"'
-            out.append(f'<circle cx="{x + 6 + (sample - 6) / 2:.1f}" cy="{middle:.1f}" r="{s.marker_radius}" {paint}/>')
-        out.append(f'<text class="entry" x="{x + sample + 6:.1f}" y="{middle + TEXT * 0.35:.1f}"'
+            out.append(marker(left + 6 + (sample - 6) / 2, middle, s.marker_radius, color, s.hollow))
+        out.append(f'<text class="entry" x="{left + sample + 6:.1f}" y="{middle + TEXT * 0.35:.1f}"'
                    f'{squeeze(s.label, TEXT, label_room)}>{escape(s.label)}</text>')
     out.append("</g>")
     return out
+
+
+def marker(x: float, y: float, radius: float, color: str, hollow: bool, css_class: str = "", opacity: float = 1.0) -> str:
+    paint = f'fill="none" stroke="{color}" stroke-width="1.4"' if hollow else f'fill="{color}"'
+    named = f'class="{css_class}" ' if css_class else ""
+    faded = f' opacity="{opacity}"' if opacity != 1 else ""
+    return f'<circle {named}cx="{x:.1f}" cy="{y:.1f}" r="{radius}" {paint}{faded}/>'
 
 
 def best_corner(width: float, height: float, frame: Frame, avoid: list[tuple[float, float]]) -> tuple[float, float]:
