@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 FONT = "system-ui, -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif"
 CHAR_WIDTH = 0.6  # a sans-serif character's mean advance, in font sizes: boxes are sized by it (no font metrics here)
-TEXT, TICK_TEXT, TITLE_TEXT = 11, 10.5, 12.5  # font sizes, in pixels of the drawing
+TEXT, TICK_TEXT, TITLE_TEXT = 11.5, 11, 13  # font sizes, in pixels of the drawing
 AXIS, GRID = "#888", "#e6e6e6"
 
 
