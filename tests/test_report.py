@@ -683,9 +683,11 @@ def test_the_report_imports_nothing_of_the_trainer():
 def test_samples_of_multi_turn_episodes_show_their_turns_marked(tmp_path):
     from ppokit.report.page import samples_section
 
-    turns = [{"role": "assistant", "text": "8"}, {"role": "user", "text": "higher <b>"}, {"role": "assistant", "text": "12"}]
+    turns = [{"role": "assistant", "text": "8"}, {"role": "user", "text": "higher <b>"}, {"role": "assistant", "text": "12"},
+             {"role": "user", "text": "low", "cut": True}]
     samples = sample_rows()
-    samples[0] = {**samples[0], "completion": "8 higher <b> 12", "turns": turns}
+    samples[0] = {**samples[0], "completion": "8 higher <b> 12 low", "turns": turns}
     html = samples_section(read_run(write_run(tmp_path / "run", healthy_records(), samples)), max_prompts=2)
     assert "<b>assistant:</b> 8<br><b>user:</b> higher &lt;b&gt;<br><b>assistant:</b> 12" in html
+    assert "<b>user:</b> low <i>(cut by the token budget)</i>" in html  # an observation cut by rollout.max_episode_tokens
     assert "pretty good and fun number 1 ." in html  # single-turn rows as before
