@@ -1,7 +1,7 @@
 """A small SVG chart renderer for the report, standard library only: panels of lines and points over a
 linear x and y axis with 1-2-5 ticks, dashed lines, markers, vertical bands, a legend, a colour bar.
 
-It replaced matplotlib, whose import and Agg drawing took ~5 s of a 48-update report. Every text is
+It replaced matplotlib, whose import and Agg drawing cost 3-4 s of CPU per report. Every text is
 escaped (labels are run names and metric keys, which users choose) and a drawing has no id, script or
 link, so that several can sit inline in one HTML page and each is also a file of its own.
 """
