@@ -48,7 +48,6 @@ class FigureSpec:
     panels: list[Panel]
 
 
-EVAL_STYLE = {"dashed": True, "markers": True}
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")  # matplotlib's tab10
 VIRIDIS = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")  # matplotlib's viridis at 0, 1/4, ..., 1
 
@@ -67,7 +66,7 @@ def figure_specs(runs: list[RunData]) -> list[FigureSpec]:
     return [
         FigureSpec("score", "Score", [
             Panel("score: train (objective/scores) and eval (eval/scores)",
-                  [_metric("objective/scores", "train"), _metric("eval/scores", "eval", **EVAL_STYLE)]),
+                  [_metric("objective/scores", "train"), _metric("eval/scores", "eval", dashed=True, markers=True)]),
             Panel("score - beta x KL (objective/rlhf_reward)", [_metric("objective/rlhf_reward")]),
             *reward_source_panels(runs),
         ]),

@@ -77,7 +77,7 @@ class Plot:
 def axis_limits(values: list[float], margin: float = 0.05) -> tuple[float, float]:
     """The data range widened by `margin` of it on each side (a constant: by a tenth of itself, or 1)."""
     if not values:
-        raise Unplottable("no finite value to draw")
+        raise Unplottable("its values are all NaN or infinite")
     low, high = min(values), max(values)
     if low == high:
         pad = abs(low) * 0.1 or 1.0
