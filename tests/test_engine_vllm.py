@@ -201,6 +201,7 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
     are the old ones), and the engine's logprobs differ from the trainer's by float rounding only, also after the
     update's weights were sent."""
     from conftest import tiny_ppo_config
+    from ppokit.plan import plan_for
     from ppokit.trainer import PPOTrainer
 
     n = 4 if estimator == "grpo" else 1
@@ -209,6 +210,10 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
                              advantage_estimator=estimator, num_samples_per_prompt=n, learning_rate=3e-2)
     config.rollout.engine = "vllm"
     trainer = PPOTrainer(config, show_progress=False)
+    # `ppokit plan` counts the engine the trainer built: its weight copy + the KV cache it was given
+    engine, planned = trainer.rollout_engine, plan_for(config).engine
+    weight_copy = sum(t.numel() * t.element_size() for t in {id(p): p for p in trainer.policy.parameters()}.values())
+    assert planned.held == weight_copy + engine._options["kv_cache_memory_bytes"]
     try:
         first, second = trainer.step(), trainer.step()
     finally:

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from ppokit.engines.base import Sampling
+from ppokit.engines.base import EngineMemory, EngineSizing, Sampling, step_logits_bytes
 from ppokit.engines.weights import architecture, policy_weights, unwrap
 from ppokit.episodes import Episodes
 from ppokit.errors import UserError
@@ -97,6 +97,12 @@ def kv_cache_bytes(config, dtype: torch.dtype, sequences: int, max_model_len: in
     return max(KV_CACHE_FLOOR, per_token * tokens * (sequences + 1))
 
 
+def engine_shape(settings, longest_sequence: int, rows_per_rollout: int, rows_per_forward: int) -> tuple[int, int]:
+    """(max_model_len, max_num_seqs) of the engine a run builds: rollout.max_model_len, else the longest prompt + the
+    room after it; the rows of one update's rollout decoded together (else of one sampling forward)."""
+    return settings.max_model_len or longest_sequence, max(1, rows_per_rollout or rows_per_forward)
+
+
 class VLLMEngine:
     """A vLLM engine in this process sampling for the trainer (see the module docstring).
 
@@ -150,22 +156,33 @@ class VLLMEngine:
 
     @classmethod
     def create(cls, setup) -> "VLLMEngine":
-        """From the trainer's EngineSetup: the `rollout:` keys, max_model_len defaulting to the longest prompt + the
-        response budget, the rollout's rows decoded together."""
+        """From the trainer's EngineSetup: the `rollout:` keys, and the engine's shape (`engine_shape`)."""
         settings = setup.settings
         if settings.max_model_len is not None and settings.max_model_len < setup.longest_sequence:
-            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + ppo.response_length "
-                            f"({setup.longest_sequence}); raise it or remove the key (its default is that sum)")
-        return cls(setup.policy, setup.pad_token_id, settings.max_model_len or setup.longest_sequence,
-                   max_num_seqs=max(1, setup.rows_per_rollout or setup.rows_per_forward),
+            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + the tokens after it "
+                            f"(ppo.response_length, or with an environment the episode's budget: {setup.longest_sequence}); "
+                            "raise it or remove the key (its default is that sum)")
+        max_model_len, max_num_seqs = engine_shape(settings, setup.longest_sequence, setup.rows_per_rollout, setup.rows_per_forward)
+        return cls(setup.policy, setup.pad_token_id, max_model_len, max_num_seqs=max_num_seqs,
                    gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
                    enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
 
     @staticmethod
-    def sampling_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
-        """The engine's KV cache for `rows` sequences of `seq` tokens (on CPU it is sized so; on GPU it is what the
-        rows need of gpu_memory_utilization). Its copy of the weights is held beside the training ones."""
-        return 2 * dims["layers"] * dims["kv"] * (rows + 1) * seq * act_bytes
+    def memory(sizing: EngineSizing) -> EngineMemory:
+        """For `ppokit plan`. On GPU: rollout.gpu_memory_utilization of the device's memory, which vLLM reserves at
+        start for its weight copy and KV cache (and its own activations), held all run long, or with rollout.sleep
+        freed during each optimisation. On CPU: its weight copy + the KV cache it is built with (`kv_cache_bytes`),
+        all run long (sleep mode is refused there), and while sampling one step's logits of the rows decoded together."""
+        settings = sizing.settings
+        if sizing.on_gpu:
+            share = f"rollout engine (vLLM): rollout.gpu_memory_utilization {settings.gpu_memory_utilization:g} of the device (weight copy + KV cache)"
+            return EngineMemory(held=int(settings.gpu_memory_utilization * sizing.device_memory), released_for_training=settings.sleep,
+                                what=share + (", freed while training (rollout.sleep)" if settings.sleep else ""),
+                                lighter=() if settings.sleep else (("sleep", True),))
+        max_model_len, max_num_seqs = engine_shape(settings, sizing.longest_sequence, sizing.rows_per_rollout, sizing.rows_per_forward)
+        return EngineMemory(held=sizing.weight_bytes + kv_cache_bytes(sizing.model_config, sizing.dtype, max_num_seqs, max_model_len),
+                            sampling=step_logits_bytes(max_num_seqs, sizing.dims["vocab"]),
+                            what=f"rollout engine (vLLM): weight copy + KV cache for {max_num_seqs} sequences of {max_model_len} tokens")
 
     @property
     def policy(self) -> nn.Module:
