@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vll
 
 HIDDEN, HEADS, LAYERS = 128, 2, 2
 NEW_TOKENS = 12
-MAX_LEN = 64
+LONG_PROMPT = 140  # more than one block of vLLM's CPU KV cache (128 tokens)
+MAX_LEN = LONG_PROMPT + NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +103,34 @@ def test_greedy_equals_transformers_before_and_after_updates(engine, policy, pro
     assert after != before  # the updates changed what greedy decoding says: the sync carried them
 
 
-def test_sampled_token_logprobs_agree_with_a_training_forward(engine, policy, prompts, tokenizer):
-    temperature = 0.7
-    torch.manual_seed(3)
+def test_a_long_prompt_seen_before_a_weight_sync_is_read_again_with_the_new_weights(engine, policy, tokenizer):
+    """vLLM keeps the keys and values of whole prompt blocks (128 tokens on CPU) and reuses them for a prompt that
+    starts the same (prefix caching, on by default): without emptying that cache at a weight sync, a long prompt
+    sampled again after the update was continued from the old weights' keys and values."""
+    torch.manual_seed(1)
+    long_prompts = [torch.randint(4, len(tokenizer), (LONG_PROMPT,)).tolist() for _ in range(4)]
+    assert_logprobs_agree(engine, policy, long_prompts)  # their first blocks are cached now
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    engine.sync_weights(policy)
+    assert_logprobs_agree(engine, policy, long_prompts)
+
+
+def assert_logprobs_agree(engine, model, prompts, temperature=0.7):
+    """The engine's sampled-token logprobs at `temperature` are a training forward's within float rounding."""
     episodes = engine.generate(prompts, Sampling(NEW_TOKENS, temperature, None))
     with torch.no_grad():
-        want, _ = response_logprobs(policy, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
+        want, _ = response_logprobs(model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
                                     episodes.loss_mask, temperature)
     assert episodes.loss_mask.all() and episodes.logprobs.dtype == torch.float32
     # Logits of the same weights through other kernels: a few ulps per layer of the hidden-size reductions.
     assert_float32_close(episodes.logprobs, want, terms=HIDDEN * LAYERS, ulps=16, scale=want.abs().max().item() / temperature)
+
+
+def test_sampled_token_logprobs_agree_with_a_training_forward(engine, policy, prompts, tokenizer):
+    torch.manual_seed(3)
+    assert_logprobs_agree(engine, policy, prompts)
 
 
 def test_episodes_layout_and_the_stop_token(engine, policy, prompts, tokenizer):
@@ -182,6 +201,7 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
     are the old ones), and the engine's logprobs differ from the trainer's by float rounding only, also after the
     update's weights were sent."""
     from conftest import tiny_ppo_config
+    from ppokit.plan import plan_for
     from ppokit.trainer import PPOTrainer
 
     n = 4 if estimator == "grpo" else 1
@@ -190,6 +210,10 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
                              advantage_estimator=estimator, num_samples_per_prompt=n, learning_rate=3e-2)
     config.rollout.engine = "vllm"
     trainer = PPOTrainer(config, show_progress=False)
+    # `ppokit plan` counts the engine the trainer built: its weight copy + the KV cache it was given
+    engine, planned = trainer.rollout_engine, plan_for(config).engine
+    weight_copy = sum(t.numel() * t.element_size() for t in {id(p): p for p in trainer.policy.parameters()}.values())
+    assert planned.held == weight_copy + engine._options["kv_cache_memory_bytes"]
     try:
         first, second = trainer.step(), trainer.step()
     finally:

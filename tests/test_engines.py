@@ -80,10 +80,32 @@ class _recording:
         return False
 
 
-def test_plan_reads_the_engines_sampling_memory():
-    dims = dict(layers=2, kv=8, vocab=10)
-    # keys and values: 2 x layers x kv x rows x seq x bytes; logits and their log-softmax: 2 x rows x vocab x 4
-    assert engines.engine_class("hf").sampling_bytes(dims, rows=3, seq=5, act_bytes=4) == 2 * 2 * 8 * 3 * 5 * 4 + 2 * 3 * 10 * 4
+def _sizing(settings, on_gpu=False):
+    from transformers import LlamaConfig
+
+    # 2 layers, 2 key/value heads of 32: kv = 64
+    model_config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               vocab_size=10)
+    return engines.EngineSizing(model_config, dict(layers=2, kv=64, vocab=10), weight_bytes=1000, dtype=torch.float32, act_bytes=2,
+                                rows_per_forward=3, rows_per_rollout=6, longest_sequence=5, settings=settings,
+                                device_memory=8 * 2**30, on_gpu=on_gpu)
+
+
+def test_plan_reads_the_engines_memory():
+    from ppokit.config import RolloutConfig
+
+    # hf: nothing of its own; keys and values 2 x layers x kv x rows x seq x bytes, logits and their log-softmax 2 x rows x vocab x 4
+    assert engines.engine_class("hf").memory(_sizing(RolloutConfig())) == engines.EngineMemory(sampling=2 * 2 * 64 * 3 * 5 * 2 + 2 * 3 * 10 * 4)
+    vllm = engines.engine_class("vllm")
+    # CPU: the weight copy + the KV cache for the rollout's 6 rows (+ 1) of 16384 tokens (128 blocks of 128), float32 like the weights
+    on_cpu = vllm.memory(_sizing(RolloutConfig(engine="vllm", max_model_len=16384)))
+    assert (on_cpu.held, on_cpu.sampling, on_cpu.released_for_training) == (1000 + 2 * 2 * 64 * 4 * 16384 * 7, 2 * 6 * 10 * 4, False)
+    assert vllm.memory(_sizing(RolloutConfig(engine="vllm"))).held == 1000 + 64 * 2**20  # 5 tokens: under the cache's floor
+    # GPU: its share of the device, freed while training with sleep
+    on_gpu = vllm.memory(_sizing(RolloutConfig(engine="vllm", gpu_memory_utilization=0.25, sleep=True), on_gpu=True))
+    assert (on_gpu.held, on_gpu.sampling, on_gpu.released_for_training, on_gpu.lighter) == (2 * 2**30, 0, True, ())
+    assert [on_gpu.during(phase) for phase in ("sampling", "forward", "training")] == [2 * 2**30, 2 * 2**30, 0]
+    assert vllm.memory(_sizing(RolloutConfig(engine="vllm"), on_gpu=True)).lighter == (("sleep", True),)
 
 
 # --------------------------------------------------------------------------- truncated importance sampling

@@ -19,7 +19,8 @@ import yaml
 
 from ppokit import parallel
 
-TORCHRUN = shutil.which("torchrun")
+# The torchrun of the environment running the tests (a venv's, as .ci/vllm-env's), else the one on PATH.
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 CHECKS = Path(__file__).with_name("parallel_checks.py")
 needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
 
@@ -54,8 +55,10 @@ def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo)
     return config
 
 
-def _launch(config, *extra, use_cpu=True, processes=2):
-    command = [TORCHRUN, "--nproc_per_node", str(processes), "-m", "ppokit", "ppo", str(config), *extra]
+def _launch(config, *extra, use_cpu=True, processes=2, port=None):
+    """port: the rendezvous's (default torchrun's 29500, which one test file alone may use at a time)."""
+    ports = ["--master_port", str(port)] if port is not None else []
+    command = [TORCHRUN, "--nproc_per_node", str(processes), *ports, "-m", "ppokit", "ppo", str(config), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env(use_cpu))
 
 

@@ -171,6 +171,9 @@ def test_token_budget_cuts_observations_and_turns(game_tokenizer):
     assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation)[:2]
     assert episodes.loss_mask[0].tolist() == [True, True, False, False]
     assert outcome.truncated == [True] and outcome.turns == [1] and not bool(episodes.ended[0])
+    # the transcript shows the observation as the model read it, cut and marked so
+    cut = tok.decode(ids(tok, observation)[:2], skip_special_tokens=True)
+    assert outcome.transcripts[0][-1] == {"role": "user", "text": cut, "cut": True} and cut != observation
     episodes, outcome = run(6)  # 7 <eos> obs(3) + one token of the next turn, cut
     assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation) + [seven]
     assert episodes.loss_mask[0].tolist() == [True, True, False, False, False, True]

@@ -3,8 +3,6 @@ the self-contained HTML (and, where Chromium is installed, the page in a real br
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 import os
@@ -13,6 +11,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import yaml
@@ -22,6 +21,7 @@ from ppokit.report import AlarmThresholds, find_alarms, make_report, read_run
 from test_cli import ppokit
 
 BATCH = 32
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 def healthy_records(n: int = 24, seed: int = 0) -> list[dict]:
@@ -232,14 +232,14 @@ def test_report_of_a_healthy_run_says_no_alarms_and_is_self_contained(tmp_path):
     page = Path(summary["output"]).read_text()
     assert "no alarms (24 updates checked)" in page
     assert not re.search(r"""(src|href)=["']?(https?:|//)""", page)  # no request to anywhere
-    images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == len(summary["figures"]) >= 6
-    from PIL import Image
-
-    for encoded, path in zip(images, summary["figures"]):
-        assert base64.b64decode(encoded) == Path(path).read_bytes()
-        assert Image.open(io.BytesIO(Path(path).read_bytes())).size[0] > 300
-    assert {Path(p).stem for p in summary["figures"]} == {"frontier", "score", "kl", "policy", "length", "value", "run"}
+    drawings = re.findall(r"<svg .*?</svg>", page, re.S)  # inline, each the same as its file
+    assert len(drawings) == len(summary["figures"]) >= 6
+    for drawing, path in zip(drawings, summary["figures"]):
+        assert drawing.encode() == Path(path).read_bytes()
+        root = ElementTree.fromstring(drawing)
+        assert root.tag == SVG + "svg" and float(root.get("width")) > 300
+    assert {Path(p).name for p in summary["figures"]} == {f"{name}.svg" for name in ("frontier", "score", "kl", "policy", "length", "value", "run")}
+    assert "<script" not in page and " id=" not in "".join(drawings)  # ids would clash between drawings on one page
     # the samples of each fixed eval prompt at each generation
     assert page.count("<h3>prompt: prompt 0</h3>") == 1 and "pretty good and fun number 0" in page
     assert "explained variance" in " ".join(summary["skipped"])  # not logged by this run: said, not drawn
@@ -298,9 +298,128 @@ def test_several_runs_overlaid_with_distinct_labels(tmp_path):
     assert "Samples: kl0.05/ppo" in page and "Samples: kl0.2/ppo" in page and "<td class=num>0.200</td>" in page
 
 
+def panels_of(drawing: str) -> dict[str, ElementTree.Element]:
+    """The panels (`<g class="panel">`) of an SVG drawing, by title."""
+    root = ElementTree.fromstring(drawing)
+    return {g.find(f"{SVG}text[@class='title']").text: g for g in root.iter(f"{SVG}g") if g.get("class") == "panel"}
+
+
+def of_class(element: ElementTree.Element, tag: str, name: str) -> list[ElementTree.Element]:
+    return [e for e in element.iter(SVG + tag) if e.get("class") == name]
+
+
+def legend_of(panel: ElementTree.Element) -> list[str]:
+    return [t.text for t in of_class(panel, "text", "entry")]
+
+
+def axis(panel: ElementTree.Element, name: str):
+    """(pixel -> value, value units per pixel) of axis `name` ("x" or "y"), read from its first and last tick:
+    the grid line's position and the label's number."""
+    pixels = [float(line.get(f"{name}1")) for line in of_class(panel, "line", f"{name}grid")]
+    values = [float(t.text) for t in of_class(panel, "text", f"{name}tick")]
+    assert len(pixels) == len(values) >= 2
+    (p0, v0), (p1, v1) = (pixels[0], values[0]), (pixels[-1], values[-1])
+    return (lambda p: v0 + (p - p0) * (v1 - v0) / (p1 - p0)), abs((v1 - v0) / (p1 - p0))
+
+
+def read_back(panel: ElementTree.Element) -> tuple[list[list[tuple[float, float]]], list[tuple[float, float]], float, float]:
+    """The panel's polylines and markers in data units, and the tolerance on x and y: 0.2 pixel (coordinates
+    are written to 0.1 pixel, the ticks too)."""
+    x, x_unit = axis(panel, "x")
+    y, y_unit = axis(panel, "y")
+    lines = [[(x(float(px)), y(float(py))) for px, py in (p.split(",") for p in line.get("points").split())]
+             for line in of_class(panel, "polyline", "series")]
+    markers = [(x(float(c.get("cx"))), y(float(c.get("cy")))) for c in of_class(panel, "circle", "marker")]
+    return lines, markers, 0.2 * x_unit, 0.2 * y_unit
+
+
+def assert_at(drawn: list[tuple[float, float]], expected: list[tuple[float, float]], x_tol: float, y_tol: float):
+    assert len(drawn) == len(expected), (drawn, expected)
+    for (x, y), (u, v) in zip(drawn, expected):
+        assert abs(x - u) <= x_tol and abs(y - v) <= y_tol, (drawn, expected)
+
+
+def test_each_value_is_drawn_at_its_update_and_value_on_the_axes(tmp_path):
+    """A hand-made metrics file read back from the SVG through its own tick labels: one point per update,
+    a non-finite value a gap in the line, the eval line dashed with a marker at each eval."""
+    kl = [0.5, 1.25, math.nan, 2.0, 3.5, math.inf, 4.0, 4.5]
+    records = [{"update": u, "episode": BATCH * u, "objective/kl": v, "objective/scores": 0.1 * u} for u, v in enumerate(kl, 1)]
+    for r in records[3::4]:
+        r["eval/scores"] = 0.2 * r["update"]
+    summary = make_report([write_run(tmp_path / "run", records)], tmp_path / "report.html")
+    drawing = {Path(p).stem: Path(p).read_text() for p in summary["figures"]}
+
+    panel = panels_of(drawing["kl"])["KL to the reference (objective/kl, nats per sequence)"]
+    lines, markers, x_tol, y_tol = read_back(panel)
+    assert len(lines) == 3 and markers == [] and legend_of(panel) == []  # one run, one line: no legend
+    for line, expected in zip(lines, [[(1, 0.5), (2, 1.25)], [(4, 2.0), (5, 3.5)], [(7, 4.0), (8, 4.5)]]):
+        assert_at(line, expected, x_tol, y_tol)
+
+    panel = panels_of(drawing["score"])["score: train (objective/scores) and eval (eval/scores)"]
+    lines, markers, x_tol, y_tol = read_back(panel)
+    assert_at(lines[0], [(u, 0.1 * u) for u in range(1, 9)], x_tol, y_tol)
+    assert_at(lines[1], [(4, 0.8), (8, 1.6)], x_tol, y_tol)
+    assert_at(markers, [(4, 0.8), (8, 1.6)], x_tol, y_tol)
+    train, evals = of_class(panel, "polyline", "series")
+    assert train.get("stroke-dasharray") is None and evals.get("stroke-dasharray") and train.get("stroke") == evals.get("stroke")
+    assert legend_of(panel) == ["train", "eval"]
+    ticks = [t.text for t in of_class(panel, "text", "xtick")]
+    assert ticks == [str(u) for u in range(1, 9)] or ticks == [str(u) for u in range(2, 9, 2)]  # whole updates, a 1-2-5 step
+
+
+def test_ticks_are_round_numbers_in_steps_of_1_2_or_5():
+    from ppokit.report import svg
+
+    assert [label for _, label in svg.ticks(0.0, 1.0, 6)] == ["0.0", "0.2", "0.4", "0.6", "0.8", "1.0"]
+    assert [label for _, label in svg.ticks(-0.013, 0.031, 5)] == ["-0.01", "0.00", "0.01", "0.02", "0.03"]
+    assert [label for _, label in svg.ticks(0.5, 48.5, 6, integer=True)] == ["10", "20", "30", "40"]
+    assert [label for _, label in svg.ticks(0.5, 3.5, 8, integer=True)] == ["1", "2", "3"]  # never between updates
+    assert [label for _, label in svg.ticks(1.0e-5, 3.2e-4, 4)] == ["1e-4", "2e-4", "3e-4"]
+    assert [label for _, label in svg.ticks(2.0e6, 3.1e6, 3)] == ["2.0e6", "2.5e6", "3.0e6"]
+    with pytest.raises(svg.Unplottable, match="span more than a chart's axis can"):
+        svg.axis_limits([-1.7e308, 1.7e308])
+    with pytest.raises(svg.Unplottable, match="all NaN or infinite"):
+        svg.axis_limits([])
+
+
+def test_several_runs_keep_one_colour_each_in_every_figure(tmp_path):
+    a = write_run(tmp_path / "a", healthy_records(12, seed=1))
+    b = write_run(tmp_path / "b", healthy_records(12, seed=2))
+    summary = make_report([a, b], tmp_path / "report.html")
+    colours: dict[str, set[str]] = {"a": set(), "b": set()}
+    for path in summary["figures"]:
+        for panel in panels_of(Path(path).read_text()).values():
+            for line in of_class(panel, "polyline", "series"):
+                colours[line.find(SVG + "title").text.split()[0]].add(line.get("stroke"))
+            if Path(path).stem != "frontier":
+                assert legend_of(panel)[:2] in (["a", "b"], ["a train", "a eval"], ["a policy", "a value"]), legend_of(panel)
+    assert len(colours["a"]) == len(colours["b"]) == 1 and colours["a"] != colours["b"]
+    frontier = panels_of(Path(summary["figures"][0]).read_text())
+    (panel,) = frontier.values()
+    assert legend_of(panel) == ["a (mean of 5 updates)", "a eval score", "b (mean of 5 updates)", "b eval score"]
+    assert [t.text for t in of_class(panel, "text", "note")] == ["update 12", "update 12"]  # where each path ends
+
+
+def test_run_names_and_metric_keys_are_escaped_in_the_page_and_its_charts(tmp_path):
+    """Run names (run_name) and reward source names (metric keys) are the user's: they come out as text."""
+    evil = """<script>alert(1)</script> & "q" 's"""
+    key = "reward/<img src=x onerror=alert(2)>"
+    records = healthy_records(8)
+    for r in records:
+        r[key] = 0.5 + 0.01 * r["update"]
+    a = write_run(tmp_path / "a", records, config={**CONFIG, "run_name": evil})
+    b = write_run(tmp_path / "b", healthy_records(8, seed=1))
+    summary = make_report([a, b], tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    assert "<script" not in page and "<img" not in page
+    score = panels_of(Path(summary["figures"][1]).read_text())  # the files parse as XML; the texts read back whole
+    assert legend_of(score[f"{key} (raw score of the source)"]) == [evil]
+    assert legend_of(score["score - beta x KL (objective/rlhf_reward)"]) == [evil, "b"]
+
+
 def test_a_normalised_runs_scores_are_labelled_where_they_meet_raw_scores(tmp_path):
     """With reward.normalize the scores are z-scores: overlaid on a raw run's, unlabelled, they read as
-    the same scale. Read back from the matplotlib figures the report draws and from its table."""
+    the same scale. Read back from the SVG figures the report draws and from its table."""
     from ppokit.report import figures
     from ppokit.report.page import runs_table
 
@@ -311,17 +430,18 @@ def test_a_normalised_runs_scores_are_labelled_where_they_meet_raw_scores(tmp_pa
     mark = "normalised (reward.normalize)"
 
     spec = next(s for s in figures.figure_specs([raw, norm]) if s.name == "score")
-    fig = figures.draw_curves(spec, [raw, norm], [], skipped=[])
-    legends = {ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes if ax.get_legend()}
+    legends = {title: legend_of(panel) for title, panel in panels_of(figures.draw_curves(spec, [raw, norm], [], skipped=[])).items()}
     assert legends["score: train (objective/scores) and eval (eval/scores)"] == [
         "raw train", "raw eval", f"norm train {mark}", f"norm eval {mark}"]
     assert legends["score - beta x KL (objective/rlhf_reward)"] == ["raw", f"norm {mark}"]
     assert legends["reward/sentiment (raw score of the source)"] == ["raw", "norm"]  # raw in both runs
-    frontier = [t.get_text() for t in figures.draw_frontier([raw, norm], []).axes[0].get_legend().get_texts()]
-    assert frontier == ["raw (mean of 5 updates)", "raw eval score", f"norm {mark} (mean of 5 updates)", f"norm eval score {mark}"]
+    (frontier,) = panels_of(figures.draw_frontier([raw, norm], [])).values()
+    assert legend_of(frontier) == ["raw (mean of 5 updates)", "raw eval score", f"norm {mark} (mean of 5 updates)", f"norm eval score {mark}"]
 
-    alone = figures.draw_curves(spec, [norm], [], skipped=[])  # one run: its lines say it too
-    assert [t.get_text() for t in alone.axes[0].get_legend().get_texts()] == [f"train {mark}", f"eval {mark}"]
+    alone = panels_of(figures.draw_curves(spec, [norm], [], skipped=[]))  # one run: its lines say it too
+    assert legend_of(alone["score: train (objective/scores) and eval (eval/scores)"]) == [f"train {mark}", f"eval {mark}"]
+    (frontier,) = panels_of(figures.draw_frontier([norm], [])).values()
+    assert legend_of(frontier) == [f"train score {mark}, one point per update", "path (mean of 5 updates)", f"eval score {mark}"]
     assert "(normalised)</td>" in runs_table([norm]) and "(normalised)" not in runs_table([raw])
 
 
@@ -384,7 +504,7 @@ def test_report_output_never_replaces_a_file_of_a_run_it_reads(tmp_path, capsys)
     run = write_run(tmp_path / "run", healthy_records(4))
     (run / "checkpoints" / "update-2").mkdir(parents=True)
     (run / "link.html").symlink_to(run / "metrics.jsonl")  # resolved: it is the metrics file
-    (run / "redirected_figures").symlink_to(run / "checkpoints")  # its PNGs would land in checkpoints/
+    (run / "redirected_figures").symlink_to(run / "checkpoints")  # its figures would land in checkpoints/
     before = run_files(run)
     for output in ("metrics.jsonl", "config.yaml", "samples.jsonl", "final", "final/r.html", "checkpoints/update-2/r.html",
                    "new/r.html", "link.html", "redirected.html", "."):
@@ -401,7 +521,7 @@ def test_report_output_never_replaces_a_file_of_a_run_it_reads(tmp_path, capsys)
     capsys.readouterr()
     after = run_files(run)
     assert {name: data for name, data in after.items() if not name.startswith("report")} == before
-    assert "report.html" in after and "report_figures/score.png" in after
+    assert "report.html" in after and "report_figures/score.svg" in after
 
 
 def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
@@ -424,14 +544,18 @@ def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
         "metrics.jsonl: skipped lines 9-10: no integer `update` from 0 to 9007199254740992",
         "metrics.jsonl: left out values that are not numbers: episode (line 1); objective/kl (line 3); reward/skipped (line 4); eps (line 5)",
     ]
-    drawn = {Path(p).stem for p in summary["figures"]}
-    assert "value" in drawn or any(s.startswith("Losses and the critic: not drawn, its values are out of the range matplotlib can draw")
-                                   for s in summary["skipped"]), summary["skipped"]
+    # a panel whose values no axis can span is left out and said; the rest of its figure is drawn
+    assert "policy loss (loss/policy_avg): not drawn, its values (from -1.7e+308 to 1.7e+308) span more than a chart's axis can" in summary["skipped"]
+    assert "entropy per token (policy/entropy_avg): not drawn, its values (from 1.7e+308 to 1.7e+308) span more than a chart's axis can" in summary["skipped"]
+    value = panels_of(Path(summary["figures"][5]).read_text())
+    assert summary["figures"][5].endswith("value.svg") and list(value) == ["value loss (loss/value_avg)"]
+    lines, _, x_tol, _ = read_back(panels_of(Path(summary["figures"][6]).read_text())["episodes per second (eps)"])
+    assert [round(x) for x, _ in lines[0]] == [1, 2, 3, 4, 6, 7, 8]  # eps of update 5 (10**400) left out
     assert "<td>7</td>" in (tmp_path / "report.html").read_text()  # the reward source, as config.yaml has it
 
 
 def test_report_onto_a_full_disk_or_into_a_read_only_folder_is_one_line_and_leaves_nothing_half_written(tmp_path):
-    """Both were a traceback, the full disk with a partial PNG left. The page and its PNGs are written to
+    """Both were a traceback, the full disk with a partial PNG left. The page and its figures are written to
     temporary names and renamed into place only once all are written: the earlier report stays whole.
     A full disk and a read-only folder are real tmpfs mounts where a private mount namespace is allowed;
     elsewhere a file size limit (EFBIG, as `ulimit -f`) stands for the full disk and permission bits
@@ -448,11 +572,11 @@ def test_report_onto_a_full_disk_or_into_a_read_only_folder_is_one_line_and_leav
         return one_error_line("\n".join(lines)), left.removeprefix("left:").strip()
 
     page = folder / "report.html"
-    if private_mount_namespace():  # the PNGs (50-120 kB each) do not fit in 64 kB
-        line, left = error_and_what_is_left(*ppokit_on_a_mount("size=64k", folder, "report", run, "--output", page))
+    if private_mount_namespace():  # the figures (4-12 kB each) do not fit in 16 kB
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("size=16k", folder, "report", run, "--output", page))
         assert line.startswith(f"ppokit: error: report output {page}: cannot write {folder / 'report_figures'}/"), line
-        assert line.endswith(".png (No space left on device)") and left == "", (line, left)
-        line, left = error_and_what_is_left(*ppokit_on_a_mount("ro,size=64k", folder, "report", run, "--output", page))
+        assert line.endswith(".svg (No space left on device)") and left == "", (line, left)
+        line, left = error_and_what_is_left(*ppokit_on_a_mount("ro,size=16k", folder, "report", run, "--output", page))
         assert line == f"ppokit: error: report output {page}: cannot make {folder / 'report_figures'} (Read-only file system)"
         assert left == ""
     else:
@@ -493,8 +617,12 @@ def test_report_on_a_real_ppo_run(model_dir, prompts_file, tmp_path):
 
 PROBE = """<script>
 window.addEventListener("load", () => {
-  for (const img of document.images) if (!img.complete || img.naturalWidth === 0) console.error("image did not load: " + img.alt);
-  console.log("probe: " + document.images.length + " images");
+  const charts = document.querySelectorAll("svg.chart");
+  for (const svg of charts) {
+    const box = svg.getBoundingClientRect(), lines = svg.querySelectorAll("polyline, circle").length;
+    if (box.width < 300 || box.height < 150 || lines === 0) console.error("chart not drawn: " + svg.getAttribute("aria-label"));
+  }
+  console.log("probe: " + charts.length + " charts");
 });
 </script>"""
 
@@ -503,7 +631,7 @@ window.addEventListener("load", () => {
 def test_report_renders_in_headless_chromium(tmp_path):
     run = write_run(tmp_path / "run", healthy_records())
     make_report([run], tmp_path / "report.html")
-    # The probe reports, as console errors, any image the browser could not decode; the report has no script of its own.
+    # The probe reports, as console errors, any chart the browser lays out empty or tiny; the report has no script of its own.
     page = (tmp_path / "report.html").read_text()
     assert "<script" not in page
     (tmp_path / "probed.html").write_text(page.replace("</body>", PROBE + "</body>"))
@@ -515,10 +643,9 @@ def test_report_renders_in_headless_chromium(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     console = [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
-    assert any("probe: 7 images" in line for line in console), result.stderr[-2000:]
+    assert any("probe: 7 charts" in line for line in console), result.stderr[-2000:]
     assert [line for line in console if "probe:" not in line] == []
-    from PIL import Image
-
+    Image = pytest.importorskip("PIL.Image", reason="reading the screenshot needs Pillow")
     image = Image.open(shot).convert("RGB")
     assert image.size == (1320, 2400)
     colours = image.getcolors(maxcolors=1 << 20)
@@ -555,9 +682,11 @@ def test_the_report_imports_nothing_of_the_trainer():
 def test_samples_of_multi_turn_episodes_show_their_turns_marked(tmp_path):
     from ppokit.report.page import samples_section
 
-    turns = [{"role": "assistant", "text": "8"}, {"role": "user", "text": "higher <b>"}, {"role": "assistant", "text": "12"}]
+    turns = [{"role": "assistant", "text": "8"}, {"role": "user", "text": "higher <b>"}, {"role": "assistant", "text": "12"},
+             {"role": "user", "text": "low", "cut": True}]
     samples = sample_rows()
-    samples[0] = {**samples[0], "completion": "8 higher <b> 12", "turns": turns}
+    samples[0] = {**samples[0], "completion": "8 higher <b> 12 low", "turns": turns}
     html = samples_section(read_run(write_run(tmp_path / "run", healthy_records(), samples)), max_prompts=2)
     assert "<b>assistant:</b> 8<br><b>user:</b> higher &lt;b&gt;<br><b>assistant:</b> 12" in html
+    assert "<b>user:</b> low <i>(cut by the token budget)</i>" in html  # an observation cut by rollout.max_episode_tokens
     assert "pretty good and fun number 1 ." in html  # single-turn rows as before

@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and crashed runs. Alarm thresholds are explained in docs/report.md.",
     )
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (a PPO run's output_dir); several are overlaid")
-    report.add_argument("--output", default="report.html", help="the HTML file (default report.html); PNGs go to <name>_figures/ beside it")
+    report.add_argument("--output", default="report.html", help="the HTML file (default report.html); each chart also goes to <name>_figures/ beside it, as SVG")
     report.add_argument("--thresholds", metavar="FILE", help="YAML mapping of alarm thresholds (docs/report.md lists them)")
     report.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE", help="set one alarm threshold (repeatable; after --thresholds)")
     report.add_argument("--samples", type=int, default=4, metavar="N", help="eval prompts whose completions are shown (default 4)")

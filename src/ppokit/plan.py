@@ -6,7 +6,10 @@ are exactly what the trainer will optimise. The memory formulas are in docs/memo
 
 The estimate is persistent memory (weights, gradients, optimiser state of every role) plus the
 largest of three phases that never overlap: sampling (KV cache), the no-gradient forwards
-(reference, value, reward) and training (policy and value activations of one micro-batch).
+(reference, value, reward) and training (policy and value activations of one micro-batch), plus
+what the rollout engine holds of its own during each (`engines.EngineMemory`: vLLM's weight copy and
+KV cache). A sequence is the longest prompt + the room after it: ppo.response_length, or a multi-turn
+episode's budget (`episode_loop.response_room`, as the trainer reads it).
 
 It is per device, for `processes` processes (WORLD_SIZE, or `ppokit plan --processes N`), under
 both parallel strategies: ddp holds every role whole on each device; fsdp holds 1/N of each
@@ -30,6 +33,7 @@ from torch import nn
 
 from ppokit import engines
 from ppokit.config import BatchSizes, LoraConfig, PPOConfig
+from ppokit.environments.episode_loop import response_room
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
@@ -120,6 +124,7 @@ class Plan:
     sharding: Sharding = field(default_factory=Sharding)
     sharding_suggestion: Optional[str] = None  # "parallel.strategy: fsdp with N processes (...)"
     rollback: str = "off"  # ppo.nonfinite_rollback: where the copy of each update's start goes (host memory, disk, none)
+    engine: engines.EngineMemory = field(default_factory=engines.EngineMemory)  # the rollout engine's own memory
 
     def rollback_bytes(self) -> int:
         """The copy ppo.nonfinite_rollback memory/disk makes before every update, per process: the trainable
@@ -133,7 +138,7 @@ class Plan:
         """Peak bytes on one device under `strategy` with `sharding.processes` processes."""
         persistent = sum(self.sharding.per_device(r, strategy) for r in self.roles)
         gathered = self.sharding.gathered if STRATEGIES[strategy].shards else {}
-        return persistent + max(v + gathered.get(k, 0) for k, v in self.phases.items())
+        return persistent + max(v + gathered.get(k, 0) + self.engine.during(k) for k, v in self.phases.items())
 
     @property
     def total(self) -> int:
@@ -166,6 +171,7 @@ class Plan:
             },
             "sharding_suggestion": self.sharding_suggestion,
             "rollback": {"mode": self.rollback, "bytes_per_process": self.rollback_bytes()},
+            "engine": dataclasses.asdict(self.engine),
         }
 
     def render(self) -> str:
@@ -179,13 +185,16 @@ class Plan:
                 f"{_gib(r.optimizer):>9} {_gib(r.activations):>9} "
                 + "".join(f"{_gib(self.sharding.per_device(r, s)):>9} " for s in STRATEGIES) + f" {r.source}"
             )
+        if self.engine.what:
+            lines.append(f"{self.engine.what}: {_gib(self.engine.held)} per device"
+                         + (", not during training" if self.engine.released_for_training else ", all run long"))
         lines.append(f"per device with {n} process{'' if n == 1 else 'es'} (weights + grads + optim; fsdp adds the units it gathers): "
                      + ", ".join(f"{s} {_gib(self.total_for(s))} peak" for s in STRATEGIES))
         lines.append("phases (on top of weights, gradients and optimiser state): "
                      + ", ".join(f"{k} {_gib(v)}" for k, v in self.phases.items())
                      + "; fsdp gathers whole units on top: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.sharding.gathered.items()))
         seq = self.sequence
-        lines.append(f"sequence: prompt <= {seq['prompt']} + response {seq['response']} tokens; micro-batch {seq['micro_batch']}, "
+        lines.append(f"sequence: prompt <= {seq['prompt']} + {seq['room']} {seq['response']} tokens; micro-batch {seq['micro_batch']}, "
                      f"forward chunk {seq['forward_chunk']}; training micro-batch <= {seq['micro_batch_tokens']} tokens, "
                      f"LM head {seq['lm_head_positions']} positions at a time")
         if self.sizes:
@@ -381,17 +390,32 @@ def inference_bytes(dims: dict, rows: int, seq: int, act_bytes: int, logits_posi
     return layer + lm_head_bytes(dims, rows * logits_positions, chunk, copies=2)
 
 
-def micro_batch_shape(config: PPOConfig, seq: int) -> tuple[int, int]:
-    """(token positions, response positions through the LM head) of the largest training micro-batch:
-    per_device_train_batch_size rows of the longest row, or with a token budget at most the budget and at
-    most the whole minibatch it packs (per_device_train_batch_size x gradient_accumulation_steps longest
-    rows; every position a response position, at worst)."""
+def micro_batch_shape(config: PPOConfig, seq: int, room: int) -> tuple[int, int]:
+    """(token positions, response positions through the LM head) of the largest training micro-batch of rows of
+    `seq` tokens, `room` of them after the prompt: per_device_train_batch_size longest rows, or with a token budget
+    at most the budget and at most the whole minibatch it packs (per_device_train_batch_size x
+    gradient_accumulation_steps longest rows; every position a response position, at worst)."""
     hp = config.ppo
     rows = hp.per_device_train_batch_size
     if hp.max_tokens_per_micro_batch is None:
-        return rows * seq, rows * (hp.response_length + 1)
+        return rows * seq, rows * (room + 1)
     minibatch_rows = rows * hp.gradient_accumulation_steps
-    return min(hp.max_tokens_per_micro_batch, minibatch_rows * seq), min(hp.max_tokens_per_micro_batch, minibatch_rows * (hp.response_length + 1))
+    return min(hp.max_tokens_per_micro_batch, minibatch_rows * seq), min(hp.max_tokens_per_micro_batch, minibatch_rows * (room + 1))
+
+
+def sequence_room(config: PPOConfig) -> tuple[int, str, str]:
+    """(tokens after the prompt, what they are, the key that sets them): ppo.response_length, or with an environment
+    the episode's budget, model turns and observations together (`episode_loop.response_room`, as the trainer reads it)."""
+    room = response_room(config.rollout, config.environment, config.ppo.response_length)
+    if config.environment is None:
+        return room, "response", "ppo.response_length"
+    return room, "episode", "rollout.max_episode_tokens" if config.rollout.max_episode_tokens else "rollout.max_turns x ppo.response_length"
+
+
+def on_gpu(device_description: str) -> bool:
+    """Whether the planned device is a GPU: one described as cuda (`device_memory`); memory given in GiB
+    (`--device-memory`) is of this machine's kind."""
+    return device_description.startswith("cuda") or (torch.cuda.is_available() and not device_description.startswith("cpu"))
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -422,7 +446,8 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     mixed = config.bf16 or config.fp16
     act_bytes = 2 if mixed else _bytes(dtype)
     dims = _dims(policy_config)
-    seq = prompt_length + hp.response_length
+    room, room_words, room_key = sequence_room(config)
+    seq = prompt_length + room
     micro, chunk = hp.per_device_train_batch_size, hp.local_rollout_forward_batch_size
 
     policy_params, policy_weights, _ = _stats(policy_config, False, dtype, quant, trust_remote_code=trc)
@@ -431,7 +456,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     def trained(role, source, params, weights, trainable, trainable_bytes, activations):
         return RoleEstimate(role, source, params, trainable, weights, trainable * trainable_bytes, 2 * trainable * trainable_bytes, activations)
 
-    tokens, head_positions = micro_batch_shape(config, seq)
+    tokens, head_positions = micro_batch_shape(config, seq, room)
     head_chunk = config.lm_head_chunk_size
     policy_act = train_activation_bytes(dims, tokens, act_bytes, config.gradient_checkpointing) + lm_head_bytes(dims, head_positions, head_chunk)
     if lora is None:
@@ -498,10 +523,15 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
             params, weights, _ = _stats(value_config, True, value_dtype, None, trust_remote_code=trc)
             roles.append(trained("value", source, params, weights, params, _bytes(value_dtype), act))
 
+    # Batch sizes that do not divide are a config error, as `ppokit ppo` (the trainer) raises it: not a warning.
+    sizes = hp.derive(processes, num_prompts or 0) if hp.total_episodes is not None or num_prompts is not None else None
+    engine = engines.engine_class(config.rollout.engine).memory(engines.EngineSizing(
+        policy_config, dims, _stats(policy_config, False, dtype, None, trust_remote_code=trc)[1], dtype, act_bytes, chunk,
+        sizes.local_batch if sizes else 0, seq, config.rollout, device[1], on_gpu(device[0])))
     # Phases that do not overlap.
     phases = {
-        "sampling": engines.engine_class(config.rollout.engine).sampling_bytes(dims, chunk, seq, act_bytes),
-        "forward": max(inference_bytes(dims, chunk, seq, act_bytes, hp.response_length + 1, head_chunk),
+        "sampling": engine.sampling,
+        "forward": max(inference_bytes(dims, chunk, seq, act_bytes, room + 1, head_chunk),
                        inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
         "training": training_activations(roles, processes),
@@ -516,8 +546,6 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         "training": 2 * (2 * unit[0] + unit[1]),
     })
 
-    # Batch sizes that do not divide are a config error, as `ppokit ppo` (the trainer) raises it: not a warning.
-    sizes = hp.derive(processes, num_prompts or 0) if hp.total_episodes is not None or num_prompts is not None else None
     warnings: list[str] = []
     if quant is not None and not torch.cuda.is_available():
         warnings.append(f"quantization: {quant} needs a CUDA device; this machine has none, so `ppokit ppo` will stop before loading weights")
@@ -526,14 +554,14 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     stops = []
     limit = tightest(limits)
     if limit is not None and seq > limit.tokens:
-        stops.append(f"the longest prompt + response is {seq} tokens ({prompt_length} + ppo.response_length {hp.response_length}), "
+        stops.append(f"the longest prompt + {room_words} is {seq} tokens ({prompt_length} + {room_key} {room}), "
                      f"over {limit.describe()}: `ppokit ppo` will stop; "
-                     f"{prompt_room(limit, hp.response_length, config.data.max_prompt_length)}")
+                     f"{prompt_room(limit, room, config.data.max_prompt_length)}")
     plan = Plan(roles, phases, sizes,
-                {"prompt": prompt_length, "response": hp.response_length, "micro_batch": micro, "forward_chunk": chunk,
+                {"prompt": prompt_length, "response": room, "room": room_words, "micro_batch": micro, "forward_chunk": chunk,
                  "micro_batch_tokens": tokens, "lm_head_positions": min(head_positions, head_chunk or head_positions)},
                 device[0], device[1], warnings, layout=layout, stops=stops, strategy=settings.strategy, sharding=sharding,
-                rollback=hp.rollback)
+                rollback=hp.rollback, engine=engine)
     host = _host_memory()
     if plan.rollback == "memory" and host and plan.rollback_bytes() * processes > HEADROOM * host:
         plan.warnings.append(f"ppo.nonfinite_rollback: memory copies {_gib(plan.rollback_bytes())} per process to host memory "
@@ -542,7 +570,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     if not plan.fits and suggest:
         plan.warnings.append(f"estimated {_gib(plan.total)} exceeds {int(HEADROOM * 100)}% of {_gib(plan.device_memory)} ({plan.device})")
         plan.sharding_suggestion = _suggest_processes(plan)
-        plan.suggestion = _suggest(config, prompt_length, num_prompts, device, processes)
+        plan.suggestion = _suggest(config, prompt_length, num_prompts, device, processes, engine)
         if plan.suggestion is None:
             frozen = sum(r.weights for r in plan.roles)
             plan.warnings.append(f"no combination of ppokit's switches fits: the weights alone take {_gib(frozen)}"
@@ -556,12 +584,13 @@ def suggested_lm_head_chunk(vocab: int) -> int:
     return max(16, 1 << (tokens.bit_length() - 1))
 
 
-def _switches(config: PPOConfig, seq: int, chunk: int) -> list[tuple[str, Callable[[PPOConfig], None]]]:
-    """Memory switches in the order worth trying: cheapest loss of fidelity first. The memory-light LM head
-    and a token budget lose none (float rounding, docs/speed.md); the budget starts at one longest row
-    and `_suggest` raises it as far as the other switches allow."""
+def _switches(config: PPOConfig, seq: int, chunk: int, engine: engines.EngineMemory) -> list[tuple[str, Callable[[PPOConfig], None]]]:
+    """Memory switches in the order worth trying: cheapest loss of fidelity first. The rollout engine's lighter
+    settings (rollout.sleep: time only), the memory-light LM head and a token budget lose none (float rounding,
+    docs/speed.md); the budget starts at one longest row and `_suggest` raises it as far as the other switches allow."""
     hp = config.ppo
-    out: list[tuple[str, Callable[[PPOConfig], None]]] = []
+    out: list[tuple[str, Callable[[PPOConfig], None]]] = [
+        (f"rollout.{key}: {json.dumps(value)}", lambda c, key=key, value=value: setattr(c.rollout, key, value)) for key, value in engine.lighter]
     if config.lm_head_chunk_size is None:
         out.append((LIGHT_HEAD_SWITCH, lambda c: setattr(c, "lm_head_chunk_size", chunk)))
     if hp.max_tokens_per_micro_batch is None or hp.max_tokens_per_micro_batch > seq:
@@ -606,16 +635,16 @@ BUDGET_SWITCH, LIGHT_HEAD_SWITCH = "ppo.max_tokens_per_micro_batch", "lm_head_ch
 
 
 def _suggest(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], device: tuple[str, int],
-             processes: Optional[int] = None) -> Optional[str]:
+             processes: Optional[int] = None, engine: engines.EngineMemory = engines.EngineMemory()) -> Optional[str]:
     """The shortest prefix of `_switches` whose estimate fits, with that estimate. The memory-light head and
     the token budget are then left out again where the rest fits without them, and the budget is raised to
     the largest number of longest rows (up to a micro-batch's) that still fits."""
-    seq = prompt_length + config.ppo.response_length
+    seq = prompt_length + sequence_room(config)[0]
     chunk = suggested_lm_head_chunk(_dims(_auto_config(config.model, "model", config.trust_remote_code))["vocab"])
     fits = lambda c: estimate(c, prompt_length, num_prompts, device, suggest=False, processes=processes).fits  # noqa: E731
     trial = copy.deepcopy(config)
     applied = []
-    for text, apply in _switches(config, seq, chunk):
+    for text, apply in _switches(config, seq, chunk, engine):
         apply(trial)
         applied.append(text)
         if fits(trial):

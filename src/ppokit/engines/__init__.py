@@ -4,19 +4,19 @@
 one, importing its module only then. Importing this package imports no torch (the config reads ENGINES).
 
 To add an engine: one module here with a class that implements `base.RolloutEngine` and the three
-class methods below (`create`, `sampling_bytes`, `check_installed`), and one entry in ENGINES.
+class methods below (`create`, `memory`, `check_installed`), and one entry in ENGINES.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 
-from ppokit.engines.base import EngineSetup, RolloutEngine, Sampling, training_between_rollouts  # noqa: F401  (torch-free)
+from ppokit.engines.base import EngineMemory, EngineSetup, EngineSizing, RolloutEngine, Sampling, training_between_rollouts  # noqa: F401  (torch-free)
 
 # name -> "module:class". Every engine class has
 #   create(setup: EngineSetup) -> the engine, reading what it needs of the setup;
-#   sampling_bytes(dims, rows, seq, act_bytes) -> its memory while sampling `rows` sequences of `seq` tokens
-#     (ppokit.plan's model dimensions), for `ppokit plan`;
+#   memory(sizing: EngineSizing) -> EngineMemory: what it holds of its own on the device (all run long, or freed
+#     while training) and what sampling needs on top, from config files alone (no engine library imported), for `ppokit plan`.
 #   check_installed() -> None, or a UserError saying how to install what the engine needs (before any work).
 ENGINES = {
     "hf": "ppokit.engines.hf:HFEngine",

@@ -81,6 +81,57 @@ class EngineSetup:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class EngineSizing:
+    """What `ppokit plan` knows of a run, for an engine class to say its memory (`memory(sizing)`), read from
+    config files alone (nothing loaded, vLLM not imported).
+
+    model_config: the policy's transformers config. dims: the plan's model dimensions (layers, kv = key/value
+    heads x head_dim, vocab, ...). weight_bytes: the policy's weights once, unquantised, in `dtype` (a copy of them).
+    act_bytes: bytes per activation of the training forwards. rows_per_forward / rows_per_rollout / longest_sequence /
+    settings: as in EngineSetup (rows_per_rollout 0: unknown). device_memory: the device's bytes; on_gpu: it is a GPU.
+    """
+
+    model_config: Any
+    dims: dict
+    weight_bytes: int
+    dtype: "torch.dtype"
+    act_bytes: int
+    rows_per_forward: int
+    rows_per_rollout: int
+    longest_sequence: int
+    settings: Any  # the `rollout:` section
+    device_memory: int
+    on_gpu: bool
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """An engine's device memory, in bytes, as `ppokit plan` counts it.
+
+    held: memory of its own (a weight copy, a KV cache reserved up front), from its start to the run's end, or, with
+        `released_for_training`, given back during each optimisation (`release`) and taken back before sampling again.
+    sampling: what sampling needs on top of everything else while it runs.
+    what: `held` in words, for the plan's table ("" when it holds nothing). lighter: `rollout:` keys and values with
+        which it would hold less (what the plan's suggestions may try).
+    """
+
+    held: int = 0
+    sampling: int = 0
+    released_for_training: bool = False
+    what: str = ""
+    lighter: tuple[tuple[str, Any], ...] = ()
+
+    def during(self, phase: str) -> int:
+        """What it holds during one of the plan's phases (sampling, forward, training)."""
+        return 0 if phase == "training" and self.released_for_training else self.held
+
+
+def step_logits_bytes(rows: int, vocab: int) -> int:
+    """One decoding step's float32 logits over the vocabulary and their log-softmax, for `rows` sequences."""
+    return 2 * rows * vocab * 4
+
+
 class RolloutEngine(Protocol):
     """What samples episodes for the trainer.
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ppokit import algo
-from ppokit.engines.base import EngineSetup, Sampling
+from ppokit.engines.base import EngineMemory, EngineSetup, EngineSizing, Sampling, step_logits_bytes
 from ppokit.episodes import Episodes
 from ppokit.models import causal_lm_step, eval_mode, left_pad, position_ids_from_mask
 
@@ -77,12 +77,13 @@ class HFEngine:
         """transformers and torch are ppokit's own dependencies."""
 
     @staticmethod
-    def sampling_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
-        """Memory while sampling `rows` sequences of up to `seq` tokens (`ppokit plan`'s model dimensions
-        `dims`: layers, kv = key/value heads x head_dim, vocab): keys and values of every layer at the
-        activations' width, and two float32 rows of logits over the vocabulary per sequence (the last
-        position's logits and their log-softmax). The weights are the training ones, counted apart."""
-        return 2 * dims["layers"] * dims["kv"] * rows * seq * act_bytes + 2 * rows * dims["vocab"] * 4
+    def memory(sizing: EngineSizing) -> EngineMemory:
+        """Nothing held of its own (it samples from the training weights, counted apart); while sampling
+        rows_per_forward sequences of up to longest_sequence tokens: keys and values of every layer at the
+        activations' width, and one step's float32 logits and their log-softmax (`step_logits_bytes`)."""
+        dims, rows = sizing.dims, sizing.rows_per_forward
+        kv_cache = 2 * dims["layers"] * dims["kv"] * rows * sizing.longest_sequence * sizing.act_bytes
+        return EngineMemory(sampling=kv_cache + step_logits_bytes(rows, dims["vocab"]))
 
 
 @dataclass

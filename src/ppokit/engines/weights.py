@@ -48,6 +48,16 @@ def unwrap(policy: nn.Module) -> nn.Module:
     return policy.module if isinstance(policy, nn.parallel.DistributedDataParallel) else policy
 
 
+def architecture(model: nn.Module) -> str:
+    """The model's class name as transformers names it (what vLLM looks architectures up by): under fsdp,
+    FSDP2's fully_shard swaps the module's class for a subclass named FSDP<Class>; the class it wraps."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed
+        return type(model).__name__
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for every parameter of the causal LM `policy` (a transformers model, or a
     peft model over one), in module order; a LoRA layer's weight merged with the policy's adapter."""

@@ -161,12 +161,15 @@ class EpisodeLoop:
             return
         if ids is None:
             ids = self.observation.ids(step.observation, step.messages, turn_stopped)
+        said = [{"role": m.get("role", "user"), "text": str(m.get("content", ""))} for m in step.messages] or \
+            [{"role": "user", "text": step.observation}]
         room = self._room(episode)
         if len(ids) >= room:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
+            # the transcript shows what the model read: the observation's tokens left after the cut
+            said = [{"role": said[0]["role"], "text": self.tokenizer.decode(ids, skip_special_tokens=True), "cut": True}]
         episode.add(ids, None)
-        episode.transcript += [{"role": m.get("role", "user"), "text": str(m.get("content", ""))} for m in step.messages] or \
-            [{"role": "user", "text": step.observation}]
+        episode.transcript += said
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
         """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""

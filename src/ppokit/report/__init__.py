@@ -1,5 +1,6 @@
 """`ppokit report RUN_DIR [RUN_DIR ...]`: curves, the reward-vs-KL frontier, samples and alarms of
-one or more runs, as one self-contained HTML file plus a PNG of each figure.
+one or more runs, as one self-contained HTML file with its charts inline as SVG, and each chart as an
+SVG file too.
 
 It reads only the run directories (config.yaml, metrics.jsonl, samples.jsonl) and never imports
 the trainer, so it works on runs from another machine or an older version, on runs still in
@@ -26,7 +27,7 @@ def make_report(
     thresholds: Optional[AlarmThresholds] = None,
     max_prompts: int = 4,
 ) -> dict:
-    """Write the report to `output` and its figures to `<output stem>_figures/*.png`; returns a summary
+    """Write the report to `output` and its figures to `<output stem>_figures/*.svg`; returns a summary
     (paths, alarms and what was skipped, per run). A path that is not a run directory is skipped and
     said; when none is a run, UserError."""
     from ppokit.report import figures as fig
@@ -50,13 +51,13 @@ def make_report(
     alarms = [alarm for run in runs for alarm in find_alarms(run, thresholds)]
 
     rendered, skipped_panels = [], list(not_runs)
-    png = fig.png_of(lambda: fig.draw_frontier(runs, skipped_panels), "reward-vs-KL frontier", skipped_panels)
-    frontier = ("frontier", "Reward vs KL frontier", png) if png else None
+    drawing = fig.draw_frontier(runs, skipped_panels)
+    frontier = ("frontier", "Reward vs KL frontier", drawing) if drawing else None
     for spec in fig.figure_specs(runs):
-        png = fig.png_of(lambda: fig.draw_curves(spec, runs, alarms, skipped_panels), spec.title, skipped_panels)
-        if png:
-            rendered.append((spec.name, spec.title, png))
-    figures = [(figure_dir(output) / f"{name}.png", png) for name, _, png in ([frontier] if frontier else []) + rendered]
+        drawing = fig.draw_curves(spec, runs, alarms, skipped_panels)
+        if drawing:
+            rendered.append((spec.name, spec.title, drawing))
+    figures = [(figure_dir(output) / f"{name}.svg", drawing.encode("utf-8")) for name, _, drawing in ([frontier] if frontier else []) + rendered]
 
     from ppokit.version import __version__
 

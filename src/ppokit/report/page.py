@@ -1,9 +1,8 @@
-"""The report as one HTML file: figures embedded as base64 PNG, no script, no request to anywhere,
-so it opens from disk anywhere (mail it, attach it to an issue)."""
+"""The report as one HTML file: figures inline as SVG, no script, no request to anywhere, so it opens
+from disk anywhere (mail it, attach it to an issue)."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import html
 import math
@@ -25,7 +24,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: now
 .alarm .what { font-weight: 600; } .alarm .advice { color: #444; margin-top: 0.3em; }
 .ok { border-left: 5px solid #2a2; background: #f4fff4; padding: 0.6em 0.9em; }
 .note { color: #555; }
-img { max-width: 100%; height: auto; border: 1px solid #eee; }
+svg.chart { display: block; max-width: 100%; height: auto; border: 1px solid #eee; }
 code { background: #f5f5f7; padding: 0 0.2em; }
 """
 
@@ -106,9 +105,9 @@ def notes_section(runs: list[RunData], skipped_panels: list[str]) -> str:
     return f"<ul class=note>{''.join(items)}</ul>" if items else "<p class=note>Nothing was skipped.</p>"
 
 
-def figure_html(name: str, title: str, png: bytes) -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f'<h2 id="fig-{e(name)}">{e(title)}</h2>\n<img alt="{e(title)}" src="data:image/png;base64,{data}">'
+def figure_html(name: str, title: str, drawing: str) -> str:
+    """A figure's heading and its SVG, inline (ppokit.report.svg escapes every text in it)."""
+    return f'<h2 id="fig-{e(name)}">{e(title)}</h2>\n{drawing}'
 
 
 def samples_section(run: RunData, max_prompts: int) -> str:
@@ -142,7 +141,8 @@ def _completion(row: dict) -> str:
     turns = row.get("turns")
     if not isinstance(turns, list) or not turns:
         return e(row["completion"])
-    return "<br>".join(f"<b>{e(str(t.get('role', '?')))}:</b> {e(str(t.get('text', '')))}" for t in turns if isinstance(t, dict))
+    return "<br>".join(f"<b>{e(str(t.get('role', '?')))}:</b> {e(str(t.get('text', '')))}{' <i>(cut by the token budget)</i>' if t.get('cut') else ''}"
+                       for t in turns if isinstance(t, dict))
 
 
 def thresholds_table(thresholds: AlarmThresholds) -> str:
@@ -152,8 +152,8 @@ def thresholds_table(thresholds: AlarmThresholds) -> str:
 
 
 def render_page(
-    runs: list[RunData], alarms: list[Alarm], figures: list[tuple[str, str, bytes]], skipped_panels: list[str],
-    thresholds: AlarmThresholds, max_prompts: int, generated: str, frontier: Optional[tuple[str, str, bytes]],
+    runs: list[RunData], alarms: list[Alarm], figures: list[tuple[str, str, str]], skipped_panels: list[str],
+    thresholds: AlarmThresholds, max_prompts: int, generated: str, frontier: Optional[tuple[str, str, str]],
 ) -> str:
     title = "ppokit report: " + ", ".join(r.label for r in runs)
     body = [
