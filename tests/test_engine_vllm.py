@@ -303,6 +303,6 @@ def test_the_demo_learns_with_the_vllm_engine(tmp_path, monkeypatch):
     assert sft["hidden_size"] // sft["num_attention_heads"] == 64
     assert yaml.safe_load((tmp_path / "demo" / "ppo" / "config.yaml").read_text())["rollout"]["engine"] == "vllm"
     assert summary["engine"] == "vllm" and summary["updates"] == 8
-    # measured: +0.24 -> +0.60 (eval +0.01 -> +0.61), 60 s on a loaded 2-core machine; the runs of other CPUs drift apart
+    # measured: +0.27 -> +0.71 (eval +0.13 -> +0.92), 15 s on a 2-core machine (60 s loaded); other CPUs' runs drift apart
     assert summary["score_end"] > summary["score_start"] + 0.15, summary
     assert summary["eval_after"] > summary["eval_before"] + 0.15, summary
