@@ -1,6 +1,8 @@
-"""Sampling speed and memory of the rollout engines (`rollout.engine`: hf, vllm); one JSON line per configuration.
+"""Sampling speed and memory of the rollout engines (`rollout.engine`: hf, vllm), and a full PPO update with
+each; one JSON line per configuration.
 
-    python benchmarks/rollout_engines.py [--sizes small,50m] [--engines hf,vllm] [--repeats 3]
+    python benchmarks/rollout_engines.py [--modes sampling,ppo] [--sizes small,50m] [--engines hf,vllm] [--repeats 3]
+                                         [--updates 2]
 
 Two Llamas built locally with head_dim 64 (vLLM's CPU attention needs >= 32) and the demo's word-level
 vocabulary: `small` (hidden 128, 2 layers, 2 heads: ~0.3M parameters) and `50m` (hidden 768, 9 layers,
@@ -10,6 +12,14 @@ generate, then `repeats` timed ones: tokens_per_s is the median (best beside it)
 process's peak (model, engine and KV cache included); sync_s (vllm) the median time of one
 `sync_weights` (every weight sent into the running engine). vLLM on CPU: in-process, eager, KV cache
 sized for the batch.
+
+--modes ppo: the same models through the real trainer (`ppokit.trainer.PPOTrainer`, `rollout.engine` set,
+VADER sentiment as the reward): 32 episodes per update (2 minibatches of 16), 1 PPO epoch, 32-token
+responses without a stop token, a critic of the policy's size; one warm-up update, then `updates` timed
+ones. episodes_per_s is the timed updates' episodes over their summed `time/update` (sampling, scoring,
+the reference/value/logprob forward, training, and with vllm the weight sync after the optimisation);
+seconds_per_update splits it (means). peak_rss_mb is the process's peak. load_avg: the machine's 1- and
+5-minute load averages when the configuration ended.
 """
 
 from __future__ import annotations
@@ -25,22 +35,38 @@ import time
 
 SIZES = {"small": dict(hidden=128, layers=2, heads=2), "50m": dict(hidden=768, layers=9, heads=12)}
 PROMPTS, NEW_TOKENS = 64, 64
+PPO_EPISODES, PPO_RESPONSE = 32, 32  # per update; response tokens
 
 
-def run_one(size: str, engine_name: str, repeats: int) -> dict:
+def demo_data(n_prompts: int):
+    """-> (the demo's data with `n_prompts` prompts, its word-level tokenizer)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from ppokit.demo import make_data
+    from ppokit.tiny import word_tokenizer
+
+    data = make_data(seed=0, n_sft=400, n_prompts=n_prompts, n_eval=4)
+    return data, word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
+
+
+def size_model(size: str, tokenizer):
+    """A Llama of `size` (SIZES) for `tokenizer`, random weights drawn from seed 0."""
     import torch
 
-    from ppokit.demo import make_data
+    from ppokit.tiny import tiny_causal_lm
+
+    torch.manual_seed(0)
+    return tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size])
+
+
+def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
+    import torch
+
     from ppokit.engines.base import Sampling
     from ppokit.models import left_pad
     from ppokit.engines.hf import HFSampler
-    from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
-    data = make_data(seed=0, n_sft=400, n_prompts=PROMPTS, n_eval=4)
-    tokenizer = word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
-    torch.manual_seed(0)
-    model = tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size]).eval()
+    data, tokenizer = demo_data(PROMPTS)
+    model = size_model(size, tokenizer).eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in data["prompts"]]
     pad = tokenizer.pad_token_id
     sync_s = None
@@ -78,25 +104,105 @@ def run_one(size: str, engine_name: str, repeats: int) -> dict:
                 threads=torch.get_num_threads())
 
 
+def run_ppo(size: str, engine_name: str, updates: int) -> dict:
+    import torch
+
+    data, tokenizer = demo_data(PPO_EPISODES * (updates + 1))
+    records, facts = ppo_records(lambda: size_model(size, tokenizer), tokenizer, data["prompts"], [f"rollout.engine={engine_name}"],
+                                      updates=updates)
+    return dict(benchmark="ppo_update", engine=engine_name, size=size, parameters=facts["parameters"], response_length=PPO_RESPONSE, ppo_epochs=1,
+                **ppo_figures(records, PPO_EPISODES), peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                threads=torch.get_num_threads())
+
+
+def ppo_config(model_dir: str, prompts_file: str, output_dir: str, overrides: list[str], *, updates: int,
+               episodes: int = PPO_EPISODES, response_length: int = PPO_RESPONSE):
+    """The benchmark's PPO config, validated: `episodes` per update (2 minibatches), 1 PPO epoch, `response_length`
+    tokens without a stop token, VADER sentiment as the reward, updates + 1 updates (the first a warm-up), then
+    `overrides` as on the command line (e.g. "rollout.engine=vllm", "bf16=true"). Nothing is read from disk."""
+    from ppokit.config import PPOConfig
+    from ppokit.dataclass_config import load_config
+
+    base = {
+        "model": model_dir, "output_dir": output_dir, "seed": 0,
+        "reward": {"functions": ["sentiment"]}, "data": {"train": prompts_file},
+        "ppo": dict(total_episodes=episodes * (updates + 1), per_device_train_batch_size=episodes // 2, num_mini_batches=2,
+                    num_ppo_epochs=1, response_length=response_length, temperature=1.0, learning_rate=1e-5, stop_token=None,
+                    num_sample_generations=0),
+    }
+    return load_config(PPOConfig, None, overrides, data=base)
+
+
+def ppo_records(build_model, tokenizer, prompts: list[dict], overrides: list[str], *, updates: int, **sizes) -> tuple[list[dict], dict]:
+    """Train the model `build_model()` makes (saved, then dropped: the trainer loads its own) on `prompts` with
+    `ppo_config(overrides, **sizes)` -> (the metric records of every update, {"parameters": the policy's count,
+    "policy_dtype": its weights' dtype as the trainer loaded them})."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from ppokit.models import no_progress_bars
+    from ppokit.trainer import PPOTrainer
+
+    with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:
+        work = Path(tmp)
+        model = build_model()
+        with no_progress_bars():
+            model.save_pretrained(work / "model")
+        tokenizer.save_pretrained(work / "model")
+        parameters = sum(p.numel() for p in model.parameters())
+        del model
+        (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+        config = ppo_config(str(work / "model"), str(work / "prompts.jsonl"), str(work / "run"), overrides, updates=updates, **sizes)
+        torch.manual_seed(0)
+        trainer = PPOTrainer(config, show_progress=False)
+        records = trainer.train()
+    return records, {"parameters": parameters, "policy_dtype": str(next(trainer.policy.parameters()).dtype).removeprefix("torch.")}
+
+
+def ppo_figures(records: list[dict], episodes: int) -> dict:
+    """What a PPO benchmark line says of its updates of `episodes` episodes: the first is a warm-up; episodes/s and
+    the mean seconds of each stage over the others; the engine-vs-trainer logprob difference (vllm) over all."""
+    timed = records[1:]
+    mean = lambda key: round(sum(r[key] for r in timed) / len(timed), 3)  # noqa: E731
+    return dict(episodes_per_update=episodes, updates_timed=len(timed),
+                episodes_per_s=round(episodes * len(timed) / sum(r["time/update"] for r in timed), 2),
+                first_update_s=round(records[0]["time/update"], 2),
+                seconds_per_update={"generation": mean("time/generation"), "scoring": mean("time/scoring"),
+                                    "forward": mean("time/forward"), "training": mean("time/training"), "total": mean("time/update")},
+                logprob_diff_max=max((r["rollout/logprob_diff_max"] for r in records if "rollout/logprob_diff_max" in r), default=None))
+
+
+RUNS = {"sampling": run_sampling, "ppo": run_ppo}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="small,50m")
     parser.add_argument("--engines", default="hf,vllm")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--one", nargs=2, metavar=("SIZE", "ENGINE"), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="sampling,ppo", help="sampling (tokens/s of the engine alone), ppo (a full PPO update "
+                        "through the trainer), or both: sampling,ppo")
+    parser.add_argument("--repeats", type=int, default=3, help="sampling: timed generates")
+    parser.add_argument("--updates", type=int, default=2, help="ppo: timed updates, after one warm-up update")
+    parser.add_argument("--one", nargs=3, metavar=("MODE", "SIZE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(*args.one, args.repeats)), flush=True)
+        mode, size, engine = args.one
+        result = RUNS[mode](size, engine, args.repeats if mode == "sampling" else args.updates)
+        # the machine's load while it ran (1 and 5 minute averages, at the end): a shared machine's figures swing with it
+        print(json.dumps({**result, "load_avg": [round(x, 1) for x in os.getloadavg()[:2]]}), flush=True)
         return
-    for size in args.sizes.split(","):
-        for engine in args.engines.split(","):
-            result = subprocess.run([sys.executable, __file__, "--one", size, engine, "--repeats", str(args.repeats)],
-                                    capture_output=True, text=True)
-            lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-            if result.returncode or not lines:
-                print(f"rollout_engines: {size} {engine} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
-                continue
-            print(lines[-1], flush=True)
+    for mode in args.modes.split(","):
+        for size in args.sizes.split(","):
+            for engine in args.engines.split(","):
+                result = subprocess.run([sys.executable, __file__, "--one", mode, size, engine, "--repeats", str(args.repeats),
+                                         "--updates", str(args.updates)], capture_output=True, text=True)
+                lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+                if result.returncode or not lines:
+                    print(f"rollout_engines: {mode} {size} {engine} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                print(lines[-1], flush=True)
 
 
 if __name__ == "__main__":

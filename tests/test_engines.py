@@ -228,3 +228,24 @@ def test_another_engines_keys_are_refused():
         PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"]).validate()
     PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5",
                           "rollout.max_model_len=512"]).validate()
+
+
+def test_the_prepared_gpu_benchmark_builds_its_model_and_configs_without_a_gpu():
+    """benchmarks/gpu_engines.py waits for a GPU (docs/rollout.md); what it can do without one (`--dry-run`: the
+    tokenizer, the ~0.5B model's config counted on the meta device, both validated PPO configs) keeps working."""
+    import json
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_engines.py"), "--dry-run"], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["engine"] for line in lines] == ["vllm", "hf"]
+    for line in lines:
+        config = line["config"]
+        assert 0.45e9 < line["parameters"] < 0.55e9 and line["model"]["hidden_size"] // line["model"]["num_attention_heads"] == 64
+        assert config["rollout"]["engine"] == line["engine"] and config["rollout"]["sleep"] == (line["engine"] == "vllm")
+        assert config["bf16"] and config["ppo"]["total_episodes"] == 5 * 64  # 4 timed updates after a warm-up

@@ -146,7 +146,8 @@ def _demo(args) -> int:
     else:
         from ppokit.demo import run_demo as run
     try:
-        summary = run(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite)
+        summary = run(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite,
+                      engine=args.engine)
     except TrainingInterrupted as e:  # the demo has no --resume
         return _stopped(e, "run the demo again with --overwrite to start over")
     print(json.dumps(summary))
@@ -365,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
 
-    from ppokit.estimators import ESTIMATORS  # no torch: the parser stays quick
+    from ppokit.engines import ENGINES  # no torch: the parser stays quick
+    from ppokit.estimators import ESTIMATORS
 
     demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")
     demo.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 cores")
@@ -373,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--estimator", default="gae", choices=list(ESTIMATORS),
                       help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: gae)")
+    demo.add_argument("--engine", default="hf", choices=list(ENGINES),
+                      help="rollout.engine of the PPO step (docs/rollout.md; default: hf). With vllm the demo model has head_dim 64 "
+                      "(vLLM's CPU attention serves none under 32)")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace the run in DIR/ppo left by an earlier demo, or write into a folder the demo did not make "
                       "(without it both are refused before any work)")

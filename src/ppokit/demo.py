@@ -5,6 +5,9 @@
 3. fine-tune it (SFT) so it writes reviews in that style, ending with EOS;
 4. run PPO with the VADER sentiment analyser as the reward (its compound score);
 5. print completions for the same prompts before and after PPO.
+
+`engine` (`rollout.engine`, default hf) samples the PPO episodes; with another engine than hf the demo model
+has head_dim 64 instead of 16 (`model_heads`): vLLM's CPU attention serves no head size under 32.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ppokit import run_dir
-from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
+from ppokit import engines, run_dir
+from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
 from ppokit.errors import UserError
 from ppokit.estimators import ESTIMATORS
 from ppokit.models import no_progress_bars
@@ -75,6 +78,13 @@ SETTINGS = {
 }
 
 
+def model_heads(hidden: int, engine: str) -> int:
+    """Attention heads of a demo model of width `hidden` sampled by `engine`: 4 with hf (the demo as documented:
+    head_dim 16 in the quick demo); with another engine as many as give head_dim 64, a size vLLM's CPU attention
+    serves (it has none under 32) and the one its tests use."""
+    return 4 if engine == "hf" else max(1, hidden // 64)
+
+
 def estimator_settings(name: str) -> dict:
     """The ppo keys of one estimator's demo: it, with its usual samples per prompt (ppokit.estimators);
     everything else is the same demo."""
@@ -101,17 +111,22 @@ def check_demo_output(out: Path, overwrite: bool) -> None:
                         "or pass --overwrite to replace it")
 
 
-def demo_folder(output_dir: str | Path, estimator: str, overwrite: bool) -> Path:
-    """The demo's output folder, once the estimator and the folder are checked (`check_demo_output`)."""
+def demo_folder(output_dir: str | Path, estimator: str, overwrite: bool, engine: str = "hf") -> Path:
+    """The demo's output folder, once the estimator, the engine (known and installed) and the folder are
+    checked (`check_demo_output`)."""
     if estimator not in ESTIMATORS:
         raise UserError(f"demo --estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    if engine not in engines.ENGINES:
+        raise UserError(f"demo --engine: expected one of {', '.join(engines.ENGINES)}, got {engine!r}")
+    engines.check_installed(engine)  # before minutes of SFT
     out = Path(output_dir)
     check_demo_output(out, overwrite)
     return out
 
 
-def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
-    """Steps 1-3: the data, a tokenizer and a tiny model, fine-tuned by SFT into out/sft; returns out."""
+def prepare_demo(out: Path, quick: bool, seed: int, say, engine: str = "hf") -> Path:
+    """Steps 1-3: the data, a tokenizer and a tiny model (shaped for `engine`: `model_heads`), fine-tuned by SFT
+    into out/sft; returns out."""
     s = SETTINGS[quick]
     start_demo_folder(out, seed)
 
@@ -123,7 +138,8 @@ def prepare_demo(out: Path, quick: bool, seed: int, say) -> Path:
 
     # 2. tokenizer and model, 3. SFT
     tokenizer = word_tokenizer([r["prompt"] + " " + r["completion"] for r in data["sft"]])
-    sft_tiny_model(out, tokenizer, lambda: [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in data["sft"]], s, seed, say)
+    examples = lambda: [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in data["sft"]]  # noqa: E731
+    sft_tiny_model(out, tokenizer, examples, s, seed, say, heads=model_heads(s["hidden"], engine))
     return out
 
 
@@ -134,11 +150,12 @@ def start_demo_folder(out: Path, seed: int) -> None:
     run_dir.write_marker(out, DEMO_MARKER_KIND)
 
 
-def sft_tiny_model(out: Path, tokenizer, examples, settings: dict, seed: int, say, what: str = "") -> None:
-    """Steps 2-3 of a demo: a tiny Llama of the demo's size for `tokenizer`, fine-tuned on `examples()` (built once
-    the model exists, as the random stream expects), saved with the tokenizer in out/sft."""
-    model = tiny_causal_lm("llama", tokenizer, hidden=settings["hidden"], layers=settings["layers"], heads=4)
-    say(f"[2/4] model: tiny Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
+def sft_tiny_model(out: Path, tokenizer, examples, settings: dict, seed: int, say, what: str = "", *, heads: int) -> None:
+    """Steps 2-3 of a demo: a tiny Llama of the demo's size with `heads` attention heads for `tokenizer`, fine-tuned
+    on `examples()` (built once the model exists, as the random stream expects), saved with the tokenizer in out/sft."""
+    model = tiny_causal_lm("llama", tokenizer, hidden=settings["hidden"], layers=settings["layers"], heads=heads)
+    say(f"[2/4] model: tiny Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
+        f"(head_dim {settings['hidden'] // heads}), vocabulary {len(tokenizer)}")
     losses = train_sft(model, examples(), tokenizer.pad_token_id, epochs=settings["sft_epochs"], batch_size=32, learning_rate=3e-3, seed=seed)
     sft_dir = out / "sft"
     with no_progress_bars():
@@ -149,21 +166,22 @@ def sft_tiny_model(out: Path, tokenizer, examples, settings: dict, seed: int, sa
 
 def run_demo(
     output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True,
-    estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False,
+    estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False, engine: str = "hf",
 ) -> dict:
     """Run the whole demo; returns a summary with the first and last scores and the time taken.
 
     estimator: one of ppokit.estimators.ESTIMATORS (ppo.advantage_estimator and its usual number of samples per
-    prompt). prepared: the output folder of an earlier demo with the same `quick` and `seed`,
+    prompt). engine: `rollout.engine` (one of ppokit.engines.ENGINES; the model's shape follows it, `model_heads`).
+    prepared: the output folder of an earlier demo with the same `quick`, `seed` and `engine`,
     whose data/ and sft/ are used instead of building them again. overwrite: write into a folder that is
     not an earlier demo's, or replace the run in its ppo/ (`check_demo_output`). The multi-turn demo is
     `ppokit.demo_game.run_game_demo`.
     """
-    out = demo_folder(output_dir, estimator, overwrite)
+    out = demo_folder(output_dir, estimator, overwrite, engine)
     start = time.perf_counter()
     s = SETTINGS[quick]
     say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
-    base = Path(prepared) if prepared is not None else prepare_demo(out, quick, seed, say)
+    base = Path(prepared) if prepared is not None else prepare_demo(out, quick, seed, say, engine)
     torch.manual_seed(seed)
 
     # 4. PPO against VADER sentiment
@@ -173,6 +191,7 @@ def run_demo(
         seed=seed,
         reward=RewardConfig(functions=["sentiment"]),
         data=DataConfig(train=str(base / "data" / "prompts.jsonl"), eval=str(base / "data" / "eval_prompts.jsonl")),
+        rollout=RolloutConfig(engine=engine),
         ppo=PPOHyperparams(
             total_episodes=s["total_episodes"],
             per_device_train_batch_size=s["batch"] // 2,
@@ -191,10 +210,13 @@ def run_demo(
     trainer = PPOTrainer(config, show_progress=show_progress, overwrite=overwrite)
     n = trainer.sizes.samples_per_prompt
     samples = f" ({trainer.sizes.prompts_per_update} prompts x {n} samples)" if n > 1 else ""
-    say(f"[4/4] PPO ({estimator}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes{samples}, reward = VADER compound sentiment")
+    say(f"[4/4] PPO ({estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes{samples}, reward = VADER compound sentiment")
     before = trainer.sample_completions()
     records = trainer.train()
-    after = trainer.sample_completions()
+    try:
+        after = trainer.sample_completions()
+    finally:  # train() closed the engine and these samples built it again: its memory freed now, not at exit
+        trainer.rollout_engine.close()
     elapsed = time.perf_counter() - start
 
     say("\ncompletions before -> after PPO (score):")
@@ -208,6 +230,7 @@ def run_demo(
         "eval_before": sum(r["score"] for r in before) / len(before),
         "eval_after": sum(r["score"] for r in after) / len(after),
         "estimator": estimator,
+        "engine": engine,
         "kl_start": records[0]["objective/kl"],
         "last_kl": records[-1]["objective/kl"],
         "updates": len(records),

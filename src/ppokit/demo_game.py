@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
-from ppokit.demo import demo_folder, estimator_settings, sft_tiny_model, start_demo_folder, write_jsonl
+from ppokit.demo import demo_folder, estimator_settings, model_heads, sft_tiny_model, start_demo_folder, write_jsonl
 from ppokit.sft import IGNORE_INDEX, build_example
 from ppokit.tiny import word_tokenizer
 
@@ -50,8 +50,9 @@ def sft_examples(tokenizer, games: list[dict]) -> list[tuple[list[int], list[int
     return examples
 
 
-def prepare_game_demo(out: Path, quick: bool, seed: int, say) -> Path:
-    """Steps 1-3: the game's data, a tokenizer and a tiny model fine-tuned on played games, in out/sft."""
+def prepare_game_demo(out: Path, quick: bool, seed: int, say, engine: str = "hf") -> Path:
+    """Steps 1-3: the game's data, a tokenizer and a tiny model (shaped for `engine`: `ppokit.demo.model_heads`)
+    fine-tuned on played games, in out/sft."""
     from ppokit.environments.guess import guess_rows, guess_transcripts, vocabulary
 
     s = SETTINGS[quick]
@@ -64,18 +65,19 @@ def prepare_game_demo(out: Path, quick: bool, seed: int, say) -> Path:
         f"{MAX_TURNS} turns, {sum(len(g['turns']) for g in games) / len(games):.2f} turns each), {s['n_prompts']} PPO prompts -> {out / 'data'}")
 
     tokenizer = word_tokenizer([" ".join(vocabulary())])
-    sft_tiny_model(out, tokenizer, lambda: sft_examples(tokenizer, games), s, seed, say, " on the games")
+    sft_tiny_model(out, tokenizer, lambda: sft_examples(tokenizer, games), s, seed, say, " on the games",
+                   heads=model_heads(s["hidden"], engine))
     return out
 
 
-def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict) -> PPOConfig:
+def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict, engine: str = "hf") -> PPOConfig:
     s = SETTINGS[quick]
     return PPOConfig(
         model=str(base / "sft"),
         output_dir=str(out / "ppo"),
         seed=seed,
         environment=GAME,
-        rollout=RolloutConfig(max_turns=MAX_TURNS, max_episode_tokens=8 * MAX_TURNS),
+        rollout=RolloutConfig(engine=engine, max_turns=MAX_TURNS, max_episode_tokens=8 * MAX_TURNS),
         reward=RewardConfig(length_penalty=s["length_penalty"]),  # a little per model token: winning sooner scores more
         data=DataConfig(train=str(base / "data" / "prompts.jsonl")),
         ppo=PPOHyperparams(
@@ -87,17 +89,18 @@ def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict) 
 
 
 def run_game_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, seed: int = 0, show_progress: bool = True,
-                  estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False) -> dict:
+                  estimator: str = "gae", prepared: str | Path | None = None, overwrite: bool = False, engine: str = "hf") -> dict:
     """Steps 1-4 of the game (the arguments as `ppokit.demo.run_demo`'s); returns the first and last success rate and turns."""
-    out = demo_folder(output_dir, estimator, overwrite)
+    out = demo_folder(output_dir, estimator, overwrite, engine)
     from ppokit.trainer import PPOTrainer
 
     start = time.perf_counter()
     say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
-    base = Path(prepared) if prepared is not None else prepare_game_demo(out, quick, seed, say)
+    base = Path(prepared) if prepared is not None else prepare_game_demo(out, quick, seed, say, engine)
     torch.manual_seed(seed)
-    trainer = PPOTrainer(game_config(base, out, quick, seed, estimator_settings(estimator)), show_progress=show_progress, overwrite=overwrite)
-    say(f"[4/4] PPO ({estimator}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} games, up to {MAX_TURNS} turns each, "
+    trainer = PPOTrainer(game_config(base, out, quick, seed, estimator_settings(estimator), engine), show_progress=show_progress,
+                         overwrite=overwrite)
+    say(f"[4/4] PPO ({estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} games, up to {MAX_TURNS} turns each, "
         "reward = the game's")
     records = trainer.train()
     window = max(1, len(records) // 6)  # one batch's win rate is noisy: means over the first and last sixth
@@ -105,7 +108,7 @@ def run_game_demo(output_dir: str | Path = "ppokit-demo", quick: bool = False, s
     summary = {
         "success_start": mean("env/done_rate", records[:window]), "success_end": mean("env/done_rate", records[-window:]),
         "turns_start": mean("rollout/turns", records[:window]), "turns_end": mean("rollout/turns", records[-window:]),
-        "environment": "guess", "estimator": estimator, "updates": len(records),
+        "environment": "guess", "estimator": estimator, "engine": engine, "updates": len(records),
         "seconds": round(time.perf_counter() - start, 1), "output_dir": str(out),
     }
     say(f"\ngames won within {MAX_TURNS} turns {summary['success_start']:.0%} -> {summary['success_end']:.0%}, mean turns "

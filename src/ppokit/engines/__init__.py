@@ -3,8 +3,8 @@
 `ENGINES` names every engine `rollout.engine` may take, each with where its class lives; `build` makes
 one, importing its module only then. Importing this package imports no torch (the config reads ENGINES).
 
-To add an engine: one module here with a class that implements `base.RolloutEngine` and the two
-class methods below (`create`, `memory`), and one entry in ENGINES.
+To add an engine: one module here with a class that implements `base.RolloutEngine` and the three
+class methods below (`create`, `memory`, `check_installed`), and one entry in ENGINES.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ppokit.engines.base import EngineMemory, EngineSetup, EngineSizing, Rollout
 #   create(setup: EngineSetup) -> the engine, reading what it needs of the setup;
 #   memory(sizing: EngineSizing) -> EngineMemory: what it holds of its own on the device (all run long, or freed
 #     while training) and what sampling needs on top, from config files alone (no engine library imported), for `ppokit plan`.
+#   check_installed() -> None, or a UserError saying how to install what the engine needs (before any work).
 ENGINES = {
     "hf": "ppokit.engines.hf:HFEngine",
     "vllm": "ppokit.engines.vllm:VLLMEngine",
@@ -27,6 +28,12 @@ def engine_class(name: str) -> type:
     """The class of engine `name` (a key of ENGINES; the config has checked it)."""
     module, _, cls = ENGINES[name].partition(":")
     return getattr(import_module(module), cls)
+
+
+def check_installed(name: str) -> None:
+    """A UserError saying how to install what engine `name` needs, if it is missing: for a command to refuse
+    before it does any work (the demo, before its SFT)."""
+    engine_class(name).check_installed()
 
 
 def build(name: str, setup: "EngineSetup") -> "RolloutEngine":

@@ -73,6 +73,10 @@ class HFEngine:
         pass
 
     @staticmethod
+    def check_installed() -> None:
+        """transformers and torch are ppokit's own dependencies."""
+
+    @staticmethod
     def memory(sizing: EngineSizing) -> EngineMemory:
         """Nothing held of its own (it samples from the training weights, counted apart); while sampling
         rows_per_forward sequences of up to longest_sequence tokens: keys and values of every layer at the

@@ -168,6 +168,10 @@ class VLLMEngine:
                    enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
 
     @staticmethod
+    def check_installed() -> None:
+        import_vllm()
+
+    @staticmethod
     def memory(sizing: EngineSizing) -> EngineMemory:
         """For `ppokit plan`. On GPU: rollout.gpu_memory_utilization of the device's memory, which vLLM reserves at
         start for its weight copy and KV cache (and its own activations), held all run long, or with rollout.sleep
