@@ -33,14 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-import random
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import yaml
 
@@ -58,6 +56,7 @@ from ppokit.config import PPOConfig
 from ppokit.dataclass_config import resume_rules
 from ppokit.errors import UserError
 from ppokit.metric_sinks import JsonlWriter
+from ppokit.random_states import rng_state, set_rng_state
 from ppokit.run_dir import (
     CHECKPOINT_NAME,
     CHECKPOINTS,
@@ -127,34 +126,6 @@ def prune_checkpoints(folder: Path, keep: Optional[int]) -> None:
     for old in list_checkpoints(folder)[: -max(1, keep)]:
         if owned_checkpoint(old):
             shutil.rmtree(old)
-
-
-# --------------------------------------------------------------------------- RNG states
-
-
-def rng_state() -> dict:
-    """RNG states of this process, as tensors and plain values (loadable with weights_only=True)."""
-    version, keys, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    return {
-        "python": {"version": version, "state": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
-        "numpy": {
-            "name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss),
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
-    npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 # --------------------------------------------------------------------------- weights

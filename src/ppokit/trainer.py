@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, checkpoint, engines, experience, launcher, model_card, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, checkpoint, engines, experience, launcher, model_card, parallel, random_states, roles, run_dir, trackers
 from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
@@ -427,14 +427,14 @@ class PPOTrainer:
         t0 = time.perf_counter()
         file = rollback_file(self.run.files if self.run is not None else self.output_dir, self.accelerator.process_index)
         snapshot = UpdateSnapshot(self.model, self.optimizer, self.scheduler, hp.rollback, file)
-        rng = checkpoint.rng_state()
+        rng = random_states.rng_state()
         try:
             record = self.step()
         except UserError:
             # Scoring fails before any optimiser step: the state is the last complete update's, but for the
             # random draws already made; they are undone too, so that a checkpoint now is that update's.
             snapshot.restore(scheduler_steps=0)
-            checkpoint.set_rng_state(rng)
+            random_states.set_rng_state(rng)
             raise
         except NonFiniteUpdate as bad:
             snapshot.restore(scheduler_steps=hp.num_ppo_epochs * hp.num_mini_batches)

@@ -20,7 +20,6 @@ is refused (release/resume are no-ops), and the KV cache is sized for the rollou
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from ppokit import random_states
 from ppokit.engines.base import EngineMemory, EngineSizing, Sampling, step_logits_bytes
 from ppokit.engines.weights import architecture, policy_weights, unwrap
 from ppokit.episodes import Episodes
@@ -213,7 +213,9 @@ class VLLMEngine:
             # the default executor takes local rank 0 in every process (on GPU: every engine on cuda:0, made current).
             options["distributed_executor_backend"] = "external_launcher"
         try:
-            with _random_state_kept():
+            # vLLM's worker seeds the global generators and draws the dummy weights: the trainer's streams
+            # (sampling seeds, dropout) must not move when an engine is built or rebuilt.
+            with random_states.kept():
                 self.llm = vllm.LLM(model=str(self._dir), **options)
         except Exception as e:  # vLLM's own refusal (architecture, option), in one line
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -376,24 +378,6 @@ def _shut_down(llm, found: tuple[bool, bool]) -> None:
     finally:
         for name, function in saved.items():
             setattr(state, name, function)
-
-
-@contextlib.contextmanager
-def _random_state_kept():
-    """Building an engine in this process seeds torch's, Python's and NumPy's global generators with the engine's
-    seed (vLLM's worker does) and draws its dummy weights: the trainer's random streams (sampling seeds, dropout)
-    are put back as they were, so that building or rebuilding an engine never moves them."""
-    import random
-
-    import numpy
-
-    python, numpy_state = random.getstate(), numpy.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            yield
-    finally:
-        random.setstate(python)
-        numpy.random.set_state(numpy_state)
 
 
 def _last_words(error: Exception) -> str:
