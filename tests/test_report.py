@@ -547,9 +547,9 @@ def test_damaged_metric_values_and_config_are_skipped_and_said(tmp_path):
     # a panel whose values no axis can span is left out and said; the rest of its figure is drawn
     assert "policy loss (loss/policy_avg): not drawn, its values (from -1.7e+308 to 1.7e+308) span more than a chart's axis can" in summary["skipped"]
     assert "entropy per token (policy/entropy_avg): not drawn, its values (from 1.7e+308 to 1.7e+308) span more than a chart's axis can" in summary["skipped"]
-    value = panels_of(Path(summary["figures"][5]).read_text())
-    assert summary["figures"][5].endswith("value.svg") and list(value) == ["value loss (loss/value_avg)"]
-    lines, _, x_tol, _ = read_back(panels_of(Path(summary["figures"][6]).read_text())["episodes per second (eps)"])
+    figure = {Path(f).stem: Path(f) for f in summary["figures"]}
+    assert list(panels_of(figure["value"].read_text())) == ["value loss (loss/value_avg)"]
+    lines, _, x_tol, _ = read_back(panels_of(figure["run"].read_text())["episodes per second (eps)"])
     assert [round(x) for x, _ in lines[0]] == [1, 2, 3, 4, 6, 7, 8]  # eps of update 5 (10**400) left out
     assert "<td>7</td>" in (tmp_path / "report.html").read_text()  # the reward source, as config.yaml has it
 

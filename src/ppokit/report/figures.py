@@ -126,12 +126,8 @@ def draw_curves(spec: FigureSpec, runs: list[RunData], alarms: list[Alarm], skip
             series.append(svg.Series(label, updates, values, colors[run.label], dashed=line.dashed, markers=line.markers))
         drawn_runs = {run.label for run, *_ in data}
         plot = svg.Plot(panel.title, series, bands=[(a.update, colors[a.run]) for a in alarms if a.run in drawn_runs])
-        try:
-            plot.limits()
-        except svg.Unplottable as e:
-            skipped.append(f"{panel.title}: not drawn, {e}")
-            continue
-        plots.append(plot)
+        if _drawable(plot, panel.title, skipped):
+            plots.append(plot)
     return svg.figure(spec.title, plots) if plots else None
 
 
@@ -174,12 +170,19 @@ def draw_frontier(runs: list[RunData], skipped: list[str]) -> Optional[str]:
     plot = svg.Plot("Reward vs KL: score gained for the distance travelled from the reference", series,
                     xlabel="KL to the reference (objective/kl, nats per sequence)", ylabel="score (objective/scores)",
                     integer_x=False, colorbar=colorbar)
+    if not _drawable(plot, "reward-vs-KL frontier", skipped):
+        return None
+    return svg.figure("Reward vs KL frontier", [plot], columns=1, cell=(820, 500))
+
+
+def _drawable(plot: svg.Plot, name: str, skipped: list[str]) -> bool:
+    """Whether an axis can span the plot's values; if not, it is said in `skipped` under `name`."""
     try:
         plot.limits()
     except svg.Unplottable as e:
-        skipped.append(f"reward-vs-KL frontier: not drawn, {e}")
-        return None
-    return svg.figure("Reward vs KL frontier", [plot], columns=1, cell=(820, 500))
+        skipped.append(f"{name}: not drawn, {e}")
+        return False
+    return True
 
 
 def _rolling_mean(values: list[float], k: int = 5) -> list[float]:

@@ -141,7 +141,7 @@ def _completion(row: dict) -> str:
     turns = row.get("turns")
     if not isinstance(turns, list) or not turns:
         return e(row["completion"])
-    return "<br>".join(f"<b>{e(str(t.get('role', '?')))}:</b> {e(str(t.get('text', '')))}{' <i>(cut by the token budget)</i>' if t.get('cut') else ''}"
+    return "<br>".join(f"<b>{e(t.get('role', '?'))}:</b> {e(t.get('text', ''))}{' <i>(cut by the token budget)</i>' if t.get('cut') else ''}"
                        for t in turns if isinstance(t, dict))
 
 
