@@ -141,6 +141,7 @@ class PPOTrainer:
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
         self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
+        self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
     # ------------------------------------------------------------------ set-up steps
 
@@ -374,6 +375,8 @@ class PPOTrainer:
         sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update, is_main=is_main,
                            show_progress=self.show_progress, folder=files)
         sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
+        if sample_every and state.update == 0 and self.eval_data is not None:
+            sinks.samples(self._saved_if_it_fails(self.samples_before_training))  # the baseline the later generations compare with
         signals = StopSignals(lambda: self._saved_at[1] if self._saved_at else None, lambda: state.update, self.accelerator).install()
         # Set-up allocated many long-lived objects; freezing them keeps each gc pass short.
         gc.collect()
@@ -528,10 +531,22 @@ class PPOTrainer:
         else:
             prompts, completions, scores, turns = (x[: hp.num_eval_samples] for x in self._last_batch)
             split = "train"
-        return [
+        rows = [
             sample_row({"update": self.state.update, "episode": self.state.episode, "split": split, "prompt": p, "completion": c, "score": s}, t)
             for p, c, s, t in zip(prompts, completions, scores, turns)
         ]
+        if self.state.update == 0 and split == "eval":
+            self._samples_before = rows
+        return rows
+
+    def samples_before_training(self) -> list[dict]:
+        """The eval samples of the policy before its first update (update 0), which train() writes first to
+        samples.jsonl: those of a `sample_completions()` call made before train(), else drawn now with every random
+        state kept, so that the run's results are those it would have without them."""
+        if self._samples_before is None:
+            with random_states.kept():
+                self.sample_completions()
+        return self._samples_before
 
     def save_checkpoint(self) -> Path:
         """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""
