@@ -56,6 +56,7 @@ DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "pr
 # config does not import torch.
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_IS = ("tis", "tis_sequence")  # ppo.rollout_is: engines.correction.IMPORTANCE_WEIGHTS holds their functions
 
 
 # TRL's flat names (its PPOConfig, ModelConfig, ScriptArguments) that ppokit spells otherwise: an unknown
@@ -149,8 +150,9 @@ class PPOHyperparams:
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
     loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
-    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward): `tis`, truncated importance sampling (Yao et al. 2025): each token's policy-gradient loss times min(p_trainer / p_engine, `rollout_is_cap`) (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--enable_vllm_is_correction` with `--vllm_is_truncated_threshold`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(("tis",)))
-    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is: tis` (veRL `rollout_is_threshold`, OpenRLHF `--vllm_is_truncated_threshold`).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
+    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward), truncated importance sampling (Yao et al. 2025): `tis`, each token's policy-gradient loss times its own ratio p_trainer / p_engine clipped to [`rollout_is_floor`, `rollout_is_cap`] (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--algo.advantage.is_correction_enable` with `--algo.advantage.is_correction_threshold LOW HIGH`, type `tis`); `tis_sequence`, every token of a response times the ratio of the whole response's probabilities, clipped likewise (veRL `rollout_is: sequence`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(ROLLOUT_IS))
+    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is` (veRL `rollout_is_threshold`, default 2; OpenRLHF the HIGH of `--algo.advantage.is_correction_threshold`, default 5).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
+    rollout_is_floor: float = doc(0.0, "The smallest truncated importance weight of `rollout_is`: weights below it are raised to it. 0: truncated above only, as veRL; OpenRLHF clips to [LOW, HIGH] of `--algo.advantage.is_correction_threshold`, default [0.5, 5]: `rollout_is_floor: 0.5` with `rollout_is_cap: 5` gives its weights.", check=rule("in [0, 1] (a floor above 1 would raise every token's loss, the on-policy ones too)", lambda v: 0 <= v <= 1))
     vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `--critic.adam.lr`, veRL `critic.optim.lr`). gae only.", check=positive)
     critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `--critic.freezing_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
@@ -271,8 +273,10 @@ class PPOHyperparams:
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
-        if self.rollout_is is None and differs_from_default(self, "rollout_is_cap"):
-            raise UserError(f"ppo.rollout_is_cap ({self.rollout_is_cap}) is the cap of ppo.rollout_is: tis, which is off; set ppo.rollout_is: tis or remove the key")
+        for key in ("rollout_is_cap", "rollout_is_floor"):
+            if self.rollout_is is None and differs_from_default(self, key):
+                raise UserError(f"ppo.{key} ({getattr(self, key)}) bounds the weights of ppo.rollout_is, which is off; set ppo.rollout_is: "
+                                f"{' or '.join(ROLLOUT_IS)} or remove the key")
         if self.cliprange_low is None and self.cliprange >= 1:  # cliprange_low's own range is (0, 1)
             raise UserError(
                 f"ppo.cliprange ({self.cliprange}) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower "
