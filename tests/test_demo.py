@@ -1,7 +1,11 @@
-"""`ppokit demo --quick` learns: VADER sentiment of the completions rises under PPO."""
+"""The demos: `ppokit demo --quick` learns (VADER sentiment of the completions rises under PPO), the guessing game
+and the calculator tool learn, each demo has its own folder, is refused at once when it cannot start, and one
+stopped by Ctrl-C continues with --resume."""
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +68,74 @@ def test_the_demo_model_keeps_its_heads_with_hf_and_gets_head_dim_64_otherwise()
 
     assert [model_heads(SETTINGS[quick]["hidden"], "hf") for quick in (True, False)] == [4, 4]  # the documented demo
     assert [SETTINGS[quick]["hidden"] // model_heads(SETTINGS[quick]["hidden"], "vllm") for quick in (True, False)] == [64, 64]
+
+
+# --------------------------------------------------------------------------- every demo its own folder, refused at once
+
+
+def test_each_demo_has_its_own_default_folder_and_the_command_that_makes_it():
+    from ppokit.demo import DemoChoice
+
+    folders = {flags: DemoChoice.of(**kwargs).default_output() for flags, kwargs in {
+        "--quick": {}, "": {"quick": False}, "--quick --environment guess": {"environment": "guess"},
+        "--quick --environment calculator": {"environment": "calculator"},
+        "--quick --engine vllm --estimator grpo": {"engine": "vllm", "estimator": "grpo"},
+        "--quick --environment guess --seed 3": {"environment": "guess", "seed": 3},
+    }.items()}
+    assert folders == {"--quick": "ppokit-demo", "": "ppokit-demo-full", "--quick --environment guess": "ppokit-demo-guess",
+                       "--quick --environment calculator": "ppokit-demo-calculator",
+                       "--quick --engine vllm --estimator grpo": "ppokit-demo-vllm-grpo",
+                       "--quick --environment guess --seed 3": "ppokit-demo-guess-seed3"}
+    assert len(set(folders.values())) == len(folders)
+    guess = DemoChoice.of("guess")
+    assert guess.command(guess.default_output(), "--resume") == "ppokit demo --quick --environment guess --resume"
+    assert guess.command("my games", "--resume") == "ppokit demo --quick --environment guess --output 'my games' --resume"
+
+
+def _finished_demo(folder, choice) -> None:
+    """`folder` as a finished demo leaves it: marked, its demo.json, ppo/final/."""
+    from ppokit import demo
+
+    demo.mark_demo_folder(folder, choice)
+    (folder / "ppo" / "final").mkdir(parents=True)
+
+
+def test_a_demo_whose_folder_is_taken_is_refused_before_torch_or_transformers_is_imported(tmp_path):
+    """The README's order, `ppokit demo --quick` then `--environment guess`, never meets (each its own folder); the
+    same demo twice is refused in one line, before any heavy import: torch cannot even be imported here."""
+    from ppokit.demo import DemoChoice
+
+    _finished_demo(tmp_path / "ppokit-demo-guess", DemoChoice.of("guess"))
+    blocked = ("import sys; sys.modules['torch'] = None; from ppokit.cli import main; "
+               "sys.exit(main(['demo', '--quick', '--environment', 'guess']))")
+    result = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    error = [line for line in result.stderr.splitlines() if line.startswith("ppokit")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr and len(error) == 1, result.stderr
+    assert error[0].startswith("ppokit: error: demo --output ppokit-demo-guess: ppokit-demo-guess/ppo holds a finished run")
+    # the check itself imports neither torch nor transformers (`ppokit demo` runs it first)
+    probe = ("import sys; from ppokit import demo; from ppokit.errors import UserError\n"
+             "try:\n    demo.demo_folder(demo.DemoChoice.of('guess'), None, overwrite=False)\nexcept UserError as e:\n    print(e)\n"
+             "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.stdout.splitlines()[-1] == "False False" and "holds a finished run" in result.stdout, result.stdout + result.stderr
+
+
+def test_resume_of_a_demo_is_refused_in_one_line_when_there_is_nothing_to_resume(tmp_path, capsys):
+    from ppokit.cli import main
+    from ppokit.demo import DemoChoice
+
+    finished, other = tmp_path / "finished", tmp_path / "other"
+    _finished_demo(finished, DemoChoice.of("guess"))
+    _finished_demo(other, DemoChoice.of("guess", seed=4))
+    (finished / "sft").mkdir()
+    (finished / "sft" / "config.json").write_text("{}")
+    for args, fragment in [
+        ([tmp_path / "absent"], "holds no demo to continue"),
+        ([finished], "holds a finished run (final/): nothing to continue; `ppokit report"),
+        ([other], f"holds another demo, `ppokit demo --quick --environment guess --seed 4 --output {other}`; continue it with "
+                  f"`ppokit demo --quick --environment guess --seed 4 --output {other} --resume`"),
+        ([finished, "--overwrite"], "--resume continues the demo in its folder and --overwrite starts it over"),
+    ]:
+        assert main(["demo", "--quick", "--environment", "guess", "--resume", "--output", *map(str, args)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ppokit: error: demo") and fragment in err and err.count("\n") == 1, err

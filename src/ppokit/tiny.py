@@ -14,10 +14,14 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrain
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 
 
-def word_tokenizer(texts: Iterable[str], min_frequency: int = 1) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer (whitespace and punctuation split) with distinct pad/eos/bos/unk."""
+def word_tokenizer(texts: Iterable[str], min_frequency: int = 1, split: str = "words") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with distinct pad/eos/bos/unk. split "words": at whitespace and between words and
+    punctuation; "whitespace": at whitespace only, so that text whose tokens are separated by single spaces (JSON
+    written `{ "a" : 1 }`) decodes back to itself (decoding joins tokens with a space)."""
+    if split not in ("words", "whitespace"):
+        raise ValueError(f"split must be words or whitespace, got {split!r}")
     tok = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk_token"]))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace() if split == "words" else pre_tokenizers.WhitespaceSplit()])
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS.values()), min_frequency=min_frequency)
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS, clean_up_tokenization_spaces=False)
