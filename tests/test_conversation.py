@@ -392,3 +392,79 @@ def test_bad_conversation_input_stops_the_trainer_before_any_weights_load(qwen_r
         PPOTrainer(run, show_progress=False)
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (root / run.output_dir).exists()
+
+
+def test_a_call_marked_by_a_special_token_reaches_the_parser_and_runs(tools_file):
+    """Mistral's `[TOOL_CALLS]` is a special token: a turn decoded without special tokens would lose it and end the
+    episode as an answer. `step` receives the turn with it, and the mistral format runs the call."""
+    from ppokit.environments import Tools
+
+    tok = byte_tokenizer(["[TOOL_CALLS]", "[ARGS]", "</s>", "<pad>"], eos="</s>", pad="<pad>")
+    renderer = ConversationRenderer(tok, None, stop_token_id=tok.eos_token_id)
+    turn = tok('[TOOL_CALLS]add[ARGS]{"a": 17, "b": 25}', add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert tok.decode(turn, skip_special_tokens=True) == 'add{"a": 17, "b": 25}'  # what the old decoding handed over
+    tools = Tools([f"{tools_file}:add"], tool_parser="mistral")
+    assert tools.step(renderer.turn_text(turn, stopped=True)) == ("<tool_response>\n42\n</tool_response>", 0.0, False)
+
+
+class Floods:
+    """A tool environment whose every step answers 20 million characters (a tool gone wrong)."""
+
+    observation_role = "tool"
+
+    def reset(self, row):
+        return None
+
+    def step(self, completion):
+        return "x" * 20_000_000, 0.0, False
+
+
+def test_a_20_million_character_observation_is_cut_before_it_is_tokenised():
+    family = FAMILIES["qwen2_5"]
+    tok = family.tokenizer()
+    stop = tok.convert_tokens_to_ids(family.stop)
+    renderer = ConversationRenderer(tok, tok.chat_template, stop_token_id=stop, observation_role="tool")
+    longest, encoded = [0], renderer.encode
+    renderer.encode = lambda text: (longest.__setitem__(0, max(longest[0], len(text))), encoded(text))[1]
+    turn = tok("7", add_special_tokens=False)["input_ids"] + [stop]
+    engine = ForcedEngine(tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048).eval(), [turn] * 3, tok.pad_token_id, stop)
+    loop = EpisodeLoop(engine, tok, EnvironmentRunner("floods.py:Floods", Floods, {}, timeout_s=None), max_turns=3, max_episode_tokens=64,
+                       pad_token_id=tok.pad_token_id, renderer=renderer)
+    prompt = tok(renderer.chat.render([{"role": "user", "content": "go"}], True), add_special_tokens=False)["input_ids"]
+    episodes, outcome = loop.sample([prompt], [{"prompt": "go"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_id=stop))
+    assert outcome.truncated == [True] and outcome.turns == [1] and episodes.attention_mask.shape[1] == len(prompt) + 64
+    assert longest[0] < 64 * renderer.longest_token() + 1000  # the probe conversation around the cut content
+    [said] = [t for t in outcome.transcripts[0] if t["role"] == "tool"]
+    assert said["cut"] and len(said["text"]) < 100
+
+
+def test_the_step_deadline_covers_rendering_the_observation():
+    tok, renderer = _renderer()
+
+    def slow(*args, **kwargs):
+        import time
+
+        time.sleep(5)
+
+    renderer.observation = slow
+    runner = EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=0.5)
+    loop = EpisodeLoop(_StubEngine(tok), tok, runner, max_turns=2, max_episode_tokens=100, pad_token_id=tok.pad_token_id, renderer=renderer)
+    _, outcome = loop.sample([[5, 6]], [{"prompt": "go"}], Sampling(max_new_tokens=4, temperature=1.0, stop_token_id=tok.eos_token_id))
+    assert outcome.errors[0].startswith("environment answers.py:Answers: step did not return within environment_timeout_s=0.5s")
+
+
+class _StubEngine:
+    """Answers every context with one token and the stop token."""
+
+    logprobs_are_trainers = True
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, prompts, sampling):
+        answer = [65, self.tok.eos_token_id]
+        query, query_mask = left_pad(prompts, self.tok.pad_token_id)
+        response = torch.tensor([answer] * len(prompts))
+        real = torch.ones_like(response, dtype=torch.bool)
+        return Episodes(query, response, torch.cat([query_mask, real], 1), real, torch.zeros(response.shape),
+                        torch.tensor([True] * len(prompts)), torch.full((len(prompts),), 1))
