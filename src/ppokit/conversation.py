@@ -192,8 +192,9 @@ class ConversationRenderer:
                 content = content[:limit]
             safe.append({**message, "content": content})
             entry = {"role": message.get("role", self.observation_role), "text": self._as_read(content)}
-            if entry["text"] != original:
-                entry["original"] = _preview(str(original))
+            shown = readable(_preview(str(original)))  # what the environment said, writable anywhere (no lone surrogates)
+            if entry["text"] != shown:
+                entry["original"] = shown
             said.append(entry)
         return safe, said
 
