@@ -314,9 +314,9 @@ def build_scorer(
                     f"reward function {source.name} needs the data column(s) {', '.join(missing)}, which {split} "
                     f"does not have (columns: {', '.join(sorted(columns)) or 'none besides the prompt'})"
                 )
-            problem = source.call_problem(columns) if isinstance(source, FunctionReward) else None
+            problem = source.call_problem(columns, split) if isinstance(source, FunctionReward) else None
             if problem:
-                raise UserError(f"{problem} (columns of {split}: {', '.join(sorted(columns))})" if columns else problem)
+                raise UserError(problem)
     remote = None
     if reward.remote is not None:  # its URL and headers are checked here, before any model loads
         r = reward.remote

@@ -340,9 +340,9 @@ class FunctionReward:
         given = {"prompts": prompts} if self._takes("prompts") else {}
         return (), {**given, "completions": completions, **extra}
 
-    def call_problem(self, columns: Set) -> Optional[str]:
+    def call_problem(self, columns: Set, source: str = "") -> Optional[str]:
         """One line naming the function and what its signature lacks to be called with data of these `columns`
-        (set of names), or None. Checked at start-up, before any model loads: a function that cannot take the call
+        (set of names; `source` says whose, e.g. "data.train (p.jsonl)"), or None. Checked at start-up, before any model loads: a function that cannot take the call
         would otherwise fail at the first scoring, after the models loaded and the first rollout ran."""
         if self._signature is None:
             return None
@@ -351,9 +351,9 @@ class FunctionReward:
             self._signature.bind(*args, **kwargs)
             return None
         except TypeError as e:
-            return f"reward function {self.name}{_where(self.fn)}{self._lacks(args, kwargs, columns, e)}"
+            return f"reward function {self.name}{_where(self.fn)}{self._lacks(args, kwargs, columns, source, e)}"
 
-    def _lacks(self, args: tuple, kwargs: dict, columns: Set, error: TypeError) -> str:
+    def _lacks(self, args: tuple, kwargs: dict, columns: Set, source: str, error: TypeError) -> str:
         params = self._params.values()
         slots = [p for p in params if p.kind in _POSITIONAL]
         if self.convention == POSITIONAL and len(slots) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
@@ -361,10 +361,12 @@ class FunctionReward:
                     "name them (prompts, completions), or name a parameter `completions` to be called TRL's way, every "
                     "argument by keyword")
         if not any(p.kind == p.VAR_KEYWORD for p in params):
-            extra = [k for k in kwargs if not (k in self._params and self._params[k].kind in _NAMED)]
+            extra = sorted(k for k in kwargs if not (k in self._params and self._params[k].kind in _NAMED))
             if extra:
-                what = "the data column(s)" if set(extra) <= set(columns) else "the keyword argument(s)"
-                return f" has no parameter for {what} {', '.join(extra)} that ppokit passes to it; add **kwargs"
+                data = [k for k in extra if k in columns]
+                what = [f"the column(s) {', '.join(data)} of {source or 'the data'}"] if data else []
+                what += [f"the keyword argument(s) {', '.join(k for k in extra if k not in columns)}"] if len(data) < len(extra) else []
+                return f" has no parameter for {' and '.join(what)}, which ppokit passes to it; add **kwargs"
         filled = set(kwargs) | {p.name for p in slots[:len(args)]}
         missing = [p.name for p in params if p.kind in (*_POSITIONAL, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in filled]
         trl_only = [name for name in missing if name in TRL_ONLY_ARGUMENTS]
