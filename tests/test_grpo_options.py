@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import threading
 
 import pytest
 import torch
 from conftest import tiny_ppo_config
+from test_algo import _two_processes
 
 from ppokit import algo
 from ppokit.config import PPOConfig, PPOHyperparams
@@ -73,26 +73,8 @@ def test_batch_std_over_two_processes_equals_one_batch():
     g = torch.Generator().manual_seed(1)
     scores, valid = torch.randn(16, generator=g), torch.rand(16, generator=g) > 0.2
     whole = algo.grpo_advantages_batch_std(scores, valid, 4)
-    barrier, shared, results = threading.Barrier(2), [None, None], [None, None]
-
-    def all_reduce_for(rank):
-        def reduce(t):
-            shared[rank] = t.clone()
-            barrier.wait()
-            total = shared[0] + shared[1]
-            barrier.wait()
-            return total
-        return reduce
-
-    def process(rank):
-        rows = slice(rank * 8, rank * 8 + 8)
-        results[rank] = algo.grpo_advantages_batch_std(scores[rows], valid[rows], 4, all_reduce_for(rank))
-
-    threads = [threading.Thread(target=process, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = _two_processes(lambda s, v, reduce: algo.grpo_advantages_batch_std(s, v, 4, reduce),
+                             (scores[:8], valid[:8]), (scores[8:], valid[8:]))
     torch.testing.assert_close(torch.cat(results), whole, rtol=1e-6, atol=1e-7)
     alone = algo.grpo_advantages_batch_std(scores[:8], valid[:8], 4)
     assert not torch.allclose(alone, whole[:8])  # without the reduction the half batch's std differs
