@@ -197,7 +197,8 @@ def test_mask_truncated_completions_needs_a_way_to_end():
 # --------------------------------------------------------------------------- warmup_ratio
 
 
-@pytest.mark.parametrize("ratio, steps, want", [(0.1, 30, 3), (0.1, 31, 4), (0.03, 100, 3), (0.0, 50, 0), (0.5, 1, 1), (0.25, 7, 2)])
+@pytest.mark.parametrize("ratio, steps, want", [(0.1, 30, 3), (0.1, 31, 4), (0.03, 100, 3), (0.0, 50, 0), (0.5, 1, 1), (0.25, 7, 2),
+                                               (0.07, 100, 7), (0.55, 100, 55)])  # 0.07 * 100 == 7.000000000000001 in floats
 def test_warmup_ratio_is_ceil_of_the_share_of_steps_as_written(ratio, steps, want):
     assert PPOHyperparams(warmup_ratio=ratio).warmup_steps_over(steps) == want
     assert PPOHyperparams(warmup_steps=5).warmup_steps_over(steps) == 5

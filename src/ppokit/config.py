@@ -164,7 +164,7 @@ class PPOHyperparams:
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
     lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=one_of(("linear", "constant")))
     warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative)
-    warmup_ratio: float = doc(0.0, "Linear warm-up as a share of the run's optimiser steps: ceil(warmup_ratio x steps), the ratio taken as written (0.1 of 30 steps is 3) (TRL/transformers `warmup_ratio`, OpenRLHF `--actor.lr_warmup_ratio`, veRL `optim.lr_warmup_steps_ratio`, which rounds down). Set this or `warmup_steps`, not both.", check=fraction)
+    warmup_ratio: float = doc(0.0, "Linear warm-up as a share of the run's optimiser steps: ceil(warmup_ratio x steps), the ratio taken as written (0.07 of 100 steps is 7, where the float product 7.000000000000001 would make 8) (TRL/transformers `warmup_ratio`, OpenRLHF `--actor.lr_warmup_ratio`, veRL `optim.lr_warmup_steps_ratio`, which rounds down). Set this or `warmup_steps`, not both.", check=fraction)
     # resume=True (here and below): keys that change no number the run computes, so a resumed run may set them
     # otherwise without --resume-force (ppokit.checkpoint.config_differences): how often it prints or saves, how many
     # checkpoints it keeps, when it gives up on non-finite updates and how it undoes them (the same numbers until one
@@ -186,8 +186,8 @@ class PPOHyperparams:
 
     def warmup_steps_over(self, num_steps: int) -> int:
         """The schedule's warm-up in optimiser steps, for a run of `num_steps`: `warmup_steps`, or
-        ceil(warmup_ratio x num_steps) with the ratio as written (Fraction of its decimal form: 0.1 x 30 is 3, where
-        the float product 3.0000000000000004 would round up to 4). The one place both keys are read."""
+        ceil(warmup_ratio x num_steps) with the ratio as written (Fraction of its decimal form: 0.07 x 100 is 7, where
+        the float product 7.000000000000001 would round up to 8). The one place both keys are read."""
         if self.warmup_steps:
             return self.warmup_steps
         return math.ceil(Fraction(repr(self.warmup_ratio)) * num_steps)
