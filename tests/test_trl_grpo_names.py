@@ -75,7 +75,8 @@ SAMPLE_VALUES = {  # values a TRL GRPO user writes, for each name with an equiva
     "multi_objective_aggregation": [], "max_tool_calling_iterations": [2], "use_vllm": [True, False],
     "vllm_mode": ["colocate"], "vllm_gpu_memory_utilization": [0.5], "vllm_tensor_parallel_size": [1],
     "vllm_max_model_length": [1024], "vllm_enable_sleep_mode": [False],
-    "vllm_importance_sampling_correction": [True, False], "vllm_importance_sampling_mode": ["token_truncate"],
+    "vllm_importance_sampling_correction": [True, False], "vllm_importance_sampling_mode": ["token_truncate", "sequence_truncate"],
+    "vllm_importance_sampling_clip_min": [0.5],
     "vllm_importance_sampling_clip_max": [3.0], "vllm_importance_sampling_cap": [2.5], "ds3_gather_for_generation": [False],
 }
 

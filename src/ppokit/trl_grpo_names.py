@@ -156,11 +156,13 @@ TRL_GRPO_EQUIVALENTS: dict[str, Callable[[Any], Said]] = {
     "vllm_importance_sampling_mode": _by_value({
         "token_truncate": Equivalent((("ppo.rollout_is", "tis"),)),
         "token_mask": f"{NO_EQUIVALENT} of token_mask (ppo.rollout_is: tis truncates the weights, token_truncate)",
-        "sequence_truncate": f"{NO_EQUIVALENT} of sequence_truncate (ppo.rollout_is: tis truncates per token, token_truncate)",
-        "sequence_mask": f"{NO_EQUIVALENT} of sequence_mask (ppo.rollout_is: tis truncates per token, token_truncate)",
+        "sequence_truncate": Equivalent((("ppo.rollout_is", "tis_sequence"),), "the whole response's probability ratio, truncated"),
+        "sequence_mask": f"{NO_EQUIVALENT} of sequence_mask (ppo.rollout_is: tis_sequence truncates the response's weight, "
+                         "sequence_truncate)",
     }, "vllm_importance_sampling_mode"),
     "vllm_importance_sampling_clip_max": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_cap", value))),
     "vllm_importance_sampling_cap": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_cap", value))),
+    "vllm_importance_sampling_clip_min": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_floor", value))),
     "ds3_gather_for_generation": lambda value: Equivalent(
         (("parallel.strategy", "fsdp"), ("parallel.unshard_for_generation", value)), "ppokit shards with FSDP2, not DeepSpeed"),
     # what ppokit always does
@@ -180,8 +182,7 @@ WITHOUT_EQUIVALENT = (
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
     "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
     "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "top_entropy_quantile", "use_adaptive_entropy",
-    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "vllm_importance_sampling_clip_min",
-    "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal", "num_completions_to_print",
+    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal", "num_completions_to_print",
     "log_unique_prompts", "log_completions_hub_repo", "use_transformers_continuous_batching",
     "transformers_continuous_batching_config", "use_transformers_paged",
 )
