@@ -324,7 +324,7 @@ class PPOTrainer:
 
         # 6. optimise
         lrs = self.scheduler.get_last_lr()
-        train_stats = self.optimise(episodes)
+        train_stats = self.optimise(experience.trained_on(episodes, mask_truncated_completions=hp.mask_truncated_completions))
         t_train = time.perf_counter()
 
         # 7. log
