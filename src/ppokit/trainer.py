@@ -301,7 +301,8 @@ class PPOTrainer:
             episodes, self.accelerator.unwrap_model(self.model), self.ref_model, rows=hp.local_rollout_forward_batch_size,
             packed=hp.max_tokens_per_micro_batch is not None, temperature=hp.temperature, chunk_size=self.config.lm_head_chunk_size,
             autocast=self.accelerator.autocast, policy_logprobs=not self.rollout_engine.logprobs_are_trainers)
-        mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes)
+        mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, self._sum_over_processes,
+                                        floor=hp.rollout_is_floor)
         t_forward = time.perf_counter()
 
         # 4. reward: per-token KL penalty (when it is in the reward), the score at each episode's score position

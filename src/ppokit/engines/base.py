@@ -217,8 +217,16 @@ def step_logits_bytes(rows: int, vocab: int) -> int:
 
 
 class RolloutEngine(Protocol):
-    """What samples episodes for the trainer.
+    """What samples episodes for the trainer; an engine class is declared once in `ppokit.engines.ENGINES`.
 
+    The class:
+    create(setup): the engine, built from what the trainer hands over (`EngineSetup`; its own `rollout:` keys
+        in `setup.settings`).
+    memory(sizing): what it holds of its own on the device (all run long, or freed while training) and what
+        sampling needs on top (`EngineMemory`), from config files alone (no engine library imported): `ppokit plan`.
+    check_installed(): None, or a UserError saying how to install what the engine needs (before any work).
+
+    An engine:
     logprobs_are_trainers: True when the logprobs `generate` returns are the training forward's own
         (same weights, same kernels, same precision), so they serve as the PPO ratio's old logprobs.
         False: the trainer recomputes them with one no-gradient forward of the policy and logs the
@@ -241,6 +249,15 @@ class RolloutEngine(Protocol):
     """
 
     logprobs_are_trainers: bool
+
+    @classmethod
+    def create(cls, setup: EngineSetup) -> "RolloutEngine": ...
+
+    @staticmethod
+    def memory(sizing: EngineSizing) -> EngineMemory: ...
+
+    @staticmethod
+    def check_installed() -> None: ...
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> "Episodes": ...
 
@@ -274,6 +291,12 @@ class RolloutEngine(Protocol):
     def resume(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+# Every method an engine class must have (`ppokit.engines.engine_class` checks them), read from the Protocol
+# (`logprobs_are_trainers` may be set per instance).
+ENGINE_METHODS = tuple(name for name, value in vars(RolloutEngine).items()
+                       if not name.startswith("_") and callable(getattr(value, "__func__", value)))
 
 
 @contextlib.contextmanager

@@ -12,7 +12,9 @@ names its class in the config (`environment: path/to/env.py:ClassName` or `packa
 threads under `environment_timeout_s` (`ThreadCall`), checks what they return, and turns every
 failure into an `EnvironmentFailure` (a RewardError, so `reward.on_error` applies: skip that episode
 or stop the run) whose one-line message names the environment, the call and the episode's prompt.
-A hung call fails its episode; its thread is left running (Python cannot stop a thread).
+A hung call fails its episode; its thread is left running (Python cannot stop a thread). Whatever the code
+raises is its failure, KeyboardInterrupt and other BaseExceptions included: only a stop request that reaches
+the main thread (Ctrl-C) passes through (`rewards.sources.code_raised`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ppokit.errors import UserError
-from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number
+from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number, code_raised, raised_text
 from ppokit.user_code import load_attribute
 
 BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
@@ -164,22 +166,26 @@ class EnvironmentRunner:
     def _call(self, fn, what: str, prompt: Optional[str]):
         """fn() under the deadline; EnvironmentFailure (or EnvironmentTimeout) naming `what` and the prompt.
         A UserError the environment raises itself (its own one-line complaint) passes through: it stops the run."""
+        call = None
         try:
             if self.timeout_s is None:
                 return fn()
-            return ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}").result(self.timeout_s)
+            call = ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}")
+            return call.result(self.timeout_s)
         except DeadlineExceeded:
             raise EnvironmentTimeout(
                 f"environment {self.spec}: {what} did not return within environment_timeout_s={self.timeout_s:g}s "
-                f"(its thread is left running: Python cannot stop it){_where(prompt)}"
+                f"(its thread is left running: Python cannot stop it){prompt_suffix(prompt)}"
             ) from None
         except UserError:
             raise
-        except (Exception, SystemExit) as e:
-            raise EnvironmentFailure(f"environment {self.spec}: {what} raised {type(e).__name__}: {e}{_where(prompt)}") from e
+        except BaseException as e:  # KeyboardInterrupt or another BaseException the environment raised is its failure too
+            if not code_raised(e, call):
+                raise  # a stop request (Ctrl-C, ppokit's second signal) that reached the main thread while it ran the code
+            raise EnvironmentFailure(f"environment {self.spec}: {what} raised {raised_text(e)}{prompt_suffix(prompt)}") from e
 
     def _check_observation(self, env, observation, what: str, prompt: Optional[str]) -> Step:
-        where = _where(prompt)
+        where = prompt_suffix(prompt)
         if observation is not None and not isinstance(observation, str):
             raise EnvironmentFailure(f"environment {self.spec}: {what} returned the observation {_short(observation)} (a {type(observation).__name__}); expected a str or None{where}")
         return Step(observation, 0.0, False, self._messages(env, observation, what, prompt))
@@ -192,13 +198,13 @@ class EnvironmentRunner:
             return [{"role": self.observation_role, "content": observation}]
         messages = self._call(lambda: render(observation), f"observation_messages after {what}", prompt)
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            where = _where(prompt)
+            where = prompt_suffix(prompt)
             raise EnvironmentFailure(f"environment {self.spec}: observation_messages returned {_short(messages)}; expected a list of {{role, content}} dicts{where}")
         return messages
 
     def check_step(self, env, result, prompt: Optional[str]) -> Step:
         """step's return value -> a Step; EnvironmentFailure naming the environment and the value otherwise."""
-        where = _where(prompt)
+        where = prompt_suffix(prompt)
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){where}")
         observation, reward, done = result
@@ -228,7 +234,7 @@ class EnvironmentEpisode:
         return self.runner.check_step(self.env, result, self.prompt)
 
 
-def _where(prompt: Optional[str]) -> str:
+def prompt_suffix(prompt: Optional[str]) -> str:
     """'; prompt ...' naming the episode in an error line, or nothing."""
     return "" if prompt is None else f"; prompt {_short(prompt)}"
 

@@ -183,6 +183,8 @@ class EpisodeLoop:
             if started.first is not None and started.first.observation is not None:
                 prompts[i], ids = self.observation.first(prompts[i], started.first.observation, started.first.messages)
                 self._observe(episode, started.first, turn_stopped=True, ids=ids)
+                if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
+                    episode.fail(self._no_room_after_reset(len(ids), texts[i]))
         device = None
         while True:
             running = [e for e in episodes if e.running]
@@ -197,6 +199,13 @@ class EpisodeLoop:
             for e, step in zip(running, steps):
                 self._answer(e, step)
         return self._collect(prompts, episodes, device)
+
+    def _no_room_after_reset(self, tokens: int, prompt: str) -> str:
+        from ppokit.environments.base import prompt_suffix
+
+        return (f"environment {self.runner.spec}: reset's observation is {tokens} tokens, which fills the episode's budget "
+                f"(rollout.max_episode_tokens: {self.max_episode_tokens} tokens after the prompt) and leaves no room for a model "
+                f"turn; shorten the observation or raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
     def _add_turn(self, episode: _Episode, turn: "Episodes", k: int) -> str:
         """Row k of one generate call is the episode's next model turn (cut to the room left) -> its text."""

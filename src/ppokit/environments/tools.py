@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ppokit.errors import UserError
-from ppokit.rewards.sources import DeadlineExceeded, ThreadCall
+from ppokit.rewards.sources import DeadlineExceeded, ThreadCall, code_raised, raised_text
 from ppokit.user_code import load_attribute
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
@@ -138,15 +138,19 @@ def run_tool(tools: dict[str, Callable], call: Union[ToolCall, BadToolCall], tim
         return f"error: {call.name}: {e}"
     except ValueError:  # a builtin without a signature: let the call say what is wrong
         pass
+    thread = None
     try:
         if timeout_s is None:
             result = fn(**call.arguments)
         else:
-            result = ThreadCall(lambda: fn(**call.arguments), name=f"ppokit-tool-{call.name}").result(timeout_s)
+            thread = ThreadCall(lambda: fn(**call.arguments), name=f"ppokit-tool-{call.name}")
+            result = thread.result(timeout_s)
     except DeadlineExceeded:
         return f"error: {call.name} did not return within {timeout_s:g}s"
-    except (Exception, SystemExit) as e:
-        return f"error: {call.name} raised {type(e).__name__}: {e}"
+    except BaseException as e:  # KeyboardInterrupt and other BaseExceptions the tool raised are its failure too
+        if not code_raised(e, thread):
+            raise  # a stop request (Ctrl-C) that reached the main thread while it ran the tool
+        return f"error: {call.name} raised {raised_text(e)}"
     return _as_text(result)
 
 

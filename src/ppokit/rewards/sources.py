@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import copy
 import inspect
+import signal
 import threading
 import time
 from collections.abc import Mapping, Set
@@ -242,6 +243,34 @@ class ThreadCall:
         if self._error is not None:
             raise self._error
         return self._value
+
+    def raised(self, error: BaseException) -> bool:
+        """Whether `error` (caught around `result`) is what fn raised in its thread, rather than something that
+        reached the caller while it waited (a signal handler's exception)."""
+        return self._error is not None and error is self._error
+
+
+def code_raised(error: BaseException, call: Optional[ThreadCall] = None) -> bool:
+    """Whether `error`, caught around user code (an environment, a tool), is that code's own failure rather than a
+    stop request that reached it. Code run by `call` (a ThreadCall) raised it itself: signals reach the main
+    thread only, so even a KeyboardInterrupt from its thread is the code's. Code run in the caller's thread
+    (call None): ppokit's own stop (a second SIGINT/SIGTERM, `guards.TrainingInterrupted`) is never the code's, and
+    a KeyboardInterrupt is the code's own only where SIGINT cannot raise one (its handler is not Python's default)."""
+    if call is not None:
+        return call.raised(error)
+    from ppokit.guards import TrainingInterrupted
+
+    if isinstance(error, TrainingInterrupted):
+        return False
+    if isinstance(error, KeyboardInterrupt):
+        return threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    return True
+
+
+def raised_text(error: BaseException) -> str:
+    """'TypeName: message', or 'TypeName' for an exception without a message (KeyboardInterrupt())."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 @dataclass
