@@ -75,11 +75,13 @@ def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, tokenize
                Request("target-greedy", prompts[2], Sampling(8, 1.0, None, greedy=True), seed=0)]
     alone = {t.request_id: complete(engine_for(policy, tokenizer), [t])[0] for t in targets}
     others = crowd(prompts, 10)
-    crowded, _ = drive(engine_for(policy, tokenizer), {0: others[:5], 3: targets[:1] + others[5:8], 5: targets[1:] + others[8:]})
+    siblings = [Request(f"sibling{i}", prompts[0], Sampling(12, 1.0, None), seed=70 + i) for i in range(2)]  # one prefill for three
+    crowded, _ = drive(engine_for(policy, tokenizer), {0: others[:5], 3: targets[:1] + siblings + others[5:8], 5: targets[1:] + others[8:]})
     for t in targets:
         got, want = crowded[t.request_id], alone[t.request_id]
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, t.request_id
     assert {c.finish_reason for c in crowded.values()} == {"length"}
+    assert len({tuple(crowded[s.request_id].token_ids) for s in siblings + targets[:1]}) == 3  # their own seeds
     assert [len(crowded[o.request_id].token_ids) for o in others] == [o.sampling.max_new_tokens for o in others]
 
 

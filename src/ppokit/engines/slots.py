@@ -9,7 +9,8 @@ attention's sums with the padding in front of a row. So:
   cache (no padding in front of it: its real keys are columns 0..p), and a 4-D mask shows each row its own
   columns 0..p only.
 - prefill: each request's prompt alone (one row, its own length, or the part after the request it continues),
-  into a one-row cache of the same capacity, then copied into its decoding slot.
+  into a one-row cache of the same capacity, then copied into its decoding slot; requests with the same prompt
+  admitted one after another (a group's samples) share one prefill, which is the same computation.
 - sampling: each request has its own torch.Generator seeded with its seed; a token is argmax(p / E) with E ~ Exp(1)
   drawn per vocabulary entry from the request's generator (the exponential race torch.multinomial runs for one
   sample); greedy is the argmax of the logprobs.
@@ -136,6 +137,7 @@ class SlotDecoder:
         self.kept: dict[str, _Kept] = {}
         self._decode: Optional[SlotCache] = None
         self._prefill: Optional[SlotCache] = None
+        self._prefilled: Optional[tuple[tuple[int, ...], torch.Tensor]] = None  # (prompt, its logits) the prefill row holds
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -179,7 +181,7 @@ class SlotDecoder:
         if self.unfinished():
             raise RuntimeError(f"the hf engine has {self.unfinished()} unfinished requests; abort them before training")
         self.kept.clear()
-        self._decode = self._prefill = None
+        self._decode = self._prefill = self._prefilled = None
 
     # ------------------------------------------------------------------ decoding
 
@@ -187,6 +189,7 @@ class SlotDecoder:
         """Admit queued requests into free slots (each prefilled alone, its first token sampled), then one decoding
         step of every slot -> the requests that completed."""
         done = []
+        self._prefilled = None  # shared only between requests admitted in one step (the weights may change between steps)
         for i in range(self.slots):
             while self.running[i] is None and self.queue:
                 finished = self._admit(model, self.queue.popleft(), i)
@@ -208,12 +211,17 @@ class SlotDecoder:
             for mine, theirs in ((prefill.keys, kept.keys), (prefill.values, kept.values)):
                 for layer, tensor in enumerate(theirs):
                     mine[layer][0, :, :start] = tensor
-        new = torch.tensor([list(request.prompt[start:])], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, len(request.prompt), device=self.device).unsqueeze(0)
-        prefill.write_at = positions
-        logits, _ = causal_lm_step(model, new, self._mask(model, positions), positions, cache=prefill, logits_to_keep=1)
-        if not prefill.allocated:
-            raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
+        prompt = tuple(request.prompt)
+        if kept is None and self._prefilled is not None and self._prefilled[0] == prompt:
+            logits = self._prefilled[1]  # the prompt the prefill row holds already (a group's samples): the same bits
+        else:
+            new = torch.tensor([list(request.prompt[start:])], dtype=torch.long, device=self.device)
+            positions = torch.arange(start, len(request.prompt), device=self.device).unsqueeze(0)
+            prefill.write_at = positions
+            logits, _ = causal_lm_step(model, new, self._mask(model, positions), positions, cache=prefill, logits_to_keep=1)
+            if not prefill.allocated:
+                raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
+        self._prefilled = (prompt, logits) if kept is None else None
         running = _Running(request, _generator(request, self.device), len(request.prompt), start)
         self._sample(logits[:, -1], [running])
         reason = running.finish_reason()
