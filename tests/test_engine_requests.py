@@ -6,6 +6,7 @@ steps, arrive before or after it, wait in the queue or are aborted."""
 import pytest
 import torch
 from conftest import assert_float32_close
+from test_engines import _recording
 
 from ppokit.engines.base import Completion, Request, Sampling, complete, request_seed
 from ppokit.engines.hf import HFEngine, HFSampler
@@ -256,31 +257,19 @@ def test_seedless_requests_of_one_call_are_todays_lock_step_batch(policy, tokeni
     assert [done[r.request_id].logprobs for r in seedless] == want.logprobs.tolist()
 
 
-class _Entered:
-    def __init__(self, log, policy):
-        self.log, self.policy = log, policy
-
-    def __enter__(self):
-        self.log.append(self.policy.training)
-
-    def __exit__(self, *exc):
-        self.log.append("exit")
-        return False
-
-
 def test_the_sampling_contexts_are_entered_once_per_serving(tokenizer, prompts):
     """Inside `serving()` every step runs under the sampling contexts (the policy in eval mode), entered once, not
     at every step (under fsdp each entry gathers the whole policy); step() outside it enters them itself."""
     policy = make_policy(tokenizer).train()
-    log = []
-    engine = engine_for(policy, tokenizer, sampling_contexts=lambda p: (_Entered(log, p),))
+    log = []  # the policy's training flag at each entry
+    engine = engine_for(policy, tokenizer, sampling_contexts=lambda p: (_recording(log, p),))
     engine.submit(crowd(prompts, 6))
     with engine.serving():
         steps = 0
         while engine.unfinished():
             engine.step()
             steps += 1
-    assert log == [False, "exit"] and steps > 5 and policy.training
+    assert log == [False] and steps > 5 and policy.training
     engine.submit(crowd(prompts, 1))
     engine.step()
-    assert log == [False, "exit", False, "exit"]
+    assert log == [False, False]
