@@ -287,7 +287,7 @@ def test_a_lone_surrogate_in_an_observation_reads_as_the_replacement_character()
     tok, renderer = _renderer()
     observation = renderer.observation([], "bad \udcff", True)
     assert tok.decode(observation.ids).endswith("bad \ufffd\nassistant:")
-    assert observation.said == [{"role": "user", "text": "bad \ufffd", "original": "bad \udcff"}]
+    assert observation.said == [{"role": "user", "text": "bad \ufffd"}]  # the transcript too: it is written to files and pages
 
 
 def test_words_the_tokenizer_cannot_represent_warn_once_and_the_transcript_shows_what_was_read():

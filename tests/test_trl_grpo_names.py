@@ -134,3 +134,21 @@ def test_the_grpo_names_are_in_docs_trl_side_by_side():
     names = list(TRL_GRPO_EQUIVALENTS) + ["warmup_ratio", "mask_truncated_completions", "importance_sampling_level"]
     assert [name for name in names if f"| `{name}`" not in table] == []
     assert [name for name in WITHOUT_EQUIVALENT if f"`{name}`" not in table] == []
+
+
+def test_the_documented_trl_grpo_defaults_are_a_valid_ppokit_config(tmp_path):
+    import yaml
+
+    page = Path(__file__).resolve().parents[1].joinpath("docs", "trl.md").read_text()
+    after = page.index("TRL's GRPO defaults as a ppokit config")
+    start = page.index("```yaml\n", after) + len("```yaml\n")
+    block = yaml.safe_load(page[start:page.index("```", start)])
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(block))
+    config = PPOConfig.load(tmp_path / "grpo.yaml", BASE)
+    assert (config.ppo.advantage_estimator, config.ppo.num_samples_per_prompt, config.ppo.kl_in_reward) == ("grpo", 8, False)
+
+
+def test_transformers_warmup_ratio_spelling_is_pointed_at_warmup_ratio():
+    with pytest.raises(UserError, match=re.escape("ppo.warmup_steps: expected an integer, got 0.1; a share of the run's steps "
+                                                  "(transformers' and TRL's warmup_steps: 0.1) is ppo.warmup_ratio")):
+        PPOConfig.load(None, BASE + ["ppo.warmup_steps=0.1"])

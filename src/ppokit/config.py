@@ -165,7 +165,8 @@ class PPOHyperparams:
     weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
     lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=one_of(("linear", "constant")))
-    warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative)
+    warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative,
+                            if_wrong="a share of the run's steps (transformers' and TRL's warmup_steps: 0.1) is ppo.warmup_ratio")
     warmup_ratio: float = doc(0.0, "Linear warm-up as a share of the run's optimiser steps: ceil(warmup_ratio x steps), the ratio taken as written (0.07 of 100 steps is 7, where the float product 7.000000000000001 would make 8) (TRL/transformers `warmup_ratio`, OpenRLHF `--actor.lr_warmup_ratio`, veRL `optim.lr_warmup_steps_ratio`, which rounds down). Set this or `warmup_steps`, not both.", check=fraction)
     # resume=True (here and below): keys that change no number the run computes, so a resumed run may set them
     # otherwise without --resume-force (ppokit.checkpoint.config_differences): how often it prints or saves, how many

@@ -20,14 +20,16 @@ from ppokit.data_sources import decode_utf8
 from ppokit.errors import UserError
 
 
-def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None, resume: Any = False):
+def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None, resume: Any = False, if_wrong: str = ""):
     """A dataclass field with its help text and an optional range check `check(value) -> bool`.
+
+    if_wrong: said after the error of a value of the wrong type (e.g. where another tool's spelling of it goes).
 
     resume: whether a run resumed from a checkpoint may hold another value of the key without
     --resume-force (`resume_rules`): False (the default: any change is refused, as it may change a
     number of the run), True (any change: the key changes no number), or `allowed(before, now) -> bool`.
     """
-    metadata = {"help": help, "check": check, "resume": resume}
+    metadata = {"help": help, "check": check, "resume": resume, "if_wrong": if_wrong}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -149,7 +151,16 @@ def build(cls, data: dict, prefix: str = ""):
     if unknown:
         raise UserError(_unknown_keys_message(unknown))
     hints = typing.get_type_hints(cls)
-    return cls(**{key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in data.items()})
+    if_wrong = {f.name: f.metadata.get("if_wrong") for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        try:
+            values[key] = _coerce(value, hints[key], f"{prefix}{key}")
+        except UserError as e:
+            if not if_wrong[key]:
+                raise
+            raise UserError(f"{e}; {if_wrong[key]}") from None
+    return cls(**values)
 
 
 class UnknownKey(typing.NamedTuple):
