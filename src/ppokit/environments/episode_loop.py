@@ -145,7 +145,8 @@ class EpisodeLoop:
                                         replace(sampling, max_new_tokens=budget))
             device = turn.response_ids.device
             completions = [self._add_turn(e, turn, k) for k, e in enumerate(running)]
-            steps = self.runner.step_many([e.environment for e in running], completions, [self._render(e) for e in running])
+            steps = self.runner.step_many([e.environment for e in running], completions,
+                                          [self._render(e) if e.turns < self.max_turns and not e.truncated else None for e in running])
             for e, step in zip(running, steps):
                 self._answer(e, step)
         return self._collect(prompts, episodes, device)
