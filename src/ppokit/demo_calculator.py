@@ -4,8 +4,9 @@
    digit) and the transcripts of a player who calls the calculator tool for some of them, in the Hermes form
    (`<tool_call> {"name": "calculator", "arguments": {...}} </tool_call>`), and copies its result into the answer,
    sometimes writes a call the tool refuses (then answers without it), and answers the others in its head;
-2. a word-level tokenizer that splits at spaces only, so that every call the model can write is text the tool-call
-   parser reads as JSON, with a chat template of its own that lists the tools in the prompt; a tiny Llama;
+2. a word-level tokenizer that splits at spaces only and writes numbers digit by digit (`ppokit.tiny.spaced_tokenizer`),
+   so that every call the model can write is text the tool-call parser reads as JSON and the model copies numbers a digit
+   at a time, with a chat template of its own that lists the tools in the prompt; a tiny Llama;
 3. SFT on the transcripts, the player's turns only: the model learns both ways of answering and the call's
    format, not the arithmetic (a model this small cannot do these sums in its head);
 4. PPO with the built-in Tools environment (`ppokit.environments:Tools`, with `calculator` as its one tool) and a
@@ -39,20 +40,20 @@ DEFAULT_ESTIMATOR = "gae"
 TOOL = "ppokit.demo_calculator:calculator"
 OPS = ("+", "-", "*")
 MAX_TURNS = 3  # a call, the answer; or a refused call, another call, the answer
-PLAYER = {"tool": 0.3, "refused": 0.15, "head": 0.55}  # how the SFT player answers: with the tool, after a refused call, in its head
+PLAYER = {"tool": 0.5, "refused": 0.15, "head": 0.35}  # how the SFT player answers: with the tool, after a refused call, in its head
 
 # The template: the tools by name and arguments, one line per message, each closed by the stop token; words are
-# separated by spaces wherever the tokenizer must split them (`word_tokenizer(..., split="whitespace")`).
+# separated by spaces wherever the tokenizer must split them (`ppokit.tiny.spaced_tokenizer`).
 CHAT_TEMPLATE = (
     "{%- if tools %}tools : {% for tool in tools %}{{ tool.function.name }} ( {{ tool.function.parameters.properties | join(' , ') }} ) "
-    "{% endfor %}; call one as <tool_call> { \"name\" : NAME , \"arguments\" : { ... } } </tool_call>\n{% endif %}"
+    "{% endfor %}\n{% endif %}"
     "{%- for message in messages %}<|{{ message.role }}|> {{ message.content }}<eos>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
 SETTINGS = {
     # quick: about a minute on 2 cores; full: a larger model, more data and more updates.
-    True: dict(hidden=64, layers=2, n_sft=3000, sft_epochs=6, n_prompts=1024, n_eval=16, total_episodes=1024, batch=32, lr=3e-4),
+    True: dict(hidden=64, layers=2, n_sft=3000, sft_epochs=15, n_prompts=1024, n_eval=16, total_episodes=1024, batch=32, lr=3e-4),
     False: dict(hidden=128, layers=4, n_sft=6000, sft_epochs=6, n_prompts=4096, n_eval=32, total_episodes=4096, batch=64, lr=3e-4),
 }
 
@@ -91,6 +92,7 @@ def answer_text(number: int) -> str:
 REFUSED_CALLS = (  # calls the player gets wrong, each one the tool refuses with an error the model reads
     lambda q: {"x": q["a"], "op": q["op"], "b": q["b"]},  # an argument the tool does not have
     lambda q: {"a": q["a"], "b": q["b"]},  # a missing argument
+    lambda q: {"a": q["a"], "op": q["op"]},
     lambda q: {"a": q["a"], "op": "/", "b": q["b"]},  # an operation it does not know
 )
 
@@ -146,23 +148,22 @@ def sft_examples(tokenizer, conversations: list[list[dict]], tools: list[dict]) 
     return examples
 
 
-def vocabulary_texts(conversations: list[list[dict]], tools: list[dict]) -> list[str]:
-    """What the tokenizer is trained on: every number a question or an answer can hold, and the SFT conversations as
-    the chat template renders them (the tools' line, the role markers, the calls and the tool's errors)."""
-    from ppokit.tiny import word_tokenizer
+def chat_texts(conversations: list[list[dict]], tools: list[dict]) -> list[str]:
+    """The SFT conversations as the chat template renders them (the tools' line, the role markers, the calls and the
+    tool's errors): what the tokenizer's words are taken from."""
+    from ppokit.tiny import spaced_tokenizer
 
-    renderer = word_tokenizer(["-"], split="whitespace")  # any tokenizer renders a template: the text is what counts
+    renderer = spaced_tokenizer([])  # any tokenizer renders a template: the text is what counts
     renderer.chat_template = CHAT_TEMPLATE
-    numbers = " ".join(str(n) for n in range(-89, 99 * 9 + 1))
-    # the stop token is split out of the text by the tokenizer, not by its trainer: "?<eos>" is trained as "?"
-    return [numbers, *(renderer.apply_chat_template(c, tools=tools, tokenize=False).replace("<eos>", " ") for c in conversations)]
+    # the stop token is split out of the text by the tokenizer: "?<eos>" holds the word "?"
+    return [renderer.apply_chat_template(c, tools=tools, tokenize=False).replace("<eos>", " ") for c in conversations]
 
 
 def prepare_calculator_demo(out: Path, quick: bool, seed: int, say, engine: str = "hf") -> Path:
     """Steps 1-3: questions, the player's transcripts, a tokenizer with the chat template, a tiny model fine-tuned on
     them, in out/sft."""
     from ppokit.environments.tools import tool_schemas
-    from ppokit.tiny import word_tokenizer
+    from ppokit.tiny import spaced_tokenizer
 
     s = SETTINGS[quick]
     start_demo_folder(out, seed)
@@ -178,7 +179,7 @@ def prepare_calculator_demo(out: Path, quick: bool, seed: int, say, engine: str 
         f"refuses ({ways['refused']:.0%}) or answers in its head ({ways['head']:.0%}); {s['n_prompts']} PPO questions -> {out / 'data'}")
 
     tools = tool_schemas({"calculator": calculator})
-    tokenizer = word_tokenizer(vocabulary_texts(conversations, tools), split="whitespace")
+    tokenizer = spaced_tokenizer(chat_texts(conversations, tools))
     tokenizer.chat_template = CHAT_TEMPLATE
     sft_tiny_model(out, tokenizer, lambda: sft_examples(tokenizer, conversations, tools), s, seed, say, " on the transcripts",
                    heads=model_heads(s["hidden"], engine))
@@ -200,7 +201,7 @@ def calculator_config(base: Path, out: Path, quick: bool, seed: int, estimator: 
         output_dir=str(out / "ppo"),
         seed=seed,
         environment="ppokit.environments:Tools",
-        environment_args={"tools": [TOOL]},
+        environment_args={"tools": [TOOL], "tool_parser": "hermes"},  # the template lists the tools, it shows no call format
         rollout=RolloutConfig(engine=engine, max_turns=MAX_TURNS, max_episode_tokens=64),
         reward=RewardConfig(functions=["ppokit.demo_calculator:right_answer", "ppokit.demo_calculator:valid_call"],
                             weights=[1.0, 0.0, 1.0]),  # right_answer; valid_call a measure only; the environment (always 0)

@@ -6,6 +6,7 @@ the models are built from configs with random weights.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -14,16 +15,29 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrain
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 
 
-def word_tokenizer(texts: Iterable[str], min_frequency: int = 1, split: str = "words") -> PreTrainedTokenizerFast:
-    """A word-level tokenizer with distinct pad/eos/bos/unk. split "words": at whitespace and between words and
-    punctuation; "whitespace": at whitespace only, so that text whose tokens are separated by single spaces (JSON
-    written `{ "a" : 1 }`) decodes back to itself (decoding joins tokens with a space)."""
-    if split not in ("words", "whitespace"):
-        raise ValueError(f"split must be words or whitespace, got {split!r}")
+def word_tokenizer(texts: Iterable[str], min_frequency: int = 1) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer (whitespace and punctuation split) with distinct pad/eos/bos/unk."""
     tok = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk_token"]))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace() if split == "words" else pre_tokenizers.WhitespaceSplit()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS.values()), min_frequency=min_frequency)
     tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS, clean_up_tokenization_spaces=False)
+
+
+def spaced_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    """A tokenizer for text whose tokens are separated by spaces, such as JSON written `{ "a" : 74 }`: each
+    space-separated word of `texts` is one token, but a number is one token per digit (`7`, then `##4`, a continuation
+    written back without a space), so 20 tokens read and write every number. Decoding joins the words with one space:
+    such text decodes back to itself. pad/eos/bos/unk as `word_tokenizer`'s."""
+    from tokenizers import decoders
+
+    special = list(SPECIAL_TOKENS.values())
+    digits = [str(d) for d in range(10)] + [f"##{d}" for d in range(10)]
+    words = sorted({w for text in texts for w in text.split() if not re.fullmatch(r"-?\d+", w)} - set(special) - set(digits))
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(special + digits + words)}, unk_token=SPECIAL_TOKENS["unk_token"],
+                                     max_input_chars_per_word=100))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS, clean_up_tokenization_spaces=False)
 
 
