@@ -149,14 +149,28 @@ def sft_examples(tokenizer, conversations: list[list[dict]], tools: list[dict]) 
 
 
 def chat_texts(conversations: list[list[dict]], tools: list[dict]) -> list[str]:
-    """The SFT conversations as the chat template renders them (the tools' line, the role markers, the calls and the
-    tool's errors): what the tokenizer's words are taken from."""
+    """What the tokenizer's words are taken from: the SFT conversations as the chat template renders them (the tools'
+    line, the role markers, the calls and the tool's errors), and the errors the Tools environment answers calls it
+    cannot read with (`tool_errors`), so that the model reads those too and not the unknown token."""
     from ppokit.tiny import spaced_tokenizer
 
     renderer = spaced_tokenizer([])  # any tokenizer renders a template: the text is what counts
     renderer.chat_template = CHAT_TEMPLATE
     # the stop token is split out of the text by the tokenizer: "?<eos>" holds the word "?"
-    return [renderer.apply_chat_template(c, tools=tools, tokenize=False).replace("<eos>", " ") for c in conversations]
+    return [*(renderer.apply_chat_template(c, tools=tools, tokenize=False).replace("<eos>", " ") for c in conversations),
+            *tool_errors()]
+
+
+def tool_errors() -> list[str]:
+    """What the Tools environment answers to calls it cannot run, as it says them: a call left open, one that is not
+    JSON, one with text after its JSON, an unknown tool, arguments that are not an object, a wrong argument."""
+    from ppokit.environments.tools import Tools
+
+    tools = Tools(tools=[TOOL], tool_parser="hermes")
+    turns = ['<tool_call> { "name" : "calculator"', '<tool_call> { "name" : } </tool_call>', '<tool_call> { } x </tool_call>',
+             '<tool_call> { "name" : "add" } </tool_call>', '<tool_call> { "name" : "calculator" , "arguments" : 1 } </tool_call>',
+             '<tool_call> { "name" : "calculator" , "arguments" : { "c" : 1 } } </tool_call>']
+    return [tools.step(turn)[0] for turn in turns]
 
 
 def prepare_calculator_demo(out: Path, quick: bool, seed: int, say, engine: str = "hf") -> Path:
