@@ -94,6 +94,26 @@ def readme_block(first_line: str) -> str:
     return text[start: text.index("```", start)]
 
 
+def put_commands(bin_dir: Path, executable: str) -> None:
+    """`python` and `ppokit` in `bin_dir`, running `executable`: scripts that run it by its path, not symlinks to it. A
+    venv's python started through a symlink elsewhere looks for pyvenv.cfg beside the symlink and misses the venv
+    (`import torch` failed in the docs' `python examples/...`)."""
+    for name, arguments in (("ppokit", "-m ppokit "), ("python", "")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{executable}" {arguments}"$@"\n')
+        (bin_dir / name).chmod(0o755)
+
+
+def test_the_docs_python_runs_in_the_venv_of_the_tests_interpreter(tmp_path):
+    import venv
+
+    venv.create(tmp_path / "venv", symlinks=True)  # the layout in which a symlink to bin/python loses the venv
+    (tmp_path / "bin").mkdir()
+    put_commands(tmp_path / "bin", str(tmp_path / "venv" / "bin" / "python"))
+    prefix = subprocess.run([str(tmp_path / "bin" / "python"), "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                            text=True, check=True, timeout=120).stdout.strip()
+    assert Path(prefix) == tmp_path / "venv"
+
+
 @pytest.fixture(scope="module")
 def docs_workspace(tmp_path_factory, model_dir, demo_data):
     """What the marked commands expect in the folder they run in: the README's ppo.yaml (also as
@@ -115,9 +135,7 @@ def docs_workspace(tmp_path_factory, model_dir, demo_data):
     # `ppokit` and `python` as the docs name them, running this checkout
     bin_dir = work / ".bin"
     bin_dir.mkdir()
-    (bin_dir / "ppokit").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ppokit "$@"\n')
-    (bin_dir / "python").symlink_to(sys.executable)
-    (bin_dir / "ppokit").chmod(0o755)
+    put_commands(bin_dir, sys.executable)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return work, env
