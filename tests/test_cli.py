@@ -291,6 +291,31 @@ def test_the_cheap_commands_import_neither_torch_nor_transformers(tmp_path, comm
         assert result.stdout.splitlines()[0] == f"ppokit {__version__}"
 
 
+COMMANDS = ("ppo", "sft", "rm", "pipeline", "plan", "data inspect", "demo", "report", "serve-rm")
+
+
+@pytest.mark.parametrize("command", [
+    *([*c.split(), "--help"] for c in COMMANDS),
+    *([c, "CONFIG"] for c in ("ppo", "plan", "sft", "rm", "pipeline")),  # a config with an unknown key
+    ["ppo", "CONFIG", "ppo.learning_rate=-1"], ["plan", "CONFIG", "--device-memory", "0"],
+    ["data", "inspect", "MISSING"], ["data", "inspect", "MISSING", "MISSING"], ["serve-rm", "sentiment", "--workers", "0"],
+], ids=lambda c: " ".join(c))
+def test_help_and_mistakes_are_answered_before_any_heavy_import(tmp_path, command):
+    """`ppokit plan`, `data inspect` and a config with an unknown key took 30-90 s and 350 MB on a loaded machine: torch
+    and transformers were imported before the config was read. A mistake in the config or the arguments, and the help
+    of every command, are answered with nothing heavy imported (what costs the seconds), not under a time limit."""
+    config = tmp_path / "config.yaml"
+    config.write_text("model: m\noutput_dir: out\nlearning_rat: 1\n" if command[1:] == ["CONFIG"] else "model: m\noutput_dir: out\n")
+    argv = [str(config) if a == "CONFIG" else str(tmp_path / "none.jsonl") if a == "MISSING" else a for a in command]
+    result = subprocess.run([sys.executable, "-c", IMPORTED_BY, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome == {"code": 0 if "--help" in command else 2, "heavy": []}, (outcome, result.stderr)
+    if "--help" not in command:
+        assert result.stderr.startswith("ppokit: error: ") and "Traceback" not in result.stderr, result.stderr
+        if command[1:] == ["CONFIG"]:
+            assert "learning_rat" in result.stderr and "unknown config key" in result.stderr
+
+
 def test_the_package_api_still_names_the_trainer_and_imports_it_only_when_asked():
     code = ("import sys, ppokit; assert 'torch' not in sys.modules; from ppokit import PPOTrainer, PPOConfig, RewardConfig, "
             "DataConfig, PPOHyperparams, UserError, __version__; import ppokit.trainer; assert PPOTrainer is ppokit.trainer.PPOTrainer; "

@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 
+from ppokit.errors import TrainingInterrupted
+
 
 def act_on_ctrl_c() -> None:
     """For the program itself (not a call of `cli.main` in-process, whose caller owns its process's handlers)."""
@@ -63,8 +65,9 @@ def _stack(frame):
 
 
 def _signal_of(error: BaseException | None) -> int | None:
-    """The signal whose handler raised `error`: KeyboardInterrupt (SIGINT), or a run's stop (guards.TrainingInterrupted)."""
+    """The signal whose handler raised `error`: KeyboardInterrupt (SIGINT), or a second SIGINT/SIGTERM of a run (guards.StopSignals)."""
     if isinstance(error, KeyboardInterrupt):
         return signal.SIGINT
-    name = getattr(error, "signal_name", None)
-    return signal.Signals[name] if isinstance(name, str) and name in signal.Signals.__members__ else None
+    if isinstance(error, TrainingInterrupted):
+        return signal.Signals[error.signal_name]
+    return None
