@@ -9,7 +9,7 @@ import shlex
 import sys
 import warnings
 
-from ppokit import interrupts
+from ppokit import cpu_threads, interrupts
 from ppokit.errors import TrainingInterrupted, UserError
 from ppokit.version import __version__
 
@@ -461,6 +461,7 @@ def _one_line_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (the `ppokit` script, python -m ppokit), not a call in-process
         interrupts.act_on_ctrl_c()
+        cpu_threads.settle()  # before torch is imported: its OpenMP runtime reads them when loaded
         return _exit_past_abandoned_calls(main(sys.argv[1:]))
     try:
         return _main(argv)
