@@ -730,7 +730,7 @@ def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: O
     plan = estimate(config, prompt_length, num_prompts, device, processes=processes)
     plan.warnings.extend(notes)
     try:  # the rollout engine's own refusals (vLLM not installed, say), as the run meets them: the engine's check
-        engines.check(config.rollout.engine, _auto_config(config.model, "model", config.trust_remote_code), config.rollout, config.model)
+        engines.check(config.rollout.engine, _auto_config(config.model, "model", config.trust_remote_code), config.rollout)
     except UserError as e:
         plan.stops.insert(0, str(e))
     return plan
