@@ -38,7 +38,10 @@ def act_on_ctrl_c() -> None:
         if signum is None:
             previous(unraisable)
         else:
-            _thread.start_new_thread(_send_again, (signum, hook.__code__))
+            try:
+                _thread.start_new_thread(_send_again, (signum, hook.__code__))
+            except RuntimeError:  # the interpreter is shutting down: nothing left to interrupt
+                pass
 
     sys.unraisablehook = hook
 
