@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from ppokit.environments.python_tool import checked_for_isolation
 from ppokit.errors import UserError
 from ppokit.rewards.sources import DeadlineExceeded, ThreadCall
 from ppokit.user_code import load_attribute
@@ -145,6 +146,8 @@ def run_tool(tools: dict[str, Callable], call: Union[ToolCall, BadToolCall], tim
             result = ThreadCall(lambda: fn(**call.arguments), name=f"ppokit-tool-{call.name}").result(timeout_s)
     except DeadlineExceeded:
         return f"error: {call.name} did not return within {timeout_s:g}s"
+    except UserError:  # the user's to fix (a tool that cannot run on this machine), not the model's: the run stops
+        raise
     except (Exception, SystemExit) as e:
         return f"error: {call.name} raised {type(e).__name__}: {e}"
     return _as_text(result)
@@ -174,8 +177,10 @@ class Tools:
 
     environment_args: tools (["file.py:fn", "package.module:fn", ...], required), timeout_s (each call's
     deadline, default 10; keep it under environment_timeout_s, which bounds a whole step), max_calls
-    (calls run per turn, default 8; the others get an error text). Relative file paths are looked up from
-    the working directory, then from the config file's folder (`base_dir`, given by the runner).
+    (calls run per turn, default 8; the others get an error text), unsafe_python_without_isolation (default
+    false: a tool that runs the model's code, like run_python, is refused where no sandbox can be made;
+    true runs it unisolated there, python_tool.py). Relative file paths are looked up from the working
+    directory, then from the config file's folder (`base_dir`, given by the runner).
 
     reset: no observation (the prompt carries the tools: `tools` holds their schemas for the chat
     template). step: runs the turn's calls in order and answers with their results, one `tool` message
@@ -185,7 +190,8 @@ class Tools:
 
     observation_role = "tool"
 
-    def __init__(self, tools=None, timeout_s: Optional[float] = 10.0, max_calls: int = 8, base_dir: Optional[str] = None):
+    def __init__(self, tools=None, timeout_s: Optional[float] = 10.0, max_calls: int = 8, base_dir: Optional[str] = None,
+                 unsafe_python_without_isolation: bool = False):
         if tools is None:
             raise UserError("environment_args.tools: required by ppokit.environments:Tools (a list of 'file.py:function')")
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
@@ -194,7 +200,10 @@ class Tools:
             raise UserError(f"environment_args.max_calls: expected an integer >= 1, got {max_calls!r}")
         if isinstance(tools, str) or not isinstance(tools, (list, tuple)) or not tools or not all(isinstance(t, str) for t in tools):
             raise UserError(f"environment_args.tools: expected a list of tools ({TOOL_SPEC_FORMS}), got {tools!r}")
-        self.functions, self.tools = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        if not isinstance(unsafe_python_without_isolation, bool):
+            raise UserError(f"environment_args.unsafe_python_without_isolation: expected true or false, got {unsafe_python_without_isolation!r}")
+        functions, self.tools = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        self.functions = checked_for_isolation(functions, unsafe_python_without_isolation)
         self.timeout_s = timeout_s
         self.max_calls = max_calls
         self._messages: list[dict] = []
