@@ -4,7 +4,8 @@ an error or harmless, nothing outside changed, the trainer alive"; the limits; t
 can be made and the unsafe opt-in; a real training run whose model "calls" the hostile code.
 
 The hostile programs are bounded on purpose (a fork "bomb" of 50, a file of 64 MiB at most, opening a sysctl
-for writing without writing): if the sandbox were broken they would show it without harming the machine.
+for writing without writing, SIGURG where a signal could reach beyond the trainer, SIGKILL only for the
+training run's own pid): if the sandbox were broken they would show it without harming the machine.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def fchmod_readonly():
     os.fchmod(fd, os.fstat(fd).st_mode & 0o7777)
 attempt("fchmod interpreter", fchmod_readonly)
 attempt("chmod outside", lambda: os.chmod(OUTSIDE, 0))
-attempt("chown interpreter", lambda: os.chown(os.path.realpath(sys.executable), -1, -1) or os.utime(os.path.realpath(sys.executable)))
+attempt("chown interpreter", lambda: os.chown(os.path.realpath(sys.executable), -1, -1))  # a no-op: harmless if it went through
 ''',
     # the probe: the trainer's environment through /proc/<ppid>/environ; every process it can see
     "proc_environ": '''
@@ -186,11 +187,13 @@ attempt("pid 1's memory", lambda: open("/proc/1/mem", "rb").read(1))
 attempt("core_pattern", lambda: os.open("/proc/sys/kernel/core_pattern", os.O_WRONLY))
 attempt("drop_caches", lambda: os.open("/proc/sys/vm/drop_caches", os.O_WRONLY))
 attempt("sysrq-trigger", lambda: os.open("/proc/sysrq-trigger", os.O_WRONLY))
-attempt("read /proc/keys", lambda: print(open("/proc/keys").read()) or (_ for _ in ()).throw(OSError("read")))
+for name in ("keys", "key-users", "timer_list", "kallsyms", "sched_debug", "kcore"):  # masked where they exist
+    attempt(f"read /proc/{name}", lambda: open(f"/proc/{name}", "rb").read(4096) != b"" or (_ for _ in ()).throw(OSError("empty")))
 ''',
     "ptrace": '''
-attempt("ptrace attach trainer", lambda: check("ptrace", libc.ptrace(16, TRAINER, 0, 0)))
-attempt("ptrace attach pid 1", lambda: check("ptrace", libc.ptrace(16, 1, 0, 0)))
+# PTRACE_SEIZE (0x4206): attaches without stopping the tracee, so a broken sandbox shows here without freezing anything
+attempt("ptrace attach trainer", lambda: check("ptrace", libc.ptrace(0x4206, TRAINER, 0, 0)))
+attempt("ptrace attach pid 1", lambda: check("ptrace", libc.ptrace(0x4206, 1, 0, 0)))
 attempt("ptrace traceme", lambda: check("ptrace", libc.ptrace(0, 0, 0, 0)))
 buf = ctypes.create_string_buffer(8)
 class iovec(ctypes.Structure):
@@ -296,7 +299,7 @@ attempt("tty", lambda: open("/dev/tty", "w"))
 print("session of", os.getsid(0))  # its own, led by the sandbox's pid 1 (bwrap --new-session)
 ''',
     "memory": '''
-attempt("10 GiB", lambda: bytearray(10 * 1024 ** 3))
+attempt("1.5 GiB", lambda: bytearray(3 * 1024 ** 3 // 2))
 attempt("mmap 10 GiB", lambda: __import__("mmap").mmap(-1, 10 * 1024 ** 3))
 ''',
 }
@@ -312,7 +315,8 @@ EXPECTED = {
     "proc_self": [r"mounts: \['/', '/usr', .*'/proc', .*'/dev', .*'/tmp'\]", r"through /proc/self/root: refused \(FileNotFoundError",
                   r"through /proc/1/root: refused", r"write /proc/self/exe: refused", r"oom_score_adj: refused",
                   r"pid 1's memory: refused"],
-    "sysctl": [r"core_pattern: refused \(OSError: \[Errno 30\]", r"drop_caches: refused", r"sysrq-trigger: refused", r"read /proc/keys: refused"],
+    "sysctl": [r"core_pattern: refused \(OSError: \[Errno 30\]", r"drop_caches: refused", r"sysrq-trigger: refused",
+               r"read /proc/keys: refused \((PermissionError|FileNotFoundError)", r"read /proc/key-users: refused \((PermissionError|FileNotFoundError)"],
     "ptrace": [r"ptrace attach trainer: refused \(PermissionError", r"ptrace attach pid 1: refused \(PermissionError",
                r"ptrace traceme: refused \(PermissionError", r"process_vm_readv: refused \(PermissionError"],
     "o_path": [r"/ is: \['bin', 'dev', 'lib.*'proc', .*'tmp', 'usr'\]", r"O_PATH run folder: refused \(FileNotFoundError",
@@ -334,7 +338,7 @@ EXPECTED = {
     "signal_trainer": [r"kill trainer: refused \(ProcessLookupError", r"pidfd of trainer: refused \(ProcessLookupError",
                        r"kill everything: refused \(ProcessLookupError", r"kill the trainer's group: refused \(ProcessLookupError",
                        r"tty: refused \(OSError: \[Errno 6\]", r"session of 1$"],
-    "memory": [r"10 GiB: refused \(MemoryError", r"mmap 10 GiB: refused \(OSError: \[Errno 12\]"],
+    "memory": [r"1.5 GiB: refused \(MemoryError", r"mmap 10 GiB: refused \(OSError: \[Errno 12\]"],
 }
 
 
@@ -421,8 +425,10 @@ def _wait_gone(marker: str, seconds: float = WAIT_BOUND_S) -> list[int]:
 
 @needs_sandbox
 def test_the_wall_clock_ends_everything_the_code_started():
-    marker = f"{time.time() % 1000:.6f}"
+    marker = f"{100 + time.time() % 100:.6f}"  # seconds of sleep, unique enough to find its process
+    started = time.monotonic()
     result = python_tool.execute_python(f"import os\nprint('started', flush=True)\nos.execv('/bin/sleep', ['sleep', '{marker}'])\n", wall_s=2.0)
+    assert time.monotonic() - started < WAIT_BOUND_S  # not the sleep's 100+ s: the sandbox was killed, not waited for
     assert result == "error: the code did not finish within 2s\n[output so far]\nstarted"
     assert _wait_gone(marker) == []
 
@@ -430,12 +436,14 @@ def test_the_wall_clock_ends_everything_the_code_started():
 @needs_sandbox
 def test_a_trainer_that_dies_takes_its_sandboxes_with_it():
     """SIGKILL of the trainer mid-call: bwrap dies with its parent, and the sandbox's pid 1 with bwrap."""
-    marker = f"{time.time() % 1000:.6f}"
+    marker = f"{100 + time.time() % 100:.6f}"
     src = str(Path(python_tool.__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    code = f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])\n"
-    trainer = subprocess.Popen([sys.executable, "-c", f"from ppokit.environments import execute_python\nexecute_python({code!r}, wall_s=600)"],
-                               env=env)
+    code = f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])\n"  # given on stdin: the marker is in no command line but sleep's
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys\nfrom ppokit.environments import execute_python\n"
+                                "execute_python(sys.stdin.read(), wall_s=600)"], env=env, stdin=subprocess.PIPE, text=True)
+    trainer.stdin.write(code)
+    trainer.stdin.close()
     try:
         deadline = time.monotonic() + WAIT_BOUND_S * 3
         while not _processes_with(marker):
@@ -459,7 +467,7 @@ def test_a_trainer_that_dies_takes_its_sandboxes_with_it():
         ("", r"^\(no output\)$"),
         ("raise SystemExit(3)\n", r"^error: exit status 3$"),
         ("1/0\n", r'^error: exit status 1\n\[stderr\]\nTraceback \(most recent call last\):\n  File "/tmp/main.py", line 1, in <module>\n    1/0\n.*ZeroDivisionError: division by zero$'),
-        ("x = bytearray(10 * 1024**3)\n", r"^error: exit status 1\n.*MemoryError$"),
+        ("x = bytearray(3 * 1024**3 // 2)\n", r"^error: exit status 1\n.*MemoryError$"),
         ("print('x' * 100000)\n", r"^error: exit status 1\n.*OSError: \[Errno 27\] File too large"),
         ("import os\nos.kill(os.getpid(), 9)\n", r"^error: the code was stopped by SIGKILL"),
         ("import time\nwhile time.process_time() < 30: pass\n", r"^error: the code (did not finish within 3s|was stopped by SIGKILL|was stopped by SIGXCPU)"),
@@ -679,7 +687,6 @@ def test_a_training_run_survives_the_model_attacking_it(model_dir, prompts_file,
     bodies.append('attempt("truncate the live config", lambda: open(RUN + "/config.yaml", "w"))\n'
                   'attempt("kill the trainer", lambda: os.kill(TRAINER, signal.SIGKILL))\n'
                   'attempt("pidfd kill of the trainer", lambda: signal.pidfd_send_signal(os.pidfd_open(TRAINER), signal.SIGKILL))\n'
-                  'attempt("kill everything", lambda: os.kill(-1, signal.SIGKILL))\n'
                   # the probe's: its parent is the sandbox's pid 1, which the kernel shields from SIGKILL sent inside
                   'signal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)\n'
                   'print("parent signalled")\n')
@@ -711,7 +718,7 @@ def test_a_training_run_survives_the_model_attacking_it(model_dir, prompts_file,
                         r"openat2 run folder: refused \(FileNotFoundError", r"fork: refused \(PermissionError",
                         r"kill trainer: refused \(ProcessLookupError", r"truncate the live config: refused \(FileNotFoundError",
                         r"kill the trainer: refused \(ProcessLookupError", r"pidfd kill of the trainer: refused \(ProcessLookupError",
-                        r"kill everything: refused \(ProcessLookupError", r"parent signalled"):
+                        r"kill everything: refused \(ProcessLookupError", r"parent signalled"):  # kill(-1): SIGURG, signal_trainer
             assert re.search(pattern, result), (pattern, result)
     assert host.snapshot() == host.before
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
