@@ -34,9 +34,9 @@ def test_n_samples_of_a_prompt_are_adjacent_and_episodes_count_them(model_dir, p
     seen = []
     score = trainer.rollout.score
 
-    def recording_score(rollout, outcome, prompts, columns, update_statistics=True):
+    def recording_score(rollout, prompts, columns, update_statistics=True):
         seen.append((prompts, rollout.query_ids.clone()))
-        return score(rollout, outcome, prompts, columns, update_statistics)
+        return score(rollout, prompts, columns, update_statistics)
 
     trainer.rollout.score = recording_score
     records = trainer.train()
@@ -80,8 +80,8 @@ def test_remax_baseline_is_the_greedy_responses_score_for_each_group(model_dir, 
     trainer = _trainer(model_dir, prompts_file, tmp_path, advantage_estimator="remax", num_samples_per_prompt=2)
     prompts, columns = trainer.train_data.rows(range(3))
     scores, valid = trainer.rollout.greedy_baseline(trainer.train_data, trainer.train_query_ids, [0, 1, 2], 2)
-    greedy, outcome = trainer.rollout.sample(trainer.train_query_ids[:3], prompts, columns, purpose="greedy")
-    expected, _ = trainer.rollout.score(greedy, outcome, prompts, columns, update_statistics=False)
+    greedy = trainer.rollout.sample(trainer.train_query_ids[:3], prompts, columns, purpose="greedy")
+    expected = trainer.rollout.score(greedy, prompts, columns, update_statistics=False).scores
     assert torch.equal(scores, expected.repeat_interleave(2)) and valid.all()
     records = trainer.train()
     assert all("objective/baseline_scores" in r for r in records)

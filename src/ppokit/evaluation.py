@@ -28,9 +28,9 @@ def evaluate(rollout: Rollout, data, query_ids: Optional[list[list[int]]], *, ma
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         for start in range(0, n, rows_per_call):
-            episodes, batch_scores, extras = rollout.sample_and_score(data, query_ids, range(start, min(n, start + rows_per_call)), "eval")
-            valid = extras["valid"]
-            scores += batch_scores[valid].tolist()
+            episodes, scored = rollout.sample_and_score(data, query_ids, range(start, min(n, start + rows_per_call)), "eval")
+            valid = scored.valid
+            scores += scored.scores[valid].tolist()
             lengths += episodes.loss_mask.sum(1)[valid].tolist()
             ended += episodes.ended[valid].tolist()
     if not scores:
@@ -45,14 +45,19 @@ def sample_rows(rollout: Rollout, data, query_ids: Optional[list[list[int]]], n:
     each row with `row`'s fields (update, episode) and score None where no reward source could score it."""
     if data is not None:
         n = min(n, len(data))
-        _, scores, extras = rollout.sample_and_score(data, query_ids, range(n), "eval")
-        prompts, completions, scores, turns = data.prompts[:n], extras["completions"], scores_or_none(scores, extras["valid"]), extras["turns"]
+        episodes, scored = rollout.sample_and_score(data, query_ids, range(n), "eval")
+        prompts, completions, scores, turns = data.prompts[:n], scored.completions, scores_or_none(scored.scores, scored.valid), transcripts(episodes)
         split = "eval"
     else:
         prompts, completions, scores, turns = (x[:n] for x in last_batch)
         split = "train"
     return [sample_row({**row, "split": split, "prompt": p, "completion": c, "score": s}, t)
             for p, c, s, t in zip(prompts, completions, scores, turns)]
+
+
+def transcripts(episodes) -> list[Optional[list[dict]]]:
+    """Each episode's turns (`Episodes.transcripts`), the `turns` of its samples.jsonl row; None per row without an environment."""
+    return [None] * len(episodes) if episodes.transcripts is None else list(episodes.transcripts)
 
 
 def scores_or_none(scores: torch.Tensor, valid: torch.Tensor) -> list[Optional[float]]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ppokit import algo, batching, engines, parallel, roles, run_dir, trackers
 from ppokit.config import BatchSizes, PPOConfig
-from ppokit.environments.episode_loop import EnvironmentReward, episode_source, response_room
+from ppokit.environments.episode_loop import EnvironmentReward, episode_source, response_room, turn_weight
 from ppokit.models import input_pad_id, policy_tokenizer, resolve_stop_token
 from ppokit.optimise import prepare_training
 from ppokit.prompts import PromptDataset, check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
@@ -59,6 +59,7 @@ class Parts:
     scheduler: Any
     ref_model: Optional[nn.Module]  # None: the LoRA policy's base with its adapters off
     rollout: Rollout
+    turn_weight: Optional[float]  # rollout.turn_rewards: the environment's weight in reward.weights; None: off
     kl_controller: Any
     reduce: Callable[[torch.Tensor], torch.Tensor]  # a sum over processes
 
@@ -138,12 +139,12 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
         engine, tokenizer, environment=config.environment, environment_args=config.environment_args,
         timeout_s=config.environment_timeout_s, rollout=config.rollout, response_length=config.ppo.response_length,
-        pad_token_id=pad_id, stop_token_id=stop_token_id, chat_template=chat_template, reward=config.reward, base_dir=Path.cwd())
+        pad_token_id=pad_id, stop_token_id=stop_token_id, chat_template=chat_template, base_dir=Path.cwd())
     rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, chat_template, train_query_ids,
         eval_query_ids, stop_token_id, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,
-        algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce,
+        turn_weight(config.rollout, config.reward), algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce,
     )
 
 

@@ -40,25 +40,25 @@ class Rollout:
         """The rollout engine (`engines.base.RolloutEngine`)."""
         return self.source.engine
 
-    def sample(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train"):
-        """-> (episodes, what their environment said or None): one response per query by the rollout engine, or with an
-        `environment` a multi-turn episode over it, the data rows (`prompts`, `columns`) given to its reset."""
+    def sample(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train") -> Episodes:
+        """One response per query by the rollout engine, or with an `environment` a multi-turn episode over it (what it
+        said in the episodes too), the data rows (`prompts`, `columns`) given to its reset."""
         return self.source.sample(query_ids, data_rows(prompts, columns), self.sampling[purpose])
 
-    def score(self, episodes: Episodes, outcome, prompts: list[str], columns: dict, update_statistics: bool = True) -> tuple[torch.Tensor, dict]:
-        """-> (scores (B,), {completions, turns, valid, errors, metrics}) by the reward sources (`experience.score`)."""
-        return experience.score(self.scorer, self.tokenizer, episodes, outcome, prompts, columns, stop_token_id=self.stop_token_id,
+    def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> experience.Scored:
+        """The reward sources on the episodes (`experience.score`)."""
+        return experience.score(self.scorer, self.tokenizer, episodes, prompts, columns, stop_token_id=self.stop_token_id,
                                 device=self.device, update_statistics=update_statistics, all_reduce=self.reduce)
 
-    def sample_and_score(self, data, query_ids: list[list[int]], rows, purpose: str) -> tuple[Episodes, torch.Tensor, dict]:
-        """Episodes for prompts `rows` of `data` (query_ids: its token ids) sampled for `purpose`, and their scores and
-        extras (`score`), scored without moving the reward normalisation."""
+    def sample_and_score(self, data, query_ids: list[list[int]], rows, purpose: str) -> tuple[Episodes, experience.Scored]:
+        """Episodes for prompts `rows` of `data` (query_ids: its token ids) sampled for `purpose`, and what scoring found,
+        scored without moving the reward normalisation."""
         prompts, columns = data.rows(rows)
-        episodes, outcome = self.sample([query_ids[i] for i in rows], prompts, columns, purpose)
-        return episodes, *self.score(episodes, outcome, prompts, columns, update_statistics=False)
+        episodes = self.sample([query_ids[i] for i in rows], prompts, columns, purpose)
+        return episodes, self.score(episodes, prompts, columns, update_statistics=False)
 
     def greedy_baseline(self, data, query_ids: list[list[int]], indices: list[int], samples_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The baseline of an estimator with `greedy_baseline` (ReMax): the score of one greedy response to each prompt
         `indices` of `data`, repeated for its n samples -> (scores (B,), valid (B,) bool)."""
-        _, scores, extras = self.sample_and_score(data, query_ids, indices, "greedy")
-        return scores.repeat_interleave(samples_per_prompt), extras["valid"].repeat_interleave(samples_per_prompt)
+        _, scored = self.sample_and_score(data, query_ids, indices, "greedy")
+        return scored.scores.repeat_interleave(samples_per_prompt), scored.valid.repeat_interleave(samples_per_prompt)

@@ -92,10 +92,8 @@ class PPOTrainer:
         """Run one PPO update and return its metrics."""
         parts, state, hp = self.parts, self.state, self.config.ppo
         if state.update >= parts.sizes.num_updates:
-            raise UserError(
-                f"all {parts.sizes.num_updates} updates of ppo.total_episodes={parts.sizes.total_episodes} are done; "
-                "raise ppo.total_episodes to train further"
-            )
+            raise UserError(f"all {parts.sizes.num_updates} updates of ppo.total_episodes={parts.sizes.total_episodes} are done; "
+                            "raise ppo.total_episodes to train further")
         t0 = time.perf_counter()
         rollout, reduce, n = parts.rollout, parts.reduce, parts.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
@@ -103,17 +101,17 @@ class PPOTrainer:
         prompts, columns = parts.train_data.rows(samples)
 
         # 1. generate
-        episodes, outcome = rollout.sample([parts.train_query_ids[i] for i in samples], prompts, columns)
+        episodes = rollout.sample([parts.train_query_ids[i] for i in samples], prompts, columns)
         t_generate = time.perf_counter()
 
         # 2. score
-        episodes.scores, extras = rollout.score(episodes, outcome, prompts, columns)
+        scored = rollout.score(episodes, prompts, columns)
+        episodes.scores, episodes.valid = scored.scores, scored.valid  # failed rows (on_error: skip) leave the update
         if hp.estimator.greedy_baseline:
             episodes.baseline_scores, baseline_valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n)
-            extras["valid"] = extras["valid"] & baseline_valid
-        episodes.valid = extras["valid"]  # failed rows (on_error: skip) leave the update
+            episodes.valid = episodes.valid & baseline_valid
         check_finite({"score": episodes.scores}, parts.accelerator)
-        check_some_scored(extras["valid"], extras["errors"], parts.accelerator)
+        check_some_scored(episodes.valid, scored.errors, parts.accelerator)
         t_score = time.perf_counter()
 
         # 3. forward: reference logprobs and values (and the policy's own logprobs, where the engine's are not the trainer's)
@@ -127,8 +125,8 @@ class PPOTrainer:
         # 4. reward: per-token KL penalty (when it is in the reward), the score at each episode's score position
         kl_coef = parts.kl_controller.value if hp.kl_in_reward else 0.0
         episodes.rewards, kl, non_score = experience.rewards(
-            episodes, outcome, kl_estimator=hp.kl_estimator, kl_clamp=hp.kl_clamp, kl_coef=kl_coef, whiten=hp.whiten_rewards,
-            place_rewards=rollout.source.place_rewards)  # rollout.turn_rewards
+            episodes, kl_estimator=hp.kl_estimator, kl_clamp=hp.kl_clamp, kl_coef=kl_coef, whiten=hp.whiten_rewards,
+            turn_weight=parts.turn_weight)
 
         # 5. advantages
         episodes.advantages, episodes.returns = experience.advantages(
@@ -143,16 +141,17 @@ class PPOTrainer:
         # 7. log
         state.update += 1
         state.episode += parts.sizes.batch
-        objective = objective_metrics(episodes, kl, non_score, extras["valid"], kl_coef, reduce)
+        objective = objective_metrics(episodes, kl, non_score, episodes.valid, kl_coef, reduce)
         parts.kl_controller.update(objective["objective/kl"], parts.sizes.batch)
         elapsed = t_train - t0
         record = {
-            "update": state.update, "episode": state.episode, **objective, **mismatch, **train_stats, **extras["metrics"], "lr": lrs[0],
+            "update": state.update, "episode": state.episode, **objective, **mismatch, **train_stats, **scored.metrics, "lr": lrs[0],
             **({"lr/value": lrs[1]} if hp.vf_learning_rate is not None or hp.critic_warmup_updates else {}),
             "eps": parts.sizes.batch / elapsed, "time/generation": t_generate - t0, "time/scoring": t_score - t_generate,
             "time/forward": t_forward - t_score, "time/training": t_train - t_forward, "time/update": elapsed,
         }
-        self._last_batch = (prompts, extras["completions"], evaluation.scores_or_none(episodes.scores, extras["valid"]), extras["turns"])
+        self._last_batch = (prompts, scored.completions, evaluation.scores_or_none(episodes.scores, episodes.valid),
+                            evaluation.transcripts(episodes))
         return record
 
     def optimise(self, episodes: Episodes) -> dict[str, float]:
