@@ -118,3 +118,28 @@ def _rows(value, index: torch.Tensor):
 def repeat_each(items: list, n: int) -> list:
     """[a, b] -> [a, a, b, b] for n = 2: the n samples of each prompt in adjacent rows (the group layout)."""
     return [item for item in items for _ in range(n)]
+
+
+def one_turn_episodes(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], ended: list[bool],
+                      pad_token_id: int, device=None) -> Episodes:
+    """One response per prompt (token ids, their logprobs, whether it ended by itself) -> Episodes: prompts left-padded
+    with pad_token_id, responses right-padded, every response token real and trained on (loss_mask), logprobs 0
+    elsewhere, the score at the last response token."""
+    from ppokit import algo
+    from ppokit.models import left_pad
+
+    query_ids, query_mask = left_pad(prompts, pad_token_id)
+    rows, width = len(responses), max(1, max(len(r) for r in responses))
+    response_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+    token_logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    for row, (tokens, lps) in enumerate(zip(responses, logprobs)):
+        response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        loss_mask[row, : len(tokens)] = True
+        token_logprobs[row, : len(tokens)] = torch.tensor(lps, dtype=torch.float32)
+    return Episodes(
+        query_ids=query_ids.to(device), response_ids=response_ids.to(device),
+        attention_mask=torch.cat([query_mask, loss_mask], dim=1).to(device), loss_mask=loss_mask.to(device),
+        logprobs=token_logprobs.to(device), ended=torch.tensor(ended, dtype=torch.bool, device=device),
+        score_index=algo.last_token_index(loss_mask).to(device),
+    )

@@ -6,6 +6,7 @@ samples ahead of training (or a test) can call them as `PPOTrainer.step` does (s
     reference_and_values   one no-gradient pass: reference logprobs, values, the policy's own logprobs
     rewards                per-token KL penalty, the score at each score position, per-turn rewards, whitening
     advantages             the estimator's advantages and returns over the trained tokens
+    trained_on             the episodes as the optimisation sees them (truncated ones out, ppo.mask_truncated_completions)
 
 Every per-token result is (B, R), 0 outside the episodes' `trained_mask`.
 """
@@ -13,7 +14,7 @@ Every per-token result is (B, R), 0 outside the episodes' `trained_mask`.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import dataclasses
 from typing import Callable, ContextManager, Optional
 
 import torch
@@ -31,7 +32,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 Autocast = Callable[[], ContextManager]
 
 
-@dataclass
+@dataclasses.dataclass
 class Scored:
     """What stage 2 found for B episodes."""
 
@@ -141,3 +142,13 @@ def advantages(estimator: Estimator, episodes: Episodes, *, gamma: float, lam: f
         episodes.rewards, episodes.trained_mask, values=episodes.values, gamma=gamma, lam=lam, whiten=whiten,
         group_size=group_size, grpo_scale_std=grpo_scale_std, baseline_scores=episodes.baseline_scores, all_reduce=all_reduce,
     )
+
+
+def trained_on(episodes: Episodes, *, mask_truncated_completions: bool) -> Episodes:
+    """The episodes that stage 6 optimises over: these, or with `mask_truncated_completions` (ppo.mask_truncated_completions)
+    a copy whose loss_mask leaves out every episode that did not end by itself (`algo.mask_truncated`). Called after
+    the advantages: a truncated episode's score still counted in its group's baseline and the statistics, as in TRL;
+    the episodes themselves (and the metrics read from them) keep every sampled token."""
+    if not mask_truncated_completions:
+        return episodes
+    return dataclasses.replace(episodes, loss_mask=algo.mask_truncated(episodes.loss_mask, episodes.ended))

@@ -138,9 +138,10 @@ def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):
         fused=_fused_adamw_supported(),  # one kernel per step instead of a loop of small ones
     )
     frozen = hp.critic_warmup_updates * hp.num_ppo_epochs * hp.num_mini_batches
-    schedules = [_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps - frozen, start=frozen)]
+    warmup = hp.warmup_steps_over(num_steps)  # ppo.warmup_steps, or ppo.warmup_ratio of the run's optimiser steps
+    schedules = [_lr_lambda(hp.lr_scheduler_type, warmup, num_steps - frozen, start=frozen)]
     if critic_params:
-        schedules.append(_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps))
+        schedules.append(_lr_lambda(hp.lr_scheduler_type, warmup, num_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     return optimizer, scheduler
 
@@ -151,6 +152,7 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
         cliprange_low=hp.cliprange if hp.cliprange_low is None else hp.cliprange_low,
         cliprange_high=hp.cliprange if hp.cliprange_high is None else hp.cliprange_high,
         dual_clip_c=hp.dual_clip_c,
+        importance_sampling_level=hp.importance_sampling_level,
         cliprange_value=hp.cliprange_value,
         vf_coef=hp.vf_coef,
         entropy_coef=hp.entropy_coef,

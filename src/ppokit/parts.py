@@ -5,7 +5,8 @@ in one object that the update, the evaluation and the saving read (`Parts`). Not
     1. the run's own config (a validated copy), the environment's and the trackers' packages, the accelerator, the
        parallel strategy, the seed, the output folder's check
     2. the prompts (a bad file fails before any weights load) and the batch arithmetic (`sizes`)
-    3. the tokenizer (chat prompts rendered with its template), the prompts' token ids, the stop token, the token budget
+    3. the tokenizer, the stop token, the conversation (the environment made, the chat template checked against it,
+       chat prompts rendered with its tools), the prompts' token ids, the token budget
     4. the reward sources (`scorer`), which model plays which role (`layout`), the pad id, every prompt's fit
     5. the models: policy and critic under one trainable module with its optimiser and schedule, the frozen reference
     6. the rollout engine, what samples the episodes over it and scores them (`rollout`), the KL controller
@@ -25,10 +26,10 @@ from torch import nn
 
 from ppokit import algo, batching, engines, parallel, roles, run_dir, trackers
 from ppokit.config import BatchSizes, PPOConfig
-from ppokit.environments.episode_loop import EnvironmentReward, episode_source, response_room, turn_weight
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_setup, episode_source, response_room, turn_weight
 from ppokit.models import input_pad_id, policy_tokenizer, resolve_stop_token
 from ppokit.optimise import prepare_training
-from ppokit.prompts import PromptDataset, check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
+from ppokit.prompts import PromptDataset, check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.rollout import Rollout
 
@@ -47,7 +48,7 @@ class Parts:
     train_data: PromptDataset
     eval_data: Optional[PromptDataset]
     tokenizer: Any
-    chat_template: Optional[str]  # None: text prompts (observations are appended as text)
+    conversation: Conversation  # the chat template used, the renderer with the tools' schemas, the environment's runner
     train_query_ids: list[list[int]]
     eval_query_ids: Optional[list[list[int]]]
     stop_token_id: Optional[int]
@@ -96,13 +97,17 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     sizes = config.ppo.derive(accelerator.num_processes, len(train_data))
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)
-    chat_template = render_chat_prompts(tokenizer, config.data.chat_template, train_data, eval_data)
-    if chat_template is not None:
-        config.data.chat_template = chat_template  # the run's config records the template used
+    stop_token_id = resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
+    conversation = conversation_setup(  # the environment made, the chat template checked against it, chat prompts rendered with its tools
+        tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs,
+        datasets=[train_data, eval_data], environment=config.environment, environment_args=config.environment_args,
+        timeout_s=config.environment_timeout_s, max_turns=config.rollout.max_turns, stop_token_id=stop_token_id,
+        base_dir=Path.cwd(), say=say)
+    if conversation.template is not None:
+        config.data.chat_template = conversation.template  # the run's config records the template used
     limit = config.data.max_prompt_length
     train_query_ids = encode_prompts(tokenizer, train_data, limit, "data.train", say)
     eval_query_ids = encode_prompts(tokenizer, eval_data, limit, "data.eval", say) if eval_data else None
-    stop_token_id = resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
     room = response_room(config.rollout, config.environment, config.ppo.response_length)  # tokens after the prompt
     batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], room)
 
@@ -137,12 +142,10 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
     source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
-        engine, tokenizer, environment=config.environment, environment_args=config.environment_args,
-        timeout_s=config.environment_timeout_s, rollout=config.rollout, response_length=config.ppo.response_length,
-        pad_token_id=pad_id, stop_token_id=stop_token_id, chat_template=chat_template, base_dir=Path.cwd())
+        engine, conversation, rollout=config.rollout, response_length=config.ppo.response_length, pad_token_id=pad_id)
     rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce)
     return Parts(
-        config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, chat_template, train_query_ids,
+        config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_id, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,
         turn_weight(config.rollout, config.reward), algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce,
     )

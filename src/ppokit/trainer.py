@@ -119,7 +119,7 @@ class PPOTrainer:
             episodes, parts.accelerator.unwrap_model(parts.model), parts.ref_model, rows=hp.local_rollout_forward_batch_size,
             packed=hp.max_tokens_per_micro_batch is not None, temperature=hp.temperature, chunk_size=self.config.lm_head_chunk_size,
             autocast=parts.accelerator.autocast, policy_logprobs=not rollout.engine.logprobs_are_trainers)
-        mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, reduce)
+        mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, reduce, floor=hp.rollout_is_floor)
         t_forward = time.perf_counter()
 
         # 4. reward: per-token KL penalty (when it is in the reward), the score at each episode's score position
@@ -135,7 +135,7 @@ class PPOTrainer:
 
         # 6. optimise
         lrs = parts.scheduler.get_last_lr()
-        train_stats = self.optimise(episodes)
+        train_stats = self.optimise(experience.trained_on(episodes, mask_truncated_completions=hp.mask_truncated_completions))
         t_train = time.perf_counter()
 
         # 7. log
