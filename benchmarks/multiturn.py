@@ -36,8 +36,9 @@ def main() -> None:
     from ppokit.config import RolloutConfig
     from ppokit.engines.base import Sampling
     from ppokit.engines.hf import HFEngine
-    from ppokit.environments.episode_loop import episode_source
+    from ppokit.environments.episode_loop import conversation_setup, episode_source
     from ppokit.environments.guess import guess_rows
+    from ppokit.metric_values import episode_metrics
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ppokit-multiturn-"))
     if not (work / "sft").is_dir():
@@ -50,18 +51,19 @@ def main() -> None:
     sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
     result = {"benchmark": "multiturn", "episodes": args.episodes, "repeats": args.repeats, "threads": torch.get_num_threads()}
     for turns in (1, 2, 4):
-        source = episode_source(engine, tokenizer, environment=demo_game.GAME, environment_args={}, timeout_s=None,
-                                rollout=RolloutConfig(max_turns=turns), response_length=3, pad_token_id=tokenizer.pad_token_id,
-                                stop_token_id=tokenizer.eos_token_id, chat_template=None)
+        conversation = conversation_setup(tokenizer, chat_template=None, template_kwargs=None, datasets=[], environment=demo_game.GAME,
+                                          environment_args={}, timeout_s=None, max_turns=turns, stop_token_id=tokenizer.eos_token_id)
+        source = episode_source(engine, conversation, rollout=RolloutConfig(max_turns=turns), response_length=3,
+                                pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(0)
         source.sample(prompts, rows, sampling)  # warm-up
         seconds, tokens, mean_turns = [], [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            _, outcome = source.sample(prompts, rows, sampling)
+            episodes = source.sample(prompts, rows, sampling)
             seconds.append(time.perf_counter() - start)
-            tokens.append(sum(outcome.model_tokens))
-            mean_turns.append(outcome.metrics["rollout/turns"])
+            tokens.append(int(episodes.model_tokens.sum()))
+            mean_turns.append(episode_metrics(episodes)["rollout/turns"])
         t = statistics.median(seconds)
         result[f"turns_{turns}"] = {
             "episodes_per_s": round(args.episodes / t, 1), "model_tokens_per_s": round(statistics.median(tokens) / t, 1),

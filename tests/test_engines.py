@@ -161,11 +161,10 @@ class _OffsetEngine(HFEngine):
 
 
 def _with_engine(trainer, offset):
-    trainer.rollout_engine = _OffsetEngine(
+    trainer.rollout.source.engine = _OffsetEngine(  # the one place the engine is held (single-turn: episode_loop.SingleTurn)
         lambda: trainer.policy, trainer.pad_id, trainer.accelerator.device, trainer.config.ppo.local_rollout_forward_batch_size,
         lambda p: (trainer.strategy.generation(p), trainer.accelerator.autocast()), offset=offset,
     )
-    trainer.episode_source.engine = trainer.rollout_engine  # single-turn episodes are the engine's own (episode_loop.SingleTurn)
     return trainer
 
 
@@ -228,6 +227,80 @@ def test_another_engines_keys_are_refused():
         PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"]).validate()
     PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5",
                           "rollout.max_model_len=512"]).validate()
+
+
+def test_an_engine_class_lacking_a_protocol_method_is_named(monkeypatch):
+    """`create`, `memory` and `check_installed` are part of the Protocol: a class without one is refused by name."""
+    module = types.ModuleType("half_an_engine")
+    module.HalfAnEngine = type("HalfAnEngine", (), {k: v for k, v in vars(HFEngine).items() if k != "memory"})
+    monkeypatch.setitem(sys.modules, "half_an_engine", module)
+    monkeypatch.setitem(engines.ENGINES, "half", engines.Engine("half_an_engine:HalfAnEngine", "an engine without memory()"))
+    with pytest.raises(TypeError, match=r"^rollout engine half \(half_an_engine:HalfAnEngine\) lacks memory of ppokit.engines.base.RolloutEngine"):
+        engines.engine_class("half")
+    assert engines.engine_class("hf") is HFEngine
+
+
+TOY_RUN = """
+import json, sys
+from ppokit import configdoc, engines
+from ppokit.config import PPOConfig
+from ppokit.errors import UserError
+from ppokit.plan import plan_for
+from ppokit.trainer import PPOTrainer
+
+def refusal(*overrides):
+    try:
+        PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]", *overrides])
+    except UserError as e:
+        return str(e)
+
+config = PPOConfig.load(sys.argv[1], ["rollout.engine=toy", "rollout.toy_logprob_shift=0.25", "rollout.toy_held_bytes=12345"])
+trainer = PPOTrainer(config, show_progress=False)
+record = trainer.step()
+print(json.dumps({
+    "under_hf": refusal("rollout.toy_logprob_shift=0.25"), "out_of_range": refusal("rollout.engine=toy", "rollout.toy_logprob_shift=-1"),
+    "misspelt": refusal("rollout.engine=toy", "rollout.toy_logprob_shfit=0.25"),
+    "documented": [line for line in configdoc.reference_document().splitlines() if "toy" in line],
+    "engine": type(trainer.rollout_engine).__module__, "calls": trainer.rollout_engine.calls,
+    "diff": record["rollout/logprob_diff_mean"], "held": plan_for(config, memory_gib=80).engine.held,
+}))
+"""
+
+
+def test_a_third_engine_is_one_module_and_one_entry(model_dir, prompts_file, tmp_path):
+    """Adding an engine is one module in ppokit/engines/ and one entry in ENGINES: in a copy of the package with exactly
+    that added (tests/toy_engine.py; config.py, plan.py and the trainer as they are), the engine's own keys are `rollout:`
+    keys (range-checked, documented, refused under another engine, a misspelling told its name), the trainer builds the
+    engine from the table and samples with it (its shifted logprobs measured as the mismatch), and `ppokit plan` counts
+    what it says it holds."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    import ppokit
+    import toy_engine
+
+    copy = tmp_path / "src" / "ppokit"
+    shutil.copytree(Path(ppokit.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(Path(toy_engine.__file__), copy / "engines" / "toy.py")
+    table = copy / "engines" / "__init__.py"
+    anchor = "ENGINES = {\n"
+    assert table.read_text().count(anchor) == 1
+    table.write_text(table.read_text().replace(anchor, anchor + toy_engine.ENTRY))
+    tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **ONE_STEP).save(tmp_path / "ppo.yaml")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"))
+    run = subprocess.run([sys.executable, "-c", TOY_RUN, str(tmp_path / "ppo.yaml")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    said = json.loads(run.stdout)
+    assert said["under_hf"].startswith("rollout.toy_logprob_shift (0.25) is for rollout.engine: toy, and this run's is hf")
+    assert said["out_of_range"].startswith("rollout.toy_logprob_shift: value -1.0 is out of range, it must be >= 0 (toy: ")
+    assert "did you mean rollout.toy_logprob_shift?" in said["misspelt"]
+    assert any(line.startswith("| `rollout.toy_logprob_shift` | `0.0` | toy: subtracted") for line in said["documented"])
+    assert any("`toy` (the hf sampler reporting its logprobs shifted" in line for line in said["documented"])  # rollout.engine's help
+    assert said["engine"] == "ppokit.engines.toy" and said["calls"] == 1
+    assert said["diff"] == pytest.approx(0.25, abs=1e-5)  # the trainer recomputed the logprobs the engine shifted
+    assert said["held"] == 12345
 
 
 def test_the_prepared_gpu_benchmark_builds_its_model_and_configs_without_a_gpu():

@@ -574,7 +574,7 @@ def test_without_a_sandbox_ppokit_ppo_stops_in_one_line_before_training(model_di
     out = tmp_path / "run"
     config = tiny_ppo_config(model_dir("llama"), prompts_file, out)
     config.environment = "ppokit.environments:Tools"
-    config.environment_args = {"tools": ["ppokit.environments:run_python"]}
+    config.environment_args = {"tools": ["ppokit.environments:run_python"], "tool_schemas": "none"}  # plain-text prompts
     config.save(tmp_path / "ppo.yaml")
     src = str(Path(python_tool.__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
@@ -653,7 +653,7 @@ class Forced:
     # folder's files changed during the call, and the model reads "done". Done after 2 turns.
 
     def __init__(self):
-        self.tools = Tools(tools=["ppokit.environments:run_python"], timeout_s=60)
+        self.runner = Tools(tools=["ppokit.environments:run_python"], timeout_s=60)  # not `tools`: no schemas for the prompt
 
     def reset(self, row):
         self.turns = 0
@@ -664,7 +664,7 @@ class Forced:
         code = HOSTILE.replace("TRAINER_PID", str(os.getpid()))
         call = json.dumps({{"name": "run_python", "arguments": {{"code": code}}}})
         before = digest()
-        observation, _, _ = self.tools.step(f"<tool_call>{{call}}</tool_call>")
+        observation, _, _ = self.runner.step(f"<tool_call>{{call}}</tool_call>")
         with RESULTS.open("a") as f:
             f.write(json.dumps({{"result": observation, "run_folder_unchanged": digest() == before, "files": len(before)}}) + "\n")
         return "done", 0.0, self.turns >= 2

@@ -6,8 +6,8 @@
 4. run PPO with the VADER sentiment analyser as the reward (its compound score);
 5. print completions for the same prompts before and after PPO.
 
-`engine` (`rollout.engine`, default hf) samples the PPO episodes; with another engine than hf the demo model
-has head_dim 64 instead of 16 (`model_heads`): vLLM's CPU attention serves no head size under 32.
+`engine` (`rollout.engine`, default hf) samples the PPO episodes; with an engine that declares the head size it serves
+(vllm: 64; its CPU attention serves none under 32) the demo model has that head_dim instead of 16 (`model_heads`).
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ SETTINGS = {
 
 
 def model_heads(hidden: int, engine: str) -> int:
-    """Attention heads of a demo model of width `hidden` sampled by `engine`: 4 with hf (the demo as documented:
-    head_dim 16 in the quick demo); with another engine as many as give head_dim 64, a size vLLM's CPU attention
-    serves (it has none under 32) and the one its tests use."""
-    return 4 if engine == "hf" else max(1, hidden // 64)
+    """Attention heads of a demo model of width `hidden` sampled by `engine`: 4 for an engine that serves any head
+    size (hf: the demo as documented, head_dim 16 in the quick demo); else as many as give the head size the
+    engine declares it serves everywhere (`engines.Engine.head_dim`: vllm's 64)."""
+    head_dim = engines.ENGINES[engine].head_dim
+    return 4 if head_dim is None else max(1, hidden // head_dim)
 
 
 def estimator_settings(name: str) -> dict:

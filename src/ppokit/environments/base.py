@@ -6,13 +6,15 @@ names its class in the config (`environment: path/to/env.py:ClassName` or `packa
 
     env = cls(**environment_args)
     observation = env.reset(row)                     # str or None, appended after the prompt
-    observation, reward, done = env.step(completion) # after each model turn (decoded text)
+    observation, reward, done = env.step(completion) # after each model turn (its text, special tokens kept)
 
 `EnvironmentRunner` is what the episode loop holds: it makes the instances and calls them in worker
 threads under `environment_timeout_s` (`ThreadCall`), checks what they return, and turns every
 failure into an `EnvironmentFailure` (a RewardError, so `reward.on_error` applies: skip that episode
 or stop the run) whose one-line message names the environment, the call and the episode's prompt.
-A hung call fails its episode; its thread is left running (Python cannot stop a thread).
+A hung call fails its episode; its thread is left running (Python cannot stop a thread). Whatever the code
+raises is its failure, KeyboardInterrupt and other BaseExceptions included: only a stop request that reaches
+the main thread (Ctrl-C) passes through (`rewards.sources.code_raised`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ppokit.errors import UserError
-from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number
+from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number, code_raised, raised_text
 from ppokit.user_code import load_attribute
 
 BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
@@ -49,7 +51,8 @@ class Environment(Protocol):
         ...
 
     def step(self, completion: str) -> tuple[Optional[str], float, bool]:
-        """The model's turn (decoded text, stop token not included) -> (observation or None, reward, done)."""
+        """The model's turn as text (`ConversationRenderer.turn_text`: its special tokens kept, such as a tool call's
+        marker, the stop token that ended it not included) -> (observation or None, reward, done)."""
         ...
 
 
@@ -82,6 +85,7 @@ class Step:
     reward: float
     done: bool
     messages: list[dict] = field(default_factory=list)  # [] when observation is None
+    rendered: Any = None  # what the episode loop made of it within the step's deadline (its tokens), or None
 
 
 def _short(text: Any, limit: int = 120) -> str:
@@ -103,12 +107,14 @@ class EnvironmentRunner:
     """
 
     def __init__(self, spec: str, cls: type, args: Optional[dict] = None, timeout_s: Optional[float] = 60.0,
-                 base_dir: Optional[Path] = None):
+                 base_dir: Optional[Path] = None, chat_template: Optional[str] = None):
         self.spec = spec
         self.cls = cls
         self.args = dict(args or {})
         if base_dir is not None and "base_dir" not in self.args and _declares(cls, "base_dir"):
             self.args["base_dir"] = str(base_dir)  # for relative paths in its arguments (Tools' tool files)
+        if "chat_template" not in self.args and _declares(cls, "chat_template"):
+            self.args["chat_template"] = chat_template  # the run's template (None: plain-text prompts): Tools reads its call format there
         self.timeout_s = timeout_s
         # One instance made now: a wrong environment_args (or a tools list that does not import) fails at
         # start, in one line, rather than in the first episode; and it tells the tools and the role.
@@ -118,12 +124,14 @@ class EnvironmentRunner:
             raise UserError(str(e)) from None
         self.tools: Optional[list[dict]] = getattr(probe, "tools", None)
         self.observation_role: str = getattr(probe, "observation_role", "user")
+        self.notes: list[str] = list(getattr(probe, "notes", None) or [])  # what it has to tell the user at start (Tools: the call format chosen)
         if self.observation_role not in ("user", "tool"):
             raise UserError(f"environment {spec}: observation_role must be 'user' or 'tool', got {self.observation_role!r}")
 
     @classmethod
-    def from_config(cls, spec: str, args: Optional[dict], timeout_s: Optional[float], base_dir: Optional[Path] = None) -> "EnvironmentRunner":
-        return cls(spec, load_environment(spec, base_dir), args, timeout_s, base_dir)
+    def from_config(cls, spec: str, args: Optional[dict], timeout_s: Optional[float], base_dir: Optional[Path] = None,
+                    chat_template: Optional[str] = None) -> "EnvironmentRunner":
+        return cls(spec, load_environment(spec, base_dir), args, timeout_s, base_dir, chat_template)
 
     # ------------------------------------------------------------------ one episode at a time
 
@@ -147,9 +155,12 @@ class EnvironmentRunner:
         prompts = prompts if prompts is not None else [None] * len(rows)
         return self._side_by_side([lambda r=r, p=p: self.start(r, p) for r, p in zip(rows, prompts)])
 
-    def step_many(self, episodes: list["EnvironmentEpisode"], completions: list[str]) -> list:
-        """episode.step(completion) for each pair, side by side; per episode a Step or an EnvironmentFailure."""
-        return self._side_by_side([lambda e=e, c=c: e.step(c) for e, c in zip(episodes, completions)])
+    def step_many(self, episodes: list["EnvironmentEpisode"], completions: list[str], render: Optional[list] = None) -> list:
+        """episode.step(completion, render) for each, side by side; per episode a Step or an EnvironmentFailure.
+        render: per episode None or a function of its Step run within the same deadline (what the model reads of
+        the observation: `Step.rendered`)."""
+        render = render if render is not None else [None] * len(episodes)
+        return self._side_by_side([lambda e=e, c=c, r=r: e.step(c, r) for e, c, r in zip(episodes, completions, render)])
 
     def _side_by_side(self, calls: list) -> list:
         # Each call runs its environment code in its own ThreadCall under the deadline; these outer threads
@@ -164,22 +175,26 @@ class EnvironmentRunner:
     def _call(self, fn, what: str, prompt: Optional[str]):
         """fn() under the deadline; EnvironmentFailure (or EnvironmentTimeout) naming `what` and the prompt.
         A UserError the environment raises itself (its own one-line complaint) passes through: it stops the run."""
+        call = None
         try:
             if self.timeout_s is None:
                 return fn()
-            return ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}").result(self.timeout_s)
+            call = ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}")
+            return call.result(self.timeout_s)
         except DeadlineExceeded:
             raise EnvironmentTimeout(
                 f"environment {self.spec}: {what} did not return within environment_timeout_s={self.timeout_s:g}s "
-                f"(its thread is left running: Python cannot stop it){_where(prompt)}"
+                f"(its thread is left running: Python cannot stop it){prompt_suffix(prompt)}"
             ) from None
-        except UserError:
+        except (UserError, EnvironmentFailure):
             raise
-        except (Exception, SystemExit) as e:
-            raise EnvironmentFailure(f"environment {self.spec}: {what} raised {type(e).__name__}: {e}{_where(prompt)}") from e
+        except BaseException as e:  # KeyboardInterrupt or another BaseException the environment raised is its failure too
+            if not code_raised(e, call):
+                raise  # a stop request (Ctrl-C, ppokit's second signal) that reached the main thread while it ran the code
+            raise EnvironmentFailure(f"environment {self.spec}: {what} raised {raised_text(e)}{prompt_suffix(prompt)}") from e
 
     def _check_observation(self, env, observation, what: str, prompt: Optional[str]) -> Step:
-        where = _where(prompt)
+        where = prompt_suffix(prompt)
         if observation is not None and not isinstance(observation, str):
             raise EnvironmentFailure(f"environment {self.spec}: {what} returned the observation {_short(observation)} (a {type(observation).__name__}); expected a str or None{where}")
         return Step(observation, 0.0, False, self._messages(env, observation, what, prompt))
@@ -192,13 +207,13 @@ class EnvironmentRunner:
             return [{"role": self.observation_role, "content": observation}]
         messages = self._call(lambda: render(observation), f"observation_messages after {what}", prompt)
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            where = _where(prompt)
+            where = prompt_suffix(prompt)
             raise EnvironmentFailure(f"environment {self.spec}: observation_messages returned {_short(messages)}; expected a list of {{role, content}} dicts{where}")
         return messages
 
     def check_step(self, env, result, prompt: Optional[str]) -> Step:
         """step's return value -> a Step; EnvironmentFailure naming the environment and the value otherwise."""
-        where = _where(prompt)
+        where = prompt_suffix(prompt)
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){where}")
         observation, reward, done = result
@@ -223,12 +238,20 @@ class EnvironmentEpisode:
         self.prompt = prompt
         self.first: Optional[Step] = None
 
-    def step(self, completion: str) -> Step:
-        result = self.runner._call(lambda: self.env.step(completion), "step", self.prompt)
-        return self.runner.check_step(self.env, result, self.prompt)
+    def step(self, completion: str, render=None) -> Step:
+        """step(completion), checked; with `render`, render(step) too (`Step.rendered`), all under one deadline:
+        everything a step costs (the environment's code, its observation's messages, their tokens)."""
+
+        def whole():
+            step = self.runner.check_step(self.env, self.env.step(completion), self.prompt)
+            if render is not None and step.observation is not None:
+                step.rendered = render(step)
+            return step
+
+        return self.runner._call(whole, "step", self.prompt)
 
 
-def _where(prompt: Optional[str]) -> str:
+def prompt_suffix(prompt: Optional[str]) -> str:
     """'; prompt ...' naming the episode in an error line, or nothing."""
     return "" if prompt is None else f"; prompt {_short(prompt)}"
 
