@@ -3,6 +3,8 @@
 its prompt, its sampling and its seed alone: bit for bit the same alone or among others that share its decoding
 steps, arrive before or after it, wait in the queue or are aborted."""
 
+import time
+
 import pytest
 import torch
 from conftest import assert_float32_close
@@ -273,3 +275,40 @@ def test_the_sampling_contexts_are_entered_once_per_serving(tokenizer, prompts):
     engine.submit(crowd(prompts, 1))
     engine.step()
     assert log == [False, False]
+
+
+def test_an_episodes_results_do_not_depend_on_its_environments_latency(policy, tokenizer, prompts):
+    """Eight two-turn episodes driven as a per-episode loop drives them: the engine steps in this thread, each
+    environment answers from a thread pool after its own delay, and the episode's next turn (continuing its kept
+    first turn, seeded by (run, row, turn)) is submitted as soon as that answer is in. With other delays the turns
+    arrive in another order and share their steps with others: every completion is the same, bit for bit."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    sampling = Sampling(6, 1.0, None)
+
+    def environment(completion, delay):
+        time.sleep(delay)
+        return tokenizer(" the plot was" if completion.token_ids[0] % 2 else " it was", add_special_tokens=False)["input_ids"]
+
+    def run(delays):
+        engine, done, waiting = engine_for(policy, tokenizer, slots=3), {}, {}
+        engine.submit([Request(f"{row}-1", prompts[row], sampling, seed=request_seed(0, row, 1), keep=True) for row in range(8)])
+        with ThreadPoolExecutor(4) as pool, engine.serving():
+            while engine.unfinished() or waiting:
+                for completion in engine.step():
+                    done[completion.request_id] = completion
+                    row, turn = map(int, completion.request_id.split("-"))
+                    if turn == 1:
+                        waiting[pool.submit(environment, completion, delays[row])] = (row, completion)
+                for answered in [f for f in waiting if f.done()]:
+                    row, first = waiting.pop(answered)
+                    context = list(prompts[row]) + first.token_ids + answered.result()
+                    engine.submit([Request(f"{row}-2", context, sampling, seed=request_seed(0, row, 2), continues=f"{row}-1")])
+                if waiting and not engine.unfinished():
+                    wait(list(waiting), return_when=FIRST_COMPLETED)
+        return done
+
+    instant = run([0.0] * 8)
+    slow_first = run([0.05 * (8 - row) for row in range(8)])
+    assert len(instant) == 16 and all(c.finish_reason == "length" for c in instant.values())
+    assert {k: (c.token_ids, c.logprobs) for k, c in slow_first.items()} == {k: (c.token_ids, c.logprobs) for k, c in instant.items()}
