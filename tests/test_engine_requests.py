@@ -281,7 +281,8 @@ def test_an_episodes_results_do_not_depend_on_its_environments_latency(policy, t
     """Eight two-turn episodes driven as a per-episode loop drives them: the engine steps in this thread, each
     environment answers from a thread pool after its own delay, and the episode's next turn (continuing its kept
     first turn, seeded by (run, row, turn)) is submitted as soon as that answer is in. With other delays the turns
-    arrive in another order and share their steps with others: every completion is the same, bit for bit."""
+    arrive in another order and share their steps with others: every completion is the same, bit for bit; and the
+    same again with the episodes as coroutines over `engines.driver.AsyncRequests`."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     sampling = Sampling(6, 1.0, None)
@@ -312,3 +313,49 @@ def test_an_episodes_results_do_not_depend_on_its_environments_latency(policy, t
     slow_first = run([0.05 * (8 - row) for row in range(8)])
     assert len(instant) == 16 and all(c.finish_reason == "length" for c in instant.values())
     assert {k: (c.token_ids, c.logprobs) for k, c in slow_first.items()} == {k: (c.token_ids, c.logprobs) for k, c in instant.items()}
+
+    # The same episodes as coroutines (ppokit.engines.driver): an async environment, other delays again.
+    import asyncio
+
+    from ppokit.engines.driver import AsyncRequests
+
+    async def rollout(delays):
+        engine = engine_for(policy, tokenizer, slots=3)
+        driver = AsyncRequests(engine)
+
+        async def episode(row):
+            first = await driver.complete(Request(f"{row}-1", prompts[row], sampling, seed=request_seed(0, row, 1), keep=True))
+            await asyncio.sleep(delays[row])
+            observation = environment(first, 0.0)
+            context = list(prompts[row]) + first.token_ids + observation
+            second = await driver.complete(Request(f"{row}-2", context, sampling, seed=request_seed(0, row, 2), continues=f"{row}-1"))
+            return first, second
+
+        with engine.serving():
+            async with driver.running():
+                turns = await asyncio.gather(*(episode(row) for row in range(8)))
+        return {c.request_id: c for pair in turns for c in pair}
+
+    for delays in ([0.0] * 8, [0.03 * row for row in range(8)]):
+        coroutines = asyncio.run(rollout(delays))
+        assert {k: (c.token_ids, c.logprobs) for k, c in coroutines.items()} == {k: (c.token_ids, c.logprobs) for k, c in instant.items()}
+
+
+def test_a_cancelled_episode_stops_its_request(policy, tokenizer, prompts):
+    import asyncio
+
+    from ppokit.engines.driver import AsyncRequests
+
+    engine = engine_for(policy, tokenizer)
+    driver = AsyncRequests(engine)
+
+    async def rollout():
+        async with driver.running():
+            waiting = asyncio.ensure_future(driver.complete(Request("long", prompts[0], Sampling(40, 1.0, None), seed=1)))
+            short = await driver.complete(Request("short", prompts[1], Sampling(2, 1.0, None), seed=2))
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            return short
+
+    assert asyncio.run(rollout()).finish_reason == "length" and engine.unfinished() == 0
