@@ -67,8 +67,11 @@ def crowd(prompts, n, first_seed=100, prefix="other"):
     return [Request(f"{prefix}{i}", prompts[(i + 3) % len(prompts)], SAMPLINGS[i % len(SAMPLINGS)], seed=first_seed + i) for i in range(n)]
 
 
+# read_in_steps: every prompt read alone (0), by the default (these 14-token prompts alone, short ones in the steps), or
+# every prompt read through the decoding steps (CAPACITY)
+@pytest.mark.parametrize("read_in_steps", [0, None, CAPACITY])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, tokenizer, prompts):
+def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, read_in_steps, tokenizer, prompts):
     """The same request decoded alone, then among others: some running before it arrived (it takes a slot freed
     mid-way), some arriving with and after it, more of them than slots (they wait), other samplings (temperature,
     top_k / top_p / min_p, greedy) and other lengths beside it. Identical tokens and logprobs, to the last bit."""
@@ -76,16 +79,27 @@ def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, tokenize
     targets = [Request("target", prompts[0], Sampling(12, 1.0, None), seed=7),
                Request("target-top-k", prompts[1], Sampling(10, 0.8, None, top_k=4), seed=8),
                Request("target-greedy", prompts[2], Sampling(8, 1.0, None, greedy=True), seed=0)]
-    alone = {t.request_id: complete(engine_for(policy, tokenizer), [t])[0] for t in targets}
+    siblings = [Request(f"sibling{i}", prompts[0], Sampling(12, 1.0, None), seed=70 + i) for i in range(2)]  # one read for three
+    alone = {t.request_id: complete(engine_for(policy, tokenizer, read_in_steps=read_in_steps), [t])[0] for t in targets + siblings}
     others = crowd(prompts, 10)
-    siblings = [Request(f"sibling{i}", prompts[0], Sampling(12, 1.0, None), seed=70 + i) for i in range(2)]  # one prefill for three
-    crowded, _ = drive(engine_for(policy, tokenizer), {0: others[:5], 3: targets[:1] + siblings + others[5:8], 5: targets[1:] + others[8:]})
-    for t in targets:
+    crowded, _ = drive(engine_for(policy, tokenizer, read_in_steps=read_in_steps), {0: others[:5], 3: targets[:1] + siblings + others[5:8], 5: targets[1:] + others[8:]})
+    for t in targets + siblings:
         got, want = crowded[t.request_id], alone[t.request_id]
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, t.request_id
     assert {c.finish_reason for c in crowded.values()} == {"length"}
     assert len({tuple(crowded[s.request_id].token_ids) for s in siblings + targets[:1]}) == 3  # their own seeds
     assert [len(crowded[o.request_id].token_ids) for o in others] == [o.sampling.max_new_tokens for o in others]
+
+
+@pytest.mark.parametrize("read_in_steps", [0, None, CAPACITY])
+def test_a_groups_samples_read_their_prompt_once_and_are_each_their_own(read_in_steps, policy, tokenizer, prompts):
+    """Four samples of one prompt admitted in one step (read alone once and shared, or each read in the decoding
+    steps, or the default for these 14-token prompts and 4 slots: alone) are each what they are alone."""
+    group = [Request(f"sample{i}", prompts[5], Sampling(9, 1.0, None), seed=40 + i) for i in range(4)]
+    engine = lambda: engine_for(policy, tokenizer, read_in_steps=read_in_steps)  # noqa: E731
+    together = complete(engine(), group)
+    assert together == [complete(engine(), [r])[0] for r in group]
+    assert len({tuple(c.token_ids) for c in together}) == 4
 
 
 def test_logprobs_are_the_training_forwards(policy, tokenizer, prompts):
@@ -185,7 +199,8 @@ def test_abort_hands_back_the_tokens_so_far_and_leaves_the_others_alone(policy, 
     assert engine.unfinished() == 0 and "never-submitted" not in done
 
 
-def test_an_episode_continues_from_its_kept_keys_and_values(policy, tokenizer, prompts):
+@pytest.mark.parametrize("read_in_steps", [0, None])  # the turn's new tokens read alone, or in the decoding steps
+def test_an_episode_continues_from_its_kept_keys_and_values(read_in_steps, policy, tokenizer, prompts):
     """Turn 1 kept, turn 2 continues it: only the new tokens are read (cached_tokens), its logprobs are a plain
     forward's over the whole context, and the two-turn chain is bit for bit the same among other episodes."""
     sampling = Sampling(8, 1.0, None)
@@ -199,7 +214,7 @@ def test_an_episode_continues_from_its_kept_keys_and_values(policy, tokenizer, p
         done2, _ = drive(engine, {0: [*others[3:], Request("e-2", context, sampling, seed=2, continues="e-1")]})
         return first, done2["e-2"], context
 
-    engine = engine_for(policy, tokenizer)
+    engine = engine_for(policy, tokenizer, read_in_steps=read_in_steps)
     first, second, context = episode(engine)
     assert second.cached_tokens == len(prompts[0]) + len(first.token_ids) - 1 and first.cached_tokens == 0
     ids = torch.tensor([context + second.token_ids])
@@ -209,7 +224,7 @@ def test_an_episode_continues_from_its_kept_keys_and_values(policy, tokenizer, p
     assert_float32_close(torch.tensor([second.logprobs]), want, terms=64 * 2, ulps=16, scale=want.abs().max().item())
     with pytest.raises(ValueError, match="not kept"):  # its keys and values moved to the request that continued it
         engine.submit([Request("e-3", context + second.token_ids, sampling, seed=3, continues="e-1")])
-    crowded_first, crowded_second, _ = episode(engine_for(policy, tokenizer), crowd(prompts, 7))
+    crowded_first, crowded_second, _ = episode(engine_for(policy, tokenizer, read_in_steps=read_in_steps), crowd(prompts, 7))
     assert (crowded_first.token_ids, crowded_first.logprobs) == (first.token_ids, first.logprobs)
     assert (crowded_second.token_ids, crowded_second.logprobs) == (second.token_ids, second.logprobs)
 
