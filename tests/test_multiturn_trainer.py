@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import tiny_ppo_config
+from test_multiturn import CRITIC  # Critic: rewards a turn by its length (mod 3), answers "the movie was", done after 2 turns
 from ppokit import algo
 from ppokit.config import RewardConfig, RolloutConfig
 from ppokit.trainer import PPOTrainer
@@ -308,18 +309,6 @@ def test_an_episode_is_what_the_chat_template_renders_with_one_stop_token_per_tu
 
 # --------------------------------------------------------------------------- LoRA and FSDP against a plain reference
 
-
-CRITIC_ENV = '''
-class Critic:
-    """Rewards a turn by its length (mod 3) and answers it; done after 2 turns."""
-    def reset(self, row):
-        self.turns = 0
-        return None
-    def step(self, completion):
-        self.turns += 1
-        return "the movie was", float(len(completion.split()) % 3), self.turns >= 2
-'''
-
 # What one update's record says about its episodes, their rewards and the first optimiser step.
 COMPARED = ("objective/scores", "objective/kl", "objective/non_score_reward", "objective/entropy", "rollout/turns",
             "rollout/model_tokens", "rollout/observation_tokens", "reward/environment", "loss/policy_avg", "policy/entropy_avg",
@@ -353,7 +342,7 @@ def test_a_lora_multi_turn_update_is_the_full_weight_update_of_its_merged_weight
     from ppokit.config import LoraConfig
 
     env = tmp_path / "env.py"
-    env.write_text(CRITIC_ENV)
+    env.write_text(CRITIC)
     lora = _critic_config(model_dir, eight_prompts, tmp_path / "lora", env, total_episodes=16, learning_rate=2e-2)
     lora.lora = LoraConfig()
     trainer = PPOTrainer(lora, show_progress=False)
@@ -383,7 +372,7 @@ def test_a_multi_turn_fsdp_run_on_two_processes_is_the_one_process_run(model_dir
     if TORCHRUN is None:
         pytest.skip("torchrun is not on PATH")
     env = tmp_path / "env.py"
-    env.write_text(CRITIC_ENV)
+    env.write_text(CRITIC)
     settings = dict(total_episodes=16, max_tokens_per_micro_batch=256, num_sample_generations=0)
     one = _critic_config(model_dir, eight_prompts, tmp_path / "one", env, **settings)
     PPOTrainer(one, show_progress=False).train()
