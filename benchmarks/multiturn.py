@@ -36,7 +36,7 @@ def main() -> None:
     from ppokit.config import RolloutConfig
     from ppokit.engines.base import Sampling
     from ppokit.engines.hf import HFEngine
-    from ppokit.environments.episode_loop import episode_source
+    from ppokit.environments.episode_loop import conversation_setup, episode_source
     from ppokit.environments.guess import guess_rows
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ppokit-multiturn-"))
@@ -50,9 +50,10 @@ def main() -> None:
     sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
     result = {"benchmark": "multiturn", "episodes": args.episodes, "repeats": args.repeats, "threads": torch.get_num_threads()}
     for turns in (1, 2, 4):
-        source = episode_source(engine, tokenizer, environment=demo_game.GAME, environment_args={}, timeout_s=None,
-                                rollout=RolloutConfig(max_turns=turns), response_length=3, pad_token_id=tokenizer.pad_token_id,
-                                stop_token_id=tokenizer.eos_token_id, chat_template=None)
+        conversation = conversation_setup(tokenizer, chat_template=None, template_kwargs=None, datasets=[], environment=demo_game.GAME,
+                                          environment_args={}, timeout_s=None, max_turns=turns, stop_token_id=tokenizer.eos_token_id)
+        source = episode_source(engine, conversation, rollout=RolloutConfig(max_turns=turns), response_length=3,
+                                pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(0)
         source.sample(prompts, rows, sampling)  # warm-up
         seconds, tokens, mean_turns = [], [], []

@@ -12,7 +12,8 @@ from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
 from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner
-from ppokit.environments.episode_loop import EpisodeLoop, ObservationFormat
+from ppokit.conversation import ConversationRenderer
+from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.episodes import Episodes
 from ppokit.models import left_pad, response_logprobs
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
@@ -218,11 +219,11 @@ def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
 
 def test_chat_observations_use_the_template(game_tokenizer):
     tok = game_tokenizer
-    fmt = ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id)
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id)
     # plain template: "role: content\n" lines, "assistant:" as the generation prompt
-    assert fmt.text("higher") == "\nuser: higher\nassistant:"
-    assert fmt.text("4", [{"role": "tool", "content": "4"}]) == "\ntool: 4\nassistant:"
-    assert ObservationFormat(tok).text("higher") == "higher"
+    assert renderer.observation([], "higher", True).ids == ids(tok, "\nuser: higher\nassistant:")
+    assert renderer.observation([{"role": "tool", "content": "4"}], "4", True).ids == ids(tok, "\ntool: 4\nassistant:")
+    assert ConversationRenderer(tok, None).observation([], "higher", True).ids == ids(tok, "higher")
 
 
 def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_tokenizer):
@@ -239,7 +240,7 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     prompt = render([user("guess the number")])
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
     loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
-                     observation=ObservationFormat(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
+                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
     episodes, outcome = loop.sample([prompt], [row], sampling(tok))
     whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
     # the stop token ends the assistant turn where the plain template writes its newline (not written twice)

@@ -59,33 +59,38 @@ class Renderer:
     rendered (the stage records it in its config and saves it with the tokenizer).
     """
 
-    def __init__(self, tokenizer=None, chat_template: Optional[str] = None):
+    def __init__(self, tokenizer=None, chat_template: Optional[str] = None, tools: Optional[list[dict]] = None,
+                 template_kwargs: Optional[dict] = None):
         self.tokenizer = tokenizer
         self.requested = chat_template
+        self.tools = tools  # JSON schemas the template gets as `tools=` (an environment's tools), or None
+        self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs, e.g. enable_thinking
         self.template_used: Optional[str] = None
         self._strip_bos: Optional[str] = None
 
-    def _chat(self, messages: Messages, add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, add_generation_prompt: bool, strip_bos: bool = True) -> str:
+        """The template's text for `messages` (with `tools` and the template kwargs); a Jinja error is one UserError line."""
         if self.template_used is None:
             self.template_used = resolve_chat_template(self.tokenizer, self.requested)
             self._strip_bos = _bos_added_by(self.tokenizer)
+        extra = {**self.template_kwargs, **({"tools": self.tools} if self.tools else {})}
         if self.tokenizer is None:
             import jinja2
 
-            text = jinja2.Template(self.template_used).render(messages=messages, add_generation_prompt=add_generation_prompt)
+            text = jinja2.Template(self.template_used).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
         else:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, chat_template=self.template_used, add_generation_prompt=add_generation_prompt, tokenize=False
+                    messages, chat_template=self.template_used, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
                 )
             except Exception as e:  # a Jinja error in a user's template
-                raise UserError(f"data.chat_template: rendering failed ({type(e).__name__}: {e})") from None
-        if self._strip_bos and text.startswith(self._strip_bos):
+                raise UserError(f"data.chat_template: rendering failed ({type(e).__name__}: {_first_line(e)})") from None
+        if strip_bos and self._strip_bos and text.startswith(self._strip_bos):
             text = text[len(self._strip_bos) :]
         return text
 
     def prompt(self, prompt: Text) -> str:
-        return prompt if isinstance(prompt, str) else self._chat(prompt, add_generation_prompt=True)
+        return prompt if isinstance(prompt, str) else self.render(prompt, add_generation_prompt=True)
 
     def pair(self, prompt: Text, completion: Text, where: str = "") -> tuple[str, str]:
         """-> (prompt text, completion text); chat completions are the rendered conversation's tail."""
@@ -93,8 +98,8 @@ class Renderer:
             return prompt, completion
         prompt_messages = prompt if not isinstance(prompt, str) else [{"role": "user", "content": prompt}]
         completion_messages = completion if not isinstance(completion, str) else [{"role": "assistant", "content": completion}]
-        prompt_text = self._chat(prompt_messages, add_generation_prompt=True)
-        full = self._chat(prompt_messages + completion_messages, add_generation_prompt=False)
+        prompt_text = self.render(prompt_messages, add_generation_prompt=True)
+        full = self.render(prompt_messages + completion_messages, add_generation_prompt=False)
         if not full.startswith(prompt_text):
             raise UserError(
                 f"{where}: the chat template renders the conversation so that it does not begin with its "
@@ -105,6 +110,11 @@ class Renderer:
 
 def describe_template(template: str) -> str:
     return "the plain fallback template (role: content lines)" if template == PLAIN_CHAT_TEMPLATE else "the chat template"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _bos_added_by(tokenizer) -> Optional[str]:

@@ -412,7 +412,8 @@ class DataConfig:
     prompt_field: str = doc("prompt", "Name of the prompt column.")
     max_prompt_length: Optional[int] = doc(None, "Prompts longer than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
     format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=one_of(DATA_FORMATS))
-    chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file or Jinja text. The run's config.yaml records the template used.")
+    chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file or Jinja text. The run's config.yaml records the template used. With an `environment` it renders the observations too (docs/environments.md).")
+    chat_template_kwargs: dict = doc(factory=dict, help="Extra variables for the chat template, in every prompt and observation it renders (TRL's name), e.g. `{enable_thinking: false}` for Qwen3's template without reasoning.", check=rule("a mapping of template variables other than messages, tools, add_generation_prompt, tokenize, chat_template", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and not set(v) & {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "conversation"}))
     eval_fraction: float = doc(0.0, "When `eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=fraction)
 
 

@@ -33,7 +33,7 @@ from ppokit.checkpoint import RunFacts, TrainedParts
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.episodes import Episodes, repeat_each
-from ppokit.environments.episode_loop import EnvironmentReward, data_rows, episode_source, response_room, sample_row
+from ppokit.environments.episode_loop import EnvironmentReward, conversation_setup, data_rows, episode_source, response_room, sample_row
 from ppokit.errors import UserError
 from ppokit.guards import (
     NonFiniteUpdate,
@@ -52,7 +52,7 @@ from ppokit.models import (
     check_output_head, ensure_pad_token, input_pad_id, load_tokenizer, no_progress_bars, resolve_stop_token,
 )
 from ppokit.optimise import PolicyAndValue, build_optimiser, ppo_epochs
-from ppokit.prompts import batch_indices, check_prompts_fit, encode_prompts, load_prompt_data, render_chat_prompts
+from ppokit.prompts import batch_indices, check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import build_scorer, source_label
 from ppokit.state import TrainingState
 
@@ -109,10 +109,11 @@ class PPOTrainer:
         self.train_data, self.eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
         self.sizes = config.ppo.derive(self.accelerator.num_processes, len(self.train_data))
         self.tokenizer = self._tokenizer(tokenizer, model)
+        self.stop_token_id = resolve_stop_token(self.tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
+        self.conversation = self._conversation()  # the environment, the template checked, chat prompts rendered with its tools
         limit = config.data.max_prompt_length
         self.train_query_ids = encode_prompts(self.tokenizer, self.train_data, limit, "data.train", self._say)
         self.eval_query_ids = encode_prompts(self.tokenizer, self.eval_data, limit, "data.eval", self._say) if self.eval_data else None
-        self.stop_token_id = resolve_stop_token(self.tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
         room = response_room(config.rollout, config.environment, config.ppo.response_length)  # tokens after the prompt
         batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in self.train_query_ids], room)
         self.scorer = self._scorer(reward_model, reward_tokenizer, reward_functions)
@@ -133,10 +134,8 @@ class PPOTrainer:
             longest_sequence=max(map(len, self.train_query_ids + (self.eval_query_ids or []))) + room,
             rows_per_rollout=self.sizes.local_batch, seed=config.seed))
         self.episode_source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
-            self.rollout_engine, self.tokenizer, environment=config.environment, environment_args=config.environment_args,
-            timeout_s=config.environment_timeout_s, rollout=config.rollout, response_length=config.ppo.response_length,
-            pad_token_id=self.pad_id, stop_token_id=self.stop_token_id, chat_template=self.chat_template, reward=config.reward,
-            base_dir=Path.cwd())
+            self.rollout_engine, self.conversation, rollout=config.rollout, response_length=config.ppo.response_length,
+            pad_token_id=self.pad_id, reward=config.reward)
         self.kl_controller = algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon)
         self.state = TrainingState()
         self._saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
@@ -150,18 +149,25 @@ class PPOTrainer:
             print(f"ppokit: {message}", file=sys.stderr)
 
     def _tokenizer(self, tokenizer, model):
-        """The tokenizer passed in or loaded; chat prompts rendered with its template, recorded in the run's config."""
+        """The tokenizer passed in or loaded."""
         config = self.config
         if tokenizer is not None:
-            tokenizer = ensure_pad_token(tokenizer)
-        else:
-            where = "tokenizer" if config.tokenizer else "model"
-            tokenizer = load_tokenizer(config.tokenizer or _path_of(model, config.model), config.trust_remote_code, where)
-        template = render_chat_prompts(tokenizer, config.data.chat_template, self.train_data, self.eval_data)
-        if template is not None:
-            config.data.chat_template = template
-        self.chat_template = template  # None: text prompts (observations are appended as text)
-        return tokenizer
+            return ensure_pad_token(tokenizer)
+        where = "tokenizer" if config.tokenizer else "model"
+        return load_tokenizer(config.tokenizer or _path_of(model, config.model), config.trust_remote_code, where)
+
+    def _conversation(self):
+        """The run's conversation (`episode_loop.conversation_setup`): the environment made, the chat template checked
+        against it, chat prompts rendered with its tools; the template used is recorded in the run's config."""
+        config = self.config
+        conversation = conversation_setup(
+            self.tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs,
+            datasets=[self.train_data, self.eval_data], environment=config.environment, environment_args=config.environment_args,
+            timeout_s=config.environment_timeout_s, max_turns=config.rollout.max_turns, stop_token_id=self.stop_token_id,
+            base_dir=Path.cwd(), say=self._say)
+        if conversation.template is not None:
+            config.data.chat_template = conversation.template
+        return conversation
 
     def _scorer(self, reward_model, reward_tokenizer, reward_functions):
         config = self.config

@@ -1,7 +1,8 @@
 """Multi-turn episodes: environments that answer the model, tools it can call (docs/environments.md).
 
     base.py   the Environment protocol, load_environment(spec), EnvironmentRunner (deadlines, checks)
-    tools.py  the Hermes/Qwen tool-call parser, loading tools, running a call; the built-in Tools environment
+    tools.py  loading tools, their schemas, running a call; the built-in Tools environment
+    tool_parsers.py  the tool-call formats by name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai, auto)
     guess.py  the demo game GuessNumber, its data rows and SFT transcripts
     python_tool.py  run_python: a tool that runs the model's code in a separate, limited process
 """
@@ -17,12 +18,14 @@ from ppokit.environments.base import (
 )
 from ppokit.environments.guess import GuessNumber, guess_rows, guess_transcripts
 from ppokit.environments.python_tool import execute_python, run_python
-from ppokit.environments.tools import BadToolCall, ToolCall, Tools, load_tools, parse_tool_calls, run_tool, tool_schemas
+from ppokit.environments.tool_parsers import PARSERS, BadToolCall, ToolCall, resolve_parser
+from ppokit.environments.tools import Tools, load_tools, parse_tool_calls, run_tool, tool_schemas
 
 __all__ = [
     "Environment", "EnvironmentEpisode", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
     "load_environment",
     "GuessNumber", "guess_rows", "guess_transcripts",
     "execute_python", "run_python",
-    "BadToolCall", "ToolCall", "Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas",
+    "PARSERS", "BadToolCall", "ToolCall", "resolve_parser",
+    "Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas",
 ]

@@ -84,6 +84,7 @@ class Step:
     reward: float
     done: bool
     messages: list[dict] = field(default_factory=list)  # [] when observation is None
+    rendered: Any = None  # what the episode loop made of it within the step's deadline (its tokens), or None
 
 
 def _short(text: Any, limit: int = 120) -> str:
@@ -105,12 +106,14 @@ class EnvironmentRunner:
     """
 
     def __init__(self, spec: str, cls: type, args: Optional[dict] = None, timeout_s: Optional[float] = 60.0,
-                 base_dir: Optional[Path] = None):
+                 base_dir: Optional[Path] = None, chat_template: Optional[str] = None):
         self.spec = spec
         self.cls = cls
         self.args = dict(args or {})
         if base_dir is not None and "base_dir" not in self.args and _declares(cls, "base_dir"):
             self.args["base_dir"] = str(base_dir)  # for relative paths in its arguments (Tools' tool files)
+        if "chat_template" not in self.args and _declares(cls, "chat_template"):
+            self.args["chat_template"] = chat_template  # the run's template (None: plain-text prompts): Tools reads its call format there
         self.timeout_s = timeout_s
         # One instance made now: a wrong environment_args (or a tools list that does not import) fails at
         # start, in one line, rather than in the first episode; and it tells the tools and the role.
@@ -120,12 +123,14 @@ class EnvironmentRunner:
             raise UserError(str(e)) from None
         self.tools: Optional[list[dict]] = getattr(probe, "tools", None)
         self.observation_role: str = getattr(probe, "observation_role", "user")
+        self.notes: list[str] = list(getattr(probe, "notes", None) or [])  # what it has to tell the user at start (Tools: the call format chosen)
         if self.observation_role not in ("user", "tool"):
             raise UserError(f"environment {spec}: observation_role must be 'user' or 'tool', got {self.observation_role!r}")
 
     @classmethod
-    def from_config(cls, spec: str, args: Optional[dict], timeout_s: Optional[float], base_dir: Optional[Path] = None) -> "EnvironmentRunner":
-        return cls(spec, load_environment(spec, base_dir), args, timeout_s, base_dir)
+    def from_config(cls, spec: str, args: Optional[dict], timeout_s: Optional[float], base_dir: Optional[Path] = None,
+                    chat_template: Optional[str] = None) -> "EnvironmentRunner":
+        return cls(spec, load_environment(spec, base_dir), args, timeout_s, base_dir, chat_template)
 
     # ------------------------------------------------------------------ one episode at a time
 
@@ -149,9 +154,12 @@ class EnvironmentRunner:
         prompts = prompts if prompts is not None else [None] * len(rows)
         return self._side_by_side([lambda r=r, p=p: self.start(r, p) for r, p in zip(rows, prompts)])
 
-    def step_many(self, episodes: list["EnvironmentEpisode"], completions: list[str]) -> list:
-        """episode.step(completion) for each pair, side by side; per episode a Step or an EnvironmentFailure."""
-        return self._side_by_side([lambda e=e, c=c: e.step(c) for e, c in zip(episodes, completions)])
+    def step_many(self, episodes: list["EnvironmentEpisode"], completions: list[str], render: Optional[list] = None) -> list:
+        """episode.step(completion, render) for each, side by side; per episode a Step or an EnvironmentFailure.
+        render: per episode None or a function of its Step run within the same deadline (what the model reads of
+        the observation: `Step.rendered`)."""
+        render = render if render is not None else [None] * len(episodes)
+        return self._side_by_side([lambda e=e, c=c, r=r: e.step(c, r) for e, c, r in zip(episodes, completions, render)])
 
     def _side_by_side(self, calls: list) -> list:
         # Each call runs its environment code in its own ThreadCall under the deadline; these outer threads
@@ -177,7 +185,7 @@ class EnvironmentRunner:
                 f"environment {self.spec}: {what} did not return within environment_timeout_s={self.timeout_s:g}s "
                 f"(its thread is left running: Python cannot stop it){prompt_suffix(prompt)}"
             ) from None
-        except UserError:
+        except (UserError, EnvironmentFailure):
             raise
         except BaseException as e:  # KeyboardInterrupt or another BaseException the environment raised is its failure too
             if not code_raised(e, call):
@@ -229,9 +237,17 @@ class EnvironmentEpisode:
         self.prompt = prompt
         self.first: Optional[Step] = None
 
-    def step(self, completion: str) -> Step:
-        result = self.runner._call(lambda: self.env.step(completion), "step", self.prompt)
-        return self.runner.check_step(self.env, result, self.prompt)
+    def step(self, completion: str, render=None) -> Step:
+        """step(completion), checked; with `render`, render(step) too (`Step.rendered`), all under one deadline:
+        everything a step costs (the environment's code, its observation's messages, their tokens)."""
+
+        def whole():
+            step = self.runner.check_step(self.env, self.env.step(completion), self.prompt)
+            if render is not None and step.observation is not None:
+                step.rendered = render(step)
+            return step
+
+        return self.runner._call(whole, "step", self.prompt)
 
 
 def prompt_suffix(prompt: Optional[str]) -> str:

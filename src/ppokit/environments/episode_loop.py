@@ -10,7 +10,7 @@ what is left is cut there, and the episode is marked truncated).
 
 The result is one `Episodes` for the batch, in the layout of a single-turn rollout: the prompt in
 query_ids (with chat data and a reset observation, without its generation prompt, which follows the
-observation: `ObservationFormat.first`), everything after it (model turns and observations) in the response region; loss_mask is
+observation: `ConversationRenderer.first`), everything after it (model turns and observations) in the response region; loss_mask is
 True on the model's tokens only (observations are read, never trained on); score_index is the last
 model token. What the environment said (rewards per step and their sum, failures, metrics) comes
 back beside it in an `EpisodeOutcome`.
@@ -24,68 +24,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ppokit.conversation import ConversationRenderer, Observation
+from ppokit.errors import UserError
+
 if TYPE_CHECKING:
     from ppokit.engines.base import RolloutEngine, Sampling
     from ppokit.episodes import Episodes
-
-class ObservationFormat:
-    """How an observation becomes the tokens appended after a model turn.
-
-    Plain text data: the observation's text as it is. Chat data (`chat_template` given): its messages
-    (a `user` or `tool` message, `Step.messages`) rendered by the template as they follow an assistant
-    message: the template's end-of-turn text, the messages, and the generation prompt for the next
-    model turn. When the model's turn ended with the stop token and the end-of-turn text begins with
-    it, the token is not written twice. `tools` (JSON schemas) go to the template as `tools=`.
-    """
-
-    def __init__(self, tokenizer, chat_template: Optional[str] = None, stop_token_id: Optional[int] = None,
-                 tools: Optional[list[dict]] = None):
-        self.tokenizer, self.chat_template, self.tools = tokenizer, chat_template, tools
-        if chat_template is None:
-            return
-        self.turn = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
-        self.before = self._render(self.turn, False)
-        end_of_turn = self.before[self.before.rindex("A") + 1:]
-        stop_text = tokenizer.decode([stop_token_id]) if stop_token_id is not None else None
-        self.end_of_turn = end_of_turn
-        self.end_of_stopped_turn = end_of_turn[len(stop_text):] if stop_text and end_of_turn.startswith(stop_text) else end_of_turn
-        self.closed_prompt = self._render(self.turn[:1], False)
-        self.generation_prompt = self._render(self.turn[:1], True)[len(self.closed_prompt):]
-
-    def _render(self, messages: list[dict], generation: bool) -> str:
-        extra = {"tools": self.tools} if self.tools else {}
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, add_generation_prompt=generation,
-                                                  tokenize=False, **extra)
-
-    def text(self, observation: str, messages: Optional[list[dict]] = None, turn_stopped: bool = True) -> str:
-        """The text appended after a model turn (turn_stopped: it ended with the stop token)."""
-        if self.chat_template is None:
-            return observation
-        after = self._render(self.turn + (messages or [{"role": "user", "content": observation}]), True)
-        if not after.startswith(self.before):
-            raise ValueError("the chat template does not render an observation after an assistant turn as a continuation "
-                             "(set data.chat_template=plain or another template)")
-        return (self.end_of_stopped_turn if turn_stopped else self.end_of_turn) + after[len(self.before):]
-
-    def ids(self, observation: str, messages: Optional[list[dict]] = None, turn_stopped: bool = True) -> list[int]:
-        return self.tokenizer(self.text(observation, messages, turn_stopped), add_special_tokens=False)["input_ids"]
-
-    def first(self, prompt: list[int], observation: str, messages: Optional[list[dict]] = None) -> tuple[list[int], list[int]]:
-        """reset's observation after a prompt (token ids) -> (the prompt's ids, the ids appended after them).
-
-        Plain text: the prompt as it is, the observation's text after it. Chat data: the observation is the
-        next user (or tool) message of the prompt's conversation, so that prompt + observation is what the
-        template renders for [prompt's messages..., observation's messages] with the generation prompt:
-        the prompt's own generation prompt (its last tokens) moves after the observation."""
-        ids = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        if self.chat_template is None:
-            return prompt, ids(observation)
-        rendered = self._render(self.turn[:1] + (messages or [{"role": "user", "content": observation}]), True)
-        generation = ids(self.generation_prompt) if self.generation_prompt else []
-        if not rendered.startswith(self.closed_prompt) or prompt[len(prompt) - len(generation):] != generation:
-            raise ValueError("the chat template does not render a first observation after the prompt as a continuation "
-                             "(set data.chat_template=plain or another template)")
-        return prompt[: len(prompt) - len(generation)], ids(rendered[len(self.closed_prompt):])
 
 
 @dataclass
@@ -136,33 +80,29 @@ class EpisodeLoop:
 
     runner: makes and calls the environments (`ppokit.environments.EnvironmentRunner`: start_many(rows,
     prompts) -> per row an episode with `.first` (a Step) or the exception it failed with;
-    step_many(episodes, completions) -> per episode a Step (observation, reward, done, messages) or an
-    exception). max_episode_tokens: the response region's budget (model turns + observations).
-    observation: how observations become tokens (plain text by default). turn_weight: rollout.turn_rewards
-    on, the environment's weight in reward.weights (`place_rewards`); None: off.
+    step_many(episodes, completions, render) -> per episode a Step (observation, reward, done, messages, and
+    `rendered`: what render made of it under the same deadline) or an exception). max_episode_tokens: the
+    response region's budget (model turns + observations). renderer: the run's `ConversationRenderer` (how a
+    turn reads as text, how observations become tokens; plain text by default). turn_weight:
+    rollout.turn_rewards on, the environment's weight in reward.weights (`place_rewards`); None: off.
     """
 
     def __init__(
         self, engine: "RolloutEngine", tokenizer, runner, *, max_turns: int, max_episode_tokens: Optional[int],
-        pad_token_id: int, observation: Optional[ObservationFormat] = None, turn_weight: Optional[float] = None,
+        pad_token_id: int, renderer: Optional[ConversationRenderer] = None, turn_weight: Optional[float] = None,
     ):
         self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
         self.turn_weight = turn_weight
         self.max_turns, self.max_episode_tokens, self.pad_token_id = max_turns, max_episode_tokens, pad_token_id
-        self.observation = observation or ObservationFormat(tokenizer)
+        self.renderer = renderer or ConversationRenderer(tokenizer, None)
 
     def _room(self, episode: _Episode) -> float:
         return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - len(episode.ids)
 
-    def _observe(self, episode: _Episode, step, turn_stopped: bool, ids: Optional[list[int]] = None) -> None:
-        """Append an observation (its `ids` when given: reset's, `ObservationFormat.first`), cut to the room left
-        (the episode then ends, truncated)."""
-        if step.observation is None:
-            return
-        if ids is None:
-            ids = self.observation.ids(step.observation, step.messages, turn_stopped)
-        said = [{"role": m.get("role", "user"), "text": str(m.get("content", ""))} for m in step.messages] or \
-            [{"role": "user", "text": step.observation}]
+    def _observe(self, episode: _Episode, observation: Observation) -> None:
+        """Append an observation's tokens (`ConversationRenderer.first` or `.observation`), cut to the room left (the
+        episode then ends, truncated); its transcript entries say what the model read."""
+        ids, said = observation.ids, observation.said
         room = self._room(episode)
         if len(ids) >= room:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
@@ -170,6 +110,11 @@ class EpisodeLoop:
             said = [{"role": said[0]["role"], "text": self.tokenizer.decode(ids, skip_special_tokens=True), "cut": True}]
         episode.add(ids, None)
         episode.transcript += said
+
+    def _render(self, episode: _Episode):
+        """What the observation after the episode's last turn reads as (run by the runner within the step's deadline)."""
+        stopped, room = episode.last_turn_stopped, self._room(episode)
+        return lambda step: self.renderer.observation(step.messages, step.observation, stopped, room)
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
         """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""
@@ -180,11 +125,16 @@ class EpisodeLoop:
                 episode.fail(str(started))
                 continue
             episode.environment = started
-            if started.first is not None and started.first.observation is not None:
-                prompts[i], ids = self.observation.first(prompts[i], started.first.observation, started.first.messages)
-                self._observe(episode, started.first, turn_stopped=True, ids=ids)
+            first = started.first
+            if first is not None and first.observation is not None:
+                try:
+                    prompts[i], observation = self.renderer.first(prompts[i], first.messages, first.observation, self._room(episode))
+                except UserError as e:  # the template cannot follow a prompt with an observation (said at the start)
+                    episode.fail(str(e))
+                    continue
+                self._observe(episode, observation)
                 if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
-                    episode.fail(self._no_room_after_reset(len(ids), texts[i]))
+                    episode.fail(self._no_room_after_reset(len(observation.ids), texts[i]))
         device = None
         while True:
             running = [e for e in episodes if e.running]
@@ -195,7 +145,7 @@ class EpisodeLoop:
                                         replace(sampling, max_new_tokens=budget))
             device = turn.response_ids.device
             completions = [self._add_turn(e, turn, k) for k, e in enumerate(running)]
-            steps = self.runner.step_many([e.environment for e in running], completions)
+            steps = self.runner.step_many([e.environment for e in running], completions, [self._render(e) for e in running])
             for e, step in zip(running, steps):
                 self._answer(e, step)
         return self._collect(prompts, episodes, device)
@@ -217,7 +167,7 @@ class EpisodeLoop:
         episode.add(ids, logprobs)
         episode.turns += 1
         episode.last_turn_stopped = bool(turn.ended[k]) and not episode.truncated
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.renderer.turn_text(ids, episode.last_turn_stopped)
         episode.transcript.append({"role": "assistant", "text": text})
         return text
 
@@ -232,7 +182,8 @@ class EpisodeLoop:
         if step.done or episode.turns >= self.max_turns or episode.truncated:
             episode.running = False
             return
-        self._observe(episode, step, episode.last_turn_stopped)
+        if step.observation is not None:
+            self._observe(episode, step.rendered)
         if episode.running and self._room(episode) <= 0:
             episode.truncated, episode.running = True, False
 
@@ -306,23 +257,61 @@ class SingleTurn:
         return rewards
 
 
-def episode_source(engine: "RolloutEngine", tokenizer, *, environment: Optional[str], environment_args: dict,
-                   timeout_s: Optional[float], rollout, response_length: int, pad_token_id: int, stop_token_id: Optional[int],
-                   chat_template: Optional[str], reward=None, base_dir=None):
-    """What the trainer samples its episodes from, decided once: without an environment the engine itself
-    (`SingleTurn`); with one, the `EpisodeLoop` over the `rollout:` section's turns and budget
-    (max_episode_tokens, default max_turns x response_length); observations rendered by `chat_template`
-    when the prompts were chats, else as plain text. reward: the `reward:` section (the environment's
-    weight, the last, for rollout.turn_rewards)."""
-    if environment is None:
-        return SingleTurn(engine)
+@dataclass
+class Conversation:
+    """How a run's episodes are rendered and answered, decided before any weights load (`conversation_setup`):
+    the renderer (prompts with the tools' schemas, observations as token ids), the environment's runner (None
+    without one), and the chat template used (None: plain-text prompts)."""
+
+    renderer: ConversationRenderer
+    runner: Any = None
+    template: Optional[str] = None
+
+
+def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwargs: Optional[dict], datasets: list,
+                       environment: Optional[str], environment_args: dict, timeout_s: Optional[float], max_turns: int,
+                       stop_token_id: Optional[int], base_dir=None, say=lambda message: None) -> Conversation:
+    """The run's conversation, checked, and its chat prompts rendered (every `datasets` entry, None skipped): the
+    environment is made (one instance, its arguments checked; it gets the template as `chat_template` if its
+    constructor declares it), the renderer built with its tools, every rendering the episodes will need tried once
+    (`ConversationRenderer.check`), then the prompts rendered with the tools' schemas. Every failure is one UserError
+    line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs."""
+    from ppokit.chat import resolve_chat_template
     from ppokit.environments.base import EnvironmentRunner
 
-    runner = EnvironmentRunner.from_config(environment, environment_args, timeout_s, base_dir)
-    budget = response_room(rollout, environment, response_length)
-    observation = ObservationFormat(tokenizer, chat_template, stop_token_id, runner.tools)
-    return EpisodeLoop(engine, tokenizer, runner, max_turns=rollout.max_turns, max_episode_tokens=budget, pad_token_id=pad_token_id,
-                       observation=observation, turn_weight=turn_weight(rollout, reward))
+    datasets = [d for d in datasets if d is not None]
+    template = resolve_chat_template(tokenizer, chat_template) if any(d.chat is not None for d in datasets) else None
+    runner = None
+    if environment is not None:
+        runner = EnvironmentRunner.from_config(environment, environment_args, timeout_s, base_dir, chat_template=template)
+        for note in runner.notes:
+            say(note)
+        if runner.tools and template is None:
+            raise UserError(f"environment {environment}: its tools reach the model as schemas the chat template writes into the "
+                            f"prompt, and the prompts{' of ' + datasets[0].source if datasets else ''} are plain text; use chat prompts (a `messages` "
+                            "column, or prompts as lists of messages) or, if the prompt text describes the tools itself, "
+                            "environment_args.tool_schemas: none")
+    renderer = ConversationRenderer(tokenizer, template, tools=runner.tools if runner else None, template_kwargs=template_kwargs,
+                                    stop_token_id=stop_token_id, observation_role=runner.observation_role if runner else "user", say=say)
+    if runner is not None:
+        renderer.check(needs_tools=bool(runner.tools), max_turns=max_turns, what=f"environment {environment}")
+        if renderer.first_observation_problem:
+            say(renderer.first_observation_problem)
+    for dataset in datasets:
+        dataset.render_chat(renderer)
+    return Conversation(renderer, runner, template)
+
+
+def episode_source(engine: "RolloutEngine", conversation: Conversation, *, rollout, response_length: int, pad_token_id: int, reward=None):
+    """What the trainer samples its episodes from, decided once: without an environment the engine itself
+    (`SingleTurn`); with one, the `EpisodeLoop` over the `rollout:` section's turns and budget
+    (max_episode_tokens, default max_turns x response_length), observations rendered by the conversation's
+    renderer. reward: the `reward:` section (the environment's weight, the last, for rollout.turn_rewards)."""
+    if conversation.runner is None:
+        return SingleTurn(engine)
+    budget = response_room(rollout, conversation.runner.spec, response_length)
+    return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=rollout.max_turns, max_episode_tokens=budget,
+                       pad_token_id=pad_token_id, renderer=conversation.renderer, turn_weight=turn_weight(rollout, reward))
 
 
 def response_room(rollout, environment: Optional[str], response_length: int) -> int:
@@ -339,8 +328,6 @@ def turn_weight(rollout, reward) -> Optional[float]:
     reward.clip_range with turn rewards is refused."""
     if not rollout.turn_rewards:
         return None
-    from ppokit.errors import UserError
-
     normalize = reward.normalize[-1] if isinstance(reward.normalize, list) else reward.normalize
     if normalize or reward.clip_range is not None:
         which = "reward.normalize on the environment" if normalize else "reward.clip_range"

@@ -1,16 +1,15 @@
-"""Tools the model calls: the Hermes/Qwen tool-call parser, loading tools by name, their JSON schemas for
-the chat template, running one call under a deadline, and the built-in `Tools` environment.
-
-A model turn calls tools in the Hermes form that Qwen's chat templates teach:
+"""Tools the model calls: loading tools by name, their JSON schemas for the chat template, running one call
+under a deadline, and the built-in `Tools` environment. The call formats are in `tool_parsers` (by vLLM's
+`--tool-call-parser` names: hermes, qwen3_coder, llama3_json, pythonic, mistral, openai, or auto), e.g. Hermes:
 
     <tool_call>
     {"name": "add", "arguments": {"a": 1, "b": 2}}
     </tool_call>
 
-several per turn. Every failure that is the model's (JSON that does not parse, an unknown tool, wrong
-arguments) or the tool's (it raised, it hung) becomes an error text that goes back to the model as that
-call's result: the episode goes on, and the model can learn from it. Only the configuration's mistakes
-(a tools list that does not import, a tool without a docstring) stop the run, in one line.
+Every failure that is the model's (a call that does not parse, an unknown tool, wrong arguments) or the tool's
+(it raised, it hung) becomes an error text that goes back to the model as that call's result: the episode goes
+on, and the model can learn from it. Only the configuration's mistakes (a tools list that does not import, a tool
+without a docstring, an unknown tool_parser) stop the run, in one line, at the start.
 """
 
 from __future__ import annotations
@@ -18,72 +17,22 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import re
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from ppokit.environments.tool_parsers import PARSER_NAMES, BadToolCall, ToolCall, parse_hermes, resolve_parser
 from ppokit.errors import UserError
 from ppokit.rewards.sources import DeadlineExceeded, ThreadCall, code_raised, raised_text
 from ppokit.user_code import load_attribute
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 TOOL_SPEC_FORMS = "'path/to/tools.py:function' or 'package.module:function'"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One parsed call: the tool's name and its keyword arguments."""
-
-    name: str
-    arguments: dict
-
-
-@dataclass(frozen=True)
-class BadToolCall:
-    """A <tool_call> block that is not a call: `error` is the text the model gets back as its result."""
-
-    text: str
-    error: str
-    name: Optional[str] = None  # the name, when one could be read
+TOOL_SCHEMAS = ("template", "none")
 
 
 def parse_tool_calls(completion: str) -> list[Union[ToolCall, BadToolCall]]:
-    """Every <tool_call>...</tool_call> block in a model turn, in order; [] when the turn calls nothing.
-
-    A block must hold one JSON object {"name": str, "arguments": object}; "arguments" may also be a JSON
-    string of an object (some models write it so) or absent (no arguments). A block left open at the end
-    of the turn (the turn was cut) is a BadToolCall, as is anything else that is not a call.
-    """
-    calls: list[Union[ToolCall, BadToolCall]] = []
-    for match in TOOL_CALL.finditer(completion):
-        body, closed = match.group(1).strip(), bool(match.group(2))
-        if not closed:
-            calls.append(BadToolCall(body, "error: the tool call is not closed with </tool_call>"))
-            continue
-        calls.append(_parse_one(body))
-    return calls
-
-
-def _parse_one(body: str) -> Union[ToolCall, BadToolCall]:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        return BadToolCall(body, f"error: the tool call is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                                 'write {"name": "TOOL", "arguments": {...}}')
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return BadToolCall(body, 'error: a tool call is a JSON object {"name": "TOOL", "arguments": {...}}')
-    name, arguments = call["name"], call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            pass
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        return BadToolCall(body, f"error: the arguments of {name} must be a JSON object of named arguments", name)
-    return ToolCall(name, arguments)
+    """The Hermes/Qwen calls of a model turn (`tool_parsers.parse_hermes`); [] when the turn calls nothing."""
+    return parse_hermes(completion)
 
 
 # --------------------------------------------------------------------------- loading and schemas
@@ -115,7 +64,8 @@ def tool_schemas(tools: dict[str, Callable], where: str = "environment_args.tool
         try:
             schemas.append(get_json_schema(fn))
         except Exception as e:  # DocstringParsingException, TypeHintParsingException
-            raise UserError(f"{where}: tool {name}: its schema for the chat template cannot be made: {e} "
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{where}: tool {name}: its schema for the chat template cannot be made: {why} "
                             "(a tool needs type hints and a docstring with an Args: section)") from None
     return schemas
 
@@ -176,29 +126,42 @@ def _loaded(specs: tuple, base_dir: Optional[str]) -> tuple[dict, list]:
 class Tools:
     """The built-in environment `ppokit.environments:Tools`: the model calls Python functions.
 
-    environment_args: tools (["file.py:fn", "package.module:fn", ...], required), timeout_s (each call's
-    deadline, default 10; keep it under environment_timeout_s, which bounds a whole step), max_calls
-    (calls run per turn, default 8; the others get an error text). Relative file paths are looked up from
-    the working directory, then from the config file's folder (`base_dir`, given by the runner).
+    environment_args: tools (["file.py:fn", "package.module:fn", ...], required); tool_parser (the call format, by
+    vLLM's --tool-call-parser name, default `auto`: the one the chat template writes, said at the start); timeout_s
+    (each call's deadline, default 10, at most threading.TIMEOUT_MAX; keep it under environment_timeout_s, which
+    bounds a whole step); max_calls (calls run per turn, default 8; the others get an error text); tool_schemas
+    (`template`, the default: the chat template writes the tools' schemas into the prompt, so chat prompts are
+    needed; `none`: the prompts describe the tools themselves and no schemas are added). Relative file paths are
+    looked up from the working directory, then from the config file's folder (`base_dir`, given by the runner, as
+    is `chat_template`, the run's template or None for plain-text prompts).
 
-    reset: no observation (the prompt carries the tools: `tools` holds their schemas for the chat
-    template). step: runs the turn's calls in order and answers with their results, one `tool` message
-    each; a turn without a tool call ends the episode. The reward is always 0: score the transcript
-    with reward functions (they see every turn and every tool result).
+    reset: no observation (the prompt carries the tools: `tools` holds their schemas for the chat template).
+    step: runs the turn's calls in order and answers with their results, one `tool` message each; a turn without
+    a tool call ends the episode. The reward is always 0: score the transcript with reward functions (they see
+    every turn and every tool result).
     """
 
     observation_role = "tool"
 
-    def __init__(self, tools=None, timeout_s: Optional[float] = 10.0, max_calls: int = 8, base_dir: Optional[str] = None):
+    def __init__(self, tools=None, timeout_s: Optional[float] = 10.0, max_calls: int = 8, tool_parser: str = "auto",
+                 tool_schemas: str = "template", base_dir: Optional[str] = None, chat_template: Optional[str] = None):
         if tools is None:
             raise UserError("environment_args.tools: required by ppokit.environments:Tools (a list of 'file.py:function')")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-            raise UserError(f"environment_args.timeout_s: expected a number of seconds > 0 or null, got {timeout_s!r}")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not 0 < timeout_s <= threading.TIMEOUT_MAX):
+            raise UserError(f"environment_args.timeout_s: expected a number of seconds in (0, {threading.TIMEOUT_MAX:.0f}] "
+                            f"(threading.TIMEOUT_MAX: the longest wait Python takes) or null, got {timeout_s!r}")
         if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
             raise UserError(f"environment_args.max_calls: expected an integer >= 1, got {max_calls!r}")
+        if tool_schemas not in TOOL_SCHEMAS:
+            raise UserError(f"environment_args.tool_schemas: expected one of {', '.join(TOOL_SCHEMAS)}, got {tool_schemas!r}")
         if isinstance(tools, str) or not isinstance(tools, (list, tuple)) or not tools or not all(isinstance(t, str) for t in tools):
             raise UserError(f"environment_args.tools: expected a list of tools ({TOOL_SPEC_FORMS}), got {tools!r}")
-        self.functions, self.tools = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        self.functions, schemas = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        self.tools = schemas if tool_schemas == "template" else None  # what the chat template gets as `tools=`
+        self.schemas = schemas
+        self.parser, note = resolve_parser(tool_parser, chat_template)
+        self.notes = [note] if note else []
         self.timeout_s = timeout_s
         self.max_calls = max_calls
         self._messages: list[dict] = []
@@ -207,11 +170,11 @@ class Tools:
         return None
 
     def step(self, completion: str) -> tuple[Optional[str], float, bool]:
-        calls = parse_tool_calls(completion)
-        if not calls:
-            self._messages = []
-            return None, 0.0, True
+        """completion: the model's turn with its special tokens (a call's markers), without its stop token."""
+        calls = self.parser.parse(completion, self.schemas)
         self._messages = []
+        if not calls:
+            return None, 0.0, True
         for i, call in enumerate(calls):
             name = call.name if call.name is not None else "?"
             if i >= self.max_calls:
@@ -225,3 +188,6 @@ class Tools:
     def observation_messages(self, observation: str) -> list[dict]:
         """One `tool` message per call of the last step (the chat template groups them)."""
         return list(self._messages)
+
+
+__all__ = ["PARSER_NAMES", "BadToolCall", "ToolCall", "Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas"]

@@ -1,0 +1,273 @@
+"""The conversation renderer: how a run's episodes become token ids, decided once, before any weights load.
+
+    renderer = ConversationRenderer(tokenizer, template, tools=..., stop_token_id=..., observation_role=...)
+    renderer.check()                                       # start-up: one UserError line naming data.chat_template
+    renderer.prompt(messages) -> str                       # a chat prompt, with the tools' schemas (`tools=`)
+    renderer.first(prompt_ids, messages) -> (ids, ids)     # reset's observation after the prompt
+    renderer.observation(messages, text, stopped, room)    # a step's observation after a model turn -> Observation
+    renderer.turn_text(ids, stopped) -> str                # the text an environment's step receives
+
+Prompts and observations go through the same template with the same `tools=` and template kwargs
+(`data.chat_template_kwargs`, e.g. `enable_thinking`). The model's own turns are never re-rendered or re-tokenised:
+an episode's context is the prompt's ids, then each model turn's ids as sampled, then the observation's ids. Those
+are computed at the token level, as TRL's GRPO tool loop does: the template renders a probe conversation ending in
+an assistant turn followed by the observation's messages and the generation prompt, and the observation's ids are
+the ids of that rendering after the assistant turn's end (the stop token that ended it: the model wrote it, so it is
+not written twice; a turn cut before its stop token gets it from here). Only the text after the probe turn's content
+is compared, so templates that render a last assistant turn differently from an earlier one (Qwen3's empty
+`<think></think>`, reasoning dropped from earlier turns) work: what comes after a turn does not depend on it.
+
+Without a chat template (plain-text prompts) an observation is its text as it is, after the turn's tokens.
+
+Each observation call renders one probe conversation and tokenises it twice (about a millisecond for a Qwen-sized
+template); its content is first made safe (lone surrogates replaced) and cut to what the episode's room can hold
+(characters, then tokens), so a tool answering 20 million characters costs no more than the room.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ppokit.chat import Messages, Renderer
+from ppokit.errors import UserError
+
+PROBE_QUESTION = "ppokit probe question"
+PROBE_TURN = "ppokit-probe-turn-5b1e9c"  # the probe assistant turn's content: found once in a rendering, never changed by it
+PROBE_RESULT = "ppokit probe result"
+WHERE = "data.chat_template"
+
+
+@dataclass
+class Observation:
+    """What the model reads after a turn: `ids`, and `said`, the transcript entries (samples.jsonl's `turns`): each
+    message's role and the text the model read (cut to the room, lone surrogates replaced, words the tokenizer cannot
+    represent shown as it reads them), `original` beside it where that differs from what the environment said."""
+
+    ids: list[int]
+    said: list[dict] = field(default_factory=list)
+
+
+class ConversationRenderer:
+    """Prompts and observations of one run through one template (see the module docstring).
+
+    tokenizer: the policy's; template: the resolved chat template text, or None for plain-text prompts; tools: the
+    environment's JSON schemas (None: none); template_kwargs: extra template variables; stop_token_id: the token
+    that ends a model turn (ppo.stop_token); observation_role: the role an observation is rendered as ("user" or
+    "tool"); say: where notes go (a warning shown once: observation words the tokenizer reads as its unknown token).
+    """
+
+    def __init__(self, tokenizer, template: Optional[str], *, tools: Optional[list[dict]] = None,
+                 template_kwargs: Optional[dict] = None, stop_token_id: Optional[int] = None, observation_role: str = "user",
+                 say: Callable[[str], None] = lambda message: None):
+        self.tokenizer, self.template, self.tools = tokenizer, template, tools
+        self.stop_token_id, self.observation_role, self.say = stop_token_id, observation_role, say
+        self.chat = Renderer(tokenizer, template, tools=tools, template_kwargs=template_kwargs) if template is not None else None
+        self.stop_text = tokenizer.decode([stop_token_id], skip_special_tokens=False) if stop_token_id is not None else None
+        self._lock = threading.Lock()  # a fast tokenizer is called from the environment's worker threads
+        self._turn_ends: dict[tuple, tuple[dict, str, bool]] = {}  # per shape of observation: (probe turn, closing, ends with stop)
+        self._longest_token: Optional[int] = None
+        self._warned_unknown = False
+        self.first_observation_problem: Optional[str] = None  # set by check(): why a reset observation cannot follow a prompt
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt(self, messages: Messages) -> str:
+        """A chat prompt with the generation prompt, the tools' schemas in it (as the template writes them)."""
+        return self.chat.render(messages, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # ------------------------------------------------------------------ model turns
+
+    def turn_text(self, ids: list[int], stopped: bool) -> str:
+        """The text of a model turn as an environment's `step` receives it: the turn's tokens decoded with special
+        tokens kept (tool-call markers such as `<|python_tag|>` or `[TOOL_CALLS]` are special in some tokenizers),
+        without the stop token that ended it."""
+        if stopped and ids:  # a stopped turn's last token is its stop token
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ observations
+
+    def first(self, prompt: list[int], messages: list[dict], text: str, room: Optional[float] = None) -> tuple[list[int], Observation]:
+        """reset's observation after a prompt (token ids) -> (the prompt's ids without its generation prompt, what
+        follows them). Plain text: the prompt as it is, the observation's text after it. Chat: the observation is
+        the next message of the prompt's conversation, so that prompt + observation is what the template renders for
+        [prompt's messages..., observation's messages] with the generation prompt: the prompt's own generation
+        prompt (its last tokens) moves after the observation."""
+        messages, said = self._safe(messages, text, room)
+        if self.chat is None:
+            return prompt, Observation(self.encode(said[0]["text"]), said)
+        if self.first_observation_problem is not None:
+            raise UserError(self.first_observation_problem)
+        probe = [{"role": "user", "content": PROBE_QUESTION}]
+        closed, opened = self.chat.render(probe, False, strip_bos=False), self.chat.render(probe, True, strip_bos=False)
+        rendered = self.chat.render(probe + messages, True, strip_bos=False)
+        generation = self._tail_ids(opened, len(closed))
+        if not rendered.startswith(closed) or prompt[len(prompt) - len(generation):] != generation:
+            raise UserError(f"{WHERE}: the chat template does not render an observation from reset as the next message after "
+                            "the prompt (set data.chat_template=plain or another template)")
+        return prompt[: len(prompt) - len(generation)], Observation(self._tail_ids(rendered, len(closed)), said)
+
+    def observation(self, messages: list[dict], text: str, stopped: bool, room: Optional[float] = None) -> Observation:
+        """A step's observation after a model turn (`stopped`: the turn ended with the stop token) -> its ids and
+        transcript. `messages`: the observation's chat messages (`Step.messages`); `text`: its text (plain-text
+        prompts use it); `room`: the tokens the episode has left (the content is cut to what that can hold)."""
+        messages, said = self._safe(messages, text, room)
+        if self.chat is None:
+            return Observation(self.encode(said[0]["text"]), said)
+        return Observation(self._suffix(messages, stopped), said)
+
+    def _suffix(self, messages: list[dict], stopped: bool) -> list[int]:
+        shape = tuple((m.get("role"), m.get("name")) for m in messages)
+        if shape not in self._turn_ends:
+            self._turn_ends[shape] = self._probe_turn(messages)
+        turn, closing, ends_with_stop = self._turn_ends[shape]
+        full = self.chat.render([{"role": "user", "content": PROBE_QUESTION}, turn, *messages], True, strip_bos=False)
+        start = full.find(PROBE_TURN)
+        after = start + len(PROBE_TURN)
+        if start < 0 or full.find(PROBE_TURN, after) >= 0 or not full.startswith(closing, after):
+            raise UserError(f"{WHERE}: the chat template does not render an observation after an assistant turn as a "
+                            "continuation of it (set data.chat_template=plain or another template)")
+        if not ends_with_stop:  # the template closes a turn with text of its own (the plain template's newline): it follows
+            return self._tail_ids(full, after)
+        ids = self._tail_ids(full, after + len(closing))
+        return ids if stopped else [self.stop_token_id] + ids
+
+    def _probe_turn(self, messages: list[dict]) -> tuple[dict, str, bool]:
+        """The probe assistant turn before `messages`, the text the template closes it with (up to and with the stop
+        token when it writes one), and whether it does. Tried without tool calls first; some templates (gpt-oss)
+        render a tool message only after a call by name."""
+        plain = {"role": "assistant", "content": PROBE_TURN}
+        calls = [{"type": "function", "function": {"name": m.get("name") or "tool", "arguments": {}}} for m in messages if m.get("role") == "tool"]
+        candidates = [plain] + ([{**plain, "tool_calls": calls}] if calls else [])
+        problem = "it renders no assistant turn before the observation"
+        for turn in candidates:
+            try:
+                closed = self.chat.render([{"role": "user", "content": PROBE_QUESTION}, turn], False, strip_bos=False)
+                self.chat.render([{"role": "user", "content": PROBE_QUESTION}, turn, *messages], True, strip_bos=False)
+            except UserError as e:
+                problem = str(e).removeprefix(f"{WHERE}: ")
+                continue
+            if closed.count(PROBE_TURN) != 1:
+                continue
+            tail = closed[closed.index(PROBE_TURN) + len(PROBE_TURN):]
+            if self.stop_text and self.stop_text in tail:
+                closing, ends_with_stop = tail[: tail.rindex(self.stop_text) + len(self.stop_text)], True
+            elif turn is plain:
+                closing, ends_with_stop = tail, False
+            else:
+                raise UserError(f"{WHERE}: the chat template does not end an assistant turn that calls a tool with the stop token "
+                                f"{self.stop_text!r} (ppo.stop_token); set ppo.stop_token to the token that ends such a turn")
+            return turn, closing, ends_with_stop
+        raise UserError(f"{WHERE}: the chat template cannot render a {messages[0].get('role')} message after an assistant turn "
+                        f"({problem})")
+
+    def _tail_ids(self, text: str, cut: int) -> list[int]:
+        """The ids of text[cut:] as they are in the ids of the whole text (the tokenisation at the token level); the
+        text after `cut` alone when the cut falls inside a token of the whole."""
+        whole, head = self.encode(text), self.encode(text[:cut])
+        if whole[: len(head)] == head:
+            return whole[len(head):]
+        return self.encode(text[cut:])
+
+    # ------------------------------------------------------------------ what the content can be
+
+    def _safe(self, messages: list[dict], text: str, room: Optional[float]) -> tuple[list[dict], list[dict]]:
+        """The observation's messages made safe to render (lone surrogates replaced, each content cut to the characters
+        `room` tokens can hold) -> (those messages, their transcript entries: the text the model reads)."""
+        limit = None if room is None or room == float("inf") else int(max(room, 0) * self.longest_token()) + 1
+        messages = messages or [{"role": self.observation_role, "content": text}]
+        if self.chat is None:
+            messages = [{"role": messages[0].get("role", self.observation_role), "content": text}]
+        safe, said = [], []
+        for message in messages:
+            original = message.get("content")
+            content = readable(str(original if original is not None else ""))
+            if limit is not None and len(content) > limit:
+                content = content[:limit]
+            safe.append({**message, "content": content})
+            entry = {"role": message.get("role", self.observation_role), "text": self._as_read(content)}
+            if entry["text"] != original:
+                entry["original"] = _preview(str(original))
+            said.append(entry)
+        return safe, said
+
+    def longest_token(self) -> int:
+        """The most characters one token of the vocabulary stands for (bounds the characters `room` tokens can read)."""
+        if self._longest_token is None:
+            self._longest_token = max([len(token) for token in self.tokenizer.get_vocab()] + [1])
+        return self._longest_token
+
+    def _as_read(self, content: str) -> str:
+        """The content as the model reads it: where the tokenizer maps words to its unknown token, the decoded ids (the
+        first time, a warning with an example)."""
+        unknown = getattr(self.tokenizer, "unk_token_id", None)
+        if unknown is None or not content:
+            return content
+        ids = self.encode(content)
+        if unknown not in ids:
+            return content
+        read = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if not self._warned_unknown:
+            self._warned_unknown = True
+            self.say(f"observation text the tokenizer cannot represent is read as {self.tokenizer.unk_token} "
+                     f"(e.g. {_preview(content, 60)!r} is read as {_preview(read, 60)!r}); samples.jsonl shows what the model read")
+        return read
+
+    # ------------------------------------------------------------------ the start-up check
+
+    def check(self, needs_tools: bool, max_turns: int, what: str = "the environment") -> None:
+        """Every rendering the run will do, tried once now (one UserError line naming data.chat_template, never at the
+        first rollout): with `needs_tools`, the prompt must carry every tool's name; with more than one turn, an
+        observation of `observation_role` must follow a turn that ended with its stop token and one that was cut; a
+        reset observation after a prompt is tried too, and what fails is kept (`first_observation_problem`), said as a
+        note, and raised only for an episode whose reset returns an observation."""
+        if self.chat is None:
+            return
+        question = [{"role": "user", "content": PROBE_QUESTION}]
+        prompt = self.prompt(question)
+        if needs_tools:
+            names = [schema.get("function", schema).get("name", "") for schema in self.tools or []]
+            missing = [name for name in names if name not in prompt]
+            if missing:
+                raise UserError(f"{WHERE}: the chat template does not render tools (the prompt it renders with tools= lacks "
+                                f"{', '.join(missing)}), so the model would never learn of them; use a template that renders "
+                                "`tools` (e.g. Qwen2.5's, Llama 3.1's) or set environment_args.tool_schemas: none if the prompts "
+                                "describe the tools themselves")
+        if max_turns > 1:
+            probe = self._probe_messages()
+            stopped = self._suffix(probe, True)
+            self._suffix(probe, False)
+            if not stopped:
+                raise UserError(f"{WHERE}: the chat template renders nothing for an observation after an assistant turn")
+        try:
+            closed = self.chat.render(question, False, strip_bos=False)
+            if not self.chat.render(question + self._probe_messages(), True, strip_bos=False).startswith(closed):
+                raise UserError("it does not render one as the next message after the prompt")
+        except UserError as e:
+            self.first_observation_problem = (f"{WHERE}: the chat template cannot render an observation from reset after the prompt "
+                                              f"({str(e).removeprefix(WHERE + ': ')}); {what}'s reset must return None")
+
+    def _probe_messages(self) -> list[dict]:
+        if self.observation_role == "tool":
+            name = (self.tools or [{}])[0].get("function", {}).get("name", "tool")
+            return [{"role": "tool", "name": name, "content": PROBE_RESULT}]
+        return [{"role": "user", "content": PROBE_RESULT}]
+
+
+def readable(text: str) -> str:
+    """`text` with lone surrogates (text no tokenizer can encode, e.g. bytes decoded with surrogateescape) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _preview(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
