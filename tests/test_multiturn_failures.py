@@ -151,7 +151,7 @@ def test_a_reset_observation_that_fills_the_budget_is_refused_not_trained_as_not
     code = _run(model_dir, jsonl, tmp_path, spec("LongWelcome"), "rollout.max_turns=3", "rollout.max_episode_tokens=24")
     err = capsys.readouterr().err
     assert code == 2, err
-    assert (f"environment {spec('LongWelcome')}: reset's observation is 30 tokens, which fills the episode's budget "
+    assert (f"environment {spec('LongWelcome')}: reset's observation fills the episode's whole budget "
             "(rollout.max_episode_tokens: 24 tokens after the prompt) and leaves no room for a model turn; shorten the "
             "observation or raise rollout.max_episode_tokens; prompt 'the movie was'") in err
     assert not (tmp_path / "run" / "final").exists()
@@ -166,7 +166,7 @@ def test_with_on_error_skip_only_the_episodes_without_room_leave_the_update(mode
                 "reward.on_error=skip")
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "reset's observation is 30 tokens" in err  # the skip warning names why
+    assert "reset's observation fills the episode's whole budget" in err  # the skip warning names why
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # 16 rows, each once over the 2 updates of 8 episodes: the 8 rows with the long welcome are the ones skipped
     assert len(records) == 2 and sum(r["reward/skipped"] for r in records) == 8 and all(r["reward/skipped"] < 8 for r in records)
@@ -189,8 +189,8 @@ def test_the_loop_fails_only_the_episode_whose_reset_fills_the_budget(spec):
                        pad_token_id=tok.pad_token_id)
     rows = [{"prompt": "a", "welcome": 6}, {"prompt": "b", "welcome": 2}, {"prompt": "c", "welcome": 9}]
     episodes, outcome = loop.sample([ids(tok, "the movie was")] * 3, rows, sampling(tok))
-    assert outcome.errors[0].startswith(f"environment {spec('LongWelcome')}: reset's observation is 6 tokens, which fills")
+    assert outcome.errors[0].startswith(f"environment {spec('LongWelcome')}: reset's observation fills the episode's whole budget")
     assert outcome.errors[0].endswith("; prompt 'a'") and outcome.errors[1] is None
-    assert "reset's observation is 9 tokens" in outcome.errors[2]
+    assert "reset's observation fills" in outcome.errors[2] and outcome.errors[2].endswith("; prompt 'c'")
     assert outcome.model_tokens == [0, 2, 0] and torch.isnan(outcome.rewards[[0, 2]]).all() and outcome.rewards[1] == 1.0
     assert episodes.loss_mask[1].sum() == 2

@@ -7,14 +7,12 @@ token at a ChatML turn end, a LoRA reference that is not the base), so that such
 from __future__ import annotations
 
 import json
-import math
 import sys
-import threading
-from pathlib import Path
 
 import pytest
 import torch
 
+from chat_families import FAMILIES, trl_template
 from conftest import tiny_ppo_config
 from test_multiturn import CRITIC  # Critic: rewards a turn by its length (mod 3), answers "the movie was", done after 2 turns
 from ppokit import algo
@@ -109,7 +107,6 @@ DEADLINE_S = 2.0
 HUNG = 6  # of the 8 episodes
 
 HANGING_ENV = '''
-import threading
 
 RELEASE = threading.Event()  # set by the test: the hung calls return, no thread outlives it
 
@@ -151,15 +148,8 @@ def test_hung_episodes_cost_one_deadline_together_not_one_each(model_dir, prompt
 # --------------------------------------------------------------------------- a ChatML model that calls tools
 
 
-def chatml_template() -> str:
-    """Qwen2.5's original chat template (ChatML, Hermes tool calls), as the trl package ships it."""
-    import importlib.resources
-
-    return importlib.resources.files("trl").joinpath("chat_templates", "qwen2_5.jinja").read_text()
-
-
-CALL = '<tool_call>\n{"name": "tally", "arguments": {}}\n</tool_call>'
-TWO_CALLS = CALL + "\n" + CALL
+QWEN = FAMILIES["qwen2_5"]  # Qwen2.5: its original template (ChatML, Hermes tool calls), its tokens, <|im_end|> ends a turn
+TWO_CALLS = QWEN.call("tally", {}) + "\n" + QWEN.call("tally", {})
 OVER_MAX_CALLS = "error: at most 1 tool calls run per turn; this one did not"
 QUESTIONS = [f"count the {animal}" for animal in "cats dogs birds fish cows bees ants owls".split()]
 
@@ -174,25 +164,9 @@ def tally() -> str:
 '''
 
 
-def _tally() -> str:
+def tally() -> str:
     """Count one more."""
-    return "counted"
-
-
-def chatml_tokenizer(texts):
-    """A byte-level BPE tokenizer with ChatML's special tokens, EOS <|im_end|> (Qwen2.5-Instruct's), merging across
-    spaces (no pre-split) so that the tool-call text is a few tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                   additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False)
+    return "counted"  # the tool file's signature and docstring: the schema the environment gives the template
 
 
 def tool_conversation(question: str, results: list[str]) -> list[dict]:
@@ -200,25 +174,42 @@ def tool_conversation(question: str, results: list[str]) -> list[dict]:
             + [{"role": "tool", "name": "tally", "content": r} for r in results] + [{"role": "assistant", "content": "done"}])
 
 
+def qwen_tokenizer(texts: list[str]):
+    """Qwen2.5's tokens (tests/chat_families.py) and template on a byte-level BPE whose merges are learnt from `texts`
+    across spaces (no pre-split): the family's byte-per-token tokenizer makes a tool call ~40 tokens and a prompt with
+    the tools' schemas ~700, which a tiny model learns slowly; here they are a few tokens and ~100."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=QWEN.special,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN.added])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=QWEN.stop, pad_token=QWEN.pad, clean_up_tokenization_spaces=False)
+    tokenizer.chat_template = trl_template(QWEN.template)
+    return tokenizer
+
+
 @pytest.fixture(scope="module")
 def chatml_model(tmp_path_factory):
-    """A tiny llama taught (a few seconds of SFT) to answer any question with two tally calls, and "done" after the
-    tools answered; its tokenizer carries ChatML's tokens. Prompts with and without the tools block both taught."""
+    """A tiny llama taught (seconds of SFT) to answer any question with two tally calls, and "done" after the tools
+    answered, in Qwen2.5's format; its tokenizer carries ChatML's tokens and Qwen2.5's original template. Prompts with
+    and without the tools' schemas are both taught."""
     from ppokit.environments.tools import tool_schemas
     from ppokit.sft import encode_pair, train_sft
     from ppokit.tiny import tiny_causal_lm
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
 
-    template, schemas = chatml_template(), tool_schemas({"tally": _tally})
-    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), pad_token="<pad>", eos_token="<|im_end|>")
-    render = lambda tok, messages, tools, more: tok.apply_chat_template(  # noqa: E731
-        messages, chat_template=template, tools=tools, tokenize=False, add_generation_prompt=more)
+    schemas = tool_schemas({"tally": tally})
     conversations = [(tool_conversation(q, ["counted", OVER_MAX_CALLS]), tools) for q in QUESTIONS for tools in (None, schemas)]
-    tok = chatml_tokenizer([render(plain, c, tools, False) for c, tools in conversations])
+    render = lambda tok, messages, tools, more=True: tok.apply_chat_template(  # noqa: E731
+        messages, tools=tools, tokenize=False, add_generation_prompt=more)
+    tok = qwen_tokenizer([render(QWEN.tokenizer(), c, tools, False) for c, tools in conversations])
     examples = []
-    for c, tools in conversations:
-        examples += [encode_pair(tok, render(tok, c[:1], tools, True), TWO_CALLS), encode_pair(tok, render(tok, c[:4], tools, True), "done")]
+    for conversation, tools in conversations:
+        examples += [encode_pair(tok, render(tok, conversation[:1], tools), TWO_CALLS),
+                     encode_pair(tok, render(tok, conversation[:4], tools), "done")]
     torch.manual_seed(0)
     model = tiny_causal_lm("llama", tok, max_positions=1024)
     train_sft(model, examples, tok.pad_token_id, epochs=12, batch_size=8, learning_rate=3e-3)
@@ -253,11 +244,9 @@ def tool_run(chatml_model, tmp_path_factory):
     (folder / "tally.py").write_text(TALLY_TOOL.format(log=str(log)))
     data = folder / "questions.jsonl"
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
-    template = folder / "qwen2_5.jinja"
-    template.write_text(chatml_template())
     config = PPOConfig(
         model=str(chatml_model), output_dir=str(folder / "run"), seed=1, reward=RewardConfig(functions=[]),
-        data=DataConfig(train=str(data), chat_template=str(template)),
+        data=DataConfig(train=str(data)),  # the tokenizer's own template
         ppo=PPOHyperparams(**{**ONE_UPDATE, "num_sample_generations": 1}, response_length=24, top_k=1, learning_rate=1e-3,
                            advantage_estimator="reinforce_pp"),
         environment="ppokit.environments:Tools",
@@ -286,9 +275,9 @@ def test_max_calls_runs_only_that_many_calls_of_a_turn(tool_run):
 
 def test_an_episode_is_what_the_chat_template_renders_with_one_stop_token_per_turn(tool_run, chatml_model):
     """ChatML ends an assistant message with <|im_end|>, which is also the stop token the model's turn ended with: the
-    episode holds it once, then the tool messages and the next generation prompt exactly as Qwen2.5's template renders
-    the conversation so far. Compared as text after the first assistant header (the prompt's own rendering is the
-    prompt renderer's business), every episode of the update."""
+    episode holds it once, then the tool messages and the next generation prompt, exactly as Qwen2.5's template renders
+    the whole conversation (the tools' schemas in its system message), every episode of the update, token for token as
+    text (the byte-level tokenizer round-trips)."""
     from transformers import AutoTokenizer
 
     from ppokit.environments.tools import tool_schemas
@@ -296,15 +285,13 @@ def test_an_episode_is_what_the_chat_template_renders_with_one_stop_token_per_tu
     tok = AutoTokenizer.from_pretrained(chatml_model)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     episodes, samples, _ = tool_run
-    header = "<|im_start|>assistant\n"
     for ids, row in zip(episodes, samples):
         assert all(not (a == b == end) for a, b in zip(ids, ids[1:])), tok.decode(ids)  # never <|im_end|><|im_end|>
-        messages = [{"role": "user", "content": "?"}] + [{"role": t["role"], "content": t["text"]} for t in row["turns"]]
-        rendered = tok.apply_chat_template(messages, chat_template=chatml_template(), tools=tool_schemas({"tally": _tally}),
-                                           tokenize=False)
-        said = tok.decode(ids, skip_special_tokens=False)
+        [question] = [q for q in QUESTIONS if q in row["prompt"]]
+        messages = [{"role": "user", "content": question}] + [{"role": t["role"], "content": t["text"]} for t in row["turns"]]
         assert row["turns"][-1] == {"role": "assistant", "text": "done"}  # the episode ended with the model's stop token
-        assert said[said.index(header) + len(header):] == rendered[rendered.index(header) + len(header):].removesuffix("\n")
+        rendered = tok.apply_chat_template(messages, tools=tool_schemas({"tally": tally}), tokenize=False)
+        assert tok.decode(ids, skip_special_tokens=False) == rendered.removesuffix("\n")  # the template's last newline follows no stop
 
 
 # --------------------------------------------------------------------------- LoRA and FSDP against a plain reference
