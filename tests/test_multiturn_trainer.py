@@ -107,6 +107,7 @@ DEADLINE_S = 2.0
 HUNG = 6  # of the 8 episodes
 
 HANGING_ENV = '''
+import threading
 
 RELEASE = threading.Event()  # set by the test: the hung calls return, no thread outlives it
 
