@@ -1,7 +1,7 @@
 """Sampling speed and memory of the rollout engines (`rollout.engine`: hf, vllm), and a full PPO update with
 each; one JSON line per configuration.
 
-    python benchmarks/rollout_engines.py [--modes sampling,ppo] [--sizes small,50m] [--engines hf,vllm] [--repeats 3]
+    python benchmarks/rollout_engines.py [--modes sampling,ppo,requests] [--sizes small,50m] [--engines hf,vllm] [--repeats 3]
                                          [--updates 2]
 
 Two Llamas built locally with head_dim 64 (vLLM's CPU attention needs >= 32) and the demo's word-level
@@ -20,6 +20,10 @@ ones. episodes_per_s is the timed updates' episodes over their summed `time/upda
 the reference/value/logprob forward, training, and with vllm the weight sync after the optimisation);
 seconds_per_update splits it (means). peak_rss_mb is the process's peak. load_avg: the machine's 1- and
 5-minute load averages when the configuration ended.
+
+--modes requests: the sampling mode's 64 prompts x 64 tokens through one engine, by `generate` (the one-turn batch)
+and by the request API (64 seeded requests submitted at once, stepped until all are back; hf: its slot decoder of
+64 slots); batch_tokens_per_s, requests_tokens_per_s and their ratio (medians of `repeats` after a warm-up each).
 """
 
 from __future__ import annotations
@@ -174,7 +178,53 @@ def ppo_figures(records: list[dict], episodes: int) -> dict:
                 logprob_diff_max=max((r["rollout/logprob_diff_max"] for r in records if "rollout/logprob_diff_max" in r), default=None))
 
 
-RUNS = {"sampling": run_sampling, "ppo": run_ppo}
+def run_requests(size: str, engine_name: str, repeats: int) -> dict:
+    """The same 64 prompts x 64 tokens two ways through one engine: `generate` (the one-turn batch: hf's lock-step
+    decoder, vLLM's queue) and the request API (64 seeded requests submitted at once, `step` until all are back:
+    hf's slot decoder, vLLM's queue); tokens/s of each (median of `repeats`, after a warm-up of each)."""
+    import torch
+
+    from ppokit.engines.base import Request, Sampling, complete
+
+    data, tokenizer = demo_data(PROMPTS)
+    model = size_model(size, tokenizer).eval()
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in data["prompts"]]
+    longest = max(map(len, prompts)) + NEW_TOKENS
+    if engine_name == "hf":
+        from ppokit.engines.hf import HFEngine
+
+        engine = HFEngine(model, tokenizer.pad_token_id, torch.device("cpu"), rows_per_forward=PROMPTS, max_sequence=longest)
+    else:
+        from ppokit.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(model, tokenizer.pad_token_id, longest, max_num_seqs=PROMPTS)
+    sampling = Sampling(NEW_TOKENS, 1.0, None)
+    calls = iter(range(10**6))
+
+    def batch():
+        return engine.generate(prompts, sampling).loss_mask.sum().item()
+
+    def requests():
+        call = next(calls)
+        done = complete(engine, [Request(f"{call}-{i}", p, sampling, seed=call * PROMPTS + i) for i, p in enumerate(prompts)])
+        return sum(len(c.token_ids) for c in done)
+
+    rates = {}
+    for name, run in (("batch", batch), ("requests", requests)):
+        run()  # warm-up
+        timed = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tokens = run()
+            timed.append(tokens / (time.perf_counter() - start))
+        rates[name] = round(statistics.median(timed), 1)
+    return dict(benchmark="requests", engine=engine_name, size=size, parameters=sum(p.numel() for p in model.parameters()),
+                prompts=PROMPTS, new_tokens=NEW_TOKENS, batch_tokens_per_s=rates["batch"], requests_tokens_per_s=rates["requests"],
+                requests_vs_batch=round(rates["requests"] / rates["batch"], 2),
+                peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), threads=torch.get_num_threads())
+
+
+RUNS = {"sampling": run_sampling, "ppo": run_ppo, "requests": run_requests}
 
 
 def main() -> None:
@@ -182,14 +232,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="small,50m")
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--modes", default="sampling,ppo", help="sampling (tokens/s of the engine alone), ppo (a full PPO update "
-                        "through the trainer), or both: sampling,ppo")
+                        "through the trainer), requests (generate against the request API), or several: sampling,ppo")
     parser.add_argument("--repeats", type=int, default=3, help="sampling: timed generates")
     parser.add_argument("--updates", type=int, default=2, help="ppo: timed updates, after one warm-up update")
     parser.add_argument("--one", nargs=3, metavar=("MODE", "SIZE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         mode, size, engine = args.one
-        result = RUNS[mode](size, engine, args.repeats if mode == "sampling" else args.updates)
+        result = RUNS[mode](size, engine, args.updates if mode == "ppo" else args.repeats)
         # the machine's load while it ran (1 and 5 minute averages, at the end): a shared machine's figures swing with it
         print(json.dumps({**result, "load_avg": [round(x, 1) for x in os.getloadavg()[:2]]}), flush=True)
         return

@@ -201,9 +201,10 @@ def test_the_loop_fails_only_the_episode_whose_reset_fills_the_budget(spec):
     loop = EpisodeLoop(ScriptedEngine([seven, eos], tok.pad_token_id, eos), tok, runner, max_turns=2, max_episode_tokens=6,
                        pad_token_id=tok.pad_token_id)
     rows = [{"prompt": "a", "welcome": 6}, {"prompt": "b", "welcome": 2}, {"prompt": "c", "welcome": 9}]
-    episodes, outcome = loop.sample([ids(tok, "the movie was")] * 3, rows, sampling(tok))
-    assert outcome.errors[0].startswith(f"environment {spec('LongWelcome')}: reset's observation fills the episode's whole budget")
-    assert outcome.errors[0].endswith("; prompt 'a'") and outcome.errors[1] is None
-    assert "reset's observation fills" in outcome.errors[2] and outcome.errors[2].endswith("; prompt 'c'")
-    assert outcome.model_tokens == [0, 2, 0] and torch.isnan(outcome.rewards[[0, 2]]).all() and outcome.rewards[1] == 1.0
+    episodes = loop.sample([ids(tok, "the movie was")] * 3, rows, sampling(tok))
+    errors, rewards = episodes.environment_errors, episodes.environment_rewards
+    assert errors[0].startswith(f"environment {spec('LongWelcome')}: reset's observation fills the episode's whole budget")
+    assert errors[0].endswith("; prompt 'a'") and errors[1] is None
+    assert "reset's observation fills" in errors[2] and errors[2].endswith("; prompt 'c'")
+    assert episodes.model_tokens.tolist() == [0, 2, 0] and torch.isnan(rewards[[0, 2]]).all() and rewards[1] == 1.0
     assert episodes.loss_mask[1].sum() == 2

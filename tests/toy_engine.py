@@ -6,6 +6,8 @@ an engine with other kernels might; it says it holds `rollout.toy_held_bytes` of
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ppokit.engines.base import EngineMemory, EngineSetup, EngineSizing, Sampling
@@ -59,3 +61,22 @@ class ToyEngine:
 
     def close(self) -> None:
         pass
+
+    # requests: the hf engine's, their logprobs shifted the same way
+    def submit(self, requests) -> None:
+        self.hf.submit(requests)
+
+    def step(self):
+        return [replace(c, logprobs=[lp - self.shift for lp in c.logprobs]) for c in self.hf.step()]
+
+    def unfinished(self) -> int:
+        return self.hf.unfinished()
+
+    def abort(self, request_ids):
+        return self.hf.abort(request_ids)
+
+    def forget(self, request_ids) -> None:
+        self.hf.forget(request_ids)
+
+    def serving(self):
+        return self.hf.serving()

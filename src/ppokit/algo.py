@@ -37,9 +37,13 @@ References:
            greedy response's reward as the baseline).
   [DAPO]   Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
            arXiv:2503.14476 (section 3.1 clip-higher, eps_low < eps_high; section 3.3 token-level
-           loss).
+           loss; section 3.4 overlong filtering: the loss of truncated samples masked).
   [DC]     Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
            Learning", arXiv:1912.09729 (dual-clip PPO: for A < 0 the loss is capped at c * |A|).
+  [GSPO]   Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071 (eq. 7: the
+           sequence-level ratio s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|), clipped per sequence).
+  [LitePPO] Liu et al. 2025, "Part I: Tricks or Traps? A Deep Dive into RL for LLM Reasoning",
+           arXiv:2508.08221 (advantages with the group's mean and the batch's standard deviation).
   [TIS]    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
            https://fengyao.notion.site/off-policy-rl (truncated importance sampling between the
            rollout engine's and the trainer's probabilities).
@@ -259,6 +263,18 @@ def truncate_after_stop(response_ids: torch.Tensor, stop_token_id: int, pad_toke
     return truncated, response_mask
 
 
+def mask_truncated(mask: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+    """The trained tokens without those of truncated rows [DAPO, 3.4 overlong filtering].
+
+    mask: (B, T) bool, the trained tokens; ended: (B,) bool, True where the row ended by itself (its stop token, or
+    its environment said done) -> (B, T) bool: mask on the rows that ended, all False on the others. A response cut at
+    the length limit was scored on text it did not finish; leaving it out of the loss does not teach the policy
+    that its length was wrong (TRL `mask_truncated_completions`). Its score still counts in its group's baseline: the
+    caller masks after the advantages.
+    """
+    return mask & ended.to(torch.bool).unsqueeze(1)
+
+
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last True in each row (0 for an empty row).
 
@@ -425,6 +441,22 @@ def shape_rewards(
     return rewards, non_score
 
 
+def place_turn_rewards(rewards: torch.Tensor, score_index: torch.Tensor, summed: torch.Tensor, per_turn: torch.Tensor,
+                       weight: float) -> torch.Tensor:
+    """Per-token rewards with an environment's part of each score moved to the turns that earned it.
+
+    rewards: (B, T), the score (a weighted sum of sources, the environment's weighted by `weight`) at score_index
+    (B,) long; summed: (B,) the environment's step rewards summed per episode (NaN where it failed: that row is out
+    of the update, nothing is moved); per_turn: (B, T) each step's reward at the last token of its turn
+    -> (B, T): r - weight * summed at score_index, + weight * per_turn everywhere. Exact while the score is a plain
+    weighted sum (no normalisation or clipping of the environment's part: `episode_loop.turn_weight` refuses them).
+    """
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    moved = rewards.clone()
+    moved[rows, score_index] -= weight * torch.nan_to_num(summed.to(rewards.device, rewards.dtype))
+    return moved + weight * per_turn.to(rewards.device, rewards.dtype)
+
+
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -506,6 +538,25 @@ def grpo_advantages(
     if scale_std:
         std = ((advantage**2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
         advantage = advantage / (std + eps)
+    return torch.where(count >= 2, advantage, torch.zeros_like(advantage)).reshape(-1)
+
+
+def grpo_advantages_batch_std(
+    scores: torch.Tensor, valid: torch.Tensor, group_size: int, all_reduce: AllReduce = None, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-mean baseline, batch-level scale [LitePPO]: `grpo_advantages` with the standard deviation of the whole
+    batch's rewards in place of each group's (TRL `scale_rewards: batch`).
+
+    scores: (B,) outcome reward of each sequence; valid: (B,) bool; B = G * group_size -> (B,).
+    A_i = (r_i - mean_g r) / (std_B r + eps): mean_g over the valid members of i's group, std_B (with Bessel's
+    correction) over the valid rows of every process (`all_reduce` sums over them; None: this batch alone).
+    As in `grpo_advantages`, a group with fewer than two valid members gets 0, and so does a group whose rewards are
+    all equal; a group's spread then weighs the advantage instead of being divided out.
+    """
+    r, v, count = _groups(scores, valid, group_size)
+    mean = (r * v).sum(1, keepdim=True) / count.clamp(min=1)
+    _, var, _ = _masked_mean_and_var(scores, valid, all_reduce)
+    advantage = (r - mean) * v / (var.sqrt() + eps)
     return torch.where(count >= 2, advantage, torch.zeros_like(advantage)).reshape(-1)
 
 
@@ -611,6 +662,19 @@ def truncated_is_sequence_weights(trainer_logprobs: torch.Tensor, engine_logprob
     return weight.expand_as(log_ratio).contiguous()
 
 
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level log-ratio [GSPO, eq. 7], on every column of its row.
+
+    logprobs (with grad), old_logprobs: (B, T); mask: (B, T) bool, the trained tokens -> (B, T).
+    log s_i = (1/|y_i|) sum_t (logp_{i,t} - old_logp_{i,t}) over row i's masked tokens (0 for a row without any),
+    the same value in each of the row's T columns: s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|), the geometric mean of the
+    token ratios. Its gradient reaches every token's logprob of the row, each by 1/|y_i|.
+    """
+    maskf = mask.to(logprobs.dtype)
+    per_row = ((logprobs - old_logprobs) * maskf).sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp(min=1)
+    return per_row.expand_as(logprobs)
+
+
 def policy_loss_per_token(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -618,6 +682,7 @@ def policy_loss_per_token(
     cliprange_low: float,
     cliprange_high: float,
     dual_clip_c: Optional[float] = None,
+    sequence_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """PPO's clipped surrogate at every token, as a loss [PPO, eq. 7], with an asymmetric clip
     range [DAPO, clip-higher] and an optional dual clip [DC].
@@ -629,8 +694,10 @@ def policy_loss_per_token(
     with dual clip c > 1, where A < 0:  l_t = min(l_t, -A c), so a ratio far above 1 on a bad
     action cannot make the loss unbounded. `clipped` marks the tokens where the clip bound was
     taken, `dual_clipped` those where the dual clip was.
+    sequence_mask: (B, T) bool, the trained tokens, for GSPO's sequence-level ratio [GSPO]: r is then each row's
+    `sequence_log_ratio` exponentiated, the same on all its tokens (so is the clip); None: each token's own ratio.
     """
-    log_ratio = logprobs - old_logprobs
+    log_ratio = logprobs - old_logprobs if sequence_mask is None else sequence_log_ratio(logprobs, old_logprobs, sequence_mask)
     ratio = torch.exp(clamp_log_ratio(log_ratio))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
@@ -767,6 +834,7 @@ class LossSettings(NamedTuple):
     cliprange_low: float = 0.2
     cliprange_high: float = 0.2
     dual_clip_c: Optional[float] = None  # None: off; else > 1
+    importance_sampling_level: str = "token"  # "sequence": GSPO's ratio per response (`sequence_log_ratio`)
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     entropy_coef: float = 0.0
@@ -833,6 +901,7 @@ def ppo_loss(
     with kl_loss_coef > 0; is_weights (no grad): `truncated_is_weights`, or None. normalisers: `loss_normalisers` over this micro-batch or over its whole
     minibatch (module docstring). -> LossTerms.
       policy  `policy_loss_per_token` (times is_weights token by token, when given), aggregated per `settings.aggregation`;
+              with importance_sampling_level "sequence", GSPO's ratio per response [GSPO];
       value   0.5 * `value_loss_per_token`, a token mean;
       KL      `kl_per_token(logprobs, ref_logprobs, kl_loss_estimator, kl_clamp)` in the loss (k3 is the usual
               "low-variance KL" of GRPO [GRPO, eq. 4]), aggregated as the policy term;
@@ -840,7 +909,8 @@ def ppo_loss(
     """
     weights = token_weights(mask, settings.aggregation)
     per_token, log_ratio, ratio, clipped, dual_clipped = policy_loss_per_token(
-        logprobs, old_logprobs, advantages, settings.cliprange_low, settings.cliprange_high, settings.dual_clip_c
+        logprobs, old_logprobs, advantages, settings.cliprange_low, settings.cliprange_high, settings.dual_clip_c,
+        sequence_mask=mask if settings.importance_sampling_level == "sequence" else None,
     )
     if is_weights is not None:
         per_token = per_token * is_weights

@@ -68,12 +68,13 @@ class Renderer:
         self.template_used: Optional[str] = None
         self._strip_bos: Optional[str] = None
 
-    def render(self, messages: Messages, add_generation_prompt: bool, strip_bos: bool = True) -> str:
-        """The template's text for `messages` (with `tools` and the template kwargs); a Jinja error is one UserError line."""
+    def render(self, messages: Messages, add_generation_prompt: bool, strip_bos: bool = True, with_tools: bool = True) -> str:
+        """The template's text for `messages` (with `tools` unless not `with_tools`, and the template kwargs); a Jinja
+        error is one UserError line."""
         if self.template_used is None:
             self.template_used = resolve_chat_template(self.tokenizer, self.requested)
             self._strip_bos = _bos_added_by(self.tokenizer)
-        extra = {**self.template_kwargs, **({"tools": self.tools} if self.tools else {})}
+        extra = {**self.template_kwargs, **({"tools": self.tools} if self.tools and with_tools else {})}
         if self.tokenizer is None:
             import jinja2
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import threading
+from fractions import Fraction
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
@@ -21,9 +23,10 @@ import yaml
 from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.engines import ENGINES
 from ppokit.errors import UserError
-from ppokit.estimators import ESTIMATORS, Estimator
+from ppokit.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TRACKERS
+from ppokit.trl_grpo_names import TRL_GRPO_NAMES
 
 
 positive = rule("> 0", lambda v: v > 0)
@@ -126,6 +129,7 @@ class PPOHyperparams:
     num_samples_per_prompt: int = doc(1, "Responses sampled per prompt, n (OpenRLHF `--rollout.n_samples_per_prompt`, veRL `rollout.n`). Every batch size counts episodes = prompts x n: an update uses batch / n prompts, and `total_episodes` counts responses. The n samples of a prompt stay on one process, so n must divide the rollout batch per device.", check=positive)
     eval_temperature: Optional[float] = doc(None, f"Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely token at every step); otherwise at least {MIN_TEMPERATURE:g}, as `temperature`.", check=eval_temperature_range)
     missing_eos_penalty: Optional[float] = doc(None, "Subtracted from the score of responses that never produced the stop token.")
+    mask_truncated_completions: bool = doc(False, "Responses that never produced the stop token (with an `environment`: episodes that did not end by themselves, `rollout/truncated`) leave the loss: their tokens are not trained on, while their scores still count in the advantages' baselines and statistics (TRL `mask_truncated_completions`; DAPO's overlong filtering). Needs a stop token or an environment.")
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
     kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=one_of(KL_ESTIMATORS))
     kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
@@ -140,7 +144,7 @@ class PPOHyperparams:
     advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `--algo.advantage.estimator`, veRL `algorithm.adv_estimator`): "
                                    + "; ".join(f"`{e.name}` ({e.doc})" for e in ESTIMATORS.values())
                                    + ". docs/algorithms.md has the formulas.", check=one_of(ESTIMATORS))
-    grpo_scale_std: bool = doc(True, "grpo: divide by the group's standard deviation; false is Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo`, OpenRLHF's `dr_grpo` estimator).")
+    grpo_scale_std: Union[bool, str] = doc(True, "grpo: what r - mean (the group's mean) is divided by: `true` the group's standard deviation; `batch` the standard deviation of the whole batch's rewards, over every process (Lite PPO; TRL `scale_rewards: batch`); `false` nothing, Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo: false`, OpenRLHF's `dr_grpo` estimator, TRL `scale_rewards: none`). TRL's spellings `group` and `none` are taken too.", check=rule("true, false, batch, or TRL's group, none", lambda v: v in GRPO_STD_SCALINGS))
     kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
     kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `--algo.kl.use_loss` + `--algo.kl.init_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
     kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=one_of(KL_ESTIMATORS))
@@ -150,6 +154,7 @@ class PPOHyperparams:
     dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
     entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
     loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
+    importance_sampling_level: str = doc("token", "The policy ratio of the clipped loss: `token`, each token's own pi / pi_old (PPO); `sequence`, GSPO's (Zheng et al. 2025): exp of the mean log-ratio over the response's trained tokens, the same ratio (and clip) on every token of it (TRL `importance_sampling_level: sequence`, veRL `policy_loss.loss_mode: gspo`, OpenRLHF `--actor.policy_loss_type gspo`). GSPO's objective is a mean over sequences: pair it with `loss_aggregation: seq_mean_token_mean` (TRL `loss_type: grpo`; OpenRLHF forces it), and its paper clips at 3e-4 / 4e-4 (`cliprange_low`, `cliprange_high`). The ratio statistics (`val/ratio`, `policy/clipfrac_avg`, `policy/approxkl_avg`) are then of the sequence ratios.", check=one_of(("token", "sequence")))
     rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward), truncated importance sampling (Yao et al. 2025): `tis`, each token's policy-gradient loss times its own ratio p_trainer / p_engine clipped to [`rollout_is_floor`, `rollout_is_cap`] (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--algo.advantage.is_correction_enable` with `--algo.advantage.is_correction_threshold LOW HIGH`, type `tis`); `tis_sequence`, every token of a response times the ratio of the whole response's probabilities, clipped likewise (veRL `rollout_is: sequence`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(ROLLOUT_IS))
     rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is` (veRL `rollout_is_threshold`, default 2; OpenRLHF the HIGH of `--algo.advantage.is_correction_threshold`, default 5).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
     rollout_is_floor: float = doc(0.0, "The smallest truncated importance weight of `rollout_is`: weights below it are raised to it. 0: truncated above only, as veRL; OpenRLHF clips to [LOW, HIGH] of `--algo.advantage.is_correction_threshold`, default [0.5, 5]: `rollout_is_floor: 0.5` with `rollout_is_cap: 5` gives its weights.", check=rule("in [0, 1] (a floor above 1 would raise every token's loss, the on-policy ones too)", lambda v: 0 <= v <= 1))
@@ -160,7 +165,9 @@ class PPOHyperparams:
     weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
     lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=one_of(("linear", "constant")))
-    warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative)
+    warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative,
+                            if_wrong="a share of the run's steps (transformers' and TRL's warmup_steps: 0.1) is ppo.warmup_ratio")
+    warmup_ratio: float = doc(0.0, "Linear warm-up as a share of the run's optimiser steps: ceil(warmup_ratio x steps), the ratio taken as written (0.07 of 100 steps is 7, where the float product 7.000000000000001 would make 8) (TRL/transformers `warmup_ratio`, OpenRLHF `--actor.lr_warmup_ratio`, veRL `optim.lr_warmup_steps_ratio`, which rounds down). Set this or `warmup_steps`, not both.", check=fraction)
     # resume=True (here and below): keys that change no number the run computes, so a resumed run may set them
     # otherwise without --resume-force (ppokit.checkpoint.config_differences): how often it prints or saves, how many
     # checkpoints it keeps, when it gives up on non-finite updates and how it undoes them (the same numbers until one
@@ -179,6 +186,20 @@ class PPOHyperparams:
     def loss_normalisation(self) -> str:
         """PER_MICRO_BATCH or PER_MINIBATCH: how the loss is normalised and the statistics gathered (ppokit.optimise)."""
         return loss_normalisation(self.max_tokens_per_micro_batch)
+
+    def warmup_steps_over(self, num_steps: int) -> int:
+        """The schedule's warm-up in optimiser steps, for a run of `num_steps`: `warmup_steps`, or
+        ceil(warmup_ratio x num_steps) with the ratio as written (Fraction of its decimal form: 0.07 x 100 is 7, where
+        the float product 7.000000000000001 would round up to 8). The one place both keys are read."""
+        if self.warmup_steps:
+            return self.warmup_steps
+        return math.ceil(Fraction(repr(self.warmup_ratio)) * num_steps)
+
+    def _warmup_said(self, warmup: int) -> str:
+        """The warm-up key as set, for an error message: `ppo.warmup_steps (4)`, `ppo.warmup_ratio (0.9), a warm-up of 5 steps,`."""
+        if self.warmup_steps:
+            return f"ppo.warmup_steps ({self.warmup_steps})"
+        return f"ppo.warmup_ratio ({self.warmup_ratio}), a warm-up of {warmup} optimiser steps,"
 
     @property
     def estimator(self) -> Estimator:
@@ -236,11 +257,13 @@ class PPOHyperparams:
     def check_warmup(self, sizes: "BatchSizes") -> None:
         """A warm-up as long as the run would never reach learning_rate (the schedule counts optimiser steps)."""
         steps = sizes.num_updates * self.num_ppo_epochs * self.num_mini_batches
-        if self.warmup_steps and self.warmup_steps >= steps:
+        warmup = self.warmup_steps_over(steps)
+        if warmup and warmup >= steps:
+            shorter = "ppo.warmup_steps below" if self.warmup_steps else "ppo.warmup_ratio so that ceil(ratio x steps) is below"
             raise UserError(
-                f"ppo.warmup_steps ({self.warmup_steps}) is not shorter than the run's {steps} optimiser steps ({sizes.num_updates} "
+                f"{self._warmup_said(warmup)} is not shorter than the run's {steps} optimiser steps ({sizes.num_updates} "
                 f"updates x num_ppo_epochs {self.num_ppo_epochs} x num_mini_batches {self.num_mini_batches}): the learning rate "
-                f"would never reach ppo.learning_rate; set ppo.warmup_steps below {steps}"
+                f"would never reach ppo.learning_rate; set {shorter} {steps}"
             )
 
     def check_critic_warmup(self, num_updates: int) -> None:
@@ -251,9 +274,10 @@ class PPOHyperparams:
                 f"the run has {num_updates} updates; it must be fewer"
             )
         policy_steps = (num_updates - self.critic_warmup_updates) * self.num_ppo_epochs * self.num_mini_batches
-        if self.warmup_steps >= policy_steps:
+        warmup = self.warmup_steps_over(num_updates * self.num_ppo_epochs * self.num_mini_batches)
+        if warmup >= policy_steps:
             raise UserError(
-                f"ppo.warmup_steps ({self.warmup_steps}) is not shorter than the policy's {policy_steps} optimiser steps after "
+                f"{self._warmup_said(warmup)} is not shorter than the policy's {policy_steps} optimiser steps after "
                 f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
             )
 
@@ -273,6 +297,8 @@ class PPOHyperparams:
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
+        if self.warmup_steps and self.warmup_ratio:
+            raise UserError(f"ppo.warmup_steps ({self.warmup_steps}) and ppo.warmup_ratio ({self.warmup_ratio}) both set the warm-up; set one of them")
         for key in ("rollout_is_cap", "rollout_is_floor"):
             if self.rollout_is is None and differs_from_default(self, key):
                 raise UserError(f"ppo.{key} ({getattr(self, key)}) bounds the weights of ppo.rollout_is, which is off; set ppo.rollout_is: "
@@ -375,7 +401,7 @@ class RewardConfig:
     """The `reward:` section: where scores come from. At least one source is required."""
 
     model: Optional[str] = doc(None, "Sequence-classification reward model (local path or hub id), one label; scored at the last real token.")
-    functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, `exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping `{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> list[float]. See docs/rewards.md.")
+    functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, `exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping `{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> list[float], or TRL's way, every argument by keyword (prompts=, completions=, completion_ids=, **columns), when the function names a `completions` parameter elsewhere than second (`def reward_len(completions, **kwargs)`); each signature is checked before any model loads. See docs/rewards.md.")
     weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote, environment; default all 1.")
     batch_size: int = doc(64, "Rows per reward-model forward pass.", check=positive)
     remote: Optional[RemoteRewardConfig] = doc(None, "A remote scorer over HTTP; it comes after the functions in `weights`.")
@@ -498,7 +524,7 @@ ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName
 class PPOConfig:
     """Everything a PPO run needs. Load with `PPOConfig.load(path, overrides)` or build directly."""
 
-    OTHER_NAMES = TRL_PPO_NAMES  # not a field (no annotation): hints for unknown keys (dataclass_config.unknown_keys)
+    OTHER_NAMES = {**TRL_PPO_NAMES, **TRL_GRPO_NAMES}  # not a field (no annotation): hints for unknown keys (dataclass_config.unknown_keys)
 
     model: Optional[str] = doc(None, "Policy to start from (local path or hub id), usually an SFT model.")
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
@@ -560,6 +586,10 @@ class PPOConfig:
         self.ppo.check_combination()
         self.rollout.check_combination()
         self._validate_estimator_roles()
+        if self.ppo.mask_truncated_completions and self.ppo.stop_token is None and self.ppo.stop_token_id is None and not has_environment:
+            # Without a stop token (or an environment to end episodes) no response ends by itself: every one would leave the loss.
+            raise UserError("ppo.mask_truncated_completions needs a stop token: without one every response is truncated and none "
+                            "would be trained on; set ppo.stop_token (e.g. eos) or ppo.stop_token_id, or drop the key")
         if self.ppo.missing_eos_penalty is not None and self.ppo.stop_token is None and self.ppo.stop_token_id is None:
             # Without a stop token no response "misses" it: the penalty would never apply.
             raise UserError("ppo.missing_eos_penalty needs a stop token; set ppo.stop_token (e.g. eos) or ppo.stop_token_id, or drop the penalty")

@@ -19,8 +19,8 @@ is compared, so templates that render a last assistant turn differently from an 
 
 Without a chat template (plain-text prompts) an observation is its text as it is, after the turn's tokens.
 
-Each observation call renders one probe conversation and tokenises it twice (about a millisecond for a Qwen-sized
-template); its content is first made safe (lone surrogates replaced) and cut to what the episode's room can hold
+Each observation call renders one probe conversation and tokenises its text from the turn's end (about a
+millisecond for Qwen's template on a loaded 2-core machine, benchmarks/conversation.py); its content is first made safe (lone surrogates replaced) and cut to what the episode's room can hold
 (characters, then tokens), so a tool answering 20 million characters costs no more than the room.
 """
 
@@ -68,6 +68,9 @@ class ConversationRenderer:
         self._lock = threading.Lock()  # a fast tokenizer is called from the environment's worker threads
         self._turn_ends: dict[tuple, tuple[dict, str, bool]] = {}  # per shape of observation: (probe turn, closing, ends with stop)
         self._longest_token: Optional[int] = None
+        self._prompt_probe: Optional[tuple[str, list[int]]] = None
+        self._heads: dict[str, list[int]] = {}  # ids of the probe text before an observation, by text
+        self._short = False  # observations tokenised the short way (`_suffix`), once `check` found it exact
         self._warned_unknown = False
         self.first_observation_problem: Optional[str] = None  # set by check(): why a reset observation cannot follow a prompt
 
@@ -105,9 +108,11 @@ class ConversationRenderer:
         if self.first_observation_problem is not None:
             raise UserError(self.first_observation_problem)
         probe = [{"role": "user", "content": PROBE_QUESTION}]
-        closed, opened = self.chat.render(probe, False, strip_bos=False), self.chat.render(probe, True, strip_bos=False)
+        if self._prompt_probe is None:  # the probe prompt without and with its generation prompt: the same for every call
+            closed = self.chat.render(probe, False, strip_bos=False)
+            self._prompt_probe = closed, self._tail_ids(self.chat.render(probe, True, strip_bos=False), len(closed))
+        closed, generation = self._prompt_probe
         rendered = self.chat.render(probe + messages, True, strip_bos=False)
-        generation = self._tail_ids(opened, len(closed))
         if not rendered.startswith(closed) or prompt[len(prompt) - len(generation):] != generation:
             raise UserError(f"{WHERE}: the chat template does not render an observation from reset as the next message after "
                             "the prompt (set data.chat_template=plain or another template)")
@@ -122,21 +127,25 @@ class ConversationRenderer:
             return Observation(self.encode(said[0]["text"]), said)
         return Observation(self._suffix(messages, stopped), said)
 
-    def _suffix(self, messages: list[dict], stopped: bool) -> list[int]:
+    def _suffix(self, messages: list[dict], stopped: bool, exact: bool = False) -> list[int]:
+        """The observation's ids after a turn. Exact: tokenised within the whole probe rendering, tools included. The
+        short way (once `check` found it gives the same ids): the probe rendered without the tools' schemas, and only
+        its text from the turn's end tokenised (the closing's ids, known, taken off) -- a few times less work."""
         shape = tuple((m.get("role"), m.get("name")) for m in messages)
         if shape not in self._turn_ends:
             self._turn_ends[shape] = self._probe_turn(messages)
         turn, closing, ends_with_stop = self._turn_ends[shape]
-        full = self.chat.render([{"role": "user", "content": PROBE_QUESTION}, turn, *messages], True, strip_bos=False)
+        short = self._short and not exact
+        full = self.chat.render([{"role": "user", "content": PROBE_QUESTION}, turn, *messages], True, strip_bos=False, with_tools=not short)
         start = full.find(PROBE_TURN)
         after = start + len(PROBE_TURN)
         if start < 0 or full.find(PROBE_TURN, after) >= 0 or not full.startswith(closing, after):
             raise UserError(f"{WHERE}: the chat template does not render an observation after an assistant turn as a "
                             "continuation of it (set data.chat_template=plain or another template)")
-        if not ends_with_stop:  # the template closes a turn with text of its own (the plain template's newline): it follows
-            return self._tail_ids(full, after)
-        ids = self._tail_ids(full, after + len(closing))
-        return ids if stopped else [self.stop_token_id] + ids
+        # Without a stop token of its own the template closes a turn with text (the plain template's newline): it follows.
+        cut = after + len(closing) if ends_with_stop else after
+        ids = self._tail_ids(full, cut, start=after if short else 0)
+        return ids if stopped or not ends_with_stop else [self.stop_token_id] + ids
 
     def _probe_turn(self, messages: list[dict]) -> tuple[dict, str, bool]:
         """The probe assistant turn before `messages`, the text the template closes it with (up to and with the stop
@@ -167,10 +176,14 @@ class ConversationRenderer:
         raise UserError(f"{WHERE}: the chat template cannot render a {messages[0].get('role')} message after an assistant turn "
                         f"({problem})")
 
-    def _tail_ids(self, text: str, cut: int) -> list[int]:
-        """The ids of text[cut:] as they are in the ids of the whole text (the tokenisation at the token level); the
-        text after `cut` alone when the cut falls inside a token of the whole."""
-        whole, head = self.encode(text), self.encode(text[:cut])
+    def _tail_ids(self, text: str, cut: int, start: int = 0) -> list[int]:
+        """The ids of text[cut:] as they are in the ids of text[start:] (the tokenisation at the token level); the text
+        after `cut` alone when the cut falls inside a token. The head's ids are kept (the same probe every call)."""
+        head_text = text[start:cut]
+        head = self._heads.get(head_text)
+        if head is None:
+            head = self._heads[head_text] = self.encode(head_text)
+        whole = self.encode(text[start:])
         if whole[: len(head)] == head:
             return whole[len(head):]
         return self.encode(text[cut:])
@@ -192,8 +205,9 @@ class ConversationRenderer:
                 content = content[:limit]
             safe.append({**message, "content": content})
             entry = {"role": message.get("role", self.observation_role), "text": self._as_read(content)}
-            if entry["text"] != original:
-                entry["original"] = _preview(str(original))
+            shown = readable(_preview(str(original)))  # what the environment said, writable anywhere (no lone surrogates)
+            if entry["text"] != shown:
+                entry["original"] = shown
             said.append(entry)
         return safe, said
 
@@ -241,10 +255,12 @@ class ConversationRenderer:
                                 "describe the tools themselves")
         if max_turns > 1:
             probe = self._probe_messages()
-            stopped = self._suffix(probe, True)
-            self._suffix(probe, False)
+            stopped = self._suffix(probe, True, exact=True)
+            cut = self._suffix(probe, False, exact=True)
             if not stopped:
                 raise UserError(f"{WHERE}: the chat template renders nothing for an observation after an assistant turn")
+            self._short = True
+            self._short = self._suffix(probe, True) == stopped and self._suffix(probe, False) == cut
         try:
             closed = self.chat.render(question, False, strip_bos=False)
             if not self.chat.render(question + self._probe_messages(), True, strip_bos=False).startswith(closed):

@@ -20,14 +20,16 @@ from ppokit.data_sources import decode_utf8
 from ppokit.errors import UserError
 
 
-def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None, resume: Any = False):
+def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None, resume: Any = False, if_wrong: str = ""):
     """A dataclass field with its help text and an optional range check `check(value) -> bool`.
+
+    if_wrong: said after the error of a value of the wrong type (e.g. where another tool's spelling of it goes).
 
     resume: whether a run resumed from a checkpoint may hold another value of the key without
     --resume-force (`resume_rules`): False (the default: any change is refused, as it may change a
     number of the run), True (any change: the key changes no number), or `allowed(before, now) -> bool`.
     """
-    metadata = {"help": help, "check": check, "resume": resume}
+    metadata = {"help": help, "check": check, "resume": resume, "if_wrong": if_wrong}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -149,7 +151,16 @@ def build(cls, data: dict, prefix: str = ""):
     if unknown:
         raise UserError(_unknown_keys_message(unknown))
     hints = typing.get_type_hints(cls)
-    return cls(**{key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in data.items()})
+    if_wrong = {f.name: f.metadata.get("if_wrong") for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        try:
+            values[key] = _coerce(value, hints[key], f"{prefix}{key}")
+        except UserError as e:
+            if not if_wrong[key]:
+                raise
+            raise UserError(f"{e}; {if_wrong[key]}") from None
+    return cls(**values)
 
 
 class UnknownKey(typing.NamedTuple):
@@ -161,11 +172,13 @@ class UnknownKey(typing.NamedTuple):
 
 def unknown_keys(cls, data: dict, prefix: str = "") -> list[UnknownKey]:
     """Every key of `data` (and of its sections) that `cls` does not have, each with a hint, in order:
-    the config's own word for another tool's name (`cls.OTHER_NAMES`: e.g. TRL's flat names), a key of
-    that name in another section (`learning_rate` -> ppo.learning_rate), a close spelling in its own."""
+    the config's own word for another tool's name (`cls.OTHER_NAMES`: e.g. TRL's flat names; a hint there
+    is a text, or a function of the value set that returns one), a key of that name in another section
+    (`learning_rate` -> ppo.learning_rate), a close spelling in its own."""
     other_names = getattr(cls, "OTHER_NAMES", {})
     elsewhere = _key_paths(cls)
-    return _unknown_in(cls, data, prefix, lambda key, here, section: _hint(key, here, section, prefix, other_names, elsewhere))
+    return _unknown_in(cls, data, prefix,
+                       lambda key, value, here, section: _hint(key, value, here, section, prefix, other_names, elsewhere))
 
 
 def _unknown_in(cls, data: dict, section: str, hint) -> list[UnknownKey]:
@@ -175,7 +188,7 @@ def _unknown_in(cls, data: dict, section: str, hint) -> list[UnknownKey]:
     for key, value in data.items():
         if key not in names:
             shown = f"{section}{key}" if isinstance(key, str) and key.strip() else f"{section}{key!r}"
-            found.append(UnknownKey(shown, hint(key, names, section), section, names))
+            found.append(UnknownKey(shown, hint(key, value, names, section), section, names))
             continue
         inner, _ = unwrap_optional(hints[key])
         if dataclasses.is_dataclass(inner) and isinstance(value, dict):
@@ -183,10 +196,11 @@ def _unknown_in(cls, data: dict, section: str, hint) -> list[UnknownKey]:
     return found
 
 
-def _hint(key, here: tuple[str, ...], section: str, prefix: str, other_names: dict, elsewhere: dict) -> str:
-    """`key`, unknown among the keys `here` of `section`, in a config whose root is at `prefix`."""
-    if key in other_names:
-        return f" ({other_names[key]})"
+def _hint(key, value, here: tuple[str, ...], section: str, prefix: str, other_names: dict, elsewhere: dict) -> str:
+    """`key` (set to `value`), unknown among the keys `here` of `section`, in a config whose root is at `prefix`."""
+    if isinstance(key, str) and key in other_names:
+        said = other_names[key]
+        return f" ({said(value) if callable(said) else said})"
     if key in elsewhere:
         return f" (did you mean {' or '.join(prefix + path for path in elsewhere[key])}?)"
     close = difflib.get_close_matches(str(key), here, n=1)

@@ -28,6 +28,15 @@ if TYPE_CHECKING:
 # ppo keys read only by the value model: a critic-free estimator refuses them set away from their defaults.
 VALUE_MODEL_KEYS = ("vf_learning_rate", "critic_warmup_updates", "vf_coef", "cliprange_value", "lam")
 
+# grpo's division by a standard deviation (ppo.grpo_scale_std): each value the key takes -> what it divides by.
+# true/false are ppokit's own; group/batch/none TRL's `scale_rewards` spellings.
+GRPO_STD_SCALINGS = {True: "group", "group": "group", "batch": "batch", False: "none", "none": "none"}
+
+
+def grpo_std_scaling(value: Any) -> str:
+    """ppo.grpo_scale_std -> "group" (the group's std), "batch" (the whole batch's) or "none" (Dr. GRPO)."""
+    return GRPO_STD_SCALINGS[value]
+
 
 @dataclass(frozen=True)
 class AdvantageInputs:
@@ -46,7 +55,7 @@ class AdvantageInputs:
     lam: float = 0.95
     whiten: bool = True
     group_size: int = 1
-    grpo_scale_std: bool = True
+    grpo_scale_std: Any = True  # ppo.grpo_scale_std, any key of GRPO_STD_SCALINGS
     baseline_scores: Optional["torch.Tensor"] = None
     all_reduce: Optional[Callable[["torch.Tensor"], "torch.Tensor"]] = None
 
@@ -112,11 +121,15 @@ def _per_sequence(x: AdvantageInputs, per_sequence: "torch.Tensor") -> Advantage
 
 
 def _grpo(x: AdvantageInputs) -> Advantages:
-    """[GRPO] / [DrGRPO] on the sequence rewards of each group of `group_size`."""
+    """[GRPO] / [DrGRPO] on the sequence rewards of each group of `group_size`; with grpo_scale_std: batch, the group's
+    mean over the standard deviation of every process's batch [LitePPO]."""
     from ppokit import algo
 
     scores, valid = algo.sequence_rewards(x.rewards, x.mask), x.mask.any(-1)
-    return _per_sequence(x, algo.grpo_advantages(scores, valid, x.group_size, x.grpo_scale_std))
+    scaling = grpo_std_scaling(x.grpo_scale_std)
+    if scaling == "batch":
+        return _per_sequence(x, algo.grpo_advantages_batch_std(scores, valid, x.group_size, x.all_reduce))
+    return _per_sequence(x, algo.grpo_advantages(scores, valid, x.group_size, scaling == "group"))
 
 
 def _rloo(x: AdvantageInputs) -> Advantages:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperpa
 from ppokit.episodes import Episodes
 from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.metric_values import training_metrics
-from ppokit.models import response_logprobs, response_values
+from ppokit.models import check_output_head, response_logprobs, response_values
 
 
 class PolicyAndValue(nn.Module):
@@ -96,6 +96,25 @@ class PolicyAndValue(nn.Module):
             self.value_model.train()
 
 
+def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, *, num_updates: int, lm_head_chunk_size: Optional[int],
+                     compile: bool, unwrap: Callable[[nn.Module], nn.Module]) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """-> (model, optimizer, scheduler): the policy and critic of `built` under one trainable module (`PolicyAndValue`),
+    placed by the parallel `strategy` with its optimiser over every optimiser step of the run's `num_updates`
+    (`build_optimiser`). The memory-light LM head (lm_head_chunk_size) and the compiled forward (`compile`) read the
+    logits from the last hidden state: the policy's and the reference's output heads are checked for it first
+    (`models.check_output_head`). unwrap: the module under the strategy's wrapping."""
+    switch = "lm_head_chunk_size" if lm_head_chunk_size else "compile" if compile else None
+    for role in (built.policy, built.reference) if switch else ():
+        if role is not None:
+            check_output_head(role, switch)
+    steps = num_updates * hp.num_ppo_epochs * hp.num_mini_batches
+    model, optimizer, scheduler = strategy.prepare(PolicyAndValue(built.policy, built.value, lm_head_chunk_size).train(),
+                                                   lambda m: build_optimiser(m, hp, steps))
+    if compile:
+        unwrap(model).use_compiled_backbones()
+    return model, optimizer, scheduler
+
+
 def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):
     """AdamW and its learning-rate schedule over `num_steps` optimiser steps.
 
@@ -119,9 +138,10 @@ def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):
         fused=_fused_adamw_supported(),  # one kernel per step instead of a loop of small ones
     )
     frozen = hp.critic_warmup_updates * hp.num_ppo_epochs * hp.num_mini_batches
-    schedules = [_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps - frozen, start=frozen)]
+    warmup = hp.warmup_steps_over(num_steps)  # ppo.warmup_steps, or ppo.warmup_ratio of the run's optimiser steps
+    schedules = [_lr_lambda(hp.lr_scheduler_type, warmup, num_steps - frozen, start=frozen)]
     if critic_params:
-        schedules.append(_lr_lambda(hp.lr_scheduler_type, hp.warmup_steps, num_steps))
+        schedules.append(_lr_lambda(hp.lr_scheduler_type, warmup, num_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     return optimizer, scheduler
 
@@ -132,6 +152,7 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
         cliprange_low=hp.cliprange if hp.cliprange_low is None else hp.cliprange_low,
         cliprange_high=hp.cliprange if hp.cliprange_high is None else hp.cliprange_high,
         dual_clip_c=hp.dual_clip_c,
+        importance_sampling_level=hp.importance_sampling_level,
         cliprange_value=hp.cliprange_value,
         vf_coef=hp.vf_coef,
         entropy_coef=hp.entropy_coef,

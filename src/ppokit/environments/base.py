@@ -6,7 +6,7 @@ names its class in the config (`environment: path/to/env.py:ClassName` or `packa
 
     env = cls(**environment_args)
     observation = env.reset(row)                     # str or None, appended after the prompt
-    observation, reward, done = env.step(completion) # after each model turn (decoded text)
+    observation, reward, done = env.step(completion) # after each model turn (its text, special tokens kept)
 
 `EnvironmentRunner` is what the episode loop holds: it makes the instances and calls them in worker
 threads under `environment_timeout_s` (`ThreadCall`), checks what they return, and turns every
@@ -51,7 +51,8 @@ class Environment(Protocol):
         ...
 
     def step(self, completion: str) -> tuple[Optional[str], float, bool]:
-        """The model's turn (decoded text, stop token not included) -> (observation or None, reward, done)."""
+        """The model's turn as text (`ConversationRenderer.turn_text`: its special tokens kept, such as a tool call's
+        marker, the stop token that ended it not included) -> (observation or None, reward, done)."""
         ...
 
 

@@ -293,15 +293,21 @@ def parse_mistral(text: str, schemas: Schemas = None) -> list[Call]:
         if named is None:
             calls.append(BadToolCall(body, f"error: a tool call is {MISTRAL_FORM}"))
             continue
-        name = named.group(1)
-        try:
-            arguments, end = _json_value(body, named.end())
-        except _UNREADABLE as e:
-            calls.append(_unreadable(body, e, MISTRAL_FORM))
-            continue
-        calls.append(ToolCall(name, arguments) if isinstance(arguments, dict) else
-                     BadToolCall(body, f"error: the arguments of {name} must be a JSON object of named arguments", name))
+        calls.append(_named_call(named.group(1), body, named.end(), MISTRAL_FORM))
     return calls
+
+
+def _named_call(name: str, body: str, start: int, form: str) -> Call:
+    """A call whose name was read, its arguments the JSON object at body[start:] (none there: no arguments)."""
+    if not body[start:].strip():
+        return ToolCall(name, {})
+    try:
+        arguments, end = _json_value(body, start)
+    except _UNREADABLE as e:
+        return _unreadable(body, e, form)
+    if not isinstance(arguments, dict):
+        return BadToolCall(body, f"error: the arguments of {name} must be a JSON object of named arguments", name)
+    return ToolCall(name, arguments)
 
 
 OPENAI_FORM = "<|start|>assistant to=functions.TOOL<|channel|>commentary json<|message|>{...}<|call|>"
@@ -321,14 +327,7 @@ def parse_openai(text: str, schemas: Schemas = None) -> list[Call]:
         recipient = _HARMONY_RECIPIENT.search(match.group(1))
         if recipient is None:
             continue
-        name, body = recipient.group(1), match.group(2).strip()
-        try:
-            arguments, end = _json_value(body) if body else ({}, 0)
-        except _UNREADABLE as e:
-            calls.append(_unreadable(body, e, OPENAI_FORM))
-            continue
-        calls.append(ToolCall(name, arguments) if isinstance(arguments, dict) else
-                     BadToolCall(body, f"error: the arguments of {name} must be a JSON object of named arguments", name))
+        calls.append(_named_call(recipient.group(1), match.group(2).strip(), 0, OPENAI_FORM))
     return calls
 
 

@@ -304,7 +304,8 @@ def build_scorer(
     environment: the episodes' environment as a source (`environments.EnvironmentReward`), the last in weights order."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
-    # A column a function needs but the data lacks fails now, not after every model has loaded.
+    # A column a function needs but the data lacks, or a signature that cannot take the call, fails now, not after
+    # every model has loaded and the first rollout ran.
     for source in functions:
         for split, columns in (data_columns or {}).items():
             missing = sorted(getattr(source, "required_columns", lambda: set())() - columns)
@@ -313,6 +314,9 @@ def build_scorer(
                     f"reward function {source.name} needs the data column(s) {', '.join(missing)}, which {split} "
                     f"does not have (columns: {', '.join(sorted(columns)) or 'none besides the prompt'})"
                 )
+            problem = source.call_problem(columns, split) if isinstance(source, FunctionReward) else None
+            if problem:
+                raise UserError(problem)
     remote = None
     if reward.remote is not None:  # its URL and headers are checked here, before any model loads
         r = reward.remote

@@ -273,13 +273,53 @@ def raised_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
+# How a reward function is called (`calling_convention`): ppokit's fn(prompts, completions, **columns), or TRL's,
+# every argument by keyword: fn(prompts=, completions=, completion_ids=, **columns).
+POSITIONAL, KEYWORDS = "positional", "keywords"
+# What TRL's GRPOTrainer also passes its reward functions, and ppokit does not (it has no such objects).
+TRL_ONLY_ARGUMENTS = ("trainer_state", "log_extra", "log_metric", "environments")
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def calling_convention(params: Mapping[str, inspect.Parameter]) -> str:
+    """POSITIONAL or KEYWORDS, from a reward function's parameters.
+
+    POSITIONAL (ppokit's): fn(prompts, completions, **columns), for a function whose first two positional parameters
+    are named prompts and completions (both conventions then give the same call), or that names no `completions`
+    parameter at all (any names: fn(p, c, **kw)). KEYWORDS (TRL's GRPOTrainer): fn(prompts=..., completions=...,
+    completion_ids=..., **columns), for a function that names `completions` elsewhere (`def reward_len(completions,
+    **kwargs)`, called positionally, would take the prompts for completions, or fail with "takes 1 positional argument
+    but 2 were given") or that takes keywords only (`def f(**kwargs)`).
+    """
+    kinds = [p.kind for p in params.values()]
+    positional = [p.name for p in params.values() if p.kind in _POSITIONAL]
+    completions = params.get("completions")
+    if completions is not None and completions.kind in _NAMED:
+        return POSITIONAL if positional[:2] == ["prompts", "completions"] else KEYWORDS
+    takes_only_keywords = not positional and inspect.Parameter.VAR_POSITIONAL not in kinds
+    return KEYWORDS if takes_only_keywords and inspect.Parameter.VAR_KEYWORD in kinds else POSITIONAL
+
+
+def _where(fn: Callable) -> str:
+    """` (file.py:line)` where fn is defined, or nothing (a built-in, a C function)."""
+    code = getattr(inspect.unwrap(getattr(fn, "__func__", fn)), "__code__", None)
+    if code is None:
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    if code is None or "ppokit/rewards/" in code.co_filename.replace("\\", "/"):
+        return ""
+    return f" ({Path(code.co_filename).name}:{code.co_firstlineno})"
+
+
 @dataclass
 class FunctionReward:
-    """fn(prompts, completions, **columns) -> list[float], sync or async.
+    """fn(prompts, completions, **columns) -> list[float], sync or async; or, TRL's way, every argument by keyword
+    (`calling_convention`): fn(prompts=, completions=, completion_ids=, **columns).
 
     A function that declares a `completion_ids` parameter also gets the completions as policy
-    token ids (stop token not included), e.g. to count tokens. `kwargs` are fixed keyword
-    arguments from the config entry; they may not share a name with a data column.
+    token ids (stop token not included), e.g. to count tokens; called by keyword, so does one with **kwargs (TRL
+    passes them). `kwargs` are fixed keyword arguments from the config entry; they may not share a name with a data
+    column. `call_problem` checks the signature against the data's columns before any model loads.
 
     The function gets its own copies of the lists and column values. With `timeout_s`, it runs
     in a worker thread and a call that has not returned after `timeout_s` seconds fails
@@ -295,36 +335,90 @@ class FunctionReward:
 
     def __post_init__(self):
         try:
-            params = inspect.signature(self.fn).parameters
-        except (TypeError, ValueError):
-            params = {}
-        self._wants_ids = "completion_ids" in params
+            self._signature: Optional[inspect.Signature] = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a callable without a signature Python can read: called ppokit's way, unchecked
+            self._signature = None
+        params = self._signature.parameters if self._signature is not None else {}
         self._params = params
+        self.convention = calling_convention(params)
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        self._takes = lambda name: name in params and params[name].kind in _NAMED or takes_any  # noqa: E731
+        self._wants_ids = "completion_ids" in params or (self.convention == KEYWORDS and takes_any)
 
     def required_columns(self) -> set[str]:
-        """Data columns the function cannot run without: named parameters after (prompts, completions)
-        with no default that the config does not fill (or what a built-in declares)."""
+        """Data columns the function cannot run without: named parameters with no default besides the
+        arguments ppokit passes (prompts, completions, completion_ids) and those the config fills (or what a
+        built-in declares)."""
         declared = getattr(self.fn, "required_columns", None)
         if callable(declared):
             return set(declared())
-        named = list(self._params.values())[2:]
+        named = list(self._params.values())[2:] if self.convention == POSITIONAL else list(self._params.values())
         return {
             p.name for p in named
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
-            and p.name not in self.kwargs and p.name != "completion_ids"
+            if p.kind in _NAMED and p.default is p.empty
+            and p.name not in self.kwargs and p.name not in ("prompts", "completions", "completion_ids", *TRL_ONLY_ARGUMENTS)
         }
+
+    def arguments(self, prompts, completions, completion_ids, columns: dict) -> tuple[tuple, dict]:
+        """(args, kwargs) of one call, by the function's `convention`: the one place the call is shaped."""
+        extra = {**columns, **self.kwargs}
+        if self._wants_ids:
+            extra["completion_ids"] = completion_ids
+        if self.convention == POSITIONAL:
+            return (prompts, completions), extra
+        given = {"prompts": prompts} if self._takes("prompts") else {}
+        return (), {**given, "completions": completions, **extra}
+
+    def call_problem(self, columns: Set, source: str = "") -> Optional[str]:
+        """One line naming the function and what its signature lacks to be called with data of these `columns`
+        (set of names; `source` says whose, e.g. "data.train (p.jsonl)"), or None. Checked at start-up, before any model loads: a function that cannot take the call
+        would otherwise fail at the first scoring, after the models loaded and the first rollout ran."""
+        if self._signature is None:
+            return None
+        args, kwargs = self.arguments([], [], [], {name: [] for name in columns})
+        try:
+            self._signature.bind(*args, **kwargs)
+            return None
+        except TypeError as e:
+            return f"reward function {self.name}{_where(self.fn)}{self._lacks(args, kwargs, columns, source, e)}"
+
+    def _lacks(self, args: tuple, kwargs: dict, columns: Set, source: str, error: TypeError) -> str:
+        params = self._params.values()
+        slots = [p for p in params if p.kind in _POSITIONAL]
+        if self.convention == POSITIONAL and len(slots) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+            return (f" takes {len(slots)} positional parameter(s), and ppokit calls it as fn(prompts, completions, **columns); "
+                    "name them (prompts, completions), or name a parameter `completions` to be called TRL's way, every "
+                    "argument by keyword")
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            extra = sorted(k for k in kwargs if not (k in self._params and self._params[k].kind in _NAMED))
+            if extra:
+                data = [k for k in extra if k in columns]
+                what = [f"the column(s) {', '.join(data)} of {source or 'the data'}"] if data else []
+                what += [f"the keyword argument(s) {', '.join(k for k in extra if k not in columns)}"] if len(data) < len(extra) else []
+                return f" has no parameter for {' and '.join(what)}, which ppokit passes to it; add **kwargs"
+        filled = set(kwargs) | {p.name for p in slots[:len(args)]}
+        missing = [p.name for p in params if p.kind in (*_POSITIONAL, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in filled]
+        trl_only = [name for name in missing if name in TRL_ONLY_ARGUMENTS]
+        if trl_only:
+            return (f" needs {', '.join(trl_only)}, which TRL's GRPOTrainer passes and ppokit does not; give the "
+                    "parameter a default or read it from **kwargs")
+        if missing:
+            return f" needs {', '.join(missing)}, which ppokit's call {self._call_shape(args, kwargs)} does not pass"
+        return f" cannot take ppokit's call {self._call_shape(args, kwargs)}: {error}"
+
+    def _call_shape(self, args: tuple, kwargs: dict) -> str:
+        passed = (["prompts", "completions"] if args else []) + [f"{k}=" for k in kwargs]
+        return f"fn({', '.join(passed)})"
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
         clash = sorted(set(self.kwargs) & set(batch.columns))
         if clash:
             raise UserError(f"reward function {self.name}: parameter(s) {', '.join(clash)} have the name of a data column; rename one")
         own = batch.copy()  # what the function does to its arguments stays with it
-        extra = dict(self.kwargs)
-        if self._wants_ids:
-            extra["completion_ids"] = own.completion_ids
+        args, kwargs = self.arguments(own.prompts, own.completions, own.completion_ids, own.columns)
 
         def call():
-            result = self.fn(own.prompts, own.completions, **own.columns, **extra)
+            result = self.fn(*args, **kwargs)
             return run_coroutine(result) if inspect.isawaitable(result) else result
 
         try:

@@ -1,0 +1,314 @@
+"""The hf engine's requests: a slot decoder whose every forward has one shape, so that a request's tokens and
+logprobs do not depend on what else is decoded beside it (continuous batching without batch effects).
+
+Why one shape: a row of a matrix product can change in its last bits with the number of rows beside it (measured
+on this project's CPUs: a row of X @ W for a 768 x 3072 weight differs by up to 1e-4 between 3 and 4 rows), and
+attention's sums with the padding in front of a row. So:
+- decoding: every step is one forward of `slots` rows, one per slot (an idle slot is fed a placeholder token),
+  against `capacity` cached positions per slot. A slot's token at position p is written at column p of its own
+  cache (no padding in front of it: its real keys are columns 0..p), and a 4-D mask shows each row its own
+  columns 0..p only.
+- prefill: each request's prompt alone (one row, its own length, or the part after the request it continues),
+  into a one-row cache of the same capacity, then copied into its decoding slot; requests with the same prompt
+  admitted one after another (a group's samples) share one prefill, which is the same computation.
+- sampling: each request has its own torch.Generator seeded with its seed; a token is argmax(p / E) with E ~ Exp(1)
+  drawn per vocabulary entry from the request's generator (the exponential race torch.multinomial runs for one
+  sample); greedy is the argmax of the logprobs.
+A request's result is then a function of (weights, prompt, sampling, seed) and of the engine's shape (slots,
+capacity, the process's CPU threads), never of the other requests or of the step at which it arrived.
+
+Between turns (`Request.keep` / `continues`) the keys and values of a finished request (its prompt and every
+token it fed back) are copied out of its slot and kept; the request that continues it copies them into the
+prefill row and reads only its new tokens (the last sampled token and the observation). An idle slot is never
+held for an episode waiting on its environment.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+from transformers.cache_utils import Cache
+
+from ppokit.engines.base import Completion, Request
+from ppokit.engines.sampling import truncate_distribution
+from ppokit.models import causal_lm_step
+
+# Attention implementations that read a 4-D mask as given: a boolean mask (sdpa) or an additive one (eager).
+MASKED_ATTENTION = {"sdpa": "bool", "eager": "additive"}
+
+
+class SlotCache(Cache):
+    """Keys and values of `rows` sequences, `capacity` positions each: per layer (rows, kv heads, capacity, head dim),
+    allocated at the first write. `write_at` (rows, q): the column each new key of a forward goes to (set before it)."""
+
+    def __init__(self, rows: int, capacity: int):
+        super().__init__(layers=[])
+        self.rows, self.capacity = rows, capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.write_at: Optional[torch.Tensor] = None
+
+    def allocate_like(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Tensors for every layer, shaped as another cache's (their rows and lengths aside)."""
+        def blank(t):
+            return t.new_zeros((self.rows, t.shape[-3], self.capacity, t.shape[-1]))
+
+        self.keys, self.values = [blank(k) for k in keys], [blank(v) for v in values]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == len(self.keys):
+            self.keys.append(key_states.new_zeros((self.rows, key_states.shape[1], self.capacity, key_states.shape[-1])))
+            self.values.append(value_states.new_zeros((self.rows, value_states.shape[1], self.capacity, value_states.shape[-1])))
+        rows = torch.arange(self.rows, device=key_states.device).unsqueeze(1)
+        # (rows, q) columns; the indexed result is (rows, q, heads, head dim)
+        self.keys[layer_idx][rows, :, self.write_at] = key_states.transpose(1, 2)
+        self.values[layer_idx][rows, :, self.write_at] = value_states.transpose(1, 2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are given to every forward; nothing reads this to place tokens
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self.capacity
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.capacity, 0
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    def copy_row(self, source: "SlotCache", source_row: int, row: int, columns: int) -> None:
+        """Columns [0, columns) of `source`'s row into this cache's `row`."""
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for layer, tensor in enumerate(theirs):
+                mine[layer][row, :, :columns] = tensor[source_row, :, :columns]
+
+
+@dataclass
+class _Kept:
+    """A finished request's keys and values, kept for the request that continues it."""
+
+    tokens: list[int]  # its prompt + completion: what a continuing prompt starts with
+    keys: list[torch.Tensor]  # per layer (kv heads, n, head dim), n = len(tokens) - 1 (its last token was never fed)
+    values: list[torch.Tensor]
+
+
+@dataclass
+class _Running:
+    """A request in a decoding slot."""
+
+    request: Request
+    generator: Optional[torch.Generator]
+    prompt_length: int
+    cached: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        """The column the last sampled token is written to when it is fed."""
+        return self.prompt_length + len(self.tokens) - 1
+
+    def finish_reason(self) -> Optional[str]:
+        sampling = self.request.sampling
+        if sampling.stop_token_id is not None and self.tokens[-1] == sampling.stop_token_id:
+            return "stop"
+        return "length" if len(self.tokens) >= sampling.max_new_tokens else None
+
+    def completion(self, reason: str) -> Completion:
+        return Completion(self.request.request_id, list(self.tokens), list(self.logprobs), reason, self.cached)
+
+
+class SlotDecoder:
+    """Requests decoded in `slots` fixed slots of `capacity` positions (see the module docstring).
+
+    pad_token_id: what an idle slot is fed. The model is handed to every `step` (the engine's current policy);
+    the caller holds torch.inference_mode and the sampling contexts around it.
+    """
+
+    def __init__(self, slots: int, capacity: int, pad_token_id: int, device: torch.device):
+        self.slots, self.capacity, self.pad_token_id, self.device = slots, capacity, pad_token_id, torch.device(device)
+        self.queue: deque[Request] = deque()
+        self.running: list[Optional[_Running]] = [None] * slots
+        self.kept: dict[str, _Kept] = {}
+        self._decode: Optional[SlotCache] = None
+        self._prefill: Optional[SlotCache] = None
+        self._prefilled: Optional[tuple[tuple[int, ...], torch.Tensor]] = None  # (prompt, its logits) the prefill row holds
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def check(self, request: Request) -> None:
+        """Refuse what the decoder cannot serve, before it is queued."""
+        if len(request.prompt) + request.sampling.max_new_tokens > self.capacity:
+            raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                             f"({request.sampling.max_new_tokens}) is over the engine's {self.capacity} positions per sequence")
+        if request.continues is not None:
+            kept = self.kept.get(request.continues)
+            if kept is None:
+                raise ValueError(f"request {request.request_id!r} continues {request.continues!r}, which is not kept "
+                                 "(never submitted with keep, continued already, forgotten or released)")
+            if list(request.prompt[: len(kept.tokens)]) != kept.tokens or len(request.prompt) <= len(kept.tokens) - 1:
+                raise ValueError(f"request {request.request_id!r}: its prompt does not start with the prompt + completion of "
+                                 f"{request.continues!r}, which it continues")
+
+    def ids(self) -> set[str]:
+        """Every request id the decoder knows: queued, running and kept."""
+        return {r.request_id for r in self.queue} | {s.request.request_id for s in self.running if s} | set(self.kept)
+
+    def unfinished(self) -> int:
+        return len(self.queue) + sum(s is not None for s in self.running)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        wanted = set(request_ids)
+        aborted = [Completion(r.request_id, [], [], "abort") for r in self.queue if r.request_id in wanted]
+        self.queue = deque(r for r in self.queue if r.request_id not in wanted)
+        for i, slot in enumerate(self.running):
+            if slot is not None and slot.request.request_id in wanted:
+                aborted.append(slot.completion("abort"))
+                self.running[i] = None
+        return aborted
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.kept.pop(request_id, None)
+
+    def release(self) -> None:
+        """Free the caches and everything kept (nothing may be running)."""
+        if self.unfinished():
+            raise RuntimeError(f"the hf engine has {self.unfinished()} unfinished requests; abort them before training")
+        self.kept.clear()
+        self._decode = self._prefill = self._prefilled = None
+
+    # ------------------------------------------------------------------ decoding
+
+    def step(self, model) -> list[Completion]:
+        """Admit queued requests into free slots (each prefilled alone, its first token sampled), then one decoding
+        step of every slot -> the requests that completed."""
+        done = []
+        self._prefilled = None  # shared only between requests admitted in one step (the weights may change between steps)
+        for i in range(self.slots):
+            while self.running[i] is None and self.queue:
+                finished = self._admit(model, self.queue.popleft(), i)
+                if finished is not None:
+                    done.append(finished)
+        if any(self.running):
+            done += self._decode_step(model)
+        return done
+
+    def _admit(self, model, request: Request, slot: int) -> Optional[Completion]:
+        prefill = self._prefill or SlotCache(1, self.capacity)
+        self._prefill = prefill
+        kept = self.kept.pop(request.continues) if request.continues is not None else None
+        start = 0
+        if kept is not None:
+            start = len(kept.tokens) - 1
+            if not prefill.allocated:
+                prefill.allocate_like(kept.keys, kept.values)
+            for mine, theirs in ((prefill.keys, kept.keys), (prefill.values, kept.values)):
+                for layer, tensor in enumerate(theirs):
+                    mine[layer][0, :, :start] = tensor
+        prompt = tuple(request.prompt)
+        if kept is None and self._prefilled is not None and self._prefilled[0] == prompt:
+            logits = self._prefilled[1]  # the prompt the prefill row holds already (a group's samples): the same bits
+        else:
+            new = torch.tensor([list(request.prompt[start:])], dtype=torch.long, device=self.device)
+            positions = torch.arange(start, len(request.prompt), device=self.device).unsqueeze(0)
+            prefill.write_at = positions
+            logits, _ = causal_lm_step(model, new, self._mask(model, positions), positions, cache=prefill, logits_to_keep=1)
+            if not prefill.allocated:
+                raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
+        self._prefilled = (prompt, logits) if kept is None else None
+        running = _Running(request, _generator(request, self.device), len(request.prompt), start)
+        self._sample(logits[:, -1], [running])
+        reason = running.finish_reason()
+        if reason is not None:
+            self._finish(running, prefill, 0)
+            return running.completion(reason)
+        if self._decode is None:
+            self._decode = SlotCache(self.slots, self.capacity)
+            self._decode.allocate_like(prefill.keys, prefill.values)
+        self._decode.copy_row(prefill, 0, slot, len(request.prompt))
+        self.running[slot] = running
+        return None
+
+    def _decode_step(self, model) -> list[Completion]:
+        tokens = torch.full((self.slots, 1), self.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((self.slots, 1), dtype=torch.long)
+        for i, slot in enumerate(self.running):
+            if slot is not None:
+                tokens[i, 0], positions[i, 0] = slot.tokens[-1], slot.position
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        self._decode.write_at = positions
+        logits, _ = causal_lm_step(model, tokens, self._mask(model, positions), positions, cache=self._decode, logits_to_keep=1)
+        self._sample(logits[:, -1], self.running)
+        done = []
+        for i, slot in enumerate(self.running):
+            reason = slot.finish_reason() if slot is not None else None
+            if reason is not None:
+                self._finish(slot, self._decode, i)
+                done.append(slot.completion(reason))
+                self.running[i] = None
+        return done
+
+    def _finish(self, running: _Running, cache: SlotCache, row: int) -> None:
+        """Keep a finished request's keys and values (every token it fed) when it asked to be continued."""
+        if running.request.keep:
+            fed = running.position  # the last token was sampled, never fed
+            self.kept[running.request.request_id] = _Kept(
+                list(running.request.prompt) + running.tokens,
+                [k[row, :, :fed].clone() for k in cache.keys], [v[row, :, :fed].clone() for v in cache.values])
+
+    def _mask(self, model, positions: torch.Tensor) -> torch.Tensor:
+        """(rows, q) positions -> the 4-D mask (rows, 1, q, capacity): each query sees its own row's columns up to its
+        position, as the model's attention takes it (boolean for sdpa, additive for eager)."""
+        columns = torch.arange(self.capacity, device=positions.device)
+        allowed = (columns <= positions.unsqueeze(-1)).unsqueeze(1)
+        kind = MASKED_ATTENTION.get(getattr(model.config, "_attn_implementation", None) or "eager")
+        if kind is None:
+            raise ValueError(f"the hf engine's requests need attn_implementation sdpa or eager, not {model.config._attn_implementation!r}")
+        if kind == "bool":
+            return allowed
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def _sample(self, logits: torch.Tensor, rows: list[Optional[_Running]]) -> None:
+        """(rows, V) logits -> each running row's next token and its logprob at its temperature (of the full
+        distribution), appended to it. Every operation covers all rows at once, whatever is running in them."""
+        running = [(i, r) for i, r in enumerate(rows) if r is not None]
+        temperature = torch.ones(len(rows), 1, device=logits.device)
+        for i, r in running:
+            temperature[i] = r.request.sampling.temperature
+        step_logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+        draw_from = step_logprobs
+        sampled = [(i, r) for i, r in running if not r.request.sampling.greedy]
+        for cut in {(r.request.sampling.top_k, r.request.sampling.top_p, r.request.sampling.min_p) for _, r in sampled}:
+            if cut == (0, 1.0, 0.0):
+                continue
+            these = torch.zeros(len(rows), 1, dtype=torch.bool, device=logits.device)
+            for i, r in sampled:
+                these[i] = (r.request.sampling.top_k, r.request.sampling.top_p, r.request.sampling.min_p) == cut
+            draw_from = torch.where(these, truncate_distribution(step_logprobs, *cut), draw_from)
+        noise = torch.ones_like(step_logprobs)
+        for i, r in sampled:
+            noise[i].exponential_(generator=r.generator)
+        probs = draw_from.exp()
+        race = torch.where(probs > 0, probs / noise, torch.zeros_like(probs)).argmax(-1)
+        greedy = torch.tensor([r is not None and r.request.sampling.greedy for r in rows], device=logits.device)
+        tokens = torch.where(greedy, step_logprobs.argmax(-1), race)
+        chosen = step_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        tokens, chosen = tokens.tolist(), chosen.tolist()
+        for i, r in running:
+            r.tokens.append(tokens[i])
+            r.logprobs.append(chosen[i])
+
+
+def _generator(request: Request, device: torch.device) -> Optional[torch.Generator]:
+    if request.sampling.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(request.seed)
+    return generator
