@@ -324,6 +324,9 @@ def test_generation_under_sharding_gathers_once_per_rollout(parallel_checks):
         # without it: every decoder layer again at every one of the 6 decoded tokens
         assert g["all_gathers_per_layer"] >= 6 * (g["units"] - 1)
         assert g["resharded"]
+        # requests stepped by each process on its own (1 request of 3 tokens here, 4 of 7-10 there): no collective
+        assert g["requests_same_tokens_as_whole"] and g["requests_all_gathers"] == 0, rank
+    assert sorted(g["requests_tokens"] for g in _results(parallel_checks[1])["generation"].values()) == [3, 34]
 
 
 def test_dcp_checkpoint_round_trip_and_resharding(parallel_checks):

@@ -274,9 +274,13 @@ class VLLMEngine:
 
         requests = list(requests)
         taken = set(self._unfinished)
-        for request in requests:
+        longest = self._options["max_model_len"]
+        for request in requests:  # all refused before any is queued
             if request.request_id in taken:
                 raise ValueError(f"request id {request.request_id!r} is already unfinished in the engine")
+            if len(request.prompt) + request.sampling.max_new_tokens > longest:
+                raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                                 f"({request.sampling.max_new_tokens}) is over the engine's max_model_len {longest}")
             taken.add(request.request_id)
         engine = self._engine().llm_engine
         drawn = iter(torch.randint(0, SEED_RANGE, (sum(r.seed is None and not r.sampling.greedy for r in requests),)).tolist())
