@@ -238,6 +238,8 @@ def test_kept_requests_are_forgotten_and_released(policy, tokenizer, prompts):
     engine.forget(["a"])
     with pytest.raises(ValueError, match="'a', which is not kept"):
         engine.submit([Request("a2", list(prompts[0]) + done[0].token_ids, sampling, seed=1, continues="a")])
+    with pytest.raises(ValueError, match="'b', which another request continues already"):
+        engine.submit([Request(f"b{i}", list(prompts[1]) + done[1].token_ids, sampling, seed=i, continues="b") for i in range(2)])
     with pytest.raises(ValueError, match="does not start with"):
         engine.submit([Request("b2", list(prompts[0]) + done[1].token_ids, sampling, seed=1, continues="b")])
     engine.release()  # between rollouts: nothing kept

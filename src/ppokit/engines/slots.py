@@ -159,8 +159,14 @@ class SlotDecoder:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def check(self, request: Request) -> None:
-        """Refuse what the decoder cannot serve, before it is queued."""
+    def check(self, requests: list[Request]) -> None:
+        """Refuse what the decoder cannot serve, before any of `requests` is queued."""
+        continued = {queued.continues for queued in self.queue} - {None}
+        for request in requests:
+            self._check(request, continued)
+            continued.add(request.continues)
+
+    def _check(self, request: Request, continued: set) -> None:
         if len(request.prompt) + request.sampling.max_new_tokens > self.capacity:
             raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
                              f"({request.sampling.max_new_tokens}) is over the engine's {self.capacity} positions per sequence")
@@ -169,6 +175,8 @@ class SlotDecoder:
             if kept is None:
                 raise ValueError(f"request {request.request_id!r} continues {request.continues!r}, which is not kept "
                                  "(never submitted with keep, continued already, forgotten or released)")
+            if request.continues in continued:
+                raise ValueError(f"request {request.request_id!r} continues {request.continues!r}, which another request continues already")
             if list(request.prompt[: len(kept.tokens)]) != kept.tokens or len(request.prompt) <= len(kept.tokens) - 1:
                 raise ValueError(f"request {request.request_id!r}: its prompt does not start with the prompt + completion of "
                                  f"{request.continues!r}, which it continues")
