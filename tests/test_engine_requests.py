@@ -376,3 +376,16 @@ def test_a_cancelled_episode_stops_its_request(policy, tokenizer, prompts):
             return short
 
     assert asyncio.run(rollout()).finish_reason == "length" and engine.unfinished() == 0
+
+
+def test_under_the_training_precision_bf16_autocast(policy, tokenizer, prompts):
+    """Sampling under the training forward's precision (the trainer's sampling contexts enter autocast): the slots
+    hold the values autocast made (bfloat16; the keys come out of the rotary embedding in float32) and a request
+    is still the same alone and among others."""
+    autocast = lambda p: (torch.autocast("cpu", dtype=torch.bfloat16),)  # noqa: E731
+    target = Request("target", prompts[0], Sampling(10, 1.0, None), seed=7)
+    engine = engine_for(policy, tokenizer, sampling_contexts=autocast)
+    alone = complete(engine, [target])[0]
+    assert engine._decoder._decode.values[0].dtype == torch.bfloat16
+    crowded, _ = drive(engine_for(policy, tokenizer, sampling_contexts=autocast), {0: crowd(prompts, 5), 2: [target]})
+    assert (crowded["target"].token_ids, crowded["target"].logprobs) == (alone.token_ids, alone.logprobs)
