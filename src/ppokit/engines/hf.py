@@ -189,6 +189,10 @@ class HFEngine:
         """transformers and torch are ppokit's own dependencies."""
 
     @staticmethod
+    def check(model_config, settings) -> None:
+        """Any causal LM transformers loads, with any `rollout:` keys of its own (none)."""
+
+    @staticmethod
     def memory(sizing: EngineSizing) -> EngineMemory:
         """Nothing held of its own (it samples from the training weights, counted apart); while sampling
         rows_per_forward sequences of up to longest_sequence tokens: keys and values of every layer at the

@@ -116,7 +116,7 @@ class EpisodeLoop:
                     continue
                 self._observe(episode, observation)
                 if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
-                    episode.fail(self._no_room_after_reset(len(observation.ids), texts[i]))
+                    episode.fail(self._no_room_after_reset(texts[i]))
         device = None
         while True:
             running = [e for e in episodes if e.running]
@@ -133,12 +133,13 @@ class EpisodeLoop:
                 self._answer(e, step)
         return self._collect(prompts, episodes, device)
 
-    def _no_room_after_reset(self, tokens: int, prompt: str) -> str:
+    def _no_room_after_reset(self, prompt: str) -> str:
         from ppokit.environments.base import prompt_suffix
 
-        return (f"environment {self.runner.spec}: reset's observation is {tokens} tokens, which fills the episode's budget "
-                f"(rollout.max_episode_tokens: {self.max_episode_tokens} tokens after the prompt) and leaves no room for a model "
-                f"turn; shorten the observation or raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
+        # the observation was cut to the room before it was tokenised: its own length is not known, only that it fills it
+        return (f"environment {self.runner.spec}: reset's observation fills the episode's whole budget (rollout.max_episode_tokens: "
+                f"{self.max_episode_tokens} tokens after the prompt) and leaves no room for a model turn; shorten the observation or "
+                f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
     def _add_turn(self, episode: _Episode, turn: "Episodes", k: int) -> str:
         """Row k of one generate call is the episode's next model turn (cut to the room left) -> its text."""
