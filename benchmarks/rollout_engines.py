@@ -238,7 +238,9 @@ def transformers_continuous_batching(model, tokenizer, prompts):
 
     generation = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS, eos_token_id=-1,
                                   pad_token_id=tokenizer.pad_token_id)
-    batching = ContinuousBatchingConfig(return_logprobs=True, seed=0)
+    # Its KV cache sized for the workload (a block of 256 tokens per request): left to itself on CPU it takes 90% of
+    # the machine's free memory (14 GB peak RSS here for the 0.3M model).
+    batching = ContinuousBatchingConfig(return_logprobs=True, seed=0, num_blocks=len(prompts) + 8, max_batch_tokens=2048)
 
     def run():
         out = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching, progress_bar=False)
