@@ -9,7 +9,7 @@ largest of three phases that never overlap: sampling (KV cache), the no-gradient
 (reference, value, reward) and training (policy and value activations of one micro-batch), plus
 what the rollout engine holds of its own during each (`engines.EngineMemory`: vLLM's weight copy and
 KV cache). A sequence is the longest prompt + the room after it: ppo.response_length, or a multi-turn
-episode's budget (`episode_loop.response_room`, as the trainer reads it).
+episode's budget (`PPOConfig.response_room`, as the trainer reads it).
 
 It is per device, for `processes` processes (WORLD_SIZE, or `ppokit plan --processes N`), under
 both parallel strategies: ddp holds every role whole on each device; fsdp holds 1/N of each
@@ -33,7 +33,6 @@ from torch import nn
 
 from ppokit import engines
 from ppokit.config import BatchSizes, LoraConfig, PPOConfig
-from ppokit.environments.episode_loop import response_room
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
@@ -218,8 +217,9 @@ class Plan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         n = self.sharding.processes
         per_device = f"; {self.strategy}, per device of {n} process{'es' if n > 1 else ''}" if n > 1 or self.strategy != DEFAULT_STRATEGY else ""
-        return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}{per_device}, "
-                f"{int(HEADROOM * 100)}% usable): {verdict}")
+        # The share said in words: "22.9M of 23.54G" read as nearly full at a glance.
+        return (f"estimated peak {_gib(self.total)}: {_share(self.total, self.device_memory)} of {_gib(self.device_memory)} "
+                f"({self.device}{per_device}, {int(HEADROOM * 100)}% usable): {verdict}")
 
 
 def _host_memory() -> Optional[int]:
@@ -231,6 +231,12 @@ def _host_memory() -> Optional[int]:
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f}G" if n >= GiB / 10 else f"{n / 1024**2:.1f}M"
+
+
+def _share(part: float, whole: float) -> str:
+    """`part` as a percentage of `whole`; a small share is never rounded to 0%."""
+    share = 100 * part / whole
+    return "under 0.1%" if 0 < share < 0.1 else f"{share:.1f}%" if share < 10 else f"{share:.0f}%"
 
 
 def _count(n: int) -> str:
@@ -405,8 +411,8 @@ def micro_batch_shape(config: PPOConfig, seq: int, room: int) -> tuple[int, int]
 
 def sequence_room(config: PPOConfig) -> tuple[int, str, str]:
     """(tokens after the prompt, what they are, the key that sets them): ppo.response_length, or with an environment
-    the episode's budget, model turns and observations together (`episode_loop.response_room`, as the trainer reads it)."""
-    room = response_room(config.rollout, config.environment, config.ppo.response_length)
+    the episode's budget, model turns and observations together (`PPOConfig.response_room`, as the trainer reads it)."""
+    room = config.response_room
     if config.environment is None:
         return room, "response", "ppo.response_length"
     return room, "episode", "rollout.max_episode_tokens" if config.rollout.max_episode_tokens else "rollout.max_turns x ppo.response_length"
@@ -722,6 +728,10 @@ def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: O
     device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
     plan = estimate(config, prompt_length, num_prompts, device, processes=processes)
     plan.warnings.extend(notes)
+    try:  # the rollout engine's own refusals (vLLM not installed, say), as the run meets them: the engine's check
+        engines.check(config.rollout.engine, _auto_config(config.model, "model", config.trust_remote_code), config.rollout)
+    except UserError as e:
+        plan.stops.insert(0, str(e))
     return plan
 
 

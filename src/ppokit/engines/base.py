@@ -117,6 +117,10 @@ class Completion:
     finish_reason: str
     cached_tokens: int = 0
 
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"request {self.request_id!r}: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
+
 
 def request_seed(*key: int) -> int:
     """A request's seed from a key of integers, e.g. (run seed, update, row, turn): the same key, the same seed on any
@@ -225,6 +229,9 @@ class RolloutEngine(Protocol):
     memory(sizing): what it holds of its own on the device (all run long, or freed while training) and what
         sampling needs on top (`EngineMemory`), from config files alone (no engine library imported): `ppokit plan`.
     check_installed(): None, or a UserError saying how to install what the engine needs (before any work).
+    check(model_config, settings): None, or a UserError: what the engine refuses about the policy of this transformers
+        config (named by its `_name_or_path`) and its `rollout:` keys, check_installed's refusal included; made
+        when the engine is built, and by `ppokit plan` from config files, so that the plan refuses what a run would.
 
     An engine:
     logprobs_are_trainers: True when the logprobs `generate` returns are the training forward's own
@@ -258,6 +265,9 @@ class RolloutEngine(Protocol):
 
     @staticmethod
     def check_installed() -> None: ...
+
+    @staticmethod
+    def check(model_config: Any, settings: Any) -> None: ...
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> "Episodes": ...
 

