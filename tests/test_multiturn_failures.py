@@ -11,7 +11,7 @@ import pytest
 
 from ppokit.environments import EnvironmentFailure, EnvironmentRunner, load_environment
 from ppokit.environments.tools import ToolCall, load_tools, run_tool
-from ppokit.guards import TrainingInterrupted
+from ppokit.errors import TrainingInterrupted
 
 ENVS = '''
 class Halt(BaseException):
@@ -40,7 +40,7 @@ class StopsTheRun:
     def reset(self, row):
         return None
     def step(self, completion):
-        from ppokit.guards import TrainingInterrupted
+        from ppokit.errors import TrainingInterrupted
         raise TrainingInterrupted(2, 0, None, abandoned=True)
 
 class LongWelcome:
