@@ -61,6 +61,24 @@ def architecture(model: nn.Module) -> str:
 def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for every parameter of the causal LM `policy` (a transformers model, or a
     peft model over one), in module order; a LoRA layer's weight merged with the policy's adapter."""
+    return _walk(policy, _merged_lora_layer, lambda name, param: (name, gather_for(param)(param)))
+
+
+def policy_weight_metadata(policy: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, whole shape) of what `policy_weights` yields, in the same order, without gathering or merging
+    anything (a sharded weight's shape is its whole shape): what a push announces before it sends."""
+    def merged(name, layer):
+        weight = layer.base_layer.weight
+        yield f"{name}.weight", weight.dtype, tuple(weight.shape)
+        if getattr(layer.base_layer, "bias", None) is not None:
+            yield f"{name}.bias", layer.base_layer.bias.dtype, tuple(layer.base_layer.bias.shape)
+
+    return list(_walk(policy, merged, lambda name, param: (name, param.dtype, tuple(param.shape))))
+
+
+def _walk(policy: nn.Module, lora_layer: Callable, parameter: Callable) -> Iterator:
+    """The policy's parameters in module order, each once (a tied weight under its first name): `lora_layer(name,
+    layer)` for a peft LoRA layer (its sub-modules skipped), `parameter(name, param)` for every other parameter."""
     policy = unwrap(policy)
     base = unwrap_peft(policy)
     seen: set[int] = set()
@@ -71,13 +89,13 @@ def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         inside_lora.clear()
         if _is_lora_layer(module):
             inside_lora.append(name)
-            yield from _merged_lora_layer(name, module)
+            yield from lora_layer(name, module)
             continue
         for pname, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            yield _join(name, pname), gather_for(param)(param)
+            yield parameter(_join(name, pname), param)
 
 
 def _join(prefix: str, name: str) -> str:
