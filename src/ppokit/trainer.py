@@ -360,7 +360,8 @@ class PPOTrainer:
             self._train()
         except (OSError, RuntimeError) as e:  # a full disk; another process gone
             last = self._saved_at and self._saved_at[1]
-            said = run_dir.full_disk(e, self._run_facts().output_dir, last) or parallel.lost_process(e, self.accelerator, last)
+            said = (run_dir.full_disk(e, self._run_facts().output_dir, last) or parallel.lost_process(e, self.accelerator, last)
+                    or engines.base.engine_lost(e, last))
             if said is None:
                 raise
             raise said from None

@@ -142,6 +142,27 @@ def sampling_kwargs(sampling: Sampling, seed: Optional[int]) -> dict:
     return dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed, **common)
 
 
+def elsewhere_memory(sizing: EngineSizing) -> EngineMemory:
+    """For `ppokit plan`, an engine outside the trainer's process: nothing on the trainer's devices but one bucket of a
+    weight push at a time (`weights.PUSH_BUCKET_BYTES`); on CPU a `separate` server shares this machine's memory (its
+    weight copy + KV cache, as the colocated engine's)."""
+    from ppokit.engines.weights import PUSH_BUCKET_BYTES
+
+    settings = sizing.settings
+    push = f"a weight push holds one bucket of at most {PUSH_BUCKET_BYTES / 2**20:.0f} MiB here at a time"
+    if settings.placement == "servers":
+        return EngineMemory(what=f"rollout engine (vLLM servers {', '.join(settings.servers)}): its weight copy and KV cache on the "
+                                 f"servers, none here; {push}")
+    if sizing.on_gpu:
+        return EngineMemory(what="rollout engine (vLLM, placement separate): a server on this node's GPUs that the trainer's "
+                                 f"processes do not use (weight copy + KV cache), none on the trainer's devices; {push}")
+    max_model_len, max_num_seqs = engine_shape(settings, sizing.longest_sequence, sizing.rows_per_rollout, sizing.rows_per_forward)
+    return EngineMemory(held=sizing.weight_bytes + kv_cache_bytes(sizing.model_config, sizing.dtype, max_num_seqs, max_model_len),
+                        sampling=step_logits_bytes(max_num_seqs, sizing.dims["vocab"]),
+                        what=f"rollout engine (vLLM, placement separate): a server process beside the trainer, in this machine's "
+                             f"memory: weight copy + KV cache for {max_num_seqs} sequences of {max_model_len} tokens")
+
+
 class VLLMEngine:
     """A vLLM engine in this process sampling for the trainer (see the module docstring).
 
@@ -220,6 +241,8 @@ class VLLMEngine:
         freed during each optimisation. On CPU: its weight copy + the KV cache it is built with (`kv_cache_bytes`),
         all run long (sleep mode is refused there), and while sampling one step's logits of the rows decoded together."""
         settings = sizing.settings
+        if settings.placement != "colocated":
+            return elsewhere_memory(sizing)
         if sizing.on_gpu:
             share = f"rollout engine (vLLM): rollout.gpu_memory_utilization {settings.gpu_memory_utilization:g} of the device (weight copy + KV cache)"
             return EngineMemory(held=int(settings.gpu_memory_utilization * sizing.device_memory), released_for_training=settings.sleep,

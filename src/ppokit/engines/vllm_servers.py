@@ -34,13 +34,12 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ppokit.engines.base import Completion, Request, Sampling, complete
+from ppokit.engines.base import Completion, EngineLost, Request, Sampling, complete
 from ppokit.dataclass_config import differs_from_default
 from ppokit.engines.vllm import (check_cpu_head_dim, engine_shape, import_vllm, kv_cache_bytes, model_config_folder, request_seeds,
                                sampling_kwargs)
@@ -51,19 +50,6 @@ from ppokit.models import unwrap_peft
 
 GENERATE = "/inference/v1/generate"
 LOG_TAIL_LINES = 20
-
-
-class RolloutServerError(RuntimeError):
-    """A rollout server died, refused, or did not answer within rollout.server_timeout_s: its message is one line
-    naming the server (the trainer adds the last checkpoint)."""
-
-
-def server_lost(error: BaseException, last_checkpoint: Optional[Path]) -> Optional[UserError]:
-    """The one line a run ends with when a rollout server is lost: which server, what happened, and where to resume."""
-    if not isinstance(error, RolloutServerError):
-        return None
-    last = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint of this run was written yet"
-    return UserError(f"{error}; {last}: restart the server and continue with --resume")
 
 
 def server_url(address: str) -> str:
@@ -86,21 +72,21 @@ class Server:
         return self.url.removeprefix("http://")
 
     def call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> Any:
-        """The JSON answer of `method path`; a RolloutServerError naming this server for anything but a 2xx answer."""
+        """The JSON answer of `method path`; a EngineLost naming this server for anything but a 2xx answer."""
         import requests
 
         try:
             answer = requests.request(method, self.url + path, json=body, timeout=timeout_s or self.timeout_s)
         except requests.Timeout:
-            raise RolloutServerError(f"rollout server {self} did not answer {path} within {timeout_s or self.timeout_s:g} s "
+            raise EngineLost(f"rollout server {self} did not answer {path} within {timeout_s or self.timeout_s:g} s "
                                      "(rollout.server_timeout_s)") from None
         except requests.ConnectionError as e:
-            raise RolloutServerError(f"rollout server {self} cannot be reached ({path}): {_reason(e)}") from None
+            raise EngineLost(f"rollout server {self} cannot be reached ({path}): {_reason(e)}") from None
         if answer.status_code == 404 and path != "/health":
-            raise RolloutServerError(f"rollout server {self} has no {path} route: start it with VLLM_SERVER_DEV_MODE=1 (vLLM's RL routes) "
+            raise EngineLost(f"rollout server {self} has no {path} route: start it with VLLM_SERVER_DEV_MODE=1 (vLLM's RL routes) "
                                      "and --tokens-only (docs/rollout.md)")
         if not answer.ok:
-            raise RolloutServerError(f"rollout server {self} refused {path} (HTTP {answer.status_code}): {_said(answer.text)}")
+            raise EngineLost(f"rollout server {self} refused {path} (HTTP {answer.status_code}): {_said(answer.text)}")
         return answer.json() if answer.content else None
 
 
@@ -407,15 +393,15 @@ class VLLMServersEngine:
             async with self._session.post(server.url + GENERATE, json=body) as answer:
                 text = await answer.text()
                 if answer.status == 404:
-                    raise RolloutServerError(f"rollout server {server} has no {GENERATE} route: start it with --tokens-only (docs/rollout.md)")
+                    raise EngineLost(f"rollout server {server} has no {GENERATE} route: start it with --tokens-only (docs/rollout.md)")
                 if answer.status != 200:
-                    raise RolloutServerError(f"rollout server {server} refused a request (HTTP {answer.status}): {_said(text)}")
+                    raise EngineLost(f"rollout server {server} refused a request (HTTP {answer.status}): {_said(text)}")
                 return json.loads(text)
         except asyncio.TimeoutError:
-            raise RolloutServerError(f"rollout server {server} did not complete a request within {self.timeout_s:g} s "
+            raise EngineLost(f"rollout server {server} did not complete a request within {self.timeout_s:g} s "
                                      "(rollout.server_timeout_s)") from None
         except aiohttp.ClientError as e:
-            raise RolloutServerError(f"rollout server {server} was lost during a request: {_reason(e)}") from None
+            raise EngineLost(f"rollout server {server} was lost during a request: {_reason(e)}") from None
 
     def _wire_id(self, request_id: str) -> str:
         # Request ids are the trainer process's own: several processes may share a server.
@@ -451,7 +437,7 @@ class VLLMServersEngine:
                 request_id = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 names = sorted({str(self.servers[i]) for i, _ in self._unfinished.values()})
-                raise RolloutServerError(f"rollout server {', '.join(names)} completed no request within {self.timeout_s:g} s "
+                raise EngineLost(f"rollout server {', '.join(names)} completed no request within {self.timeout_s:g} s "
                                          "(rollout.server_timeout_s)") from None
             while True:  # what else has completed meanwhile (ids of aborted requests are no longer unfinished)
                 if request_id in self._unfinished:
@@ -465,22 +451,22 @@ class VLLMServersEngine:
     def _completion(self, request_id: str, index: int, answer: Future) -> Completion:
         try:
             choice = answer.result(timeout=self.timeout_s)["choices"][0]
-        except RolloutServerError as e:
+        except EngineLost as e:
             raise self._lost(index, e) from None
         tokens = list(choice.get("token_ids") or [])
         content = (choice.get("logprobs") or {}).get("content") or []
         versions = {span["version"] for span in choice.get("weight_versions") or []}
         if tokens and choice.get("finish_reason") != "abort" and versions != {str(self.version)}:
-            raise RolloutServerError(f"rollout server {self.servers[index]} sampled request {request_id} with weights of version "
+            raise EngineLost(f"rollout server {self.servers[index]} sampled request {request_id} with weights of version "
                                      f"{', '.join(sorted(versions)) or 'unknown'}, but version {self.version} was pushed last: "
                                      "its weights are stale")
         return Completion(request_id, tokens, [float(entry["logprob"]) for entry in content], choice.get("finish_reason") or "abort")
 
-    def _lost(self, index: int, error: RolloutServerError) -> RolloutServerError:
+    def _lost(self, index: int, error: EngineLost) -> EngineLost:
         """`error`, with how the server ended when it is one ppokit started and its process is gone."""
         launched = next((s for s in self.launched if s.address == str(self.servers[index])), None)
         died = launched.died() if launched is not None else None
-        return RolloutServerError(f"{error}; {died}") if died else error
+        return EngineLost(f"{error}; {died}") if died else error
 
     def unfinished(self) -> int:
         return len(self._unfinished)
@@ -562,7 +548,7 @@ class VLLMServersEngine:
         if self._session is None:
             return
         if self._unfinished:
-            with contextlib.suppress(RolloutServerError):
+            with contextlib.suppress(EngineLost):
                 self.abort(list(self._unfinished))
             self._unfinished.clear()
         self._where.clear()

@@ -30,7 +30,7 @@ import datetime
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import ClassVar, Iterator, Optional, Sequence
+from typing import ClassVar, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,33 +46,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ppokit.engines.vllm_plugin import BACKEND
-from ppokit.engines.weights import policy_weight_metadata, policy_weights
+from ppokit.engines.weights import PUSH_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from ppokit.engines.weights import bucket_bounds, policy_weight_metadata, policy_weights, tensor_bytes
 
-DEFAULT_BUCKET_BYTES = 256 * 2**20
 DEFAULT_TIMEOUT_S = 300.0
 STORE_PREFIX = "ppokit-weight-transfer"
-
-
-def bucket_bounds(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
-    """Consecutive index ranges of tensors of `sizes` bytes, each holding as many tensors as fit in `bucket_bytes`
-    (one tensor larger than that alone): how both sides cut one push's stream, from its metadata alone.
-    E.g. sizes [4, 4, 4, 9, 1], bucket_bytes 8 -> [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]."""
-    bounds, start, held = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and held + size > bucket_bytes:
-            bounds.append(range(start, i))
-            start, held = i, 0
-        held += size
-    if start < len(sizes):
-        bounds.append(range(start, len(sizes)))
-    return bounds
-
-
-def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    return numel * dtype.itemsize
 
 
 def address_towards(host: str, port: int = 9) -> str:

@@ -15,7 +15,7 @@ A tied weight (embed_tokens = lm_head) is sent once, under its first name.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -126,3 +126,28 @@ def _merged_lora_layer(name: str, layer: nn.Module) -> Iterator[tuple[str, torch
     yield f"{name}.weight", weight
     if getattr(base_layer, "bias", None) is not None:
         yield f"{name}.bias", gather_for(base_layer.bias)(base_layer.bias)
+
+
+PUSH_BUCKET_BYTES = 256 * 2**20  # what one push holds at a time on either side (an engine in another process)
+
+
+def bucket_bounds(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
+    """Consecutive index ranges of tensors of `sizes` bytes, each holding as many tensors as fit in `bucket_bytes`
+    (one tensor larger than that alone): how both sides cut one push's stream, from its metadata alone.
+    E.g. sizes [4, 4, 4, 9, 1], bucket_bytes 8 -> [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]."""
+    bounds, start, held = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and held + size > bucket_bytes:
+            bounds.append(range(start, i))
+            start, held = i, 0
+        held += size
+    if start < len(sizes):
+        bounds.append(range(start, len(sizes)))
+    return bounds
+
+
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    return numel * dtype.itemsize
