@@ -217,7 +217,7 @@ def test_requests_on_two_servers_sample_from_the_pushed_weights(servers, server_
         done = {c.request_id: c for c in _all(engine)}
         again = [Request(f"episode-{i}-turn-1", list(r.prompt) + done[r.request_id].token_ids, sampling, seed=100 + i,
                          continues=r.request_id) for i, r in enumerate(first)]
-        engine.submit(again)
+        engine.submit(again[::-1])  # in another order than the first turns: the least busy server would be another
         assert {r.request_id: engine._unfinished[r.request_id][0] for r in again} == {r.request_id: served[f.request_id] for r, f in zip(again, first)}
         _all(engine)
 

@@ -174,8 +174,12 @@ class LaunchedServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
+                said = self.last_words()
+                if "Invalid weight transfer backend" in said:
+                    said += (" (vLLM did not load ppokit's plugin, its `vllm.general_plugins` entry point: install ppokit in "
+                             "this environment, `pip install -e .` in a checkout, so that its metadata holds the entry point)")
                 raise UserError(f"rollout.placement: separate: the vLLM server ppokit started exited with code {self.process.returncode} "
-                                f"before it served: {self.last_words()} (its output: {self.log_path})")
+                                f"before it served: {said} (its output: {self.log_path})")
             try:
                 if requests.get(f"http://{self.address}/health", timeout=5).ok:
                     return
