@@ -38,6 +38,7 @@ def main() -> None:
     from ppokit.engines.hf import HFEngine
     from ppokit.environments.episode_loop import conversation_setup, episode_source
     from ppokit.environments.guess import guess_rows
+    from ppokit.metric_values import episode_metrics
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ppokit-multiturn-"))
     if not (work / "sft").is_dir():
@@ -59,10 +60,10 @@ def main() -> None:
         seconds, tokens, mean_turns = [], [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            _, outcome = source.sample(prompts, rows, sampling)
+            episodes = source.sample(prompts, rows, sampling)
             seconds.append(time.perf_counter() - start)
-            tokens.append(sum(outcome.model_tokens))
-            mean_turns.append(outcome.metrics["rollout/turns"])
+            tokens.append(int(episodes.model_tokens.sum()))
+            mean_turns.append(episode_metrics(episodes)["rollout/turns"])
         t = statistics.median(seconds)
         result[f"turns_{turns}"] = {
             "episodes_per_s": round(args.episodes / t, 1), "model_tokens_per_s": round(statistics.median(tokens) / t, 1),

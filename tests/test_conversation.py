@@ -145,7 +145,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
     prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
     loop = EpisodeLoop(engine, tok, runner, max_turns=3, max_episode_tokens=4000, pad_token_id=tok.pad_token_id, renderer=renderer)
     sampling = Sampling(max_new_tokens=400, temperature=1.0, stop_token_id=stop)
-    episodes, outcome = loop.sample([prompt], [{"prompt": question[0]["content"]}], sampling)
+    episodes = loop.sample([prompt], [{"prompt": question[0]["content"]}], sampling)
 
     # the prompt is the template's own rendering, with the tools' schemas
     template = {**family.template_kwargs}
@@ -162,13 +162,13 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
         assert engine.contexts[k] == [tok(text, add_special_tokens=False)["input_ids"]], (name, role, k)
     # exactly the model's tokens are trained, with the logprobs a fresh forward over the whole episode gives them
     trained = episodes.response_ids[0][episodes.loss_mask[0]].tolist()
-    assert trained == sum(turn_ids, []) and outcome.turns == [3] and outcome.done == [True]
+    assert trained == sum(turn_ids, []) and episodes.turns.tolist() == [3] and episodes.done.tolist() == [True]
     fresh, _ = response_logprobs(model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids, episodes.loss_mask, 1.0)
     mask = episodes.loss_mask
     assert (fresh[mask] - episodes.logprobs[mask]).abs().max() < 1e-4
     # the tool ran: its results are what the model read, and the transcript says so
     if role == "tool":
-        said = [t["text"] for t in outcome.transcripts[0] if t["role"] == "tool"]
+        said = [t["text"] for t in episodes.transcripts[0] if t["role"] == "tool"]
         assert said == ["42", "50"]
 
 
@@ -431,10 +431,10 @@ def test_a_20_million_character_observation_is_cut_before_it_is_tokenised():
     loop = EpisodeLoop(engine, tok, EnvironmentRunner("floods.py:Floods", Floods, {}, timeout_s=None), max_turns=3, max_episode_tokens=64,
                        pad_token_id=tok.pad_token_id, renderer=renderer)
     prompt = tok(renderer.chat.render([{"role": "user", "content": "go"}], True), add_special_tokens=False)["input_ids"]
-    episodes, outcome = loop.sample([prompt], [{"prompt": "go"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_id=stop))
-    assert outcome.truncated == [True] and outcome.turns == [1] and episodes.attention_mask.shape[1] == len(prompt) + 64
+    episodes = loop.sample([prompt], [{"prompt": "go"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_id=stop))
+    assert episodes.truncated.tolist() == [True] and episodes.turns.tolist() == [1] and episodes.attention_mask.shape[1] == len(prompt) + 64
     assert longest[0] < 64 * renderer.longest_token() + 1000  # the probe conversation around the cut content
-    [said] = [t for t in outcome.transcripts[0] if t["role"] == "tool"]
+    [said] = [t for t in episodes.transcripts[0] if t["role"] == "tool"]
     assert said["cut"] and len(said["text"]) < 100
 
 
@@ -449,8 +449,8 @@ def test_the_step_deadline_covers_rendering_the_observation():
     renderer.observation = slow
     runner = EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=0.5)
     loop = EpisodeLoop(_StubEngine(tok), tok, runner, max_turns=2, max_episode_tokens=100, pad_token_id=tok.pad_token_id, renderer=renderer)
-    _, outcome = loop.sample([[5, 6]], [{"prompt": "go"}], Sampling(max_new_tokens=4, temperature=1.0, stop_token_id=tok.eos_token_id))
-    assert outcome.errors[0].startswith("environment answers.py:Answers: step did not return within environment_timeout_s=0.5s")
+    episodes = loop.sample([[5, 6]], [{"prompt": "go"}], Sampling(max_new_tokens=4, temperature=1.0, stop_token_id=tok.eos_token_id))
+    assert episodes.environment_errors[0].startswith("environment answers.py:Answers: step did not return within environment_timeout_s=0.5s")
 
 
 class _StubEngine:

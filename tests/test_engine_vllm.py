@@ -253,6 +253,10 @@ def test_abort_hands_back_the_tokens_so_far(engine, prompts):
     while engine.unfinished():
         rest += engine.step()
     assert sorted(c.request_id for c in rest) == ["a1", "a2"] and {c.finish_reason for c in rest} == {"length"}
+    with pytest.raises(ValueError, match="over the engine's max_model_len"):
+        engine.submit([Request("fits", prompts[0], Sampling(4, 1.0, None), seed=1),
+                       Request("too-long", prompts[0], Sampling(MAX_LEN, 1.0, None), seed=1)])
+    assert engine.unfinished() == 0  # a refused call queues nothing
 
 
 def test_an_episodes_next_turn_reads_its_prefix_from_vllms_cache(engine, tokenizer):
@@ -369,10 +373,10 @@ def test_the_multi_turn_loop_over_the_vllm_engine(tokenizer):
     plan = [("the plot was", 0.0, False), ("the ending was", 0.0, False), ("great", 1.0, True)]
     torch.manual_seed(1)
     try:
-        episodes, outcome = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tokenizer, n=4))
+        episodes = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tokenizer, n=4))
     finally:
         engine.close()
-    assert len(calls) == max(outcome.turns) and calls[0] == 2
+    assert len(calls) == int(episodes.turns.max()) and calls[0] == 2
     response_real = episodes.attention_mask[:, episodes.query_ids.shape[1]:]
     assert (episodes.loss_mask <= response_real).all() and (response_real & ~episodes.loss_mask).any()  # observations: read, not trained
     with torch.no_grad():

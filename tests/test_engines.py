@@ -161,11 +161,10 @@ class _OffsetEngine(HFEngine):
 
 
 def _with_engine(trainer, offset):
-    trainer.rollout_engine = _OffsetEngine(
+    trainer.rollout.source.engine = _OffsetEngine(  # the one place the engine is held (single-turn: episode_loop.SingleTurn)
         lambda: trainer.policy, trainer.pad_id, trainer.accelerator.device, trainer.config.ppo.local_rollout_forward_batch_size,
         lambda p: (trainer.strategy.generation(p), trainer.accelerator.autocast()), offset=offset,
     )
-    trainer.episode_source.engine = trainer.rollout_engine  # single-turn episodes are the engine's own (episode_loop.SingleTurn)
     return trainer
 
 

@@ -32,13 +32,13 @@ GRPO = dict(advantage_estimator="grpo", num_samples_per_prompt=4)
 def test_n_samples_of_a_prompt_are_adjacent_and_episodes_count_them(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, **GRPO)
     seen = []
-    score = trainer.score
+    score = trainer.rollout.score
 
-    def recording_score(rollout, outcome, prompts, columns, update_statistics=True):
+    def recording_score(rollout, prompts, columns, update_statistics=True):
         seen.append((prompts, rollout.query_ids.clone()))
-        return score(rollout, outcome, prompts, columns, update_statistics)
+        return score(rollout, prompts, columns, update_statistics)
 
-    trainer.score = recording_score
+    trainer.rollout.score = recording_score
     records = trainer.train()
     # 8 episodes per update = 2 prompts x 4 samples; 16 episodes = 2 updates
     assert trainer.sizes.prompts_per_update == 2 and [r["episode"] for r in records] == [8, 16]
@@ -79,9 +79,9 @@ def test_critic_free_estimators_build_no_value_model(estimator, model_dir, promp
 def test_remax_baseline_is_the_greedy_responses_score_for_each_group(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, advantage_estimator="remax", num_samples_per_prompt=2)
     prompts, columns = trainer.train_data.rows(range(3))
-    scores, valid = trainer.greedy_baseline([0, 1, 2])
-    greedy, outcome = trainer.generate(trainer.train_query_ids[:3], prompts, columns, purpose="greedy")
-    expected, _ = trainer.score(greedy, outcome, prompts, columns, update_statistics=False)
+    scores, valid = trainer.rollout.greedy_baseline(trainer.train_data, trainer.train_query_ids, [0, 1, 2], 2)
+    greedy = trainer.rollout.sample(trainer.train_query_ids[:3], prompts, columns, purpose="greedy")
+    expected = trainer.rollout.score(greedy, prompts, columns, update_statistics=False).scores
     assert torch.equal(scores, expected.repeat_interleave(2)) and valid.all()
     records = trainer.train()
     assert all("objective/baseline_scores" in r for r in records)

@@ -1,6 +1,7 @@
 """The non-finite guard: a NaN or infinite loss, gradient or score skips the update without a trace
 in the weights, and too many in a row stop the run with a checkpoint of the last good state."""
 
+import dataclasses
 import json
 import math
 
@@ -132,13 +133,13 @@ def test_nonfinite_scores_stop_the_run_with_a_checkpoint_of_the_last_good_state(
     # combination or normalisation that overflows. Simulate that after the sources' checks.
     out = tmp_path / "run"
     trainer = make_trainer(model_dir, prompts_file, out, ppo=dict(max_skipped_updates=2))
-    score = trainer.score
+    score = trainer.rollout.score
 
     def overflowing_score(*args, **kwargs):
-        scores, extras = score(*args, **kwargs)
-        return torch.full_like(scores, float("nan")), extras
+        scored = score(*args, **kwargs)
+        return dataclasses.replace(scored, scores=torch.full_like(scored.scores, float("nan")))
 
-    trainer.score = overflowing_score
+    trainer.rollout.score = overflowing_score
     with pytest.raises(NonFiniteStop, match=r"2 updates in a row were skipped .* non-finite score: nan.*"
                                             r"checkpoints/update-2 holds the starting weights: no update trained; fix the cause"):
         trainer.train()

@@ -12,9 +12,11 @@ from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
 from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner
+from ppokit import experience
 from ppokit.conversation import ConversationRenderer
 from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.episodes import Episodes
+from ppokit.metric_values import episode_metrics
 from ppokit.models import left_pad, response_logprobs
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
@@ -81,7 +83,7 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     engine = ScriptedEngine([seven, eos], tok.pad_token_id, eos)
     prompt = ids(tok, "guess the number")
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.25, False), ("correct", 1.0, True)]}
-    episodes, outcome = make_loop(tok, engine).sample([prompt], [row], sampling(tok))
+    episodes = make_loop(tok, engine).sample([prompt], [row], sampling(tok))
     # response region: [1 to 16] (reset) 7 <eos> [higher] 7 <eos>; the final "correct" is not appended
     want = ids(tok, "1 to 16") + [seven, eos] + ids(tok, "higher") + [seven, eos]
     assert episodes.response_ids[0].tolist() == want
@@ -91,25 +93,26 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     assert episodes.score_index.tolist() == [7]
     assert episodes.query_ids[0].tolist() == prompt and bool(episodes.ended[0])
     # each step's reward at the last token of the turn that earned it; the episode's reward is their sum
-    assert outcome.turn_rewards[0].tolist() == [0, 0, 0, 0, 0.25, 0, 0, 1.0]
-    assert outcome.rewards.tolist() == [1.25] and outcome.turns == [2] and outcome.done == [True]
-    assert outcome.model_tokens == [4] and outcome.observation_tokens == [4] and outcome.truncated == [False]
+    assert episodes.turn_rewards[0].tolist() == [0, 0, 0, 0, 0.25, 0, 0, 1.0]
+    assert episodes.environment_rewards.tolist() == [1.25] and episodes.turns.tolist() == [2] and episodes.done.tolist() == [True]
+    assert episodes.model_tokens.tolist() == [4] and episodes.observation_tokens.tolist() == [4] and episodes.truncated.tolist() == [False]
     assert Script.seen == [(row, ["7", "7"])]
     # the second turn's context is the prompt and everything after it so far
     assert engine.calls[1] == [prompt + want[:6]]
-    assert outcome.metrics["rollout/turns"] == 2 and outcome.metrics["env/done_rate"] == 1
+    metrics = episode_metrics(episodes)
+    assert metrics["rollout/turns"] == 2 and metrics["env/done_rate"] == 1
     # the transcript: every turn as text, marked with who spoke (samples.jsonl's `turns`)
-    assert outcome.transcripts == [[{"role": "user", "text": "1 to 16"}, {"role": "assistant", "text": "7"},
+    assert episodes.transcripts == [[{"role": "user", "text": "1 to 16"}, {"role": "assistant", "text": "7"},
                                     {"role": "user", "text": "higher"}, {"role": "assistant", "text": "7"}]]
 
-    # rollout.turn_rewards: the environment's part of the score (weight 2 x 1.25) moves to the turns that earned it
-    loop = make_loop(tok, engine, turn_weight=2.0)
-    kl = torch.tensor([[0, 0, 0, -0.1, -0.1, 0, -0.1, -0.1]])
-    shaped = kl.clone()
-    shaped[0, 7] += 0.5 + 2.0 * 1.25  # another source's 0.5 and the environment's, weighted, at the last model token
-    placed = loop.place_rewards(shaped, outcome, episodes.score_index)
-    assert placed[0].tolist() == pytest.approx([0, 0, 0, -0.1, -0.1 + 0.5, 0, -0.1, -0.1 + 0.5 + 2.0])
-    assert make_loop(tok, engine).place_rewards(shaped, outcome, episodes.score_index) is shaped  # turn rewards off
+    # rollout.turn_rewards: the environment's part of the score (weight 2 x 1.25) moves to the turns that earned it (stage 4)
+    episodes.scores = torch.tensor([0.5 + 2.0 * 1.25])  # another source's 0.5 and the environment's, weighted
+    episodes.ref_logprobs = episodes.logprobs + 0.1 * episodes.loss_mask  # a k1 KL of -0.1 on every model token
+    settings = dict(kl_estimator="k1", kl_clamp=None, kl_coef=1.0, whiten=False)
+    placed, _, _ = experience.rewards(episodes, turn_weight=2.0, **settings)
+    assert placed[0].tolist() == pytest.approx([0, 0, 0, 0.1, 0.1 + 0.5, 0, 0.1, 0.1 + 0.5 + 2.0])
+    whole, _, _ = experience.rewards(episodes, **settings)  # turn rewards off: the whole score at the last model token
+    assert whole[0].tolist() == pytest.approx([0, 0, 0, 0.1, 0.1, 0, 0.1, 0.1 + 0.5 + 2.5])
 
 
 def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
@@ -120,40 +123,40 @@ def test_one_batched_generate_per_turn_and_max_turns(game_tokenizer):
     plans = [[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5]
     loop = make_loop(tok, engine, max_turns=3)
     prompt = ids(tok, "guess the number")
-    episodes, outcome = loop.sample([prompt] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
+    episodes = loop.sample([prompt] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
     assert [len(c) for c in engine.calls] == [3, 2, 1]  # the unfinished episodes, batched
-    assert outcome.turns == [1, 2, 3] and outcome.done == [True, True, False] and outcome.truncated == [False] * 3
+    assert episodes.turns.tolist() == [1, 2, 3] and episodes.done.tolist() == [True, True, False] and episodes.truncated.tolist() == [False] * 3
     assert episodes.loss_mask.sum(1).tolist() == [2, 4, 6]
     assert episodes.attention_mask[:, len(prompt):].sum(1).tolist() == [2, 5, 8]
-    assert outcome.metrics["env/done_rate"] == pytest.approx(2 / 3)
+    assert episode_metrics(episodes)["env/done_rate"] == pytest.approx(2 / 3)
 
 
 def test_episode_metrics_are_means_over_every_process(game_tokenizer):
     """rollout/* and env/* add every process's sums and counts before dividing: with a fake all-reduce that
     doubles them (two processes with these same episodes) the means are unchanged, and a process's own
     sums are what it adds (sum and count, not its mean, go into the reduction)."""
-    from ppokit.environments.episode_loop import EPISODE_METRICS, outcome_metrics
+    from ppokit.metric_values import EPISODE_METRICS
 
     tok = game_tokenizer
     eos, seven = tok.eos_token_id, ids(tok, "7")[0]
     plans = [[("correct", 1.0, True)], [("lower", 0.0, False), ("correct", 1.0, True)], [("higher", 0.0, False)] * 5]
     loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos), max_turns=3)
-    _, outcome = loop.sample([ids(tok, "guess")] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
+    episodes = loop.sample([ids(tok, "guess")] * 3, [{"prompt": "p", "plan": plan} for plan in plans], sampling(tok))
     reduced = []
 
     def doubled(sums):
         reduced.append(sums.clone())
         return sums * 2
 
-    metrics = outcome_metrics(outcome, doubled)
+    metrics = episode_metrics(episodes, doubled)
     assert len(reduced) == 1 and reduced[0].tolist() == [6, 12, 3, 0, 2, 3]  # turns, model/obs tokens, truncated, done, episodes
     assert set(metrics) == set(EPISODE_METRICS)
-    assert metrics == outcome_metrics(outcome) == outcome.metrics  # exact: small integer sums, the same division
+    assert metrics == episode_metrics(episodes)  # exact: small integer sums, the same division
     assert metrics["rollout/turns"] == 2 and metrics["env/done_rate"] == 2 / 3
 
     # a second process with other episodes: the means are over all of them, not a mean of means
     other = torch.tensor([1.0, 2.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)  # one episode: 1 turn, truncated, done
-    together = outcome_metrics(outcome, lambda sums: sums + other)
+    together = episode_metrics(episodes, lambda sums: sums + other)
     assert together["rollout/turns"] == 7 / 4 and together["rollout/truncated"] == 1 / 4 and together["env/done_rate"] == 3 / 4
 
 
@@ -168,19 +171,19 @@ def test_token_budget_cuts_observations_and_turns(game_tokenizer):
         loop = make_loop(tok, engine, max_turns=5, max_episode_tokens=budget)
         return loop.sample([prompt], [{"prompt": "guess", "plan": [(observation, 0.0, False)] * 5}], sampling(tok))
 
-    episodes, outcome = run(4)  # 7 <eos> + 2 of the observation's 3 tokens: cut, truncated
+    episodes = run(4)  # 7 <eos> + 2 of the observation's 3 tokens: cut, truncated
     assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation)[:2]
     assert episodes.loss_mask[0].tolist() == [True, True, False, False]
-    assert outcome.truncated == [True] and outcome.turns == [1] and not bool(episodes.ended[0])
+    assert episodes.truncated.tolist() == [True] and episodes.turns.tolist() == [1] and not bool(episodes.ended[0])
     # the transcript shows the observation as the model read it, cut and marked so
     cut = tok.decode(ids(tok, observation)[:2], skip_special_tokens=True)
-    assert outcome.transcripts[0][-1] == {"role": "user", "text": cut, "cut": True} and cut != observation
-    episodes, outcome = run(6)  # 7 <eos> obs(3) + one token of the next turn, cut
+    assert episodes.transcripts[0][-1] == {"role": "user", "text": cut, "cut": True} and cut != observation
+    episodes = run(6)  # 7 <eos> obs(3) + one token of the next turn, cut
     assert episodes.response_ids[0].tolist() == [seven, eos] + ids(tok, observation) + [seven]
     assert episodes.loss_mask[0].tolist() == [True, True, False, False, False, True]
-    assert episodes.score_index.tolist() == [5] and outcome.truncated == [True] and outcome.turns == [2]
-    episodes, outcome = run(None)  # no budget: five turns, four observations between them
-    assert outcome.turns == [5] and outcome.truncated == [False] and episodes.attention_mask[0, 1:].sum() == 5 * 2 + 4 * 3
+    assert episodes.score_index.tolist() == [5] and episodes.truncated.tolist() == [True] and episodes.turns.tolist() == [2]
+    episodes = run(None)  # no budget: five turns, four observations between them
+    assert episodes.turns.tolist() == [5] and episodes.truncated.tolist() == [False] and episodes.attention_mask[0, 1:].sum() == 5 * 2 + 4 * 3
 
 
 def test_environment_failures_are_the_episodes_own(game_tokenizer):
@@ -197,11 +200,12 @@ def test_environment_failures_are_the_episodes_own(game_tokenizer):
     plans = [[("higher", "lots", False)], ["raise"], [("correct", 1.0, True)]]
     loop = make_loop(tok, engine, Raises)
     rows = [{"prompt": name, "plan": plan} for name, plan in zip(["first", "second", "third"], plans)]
-    _, outcome = loop.sample([ids(tok, "guess")] * 3, rows, sampling(tok))
-    assert outcome.errors[0].startswith("environment script.py:Script: step returned the reward 'lots'") and "'first'" in outcome.errors[0]
-    assert outcome.errors[1] == "environment script.py:Script: step raised KeyError: 'boom'; prompt 'second'"
-    assert outcome.errors[2] is None
-    assert torch.isnan(outcome.rewards[:2]).all() and outcome.rewards[2] == 1.0
+    episodes = loop.sample([ids(tok, "guess")] * 3, rows, sampling(tok))
+    errors = episodes.environment_errors
+    assert errors[0].startswith("environment script.py:Script: step returned the reward 'lots'") and "'first'" in errors[0]
+    assert errors[1] == "environment script.py:Script: step raised KeyError: 'boom'; prompt 'second'"
+    assert errors[2] is None
+    assert torch.isnan(episodes.environment_rewards[:2]).all() and episodes.environment_rewards[2] == 1.0
 
 
 def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
@@ -241,14 +245,14 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
     loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
                      renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
-    episodes, outcome = loop.sample([prompt], [row], sampling(tok))
+    episodes = loop.sample([prompt], [row], sampling(tok))
     whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
     # the stop token ends the assistant turn where the plain template writes its newline (not written twice)
     want = render([user("guess the number"), user("1 to 16"), {"role": "assistant", "content": "7"}, user("higher")])
     assert whole == want[: want.index(seven) + 1] + [eos] + want[want.index(seven) + 1:] + [seven, eos]
     assert episodes.query_ids[0].tolist() == prompt[:-2]  # "assistant :" moved after the observation
     trained = episodes.response_ids[0][episodes.loss_mask[0]].tolist()
-    assert trained == [seven, eos, seven, eos] and outcome.observation_tokens == [len(whole) - len(prompt) + 2 - 4]
+    assert trained == [seven, eos, seven, eos] and episodes.observation_tokens.tolist() == [len(whole) - len(prompt) + 2 - 4]
 
 
 @pytest.fixture(scope="module")
@@ -275,15 +279,15 @@ def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
     prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
     plan = [("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]
     torch.manual_seed(1)
-    episodes, outcome = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
-    assert engine.calls == max(outcome.turns)
+    episodes = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
+    assert engine.calls == int(episodes.turns.max())
     assert (episodes.loss_mask <= episodes.attention_mask[:, episodes.query_ids.shape[1]:]).all()
     with torch.no_grad():
         fresh, _ = response_logprobs(game_model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
                                      episodes.loss_mask, 1.0)
     mask = episodes.loss_mask
     assert (fresh[mask] - episodes.logprobs[mask]).abs().max() < 1e-4
-    assert outcome.observation_tokens[0] > 0 and all(m > 0 for m in outcome.model_tokens)
+    assert episodes.observation_tokens[0] > 0 and (episodes.model_tokens > 0).all()
 
 
 @pytest.mark.parametrize("on_error", ["skip", "raise"])
@@ -435,25 +439,4 @@ def test_multi_turn_runs_hold_with_the_speed_switches_and_lora(model_dir, prompt
     assert all(row["turns"][1]["text"] == "the movie was" for row in plain_samples)
 
 
-def test_a_multi_turn_run_trains_under_fsdp_on_two_processes(model_dir, prompts_file, tmp_path):
-    """2 processes under fsdp, multi-turn grpo episodes: it trains (finite metrics, 2-turn episodes with observation
-    tokens between the turns, 16 episodes per update over both processes)."""
-    import yaml
-    from test_multiprocess import TORCHRUN, _config, _launch, _records
-
-    if TORCHRUN is None:
-        pytest.skip("torchrun is not on PATH")
-    env_file = tmp_path / "critic.py"
-    env_file.write_text(CRITIC)
-    config = _config(model_dir, prompts_file, tmp_path, "fsdp", total_episodes=32, save_steps=0, num_sample_generations=0,
-                     advantage_estimator="grpo", num_samples_per_prompt=4)
-    settings = yaml.safe_load(config.read_text())
-    settings.update(environment=f"{env_file}:Critic", rollout={"max_turns": 3, "max_episode_tokens": 24})
-    config.write_text(yaml.safe_dump(settings))
-    result = _launch(config)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = _records(tmp_path / "run-fsdp")
-    assert [(r["update"], r["episode"]) for r in records] == [(1, 16), (2, 32)]
-    for record in records:
-        assert all(math.isfinite(record[key]) for key in EPISODE_CURVE), record
-        assert record["rollout/turns"] == 2 and record["rollout/observation_tokens"] > 0 and record["env/done_rate"] == 1
+# A multi-turn run under fsdp on two processes: tests/test_multiturn_trainer.py compares it with one process.

@@ -36,7 +36,7 @@ def test_ratio_is_one_on_first_minibatch(arch, dropout, sampling, model_dir, pro
     top-k / top-p / min-p sampling (the logprobs are the full softmax's, not the truncated distribution's)."""
     trainer = _trainer_with_dropout(model_dir, prompts_file, tmp_path, arch, dropout, temperature=0.7, response_length=12, **sampling)
     indices = trainer.batch_indices(0)
-    rollout, _ = trainer.generate([trainer.train_query_ids[i] for i in indices], *trainer.train_data.rows(indices))
+    rollout = trainer.rollout.sample([trainer.train_query_ids[i] for i in indices], *trainer.train_data.rows(indices))
     assert rollout.query_mask[:, 0].logical_not().any(), "prompts of different lengths must be left-padded"
     mb = rollout.select(torch.arange(4))
     assert trainer.model.training  # the training forward, in train mode as optimise() runs it
@@ -60,7 +60,7 @@ def test_first_update_ratio_is_one_with_dropout_in_the_checkpoint(arch, model_di
 
 def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, temperature=0.5)
-    rollout, _ = trainer.generate(trainer.train_query_ids[:4], *trainer.train_data.rows(range(4)))
+    rollout = trainer.rollout.sample(trainer.train_query_ids[:4], *trainer.train_data.rows(range(4)))
     ref_logprobs, values, _ = experience.reference_and_values(
         rollout, trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model, rows=trainer.config.ppo.local_rollout_forward_batch_size,
         packed=False, temperature=trainer.config.ppo.temperature, chunk_size=trainer.config.lm_head_chunk_size)
@@ -72,7 +72,7 @@ def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, t
 def test_truncation_after_stop_and_early_stop(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=40)
     eos = trainer.tokenizer.eos_token_id
-    rollout, _ = trainer.generate(trainer.train_query_ids[:8], *trainer.train_data.rows(range(8)))
+    rollout = trainer.rollout.sample(trainer.train_query_ids[:8], *trainer.train_data.rows(range(8)))
     for ids, mask, ended in zip(rollout.response_ids, rollout.loss_mask, rollout.ended):
         real = ids[mask].tolist()
         if ended:
@@ -141,14 +141,14 @@ def test_metrics_and_samples_contents(model_dir, prompts_file, tmp_path):
 def test_missing_eos_penalty_lowers_unfinished_scores(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=2, missing_eos_penalty=3.0)
     prompts, columns = trainer.train_data.rows(range(8))
-    rollout, outcome = trainer.generate(trainer.train_query_ids[:8], prompts, columns)
-    scores, extras = trainer.score(rollout, outcome, prompts, columns)
+    rollout = trainer.rollout.sample(trainer.train_query_ids[:8], prompts, columns)
+    scored = trainer.rollout.score(rollout, prompts, columns)
     from ppokit.rewards import sentiment
 
-    raw = torch.tensor(sentiment(prompts, extras["completions"]))
+    raw = torch.tensor(sentiment(prompts, scored.completions))
     assert (~rollout.ended).any()  # two tokens are too few for every review to end
     expected = raw - 3.0 * (~rollout.ended).float()
-    assert torch.allclose(scores, expected)
+    assert torch.allclose(scored.scores, expected)
 
 
 def test_final_models_load_with_auto_classes(model_dir, prompts_file, tmp_path):

@@ -44,6 +44,10 @@ class ToyEngine:
     def check_installed() -> None:
         """Nothing to install."""
 
+    @staticmethod
+    def check(model_config, settings) -> None:
+        """Any model, any of its keys."""
+
     def generate(self, prompts: list[list[int]], sampling: Sampling):
         self.calls += 1
         episodes = self.hf.generate(prompts, sampling)

@@ -441,6 +441,22 @@ def shape_rewards(
     return rewards, non_score
 
 
+def place_turn_rewards(rewards: torch.Tensor, score_index: torch.Tensor, summed: torch.Tensor, per_turn: torch.Tensor,
+                       weight: float) -> torch.Tensor:
+    """Per-token rewards with an environment's part of each score moved to the turns that earned it.
+
+    rewards: (B, T), the score (a weighted sum of sources, the environment's weighted by `weight`) at score_index
+    (B,) long; summed: (B,) the environment's step rewards summed per episode (NaN where it failed: that row is out
+    of the update, nothing is moved); per_turn: (B, T) each step's reward at the last token of its turn
+    -> (B, T): r - weight * summed at score_index, + weight * per_turn everywhere. Exact while the score is a plain
+    weighted sum (no normalisation or clipping of the environment's part: `episode_loop.turn_weight` refuses them).
+    """
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    moved = rewards.clone()
+    moved[rows, score_index] -= weight * torch.nan_to_num(summed.to(rewards.device, rewards.dtype))
+    return moved + weight * per_turn.to(rewards.device, rewards.dtype)
+
+
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

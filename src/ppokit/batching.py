@@ -105,12 +105,13 @@ def plan_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 def forward_view(episodes: Episodes) -> Episodes:
     """The episodes as the forwards over trained tokens read them: each row's attention_mask cut after its
     last trained token, to its prompt for a row without one (a row outside the update). Unpacked layout
-    (P prompt columns, R response columns). A row trained to its last real token is unchanged."""
+    (P prompt columns, R response columns). A row trained to its last real token is unchanged. The forwards read
+    tensors only: the environment's failures and transcripts (Python lists) are left out."""
     trained = episodes.trained_mask
     prompt_width, response_width = episodes.query_ids.shape[1], trained.shape[1]
     end = torch.where(trained.any(1), algo.last_token_index(trained) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
     needed = torch.arange(prompt_width + response_width, device=trained.device) < (prompt_width + end).unsqueeze(1)
-    return replace(episodes, attention_mask=episodes.attention_mask & needed)
+    return replace(episodes, attention_mask=episodes.attention_mask & needed, environment_errors=None, transcripts=None)
 
 
 def plan_episodes(rows: torch.Tensor, episodes: Episodes, max_tokens: int) -> list[torch.Tensor]:
@@ -154,7 +155,7 @@ def pack(episodes: Episodes) -> Episodes:
     picked = {}
     for f in fields(episodes):
         value = getattr(episodes, f.name)
-        if value is not None and value.dim() == 2 and f.name not in ("query_ids", "attention_mask"):
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and f.name not in ("query_ids", "attention_mask"):
             value = value.gather(1, response_source).masked_fill(~in_response, 0)
         picked[f.name] = value
     at_score = in_response & (response_source == episodes.score_index.unsqueeze(1))  # one True, or none in a row cut before it

@@ -5,7 +5,7 @@ A checkpoint is the folder `output_dir/checkpoints/update-N/`:
     weights and optimiser state, in one of two layouts (`PlainWeights`, or under parallel.strategy
     fsdp `parallel.ShardedWeights`: sharded/, a torch.distributed.checkpoint folder of every process's shards):
     trainable.safetensors with LoRA: every trainable tensor (adapters, heads), what resume reads
-    model/               policy + tokenizer as `trainer.save_models` writes them (the layout of final/:
+    model/               policy + tokenizer as `saving.Saving.models` writes them (the layout of final/:
                          full weights, or adapters for a PEFT model), value model in model/value_model/
     optimizer.pt         optimiser state                       (torch.save; read with weights_only=True)
     scheduler.pt         learning-rate schedule position       (idem)

@@ -18,6 +18,10 @@ column), which is what packing (`ppokit.batching.pack`) relies on. A packed micr
 meaning with the split moved: W - R' prompt columns, R' response columns, and a prompt may reach
 into the response columns (attention_mask says which columns are real).
 
+What an environment said (multi-turn episodes; None without one) rides in the same object: each episode's summed
+step rewards, each step's reward at the last token of the turn that earned it, the turns, done, truncated, the
+failures and the transcripts. Stage 2 scores from them, stage 4 places the turn rewards (`experience.rewards`).
+
 Group layout: with n = ppo.num_samples_per_prompt, the n samples of a prompt are adjacent rows, so
 rows [g * n, (g + 1) * n) answer prompt g and B = prompts x n. The group estimators read groups from
 this layout; only the optimisation epochs shuffle rows, after the advantages are computed.
@@ -26,17 +30,18 @@ this layout; only the optimisation epochs shuffle rows, after the advantages are
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 
 @dataclass
 class Episodes:
-    """One batch of episodes, filled in stages: a rollout engine fills the first seven fields; scoring
-    `scores` (and `baseline_scores` for an estimator with a greedy baseline) and `valid`; the reference
-    and value passes `ref_logprobs` and `values`; shaping and the advantage estimator the rest. Without
-    a critic `values` and `returns` stay None. Per-token fields are 0 outside `loss_mask`."""
+    """One batch of episodes, filled in stages: a rollout engine fills the first seven fields (the episode loop
+    the environment's too); scoring `scores` (and `baseline_scores` for an estimator with a greedy baseline) and
+    `valid`; the reference and value passes `ref_logprobs` and `values`; shaping and the advantage estimator the
+    rest. Without a critic `values` and `returns` stay None; without an environment its fields do. Per-token
+    fields are 0 outside `loss_mask`."""
 
     query_ids: torch.Tensor  # (B, P) long, left-padded
     response_ids: torch.Tensor  # (B, R) long: model turns (and observations between them), right-padded
@@ -54,6 +59,14 @@ class Episodes:
     advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages
     returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (critic estimators only)
     rollout_is_weights: Optional[torch.Tensor] = None  # (B, R) float, ppo.rollout_is's truncated importance weights
+    # What the environment said (multi-turn episodes), None without one:
+    environment_rewards: Optional[torch.Tensor] = None  # (B,) float64, the sum of each episode's step rewards; NaN where it failed
+    turn_rewards: Optional[torch.Tensor] = None  # (B, R) float, each step's reward at the last token of the turn that earned it
+    turns: Optional[torch.Tensor] = None  # (B,) long, model turns
+    done: Optional[torch.Tensor] = None  # (B,) bool, the environment said done
+    truncated: Optional[torch.Tensor] = None  # (B,) bool, cut by rollout.max_episode_tokens
+    environment_errors: Optional[list[Optional[str]]] = None  # one line per failed episode (raised, timed out, a bad value)
+    transcripts: Optional[list[list[dict[str, Any]]]] = None  # per episode its turns as text: {"role": assistant|user|tool, "text"}
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -77,13 +90,29 @@ class Episodes:
         """(B, R) bool: loss tokens of the rows in the update."""
         return self.loss_mask & self.rows_valid.unsqueeze(1)
 
+    @property
+    def model_tokens(self) -> torch.Tensor:
+        """(B,) long: the tokens the policy produced (every model turn)."""
+        return self.loss_mask.sum(1)
+
+    @property
+    def observation_tokens(self) -> torch.Tensor:
+        """(B,) long: the real response tokens that are not the model's (an environment's observations)."""
+        return self.attention_mask[:, self.query_ids.shape[1]:].sum(1) - self.model_tokens
+
     def select(self, index: torch.Tensor) -> "Episodes":
         """Rows `index` of every filled field."""
-        picked = {f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None) for f in fields(self)}
-        return Episodes(**picked)
+        return Episodes(**{f.name: _rows(getattr(self, f.name), index) for f in fields(self)})
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]
+
+
+def _rows(value, index: torch.Tensor):
+    """Rows `index` of a (B, ...) tensor or a list of B items; None stays None."""
+    if value is None or isinstance(value, torch.Tensor):
+        return None if value is None else value[index]
+    return [value[i] for i in index.tolist()]
 
 
 def repeat_each(items: list, n: int) -> list:

@@ -2,7 +2,7 @@
 and the models, sizes and settings they name, never the trainer or the whole config, so that a loop that
 samples ahead of training (or a test) can call them as `PPOTrainer.step` does (stages 2-5 of its list).
 
-    score                  the reward sources on each episode's prompt + completion -> scores (B,), valid (B,)
+    score                  the reward sources on each episode's prompt + completion -> `Scored`: scores (B,), valid (B,), ...
     reference_and_values   one no-gradient pass: reference logprobs, values, the policy's own logprobs
     rewards                per-token KL penalty, the score at each score position, per-turn rewards, whitening
     advantages             the estimator's advantages and returns over the trained tokens
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 from torch import nn
 
 from ppokit import algo, batching, roles
-from ppokit.environments.episode_loop import outcome_metrics, scoring_fields, transcripts
 from ppokit.episodes import Episodes
 from ppokit.estimators import Estimator
+from ppokit.metric_values import episode_metrics
 from ppokit.models import eval_mode, response_logprobs
 from ppokit.optimise import PolicyAndValue
 from ppokit.rewards import ScoringBatch, completion_token_ids
@@ -32,29 +32,40 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 Autocast = Callable[[], ContextManager]
 
 
-def score(scorer, tokenizer, episodes: Episodes, outcome, prompts: list[str], columns: dict, *, stop_token_id: Optional[int],
-          device: torch.device, update_statistics: bool = True, all_reduce: Optional[Reduce] = None) -> tuple[torch.Tensor, dict]:
-    """-> (scores (B,) on `device`, {completions, turns (an episode's turns, None single-turn), valid (B,) bool: False where
-    a source failed under reward.on_error=skip, errors: the first message of each failed source, metrics}).
+@dataclasses.dataclass
+class Scored:
+    """What stage 2 found for B episodes."""
+
+    scores: torch.Tensor  # (B,) float, the reward sources' combined score
+    valid: torch.Tensor  # (B,) bool, False where a source failed under reward.on_error=skip (the row leaves the update)
+    errors: list[str]  # the first message of each failed source
+    completions: list[str]  # everything after each prompt, decoded (with an environment: every turn and observation)
+    metrics: dict[str, float]  # reward/*, and with an environment rollout/* and env/*
+
+
+def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: dict, *, stop_token_id: Optional[int],
+          device: torch.device, update_statistics: bool = True, all_reduce: Optional[Reduce] = None) -> Scored:
+    """The reward sources (`scorer`) on each episode's prompt and completion, scores and valid on `device`.
 
     The completion is everything after the prompt (with an environment: every turn and observation), decoded
-    by the policy's `tokenizer`; `outcome` is the environment's (None without one). update_statistics=False
-    (evaluation, a greedy baseline) leaves the scorer's reward normalisation where it was. all_reduce sums the
-    episode metrics' parts over processes (None: one process)."""
+    by the policy's `tokenizer`; the environment's summed rewards and failures reach its reward source from the
+    episodes. update_statistics=False (evaluation, a greedy baseline) leaves the scorer's reward normalisation
+    where it was. all_reduce sums the episode metrics' parts over processes (None: one process)."""
     completions = tokenizer.batch_decode(
         episodes.response_ids.masked_fill(~episodes.attention_mask[:, episodes.query_ids.shape[1]:], tokenizer.pad_token_id),
         skip_special_tokens=True,
     )
+    environment = episodes.environment_rewards is not None
     batch = ScoringBatch(
         prompts, completions, columns, episodes.input_ids, episodes.attention_mask.long(), tokenizer,
         completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, stop_token_id),
-        ended=episodes.ended.cpu() if stop_token_id is not None else None, **scoring_fields(outcome),
+        ended=episodes.ended.cpu() if stop_token_id is not None else None,
+        environment_rewards=episodes.environment_rewards.tolist() if environment else None,
+        environment_errors=list(episodes.environment_errors) if environment else None,
     )
     result = scorer.score(batch, update_statistics)
-    return result.scores.to(device), {
-        "completions": completions, "turns": transcripts(outcome, len(completions)), "valid": result.valid.to(device),
-        "errors": result.errors, "metrics": {**outcome_metrics(outcome, all_reduce), **scorer.metrics(result)},
-    }
+    metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}), **scorer.metrics(result)}
+    return Scored(result.scores.to(device), result.valid.to(device), result.errors, completions, metrics)
 
 
 @torch.inference_mode()
@@ -104,17 +115,19 @@ def forward_logprobs(model: nn.Module, input_ids, attention_mask, response_ids, 
         return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk_size)[0]
 
 
-def rewards(episodes: Episodes, outcome, *, kl_estimator: str, kl_clamp: Optional[float], kl_coef: float, whiten: bool,
-            place_rewards: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rewards(episodes: Episodes, *, kl_estimator: str, kl_clamp: Optional[float], kl_coef: float, whiten: bool,
+            turn_weight: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (rewards (B, R), kl (B, R), non-score reward (B, R)): the per-token KL between the episodes' logprobs and
     ref_logprobs (`algo.kl_per_token` by `kl_estimator`, `kl_clamp`) times -kl_coef (0: the KL is not in the reward),
-    plus the episodes' scores at their score_index (`algo.shape_rewards`); then the episode source's
-    `place_rewards(rewards, outcome, score_index)` (per-turn rewards of an environment), and with `whiten` the
-    rewards whitened over the trained tokens (ppo.whiten_rewards; not re-centred)."""
+    plus the episodes' scores at their score_index (`algo.shape_rewards`); with `turn_weight` (rollout.turn_rewards:
+    the environment's weight in reward.weights) the environment's part of each score moved to the turns that earned
+    it (`algo.place_turn_rewards`); with `whiten` the rewards whitened over the trained tokens (ppo.whiten_rewards;
+    not re-centred)."""
     mask = episodes.trained_mask
     kl = algo.kl_per_token(episodes.logprobs, episodes.ref_logprobs, kl_estimator, kl_clamp) * mask
     shaped, non_score = algo.shape_rewards(episodes.scores, kl, mask, kl_coef, episodes.score_index)
-    shaped = place_rewards(shaped, outcome, episodes.score_index)
+    if turn_weight is not None and episodes.turn_rewards is not None:
+        shaped = algo.place_turn_rewards(shaped, episodes.score_index, episodes.environment_rewards, episodes.turn_rewards, turn_weight)
     if whiten:
         shaped = algo.masked_whiten(shaped, mask, shift_mean=False)
     return shaped, kl, non_score

@@ -6,13 +6,15 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ppokit.errors import UserError
+from ppokit import random_states
+from ppokit.errors import TrainingInterrupted, UserError  # noqa: F401  (TrainingInterrupted: raised here, named here too)
 
 
 class NonFiniteUpdate(Exception):
@@ -206,29 +208,39 @@ def rollback_file(run_folder: Path, process_index: int) -> Path:
     return Path(run_folder) / ".rollback" / f"process-{process_index}.pt"
 
 
+def guarded_update(step: Callable[[], dict], snapshot: UpdateSnapshot, state, *, steps_per_update: int, episodes: int,
+                   rolled_back: bool, started: float, say: Callable[[str], None]) -> dict:
+    """`step()`, one update, under the non-finite guard -> its record. An update whose score is NaN or infinite, whose
+    every optimiser step had a non-finite loss or gradient, or (ppo.nonfinite_rollback memory/disk: `rolled_back`) any
+    step did, goes back to `snapshot` with the schedule moved on by its `steps_per_update`, is counted in `state`'s
+    skipped updates (its batch of `episodes` is not retried: the data position moves on) and recorded as
+    `nonfinite/<quantity>`. A UserError (scoring fails before any optimiser step) goes back to the snapshot and to the
+    random states of the update's start, so that a checkpoint written now is the last complete update's.
+    started: when the update began (perf_counter); say: a line for the user."""
+    rng = random_states.rng_state()
+    try:
+        record = step()
+    except UserError:
+        snapshot.restore(scheduler_steps=0)
+        random_states.set_rng_state(rng)
+        raise
+    except NonFiniteUpdate as bad:
+        snapshot.restore(scheduler_steps=steps_per_update)
+        snapshot.model.train()
+        state.count_skipped(str(bad), episodes)
+        say(f"update {state.update}: skipped{' and rolled back' if rolled_back else ''}, {bad}")
+        return {
+            "update": state.update, "episode": state.episode, f"nonfinite/{bad.quantity}": 1,
+            "skipped_updates": state.skipped_updates, "time/update": time.perf_counter() - started,
+        }
+    finally:
+        snapshot.discard()
+    state.skipped_in_a_row = 0
+    record["skipped_updates"] = state.skipped_updates
+    return record
+
+
 # --------------------------------------------------------------------------- signals
-
-
-class TrainingInterrupted(BaseException):
-    """The run stopped on SIGINT/SIGTERM. `checkpoint` is the checkpoint to resume from.
-
-    A BaseException, like KeyboardInterrupt: raised from the signal handler wherever the main
-    thread is (inside a reward function, say), it must not be taken for that code's own failure
-    by an `except Exception`.
-    """
-
-    def __init__(self, signum: int, update: int, checkpoint, abandoned: bool = False):
-        name = signal.Signals(signum).name
-        if abandoned:
-            where = f"the last complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
-            message = f"{name} received twice: abandoned update {update + 1}; {where}"
-        else:
-            message = f"{name}: stopped after update {update}; checkpoint written to {checkpoint}"
-        super().__init__(message)
-        self.signal_name = name
-        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-        self.checkpoint = checkpoint
-        self.abandoned = abandoned
 
 
 class StopSignals:

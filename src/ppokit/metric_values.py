@@ -9,7 +9,7 @@ process would over the same episodes. Names follow TRL's PPOTrainer (docs/metric
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -93,6 +93,20 @@ def training_metrics(stats: dict[str, list[torch.Tensor]], has_tokens: list[torc
     mean = {k: t / max(count, 1) for k, t in zip(names, totals)}
     ratio_var = max(ratio_sq - count * mean["ratio"] ** 2, 0.0) / (count - 1) if count > 1 else 0.0
     return {**{TRAINING_METRICS.get(k, f"train/{k}"): v for k, v in mean.items()}, "val/ratio_var": ratio_var}
+
+
+EPISODE_METRICS = ("rollout/turns", "rollout/model_tokens", "rollout/observation_tokens", "rollout/truncated", "env/done_rate")
+
+
+def episode_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) -> dict[str, float]:
+    """EPISODE_METRICS of episodes with an environment: means per episode over this batch's episodes, or with
+    `reduce_sum` (a sum over processes) every process's, the sums and the count added in one reduction before dividing."""
+    columns = (episodes.turns, episodes.model_tokens, episodes.observation_tokens, episodes.truncated, episodes.done)
+    sums = torch.stack([c.sum() for c in columns] + [torch.tensor(len(episodes), device=episodes.turns.device)]).to(torch.float64)
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    *totals, n = sums.tolist()
+    return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}
 
 
 def eval_metrics(scores: list[float], lengths: list[int], ended: list[bool]) -> dict[str, float]:

@@ -135,6 +135,23 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, role: str = "toke
     return ensure_pad_token(tokenizer)
 
 
+def policy_tokenizer(tokenizer, model, *, tokenizer_name: Optional[str], model_name: Optional[str],
+                     trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer: `tokenizer` when one is passed (its pad token ensured); else loaded from `tokenizer_name`
+    (the config's `tokenizer`), or from where the policy is: the saved path of a `model` object, a `model` path, or
+    `model_name` (the config's `model`)."""
+    if tokenizer is not None:
+        return ensure_pad_token(tokenizer)
+    if tokenizer_name:
+        return load_tokenizer(tokenizer_name, trust_remote_code, "tokenizer")
+    if model is not None and not isinstance(model, str):
+        path = getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not path or not os.path.exists(path):
+            raise UserError("pass `tokenizer=` (or `reward_tokenizer=`) when giving a model object without a saved path")
+        return load_tokenizer(path, trust_remote_code, "model")
+    return load_tokenizer(model if model is not None else model_name, trust_remote_code, "model")
+
+
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperpa
 from ppokit.episodes import Episodes
 from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.metric_values import training_metrics
-from ppokit.models import response_logprobs, response_values
+from ppokit.models import check_output_head, response_logprobs, response_values
 
 
 class PolicyAndValue(nn.Module):
@@ -94,6 +94,25 @@ class PolicyAndValue(nn.Module):
             yield
         finally:
             self.value_model.train()
+
+
+def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, *, num_updates: int, lm_head_chunk_size: Optional[int],
+                     compile: bool, unwrap: Callable[[nn.Module], nn.Module]) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """-> (model, optimizer, scheduler): the policy and critic of `built` under one trainable module (`PolicyAndValue`),
+    placed by the parallel `strategy` with its optimiser over every optimiser step of the run's `num_updates`
+    (`build_optimiser`). The memory-light LM head (lm_head_chunk_size) and the compiled forward (`compile`) read the
+    logits from the last hidden state: the policy's and the reference's output heads are checked for it first
+    (`models.check_output_head`). unwrap: the module under the strategy's wrapping."""
+    switch = "lm_head_chunk_size" if lm_head_chunk_size else "compile" if compile else None
+    for role in (built.policy, built.reference) if switch else ():
+        if role is not None:
+            check_output_head(role, switch)
+    steps = num_updates * hp.num_ppo_epochs * hp.num_mini_batches
+    model, optimizer, scheduler = strategy.prepare(PolicyAndValue(built.policy, built.value, lm_head_chunk_size).train(),
+                                                   lambda m: build_optimiser(m, hp, steps))
+    if compile:
+        unwrap(model).use_compiled_backbones()
+    return model, optimizer, scheduler
 
 
 def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):

@@ -90,6 +90,28 @@ def strategy(settings, accelerator, bf16: bool = False) -> "Replicated | Sharded
     return globals()[facts.implementation](accelerator, settings, bf16=bf16)
 
 
+def make_accelerator(settings, precision: str):
+    """The run's accelerate.Accelerator for the `parallel:` section `settings` and mixed precision `precision` (no, fp16,
+    bf16: `roles.mixed_precision`), once the launcher's environment is checked (one line, not accelerate's traceback)
+    and this process follows its launcher (before the rendezvous, which waits for a launcher that may be gone)."""
+    from accelerate import Accelerator
+
+    from ppokit import launcher
+
+    launcher.check_launch()
+    launcher.follow_launcher()
+    accelerator = Accelerator(mixed_precision=accelerator_mixed_precision(settings, precision))
+    launcher.check_world_size(accelerator.num_processes)
+    return accelerator
+
+
+def sum_over_processes(accelerator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """tensor -> its sum over every process, on the tensor's own device (with one process the tensor itself)."""
+    if accelerator.num_processes == 1:
+        return lambda tensor: tensor
+    return lambda tensor: accelerator.reduce(tensor.to(accelerator.device), reduction="sum").to(tensor.device)
+
+
 def accelerator_mixed_precision(settings, precision: str) -> str:
     """accelerate's mixed precision for the strategy: under one with its own policy (fsdp: FSDP's
     MixedPrecisionPolicy) bf16 is that policy, so accelerate must not add autocast on top of it."""

