@@ -33,7 +33,6 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ppokit import demo_game
-    from ppokit.config import RolloutConfig
     from ppokit.engines.base import Sampling
     from ppokit.engines.hf import HFEngine
     from ppokit.environments.episode_loop import conversation_setup, episode_source
@@ -53,8 +52,7 @@ def main() -> None:
     for turns in (1, 2, 4):
         conversation = conversation_setup(tokenizer, chat_template=None, template_kwargs=None, datasets=[], environment=demo_game.GAME,
                                           environment_args={}, timeout_s=None, max_turns=turns, stop_token_id=tokenizer.eos_token_id)
-        source = episode_source(engine, conversation, rollout=RolloutConfig(max_turns=turns), response_length=3,
-                                pad_token_id=tokenizer.pad_token_id)
+        source = episode_source(engine, conversation, max_turns=turns, max_episode_tokens=turns * 3, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(0)
         source.sample(prompts, rows, sampling)  # warm-up
         seconds, tokens, mean_turns = [], [], []

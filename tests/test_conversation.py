@@ -16,7 +16,7 @@ from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.conversation import ConversationRenderer
 from ppokit.engines.base import Sampling
 from ppokit.environments import EnvironmentRunner
-from ppokit.environments.episode_loop import EpisodeLoop, conversation_setup
+from ppokit.environments.episode_loop import MultiTurn, conversation_setup
 from ppokit.episodes import Episodes
 from ppokit.errors import UserError
 from ppokit.models import left_pad, response_logprobs
@@ -143,7 +143,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
     engine = ForcedEngine(model, turn_ids, tok.pad_token_id, stop)
     prompt_text = renderer.chat.render(question, True) if role == "user" else data.prompts[0]
     prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
-    loop = EpisodeLoop(engine, tok, runner, max_turns=3, max_episode_tokens=4000, pad_token_id=tok.pad_token_id, renderer=renderer)
+    loop = MultiTurn(engine, tok, runner, max_turns=3, max_episode_tokens=4000, pad_token_id=tok.pad_token_id, renderer=renderer)
     sampling = Sampling(max_new_tokens=400, temperature=1.0, stop_token_id=stop)
     episodes = loop.sample([prompt], [{"prompt": question[0]["content"]}], sampling)
 
@@ -428,7 +428,7 @@ def test_a_20_million_character_observation_is_cut_before_it_is_tokenised():
     renderer.encode = lambda text: (longest.__setitem__(0, max(longest[0], len(text))), encoded(text))[1]
     turn = tok("7", add_special_tokens=False)["input_ids"] + [stop]
     engine = ForcedEngine(tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048).eval(), [turn] * 3, tok.pad_token_id, stop)
-    loop = EpisodeLoop(engine, tok, EnvironmentRunner("floods.py:Floods", Floods, {}, timeout_s=None), max_turns=3, max_episode_tokens=64,
+    loop = MultiTurn(engine, tok, EnvironmentRunner("floods.py:Floods", Floods, {}, timeout_s=None), max_turns=3, max_episode_tokens=64,
                        pad_token_id=tok.pad_token_id, renderer=renderer)
     prompt = tok(renderer.chat.render([{"role": "user", "content": "go"}], True), add_special_tokens=False)["input_ids"]
     episodes = loop.sample([prompt], [{"prompt": "go"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_id=stop))
@@ -448,7 +448,7 @@ def test_the_step_deadline_covers_rendering_the_observation():
 
     renderer.observation = slow
     runner = EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=0.5)
-    loop = EpisodeLoop(_StubEngine(tok), tok, runner, max_turns=2, max_episode_tokens=100, pad_token_id=tok.pad_token_id, renderer=renderer)
+    loop = MultiTurn(_StubEngine(tok), tok, runner, max_turns=2, max_episode_tokens=100, pad_token_id=tok.pad_token_id, renderer=renderer)
     episodes = loop.sample([[5, 6]], [{"prompt": "go"}], Sampling(max_new_tokens=4, temperature=1.0, stop_token_id=tok.eos_token_id))
     assert episodes.environment_errors[0].startswith("environment answers.py:Answers: step did not return within environment_timeout_s=0.5s")
 

@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Episode:
+class _EpisodeBuffer:
     """One episode while it runs: its token ids after the prompt, which of them are the model's."""
 
-    environment: Any = None  # the runner's EnvironmentEpisode
+    environment: Any = None  # the runner's EpisodeEnvironment
     ids: list[int] = field(default_factory=list)
     trained: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -59,7 +59,7 @@ class _Episode:
         self.error, self.running = message, False
 
 
-class EpisodeLoop:
+class MultiTurn:
     """Runs batches of multi-turn episodes over a rollout engine (see the module docstring).
 
     runner: makes and calls the environments (`ppokit.environments.EnvironmentRunner`: start_many(rows,
@@ -78,10 +78,10 @@ class EpisodeLoop:
         self.max_turns, self.max_episode_tokens, self.pad_token_id = max_turns, max_episode_tokens, pad_token_id
         self.renderer = renderer or ConversationRenderer(tokenizer, None)
 
-    def _room(self, episode: _Episode) -> float:
+    def _room(self, episode: _EpisodeBuffer) -> float:
         return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - len(episode.ids)
 
-    def _observe(self, episode: _Episode, observation: Observation) -> None:
+    def _observe(self, episode: _EpisodeBuffer, observation: Observation) -> None:
         """Append an observation's tokens (`ConversationRenderer.first` or `.observation`), cut to the room left (the
         episode then ends, truncated); its transcript entries say what the model read."""
         ids, said = observation.ids, observation.said
@@ -93,14 +93,14 @@ class EpisodeLoop:
         episode.add(ids, None)
         episode.transcript += said
 
-    def _render(self, episode: _Episode):
+    def _render(self, episode: _EpisodeBuffer):
         """What the observation after the episode's last turn reads as (run by the runner within the step's deadline)."""
         stopped, room = episode.last_turn_stopped, self._room(episode)
         return lambda step: self.renderer.observation(step.messages, step.observation, stopped, room)
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> "Episodes":
         """B prompts (token ids) and their data rows -> Episodes with what the environment said, rows in order."""
-        episodes, prompts = [_Episode() for _ in prompts], list(prompts)
+        episodes, prompts = [_EpisodeBuffer() for _ in prompts], list(prompts)
         texts = [str(row.get("prompt", "")) for row in rows]
         for i, (episode, started) in enumerate(zip(episodes, self.runner.start_many([dict(row) for row in rows], texts))):
             if isinstance(started, BaseException):
@@ -141,7 +141,7 @@ class EpisodeLoop:
                 f"{self.max_episode_tokens} tokens after the prompt) and leaves no room for a model turn; shorten the observation or "
                 f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
-    def _add_turn(self, episode: _Episode, turn: "Episodes", k: int) -> str:
+    def _add_turn(self, episode: _EpisodeBuffer, turn: "Episodes", k: int) -> str:
         """Row k of one generate call is the episode's next model turn (cut to the room left) -> its text."""
         mask = turn.loss_mask[k]
         ids, logprobs = turn.response_ids[k][mask].tolist(), turn.logprobs[k][mask].tolist()
@@ -155,7 +155,7 @@ class EpisodeLoop:
         episode.transcript.append({"role": "assistant", "text": text})
         return text
 
-    def _answer(self, episode: _Episode, step) -> None:
+    def _answer(self, episode: _EpisodeBuffer, step) -> None:
         """The environment's answer to the episode's last turn: its reward, and the next observation or the end."""
         if isinstance(step, BaseException):
             episode.fail(str(step))
@@ -171,7 +171,7 @@ class EpisodeLoop:
         if episode.running and self._room(episode) <= 0:
             episode.truncated, episode.running = True, False
 
-    def _collect(self, prompts: list[list[int]], episodes: list[_Episode], device) -> "Episodes":
+    def _collect(self, prompts: list[list[int]], episodes: list[_EpisodeBuffer], device) -> "Episodes":
         from ppokit.episodes import Episodes
 
         device = device if device is not None else torch.device("cpu")
@@ -265,39 +265,14 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
     return Conversation(renderer, runner, template)
 
 
-def episode_source(engine: "RolloutEngine", conversation: Conversation, *, rollout, response_length: int, pad_token_id: int):
+def episode_source(engine: "RolloutEngine", conversation: Conversation, *, max_turns: int, max_episode_tokens: int, pad_token_id: int):
     """What the trainer samples its episodes from, decided once: without an environment the engine itself
-    (`SingleTurn`); with one, the `EpisodeLoop` over the `rollout:` section's turns and budget
-    (max_episode_tokens, default max_turns x response_length), observations rendered by the conversation's
-    renderer."""
+    (`SingleTurn`); with one, the `MultiTurn` of at most `max_turns` turns (rollout.max_turns) within the episode's
+    token budget (`PPOConfig.response_room`), observations rendered by the conversation's renderer."""
     if conversation.runner is None:
         return SingleTurn(engine)
-    budget = response_room(rollout, conversation.runner.spec, response_length)
-    return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=rollout.max_turns, max_episode_tokens=budget,
-                       pad_token_id=pad_token_id, renderer=conversation.renderer)
-
-
-def response_room(rollout, environment: Optional[str], response_length: int) -> int:
-    """Tokens after the prompt an episode may take: ppo.response_length for one response; with an environment
-    rollout.max_episode_tokens (default max_turns x response_length). What the budget and position checks use."""
-    if environment is None:
-        return response_length
-    return rollout.max_episode_tokens if rollout.max_episode_tokens is not None else rollout.max_turns * response_length
-
-
-def turn_weight(rollout, reward) -> Optional[float]:
-    """The environment's weight when its step rewards are placed per turn (rollout.turn_rewards: `experience.rewards`),
-    else None.
-    Moving them is exact only while the score is a plain weighted sum: a normalised environment source or
-    reward.clip_range with turn rewards is refused."""
-    if not rollout.turn_rewards:
-        return None
-    normalize = reward.normalize[-1] if isinstance(reward.normalize, list) else reward.normalize
-    if normalize or reward.clip_range is not None:
-        which = "reward.normalize on the environment" if normalize else "reward.clip_range"
-        raise UserError(f"rollout.turn_rewards places each step reward at its turn, which needs the score to be a plain weighted "
-                        f"sum; {which} changes it as a whole; turn one of them off")
-    return float(reward.weights[-1]) if reward.weights is not None else 1.0
+    return MultiTurn(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=max_turns,
+                       max_episode_tokens=max_episode_tokens, pad_token_id=pad_token_id, renderer=conversation.renderer)
 
 
 def data_rows(prompts: list[str], columns: dict[str, list]) -> list[dict]:
