@@ -484,12 +484,14 @@ class _RolloutKeys:
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
 
     def check_combination(self) -> None:
-        """Another engine's keys (never read by this one) are refused."""
+        """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
         for key, owners in ENGINE_KEY_OWNERS.items():
             if self.engine not in owners and differs_from_default(self, key):
                 owner = " or ".join(owners)
                 raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
                                 f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+        if ENGINES[self.engine].check is not None:
+            ENGINES[self.engine].check(self)
 
 
 def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:

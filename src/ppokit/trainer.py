@@ -178,7 +178,8 @@ class PPOTrainer:
             self._train()
         except (OSError, RuntimeError) as e:  # a full disk; another process gone
             last = self.saving.last_checkpoint
-            said = run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+            said = (run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+                    or engines.base.engine_lost(e, last))
             if said is None:
                 raise
             raise said from None
