@@ -41,7 +41,7 @@ DEFAULT_ESTIMATOR = "gae"
 P_MIDDLE = 0.5  # the SFT player's chance of guessing the middle of what is left
 
 SETTINGS = {
-    # quick: about a minute on 2 cores; full: a larger model, more games and more updates.
+    # quick: about a minute of CPU (one thread, measured on a loaded machine); full: a larger model, more games and more updates.
     True: dict(hidden=64, layers=2, n_games=3000, sft_epochs=6, n_prompts=512, total_episodes=3072, batch=64, lr=3e-4,
                length_penalty=0.02),
     False: dict(hidden=128, layers=4, n_games=6000, sft_epochs=6, n_prompts=2048, total_episodes=8192, batch=64, lr=3e-4,
