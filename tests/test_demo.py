@@ -153,3 +153,25 @@ def test_resume_of_a_demo_is_refused_in_one_line_when_there_is_nothing_to_resume
         assert main(["demo", "--quick", "--environment", "guess", "--resume", "--output", *map(str, args)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("ppokit: error: demo") and fragment in err and err.count("\n") == 1, err
+
+
+def test_the_calculator_demos_tokenizer_reads_every_number_and_the_tools_errors_without_unk():
+    """Numbers are read a digit at a time, also where punctuation follows them (the JSON decoder's `column 25);`), and the
+    errors the Tools environment answers malformed calls with are words of the demo's vocabulary: the model reads them,
+    not the unknown token."""
+    import random
+
+    from ppokit import demo_calculator as calc
+    from ppokit.environments.tools import Tools, tool_schemas
+    from ppokit.tiny import spaced_tokenizer
+
+    rng = random.Random(0)
+    conversations = [q["messages"] + calc.transcript(q, rng) for q in (calc.question(rng) for _ in range(50))]
+    tokenizer = spaced_tokenizer(calc.chat_texts(conversations, tool_schemas({"calculator": calc.calculator})))
+    tools = Tools(tools=[calc.TOOL], tool_parser="hermes")
+    for a, op, b in [(123, "-", 4567), (-5, "*", 987654)]:  # numbers, and columns in the errors, the data never had
+        words = calc.call_text({"a": a, "op": op, "b": b}).split()
+        turns = [" ".join(words), *(" ".join(words[:i] + words[i + 1:]) for i in range(1, len(words) - 1))]
+        for text in [turn for turn in turns] + [tools.step(turn)[0] for turn in turns]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == " ".join(text.split()), text

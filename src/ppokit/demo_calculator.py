@@ -163,13 +163,16 @@ def chat_texts(conversations: list[list[dict]], tools: list[dict]) -> list[str]:
 
 def tool_errors() -> list[str]:
     """What the Tools environment answers to calls it cannot run, as it says them: a call left open, one that is not
-    JSON, one with text after its JSON, an unknown tool, arguments that are not an object, a wrong argument."""
+    JSON (each word of a call left out in turn: every message of the JSON decoder), one with text after its JSON, an
+    unknown tool, arguments that are not an object, a wrong argument."""
     from ppokit.environments.tools import Tools
 
     tools = Tools(tools=[TOOL], tool_parser="hermes")
-    turns = ['<tool_call> { "name" : "calculator"', '<tool_call> { "name" : } </tool_call>', '<tool_call> { } x </tool_call>',
+    words = call_text({"a": 37, "op": "+", "b": 48}).split()
+    turns = ['<tool_call> { "name" : "calculator"', '<tool_call> { } x </tool_call>',
              '<tool_call> { "name" : "add" } </tool_call>', '<tool_call> { "name" : "calculator" , "arguments" : 1 } </tool_call>',
-             '<tool_call> { "name" : "calculator" , "arguments" : { "c" : 1 } } </tool_call>']
+             '<tool_call> { "name" : "calculator" , "arguments" : { "c" : 1 } } </tool_call>',
+             *(" ".join(words[:i] + words[i + 1:]) for i in range(1, len(words) - 1))]
     return [tools.step(turn)[0] for turn in turns]
 
 

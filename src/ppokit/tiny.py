@@ -27,13 +27,20 @@ def word_tokenizer(texts: Iterable[str], min_frequency: int = 1) -> PreTrainedTo
 def spaced_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     """A tokenizer for text whose tokens are separated by spaces, such as JSON written `{ "a" : 74 }`: each
     space-separated word of `texts` is one token, but a number is one token per digit (`7`, then `##4`, a continuation
-    written back without a space), so 20 tokens read and write every number. Decoding joins the words with one space:
-    such text decodes back to itself. pad/eos/bos/unk as `word_tokenizer`'s."""
+    written back without a space), so 20 tokens read and write every number. A word that starts with a number, such
+    as `25);`, is that number's digits and what follows them as a continuation (`##);`): any other number reads
+    before it too. Decoding joins the words with one space: such text decodes back to itself. pad/eos/bos/unk as
+    `word_tokenizer`'s."""
     from tokenizers import decoders
 
     special = list(SPECIAL_TOKENS.values())
     digits = [str(d) for d in range(10)] + [f"##{d}" for d in range(10)]
-    words = sorted({w for text in texts for w in text.split() if not re.fullmatch(r"-?\d+", w)} - set(special) - set(digits))
+    words = set()
+    for word in (w for text in texts for w in text.split()):
+        number = re.match(r"-?\d+", word)
+        words.add(word if number is None else "##" + word[number.end():] if number.end() < len(word) else "")
+        words.add("-" if number is not None and word.startswith("-") else "")  # a minus sign, then the digits
+    words = sorted(words - {""} - set(special) - set(digits))
     tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(special + digits + words)}, unk_token=SPECIAL_TOKENS["unk_token"],
                                      max_input_chars_per_word=100))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
