@@ -52,7 +52,7 @@ CHAT_TEMPLATE = (
 )
 
 SETTINGS = {
-    # quick: about a minute on 2 cores; full: a larger model, more data and more updates.
+    # quick: about 150 s of CPU (most of it the SFT), measured on a loaded machine; full: a larger model, more data and more updates.
     True: dict(hidden=64, layers=2, n_sft=3000, sft_epochs=15, n_prompts=1024, n_eval=16, total_episodes=1024, batch=32, lr=3e-4),
     False: dict(hidden=128, layers=4, n_sft=6000, sft_epochs=6, n_prompts=4096, n_eval=32, total_episodes=4096, batch=64, lr=3e-4),
 }
