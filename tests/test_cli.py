@@ -273,15 +273,29 @@ print(json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules]}))
 """ % (HEAVY_MODULES,)
 
 
-@pytest.mark.parametrize("command", [["--help"], ["--version"], ["report", "RUN", "--output", "OUT"], ["report", "--help"]])
+DATA_FILES = {  # one file of each stage's data, for `data inspect` without a tokenizer
+    "PROMPTS": [{"prompt": "the movie was", "label": 1}],
+    "PAIRS": [{"prompt": "the movie was", "completion": " great"}],
+    "PREFERENCES": [{"prompt": "the movie was", "chosen": " great", "rejected": " bad"}],
+    "CHATS": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}],
+}
+
+
+@pytest.mark.parametrize("command", [["--help"], ["--version"], ["report", "RUN", "--output", "OUT"], ["report", "--help"],
+                                     *(["data", "inspect", name] for name in DATA_FILES)], ids=lambda c: " ".join(c))
 def test_the_cheap_commands_import_neither_torch_nor_transformers(tmp_path, command):
     """`ppokit --help`, `--version` and `report` took 4 s and more: the package imported the trainer (torch,
-    transformers), and the report matplotlib (2.3 s to import, 3.5 s to draw; it draws SVG itself now).
-    Asserted on what is imported, which is what costs the seconds, not on a time."""
+    transformers), and the report matplotlib (2.3 s to import, 3.5 s to draw; it draws SVG itself now). `data
+    inspect` without --tokenizer counts characters, yet imported torch and transformers (24-30 s and 390 MB on a
+    loaded machine) through the prompt and model helpers. Asserted on what is imported, which is what costs the
+    seconds, not on a time."""
     from test_report import healthy_records, write_run
 
     run = write_run(tmp_path / "run", healthy_records())
-    argv = [str(run) if a == "RUN" else str(tmp_path / "report.html") if a == "OUT" else a for a in command]
+    for name, rows in DATA_FILES.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = [str(run) if a == "RUN" else str(tmp_path / "report.html") if a == "OUT" else
+            str(tmp_path / f"{a}.jsonl") if a in DATA_FILES else a for a in command]
     result = subprocess.run([sys.executable, "-c", IMPORTED_BY, *argv], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
