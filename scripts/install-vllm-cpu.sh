@@ -55,8 +55,19 @@ if [ "$(cat "$venv/.ppokit-vllm-deps" 2>/dev/null)" != "$deps_key" ]; then
     echo "$deps_key" > "$venv/.ppokit-vllm-deps"
 fi
 
-# This checkout's ppokit (the environment may have been made from another one; its dependencies are there).
-if ! env -u PYTHONPATH "$venv/bin/python" -c 'import os, ppokit; assert os.path.samefile(os.path.dirname(ppokit.__file__), "src/ppokit")' 2>/dev/null; then
+# This checkout's ppokit (the environment may have been made from another one; its dependencies are there), with
+# this pyproject.toml's entry points in its metadata (an editable install writes them once: vLLM finds ppokit's
+# plugin, the gloo weight-transfer backend, through them).
+if ! env -u PYTHONPATH "$venv/bin/python" - 2>/dev/null <<'EOF'
+import importlib.metadata as metadata, os, tomllib
+import ppokit
+assert os.path.samefile(os.path.dirname(ppokit.__file__), "src/ppokit")
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+declared = {(group, name, value) for group, points in project.get("entry-points", {}).items() for name, value in points.items()}
+declared |= {("console_scripts", name, value) for name, value in project.get("scripts", {}).items()}
+assert declared == {(e.group, e.name, e.value) for e in metadata.distribution("ppokit").entry_points}
+EOF
+then
     "${pip[@]}" install -q --no-deps --no-build-isolation -e .
 fi
 
