@@ -86,6 +86,16 @@ def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, tokenize
     assert [len(crowded[o.request_id].token_ids) for o in others] == [o.sampling.max_new_tokens for o in others]
 
 
+def test_a_groups_samples_share_one_prefill_and_each_is_what_it_is_alone(policy, tokenizer, prompts):
+    """A group's samples (one prompt, their own seeds) admitted in one step share the prefill of their prompt (the
+    keys and values copied into each one's slot): each one's tokens and logprobs are what it gives alone."""
+    group = [Request(f"g{i}", prompts[0], Sampling(10, 1.0, None), seed=40 + i) for i in range(3)]
+    together = complete(engine_for(policy, tokenizer), group)
+    for request, got in zip(group, together):
+        alone = complete(engine_for(policy, tokenizer), [request])[0]
+        assert (got.token_ids, got.logprobs) == (alone.token_ids, alone.logprobs), request.request_id
+
+
 def test_logprobs_are_the_training_forwards(policy, tokenizer, prompts):
     """Each completion's logprobs are log softmax(logits / its temperature) of a plain forward over prompt +
     completion (the full distribution, also where top_k / top_p / min_p cut the one it was drawn from), within

@@ -200,7 +200,7 @@ class SlotDecoder:
         return done
 
     def _admit(self, model, request: Request, slot: int) -> Optional[Completion]:
-        prefill = self._prefill or SlotCache(1, self.capacity)
+        prefill = self._prefill if self._prefill is not None else SlotCache(1, self.capacity)  # a Cache with no layers is falsy
         self._prefill = prefill
         kept = self.kept.pop(request.continues) if request.continues is not None else None
         start = 0
