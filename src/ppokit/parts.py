@@ -141,9 +141,11 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         lambda policy: (strategy.generation(policy), accelerator.autocast()), config.rollout,
         longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
-    source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
-        engine, conversation, rollout=config.rollout, response_length=config.ppo.response_length, pad_token_id=pad_id)
-    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce)
+    source = episode_source(  # decided once: the episode loop over the engine (one turn per prompt without an environment)
+        engine, conversation, rollout=config.rollout, response_length=config.ppo.response_length, pad_token_id=pad_id,
+        device=accelerator.device)
+    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce,
+                      seed=config.seed, process_index=accelerator.process_index)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_id, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,

@@ -101,14 +101,15 @@ class PPOTrainer:
         prompts, columns = parts.train_data.rows(samples)
 
         # 1. generate
-        episodes = rollout.sample([parts.train_query_ids[i] for i in samples], prompts, columns)
+        episodes = rollout.sample([parts.train_query_ids[i] for i in samples], prompts, columns, update=state.update)
         t_generate = time.perf_counter()
 
         # 2. score
         scored = rollout.score(episodes, prompts, columns)
         episodes.scores, episodes.valid = scored.scores, scored.valid  # failed rows (on_error: skip) leave the update
         if hp.estimator.greedy_baseline:
-            episodes.baseline_scores, baseline_valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n)
+            episodes.baseline_scores, baseline_valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n,
+                                                                               update=state.update)
             episodes.valid = episodes.valid & baseline_valid
         check_finite({"score": episodes.scores}, parts.accelerator)
         check_some_scored(episodes.valid, scored.errors, parts.accelerator)
