@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def sigint_disposition(handler):
+    """SIGINT handled by `handler` in this process while inside, then as before. Processes started inside inherit
+    SIG_IGN as such, any other handler as the default action (Python's default_int_handler in a Python child)."""
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def sigint_handled():
+    """SIGINT as in a terminal's foreground job, for tests that send it to this process or to processes they start: a
+    shell starts background jobs (`pytest ... &`, nohup, CI wrappers) with SIGINT ignored, and children inherit that."""
+    with sigint_disposition(signal.default_int_handler):
+        yield
 
 
 @pytest.fixture(scope="session")

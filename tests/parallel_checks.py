@@ -30,7 +30,8 @@ from ppokit import parallel, roles  # noqa: E402
 from ppokit.config import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.guards import UpdateSnapshot  # noqa: E402
 from ppokit.models import response_logits, value_model_from_policy  # noqa: E402
-from ppokit.engines.hf import HFSampler  # noqa: E402
+from ppokit.engines.base import Request, Sampling, complete  # noqa: E402
+from ppokit.engines.hf import HFEngine, HFSampler  # noqa: E402
 from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
 from ppokit.optimise import PolicyAndValue  # noqa: E402
 
@@ -180,6 +181,16 @@ def main(out: Path, load_from: Path | None) -> None:
         "all_gathers_unshard_once": once.count, "all_gathers_per_layer": per_token.count,
         "units": len(fsdp._fsdp_modules(fsdp_model.policy)),
     }
+    # 2b. requests (what a per-episode loop drives) inside one generation context: each process steps its own
+    #     requests as often as they need, another number of steps on each process; no all-gather while stepping
+    #     (one there would wait for the other process forever), and the whole policy's tokens.
+    mine = [Request(f"{rank}-{i}", ids[i % 3, 2:].tolist(), Sampling(3 + 4 * rank + i, 1.0, None), seed=i) for i in range(1 + 3 * rank)]
+    engine = lambda policy: HFEngine(policy, 0, torch.device("cpu"), rows_per_forward=2, max_sequence=32)  # noqa: E731
+    with fsdp.generation(fsdp_model.policy), AllGatherCounter() as stepping:
+        sharded_requests = complete(engine(fsdp_model.policy), mine)
+    results["generation"][rank].update(
+        requests_same_tokens_as_whole=[c.token_ids for c in sharded_requests] == [c.token_ids for c in complete(engine(whole), mine)],
+        requests_all_gathers=stepping.count, requests_tokens=sum(len(c.token_ids) for c in sharded_requests))
     # after sampling (the first thing a fresh model does in a run, under inference mode) training runs,
     # and the policy is sharded again
     one_step(fsdp, fsdp_model, fsdp_optimizer, ids, mask)

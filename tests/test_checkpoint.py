@@ -238,7 +238,7 @@ def _signal_during_update(monkeypatch, sig, update: int, times: int = 1):
     monkeypatch.setattr(PPOTrainer, "optimise", optimise)
 
 
-def test_sigint_via_the_cli_in_process(model_dir, prompts_file, tmp_path, reference, monkeypatch, capsys):
+def test_sigint_via_the_cli_in_process(model_dir, prompts_file, tmp_path, reference, monkeypatch, capsys, sigint_handled):
     out = tmp_path / "run"
     config_path = tmp_path / "ppo.yaml"
     tiny_ppo_config(model_dir("llama"), prompts_file, out, **RUN).save(config_path)
@@ -248,7 +248,7 @@ def test_sigint_via_the_cli_in_process(model_dir, prompts_file, tmp_path, refere
     assert "SIGINT: finishing update 2" in err
     assert f"SIGINT: stopped after update 2; checkpoint written to {out / 'checkpoints' / 'update-2'}" in err
     assert f"resume with: ppokit ppo {config_path} --resume" in err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handlers are gone
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handlers are gone, this test's back
     monkeypatch.undo()
     resume_and_finish(PPOConfig.load(config_path))
     assert_same_run(out, reference)

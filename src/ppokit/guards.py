@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from ppokit import random_states
-from ppokit.errors import UserError
+from ppokit.errors import TrainingInterrupted, UserError  # noqa: F401  (TrainingInterrupted: raised here, named here too)
 
 
 class NonFiniteUpdate(Exception):
@@ -241,28 +241,6 @@ def guarded_update(step: Callable[[], dict], snapshot: UpdateSnapshot, state, *,
 
 
 # --------------------------------------------------------------------------- signals
-
-
-class TrainingInterrupted(BaseException):
-    """The run stopped on SIGINT/SIGTERM. `checkpoint` is the checkpoint to resume from.
-
-    A BaseException, like KeyboardInterrupt: raised from the signal handler wherever the main
-    thread is (inside a reward function, say), it must not be taken for that code's own failure
-    by an `except Exception`.
-    """
-
-    def __init__(self, signum: int, update: int, checkpoint, abandoned: bool = False):
-        name = signal.Signals(signum).name
-        if abandoned:
-            where = f"the last complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
-            message = f"{name} received twice: abandoned update {update + 1}; {where}"
-        else:
-            message = f"{name}: stopped after update {update}; checkpoint written to {checkpoint}"
-        super().__init__(message)
-        self.signal_name = name
-        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-        self.checkpoint = checkpoint
-        self.abandoned = abandoned
 
 
 class StopSignals:

@@ -218,8 +218,9 @@ class Plan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         n = self.sharding.processes
         per_device = f"; {self.strategy}, per device of {n} process{'es' if n > 1 else ''}" if n > 1 or self.strategy != DEFAULT_STRATEGY else ""
-        return (f"estimated peak {_gib(self.total)} of {_gib(self.device_memory)} ({self.device}{per_device}, "
-                f"{int(HEADROOM * 100)}% usable): {verdict}")
+        # The share said in words: "22.9M of 23.54G" read as nearly full at a glance.
+        return (f"estimated peak {_gib(self.total)}: {_share(self.total, self.device_memory)} of {_gib(self.device_memory)} "
+                f"({self.device}{per_device}, {int(HEADROOM * 100)}% usable): {verdict}")
 
 
 def _host_memory() -> Optional[int]:
@@ -231,6 +232,12 @@ def _host_memory() -> Optional[int]:
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f}G" if n >= GiB / 10 else f"{n / 1024**2:.1f}M"
+
+
+def _share(part: float, whole: float) -> str:
+    """`part` as a percentage of `whole`; a small share is never rounded to 0%."""
+    share = 100 * part / whole
+    return "under 0.1%" if 0 < share < 0.1 else f"{share:.1f}%" if share < 10 else f"{share:.0f}%"
 
 
 def _count(n: int) -> str:
@@ -722,6 +729,10 @@ def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: O
     device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
     plan = estimate(config, prompt_length, num_prompts, device, processes=processes)
     plan.warnings.extend(notes)
+    try:  # the rollout engine's own refusals (vLLM not installed, say), as the run meets them: the engine's check
+        engines.check(config.rollout.engine, _auto_config(config.model, "model", config.trust_remote_code), config.rollout)
+    except UserError as e:
+        plan.stops.insert(0, str(e))
     return plan
 
 

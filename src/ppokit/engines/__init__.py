@@ -6,7 +6,7 @@ from them: `ppokit.config.RolloutConfig`). `build` makes one, importing its modu
 this package imports no torch (the config reads the table).
 
 To add an engine: one module here with a class that implements `base.RolloutEngine` (its class methods
-`create`, `memory` and `check_installed` included), and one `Engine` entry in ENGINES. Nothing else
+`create`, `memory`, `check_installed` and `check` included), and one `Engine` entry in ENGINES. Nothing else
 changes: the config, `ppokit plan`, the demo's `--engine` and the trainer read the table and the Protocol.
 """
 
@@ -81,6 +81,11 @@ def check_installed(name: str) -> None:
     """A UserError saying how to install what engine `name` needs, if it is missing: for a command to refuse
     before it does any work (the demo, before its SFT)."""
     engine_class(name).check_installed()
+
+
+def check(name: str, model_config, settings) -> None:
+    """What engine `name` refuses about the model of `model_config` and the `rollout:` keys (`settings`): a UserError."""
+    engine_class(name).check(model_config, settings)
 
 
 def build(name: str, setup: "EngineSetup") -> "RolloutEngine":

@@ -240,6 +240,9 @@ class RolloutEngine(Protocol):
     memory(sizing): what it holds of its own on the device (all run long, or freed while training) and what
         sampling needs on top (`EngineMemory`), from config files alone (no engine library imported): `ppokit plan`.
     check_installed(): None, or a UserError saying how to install what the engine needs (before any work).
+    check(model_config, settings): None, or a UserError: what the engine refuses about the policy of this transformers
+        config (named by its `_name_or_path`) and its `rollout:` keys, check_installed's refusal included; made
+        when the engine is built, and by `ppokit plan` from config files, so that the plan refuses what a run would.
 
     An engine:
     logprobs_are_trainers: True when the logprobs `generate` returns are the training forward's own
@@ -273,6 +276,9 @@ class RolloutEngine(Protocol):
 
     @staticmethod
     def check_installed() -> None: ...
+
+    @staticmethod
+    def check(model_config: Any, settings: Any) -> None: ...
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> "Episodes": ...
 

@@ -39,14 +39,15 @@ class HFEngine:
     policy: the policy module, or a function returning the current one. pad_token_id: left-pads the prompts.
     rows_per_forward: rows per sampling forward: the lock-step batch's, and the slot decoder's number of slots.
     max_sequence: the slot decoder's positions per sequence (a seeded request's prompt + max_new_tokens must fit);
-    None: the model's position limit. logprobs_are_trainers: what the engine declares (True: the sampled logprobs
+    None: the model's position limit. read_in_steps: the slot decoder's (`slots.SlotDecoder`; None: its default).
+    logprobs_are_trainers: what the engine declares (True: the sampled logprobs
     are the training forward's); False makes the trainer recompute them as for an external engine (a test of that
     path with an engine whose answer is known).
     """
 
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, device: torch.device,
                  rows_per_forward: int, sampling_contexts: Optional[Callable[[nn.Module], Sequence[ContextManager]]] = None,
-                 logprobs_are_trainers: bool = True, max_sequence: Optional[int] = None):
+                 logprobs_are_trainers: bool = True, max_sequence: Optional[int] = None, read_in_steps: Optional[int] = None):
         self._policy = policy
         self.pad_token_id = pad_token_id
         self.device = device
@@ -54,6 +55,7 @@ class HFEngine:
         self.sampling_contexts = sampling_contexts or (lambda policy: ())
         self.logprobs_are_trainers = logprobs_are_trainers
         self.max_sequence = max_sequence
+        self.read_in_steps = read_in_steps
         self._batches: deque[list[Request]] = deque()  # seedless requests, one lock-step batch per submit call and sampling
         self._decoder: Optional[SlotDecoder] = None  # seeded requests; built at the first one
         self._serving = False
@@ -144,7 +146,7 @@ class HFEngine:
                 if limit is None:
                     raise ValueError("the hf engine's seeded requests need max_sequence: the model's config states no position limit")
                 capacity = limit.tokens
-            self._decoder = SlotDecoder(self.rows_per_forward, capacity, self.pad_token_id, self.device)
+            self._decoder = SlotDecoder(self.rows_per_forward, capacity, self.pad_token_id, self.device, self.read_in_steps)
         return self._decoder
 
     def _lockstep(self, batch: list[Request]) -> list[Completion]:
@@ -181,6 +183,10 @@ class HFEngine:
     @staticmethod
     def check_installed() -> None:
         """transformers and torch are ppokit's own dependencies."""
+
+    @staticmethod
+    def check(model_config, settings) -> None:
+        """Any causal LM transformers loads, with any `rollout:` keys of its own (none)."""
 
     @staticmethod
     def memory(sizing: EngineSizing) -> EngineMemory:

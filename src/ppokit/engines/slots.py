@@ -8,9 +8,12 @@ attention's sums with the padding in front of a row. So:
   against `capacity` cached positions per slot. A slot's token at position p is written at column p of its own
   cache (no padding in front of it: its real keys are columns 0..p), and a 4-D mask shows each row its own
   columns 0..p only.
-- prefill: each request's prompt alone (one row, its own length, or the part after the request it continues),
-  into a one-row cache of the same capacity, then copied into its decoding slot; requests with the same prompt
-  admitted one after another (a group's samples) share one prefill, which is the same computation.
+- reading a prompt: a request with few tokens to read (its prompt, or what follows the request it continues: at
+  most `read_in_steps`, by default as many as there are slots) reads them in its slot through the decoding steps,
+  one token per step, beside the other slots' decoding (no forward of its own: on CPU a forward's fixed cost is
+  most of a small model's); a longer one is read alone (one row, its own length) into a one-row cache of the same
+  capacity, then copied into its slot; requests with the same prompt read alone in one step (a group's samples)
+  share that read, which is the same computation. Which way a request is read depends on the request alone.
 - sampling: each request has its own torch.Generator seeded with its seed; a token is argmax(p / E) with E ~ Exp(1)
   drawn per vocabulary entry from the request's generator (the exponential race torch.multinomial runs for one
   sample); greedy is the argmax of the logprobs.
@@ -97,21 +100,33 @@ class _Kept:
     values: list[torch.Tensor]
 
 
+class _Rows:
+    """Kept keys and values seen as a one-row cache (what `SlotCache.copy_row` reads)."""
+
+    def __init__(self, kept: _Kept):
+        self.keys = [k.unsqueeze(0) for k in kept.keys]
+        self.values = [v.unsqueeze(0) for v in kept.values]
+
+
 @dataclass
 class _Running:
-    """A request in a decoding slot."""
+    """A request in a decoding slot: its prompt's tokens are fed first (those not read already), then each token it samples."""
 
     request: Request
     generator: Optional[torch.Generator]
-    prompt_length: int
+    fed: int  # columns of its slot written: tokens fed so far
     cached: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
+    def next_input(self) -> int:
+        prompt = self.request.prompt
+        return prompt[self.fed] if self.fed < len(prompt) else self.tokens[-1]
+
     @property
-    def position(self) -> int:
-        """The column the last sampled token is written to when it is fed."""
-        return self.prompt_length + len(self.tokens) - 1
+    def samples(self) -> bool:
+        """Whether the forward that just fed its last known token gives its next token."""
+        return self.fed == len(self.request.prompt) + len(self.tokens)
 
     def finish_reason(self) -> Optional[str]:
         sampling = self.request.sampling
@@ -126,12 +141,15 @@ class _Running:
 class SlotDecoder:
     """Requests decoded in `slots` fixed slots of `capacity` positions (see the module docstring).
 
-    pad_token_id: what an idle slot is fed. The model is handed to every `step` (the engine's current policy);
+    read_in_steps: a request with at most this many tokens to read (its prompt, or what follows the request it
+    continues) reads them through the decoding steps, one per step, in its slot (default: `slots`); a longer one
+    is read alone first. Which way depends on the request alone. pad_token_id: what an idle slot is fed. The model is handed to every `step` (the engine's current policy);
     the caller holds torch.inference_mode and the sampling contexts around it.
     """
 
-    def __init__(self, slots: int, capacity: int, pad_token_id: int, device: torch.device):
+    def __init__(self, slots: int, capacity: int, pad_token_id: int, device: torch.device, read_in_steps: Optional[int] = None):
         self.slots, self.capacity, self.pad_token_id, self.device = slots, capacity, pad_token_id, torch.device(device)
+        self.read_in_steps = slots if read_in_steps is None else read_in_steps
         self.queue: deque[Request] = deque()
         self.running: list[Optional[_Running]] = [None] * slots
         self.kept: dict[str, _Kept] = {}
@@ -200,17 +218,23 @@ class SlotDecoder:
         return done
 
     def _admit(self, model, request: Request, slot: int) -> Optional[Completion]:
-        prefill = self._prefill if self._prefill is not None else SlotCache(1, self.capacity)  # a Cache with no layers is falsy
-        self._prefill = prefill
+        """Put `request` in the free `slot`: with what it continues copied in, its prompt to be read in the decoding steps,
+        or read alone now (its first token sampled then) -> its completion if that first token already ended it."""
         kept = self.kept.pop(request.continues) if request.continues is not None else None
-        start = 0
+        start = len(kept.tokens) - 1 if kept is not None else 0
+        running = _Running(request, _generator(request, self.device), fed=start, cached=start)
+        if len(request.prompt) - start <= self.read_in_steps:
+            if kept is not None:
+                self._decode_cache(kept.keys, kept.values).copy_row(_Rows(kept), 0, slot, start)
+            self.running[slot] = running
+            return None
+        if self._prefill is None:
+            self._prefill = SlotCache(1, self.capacity)
+        prefill = self._prefill
         if kept is not None:
-            start = len(kept.tokens) - 1
             if not prefill.allocated:
                 prefill.allocate_like(kept.keys, kept.values)
-            for mine, theirs in ((prefill.keys, kept.keys), (prefill.values, kept.values)):
-                for layer, tensor in enumerate(theirs):
-                    mine[layer][0, :, :start] = tensor
+            prefill.copy_row(_Rows(kept), 0, 0, start)
         prompt = tuple(request.prompt)
         if kept is None and self._prefilled is not None and self._prefilled[0] == prompt:
             logits = self._prefilled[1]  # the prompt the prefill row holds already (a group's samples): the same bits
@@ -222,31 +246,43 @@ class SlotDecoder:
             if not prefill.allocated:
                 raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
         self._prefilled = (prompt, logits) if kept is None else None
-        running = _Running(request, _generator(request, self.device), len(request.prompt), start)
+        running.fed = len(request.prompt)
         self._sample(logits[:, -1], [running])
         reason = running.finish_reason()
         if reason is not None:
             self._finish(running, prefill, 0)
             return running.completion(reason)
-        if self._decode is None:
-            self._decode = SlotCache(self.slots, self.capacity)
-            self._decode.allocate_like(prefill.keys, prefill.values)
-        self._decode.copy_row(prefill, 0, slot, len(request.prompt))
+        self._decode_cache(prefill.keys, prefill.values).copy_row(prefill, 0, slot, running.fed)
         self.running[slot] = running
         return None
 
+    def _decode_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> SlotCache:
+        """The slots' cache, allocated like `keys` / `values` if no forward has made it yet."""
+        if self._decode is None:
+            self._decode = SlotCache(self.slots, self.capacity)
+        if not self._decode.allocated:
+            self._decode.allocate_like(keys, values)
+        return self._decode
+
     def _decode_step(self, model) -> list[Completion]:
+        """One forward of every slot: each running request's next token in (a prompt token or the last it sampled)."""
         tokens = torch.full((self.slots, 1), self.pad_token_id, dtype=torch.long)
         positions = torch.zeros((self.slots, 1), dtype=torch.long)
         for i, slot in enumerate(self.running):
             if slot is not None:
-                tokens[i, 0], positions[i, 0] = slot.tokens[-1], slot.position
+                tokens[i, 0], positions[i, 0] = slot.next_input(), slot.fed
+                slot.fed += 1
         tokens, positions = tokens.to(self.device), positions.to(self.device)
+        if self._decode is None:
+            self._decode = SlotCache(self.slots, self.capacity)
         self._decode.write_at = positions
         logits, _ = causal_lm_step(model, tokens, self._mask(model, positions), positions, cache=self._decode, logits_to_keep=1)
-        self._sample(logits[:, -1], self.running)
+        if not self._decode.allocated:
+            raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
+        sampling = [slot if slot is not None and slot.samples else None for slot in self.running]
+        self._sample(logits[:, -1], sampling)
         done = []
-        for i, slot in enumerate(self.running):
+        for i, slot in enumerate(sampling):
             reason = slot.finish_reason() if slot is not None else None
             if reason is not None:
                 self._finish(slot, self._decode, i)
@@ -257,7 +293,7 @@ class SlotDecoder:
     def _finish(self, running: _Running, cache: SlotCache, row: int) -> None:
         """Keep a finished request's keys and values (every token it fed) when it asked to be continued."""
         if running.request.keep:
-            fed = running.position  # the last token was sampled, never fed
+            fed = running.fed  # its prompt and every sampled token but the last, which was never fed
             self.kept[running.request.request_id] = _Kept(
                 list(running.request.prompt) + running.tokens,
                 [k[row, :, :fed].clone() for k in cache.keys], [v[row, :, :fed].clone() for v in cache.values])

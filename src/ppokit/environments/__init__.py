@@ -4,7 +4,8 @@
     tools.py  loading tools, their schemas, running a call; the built-in Tools environment
     tool_parsers.py  the tool-call formats by name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai, auto)
     guess.py  the demo game GuessNumber, its data rows and SFT transcripts
-    python_tool.py  run_python: a tool that runs the model's code in a separate, limited process
+    python_tool.py  run_python: a tool that runs the model's code in the sandbox; the start-up check
+    sandbox.py      run a command isolated by the OS (bubblewrap namespaces, a seccomp filter, rlimits)
 """
 
 from ppokit.environments.base import (

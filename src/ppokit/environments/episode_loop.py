@@ -234,7 +234,7 @@ class EpisodeLoop:
                 return False
             self._observe(episode, observation)
             if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
-                episode.fail(self._no_room_after_reset(len(observation.ids), episode.text))
+                episode.fail(self._no_room_after_reset(episode.text))
                 return False
         return True
 
@@ -292,12 +292,13 @@ class EpisodeLoop:
         stopped, room = episode.last_turn_stopped, self._room(episode)
         return lambda step: self.renderer.observation(step.messages, step.observation, stopped, room)
 
-    def _no_room_after_reset(self, tokens: int, prompt: str) -> str:
+    def _no_room_after_reset(self, prompt: str) -> str:
         from ppokit.environments.base import prompt_suffix
 
-        return (f"environment {self.runner.spec}: reset's observation is {tokens} tokens, which fills the episode's budget "
-                f"(rollout.max_episode_tokens: {self.max_episode_tokens} tokens after the prompt) and leaves no room for a model "
-                f"turn; shorten the observation or raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
+        # the observation was cut to the room before it was tokenised: its own length is not known, only that it fills it
+        return (f"environment {self.runner.spec}: reset's observation fills the episode's whole budget (rollout.max_episode_tokens: "
+                f"{self.max_episode_tokens} tokens after the prompt) and leaves no room for a model turn; shorten the observation or "
+                f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
     def _packed(self, episodes: list[_Episode]) -> "Episodes":
         said = None if self.runner is None else [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript) for e in episodes]

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from ppokit.environments.python_tool import checked_for_isolation
 from ppokit.environments.tool_parsers import PARSER_NAMES, BadToolCall, ToolCall, parse_hermes, resolve_parser
 from ppokit.errors import UserError
 from ppokit.rewards.sources import DeadlineExceeded, ThreadCall, code_raised, raised_text
@@ -97,6 +98,8 @@ def run_tool(tools: dict[str, Callable], call: Union[ToolCall, BadToolCall], tim
             result = thread.result(timeout_s)
     except DeadlineExceeded:
         return f"error: {call.name} did not return within {timeout_s:g}s"
+    except UserError:  # the user's to fix (a tool that cannot run on this machine), not the model's: the run stops
+        raise
     except BaseException as e:  # KeyboardInterrupt and other BaseExceptions the tool raised are its failure too
         if not code_raised(e, thread):
             raise  # a stop request (Ctrl-C) that reached the main thread while it ran the tool
@@ -131,7 +134,9 @@ class Tools:
     (each call's deadline, default 10, at most threading.TIMEOUT_MAX; keep it under environment_timeout_s, which
     bounds a whole step); max_calls (calls run per turn, default 8; the others get an error text); tool_schemas
     (`template`, the default: the chat template writes the tools' schemas into the prompt, so chat prompts are
-    needed; `none`: the prompts describe the tools themselves and no schemas are added). Relative file paths are
+    needed; `none`: the prompts describe the tools themselves and no schemas are added);
+    unsafe_python_without_isolation (default false: a tool that runs the model's code, like run_python, is refused
+    where no sandbox can be made; true runs it unisolated there, python_tool.py). Relative file paths are
     looked up from the working directory, then from the config file's folder (`base_dir`, given by the runner, as
     is `chat_template`, the run's template or None for plain-text prompts).
 
@@ -144,7 +149,8 @@ class Tools:
     observation_role = "tool"
 
     def __init__(self, tools=None, timeout_s: Optional[float] = 10.0, max_calls: int = 8, tool_parser: str = "auto",
-                 tool_schemas: str = "template", base_dir: Optional[str] = None, chat_template: Optional[str] = None):
+                 tool_schemas: str = "template", base_dir: Optional[str] = None, chat_template: Optional[str] = None,
+                 unsafe_python_without_isolation: bool = False):
         if tools is None:
             raise UserError("environment_args.tools: required by ppokit.environments:Tools (a list of 'file.py:function')")
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
@@ -157,7 +163,10 @@ class Tools:
             raise UserError(f"environment_args.tool_schemas: expected one of {', '.join(TOOL_SCHEMAS)}, got {tool_schemas!r}")
         if isinstance(tools, str) or not isinstance(tools, (list, tuple)) or not tools or not all(isinstance(t, str) for t in tools):
             raise UserError(f"environment_args.tools: expected a list of tools ({TOOL_SPEC_FORMS}), got {tools!r}")
-        self.functions, schemas = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        if not isinstance(unsafe_python_without_isolation, bool):
+            raise UserError(f"environment_args.unsafe_python_without_isolation: expected true or false, got {unsafe_python_without_isolation!r}")
+        functions, schemas = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        self.functions = checked_for_isolation(functions, unsafe_python_without_isolation)
         self.tools = schemas if tool_schemas == "template" else None  # what the chat template gets as `tools=`
         self.schemas = schemas
         self.parser, note = resolve_parser(tool_parser, chat_template)

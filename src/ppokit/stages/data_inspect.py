@@ -12,7 +12,7 @@ from typing import Optional
 
 from ppokit.chat import Renderer
 from ppokit.config import DataConfig, PPOHyperparams, StageDataConfig
-from ppokit.data import load_records, preference_triples, sft_pairs
+from ppokit.data import Records, load_records, preference_triples, sft_pairs
 from ppokit.errors import UserError
 from ppokit.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt
 from ppokit.models import PositionLimit
@@ -35,7 +35,7 @@ def percentiles(values: list[int]) -> dict:
 
 
 def inspect_data(
-    path: str,
+    path: "str | Records",
     tokenizer=None,
     format: str = "auto",
     stage: Optional[str] = None,
@@ -46,14 +46,15 @@ def inspect_data(
     position_limit: Optional[PositionLimit] = None,
     response_length: Optional[int] = None,
 ) -> dict:
-    """-> a report dict. Limits of -1 mean the stage's default (`data.max_prompt_length` etc.).
+    """-> a report dict of `path` (a data source, or its Records already read in `format`). Limits of -1 mean the
+    stage's default (`data.max_prompt_length` etc.).
 
     With a tokenizer, rows go through the stages' own length rule (`data.encode_row`; PPO
     prompts: `data.truncate_prompt`), so the counts are what the stage will report. With the
     model's `position_limit`, rows whose sequence (PPO: prompt + `response_length`, default
     ppo.response_length's) would not fit the model are counted and the first is named.
     """
-    records = load_records(path, format)
+    records = path if isinstance(path, Records) else load_records(path, format)
     if stage is None and records.format == "messages" and not any(_ends_with_assistant(row) for row in records.rows):
         stage = "ppo"  # no conversation has an answer to train on: they are PPO prompts
     stage = stage or STAGE_OF_FORMAT.get(records.format, "sft")
@@ -95,7 +96,7 @@ def inspect_data(
                 shown.append({"prompt": _short(prompts[0]), **{k: _short(v[0]) for k, v in columns.items()}})
     else:
         items = sft_pairs(records) if stage == "sft" else preference_triples(records)
-        names = ("completion",) if stage == "sft" else ("chosen", "rejected")
+        names = COMPLETIONS[stage]
         for i, (prompt, *completions) in enumerate(items):
             where = records.where(i)
             if tokenizer is None:
@@ -115,8 +116,8 @@ def inspect_data(
                     sequences.append((where, max(len(s) for s in row.sequences)))
             if i < examples:
                 view = {"prompt": texts[0][0], **{name: completion_text for name, (_, completion_text) in zip(names, texts)}}
-                if tokenizer is not None and not row.dropped:
-                    view.update({f"{name}_tokens": tokenizer.decode(s) for name, s in zip(names, row.sequences)})
+                if tokenizer is not None and not row.dropped:  # what the model reads: prompt + completion + EOS, not the completion alone
+                    view.update({sequence_key(stage, name): tokenizer.decode(s) for name, s in zip(names, row.sequences)})
                 shown.append({k: _short(v) for k, v in view.items()})
     return {
         "source": records.source,
@@ -135,6 +136,17 @@ def inspect_data(
         "empty_cells": records.origin.empty_cells if records.origin is not None else None,
         "examples": shown,
     }
+
+
+COMPLETIONS = {"sft": ("completion",), "rm": ("chosen", "rejected")}  # the completions of a row of each stage's data
+
+
+def sequence_key(stage: str, name: str) -> str:
+    """An example's key for one whole sequence as the stage trains on it (`sequence`; rm: `chosen_sequence`, `rejected_sequence`)."""
+    return "sequence" if stage == "sft" else f"{name}_sequence"
+
+
+SEQUENCE_LEGEND = "the token ids the stage trains on, decoded: prompt + {} + EOS, after the length rule"
 
 
 def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]], stage: str, response_length: int,
@@ -197,4 +209,8 @@ def format_report(report: dict) -> str:
         lines.append(f"example {i}")
         for key, value in example.items():
             lines.append(f"  {key}: {value!r}")
+    names = COMPLETIONS.get(report["stage"], ())
+    keys = [sequence_key(report["stage"], name) for name in names]
+    if any(key in example for key in keys for example in report["examples"]):
+        lines.append(f"({', '.join(keys)}: {SEQUENCE_LEGEND.format(' / '.join(names))})")
     return "\n".join(lines)

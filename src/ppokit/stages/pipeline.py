@@ -21,10 +21,6 @@ from ppokit.config import PPOConfig, PipelineConfig, RMConfig, SFTConfig
 from ppokit.dataclass_config import apply_override, build, parse_override, read_yaml
 from ppokit.errors import UserError
 from ppokit.run_dir import check_output_dir, check_replaceable, check_run_folder, marker_kind
-from ppokit.stages.common import printer
-from ppokit.stages.rm import run_rm
-from ppokit.stages.sft import run_sft
-from ppokit.trainer import PPOTrainer
 
 STAGES = ("sft", "rm", "ppo")
 CONFIG_CLASSES = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
@@ -73,6 +69,11 @@ def completed_output(stage: str, output_dir: Path) -> Optional[Path]:
 
 
 def run_stage(stage: str, config, show_progress: bool, overwrite: bool = False) -> dict:
+    # The stages import torch and transformers: here, so that a mistake in the configs is answered before that.
+    from ppokit.stages.rm import run_rm
+    from ppokit.stages.sft import run_sft
+    from ppokit.trainer import PPOTrainer
+
     if stage == "sft":
         return run_sft(config, show_progress, overwrite)
     if stage == "rm":
@@ -99,7 +100,6 @@ def run_pipeline(
 ) -> dict:
     """Run (or skip) each stage in order; -> {stage: summary}, a skipped stage's summary has skipped=True.
     `overwrite`: a stage may replace an output folder that ppokit did not write."""
-    say = printer(show_progress, "pipeline")
     raw = dict(data or {})
     if path is not None:
         raw.update(read_yaml(path))
@@ -121,6 +121,9 @@ def run_pipeline(
                 check_replaceable(check_output_dir(config.output_dir), overwrite)
         except UserError as e:
             raise UserError(f"{stage}: {e}") from None
+    from ppokit.stages.common import printer
+
+    say = printer(show_progress, "pipeline")
     summaries: dict[str, dict] = {}
     earlier_ran = False
     for stage, config in configs.items():

