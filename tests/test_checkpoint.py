@@ -282,7 +282,7 @@ def test_resume_refuses_config_changes_that_change_the_result(model_dir, prompts
     assert trainer.state.update == 0  # nothing was loaded
 
     trainer.resume_from(saved, force=True)
-    assert trainer.state.update == 4 and trainer.state.episode == 32
+    assert trainer.state.update == 4 and trainer.state.episodes_sampled == 32
     assert trainer.kl_controller.value == json.loads((saved / "trainer_state.json").read_text())["kl_controller"]["value"]
     assert (tmp_path / "elsewhere" / "metrics.jsonl").read_text() == (saved / "metrics.jsonl").read_text()
 

@@ -238,6 +238,8 @@ def test_kept_requests_are_forgotten_and_released(policy, tokenizer, prompts):
     engine.forget(["a"])
     with pytest.raises(ValueError, match="'a', which is not kept"):
         engine.submit([Request("a2", list(prompts[0]) + done[0].token_ids, sampling, seed=1, continues="a")])
+    with pytest.raises(ValueError, match="'b', which another request continues already"):
+        engine.submit([Request(f"b{i}", list(prompts[1]) + done[1].token_ids, sampling, seed=i, continues="b") for i in range(2)])
     with pytest.raises(ValueError, match="does not start with"):
         engine.submit([Request("b2", list(prompts[0]) + done[1].token_ids, sampling, seed=1, continues="b")])
     engine.release()  # between rollouts: nothing kept
@@ -374,3 +376,16 @@ def test_a_cancelled_episode_stops_its_request(policy, tokenizer, prompts):
             return short
 
     assert asyncio.run(rollout()).finish_reason == "length" and engine.unfinished() == 0
+
+
+def test_under_the_training_precision_bf16_autocast(policy, tokenizer, prompts):
+    """Sampling under the training forward's precision (the trainer's sampling contexts enter autocast): the slots
+    hold the values autocast made (bfloat16; the keys come out of the rotary embedding in float32) and a request
+    is still the same alone and among others."""
+    autocast = lambda p: (torch.autocast("cpu", dtype=torch.bfloat16),)  # noqa: E731
+    target = Request("target", prompts[0], Sampling(10, 1.0, None), seed=7)
+    engine = engine_for(policy, tokenizer, sampling_contexts=autocast)
+    alone = complete(engine, [target])[0]
+    assert engine._decoder._decode.values[0].dtype == torch.bfloat16
+    crowded, _ = drive(engine_for(policy, tokenizer, sampling_contexts=autocast), {0: crowd(prompts, 5), 2: [target]})
+    assert (crowded["target"].token_ids, crowded["target"].logprobs) == (alone.token_ids, alone.logprobs)

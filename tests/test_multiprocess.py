@@ -709,6 +709,6 @@ def test_a_two_process_checkpoint_resumed_on_one_process_ends_at_total_episodes(
     trainer = PPOTrainer(PPOConfig.load(config, [f"output_dir={tmp_path / 'run'}", "ppo.num_sample_generations=0"]),
                          show_progress=False)
     trainer.resume_from(source / "checkpoints" / "update-2", force=True)
-    assert (trainer.state.update, trainer.state.episode, trainer.sizes.batch, trainer.sizes.num_updates) == (2, 32, 8, 6)
+    assert (trainer.state.update, trainer.state.episodes_sampled, trainer.sizes.batch, trainer.sizes.num_updates) == (2, 32, 8, 6)
     trainer.train()
     assert [(r["update"], r["episode"]) for r in _records(tmp_path / "run")] == [(1, 16), (2, 32), (3, 40), (4, 48), (5, 56), (6, 64)]

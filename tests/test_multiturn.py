@@ -199,19 +199,27 @@ def test_environment_failures_are_the_episodes_own(game_tokenizer):
     assert errors[1] == "environment script.py:Script: step raised KeyError: 'boom'; prompt 'second'"
     assert errors[2] is None
     assert torch.isnan(episodes.environment_rewards[:2]).all() and episodes.environment_rewards[2] == 1.0
+    # what the environment said travels with its rows: selected rows keep their own failures and transcripts
+    picked = episodes.select(torch.tensor([2, 0]))
+    assert picked.environment_errors == [errors[2], errors[0]] and picked.transcripts == [episodes.transcripts[2], episodes.transcripts[0]]
+    assert picked.environment_rewards[0] == 1.0 and picked.turns.tolist() == episodes.turns[[2, 0]].tolist()
 
 
 def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
-    from ppokit.config import RewardConfig, RolloutConfig
-    from ppokit.environments.episode_loop import turn_weight
+    """Refused when the config is read (`ppokit validate`, the plan, before any loading), not after the models load."""
+    from ppokit.config import PPOConfig
     from ppokit.errors import UserError
 
-    assert turn_weight(RolloutConfig(turn_rewards=False), RewardConfig()) is None
-    assert turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(functions=["length"], weights=[1.0, 3.0])) == 3.0
+    def config(*overrides):
+        return PPOConfig.load(None, ["model=m", "environment=envs.py:Env", "reward.functions=[length]", *overrides])
+
+    assert config().turn_weight is None
+    assert config("rollout.turn_rewards=true", "reward.weights=[1.0, 3.0]").turn_weight == 3.0
+    assert config("rollout.turn_rewards=true").turn_weight == 1.0
     with pytest.raises(UserError, match="reward.clip_range"):
-        turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(clip_range=[-1, 1]))
+        config("rollout.turn_rewards=true", "reward.clip_range=[-1, 1]")
     with pytest.raises(UserError, match="reward.normalize on the environment"):
-        turn_weight(RolloutConfig(turn_rewards=True), RewardConfig(functions=["length"], normalize=[False, True]))
+        config("rollout.turn_rewards=true", "reward.normalize=[false, true]")
 
 
 def test_chat_observations_use_the_template(game_tokenizer):

@@ -11,7 +11,7 @@ import pytest
 
 from ppokit.environments import EnvironmentFailure, EnvironmentRunner, load_environment
 from ppokit.environments.tools import ToolCall, load_tools, run_tool
-from ppokit.guards import TrainingInterrupted
+from ppokit.errors import TrainingInterrupted
 
 ENVS = '''
 class Halt(BaseException):
@@ -40,7 +40,7 @@ class StopsTheRun:
     def reset(self, row):
         return None
     def step(self, completion):
-        from ppokit.guards import TrainingInterrupted
+        from ppokit.errors import TrainingInterrupted
         raise TrainingInterrupted(2, 0, None, abandoned=True)
 
 class LongWelcome:
@@ -200,11 +200,13 @@ def test_the_loop_fails_only_the_episode_whose_reset_fills_the_budget(spec):
     runner = EnvironmentRunner(spec("LongWelcome"), load_environment(spec("LongWelcome")), {}, timeout_s=None)
     loop = EpisodeLoop(ScriptedEngine([seven, eos], tok.pad_token_id, eos), tok, runner, max_turns=2, max_episode_tokens=6,
                        pad_token_id=tok.pad_token_id)
-    rows = [{"prompt": "a", "welcome": 6}, {"prompt": "b", "welcome": 2}, {"prompt": "c", "welcome": 9}]
-    episodes = loop.sample([ids(tok, "the movie was")] * 3, rows, sampling(tok))
+    rows = [{"prompt": "a", "welcome": 6}, {"prompt": "b", "welcome": 2}, {"prompt": "c", "welcome": 9},
+            {"prompt": "d", "welcome": 700_000}]  # 3.5 million characters: cut to the room before it is tokenised
+    episodes = loop.sample([ids(tok, "the movie was")] * 4, rows, sampling(tok))
     errors, rewards = episodes.environment_errors, episodes.environment_rewards
     assert errors[0].startswith(f"environment {spec('LongWelcome')}: reset's observation fills the episode's whole budget")
     assert errors[0].endswith("; prompt 'a'") and errors[1] is None
     assert "reset's observation fills" in errors[2] and errors[2].endswith("; prompt 'c'")
-    assert episodes.model_tokens.tolist() == [0, 2, 0] and torch.isnan(rewards[[0, 2]]).all() and rewards[1] == 1.0
+    assert "reset's observation fills" in errors[3] and errors[3].endswith("; prompt 'd'")
+    assert episodes.model_tokens.tolist() == [0, 2, 0, 0] and torch.isnan(rewards[[0, 2, 3]]).all() and rewards[1] == 1.0
     assert episodes.loss_mask[1].sum() == 2

@@ -385,3 +385,22 @@ def test_a_pad_token_outside_the_models_vocabulary_pads_with_one_it_has(model_di
             setattr(getattr(config, section) if section else config, field, int(value) if value.isdigit() else value)
         with pytest.raises(UserError, match=re.escape(message)):
             PPOTrainer(config, show_progress=False)
+
+
+def test_the_trainers_jobs_never_reach_back_into_it():
+    """Set-up, the rollout, evaluation and saving take what they need (`ppokit.parts.Parts`, its pieces): none imports
+    the trainer, so none can call back into it; the trainer stays the run's life, within 300 lines."""
+    import ast
+    from pathlib import Path
+
+    import ppokit
+
+    package = Path(ppokit.__file__).parent
+    for name in ("parts", "rollout", "evaluation", "saving", "experience", "guards"):
+        tree = ast.parse((package / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+                   {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {f"ppokit.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "ppokit" for a in n.names}
+        assert "ppokit.trainer" not in imported, name
+    assert len((package / "trainer.py").read_text().splitlines()) <= 300
+

@@ -449,7 +449,7 @@ def place_turn_rewards(rewards: torch.Tensor, score_index: torch.Tensor, summed:
     (B,) long; summed: (B,) the environment's step rewards summed per episode (NaN where it failed: that row is out
     of the update, nothing is moved); per_turn: (B, T) each step's reward at the last token of its turn
     -> (B, T): r - weight * summed at score_index, + weight * per_turn everywhere. Exact while the score is a plain
-    weighted sum (no normalisation or clipping of the environment's part: `episode_loop.turn_weight` refuses them).
+    weighted sum (no normalisation or clipping of the environment's part: the config refuses them: `PPOConfig.turn_weight`).
     """
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     moved = rewards.clone()

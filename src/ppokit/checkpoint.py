@@ -508,7 +508,7 @@ def load_checkpoint(
         apply_forced_hyperparameters(parts, config)
 
     if accelerator.is_main_process:
-        at_end = saved.state.episode >= run.batch * run.num_updates  # then final/ is this timeline's own model
+        at_end = saved.state.episodes_sampled >= run.batch * run.num_updates  # then final/ is this timeline's own model
         _restore_run_files(path, Path(run.output_dir), saved.state.update, keep_final=at_end)
     accelerator.wait_for_everyone()
     set_rng_state(saved.rng[accelerator.process_index % len(saved.rng)])
@@ -519,9 +519,9 @@ def continued_updates(total_episodes: int, batch: int, state: TrainingState, pat
     """The number of updates of a run resumed at `state`: the checkpoint's plus those of the episodes left at
     this run's `batch`, so that it ends at ppo.total_episodes also when the batch differs from the checkpoint's
     (another process count, under --resume-force). total_episodes // batch for the same batch."""
-    left = total_episodes - state.episode
+    left = total_episodes - state.episodes_sampled
     if left < 0 or left % batch:
-        raise UserError(f"resume from {path}: {state.episode} of ppo.total_episodes={total_episodes} episodes are done, and "
+        raise UserError(f"resume from {path}: {state.episodes_sampled} of ppo.total_episodes={total_episodes} episodes are done, and "
                         f"the {left} left are not a whole number of this run's updates of {batch} episodes; "
                         "change ppo.total_episodes or the batch size so that they are")
     return state.update + left // batch

@@ -602,9 +602,33 @@ class PPOConfig:
         self._validate_report_to()
         return self
 
+    @property
+    def response_room(self) -> int:
+        """Tokens after the prompt an episode may take: ppo.response_length for one response; with an environment
+        rollout.max_episode_tokens (default max_turns x response_length). What the budget and position checks read."""
+        if self.environment is None:
+            return self.ppo.response_length
+        rollout = self.rollout
+        return rollout.max_episode_tokens if rollout.max_episode_tokens is not None else rollout.max_turns * self.ppo.response_length
+
+    @property
+    def turn_weight(self) -> Optional[float]:
+        """The environment's weight in reward.weights (the last) when its step rewards are placed per turn
+        (rollout.turn_rewards: `experience.rewards`), else None."""
+        if not self.rollout.turn_rewards:
+            return None
+        return float(self.reward.weights[-1]) if self.reward.weights is not None else 1.0
+
     def _validate_environment(self) -> None:
-        """Keys of multi-turn episodes set without an environment would never be read: refused."""
+        """Keys of multi-turn episodes set without an environment would never be read: refused. Turn rewards move the
+        environment's part of the score to its turns, which is exact only while the score is a plain weighted sum."""
         if self.environment is not None:
+            reward = self.reward
+            normalize = reward.normalize[-1] if isinstance(reward.normalize, list) else reward.normalize
+            if self.rollout.turn_rewards and (normalize or reward.clip_range is not None):
+                which = "reward.normalize on the environment" if normalize else "reward.clip_range"
+                raise UserError(f"rollout.turn_rewards places each step reward at its turn, which needs the score to be a plain weighted "
+                                f"sum; {which} changes it as a whole; turn one of them off")
             return
         needs = [("environment_args", self, "environment_args"), ("environment_timeout_s", self, "environment_timeout_s"),
                  ("rollout.max_episode_tokens", self.rollout, "max_episode_tokens"), ("rollout.turn_rewards", self.rollout, "turn_rewards")]

@@ -208,29 +208,29 @@ def rollback_file(run_folder: Path, process_index: int) -> Path:
     return Path(run_folder) / ".rollback" / f"process-{process_index}.pt"
 
 
-def guarded_update(step: Callable[[], dict], snapshot: UpdateSnapshot, state, *, steps_per_update: int, episodes: int,
+def guarded_update(update: Callable[[], dict], snapshot: UpdateSnapshot, state, *, optimiser_steps: int, episodes: int,
                    rolled_back: bool, started: float, say: Callable[[str], None]) -> dict:
-    """`step()`, one update, under the non-finite guard -> its record. An update whose score is NaN or infinite, whose
+    """`update()`, one update, under the non-finite guard -> its record. An update whose score is NaN or infinite, whose
     every optimiser step had a non-finite loss or gradient, or (ppo.nonfinite_rollback memory/disk: `rolled_back`) any
-    step did, goes back to `snapshot` with the schedule moved on by its `steps_per_update`, is counted in `state`'s
+    step did, goes back to `snapshot` with the schedule moved on by its `optimiser_steps`, is counted in `state`'s
     skipped updates (its batch of `episodes` is not retried: the data position moves on) and recorded as
     `nonfinite/<quantity>`. A UserError (scoring fails before any optimiser step) goes back to the snapshot and to the
     random states of the update's start, so that a checkpoint written now is the last complete update's.
     started: when the update began (perf_counter); say: a line for the user."""
     rng = random_states.rng_state()
     try:
-        record = step()
+        record = update()
     except UserError:
         snapshot.restore(scheduler_steps=0)
         random_states.set_rng_state(rng)
         raise
     except NonFiniteUpdate as bad:
-        snapshot.restore(scheduler_steps=steps_per_update)
+        snapshot.restore(scheduler_steps=optimiser_steps)
         snapshot.model.train()
         state.count_skipped(str(bad), episodes)
         say(f"update {state.update}: skipped{' and rolled back' if rolled_back else ''}, {bad}")
         return {
-            "update": state.update, "episode": state.episode, f"nonfinite/{bad.quantity}": 1,
+            "update": state.update, "episode": state.episodes_sampled, f"nonfinite/{bad.quantity}": 1,
             "skipped_updates": state.skipped_updates, "time/update": time.perf_counter() - started,
         }
     finally:

@@ -103,13 +103,13 @@ def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, *, num_up
     (`build_optimiser`). The memory-light LM head (lm_head_chunk_size) and the compiled forward (`compile`) read the
     logits from the last hidden state: the policy's and the reference's output heads are checked for it first
     (`models.check_output_head`). unwrap: the module under the strategy's wrapping."""
+    trainable = PolicyAndValue(built.policy, built.value, lm_head_chunk_size).train()
     switch = "lm_head_chunk_size" if lm_head_chunk_size else "compile" if compile else None
     for role in (built.policy, built.reference) if switch else ():
         if role is not None:
             check_output_head(role, switch)
     steps = num_updates * hp.num_ppo_epochs * hp.num_mini_batches
-    model, optimizer, scheduler = strategy.prepare(PolicyAndValue(built.policy, built.value, lm_head_chunk_size).train(),
-                                                   lambda m: build_optimiser(m, hp, steps))
+    model, optimizer, scheduler = strategy.prepare(trainable, lambda m: build_optimiser(m, hp, steps))
     if compile:
         unwrap(model).use_compiled_backbones()
     return model, optimizer, scheduler

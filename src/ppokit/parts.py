@@ -26,7 +26,7 @@ from torch import nn
 
 from ppokit import algo, batching, engines, parallel, roles, run_dir, trackers
 from ppokit.config import BatchSizes, PPOConfig
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_setup, episode_source, response_room, turn_weight
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_setup, episode_source
 from ppokit.models import input_pad_id, policy_tokenizer, resolve_stop_token
 from ppokit.optimise import prepare_training
 from ppokit.prompts import PromptDataset, check_prompts_fit, encode_prompts, load_prompt_data
@@ -108,7 +108,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     limit = config.data.max_prompt_length
     train_query_ids = encode_prompts(tokenizer, train_data, limit, "data.train", say)
     eval_query_ids = encode_prompts(tokenizer, eval_data, limit, "data.eval", say) if eval_data else None
-    room = response_room(config.rollout, config.environment, config.ppo.response_length)  # tokens after the prompt
+    room = config.response_room  # tokens after the prompt
     batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], room)
 
     scorer = build_scorer(
@@ -142,14 +142,14 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
     source = episode_source(  # decided once: the episode loop over the engine (one turn per prompt without an environment)
-        engine, conversation, rollout=config.rollout, response_length=config.ppo.response_length, pad_token_id=pad_id,
-        device=accelerator.device)
+        engine, conversation, max_turns=config.rollout.max_turns, max_episode_tokens=room,
+        max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, device=accelerator.device)
     rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce,
                       seed=config.seed, process_index=accelerator.process_index)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_id, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,
-        turn_weight(config.rollout, config.reward), algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce,
+        config.turn_weight, algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce,
     )
 
 

@@ -9,7 +9,7 @@ largest of three phases that never overlap: sampling (KV cache), the no-gradient
 (reference, value, reward) and training (policy and value activations of one micro-batch), plus
 what the rollout engine holds of its own during each (`engines.EngineMemory`: vLLM's weight copy and
 KV cache). A sequence is the longest prompt + the room after it: ppo.response_length, or a multi-turn
-episode's budget (`episode_loop.response_room`, as the trainer reads it).
+episode's budget (`PPOConfig.response_room`, as the trainer reads it).
 
 It is per device, for `processes` processes (WORLD_SIZE, or `ppokit plan --processes N`), under
 both parallel strategies: ddp holds every role whole on each device; fsdp holds 1/N of each
@@ -33,7 +33,6 @@ from torch import nn
 
 from ppokit import engines
 from ppokit.config import BatchSizes, LoraConfig, PPOConfig
-from ppokit.environments.episode_loop import response_room
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
@@ -412,8 +411,8 @@ def micro_batch_shape(config: PPOConfig, seq: int, room: int) -> tuple[int, int]
 
 def sequence_room(config: PPOConfig) -> tuple[int, str, str]:
     """(tokens after the prompt, what they are, the key that sets them): ppo.response_length, or with an environment
-    the episode's budget, model turns and observations together (`episode_loop.response_room`, as the trainer reads it)."""
-    room = response_room(config.rollout, config.environment, config.ppo.response_length)
+    the episode's budget, model turns and observations together (`PPOConfig.response_room`, as the trainer reads it)."""
+    room = config.response_room
     if config.environment is None:
         return room, "response", "ppo.response_length"
     return room, "episode", "rollout.max_episode_tokens" if config.rollout.max_episode_tokens else "rollout.max_turns x ppo.response_length"

@@ -17,7 +17,7 @@ from ppokit.errors import UserError
 @dataclass
 class TrainingState:
     update: int = 0  # updates done (skipped ones included): the data position
-    episode: int = 0  # episodes sampled so far, over every process
+    episodes_sampled: int = 0  # episodes sampled so far, over every process (the `episode` metric; "episode" in trainer_state.json)
     skipped_updates: int = 0  # updates rolled back for a non-finite score, loss or gradient
     skipped_in_a_row: int = 0
     records: list[dict] = field(default_factory=list)  # metric records of updates 1..update
@@ -27,7 +27,7 @@ class TrainingState:
         """An update rolled back and skipped (`reason`: what it found): the data position and the episode count move
         on past its batch of `episodes`, as after a trained one."""
         self.update += 1
-        self.episode += episodes
+        self.episodes_sampled += episodes
         self.skipped_updates += 1
         self.skipped_in_a_row += 1
         self.last_nonfinite = reason
@@ -41,7 +41,7 @@ class TrainingState:
         """Everything but the records (those go to the checkpoint's metrics.jsonl)."""
         return {
             "update": self.update,
-            "episode": self.episode,
+            "episode": self.episodes_sampled,
             "skipped_updates": self.skipped_updates,
             "skipped_in_a_row": self.skipped_in_a_row,
             "last_nonfinite": self.last_nonfinite,
@@ -51,11 +51,12 @@ class TrainingState:
     def from_counters(cls, saved: dict, records: list[dict], source: str) -> "TrainingState":
         """The inverse of `counters`; a missing key or a value of the wrong type is a UserError naming `source`."""
         values = {}
-        for key in ("update", "episode", "skipped_updates", "skipped_in_a_row"):
+        for key, field_name in (("update", "update"), ("episode", "episodes_sampled"), ("skipped_updates", "skipped_updates"),
+                                ("skipped_in_a_row", "skipped_in_a_row")):
             value = saved.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UserError(f"{source}: {key} must be a non-negative integer, got {value!r}")
-            values[key] = value
+            values[field_name] = value
         last = saved.get("last_nonfinite")
         if last is not None and not isinstance(last, str):
             raise UserError(f"{source}: last_nonfinite must be text or null, got {last!r}")

@@ -141,12 +141,12 @@ class PPOTrainer:
 
         # 7. log
         state.update += 1
-        state.episode += parts.sizes.batch
+        state.episodes_sampled += parts.sizes.batch
         objective = objective_metrics(episodes, kl, non_score, episodes.valid, kl_coef, reduce)
         parts.kl_controller.update(objective["objective/kl"], parts.sizes.batch)
         elapsed = t_train - t0
         record = {
-            "update": state.update, "episode": state.episode, **objective, **mismatch, **train_stats, **scored.metrics, "lr": lrs[0],
+            "update": state.update, "episode": state.episodes_sampled, **objective, **mismatch, **train_stats, **scored.metrics, "lr": lrs[0],
             **({"lr/value": lrs[1]} if hp.vf_learning_rate is not None or hp.critic_warmup_updates else {}),
             "eps": parts.sizes.batch / elapsed, "time/generation": t_generate - t0, "time/scoring": t_score - t_generate,
             "time/forward": t_forward - t_score, "time/training": t_train - t_forward, "time/update": elapsed,
@@ -247,7 +247,7 @@ class PPOTrainer:
         hp, started = self.config.ppo, time.perf_counter()
         snapshot = UpdateSnapshot(self.model, self.optimizer, self.scheduler, hp.rollback,
                                   rollback_file(self.saving.files(), self.accelerator.process_index))
-        return guarded_update(self.step, snapshot, self.state, steps_per_update=hp.num_ppo_epochs * hp.num_mini_batches,
+        return guarded_update(self.step, snapshot, self.state, optimiser_steps=hp.num_ppo_epochs * hp.num_mini_batches,
                               episodes=self.sizes.batch, rolled_back=hp.rollback != "off", started=started, say=self._progress)
 
     def _stop_if_asked(self, signals: StopSignals) -> None:
@@ -286,7 +286,7 @@ class PPOTrainer:
         """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows
         (score None for a row no reward source could score under reward.on_error=skip)."""
         return evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples,
-                                      self._last_batch, update=self.state.update, episode=self.state.episode)
+                                      self._last_batch, update=self.state.update, episode=self.state.episodes_sampled)
 
     def save_checkpoint(self) -> Path:
         """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""

@@ -118,6 +118,10 @@ class Completion:
     finish_reason: str
     cached_tokens: int = 0
 
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"request {self.request_id!r}: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
+
 
 def request_seed(*key: int) -> int:
     """A request's seed from a key of integers, e.g. (run seed, update, row, turn): the same key, the same seed on any

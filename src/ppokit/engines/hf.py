@@ -84,8 +84,7 @@ class HFEngine:
         seeded = [r for r in requests if r.seed is not None]
         if seeded:
             decoder = self._slots()
-            for request in seeded:  # all refused before any is queued
-                decoder.check(request)
+            decoder.check(seeded)  # all refused before any is queued
             decoder.queue.extend(seeded)
         batches: dict[Sampling, list[Request]] = {}
         for request in requests:

@@ -159,8 +159,14 @@ class SlotDecoder:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def check(self, request: Request) -> None:
-        """Refuse what the decoder cannot serve, before it is queued."""
+    def check(self, requests: list[Request]) -> None:
+        """Refuse what the decoder cannot serve, before any of `requests` is queued."""
+        continued = {queued.continues for queued in self.queue} - {None}
+        for request in requests:
+            self._check(request, continued)
+            continued.add(request.continues)
+
+    def _check(self, request: Request, continued: set) -> None:
         if len(request.prompt) + request.sampling.max_new_tokens > self.capacity:
             raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
                              f"({request.sampling.max_new_tokens}) is over the engine's {self.capacity} positions per sequence")
@@ -169,6 +175,8 @@ class SlotDecoder:
             if kept is None:
                 raise ValueError(f"request {request.request_id!r} continues {request.continues!r}, which is not kept "
                                  "(never submitted with keep, continued already, forgotten or released)")
+            if request.continues in continued:
+                raise ValueError(f"request {request.request_id!r} continues {request.continues!r}, which another request continues already")
             if list(request.prompt[: len(kept.tokens)]) != kept.tokens or len(request.prompt) <= len(kept.tokens) - 1:
                 raise ValueError(f"request {request.request_id!r}: its prompt does not start with the prompt + completion of "
                                  f"{request.continues!r}, which it continues")
@@ -266,13 +274,11 @@ class SlotDecoder:
 
     def _decode_step(self, model) -> list[Completion]:
         """One forward of every slot: each running request's next token in (a prompt token or the last it sampled)."""
-        tokens = torch.full((self.slots, 1), self.pad_token_id, dtype=torch.long)
-        positions = torch.zeros((self.slots, 1), dtype=torch.long)
-        for i, slot in enumerate(self.running):
+        inputs = [(slot.next_input(), slot.fed) if slot is not None else (self.pad_token_id, 0) for slot in self.running]
+        for slot in self.running:
             if slot is not None:
-                tokens[i, 0], positions[i, 0] = slot.next_input(), slot.fed
                 slot.fed += 1
-        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        tokens, positions = torch.tensor(inputs, dtype=torch.long, device=self.device).unsqueeze(-1).unbind(1)
         if self._decode is None:
             self._decode = SlotCache(self.slots, self.capacity)
         self._decode.write_at = positions
@@ -315,25 +321,21 @@ class SlotDecoder:
         """(rows, V) logits -> each running row's next token and its logprob at its temperature (of the full
         distribution), appended to it. Every operation covers all rows at once, whatever is running in them."""
         running = [(i, r) for i, r in enumerate(rows) if r is not None]
-        temperature = torch.ones(len(rows), 1, device=logits.device)
-        for i, r in running:
-            temperature[i] = r.request.sampling.temperature
+        how = [r.request.sampling if r is not None else None for r in rows]
+        temperature = torch.tensor([[h.temperature if h is not None else 1.0] for h in how], device=logits.device)
         step_logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
         draw_from = step_logprobs
-        sampled = [(i, r) for i, r in running if not r.request.sampling.greedy]
-        for cut in {(r.request.sampling.top_k, r.request.sampling.top_p, r.request.sampling.min_p) for _, r in sampled}:
-            if cut == (0, 1.0, 0.0):
-                continue
-            these = torch.zeros(len(rows), 1, dtype=torch.bool, device=logits.device)
-            for i, r in sampled:
-                these[i] = (r.request.sampling.top_k, r.request.sampling.top_p, r.request.sampling.min_p) == cut
+        cuts = [(h.top_k, h.top_p, h.min_p) if h is not None and not h.greedy else None for h in how]
+        for cut in set(cuts) - {None, (0, 1.0, 0.0)}:
+            these = torch.tensor([[c == cut] for c in cuts], device=logits.device)
             draw_from = torch.where(these, truncate_distribution(step_logprobs, *cut), draw_from)
         noise = torch.ones_like(step_logprobs)
-        for i, r in sampled:
-            noise[i].exponential_(generator=r.generator)
+        for i, r in running:
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
         probs = draw_from.exp()
         race = torch.where(probs > 0, probs / noise, torch.zeros_like(probs)).argmax(-1)
-        greedy = torch.tensor([r is not None and r.request.sampling.greedy for r in rows], device=logits.device)
+        greedy = torch.tensor([h is not None and h.greedy for h in how], device=logits.device)
         tokens = torch.where(greedy, step_logprobs.argmax(-1), race)
         chosen = step_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         tokens, chosen = tokens.tolist(), chosen.tolist()

@@ -10,7 +10,7 @@
 
 from ppokit.environments.base import (
     Environment,
-    EnvironmentEpisode,
+    EpisodeEnvironment,
     EnvironmentFailure,
     EnvironmentRunner,
     EnvironmentTimeout,
@@ -23,7 +23,7 @@ from ppokit.environments.tool_parsers import PARSERS, BadToolCall, ToolCall, res
 from ppokit.environments.tools import Tools, load_tools, parse_tool_calls, run_tool, tool_schemas
 
 __all__ = [
-    "Environment", "EnvironmentEpisode", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
+    "Environment", "EpisodeEnvironment", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
     "load_environment",
     "GuessNumber", "guess_rows", "guess_transcripts",
     "execute_python", "run_python",

@@ -110,7 +110,7 @@ class EnvironmentRunner:
 
         runner = EnvironmentRunner.from_config(spec, args, timeout_s, base_dir)
         runner.tools, runner.observation_role           # for rendering prompts and observations
-        episodes = runner.start_many(rows, prompts)     # per row: an EnvironmentEpisode or an EnvironmentFailure
+        episodes = runner.start_many(rows, prompts)     # per row: an EpisodeEnvironment or an EnvironmentFailure
         steps = runner.step_many(episodes, completions) # per episode: a Step or an EnvironmentFailure
     """
 
@@ -143,7 +143,7 @@ class EnvironmentRunner:
 
     # ------------------------------------------------------------------ one episode at a time
 
-    def start(self, row: dict, prompt: Optional[str] = None) -> "EnvironmentEpisode":
+    def start(self, row: dict, prompt: Optional[str] = None) -> "EpisodeEnvironment":
         """A new instance for one episode, reset on `row`; `prompt` names the episode in errors."""
 
         def make_and_reset():
@@ -151,19 +151,19 @@ class EnvironmentRunner:
             return env, self.settled(env.reset(dict(row)))
 
         env, observation = self._call(make_and_reset, "reset", prompt)
-        episode = EnvironmentEpisode(self, env, prompt)
+        episode = EpisodeEnvironment(self, env, prompt)
         episode.first = self._check_observation(env, observation, "reset", prompt)
         return episode
 
     # ------------------------------------------------------------------ many episodes at once
 
     def start_many(self, rows: list[dict], prompts: Optional[list[str]] = None) -> list:
-        """`start` for every row, the calls running side by side; per row an EnvironmentEpisode or the
+        """`start` for every row, the calls running side by side; per row an EpisodeEnvironment or the
         EnvironmentFailure it raised (the caller applies reward.on_error)."""
         prompts = prompts if prompts is not None else [None] * len(rows)
         return self._side_by_side([lambda r=r, p=p: self.start(r, p) for r, p in zip(rows, prompts)])
 
-    def step_many(self, episodes: list["EnvironmentEpisode"], completions: list[str], render: Optional[list] = None) -> list:
+    def step_many(self, episodes: list["EpisodeEnvironment"], completions: list[str], render: Optional[list] = None) -> list:
         """episode.step(completion, render) for each, side by side; per episode a Step or an EnvironmentFailure.
         render: per episode None or a function of its Step run within the same deadline (what the model reads of
         the observation: `Step.rendered`)."""
@@ -261,7 +261,7 @@ class EnvironmentRunner:
         return step
 
 
-class EnvironmentEpisode:
+class EpisodeEnvironment:
     """One episode's environment instance. `first`: reset's observation as a Step (reward 0, not done)."""
 
     def __init__(self, runner: EnvironmentRunner, env: Any, prompt: Optional[str]):

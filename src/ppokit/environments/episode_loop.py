@@ -85,13 +85,13 @@ class EpisodeSeeds:
 
 
 @dataclass
-class _Episode:
+class _EpisodeBuffer:
     """One episode while it runs: its prompt, its spans after it (model turns and observations), its last request."""
 
     row: int
     prompt: list[int]
     text: str  # the data row's prompt, naming the episode in error lines
-    environment: Any = None  # the runner's EnvironmentEpisode
+    environment: Any = None  # the runner's EpisodeEnvironment
     spans: list[Span] = field(default_factory=list)
     length: int = 0  # tokens after the prompt
     turns: int = 0
@@ -120,7 +120,7 @@ class EpisodeLoop:
     """Runs the episodes of a rollout over a rollout engine, each advancing on its own (see the module docstring).
 
     engine: a `RolloutEngine` (requests: submit / step / abort / forget / serving). tokenizer: the policy's. runner: the
-    environment's (`ppokit.environments.EnvironmentRunner`: `start(row, prompt)` -> an EnvironmentEpisode with `.first`;
+    environment's (`ppokit.environments.EnvironmentRunner`: `start(row, prompt)` -> an EpisodeEnvironment with `.first`;
     its `step(completion, render)` -> a Step with `rendered`, what render made of it under the same deadline;
     `side_by_side()` runs them; failures are EnvironmentFailures); None: one model turn per prompt, no environment.
     max_turns / max_episode_tokens: rollout.max_turns and the response region's budget (model turns + observations;
@@ -145,13 +145,13 @@ class EpisodeLoop:
         if self.runner is not None and seeds is None:
             seeds = EpisodeSeeds.drawn()
         seeds = seeds if self.runner is not None else None
-        episodes = [_Episode(i, list(p), str(row.get("prompt", ""))) for i, (p, row) in enumerate(zip(prompts, rows))]
+        episodes = [_EpisodeBuffer(i, list(p), str(row.get("prompt", ""))) for i, (p, row) in enumerate(zip(prompts, rows))]
         waiting = deque(zip(episodes, rows))
         calls = self.runner.side_by_side() if self.runner is not None else None
         tag = f"episode-{next(self._rollouts)}"
         in_flight, ready, asked = 0, [], {}
 
-        def end(episode: _Episode) -> None:
+        def end(episode: _EpisodeBuffer) -> None:
             nonlocal in_flight
             episode.running, in_flight = False, in_flight - 1
             if episode.kept:
@@ -204,10 +204,10 @@ class EpisodeLoop:
 
     # ------------------------------------------------------------------ one episode's events
 
-    def _room(self, episode: _Episode) -> float:
+    def _room(self, episode: _EpisodeBuffer) -> float:
         return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - episode.length
 
-    def _request(self, episode: _Episode, sampling: "Sampling", seeds: Optional[EpisodeSeeds], tag: str) -> Request:
+    def _request(self, episode: _EpisodeBuffer, sampling: "Sampling", seeds: Optional[EpisodeSeeds], tag: str) -> Request:
         """The episode's next model turn as a request: its context so far, at most the room left, seeded by its key; the
         engine keeps its keys and values when another turn may follow, and continues from the last turn's."""
         budget = int(min(sampling.max_new_tokens, self._room(episode)))
@@ -219,7 +219,7 @@ class EpisodeLoop:
         return Request(request_id, episode.context(), sampling if budget == sampling.max_new_tokens else replace(sampling, max_new_tokens=budget),
                        seed=seed, keep=keep, continues=continues)
 
-    def _started(self, episode: _Episode, started) -> bool:
+    def _started(self, episode: _EpisodeBuffer, started) -> bool:
         """The episode's environment made and reset (or the failure it raised) -> whether its first turn may be asked for."""
         if isinstance(started, BaseException):
             episode.fail(str(started))
@@ -238,7 +238,7 @@ class EpisodeLoop:
                 return False
         return True
 
-    def _turn(self, episode: _Episode, completion: "Completion"):
+    def _turn(self, episode: _EpisodeBuffer, completion: "Completion"):
         """A completed request is the episode's next model turn -> the environment call that answers it (its step,
         with the observation's rendering when another turn may follow), or None when the episode ends with it."""
         ids, logprobs, room = completion.token_ids, completion.logprobs, self._room(episode)
@@ -256,7 +256,7 @@ class EpisodeLoop:
         more = episode.turns < self.max_turns and not episode.truncated
         return partial(episode.environment.step, text, self._render(episode) if more else None)
 
-    def _answered(self, episode: _Episode, value) -> bool:
+    def _answered(self, episode: _EpisodeBuffer, value) -> bool:
         """An environment call returned (reset: `_started`; step: its Step, or the failure) -> whether the episode's next
         turn may be asked for."""
         if episode.environment is None:
@@ -275,7 +275,7 @@ class EpisodeLoop:
             self._observe(episode, value.rendered)
         return episode.running
 
-    def _observe(self, episode: _Episode, observation: Observation) -> None:
+    def _observe(self, episode: _EpisodeBuffer, observation: Observation) -> None:
         """Append an observation's tokens (`ConversationRenderer.first` or `.observation`), cut to the room left (the
         episode then ends, truncated); its transcript entries say what the model read."""
         ids, said = observation.ids, observation.said
@@ -287,7 +287,7 @@ class EpisodeLoop:
         episode.add(Span(list(ids)))
         episode.transcript += said
 
-    def _render(self, episode: _Episode):
+    def _render(self, episode: _EpisodeBuffer):
         """What the observation after the episode's last turn reads as (run by the runner within the step's deadline)."""
         stopped, room = episode.last_turn_stopped, self._room(episode)
         return lambda step: self.renderer.observation(step.messages, step.observation, stopped, room)
@@ -300,7 +300,7 @@ class EpisodeLoop:
                 f"{self.max_episode_tokens} tokens after the prompt) and leaves no room for a model turn; shorten the observation or "
                 f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
-    def _packed(self, episodes: list[_Episode]) -> "Episodes":
+    def _packed(self, episodes: list[_EpisodeBuffer]) -> "Episodes":
         said = None if self.runner is None else [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript) for e in episodes]
         ended = [e.done or (e.last_turn_stopped and not e.truncated) for e in episodes]
         return pack([e.prompt for e in episodes], [e.spans for e in episodes], ended, self.pad_token_id, self.device, said)
@@ -351,37 +351,16 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
     return Conversation(renderer, runner, template)
 
 
-def episode_source(engine: "RolloutEngine", conversation: Conversation, *, rollout, response_length: int, pad_token_id: int,
-                   device=None) -> EpisodeLoop:
+def episode_source(engine: "RolloutEngine", conversation: Conversation, *, max_turns: int, max_episode_tokens: int,
+                   max_concurrent: Optional[int], pad_token_id: int, device=None) -> EpisodeLoop:
     """What the trainer samples its episodes from, decided once: the `EpisodeLoop` over the engine, with the conversation's
-    environment (one turn per prompt without one) and renderer, the `rollout:` section's turns, budget (max_episode_tokens,
-    default max_turns x response_length) and bound on the episodes in flight (max_concurrent_episodes)."""
-    budget = None if conversation.runner is None else response_room(rollout, conversation.runner.spec, response_length)
-    return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=rollout.max_turns, max_episode_tokens=budget,
-                       pad_token_id=pad_token_id, renderer=conversation.renderer, max_concurrent=rollout.max_concurrent_episodes, device=device)
-
-
-def response_room(rollout, environment: Optional[str], response_length: int) -> int:
-    """Tokens after the prompt an episode may take: ppo.response_length for one response; with an environment
-    rollout.max_episode_tokens (default max_turns x response_length). What the budget and position checks use."""
-    if environment is None:
-        return response_length
-    return rollout.max_episode_tokens if rollout.max_episode_tokens is not None else rollout.max_turns * response_length
-
-
-def turn_weight(rollout, reward) -> Optional[float]:
-    """The environment's weight when its step rewards are placed per turn (rollout.turn_rewards: `experience.rewards`),
-    else None.
-    Moving them is exact only while the score is a plain weighted sum: a normalised environment source or
-    reward.clip_range with turn rewards is refused."""
-    if not rollout.turn_rewards:
-        return None
-    normalize = reward.normalize[-1] if isinstance(reward.normalize, list) else reward.normalize
-    if normalize or reward.clip_range is not None:
-        which = "reward.normalize on the environment" if normalize else "reward.clip_range"
-        raise UserError(f"rollout.turn_rewards places each step reward at its turn, which needs the score to be a plain weighted "
-                        f"sum; {which} changes it as a whole; turn one of them off")
-    return float(reward.weights[-1]) if reward.weights is not None else 1.0
+    environment (one turn per prompt without one) and renderer, at most `max_turns` turns (rollout.max_turns) within the
+    episode's token budget (`PPOConfig.response_room`), at most `max_concurrent` episodes in flight
+    (rollout.max_concurrent_episodes)."""
+    environment = conversation.runner is not None
+    return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=max_turns if environment else 1,
+                       max_episode_tokens=max_episode_tokens if environment else None, pad_token_id=pad_token_id,
+                       renderer=conversation.renderer, max_concurrent=max_concurrent, device=device)
 
 
 def data_rows(prompts: list[str], columns: dict[str, list]) -> list[dict]:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
-from ppokit.errors import UserError
+from ppokit.errors import TrainingInterrupted, UserError
 from ppokit.user_code import load_attribute
 
 
@@ -254,12 +254,10 @@ def code_raised(error: BaseException, call: Optional[ThreadCall] = None) -> bool
     """Whether `error`, caught around user code (an environment, a tool), is that code's own failure rather than a
     stop request that reached it. Code run by `call` (a ThreadCall) raised it itself: signals reach the main
     thread only, so even a KeyboardInterrupt from its thread is the code's. Code run in the caller's thread
-    (call None): ppokit's own stop (a second SIGINT/SIGTERM, `guards.TrainingInterrupted`) is never the code's, and
+    (call None): ppokit's own stop (a second SIGINT/SIGTERM, `errors.TrainingInterrupted`) is never the code's, and
     a KeyboardInterrupt is the code's own only where SIGINT cannot raise one (its handler is not Python's default)."""
     if call is not None:
         return call.raised(error)
-    from ppokit.guards import TrainingInterrupted
-
     if isinstance(error, TrainingInterrupted):
         return False
     if isinstance(error, KeyboardInterrupt):
