@@ -30,9 +30,9 @@ def _ppo(args) -> int:
     if resume is not None and args.overwrite:
         raise UserError("--resume continues the run in output_dir and --overwrite replaces it: give one of them")
     run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process(), overwrite=args.overwrite)
-    from ppokit import checkpoint  # torch: only once the config and the run folder are known to be good
-
     try:
+        from ppokit import checkpoint  # torch: only once the config and the run folder are known to be good
+
         run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
         for note in run.notes:
             print(f"ppokit: {note}", file=sys.stderr)
@@ -224,7 +224,7 @@ def _data_inspect(args) -> int:
     loaded = []  # every path read first (no torch): a missing file or unknown format is answered at once
     for path in args.paths:
         try:
-            loaded.append((path, load_records(path, args.format)))
+            loaded.append(load_records(path, args.format))
         except UserError as e:
             failure(e)
     if not loaded:
@@ -239,7 +239,7 @@ def _data_inspect(args) -> int:
         path = resolve_model_path(args.tokenizer, "tokenizer", tokenizer=True)
         if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
             limit = position_limit_of(args.tokenizer, "model")  # a model folder or id: rows over its positions too
-    for i, (path, records) in enumerate(loaded):
+    for i, records in enumerate(loaded):
         try:
             report = inspect_data(
                 records, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,

@@ -485,12 +485,14 @@ class _RolloutKeys:
     max_concurrent_episodes: Optional[int] = doc(None, "Episodes in flight at once on each process: each holds its environment instance and, with rollout.engine: hf, its keys and values between its turns; when one ends the next starts. null: every episode of the rollout at once. Bounds memory; what veRL-based agent recipes call `agent.max_concurrent_trajectories` (vLLM's own `max_num_seqs`, the sequences it decodes at once, is set from the rollout batch). With an environment the episodes are the same under any bound (their seeds are their own); without one, a bound below the rollout batch samples it in lock-step batches of that many.", check=positive)
 
     def check_combination(self) -> None:
-        """Another engine's keys (never read by this one) are refused."""
+        """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
         for key, owners in ENGINE_KEY_OWNERS.items():
             if self.engine not in owners and differs_from_default(self, key):
                 owner = " or ".join(owners)
                 raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
                                 f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+        if ENGINES[self.engine].check is not None:
+            ENGINES[self.engine].check(self)
 
 
 def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:

@@ -94,8 +94,7 @@ class PPOTrainer:
         if state.update >= parts.sizes.num_updates:
             raise UserError(f"all {parts.sizes.num_updates} updates of ppo.total_episodes={parts.sizes.total_episodes} are done; "
                             "raise ppo.total_episodes to train further")
-        t0 = time.perf_counter()
-        rollout, reduce, n = parts.rollout, parts.reduce, parts.sizes.samples_per_prompt
+        t0, rollout, reduce, n = time.perf_counter(), parts.rollout, parts.reduce, parts.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
         samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (the episodes' group layout)
         prompts, columns = parts.train_data.rows(samples)
@@ -108,9 +107,8 @@ class PPOTrainer:
         scored = rollout.score(episodes, prompts, columns)
         episodes.scores, episodes.valid = scored.scores, scored.valid  # failed rows (on_error: skip) leave the update
         if hp.estimator.greedy_baseline:
-            episodes.baseline_scores, baseline_valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n,
-                                                                               update=state.update)
-            episodes.valid = episodes.valid & baseline_valid
+            episodes.baseline_scores, valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n, state.update)
+            episodes.valid = episodes.valid & valid
         check_finite({"score": episodes.scores}, parts.accelerator)
         check_some_scored(episodes.valid, scored.errors, parts.accelerator)
         t_score = time.perf_counter()
@@ -178,7 +176,8 @@ class PPOTrainer:
             self._train()
         except (OSError, RuntimeError) as e:  # a full disk; another process gone
             last = self.saving.last_checkpoint
-            said = run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+            said = (run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+                    or engines.base.engine_lost(e, last))
             if said is None:
                 raise
             raise said from None
