@@ -100,7 +100,7 @@ class _EpisodeBuffer:
     truncated: bool = False
     last_turn_stopped: bool = False
     error: Optional[str] = None
-    transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded, the environment's as it said them
+    transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
     request: Optional[str] = None  # the id of its last request
     kept: bool = False  # the engine keeps that request's keys and values for the episode's next turn
     continues: Optional[str] = None  # the kept request its last request continues
@@ -266,6 +266,9 @@ class EpisodeLoop:
             return False
         episode.spans[-1].reward = value.reward
         episode.done = value.done
+        episode.transcript[-1]["reward"] = value.reward  # the model's turn this step answered (`_turn`)
+        if value.done:
+            episode.transcript[-1]["done"] = True
         if value.done or episode.turns >= self.max_turns or episode.truncated:
             return False
         if self._room(episode) <= 0:
