@@ -35,7 +35,8 @@ def test_a_multi_turn_run_keeps_its_recorded_metrics(sft_model_dir, prompts_file
     records = PPOTrainer(config, show_progress=False).train()
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     got = {"metrics": [{k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"} for r in records],
-           "completions": [s["completion"] for s in samples], "turns": [s["turns"] for s in samples]}
+           "completions": [s["completion"] for s in samples],
+           "turns": [[{"role": t["role"], "text": t["text"]} for t in s["turns"]] for s in samples]}  # what was said, in order
     path = GOLDEN / "multiturn_grpo.json"
     if os.environ.get("PPOKIT_WRITE_GOLDEN") == "1":
         path.write_text(json.dumps(got, indent=1) + "\n")
