@@ -20,6 +20,7 @@ from ppokit import experience
 from ppokit.engines.base import PURPOSES, Sampling
 from ppokit.environments.episode_loop import EpisodeSeeds, data_rows
 from ppokit.episodes import Episodes
+from ppokit.off_policy import with_engine
 
 
 class Rollout:
@@ -44,13 +45,13 @@ class Rollout:
         return self.source.engine
 
     def sample(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train",
-               update: Optional[int] = None) -> Episodes:
-        """One response per query by the rollout engine, or with an `environment` a multi-turn episode over it (what it
-        said in the episodes too), the data rows (`prompts`, `columns`) given to its reset. update: the update the
-        episodes are for (their seeds: `EpisodeSeeds`, this process's rows numbered after the processes' before it);
-        None: seeds drawn from torch's generator."""
+               update: Optional[int] = None, engine=None) -> Episodes:
+        """One response per query by the rollout engine (or by `engine` in its place: `off_policy.SeededEngine`), or with
+        an `environment` a multi-turn episode over it (what it said in the episodes too), the data rows (`prompts`,
+        `columns`) given to its reset. update: the update the episodes are for (their seeds: `EpisodeSeeds`, this
+        process's rows numbered after the processes' before it); None: seeds drawn from torch's generator."""
         seeds = None if update is None else EpisodeSeeds(self.seed, update, purpose, first_row=self.process_index * len(query_ids))
-        return self.source.sample(query_ids, data_rows(prompts, columns), self.sampling[purpose], seeds)
+        return with_engine(self.source, engine).sample(query_ids, data_rows(prompts, columns), self.sampling[purpose], seeds)
 
     def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> experience.Scored:
         """The reward sources on the episodes (`experience.score`)."""
