@@ -174,7 +174,7 @@ class PPOHyperparams:
     # appears). Every key without it must match the checkpoint's.
     logging_steps: int = doc(1, "Print a line every this many updates (metrics.jsonl gets every update).", check=positive, resume=True)
     save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative, resume=True)
-    num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); 0 disables.", check=non_negative)
+    num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); with eval data also once before training (update 0; its random draws leave training's stream as it was); 0 disables.", check=non_negative)
     num_eval_samples: int = doc(8, "Prompts (from data.eval, else the current batch) in each sample generation.", check=positive)
     save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive, resume=True)
     max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive, resume=True)
@@ -488,12 +488,14 @@ class _RolloutKeys:
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
 
     def check_combination(self) -> None:
-        """Another engine's keys (never read by this one) are refused."""
+        """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
         for key, owners in ENGINE_KEY_OWNERS.items():
             if self.engine not in owners and differs_from_default(self, key):
                 owner = " or ".join(owners)
                 raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
                                 f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+        if ENGINES[self.engine].check is not None:
+            ENGINES[self.engine].check(self)
 
 
 def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:
@@ -556,7 +558,7 @@ class PPOConfig:
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
     environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) and `ppokit.environments:GuessNumber` (the demo game). One instance per episode. Its step rewards, summed, are a reward source (`reward/environment`), the last in `reward.weights` order. null: no environment, one response per prompt. Its code runs in the trainer's process.", check=ENVIRONMENT_SPEC)
     environment_args: dict = doc(factory=dict, help="Keyword arguments of the environment's constructor, e.g. `{tools: [\"tools.py:add\"]}` for ppokit.environments:Tools.")
-    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). The issue's `environment.timeout_s`. null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
+    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
     # Where the numbers also go (docs/report.md). None of these changes a number of the run (resume=True).
     report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.", resume=True)
     run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name, resume=True)

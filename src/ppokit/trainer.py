@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from accelerate import Accelerator
 
-from ppokit import engines, evaluation, experience, parallel, run_dir
+from ppokit import engines, evaluation, experience, parallel, random_states, run_dir
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.episodes import Episodes, repeat_each
@@ -74,6 +74,7 @@ class PPOTrainer:
         self.saving = Saving(self.parts, overwrite)
         self.state = TrainingState()
         self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
+        self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
     def __getattr__(self, name: str):
         parts = self.__dict__.get("parts")
@@ -177,7 +178,8 @@ class PPOTrainer:
             self._train()
         except (OSError, RuntimeError) as e:  # a full disk; another process gone
             last = self.saving.last_checkpoint
-            said = run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+            said = (run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+                    or engines.base.engine_lost(e, last))
             if said is None:
                 raise
             raise said from None
@@ -196,6 +198,8 @@ class PPOTrainer:
         sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update, is_main=is_main,
                            show_progress=self.show_progress, folder=files)
         sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
+        if sample_every and state.update == 0 and self.eval_data is not None:
+            sinks.samples(self._saved_if_it_fails(self.samples_before_training))  # the baseline the later generations compare with
         signals = StopSignals(lambda: self.saving.last_checkpoint, lambda: state.update, self.accelerator).install()
         # Set-up allocated many long-lived objects; freezing them keeps each gc pass short.
         gc.collect()
@@ -284,8 +288,20 @@ class PPOTrainer:
     def sample_completions(self) -> list[dict]:
         """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows
         (score None for a row no reward source could score under reward.on_error=skip)."""
-        return evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples,
+        rows = evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples,
                                       self._last_batch, update=self.state.update, episode=self.state.episodes_sampled)
+        if self.state.update == 0 and self.eval_data is not None:
+            self._samples_before = rows
+        return rows
+
+    def samples_before_training(self) -> list[dict]:
+        """The eval samples of the policy before its first update (update 0), which train() writes first to
+        samples.jsonl: those of a `sample_completions()` call made before train(), else drawn now with every random
+        state kept, so that the run's results are those it would have without them."""
+        if self._samples_before is None:
+            with random_states.kept():
+                self.sample_completions()
+        return self._samples_before
 
     def save_checkpoint(self) -> Path:
         """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""
