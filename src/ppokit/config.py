@@ -486,6 +486,7 @@ class _RolloutKeys:
     max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
     max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
+    max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. 0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
 
     def check_combination(self) -> None:
         """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
@@ -496,6 +497,11 @@ class _RolloutKeys:
                                 f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
         if ENGINES[self.engine].check is not None:
             ENGINES[self.engine].check(self)
+        if self.max_staleness and not ENGINES[self.engine].beside_training(self):
+            where = f"rollout.engine {self.engine}" + (f" with rollout.placement {self.placement}" if self.engine in ENGINE_KEY_OWNERS["placement"] else "")
+            raise UserError(f"rollout.max_staleness: {self.max_staleness} samples while the trainer trains, which needs an engine outside the "
+                            f"trainer's process (rollout.engine: vllm with rollout.placement: separate or servers), and this run's is {where}; "
+                            "set rollout.max_staleness: 0, or rollout.placement")
 
 
 def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:
@@ -591,6 +597,7 @@ class PPOConfig:
         self.reward.check_combination(n_sources)
         self.ppo.check_combination()
         self.rollout.check_combination()
+        self._validate_off_policy()
         self._validate_estimator_roles()
         if self.ppo.mask_truncated_completions and self.ppo.stop_token is None and self.ppo.stop_token_id is None and not has_environment:
             # Without a stop token (or an environment to end episodes) no response ends by itself: every one would leave the loss.
@@ -642,6 +649,16 @@ class PPOConfig:
                 raise UserError(f"{name} ({getattr(section, key)!r}) is for multi-turn episodes, and `environment` is not set; set environment, or remove {name}")
         if self.rollout.max_turns > 1:
             raise UserError(f"rollout.max_turns ({self.rollout.max_turns}): a second turn needs an environment to answer the first; set `environment` (docs/environments.md), or rollout.max_turns: 1")
+
+    def _validate_off_policy(self) -> None:
+        """rollout.max_staleness >= 1: the behaviour policy corrected (ppo.rollout_is), no greedy baseline sampled mid-update."""
+        k = self.rollout.max_staleness
+        if k and self.ppo.rollout_is is None:
+            raise UserError(f"rollout.max_staleness: {k} trains on episodes sampled by older weights, which the decoupled PPO loss corrects "
+                            "with ppo.rollout_is; set ppo.rollout_is: tis (AReaL's behaviour weights, docs/algorithms.md) or tis_sequence")
+        if k and self.ppo.estimator.greedy_baseline:
+            raise UserError(f"ppo.advantage_estimator {self.ppo.advantage_estimator} samples a greedy baseline with the current weights "
+                            f"during the update, which rollout.max_staleness: {k} does not; use another estimator or rollout.max_staleness: 0")
 
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""
