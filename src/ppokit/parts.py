@@ -129,9 +129,8 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
                       room, limit, tokenizer, stop_token_id)
 
     built = roles.build_roles(layout, config, scorer, **given)
-    trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, num_updates=sizes.num_updates,
-                                                     lm_head_chunk_size=config.lm_head_chunk_size, compile=config.compile,
-                                                     unwrap=accelerator.unwrap_model)
+    trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, sizes, lm_head_chunk_size=config.lm_head_chunk_size,
+                                                     compile=config.compile, unwrap=accelerator.unwrap_model)
     if scorer.reward_model is not None:
         strategy.place_frozen(scorer.reward_model).eval()
     reference = strategy.place_frozen(built.reference).eval() if built.reference is not None else None
