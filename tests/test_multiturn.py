@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from request_engines import ScriptedRequests
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
@@ -14,10 +15,9 @@ from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner
 from ppokit import experience
 from ppokit.conversation import ConversationRenderer
-from ppokit.environments.episode_loop import MultiTurn
-from ppokit.episodes import Episodes
+from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.metric_values import episode_metrics
-from ppokit.models import left_pad, response_logprobs
+from ppokit.models import response_logprobs
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
 WORDS = "guess the number from 1 to 16 : 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 higher lower correct user assistant"
@@ -28,23 +28,16 @@ def game_tokenizer():
     return word_tokenizer([WORDS])
 
 
-class ScriptedEngine:
-    """A rollout engine answering every context with the same tokens (-0.5 logprob each); counts its calls."""
-
-    logprobs_are_trainers = True
+class ScriptedEngine(ScriptedRequests):
+    """A rollout engine answering every context with the same tokens (-0.5 logprob each); `calls`: the contexts of
+    each submit call (the requests ready at one moment)."""
 
     def __init__(self, answer: list[int], pad: int, stop: int):
-        self.answer, self.pad, self.stop, self.calls = answer, pad, stop, []
+        super().__init__()
+        self.answer, self.pad_token_id, self.stop, self.calls = answer, pad, stop, self.submitted
 
-    def generate(self, prompts, sampling):
-        self.calls.append([list(p) for p in prompts])
-        answer = self.answer[: sampling.max_new_tokens]
-        query, query_mask = left_pad(prompts, self.pad)
-        rows = len(prompts)
-        response = torch.tensor([answer] * rows)
-        real = torch.ones_like(response, dtype=torch.bool)
-        return Episodes(query, response, torch.cat([query_mask, real], 1), real, torch.full(response.shape, -0.5),
-                        torch.tensor([self.stop in answer] * rows), torch.full((rows,), len(answer) - 1))
+    def respond(self, request):
+        return self.answer, [-0.5] * len(self.answer)
 
 
 class Script:
@@ -70,7 +63,7 @@ def make_loop(tokenizer, engine, cls=None, **kw):
     args = dict(max_turns=3, max_episode_tokens=None, pad_token_id=tokenizer.pad_token_id)
     args.update(kw)
     Script.seen = []
-    return MultiTurn(engine, tokenizer, EnvironmentRunner("script.py:Script", cls or Script, {}, timeout_s=None), **args)
+    return EpisodeLoop(engine, tokenizer, EnvironmentRunner("script.py:Script", cls or Script, {}, timeout_s=None), **args)
 
 
 def sampling(tokenizer, n=8):
@@ -101,9 +94,10 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     assert engine.calls[1] == [prompt + want[:6]]
     metrics = episode_metrics(episodes)
     assert metrics["rollout/turns"] == 2 and metrics["env/done_rate"] == 1
-    # the transcript: every turn as text, marked with who spoke (samples.jsonl's `turns`)
-    assert episodes.transcripts == [[{"role": "user", "text": "1 to 16"}, {"role": "assistant", "text": "7"},
-                                    {"role": "user", "text": "higher"}, {"role": "assistant", "text": "7"}]]
+    # the transcript: every turn as text, marked with who spoke, a model turn with its step's reward and, the
+    # last, that the environment ended the episode there (samples.jsonl's `turns`)
+    assert episodes.transcripts == [[{"role": "user", "text": "1 to 16"}, {"role": "assistant", "text": "7", "reward": 0.25},
+                                     {"role": "user", "text": "higher"}, {"role": "assistant", "text": "7", "reward": 1.0, "done": True}]]
 
     # rollout.turn_rewards: the environment's part of the score (weight 2 x 1.25) moves to the turns that earned it (stage 4)
     episodes.scores = torch.tensor([0.5 + 2.0 * 1.25])  # another source's 0.5 and the environment's, weighted
@@ -316,26 +310,39 @@ def game_model(game_tokenizer):
     return tiny_causal_lm("llama", game_tokenizer).eval()
 
 
-class CountingEngine:
-    def __init__(self, engine):
-        self.engine, self.calls, self.logprobs_are_trainers = engine, 0, engine.logprobs_are_trainers
+class CountingEngine(HFEngine):
+    """The hf engine, recording every request and completion."""
 
-    def generate(self, prompts, sampling):
-        self.calls += 1
-        return self.engine.generate(prompts, sampling)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requests, self.completions = [], []
+
+    def submit(self, requests):
+        self.requests += requests
+        super().submit(requests)
+
+    def step(self):
+        done = super().step()
+        self.completions += done
+        return done
 
 
 def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
     """Over a real model, the logprobs the loop keeps for each model token are a fresh forward's over the
     whole episode (observations included): the contexts were assembled as the trainer will read them."""
     tok = game_tokenizer
-    engine = CountingEngine(HFEngine(game_model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=8))
+    engine = CountingEngine(game_model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=8)
     loop = make_loop(tok, engine, max_turns=3, max_episode_tokens=20)
     prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
     plan = [("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]
     torch.manual_seed(1)
     episodes = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
-    assert engine.calls == int(episodes.turns.max())
+    # one request per model turn; every turn after the first continues its episode's kept keys and values
+    assert len(engine.requests) == len(engine.completions) == int(episodes.turns.sum())
+    following = [r for r in engine.requests if r.continues is not None]
+    assert len(following) == int(episodes.turns.sum()) - 2 and all(r.seed is not None for r in engine.requests)
+    cached = {c.request_id: c.cached_tokens for c in engine.completions}
+    assert all(cached[r.request_id] > 0 for r in following)
     assert (episodes.loss_mask <= episodes.attention_mask[:, episodes.query_ids.shape[1]:]).all()
     with torch.no_grad():
         fresh, _ = response_logprobs(game_model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ppokit.episodes import Episodes
+    from ppokit.errors import UserError
 
 PURPOSES = ("train", "eval", "greedy")
 
@@ -129,6 +131,20 @@ def request_seed(*key: int) -> int:
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
 
 
+_GENERATE_CALLS = itertools.count()
+
+
+def generate(engine: "RolloutEngine", prompts: list[list[int]], sampling: Sampling, pad_token_id: int, device=None) -> "Episodes":
+    """What every engine's `generate` is: one response per prompt, as seedless requests of one `submit` call waited
+    for (`complete`), packed by the one function that builds Episodes (`episodes.pack`), rows in the order of prompts."""
+    from ppokit.episodes import Span, pack
+
+    call = next(_GENERATE_CALLS)
+    completions = complete(engine, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
+    return pack(prompts, [[Span(c.token_ids, c.logprobs)] for c in completions], [c.finish_reason == "stop" for c in completions],
+                pad_token_id, device)
+
+
 def complete(engine: "RolloutEngine", requests: Sequence[Request]) -> list[Completion]:
     """Submit `requests` and step the engine until every one has completed -> their completions in request order
     (the one-turn case: what `generate` does)."""
@@ -140,6 +156,22 @@ def complete(engine: "RolloutEngine", requests: Sequence[Request]) -> list[Compl
             for completion in engine.step():
                 done[completion.request_id] = completion
     return [done[r.request_id] for r in requests]
+
+
+class EngineLost(RuntimeError):
+    """An engine outside the trainer's process (a vLLM server) died, refused, or did not answer in time; its message is
+    one line naming it. A run ends with that line and where to resume (`engine_lost`)."""
+
+
+def engine_lost(error: BaseException, last_checkpoint) -> Optional["UserError"]:
+    """The one line a run ends with when an engine outside its process is lost (`EngineLost`), naming the last complete
+    checkpoint; None for any other error."""
+    from ppokit.errors import UserError
+
+    if not isinstance(error, EngineLost):
+        return None
+    last = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint of this run was written yet"
+    return UserError(f"{error}; {last}: continue with --resume once it serves again")
 
 
 @dataclass(frozen=True)
@@ -241,8 +273,8 @@ class RolloutEngine(Protocol):
     generate(prompts, sampling): one response per prompt (token ids, no padding) -> Episodes with
         query_ids, response_ids, attention_mask, loss_mask, logprobs, ended, score_index filled.
         Rows come back in the order of `prompts`. The one-turn case of the requests below: every prompt a
-        seedless request of one `submit`, waited for (`complete`), packed by `episodes.one_turn_episodes`;
-        randomness from torch's generator.
+        seedless request of one `submit`, waited for, packed by `episodes.pack` (`base.generate`); randomness from
+        torch's generator.
     sync_weights(policy): make the engine sample from `policy`'s current weights (after an update);
         a no-op for an engine that samples from the training weights.
     release() / resume(): around training, free / take back the engine's memory (KV cache, its
