@@ -291,7 +291,7 @@ def test_an_observation_has_the_tokens_it_has_in_the_whole_conversation():
     engine = ForcedEngine(tiny_causal_lm("llama", tok, hidden=32, heads=2).eval(), turn_ids, tok.pad_token_id, stop)
     question = [{"role": "user", "content": "guess"}]
     prompt = tok(renderer.prompt(question), add_special_tokens=False)["input_ids"]
-    loop = MultiTurn(engine, tok, EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None), max_turns=3,
+    loop = EpisodeLoop(engine, tok, EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None), max_turns=3,
                      max_episode_tokens=400, pad_token_id=tok.pad_token_id, renderer=renderer)
     episodes = loop.sample([prompt], [{"prompt": "guess"}], Sampling(max_new_tokens=40, temperature=1.0, stop_token_id=stop))
     assert episodes.turns.tolist() == [3]
