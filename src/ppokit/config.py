@@ -25,7 +25,7 @@ from ppokit.engines import ENGINES
 from ppokit.errors import UserError
 from ppokit.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
-from ppokit.trackers import TRACKERS
+from ppokit.trackers import TRACKERS, check_usable
 from ppokit.trl_grpo_names import TRL_GRPO_NAMES
 
 
@@ -238,47 +238,47 @@ class PPOHyperparams:
                     f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                     f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches} x processes {world_size})"
                 )
-        if self.critic_warmup_updates:
-            self.check_critic_warmup(total // batch)
+        num_updates = total // batch
+        steps = num_updates * self.num_ppo_epochs * self.num_mini_batches
         sizes = BatchSizes(
             micro_batch=self.per_device_train_batch_size,
             local_batch=local_batch,
             batch=batch,
             local_mini_batch=local_mini,
             total_episodes=total,
-            num_updates=total // batch,
+            num_updates=num_updates,
             samples_per_prompt=n,
             prompts_per_update=batch // n,
             local_prompts=local_batch // n,
+            optimiser_steps=steps,
+            warmup_steps=self.warmup_steps_over(steps),
+            policy_start_step=self.critic_warmup_updates * self.num_ppo_epochs * self.num_mini_batches,
         )
-        self.check_warmup(sizes)
+        self.check_schedule(sizes)
         return sizes
 
-    def check_warmup(self, sizes: "BatchSizes") -> None:
-        """A warm-up as long as the run would never reach learning_rate (the schedule counts optimiser steps)."""
-        steps = sizes.num_updates * self.num_ppo_epochs * self.num_mini_batches
-        warmup = self.warmup_steps_over(steps)
+    def check_schedule(self, sizes: "BatchSizes") -> None:
+        """The policy trains after the critic's warm-up, and each warm-up is shorter than the steps it warms: else the
+        learning rate would never reach learning_rate (the schedule counts optimiser steps)."""
+        steps, warmup = sizes.optimiser_steps, sizes.warmup_steps
+        if self.critic_warmup_updates:
+            if self.critic_warmup_updates >= sizes.num_updates:
+                raise UserError(
+                    f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
+                    f"the run has {sizes.num_updates} updates; it must be fewer"
+                )
+            policy_steps = steps - sizes.policy_start_step
+            if warmup >= policy_steps:
+                raise UserError(
+                    f"{self._warmup_said(warmup)} is not shorter than the policy's {policy_steps} optimiser steps after "
+                    f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
+                )
         if warmup and warmup >= steps:
             shorter = "ppo.warmup_steps below" if self.warmup_steps else "ppo.warmup_ratio so that ceil(ratio x steps) is below"
             raise UserError(
                 f"{self._warmup_said(warmup)} is not shorter than the run's {steps} optimiser steps ({sizes.num_updates} "
                 f"updates x num_ppo_epochs {self.num_ppo_epochs} x num_mini_batches {self.num_mini_batches}): the learning rate "
                 f"would never reach ppo.learning_rate; set {shorter} {steps}"
-            )
-
-    def check_critic_warmup(self, num_updates: int) -> None:
-        """The policy trains after the critic's warm-up, on a schedule of its own remaining optimiser steps."""
-        if self.critic_warmup_updates >= num_updates:
-            raise UserError(
-                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
-                f"the run has {num_updates} updates; it must be fewer"
-            )
-        policy_steps = (num_updates - self.critic_warmup_updates) * self.num_ppo_epochs * self.num_mini_batches
-        warmup = self.warmup_steps_over(num_updates * self.num_ppo_epochs * self.num_mini_batches)
-        if warmup >= policy_steps:
-            raise UserError(
-                f"{self._warmup_said(warmup)} is not shorter than the policy's {policy_steps} optimiser steps after "
-                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
             )
 
     def check_combination(self) -> None:
@@ -355,6 +355,10 @@ class BatchSizes(NamedTuple):
     samples_per_prompt: int = 1  # n: episodes = prompts x n
     prompts_per_update: int = 0  # batch / n, over every process
     local_prompts: int = 0  # local_batch / n, on each process
+    # The learning-rate schedule, decided here once (`PPOHyperparams.derive`; `optimise.build_optimiser` builds it):
+    optimiser_steps: int = 0  # the run's: num_updates x num_ppo_epochs x num_mini_batches
+    warmup_steps: int = 0  # ppo.warmup_steps, or ceil(ppo.warmup_ratio x optimiser_steps)
+    policy_start_step: int = 0  # the policy's first optimiser step: the critic's warm-up (ppo.critic_warmup_updates) before it
 
 
 def http_url_problem(url: Any) -> Optional[str]:
@@ -482,6 +486,8 @@ class _RolloutKeys:
     max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
     max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
+    max_concurrent_episodes: Optional[int] = doc(None, "Episodes in flight at once on each process: each holds its environment instance and, with rollout.engine: hf, its keys and values between its turns; when one ends the next starts. null: every episode of the rollout at once. Bounds memory; what veRL-based agent recipes call `agent.max_concurrent_trajectories` (vLLM's own `max_num_seqs`, the sequences it decodes at once, is set from the rollout batch). With an environment the episodes are the same under any bound (their seeds are their own); without one, a bound below the rollout batch samples it in lock-step batches of that many.", check=positive)
+    max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. 0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
 
     def check_combination(self) -> None:
         """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
@@ -492,6 +498,11 @@ class _RolloutKeys:
                                 f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
         if ENGINES[self.engine].check is not None:
             ENGINES[self.engine].check(self)
+        if self.max_staleness and not ENGINES[self.engine].beside_training(self):
+            where = f"rollout.engine {self.engine}" + (f" with rollout.placement {self.placement}" if self.engine in ENGINE_KEY_OWNERS["placement"] else "")
+            raise UserError(f"rollout.max_staleness: {self.max_staleness} samples while the trainer trains, which needs an engine outside the "
+                            f"trainer's process (rollout.engine: vllm with rollout.placement: separate or servers), and this run's is {where}; "
+                            "set rollout.max_staleness: 0, or rollout.placement")
 
 
 def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:
@@ -587,6 +598,7 @@ class PPOConfig:
         self.reward.check_combination(n_sources)
         self.ppo.check_combination()
         self.rollout.check_combination()
+        self._validate_off_policy()
         self._validate_estimator_roles()
         if self.ppo.mask_truncated_completions and self.ppo.stop_token is None and self.ppo.stop_token_id is None and not has_environment:
             # Without a stop token (or an environment to end episodes) no response ends by itself: every one would leave the loss.
@@ -602,6 +614,35 @@ class PPOConfig:
         self._validate_parallel()
         self._validate_report_to()
         return self
+
+    def check_machine(self) -> None:
+        """Fail before any weights load when a switch needs something this machine lacks: a package (peft for lora,
+        bitsandbytes for quantization, a tracker's), a CUDA device (quantization, fp16), a compiler (compile), or a
+        writable tracker store. Apart from `validate`, which reads the config alone (`ppokit plan` plans for other machines)."""
+        import torch
+
+        if self.lora is not None:
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
+        if self.quantization is not None:
+            if not torch.cuda.is_available():
+                raise UserError(
+                    f"quantization: {self.quantization} needs a CUDA device (bitsandbytes kernels) and this machine has none; "
+                    "set quantization: null (the plan command shows what fits without it)"
+                )
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                raise UserError(f"quantization: {self.quantization} needs bitsandbytes: pip install 'ppokit[quantization]'") from None
+        if self.fp16 and not torch.cuda.is_available():
+            raise UserError("fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine")
+        if self.compile:
+            from ppokit.compiled import check_available
+
+            check_available("cuda" if torch.cuda.is_available() else "cpu")
+        check_usable(self.report_to)  # a missing tracker package or an unwritable store is one line, not a late crash
 
     @property
     def response_room(self) -> int:
@@ -638,6 +679,16 @@ class PPOConfig:
                 raise UserError(f"{name} ({getattr(section, key)!r}) is for multi-turn episodes, and `environment` is not set; set environment, or remove {name}")
         if self.rollout.max_turns > 1:
             raise UserError(f"rollout.max_turns ({self.rollout.max_turns}): a second turn needs an environment to answer the first; set `environment` (docs/environments.md), or rollout.max_turns: 1")
+
+    def _validate_off_policy(self) -> None:
+        """rollout.max_staleness >= 1: the behaviour policy corrected (ppo.rollout_is), no greedy baseline sampled mid-update."""
+        k = self.rollout.max_staleness
+        if k and self.ppo.rollout_is is None:
+            raise UserError(f"rollout.max_staleness: {k} trains on episodes sampled by older weights, which the decoupled PPO loss corrects "
+                            "with ppo.rollout_is; set ppo.rollout_is: tis (AReaL's behaviour weights, docs/algorithms.md) or tis_sequence")
+        if k and self.ppo.estimator.greedy_baseline:
+            raise UserError(f"ppo.advantage_estimator {self.ppo.advantage_estimator} samples a greedy baseline with the current weights "
+                            f"during the update, which rollout.max_staleness: {k} does not; use another estimator or rollout.max_staleness: 0")
 
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""

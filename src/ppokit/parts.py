@@ -24,10 +24,10 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, engines, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, engines, parallel, roles, run_dir
 from ppokit.config import BatchSizes, PPOConfig
 from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_setup, episode_source
-from ppokit.models import input_pad_id, policy_tokenizer, resolve_stop_token
+from ppokit.models import input_pad_id, policy_tokenizer, position_limit, resolve_stop_token, tightest
 from ppokit.optimise import prepare_training
 from ppokit.prompts import PromptDataset, check_prompts_fit, encode_prompts, load_prompt_data
 from ppokit.rewards import RewardScorer, build_scorer, source_label
@@ -82,8 +82,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
              eval_dataset=None, accelerator=None, show_progress: bool = True, overwrite: bool = False) -> Parts:
     """The run's parts from `config` and the objects passed in its place (`PPOTrainer`'s arguments, which it documents)."""
     config = run_config(config, model, reward_model, reward_functions)
-    roles.check_environment(config)  # before any weights load
-    trackers.check_usable(config.report_to)  # likewise: a missing tracker package or an unwritable store is one line, not a late crash
+    config.check_machine()  # before any weights load
     accelerator = accelerator or parallel.make_accelerator(config.parallel, roles.mixed_precision(config))
     strategy = parallel.strategy(config.parallel, accelerator, bf16=config.bf16)
     reduce = parallel.sum_over_processes(accelerator)
@@ -125,13 +124,13 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     given = dict(model=model, ref_model=ref_model, value_model=value_model)
     readers = roles.configs_reading_policy_ids(layout, config, scorer, reward_vocabulary, **given)
     pad_id = input_pad_id(tokenizer, readers.values())
-    check_prompts_fit(readers, [("data.train", train_data, train_query_ids), ("data.eval", eval_data, eval_query_ids)],
+    positions = tightest(position_limit(reader, role) for role, reader in readers.items())
+    check_prompts_fit(readers, positions, [("data.train", train_data, train_query_ids), ("data.eval", eval_data, eval_query_ids)],
                       room, limit, tokenizer, stop_token_id)
 
     built = roles.build_roles(layout, config, scorer, **given)
-    trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, num_updates=sizes.num_updates,
-                                                     lm_head_chunk_size=config.lm_head_chunk_size, compile=config.compile,
-                                                     unwrap=accelerator.unwrap_model)
+    trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, sizes, lm_head_chunk_size=config.lm_head_chunk_size,
+                                                     compile=config.compile, unwrap=accelerator.unwrap_model)
     if scorer.reward_model is not None:
         strategy.place_frozen(scorer.reward_model).eval()
     reference = strategy.place_frozen(built.reference).eval() if built.reference is not None else None
@@ -141,9 +140,11 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         lambda policy: (strategy.generation(policy), accelerator.autocast()), config.rollout,
         longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
-    source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
-        engine, conversation, max_turns=config.rollout.max_turns, max_episode_tokens=room, pad_token_id=pad_id)
-    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce)
+    source = episode_source(  # decided once: the episode loop over the engine (one turn per prompt without an environment)
+        engine, conversation, max_turns=config.rollout.max_turns, max_episode_tokens=room,
+        max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, device=accelerator.device)
+    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce,
+                      seed=config.seed, process_index=accelerator.process_index)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_id, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,

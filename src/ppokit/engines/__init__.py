@@ -69,7 +69,9 @@ class Engine:
     resume=)`): they are fields of the `rollout:` section, refused when another engine is chosen, and read
     by the engine's `create` from `EngineSetup.settings`. head_dim: a head size every device the engine runs on
     serves (None: any), for a model made to suit it (the demo's). check(settings): rules across its keys (the
-    `rollout:` section given; a UserError naming the keys), run when the config is validated.
+    `rollout:` section given; a UserError naming the keys), run when the config is validated. beside_training(settings):
+    it samples from weights of its own, outside the trainer's process, so it can sample while the trainer trains
+    (rollout.max_staleness >= 1).
     """
 
     where: str
@@ -77,6 +79,7 @@ class Engine:
     keys: tuple[tuple[str, type, Any], ...] = ()
     head_dim: Optional[int] = None
     check: Optional[Callable[[Any], None]] = None
+    beside_training: Callable[[Any], bool] = lambda settings: False
 
 
 ENGINES = {
@@ -101,6 +104,7 @@ ENGINES = {
         ),
         head_dim=64,  # vLLM's CPU attention serves none under 32; 64 is what its tests use
         check=lambda settings: check_placement(settings),
+        beside_training=lambda settings: settings.placement != "colocated",
     ),
 }
 
