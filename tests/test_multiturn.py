@@ -257,6 +257,53 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     assert trained == [seven, eos, seven, eos] and episodes.observation_tokens.tolist() == [len(whole) - len(prompt) + 2 - 4]
 
 
+def metaspace_tokenizer():
+    """One token per character with SentencePiece's word marker (tokenizers' Metaspace, as Llama 2's and Mistral's
+    tokenizers have it): spaces read as "▁", and a "▁" prepended to every text tokenised, so a text's tokens depend on
+    where it starts: "\nuser: higher" tokenised by itself begins with a "▁" it does not have inside a conversation."""
+    import string
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(set(string.printable) | {"▁"}))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_special_tokens([AddedToken("</s>", special=True), AddedToken("<pad>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", clean_up_tokenization_spaces=False)
+
+
+def test_an_observation_has_the_tokens_it_has_in_the_whole_conversation():
+    """Observations are tokenised at the token level: their ids are those the template's whole rendering has after the
+    turn, not their text tokenised alone. With a tokenizer that prepends "▁" to each text (SentencePiece's Metaspace),
+    the two differ by that "▁": here the context at turns 2 and 3 (the stop tokens aside: the plain template writes
+    none) must be, token for token, the plain template's rendering of the conversation so far, tokenised whole."""
+    from test_conversation import Answers, ForcedEngine
+
+    tok = metaspace_tokenizer()
+    stop = tok.eos_token_id
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=stop)
+    renderer.check(needs_tools=False, max_turns=3)
+    turns = [" 8", " 12", " 10"]  # after the generation prompt "assistant:", as the template writes "assistant: 8"
+    turn_ids = [tok(text, add_special_tokens=False)["input_ids"] + [stop] for text in turns]
+    torch.manual_seed(0)
+    engine = ForcedEngine(tiny_causal_lm("llama", tok, hidden=32, heads=2).eval(), turn_ids, tok.pad_token_id, stop)
+    question = [{"role": "user", "content": "guess"}]
+    prompt = tok(renderer.prompt(question), add_special_tokens=False)["input_ids"]
+    loop = EpisodeLoop(engine, tok, EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None), max_turns=3,
+                     max_episode_tokens=400, pad_token_id=tok.pad_token_id, renderer=renderer)
+    episodes = loop.sample([prompt], [{"prompt": "guess"}], Sampling(max_new_tokens=40, temperature=1.0, stop_token_id=stop))
+    assert episodes.turns.tolist() == [3]
+    messages = list(question)
+    for k, reply in ((1, "higher"), (2, "lower")):
+        messages += [{"role": "assistant", "content": turns[k - 1].strip()}, {"role": "user", "content": reply}]
+        text = tok.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False)
+        whole = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok(text[text.rindex("\nuser:"):], add_special_tokens=False)["input_ids"][0] == tok.convert_tokens_to_ids("▁")
+        assert [i for i in engine.contexts[k][0] if i != stop] == whole, k
+
+
 @pytest.fixture(scope="module")
 def game_model(game_tokenizer):
     torch.manual_seed(0)
