@@ -47,11 +47,11 @@ def main() -> None:
     engine = HFEngine(model, tokenizer.pad_token_id, torch.device("cpu"), rows_per_forward=64)
     rows = guess_rows(1, args.episodes)
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-    sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
+    sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_ids=tokenizer.eos_token_id)
     result = {"benchmark": "multiturn", "episodes": args.episodes, "repeats": args.repeats, "threads": torch.get_num_threads()}
     for turns in (1, 2, 4):
         conversation = conversation_setup(tokenizer, chat_template=None, template_kwargs=None, datasets=[], environment=demo_game.GAME,
-                                          environment_args={}, timeout_s=None, max_turns=turns, stop_token_id=tokenizer.eos_token_id)
+                                          environment_args={}, timeout_s=None, max_turns=turns, stop_token_ids=tokenizer.eos_token_id)
         source = episode_source(engine, conversation, max_turns=turns, max_episode_tokens=turns * 3, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(0)
         source.sample(prompts, rows, sampling)  # warm-up

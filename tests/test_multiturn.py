@@ -74,7 +74,7 @@ def make_loop(tokenizer, engine, cls=None, **kw):
 
 
 def sampling(tokenizer, n=8):
-    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
+    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_ids=tokenizer.eos_token_id)
 
 
 def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
@@ -231,7 +231,7 @@ def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
 
 def test_chat_observations_use_the_template(game_tokenizer):
     tok = game_tokenizer
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id)
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id)
     # plain template: "role: content\n" lines, "assistant:" as the generation prompt
     assert renderer.observation([], "higher", True).ids == ids(tok, "\nuser: higher\nassistant:")
     assert renderer.observation([{"role": "tool", "content": "4"}], "4", True).ids == ids(tok, "\ntool: 4\nassistant:")
@@ -252,7 +252,7 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     prompt = render([user("guess the number")])
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
     loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
-                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
+                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=eos))
     episodes = loop.sample([prompt], [row], sampling(tok))
     whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
     # the stop token ends the assistant turn where the plain template writes its newline (not written twice)

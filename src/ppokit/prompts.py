@@ -148,10 +148,10 @@ def check_prompts_fit(
     response_length: int,
     max_prompt_length: Optional[int],
     tokenizer,
-    stop_token_id: Optional[int],
+    stop_token_ids: tuple[int, ...],
 ) -> None:
     """Before any weights load, for each model that reads the policy's token ids (`model_configs`,
-    by role): every prompt id and the stop id have an embedding row (the pad id is one they have:
+    by role): every prompt id and the stop ids have an embedding row (the pad id is one they have:
     `models.input_pad_id`), and every prompt
     (after truncation) plus `response_length` fits its positions. One line naming the first row
     that does not, instead of an IndexError from inside the model after the first sampling.
@@ -159,7 +159,7 @@ def check_prompts_fit(
     prompts: (config key, dataset, its encoded prompts) of each prompt set; a None dataset is skipped.
     """
     prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
-    special = [("ppo.stop_token_id", [stop_token_id])] if stop_token_id is not None else []
+    special = [("ppo.stop_token_id", list(stop_token_ids))] if stop_token_ids else []
     for role, config in model_configs.items():
         rows = ((f"{key} ({dataset.where(i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
         check_token_ids(config, role, itertools.chain(special, rows), tokenizer)

@@ -255,14 +255,14 @@ class VLLMEngine:
 
     def sampling_params(self, sampling: Sampling, seed: Optional[int]):
         """vLLM's SamplingParams for one request: its tokens and their logprobs handed back step by step (deltas, so
-        that an aborted request's tokens so far are known), only the stop token ending it (as with hf)."""
+        that an aborted request's tokens so far are known), only the stop tokens ending it (as with hf)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         common = dict(
             max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, skip_special_tokens=False,
             ignore_eos=True, output_kind=RequestOutputKind.DELTA,
-            stop_token_ids=[sampling.stop_token_id] if sampling.stop_token_id is not None else None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
         )
         if sampling.greedy:
             return SamplingParams(temperature=0.0, **common)
