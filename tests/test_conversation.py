@@ -372,6 +372,29 @@ def test_the_trainers_prompts_carry_the_tools_and_a_run_trains(qwen_run):
     assert len(records) == 1 and records[0]["rollout/turns"] >= 1
 
 
+def test_data_inspect_and_plan_count_the_prompt_as_the_trainer_reads_it(qwen_run, capsys):
+    """`ppokit data inspect --config` and `ppokit plan` render a run's prompts with its conversation (the tools' schemas in
+    the prompt): the prompt's token count is the trainer's first prompt's, several times the count without the tools."""
+    from ppokit.cli import main
+    from ppokit.trainer import PPOTrainer
+
+    tok, config, root = qwen_run
+    (root / "one.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "What is 2 + 5?"}]}) + "\n")
+    run = config("inspect-run")
+    run.data.train = str(root / "one.jsonl")
+    run.save(root / "inspect.yaml")
+    trainer = PPOTrainer(run, show_progress=False)
+    trained = len(trainer.train_query_ids[0])
+    capsys.readouterr()
+    assert main(["data", "inspect", "--config", str(root / "inspect.yaml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lengths"]["prompt"]["max"] == trained and report["stage"] == "ppo"
+    assert main(["plan", str(root / "inspect.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sequence"]["prompt"] == trained
+    without = len(tok(tok.apply_chat_template([{"role": "user", "content": "What is 2 + 5?"}], add_generation_prompt=True, tokenize=False))["input_ids"])
+    assert trained > 3 * without
+
+
 @pytest.mark.parametrize("change,message", [
     ({"data": "gemma3"}, "data.chat_template: the chat template does not render tools"),
     ({"environment_args": {"tool_parser": "qwen2"}}, "environment_args.tool_parser: unknown tool-call format 'qwen2'"),

@@ -26,10 +26,10 @@ from torch import nn
 
 from ppokit import algo, batching, engines, parallel, roles, run_dir, trackers
 from ppokit.config import BatchSizes, PPOConfig
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_setup, episode_source
-from ppokit.models import input_pad_id, policy_tokenizer, resolve_stop_token
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward, episode_source
+from ppokit.models import input_pad_id, policy_tokenizer
 from ppokit.optimise import prepare_training
-from ppokit.prompts import PromptDataset, check_prompts_fit, encode_prompts, load_prompt_data
+from ppokit.prompts import PromptDataset, check_prompts_fit, conversation_for, encode_prompts, load_prompt_data
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.rollout import Rollout
 
@@ -97,12 +97,8 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     sizes = config.ppo.derive(accelerator.num_processes, len(train_data))
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)
-    stop_token = resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
-    conversation = conversation_setup(  # the environment made, the chat template checked against it, chat prompts rendered with its tools
-        tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs,
-        datasets=[train_data, eval_data], environment=config.environment, environment_args=config.environment_args,
-        timeout_s=config.environment_timeout_s, max_turns=config.rollout.max_turns, stop_token_ids=stop_token,
-        base_dir=Path.cwd(), say=say)
+    # the environment made, the chat template checked against it, chat prompts rendered with its tools
+    conversation = conversation_for(config, tokenizer, [train_data, eval_data], say, base_dir=Path.cwd())
     stop_token_ids = conversation.stop_token_ids  # decided once: ppo.stop_token, and a tool-calling turn's own token
     if conversation.template is not None:
         config.data.chat_template = conversation.template  # the run's config records the template used
