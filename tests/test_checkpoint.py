@@ -301,6 +301,8 @@ def test_the_keys_a_resume_may_change_are_those_declared_so_with_the_key():
         "mlflow_tracking_uri", "lm_head_chunk_size", "compile",
         # the vLLM engine's memory and speed settings: what it samples is the policy's, whatever they are
         "rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.max_model_len", "rollout.sleep",
+        # where the engine runs and how it is reached: a resumed run may find its servers elsewhere (a lost one replaced)
+        "rollout.placement", "rollout.servers", "rollout.server_timeout_s", "rollout.weight_transfer",
     }
     base = PPOConfig(model="m").to_dict()
     changed = {**base, "seed": 7, "project": "other", "ppo": {**base["ppo"], "learning_rate": 1.0, "save_steps": 9}}

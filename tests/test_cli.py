@@ -406,3 +406,40 @@ def test_ctrl_c_raised_inside_a_finaliser_still_stops_the_program(sigint_handled
     KeyboardInterrupt traceback and went on, the Ctrl-C lost. The program sends it again, to land in its own code."""
     result = subprocess.run([sys.executable, "-c", LOST_IN_A_FINALISER], capture_output=True, text=True, timeout=300)
     assert (result.returncode, result.stderr) == (130, "ppokit: interrupted\n")
+
+
+INTERRUPTED_IMPORT = """
+import sys
+from pathlib import Path
+from ppokit import cli
+
+Path("slow_extension.py").write_text(
+    "import signal\\n"
+    "signal.raise_signal(signal.SIGINT)  # as if it came while an extension module runs Python callbacks\\n"
+    "open('imported', 'w').close()\\n"
+)
+sys.path.insert(0, ".")
+
+def command(args):
+    import time
+
+    import slow_extension  # noqa: F401
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the command's work, which the interrupt stops
+        pass
+    open("after", "w").close()
+    return 0
+
+cli._ppo = command
+sys.argv = ["ppokit", "ppo", "config.yaml"]
+sys.exit(cli.main())
+"""
+
+
+def test_ctrl_c_during_an_import_stops_the_program_once_the_import_is_done(sigint_handled, tmp_path):
+    """Ctrl-C while torch was being imported ended in "terminate called after throwing an instance of
+    'pybind11::error_already_set' (KeyboardInterrupt)", SIGABRT: raised inside a callback of an extension module's
+    initialisation, it reached C++ that cannot pass it on. SIGINT inside an import is held until the import is done."""
+    result = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (130, "ppokit: interrupted\n")
+    assert (tmp_path / "imported").exists() and not (tmp_path / "after").exists()

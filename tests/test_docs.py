@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -209,3 +210,11 @@ def test_the_readme_api_example_reward_fires_on_the_demo_data(demo_data):
     scores = reward([r["prompt"] for r in demo_data["sft"]], completions)
     assert 0 < sum(scores) < len(scores), f"{reward.__name__} gives {set(scores)} to every demo completion"
     assert f"reward_functions=[\"sentiment\", {reward.__name__}]" in api
+
+
+def test_user_docs_speak_of_the_program_not_of_how_it_was_made():
+    """README.md and docs/ name what a user sees (keys, commands, files), never the project's own notes or plans."""
+    internal = re.compile(r"design notes?|the issue\b|issue's|this wave|the brief|the lead\b|helper's", re.IGNORECASE)
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not internal.search(line), f"{path.name}:{number}: {line.strip()}"

@@ -2,7 +2,7 @@
 
 import torch
 
-from ppokit.engines.weights import policy_weights
+from ppokit.engines.weights import bucket_bounds, policy_weight_metadata, policy_weights, tensor_bytes
 from ppokit.tiny import tiny_causal_lm
 
 
@@ -35,6 +35,41 @@ def test_lora_policy_sends_the_merged_weights_of_its_own_adapter_only(tokenizer)
         from conftest import assert_float32_close
 
         assert_float32_close(tensor, merged[name], terms=4 + 1)
+
+
+def test_metadata_announces_what_is_sent_in_the_same_order_without_merging(tokenizer):
+    """A push announces (name, dtype, shape) of every tensor before it sends them (vLLM's workers size their buffers
+    from it): the same tensors as policy_weights, in the same order, for a plain, a tied and a LoRA policy."""
+    import peft
+
+    torch.manual_seed(0)
+    for policy in (tiny_causal_lm("llama", tokenizer),  # tied embedding
+                   peft.get_peft_model(tiny_causal_lm("gpt2", tokenizer),
+                                       peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False))):
+        sent = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in policy_weights(policy)]
+        assert policy_weight_metadata(policy) == sent
+
+
+def test_buckets_bound_a_push_and_keep_its_order():
+    """Both sides cut a push into the same buckets from its metadata: consecutive tensors while they fit, a tensor larger
+    than a bucket alone. Checked against a plain loop over every split of small cases."""
+    assert bucket_bounds([4, 4, 4, 9, 1], 8) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert bucket_bounds([], 8) == []
+    assert bucket_bounds([3], 1) == [range(0, 1)]
+    assert bucket_bounds([1, 1, 1], 100) == [range(0, 3)]
+    assert bucket_bounds([2, 2, 2, 2], 4) == [range(0, 2), range(2, 4)]
+    torch.manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(1, 10, (int(torch.randint(1, 12, ())),)).tolist()
+        cap = int(torch.randint(1, 20, ()))
+        bounds = bucket_bounds(sizes, cap)
+        assert [i for b in bounds for i in b] == list(range(len(sizes)))  # every tensor once, in order
+        for b in bounds:
+            held = sum(sizes[i] for i in b)
+            assert held <= cap or len(b) == 1  # bounded, unless one tensor alone is larger
+        for b, after in zip(bounds, bounds[1:]):  # greedy: the next tensor did not fit
+            assert sum(sizes[i] for i in b) + sizes[after[0]] > cap
+    assert tensor_bytes((3, 5), torch.bfloat16) == 30 and tensor_bytes((), torch.float32) == 4
 
 
 def test_vllm_engine_without_vllm_says_how_to_install(monkeypatch):

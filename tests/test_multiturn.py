@@ -101,9 +101,10 @@ def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
     assert engine.calls[1] == [prompt + want[:6]]
     metrics = episode_metrics(episodes)
     assert metrics["rollout/turns"] == 2 and metrics["env/done_rate"] == 1
-    # the transcript: every turn as text, marked with who spoke (samples.jsonl's `turns`)
-    assert episodes.transcripts == [[{"role": "user", "text": "1 to 16"}, {"role": "assistant", "text": "7"},
-                                    {"role": "user", "text": "higher"}, {"role": "assistant", "text": "7"}]]
+    # the transcript: every turn as text, marked with who spoke, a model turn with its step's reward and, the
+    # last, that the environment ended the episode there (samples.jsonl's `turns`)
+    assert episodes.transcripts == [[{"role": "user", "text": "1 to 16"}, {"role": "assistant", "text": "7", "reward": 0.25},
+                                     {"role": "user", "text": "higher"}, {"role": "assistant", "text": "7", "reward": 1.0, "done": True}]]
 
     # rollout.turn_rewards: the environment's part of the score (weight 2 x 1.25) moves to the turns that earned it (stage 4)
     episodes.scores = torch.tensor([0.5 + 2.0 * 1.25])  # another source's 0.5 and the environment's, weighted

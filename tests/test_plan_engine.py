@@ -93,6 +93,31 @@ def test_a_gpu_plan_that_does_not_fit_suggests_rollout_sleep_first(llama_dir, pr
     assert estimate(config, 36, 64, device, suggest=False).fits
 
 
+def test_each_placement_counts_the_engine_where_it_runs(llama_dir, prompts_file, tmp_path):
+    """colocated: on the trainer's device (above). servers: on the servers, nothing on the trainer's device; separate on a
+    GPU: on devices the trainer does not use, nothing on its own; separate on CPU: a process beside the trainer, in the same
+    memory, as much as the colocated engine holds. Computed from the config alone (vLLM not imported)."""
+    config = tiny_ppo_config(llama_dir, prompts_file, tmp_path / "run", response_length=28)
+    config.rollout.engine = "vllm"
+    imported = "vllm" in sys.modules
+    cpu, gpu = ("cpu RAM", 64 * GiB), ("cuda:0 test", 80 * GiB)
+    colocated = {device: estimate(config, 36, 64, device) for device in (cpu, gpu)}
+    config.rollout.placement, config.rollout.servers = "servers", ["10.0.0.5:8000", "10.0.0.6:8000"]
+    for device in (cpu, gpu):
+        plan = estimate(config, 36, 64, device)
+        assert plan.engine.held == 0 and plan.phases["sampling"] == 0
+        assert plan.total == persistent(plan) + max(plan.phases.values()) < colocated[device].total
+        assert "rollout engine (vLLM servers 10.0.0.5:8000, 10.0.0.6:8000): its weight copy and KV cache on the servers, none here; " \
+               "a weight push holds one bucket of at most 256 MiB here at a time" in plan.render().splitlines()
+    config.rollout.placement, config.rollout.servers = "separate", []
+    on_gpu = estimate(config, 36, 64, gpu)
+    assert on_gpu.engine.held == 0 and "a server on this node's GPUs that the trainer's processes do not use" in on_gpu.render()
+    on_cpu = estimate(config, 36, 64, cpu)
+    assert on_cpu.engine.held == colocated[cpu].engine.held and on_cpu.total == colocated[cpu].total
+    assert "a server process beside the trainer, in this machine's memory: weight copy + KV cache for 8 sequences" in on_cpu.render()
+    assert imported or "vllm" not in sys.modules
+
+
 def test_the_hf_engine_holds_nothing_of_its_own(llama_dir, prompts_file, tmp_path):
     config = tiny_ppo_config(llama_dir, prompts_file, tmp_path / "run", response_length=28)
     plan = estimate(config, 36, 64, ("cuda:0 test", 80 * GiB))

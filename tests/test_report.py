@@ -690,3 +690,92 @@ def test_samples_of_multi_turn_episodes_show_their_turns_marked(tmp_path):
     assert "<b>assistant:</b> 8<br><b>user:</b> higher &lt;b&gt;<br><b>assistant:</b> 12" in html
     assert "<b>user:</b> low <i>(cut by the token budget)</i>" in html  # an observation cut by rollout.max_episode_tokens
     assert "pretty good and fun number 1 ." in html  # single-turn rows as before
+
+
+def game_run(tmp_path: Path) -> Path:
+    """A multi-turn run as the guess demo writes it: the environment the only reward source, episode metrics,
+    eval games before training (update 0) and after, each model turn with its step's reward."""
+    records = healthy_records(12)
+    for r in records:
+        u = r.pop("update")
+        r.pop("reward/sentiment")
+        r.update({"update": u, "env/done_rate": 0.5 + 0.04 * u, "rollout/turns": 4.2 - 0.06 * u, "rollout/model_tokens": 8 - 0.1 * u,
+                  "rollout/observation_tokens": 3.2 - 0.06 * u, "rollout/truncated": 0.0, "reward/environment": 0.5 + 0.04 * u})
+    won = [{"role": "assistant", "text": "8", "reward": 0.0}, {"role": "user", "text": "lower"},
+           {"role": "assistant", "text": "4", "reward": 1.0, "done": True}]
+    lost = [{"role": "assistant", "text": "3", "reward": 0.0}, {"role": "user", "text": "higher"}]
+    samples = [{"update": u, "episode": u * BATCH, "split": "eval", "prompt": "guess a number from 1 to 16 .",
+                "completion": "8 lower 4", "score": score, "turns": turns}
+               for u, score, turns in [(0, 0.0, lost), (0, 1.0, won), (12, 1.0, won), (12, 1.0, won)]]
+    config = {"model": "sft", "environment": "ppokit.environments:GuessNumber", "reward": {"functions": [], "length_penalty": 0.02},
+              "rollout": {"max_turns": 5}, "ppo": {"kl_coef": 0.01, "response_length": 3, "total_episodes": 12 * BATCH}}
+    return write_run(tmp_path / "game", records, samples, config)
+
+
+def test_a_multi_turn_runs_report_has_its_episode_curves_its_reward_source_and_the_winning_turns(tmp_path):
+    summary = make_report([game_run(tmp_path)], tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    figures = {Path(p).stem: Path(p).read_text() for p in summary["figures"]}
+    episodes = panels_of(figures["episodes"])
+    assert list(episodes) == ["episodes the environment ended (env/done_rate)", "model turns per episode (rollout/turns)",
+                              "tokens per episode: the model's and the environment's", "episodes cut by the token budget (rollout/truncated)"]
+    lines, _, x_tol, y_tol = read_back(episodes["episodes the environment ended (env/done_rate)"])
+    assert_at(lines[0], [(u, 0.5 + 0.04 * u) for u in range(1, 13)], x_tol, y_tol)
+    # the runs table's reward column names the environment, the run's only source
+    assert "<td>environment ppokit.environments:GuessNumber</td>" in page
+    # the eval curve starts before training: update 0, the mean score of the games sampled then (0 and 1)
+    score = panels_of(figures["score"])["score: train (objective/scores) and eval (eval/scores)"]
+    _, markers, x_tol, y_tol = read_back(score)
+    evals = [(u, r["eval/scores"]) for r in healthy_records(12) for u in [r["update"]] if "eval/scores" in r]
+    assert_at(markers, [(0, 0.5)] + evals, x_tol, y_tol)
+    # the games: each turn marked, the winning one as such, the generation before training named
+    assert "(updates 0, 12) (update 0: before training)" in page
+    assert "<b>assistant:</b> 4 <i>(reward +1.00; the environment ended the episode)</i>" in page
+    assert "<b>assistant:</b> 3<br><b>user:</b> higher" in page  # a turn without reward carries no note
+
+
+def test_a_single_turn_runs_report_has_no_episode_figure(tmp_path):
+    summary = make_report([write_run(tmp_path / "run", healthy_records())], tmp_path / "report.html")
+    assert "episodes" not in {Path(p).stem for p in summary["figures"]}
+    assert not any("rollout/turns" in s for s in summary["skipped"])  # nothing said about curves a single-turn run never has
+
+
+def test_the_frontier_notes_of_runs_that_end_together_do_not_cover_each_other(tmp_path):
+    from ppokit.report import svg
+
+    runs = [write_run(tmp_path / name, healthy_records(12, seed=1)) for name in ("a", "b", "c")]  # the same curve three times
+    summary = make_report(runs, tmp_path / "report.html")
+    (panel,) = panels_of(Path(summary["figures"][0]).read_text()).values()
+    notes = of_class(panel, "text", "note")
+    assert [t.text for t in notes] == ["update 12"] * 3
+    baselines = sorted(float(t.get("y")) for t in notes)
+    assert all(b - a >= svg.TICK_TEXT for a, b in zip(baselines, baselines[1:])), baselines
+    assert len({t.get("x") for t in notes}) == 1  # beside the same last point, one above another
+
+
+def test_a_run_with_eval_data_samples_its_policy_before_training_without_changing_its_results(model_dir, prompts_file, tmp_path):
+    """The first sample generation is update 0 (the policy before any update), drawn with the random states kept:
+    the run's metrics are those of the same run without it; samples a caller drew before train() are that generation."""
+    from conftest import tiny_ppo_config
+    from ppokit.trainer import PPOTrainer
+
+    def run(name, before=None):
+        config = tiny_ppo_config(model_dir(), prompts_file, tmp_path / name, total_episodes=32, num_eval_samples=3)
+        config.data.eval = str(prompts_file)
+        trainer = PPOTrainer(config, show_progress=False)
+        if before == "none":
+            trainer.samples_before_training = lambda: []  # the run as it was without the generation before training
+        drawn = trainer.sample_completions() if before == "caller" else None
+        records = [{k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"} for r in trainer.train()]
+        samples = [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+        return records, samples, drawn
+
+    records, samples, _ = run("run")
+    without, samples_without, _ = run("without", before="none")
+    assert records == without  # every metric the same: the generation before training took nothing from training's stream
+    assert [s["update"] for s in samples] == [0] * 3 + [s["update"] for s in samples_without] and samples_without[0]["update"] == 2
+    assert [s["split"] for s in samples[:3]] == ["eval"] * 3 and all(isinstance(s["score"], float) for s in samples[:3])
+    _, caller_samples, drawn = run("caller", before="caller")
+    assert caller_samples[:3] == drawn  # a caller's draw at update 0 is the run's generation before training
+    page_summary = make_report([tmp_path / "run"], tmp_path / "report.html")
+    assert page_summary["runs"][0]["finished"] and "(update 0: before training)" in (tmp_path / "report.html").read_text()

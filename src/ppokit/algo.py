@@ -47,6 +47,10 @@ References:
   [TIS]    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
            https://fengyao.notion.site/off-policy-rl (truncated importance sampling between the
            rollout engine's and the trainer's probabilities).
+  [AReaL]  Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language
+           Reasoning", arXiv:2505.24298 (the decoupled PPO objective for stale rollouts: the ratio against a
+           proximal policy, the behaviour policy corrected by an importance weight), after Hilton et al. 2022,
+           "Batch size-invariance for policy optimization", arXiv:2110.00641 (decoupling the proximal policy).
 
 Loss aggregation and micro-batches (the contract `ppo_loss` keeps; batching code relies on it):
 
@@ -713,6 +717,28 @@ def policy_loss_per_token(
         dual_clipped = (advantages < 0) & (loss > cap)
         loss = torch.where(advantages < 0, torch.min(loss, cap), loss)
     return loss, log_ratio, ratio, clipped > unclipped, dual_clipped
+
+
+def decoupled_policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                          advantages: torch.Tensor, cliprange_low: float, cliprange_high: float, cap: float,
+                          floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoupled PPO loss at every token [AReaL], for episodes sampled by an older policy (the behaviour
+    policy, the rollout engine's weights of some versions ago) and trained against a recent one (the proximal policy).
+
+    logprobs (current policy, with grad), proximal_logprobs (the trainer's no-gradient forward of the weights at the
+    update's start), behaviour_logprobs (what the engine sampled with), advantages: (B, T) -> (loss (B, T), the
+    behaviour weights (B, T)).
+        l_t = w_t * max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)),   r_t = pi(y_t) / pi_prox(y_t),
+        w_t = clip(pi_prox(y_t) / pi_behav(y_t), floor, cap)                (`truncated_is_weights`, detached)
+    The trust region is around the proximal policy (the clip acts on r_t, as in PPO), and the importance weight w_t
+    moves the expectation from the behaviour policy to the proximal one, truncated to [floor, cap] as TIS does (AReaL's
+    `behav_imp_weight_cap` drops the tokens above it instead). With proximal = behaviour (on-policy) every w_t is 1 and this is
+    `policy_loss_per_token`'s loss. The trainer computes exactly this: the PPO ratio against its recomputed logprobs
+    (`engines.correction.use_trainer_logprobs`) times `ppo.rollout_is`'s weights (`ppo_loss`'s is_weights).
+    """
+    weights = truncated_is_weights(proximal_logprobs, behaviour_logprobs, cap, floor)
+    per_token = policy_loss_per_token(logprobs, proximal_logprobs, advantages, cliprange_low, cliprange_high)[0]
+    return per_token * weights, weights
 
 
 def _policy_stats(log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor) -> PolicyLossStats:

@@ -31,9 +31,9 @@ def _ppo(args) -> int:
     if resume is not None and args.overwrite:
         raise UserError("--resume continues the run in output_dir and --overwrite replaces it: give one of them")
     run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process(), overwrite=args.overwrite)
-    from ppokit import checkpoint  # torch: only once the config and the run folder are known to be good
-
     try:
+        from ppokit import checkpoint  # torch: only once the config and the run folder are known to be good
+
         run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
         for note in run.notes:
             print(f"ppokit: {note}", file=sys.stderr)
@@ -145,15 +145,14 @@ def _plan(args) -> int:
 
 
 def _demo(args) -> int:
-    if args.environment == "guess":
-        from ppokit.demo_game import run_game_demo as run
-    else:
-        from ppokit.demo import run_demo as run
+    from ppokit import demo  # no torch, no transformers: a demo that cannot start is refused at once
+
+    choice = demo.DemoChoice.of(args.environment, args.quick, args.seed, args.estimator, args.engine)
+    out = demo.demo_folder(choice, args.output, args.overwrite, args.resume)
     try:
-        summary = run(args.output, quick=args.quick, seed=args.seed, estimator=args.estimator, overwrite=args.overwrite,
-                      engine=args.engine)
-    except TrainingInterrupted as e:  # the demo has no --resume
-        return _stopped(e, "run the demo again with --overwrite to start over")
+        summary = demo.run(choice, out, overwrite=args.overwrite, resume=args.resume)
+    except TrainingInterrupted as e:
+        return _stopped(e, f"continue the demo with: {choice.command(out, '--resume')}")
     print(json.dumps(summary))
     return 0
 
@@ -240,7 +239,7 @@ def _data_inspect(args) -> int:
     loaded = []  # every path read first (no torch): a missing file or unknown format is answered at once
     for path in paths:
         try:
-            loaded.append((path, load_records(path, data_format)))
+            loaded.append(load_records(path, data_format))
         except UserError as e:
             failure(e)
     if not loaded:
@@ -266,7 +265,7 @@ def _data_inspect(args) -> int:
         response_length = response_length or config.response_room
         if tokenizer is not None:
             render_prompts = lambda dataset: conversation_for(config, tokenizer, [dataset]).template  # noqa: E731
-    for i, (path, records) in enumerate(loaded):
+    for i, records in enumerate(loaded):
         try:
             report = inspect_data(
                 records, tokenizer, format=data_format, stage=stage, max_prompt_length=max_prompt_length,
@@ -421,23 +420,31 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
 
-    from ppokit.engines import ENGINES  # no torch: the parser stays quick
+    from ppokit.demo import ENVIRONMENTS as DEMO_ENVIRONMENTS  # no torch: the parser stays quick
+    from ppokit.engines import ENGINES
     from ppokit.estimators import ESTIMATORS
 
-    demo = sub.add_parser("demo", help="the embedded demo: SFT then PPO towards positive movie reviews")
-    demo.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 cores")
-    demo.add_argument("--output", default="ppokit-demo", help="directory for data/, sft/ and ppo/ (default: ppokit-demo)")
+    demo = sub.add_parser("demo", help="the embedded demos: SFT then PPO towards positive movie reviews, or a game or a tool (--environment)")
+    demo.add_argument("--quick", action="store_true", help="a smaller run, about a minute on 2 cores")
+    demo.add_argument("--output", default=None,
+                      help="directory for data/, sft/ and ppo/ (default: each demo its own, ppokit-demo for the quick movie-review "
+                      "demo, then -ENVIRONMENT, -ENGINE, -ESTIMATOR when not the default, -full without --quick)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--estimator", default="gae", choices=list(ESTIMATORS),
-                      help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: gae)")
+    demo.add_argument("--estimator", default=None, choices=list(ESTIMATORS),
+                      help="ppo.advantage_estimator of the PPO step, with its usual samples per prompt (docs/algorithms.md; default: "
+                      "the demo's own, gae for the movie reviews)")
     demo.add_argument("--engine", default="hf", choices=list(ENGINES),
                       help="rollout.engine of the PPO step (docs/rollout.md; default: hf). With vllm the demo model has head_dim 64 "
                       "(vLLM's CPU attention serves none under 32)")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace the run in DIR/ppo left by an earlier demo, or write into a folder the demo did not make "
                       "(without it both are refused before any work)")
-    demo.add_argument("--environment", choices=["guess"], default=None,
-                      help="a multi-turn demo instead: guess (a number from 1 to 16; the environment answers higher/lower/correct)")
+    demo.add_argument("--resume", action="store_true",
+                      help="continue a demo stopped by Ctrl-C (the same command with --resume): from its last checkpoint, to the "
+                      "figures it would have reached without the stop")
+    demo.add_argument("--environment", choices=list(DEMO_ENVIRONMENTS), default=None,
+                      help="a multi-turn demo instead: guess (a number from 1 to 16; the environment answers higher/lower/correct) "
+                      "or calculator (arithmetic with a calculator tool the model calls)")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(

@@ -174,7 +174,7 @@ class PPOHyperparams:
     # appears). Every key without it must match the checkpoint's.
     logging_steps: int = doc(1, "Print a line every this many updates (metrics.jsonl gets every update).", check=positive, resume=True)
     save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative, resume=True)
-    num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); 0 disables.", check=non_negative)
+    num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); with eval data also once before training (update 0; its random draws leave training's stream as it was); 0 disables.", check=non_negative)
     num_eval_samples: int = doc(8, "Prompts (from data.eval, else the current batch) in each sample generation.", check=positive)
     save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive, resume=True)
     max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive, resume=True)
@@ -482,14 +482,22 @@ class _RolloutKeys:
     max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
     max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
+    max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. 0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
 
     def check_combination(self) -> None:
-        """Another engine's keys (never read by this one) are refused."""
+        """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
         for key, owners in ENGINE_KEY_OWNERS.items():
             if self.engine not in owners and differs_from_default(self, key):
                 owner = " or ".join(owners)
                 raise UserError(f"rollout.{key} ({getattr(self, key)!r}) is for rollout.engine: {owner}, and this run's is "
                                 f"{self.engine}, which never reads it; remove it, or set rollout.engine: {owner}")
+        if ENGINES[self.engine].check is not None:
+            ENGINES[self.engine].check(self)
+        if self.max_staleness and not ENGINES[self.engine].beside_training(self):
+            where = f"rollout.engine {self.engine}" + (f" with rollout.placement {self.placement}" if self.engine in ENGINE_KEY_OWNERS["placement"] else "")
+            raise UserError(f"rollout.max_staleness: {self.max_staleness} samples while the trainer trains, which needs an engine outside the "
+                            f"trainer's process (rollout.engine: vllm with rollout.placement: separate or servers), and this run's is {where}; "
+                            "set rollout.max_staleness: 0, or rollout.placement")
 
 
 def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...]]]:
@@ -552,7 +560,7 @@ class PPOConfig:
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
     environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) and `ppokit.environments:GuessNumber` (the demo game). One instance per episode. Its step rewards, summed, are a reward source (`reward/environment`), the last in `reward.weights` order. null: no environment, one response per prompt. Its code runs in the trainer's process.", check=ENVIRONMENT_SPEC)
     environment_args: dict = doc(factory=dict, help="Keyword arguments of the environment's constructor, e.g. `{tools: [\"tools.py:add\"]}` for ppokit.environments:Tools.")
-    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). The issue's `environment.timeout_s`. null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
+    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
     # Where the numbers also go (docs/report.md). None of these changes a number of the run (resume=True).
     report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.", resume=True)
     run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name, resume=True)
@@ -585,6 +593,7 @@ class PPOConfig:
         self.reward.check_combination(n_sources)
         self.ppo.check_combination()
         self.rollout.check_combination()
+        self._validate_off_policy()
         self._validate_estimator_roles()
         if self.ppo.mask_truncated_completions and self.ppo.stop_token is None and self.ppo.stop_token_id is None and not has_environment:
             # Without a stop token (or an environment to end episodes) no response ends by itself: every one would leave the loss.
@@ -636,6 +645,16 @@ class PPOConfig:
                 raise UserError(f"{name} ({getattr(section, key)!r}) is for multi-turn episodes, and `environment` is not set; set environment, or remove {name}")
         if self.rollout.max_turns > 1:
             raise UserError(f"rollout.max_turns ({self.rollout.max_turns}): a second turn needs an environment to answer the first; set `environment` (docs/environments.md), or rollout.max_turns: 1")
+
+    def _validate_off_policy(self) -> None:
+        """rollout.max_staleness >= 1: the behaviour policy corrected (ppo.rollout_is), no greedy baseline sampled mid-update."""
+        k = self.rollout.max_staleness
+        if k and self.ppo.rollout_is is None:
+            raise UserError(f"rollout.max_staleness: {k} trains on episodes sampled by older weights, which the decoupled PPO loss corrects "
+                            "with ppo.rollout_is; set ppo.rollout_is: tis (AReaL's behaviour weights, docs/algorithms.md) or tis_sequence")
+        if k and self.ppo.estimator.greedy_baseline:
+            raise UserError(f"ppo.advantage_estimator {self.ppo.advantage_estimator} samples a greedy baseline with the current weights "
+                            f"during the update, which rollout.max_staleness: {k} does not; use another estimator or rollout.max_staleness: 0")
 
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""

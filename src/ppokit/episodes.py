@@ -59,6 +59,7 @@ class Episodes:
     advantages: Optional[torch.Tensor] = None  # (B, R) float, the estimator's advantages
     returns: Optional[torch.Tensor] = None  # (B, R) float, value targets (critic estimators only)
     rollout_is_weights: Optional[torch.Tensor] = None  # (B, R) float, ppo.rollout_is's truncated importance weights
+    weight_version: Optional[torch.Tensor] = None  # (B,) long, the weights that sampled each episode, in updates (rollout.max_staleness)
     # What the environment said (multi-turn episodes), None without one:
     environment_rewards: Optional[torch.Tensor] = None  # (B,) float64, the sum of each episode's step rewards; NaN where it failed
     turn_rewards: Optional[torch.Tensor] = None  # (B, R) float, each step's reward at the last token of the turn that earned it

@@ -184,7 +184,9 @@ class Plan:
                 f"{_gib(r.optimizer):>9} {_gib(r.activations):>9} "
                 + "".join(f"{_gib(self.sharding.per_device(r, s)):>9} " for s in STRATEGIES) + f" {r.source}"
             )
-        if self.engine.what:
+        if self.engine.what and not self.engine.held:  # it holds nothing on this device (its memory is elsewhere)
+            lines.append(self.engine.what)
+        elif self.engine.what:
             lines.append(f"{self.engine.what}: {_gib(self.engine.held)} per device"
                          + (", not during training" if self.engine.released_for_training else ", all run long"))
         lines.append(f"per device with {n} process{'' if n == 1 else 'es'} (weights + grads + optim; fsdp adds the units it gathers): "

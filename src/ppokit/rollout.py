@@ -19,6 +19,7 @@ from ppokit import experience
 from ppokit.engines.base import PURPOSES, Sampling, stop_ids
 from ppokit.environments.episode_loop import data_rows
 from ppokit.episodes import Episodes
+from ppokit.off_policy import with_engine
 
 
 class Rollout:
@@ -40,10 +41,11 @@ class Rollout:
         """The rollout engine (`engines.base.RolloutEngine`)."""
         return self.source.engine
 
-    def sample(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train") -> Episodes:
-        """One response per query by the rollout engine, or with an `environment` a multi-turn episode over it (what it
-        said in the episodes too), the data rows (`prompts`, `columns`) given to its reset."""
-        return self.source.sample(query_ids, data_rows(prompts, columns), self.sampling[purpose])
+    def sample(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train", engine=None) -> Episodes:
+        """One response per query by the rollout engine (or by `engine` in its place: `off_policy.SeededEngine`), or with
+        an `environment` a multi-turn episode over it (what it said in the episodes too), the data rows (`prompts`,
+        `columns`) given to its reset."""
+        return with_engine(self.source, engine).sample(query_ids, data_rows(prompts, columns), self.sampling[purpose])
 
     def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> experience.Scored:
         """The reward sources on the episodes (`experience.score`)."""

@@ -6,6 +6,7 @@ the models are built from configs with random weights.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -20,6 +21,23 @@ def word_tokenizer(texts: Iterable[str], min_frequency: int = 1) -> PreTrainedTo
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS.values()), min_frequency=min_frequency)
     tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS, clean_up_tokenization_spaces=False)
+
+
+def spaced_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    """A tokenizer for text whose tokens are separated by spaces, such as JSON written `{ "a" : 74 }`: each
+    space-separated word of `texts` is one token, but a number is one token per digit (`7`, then `##4`, a continuation
+    written back without a space), so 20 tokens read and write every number. Decoding joins the words with one space:
+    such text decodes back to itself. pad/eos/bos/unk as `word_tokenizer`'s."""
+    from tokenizers import decoders
+
+    special = list(SPECIAL_TOKENS.values())
+    digits = [str(d) for d in range(10)] + [f"##{d}" for d in range(10)]
+    words = sorted({w for text in texts for w in text.split() if not re.fullmatch(r"-?\d+", w)} - set(special) - set(digits))
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(special + digits + words)}, unk_token=SPECIAL_TOKENS["unk_token"],
+                                     max_input_chars_per_word=100))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS, clean_up_tokenization_spaces=False)
 
 

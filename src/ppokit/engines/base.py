@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ppokit.episodes import Episodes
+    from ppokit.errors import UserError
 
 PURPOSES = ("train", "eval", "greedy")
 
@@ -152,6 +153,22 @@ def complete(engine: "RolloutEngine", requests: Sequence[Request]) -> list[Compl
             for completion in engine.step():
                 done[completion.request_id] = completion
     return [done[r.request_id] for r in requests]
+
+
+class EngineLost(RuntimeError):
+    """An engine outside the trainer's process (a vLLM server) died, refused, or did not answer in time; its message is
+    one line naming it. A run ends with that line and where to resume (`engine_lost`)."""
+
+
+def engine_lost(error: BaseException, last_checkpoint) -> Optional["UserError"]:
+    """The one line a run ends with when an engine outside its process is lost (`EngineLost`), naming the last complete
+    checkpoint; None for any other error."""
+    from ppokit.errors import UserError
+
+    if not isinstance(error, EngineLost):
+        return None
+    last = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint of this run was written yet"
+    return UserError(f"{error}; {last}: continue with --resume once it serves again")
 
 
 @dataclass(frozen=True)

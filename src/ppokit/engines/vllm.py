@@ -121,6 +121,63 @@ def engine_shape(settings, longest_sequence: int, rows_per_rollout: int, rows_pe
     return settings.max_model_len or longest_sequence, max(1, rows_per_rollout or rows_per_forward)
 
 
+def model_config_folder(base: nn.Module) -> Path:
+    """A new temporary folder holding the policy's config.json, which is what a vLLM engine is built from (its weights
+    drawn at random, `load_format="dummy"`, and replaced by the trainer's)."""
+    config_dict = base.config.to_dict()
+    config_dict["architectures"] = [architecture(base)]
+    folder = Path(tempfile.mkdtemp(prefix="ppokit-vllm-"))
+    (folder / "config.json").write_text(json.dumps(config_dict, indent=1))
+    return folder
+
+
+def request_seeds(requests: Sequence[Request], unfinished: Iterable[str], max_model_len: int) -> list[Optional[int]]:
+    """Each request's seed for vLLM: its own, or for a seedless sampled one a seed drawn from torch's generator (all of
+    them at once, in order: what `generate` always drew), so a run repeats and resumes exactly. All refused before any
+    is queued: a request id already `unfinished` (or repeated), a prompt + max_new_tokens over the engine's max_model_len."""
+    taken = set(unfinished)
+    for request in requests:
+        if request.request_id in taken:
+            raise ValueError(f"request id {request.request_id!r} is already unfinished in the engine")
+        if len(request.prompt) + request.sampling.max_new_tokens > max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                             f"({request.sampling.max_new_tokens}) is over the engine's max_model_len {max_model_len}")
+        taken.add(request.request_id)
+    drawn = iter(torch.randint(0, SEED_RANGE, (sum(r.seed is None and not r.sampling.greedy for r in requests),)).tolist())
+    return [r.seed if r.seed is not None or r.sampling.greedy else next(drawn) for r in requests]
+
+
+def sampling_kwargs(sampling: Sampling, seed: Optional[int]) -> dict:
+    """vLLM's sampling parameters of one request, as keywords of its SamplingParams (and the JSON of a server's
+    token route): the sampled token's logprob, token ids only, only the stop tokens ending it (as with hf)."""
+    common = dict(max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, skip_special_tokens=False, ignore_eos=True,
+                  stop_token_ids=list(sampling.stop_token_ids) or None)
+    if sampling.greedy:
+        return dict(temperature=0.0, **common)
+    return dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed, **common)
+
+
+def elsewhere_memory(sizing: EngineSizing) -> EngineMemory:
+    """For `ppokit plan`, an engine outside the trainer's process: nothing on the trainer's devices but one bucket of a
+    weight push at a time (`weights.PUSH_BUCKET_BYTES`); on CPU a `separate` server shares this machine's memory (its
+    weight copy + KV cache, as the colocated engine's)."""
+    from ppokit.engines.weights import PUSH_BUCKET_BYTES
+
+    settings = sizing.settings
+    push = f"a weight push holds one bucket of at most {PUSH_BUCKET_BYTES / 2**20:.0f} MiB here at a time"
+    if settings.placement == "servers":
+        return EngineMemory(what=f"rollout engine (vLLM servers {', '.join(settings.servers)}): its weight copy and KV cache on the "
+                                 f"servers, none here; {push}")
+    if sizing.on_gpu:
+        return EngineMemory(what="rollout engine (vLLM, placement separate): a server on this node's GPUs that the trainer's "
+                                 f"processes do not use (weight copy + KV cache), none on the trainer's devices; {push}")
+    max_model_len, max_num_seqs = engine_shape(settings, sizing.longest_sequence, sizing.rows_per_rollout, sizing.rows_per_forward)
+    return EngineMemory(held=sizing.weight_bytes + kv_cache_bytes(sizing.model_config, sizing.dtype, max_num_seqs, max_model_len),
+                        sampling=step_logits_bytes(max_num_seqs, sizing.dims["vocab"]),
+                        what=f"rollout engine (vLLM, placement separate): a server process beside the trainer, in this machine's "
+                             f"memory: weight copy + KV cache for {max_num_seqs} sequences of {max_model_len} tokens")
+
+
 class VLLMEngine:
     """A vLLM engine in this process sampling for the trainer (see the module docstring).
 
@@ -176,6 +233,10 @@ class VLLMEngine:
             raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + the tokens after it "
                             f"(ppo.response_length, or with an environment the episode's budget: {setup.longest_sequence}); "
                             "raise it or remove the key (its default is that sum)")
+        if settings.placement != "colocated":
+            from ppokit.engines.vllm_servers import VLLMServersEngine
+
+            return VLLMServersEngine.create(setup)
         max_model_len, max_num_seqs = engine_shape(settings, setup.longest_sequence, setup.rows_per_rollout, setup.rows_per_forward)
         return cls(setup.policy, setup.pad_token_id, max_model_len, max_num_seqs=max_num_seqs,
                    gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -196,6 +257,8 @@ class VLLMEngine:
         freed during each optimisation. On CPU: its weight copy + the KV cache it is built with (`kv_cache_bytes`),
         all run long (sleep mode is refused there), and while sampling one step's logits of the rows decoded together."""
         settings = sizing.settings
+        if settings.placement != "colocated":
+            return elsewhere_memory(sizing)
         if sizing.on_gpu:
             share = f"rollout engine (vLLM): rollout.gpu_memory_utilization {settings.gpu_memory_utilization:g} of the device (weight copy + KV cache)"
             return EngineMemory(held=int(settings.gpu_memory_utilization * sizing.device_memory), released_for_training=settings.sleep,
@@ -218,10 +281,7 @@ class VLLMEngine:
         """The engine from the policy's config (random weights), then sent the policy's current weights."""
         vllm = import_vllm()
         base = self._base(self.policy)
-        config_dict = base.config.to_dict()
-        config_dict["architectures"] = [architecture(base)]
-        self._dir = Path(tempfile.mkdtemp(prefix="ppokit-vllm-"))  # the engine reads the model's config from a folder
-        (self._dir / "config.json").write_text(json.dumps(config_dict, indent=1))
+        self._dir = model_config_folder(base)
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         found = _groups_there()  # the trainer's default group under torchrun: vLLM joins it
         options = dict(self._options)
@@ -254,20 +314,12 @@ class VLLMEngine:
     # ------------------------------------------------------------------ sampling
 
     def sampling_params(self, sampling: Sampling, seed: Optional[int]):
-        """vLLM's SamplingParams for one request: its tokens and their logprobs handed back step by step (deltas, so
-        that an aborted request's tokens so far are known), only the stop tokens ending it (as with hf)."""
+        """vLLM's SamplingParams for one request (`sampling_kwargs`), its tokens and their logprobs handed back step by
+        step (deltas, so that an aborted request's tokens so far are known)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        common = dict(
-            max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, skip_special_tokens=False,
-            ignore_eos=True, output_kind=RequestOutputKind.DELTA,
-            stop_token_ids=list(sampling.stop_token_ids) or None,
-        )
-        if sampling.greedy:
-            return SamplingParams(temperature=0.0, **common)
-        return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                              min_p=sampling.min_p, seed=seed, **common)
+        return SamplingParams(**sampling_kwargs(sampling, seed), output_kind=RequestOutputKind.DELTA)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
         """One response per prompt -> Episodes (`episodes.one_turn_episodes`): seedless requests of one call."""
@@ -286,19 +338,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         requests = list(requests)
-        taken = set(self._unfinished)
-        longest = self._options["max_model_len"]
-        for request in requests:  # all refused before any is queued
-            if request.request_id in taken:
-                raise ValueError(f"request id {request.request_id!r} is already unfinished in the engine")
-            if len(request.prompt) + request.sampling.max_new_tokens > longest:
-                raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)} tokens) + max_new_tokens "
-                                 f"({request.sampling.max_new_tokens}) is over the engine's max_model_len {longest}")
-            taken.add(request.request_id)
+        seeds = request_seeds(requests, self._unfinished, self._options["max_model_len"])
         engine = self._engine().llm_engine
-        drawn = iter(torch.randint(0, SEED_RANGE, (sum(r.seed is None and not r.sampling.greedy for r in requests),)).tolist())
-        for request in requests:
-            seed = request.seed if request.seed is not None or request.sampling.greedy else next(drawn)
+        for request, seed in zip(requests, seeds):
             engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=list(request.prompt)),
                                self.sampling_params(request.sampling, seed))
             self._unfinished[request.request_id] = _Partial()

@@ -22,7 +22,7 @@ class WeightSync:
         many tensors were read."""
         counted = _Counted(weights)
         self.reload_weights(weights_iterator=counted)
-        _reprocess_kept_weights(self.model_runner.get_model())
+        reprocess_kept_weights(self.model_runner.get_model())
         return counted.n
 
 
@@ -36,7 +36,7 @@ class _Counted:
             yield pair
 
 
-def _reprocess_kept_weights(model) -> None:
+def reprocess_kept_weights(model) -> None:
     """Re-run the post-load step of every unquantized vocabulary layer (embed_tokens, lm_head): on
     CPU it re-packs the GEMM from the weight the layer keeps (shared with embed_tokens when tied)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod

@@ -15,7 +15,7 @@ A tied weight (embed_tokens = lm_head) is sent once, under its first name.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -61,6 +61,24 @@ def architecture(model: nn.Module) -> str:
 def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for every parameter of the causal LM `policy` (a transformers model, or a
     peft model over one), in module order; a LoRA layer's weight merged with the policy's adapter."""
+    return _walk(policy, _merged_lora_layer, lambda name, param: (name, gather_for(param)(param)))
+
+
+def policy_weight_metadata(policy: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, whole shape) of what `policy_weights` yields, in the same order, without gathering or merging
+    anything (a sharded weight's shape is its whole shape): what a push announces before it sends."""
+    def merged(name, layer):
+        weight = layer.base_layer.weight
+        yield f"{name}.weight", weight.dtype, tuple(weight.shape)
+        if getattr(layer.base_layer, "bias", None) is not None:
+            yield f"{name}.bias", layer.base_layer.bias.dtype, tuple(layer.base_layer.bias.shape)
+
+    return list(_walk(policy, merged, lambda name, param: (name, param.dtype, tuple(param.shape))))
+
+
+def _walk(policy: nn.Module, lora_layer: Callable, parameter: Callable) -> Iterator:
+    """The policy's parameters in module order, each once (a tied weight under its first name): `lora_layer(name,
+    layer)` for a peft LoRA layer (its sub-modules skipped), `parameter(name, param)` for every other parameter."""
     policy = unwrap(policy)
     base = unwrap_peft(policy)
     seen: set[int] = set()
@@ -71,13 +89,13 @@ def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         inside_lora.clear()
         if _is_lora_layer(module):
             inside_lora.append(name)
-            yield from _merged_lora_layer(name, module)
+            yield from lora_layer(name, module)
             continue
         for pname, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            yield _join(name, pname), gather_for(param)(param)
+            yield parameter(_join(name, pname), param)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -108,3 +126,28 @@ def _merged_lora_layer(name: str, layer: nn.Module) -> Iterator[tuple[str, torch
     yield f"{name}.weight", weight
     if getattr(base_layer, "bias", None) is not None:
         yield f"{name}.bias", gather_for(base_layer.bias)(base_layer.bias)
+
+
+PUSH_BUCKET_BYTES = 256 * 2**20  # what one push holds at a time on either side (an engine in another process)
+
+
+def bucket_bounds(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
+    """Consecutive index ranges of tensors of `sizes` bytes, each holding as many tensors as fit in `bucket_bytes`
+    (one tensor larger than that alone): how both sides cut one push's stream, from its metadata alone.
+    E.g. sizes [4, 4, 4, 9, 1], bucket_bytes 8 -> [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]."""
+    bounds, start, held = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and held + size > bucket_bytes:
+            bounds.append(range(start, i))
+            start, held = i, 0
+        held += size
+    if start < len(sizes):
+        bounds.append(range(start, len(sizes)))
+    return bounds
+
+
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    return numel * dtype.itemsize

@@ -48,7 +48,7 @@ class _EpisodeBuffer:
     truncated: bool = False
     last_turn_stopped: bool = False
     error: Optional[str] = None
-    transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded, the environment's as it said them
+    transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
 
     def add(self, ids: list[int], logprobs: Optional[list[float]]) -> None:
         self.ids += ids
@@ -163,6 +163,9 @@ class MultiTurn:
         episode.reward += step.reward
         episode.turn_ends.append((len(episode.ids) - 1, step.reward))
         episode.done = step.done
+        episode.transcript[-1]["reward"] = step.reward  # the model's turn this step answered (`_add_turn`)
+        if step.done:
+            episode.transcript[-1]["done"] = True
         if step.done or episode.turns >= self.max_turns or episode.truncated:
             episode.running = False
             return

@@ -70,16 +70,21 @@ def guess_rows(seed: int, n: int, low: int = LOW, high: int = HIGH) -> list[dict
     return [{"prompt": guess_prompt(low, high), "target": rng.randint(low, high)} for _ in range(n)]
 
 
+STRATEGIES = ("random", "bisect", "sloppy")
+
+
 def play(target: int, rng: random.Random, low: int = LOW, high: int = HIGH, strategy: str = "random",
-         max_turns: Optional[int] = None) -> list[list[str]]:
+         max_turns: Optional[int] = None, p_middle: float = 0.5) -> list[list[str]]:
     """One game as [[guess, answer], ...] with a consistent player: each guess lies in the interval the
-    answers so far leave open. strategy "random": uniform in it (about 2 ln n turns: room for PPO to
-    learn to bisect); "bisect": its middle (at most log2 n + 1 turns). Stops at "correct" or max_turns."""
-    if strategy not in ("random", "bisect"):
-        raise ValueError(f"strategy must be random or bisect, got {strategy!r}")
+    answers so far leave open. strategy "random": uniform in it (about 2 ln n turns); "bisect": its middle
+    (at most log2 n + 1 turns); "sloppy": its middle with probability `p_middle`, else one of its two ends
+    (a bisecting player who often does not: room for PPO to learn to bisect every time). Stops at "correct"
+    or max_turns."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     lo, hi, turns = low, high, []
     while max_turns is None or len(turns) < max_turns:
-        guess = rng.randint(lo, hi) if strategy == "random" else (lo + hi) // 2
+        guess = _guess(lo, hi, rng, strategy, p_middle)
         word, _, done = answer(guess, target)
         turns.append([str(guess), word])
         if done:
@@ -88,15 +93,23 @@ def play(target: int, rng: random.Random, low: int = LOW, high: int = HIGH, stra
     return turns
 
 
+def _guess(lo: int, hi: int, rng: random.Random, strategy: str, p_middle: float) -> int:
+    if strategy == "random":
+        return rng.randint(lo, hi)
+    if strategy == "sloppy" and rng.random() >= p_middle:
+        return lo if rng.random() < 0.5 else hi
+    return (lo + hi) // 2
+
+
 def guess_transcripts(seed: int, n: int, low: int = LOW, high: int = HIGH, strategy: str = "random",
-                      max_turns: Optional[int] = None) -> list[dict]:
+                      max_turns: Optional[int] = None, p_middle: float = 0.5) -> list[dict]:
     """n SFT transcripts: {"prompt", "target", "turns": [[guess, answer], ...], "messages": chat form}.
     `messages` is the user prompt, then per turn an assistant guess and, unless it is the last turn,
     the answer as a user message (the answer to the last turn ends the episode and is not trained on)."""
     rng = random.Random(seed)
     rows = []
     for row in guess_rows(rng.randrange(2**32), n, low, high):
-        turns = play(row["target"], rng, low, high, strategy, max_turns)
+        turns = play(row["target"], rng, low, high, strategy, max_turns, p_middle)
         messages = [{"role": "user", "content": row["prompt"]}]
         for i, (guess, word) in enumerate(turns):
             messages.append({"role": "assistant", "content": guess})

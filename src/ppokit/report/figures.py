@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from ppokit.report import svg
 from ppokit.report.alarms import Alarm
-from ppokit.report.rundata import RunData, stop_rate
+from ppokit.report.rundata import RunData, eval_scores, stop_rate
 
 Series = Callable[[RunData], tuple[list[int], list[float]]]
 
@@ -62,14 +62,31 @@ def reward_source_panels(runs: list[RunData]) -> list[Panel]:
     return [Panel(f"{name} (raw score of the source)", [_metric(name)]) for name in names]
 
 
+def episode_figures(runs: list[RunData]) -> list[FigureSpec]:
+    """The multi-turn figure, when a run has episodes over an environment (`rollout/turns`): how often the
+    environment ended them (a game won), in how many turns, with how many tokens, and how many the budget cut."""
+    if not any(run.has("rollout/turns") for run in runs):
+        return []
+    return [FigureSpec("episodes", "Multi-turn episodes", [
+        Panel("episodes the environment ended (env/done_rate)", [_metric("env/done_rate")]),
+        Panel("model turns per episode (rollout/turns)", [_metric("rollout/turns")]),
+        Panel("tokens per episode: the model's and the environment's",
+              [_metric("rollout/model_tokens", "model (rollout/model_tokens)"),
+               _metric("rollout/observation_tokens", "environment (rollout/observation_tokens)", dashed=True)]),
+        Panel("episodes cut by the token budget (rollout/truncated)", [_metric("rollout/truncated")]),
+    ])]
+
+
 def figure_specs(runs: list[RunData]) -> list[FigureSpec]:
     return [
         FigureSpec("score", "Score", [
             Panel("score: train (objective/scores) and eval (eval/scores)",
-                  [_metric("objective/scores", "train"), _metric("eval/scores", "eval", dashed=True, markers=True)]),
+                  [_metric("objective/scores", "train"),
+                   Line("eval", key="eval/scores", compute=eval_scores, dashed=True, markers=True)]),
             Panel("score - beta x KL (objective/rlhf_reward)", [_metric("objective/rlhf_reward")]),
             *reward_source_panels(runs),
         ]),
+        *episode_figures(runs),
         FigureSpec("kl", "KL and how far each update moves", [
             Panel("KL to the reference (objective/kl, nats per sequence)", [_metric("objective/kl")]),
             Panel("approx KL within an update (policy/approxkl_avg)", [_metric("policy/approxkl_avg")]),

@@ -62,6 +62,8 @@ def _sources(run: RunData) -> str:
     ]
     if reward.get("remote"):
         parts.append("remote")
+    if run.config.get("environment"):  # its step rewards are a source of their own (reward/environment)
+        parts.append(f"environment {run.config['environment']}")
     return ", ".join(parts)
 
 
@@ -119,8 +121,9 @@ def samples_section(run: RunData, max_prompts: int) -> str:
     for row in run.samples:
         generations.setdefault(row["update"], []).append(row)
     if all(row.get("split") == "eval" for row in run.samples):
+        before = " (update 0: before training)" if 0 in generations else ""
         parts = [f"<p class=note>The same eval prompts at each of {len(generations)} sample generations "
-                 f"(updates {', '.join(map(str, generations))}); the first {max_prompts} prompts.</p>"]
+                 f"(updates {', '.join(map(str, generations))}){before}; the first {max_prompts} prompts.</p>"]
         for k in range(max_prompts):
             rows = [(u, g[k]) for u, g in generations.items() if k < len(g)]
             if not rows:
@@ -137,12 +140,23 @@ def samples_section(run: RunData, max_prompts: int) -> str:
 
 
 def _completion(row: dict) -> str:
-    """A sample's completion as HTML: a multi-turn episode's turns (`turns`) one per line, each marked with its role."""
+    """A sample's completion as HTML: a multi-turn episode's turns (`turns`) one per line, each marked with its role;
+    a model turn the environment rewarded or ended the episode on (a game won) says so."""
     turns = row.get("turns")
     if not isinstance(turns, list) or not turns:
         return e(row["completion"])
-    return "<br>".join(f"<b>{e(t.get('role', '?'))}:</b> {e(t.get('text', ''))}{' <i>(cut by the token budget)</i>' if t.get('cut') else ''}"
-                       for t in turns if isinstance(t, dict))
+    return "<br>".join(f"<b>{e(t.get('role', '?'))}:</b> {e(t.get('text', ''))}{_turn_outcome(t)}" for t in turns if isinstance(t, dict))
+
+
+def _turn_outcome(turn: dict) -> str:
+    """What the environment said of a turn, after its text: the budget cut it, it rewarded it, it ended the episode."""
+    notes = ["cut by the token budget"] if turn.get("cut") else []
+    reward = turn.get("reward")
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool) and reward != 0:
+        notes.append(f"reward {_num(float(reward), 2)}")
+    if turn.get("done") is True:
+        notes.append("the environment ended the episode")
+    return f" <i>({'; '.join(notes)})</i>" if notes else ""
 
 
 def thresholds_table(thresholds: AlarmThresholds) -> str:

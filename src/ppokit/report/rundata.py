@@ -93,6 +93,24 @@ def stop_rate(run: RunData) -> tuple[list[int], list[float]]:
     return updates, rates
 
 
+def eval_before(run: RunData) -> Optional[float]:
+    """The eval score before training: the mean score of the eval samples written at update 0 (the sample
+    generation a run makes before its first update), or None when the run has none."""
+    scores = [row["score"] for row in run.samples if row["update"] == 0 and row.get("split") == "eval"
+              and _is_number(row.get("score")) and math.isfinite(row["score"])]
+    return sum(scores) / len(scores) if scores else None
+
+
+def eval_scores(run: RunData) -> tuple[list[int], list[float]]:
+    """(updates, eval/scores), with the score before training at update 0 (`eval_before`) when the run wrote one:
+    metrics.jsonl has a record per update, none for the samples taken before the first."""
+    updates, values = run.series("eval/scores")
+    before = eval_before(run)
+    if before is None or 0 in updates:
+        return updates, values
+    return [0] + updates, [before] + values
+
+
 def score_spread(run: RunData) -> tuple[list[int], list[float], str]:
     """(updates, std of scores within the batch, where it came from): `objective/scores_std` when the
     run logged it, else the std of the scores of each sample generation in samples.jsonl."""

@@ -181,6 +181,7 @@ def panel(plot: Plot, width: float, height: float) -> list[str]:
                        f'stroke="{color}" stroke-opacity="0.25" stroke-width="3"/>')
     for series in plot.series:
         out += draw_series(series, frame)
+    out += notes(plot.series, frame)
     if plot.colorbar:
         out += colorbar(plot.colorbar, right + 14, top, bottom)
     out += legend([s for s in plot.series if s.label], frame, traced(plot.series, frame))
@@ -251,12 +252,30 @@ def draw_series(series: Series, frame: Frame) -> list[str]:
         colors = series.marker_colors or [series.color] * len(series.xs)
         dots = [(x, y, c) for x, y, c in zip(series.xs, series.ys, colors) if math.isfinite(x) and math.isfinite(y)]
         out += [marker(frame.px(x), frame.py(y), series.marker_radius, color, series.hollow, "marker", series.opacity) for x, y, color in dots]
-    points = series.points()
-    if series.note and points:
+    return out
+
+
+def notes(series: list[Series], frame: Frame) -> list[str]:
+    """The word beside each series' last point (`Series.note`), just above it; a note that would cover one
+    placed before (runs ending close together) moves up or down by a line until it covers none."""
+    placed: list[tuple[float, float, float]] = []  # (left, right, baseline) of each note drawn
+    line = TICK_TEXT + 2
+    out = []
+    for s in series:
+        points = s.points()
+        if not s.note or not points:
+            continue
         x, y = frame.px(points[-1][0]), frame.py(points[-1][1])
         anchor, dx = ("end", -6) if x > (frame.left + frame.right) / 2 else ("start", 6)
-        out.append(f'<text class="note" x="{x + dx:.1f}" y="{y - 6:.1f}" text-anchor="{anchor}" font-size="{TICK_TEXT}" '
-                   f'fill="{series.color}">{escape(series.note)}</text>')
+        width = text_width(s.note, TICK_TEXT)
+        left = x + dx - width if anchor == "end" else x + dx
+        covers = lambda b: any(l < left + width and left < r and abs(b - other) < line for l, r, other in placed)  # noqa: E731
+        shifts = [k * sign * line for k in range(len(placed) + 1) for sign in ((-1, 1) if k else (1,))]
+        inside = [y - 6 + d for d in shifts if frame.top + TICK_TEXT <= y - 6 + d <= frame.bottom] or [y - 6]
+        baseline = next((b for b in inside if not covers(b)), inside[0])
+        placed.append((left, left + width, baseline))
+        out.append(f'<text class="note" x="{x + dx:.1f}" y="{baseline:.1f}" text-anchor="{anchor}" font-size="{TICK_TEXT}" '
+                   f'fill="{s.color}">{escape(s.note)}</text>')
     return out
 
 

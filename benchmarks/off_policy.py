@@ -1,0 +1,80 @@
+"""Off-policy rollouts: episodes/s of `rollout.max_staleness` 0, 1 and 2 with the vLLM engine beside the trainer
+(`rollout.placement: separate`), single-turn and multi-turn; one JSON line per configuration.
+
+    PYTHONPATH=src python benchmarks/off_policy.py [--staleness 0,1,2] [--kinds single,multi] [--size 50m] [--updates 4]
+
+The model and the PPO update of benchmarks/rollout_engines.py (`--modes ppo`): its 50M Llama (hidden 768, 9 layers),
+32 episodes per update in 2 minibatches, 1 PPO epoch, a critic of the policy's size, through the real trainer, here
+with `rollout.engine: vllm`, `rollout.placement: separate` (a vLLM server process of its own, weights pushed through the
+gloo backend after every update) and `ppo.rollout_is: tis` (every k, so that each runs the same loss). single: 32-token
+responses, VADER sentiment; multi: the guessing game (`ppokit.environments:GuessNumber`), up to 4 turns of 8 tokens.
+
+One warm-up update, then `updates` timed ones: episodes_per_s is their episodes over their summed `time/update` (the
+wall time of the steps: with k >= 1 it holds the waits for episodes sampled ahead); overlap_s the seconds per update
+that sampling ran while the trainer scored, forwarded and trained (`time/overlap`), generation_wait_s what the update
+waited for its episodes. load_avg: the machine's 1- and 5-minute load averages when the configuration ended. Each
+configuration runs in a process of its own (the server's start is not timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from rollout_engines import PPO_EPISODES, demo_data, ppo_records, size_model
+
+MULTI_TURNS, MULTI_TOKENS = 4, 8
+
+
+def run(size: str, kind: str, k: int, updates: int) -> dict:
+    import torch
+
+    data, tokenizer = demo_data(PPO_EPISODES * (updates + 1))
+    overrides = ["rollout.engine=vllm", "rollout.placement=separate", f"rollout.max_staleness={k}", "ppo.rollout_is=tis"]
+    prompts, sizes = data["prompts"], {}
+    if kind == "multi":
+        from ppokit.environments.guess import guess_rows
+
+        prompts = guess_rows(0, PPO_EPISODES * (updates + 1))
+        overrides += ["environment=ppokit.environments:GuessNumber", "reward.functions=[]", f"rollout.max_turns={MULTI_TURNS}"]
+        sizes = {"response_length": MULTI_TOKENS}
+    records, facts = ppo_records(lambda: size_model(size, tokenizer), tokenizer, prompts, overrides, updates=updates, **sizes)
+    timed = records[1:]
+    mean = lambda key: round(sum(r.get(key, 0.0) for r in timed) / len(timed), 3)  # noqa: E731
+    return dict(benchmark="off_policy", kind=kind, max_staleness=k, size=size, parameters=facts["parameters"],
+                episodes_per_update=PPO_EPISODES, updates_timed=len(timed),
+                episodes_per_s=round(PPO_EPISODES * len(timed) / sum(r["time/update"] for r in timed), 3),
+                seconds_per_update=mean("time/update"), training_s=mean("time/training"), generation_wait_s=mean("time/generation"),
+                overlap_s=[round(r.get("time/overlap", 0.0), 2) for r in timed],
+                staleness_mean=[r.get("rollout/staleness_mean", 0.0) for r in timed],
+                turns=mean("rollout/turns") if kind == "multi" else 1, threads=torch.get_num_threads())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--staleness", default="0,1,2")
+    parser.add_argument("--kinds", default="single,multi")
+    parser.add_argument("--size", default="50m")
+    parser.add_argument("--updates", type=int, default=4)
+    parser.add_argument("--one", nargs=2, metavar=("KIND", "K"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        result = run(args.size, args.one[0], int(args.one[1]), args.updates)
+        print(json.dumps({**result, "load_avg": [round(x, 1) for x in os.getloadavg()[:2]]}), flush=True)
+        return
+    for kind in args.kinds.split(","):
+        for k in args.staleness.split(","):
+            result = subprocess.run([sys.executable, __file__, "--one", kind, k, "--size", args.size, "--updates", str(args.updates)],
+                                    capture_output=True, text=True)
+            lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+            if result.returncode or not lines:
+                print(f"off_policy: {kind} k={k} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
+                continue
+            print(lines[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()

