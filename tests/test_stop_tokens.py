@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from chat_families import FAMILIES, byte_tokenizer
+from steered import steer
 
 from ppokit import algo
 from ppokit.conversation import ConversationRenderer
@@ -129,31 +130,6 @@ def _probe_call_turn(renderer):
 
 
 # --------------------------------------------------------------------------- a gpt-oss episode through the trainer's parts
-
-
-def steer(model, script: dict[int, int], bias: float = 40.0):
-    """`model` with `bias` added to the logit of token script[p] at every position p it lists (the same in sampling, with
-    its KV cache, and in a training forward: a function of the position alone, as position_ids give it)."""
-    base = type(model)
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
-        out = base.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
-        logits = out.logits
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        positions = position_ids[:, -logits.shape[1]:]
-        table = self.script_table.to(logits.device)
-        wanted = torch.where(positions < len(table), table[positions.clamp(max=len(table) - 1)], -1)
-        push = torch.zeros_like(logits).scatter_(-1, wanted.clamp(min=0).unsqueeze(-1), bias) * (wanted >= 0).unsqueeze(-1)
-        out.logits = logits + push
-        return out
-
-    table = torch.full((max(script) + 1,), -1, dtype=torch.long)
-    for position, token in script.items():
-        table[position] = token
-    model.__class__ = type(f"Steered{base.__name__}", (base,), {"forward": forward})
-    model.script_table = table
-    return model
 
 
 def test_a_gpt_oss_episode_stops_at_call_then_at_return_through_the_trainers_parts(tmp_path):
