@@ -62,7 +62,13 @@ def test_a_call_in_the_named_format_runs_the_tool_through_an_episode(parser, tmp
     torch.manual_seed(0)
     model = steer(tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024), script)
 
-    trainer = PPOTrainer(config, model=model, tokenizer=tok, show_progress=False)
+    seen = []
+
+    def looks(prompts, completions, completion_ids, **columns):  # what a reward function receives (docs/environments.md)
+        seen.append((list(completions), [list(ids) for ids in completion_ids]))
+        return [0.0] * len(completions)
+
+    trainer = PPOTrainer(config, model=model, tokenizer=tok, show_progress=False, reward_functions=[looks])
     prompts, columns = trainer.train_data.rows([0, 0])
     episodes = trainer.rollout.sample([prompt, prompt], prompts, columns)
     for row in range(2):
@@ -73,3 +79,9 @@ def test_a_call_in_the_named_format_runs_the_tool_through_an_episode(parser, tmp
     assert [t["text"] for t in episodes.transcripts[0] if t["role"] == "tool"] == ["<tool_response>\n42\n</tool_response>"]
     records = trainer.train()
     assert records[0]["rollout/turns"] == 2
+    # completions: every turn and observation decoded without special tokens (mistral's [TOOL_CALLS] and the stop tokens
+    # gone); completion_ids: the model's tokens as sampled, the episode's last stop token left out
+    completions, ids = seen[-1]
+    assert completions == [tok.decode(call + observation + answer, skip_special_tokens=True)] * 2
+    assert ids == [call + answer[:-1]] * 2
+    assert "[TOOL_CALLS]" not in completions[0] and ("17" in completions[0] and "25" in completions[0] and "42" in completions[0])
