@@ -11,15 +11,15 @@ import json
 import pytest
 import torch
 from chat_families import FAMILIES, byte_tokenizer, trl_template
+from request_engines import ScriptedRequests
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.conversation import ConversationRenderer
 from ppokit.engines.base import Sampling
 from ppokit.environments import EnvironmentRunner
-from ppokit.environments.episode_loop import MultiTurn, conversation_setup
-from ppokit.episodes import Episodes
+from ppokit.environments.episode_loop import EpisodeLoop, conversation_setup
 from ppokit.errors import UserError
-from ppokit.models import left_pad, response_logprobs
+from ppokit.models import response_logprobs
 from ppokit.prompts import as_prompt_dataset
 from ppokit.tiny import tiny_causal_lm
 
@@ -42,28 +42,21 @@ def tools_file(tmp_path_factory):
     return path
 
 
-class ForcedEngine:
-    """A rollout engine whose turns are given (the same token ids for every row of a call), scored by a real tiny
-    model: each returned logprob is the model's for that token in its context, as sampling it would have recorded."""
-
-    logprobs_are_trainers = True
+class ForcedEngine(ScriptedRequests):
+    """A rollout engine whose turns are given (the same token ids for every request of a submit call), scored by a real
+    tiny model: each returned logprob is the model's for that token in its context, as sampling it would have recorded.
+    `contexts`: the prompts of each submit call."""
 
     def __init__(self, model, turns: list[list[int]], pad: int, stop: int):
-        self.model, self.turns, self.pad, self.stop, self.contexts = model, turns, pad, stop, []
+        super().__init__()
+        self.model, self.turns, self.pad_token_id, self.stop, self.contexts = model, turns, pad, stop, self.submitted
 
     @torch.no_grad()
-    def generate(self, prompts, sampling):
-        answer = self.turns[len(self.contexts)][: sampling.max_new_tokens]
-        self.contexts.append([list(p) for p in prompts])
-        rows = []
-        for prompt in prompts:
-            logits = self.model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1].float()
-            rows.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(answer)[:, None])[:, 0])
-        query, query_mask = left_pad(prompts, self.pad)
-        response = torch.tensor([answer] * len(prompts))
-        real = torch.ones_like(response, dtype=torch.bool)
-        return Episodes(query, response, torch.cat([query_mask, real], 1), real, torch.stack(rows),
-                        torch.tensor([self.stop in answer] * len(prompts)), torch.full((len(prompts),), len(answer) - 1))
+    def respond(self, request):
+        answer = self.turns[len(self.contexts) - 1][: request.sampling.max_new_tokens]
+        prompt = list(request.prompt)
+        logits = self.model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1].float()
+        return answer, torch.log_softmax(logits, -1).gather(1, torch.tensor(answer)[:, None])[:, 0].tolist()
 
 
 class Answers:
@@ -143,7 +136,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
     engine = ForcedEngine(model, turn_ids, tok.pad_token_id, stop)
     prompt_text = renderer.chat.render(question, True) if role == "user" else data.prompts[0]
     prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
-    loop = MultiTurn(engine, tok, runner, max_turns=3, max_episode_tokens=4000, pad_token_id=tok.pad_token_id, renderer=renderer)
+    loop = EpisodeLoop(engine, tok, runner, max_turns=3, max_episode_tokens=4000, pad_token_id=tok.pad_token_id, renderer=renderer)
     sampling = Sampling(max_new_tokens=400, temperature=1.0, stop_token_ids=stop)
     episodes = loop.sample([prompt], [{"prompt": question[0]["content"]}], sampling)
 
@@ -456,7 +449,7 @@ def test_a_20_million_character_observation_is_cut_before_it_is_tokenised():
     renderer.encode = lambda text: (longest.__setitem__(0, max(longest[0], len(text))), encoded(text))[1]
     turn = tok("7", add_special_tokens=False)["input_ids"] + [stop]
     engine = ForcedEngine(tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048).eval(), [turn] * 3, tok.pad_token_id, stop)
-    loop = MultiTurn(engine, tok, EnvironmentRunner("floods.py:Floods", Floods, {}, timeout_s=None), max_turns=3, max_episode_tokens=64,
+    loop = EpisodeLoop(engine, tok, EnvironmentRunner("floods.py:Floods", Floods, {}, timeout_s=None), max_turns=3, max_episode_tokens=64,
                        pad_token_id=tok.pad_token_id, renderer=renderer)
     prompt = tok(renderer.chat.render([{"role": "user", "content": "go"}], True), add_special_tokens=False)["input_ids"]
     episodes = loop.sample([prompt], [{"prompt": "go"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_ids=stop))
@@ -476,23 +469,17 @@ def test_the_step_deadline_covers_rendering_the_observation():
 
     renderer.observation = slow
     runner = EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=0.5)
-    loop = MultiTurn(_StubEngine(tok), tok, runner, max_turns=2, max_episode_tokens=100, pad_token_id=tok.pad_token_id, renderer=renderer)
+    loop = EpisodeLoop(_StubEngine(tok), tok, runner, max_turns=2, max_episode_tokens=100, pad_token_id=tok.pad_token_id, renderer=renderer)
     episodes = loop.sample([[5, 6]], [{"prompt": "go"}], Sampling(max_new_tokens=4, temperature=1.0, stop_token_ids=tok.eos_token_id))
     assert episodes.environment_errors[0].startswith("environment answers.py:Answers: step did not return within environment_timeout_s=0.5s")
 
 
-class _StubEngine:
+class _StubEngine(ScriptedRequests):
     """Answers every context with one token and the stop token."""
 
-    logprobs_are_trainers = True
-
     def __init__(self, tok):
-        self.tok = tok
+        super().__init__()
+        self.tok, self.pad_token_id = tok, tok.pad_token_id
 
-    def generate(self, prompts, sampling):
-        answer = [65, self.tok.eos_token_id]
-        query, query_mask = left_pad(prompts, self.tok.pad_token_id)
-        response = torch.tensor([answer] * len(prompts))
-        real = torch.ones_like(response, dtype=torch.bool)
-        return Episodes(query, response, torch.cat([query_mask, real], 1), real, torch.zeros(response.shape),
-                        torch.tensor([True] * len(prompts)), torch.full((len(prompts),), 1))
+    def respond(self, request):
+        return [65, self.tok.eos_token_id], [0.0, 0.0]

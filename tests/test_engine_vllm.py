@@ -362,36 +362,70 @@ def test_a_model_vllm_cannot_serve_is_one_line_naming_it(tokenizer):
 
 
 def test_the_multi_turn_loop_over_the_vllm_engine(tokenizer):
-    """The episode loop (ppokit.environments.episode_loop) drives vLLM as it drives the hf engine: one batched
-    generate per turn, observations between the turns read but not trained on, and the engine's logprobs of
-    the model's tokens are the trainer's forward over the whole episode, observations included, within float
-    tolerance (vLLM's kernels are not the trainer's)."""
-    from test_multiturn import make_loop, sampling
+    """The episode loop (ppokit.environments.episode_loop) drives vLLM as it drives the hf engine: one seeded request
+    per model turn, each later turn continuing its episode's last, observations between the turns read but not trained
+    on, and the engine's logprobs of the model's tokens are the trainer's forward over the whole episode, observations
+    included, within float tolerance (vLLM's kernels are not the trainer's). Tools that answer late rows first make the
+    requests complete in another order: the same tokens, the logprobs within that tolerance (vLLM promises no batch
+    invariance on CPU; test_a_request_alone_and_among_others measures it)."""
+    import time
+
+    from test_multiturn import Script, make_loop, sampling
 
     from ppokit.engines.vllm import VLLMEngine
+    from ppokit.environments.episode_loop import EpisodeSeeds
 
     torch.manual_seed(4)
     policy = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS).eval()
     # Its own engine: closing another in-process engine (the runs above) tears down vLLM's process groups.
     engine = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32, seed=0)
-    calls = []
+    requests, order = [], []
 
-    class Counting:
+    class Recording:
         logprobs_are_trainers = engine.logprobs_are_trainers
 
-        def generate(self, prompts, sampling):
-            calls.append(len(prompts))
-            return engine.generate(prompts, sampling)
+        def __getattr__(self, name):
+            return getattr(engine, name)
 
-    loop = make_loop(tokenizer, Counting(), max_turns=3, max_episode_tokens=30)
-    prompts = [tokenizer("the movie was")["input_ids"], tokenizer("this film is")["input_ids"]]
+        def submit(self, batch):
+            requests.extend(batch)
+            engine.submit(batch)
+
+        def step(self):
+            done = engine.step()
+            order.extend(c.request_id.rsplit("-", 2)[-2] for c in done)
+            return done
+
+    class Late(Script):
+        delay = 0.0
+
+        def step(self, completion):
+            time.sleep(Late.delay * (3 - int(self.row_name)))
+            return super().step(completion)
+
+        def reset(self, row):
+            self.row_name = row["prompt"]
+            return super().reset(row)
+
+    prompts = [tokenizer("the movie was")["input_ids"], tokenizer("this film is")["input_ids"], tokenizer("the plot")["input_ids"]]
     plan = [("the plot was", 0.0, False), ("the ending was", 0.0, False), ("great", 1.0, True)]
-    torch.manual_seed(1)
+    rows = [{"prompt": str(i), "plan": plan} for i in range(3)]
+
+    def run(delay):
+        Late.delay = delay
+        loop = make_loop(tokenizer, Recording(), Late, max_turns=3, max_episode_tokens=30)
+        loop.runner.timeout_s = 60.0  # calls side by side, in threads
+        return loop.sample(prompts, rows, sampling(tokenizer, n=4), EpisodeSeeds(1, update=3))
+
     try:
-        episodes = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tokenizer, n=4))
+        episodes = run(0.0)
+        first_order, requests_made = list(order), list(requests)
+        order.clear()
+        late = run(0.05)
     finally:
         engine.close()
-    assert len(calls) == int(episodes.turns.max()) and calls[0] == 2
+    assert len(requests_made) == int(episodes.turns.sum()) and all(r.seed is not None for r in requests_made)
+    assert sum(r.continues is not None for r in requests_made) == int(episodes.turns.sum()) - 3
     response_real = episodes.attention_mask[:, episodes.query_ids.shape[1]:]
     assert (episodes.loss_mask <= response_real).all() and (response_real & ~episodes.loss_mask).any()  # observations: read, not trained
     with torch.no_grad():
@@ -400,6 +434,10 @@ def test_the_multi_turn_loop_over_the_vllm_engine(tokenizer):
     mask = episodes.loss_mask
     # As in test_sampled_token_logprobs_agree_with_a_training_forward: other kernels, a few ulps per layer's reductions.
     assert_float32_close(episodes.logprobs[mask], fresh[mask], terms=HIDDEN * LAYERS, ulps=16, scale=fresh[mask].abs().max().item())
+    assert order != first_order  # the late tools made the episodes advance in another order
+    assert torch.equal(late.response_ids, episodes.response_ids)
+    assert_float32_close(late.logprobs[mask], episodes.logprobs[mask], terms=HIDDEN * LAYERS, ulps=16,
+                         scale=episodes.logprobs[mask].abs().max().item())
 
 
 # A shortened `ppokit demo --quick --engine vllm` (the quick demo itself takes minutes): less SFT data, one SFT

@@ -117,11 +117,11 @@ def test_a_push_through_the_gloo_backend_gives_the_trainers_logprobs(tokenizer, 
                                     ignore_eos=True, detokenize=False)
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             assert {(s.version, s.start, s.end) for o in outputs for s in o.outputs[0].weight_versions} == {(version, 0, NEW_TOKENS)}
-            from ppokit.episodes import one_turn_episodes
+            from ppokit.episodes import Span, pack
 
-            episodes = one_turn_episodes(prompts, [list(o.outputs[0].token_ids) for o in outputs],
-                                         [[s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs],
-                                         [False] * len(prompts), tokenizer.pad_token_id)
+            episodes = pack(prompts, [[Span(list(o.outputs[0].token_ids), [s[t].logprob for s, t in zip(o.outputs[0].logprobs,
+                                                                                                      o.outputs[0].token_ids)])]
+                                      for o in outputs], [False] * len(prompts), tokenizer.pad_token_id)
             logprobs_agree(episodes, policy)
         sender.shutdown()
     finally:

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -154,14 +155,12 @@ class _OffsetEngine(HFEngine):
         super().__init__(*args, logprobs_are_trainers=False, **kwargs)
         self.offset = offset
 
-    def generate(self, prompts, sampling):
-        episodes = super().generate(prompts, sampling)
-        episodes.logprobs = (episodes.logprobs - self.offset) * episodes.loss_mask
-        return episodes
+    def step(self):
+        return [replace(c, logprobs=[lp - self.offset for lp in c.logprobs]) for c in super().step()]
 
 
 def _with_engine(trainer, offset):
-    trainer.rollout.source.engine = _OffsetEngine(  # the one place the engine is held (single-turn: episode_loop.SingleTurn)
+    trainer.rollout.source.engine = _OffsetEngine(  # the one place the engine is held (the episode loop's)
         lambda: trainer.policy, trainer.pad_id, trainer.accelerator.device, trainer.config.ppo.local_rollout_forward_batch_size,
         lambda p: (trainer.strategy.generation(p), trainer.accelerator.autocast()), offset=offset,
     )

@@ -210,7 +210,7 @@ def test_warmup_ratio_shapes_the_schedule_as_the_same_warmup_steps_would():
     from ppokit.optimise import PolicyAndValue, build_optimiser
 
     def rates(hp, steps=20):
-        optimizer, scheduler = build_optimiser(PolicyAndValue(nn.Linear(2, 2), None), hp, steps)
+        optimizer, scheduler = build_optimiser(PolicyAndValue(nn.Linear(2, 2), None), hp, steps, hp.warmup_steps_over(steps))
         out = []
         for _ in range(steps):
             out.append(scheduler.get_last_lr()[0])

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from request_engines import ScriptedRequests
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
@@ -14,10 +15,9 @@ from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner
 from ppokit import experience
 from ppokit.conversation import ConversationRenderer
-from ppokit.environments.episode_loop import MultiTurn
-from ppokit.episodes import Episodes
+from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.metric_values import episode_metrics
-from ppokit.models import left_pad, response_logprobs
+from ppokit.models import response_logprobs
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
 WORDS = "guess the number from 1 to 16 : 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 higher lower correct user assistant"
@@ -28,23 +28,16 @@ def game_tokenizer():
     return word_tokenizer([WORDS])
 
 
-class ScriptedEngine:
-    """A rollout engine answering every context with the same tokens (-0.5 logprob each); counts its calls."""
-
-    logprobs_are_trainers = True
+class ScriptedEngine(ScriptedRequests):
+    """A rollout engine answering every context with the same tokens (-0.5 logprob each); `calls`: the contexts of
+    each submit call (the requests ready at one moment)."""
 
     def __init__(self, answer: list[int], pad: int, stop: int):
-        self.answer, self.pad, self.stop, self.calls = answer, pad, stop, []
+        super().__init__()
+        self.answer, self.pad_token_id, self.stop, self.calls = answer, pad, stop, self.submitted
 
-    def generate(self, prompts, sampling):
-        self.calls.append([list(p) for p in prompts])
-        answer = self.answer[: sampling.max_new_tokens]
-        query, query_mask = left_pad(prompts, self.pad)
-        rows = len(prompts)
-        response = torch.tensor([answer] * rows)
-        real = torch.ones_like(response, dtype=torch.bool)
-        return Episodes(query, response, torch.cat([query_mask, real], 1), real, torch.full(response.shape, -0.5),
-                        torch.tensor([self.stop in answer] * rows), torch.full((rows,), len(answer) - 1))
+    def respond(self, request):
+        return self.answer, [-0.5] * len(self.answer)
 
 
 class Script:
@@ -70,7 +63,7 @@ def make_loop(tokenizer, engine, cls=None, **kw):
     args = dict(max_turns=3, max_episode_tokens=None, pad_token_id=tokenizer.pad_token_id)
     args.update(kw)
     Script.seen = []
-    return MultiTurn(engine, tokenizer, EnvironmentRunner("script.py:Script", cls or Script, {}, timeout_s=None), **args)
+    return EpisodeLoop(engine, tokenizer, EnvironmentRunner("script.py:Script", cls or Script, {}, timeout_s=None), **args)
 
 
 def sampling(tokenizer, n=8):
@@ -264,32 +257,92 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     assert trained == [seven, eos, seven, eos] and episodes.observation_tokens.tolist() == [len(whole) - len(prompt) + 2 - 4]
 
 
+def metaspace_tokenizer():
+    """One token per character with SentencePiece's word marker (tokenizers' Metaspace, as Llama 2's and Mistral's
+    tokenizers have it): spaces read as "▁", and a "▁" prepended to every text tokenised, so a text's tokens depend on
+    where it starts: "\nuser: higher" tokenised by itself begins with a "▁" it does not have inside a conversation."""
+    import string
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(set(string.printable) | {"▁"}))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_special_tokens([AddedToken("</s>", special=True), AddedToken("<pad>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", clean_up_tokenization_spaces=False)
+
+
+def test_an_observation_has_the_tokens_it_has_in_the_whole_conversation():
+    """Observations are tokenised at the token level: their ids are those the template's whole rendering has after the
+    turn, not their text tokenised alone. With a tokenizer that prepends "▁" to each text (SentencePiece's Metaspace),
+    the two differ by that "▁": here the context at turns 2 and 3 (the stop tokens aside: the plain template writes
+    none) must be, token for token, the plain template's rendering of the conversation so far, tokenised whole."""
+    from test_conversation import Answers, ForcedEngine
+
+    tok = metaspace_tokenizer()
+    stop = tok.eos_token_id
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=stop)
+    renderer.check(needs_tools=False, max_turns=3)
+    turns = [" 8", " 12", " 10"]  # after the generation prompt "assistant:", as the template writes "assistant: 8"
+    turn_ids = [tok(text, add_special_tokens=False)["input_ids"] + [stop] for text in turns]
+    torch.manual_seed(0)
+    engine = ForcedEngine(tiny_causal_lm("llama", tok, hidden=32, heads=2).eval(), turn_ids, tok.pad_token_id, stop)
+    question = [{"role": "user", "content": "guess"}]
+    prompt = tok(renderer.prompt(question), add_special_tokens=False)["input_ids"]
+    loop = EpisodeLoop(engine, tok, EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None), max_turns=3,
+                     max_episode_tokens=400, pad_token_id=tok.pad_token_id, renderer=renderer)
+    episodes = loop.sample([prompt], [{"prompt": "guess"}], Sampling(max_new_tokens=40, temperature=1.0, stop_token_ids=stop))
+    assert episodes.turns.tolist() == [3]
+    messages = list(question)
+    for k, reply in ((1, "higher"), (2, "lower")):
+        messages += [{"role": "assistant", "content": turns[k - 1].strip()}, {"role": "user", "content": reply}]
+        text = tok.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False)
+        whole = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok(text[text.rindex("\nuser:"):], add_special_tokens=False)["input_ids"][0] == tok.convert_tokens_to_ids("▁")
+        assert [i for i in engine.contexts[k][0] if i != stop] == whole, k
+
+
 @pytest.fixture(scope="module")
 def game_model(game_tokenizer):
     torch.manual_seed(0)
     return tiny_causal_lm("llama", game_tokenizer).eval()
 
 
-class CountingEngine:
-    def __init__(self, engine):
-        self.engine, self.calls, self.logprobs_are_trainers = engine, 0, engine.logprobs_are_trainers
+class CountingEngine(HFEngine):
+    """The hf engine, recording every request and completion."""
 
-    def generate(self, prompts, sampling):
-        self.calls += 1
-        return self.engine.generate(prompts, sampling)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requests, self.completions = [], []
+
+    def submit(self, requests):
+        self.requests += requests
+        super().submit(requests)
+
+    def step(self):
+        done = super().step()
+        self.completions += done
+        return done
 
 
 def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
     """Over a real model, the logprobs the loop keeps for each model token are a fresh forward's over the
     whole episode (observations included): the contexts were assembled as the trainer will read them."""
     tok = game_tokenizer
-    engine = CountingEngine(HFEngine(game_model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=8))
+    engine = CountingEngine(game_model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=8)
     loop = make_loop(tok, engine, max_turns=3, max_episode_tokens=20)
     prompts = [ids(tok, "guess the number from 1 to 16 :"), ids(tok, "guess :")]
     plan = [("higher", 0.0, False), ("lower", 0.0, False), ("correct", 1.0, True)]
     torch.manual_seed(1)
     episodes = loop.sample(prompts, [{"prompt": "a", "plan": plan}, {"prompt": "b", "plan": plan}], sampling(tok, n=4))
-    assert engine.calls == int(episodes.turns.max())
+    # one request per model turn; every turn after the first continues its episode's kept keys and values
+    assert len(engine.requests) == len(engine.completions) == int(episodes.turns.sum())
+    following = [r for r in engine.requests if r.continues is not None]
+    assert len(following) == int(episodes.turns.sum()) - 2 and all(r.seed is not None for r in engine.requests)
+    cached = {c.request_id: c.cached_tokens for c in engine.completions}
+    assert all(cached[r.request_id] > 0 for r in following)
     assert (episodes.loss_mask <= episodes.attention_mask[:, episodes.query_ids.shape[1]:]).all()
     with torch.no_grad():
         fresh, _ = response_logprobs(game_model, episodes.input_ids, episodes.attention_mask.long(), episodes.response_ids,

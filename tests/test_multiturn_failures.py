@@ -192,13 +192,13 @@ def test_the_loop_fails_only_the_episode_whose_reset_fills_the_budget(spec):
 
     from test_multiturn import ScriptedEngine, ids, sampling
 
-    from ppokit.environments.episode_loop import MultiTurn
+    from ppokit.environments.episode_loop import EpisodeLoop
     from ppokit.tiny import word_tokenizer
 
     tok = word_tokenizer(["good the movie was 7"])
     eos, seven = tok.eos_token_id, ids(tok, "7")[0]
     runner = EnvironmentRunner(spec("LongWelcome"), load_environment(spec("LongWelcome")), {}, timeout_s=None)
-    loop = MultiTurn(ScriptedEngine([seven, eos], tok.pad_token_id, eos), tok, runner, max_turns=2, max_episode_tokens=6,
+    loop = EpisodeLoop(ScriptedEngine([seven, eos], tok.pad_token_id, eos), tok, runner, max_turns=2, max_episode_tokens=6,
                        pad_token_id=tok.pad_token_id)
     rows = [{"prompt": "a", "welcome": 6}, {"prompt": "b", "welcome": 2}, {"prompt": "c", "welcome": 9},
             {"prompt": "d", "welcome": 700_000}]  # 3.5 million characters: cut to the room before it is tokenised

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
-from ppokit.engines.base import EngineMemory, EngineSetup, EngineSizing, Sampling
+from ppokit.engines.base import EngineMemory, EngineSetup, EngineSizing, Sampling, generate
 from ppokit.engines.hf import HFEngine
 
 ENTRY = '''    "toy": Engine(
@@ -49,10 +47,7 @@ class ToyEngine:
         """Any model, any of its keys."""
 
     def generate(self, prompts: list[list[int]], sampling: Sampling):
-        self.calls += 1
-        episodes = self.hf.generate(prompts, sampling)
-        episodes.logprobs = torch.where(episodes.loss_mask, episodes.logprobs - self.shift, 0.0)
-        return episodes
+        return generate(self, prompts, sampling, self.hf.pad_token_id, self.hf.device)  # through its requests below
 
     def sync_weights(self, policy) -> None:
         pass
@@ -66,8 +61,9 @@ class ToyEngine:
     def close(self) -> None:
         pass
 
-    # requests: the hf engine's, their logprobs shifted the same way
+    # requests: the hf engine's, their logprobs shifted; `calls` counts the submits (a one-turn rollout is one)
     def submit(self, requests) -> None:
+        self.calls += 1
         self.hf.submit(requests)
 
     def step(self):

@@ -238,47 +238,47 @@ class PPOHyperparams:
                     f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                     f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches} x processes {world_size})"
                 )
-        if self.critic_warmup_updates:
-            self.check_critic_warmup(total // batch)
+        num_updates = total // batch
+        steps = num_updates * self.num_ppo_epochs * self.num_mini_batches
         sizes = BatchSizes(
             micro_batch=self.per_device_train_batch_size,
             local_batch=local_batch,
             batch=batch,
             local_mini_batch=local_mini,
             total_episodes=total,
-            num_updates=total // batch,
+            num_updates=num_updates,
             samples_per_prompt=n,
             prompts_per_update=batch // n,
             local_prompts=local_batch // n,
+            optimiser_steps=steps,
+            warmup_steps=self.warmup_steps_over(steps),
+            policy_start_step=self.critic_warmup_updates * self.num_ppo_epochs * self.num_mini_batches,
         )
-        self.check_warmup(sizes)
+        self.check_schedule(sizes)
         return sizes
 
-    def check_warmup(self, sizes: "BatchSizes") -> None:
-        """A warm-up as long as the run would never reach learning_rate (the schedule counts optimiser steps)."""
-        steps = sizes.num_updates * self.num_ppo_epochs * self.num_mini_batches
-        warmup = self.warmup_steps_over(steps)
+    def check_schedule(self, sizes: "BatchSizes") -> None:
+        """The policy trains after the critic's warm-up, and each warm-up is shorter than the steps it warms: else the
+        learning rate would never reach learning_rate (the schedule counts optimiser steps)."""
+        steps, warmup = sizes.optimiser_steps, sizes.warmup_steps
+        if self.critic_warmup_updates:
+            if self.critic_warmup_updates >= sizes.num_updates:
+                raise UserError(
+                    f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
+                    f"the run has {sizes.num_updates} updates; it must be fewer"
+                )
+            policy_steps = steps - sizes.policy_start_step
+            if warmup >= policy_steps:
+                raise UserError(
+                    f"{self._warmup_said(warmup)} is not shorter than the policy's {policy_steps} optimiser steps after "
+                    f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
+                )
         if warmup and warmup >= steps:
             shorter = "ppo.warmup_steps below" if self.warmup_steps else "ppo.warmup_ratio so that ceil(ratio x steps) is below"
             raise UserError(
                 f"{self._warmup_said(warmup)} is not shorter than the run's {steps} optimiser steps ({sizes.num_updates} "
                 f"updates x num_ppo_epochs {self.num_ppo_epochs} x num_mini_batches {self.num_mini_batches}): the learning rate "
                 f"would never reach ppo.learning_rate; set {shorter} {steps}"
-            )
-
-    def check_critic_warmup(self, num_updates: int) -> None:
-        """The policy trains after the critic's warm-up, on a schedule of its own remaining optimiser steps."""
-        if self.critic_warmup_updates >= num_updates:
-            raise UserError(
-                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
-                f"the run has {num_updates} updates; it must be fewer"
-            )
-        policy_steps = (num_updates - self.critic_warmup_updates) * self.num_ppo_epochs * self.num_mini_batches
-        warmup = self.warmup_steps_over(num_updates * self.num_ppo_epochs * self.num_mini_batches)
-        if warmup >= policy_steps:
-            raise UserError(
-                f"{self._warmup_said(warmup)} is not shorter than the policy's {policy_steps} optimiser steps after "
-                f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
             )
 
     def check_combination(self) -> None:
@@ -355,6 +355,10 @@ class BatchSizes(NamedTuple):
     samples_per_prompt: int = 1  # n: episodes = prompts x n
     prompts_per_update: int = 0  # batch / n, over every process
     local_prompts: int = 0  # local_batch / n, on each process
+    # The learning-rate schedule, decided here once (`PPOHyperparams.derive`; `optimise.build_optimiser` builds it):
+    optimiser_steps: int = 0  # the run's: num_updates x num_ppo_epochs x num_mini_batches
+    warmup_steps: int = 0  # ppo.warmup_steps, or ceil(ppo.warmup_ratio x optimiser_steps)
+    policy_start_step: int = 0  # the policy's first optimiser step: the critic's warm-up (ppo.critic_warmup_updates) before it
 
 
 def http_url_problem(url: Any) -> Optional[str]:
@@ -482,6 +486,7 @@ class _RolloutKeys:
     max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
     max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
+    max_concurrent_episodes: Optional[int] = doc(None, "Episodes in flight at once on each process: each holds its environment instance and, with rollout.engine: hf, its keys and values between its turns; when one ends the next starts. null: every episode of the rollout at once. Bounds memory; what veRL-based agent recipes call `agent.max_concurrent_trajectories` (vLLM's own `max_num_seqs`, the sequences it decodes at once, is set from the rollout batch). With an environment the episodes are the same under any bound (their seeds are their own); without one, a bound below the rollout batch samples it in lock-step batches of that many.", check=positive)
     max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. 0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
 
     def check_combination(self) -> None:

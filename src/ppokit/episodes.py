@@ -29,7 +29,8 @@ this layout; only the optimisation epochs shuffle rows, after the advantages are
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -121,26 +122,73 @@ def repeat_each(items: list, n: int) -> list:
     return [item for item in items for _ in range(n)]
 
 
-def one_turn_episodes(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], ended: list[bool],
-                      pad_token_id: int, device=None) -> Episodes:
-    """One response per prompt (token ids, their logprobs, whether it ended by itself) -> Episodes: prompts left-padded
-    with pad_token_id, responses right-padded, every response token real and trained on (loss_mask), logprobs 0
-    elsewhere, the score at the last response token."""
+@dataclass
+class Span:
+    """A stretch of an episode's tokens after its prompt: a model turn (`logprobs` given, one per token: trained on)
+    or what the model read (an observation: `logprobs` None). `reward`: the environment's step reward for a model
+    turn, placed at its last token (`turn_rewards`)."""
+
+    ids: list[int]
+    logprobs: Optional[list[float]] = None
+    reward: float = 0.0
+
+
+@dataclass
+class EnvironmentSaid:
+    """What an environment said of one episode besides its step rewards (`pack`'s `environment`)."""
+
+    done: bool  # it said done
+    truncated: bool  # cut by rollout.max_episode_tokens
+    error: Optional[str] = None  # the one line of its failure (raised, timed out, a bad value); the episode is out
+    transcript: list[dict[str, Any]] = field(default_factory=list)  # its turns as text: {"role", "text"}
+
+
+def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], pad_token_id: int, device=None,
+         environment: Optional[list[EnvironmentSaid]] = None) -> Episodes:
+    """The one function that builds Episodes: B prompts (token ids), each episode's spans after its prompt (model turns
+    and observations, in order) and whether it ended by itself -> Episodes with prompts left-padded and the spans
+    right-padded with pad_token_id, every span token real (attention_mask), the model's tokens trained on (loss_mask)
+    with their logprobs (0 elsewhere), the score at the last model token (0 in a row without one).
+
+    environment: per episode what its environment said (None: no environment; its fields stay None): the episode's
+    summed step rewards (NaN where it failed), each step's reward at the last token of its turn, the model turns, done,
+    truncated, the failures and the transcripts. A one-turn rollout is one model span per prompt."""
     from ppokit import algo
     from ppokit.models import left_pad
 
     query_ids, query_mask = left_pad(prompts, pad_token_id)
-    rows, width = len(responses), max(1, max(len(r) for r in responses))
+    rows, width = len(spans), max(1, max(sum(len(s.ids) for s in row) for row in spans))
     response_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((rows, width), dtype=torch.bool)
     loss_mask = torch.zeros((rows, width), dtype=torch.bool)
     token_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    for row, (tokens, lps) in enumerate(zip(responses, logprobs)):
-        response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        loss_mask[row, : len(tokens)] = True
-        token_logprobs[row, : len(tokens)] = torch.tensor(lps, dtype=torch.float32)
-    return Episodes(
+    turn_rewards = torch.zeros((rows, width), dtype=torch.float32)
+    for row, row_spans in enumerate(spans):
+        at = 0
+        for span in row_spans:
+            end = at + len(span.ids)
+            response_ids[row, at:end] = torch.tensor(span.ids, dtype=torch.long)
+            response_mask[row, at:end] = True
+            if span.logprobs is not None:
+                loss_mask[row, at:end] = True
+                token_logprobs[row, at:end] = torch.tensor(span.logprobs, dtype=torch.float32)
+                turn_rewards[row, max(end - 1, 0)] += span.reward
+            at = end
+    episodes = Episodes(
         query_ids=query_ids.to(device), response_ids=response_ids.to(device),
-        attention_mask=torch.cat([query_mask, loss_mask], dim=1).to(device), loss_mask=loss_mask.to(device),
+        attention_mask=torch.cat([query_mask, response_mask], dim=1).to(device), loss_mask=loss_mask.to(device),
         logprobs=token_logprobs.to(device), ended=torch.tensor(ended, dtype=torch.bool, device=device),
         score_index=algo.last_token_index(loss_mask).to(device),
     )
+    if environment is None:
+        return episodes
+    model_turns = [[s for s in row if s.logprobs is not None] for row in spans]
+    episodes.environment_rewards = torch.tensor([math.nan if said.error else sum(s.reward for s in turns)
+                                                 for said, turns in zip(environment, model_turns)], dtype=torch.float64, device=device)
+    episodes.turn_rewards = turn_rewards.to(device)
+    episodes.turns = torch.tensor([len(turns) for turns in model_turns], dtype=torch.long, device=device)
+    episodes.done = torch.tensor([said.done for said in environment], dtype=torch.bool, device=device)
+    episodes.truncated = torch.tensor([said.truncated for said in environment], dtype=torch.bool, device=device)
+    episodes.environment_errors = [said.error for said in environment]
+    episodes.transcripts = [said.transcript for said in environment]
+    return episodes

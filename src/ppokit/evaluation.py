@@ -42,10 +42,11 @@ def evaluate(rollout: Rollout, data, query_ids: Optional[list[list[int]]], *, ma
 def sample_rows(rollout: Rollout, data, query_ids: Optional[list[list[int]]], n: int, last_batch: tuple, **row) -> list[dict]:
     """samples.jsonl rows: completions for the first `n` prompts of `data` (the eval prompts; query_ids their token ids),
     scored, or without them the first `n` of `last_batch` (prompts, completions, scores, turns of the last update);
-    each row with `row`'s fields (update, episode) and score None where no reward source could score it."""
+    each row with `row`'s fields (update, episode) and score None where no reward source could score it; sampled with
+    the seeds of `row`'s update."""
     if data is not None:
         n = min(n, len(data))
-        episodes, scored = rollout.sample_and_score(data, query_ids, range(n), "eval")
+        episodes, scored = rollout.sample_and_score(data, query_ids, range(n), "eval", row.get("update"))
         prompts, completions, scores, turns = data.prompts[:n], scored.completions, scores_or_none(scored.scores, scored.valid), transcripts(episodes)
         split = "eval"
     else:

@@ -251,6 +251,18 @@ def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
     return value_model.to(next(policy.parameters()).dtype)
 
 
+def value_model_from_path(path: str, trust_remote_code: bool, load_kwargs: dict) -> nn.Module:
+    """The policy's checkpoint as a one-label classifier with a zero head.
+
+    The critic's start when the policy is quantised: `value_model_from_policy` copies tensors
+    from the loaded policy, which a quantised model does not allow.
+    """
+    model = load_scalar_model(path, "value_model", trust_remote_code, **load_kwargs)
+    with torch.no_grad():
+        unwrap_peft(model).score.weight.zero_()
+    return model
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     ref = copy.deepcopy(model)
     ref.requires_grad_(False)

@@ -32,8 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ppokit.engines.base import Request, RolloutEngine, complete, request_seed, training_between_rollouts
-from ppokit.episodes import Episodes, one_turn_episodes
+from ppokit.engines.base import RolloutEngine, generate, request_seed, training_between_rollouts
+from ppokit.episodes import Episodes
 
 Sample = Callable[[int, Optional[RolloutEngine]], Episodes]  # (update, the engine to sample with or None: the rollout's) -> its episodes
 
@@ -156,14 +156,16 @@ class SeededEngine:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def generate(self, prompts: list[list[int]], sampling) -> Episodes:
+    def submit(self, requests) -> None:
+        """The episode loop's requests (`episode_loop.EpisodeLoop`), an unseeded sampled one (a one-turn episode's; a
+        multi-turn episode's carry their own keys) seeded as `generate` seeds its: request i of call c by
+        request_seed(*key, c, i)."""
         call, self._calls = self._calls, self._calls + 1
-        tag = "-".join(str(k) for k in (*self._key, call))
-        requests = [Request(f"ahead-{tag}-{i}", prompt, sampling, seed=None if sampling.greedy else request_seed(*self._key, call, i))
-                    for i, prompt in enumerate(prompts)]
-        completions = complete(self._engine, requests)
-        return one_turn_episodes(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
-                                 [c.finish_reason == "stop" for c in completions], self._engine.pad_token_id, self._engine.device)
+        self._engine.submit([r if r.seed is not None or r.sampling.greedy else dataclasses.replace(r, seed=request_seed(*self._key, call, i))
+                             for i, r in enumerate(requests)])
+
+    def generate(self, prompts: list[list[int]], sampling) -> Episodes:
+        return generate(self, prompts, sampling, self._engine.pad_token_id, self._engine.device)  # through `submit`
 
 
 def build(max_staleness: int, *, save_steps: int, num_updates: Callable[[], int], engine: RolloutEngine, seed: int, process: int):

@@ -31,7 +31,7 @@ from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperpa
 from ppokit.episodes import Episodes
 from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.metric_values import training_metrics
-from ppokit.models import check_output_head, response_logprobs, response_values
+from ppokit.models import response_logprobs, response_values
 
 
 class PolicyAndValue(nn.Module):
@@ -96,31 +96,27 @@ class PolicyAndValue(nn.Module):
             self.value_model.train()
 
 
-def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, *, num_updates: int, lm_head_chunk_size: Optional[int],
+def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, sizes: BatchSizes, *, lm_head_chunk_size: Optional[int],
                      compile: bool, unwrap: Callable[[nn.Module], nn.Module]) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """-> (model, optimizer, scheduler): the policy and critic of `built` under one trainable module (`PolicyAndValue`),
-    placed by the parallel `strategy` with its optimiser over every optimiser step of the run's `num_updates`
-    (`build_optimiser`). The memory-light LM head (lm_head_chunk_size) and the compiled forward (`compile`) read the
-    logits from the last hidden state: the policy's and the reference's output heads are checked for it first
-    (`models.check_output_head`). unwrap: the module under the strategy's wrapping."""
+    placed by the parallel `strategy` with its optimiser over the run's optimiser steps (`sizes`: `build_optimiser`).
+    The memory-light LM head (lm_head_chunk_size) and the compiled forward (`compile`) read the logits from the last
+    hidden state: `roles.build_roles` checked the output heads for it. unwrap: the module under the strategy's wrapping."""
     trainable = PolicyAndValue(built.policy, built.value, lm_head_chunk_size).train()
-    switch = "lm_head_chunk_size" if lm_head_chunk_size else "compile" if compile else None
-    for role in (built.policy, built.reference) if switch else ():
-        if role is not None:
-            check_output_head(role, switch)
-    steps = num_updates * hp.num_ppo_epochs * hp.num_mini_batches
-    model, optimizer, scheduler = strategy.prepare(trainable, lambda m: build_optimiser(m, hp, steps))
+    model, optimizer, scheduler = strategy.prepare(trainable, lambda m: build_optimiser(
+        m, hp, sizes.optimiser_steps, sizes.warmup_steps, policy_start=sizes.policy_start_step))
     if compile:
         unwrap(model).use_compiled_backbones()
     return model, optimizer, scheduler
 
 
-def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):
-    """AdamW and its learning-rate schedule over `num_steps` optimiser steps.
+def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int, warmup: int, policy_start: int = 0):
+    """AdamW and its learning-rate schedule over `num_steps` optimiser steps, the first `warmup` of them warming up
+    (`BatchSizes`: the schedule is decided once, by `PPOHyperparams.derive`).
 
     Two parameter groups: the policy's (`learning_rate`) and the critic's (`vf_learning_rate`,
-    default the same), in that order; both follow the schedule. The policy's schedule starts after
-    the critic's warm-up (`critic_warmup_updates`, counted here in optimiser steps), so its warm-up
+    default the same), in that order; both follow the schedule. The policy's schedule starts at step `policy_start`,
+    after the critic's warm-up (`critic_warmup_updates`), so its warm-up
     and decay are the same as in a run without one. The schedule is stepped once per optimiser
     step by `ppo_epochs`, on every process alike; it is deliberately not handed to accelerate,
     whose wrapper steps it once per process per call (with N processes the rate then reaches 0
@@ -137,9 +133,7 @@ def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int):
         weight_decay=hp.weight_decay,
         fused=_fused_adamw_supported(),  # one kernel per step instead of a loop of small ones
     )
-    frozen = hp.critic_warmup_updates * hp.num_ppo_epochs * hp.num_mini_batches
-    warmup = hp.warmup_steps_over(num_steps)  # ppo.warmup_steps, or ppo.warmup_ratio of the run's optimiser steps
-    schedules = [_lr_lambda(hp.lr_scheduler_type, warmup, num_steps - frozen, start=frozen)]
+    schedules = [_lr_lambda(hp.lr_scheduler_type, warmup, num_steps - policy_start, start=policy_start)]
     if critic_params:
         schedules.append(_lr_lambda(hp.lr_scheduler_type, warmup, num_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)

@@ -126,9 +126,8 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
                       room, limit, tokenizer, stop_token_ids)
 
     built = roles.build_roles(layout, config, scorer, **given)
-    trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, num_updates=sizes.num_updates,
-                                                     lm_head_chunk_size=config.lm_head_chunk_size, compile=config.compile,
-                                                     unwrap=accelerator.unwrap_model)
+    trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, sizes, lm_head_chunk_size=config.lm_head_chunk_size,
+                                                     compile=config.compile, unwrap=accelerator.unwrap_model)
     if scorer.reward_model is not None:
         strategy.place_frozen(scorer.reward_model).eval()
     reference = strategy.place_frozen(built.reference).eval() if built.reference is not None else None
@@ -138,9 +137,11 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         lambda policy: (strategy.generation(policy), accelerator.autocast()), config.rollout,
         longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
-    source = episode_source(  # decided once: the engine's own generate, or multi-turn episodes over it
-        engine, conversation, max_turns=config.rollout.max_turns, max_episode_tokens=room, pad_token_id=pad_id)
-    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_ids=stop_token_ids, device=accelerator.device, reduce=reduce)
+    source = episode_source(  # decided once: the episode loop over the engine (one turn per prompt without an environment)
+        engine, conversation, max_turns=config.rollout.max_turns, max_episode_tokens=room,
+        max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, device=accelerator.device)
+    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_ids=stop_token_ids, device=accelerator.device, reduce=reduce,
+                      seed=config.seed, process_index=accelerator.process_index)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_ids, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,

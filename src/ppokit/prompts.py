@@ -1,22 +1,24 @@
 """The prompts of a PPO run: `PromptDataset` (prompt texts or chats, and the other columns for reward
 functions), the training and eval datasets from the config or the caller, their token ids, and which
-prompts each update takes (`batch_indices`)."""
+prompts each update takes (`batch_indices`).
+
+torch and the model helpers are imported where used: `ppokit data inspect` reads prompts with neither (an answer in a
+second, not after the 20-30 s a loaded machine takes to import them)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ppokit.chat import Messages, Renderer, Text
 from ppokit.config import DataConfig
 from ppokit.data import FORMATS_ACCEPTED, Records, alpaca_prompt, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.lengths import encode_prompt_text, truncate_prompt
-from ppokit.models import PositionLimit, check_token_ids, position_limit, tightest
+if TYPE_CHECKING:
+    from ppokit.models import PositionLimit
 
 
 @dataclass
@@ -176,6 +178,8 @@ def check_prompts_fit(
 
     prompts: (config key, dataset, its encoded prompts) of each prompt set; a None dataset is skipped.
     """
+    from ppokit.models import check_token_ids, position_limit, tightest
+
     prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
     special = [("ppo.stop_token_id", list(stop_token_ids))] if stop_token_ids else []
     for role, config in model_configs.items():
@@ -208,6 +212,8 @@ def batch_indices(update: int, num_prompts: int, prompts_per_update: int, seed: 
     per pass over the `num_prompts` prompts, `prompts_per_update` of them per update (a batch may span two passes).
     Each process takes whole prompts and samples all n responses of each (docs/algorithms.md). The order depends on
     (seed, update) alone, so the update counter is the data position on resume."""
+    import torch
+
     start, indices = update * prompts_per_update, []
     while len(indices) < prompts_per_update:
         epoch, offset = divmod(start + len(indices), num_prompts)

@@ -42,6 +42,7 @@ from ppokit.errors import UserError
 from ppokit.models import (
     POLICY_ADAPTER,
     backbone,
+    check_output_head,
     disable_dropout,
     frozen_copy,
     load_causal_lm,
@@ -49,6 +50,7 @@ from ppokit.models import (
     model_config,
     no_progress_bars,
     unwrap_peft,
+    value_model_from_path,
     value_model_from_policy,
 )
 from ppokit.rewards import RewardModelReward, RewardScorer
@@ -253,22 +255,16 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
         enable_gradient_checkpointing(policy, shared)
         if shared is None and value is not None:
             enable_gradient_checkpointing(value)
+    # The memory-light LM head and the compiled forward read the logits from the last hidden state: a model whose forward
+    # computes them otherwise is refused now, before the optimiser, rather than trained on wrong logits.
+    switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
+    for m in (policy, reference) if switch else ():
+        if m is not None:
+            check_output_head(m, switch)
     return Roles(policy, reference, value)
 
 
 # --------------------------------------------------------------------------- adapters
-
-
-def value_model_from_path(path: str, trust_remote_code: bool, load_kwargs: dict) -> nn.Module:
-    """The policy's checkpoint as a one-label classifier with a zero head.
-
-    The critic's start when the policy is quantised: `value_model_from_policy` copies tensors
-    from the loaded policy, which a quantised model does not allow.
-    """
-    model = load_scalar_model(path, "value_model", trust_remote_code, **load_kwargs)
-    with torch.no_grad():
-        unwrap_peft(model).score.weight.zero_()
-    return model
 
 
 def peft_lora_config(lora: LoraConfig, task_type: Optional[str]):

@@ -97,8 +97,7 @@ class PPOTrainer:
         if state.update >= parts.sizes.num_updates:
             raise UserError(f"all {parts.sizes.num_updates} updates of ppo.total_episodes={parts.sizes.total_episodes} are done; "
                             "raise ppo.total_episodes to train further")
-        t0 = time.perf_counter()
-        rollout, reduce, n = parts.rollout, parts.reduce, parts.sizes.samples_per_prompt
+        t0, rollout, reduce, n = time.perf_counter(), parts.rollout, parts.reduce, parts.sizes.samples_per_prompt
         indices = self.batch_indices(state.update)
         prompts, columns = parts.train_data.rows(repeat_each(indices, n))  # n samples of each prompt, in adjacent rows
 
@@ -110,8 +109,8 @@ class PPOTrainer:
         scored = rollout.score(episodes, prompts, columns)
         episodes.scores, episodes.valid = scored.scores, scored.valid  # failed rows (on_error: skip) leave the update
         if hp.estimator.greedy_baseline:
-            episodes.baseline_scores, baseline_valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n)
-            episodes.valid = episodes.valid & baseline_valid
+            episodes.baseline_scores, valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n, state.update)
+            episodes.valid = episodes.valid & valid
         check_finite({"score": episodes.scores}, parts.accelerator)
         check_some_scored(episodes.valid, scored.errors, parts.accelerator)
         t_score = time.perf_counter()
@@ -158,7 +157,7 @@ class PPOTrainer:
 
     def _sample(self, update: int, engine=None) -> Episodes:  # update's episodes, by the rollout's engine or `engine`
         samples = repeat_each(self.batch_indices(update), self.sizes.samples_per_prompt)
-        return self.rollout.sample([self.train_query_ids[i] for i in samples], *self.train_data.rows(samples), engine=engine)
+        return self.rollout.sample([self.train_query_ids[i] for i in samples], *self.train_data.rows(samples), update=update, engine=engine)
 
     def optimise(self, episodes: Episodes) -> dict[str, float]:
         """num_ppo_epochs passes over minibatches (ppokit.optimise) -> the loss statistics; the first critic_warmup_updates

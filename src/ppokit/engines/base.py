@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence
 
@@ -140,6 +141,20 @@ def request_seed(*key: int) -> int:
     machine and in any order of completion; different keys, independent streams (a hash, not a sum)."""
     digest = hashlib.blake2b(repr(tuple(int(k) for k in key)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+
+
+_GENERATE_CALLS = itertools.count()
+
+
+def generate(engine: "RolloutEngine", prompts: list[list[int]], sampling: Sampling, pad_token_id: int, device=None) -> "Episodes":
+    """What every engine's `generate` is: one response per prompt, as seedless requests of one `submit` call waited
+    for (`complete`), packed by the one function that builds Episodes (`episodes.pack`), rows in the order of prompts."""
+    from ppokit.episodes import Span, pack
+
+    call = next(_GENERATE_CALLS)
+    completions = complete(engine, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
+    return pack(prompts, [[Span(c.token_ids, c.logprobs)] for c in completions], [c.finish_reason == "stop" for c in completions],
+                pad_token_id, device)
 
 
 def complete(engine: "RolloutEngine", requests: Sequence[Request]) -> list[Completion]:
@@ -270,8 +285,8 @@ class RolloutEngine(Protocol):
     generate(prompts, sampling): one response per prompt (token ids, no padding) -> Episodes with
         query_ids, response_ids, attention_mask, loss_mask, logprobs, ended, score_index filled.
         Rows come back in the order of `prompts`. The one-turn case of the requests below: every prompt a
-        seedless request of one `submit`, waited for (`complete`), packed by `episodes.one_turn_episodes`;
-        randomness from torch's generator.
+        seedless request of one `submit`, waited for, packed by `episodes.pack` (`base.generate`); randomness from
+        torch's generator.
     sync_weights(policy): make the engine sample from `policy`'s current weights (after an update);
         a no-op for an engine that samples from the training weights.
     release() / resume(): around training, free / take back the engine's memory (KV cache, its

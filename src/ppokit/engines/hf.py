@@ -11,7 +11,6 @@ Two decoders behind one request interface (`base.RolloutEngine`):
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable, Optional, Sequence, Union
@@ -20,11 +19,11 @@ import torch
 from torch import nn
 
 from ppokit import algo
-from ppokit.engines.base import (Completion, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, complete,
+from ppokit.engines.base import (Completion, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
                                  step_logits_bytes, stop_ids)
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.engines.slots import SlotDecoder
-from ppokit.episodes import Episodes, one_turn_episodes
+from ppokit.episodes import Episodes
 from ppokit.models import causal_lm_step, eval_mode, left_pad, position_ids_from_mask, position_limit
 
 
@@ -60,7 +59,6 @@ class HFEngine:
         self._batches: deque[list[Request]] = deque()  # seedless requests, one lock-step batch per submit call and sampling
         self._decoder: Optional[SlotDecoder] = None  # seeded requests; built at the first one
         self._serving = False
-        self._generate_calls = itertools.count()
 
     @classmethod
     def create(cls, setup: EngineSetup) -> "HFEngine":
@@ -72,10 +70,7 @@ class HFEngine:
         return self._policy if isinstance(self._policy, nn.Module) else self._policy()
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
-        call = next(self._generate_calls)
-        completions = complete(self, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
-        return one_turn_episodes(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
-                                 [c.finish_reason == "stop" for c in completions], self.pad_token_id, self.device)
+        return generate(self, prompts, sampling, self.pad_token_id, self.device)
 
     # ------------------------------------------------------------------ requests
 

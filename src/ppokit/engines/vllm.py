@@ -24,7 +24,6 @@ is refused (release/resume are no-ops), and the KV cache is sized for the rollou
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -39,9 +38,9 @@ import torch
 from torch import nn
 
 from ppokit import random_states
-from ppokit.engines.base import Completion, EngineMemory, EngineSizing, Request, Sampling, complete, step_logits_bytes
+from ppokit.engines.base import Completion, EngineMemory, EngineSizing, Request, Sampling, generate, step_logits_bytes
 from ppokit.engines.weights import architecture, policy_weights, unwrap
-from ppokit.episodes import Episodes, one_turn_episodes
+from ppokit.episodes import Episodes
 from ppokit.errors import UserError
 from ppokit.models import unwrap_peft
 
@@ -222,7 +221,6 @@ class VLLMEngine:
         self.llm = None
         self._dir: Optional[Path] = None
         self._unfinished: dict[str, _Partial] = {}  # by request id, in vLLM's queue
-        self._generate_calls = itertools.count()
         self._build()
 
     @classmethod
@@ -322,11 +320,8 @@ class VLLMEngine:
         return SamplingParams(**sampling_kwargs(sampling, seed), output_kind=RequestOutputKind.DELTA)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
-        """One response per prompt -> Episodes (`episodes.one_turn_episodes`): seedless requests of one call."""
-        call = next(self._generate_calls)
-        completions = complete(self, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
-        return one_turn_episodes(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
-                                 [c.finish_reason == "stop" for c in completions], self.pad_token_id, self.device)
+        """One response per prompt -> Episodes (`base.generate`): seedless requests of one call."""
+        return generate(self, prompts, sampling, self.pad_token_id, self.device)
 
     # ------------------------------------------------------------------ requests (vLLM's own queue)
 

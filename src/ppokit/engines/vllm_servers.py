@@ -39,12 +39,12 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ppokit.engines.base import Completion, EngineLost, Request, Sampling, complete
+from ppokit.engines.base import Completion, EngineLost, Request, Sampling, generate
 from ppokit.dataclass_config import differs_from_default
 from ppokit.engines.vllm import (check_cpu_head_dim, engine_shape, import_vllm, kv_cache_bytes, model_config_folder, request_seeds,
                                sampling_kwargs)
 from ppokit.engines.weights import architecture, unwrap
-from ppokit.episodes import Episodes, one_turn_episodes
+from ppokit.episodes import Episodes
 from ppokit.errors import UserError
 from ppokit.models import unwrap_peft
 
@@ -321,7 +321,6 @@ class VLLMServersEngine:
         self.version = 0  # of the weights last pushed (0: none yet)
         self._transfer = None
         self._session = None
-        self._generate_calls = itertools.count()
         self._unfinished: dict[str, tuple[int, Future]] = {}  # request id -> (server index, its answer)
         self._where: dict[str, int] = {}  # request id -> the server that served it (an episode's next turn goes there)
         self._done: "queue.Queue[str]" = queue.Queue()
@@ -495,11 +494,8 @@ class VLLMServersEngine:
         return contextlib.nullcontext()
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Episodes:
-        """One response per prompt -> Episodes (`episodes.one_turn_episodes`): seedless requests of one call."""
-        call = next(self._generate_calls)
-        completions = complete(self, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
-        return one_turn_episodes(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
-                                 [c.finish_reason == "stop" for c in completions], self.pad_token_id, self.device)
+        """One response per prompt -> Episodes: seedless requests of one call (`engines.base.generate`)."""
+        return generate(self, prompts, sampling, self.pad_token_id, self.device)
 
     # ------------------------------------------------------------------ weights
 

@@ -8,19 +8,27 @@ names its class in the config (`environment: path/to/env.py:ClassName` or `packa
     observation = env.reset(row)                     # str or None, appended after the prompt
     observation, reward, done = env.step(completion) # after each model turn (its text, special tokens kept)
 
+`reset` and `step` may be `async def` (an environment that waits on a remote service): their coroutines run on one
+event loop shared by every episode (a thread of its own), under the same deadline.
+
 `EnvironmentRunner` is what the episode loop holds: it makes the instances and calls them in worker
 threads under `environment_timeout_s` (`ThreadCall`), checks what they return, and turns every
 failure into an `EnvironmentFailure` (a RewardError, so `reward.on_error` applies: skip that episode
 or stop the run) whose one-line message names the environment, the call and the episode's prompt.
-A hung call fails its episode; its thread is left running (Python cannot stop a thread). Whatever the code
-raises is its failure, KeyboardInterrupt and other BaseExceptions included: only a stop request that reaches
-the main thread (Ctrl-C) passes through (`rewards.sources.code_raised`).
+A hung call fails its episode; its thread is left running (Python cannot stop a thread; a hung coroutine is
+cancelled). Whatever the code raises is its failure, KeyboardInterrupt and other BaseExceptions included: only a
+stop request that reaches the main thread (Ctrl-C) passes through (`rewards.sources.code_raised`). `SideBySide` runs
+many calls at once and hands each back as soon as it returns (the episode loop's environment calls).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import inspect
 import math
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
@@ -47,12 +55,12 @@ class Environment(Protocol):
 
     def reset(self, row: dict) -> Optional[str]:
         """row: the data row (the prompt and every other column). Returns the first observation,
-        appended after the prompt, or None for none."""
+        appended after the prompt, or None for none. May be `async def`."""
         ...
 
     def step(self, completion: str) -> tuple[Optional[str], float, bool]:
         """The model's turn as text (`ConversationRenderer.turn_text`: its special tokens kept, such as a tool call's
-        marker, the stop token that ended it not included) -> (observation or None, reward, done)."""
+        marker, the stop token that ended it not included) -> (observation or None, reward, done). May be `async def`."""
         ...
 
 
@@ -140,7 +148,7 @@ class EnvironmentRunner:
 
         def make_and_reset():
             env = self.cls(**self.args)
-            return env, env.reset(dict(row))
+            return env, self.settled(env.reset(dict(row)))
 
         env, observation = self._call(make_and_reset, "reset", prompt)
         episode = EpisodeEnvironment(self, env, prompt)
@@ -163,12 +171,36 @@ class EnvironmentRunner:
         return self._side_by_side([lambda e=e, c=c, r=r: e.step(c, r) for e, c, r in zip(episodes, completions, render)])
 
     def _side_by_side(self, calls: list) -> list:
-        # Each call runs its environment code in its own ThreadCall under the deadline; these outer threads
-        # only let the deadlines run concurrently, so B slow episodes cost one deadline, not B.
-        if len(calls) <= 1 or self.timeout_s is None:
-            return [_outcome(call) for call in calls]
-        outer = [ThreadCall(lambda call=call: _outcome(call), name="ppokit-env") for call in calls]
-        return [o.result(None) for o in outer]
+        """Every call's outcome, in order, the calls running side by side (`SideBySide`)."""
+        running = self.side_by_side(threaded=len(calls) > 1)
+        for i, call in enumerate(calls):
+            running.start(i, call)
+        done = {}
+        while running.running:
+            done.update(running.finished(wait=True))
+        return [done[i] for i in range(len(calls))]
+
+    def side_by_side(self, threaded: bool = True) -> "SideBySide":
+        """Calls of this runner's environments that run side by side (in the caller's thread, one at a time, without a
+        deadline: environment_timeout_s null)."""
+        return SideBySide(threaded=threaded and self.timeout_s is not None)
+
+    def settled(self, value):
+        """What an `async def` reset or step returned, run to its end on the environments' event loop (one thread
+        shared by every episode's coroutines); any other value as it is. It waits at most the deadline, after which
+        the coroutine is cancelled (the caller's deadline has failed its episode meanwhile), and a wait that ends
+        otherwise (Ctrl-C in the caller's thread) cancels it too."""
+        if not inspect.isawaitable(value):
+            return value
+        future = asyncio.run_coroutine_threadsafe(_awaited(value), environment_event_loop())
+        try:
+            return future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DeadlineExceeded() from None
+        except BaseException:
+            future.cancel()
+            raise
 
     # ------------------------------------------------------------------ the checks
 
@@ -243,12 +275,85 @@ class EpisodeEnvironment:
         everything a step costs (the environment's code, its observation's messages, their tokens)."""
 
         def whole():
-            step = self.runner.check_step(self.env, self.env.step(completion), self.prompt)
+            step = self.runner.check_step(self.env, self.runner.settled(self.env.step(completion)), self.prompt)
             if render is not None and step.observation is not None:
                 step.rendered = render(step)
             return step
 
         return self.runner._call(whole, "step", self.prompt)
+
+
+class SideBySide:
+    """Calls of an environment's code (`EnvironmentRunner.start`, `EnvironmentEpisode.step`: each checked and under its
+    own deadline) running side by side, each handed back as soon as it returns.
+
+    threaded: every call in a thread of its own (its deadline is inside it, so N slow calls cost one deadline, not N);
+    False: in the caller's thread when it is started, one at a time (environment_timeout_s null).
+        calls.start(key, call)             # call() -> its value, or raises EnvironmentFailure (the episode's)
+        calls.finished(wait) -> [(key, value or EnvironmentFailure), ...]   # those that returned since the last look
+    Anything else a call raised (a UserError the environment raised itself: it stops the run) is raised by `finished`.
+    """
+
+    def __init__(self, threaded: bool):
+        self.threaded = threaded
+        self.running = 0  # started and not yet handed back
+        self._returned: queue.SimpleQueue = queue.SimpleQueue()
+
+    def start(self, key, call) -> None:
+        self.running += 1
+        if not self.threaded:
+            self._returned.put((key, _outcome(call)))  # what the call raises besides its failure is raised here, at once
+            return
+
+        def run():
+            try:
+                returned = _outcome(call)
+            except BaseException as e:  # the caller's to raise (`finished`), not this thread's to swallow
+                returned = _Raised(e)
+            self._returned.put((key, returned))
+
+        ThreadCall(run, name="ppokit-env")  # the caller's torch modes and device, as the call's own thread has them
+
+    def finished(self, wait: bool, timeout_s: Optional[float] = None) -> list[tuple]:
+        """The calls that returned since the last look; wait: block until one has (at most timeout_s; None: no limit)
+        when none has yet and some are running."""
+        done = []
+        try:
+            if wait and self.running:
+                done.append(self._returned.get(timeout=timeout_s))
+            while True:
+                done.append(self._returned.get_nowait())
+        except queue.Empty:
+            pass
+        self.running -= len(done)
+        for _, value in done:
+            if isinstance(value, _Raised):
+                raise value.error
+        return done
+
+
+@dataclass
+class _Raised:
+    error: BaseException
+
+
+_EVENT_LOOP: Optional[asyncio.AbstractEventLoop] = None
+_EVENT_LOOP_LOCK = threading.Lock()
+
+
+def environment_event_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every `async def` reset/step runs on, in a daemon thread of its own, started at first use."""
+    global _EVENT_LOOP
+    with _EVENT_LOOP_LOCK:
+        if _EVENT_LOOP is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="ppokit-env-async", daemon=True).start()
+            _EVENT_LOOP = loop
+        return _EVENT_LOOP
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 def prompt_suffix(prompt: Optional[str]) -> str:

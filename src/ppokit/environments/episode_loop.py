@@ -1,47 +1,99 @@
-"""The multi-turn episode loop: a rollout engine's model turns interleaved with an environment's answers.
+"""The episode loop: every episode of a rollout advancing on its own, over a rollout engine that takes requests.
 
     prompt [+ reset observation] -> model turn -> step -> observation -> model turn -> step -> ... -> done
 
-One environment instance per episode. Every turn is ONE batched `engine.generate` call for all the
-episodes still running (their contexts: prompt + everything so far, as token ids: model tokens are
-never re-tokenised). An episode ends when its environment says done, after `max_turns` model turns,
-or when its response region reaches `max_episode_tokens` (a model turn or an observation longer than
-what is left is cut there, and the episode is marked truncated).
+One environment instance per episode. An episode's context (prompt + everything so far, as token ids: model tokens
+are never re-tokenised) is one `Request` per model turn; an episode ends when its environment says done, after
+`max_turns` model turns, or when its response region reaches `max_episode_tokens` (a model turn is asked for at
+most the room left; an observation longer than the room is cut there, and the episode is marked truncated). A
+rollout without an environment is the one-turn case of the same loop.
 
-The result is one `Episodes` for the batch, in the layout of a single-turn rollout: the prompt in
-query_ids (with chat data and a reset observation, without its generation prompt, which follows the
-observation: `ConversationRenderer.first`), everything after it (model turns and observations) in the response region; loss_mask is
-True on the model's tokens only (observations are read, never trained on); score_index is the last
-model token. What the environment said is in the same Episodes: each episode's summed step rewards, each step's
-reward at the last token of its turn, the turns, done, truncated, failures and transcripts.
+What runs when. One thread (the caller's) drives the engine and does the bookkeeping; environment calls run beside it.
+  admit   at most `max_concurrent` episodes are in flight (rollout.max_concurrent_episodes; null: all of the rollout's);
+          when one ends the next starts, in row order. Starting one starts its environment's reset (the constructor
+          and reset) or, without an environment, asks for its model turn.
+  ask     an episode whose context is ready becomes a request; the requests ready at one moment go in one `submit`.
+  decode  one engine step: one decoding step of every request in flight (the engine admits new ones as room frees)
+          -> the requests that completed in it.
+  answer  a completed turn starts its environment's `step` with the turn's text, and the rendering of the observation
+          (`ConversationRenderer.observation`), as one call under one deadline (environment_timeout_s) in a thread of
+          its own (`SideBySide`); its answer, when it returns, makes the episode's next request or ends it.
+The loop decodes while anything is in the engine and looks at the returned environment calls between two steps
+without waiting for them; with nothing to decode it waits for the next one to return. An episode waits only for its
+own requests and its own environment: a slow tool call holds its episode, not the others (the lock-step loop this
+replaced asked for every running episode's turn in one batch and waited for every environment before the next).
+Without a deadline (environment_timeout_s null) each environment call runs in the loop's own thread when it is started.
+
+Seeds. Each request of an episode with an environment is seeded by its key (`EpisodeSeeds`: run seed, update, row,
+turn), never by the order requests complete in: with an engine whose results do not depend on what shares its steps
+(hf's slot decoder), the same run gives the same episodes whatever the tools' latencies. Between two turns the engine
+keeps the episode's keys and values (hf: `Request.keep` / `continues`; vLLM: its prefix cache), so a turn reads only
+the tokens added since. A rollout without an environment sends its requests together and unseeded: the engine decodes
+them as one lock-step batch from torch's generator, the single-turn results of every earlier ppokit.
+
+The result is one `Episodes` for the batch, built by `episodes.pack` from each episode's spans (model turns and
+observations): the prompt in query_ids (with chat data and a reset observation, without its generation prompt, which
+follows the observation: `ConversationRenderer.first`), everything after it in the response region; loss_mask is True
+on the model's tokens only (observations are read, never trained on); score_index is the last model token. What the
+environment said is in the same Episodes: each episode's summed step rewards, each step's reward at the last token of
+its turn, the turns, done, truncated, failures and transcripts.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ppokit.conversation import ConversationRenderer, Observation
+from ppokit.engines.base import PURPOSES, Request, request_seed
+from ppokit.episodes import EnvironmentSaid, Span, pack
 from ppokit.errors import UserError
 
 if TYPE_CHECKING:
-    from ppokit.engines.base import RolloutEngine, Sampling
+    from ppokit.engines.base import Completion, RolloutEngine, Sampling
     from ppokit.episodes import Episodes
+
+
+@dataclass(frozen=True)
+class EpisodeSeeds:
+    """The sampling seeds of a rollout's episodes: turn t of row r is sampled with `request_seed(seed, update, first_row
+    + r, t)` for training, with the purpose's index appended for the others (`engines.base.PURPOSES`: eval, greedy).
+    The same key, the same seed, whatever order the requests complete in, whatever else is in flight, on any machine.
+
+    seed: the run's seed. update: the update the rollout is for (0-based). first_row: the number of this process's
+    first row among every process's (rows are numbered across processes, so no two processes share a key)."""
+
+    seed: int
+    update: int = 0
+    purpose: str = "train"
+    first_row: int = 0
+
+    def of(self, row: int, turn: int) -> int:
+        key = (self.seed, self.update, self.first_row + row, turn)
+        return request_seed(*key) if self.purpose == "train" else request_seed(*key, PURPOSES.index(self.purpose))
+
+    @classmethod
+    def drawn(cls) -> "EpisodeSeeds":
+        """Seeds for a caller that gives no key: one draw from torch's generator per rollout (evaluate() seeds it)."""
+        return cls(int(torch.randint(0, 2**62, ()).item()))
 
 
 @dataclass
 class _EpisodeBuffer:
-    """One episode while it runs: its token ids after the prompt, which of them are the model's."""
+    """One episode while it runs: its prompt, its spans after it (model turns and observations), its last request."""
 
+    row: int
+    prompt: list[int]
+    text: str  # the data row's prompt, naming the episode in error lines
     environment: Any = None  # the runner's EpisodeEnvironment
-    ids: list[int] = field(default_factory=list)
-    trained: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    turn_ends: list[tuple[int, float]] = field(default_factory=list)  # (column of the turn's last token, its step reward)
-    reward: float = 0.0
+    spans: list[Span] = field(default_factory=list)
+    length: int = 0  # tokens after the prompt
     turns: int = 0
     running: bool = True
     done: bool = False
@@ -49,37 +101,182 @@ class _EpisodeBuffer:
     last_turn_stopped: bool = False
     error: Optional[str] = None
     transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
+    request: Optional[str] = None  # the id of its last request
+    kept: bool = False  # the engine keeps that request's keys and values for the episode's next turn
+    continues: Optional[str] = None  # the kept request its last request continues
 
-    def add(self, ids: list[int], logprobs: Optional[list[float]]) -> None:
-        self.ids += ids
-        self.trained += [logprobs is not None] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+    def add(self, span: Span) -> None:
+        self.spans.append(span)
+        self.length += len(span.ids)
+
+    def context(self) -> list[int]:
+        return self.prompt + [token for span in self.spans for token in span.ids]
 
     def fail(self, message: str) -> None:
         self.error, self.running = message, False
 
 
-class MultiTurn:
-    """Runs batches of multi-turn episodes over a rollout engine (see the module docstring).
+class EpisodeLoop:
+    """Runs the episodes of a rollout over a rollout engine, each advancing on its own (see the module docstring).
 
-    runner: makes and calls the environments (`ppokit.environments.EnvironmentRunner`: start_many(rows,
-    prompts) -> per row an episode with `.first` (a Step) or the exception it failed with;
-    step_many(episodes, completions, render) -> per episode a Step (observation, reward, done, messages, and
-    `rendered`: what render made of it under the same deadline) or an exception). max_episode_tokens: the
-    response region's budget (model turns + observations). renderer: the run's `ConversationRenderer` (how a
-    turn reads as text, how observations become tokens; plain text by default).
+    engine: a `RolloutEngine` (requests: submit / step / abort / forget / serving). tokenizer: the policy's. runner: the
+    environment's (`ppokit.environments.EnvironmentRunner`: `start(row, prompt)` -> an EpisodeEnvironment with `.first`;
+    its `step(completion, render)` -> a Step with `rendered`, what render made of it under the same deadline;
+    `side_by_side()` runs them; failures are EnvironmentFailures); None: one model turn per prompt, no environment.
+    max_turns / max_episode_tokens: rollout.max_turns and the response region's budget (model turns + observations;
+    None: no limit). renderer: the run's `ConversationRenderer` (how a turn reads as text, how observations become
+    tokens; plain text by default). max_concurrent: rollout.max_concurrent_episodes (None: every episode of a rollout
+    at once). device: where the Episodes go.
     """
 
-    def __init__(
-        self, engine: "RolloutEngine", tokenizer, runner, *, max_turns: int, max_episode_tokens: Optional[int],
-        pad_token_id: int, renderer: Optional[ConversationRenderer] = None,
-    ):
+    def __init__(self, engine: "RolloutEngine", tokenizer, runner=None, *, max_turns: int = 1, max_episode_tokens: Optional[int] = None,
+                 pad_token_id: int, renderer: Optional[ConversationRenderer] = None, max_concurrent: Optional[int] = None,
+                 device=None):
         self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
         self.max_turns, self.max_episode_tokens, self.pad_token_id = max_turns, max_episode_tokens, pad_token_id
         self.renderer = renderer or ConversationRenderer(tokenizer, None)
+        self.max_concurrent, self.device = max_concurrent, device
+        self._rollouts = itertools.count()  # request ids: unique across this loop's rollouts
+
+    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling", seeds: Optional[EpisodeSeeds] = None) -> "Episodes":
+        """B prompts (token ids) and their data rows -> Episodes (what the environment said in them), rows in order.
+        seeds: the episodes' sampling seeds (`EpisodeSeeds`; None: drawn from torch's generator); not read without an
+        environment (one unseeded lock-step batch)."""
+        if self.runner is not None and seeds is None:
+            seeds = EpisodeSeeds.drawn()
+        seeds = seeds if self.runner is not None else None
+        episodes = [_EpisodeBuffer(i, list(p), str(row.get("prompt", ""))) for i, (p, row) in enumerate(zip(prompts, rows))]
+        waiting = deque(zip(episodes, rows))
+        calls = self.runner.side_by_side() if self.runner is not None else None
+        tag = f"episode-{next(self._rollouts)}"
+        in_flight, ready, asked = 0, [], {}
+
+        def end(episode: _EpisodeBuffer) -> None:
+            nonlocal in_flight
+            episode.running, in_flight = False, in_flight - 1
+            if episode.kept:
+                self.engine.forget([episode.request])
+                episode.kept = False
+
+        def answered(returned: list) -> None:
+            for episode, value in returned:
+                if self._answered(episode, value):
+                    ready.append(episode)
+                else:
+                    end(episode)
+
+        try:
+            with self.engine.serving():
+                while waiting or in_flight:
+                    while waiting and in_flight < (self.max_concurrent or len(episodes)):
+                        episode, row = waiting.popleft()
+                        in_flight += 1
+                        if calls is None:
+                            ready.append(episode)
+                        else:
+                            calls.start(episode, partial(self.runner.start, dict(row), episode.text))
+                    if calls is not None:
+                        answered(calls.finished(wait=False))
+                    if ready:
+                        requests = [self._request(e, sampling, seeds, tag) for e in ready]
+                        asked.update((r.request_id, e) for r, e in zip(requests, ready))
+                        ready.clear()
+                        self.engine.submit(requests)
+                    if self.engine.unfinished():
+                        for completion in self.engine.step():
+                            episode = asked.pop(completion.request_id)
+                            call = self._turn(episode, completion)
+                            if call is None:
+                                end(episode)
+                            else:
+                                calls.start(episode, call)
+                    elif calls is not None and calls.running:
+                        answered(calls.finished(wait=True))
+                    elif in_flight and not ready:
+                        raise RuntimeError(f"the episode loop is stuck: {in_flight} episodes in flight, nothing asked of the engine "
+                                           "or the environment")
+        finally:  # a stop (an error, Ctrl-C): nothing of this rollout left in the engine
+            if asked:
+                self.engine.abort(list(asked))
+            # what is kept for the episodes: their last request's, and what an aborted one was to continue
+            self.engine.forget([e.request for e in episodes if e.kept] + [e.continues for e in episodes if e.continues])
+        return self._packed(episodes)
+
+    # ------------------------------------------------------------------ one episode's events
 
     def _room(self, episode: _EpisodeBuffer) -> float:
-        return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - len(episode.ids)
+        return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - episode.length
+
+    def _request(self, episode: _EpisodeBuffer, sampling: "Sampling", seeds: Optional[EpisodeSeeds], tag: str) -> Request:
+        """The episode's next model turn as a request: its context so far, at most the room left, seeded by its key; the
+        engine keeps its keys and values when another turn may follow, and continues from the last turn's."""
+        budget = int(min(sampling.max_new_tokens, self._room(episode)))
+        request_id = f"{tag}-{episode.row}-{episode.turns}"
+        seed = None if seeds is None else seeds.of(episode.row, episode.turns)
+        keep = seed is not None and episode.turns + 1 < self.max_turns
+        continues = episode.request if episode.kept else None
+        episode.request, episode.kept, episode.continues = request_id, keep, continues
+        return Request(request_id, episode.context(), sampling if budget == sampling.max_new_tokens else replace(sampling, max_new_tokens=budget),
+                       seed=seed, keep=keep, continues=continues)
+
+    def _started(self, episode: _EpisodeBuffer, started) -> bool:
+        """The episode's environment made and reset (or the failure it raised) -> whether its first turn may be asked for."""
+        if isinstance(started, BaseException):
+            episode.fail(str(started))
+            return False
+        episode.environment = started
+        first = started.first
+        if first is not None and first.observation is not None:
+            try:
+                episode.prompt, observation = self.renderer.first(episode.prompt, first.messages, first.observation, self._room(episode))
+            except UserError as e:  # the template cannot follow a prompt with an observation (said at the start)
+                episode.fail(str(e))
+                return False
+            self._observe(episode, observation)
+            if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
+                episode.fail(self._no_room_after_reset(episode.text))
+                return False
+        return True
+
+    def _turn(self, episode: _EpisodeBuffer, completion: "Completion"):
+        """A completed request is the episode's next model turn -> the environment call that answers it (its step,
+        with the observation's rendering when another turn may follow), or None when the episode ends with it."""
+        ids, logprobs, room = completion.token_ids, completion.logprobs, self._room(episode)
+        stopped = completion.finish_reason == "stop" and len(ids) <= room
+        if len(ids) > room:
+            ids, logprobs = ids[: int(room)], logprobs[: int(room)]
+        episode.truncated = not stopped and len(ids) >= room  # it reached the room without ending
+        episode.add(Span(list(ids), list(logprobs)))
+        episode.turns += 1
+        episode.last_turn_stopped = stopped
+        if self.runner is None:
+            return None
+        text = self.renderer.turn_text(ids, stopped)
+        episode.transcript.append({"role": "assistant", "text": text})
+        more = episode.turns < self.max_turns and not episode.truncated
+        return partial(episode.environment.step, text, self._render(episode) if more else None)
+
+    def _answered(self, episode: _EpisodeBuffer, value) -> bool:
+        """An environment call returned (reset: `_started`; step: its Step, or the failure) -> whether the episode's next
+        turn may be asked for."""
+        if episode.environment is None:
+            return self._started(episode, value)
+        if isinstance(value, BaseException):
+            episode.fail(str(value))
+            return False
+        episode.spans[-1].reward = value.reward
+        episode.done = value.done
+        episode.transcript[-1]["reward"] = value.reward  # the model's turn this step answered (`_turn`)
+        if value.done:
+            episode.transcript[-1]["done"] = True
+        if value.done or episode.turns >= self.max_turns or episode.truncated:
+            return False
+        if self._room(episode) <= 0:
+            episode.truncated = True
+            return False
+        if value.observation is not None:
+            self._observe(episode, value.rendered)
+        return episode.running
 
     def _observe(self, episode: _EpisodeBuffer, observation: Observation) -> None:
         """Append an observation's tokens (`ConversationRenderer.first` or `.observation`), cut to the room left (the
@@ -90,48 +287,13 @@ class MultiTurn:
             ids, episode.truncated, episode.running = ids[: int(room)], True, False
             # the transcript shows what the model read: the observation's tokens left after the cut
             said = [{"role": said[0]["role"], "text": self.tokenizer.decode(ids, skip_special_tokens=True), "cut": True}]
-        episode.add(ids, None)
+        episode.add(Span(list(ids)))
         episode.transcript += said
 
     def _render(self, episode: _EpisodeBuffer):
         """What the observation after the episode's last turn reads as (run by the runner within the step's deadline)."""
         stopped, room = episode.last_turn_stopped, self._room(episode)
         return lambda step: self.renderer.observation(step.messages, step.observation, stopped, room)
-
-    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> "Episodes":
-        """B prompts (token ids) and their data rows -> Episodes with what the environment said, rows in order."""
-        episodes, prompts = [_EpisodeBuffer() for _ in prompts], list(prompts)
-        texts = [str(row.get("prompt", "")) for row in rows]
-        for i, (episode, started) in enumerate(zip(episodes, self.runner.start_many([dict(row) for row in rows], texts))):
-            if isinstance(started, BaseException):
-                episode.fail(str(started))
-                continue
-            episode.environment = started
-            first = started.first
-            if first is not None and first.observation is not None:
-                try:
-                    prompts[i], observation = self.renderer.first(prompts[i], first.messages, first.observation, self._room(episode))
-                except UserError as e:  # the template cannot follow a prompt with an observation (said at the start)
-                    episode.fail(str(e))
-                    continue
-                self._observe(episode, observation)
-                if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
-                    episode.fail(self._no_room_after_reset(texts[i]))
-        device = None
-        while True:
-            running = [e for e in episodes if e.running]
-            if not running:
-                break
-            budget = int(min(sampling.max_new_tokens, max(self._room(e) for e in running)))
-            turn = self.engine.generate([prompts[i] + e.ids for i, e in enumerate(episodes) if e.running],
-                                        replace(sampling, max_new_tokens=budget))
-            device = turn.response_ids.device
-            completions = [self._add_turn(e, turn, k) for k, e in enumerate(running)]
-            steps = self.runner.step_many([e.environment for e in running], completions,
-                                          [self._render(e) if e.turns < self.max_turns and not e.truncated else None for e in running])
-            for e, step in zip(running, steps):
-                self._answer(e, step)
-        return self._collect(prompts, episodes, device)
 
     def _no_room_after_reset(self, prompt: str) -> str:
         from ppokit.environments.base import prompt_suffix
@@ -141,86 +303,10 @@ class MultiTurn:
                 f"{self.max_episode_tokens} tokens after the prompt) and leaves no room for a model turn; shorten the observation or "
                 f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
-    def _add_turn(self, episode: _EpisodeBuffer, turn: "Episodes", k: int) -> str:
-        """Row k of one generate call is the episode's next model turn (cut to the room left) -> its text."""
-        mask = turn.loss_mask[k]
-        ids, logprobs = turn.response_ids[k][mask].tolist(), turn.logprobs[k][mask].tolist()
-        room = self._room(episode)
-        if len(ids) > room:
-            ids, logprobs, episode.truncated = ids[: int(room)], logprobs[: int(room)], True
-        episode.add(ids, logprobs)
-        episode.turns += 1
-        episode.last_turn_stopped = bool(turn.ended[k]) and not episode.truncated
-        text = self.renderer.turn_text(ids, episode.last_turn_stopped)
-        episode.transcript.append({"role": "assistant", "text": text})
-        return text
-
-    def _answer(self, episode: _EpisodeBuffer, step) -> None:
-        """The environment's answer to the episode's last turn: its reward, and the next observation or the end."""
-        if isinstance(step, BaseException):
-            episode.fail(str(step))
-            return
-        episode.reward += step.reward
-        episode.turn_ends.append((len(episode.ids) - 1, step.reward))
-        episode.done = step.done
-        episode.transcript[-1]["reward"] = step.reward  # the model's turn this step answered (`_add_turn`)
-        if step.done:
-            episode.transcript[-1]["done"] = True
-        if step.done or episode.turns >= self.max_turns or episode.truncated:
-            episode.running = False
-            return
-        if step.observation is not None:
-            self._observe(episode, step.rendered)
-        if episode.running and self._room(episode) <= 0:
-            episode.truncated, episode.running = True, False
-
-    def _collect(self, prompts: list[list[int]], episodes: list[_EpisodeBuffer], device) -> "Episodes":
-        from ppokit.episodes import Episodes
-
-        device = device if device is not None else torch.device("cpu")
-        rows, width = len(prompts), max(len(p) for p in prompts)
-        length = max(1, max(len(e.ids) for e in episodes))
-        query = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        query_real = torch.zeros(rows, width, dtype=torch.bool)
-        response = torch.full((rows, length), self.pad_token_id, dtype=torch.long)
-        response_real = torch.zeros(rows, length, dtype=torch.bool)
-        loss_mask = torch.zeros(rows, length, dtype=torch.bool)
-        logprobs = torch.zeros(rows, length)
-        turn_rewards = torch.zeros(rows, length)
-        score_index = torch.zeros(rows, dtype=torch.long)
-        for i, (prompt, e) in enumerate(zip(prompts, episodes)):
-            query[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            query_real[i, width - len(prompt):] = True
-            n = len(e.ids)
-            if n:
-                response[i, :n] = torch.tensor(e.ids, dtype=torch.long)
-                response_real[i, :n] = True
-                loss_mask[i, :n] = torch.tensor(e.trained)
-                logprobs[i, :n] = torch.tensor(e.logprobs)
-            trained = loss_mask[i].nonzero()
-            score_index[i] = trained[-1, 0] if len(trained) else 0
-            for column, reward in e.turn_ends:
-                turn_rewards[i, column] += reward
-        return Episodes(
-            query_ids=query.to(device), response_ids=response.to(device),
-            attention_mask=torch.cat([query_real, response_real], dim=1).to(device), loss_mask=loss_mask.to(device),
-            logprobs=logprobs.to(device), ended=torch.tensor([e.done or (e.last_turn_stopped and not e.truncated) for e in episodes], device=device),
-            score_index=score_index.to(device),
-            environment_rewards=torch.tensor([math.nan if e.error else e.reward for e in episodes], dtype=torch.float64, device=device),
-            turn_rewards=turn_rewards.to(device), turns=torch.tensor([e.turns for e in episodes], device=device),
-            done=torch.tensor([e.done for e in episodes], device=device), truncated=torch.tensor([e.truncated for e in episodes], device=device),
-            environment_errors=[e.error for e in episodes], transcripts=[e.transcript for e in episodes],
-        )
-
-
-class SingleTurn:
-    """One prompt, one response: the rollout engine's own `generate` (no environment)."""
-
-    def __init__(self, engine: "RolloutEngine"):
-        self.engine = engine
-
-    def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling") -> "Episodes":
-        return self.engine.generate(prompts, sampling)
+    def _packed(self, episodes: list[_EpisodeBuffer]) -> "Episodes":
+        said = None if self.runner is None else [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript) for e in episodes]
+        ended = [e.done or (e.last_turn_stopped and not e.truncated) for e in episodes]
+        return pack([e.prompt for e in episodes], [e.spans for e in episodes], ended, self.pad_token_id, self.device, said)
 
 
 @dataclass
@@ -275,14 +361,16 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
     return Conversation(renderer, runner, template)
 
 
-def episode_source(engine: "RolloutEngine", conversation: Conversation, *, max_turns: int, max_episode_tokens: int, pad_token_id: int):
-    """What the trainer samples its episodes from, decided once: without an environment the engine itself
-    (`SingleTurn`); with one, the `MultiTurn` of at most `max_turns` turns (rollout.max_turns) within the episode's
-    token budget (`PPOConfig.response_room`), observations rendered by the conversation's renderer."""
-    if conversation.runner is None:
-        return SingleTurn(engine)
-    return MultiTurn(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=max_turns,
-                       max_episode_tokens=max_episode_tokens, pad_token_id=pad_token_id, renderer=conversation.renderer)
+def episode_source(engine: "RolloutEngine", conversation: Conversation, *, max_turns: int, max_episode_tokens: int,
+                   max_concurrent: Optional[int], pad_token_id: int, device=None) -> EpisodeLoop:
+    """What the trainer samples its episodes from, decided once: the `EpisodeLoop` over the engine, with the conversation's
+    environment (one turn per prompt without one) and renderer, at most `max_turns` turns (rollout.max_turns) within the
+    episode's token budget (`PPOConfig.response_room`), at most `max_concurrent` episodes in flight
+    (rollout.max_concurrent_episodes)."""
+    environment = conversation.runner is not None
+    return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=max_turns if environment else 1,
+                       max_episode_tokens=max_episode_tokens if environment else None, pad_token_id=pad_token_id,
+                       renderer=conversation.renderer, max_concurrent=max_concurrent, device=device)
 
 
 def data_rows(prompts: list[str], columns: dict[str, list]) -> list[dict]:

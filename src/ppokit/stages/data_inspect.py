@@ -8,16 +8,17 @@ and the first rows rendered as the stage will see them.
 from __future__ import annotations
 
 import json
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ppokit.chat import Renderer
 from ppokit.config import DataConfig, PPOHyperparams, StageDataConfig
 from ppokit.data import Records, load_records, preference_triples, sft_pairs
 from ppokit.errors import UserError
 from ppokit.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt
-from ppokit.models import PositionLimit
 from ppokit.prompts import PromptDataset, prompt_dataset_from_records, prompt_room
-from ppokit.stages.common import max_length_room
+
+if TYPE_CHECKING:  # torch and transformers: not for a report without a tokenizer
+    from ppokit.models import PositionLimit
 
 STAGE_OF_FORMAT = {"preference": "rm", "prompt": "ppo"}  # everything else is sft data
 
@@ -162,6 +163,8 @@ def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]],
     """Rows the model could not take: count, the first, and the key that fixes it."""
     if limit is None:
         return None
+    from ppokit.stages.common import max_length_room
+
     over = limit.rows_over(sequences)
     fix = prompt_room(limit, response_length, max_prompt_length) if stage == "ppo" else max_length_room(limit)
     return {
