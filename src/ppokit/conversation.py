@@ -19,8 +19,9 @@ not written twice; a turn cut before its stop token gets it from here).
 A model turn ends at any of the run's stop tokens (ppo.stop_token), and where the template ends a turn that calls a
 tool with another special token than the ones that end an answer (gpt-oss: `<|call|>` after a call, `<|return|>`
 after an answer), `check` adds that token: turns then stop at either (`stop_token_ids`, decided at start-up, read by
-every engine's sampling). Only the text after the probe turn's content
-is compared, so templates that render a last assistant turn differently from an earlier one (Qwen3's empty
+every engine's sampling).
+
+Only the text after the probe turn's content is compared, so templates that render a last assistant turn differently from an earlier one (Qwen3's empty
 `<think></think>`, reasoning dropped from earlier turns) work: what comes after a turn does not depend on it.
 
 Without a chat template (plain-text prompts) an observation is its text as it is, after the turn's tokens.
@@ -61,8 +62,8 @@ class ConversationRenderer:
 
     tokenizer: the policy's; template: the resolved chat template text, or None for plain-text prompts; tools: the
     environment's JSON schemas (None: none); template_kwargs: extra template variables; stop_token_ids: the tokens
-    that end a model turn (ppo.stop_token; `check` may add the one the template ends a tool-calling turn with); observation_role: the role an observation is rendered as ("user" or
-    "tool"); say: where notes go (a warning shown once: observation words the tokenizer reads as its unknown token).
+    that end a model turn (ppo.stop_token; `check` may add the one the template ends a tool-calling turn with);
+    observation_role: the role an observation is rendered as ("user" or "tool"); say: where notes go (a warning shown once: observation words the tokenizer reads as its unknown token).
     """
 
     def __init__(self, tokenizer, template: Optional[str], *, tools: Optional[list[dict]] = None,
