@@ -25,7 +25,7 @@ from ppokit.engines import ENGINES
 from ppokit.errors import UserError
 from ppokit.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
-from ppokit.trackers import TRACKERS
+from ppokit.trackers import TRACKERS, check_usable
 from ppokit.trl_grpo_names import TRL_GRPO_NAMES
 
 
@@ -614,6 +614,35 @@ class PPOConfig:
         self._validate_parallel()
         self._validate_report_to()
         return self
+
+    def check_machine(self) -> None:
+        """Fail before any weights load when a switch needs something this machine lacks: a package (peft for lora,
+        bitsandbytes for quantization, a tracker's), a CUDA device (quantization, fp16), a compiler (compile), or a
+        writable tracker store. Apart from `validate`, which reads the config alone (`ppokit plan` plans for other machines)."""
+        import torch
+
+        if self.lora is not None:
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
+        if self.quantization is not None:
+            if not torch.cuda.is_available():
+                raise UserError(
+                    f"quantization: {self.quantization} needs a CUDA device (bitsandbytes kernels) and this machine has none; "
+                    "set quantization: null (the plan command shows what fits without it)"
+                )
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                raise UserError(f"quantization: {self.quantization} needs bitsandbytes: pip install 'ppokit[quantization]'") from None
+        if self.fp16 and not torch.cuda.is_available():
+            raise UserError("fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine")
+        if self.compile:
+            from ppokit.compiled import check_available
+
+            check_available("cuda" if torch.cuda.is_available() else "cpu")
+        check_usable(self.report_to)  # a missing tracker package or an unwritable store is one line, not a late crash
 
     @property
     def response_room(self) -> int:

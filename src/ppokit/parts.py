@@ -24,10 +24,10 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, engines, parallel, roles, run_dir, trackers
+from ppokit import algo, batching, engines, parallel, roles, run_dir
 from ppokit.config import BatchSizes, PPOConfig
 from ppokit.environments.episode_loop import Conversation, EnvironmentReward, episode_source
-from ppokit.models import input_pad_id, policy_tokenizer
+from ppokit.models import input_pad_id, policy_tokenizer, position_limit, tightest
 from ppokit.optimise import prepare_training
 from ppokit.prompts import PromptDataset, check_prompts_fit, conversation_for, encode_prompts, load_prompt_data
 from ppokit.rewards import RewardScorer, build_scorer, source_label
@@ -82,8 +82,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
              eval_dataset=None, accelerator=None, show_progress: bool = True, overwrite: bool = False) -> Parts:
     """The run's parts from `config` and the objects passed in its place (`PPOTrainer`'s arguments, which it documents)."""
     config = run_config(config, model, reward_model, reward_functions)
-    roles.check_environment(config)  # before any weights load
-    trackers.check_usable(config.report_to)  # likewise: a missing tracker package or an unwritable store is one line, not a late crash
+    config.check_machine()  # before any weights load
     accelerator = accelerator or parallel.make_accelerator(config.parallel, roles.mixed_precision(config))
     strategy = parallel.strategy(config.parallel, accelerator, bf16=config.bf16)
     reduce = parallel.sum_over_processes(accelerator)
@@ -122,7 +121,8 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     given = dict(model=model, ref_model=ref_model, value_model=value_model)
     readers = roles.configs_reading_policy_ids(layout, config, scorer, reward_vocabulary, **given)
     pad_id = input_pad_id(tokenizer, readers.values())
-    check_prompts_fit(readers, [("data.train", train_data, train_query_ids), ("data.eval", eval_data, eval_query_ids)],
+    positions = tightest(position_limit(reader, role) for role, reader in readers.items())
+    check_prompts_fit(readers, positions, [("data.train", train_data, train_query_ids), ("data.eval", eval_data, eval_query_ids)],
                       room, limit, tokenizer, stop_token_ids)
 
     built = roles.build_roles(layout, config, scorer, **given)

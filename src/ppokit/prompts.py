@@ -164,38 +164,38 @@ def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optiona
 
 def check_prompts_fit(
     model_configs: dict[str, Any],
+    limit: Optional[PositionLimit],
     prompts: list[tuple[str, Optional[PromptDataset], Optional[list[list[int]]]]],
     response_length: int,
     max_prompt_length: Optional[int],
     tokenizer,
     stop_token_ids: tuple[int, ...],
 ) -> None:
-    """Before any weights load, for each model that reads the policy's token ids (`model_configs`,
-    by role): every prompt id and the stop ids have an embedding row (the pad id is one they have:
-    `models.input_pad_id`), and every prompt
-    (after truncation) plus `response_length` fits its positions. One line naming the first row
-    that does not, instead of an IndexError from inside the model after the first sampling.
+    """Before the policy's weights load, for each model that reads the policy's token ids (`model_configs`, by role):
+    every prompt id and the stop ids have an embedding row (the pad id is one they have: `models.input_pad_id`), and
+    every prompt (after truncation) plus `response_length` fits `limit`, the tightest of their position limits
+    (`models.tightest`; None: no config states one). One line naming the first row that does not, instead of an
+    IndexError from inside the model after the first sampling.
 
     prompts: (config key, dataset, its encoded prompts) of each prompt set; a None dataset is skipped.
     """
-    from ppokit.models import check_token_ids, position_limit, tightest
+    from ppokit.models import check_token_ids
 
+    fix = prompt_room(limit, response_length, max_prompt_length) if limit is not None else ""
     prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
     special = [("ppo.stop_token_id", list(stop_token_ids))] if stop_token_ids else []
     for role, config in model_configs.items():
         rows = ((f"{key} ({dataset.where(i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
         check_token_ids(config, role, itertools.chain(special, rows), tokenizer)
-    limit = tightest(position_limit(config, role) for role, config in model_configs.items())
     if limit is None:
         return
     if response_length >= limit.tokens:
-        raise UserError(f"ppo.response_length {response_length} leaves no room for a prompt in {limit.describe()}; "
-                        f"{prompt_room(limit, response_length, max_prompt_length)}")
+        raise UserError(f"ppo.response_length {response_length} leaves no room for a prompt in {limit.describe()}; {fix}")
     limit.check(
         ((f"{key} ({dataset.where(i)})", len(ids) + response_length)
          for key, dataset, encoded in prompts for i, ids in enumerate(encoded)),
         lambda n: f"the prompt is {n - response_length} tokens; with ppo.response_length {response_length} that is {n}",
-        prompt_room(limit, response_length, max_prompt_length),
+        fix,
     )
 
 
