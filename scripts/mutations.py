@@ -306,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in chosen:
         folder = Path(tempfile.mkdtemp(prefix=f"ppokit-mutation-{m.name}-"))
         try:
+            files = tree_files(tree)  # the checkout as it is now (it may have moved since the run started)
+            commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
             copy_tree(tree, files, folder)
             problem = apply(m, folder)
             record = {"mutation": m.name, "file": m.file, "what": m.what, "commit": commit}
