@@ -67,7 +67,7 @@ def make_loop(tokenizer, engine, cls=None, **kw):
 
 
 def sampling(tokenizer, n=8):
-    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
+    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_ids=tokenizer.eos_token_id)
 
 
 def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
@@ -225,7 +225,7 @@ def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
 
 def test_chat_observations_use_the_template(game_tokenizer):
     tok = game_tokenizer
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id)
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id)
     # plain template: "role: content\n" lines, "assistant:" as the generation prompt
     assert renderer.observation([], "higher", True).ids == ids(tok, "\nuser: higher\nassistant:")
     assert renderer.observation([{"role": "tool", "content": "4"}], "4", True).ids == ids(tok, "\ntool: 4\nassistant:")
@@ -246,7 +246,7 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     prompt = render([user("guess the number")])
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
     loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
-                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
+                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=eos))
     episodes = loop.sample([prompt], [row], sampling(tok))
     whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
     # the stop token ends the assistant turn where the plain template writes its newline (not written twice)
@@ -255,6 +255,53 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     assert episodes.query_ids[0].tolist() == prompt[:-2]  # "assistant :" moved after the observation
     trained = episodes.response_ids[0][episodes.loss_mask[0]].tolist()
     assert trained == [seven, eos, seven, eos] and episodes.observation_tokens.tolist() == [len(whole) - len(prompt) + 2 - 4]
+
+
+def metaspace_tokenizer():
+    """One token per character with SentencePiece's word marker (tokenizers' Metaspace, as Llama 2's and Mistral's
+    tokenizers have it): spaces read as "▁", and a "▁" prepended to every text tokenised, so a text's tokens depend on
+    where it starts: "\nuser: higher" tokenised by itself begins with a "▁" it does not have inside a conversation."""
+    import string
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(set(string.printable) | {"▁"}))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_special_tokens([AddedToken("</s>", special=True), AddedToken("<pad>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", clean_up_tokenization_spaces=False)
+
+
+def test_an_observation_has_the_tokens_it_has_in_the_whole_conversation():
+    """Observations are tokenised at the token level: their ids are those the template's whole rendering has after the
+    turn, not their text tokenised alone. With a tokenizer that prepends "▁" to each text (SentencePiece's Metaspace),
+    the two differ by that "▁": here the context at turns 2 and 3 (the stop tokens aside: the plain template writes
+    none) must be, token for token, the plain template's rendering of the conversation so far, tokenised whole."""
+    from test_conversation import Answers, ForcedEngine
+
+    tok = metaspace_tokenizer()
+    stop = tok.eos_token_id
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=stop)
+    renderer.check(needs_tools=False, max_turns=3)
+    turns = [" 8", " 12", " 10"]  # after the generation prompt "assistant:", as the template writes "assistant: 8"
+    turn_ids = [tok(text, add_special_tokens=False)["input_ids"] + [stop] for text in turns]
+    torch.manual_seed(0)
+    engine = ForcedEngine(tiny_causal_lm("llama", tok, hidden=32, heads=2).eval(), turn_ids, tok.pad_token_id, stop)
+    question = [{"role": "user", "content": "guess"}]
+    prompt = tok(renderer.prompt(question), add_special_tokens=False)["input_ids"]
+    loop = EpisodeLoop(engine, tok, EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None), max_turns=3,
+                     max_episode_tokens=400, pad_token_id=tok.pad_token_id, renderer=renderer)
+    episodes = loop.sample([prompt], [{"prompt": "guess"}], Sampling(max_new_tokens=40, temperature=1.0, stop_token_ids=stop))
+    assert episodes.turns.tolist() == [3]
+    messages = list(question)
+    for k, reply in ((1, "higher"), (2, "lower")):
+        messages += [{"role": "assistant", "content": turns[k - 1].strip()}, {"role": "user", "content": reply}]
+        text = tok.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False)
+        whole = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok(text[text.rindex("\nuser:"):], add_special_tokens=False)["input_ids"][0] == tok.convert_tokens_to_ids("▁")
+        assert [i for i in engine.contexts[k][0] if i != stop] == whole, k
 
 
 @pytest.fixture(scope="module")

@@ -290,7 +290,8 @@ def test_an_episode_is_what_the_chat_template_renders_with_one_stop_token_per_tu
         assert all(not (a == b == end) for a, b in zip(ids, ids[1:])), tok.decode(ids)  # never <|im_end|><|im_end|>
         [question] = [q for q in QUESTIONS if q in row["prompt"]]
         messages = [{"role": "user", "content": question}] + [{"role": t["role"], "content": t["text"]} for t in row["turns"]]
-        assert row["turns"][-1] == {"role": "assistant", "text": "done"}  # the episode ended with the model's stop token
+        last = row["turns"][-1]
+        assert (last["role"], last["text"], last.get("done")) == ("assistant", "done", True)  # the model's stop token ended it
         rendered = tok.apply_chat_template(messages, tools=tool_schemas({"tally": tally}), tokenize=False)
         assert tok.decode(ids, skip_special_tokens=False) == rendered.removesuffix("\n")  # the template's last newline follows no stop
 
@@ -303,10 +304,23 @@ COMPARED = ("objective/scores", "objective/kl", "objective/non_score_reward", "o
             "val/ratio")
 
 
-def _critic_config(model_dir, prompts_file, out, env, **ppo):
-    """reinforce_pp (the KL to the reference in the reward, whitened over the whole batch) over 2-turn episodes, sampled
-    greedily (top_k 1: the same tokens whatever the random stream), one optimiser step per update."""
-    return _config(model_dir, prompts_file, out, f"{env}:Critic", dict(max_turns=2, max_episode_tokens=24),
+UNEVEN_CRITIC = '''
+class UnevenCritic:
+    """Rewards a turn by its length (mod 3); an episode is 1 or 2 turns by its prompt's length, so the processes' shares
+    of a batch hold different numbers of trained tokens (and turns)."""
+    def reset(self, row):
+        self.turns, self.last = 0, 1 + len(row["prompt"]) % 2
+        return None
+    def step(self, completion):
+        self.turns += 1
+        return "the movie was", float(len(completion.split()) % 3), self.turns >= self.last
+'''
+
+
+def _critic_config(model_dir, prompts_file, out, env, name="Critic", **ppo):
+    """reinforce_pp (the KL to the reference in the reward, whitened over the whole batch) over episodes of at most 2
+    turns, sampled greedily (top_k 1: the same tokens whatever the random stream), one optimiser step per update."""
+    return _config(model_dir, prompts_file, out, f"{env}:{name}", dict(max_turns=2, max_episode_tokens=24),
                    **{"advantage_estimator": "reinforce_pp", "whiten_advantages": False, "top_k": 1, "kl_coef": 0.5, **ppo})
 
 
@@ -351,20 +365,21 @@ def test_a_lora_multi_turn_update_is_the_full_weight_update_of_its_merged_weight
 def test_a_multi_turn_fsdp_run_on_two_processes_is_the_one_process_run(model_dir, eight_prompts, tmp_path):
     """2 processes under fsdp (4 episodes each) against one process (8): the same greedy episodes, the loss normalised
     over the whole minibatch of every process (ppo.max_tokens_per_micro_batch), so the same gradient up to the order of
-    float32 sums. Both updates' records (the second after a sharded optimiser step) and the final weights agree to
-    float32 rounding carried through 2 Adam steps at lr 1e-3: rel 1e-4, atol 1e-5 (tests/test_multiprocess.py's
-    ddp/fsdp bound)."""
+    float32 sums. Episodes of 1 or 2 turns (`UnevenCritic`): the processes hold different numbers of trained tokens, so
+    a loss normalised by each process's own tokens, or episode metrics that are one process's means, would differ.
+    Both updates' records (the second after a sharded optimiser step) and the final weights agree to float32 rounding
+    carried through 2 Adam steps at lr 1e-3: rel 1e-4, atol 1e-5 (tests/test_multiprocess.py's ddp/fsdp bound)."""
     from test_multiprocess import TORCHRUN, _launch, _records
     from transformers import AutoModelForCausalLM
 
     if TORCHRUN is None:
         pytest.skip("torchrun is not on PATH")
     env = tmp_path / "env.py"
-    env.write_text(CRITIC)
+    env.write_text(UNEVEN_CRITIC)
     settings = dict(total_episodes=16, max_tokens_per_micro_batch=256, num_sample_generations=0)
-    one = _critic_config(model_dir, eight_prompts, tmp_path / "one", env, **settings)
+    one = _critic_config(model_dir, eight_prompts, tmp_path / "one", env, "UnevenCritic", **settings)
     PPOTrainer(one, show_progress=False).train()
-    two = _critic_config(model_dir, eight_prompts, tmp_path / "two", env, per_device_train_batch_size=4, **settings)
+    two = _critic_config(model_dir, eight_prompts, tmp_path / "two", env, "UnevenCritic", per_device_train_batch_size=4, **settings)
     two.parallel.strategy = "fsdp"
     two.save(tmp_path / "two.yaml")
     result = _launch(tmp_path / "two.yaml")

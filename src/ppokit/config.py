@@ -25,7 +25,7 @@ from ppokit.engines import ENGINES
 from ppokit.errors import UserError
 from ppokit.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
-from ppokit.trackers import TRACKERS
+from ppokit.trackers import TRACKERS, check_usable
 from ppokit.trl_grpo_names import TRL_GRPO_NAMES
 
 
@@ -121,7 +121,7 @@ class PPOHyperparams:
     local_rollout_forward_batch_size: int = doc(64, "Rows per forward pass during sampling and the reference and value passes (no gradients); the reward model uses `reward.batch_size`.", check=positive)
     response_length: int = doc(53, "Maximum new tokens sampled per prompt.", check=positive)
     temperature: float = doc(0.7, f"Sampling temperature; logits are divided by it in every logprob computation. At least {MIN_TEMPERATURE:g}, so that logits / temperature stays a finite float32.", check=temperature_range)
-    stop_token: Optional[str] = doc("eos", "Token that ends a response: `eos` (the tokenizer's EOS), any other string that is one token, or null for none. Tokens after it are padding. Differs from TRL (None) because scoring text after EOS is never wanted.")
+    stop_token: Optional[str] = doc("eos", "Token that ends a response: `eos` (the tokenizer's EOS), any other string that is one token, or null for none. Tokens after it are padding. Differs from TRL (None) because scoring text after EOS is never wanted. With an `environment` whose chat template ends a turn that calls a tool with another special token (gpt-oss: `<|call|>` after a call, `<|return|>` after an answer), that token ends a turn too (said at the start; docs/environments.md).")
     stop_token_id: Optional[int] = doc(None, "Token id that ends a response; overrides `stop_token`.", check=non_negative)
     top_k: int = doc(0, "Sample only from the k most likely tokens; 0: off. With top_k, top_p or min_p the logprobs in the PPO ratio and the KL are still the policy's full softmax at `temperature`, not the truncated distribution's.", check=non_negative)
     top_p: float = doc(1.0, "Nucleus sampling: only the smallest set of most likely tokens whose probability reaches top_p (after top_k, before min_p, as transformers orders them); 1: off.", check=half_open_unit)
@@ -614,6 +614,35 @@ class PPOConfig:
         self._validate_parallel()
         self._validate_report_to()
         return self
+
+    def check_machine(self) -> None:
+        """Fail before any weights load when a switch needs something this machine lacks: a package (peft for lora,
+        bitsandbytes for quantization, a tracker's), a CUDA device (quantization, fp16), a compiler (compile), or a
+        writable tracker store. Apart from `validate`, which reads the config alone (`ppokit plan` plans for other machines)."""
+        import torch
+
+        if self.lora is not None:
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
+        if self.quantization is not None:
+            if not torch.cuda.is_available():
+                raise UserError(
+                    f"quantization: {self.quantization} needs a CUDA device (bitsandbytes kernels) and this machine has none; "
+                    "set quantization: null (the plan command shows what fits without it)"
+                )
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                raise UserError(f"quantization: {self.quantization} needs bitsandbytes: pip install 'ppokit[quantization]'") from None
+        if self.fp16 and not torch.cuda.is_available():
+            raise UserError("fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine")
+        if self.compile:
+            from ppokit.compiled import check_available
+
+            check_available("cuda" if torch.cuda.is_available() else "cpu")
+        check_usable(self.report_to)  # a missing tracker package or an unwritable store is one line, not a late crash
 
     @property
     def response_room(self) -> int:

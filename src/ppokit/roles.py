@@ -60,34 +60,6 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 SHARED_CRITIC_FILE = "shared_value_model.json"
 
 
-# --------------------------------------------------------------------------- environment
-
-
-def check_environment(config: PPOConfig) -> None:
-    """Fail before any weights load when a switch needs something this machine lacks."""
-    if config.lora is not None:
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
-    if config.quantization is not None:
-        if not torch.cuda.is_available():
-            raise UserError(
-                f"quantization: {config.quantization} needs a CUDA device (bitsandbytes kernels) and this machine has none; "
-                "set quantization: null (the plan command shows what fits without it)"
-            )
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise UserError(f"quantization: {config.quantization} needs bitsandbytes: pip install 'ppokit[quantization]'") from None
-    if config.fp16 and not torch.cuda.is_available():
-        raise UserError("fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine")
-    if config.compile:
-        from ppokit.compiled import check_available
-
-        check_available("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def mixed_precision(config: PPOConfig) -> str:
     """accelerate's name for the configured mixed precision."""
     return "bf16" if config.bf16 else "fp16" if config.fp16 else "no"

@@ -1,0 +1,335 @@
+"""Break a feature on purpose and see whether a test fails: the mutation runner.
+
+Each mutation below is a small source patch (file, old text, new text) with the test files (or test ids) that
+should catch it. For each, the tree (tracked and untracked-not-ignored files of a checkout, `--tree`, default
+this one) is copied to a temporary folder, the patch applied there (the checkout itself is never written), and
+the tests run in one process (`-n 0`) with that copy's `src` first on PYTHONPATH. One JSON line per mutation
+on stdout:
+
+    {"mutation": ..., "status": "caught" | "survived" | "stale" | "error", "failed": [test ids], ...}
+
+caught: some named test failed; survived: they all passed (the break went unnoticed); stale: the old text is not
+in the file exactly once (the code moved: update the mutation); error: pytest could not run the tests (a
+collection error), which is not counted as caught. `--baseline` first runs every named test on the unpatched
+copy: a mutation's "caught" means something only if its tests pass without it.
+
+    nice -n 10 python scripts/mutations.py                  # every mutation
+    python scripts/mutations.py --list                      # names and tests
+    python scripts/mutations.py -k turn_rewards -k max_calls --baseline
+    python scripts/mutations.py --tree /path/to/checkout    # another checkout's code, copied, never changed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MT = "tests/test_multiturn_trainer.py"
+CONV = "tests/test_conversation.py"
+
+
+@dataclass
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    what: str
+
+
+def parser_returns_nothing(parser: str, tests: tuple[str, ...]) -> Mutation:
+    signature = f"def parse_{parser}(text: str, schemas: Schemas = None) -> list[Call]:\n"
+    return Mutation(f"tool_parser_{parser}_finds_no_call", "src/ppokit/environments/tool_parsers.py", signature,
+                    signature + "    return []\n", tests, f"the {parser} tool parser returns no call for any text")
+
+
+MUTATIONS = [
+    # ---- issue 28's four breaks
+    Mutation("turn_rewards_not_placed", "src/ppokit/algo.py",
+             "    rows = torch.arange(rewards.shape[0], device=rewards.device)\n    moved = rewards.clone()\n",
+             "    return rewards\n    rows = torch.arange(rewards.shape[0], device=rewards.device)\n    moved = rewards.clone()\n",
+             (f"{MT}::test_turn_rewards_reach_the_update_at_the_turns_that_earned_them",),
+             "algo.place_turn_rewards is the identity: the environment's rewards stay at the episode's end"),
+    Mutation("turn_rewards_call_skipped_in_stage_4", "src/ppokit/experience.py",
+             "        shaped = algo.place_turn_rewards(shaped, episodes.score_index,",
+             "        shaped = shaped if True else algo.place_turn_rewards(shaped, episodes.score_index,",
+             (f"{MT}::test_turn_rewards_reach_the_update_at_the_turns_that_earned_them",),
+             "stage 4 (experience.rewards) never calls place_turn_rewards"),
+    Mutation("environment_calls_one_after_another", "src/ppokit/environments/base.py",
+             "        return SideBySide(threaded=threaded and self.timeout_s is not None)",
+             "        return SideBySide(threaded=False)",
+             (f"{MT}::test_hung_episodes_cost_one_deadline_together_not_one_each",),
+             "the episodes' environment calls run one after another in the loop's thread (SideBySide unthreaded), each under its own deadline"),
+    Mutation("max_calls_ignored", "src/ppokit/environments/tools.py",
+             "            if i >= self.max_calls:", "            if False:",
+             (f"{MT}::test_max_calls_runs_only_that_many_calls_of_a_turn",),
+             "the Tools environment runs every call of a turn, whatever environment_args.max_calls says"),
+    Mutation("chatml_stop_token_doubled", "src/ppokit/conversation.py",
+             "        return ids if stopped or stop is None else [stop] + ids",
+             "        return [stop] + ids if stop is not None else ids",
+             (f"{MT}::test_an_episode_is_what_the_chat_template_renders_with_one_stop_token_per_turn",
+              f"{CONV}::test_the_stop_token_at_the_end_of_a_chatml_turn_is_not_written_twice"),
+             "the stop token that ended the model's turn is written again at the start of the observation"),
+    # ---- the renderer
+    Mutation("tools_missing_from_the_prompt", "src/ppokit/environments/episode_loop.py",
+             "    for dataset in datasets:\n        dataset.render_chat(renderer)\n",
+             "    for dataset in datasets:\n        dataset.render_chat(ConversationRenderer(tokenizer, template, template_kwargs=template_kwargs))\n",
+             (f"{CONV}::test_the_trainers_prompts_carry_the_tools_and_a_run_trains",),
+             "the training prompts are rendered without tools= (the bug issue 28 found)"),
+    Mutation("observation_tokenised_alone", "src/ppokit/conversation.py",
+             "        head_text = text[start:cut]\n",
+             "        return self.encode(text[cut:])\n        head_text = text[start:cut]\n",
+             (f"{CONV}::test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_train",
+              f"{MT}::test_an_episode_is_what_the_chat_template_renders_with_one_stop_token_per_turn",
+              "tests/test_multiturn.py::test_an_observation_has_the_tokens_it_has_in_the_whole_conversation"),
+             "an observation's ids are its rendered text tokenised by itself, not as they are in the whole rendering"),
+    Mutation("turn_text_drops_special_tokens", "src/ppokit/conversation.py",
+             "        return self.tokenizer.decode(ids, skip_special_tokens=False)\n\n    # ----",
+             "        return self.tokenizer.decode(ids, skip_special_tokens=True)\n\n    # ----",
+             (f"{CONV}::test_a_call_marked_by_a_special_token_reaches_the_parser_and_runs",
+              f"{CONV}::test_a_turns_text_keeps_its_special_tokens_and_drops_its_stop_token"),
+             "a model turn reaches the tool parser decoded with skip_special_tokens=True (<|python_tag|>, [TOOL_CALLS] lost)"),
+    Mutation("template_not_checked_at_start_up", "src/ppokit/environments/episode_loop.py",
+             "        renderer.check(needs_tools=bool(runner.tools), max_turns=max_turns, what=f\"environment {environment}\")",
+             "        pass",
+             (f"{CONV}::test_a_template_that_cannot_render_tools_is_refused_at_start_up",
+              f"{CONV}::test_a_template_that_does_not_continue_is_one_line_naming_the_key"),
+             "the chat template is not tried at start-up"),
+    Mutation("observation_not_capped_before_tokenising", "src/ppokit/conversation.py",
+             "                content = content[:limit]", "                pass",
+             (f"{CONV}::test_a_huge_observation_is_cut_to_the_room_before_it_is_tokenised",),
+             "an observation is tokenised whole, however long (issue 31's 20-million-character tool answer)"),
+    # ---- tool parsers (each family's format)
+    parser_returns_nothing("hermes", ("tests/test_tool_parsers.py", f"{CONV}::test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_train")),
+    parser_returns_nothing("llama3_json", ("tests/test_tool_parsers.py",)),
+    parser_returns_nothing("mistral", ("tests/test_tool_parsers.py",)),
+    parser_returns_nothing("pythonic", ("tests/test_tool_parsers.py",)),
+    parser_returns_nothing("qwen3_coder", ("tests/test_tool_parsers.py",)),
+    parser_returns_nothing("openai", ("tests/test_tool_parsers.py",)),
+    # ---- the episode loop
+    Mutation("observation_tokens_trained", "src/ppokit/environments/episode_loop.py",
+             "        episode.add(Span(list(ids)))\n        episode.transcript += said",
+             "        episode.add(Span(list(ids), [0.0] * len(ids)))\n        episode.transcript += said",
+             ("tests/test_multiturn.py::test_hand_checked_episode_trains_only_the_model_tokens",),
+             "observations' tokens are in the loss mask"),
+    Mutation("episodes_wait_for_every_environment_call", "src/ppokit/environments/episode_loop.py",
+             "                    if calls is not None:\n                        answered(calls.finished(wait=False))\n",
+             "                    while calls is not None and calls.running:\n                        answered(calls.finished(wait=True))\n",
+             ("tests/test_episode_loop.py::test_an_episode_advances_while_another_waits_on_its_environment",),
+             "lock-step: no episode's next turn is asked for while any environment call is running"),
+    Mutation("max_concurrent_episodes_ignored", "src/ppokit/environments/episode_loop.py",
+             "                    while waiting and in_flight < (self.max_concurrent or len(episodes)):",
+             "                    while waiting:",
+             ("tests/test_episode_loop.py::test_max_concurrent_episodes_bounds_the_episodes_in_flight",),
+             "rollout.max_concurrent_episodes does not bound the episodes in flight"),
+    Mutation("sampling_seed_ignores_the_turn", "src/ppokit/environments/episode_loop.py",
+             "        seed = None if seeds is None else seeds.of(episode.row, episode.turns)",
+             "        seed = None if seeds is None else seeds.of(episode.row, 0)",
+             ("tests/test_episode_loop.py::test_requests_carry_their_seed_and_continue_the_episodes_last_turn",
+              "tests/test_golden_multiturn.py"),
+             "every turn of an episode is sampled with its first turn's seed"),
+    Mutation("reset_filling_the_budget_trains_nothing_silently", "src/ppokit/environments/episode_loop.py",
+             "                episode.fail(self._no_room_after_reset(episode.text))", "                pass",
+             ("tests/test_multiturn_failures.py::test_the_loop_fails_only_the_episode_whose_reset_fills_the_budget",
+              "tests/test_multiturn_failures.py::test_a_reset_observation_that_fills_the_budget_is_refused_not_trained_as_nothing"),
+             "an episode whose reset observation leaves no room for a model turn is trained as nothing, no failure"),
+    Mutation("environment_base_exception_escapes", "src/ppokit/environments/base.py",
+             "        except BaseException as e:  # KeyboardInterrupt or another BaseException",
+             "        except Exception as e:  # KeyboardInterrupt or another BaseException",
+             ("tests/test_multiturn_failures.py::test_an_environment_raising_a_base_exception_fails_its_episode_in_one_line",
+              "tests/test_multiturn_failures.py::test_keyboard_interrupt_inside_step_stops_the_run_in_one_line_naming_the_environment"),
+             "a KeyboardInterrupt or other BaseException raised by an environment's step is not its episode's failure"),
+    # ---- rollout importance sampling
+    Mutation("tis_floor_ignored", "src/ppokit/engines/correction.py",
+             "    return algo.truncated_is_weights(trainer, engine, cap, floor)",
+             "    return algo.truncated_is_weights(trainer, engine, cap, 0.0)",
+             ("tests/test_peer_conventions.py::test_the_weights_reaching_the_loss",),
+             "ppo.rollout_is_floor is not applied to the token-level weights"),
+    Mutation("tis_sequence_is_token_level", "src/ppokit/engines/correction.py",
+             '    "tis_sequence": algo.truncated_is_sequence_weights,', '    "tis_sequence": _token_weights,',
+             ("tests/test_peer_conventions.py::test_the_weights_reaching_the_loss",),
+             "ppo.rollout_is: tis_sequence gives the token-level weights"),
+    # ---- the sandbox
+    Mutation("sandbox_network_namespace_dropped", "src/ppokit/environments/sandbox.py",
+             '"--unshare-pid", "--unshare-net", ', '"--unshare-pid", ',
+             ("tests/test_sandbox.py",),
+             "the Python tool's sandbox shares the host's network namespace"),
+    Mutation("sandbox_seccomp_filter_dropped", "src/ppokit/environments/sandbox.py",
+             '            args += ["--seccomp", str(filter_fd)]', "            pass",
+             ("tests/test_sandbox.py",),
+             "the Python tool's sandbox runs without its seccomp filter"),
+    # ---- LoRA and FSDP multi-turn
+    Mutation("lora_reference_is_the_policy", "src/ppokit/experience.py",
+             "    with roles.adapters_disabled(policy):\n        return forward_logprobs(policy,",
+             "    with contextlib.nullcontext():\n        return forward_logprobs(policy,",
+             (f"{MT}::test_a_lora_multi_turn_update_is_the_full_weight_update_of_its_merged_weights",),
+             "the LoRA policy's reference keeps its adapters on (the KL to the base is 0)"),
+    Mutation("fsdp_loss_normaliser_per_process", "src/ppokit/optimise.py",
+             "    policy, value = (reduce_sum(torch.stack([local.policy, local.value])) / processes).unbind()",
+             "    policy, value = local.policy, local.value",
+             (f"{MT}::test_a_multi_turn_fsdp_run_on_two_processes_is_the_one_process_run",),
+             "each process normalises its loss by its own tokens, not the whole minibatch's"),
+    Mutation("episode_metrics_of_one_process", "src/ppokit/experience.py",
+             "    metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}),",
+             "    metrics = {**(episode_metrics(episodes, None) if environment else {}),",
+             (f"{MT}::test_a_multi_turn_fsdp_run_on_two_processes_is_the_one_process_run",),
+             "rollout/* and env/* are each process's own means, not the whole batch's"),
+    # ---- multi-turn advantages (docs/algorithms.md's peer conventions)
+    Mutation("gae_gap_tokens_are_steps", "src/ppokit/algo.py",
+             "    order = mask_first_order(mask)\n    advantages, returns = _gae_prefix(",
+             "    order = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)\n    advantages, returns = _gae_prefix(",
+             ("tests/test_peer_conventions.py::test_gae_example_of_the_docs",
+              "tests/test_peer_conventions.py::test_gae_over_gaps_equals_verls_convention_on_random_episodes"),
+             "GAE treats an observation's tokens between two turns as steps with V = 0 (OpenRLHF's convention, not ppokit's)"),
+    # ---- TRL GRPO options
+    Mutation("grpo_scale_std_batch_is_group", "src/ppokit/estimators.py",
+             '    if scaling == "batch":\n        return _per_sequence(x, algo.grpo_advantages_batch_std(',
+             '    if scaling == "never":\n        return _per_sequence(x, algo.grpo_advantages_batch_std(',
+             ("tests/test_grpo_options.py::test_grpo_scale_std_batch_through_the_trainer",),
+             "ppo.grpo_scale_std: batch divides by each group's standard deviation"),
+    Mutation("mask_truncated_completions_ignored", "src/ppokit/experience.py",
+             "    if not mask_truncated_completions:\n        return episodes",
+             "    if True:\n        return episodes",
+             ("tests/test_grpo_options.py::test_mask_truncated_completions_takes_truncated_episodes_out_of_the_loss_only",),
+             "ppo.mask_truncated_completions leaves truncated episodes in the loss"),
+    Mutation("trl_reward_functions_called_positionally", "src/ppokit/rewards/sources.py",
+             "        self.convention = calling_convention(params)", "        self.convention = POSITIONAL",
+             ("tests/test_trl_reward_functions.py::test_trl_and_ppokit_reward_functions_in_one_real_run",),
+             "a TRL-style reward function (def f(completions, **kwargs)) is called fn(prompts, completions, ...)"),
+]
+
+
+def tree_files(tree: Path) -> list[str]:
+    """The checkout's tracked files and its untracked files git does not ignore (what a commit of it would hold)."""
+    out = subprocess.run(["git", "-C", str(tree), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout
+    return sorted({name for name in out.decode().split("\0") if name and (tree / name).is_file()})
+
+
+def copy_tree(tree: Path, files: list[str], target: Path) -> None:
+    for name in files:
+        destination = target / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tree / name, destination)
+
+
+def apply(mutation: Mutation, copy: Path) -> str | None:
+    """Patch the copy; None, or why the patch does not apply (stale)."""
+    path = copy / mutation.file
+    if not path.is_file():
+        return f"{mutation.file} does not exist"
+    text = path.read_text()
+    found = text.count(mutation.old)
+    if found != 1:
+        return f"the old text occurs {found} times in {mutation.file}"
+    path.write_text(text.replace(mutation.old, mutation.new))
+    try:
+        py_compile.compile(str(path), doraise=True, cfile=str(Path(tempfile.gettempdir()) / "ppokit-mutation.pyc"))
+    except py_compile.PyCompileError as e:
+        return f"the patched file does not compile: {e.msg.strip().splitlines()[-1]}"
+    return None
+
+
+FAILED = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - (.*))?$", re.M)  # "FAILED tests/x.py::name[param] - message"
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[int, dict[str, str], str, float]:
+    """pytest on `tests` in the copy, one process -> (exit code, {failed test id: pytest's short message}, output
+    tail, seconds)."""
+    env = {**os.environ, "PYTHONPATH": str(copy / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rfE", *tests]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rc, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc, output = 124, f"{said}\ntimed out after {timeout_s:g}s"
+    failed = {test: message[:200] for test, message in sorted(FAILED.findall(output))}
+    return rc, failed, output[-3000:], time.monotonic() - started
+
+
+def verdict(rc: int, failed: dict[str, str]) -> str:
+    if rc == 0:
+        return "survived"
+    if rc == 1 and failed:
+        return "caught"
+    if rc == 124:
+        return "caught" if failed else "timeout"
+    return "error"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", action="append", default=[], help="run the mutations whose name contains this (repeatable)")
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout to copy (default: this one)")
+    parser.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
+    parser.add_argument("--check", action="store_true", help="only apply each patch to a copy and compile it (stale or not)")
+    parser.add_argument("--baseline", action="store_true", help="first run every selected test on the unpatched copy")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one mutation's tests")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies (their paths go to stderr)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.k or any(k in m.name for k in args.k)]
+    if args.list:
+        for m in chosen:
+            print(json.dumps({"mutation": m.name, "file": m.file, "what": m.what, "tests": list(m.tests)}))
+        return 0
+    tree = args.tree.resolve()
+    files = tree_files(tree)
+    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True).stdout.strip())
+    print(f"mutations: {len(chosen)} on {tree} at {commit}{' (with uncommitted changes)' if dirty else ''}", file=sys.stderr)
+    survived = 0
+    if args.baseline:
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        with tempfile.TemporaryDirectory(prefix="ppokit-mutation-baseline-") as folder:
+            copy_tree(tree, files, Path(folder))
+            rc, failed, tail, seconds = run_tests(Path(folder), tests, args.timeout * 3)
+        print(json.dumps({"mutation": None, "status": "baseline passes" if rc == 0 else "baseline FAILS", "commit": commit,
+                          "failed": list(failed), "seconds": round(seconds, 1), "tests": list(tests)}), flush=True)
+        if rc != 0:
+            print(tail, file=sys.stderr)
+            return 1
+    for m in chosen:
+        folder = Path(tempfile.mkdtemp(prefix=f"ppokit-mutation-{m.name}-"))
+        try:
+            files = tree_files(tree)  # the checkout as it is now (it may have moved since the run started)
+            commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            copy_tree(tree, files, folder)
+            problem = apply(m, folder)
+            record = {"mutation": m.name, "file": m.file, "what": m.what, "commit": commit}
+            if problem is not None:
+                record.update(status="stale", why=problem)
+            elif args.check:
+                record.update(status="applies")
+            else:
+                rc, failed, tail, seconds = run_tests(folder, m.tests, args.timeout)
+                record.update(status=verdict(rc, failed), failed=list(failed), tests=list(m.tests), seconds=round(seconds, 1),
+                              messages=list(failed.values())[:3])
+                if record["status"] in ("error", "timeout"):
+                    record["output"] = tail[-1500:]
+            survived += record["status"] not in ("caught", "applies")
+            print(json.dumps(record), flush=True)
+        finally:
+            if args.keep:
+                print(f"kept {folder}", file=sys.stderr)
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
