@@ -44,21 +44,21 @@ class PPOTrainer:
     """Train a causal LM with PPO against one or more reward sources.
 
     Args:
-        config: a PPOConfig (paths in it are used for anything not passed as an object). The
-            trainer works on its own copy (`trainer.config`); the caller's object is not changed.
+        config: a PPOConfig (paths in it are used for anything not passed as an object). The trainer works on its own
+            copy (`trainer.config`); the caller's object is not changed.
         model: policy, a `PreTrainedModel` or a path/hub id; default `config.model`.
         tokenizer: the policy's tokenizer; default loaded from `config.tokenizer` or the model path.
         ref_model: frozen reference; default `config.ref_model`, else a frozen copy of the policy.
-        value_model: one-label sequence classifier; default `config.value_model`, else the reward
-            model's weights, else the policy's backbone with a fresh zero head (`roles.decide_roles`).
+        value_model: one-label sequence classifier; default `config.value_model`, else the reward model's weights, else
+            the policy's backbone with a fresh zero head (`roles.decide_roles`).
         reward_model: one-label sequence classifier (object or path); default `config.reward.model`.
         reward_tokenizer: the reward model's tokenizer when it is passed as an object.
-        reward_functions: callables fn(prompts, completions, **columns) -> list[float], reward
-            sources (objects with `name` and `score(ScoringBatch)`, e.g. `RemoteReward`), or entries
-            as in `reward.functions`; they replace `config.reward.functions`.
+        reward_functions: callables fn(prompts, completions, **columns) -> list[float], reward sources (objects with
+            `name` and `score(ScoringBatch)`, e.g. `RemoteReward`), or entries as in `reward.functions`; they replace
+            `config.reward.functions`.
         train_dataset / eval_dataset: a path, a list of prompts or row dicts, or a `datasets.Dataset`.
-        overwrite: a fresh run may replace the run in output_dir (kept until this one's first
-            checkpoint) or write into a folder that ppokit did not make (`ppokit.run_dir`).
+        overwrite: a fresh run may replace the run in output_dir (kept until this one's first checkpoint) or write
+            into a folder that ppokit did not make (`ppokit.run_dir`).
 
     The run's parts are the trainer's attributes under their own names (`trainer.policy`, `trainer.value_model`,
     `trainer.tokenizer`, `trainer.model`, `trainer.optimizer`, `trainer.sizes`, ...: `ppokit.parts.Parts`).
