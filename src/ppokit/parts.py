@@ -2,9 +2,10 @@
 in one object that the update, the evaluation and the saving read (`Parts`). Nothing here reads the trainer.
 
 `assemble` builds them in an order that fails early and cheaply:
-    1. the run's own config (a validated copy), the environment's and the trackers' packages, the accelerator, the
-       parallel strategy, the seed, the output folder's check
-    2. the prompts (a bad file fails before any weights load) and the batch arithmetic (`sizes`)
+    1. the run's own config (a validated copy) and what it needs of this machine (`PPOConfig.check_machine`), the
+       accelerator, the parallel strategy, the seed, the output folder's check
+    2. the prompts (a bad file fails before any weights load) and the batch arithmetic with the learning-rate
+       schedule (`sizes`)
     3. the tokenizer, the stop token, the conversation (which may add the stop token of a tool-calling turn) (the environment made, the chat template checked against it,
        chat prompts rendered with its tools), the prompts' token ids, the token budget
     4. the reward sources (`scorer`), which model plays which role (`layout`), the pad id, every prompt's fit

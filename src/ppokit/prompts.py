@@ -130,15 +130,15 @@ def as_prompt_dataset(data, prompt_field: str = "prompt", format: str = "auto") 
 
 
 def load_prompt_data(data: DataConfig, seed: int, train_dataset=None, eval_dataset=None) -> tuple[PromptDataset, Optional[PromptDataset]]:
-    """(train, eval) prompts: the datasets passed in, else data.train / data.eval; without eval
-    prompts, data.eval_fraction of the training prompts held out by a seeded shuffle."""
+    """(train, eval) prompts: the datasets passed in, else data.train / data.eval, each read the same way; without
+    eval prompts, data.eval_fraction of the training prompts held out by a seeded shuffle. A conflict between the
+    arguments and the config is refused before anything is read."""
     if train_dataset is None and data.train is None:
         raise UserError("data.train: required")
-    train = as_prompt_dataset(train_dataset if train_dataset is not None else data.train, data.prompt_field, data.format)
     if eval_dataset is not None and data.eval_fraction:
         raise UserError("data.eval_fraction holds out training prompts for evaluation, but eval_dataset is given too; use one of them")
-    eval_source = eval_dataset if eval_dataset is not None else data.eval
-    evaluation = as_prompt_dataset(eval_source, data.prompt_field, data.format) if eval_source is not None else None
+    sources = (train_dataset if train_dataset is not None else data.train, eval_dataset if eval_dataset is not None else data.eval)
+    train, evaluation = (as_prompt_dataset(source, data.prompt_field, data.format) if source is not None else None for source in sources)
     if evaluation is None and data.eval_fraction:
         train, evaluation = train.split(data.eval_fraction, seed)
     return train, evaluation
