@@ -42,7 +42,7 @@ def main() -> None:
     for name in ("qwen2_5", "qwen3", "llama3_1", "gptoss"):
         family = FAMILIES[name]
         tok = family.tokenizer()
-        renderer = ConversationRenderer(tok, tok.chat_template, tools=schemas, stop_token_id=tok.convert_tokens_to_ids(family.stop),
+        renderer = ConversationRenderer(tok, tok.chat_template, tools=schemas, stop_token_ids=tok.convert_tokens_to_ids(family.stop),
                                         observation_role="tool", template_kwargs=family.template_kwargs)
         renderer.check(needs_tools=True, max_turns=2)
         times = []

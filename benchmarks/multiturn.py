@@ -98,7 +98,7 @@ def run_cases(args, loop_name: str) -> list[dict]:
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in data]
     budget = MAX_TURNS * 4
     engine = build_engine(args.engine, model, tokenizer, args.episodes, max(map(len, prompts)) + budget)
-    sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
+    sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_ids=tokenizer.eos_token_id)
     results = []
     for tools in ("instant", "slow"):
         runner = EnvironmentRunner(f"{__file__}:LatentTool", LatentTool, {"tools": tools}, timeout_s=60.0)

@@ -77,8 +77,8 @@ MUTATIONS = [
              (f"{MT}::test_max_calls_runs_only_that_many_calls_of_a_turn",),
              "the Tools environment runs every call of a turn, whatever environment_args.max_calls says"),
     Mutation("chatml_stop_token_doubled", "src/ppokit/conversation.py",
-             "        return ids if stopped or not ends_with_stop else [self.stop_token_id] + ids",
-             "        return [self.stop_token_id] + ids if ends_with_stop else ids",
+             "        return ids if stopped or stop is None else [stop] + ids",
+             "        return [stop] + ids if stop is not None else ids",
              (f"{MT}::test_an_episode_is_what_the_chat_template_renders_with_one_stop_token_per_turn",
               f"{CONV}::test_the_stop_token_at_the_end_of_a_chatml_turn_is_not_written_twice"),
              "the stop token that ended the model's turn is written again at the start of the observation"),
@@ -306,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in chosen:
         folder = Path(tempfile.mkdtemp(prefix=f"ppokit-mutation-{m.name}-"))
         try:
+            files = tree_files(tree)  # the checkout as it is now (it may have moved since the run started)
+            commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
             copy_tree(tree, files, folder)
             problem = apply(m, folder)
             record = {"mutation": m.name, "file": m.file, "what": m.what, "commit": commit}

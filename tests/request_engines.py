@@ -37,9 +37,8 @@ class ScriptedRequests:
         ids, logprobs = self.respond(request)
         sampling = request.sampling
         ids, logprobs = list(ids)[: sampling.max_new_tokens], list(logprobs)[: sampling.max_new_tokens]
-        stop = sampling.stop_token_id
-        if stop is not None and stop in ids:
-            end = ids.index(stop) + 1
+        end = next((i + 1 for i, token in enumerate(ids) if token in sampling.stop_token_ids), None)
+        if end is not None:
             return Completion(request.request_id, ids[:end], logprobs[:end], "stop")
         return Completion(request.request_id, ids, logprobs, "length")
 

@@ -46,7 +46,7 @@ def test_logprobs_and_entropy_against_a_plain_loop():
 
 def test_truncate_after_stop_keeps_stop_token_and_pads_after():
     ids = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8]])
-    out, mask = algo.truncate_after_stop(ids, stop_token_id=1, pad_token_id=0)
+    out, mask = algo.truncate_after_stop(ids, stop_token_ids=[1], pad_token_id=0)
     assert out.tolist() == [[5, 1, 0, 0], [5, 6, 7, 8]]
     assert mask.tolist() == [[True, True, False, False], [True, True, True, True]]
     assert algo.first_true_index(ids == 1).tolist() == [1, 4]

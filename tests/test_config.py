@@ -373,3 +373,15 @@ def test_a_learning_rate_warm_up_must_fit_after_the_critic_warm_up():
         hp.derive(1, 100)
     hp.warmup_steps = 3
     assert hp.derive(1, 100).num_updates == 4
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA")
+def test_what_the_config_needs_of_this_machine_is_checked_apart_from_validate(tmp_path):
+    """fp16 needs a CUDA device: `check_machine` refuses it in one line, `validate` (which `ppokit plan` runs for other
+    machines) does not; report_to a tracker whose package is missing names the extra."""
+    from ppokit.config import DataConfig, RewardConfig
+
+    config = PPOConfig(model="m", fp16=True, reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate()
+    with pytest.raises(UserError, match=r"^fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine$"):
+        config.check_machine()
+    PPOConfig(model="m", reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate().check_machine()

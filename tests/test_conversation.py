@@ -103,7 +103,7 @@ def _expected_template(family) -> str:
 
 
 CASES = [(name, "tool") for name, f in FAMILIES.items() if f.parser] + \
-        [(name, "user") for name in FAMILIES if name != "gptoss"]  # gpt-oss's final answers need a second stop token
+        [(name, "user") for name in FAMILIES if name != "gptoss"]  # gpt-oss re-renders an earlier answer ending in <|end|>, not the <|return|> the model wrote
 
 
 @pytest.mark.parametrize("name,role", CASES, ids=[f"{n}-{r}" for n, r in CASES])
@@ -116,7 +116,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
         data = as_prompt_dataset([{"messages": question}])
         conversation = conversation_setup(tok, chat_template=None, template_kwargs=family.template_kwargs, datasets=[data],
                                           environment="ppokit.environments:Tools", environment_args={"tools": [f"{tools_file}:add"]},
-                                          timeout_s=None, max_turns=3, stop_token_id=stop)
+                                          timeout_s=None, max_turns=3, stop_token_ids=stop)
         renderer, runner = conversation.renderer, conversation.runner
         assert renderer is not None and runner.notes == [f"environment_args.tool_parser: auto chose {family.parser} "
                                                          f"(the chat template writes {runner.notes[0].split('writes ')[1]}"]
@@ -125,7 +125,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
         observations = [[{"role": "tool", "name": "add", "content": "42"}], [{"role": "tool", "name": "add", "content": "50"}]]
     else:
         runner = EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None)
-        renderer = ConversationRenderer(tok, tok.chat_template, template_kwargs=family.template_kwargs, stop_token_id=stop)
+        renderer = ConversationRenderer(tok, tok.chat_template, template_kwargs=family.template_kwargs, stop_token_ids=stop)
         renderer.check(needs_tools=False, max_turns=3)
         turns = [family.answer("8"), family.answer("12"), family.answer("10")]
         calls = [None, None, None]
@@ -137,7 +137,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
     prompt_text = renderer.chat.render(question, True) if role == "user" else data.prompts[0]
     prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
     loop = EpisodeLoop(engine, tok, runner, max_turns=3, max_episode_tokens=4000, pad_token_id=tok.pad_token_id, renderer=renderer)
-    sampling = Sampling(max_new_tokens=400, temperature=1.0, stop_token_id=stop)
+    sampling = Sampling(max_new_tokens=400, temperature=1.0, stop_token_ids=stop)
     episodes = loop.sample([prompt], [{"prompt": question[0]["content"]}], sampling)
 
     # the prompt is the template's own rendering, with the tools' schemas
@@ -176,14 +176,19 @@ def _tools_setup(tok, tools_file, args=None, **kw):
     """conversation_setup for chat prompts and the Tools environment with the `add` tool."""
     setup = dict(chat_template=None, template_kwargs={}, datasets=[as_prompt_dataset([{"messages": [{"role": "user", "content": "hi"}]}])],
                  environment="ppokit.environments:Tools", environment_args={"tools": [f"{tools_file}:add"], **(args or {})},
-                 timeout_s=None, max_turns=2, stop_token_id=tok.eos_token_id)
+                 timeout_s=None, max_turns=2, stop_token_ids=tok.eos_token_id)
     return conversation_setup(tok, **{**setup, **kw})
 
 
-def test_a_stop_token_that_ends_no_tool_calling_turn_is_one_line(tools_file):
-    tok = FAMILIES["gptoss"].tokenizer()  # its EOS is <|return|>; a turn that calls a tool ends with <|call|>
-    with pytest.raises(UserError, match=r"^data.chat_template: .*does not end an assistant turn that calls a tool with the stop token '<\|return\|>'"):
-        _tools_setup(tok, tools_file)
+def test_the_token_that_ends_a_tool_calling_turn_becomes_a_stop_token_and_is_said(tools_file):
+    """gpt-oss: EOS <|return|> ends an answer, <|call|> a call; the conversation stops at both (tests/test_stop_tokens.py
+    runs such an episode), and says so once."""
+    tok = FAMILIES["gptoss"].tokenizer()
+    said = []
+    conversation = _tools_setup(tok, tools_file, say=said.append)
+    call, end = tok.convert_tokens_to_ids("<|call|>"), tok.convert_tokens_to_ids("<|return|>")
+    assert conversation.stop_token_ids == (end, call)
+    assert "ppo.stop_token: the chat template ends a turn that calls a tool with '<|call|>'; model turns stop at '<|return|>' or '<|call|>'" in said
 
 
 @pytest.mark.parametrize("template", ["gemma3", "deepseek_r1_distill", "llama3"])
@@ -202,7 +207,7 @@ def test_the_stop_token_at_the_end_of_a_chatml_turn_is_not_written_twice():
     family = FAMILIES["qwen2_5"]
     tok = family.tokenizer()
     stop = tok.convert_tokens_to_ids("<|im_end|>")
-    renderer = ConversationRenderer(tok, tok.chat_template, stop_token_id=stop)
+    renderer = ConversationRenderer(tok, tok.chat_template, stop_token_ids=stop)
     observation = [{"role": "user", "content": "higher"}]
     stopped = renderer.observation(observation, "higher", True).ids
     cut = renderer.observation(observation, "higher", False).ids
@@ -215,7 +220,7 @@ def test_plain_text_prompts_with_tools_are_refused_unless_the_prompts_describe_t
     data = as_prompt_dataset(["What is 17 + 25?"])
     args = {"tools": [f"{tools_file}:add"]}
     setup = dict(chat_template=None, template_kwargs={}, environment="ppokit.environments:Tools", timeout_s=None, max_turns=2,
-                 stop_token_id=tok.eos_token_id)
+                 stop_token_ids=tok.eos_token_id)
     with pytest.raises(UserError, match="prompts of .* are plain text; use chat prompts .* environment_args.tool_schemas: none"):
         conversation_setup(tok, datasets=[data], environment_args=args, **setup)
     said = []
@@ -266,7 +271,7 @@ def test_a_tool_whose_signature_makes_no_schema_is_one_line(tmp_path):
 
 def _renderer(template=PLAIN_CHAT_TEMPLATE, **kw):
     tok = byte_tokenizer(["<|im_start|>", "<|im_end|>", "<pad>"], eos="<|im_end|>", pad="<pad>", chat_template=template)
-    return tok, ConversationRenderer(tok, template if template is not None else None, stop_token_id=tok.eos_token_id, **kw)
+    return tok, ConversationRenderer(tok, template if template is not None else None, stop_token_ids=tok.eos_token_id, **kw)
 
 
 def test_a_huge_observation_is_cut_to_the_room_before_it_is_tokenised():
@@ -288,7 +293,7 @@ def test_words_the_tokenizer_cannot_represent_warn_once_and_the_transcript_shows
 
     tok = word_tokenizer(["user assistant : higher lower"])
     said = []
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id, say=said.append)
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id, say=said.append)
     first = renderer.observation([], "higher zebra", True)
     renderer.observation([], "lower okapi", True)
     assert first.said == [{"role": "user", "text": "higher <unk>", "original": "higher zebra"}]
@@ -297,7 +302,7 @@ def test_words_the_tokenizer_cannot_represent_warn_once_and_the_transcript_shows
 
 def test_a_turns_text_keeps_its_special_tokens_and_drops_its_stop_token():
     tok = byte_tokenizer(["[TOOL_CALLS]", "</s>", "<pad>"], eos="</s>", pad="<pad>")
-    renderer = ConversationRenderer(tok, None, stop_token_id=tok.eos_token_id)
+    renderer = ConversationRenderer(tok, None, stop_token_ids=tok.eos_token_id)
     ids = tok('[TOOL_CALLS]add[ARGS]{"a": 1}', add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert renderer.turn_text(ids, stopped=True) == '[TOOL_CALLS]add[ARGS]{"a": 1}'
     assert renderer.turn_text(ids, stopped=False) == '[TOOL_CALLS]add[ARGS]{"a": 1}</s>'
@@ -308,7 +313,7 @@ def test_a_template_that_does_not_continue_is_one_line_naming_the_key():
     # renders the last assistant turn with a marker an earlier one does not have: what follows it is not a continuation
     odd = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if loop.last and m['role'] == 'assistant' %} (last){% endif %}\n"
            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
-    renderer = ConversationRenderer(tok, odd, stop_token_id=tok.eos_token_id)
+    renderer = ConversationRenderer(tok, odd, stop_token_ids=tok.eos_token_id)
     with pytest.raises(UserError) as error:
         renderer.check(needs_tools=False, max_turns=2)
     assert str(error.value).startswith("data.chat_template: the chat template does not render an observation after an assistant turn")
@@ -360,6 +365,29 @@ def test_the_trainers_prompts_carry_the_tools_and_a_run_trains(qwen_run):
     assert len(records) == 1 and records[0]["rollout/turns"] >= 1
 
 
+def test_data_inspect_and_plan_count_the_prompt_as_the_trainer_reads_it(qwen_run, capsys):
+    """`ppokit data inspect --config` and `ppokit plan` render a run's prompts with its conversation (the tools' schemas in
+    the prompt): the prompt's token count is the trainer's first prompt's, several times the count without the tools."""
+    from ppokit.cli import main
+    from ppokit.trainer import PPOTrainer
+
+    tok, config, root = qwen_run
+    (root / "one.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "What is 2 + 5?"}]}) + "\n")
+    run = config("inspect-run")
+    run.data.train = str(root / "one.jsonl")
+    run.save(root / "inspect.yaml")
+    trainer = PPOTrainer(run, show_progress=False)
+    trained = len(trainer.train_query_ids[0])
+    capsys.readouterr()
+    assert main(["data", "inspect", "--config", str(root / "inspect.yaml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lengths"]["prompt"]["max"] == trained and report["stage"] == "ppo"
+    assert main(["plan", str(root / "inspect.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sequence"]["prompt"] == trained
+    without = len(tok(tok.apply_chat_template([{"role": "user", "content": "What is 2 + 5?"}], add_generation_prompt=True, tokenize=False))["input_ids"])
+    assert trained > 3 * without
+
+
 @pytest.mark.parametrize("change,message", [
     ({"data": "gemma3"}, "data.chat_template: the chat template does not render tools"),
     ({"environment_args": {"tool_parser": "qwen2"}}, "environment_args.tool_parser: unknown tool-call format 'qwen2'"),
@@ -393,7 +421,7 @@ def test_a_call_marked_by_a_special_token_reaches_the_parser_and_runs(tools_file
     from ppokit.environments import Tools
 
     tok = byte_tokenizer(["[TOOL_CALLS]", "[ARGS]", "</s>", "<pad>"], eos="</s>", pad="<pad>")
-    renderer = ConversationRenderer(tok, None, stop_token_id=tok.eos_token_id)
+    renderer = ConversationRenderer(tok, None, stop_token_ids=tok.eos_token_id)
     turn = tok('[TOOL_CALLS]add[ARGS]{"a": 17, "b": 25}', add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert tok.decode(turn, skip_special_tokens=True) == 'add{"a": 17, "b": 25}'  # what the old decoding handed over
     tools = Tools([f"{tools_file}:add"], tool_parser="mistral")
@@ -416,7 +444,7 @@ def test_a_20_million_character_observation_is_cut_before_it_is_tokenised():
     family = FAMILIES["qwen2_5"]
     tok = family.tokenizer()
     stop = tok.convert_tokens_to_ids(family.stop)
-    renderer = ConversationRenderer(tok, tok.chat_template, stop_token_id=stop, observation_role="tool")
+    renderer = ConversationRenderer(tok, tok.chat_template, stop_token_ids=stop, observation_role="tool")
     longest, encoded = [0], renderer.encode
     renderer.encode = lambda text: (longest.__setitem__(0, max(longest[0], len(text))), encoded(text))[1]
     turn = tok("7", add_special_tokens=False)["input_ids"] + [stop]
@@ -424,7 +452,7 @@ def test_a_20_million_character_observation_is_cut_before_it_is_tokenised():
     loop = EpisodeLoop(engine, tok, EnvironmentRunner("floods.py:Floods", Floods, {}, timeout_s=None), max_turns=3, max_episode_tokens=64,
                        pad_token_id=tok.pad_token_id, renderer=renderer)
     prompt = tok(renderer.chat.render([{"role": "user", "content": "go"}], True), add_special_tokens=False)["input_ids"]
-    episodes = loop.sample([prompt], [{"prompt": "go"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_id=stop))
+    episodes = loop.sample([prompt], [{"prompt": "go"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_ids=stop))
     assert episodes.truncated.tolist() == [True] and episodes.turns.tolist() == [1] and episodes.attention_mask.shape[1] == len(prompt) + 64
     assert longest[0] < 64 * renderer.longest_token() + 1000  # the probe conversation around the cut content
     [said] = [t for t in episodes.transcripts[0] if t["role"] == "tool"]
@@ -442,7 +470,7 @@ def test_the_step_deadline_covers_rendering_the_observation():
     renderer.observation = slow
     runner = EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=0.5)
     loop = EpisodeLoop(_StubEngine(tok), tok, runner, max_turns=2, max_episode_tokens=100, pad_token_id=tok.pad_token_id, renderer=renderer)
-    episodes = loop.sample([[5, 6]], [{"prompt": "go"}], Sampling(max_new_tokens=4, temperature=1.0, stop_token_id=tok.eos_token_id))
+    episodes = loop.sample([[5, 6]], [{"prompt": "go"}], Sampling(max_new_tokens=4, temperature=1.0, stop_token_ids=tok.eos_token_id))
     assert episodes.environment_errors[0].startswith("environment answers.py:Answers: step did not return within environment_timeout_s=0.5s")
 
 

@@ -327,3 +327,18 @@ def test_an_empty_prompt_is_found_at_data_time_with_its_line(tmp_path):
         as_prompt_dataset(["a prompt", ""])
     dataset = as_prompt_dataset(str(write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}])))
     assert dataset.where(2).endswith("ok.jsonl:3") and dataset.subset([2, 0]).where(0).endswith("ok.jsonl:3")
+
+
+def test_prompt_data_refuses_eval_dataset_with_eval_fraction_before_reading_anything(tmp_path):
+    """eval_dataset= and data.eval_fraction both choose the eval prompts: refused before the training data is read
+    (here a path that does not exist, which would fail otherwise)."""
+    from ppokit.config import DataConfig
+    from ppokit.prompts import load_prompt_data
+
+    data = DataConfig(train=str(tmp_path / "missing.jsonl"), eval_fraction=0.5)
+    with pytest.raises(UserError, match="data.eval_fraction holds out training prompts for evaluation, but eval_dataset is given too"):
+        load_prompt_data(data, 0, eval_dataset=["an eval prompt"])
+    train, evaluation = load_prompt_data(DataConfig(train="unused"), 0, ["a", "b"], ["c"])
+    assert (train.prompts, evaluation.prompts) == (["a", "b"], ["c"])
+    train, evaluation = load_prompt_data(DataConfig(eval_fraction=0.5), 0, ["a", "b", "c", "d"])
+    assert len(train) == 2 and len(evaluation) == 2 and sorted(train.prompts + evaluation.prompts) == ["a", "b", "c", "d"]

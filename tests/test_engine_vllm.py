@@ -153,6 +153,21 @@ def test_episodes_layout_and_the_stop_token(engine, policy, prompts, tokenizer):
     assert torch.equal(episodes.attention_mask, torch.cat([query_mask, episodes.loss_mask], 1))
 
 
+def test_any_of_several_stop_tokens_ends_a_response_as_with_hf(engine, policy, prompts, tokenizer):
+    """gpt-oss ends a turn with <|call|> or <|return|>: each response ends at the first of the stop tokens it produces,
+    as hf's sampler ends it (greedy, so the two engines' tokens agree but for near-ties)."""
+    free = responses(engine.generate(prompts, Sampling(NEW_TOKENS, 1.0, None, greedy=True)))
+    stops = (free[0][5], free[1][2])  # tokens greedy decoding produces, in this order in no particular row
+    episodes = engine.generate(prompts, Sampling(NEW_TOKENS, 1.0, stops, greedy=True))
+    first = [min([r.index(s) for s in stops if s in r], default=None) for r in free]
+    want = [r if at is None else r[: at + 1] for r, at in zip(free, first)]
+    assert responses(episodes) == want and any(at is not None and r[at] == stops[0] for r, at in zip(free, first))
+    assert episodes.ended.tolist() == [at is not None for at in first]
+    hf = hf_greedy(policy, prompts, tokenizer.pad_token_id, stops)
+    ties, real = greedy_differences(policy, prompts, responses(episodes), hf)
+    assert not real
+
+
 def test_seeds_come_from_torch_so_runs_repeat(engine, prompts):
     sampling = Sampling(NEW_TOKENS, 1.0, None)
     torch.manual_seed(5)

@@ -40,7 +40,7 @@ def test_rollout_is_cap_without_rollout_is_is_refused():
 def test_sampling_for_purpose():
     hp = types.SimpleNamespace(temperature=0.7, eval_temperature=None, response_length=9, top_k=3, top_p=0.9, min_p=0.0)
     train = Sampling.for_purpose(hp, 2, "train")
-    assert (train.temperature, train.greedy, train.max_new_tokens, train.top_k, train.stop_token_id) == (0.7, False, 9, 3, 2)
+    assert (train.temperature, train.greedy, train.max_new_tokens, train.top_k, train.stop_token_ids) == (0.7, False, 9, 3, (2,))
     assert Sampling.for_purpose(hp, 2, "eval") == train  # eval_temperature null: the training temperature
     greedy = Sampling.for_purpose(hp, 2, "greedy")
     assert greedy.greedy and greedy.temperature == 0.7  # logprobs stay at the training temperature
@@ -56,7 +56,7 @@ def test_hf_engine_is_the_sampler_it_wraps(model_dir, tokenizer, demo_data):
     """Same tokens, same logprobs, bit for bit; the policy back in train mode after; sampling runs in eval mode."""
     policy = load_causal_lm(str(model_dir("llama"))).train()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in demo_data["prompts"][:6]]
-    sampling = Sampling(max_new_tokens=8, temperature=0.9, stop_token_id=tokenizer.eos_token_id, top_k=5)
+    sampling = Sampling(max_new_tokens=8, temperature=0.9, stop_token_ids=tokenizer.eos_token_id, top_k=5)
     modes = []
     engine = HFEngine(lambda: policy, tokenizer.pad_token_id, torch.device("cpu"), rows_per_forward=4,
                       sampling_contexts=lambda p: (_recording(modes, p),))

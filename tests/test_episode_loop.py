@@ -315,7 +315,7 @@ def test_the_rollout_seeds_an_update_by_its_number_and_rows_across_processes():
         temperature, eval_temperature, response_length, top_k, top_p, min_p = 1.0, None, 4, 0, 1.0, 0.0
 
     source = Source()
-    rollout = Rollout(source, None, None, Hp, stop_token_id=None, device=torch.device("cpu"), reduce=None, seed=9, process_index=2)
+    rollout = Rollout(source, None, None, Hp, stop_token_ids=(), device=torch.device("cpu"), reduce=None, seed=9, process_index=2)
     rollout.sample([[1], [2], [3]], ["a", "b", "c"], {}, update=5)
     assert source.seeds == EpisodeSeeds(9, 5, "train", first_row=6)
     rollout.sample([[1]], ["a"], {}, "eval")
@@ -418,7 +418,7 @@ def test_requests_ask_at_most_the_room_left(tok):
     engine = scripted(tok)
     Latent.delay = staticmethod(lambda row, turn: 0.0)
     loop = loop_over(engine, tok, Latent, max_turns=3, max_episode_tokens=6)
-    loop.sample([ids(tok, "guess")], [{"prompt": "0"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_id=tok.eos_token_id),
+    loop.sample([ids(tok, "guess")], [{"prompt": "0"}], Sampling(max_new_tokens=8, temperature=1.0, stop_token_ids=tok.eos_token_id),
                 EpisodeSeeds(0))
     # turn 1: 6 tokens of room (2 taken: 7 <eos>), observation "higher" (1), turn 2: 3 left
     assert [r.sampling.max_new_tokens for r in engine.requests] == [6, 3]

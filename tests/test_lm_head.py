@@ -209,3 +209,30 @@ def test_the_head_function_makes_one_vocabulary_wide_tensor():
     light = lambda *a: algo.head_logprobs_and_entropy(*a, block_elements=8 * V)  # noqa: E731
     assert (wide(algo.logprobs_and_entropy, False), wide(algo.logprobs_and_entropy, True)) == (3, 5)
     assert (wide(light, False), wide(light, True)) == (1, 1)
+
+
+def test_the_trainer_refuses_such_a_model_before_its_optimiser(model_dir, prompts_file, tokenizer, tmp_path, monkeypatch):
+    """Through the run's set-up (`roles.build_roles` checks the loaded models' heads): lm_head_chunk_size on a policy whose
+    forward computes its logits otherwise is one line, and no optimiser is built for it."""
+    from conftest import tiny_ppo_config
+    from transformers import AutoModelForCausalLM
+
+    from ppokit import optimise
+    from ppokit.trainer import PPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    original = model.forward
+
+    def doubled(*a, **kw):
+        out = original(*a, **kw)
+        out.logits = out.logits * 2
+        return out
+
+    model.forward = doubled
+    built = []
+    monkeypatch.setattr(optimise, "build_optimiser", lambda *a, **kw: built.append(1))
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=8)
+    config.lm_head_chunk_size = 4
+    with pytest.raises(UserError, match="lm_head_chunk_size: LlamaForCausalLM's forward computes its logits"):
+        PPOTrainer(config, model=model, tokenizer=tokenizer, show_progress=False)
+    assert not built

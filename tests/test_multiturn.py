@@ -67,7 +67,7 @@ def make_loop(tokenizer, engine, cls=None, **kw):
 
 
 def sampling(tokenizer, n=8):
-    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_id=tokenizer.eos_token_id)
+    return Sampling(max_new_tokens=n, temperature=1.0, stop_token_ids=tokenizer.eos_token_id)
 
 
 def test_hand_checked_episode_trains_only_the_model_tokens(game_tokenizer):
@@ -225,7 +225,7 @@ def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
 
 def test_chat_observations_use_the_template(game_tokenizer):
     tok = game_tokenizer
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=tok.eos_token_id)
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id)
     # plain template: "role: content\n" lines, "assistant:" as the generation prompt
     assert renderer.observation([], "higher", True).ids == ids(tok, "\nuser: higher\nassistant:")
     assert renderer.observation([{"role": "tool", "content": "4"}], "4", True).ids == ids(tok, "\ntool: 4\nassistant:")
@@ -246,7 +246,7 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     prompt = render([user("guess the number")])
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
     loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
-                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=eos))
+                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=eos))
     episodes = loop.sample([prompt], [row], sampling(tok))
     whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
     # the stop token ends the assistant turn where the plain template writes its newline (not written twice)
@@ -283,7 +283,7 @@ def test_an_observation_has_the_tokens_it_has_in_the_whole_conversation():
 
     tok = metaspace_tokenizer()
     stop = tok.eos_token_id
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_id=stop)
+    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=stop)
     renderer.check(needs_tools=False, max_turns=3)
     turns = [" 8", " 12", " 10"]  # after the generation prompt "assistant:", as the template writes "assistant: 8"
     turn_ids = [tok(text, add_special_tokens=False)["input_ids"] + [stop] for text in turns]
@@ -293,7 +293,7 @@ def test_an_observation_has_the_tokens_it_has_in_the_whole_conversation():
     prompt = tok(renderer.prompt(question), add_special_tokens=False)["input_ids"]
     loop = EpisodeLoop(engine, tok, EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None), max_turns=3,
                      max_episode_tokens=400, pad_token_id=tok.pad_token_id, renderer=renderer)
-    episodes = loop.sample([prompt], [{"prompt": "guess"}], Sampling(max_new_tokens=40, temperature=1.0, stop_token_id=stop))
+    episodes = loop.sample([prompt], [{"prompt": "guess"}], Sampling(max_new_tokens=40, temperature=1.0, stop_token_ids=stop))
     assert episodes.turns.tolist() == [3]
     messages = list(question)
     for k, reply in ((1, "higher"), (2, "lower")):

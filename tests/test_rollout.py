@@ -41,7 +41,7 @@ def policy_and_prompts(model_dir, tokenizer, demo_data):
 
 
 def _sampler(policy, tokenizer, **knobs):
-    return HFSampler(policy, response_length=10, temperature=0.7, stop_token_id=tokenizer.eos_token_id,
+    return HFSampler(policy, response_length=10, temperature=0.7, stop_token_ids=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, **knobs)
 
 

@@ -567,8 +567,10 @@ def test_without_a_sandbox_a_run_naming_the_python_tool_is_refused_at_start_up(n
     assert list(Tools(tools=[f"{tmp_path}/mine.py:add"]).functions) == ["add"]
 
 
-def test_without_a_sandbox_ppokit_ppo_stops_in_one_line_before_training(model_dir, prompts_file, tmp_path):
-    """The command line, on a machine where bwrap is missing (find_bwrap finds none): rc 2, one error line, no update."""
+@pytest.mark.parametrize("command", ["ppo", "plan"])
+def test_without_a_sandbox_ppo_and_plan_refuse_as_the_config_is_read(model_dir, prompts_file, tmp_path, command):
+    """The command line, on a machine where bwrap is missing (find_bwrap finds none): rc 2, one error line, said before
+    any heavy import (torch never imported), no run folder made, for `ppokit ppo` and `ppokit plan` alike."""
     from conftest import tiny_ppo_config
 
     out = tmp_path / "run"
@@ -579,15 +581,18 @@ def test_without_a_sandbox_ppokit_ppo_stops_in_one_line_before_training(model_di
     src = str(Path(python_tool.__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     program = ("import sys\nfrom ppokit.environments import sandbox\nsandbox.find_bwrap = lambda: None\n"
-               "from ppokit.cli import main\nsys.exit(main(['ppo', sys.argv[1]]))")
-    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "ppo.yaml")], capture_output=True, text=True, env=env, timeout=900)
+               "from ppokit.cli import main\nrc = main([sys.argv[1], sys.argv[2]])\n"
+               "print('torch imported' if 'torch' in sys.modules else 'no torch')\nsys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", program, command, str(tmp_path / "ppo.yaml")], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("ppokit: error")]
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert "run_python: the Python tool runs the model's code only in a sandbox" in lines[0]
+    assert len(lines) == 1 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert lines[0].startswith("ppokit: error: environment_args.tools: run_python: the Python tool runs the model's code only in a sandbox")
     assert "bubblewrap (bwrap) is not installed: pip install 'ppokit[sandbox]'" in lines[0]
     assert "unsafe_python_without_isolation: true" in lines[0]
-    assert not (out / "metrics.jsonl").exists()
+    assert done.stdout.splitlines()[-1] == "no torch"
+    assert not out.exists()
 
 
 @pytest.mark.skipif(os.name != "posix", reason="the unisolated fallback's limits are POSIX rlimits")

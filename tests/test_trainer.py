@@ -233,7 +233,7 @@ def test_stop_token_outside_the_vocabulary_is_an_error_not_unk(model_dir, prompt
         PPOTrainer(config, show_progress=False)
     config.ppo.stop_token = "."  # one real token
     trainer = PPOTrainer(config, show_progress=False)
-    assert trainer.stop_token_id == trainer.tokenizer.convert_tokens_to_ids(".") != trainer.tokenizer.unk_token_id
+    assert trainer.stop_token_ids == (trainer.tokenizer.convert_tokens_to_ids("."),) != (trainer.tokenizer.unk_token_id,)
 
 
 def test_eval_scores_only_with_eval_data_and_no_step_past_the_end(model_dir, prompts_file, tmp_path):

@@ -72,7 +72,7 @@ Loss aggregation and micro-batches (the contract `ppo_loss` keeps; batching code
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -253,14 +253,19 @@ def first_true_index(bools: torch.Tensor) -> torch.Tensor:
     return torch.where(bools, positions, torch.full_like(positions, length)).min(-1).values
 
 
-def truncate_after_stop(response_ids: torch.Tensor, stop_token_id: int, pad_token_id: int):
-    """Replace every token after the first stop token by padding.
+def is_stop(ids: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """Which of `ids` (any shape, long) are one of the stop tokens `stop_token_ids` -> bool, the same shape."""
+    return torch.isin(ids, torch.tensor(list(stop_token_ids), dtype=ids.dtype, device=ids.device))
+
+
+def truncate_after_stop(response_ids: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int):
+    """Replace every token after the first stop token (any of `stop_token_ids`) by padding.
 
     response_ids: (B, T) long -> (truncated_ids (B, T) long, response_mask (B, T) bool).
     The stop token itself stays and is a real token: the score is read there
     [N+, details "truncate after EOS" and "reward at EOS"]. Rows that never stop keep all T tokens.
     """
-    stop_at = first_true_index(response_ids == stop_token_id)
+    stop_at = first_true_index(is_stop(response_ids, stop_token_ids))
     positions = torch.arange(response_ids.shape[1], device=response_ids.device)
     response_mask = positions.unsqueeze(0) <= stop_at.unsqueeze(1)
     truncated = response_ids.masked_fill(~response_mask, pad_token_id)

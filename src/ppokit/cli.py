@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 import warnings
+from pathlib import Path
 
 from ppokit import cpu_threads, interrupts
 from ppokit.errors import TrainingInterrupted, UserError
@@ -73,7 +74,10 @@ def check_run_config(config, processes: int | None = None) -> None:
     the run refuses is the same one line and exit status 2 there."""
     if processes is not None and processes < 1:
         raise UserError(f"--processes {processes}: must be at least 1")
+    from ppokit.environments.python_tool import check_config as check_python_tool
     from ppokit.launcher import launched_processes
+
+    check_python_tool(config.environment, config.environment_args, Path.cwd())  # the sandbox the Python tool needs
 
     if config.ppo.total_episodes is not None:  # without it the batch arithmetic needs the prompts (the plan and the trainer)
         config.ppo.derive(processes or launched_processes(), 0)
@@ -208,42 +212,65 @@ def _pipeline(args) -> int:
 
 def _data_inspect(args) -> int:
     """One report per path (as a shell expands `data/*.jsonl`); a path that fails is one error
-    line and the others are still reported; the exit status is 2 when any failed."""
+    line and the others are still reported; the exit status is 2 when any failed. With --config, the
+    run's own prompts and rendering (`prompts.conversation_for`: what its trainer reads, tools included)."""
     from ppokit.data import load_records
 
+    config = None
+    if args.config:
+        from ppokit.config import PPOConfig
+
+        config = PPOConfig.load(args.config, [])
+        if args.chat_template is not None:
+            config.data.chat_template = args.chat_template
+    paths = args.paths or ([config.data.train] if config is not None and config.data.train else [])
+    if not paths:
+        raise UserError("data inspect: give a data path, or --config with data.train set")
+    data_format = config.data.format if config is not None and args.format == "auto" else args.format
     failed = 0
 
     def failure(e: UserError) -> None:
         nonlocal failed
-        if len(args.paths) == 1:
+        if len(paths) == 1:
             raise e
         print(f"ppokit: error: {e}", file=sys.stderr)
         failed += 1
 
     loaded = []  # every path read first (no torch): a missing file or unknown format is answered at once
-    for path in args.paths:
+    for path in paths:
         try:
-            loaded.append(load_records(path, args.format))
+            loaded.append(load_records(path, data_format))
         except UserError as e:
             failure(e)
     if not loaded:
         return 2
     from ppokit.stages.data_inspect import format_report, inspect_data
 
-    tokenizer = limit = None
-    if args.tokenizer:
+    tokenizer = limit = render_prompts = None
+    name = args.tokenizer or (config.tokenizer or config.model if config is not None else None)
+    if name:
         from ppokit.models import load_tokenizer, position_limit_of, resolve_model_path
 
-        tokenizer = load_tokenizer(args.tokenizer)
-        path = resolve_model_path(args.tokenizer, "tokenizer", tokenizer=True)
+        trust = config.trust_remote_code if config is not None else False
+        tokenizer = load_tokenizer(name, trust)
+        path = resolve_model_path(name, "tokenizer", tokenizer=True)
         if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
-            limit = position_limit_of(args.tokenizer, "model")  # a model folder or id: rows over its positions too
+            limit = position_limit_of(name, "model")  # a model folder or id: rows over its positions too
+    stage, max_prompt_length, response_length = args.stage, args.max_prompt_length, args.response_length
+    if config is not None:
+        from ppokit.prompts import conversation_for
+
+        stage = stage or "ppo"
+        max_prompt_length = config.data.max_prompt_length if max_prompt_length == -1 else max_prompt_length
+        response_length = response_length or config.response_room
+        if tokenizer is not None:
+            render_prompts = lambda dataset: conversation_for(config, tokenizer, [dataset]).template  # noqa: E731
     for i, records in enumerate(loaded):
         try:
             report = inspect_data(
-                records, tokenizer, format=args.format, stage=args.stage, max_prompt_length=args.max_prompt_length,
+                records, tokenizer, format=data_format, stage=stage, max_prompt_length=max_prompt_length,
                 max_length=args.max_length, chat_template=args.chat_template, position_limit=limit,
-                response_length=args.response_length,
+                response_length=response_length, render_prompts=render_prompts,
             )
         except UserError as e:
             failure(e)
@@ -364,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="look at a data source").add_subparsers(dest="data_command", required=True)
     inspect = data.add_parser("inspect", help="format, rows, lengths and examples of a data source as a stage sees it")
-    inspect.add_argument("paths", nargs="+", metavar="path", help="data file, save_to_disk folder or hub dataset name; several give one report each")
+    inspect.add_argument("paths", nargs="*", metavar="path", help="data file, save_to_disk folder or hub dataset name; several give one report each "
+                         "(default with --config: its data.train)")
     inspect.add_argument("--tokenizer", help="tokenizer or model path: lengths in tokens, and rows over the limits "
                          "(a model's also rows over its position limit)")
     inspect.add_argument("--format", default="auto", help="data format (default: detected from the columns)")
@@ -373,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--max-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_length)")
     inspect.add_argument("--chat-template", help="as data.chat_template (default: the tokenizer's, else plain)")
     inspect.add_argument("--response-length", type=_limit, help="ppo data: tokens sampled after each prompt, for the position limit (default: ppo.response_length's default)")
+    inspect.add_argument("--config", help="a PPO config: prompts rendered as that run renders them (its chat template and kwargs, its "
+                         "environment's tools' schemas), with its tokenizer, data.max_prompt_length and token room unless given here")
     inspect.add_argument("--json", action="store_true", help="print each report as one JSON object on its own line")
     inspect.set_defaults(func=_data_inspect)
 

@@ -1,7 +1,8 @@
 """The conversation renderer: how a run's episodes become token ids, decided once, before any weights load.
 
-    renderer = ConversationRenderer(tokenizer, template, tools=..., stop_token_id=..., observation_role=...)
+    renderer = ConversationRenderer(tokenizer, template, tools=..., stop_token_ids=..., observation_role=...)
     renderer.check()                                       # start-up: one UserError line naming data.chat_template
+    renderer.stop_token_ids                                # what ends a model turn, decided by check()
     renderer.prompt(messages) -> str                       # a chat prompt, with the tools' schemas (`tools=`)
     renderer.first(prompt_ids, messages) -> (ids, ids)     # reset's observation after the prompt
     renderer.observation(messages, text, stopped, room)    # a step's observation after a model turn -> Observation
@@ -13,8 +14,14 @@ an episode's context is the prompt's ids, then each model turn's ids as sampled,
 are computed at the token level, as TRL's GRPO tool loop does: the template renders a probe conversation ending in
 an assistant turn followed by the observation's messages and the generation prompt, and the observation's ids are
 the ids of that rendering after the assistant turn's end (the stop token that ended it: the model wrote it, so it is
-not written twice; a turn cut before its stop token gets it from here). Only the text after the probe turn's content
-is compared, so templates that render a last assistant turn differently from an earlier one (Qwen3's empty
+not written twice; a turn cut before its stop token gets it from here).
+
+A model turn ends at any of the run's stop tokens (ppo.stop_token), and where the template ends a turn that calls a
+tool with another special token than the ones that end an answer (gpt-oss: `<|call|>` after a call, `<|return|>`
+after an answer), `check` adds that token: turns then stop at either (`stop_token_ids`, decided at start-up, read by
+every engine's sampling).
+
+Only the text after the probe turn's content is compared, so templates that render a last assistant turn differently from an earlier one (Qwen3's empty
 `<think></think>`, reasoning dropped from earlier turns) work: what comes after a turn does not depend on it.
 
 Without a chat template (plain-text prompts) an observation is its text as it is, after the turn's tokens.
@@ -28,9 +35,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from ppokit.chat import Messages, Renderer
+from ppokit.engines.base import stop_ids
 from ppokit.errors import UserError
 
 PROBE_QUESTION = "ppokit probe question"
@@ -53,20 +61,20 @@ class ConversationRenderer:
     """Prompts and observations of one run through one template (see the module docstring).
 
     tokenizer: the policy's; template: the resolved chat template text, or None for plain-text prompts; tools: the
-    environment's JSON schemas (None: none); template_kwargs: extra template variables; stop_token_id: the token
-    that ends a model turn (ppo.stop_token); observation_role: the role an observation is rendered as ("user" or
-    "tool"); say: where notes go (a warning shown once: observation words the tokenizer reads as its unknown token).
+    environment's JSON schemas (None: none); template_kwargs: extra template variables; stop_token_ids: the tokens
+    that end a model turn (ppo.stop_token; `check` may add the one the template ends a tool-calling turn with);
+    observation_role: the role an observation is rendered as ("user" or "tool"); say: where notes go (a warning shown once: observation words the tokenizer reads as its unknown token).
     """
 
     def __init__(self, tokenizer, template: Optional[str], *, tools: Optional[list[dict]] = None,
-                 template_kwargs: Optional[dict] = None, stop_token_id: Optional[int] = None, observation_role: str = "user",
+                 template_kwargs: Optional[dict] = None, stop_token_ids: Sequence[int] = (), observation_role: str = "user",
                  say: Callable[[str], None] = lambda message: None):
         self.tokenizer, self.template, self.tools = tokenizer, template, tools
-        self.stop_token_id, self.observation_role, self.say = stop_token_id, observation_role, say
+        self.observation_role, self.say = observation_role, say
+        self.stop_token_ids: tuple[int, ...] = stop_ids(stop_token_ids)
         self.chat = Renderer(tokenizer, template, tools=tools, template_kwargs=template_kwargs) if template is not None else None
-        self.stop_text = tokenizer.decode([stop_token_id], skip_special_tokens=False) if stop_token_id is not None else None
         self._lock = threading.Lock()  # a fast tokenizer is called from the environment's worker threads
-        self._turn_ends: dict[tuple, tuple[dict, str, bool]] = {}  # per shape of observation: (probe turn, closing, ends with stop)
+        self._turn_ends: dict[tuple, tuple[dict, str, Optional[int]]] = {}  # per shape of observation: (probe turn, closing, its stop id)
         self._longest_token: Optional[int] = None
         self._prompt_probe: Optional[tuple[str, list[int]]] = None
         self._heads: dict[str, list[int]] = {}  # ids of the probe text before an observation, by text
@@ -89,7 +97,7 @@ class ConversationRenderer:
     def turn_text(self, ids: list[int], stopped: bool) -> str:
         """The text of a model turn as an environment's `step` receives it: the turn's tokens decoded with special
         tokens kept (tool-call markers such as `<|python_tag|>` or `[TOOL_CALLS]` are special in some tokenizers),
-        without the stop token that ended it."""
+        without the stop token that ended it (whichever of `stop_token_ids`)."""
         if stopped and ids:  # a stopped turn's last token is its stop token
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -131,10 +139,10 @@ class ConversationRenderer:
         """The observation's ids after a turn. Exact: tokenised within the whole probe rendering, tools included. The
         short way (once `check` found it gives the same ids): the probe rendered without the tools' schemas, and only
         its text from the turn's end tokenised (the closing's ids, known, taken off) -- a few times less work."""
-        shape = tuple((m.get("role"), m.get("name")) for m in messages)
+        shape = _shape(messages)
         if shape not in self._turn_ends:
             self._turn_ends[shape] = self._probe_turn(messages)
-        turn, closing, ends_with_stop = self._turn_ends[shape]
+        turn, closing, stop = self._turn_ends[shape]
         short = self._short and not exact
         full = self.chat.render([{"role": "user", "content": PROBE_QUESTION}, turn, *messages], True, strip_bos=False, with_tools=not short)
         start = full.find(PROBE_TURN)
@@ -143,14 +151,15 @@ class ConversationRenderer:
             raise UserError(f"{WHERE}: the chat template does not render an observation after an assistant turn as a "
                             "continuation of it (set data.chat_template=plain or another template)")
         # Without a stop token of its own the template closes a turn with text (the plain template's newline): it follows.
-        cut = after + len(closing) if ends_with_stop else after
+        cut = after + len(closing) if stop is not None else after
         ids = self._tail_ids(full, cut, start=after if short else 0)
-        return ids if stopped or not ends_with_stop else [self.stop_token_id] + ids
+        return ids if stopped or stop is None else [stop] + ids
 
-    def _probe_turn(self, messages: list[dict]) -> tuple[dict, str, bool]:
+    def _probe_turn(self, messages: list[dict], adding: bool = False) -> tuple[dict, str, Optional[int]]:
         """The probe assistant turn before `messages`, the text the template closes it with (up to and with the stop
-        token when it writes one), and whether it does. Tried without tool calls first; some templates (gpt-oss)
-        render a tool message only after a call by name."""
+        token when it writes one), and that stop token's id (None: it writes none). Tried without tool calls first;
+        some templates (gpt-oss) render a tool message only after a call by name. `adding` (start-up only): a turn
+        that calls a tool, closed by the template with a special token that is not a stop token, makes it one."""
         plain = {"role": "assistant", "content": PROBE_TURN}
         calls = [{"type": "function", "function": {"name": m.get("name") or "tool", "arguments": {}}} for m in messages if m.get("role") == "tool"]
         candidates = [plain] + ([{**plain, "tool_calls": calls}] if calls else [])
@@ -165,16 +174,42 @@ class ConversationRenderer:
             if closed.count(PROBE_TURN) != 1:
                 continue
             tail = closed[closed.index(PROBE_TURN) + len(PROBE_TURN):]
-            if self.stop_text and self.stop_text in tail:
-                closing, ends_with_stop = tail[: tail.rindex(self.stop_text) + len(self.stop_text)], True
-            elif turn is plain:
-                closing, ends_with_stop = tail, False
-            else:
-                raise UserError(f"{WHERE}: the chat template does not end an assistant turn that calls a tool with the stop token "
-                                f"{self.stop_text!r} (ppo.stop_token); set ppo.stop_token to the token that ends such a turn")
-            return turn, closing, ends_with_stop
+            found = self._last_stop(tail)
+            if found is None and turn is not plain and adding:
+                self._add_closing_stop(closed)
+                found = self._last_stop(tail)
+            if found is not None:
+                end, stop = found
+                return turn, tail[:end], stop
+            if turn is plain:
+                return turn, tail, None
+            said = " or ".join(repr(self._text(i)) for i in self.stop_token_ids) or "(none)"
+            raise UserError(f"{WHERE}: the chat template does not end an assistant turn that calls a tool with the stop token "
+                            f"{said} (ppo.stop_token); set ppo.stop_token to the token that ends such a turn")
         raise UserError(f"{WHERE}: the chat template cannot render a {messages[0].get('role')} message after an assistant turn "
                         f"({problem})")
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _last_stop(self, tail: str) -> Optional[tuple[int, int]]:
+        """Where the last stop token written in `tail` (text after a turn's content) ends, and its id; None: none is."""
+        found = [(tail.rindex(text) + len(text), i) for i in self.stop_token_ids if (text := self._text(i)) and text in tail]
+        return max(found) if found else None
+
+    def _add_closing_stop(self, closed: str) -> None:
+        """The token a rendering of a closed tool-calling turn ends with, made a stop token when it is a special token of
+        the tokenizer (gpt-oss's `<|call|>`): the model ends such a turn with it. Said once."""
+        ids = self.encode(closed)
+        last = ids[-1] if ids else None
+        special = set(getattr(self.tokenizer, "all_special_ids", [])) | {
+            i for i, token in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False)}
+        if last is None or last not in special or last in self.stop_token_ids:
+            return
+        before = " or ".join(repr(self._text(i)) for i in self.stop_token_ids) or "none"
+        self.stop_token_ids += (last,)
+        self.say(f"ppo.stop_token: the chat template ends a turn that calls a tool with {self._text(last)!r}; model turns stop "
+                 f"at {before} or {self._text(last)!r}")
 
     def _tail_ids(self, text: str, cut: int, start: int = 0) -> list[int]:
         """The ids of text[cut:] as they are in the ids of text[start:] (the tokenisation at the token level); the text
@@ -238,7 +273,8 @@ class ConversationRenderer:
     def check(self, needs_tools: bool, max_turns: int, what: str = "the environment") -> None:
         """Every rendering the run will do, tried once now (one UserError line naming data.chat_template, never at the
         first rollout): with `needs_tools`, the prompt must carry every tool's name; with more than one turn, an
-        observation of `observation_role` must follow a turn that ended with its stop token and one that was cut; a
+        observation of `observation_role` must follow a turn that ended with its stop token and one that was cut (and
+        the stop tokens are decided: a tool-calling turn's own is added, `_add_closing_stop`); a
         reset observation after a prompt is tried too, and what fails is kept (`first_observation_problem`), said as a
         note, and raised only for an episode whose reset returns an observation."""
         if self.chat is None:
@@ -253,8 +289,13 @@ class ConversationRenderer:
                                 f"{', '.join(missing)}), so the model would never learn of them; use a template that renders "
                                 "`tools` (e.g. Qwen2.5's, Llama 3.1's) or set environment_args.tool_schemas: none if the prompts "
                                 "describe the tools themselves")
+        probe = self._probe_messages()
+        try:  # the turn before an observation, and with it the stop tokens (a tool-calling turn's own, added here)
+            self._turn_ends[_shape(probe)] = self._probe_turn(probe, adding=True)
+        except UserError:
+            if max_turns > 1:
+                raise
         if max_turns > 1:
-            probe = self._probe_messages()
             stopped = self._suffix(probe, True, exact=True)
             cut = self._suffix(probe, False, exact=True)
             if not stopped:
@@ -274,6 +315,11 @@ class ConversationRenderer:
             name = (self.tools or [{}])[0].get("function", {}).get("name", "tool")
             return [{"role": "tool", "name": name, "content": PROBE_RESULT}]
         return [{"role": "user", "content": PROBE_RESULT}]
+
+
+def _shape(messages: list[dict]) -> tuple:
+    """What the turn before an observation depends on: its messages' roles and names."""
+    return tuple((m.get("role"), m.get("name")) for m in messages)
 
 
 def readable(text: str) -> str:

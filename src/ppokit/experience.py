@@ -43,7 +43,7 @@ class Scored:
     metrics: dict[str, float]  # reward/*, and with an environment rollout/* and env/*
 
 
-def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: dict, *, stop_token_id: Optional[int],
+def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: dict, *, stop_token_ids: tuple[int, ...],
           device: torch.device, update_statistics: bool = True, all_reduce: Optional[Reduce] = None) -> Scored:
     """The reward sources (`scorer`) on each episode's prompt and completion, scores and valid on `device`.
 
@@ -58,8 +58,8 @@ def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: di
     environment = episodes.environment_rewards is not None
     batch = ScoringBatch(
         prompts, completions, columns, episodes.input_ids, episodes.attention_mask.long(), tokenizer,
-        completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, stop_token_id),
-        ended=episodes.ended.cpu() if stop_token_id is not None else None,
+        completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, stop_token_ids),
+        ended=episodes.ended.cpu() if stop_token_ids else None,
         environment_rewards=episodes.environment_rewards.tolist() if environment else None,
         environment_errors=list(episodes.environment_errors) if environment else None,
     )

@@ -2,10 +2,11 @@
 in one object that the update, the evaluation and the saving read (`Parts`). Nothing here reads the trainer.
 
 `assemble` builds them in an order that fails early and cheaply:
-    1. the run's own config (a validated copy), the environment's and the trackers' packages, the accelerator, the
-       parallel strategy, the seed, the output folder's check
-    2. the prompts (a bad file fails before any weights load) and the batch arithmetic (`sizes`)
-    3. the tokenizer, the stop token, the conversation (the environment made, the chat template checked against it,
+    1. the run's own config (a validated copy) and what it needs of this machine (`PPOConfig.check_machine`), the
+       accelerator, the parallel strategy, the seed, the output folder's check
+    2. the prompts (a bad file fails before any weights load) and the batch arithmetic with the learning-rate
+       schedule (`sizes`)
+    3. the tokenizer, the stop token, the conversation (which may add the stop token of a tool-calling turn) (the environment made, the chat template checked against it,
        chat prompts rendered with its tools), the prompts' token ids, the token budget
     4. the reward sources (`scorer`), which model plays which role (`layout`), the pad id, every prompt's fit
     5. the models: policy and critic under one trainable module with its optimiser and schedule, the frozen reference
@@ -26,10 +27,10 @@ from torch import nn
 
 from ppokit import algo, batching, engines, parallel, roles, run_dir
 from ppokit.config import BatchSizes, PPOConfig
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_setup, episode_source
-from ppokit.models import input_pad_id, policy_tokenizer, position_limit, resolve_stop_token, tightest
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward, episode_source
+from ppokit.models import input_pad_id, policy_tokenizer, position_limit, tightest
 from ppokit.optimise import prepare_training
-from ppokit.prompts import PromptDataset, check_prompts_fit, encode_prompts, load_prompt_data
+from ppokit.prompts import PromptDataset, check_prompts_fit, conversation_for, encode_prompts, load_prompt_data
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.rollout import Rollout
 
@@ -51,7 +52,7 @@ class Parts:
     conversation: Conversation  # the chat template used, the renderer with the tools' schemas, the environment's runner
     train_query_ids: list[list[int]]
     eval_query_ids: Optional[list[list[int]]]
-    stop_token_id: Optional[int]
+    stop_token_ids: tuple[int, ...]  # what ends a model turn (any of them), decided by the conversation
     pad_id: int  # what pads every model input (not text)
     scorer: RewardScorer
     layout: roles.RoleLayout
@@ -96,12 +97,9 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     sizes = config.ppo.derive(accelerator.num_processes, len(train_data))
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)
-    stop_token_id = resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id)
-    conversation = conversation_setup(  # the environment made, the chat template checked against it, chat prompts rendered with its tools
-        tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs,
-        datasets=[train_data, eval_data], environment=config.environment, environment_args=config.environment_args,
-        timeout_s=config.environment_timeout_s, max_turns=config.rollout.max_turns, stop_token_id=stop_token_id,
-        base_dir=Path.cwd(), say=say)
+    # the environment made, the chat template checked against it, chat prompts rendered with its tools
+    conversation = conversation_for(config, tokenizer, [train_data, eval_data], say, base_dir=Path.cwd())
+    stop_token_ids = conversation.stop_token_ids  # decided once: ppo.stop_token, and a tool-calling turn's own token
     if conversation.template is not None:
         config.data.chat_template = conversation.template  # the run's config records the template used
     limit = config.data.max_prompt_length
@@ -126,7 +124,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     pad_id = input_pad_id(tokenizer, readers.values())
     positions = tightest(position_limit(reader, role) for role, reader in readers.items())
     check_prompts_fit(readers, positions, [("data.train", train_data, train_query_ids), ("data.eval", eval_data, eval_query_ids)],
-                      room, limit, tokenizer, stop_token_id)
+                      room, limit, tokenizer, stop_token_ids)
 
     built = roles.build_roles(layout, config, scorer, **given)
     trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, sizes, lm_head_chunk_size=config.lm_head_chunk_size,
@@ -143,11 +141,11 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     source = episode_source(  # decided once: the episode loop over the engine (one turn per prompt without an environment)
         engine, conversation, max_turns=config.rollout.max_turns, max_episode_tokens=room,
         max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, device=accelerator.device)
-    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_id=stop_token_id, device=accelerator.device, reduce=reduce,
+    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_ids=stop_token_ids, device=accelerator.device, reduce=reduce,
                       seed=config.seed, process_index=accelerator.process_index)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
-        eval_query_ids, stop_token_id, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,
+        eval_query_ids, stop_token_ids, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,
         config.turn_weight, algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce,
     )
 

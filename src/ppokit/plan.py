@@ -37,7 +37,7 @@ from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
 from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
 from ppokit.parallel import backward_separately
-from ppokit.prompts import as_prompt_dataset, encode_prompts, prompt_room, render_chat_prompts
+from ppokit.prompts import as_prompt_dataset, conversation_for, encode_prompts, prompt_room
 from ppokit.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,
@@ -696,7 +696,8 @@ def _with_budget(config: PPOConfig, tokens: int) -> PPOConfig:
 
 
 def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
-    """(longest prompt in tokens, number of training prompts, notes) from data.train and the tokenizer."""
+    """(longest prompt in tokens, number of training prompts, notes) from data.train and the tokenizer, the prompts
+    rendered by the run's conversation (`prompts.conversation_for`: a UserError where the trainer would refuse it)."""
     notes = []
     train = config.data.train
     dataset = prompts = None
@@ -712,10 +713,13 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     if prompts:
         try:
             tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-            render_chat_prompts(tokenizer, config.data.chat_template, dataset)  # chat rows: text only once rendered
-            longest = max(len(ids) for ids in encode_prompts(tokenizer, dataset, limit, "data.train", lambda _: None))
         except UserError as e:
+            tokenizer = None
             notes.append(f"prompt lengths unknown ({e})")
+        if tokenizer is not None:
+            # rendered as the trainer renders them (the environment's tools' schemas too); what it refuses, the plan refuses
+            conversation_for(config, tokenizer, [dataset])
+            longest = max(len(ids) for ids in encode_prompts(tokenizer, dataset, limit, "data.train", lambda _: None))
     if longest is None:
         longest = limit or DEFAULT_PROMPT_LENGTH
         if limit is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ppokit.chat import Messages, Renderer, Text
@@ -67,6 +68,23 @@ class PromptDataset:
         self.chat = None
 
 
+def conversation_for(config, tokenizer, datasets: list[Optional[PromptDataset]], say: Callable[[str], None] = lambda message: None,
+                     base_dir: Optional[Path] = None):
+    """The conversation of a PPO `config` (`episode_loop.conversation_setup` with its keys: data.chat_template and its
+    kwargs, the environment and its tools, rollout.max_turns, ppo.stop_token), its chat prompts in `datasets` rendered
+    as they are trained on, tools' schemas included. The one way the trainer, `ppokit plan` and `ppokit data inspect
+    --config` render a run's prompts, so that their token counts agree. base_dir: where tool files are looked up
+    (default: the working directory)."""
+    from ppokit.environments.episode_loop import conversation_setup
+    from ppokit.models import resolve_stop_token
+
+    return conversation_setup(
+        tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs, datasets=datasets,
+        environment=config.environment, environment_args=config.environment_args, timeout_s=config.environment_timeout_s,
+        max_turns=config.rollout.max_turns, stop_token_ids=resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id),
+        base_dir=base_dir if base_dir is not None else Path.cwd(), say=say)
+
+
 def render_chat_prompts(tokenizer, chat_template: Optional[str], *datasets_: Optional[PromptDataset]) -> Optional[str]:
     """Render every chat prompt of the given datasets; -> the template used, or None if none was needed."""
     renderer = Renderer(tokenizer, chat_template)
@@ -112,15 +130,15 @@ def as_prompt_dataset(data, prompt_field: str = "prompt", format: str = "auto") 
 
 
 def load_prompt_data(data: DataConfig, seed: int, train_dataset=None, eval_dataset=None) -> tuple[PromptDataset, Optional[PromptDataset]]:
-    """(train, eval) prompts: the datasets passed in, else data.train / data.eval; without eval
-    prompts, data.eval_fraction of the training prompts held out by a seeded shuffle."""
+    """(train, eval) prompts: the datasets passed in, else data.train / data.eval, each read the same way; without
+    eval prompts, data.eval_fraction of the training prompts held out by a seeded shuffle. A conflict between the
+    arguments and the config is refused before anything is read."""
     if train_dataset is None and data.train is None:
         raise UserError("data.train: required")
-    train = as_prompt_dataset(train_dataset if train_dataset is not None else data.train, data.prompt_field, data.format)
     if eval_dataset is not None and data.eval_fraction:
         raise UserError("data.eval_fraction holds out training prompts for evaluation, but eval_dataset is given too; use one of them")
-    eval_source = eval_dataset if eval_dataset is not None else data.eval
-    evaluation = as_prompt_dataset(eval_source, data.prompt_field, data.format) if eval_source is not None else None
+    sources = (train_dataset if train_dataset is not None else data.train, eval_dataset if eval_dataset is not None else data.eval)
+    train, evaluation = (as_prompt_dataset(source, data.prompt_field, data.format) if source is not None else None for source in sources)
     if evaluation is None and data.eval_fraction:
         train, evaluation = train.split(data.eval_fraction, seed)
     return train, evaluation
@@ -151,10 +169,10 @@ def check_prompts_fit(
     response_length: int,
     max_prompt_length: Optional[int],
     tokenizer,
-    stop_token_id: Optional[int],
+    stop_token_ids: tuple[int, ...],
 ) -> None:
     """Before the policy's weights load, for each model that reads the policy's token ids (`model_configs`, by role):
-    every prompt id and the stop id have an embedding row (the pad id is one they have: `models.input_pad_id`), and
+    every prompt id and the stop ids have an embedding row (the pad id is one they have: `models.input_pad_id`), and
     every prompt (after truncation) plus `response_length` fits `limit`, the tightest of their position limits
     (`models.tightest`; None: no config states one). One line naming the first row that does not, instead of an
     IndexError from inside the model after the first sampling.
@@ -165,7 +183,7 @@ def check_prompts_fit(
 
     fix = prompt_room(limit, response_length, max_prompt_length) if limit is not None else ""
     prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
-    special = [("ppo.stop_token_id", [stop_token_id])] if stop_token_id is not None else []
+    special = [("ppo.stop_token_id", list(stop_token_ids))] if stop_token_ids else []
     for role, config in model_configs.items():
         rows = ((f"{key} ({dataset.where(i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
         check_token_ids(config, role, itertools.chain(special, rows), tokenizer)

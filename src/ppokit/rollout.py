@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ppokit import experience
-from ppokit.engines.base import PURPOSES, Sampling
+from ppokit.engines.base import PURPOSES, Sampling, stop_ids
 from ppokit.environments.episode_loop import EpisodeSeeds, data_rows
 from ppokit.episodes import Episodes
 from ppokit.off_policy import with_engine
@@ -28,15 +28,15 @@ class Rollout:
 
     source: the episode source (`episode_loop.episode_source`); scorer: the reward sources (`rewards.RewardScorer`);
     tokenizer: the policy's (completions are decoded with it); hp: the `ppo:` section (the sampling of each purpose,
-    `Sampling.for_purpose`); stop_token_id: what ends a response; device: where scores go; reduce: a sum over processes;
+    `Sampling.for_purpose`); stop_token_ids: what ends a response (any of them); device: where scores go; reduce: a sum over processes;
     seed: the run's (the episodes' seeds); process_index: this process's (its rows' numbers among every process's).
     """
 
-    def __init__(self, source, scorer, tokenizer, hp, *, stop_token_id: Optional[int], device: torch.device,
+    def __init__(self, source, scorer, tokenizer, hp, *, stop_token_ids: tuple[int, ...], device: torch.device,
                  reduce: Callable[[torch.Tensor], torch.Tensor], seed: int = 0, process_index: int = 0):
         self.source, self.scorer, self.tokenizer = source, scorer, tokenizer
-        self.sampling = {purpose: Sampling.for_purpose(hp, stop_token_id, purpose) for purpose in PURPOSES}
-        self.stop_token_id, self.device, self.reduce = stop_token_id, device, reduce
+        self.sampling = {purpose: Sampling.for_purpose(hp, stop_token_ids, purpose) for purpose in PURPOSES}
+        self.stop_token_ids, self.device, self.reduce = stop_ids(stop_token_ids), device, reduce
         self.seed, self.process_index = seed, process_index
 
     @property
@@ -55,7 +55,7 @@ class Rollout:
 
     def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> experience.Scored:
         """The reward sources on the episodes (`experience.score`)."""
-        return experience.score(self.scorer, self.tokenizer, episodes, prompts, columns, stop_token_id=self.stop_token_id,
+        return experience.score(self.scorer, self.tokenizer, episodes, prompts, columns, stop_token_ids=self.stop_token_ids,
                                 device=self.device, update_statistics=update_statistics, all_reduce=self.reduce)
 
     def sample_and_score(self, data, query_ids: list[list[int]], rows, purpose: str,

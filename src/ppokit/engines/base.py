@@ -35,19 +35,24 @@ class Sampling:
     temperature: tokens are drawn from softmax(logits / temperature); the logprobs returned are of that
     full distribution (not of the truncated one), which is what the training forward computes.
     top_k 0, top_p 1, min_p 0: off. greedy: the most likely token at every step (logprobs still at
-    `temperature`). max_new_tokens: the response budget; stop_token_id: ends a response (None: none).
+    `temperature`). max_new_tokens: the response budget; stop_token_ids: the tokens that end a response, any of
+    them (e.g. gpt-oss: <|return|> ends an answer, <|call|> a tool call; the conversation decides them), () for none
+    (None or one id are taken as such: `stop_ids`).
     """
 
     max_new_tokens: int
     temperature: float
-    stop_token_id: Optional[int]
+    stop_token_ids: tuple[int, ...] = ()
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     greedy: bool = False
 
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", stop_ids(self.stop_token_ids))
+
     @classmethod
-    def for_purpose(cls, hp, stop_token_id: Optional[int], purpose: str = "train") -> "Sampling":
+    def for_purpose(cls, hp, stop_token_ids: Sequence[int], purpose: str = "train") -> "Sampling":
         """The sampling of the `ppo:` section `hp` for one purpose:
           train   temperature, top_k / top_p / min_p;
           eval    evaluate() and sample generations: eval_temperature (null: temperature), greedy at 0;
@@ -58,7 +63,14 @@ class Sampling:
         eval_temperature = hp.temperature if hp.eval_temperature is None else hp.eval_temperature
         greedy = purpose == "greedy" or (purpose == "eval" and eval_temperature == 0)
         temperature = eval_temperature if purpose == "eval" and not greedy else hp.temperature
-        return cls(hp.response_length, temperature, stop_token_id, top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
+        return cls(hp.response_length, temperature, stop_token_ids, top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
+
+
+def stop_ids(ids) -> tuple[int, ...]:
+    """Stop tokens as every engine reads them: a tuple of ids (None: none; one id: that one)."""
+    if ids is None:
+        return ()
+    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
 
 
 FINISH_REASONS = ("stop", "length", "abort")

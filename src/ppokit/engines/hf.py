@@ -20,7 +20,7 @@ from torch import nn
 
 from ppokit import algo
 from ppokit.engines.base import (Completion, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
-                                 step_logits_bytes)
+                                 step_logits_bytes, stop_ids)
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.engines.slots import SlotDecoder
 from ppokit.episodes import Episodes
@@ -152,7 +152,7 @@ class HFEngine:
         """Seedless requests of one submit call and one sampling, decoded together by `HFSampler` (torch's generator)."""
         sampling = batch[0].sampling
         ids, mask = left_pad([list(r.prompt) for r in batch], self.pad_token_id, self.device)
-        sampler = HFSampler(self.policy, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_id, self.pad_token_id,
+        sampler = HFSampler(self.policy, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_ids, self.pad_token_id,
                             self.rows_per_forward, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
                             greedy=sampling.greedy, compact_every=COMPACT_FINISHED_ROWS_EVERY)
         episodes = sampler.sample(ids, mask)
@@ -206,7 +206,7 @@ class HFSampler:
     Tokens are drawn from the softmax of logits / temperature, truncated by top_k / top_p / min_p
     when they are set (`truncate_distribution`; all off by default, as in the reference
     implementations), or taken greedily (`greedy`, the argmax). Stops as soon as every row has
-    produced the stop token. The logprobs kept are those of the full softmax at the temperature,
+    produced a stop token (any of `stop_token_ids`). The logprobs kept are those of the full softmax at the temperature,
     not of the truncated distribution: they are what the training forward computes, so the PPO
     ratio on the first minibatch is 1 and the KL is the policy's own. Kept from sampling, they
     need no second policy forward: with dropout off they equal a fresh forward's.
@@ -215,7 +215,7 @@ class HFSampler:
     model: torch.nn.Module
     response_length: int
     temperature: float
-    stop_token_id: Optional[int]
+    stop_token_ids: tuple[int, ...]  # any of them ends a row (None or one id taken as such: `base.stop_ids`)
     pad_token_id: int
     batch_size: int = 64
     top_k: int = 0  # 0: off
@@ -225,6 +225,9 @@ class HFSampler:
     # Every this many steps, rows that produced the stop token leave the forward batch (and the KV
     # cache); 0: they stay to the end, fed padding. The sampled tokens are the same either way.
     compact_every: int = 0
+
+    def __post_init__(self):
+        self.stop_token_ids = stop_ids(self.stop_token_ids)
 
     @torch.inference_mode()
     def sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> Episodes:
@@ -239,9 +242,9 @@ class HFSampler:
         pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
         response_ids = torch.cat([pad(c[0], self.pad_token_id) for c in chunks])
         logprobs = torch.cat([pad(c[1], 0.0) for c in chunks])
-        if self.stop_token_id is not None:
-            response_ids, response_mask = algo.truncate_after_stop(response_ids, self.stop_token_id, self.pad_token_id)
-            ended = (response_ids == self.stop_token_id).any(1)
+        if self.stop_token_ids:
+            response_ids, response_mask = algo.truncate_after_stop(response_ids, self.stop_token_ids, self.pad_token_id)
+            ended = algo.is_stop(response_ids, self.stop_token_ids).any(1)
         else:
             response_mask = torch.ones_like(response_ids, dtype=torch.bool)
             ended = torch.zeros(response_ids.shape[0], dtype=torch.bool, device=response_ids.device)
@@ -262,6 +265,7 @@ class HFSampler:
         logits, cache = causal_lm_step(self.model, query_ids, attention_mask, positions, logits_to_keep=1)
         next_position = positions[:, -1:] + 1
         done = torch.zeros(rows, dtype=torch.bool, device=query_ids.device)
+        stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=query_ids.device)
         active = None  # rows still in the forward batch, once finished rows have been dropped from it
         tokens, logprobs = [], []
         for step in range(self.response_length):
@@ -272,8 +276,8 @@ class HFSampler:
             token = token.masked_fill(done, self.pad_token_id)
             tokens.append(token)
             logprobs.append(step_logprobs.gather(1, token.unsqueeze(1)).squeeze(1))
-            if self.stop_token_id is not None:
-                done |= token == self.stop_token_id
+            if self.stop_token_ids:
+                done |= torch.isin(token, stops)
                 if bool(done.all()):
                     break
             if step + 1 == self.response_length:

@@ -130,7 +130,7 @@ class _Running:
 
     def finish_reason(self) -> Optional[str]:
         sampling = self.request.sampling
-        if sampling.stop_token_id is not None and self.tokens[-1] == sampling.stop_token_id:
+        if self.tokens[-1] in sampling.stop_token_ids:
             return "stop"
         return "length" if len(self.tokens) >= sampling.max_new_tokens else None
 

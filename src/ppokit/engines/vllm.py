@@ -148,9 +148,9 @@ def request_seeds(requests: Sequence[Request], unfinished: Iterable[str], max_mo
 
 def sampling_kwargs(sampling: Sampling, seed: Optional[int]) -> dict:
     """vLLM's sampling parameters of one request, as keywords of its SamplingParams (and the JSON of a server's
-    token route): the sampled token's logprob, token ids only, only the stop token ending it (as with hf)."""
+    token route): the sampled token's logprob, token ids only, only the stop tokens ending it (as with hf)."""
     common = dict(max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, skip_special_tokens=False, ignore_eos=True,
-                  stop_token_ids=[sampling.stop_token_id] if sampling.stop_token_id is not None else None)
+                  stop_token_ids=list(sampling.stop_token_ids) or None)
     if sampling.greedy:
         return dict(temperature=0.0, **common)
     return dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed, **common)

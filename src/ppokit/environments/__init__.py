@@ -5,28 +5,35 @@
     tool_parsers.py  the tool-call formats by name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai, auto)
     guess.py  the demo game GuessNumber, its data rows and SFT transcripts
     python_tool.py  run_python: a tool that runs the model's code in the sandbox; the start-up check
-    sandbox.py      run a command isolated by the OS (bubblewrap namespaces, a seccomp filter, rlimits)
+    sandbox.py      run a command isolated by the OS (bubblewrap namespaces, a system-call filter, rlimits)
+
+The names below are imported when first used, so that reading a config that names one (`ppokit.environments:run_python`,
+the sandbox's check) imports only its module, not torch with the rest.
 """
 
-from ppokit.environments.base import (
-    Environment,
-    EpisodeEnvironment,
-    EnvironmentFailure,
-    EnvironmentRunner,
-    EnvironmentTimeout,
-    Step,
-    load_environment,
-)
-from ppokit.environments.guess import GuessNumber, guess_rows, guess_transcripts
-from ppokit.environments.python_tool import execute_python, run_python
-from ppokit.environments.tool_parsers import PARSERS, BadToolCall, ToolCall, resolve_parser
-from ppokit.environments.tools import Tools, load_tools, parse_tool_calls, run_tool, tool_schemas
+import importlib
 
-__all__ = [
-    "Environment", "EpisodeEnvironment", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
-    "load_environment",
-    "GuessNumber", "guess_rows", "guess_transcripts",
-    "execute_python", "run_python",
-    "PARSERS", "BadToolCall", "ToolCall", "resolve_parser",
-    "Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas",
-]
+_WHERE = {
+    "base": ["Environment", "EpisodeEnvironment", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
+             "load_environment"],
+    "guess": ["GuessNumber", "guess_rows", "guess_transcripts"],
+    "python_tool": ["execute_python", "run_python"],
+    "tool_parsers": ["PARSERS", "BadToolCall", "ToolCall", "resolve_parser"],
+    "tools": ["Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas"],
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

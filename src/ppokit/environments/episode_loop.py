@@ -319,15 +319,22 @@ class Conversation:
     runner: Any = None
     template: Optional[str] = None
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """What ends a model turn, decided at start-up (ppo.stop_token, and a tool-calling turn's own token where the
+        template ends it with another: `ConversationRenderer.check`): every purpose's sampling reads it."""
+        return self.renderer.stop_token_ids
+
 
 def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwargs: Optional[dict], datasets: list,
                        environment: Optional[str], environment_args: dict, timeout_s: Optional[float], max_turns: int,
-                       stop_token_id: Optional[int], base_dir=None, say=lambda message: None) -> Conversation:
+                       stop_token_ids, base_dir=None, say=lambda message: None) -> Conversation:
     """The run's conversation, checked, and its chat prompts rendered (every `datasets` entry, None skipped): the
     environment is made (one instance, its arguments checked; it gets the template as `chat_template` if its
     constructor declares it), the renderer built with its tools, every rendering the episodes will need tried once
     (`ConversationRenderer.check`), then the prompts rendered with the tools' schemas. Every failure is one UserError
-    line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs."""
+    line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs; stop_token_ids:
+    ppo.stop_token's id(s) (the conversation's `stop_token_ids` may add one)."""
     from ppokit.chat import resolve_chat_template
     from ppokit.environments.base import EnvironmentRunner
 
@@ -344,7 +351,7 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
                             "column, or prompts as lists of messages) or, if the prompt text describes the tools itself, "
                             "environment_args.tool_schemas: none")
     renderer = ConversationRenderer(tokenizer, template, tools=runner.tools if runner else None, template_kwargs=template_kwargs,
-                                    stop_token_id=stop_token_id, observation_role=runner.observation_role if runner else "user", say=say)
+                                    stop_token_ids=stop_token_ids, observation_role=runner.observation_role if runner else "user", say=say)
     if runner is not None:
         renderer.check(needs_tools=bool(runner.tools), max_turns=max_turns, what=f"environment {environment}")
         if renderer.first_observation_problem:

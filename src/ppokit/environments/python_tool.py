@@ -9,7 +9,8 @@ empty folder, and answers with what it printed or with `error: ...`. The model's
 nothing in this process or in Python itself is trusted to contain it.
 
 Where the machine cannot isolate it (no bwrap, user namespaces disabled, not Linux), a run that names the
-tool stops at start-up with one line saying what is missing, unless the user opts in with
+tool stops at start-up with one line saying what is missing (`ppokit ppo` and `ppokit plan`: as soon as the config is
+read, before any heavy import or run folder: `check_config`), unless the user opts in with
 `environment_args.unsafe_python_without_isolation: true`: then the code runs with the same limits in a
 fresh folder on the host, with the trainer's permissions (it can read and write what the trainer can).
 """
@@ -19,10 +20,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 from ppokit.environments import sandbox
 from ppokit.errors import UserError
+from ppokit.user_code import load_attribute
 
 WALL_S = 5.0  # below the Tools environment's default per-call deadline (10 s), start-up included
 MEMORY_MB = 1024
@@ -79,6 +82,29 @@ run_python.unisolated = _run_python_unisolated
 def refusal(problem: str) -> str:
     return (f"the Python tool runs the model's code only in a sandbox, and this machine cannot make one: {problem}; "
             f"to run it without isolation anyway (unsafe: the code can read and write what the trainer can), set {OPT_IN}: true")
+
+
+TOOLS_ENVIRONMENT = "ppokit.environments:Tools"
+
+
+def check_config(environment: Optional[str], environment_args: Any, base_dir: Optional[Path] = None) -> None:
+    """`checked_for_isolation` from a run's config alone, before any heavy import or run folder (`ppokit ppo` and
+    `ppokit plan` call it on the loaded config): the built-in Tools environment naming a tool that runs the model's code,
+    on a machine that cannot isolate it, is refused in the same one line. Tools that do not load are left to the
+    environment, which says so in its own words when it is made."""
+    if environment != TOOLS_ENVIRONMENT or not isinstance(environment_args, dict):
+        return
+    specs, unsafe = environment_args.get("tools"), environment_args.get("unsafe_python_without_isolation", False)
+    if not isinstance(specs, (list, tuple)) or not isinstance(unsafe, bool):
+        return
+    tools = {}
+    for spec in specs:
+        try:
+            name, fn = load_attribute(spec, base_dir, "environment_args.tools: tool", "function", "'file.py:function'")
+        except UserError:
+            continue
+        tools[name] = fn
+    checked_for_isolation(tools, unsafe)
 
 
 def checked_for_isolation(tools: dict[str, Callable], unsafe_without_isolation: bool) -> dict[str, Callable]:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -94,13 +94,13 @@ class ScoringBatch:
         return f"; first {self.describe_row(0)}" if len(self) else ""
 
 
-def completion_token_ids(response_ids: torch.Tensor, loss_mask: torch.Tensor, stop_token_id: Optional[int]) -> list[list[int]]:
+def completion_token_ids(response_ids: torch.Tensor, loss_mask: torch.Tensor, stop_token_ids: Sequence[int]) -> list[list[int]]:
     """(B, R) sampled responses and their loss masks (the sampled tokens) -> B lists of completion token
-    ids, without padding or the stop token."""
+    ids, without padding or the stop token that ended them (any of `stop_token_ids`)."""
     rows = []
     for ids, mask in zip(response_ids.cpu(), loss_mask.cpu()):
         row = ids[mask.bool()].tolist()
-        if row and stop_token_id is not None and row[-1] == stop_token_id:
+        if row and row[-1] in stop_token_ids:
             row.pop()
         rows.append(row)
     return rows

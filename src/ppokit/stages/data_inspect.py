@@ -8,14 +8,14 @@ and the first rows rendered as the stage will see them.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ppokit.chat import Renderer
 from ppokit.config import DataConfig, PPOHyperparams, StageDataConfig
 from ppokit.data import Records, load_records, preference_triples, sft_pairs
 from ppokit.errors import UserError
 from ppokit.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt
-from ppokit.prompts import prompt_dataset_from_records, prompt_room
+from ppokit.prompts import PromptDataset, prompt_dataset_from_records, prompt_room
 
 if TYPE_CHECKING:  # torch and transformers: not for a report without a tokenizer
     from ppokit.models import PositionLimit
@@ -46,6 +46,7 @@ def inspect_data(
     examples: int = 3,
     position_limit: Optional[PositionLimit] = None,
     response_length: Optional[int] = None,
+    render_prompts: Optional[Callable[[PromptDataset], Optional[str]]] = None,
 ) -> dict:
     """-> a report dict of `path` (a data source, or its Records already read in `format`). Limits of -1 mean the
     stage's default (`data.max_prompt_length` etc.).
@@ -54,6 +55,9 @@ def inspect_data(
     prompts: `data.truncate_prompt`), so the counts are what the stage will report. With the
     model's `position_limit`, rows whose sequence (PPO: prompt + `response_length`, default
     ppo.response_length's) would not fit the model are counted and the first is named.
+
+    render_prompts: renders PPO prompts as a run does and returns the template used (`ppokit data inspect --config`:
+    the run's conversation, `prompts.conversation_for`, tools' schemas included); default: `chat_template` alone.
     """
     records = path if isinstance(path, Records) else load_records(path, format)
     if stage is None and records.format == "messages" and not any(_ends_with_assistant(row) for row in records.rows):
@@ -72,6 +76,7 @@ def inspect_data(
     if response_length is None:
         response_length = PPOHyperparams().response_length
     renderer = Renderer(tokenizer, chat_template)
+    template_used = None
     lengths: dict[str, list[int]] = {}
     rule = LengthReport()
     sequences: list[tuple[str, int]] = []  # (where, tokens through the model) of each kept row
@@ -82,7 +87,10 @@ def inspect_data(
 
     if stage == "ppo":
         dataset = prompt_dataset_from_records(records)
-        dataset.render_chat(renderer)
+        if render_prompts is not None:
+            template_used = render_prompts(dataset)
+        else:
+            dataset.render_chat(renderer)
         for i, prompt in enumerate(dataset.prompts):
             if tokenizer is None:
                 add("prompt", len(prompt))
@@ -133,7 +141,7 @@ def inspect_data(
                    **({"response_length": response_length} if stage == "ppo" else {})},
         "length_rule": vars(rule) if tokenizer is not None else None,
         "position_limit": _positions(position_limit, sequences, stage, response_length, max_prompt_length) if tokenizer is not None else None,
-        "chat_template": renderer.template_used,
+        "chat_template": template_used or renderer.template_used,
         "empty_cells": records.origin.empty_cells if records.origin is not None else None,
         "examples": shown,
     }
