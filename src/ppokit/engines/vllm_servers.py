@@ -389,7 +389,10 @@ class VLLMServersEngine:
         import aiohttp
 
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                     connector=aiohttp.TCPConnector(limit=0))
+                                     # A connection per request: a kept-alive one the server closes when idle (uvicorn: 5 s) while
+                                     # the client sends on it fails the request ("Server disconnected"), which requests sent
+                                     # about that far apart (sampling ahead, rollout.max_staleness) met.
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
     async def _generate(self, server: Server, body: dict) -> dict:
         import aiohttp
