@@ -70,6 +70,18 @@ def pythonic_call(name: str, arguments: dict) -> str:
     return "[" + name + "(" + ", ".join(f"{k}={v!r}" for k, v in arguments.items()) + ")]"
 
 
+# A tool file the chat tests write out: a typed signature and a docstring for its schema.
+ADD = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+'''
+
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_ADDED = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",

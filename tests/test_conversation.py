@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from chat_families import FAMILIES, byte_tokenizer, trl_template
+from chat_families import ADD, FAMILIES, byte_tokenizer, trl_template
 from request_engines import ScriptedRequests
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
@@ -22,17 +22,6 @@ from ppokit.errors import UserError
 from ppokit.models import response_logprobs
 from ppokit.prompts import as_prompt_dataset
 from ppokit.tiny import tiny_causal_lm
-
-ADD = '''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-'''
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from chat_families import FAMILIES, byte_tokenizer
+from chat_families import ADD, FAMILIES, byte_tokenizer
 from steered import steer
 
 from ppokit import algo
@@ -22,17 +22,6 @@ from ppokit.engines.base import Request, Sampling, complete
 from ppokit.engines.hf import HFEngine
 from ppokit.errors import UserError
 from ppokit.tiny import tiny_causal_lm
-
-ADD = '''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-'''
 
 
 # --------------------------------------------------------------------------- the pure function

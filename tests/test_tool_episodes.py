@@ -12,21 +12,11 @@ import json
 
 import pytest
 import torch
-from chat_families import byte_tokenizer
+from chat_families import ADD, byte_tokenizer
 from steered import scripted, steer
 
 from ppokit.tiny import tiny_causal_lm
 
-ADD = '''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-'''
 
 CALLS = {
     "mistral": '[TOOL_CALLS]add[ARGS]{"a": 17, "b": 25}',

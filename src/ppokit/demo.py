@@ -251,6 +251,29 @@ def run(choice: DemoChoice, output_dir: str | Path | None = None, show_progress:
                     overwrite=overwrite, engine=choice.engine, resume=resume)
 
 
+def demo_start(choice: DemoChoice, out: Path, prepared: str | Path | None, resume: bool, show_progress: bool, prepare):
+    """Steps 1-3 of a demo in `out` (its folder, checked): marked as `choice`'s, then `prepare(out, say)` makes its data and
+    SFT model unless they are `prepared` elsewhere or the demo resumes; the seed set for PPO. -> (the folder holding
+    data/ and sft/, say: the demo's progress lines on stderr)."""
+    import torch
+
+    say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
+    if not resume:
+        mark_demo_folder(out, choice)
+    base = Path(prepared) if prepared is not None else out if resume else prepare(out, say)
+    torch.manual_seed(choice.seed)
+    return base, say
+
+
+def first_and_last(records: list[dict], **metrics: str) -> tuple[int, dict[str, float]]:
+    """(window, {NAME_start, NAME_end: metric `metrics[NAME]`'s mean over the first and last `window` updates}), the
+    window a sixth of the updates: one batch's figure is noisy."""
+    window = max(1, len(records) // 6)
+    mean = lambda key, rs: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    return window, {f"{name}_{end}": mean(key, part) for name, key in metrics.items()
+                    for end, part in (("start", records[:window]), ("end", records[-window:]))}
+
+
 def start_ppo(config, show_progress: bool, overwrite: bool):
     """The demo's PPO trainer for `config`."""
     from ppokit.trainer import PPOTrainer
@@ -339,17 +362,11 @@ def run_demo(
     """
     choice = DemoChoice.of(None, quick, seed, estimator, engine)
     out = demo_folder(choice, output_dir, overwrite, resume)
-    import torch
-
     from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
 
     start = time.perf_counter()
     s = SETTINGS[quick]
-    say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
-    if not resume:
-        mark_demo_folder(out, choice)
-    base = Path(prepared) if prepared is not None else out if resume else prepare_demo(out, quick, seed, say, engine)
-    torch.manual_seed(seed)
+    base, say = demo_start(choice, out, prepared, resume, show_progress, lambda out, say: prepare_demo(out, quick, seed, say, engine))
 
     # 4. PPO against VADER sentiment
     config = PPOConfig(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,8 +25,9 @@ from typing import Optional
 from ppokit.demo import (
     DemoChoice,
     demo_folder,
+    demo_start,
     estimator_settings,
-    mark_demo_folder,
+    first_and_last,
     model_heads,
     resume_ppo,
     sft_tiny_model,
@@ -238,14 +238,9 @@ def run_calculator_demo(output_dir: str | Path | None = None, quick: bool = Fals
     last share of right answers and of episodes with a valid call."""
     choice = DemoChoice.of("calculator", quick, seed, estimator, engine)
     out = demo_folder(choice, output_dir, overwrite, resume)
-    import torch
-
     start = time.perf_counter()
-    say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
-    if not resume:
-        mark_demo_folder(out, choice)
-    base = Path(prepared) if prepared is not None else out if resume else prepare_calculator_demo(out, quick, seed, say, engine)
-    torch.manual_seed(seed)
+    base, say = demo_start(choice, out, prepared, resume, show_progress,
+                           lambda out, say: prepare_calculator_demo(out, quick, seed, say, engine))
     config = calculator_config(base, out, quick, seed, estimator_settings(choice.estimator), engine)
     trainer = start_ppo(config, show_progress, overwrite)
     say(f"[4/4] PPO ({choice.estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} "
@@ -253,13 +248,9 @@ def run_calculator_demo(output_dir: str | Path | None = None, quick: bool = Fals
     if resume:
         resume_ppo(trainer, say)
     records = trainer.train()
-    window = max(1, len(records) // 6)
-    mean = lambda key, rs: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    window, summary = first_and_last(records, accuracy="reward/right_answer", valid_calls="reward/valid_call", turns="rollout/turns")
     summary = {
-        "accuracy_start": mean("reward/right_answer", records[:window]), "accuracy_end": mean("reward/right_answer", records[-window:]),
-        "valid_calls_start": mean("reward/valid_call", records[:window]), "valid_calls_end": mean("reward/valid_call", records[-window:]),
-        "turns_start": mean("rollout/turns", records[:window]), "turns_end": mean("rollout/turns", records[-window:]),
-        "environment": "calculator", "estimator": choice.estimator, "engine": engine, "updates": len(records),
+        **summary, "environment": "calculator", "estimator": choice.estimator, "engine": engine, "updates": len(records),
         "seconds": round(time.perf_counter() - start, 1), "output_dir": str(out),
     }
     say(f"\nright answers {summary['accuracy_start']:.0%} -> {summary['accuracy_end']:.0%}, episodes with a valid calculator call "

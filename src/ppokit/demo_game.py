@@ -17,7 +17,6 @@ number, which the tiny model imitates poorly (it wins half its games after SFT) 
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -25,8 +24,9 @@ from typing import Optional
 from ppokit.demo import (
     DemoChoice,
     demo_folder,
+    demo_start,
     estimator_settings,
-    mark_demo_folder,
+    first_and_last,
     model_heads,
     resume_ppo,
     sft_tiny_model,
@@ -126,26 +126,17 @@ def run_game_demo(output_dir: str | Path | None = None, quick: bool = False, see
     the first and last share of games won and mean turns."""
     choice = DemoChoice.of("guess", quick, seed, estimator, engine)
     out = demo_folder(choice, output_dir, overwrite, resume)
-    import torch
-
     start = time.perf_counter()
-    say = (lambda *a: print(*a, file=sys.stderr)) if show_progress else (lambda *a: None)
-    if not resume:
-        mark_demo_folder(out, choice)
-    base = Path(prepared) if prepared is not None else out if resume else prepare_game_demo(out, quick, seed, say, engine)
-    torch.manual_seed(seed)
+    base, say = demo_start(choice, out, prepared, resume, show_progress, lambda out, say: prepare_game_demo(out, quick, seed, say, engine))
     trainer = start_ppo(game_config(base, out, quick, seed, estimator_settings(choice.estimator), engine), show_progress, overwrite)
     say(f"[4/4] PPO ({choice.estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} games, "
         f"up to {MAX_TURNS} turns each; reward: 1 for a win, less {SETTINGS[quick]['length_penalty']:g} per guess")
     if resume:
         resume_ppo(trainer, say)
     records = trainer.train()
-    window = max(1, len(records) // 6)  # one batch's win rate is noisy: means over the first and last sixth
-    mean = lambda key, rs: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    window, summary = first_and_last(records, success="env/done_rate", turns="rollout/turns")
     summary = {
-        "success_start": mean("env/done_rate", records[:window]), "success_end": mean("env/done_rate", records[-window:]),
-        "turns_start": mean("rollout/turns", records[:window]), "turns_end": mean("rollout/turns", records[-window:]),
-        "environment": "guess", "estimator": choice.estimator, "engine": engine, "updates": len(records),
+        **summary, "environment": "guess", "estimator": choice.estimator, "engine": engine, "updates": len(records),
         "seconds": round(time.perf_counter() - start, 1), "output_dir": str(out),
     }
     say(f"\ngames won within {MAX_TURNS} turns {summary['success_start']:.0%} -> {summary['success_end']:.0%}, mean turns "
