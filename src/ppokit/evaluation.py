@@ -56,6 +56,12 @@ def sample_rows(rollout: Rollout, data, query_ids: Optional[list[list[int]]], n:
             for p, c, s, t in zip(prompts, completions, scores, turns)]
 
 
+def eval_score(rows: list[dict]) -> dict[str, float]:
+    """{"eval/scores": the mean score of the scored eval rows among `rows`}, or {} (none scored; training-batch rows)."""
+    scored = [r["score"] for r in rows if r["score"] is not None and r["split"] == "eval"]
+    return {"eval/scores": sum(scored) / len(scored)} if scored else {}
+
+
 def transcripts(episodes) -> list[Optional[list[dict]]]:
     """Each episode's turns (`Episodes.transcripts`), the `turns` of its samples.jsonl row; None per row without an environment."""
     return [None] * len(episodes) if episodes.transcripts is None else list(episodes.transcripts)

@@ -48,6 +48,24 @@ def too_many_skipped(state, hp, checkpoint) -> NonFiniteStop:
     )
 
 
+def saved_if_it_fails(part: Callable, state, save_checkpoint: Callable[[], Path], finished_record: Optional[dict] = None, *,
+                      alone: Callable[[UserError], bool] = lambda error: False):
+    """part(), or on a user error (a reward source failing under reward.on_error=raise) a checkpoint of the last complete
+    update first, then the error, with it. `finished_record`: the update whose samples failed is complete (kept in
+    state.records). `alone(error)`: this process stops without the others, so no collective save can be made."""
+    try:
+        return part()
+    except UserError as error:
+        if alone(error):
+            raise
+        if finished_record is not None:
+            state.records.append(finished_record)
+        if not state.update:
+            raise
+        raise UserError(f"{error}. Updates 1-{state.update} are saved in {save_checkpoint()}; "
+                        "fix the cause and continue with --resume") from None
+
+
 def nothing_trained(state, checkpoint) -> NonFiniteStop:
     """A run that ended with every update skipped: it fails, and writes no final/."""
     return NonFiniteStop(

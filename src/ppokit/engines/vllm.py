@@ -177,6 +177,14 @@ def elsewhere_memory(sizing: EngineSizing) -> EngineMemory:
                              f"memory: weight copy + KV cache for {max_num_seqs} sequences of {max_model_len} tokens")
 
 
+def check_max_model_len(max_model_len: Optional[int], longest_sequence: int) -> None:
+    """rollout.max_model_len holds the run's longest sequence, wherever the engine runs."""
+    if max_model_len is not None and max_model_len < longest_sequence:
+        raise UserError(f"rollout.max_model_len ({max_model_len}) is below the longest prompt + the tokens after it "
+                        f"(ppo.response_length, or with an environment the episode's budget: {longest_sequence}); "
+                        "raise it or remove the key (its default is that sum)")
+
+
 class VLLMEngine:
     """A vLLM engine in this process sampling for the trainer (see the module docstring).
 
@@ -227,14 +235,7 @@ class VLLMEngine:
     def create(cls, setup) -> "VLLMEngine":
         """From the trainer's EngineSetup: the `rollout:` keys, and the engine's shape (`engine_shape`)."""
         settings = setup.settings
-        if settings.max_model_len is not None and settings.max_model_len < setup.longest_sequence:
-            raise UserError(f"rollout.max_model_len ({settings.max_model_len}) is below the longest prompt + the tokens after it "
-                            f"(ppo.response_length, or with an environment the episode's budget: {setup.longest_sequence}); "
-                            "raise it or remove the key (its default is that sum)")
-        if settings.placement != "colocated":
-            from ppokit.engines.vllm_servers import VLLMServersEngine
-
-            return VLLMServersEngine.create(setup)
+        check_max_model_len(settings.max_model_len, setup.longest_sequence)
         max_model_len, max_num_seqs = engine_shape(settings, setup.longest_sequence, setup.rows_per_rollout, setup.rows_per_forward)
         return cls(setup.policy, setup.pad_token_id, max_model_len, max_num_seqs=max_num_seqs,
                    gpu_memory_utilization=settings.gpu_memory_utilization,

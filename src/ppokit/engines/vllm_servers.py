@@ -41,7 +41,7 @@ from torch import nn
 
 from ppokit.engines.base import Completion, EngineLost, Request, Sampling, generate
 from ppokit.dataclass_config import differs_from_default
-from ppokit.engines.vllm import (check_cpu_head_dim, engine_shape, import_vllm, kv_cache_bytes, model_config_folder, request_seeds,
+from ppokit.engines.vllm import (VLLMEngine, check_cpu_head_dim, check_max_model_len, engine_shape, import_vllm, kv_cache_bytes, model_config_folder, request_seeds,
                                sampling_kwargs)
 from ppokit.engines.weights import architecture, unwrap
 from ppokit.episodes import Episodes
@@ -295,7 +295,7 @@ def _free_port() -> int:
 
 
 class VLLMServersEngine:
-    """Rollout engine over vLLM servers (module docstring), built by `VLLMEngine.create` for rollout.placement separate
+    """Rollout engine over vLLM servers (module docstring), built by `VLLMAnyPlacement.create` for rollout.placement separate
     or servers. `connect()` -> (the servers' host:port addresses, the `LaunchedServer`s ppokit started for them): called
     when the engine opens, and again when it is used after `close`."""
 
@@ -330,6 +330,7 @@ class VLLMServersEngine:
     def create(cls, setup) -> "VLLMServersEngine":
         """From the trainer's EngineSetup (`rollout.placement` separate or servers; the config checked the keys)."""
         settings = setup.settings
+        check_max_model_len(settings.max_model_len, setup.longest_sequence)
         backend = settings.weight_transfer if settings.weight_transfer != "auto" else ("nccl" if setup.device.type == "cuda" else "gloo")
         if settings.placement == "servers":
             def connect():
@@ -575,3 +576,13 @@ def _trainer_ranks() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+class VLLMAnyPlacement(VLLMEngine):
+    """`rollout.engine: vllm` where `rollout.placement` puts it: in the trainer's process (`VLLMEngine`), or in vLLM
+    servers (`VLLMServersEngine`). Its checks, memory and installation are VLLMEngine's, which count every placement."""
+
+    @classmethod
+    def create(cls, setup) -> Union[VLLMEngine, VLLMServersEngine]:
+        engine = VLLMEngine if setup.settings.placement == "colocated" else VLLMServersEngine
+        return engine.create(setup)
