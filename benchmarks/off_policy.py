@@ -13,7 +13,8 @@ One warm-up update, then `updates` timed ones: episodes_per_s is their episodes 
 wall time of the steps: with k >= 1 it holds the waits for episodes sampled ahead); overlap_s the seconds per update
 that sampling ran while the trainer scored, forwarded and trained (`time/overlap`), generation_wait_s what the update
 waited for its episodes. load_avg: the machine's 1- and 5-minute load averages when the configuration ended. Each
-configuration runs in a process of its own (the server's start is not timed).
+configuration runs in a process of its own (the server's start is not timed), with the CPU threads the `ppokit` program
+settles (passive OpenMP waiting, threads capped at a cgroup quota; the user's own settings kept).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import os
 import subprocess
 import sys
 
-from rollout_engines import PPO_EPISODES, demo_data, ppo_records, size_model
+from ppokit import cpu_threads
+
+# What the `ppokit` program sets before torch loads (ppokit/cpu_threads.py), here where the trainer runs through the API:
+# without it, beside other busy processes, the synchronous update's (k = 0) OpenMP threads spun through their time
+# slices: the small model's optimisation took 4-50 s instead of 0.2 s.
+cpu_threads.settle()
+
+from rollout_engines import PPO_EPISODES, demo_data, ppo_records, size_model  # noqa: E402
 
 MULTI_TURNS, MULTI_TOKENS = 4, 8
 
