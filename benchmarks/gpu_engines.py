@@ -147,13 +147,7 @@ def main() -> int:
     failed = 0
     for engine in args.engines.split(","):
         sizes = ["--updates", str(args.updates), "--episodes", str(args.episodes), "--response-length", str(args.response_length)]
-        result = subprocess.run([sys.executable, __file__, "--one", engine, *sizes], capture_output=True, text=True)
-        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-        if result.returncode or not lines:
-            print(f"gpu_engines: {engine} failed (exit {result.returncode}):\n{result.stderr[-3000:]}", file=sys.stderr)
-            failed += 1
-            continue
-        print(lines[-1], flush=True)
+        failed += not rollout_engines.one_case(__file__, [engine, *sizes], f"gpu_engines: {engine}")
     return 1 if failed else 0
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 from ppokit import cpu_threads
 
@@ -32,7 +30,7 @@ from ppokit import cpu_threads
 # slices: the small model's optimisation took 4-50 s instead of 0.2 s.
 cpu_threads.settle()
 
-from rollout_engines import PPO_EPISODES, demo_data, ppo_records, size_model  # noqa: E402
+from rollout_engines import PPO_EPISODES, demo_data, one_case, ppo_records, size_model  # noqa: E402
 
 MULTI_TURNS, MULTI_TOKENS = 4, 8
 
@@ -75,13 +73,7 @@ def main() -> None:
         return
     for kind in args.kinds.split(","):
         for k in args.staleness.split(","):
-            result = subprocess.run([sys.executable, __file__, "--one", kind, k, "--size", args.size, "--updates", str(args.updates)],
-                                    capture_output=True, text=True)
-            lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-            if result.returncode or not lines:
-                print(f"off_policy: {kind} k={k} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
-                continue
-            print(lines[-1], flush=True)
+            one_case(__file__, [kind, k, "--size", args.size, "--updates", str(args.updates)], f"off_policy: {kind} k={k}")
 
 
 if __name__ == "__main__":

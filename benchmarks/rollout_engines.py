@@ -252,6 +252,18 @@ def transformers_continuous_batching(model, tokenizer, prompts):
 RUNS = {"sampling": run_sampling, "ppo": run_ppo, "requests": run_requests}
 
 
+
+def one_case(script: str, argv: list[str], label: str) -> bool:
+    """Runs `script --one *argv` in a fresh process (each case its own imports, threads and peak RSS) and prints
+    its last JSON line; on failure, says so on stderr with the end of its stderr. True when it gave a line."""
+    result = subprocess.run([sys.executable, script, "--one", *argv], capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        print(f"{label} failed (exit {result.returncode}):\n{result.stderr[-3000:]}", file=sys.stderr)
+        return False
+    print(lines[-1], flush=True)
+    return True
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="small,50m")
@@ -271,13 +283,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         for size in args.sizes.split(","):
             for engine in args.engines.split(","):
-                result = subprocess.run([sys.executable, __file__, "--one", mode, size, engine, "--repeats", str(args.repeats),
-                                         "--updates", str(args.updates)], capture_output=True, text=True)
-                lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-                if result.returncode or not lines:
-                    print(f"rollout_engines: {mode} {size} {engine} failed:\n{result.stderr[-2000:]}", file=sys.stderr)
-                    continue
-                print(lines[-1], flush=True)
+                one_case(__file__, [mode, size, engine, "--repeats", str(args.repeats), "--updates", str(args.updates)],
+                         f"rollout_engines: {mode} {size} {engine}")
 
 
 if __name__ == "__main__":

@@ -54,25 +54,6 @@ class PeakRss:
         self.thread.join()
 
 
-class OfflineClient:
-    """vLLM's weight-sync control plane over an `LLM` in this process."""
-
-    def __init__(self, llm):
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info):
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self):
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info):
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version=None):
-        self.llm.finish_weight_update(weight_version)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="50m", choices=list(SIZES))
@@ -84,7 +65,7 @@ def main() -> None:
 
     from ppokit.engines.vllm import import_vllm, model_config_folder
     from ppokit.engines.vllm_plugin import register
-    from ppokit.engines.weight_transfer import GlooTrainerInitInfo, PolicySource
+    from ppokit.engines.weight_transfer import GlooTrainerInitInfo, OfflineClient, PolicySource
     from ppokit.engines.weights import policy_weight_metadata
 
     vllm = import_vllm()

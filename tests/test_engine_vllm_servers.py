@@ -59,25 +59,6 @@ def prompts(demo_data, tokenizer):
 # ---------------------------------------------------------------------------------------------- the backend, in-process
 
 
-class OfflineClient:
-    """vLLM's weight-sync control plane over an `LLM` in this process (its offline RL methods)."""
-
-    def __init__(self, llm):
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info):
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self):
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info):
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version=None):
-        self.llm.finish_weight_update(weight_version)
-
-
 def test_a_push_through_the_gloo_backend_gives_the_trainers_logprobs(tokenizer, prompts):
     """vLLM's offline RL API (init_weight_transfer_engine, start/update/finish_weight_update) with ppokit's gloo backend:
     after each of 3 pushes of changed weights the engine's logprobs are the trainer's forward's within float rounding,
@@ -89,7 +70,7 @@ def test_a_push_through_the_gloo_backend_gives_the_trainers_logprobs(tokenizer, 
 
     from ppokit.engines.vllm import _shut_down, import_vllm, model_config_folder
     from ppokit.engines.vllm_plugin import register
-    from ppokit.engines.weight_transfer import GlooTrainerInitInfo, PolicySource
+    from ppokit.engines.weight_transfer import GlooTrainerInitInfo, OfflineClient, PolicySource
     from ppokit.engines.weights import policy_weight_metadata
 
     vllm = import_vllm()

@@ -131,11 +131,8 @@ def test_sampling_logprobs_equal_the_light_head(model_dir, tokenizer):
             assert_float32_close(lp, rollout.logprobs, terms=model.config.intermediate_size)
 
 
-def test_a_model_whose_logits_the_head_cannot_reproduce_is_refused(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
-    check_output_head(model, "lm_head_chunk_size")
+def double_the_logits(model):
+    """Makes `model`'s forward compute its logits otherwise than its head does (twice them)."""
     original = model.forward
 
     def doubled(*a, **kw):
@@ -144,6 +141,14 @@ def test_a_model_whose_logits_the_head_cannot_reproduce_is_refused(model_dir):
         return out
 
     model.forward = doubled
+
+
+def test_a_model_whose_logits_the_head_cannot_reproduce_is_refused(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    check_output_head(model, "lm_head_chunk_size")
+    double_the_logits(model)
     with pytest.raises(UserError, match="lm_head_chunk_size: LlamaForCausalLM's forward computes its logits"):
         check_output_head(model, "lm_head_chunk_size")
 
@@ -221,14 +226,7 @@ def test_the_trainer_refuses_such_a_model_before_its_optimiser(model_dir, prompt
     from ppokit.trainer import PPOTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
-    original = model.forward
-
-    def doubled(*a, **kw):
-        out = original(*a, **kw)
-        out.logits = out.logits * 2
-        return out
-
-    model.forward = doubled
+    double_the_logits(model)
     built = []
     monkeypatch.setattr(optimise, "build_optimiser", lambda *a, **kw: built.append(1))
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=8)

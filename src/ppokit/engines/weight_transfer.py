@@ -182,6 +182,25 @@ class PolicySource(WeightSource):
         return policy_weights(self.policy())
 
 
+class OfflineClient:
+    """The control calls `GlooTrainerWeightTransferEngine` makes, over an `LLM` in this process (vLLM's offline RL
+    methods) instead of a server's routes (`vllm_servers.ServersClient`): a push into an engine the caller built."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[int] = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
 
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
