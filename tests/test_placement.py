@@ -1,6 +1,11 @@
 """Where the vLLM engine runs (`rollout.placement`): the keys' rules and the one line a lost engine ends a run with.
 No vLLM needed; the placements themselves run in tests/test_engine_vllm_servers.py."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +61,37 @@ def test_a_lost_engine_is_one_line_naming_it_and_where_to_resume():
     assert str(said).startswith("rollout server 10.0.0.5:8000 was lost") and "the last complete checkpoint is runs/x/checkpoint-3" in str(said)
     assert "no checkpoint of this run was written yet" in str(engine_lost(lost, None))
     assert engine_lost(RuntimeError("something else"), None) is None
+
+
+CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(120)
+"""
+LEADER = f"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", {CHILD!r}])
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process group from /proc")
+def test_stopping_a_launched_server_waits_for_every_process_of_its_group(tmp_path):
+    """vLLM's server exits at SIGTERM before the engine core it started does: `stop` returns only when no process of
+    the group is left (a run that ends leaves no server process behind), and keeps its folder only when asked."""
+    from ppokit.engines import vllm_servers
+
+    server = object.__new__(vllm_servers.LaunchedServer)
+    server.folder = tmp_path / "server"
+    server.folder.mkdir()
+    server.process = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert server.process.stdout.readline() == b"ready\n"  # the child's SIGTERM handler is in place
+        assert vllm_servers._live_in_group(server.process.pid)
+        server.stop()
+        assert not vllm_servers._live_in_group(server.process.pid)
+        assert not server.folder.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)

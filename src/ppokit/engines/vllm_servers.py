@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -207,18 +208,52 @@ class LaunchedServer:
         return (errors or lines or ["no output"])[-1][:300]
 
     def stop(self, keep_output: bool = False) -> None:
+        """Stops the whole group: the server and the processes it started (vLLM's engine core, its workers), which
+        outlive the server's own exit by a moment; a group still there after 30 s is killed."""
         died = self.process.poll() is not None
-        if not died:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        if not _group_gone(self.process, 30):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
+                os.killpg(self.process.pid, signal.SIGKILL)
+            _group_gone(self.process, 30)
         if not (died or keep_output):
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _live_in_group(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. Linux: read from /proc, zombies not counted (an exited worker
+    whose new parent has not reaped it yet holds nothing); elsewhere: whether the group can be signalled."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                # after the command's closing parenthesis: state, ppid, pgrp, ...
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[2] == str(pgid) and fields[0] != "Z":
+                return True
+    return False
+
+
+def _group_gone(leader: subprocess.Popen, timeout_s: float) -> bool:
+    """Waits (at most timeout_s) until the leader has exited and no process is left in its process group."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            leader.wait(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+        if not _live_in_group(leader.pid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def start_separate(base: nn.Module, settings, setup, backend: str) -> tuple[list[str], list[LaunchedServer]]:
