@@ -82,6 +82,8 @@ def build_engine(name: str, model, tokenizer, rows_per_forward: int, longest: in
 
 def run_cases(args, loop_name: str) -> list[dict]:
     """Every tools case of one loop (this process's ppokit) -> one result per case."""
+    import inspect
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,14 +93,16 @@ def run_cases(args, loop_name: str) -> list[dict]:
     from ppokit.environments.episode_loop import EpisodeLoop
 
     torch.set_num_threads(args.threads)
-    work = Path(args.work)
+    work = model_folder(args)
     tokenizer = AutoTokenizer.from_pretrained(work / "sft")
     model = AutoModelForCausalLM.from_pretrained(work / "sft").eval()
     data = rows(args.episodes)
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in data]
     budget = MAX_TURNS * 4
     engine = build_engine(args.engine, model, tokenizer, args.episodes, max(map(len, prompts)) + budget)
-    sampling = Sampling(max_new_tokens=3, temperature=1.0, stop_token_ids=tokenizer.eos_token_id)
+    # the stop token's keyword as each loop's ppokit names it (one id then, a list of them since)
+    stop = "stop_token_ids" if "stop_token_ids" in inspect.signature(Sampling).parameters else "stop_token_id"
+    sampling = Sampling(max_new_tokens=3, temperature=1.0, **{stop: tokenizer.eos_token_id})
     results = []
     for tools in ("instant", "slow"):
         runner = EnvironmentRunner(f"{__file__}:LatentTool", LatentTool, {"tools": tools}, timeout_s=60.0)
@@ -130,6 +134,11 @@ def run_cases(args, loop_name: str) -> list[dict]:
     return results
 
 
+def model_folder(args) -> Path:
+    """Where the engine's demo model is built: one per engine (vLLM's CPU attention needs the demo's head_dim-64 model)."""
+    return Path(args.work) / args.engine
+
+
 def digest(episodes) -> str:
     """A fingerprint of what was sampled: the tokens, the trained mask, the logprobs' bits."""
     h = hashlib.sha256()
@@ -159,7 +168,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
-    parser.add_argument("--work", default=None, help="where the demo's SFT model is built (reused if there); default a temporary folder")
+    parser.add_argument("--work", default=None, help="where the demo's SFT models are built, one per engine (reused if there); default a temporary folder")
     parser.add_argument("--base", default="990d034", help="the commit whose lock-step loop is measured; 'none': skip it")
     parser.add_argument("--only", choices=("per-episode", "lock-step"), default=None, help=argparse.SUPPRESS)  # the subprocess's
     args = parser.parse_args()
@@ -168,10 +177,10 @@ def main() -> None:
         for line in run_cases(args, args.only):
             print(json.dumps(line), flush=True)
         return
-    if not (Path(args.work) / "sft").is_dir():
+    if not (model_folder(args) / "sft").is_dir():
         from ppokit import demo_game
 
-        demo_game.prepare_game_demo(Path(args.work), quick=True, seed=0, say=lambda *a: print(*a, file=sys.stderr), engine=args.engine)
+        demo_game.prepare_game_demo(model_folder(args), quick=True, seed=0, say=lambda *a: print(*a, file=sys.stderr), engine=args.engine)
     if args.base != "none":
         src = base_source(args.base, Path(tempfile.gettempdir()))
         command = [sys.executable, __file__, "--only", "lock-step", "--episodes", str(args.episodes), "--repeats", str(args.repeats),
