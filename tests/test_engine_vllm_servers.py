@@ -249,10 +249,14 @@ def run_config(model, prompts_file, folder: Path, rollout: dict, **ppo) -> Path:
     return config
 
 
-def ppo(config: Path, timeout=1800, **popen):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(config)], capture_output=True, text=True, timeout=timeout, env=env)
+def ppo_env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH")])),
+            **extra}
+
+
+def ppo(config: Path, timeout=1800):
+    return subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(config)], capture_output=True, text=True, timeout=timeout, env=ppo_env())
 
 
 def records(folder: Path) -> list[dict]:
@@ -280,21 +284,32 @@ def test_a_run_on_two_servers(servers, server_model, prompts_file, tmp_path):
 
 def test_a_run_with_its_own_server(server_model, prompts_file, tmp_path):
     """rollout.placement: separate: ppokit starts a vLLM server process of its own, samples from it, and stops it (the
-    whole process group) when the run ends."""
+    whole process group) when the run ends. The run's processes carry a mark in their environment (inherited by the
+    server it starts), so that servers of other tests running beside this one are not counted."""
     config = run_config(server_model, prompts_file, tmp_path, {"placement": "separate", "server_timeout_s": SERVER_TIMEOUT_S})
-    before = _server_processes()
-    result = ppo(config)
-    assert result.returncode == 0, result.stderr[-3000:]
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    with open(tmp_path / "stderr", "w") as stderr:  # a file: a pipe nobody reads while the run goes could fill up
+        run = subprocess.Popen([sys.executable, "-m", "ppokit", "ppo", str(config)], stdout=subprocess.DEVNULL, stderr=stderr,
+                               env=ppo_env(PPOKIT_TEST_RUN=mark))
+    seen, deadline = set(), time.monotonic() + 1800
+    while run.poll() is None and time.monotonic() < deadline:  # the run's own server, while it runs
+        seen |= _server_processes(mark)
+        time.sleep(0.5)
+    run.wait(timeout=60)
+    assert run.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
     check_sampled_from_pushed_weights(records(tmp_path))
-    assert _server_processes() == before  # none left behind
+    assert seen, "the run's server was never seen running"
+    assert not _server_processes(mark)  # none left behind
 
 
-def _server_processes() -> set[int]:
+def _server_processes(mark: str) -> set[int]:
+    """The vLLM API server processes whose environment holds PPOKIT_TEST_RUN=mark."""
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes():
+                if (b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes()
+                        and f"PPOKIT_TEST_RUN={mark}".encode() in (entry / "environ").read_bytes().split(b"\0")):
                     found.add(int(entry.name))
             except OSError:
                 pass
