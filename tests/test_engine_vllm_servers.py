@@ -131,7 +131,8 @@ def servers(server_model):
     (servers of this model already running, e.g. to rerun a test while changing the trainer's side) takes those instead."""
     from transformers import AutoModelForCausalLM
 
-    from ppokit.engines.vllm_servers import LaunchedServer, separate_options
+    from ppokit.engines.launched_server import LaunchedServer
+    from ppokit.engines.vllm_servers import separate_options
 
     if os.environ.get("PPOKIT_TEST_VLLM_SERVERS"):
         yield [SimpleNamespace(address=a.strip(), process=None) for a in os.environ["PPOKIT_TEST_VLLM_SERVERS"].split(",")]

@@ -32,7 +32,8 @@ def server(server_model):
     from transformers import AutoModelForCausalLM
 
     from ppokit.config import PPOConfig
-    from ppokit.engines.vllm_servers import LaunchedServer, separate_options
+    from ppokit.engines.launched_server import LaunchedServer
+    from ppokit.engines.vllm_servers import separate_options
 
     settings = PPOConfig.load(None, ["model=m", "reward.functions=[length]", "rollout.engine=vllm", "rollout.placement=separate"]).validate().rollout
     base = AutoModelForCausalLM.from_pretrained(server_model)

@@ -80,17 +80,17 @@ time.sleep(120)
 def test_stopping_a_launched_server_waits_for_every_process_of_its_group(tmp_path):
     """vLLM's server exits at SIGTERM before the engine core it started does: `stop` returns only when no process of
     the group is left (a run that ends leaves no server process behind), and keeps its folder only when asked."""
-    from ppokit.engines import vllm_servers
+    from ppokit.engines import launched_server
 
-    server = object.__new__(vllm_servers.LaunchedServer)
+    server = object.__new__(launched_server.LaunchedServer)
     server.folder = tmp_path / "server"
     server.folder.mkdir()
     server.process = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, start_new_session=True)
     try:
         assert server.process.stdout.readline() == b"ready\n"  # the child's SIGTERM handler is in place
-        assert vllm_servers._live_in_group(server.process.pid)
+        assert launched_server._live_in_group(server.process.pid)
         server.stop()
-        assert not vllm_servers._live_in_group(server.process.pid)
+        assert not launched_server._live_in_group(server.process.pid)
         assert not server.folder.exists()
     finally:
         with contextlib.suppress(ProcessLookupError):
