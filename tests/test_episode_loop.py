@@ -104,6 +104,40 @@ def test_environment_calls_run_side_by_side(tok):
     assert episodes.environment_errors == [None] * 4 and episodes.turns.tolist() == [2] * 4
 
 
+class Staggered:
+    """Row i's reset and steps take 10 + 4·i ms; two turns."""
+
+    def reset(self, row):
+        self.wait_s, self.turn = 0.010 + 0.004 * int(row["prompt"]), 0
+        time.sleep(self.wait_s)
+
+    def step(self, completion):
+        time.sleep(self.wait_s)
+        self.turn += 1
+        return "higher", 1.0, self.turn >= 2
+
+
+def test_calls_back_within_a_decoding_steps_time_join_the_next_step_together(tok):
+    """After an engine step, the loop waits for the environment calls it started, twice as long as its calls usually
+    take (within a step's time): calls of 10-22 ms, beside a 0.5 s step, all join the next step (one submit of the
+    four episodes' requests a turn), not one step after another."""
+    engine = scripted(tok)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.5)
+        return step()
+
+    engine.step = slow_step
+    loop = loop_over(engine, tok, Staggered)
+    rows = [{"prompt": str(i)} for i in range(4)]
+    for _ in range(2):  # the second rollout's first look knows a step's time and the calls' too
+        engine.submitted.clear()
+        episodes = loop.sample([ids(tok, "guess")] * 4, rows, sampling(tok), EpisodeSeeds(0))
+    assert episodes.turns.tolist() == [2] * 4
+    assert [len(batch) for batch in engine.submitted] == [4, 4]
+
+
 class AsyncMeetsTheOthers:
     """`async def` reset and step: every first step awaits the others' at an asyncio barrier (on the one event loop the
     environments' coroutines share), then the episode plays a second turn."""

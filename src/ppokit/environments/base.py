@@ -12,7 +12,7 @@ names its class in the config (`environment: path/to/env.py:ClassName` or `packa
 event loop shared by every episode (a thread of its own), under the same deadline.
 
 `EnvironmentRunner` is what the episode loop holds: it makes the instances and calls them in worker
-threads under `environment_timeout_s` (`ThreadCall`), checks what they return, and turns every
+threads under `environment_timeout_s` (`ThreadCall`, or `SideBySide`'s threads kept between calls), checks what they return, and turns every
 failure into an `EnvironmentFailure` (a RewardError, so `reward.on_error` applies: skip that episode
 or stop the run) whose one-line message names the environment, the call and the episode's prompt.
 A hung call fails its episode; its thread is left running (Python cannot stop a thread; a hung coroutine is
@@ -26,16 +26,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import itertools
 import math
 import queue
+import statistics
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ppokit.errors import UserError
 from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number, code_raised, raised_text
 from ppokit.user_code import load_attribute
+from ppokit.workers import WorkerThreads
 
 BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
 SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"
@@ -124,6 +130,7 @@ class EnvironmentRunner:
         if "chat_template" not in self.args and _declares(cls, "chat_template"):
             self.args["chat_template"] = chat_template  # the run's template (None: plain-text prompts): Tools reads its call format there
         self.timeout_s = timeout_s
+        self.recent_call_s: deque[float] = deque(maxlen=64)  # how long its last calls on `SideBySide`'s threads took
         # One instance made now: a wrong environment_args (or a tools list that does not import) fails at
         # start, in one line, rather than in the first episode; and it tells the tools and the role.
         try:
@@ -143,14 +150,15 @@ class EnvironmentRunner:
 
     # ------------------------------------------------------------------ one episode at a time
 
-    def start(self, row: dict, prompt: Optional[str] = None) -> "EpisodeEnvironment":
-        """A new instance for one episode, reset on `row`; `prompt` names the episode in errors."""
+    def start(self, row: dict, prompt: Optional[str] = None, watched: bool = False) -> "EpisodeEnvironment":
+        """A new instance for one episode, reset on `row`; `prompt` names the episode in errors; watched: the caller
+        keeps the deadline (`SideBySide`)."""
 
         def make_and_reset():
             env = self.cls(**self.args)
             return env, self.settled(env.reset(dict(row)))
 
-        env, observation = self._call(make_and_reset, "reset", prompt)
+        env, observation = self._call(make_and_reset, "reset", prompt, watched)
         episode = EpisodeEnvironment(self, env, prompt)
         episode.first = self._check_observation(env, observation, "reset", prompt)
         return episode
@@ -161,20 +169,21 @@ class EnvironmentRunner:
         """`start` for every row, the calls running side by side; per row an EpisodeEnvironment or the
         EnvironmentFailure it raised (the caller applies reward.on_error)."""
         prompts = prompts if prompts is not None else [None] * len(rows)
-        return self._side_by_side([lambda r=r, p=p: self.start(r, p) for r, p in zip(rows, prompts)])
+        return self._side_by_side([partial(self.start, r, p) for r, p in zip(rows, prompts)], "reset", prompts)
 
     def step_many(self, episodes: list["EpisodeEnvironment"], completions: list[str], render: Optional[list] = None) -> list:
         """episode.step(completion, render) for each, side by side; per episode a Step or an EnvironmentFailure.
         render: per episode None or a function of its Step run within the same deadline (what the model reads of
         the observation: `Step.rendered`)."""
         render = render if render is not None else [None] * len(episodes)
-        return self._side_by_side([lambda e=e, c=c, r=r: e.step(c, r) for e, c, r in zip(episodes, completions, render)])
+        calls = [partial(e.step, c, r) for e, c, r in zip(episodes, completions, render)]
+        return self._side_by_side(calls, "step", [e.prompt for e in episodes])
 
-    def _side_by_side(self, calls: list) -> list:
+    def _side_by_side(self, calls: list, what: str, prompts: list) -> list:
         """Every call's outcome, in order, the calls running side by side (`SideBySide`)."""
         running = self.side_by_side(threaded=len(calls) > 1)
-        for i, call in enumerate(calls):
-            running.start(i, call)
+        for i, (call, prompt) in enumerate(zip(calls, prompts)):
+            running.start(i, call, what, prompt)
         done = {}
         while running.running:
             done.update(running.finished(wait=True))
@@ -183,7 +192,7 @@ class EnvironmentRunner:
     def side_by_side(self, threaded: bool = True) -> "SideBySide":
         """Calls of this runner's environments that run side by side (in the caller's thread, one at a time, without a
         deadline: environment_timeout_s null)."""
-        return SideBySide(threaded=threaded and self.timeout_s is not None)
+        return SideBySide(self, threaded=threaded and self.timeout_s is not None)
 
     def settled(self, value):
         """What an `async def` reset or step returned, run to its end on the environments' event loop (one thread
@@ -204,26 +213,28 @@ class EnvironmentRunner:
 
     # ------------------------------------------------------------------ the checks
 
-    def _call(self, fn, what: str, prompt: Optional[str]):
-        """fn() under the deadline; EnvironmentFailure (or EnvironmentTimeout) naming `what` and the prompt.
-        A UserError the environment raises itself (its own one-line complaint) passes through: it stops the run."""
+    def _call(self, fn, what: str, prompt: Optional[str], watched: bool = False):
+        """fn() under the deadline (watched: in this thread, its caller keeps the deadline: `SideBySide`);
+        EnvironmentFailure (or EnvironmentTimeout) naming `what` and the prompt. A UserError the environment
+        raises itself (its own one-line complaint) passes through: it stops the run."""
         call = None
         try:
-            if self.timeout_s is None:
+            if self.timeout_s is None or watched:
                 return fn()
             call = ThreadCall(fn, name=f"ppokit-env-{what.split()[0]}")
             return call.result(self.timeout_s)
         except DeadlineExceeded:
-            raise EnvironmentTimeout(
-                f"environment {self.spec}: {what} did not return within environment_timeout_s={self.timeout_s:g}s "
-                f"(its thread is left running: Python cannot stop it){prompt_suffix(prompt)}"
-            ) from None
+            raise self.timed_out(what, prompt) from None
         except (UserError, EnvironmentFailure):
             raise
         except BaseException as e:  # KeyboardInterrupt or another BaseException the environment raised is its failure too
             if not code_raised(e, call):
                 raise  # a stop request (Ctrl-C, ppokit's second signal) that reached the main thread while it ran the code
             raise EnvironmentFailure(f"environment {self.spec}: {what} raised {raised_text(e)}{prompt_suffix(prompt)}") from e
+
+    def timed_out(self, what: str, prompt: Optional[str]) -> "EnvironmentTimeout":
+        return EnvironmentTimeout(f"environment {self.spec}: {what} did not return within environment_timeout_s={self.timeout_s:g}s "
+                                  f"(its thread is left running: Python cannot stop it){prompt_suffix(prompt)}")
 
     def _check_observation(self, env, observation, what: str, prompt: Optional[str]) -> Step:
         where = prompt_suffix(prompt)
@@ -270,9 +281,10 @@ class EpisodeEnvironment:
         self.prompt = prompt
         self.first: Optional[Step] = None
 
-    def step(self, completion: str, render=None) -> Step:
+    def step(self, completion: str, render=None, watched: bool = False) -> Step:
         """step(completion), checked; with `render`, render(step) too (`Step.rendered`), all under one deadline:
-        everything a step costs (the environment's code, its observation's messages, their tokens)."""
+        everything a step costs (the environment's code, its observation's messages, their tokens); watched: the
+        caller keeps the deadline (`SideBySide`)."""
 
         def whole():
             step = self.runner.check_step(self.env, self.runner.settled(self.env.step(completion)), self.prompt)
@@ -280,56 +292,134 @@ class EpisodeEnvironment:
                 step.rendered = render(step)
             return step
 
-        return self.runner._call(whole, "step", self.prompt)
+        return self.runner._call(whole, "step", self.prompt, watched)
 
 
 class SideBySide:
-    """Calls of an environment's code (`EnvironmentRunner.start`, `EnvironmentEpisode.step`: each checked and under its
+    """Calls of an environment's code (`EnvironmentRunner.start`, `EpisodeEnvironment.step`: each checked and under its
     own deadline) running side by side, each handed back as soon as it returns.
 
-    threaded: every call in a thread of its own (its deadline is inside it, so N slow calls cost one deadline, not N);
-    False: in the caller's thread when it is started, one at a time (environment_timeout_s null).
-        calls.start(key, call)             # call() -> its value, or raises EnvironmentFailure (the episode's)
-        calls.finished(wait) -> [(key, value or EnvironmentFailure), ...]   # those that returned since the last look
+    threaded: every call on a worker thread of its own (`WorkerThreads`: threads kept between calls, so a small call
+    does not pay for a thread's start), the deadline kept here: a call still running `timeout_s` after it started is
+    handed back as the runner's EnvironmentTimeout (N slow calls cost one deadline, not N), and what it returns later
+    is dropped. False: each call in the caller's thread when it is started, under the runner's own deadline.
+        calls.start(key, call, what, prompt)  # call(watched=...) -> its value, or raises EnvironmentFailure; what, prompt: for a timeout's line
+        calls.finished(wait, patience_s) -> [(key, value or EnvironmentFailure), ...]   # those that returned (or timed out) since the last look
     Anything else a call raised (a UserError the environment raised itself: it stops the run) is raised by `finished`.
     """
 
-    def __init__(self, threaded: bool):
-        self.threaded = threaded
-        self.running = 0  # started and not yet handed back
-        self._returned: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, runner: "EnvironmentRunner", threaded: bool):
+        self.runner, self.threaded = runner, threaded
+        self._pending: dict[int, _Pending] = {}  # started and not yet handed back, by token
+        self._tokens = itertools.count()
+        self._returned: queue.SimpleQueue = queue.SimpleQueue()  # (token, value)
+        self._fresh: set[int] = set()  # the calls started since the last look
 
-    def start(self, key, call) -> None:
-        self.running += 1
+    @property
+    def running(self) -> int:
+        return len(self._pending)
+
+    def start(self, key, call, what: str, prompt: Optional[str]) -> None:
+        token = next(self._tokens)
+        now = time.monotonic()
+        pending = _Pending(key, what, prompt, now, now + self.runner.timeout_s if self.threaded else math.inf)
+        self._pending[token] = pending
+        self._fresh.add(token)
         if not self.threaded:
-            self._returned.put((key, _outcome(call)))  # what the call raises besides its failure is raised here, at once
+            self._returned.put((token, _outcome(call)))  # what the call raises besides its failure is raised here, at once
+            pending.ended.set()
             return
 
         def run():
             try:
-                returned = _outcome(call)
+                returned = _outcome(partial(call, watched=True))
             except BaseException as e:  # the caller's to raise (`finished`), not this thread's to swallow
                 returned = _Raised(e)
-            self._returned.put((key, returned))
+            pending.took = time.monotonic() - pending.started
+            pending.ended.set()
+            self._returned.put((token, returned))
 
-        ThreadCall(run, name="ppokit-env")  # the caller's torch modes and device, as the call's own thread has them
+        _ENVIRONMENT_WORKERS.run(run)
 
-    def finished(self, wait: bool, timeout_s: Optional[float] = None) -> list[tuple]:
-        """The calls that returned since the last look; wait: block until one has (at most timeout_s; None: no limit)
-        when none has yet and some are running."""
-        done = []
-        try:
-            if wait and self.running:
-                done.append(self._returned.get(timeout=timeout_s))
-            while True:
-                done.append(self._returned.get_nowait())
-        except queue.Empty:
-            pass
-        self.running -= len(done)
+    def finished(self, wait: bool, timeout_s: Optional[float] = None, patience_s: float = 0.0) -> list[tuple]:
+        """The calls that returned, or passed their deadline, since the last look; wait: block until one has (at most
+        timeout_s; None: no limit) when none has yet and some are running; patience_s: besides, the most it may wait
+        for the calls started since the last look (the episode loop: a decoding step's time, as a call back by then
+        joins the next step rather than the one after). It waits twice the median time of the environment's recent
+        calls, if that is within patience_s, and not at all otherwise: calls that usually take longer than a step are
+        not waited for."""
+        done: list[tuple] = []
+        start = time.monotonic()
+        fresh, self._fresh = self._fresh, set()
+        item = None
+        while True:
+            try:
+                while True:
+                    self._hand_back(item or self._returned.get_nowait(), done)
+                    item = None
+            except queue.Empty:
+                pass
+            self._expire(done)
+            fresh &= self._pending.keys()
+            if wait and not done and self._pending:
+                until = math.inf if timeout_s is None else start + timeout_s
+            elif fresh:
+                until = start + self._patience(patience_s)
+            else:
+                break
+            now = time.monotonic()
+            if now >= until:
+                break
+            try:  # until the next return, the first deadline or the limit
+                wake = min(until, min(p.deadline for p in self._pending.values()))
+                item = self._returned.get(timeout=None if wake == math.inf else wake - now)
+            except queue.Empty:
+                pass
         for _, value in done:
             if isinstance(value, _Raised):
                 raise value.error
         return done
+
+    def _patience(self, most_s: float) -> float:
+        recent = self.runner.recent_call_s
+        wait_s = 2 * statistics.median(recent) if recent else math.inf
+        return wait_s if wait_s <= most_s else 0.0
+
+    def _hand_back(self, item: tuple, done: list) -> None:
+        token, value = item
+        pending = self._pending.pop(token, None)
+        if pending is not None:  # None: it timed out already
+            done.append((pending.key, value))
+            if pending.took is not None:
+                self.runner.recent_call_s.append(pending.took)
+
+    def _expire(self, done: list) -> None:
+        now = time.monotonic()
+        for token, pending in list(self._pending.items()):
+            if pending.deadline <= now:
+                del self._pending[token]
+                ThreadCall.abandoned.add(pending)
+                done.append((pending.key, self.runner.timed_out(pending.what, pending.prompt)))
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A call `SideBySide` started: who asked (key), what it is (for a timeout's line), when it started and times out,
+    how long it took once it returned (on a worker thread)."""
+
+    key: Any
+    what: str
+    prompt: Optional[str]
+    started: float
+    deadline: float
+    took: Optional[float] = None
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def running(self) -> bool:  # for ThreadCall.left_running, once abandoned
+        return not self.ended.is_set()
+
+
+_ENVIRONMENT_WORKERS = WorkerThreads("ppokit-env")
 
 
 @dataclass

@@ -16,10 +16,13 @@ What runs when. One thread (the caller's) drives the engine and does the bookkee
   decode  one engine step: one decoding step of every request in flight (the engine admits new ones as room frees)
           -> the requests that completed in it.
   answer  a completed turn starts its environment's `step` with the turn's text, and the rendering of the observation
-          (`ConversationRenderer.observation`), as one call under one deadline (environment_timeout_s) in a thread of
-          its own (`SideBySide`); its answer, when it returns, makes the episode's next request or ends it.
-The loop decodes while anything is in the engine and looks at the returned environment calls between two steps
-without waiting for them; with nothing to decode it waits for the next one to return. An episode waits only for its
+          (`ConversationRenderer.observation`), as one call under one deadline (environment_timeout_s) on a worker
+          thread of its own, kept for later calls (`SideBySide`); its answer, when it returns, makes the episode's next
+          request or ends it.
+The loop decodes while anything is in the engine and looks at the returned environment calls between two steps; it
+waits for the calls started since its last look at most as long as the last step took (a call back by then joins the
+next step instead of the one after; a slower call is not waited for), and with nothing to decode it waits for the
+next call to return. An episode waits only for its
 own requests and its own environment: a slow tool call holds its episode, not the others (the lock-step loop this
 replaced asked for every running episode's turn in one batch and waited for every environment before the next).
 Without a deadline (environment_timeout_s null) each environment call runs in the loop's own thread when it is started.
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -137,6 +141,7 @@ class EpisodeLoop:
         self.renderer = renderer or ConversationRenderer(tokenizer, None)
         self.max_concurrent, self.device = max_concurrent, device
         self._rollouts = itertools.count()  # request ids: unique across this loop's rollouts
+        self._step_s = 0.0  # the last engine step's time: how long a look waits for the environment calls started since the last
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling", seeds: Optional[EpisodeSeeds] = None) -> "Episodes":
         """B prompts (token ids) and their data rows -> Episodes (what the environment said in them), rows in order.
@@ -174,22 +179,25 @@ class EpisodeLoop:
                         if calls is None:
                             ready.append(episode)
                         else:
-                            calls.start(episode, partial(self.runner.start, dict(row), episode.text))
+                            calls.start(episode, partial(self.runner.start, dict(row), episode.text), "reset", episode.text)
                     if calls is not None:
-                        answered(calls.finished(wait=False))
+                        answered(calls.finished(wait=False, patience_s=self._step_s))
                     if ready:
                         requests = [self._request(e, sampling, seeds, tag) for e in ready]
                         asked.update((r.request_id, e) for r, e in zip(requests, ready))
                         ready.clear()
                         self.engine.submit(requests)
                     if self.engine.unfinished():
-                        for completion in self.engine.step():
+                        began = time.perf_counter()
+                        completions = self.engine.step()
+                        self._step_s = time.perf_counter() - began
+                        for completion in completions:
                             episode = asked.pop(completion.request_id)
                             call = self._turn(episode, completion)
                             if call is None:
                                 end(episode)
                             else:
-                                calls.start(episode, call)
+                                calls.start(episode, call, "step", episode.text)
                     elif calls is not None and calls.running:
                         answered(calls.finished(wait=True))
                     elif in_flight and not ready:

@@ -26,6 +26,7 @@ import torch
 
 from ppokit.errors import TrainingInterrupted, UserError
 from ppokit.user_code import load_attribute
+from ppokit.workers import in_callers_modes
 
 
 @dataclass
@@ -200,21 +201,17 @@ class ThreadCall:
     signal handlers, like any blocking call in the main thread.
     """
 
-    abandoned: "set[ThreadCall]" = set()  # the calls whose caller stopped waiting (`left_running`)
+    abandoned: set = set()  # the calls whose caller stopped waiting, these and others with `running()` (`left_running`)
 
     def __init__(self, fn: Callable[[], Any], name: str = "ppokit-call"):
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self._done = threading.Event()
         self._value: Any = None
         self._error: Optional[BaseException] = None
+        fn = in_callers_modes(fn)
 
         def run():
             try:
-                if device is not None:
-                    torch.cuda.set_device(device)
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    self._value = fn()
+                self._value = fn()
             except BaseException as e:  # SystemExit too: it is the caller's to judge, not this thread's to swallow
                 self._error = e
             finally:
