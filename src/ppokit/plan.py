@@ -35,9 +35,9 @@ from ppokit import engines
 from ppokit.config import BatchSizes, LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
-from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
+from ppokit.models import load_tokenizer, position_limit, prompt_room, resolve_model_path, same_vocabulary, tightest
 from ppokit.parallel import backward_separately
-from ppokit.prompts import as_prompt_dataset, conversation_for, encode_prompts, prompt_room
+from ppokit.prompts import as_prompt_dataset, conversation_for, encode_prompts
 from ppokit.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,

@@ -7,18 +7,15 @@ second, not after the 20-30 s a loaded machine takes to import them)."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from ppokit.chat import Messages, Renderer, Text
 from ppokit.config import DataConfig
 from ppokit.data import FORMATS_ACCEPTED, Records, alpaca_prompt, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.lengths import encode_prompt_text, truncate_prompt
-if TYPE_CHECKING:
-    from ppokit.models import PositionLimit
 
 
 @dataclass
@@ -160,51 +157,6 @@ def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optiona
         say(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={max_prompt_length} were truncated from the left "
             "(their start is cut: a chat template's system prompt, with an environment's tools their schemas)")
     return encoded
-
-
-def check_prompts_fit(
-    model_configs: dict[str, Any],
-    limit: Optional[PositionLimit],
-    prompts: list[tuple[str, Optional[PromptDataset], Optional[list[list[int]]]]],
-    response_length: int,
-    max_prompt_length: Optional[int],
-    tokenizer,
-    stop_token_ids: tuple[int, ...],
-) -> None:
-    """Before the policy's weights load, for each model that reads the policy's token ids (`model_configs`, by role):
-    every prompt id and the stop ids have an embedding row (the pad id is one they have: `models.input_pad_id`), and
-    every prompt (after truncation) plus `response_length` fits `limit`, the tightest of their position limits
-    (`models.tightest`; None: no config states one). One line naming the first row that does not, instead of an
-    IndexError from inside the model after the first sampling.
-
-    prompts: (config key, dataset, its encoded prompts) of each prompt set; a None dataset is skipped.
-    """
-    from ppokit.models import check_token_ids
-
-    fix = prompt_room(limit, response_length, max_prompt_length) if limit is not None else ""
-    prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
-    special = [("ppo.stop_token_id", list(stop_token_ids))] if stop_token_ids else []
-    for role, config in model_configs.items():
-        rows = ((f"{key} ({dataset.where(i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
-        check_token_ids(config, role, itertools.chain(special, rows), tokenizer)
-    if limit is None:
-        return
-    if response_length >= limit.tokens:
-        raise UserError(f"ppo.response_length {response_length} leaves no room for a prompt in {limit.describe()}; {fix}")
-    limit.check(
-        ((f"{key} ({dataset.where(i)})", len(ids) + response_length)
-         for key, dataset, encoded in prompts for i, ids in enumerate(encoded)),
-        lambda n: f"the prompt is {n - response_length} tokens; with ppo.response_length {response_length} that is {n}",
-        fix,
-    )
-
-
-def prompt_room(limit: PositionLimit, response_length: int, max_prompt_length: Optional[int]) -> str:
-    """How to make prompt + response fit `limit`: the key to set and the value that fits."""
-    if response_length >= limit.tokens:
-        return f"set ppo.response_length below {limit.tokens}"
-    now = "null" if max_prompt_length is None else max_prompt_length
-    return f"set data.max_prompt_length to at most {limit.tokens - response_length} (it is {now})"
 
 
 def batch_indices(update: int, num_prompts: int, prompts_per_update: int, seed: int, rank: int = 0, world: int = 1) -> list[int]:
