@@ -8,7 +8,6 @@ second, not after the 20-30 s a loaded machine takes to import them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ppokit.chat import Messages, Renderer, Text
@@ -63,23 +62,6 @@ class PromptDataset:
             if messages is not None:
                 self.prompts[i] = renderer.prompt(messages)
         self.chat = None
-
-
-def conversation_for(config, tokenizer, datasets: list[Optional[PromptDataset]], say: Callable[[str], None] = lambda message: None,
-                     base_dir: Optional[Path] = None):
-    """The conversation of a PPO `config` (`episode_loop.conversation_setup` with its keys: data.chat_template and its
-    kwargs, the environment and its tools, rollout.max_turns, ppo.stop_token), its chat prompts in `datasets` rendered
-    as they are trained on, tools' schemas included. The one way the trainer, `ppokit plan` and `ppokit data inspect
-    --config` render a run's prompts, so that their token counts agree. base_dir: where tool files are looked up
-    (default: the working directory)."""
-    from ppokit.environments.episode_loop import conversation_setup
-    from ppokit.models import resolve_stop_token
-
-    return conversation_setup(
-        tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs, datasets=datasets,
-        environment=config.environment, environment_args=config.environment_args, timeout_s=config.environment_timeout_s,
-        max_turns=config.rollout.max_turns, stop_token_ids=resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id),
-        base_dir=base_dir if base_dir is not None else Path.cwd(), say=say)
 
 
 def render_chat_prompts(tokenizer, chat_template: Optional[str], *datasets_: Optional[PromptDataset]) -> Optional[str]:
