@@ -11,12 +11,13 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import json
 import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -415,6 +416,50 @@ def tightest(limits: Iterable[Optional[PositionLimit]]) -> Optional[PositionLimi
     """The smallest of several models' limits (the sequence goes through all of them)."""
     known = [limit for limit in limits if limit is not None]
     return min(known, key=lambda limit: limit.tokens) if known else None
+
+
+def check_prompts_fit(
+    model_configs: dict[str, Any],
+    limit: Optional[PositionLimit],
+    prompts: list[tuple[str, Any, Optional[list[list[int]]]]],
+    response_length: int,
+    max_prompt_length: Optional[int],
+    tokenizer,
+    stop_token_ids: tuple[int, ...],
+) -> None:
+    """Before the policy's weights load, for each model that reads the policy's token ids (`model_configs`, by role):
+    every prompt id and the stop ids have an embedding row (the pad id is one they have: `input_pad_id`), and
+    every prompt (after truncation) plus `response_length` fits `limit`, the tightest of their position limits
+    (`tightest`; None: no config states one). One line naming the first row that does not, instead of an
+    IndexError from inside the model after the first sampling.
+
+    prompts: (config key, dataset, its encoded prompts) of each prompt set (a `prompts.PromptDataset`, which names its
+    rows' places); a None dataset is skipped.
+    """
+    fix = prompt_room(limit, response_length, max_prompt_length) if limit is not None else ""
+    prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
+    special = [("ppo.stop_token_id", list(stop_token_ids))] if stop_token_ids else []
+    for role, config in model_configs.items():
+        rows = ((f"{key} ({dataset.where(i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
+        check_token_ids(config, role, itertools.chain(special, rows), tokenizer)
+    if limit is None:
+        return
+    if response_length >= limit.tokens:
+        raise UserError(f"ppo.response_length {response_length} leaves no room for a prompt in {limit.describe()}; {fix}")
+    limit.check(
+        ((f"{key} ({dataset.where(i)})", len(ids) + response_length)
+         for key, dataset, encoded in prompts for i, ids in enumerate(encoded)),
+        lambda n: f"the prompt is {n - response_length} tokens; with ppo.response_length {response_length} that is {n}",
+        fix,
+    )
+
+
+def prompt_room(limit: PositionLimit, response_length: int, max_prompt_length: Optional[int]) -> str:
+    """How to make prompt + response fit `limit`: the key to set and the value that fits."""
+    if response_length >= limit.tokens:
+        return f"set ppo.response_length below {limit.tokens}"
+    now = "null" if max_prompt_length is None else max_prompt_length
+    return f"set data.max_prompt_length to at most {limit.tokens - response_length} (it is {now})"
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:

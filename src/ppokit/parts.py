@@ -27,10 +27,10 @@ from torch import nn
 
 from ppokit import algo, batching, engines, parallel, roles, run_dir
 from ppokit.config import BatchSizes, PPOConfig
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward, episode_source
-from ppokit.models import input_pad_id, policy_tokenizer, position_limit, tightest
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for, episode_source
+from ppokit.models import check_prompts_fit, input_pad_id, policy_tokenizer, position_limit, tightest
 from ppokit.optimise import prepare_training
-from ppokit.prompts import PromptDataset, check_prompts_fit, conversation_for, encode_prompts, load_prompt_data
+from ppokit.prompts import PromptDataset, encode_prompts, load_prompt_data
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.rollout import Rollout
 

@@ -33,11 +33,12 @@ from torch import nn
 
 from ppokit import engines
 from ppokit.config import BatchSizes, LoraConfig, PPOConfig
+from ppokit.environments.episode_loop import conversation_for
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
-from ppokit.models import load_tokenizer, position_limit, resolve_model_path, same_vocabulary, tightest
+from ppokit.models import load_tokenizer, position_limit, prompt_room, resolve_model_path, same_vocabulary, tightest
 from ppokit.parallel import backward_separately
-from ppokit.prompts import as_prompt_dataset, conversation_for, encode_prompts, prompt_room
+from ppokit.prompts import as_prompt_dataset, encode_prompts
 from ppokit.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,
@@ -697,7 +698,7 @@ def _with_budget(config: PPOConfig, tokens: int) -> PPOConfig:
 
 def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     """(longest prompt in tokens, number of training prompts, notes) from data.train and the tokenizer, the prompts
-    rendered by the run's conversation (`prompts.conversation_for`: a UserError where the trainer would refuse it)."""
+    rendered by the run's conversation (`episode_loop.conversation_for`: a UserError where the trainer would refuse it)."""
     notes = []
     train = config.data.train
     dataset = prompts = None

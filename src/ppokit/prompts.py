@@ -7,18 +7,14 @@ second, not after the 20-30 s a loaded machine takes to import them)."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from ppokit.chat import Messages, Renderer, Text
 from ppokit.config import DataConfig
 from ppokit.data import FORMATS_ACCEPTED, Records, alpaca_prompt, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.lengths import encode_prompt_text, truncate_prompt
-if TYPE_CHECKING:
-    from ppokit.models import PositionLimit
 
 
 @dataclass
@@ -66,23 +62,6 @@ class PromptDataset:
             if messages is not None:
                 self.prompts[i] = renderer.prompt(messages)
         self.chat = None
-
-
-def conversation_for(config, tokenizer, datasets: list[Optional[PromptDataset]], say: Callable[[str], None] = lambda message: None,
-                     base_dir: Optional[Path] = None):
-    """The conversation of a PPO `config` (`episode_loop.conversation_setup` with its keys: data.chat_template and its
-    kwargs, the environment and its tools, rollout.max_turns, ppo.stop_token), its chat prompts in `datasets` rendered
-    as they are trained on, tools' schemas included. The one way the trainer, `ppokit plan` and `ppokit data inspect
-    --config` render a run's prompts, so that their token counts agree. base_dir: where tool files are looked up
-    (default: the working directory)."""
-    from ppokit.environments.episode_loop import conversation_setup
-    from ppokit.models import resolve_stop_token
-
-    return conversation_setup(
-        tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs, datasets=datasets,
-        environment=config.environment, environment_args=config.environment_args, timeout_s=config.environment_timeout_s,
-        max_turns=config.rollout.max_turns, stop_token_ids=resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id),
-        base_dir=base_dir if base_dir is not None else Path.cwd(), say=say)
 
 
 def render_chat_prompts(tokenizer, chat_template: Optional[str], *datasets_: Optional[PromptDataset]) -> Optional[str]:
@@ -160,51 +139,6 @@ def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optiona
         say(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={max_prompt_length} were truncated from the left "
             "(their start is cut: a chat template's system prompt, with an environment's tools their schemas)")
     return encoded
-
-
-def check_prompts_fit(
-    model_configs: dict[str, Any],
-    limit: Optional[PositionLimit],
-    prompts: list[tuple[str, Optional[PromptDataset], Optional[list[list[int]]]]],
-    response_length: int,
-    max_prompt_length: Optional[int],
-    tokenizer,
-    stop_token_ids: tuple[int, ...],
-) -> None:
-    """Before the policy's weights load, for each model that reads the policy's token ids (`model_configs`, by role):
-    every prompt id and the stop ids have an embedding row (the pad id is one they have: `models.input_pad_id`), and
-    every prompt (after truncation) plus `response_length` fits `limit`, the tightest of their position limits
-    (`models.tightest`; None: no config states one). One line naming the first row that does not, instead of an
-    IndexError from inside the model after the first sampling.
-
-    prompts: (config key, dataset, its encoded prompts) of each prompt set; a None dataset is skipped.
-    """
-    from ppokit.models import check_token_ids
-
-    fix = prompt_room(limit, response_length, max_prompt_length) if limit is not None else ""
-    prompts = [(key, dataset, encoded) for key, dataset, encoded in prompts if dataset is not None]
-    special = [("ppo.stop_token_id", list(stop_token_ids))] if stop_token_ids else []
-    for role, config in model_configs.items():
-        rows = ((f"{key} ({dataset.where(i)})", ids) for key, dataset, encoded in prompts for i, ids in enumerate(encoded))
-        check_token_ids(config, role, itertools.chain(special, rows), tokenizer)
-    if limit is None:
-        return
-    if response_length >= limit.tokens:
-        raise UserError(f"ppo.response_length {response_length} leaves no room for a prompt in {limit.describe()}; {fix}")
-    limit.check(
-        ((f"{key} ({dataset.where(i)})", len(ids) + response_length)
-         for key, dataset, encoded in prompts for i, ids in enumerate(encoded)),
-        lambda n: f"the prompt is {n - response_length} tokens; with ppo.response_length {response_length} that is {n}",
-        fix,
-    )
-
-
-def prompt_room(limit: PositionLimit, response_length: int, max_prompt_length: Optional[int]) -> str:
-    """How to make prompt + response fit `limit`: the key to set and the value that fits."""
-    if response_length >= limit.tokens:
-        return f"set ppo.response_length below {limit.tokens}"
-    now = "null" if max_prompt_length is None else max_prompt_length
-    return f"set data.max_prompt_length to at most {limit.tokens - response_length} (it is {now})"
 
 
 def batch_indices(update: int, num_prompts: int, prompts_per_update: int, seed: int, rank: int = 0, world: int = 1) -> list[int]:

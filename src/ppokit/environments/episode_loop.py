@@ -50,7 +50,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -367,6 +368,22 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
     for dataset in datasets:
         dataset.render_chat(renderer)
     return Conversation(renderer, runner, template)
+
+
+def conversation_for(config, tokenizer, datasets: list, say: Callable[[str], None] = lambda message: None,
+                     base_dir: Optional[Path] = None) -> Conversation:
+    """The conversation of a PPO `config` (`conversation_setup` with its keys: data.chat_template and its kwargs, the
+    environment and its tools, rollout.max_turns, ppo.stop_token), its chat prompts in `datasets` (`prompts.PromptDataset`,
+    None skipped) rendered as they are trained on, tools' schemas included. The one way the trainer, `ppokit plan` and
+    `ppokit data inspect --config` render a run's prompts, so that their token counts agree. base_dir: where tool files
+    are looked up (default: the working directory)."""
+    from ppokit.models import resolve_stop_token
+
+    return conversation_setup(
+        tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs, datasets=datasets,
+        environment=config.environment, environment_args=config.environment_args, timeout_s=config.environment_timeout_s,
+        max_turns=config.rollout.max_turns, stop_token_ids=resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id),
+        base_dir=base_dir if base_dir is not None else Path.cwd(), say=say)
 
 
 def episode_source(engine: "RolloutEngine", conversation: Conversation, *, max_turns: int, max_episode_tokens: int,

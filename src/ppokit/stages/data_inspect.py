@@ -15,7 +15,7 @@ from ppokit.config import DataConfig, PPOHyperparams, StageDataConfig
 from ppokit.data import Records, load_records, preference_triples, sft_pairs
 from ppokit.errors import UserError
 from ppokit.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt
-from ppokit.prompts import PromptDataset, prompt_dataset_from_records, prompt_room
+from ppokit.prompts import PromptDataset, prompt_dataset_from_records
 
 if TYPE_CHECKING:  # torch and transformers: not for a report without a tokenizer
     from ppokit.models import PositionLimit
@@ -57,7 +57,7 @@ def inspect_data(
     ppo.response_length's) would not fit the model are counted and the first is named.
 
     render_prompts: renders PPO prompts as a run does and returns the template used (`ppokit data inspect --config`:
-    the run's conversation, `prompts.conversation_for`, tools' schemas included); default: `chat_template` alone.
+    the run's conversation, `episode_loop.conversation_for`, tools' schemas included); default: `chat_template` alone.
     """
     records = path if isinstance(path, Records) else load_records(path, format)
     if stage is None and records.format == "messages" and not any(_ends_with_assistant(row) for row in records.rows):
@@ -163,6 +163,7 @@ def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]],
     """Rows the model could not take: count, the first, and the key that fixes it."""
     if limit is None:
         return None
+    from ppokit.models import prompt_room
     from ppokit.stages.common import max_length_room
 
     over = limit.rows_over(sequences)
