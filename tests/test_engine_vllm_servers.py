@@ -336,6 +336,32 @@ def test_two_trainer_processes_on_two_servers(servers, server_model, prompts_fil
     assert [weight_version(s.address) for s in servers] == ["3", "3"]
 
 
+def test_two_trainer_processes_sample_one_update_ahead_on_two_servers(servers, server_model, prompts_file, tmp_path):
+    """The same launch with rollout.max_staleness 1: while the 2 trainer processes train update u, each has its rows of
+    update u+1 sampled on the servers from the weights before it; each process's episodes carry their version, so
+    every update after the first trains on episodes one version old, with the decoupled loss (ratio 1 against the
+    trainer's recomputed logprobs), and process 0 pushes every update's weights."""
+    from test_multiprocess import TORCHRUN, _free_port, _launch, _worker_tracebacks
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    config = run_config(server_model, prompts_file, tmp_path, {"placement": "servers", "servers": [s.address for s in servers],
+                                                               "server_timeout_s": 300, "max_staleness": 1},
+                        per_device_train_batch_size=4, total_episodes=24, rollout_is="tis", save_steps=0)
+    result = _launch(config, port=_free_port())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not _worker_tracebacks(result.stderr), result.stderr[-3000:]
+    runs = records(tmp_path)
+    assert [(r["update"], r["episode"]) for r in runs] == [(1, 8), (2, 16), (3, 24)]  # 2 processes x 4 rows
+    assert [r["rollout/staleness_max"] for r in runs] == [0.0, 1.0, 1.0]
+    assert [r["rollout/staleness_mean"] for r in runs] == [0.0, 1.0, 1.0]
+    assert all(r["val/ratio"] == pytest.approx(1.0, abs=1e-5) for r in runs), [r["val/ratio"] for r in runs]
+    # sampled by weights one update older than the proximal policy's: far beyond float rounding
+    assert [r["rollout/logprob_diff_max"] > 1e-3 for r in runs] == [False, True, True], [r["rollout/logprob_diff_max"] for r in runs]
+    assert [r["time/overlap"] > 0 for r in runs] == [True, True, False], [r["time/overlap"] for r in runs]
+    assert [weight_version(s.address) for s in servers] == ["4", "4"]  # the start's push and one per update
+
+
 KILLER = '''
 import os, signal
 calls = [0]
