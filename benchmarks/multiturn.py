@@ -4,9 +4,11 @@ the lock-step loop it replaced; one JSON line per case.
 The demo game's SFT'd tiny Llama (`ppokit.demo_game`, built once into --work, ~1 minute on 2 cores) plays episodes of
 1 to 6 turns (each row's own number, drawn from a fixed seed) against `LatentTool`, an environment whose every call
 takes, with tools `slow`, 1 s for 10% of the calls and 10 ms for the others (which calls, fixed by the row and turn:
-the same for every loop), and with tools `instant` no time at all. Cases: loop (`per-episode`: this checkout's
-`EpisodeLoop`; `lock-step`: the loop of --base, 990d034 by default, extracted with `git archive` and run in a
-subprocess: one batched generate per turn for every running episode, then every environment's step) x tools x engine
+the same for every loop), and with tools `instant` no time at all; each call under environment_timeout_s 60 (on
+worker threads), and the instant tool also without a deadline (null: each call in the loop's own thread). Cases:
+loop (`per-episode`: this checkout's `EpisodeLoop`; `lock-step`: the loop of --base, 990d034 by default, extracted
+with `git archive` and run in a subprocess: one batched generate per turn for every running episode, then every
+environment's step) x tools and deadline x engine
 (`hf`; `vllm` with --engine vllm, run under the vLLM venv's python). Each case runs --repeats batches of --episodes
 episodes after one warm-up batch; the figures are medians. Every line carries the machine's load average (the
 2-core machine is shared: compare lines measured together) and, for the per-episode loop, a digest of the episodes
@@ -104,8 +106,8 @@ def run_cases(args, loop_name: str) -> list[dict]:
     stop = "stop_token_ids" if "stop_token_ids" in inspect.signature(Sampling).parameters else "stop_token_id"
     sampling = Sampling(max_new_tokens=3, temperature=1.0, **{stop: tokenizer.eos_token_id})
     results = []
-    for tools in ("instant", "slow"):
-        runner = EnvironmentRunner(f"{__file__}:LatentTool", LatentTool, {"tools": tools}, timeout_s=60.0)
+    for tools, deadline_s in (("instant", 60.0), ("instant", None), ("slow", 60.0)):
+        runner = EnvironmentRunner(f"{__file__}:LatentTool", LatentTool, {"tools": tools}, timeout_s=deadline_s)
         loop = EpisodeLoop(engine, tokenizer, runner, max_turns=MAX_TURNS, max_episode_tokens=budget, pad_token_id=tokenizer.pad_token_id)
 
         def sample():
@@ -125,7 +127,7 @@ def run_cases(args, loop_name: str) -> list[dict]:
             digests.add(digest(episodes))
         t = statistics.median(seconds)
         results.append({
-            "benchmark": "multiturn", "loop": loop_name, "engine": args.engine, "tools": tools, "episodes": args.episodes,
+            "benchmark": "multiturn", "loop": loop_name, "engine": args.engine, "tools": tools, "environment_timeout_s": deadline_s, "episodes": args.episodes,
             "repeats": args.repeats, "episodes_per_s": round(args.episodes / t, 2), "model_tokens_per_s": round(statistics.median(tokens) / t, 1),
             "mean_turns": round(statistics.mean(turns), 3), "seconds": round(t, 3), "load_avg_1min": round(load, 2),
             "digest": sorted(digests)[0] if len(digests) == 1 else "differs between repeats", "threads": torch.get_num_threads(),
