@@ -263,6 +263,41 @@ def _renderer(template=PLAIN_CHAT_TEMPLATE, **kw):
     return tok, ConversationRenderer(tok, template if template is not None else None, stop_token_ids=tok.eos_token_id, **kw)
 
 
+def test_observation_ids_are_tokenised_once_per_text_and_the_least_recently_used_is_forgotten(monkeypatch):
+    """`encode` remembers the ids of the texts it was given last (observations repeat, and each is read twice): the same
+    ids as the tokenizer's, the tokenizer called once per text while it is remembered, the text used longest ago
+    forgotten first, and a caller changing the list it got changes nothing remembered."""
+    import ppokit.conversation
+
+    tok, renderer = _renderer(template=None)
+    asked = []
+    real = renderer.tokenizer
+
+    class Counting:
+        def __call__(self, text, **kw):
+            asked.append(text)
+            return real(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    renderer.tokenizer = Counting()
+    monkeypatch.setattr(ppokit.conversation, "ENCODED_KEPT", 2)
+    expected = {t: real(t, add_special_tokens=False)["input_ids"] for t in ("higher", "lower", "correct")}
+    first = renderer.observation([], "higher", True)
+    assert first.ids == expected["higher"] and asked == ["higher"]  # read as the model reads it, then its ids: one call
+    first.ids.append(-1)
+    assert renderer.encode("higher") == expected["higher"] and asked == ["higher"]
+    assert renderer.encode("lower") == expected["lower"] and asked == ["higher", "lower"]
+    assert renderer.encode("higher") == expected["higher"]  # now the most recently used
+    assert renderer.encode("correct") == expected["correct"]  # forgets "lower", the least recently used
+    assert asked == ["higher", "lower", "correct"]
+    renderer.encode("higher")
+    assert asked == ["higher", "lower", "correct"]
+    renderer.encode("lower")
+    assert asked == ["higher", "lower", "correct", "lower"]
+
+
 def test_a_huge_observation_is_cut_to_the_room_before_it_is_tokenised():
     tok, renderer = _renderer()
     said = renderer.observation([], "x" * 20_000_000, True, room=50)

@@ -45,6 +45,7 @@ PROBE_QUESTION = "ppokit probe question"
 PROBE_TURN = "ppokit-probe-turn-5b1e9c"  # the probe assistant turn's content: found once in a rendering, never changed by it
 PROBE_RESULT = "ppokit probe result"
 WHERE = "data.chat_template"
+ENCODED_KEPT = 4096  # texts whose ids `ConversationRenderer.encode` remembers
 
 
 @dataclass
@@ -74,6 +75,7 @@ class ConversationRenderer:
         self.stop_token_ids: tuple[int, ...] = stop_ids(stop_token_ids)
         self.chat = Renderer(tokenizer, template, tools=tools, template_kwargs=template_kwargs) if template is not None else None
         self._lock = threading.Lock()  # a fast tokenizer is called from the environment's worker threads
+        self._encoded: dict[str, tuple[int, ...]] = {}  # text -> ids, oldest use first (`encode`)
         self._turn_ends: dict[tuple, tuple[dict, str, Optional[int]]] = {}  # per shape of observation: (probe turn, closing, its stop id)
         self._longest_token: Optional[int] = None
         self._prompt_probe: Optional[tuple[str, list[int]]] = None
@@ -89,8 +91,17 @@ class ConversationRenderer:
         return self.chat.render(messages, add_generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
+        """text's token ids, remembered for the last `ENCODED_KEPT` texts: an environment's observations repeat (a
+        game's "higher"), and each is read twice (what the model reads, then its ids); tokenising is the largest
+        share of an environment call's time on the loop's worker threads."""
         with self._lock:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = self._encoded.pop(text, None)
+            if ids is None:
+                ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if len(self._encoded) >= ENCODED_KEPT:
+                    del self._encoded[next(iter(self._encoded))]  # the least recently used
+            self._encoded[text] = ids  # the last used at the end
+            return list(ids)
 
     # ------------------------------------------------------------------ model turns
 
