@@ -223,11 +223,10 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     if layout.critic == CRITIC_SHARED:
         value = SharedBaseCritic(policy, config)
     if config.gradient_checkpointing:
-        # The shared critic runs inside the policy's base: checkpointed with it, under the adapter each layer ran with.
         shared = policy if layout.critic == CRITIC_SHARED else None
-        for m, peft_model in ((policy, shared), (value if shared is None else None, None)):
-            if m is not None:
-                enable_gradient_checkpointing(m, peft_model)
+        enable_gradient_checkpointing(policy, shared)
+        if shared is None and value is not None:
+            enable_gradient_checkpointing(value)
     # The memory-light LM head and the compiled forward read the logits from the last hidden state: a model whose forward
     # computes them otherwise is refused now, before the optimiser, rather than trained on wrong logits.
     switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None

@@ -327,7 +327,7 @@ class SideBySide:
         self._fresh.add(token)
         if not self.threaded:
             self._returned.put((token, _outcome(call)))  # what the call raises besides its failure is raised here, at once
-            pending.ended.set()
+            pending.took = time.monotonic() - pending.started
             return
 
         def run():
@@ -336,7 +336,6 @@ class SideBySide:
             except BaseException as e:  # the caller's to raise (`finished`), not this thread's to swallow
                 returned = _Raised(e)
             pending.took = time.monotonic() - pending.started
-            pending.ended.set()
             self._returned.put((token, returned))
 
         _ENVIRONMENT_WORKERS.run(run)
@@ -351,6 +350,7 @@ class SideBySide:
         done: list[tuple] = []
         start = time.monotonic()
         fresh, self._fresh = self._fresh, set()
+        patience = self._patience(patience_s) if fresh else 0.0
         item = None
         while True:
             try:
@@ -364,7 +364,7 @@ class SideBySide:
             if wait and not done and self._pending:
                 until = math.inf if timeout_s is None else start + timeout_s
             elif fresh:
-                until = start + self._patience(patience_s)
+                until = start + patience
             else:
                 break
             now = time.monotonic()
@@ -390,7 +390,7 @@ class SideBySide:
         pending = self._pending.pop(token, None)
         if pending is not None:  # None: it timed out already
             done.append((pending.key, value))
-            if pending.took is not None:
+            if self.threaded:
                 self.runner.recent_call_s.append(pending.took)
 
     def _expire(self, done: list) -> None:
@@ -405,18 +405,17 @@ class SideBySide:
 @dataclass(eq=False)
 class _Pending:
     """A call `SideBySide` started: who asked (key), what it is (for a timeout's line), when it started and times out,
-    how long it took once it returned (on a worker thread)."""
+    how long it took once it returned."""
 
     key: Any
     what: str
     prompt: Optional[str]
     started: float
     deadline: float
-    took: Optional[float] = None
-    ended: threading.Event = field(default_factory=threading.Event)
+    took: Optional[float] = None  # set by the thread that ran it, before it hands the value back
 
     def running(self) -> bool:  # for ThreadCall.left_running, once abandoned
-        return not self.ended.is_set()
+        return self.took is None
 
 
 _ENVIRONMENT_WORKERS = WorkerThreads("ppokit-env")

@@ -20,9 +20,9 @@ What runs when. One thread (the caller's) drives the engine and does the bookkee
           thread of its own, kept for later calls (`SideBySide`); its answer, when it returns, makes the episode's next
           request or ends it.
 The loop decodes while anything is in the engine and looks at the returned environment calls between two steps; it
-waits for the calls started since its last look at most as long as the last step took (a call back by then joins the
-next step instead of the one after; a slower call is not waited for), and with nothing to decode it waits for the
-next call to return. An episode waits only for its
+waits for the calls started since its last look, twice as long as the environment's calls usually take when that is
+shorter than the last step (a call back by then joins the next step instead of the one after; calls that usually
+take longer are not waited for), and with nothing to decode it waits for the next call to return. An episode waits only for its
 own requests and its own environment: a slow tool call holds its episode, not the others (the lock-step loop this
 replaced asked for every running episode's turn in one batch and waited for every environment before the next).
 Without a deadline (environment_timeout_s null) each environment call runs in the loop's own thread when it is started.
@@ -142,7 +142,7 @@ class EpisodeLoop:
         self.renderer = renderer or ConversationRenderer(tokenizer, None)
         self.max_concurrent, self.device = max_concurrent, device
         self._rollouts = itertools.count()  # request ids: unique across this loop's rollouts
-        self._step_s = 0.0  # the last engine step's time: how long a look waits for the environment calls started since the last
+        self._step_s = 0.0  # the last engine step's time: the most a look waits for the environment calls started since the last
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling", seeds: Optional[EpisodeSeeds] = None) -> "Episodes":
         """B prompts (token ids) and their data rows -> Episodes (what the environment said in them), rows in order.
