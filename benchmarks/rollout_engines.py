@@ -30,6 +30,7 @@ also transformers' own continuous batching (`model.generate_batch`) on the same 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -138,10 +139,12 @@ def ppo_config(model_dir: str, prompts_file: str, output_dir: str, overrides: li
     return load_config(PPOConfig, None, overrides, data=base)
 
 
-def ppo_records(build_model, tokenizer, prompts: list[dict], overrides: list[str], *, updates: int, **sizes) -> tuple[list[dict], dict]:
+def ppo_records(build_model, tokenizer, prompts: list[dict], overrides: list[str], *, updates: int, watch=contextlib.nullcontext,
+                **sizes) -> tuple[list[dict], dict]:
     """Train the model `build_model()` makes (saved, then dropped: the trainer loads its own) on `prompts` with
     `ppo_config(overrides, **sizes)` -> (the metric records of every update, {"parameters": the policy's count,
-    "policy_dtype": its weights' dtype as the trainer loaded them})."""
+    "policy_dtype": its weights' dtype as the trainer loaded them}). `watch(run folder)`: a context manager around
+    the training."""
     import tempfile
     from pathlib import Path
 
@@ -162,7 +165,8 @@ def ppo_records(build_model, tokenizer, prompts: list[dict], overrides: list[str
         config = ppo_config(str(work / "model"), str(work / "prompts.jsonl"), str(work / "run"), overrides, updates=updates, **sizes)
         torch.manual_seed(0)
         trainer = PPOTrainer(config, show_progress=False)
-        records = trainer.train()
+        with watch(work / "run"):
+            records = trainer.train()
     return records, {"parameters": parameters, "policy_dtype": str(next(trainer.policy.parameters()).dtype).removeprefix("torch.")}
 
 
