@@ -18,6 +18,12 @@ nvidia-smi sees it (memory.used sampled every 0.2 s: everything, vLLM's KV cache
 engine-vs-trainer logprob difference. vLLM takes `rollout.gpu_memory_utilization` (default 0.3) of the
 GPU; with sleep it frees its weights and KV cache while the trainer optimises.
 
+Off-policy (issue 30, "on a GPU"): `--engines vllm-k0,vllm-k1` runs the same updates with the vLLM server on GPUs
+the trainer does not use (`rollout.placement: separate`: the trainer on the first GPU, the server on the others, so
+it needs two or more), `ppo.rollout_is: tis`, `rollout.max_staleness` 0 then 1; k more updates run after the timed
+ones so that every timed update samples ahead (a long run's steady state). The goal: vllm-k1's episodes_per_s >=
+1.8x vllm-k0's; overlap_s shows the seconds per update that sampling ran beside training.
+
 Expected wall time on one H200: under 5 minutes for both engines (the first vllm update includes nothing
 of the engine's start; `first_update_s` and `wall_s` show what the start cost).
 """
@@ -37,7 +43,9 @@ import rollout_engines  # noqa: E402
 
 MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=8,
              max_position_embeddings=512, tie_word_embeddings=True)
-ENGINE_KEYS = {"vllm": ["rollout.engine=vllm", "rollout.sleep=true"], "hf": ["rollout.engine=hf"]}
+OFF_POLICY_KEYS = ["rollout.engine=vllm", "rollout.placement=separate", "ppo.rollout_is=tis"]  # the server on GPUs of its own
+ENGINE_KEYS = {"vllm": ["rollout.engine=vllm", "rollout.sleep=true"], "hf": ["rollout.engine=hf"],
+               "vllm-k0": OFF_POLICY_KEYS + ["rollout.max_staleness=0"], "vllm-k1": OFF_POLICY_KEYS + ["rollout.max_staleness=1"]}
 COMMON_KEYS = ["bf16=true"]
 
 
@@ -99,19 +107,24 @@ def run_engine(engine: str, args) -> dict:
     import torch
 
     start = time.perf_counter()
-    data, tokenizer = rollout_engines.demo_data(args.episodes * (args.updates + 1))
+    # k updates after the timed ones, not timed: each timed update then samples ahead, as in a long run
+    k = next((int(key.split("=")[1]) for key in ENGINE_KEYS[engine] if key.startswith("rollout.max_staleness=")), 0)
+    data, tokenizer = rollout_engines.demo_data(args.episodes * (args.updates + k + 1))
     config = model_config(tokenizer)
     smi = NvidiaSmiPeak()
     records, facts = rollout_engines.ppo_records(
-        lambda: build_model(config), tokenizer, data["prompts"], ENGINE_KEYS[engine] + COMMON_KEYS, updates=args.updates,
+        lambda: build_model(config), tokenizer, data["prompts"], ENGINE_KEYS[engine] + COMMON_KEYS, updates=args.updates + k,
         episodes=args.episodes, response_length=args.response_length)
+    records = records[:1 + args.updates]
     smi_peak = smi.stop()
     return dict(benchmark="gpu_engines", engine=engine, device=torch.cuda.get_device_name(), **facts,
                 overrides=ENGINE_KEYS[engine] + COMMON_KEYS, response_length=args.response_length,
                 **rollout_engines.ppo_figures(records, args.episodes),
                 torch_max_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 torch_max_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
-                nvidia_smi_peak_gib=round(smi_peak / 1024, 2), nvidia_smi_error=smi.error, wall_s=round(time.perf_counter() - start, 1))
+                nvidia_smi_peak_gib=round(smi_peak / 1024, 2), nvidia_smi_error=smi.error, wall_s=round(time.perf_counter() - start, 1),
+                overlap_s=[round(r.get("time/overlap", 0.0), 2) for r in records[1:]],
+                staleness_mean=[r.get("rollout/staleness_mean", 0.0) for r in records[1:]])
 
 
 def dry_run(args) -> None:

@@ -321,3 +321,10 @@ def test_the_prepared_gpu_benchmark_builds_its_model_and_configs_without_a_gpu()
         assert 0.45e9 < line["parameters"] < 0.55e9 and line["model"]["hidden_size"] // line["model"]["num_attention_heads"] == 64
         assert config["rollout"]["engine"] == line["engine"] and config["rollout"]["sleep"] == (line["engine"] == "vllm")
         assert config["bf16"] and config["ppo"]["total_episodes"] == 5 * 64  # 4 timed updates after a warm-up
+    # the off-policy check (issue 30): the server on GPUs of its own, k = 0 then 1, the same loss
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_engines.py"), "--dry-run", "--engines", "vllm-k0,vllm-k1"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    configs = [json.loads(line)["config"] for line in result.stdout.splitlines()]
+    assert [(c["rollout"]["placement"], c["rollout"]["max_staleness"], c["ppo"]["rollout_is"]) for c in configs] == [
+        ("separate", 0, "tis"), ("separate", 1, "tis")]
