@@ -29,7 +29,7 @@ from accelerate import Accelerator  # noqa: E402
 from ppokit import parallel, roles  # noqa: E402
 from ppokit.config import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.guards import UpdateSnapshot  # noqa: E402
-from ppokit.models import response_logits, value_model_from_policy  # noqa: E402
+from ppokit.models import enable_gradient_checkpointing, response_logits, value_model_from_policy  # noqa: E402
 from ppokit.engines.base import Request, Sampling, complete  # noqa: E402
 from ppokit.engines.hf import HFEngine, HFSampler  # noqa: E402
 from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
@@ -54,8 +54,8 @@ def build(tokenizer, lora: bool = False, checkpointing: bool = False) -> PolicyA
                 if "lora_B" in name:
                     p.normal_(std=0.05)
     if checkpointing:
-        roles.enable_gradient_checkpointing(policy)
-        roles.enable_gradient_checkpointing(value)
+        enable_gradient_checkpointing(policy)
+        enable_gradient_checkpointing(value)
     return PolicyAndValue(policy, value)
 
 

@@ -381,10 +381,12 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130_never_a_traceback(model_d
 
     from conftest import tiny_ppo_config
 
+    from ppokit.batch_sizes import derive
+
     config, out = tmp_path / "ppo.yaml", tmp_path / "run"
     settings = tiny_ppo_config(model_dir(), prompts_file, out)
     settings.save(config)
-    updates = settings.ppo.derive(1, len(prompts_file.read_text().splitlines())).num_updates
+    updates = derive(settings.ppo, 1, len(prompts_file.read_text().splitlines())).num_updates
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "ppokit", "ppo", str(config)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -4,6 +4,7 @@ import threading
 import pytest
 import yaml
 
+from ppokit.batch_sizes import derive
 from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, PPOConfig, PPOHyperparams
 from ppokit.errors import UserError
 
@@ -150,23 +151,23 @@ def test_values_that_could_never_apply_are_refused():
 
 def test_batch_arithmetic_and_inexact_division():
     hp = PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=64)
-    sizes = hp.derive(world_size=2, num_prompts=100)
+    sizes = derive(hp, world_size=2, num_prompts=100)
     assert sizes.local_batch == 16 and sizes.batch == 32 and sizes.local_mini_batch == 8
     assert sizes.num_updates == 2 and sizes.micro_batch == 4
     with pytest.raises(UserError, match=r"total_episodes \(60\) is not a multiple of the batch size \(32"):
-        PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=60).derive(2, 100)
+        derive(PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=60), 2, 100)
     # default: one pass over the prompts, whole batches only
-    assert PPOHyperparams(per_device_train_batch_size=8).derive(1, 100).total_episodes == 96
+    assert derive(PPOHyperparams(per_device_train_batch_size=8), 1, 100).total_episodes == 96
     with pytest.raises(UserError, match="less than one batch"):
-        PPOHyperparams(per_device_train_batch_size=8).derive(1, 5)
+        derive(PPOHyperparams(per_device_train_batch_size=8), 1, 5)
 
 
 def test_a_warmup_as_long_as_the_run_is_refused():
     """Counted in optimiser steps (2 updates x 4 epochs x 2 minibatches = 16): 16 would never reach the peak rate."""
     hp = dict(per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=4, total_episodes=16)
-    assert PPOHyperparams(**hp, warmup_steps=15).derive(1, 100).num_updates == 2
+    assert derive(PPOHyperparams(**hp, warmup_steps=15), 1, 100).num_updates == 2
     with pytest.raises(UserError) as error:
-        PPOHyperparams(**hp, warmup_steps=16).derive(1, 100)
+        derive(PPOHyperparams(**hp, warmup_steps=16), 1, 100)
     assert str(error.value) == (
         "ppo.warmup_steps (16) is not shorter than the run's 16 optimiser steps (2 updates x num_ppo_epochs 4 x "
         "num_mini_batches 2): the learning rate would never reach ppo.learning_rate; set ppo.warmup_steps below 16")
@@ -355,24 +356,24 @@ def test_toolbox_good_combinations_load():
 
 def test_batch_arithmetic_with_several_samples_per_prompt():
     hp = PPOHyperparams(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, num_samples_per_prompt=4)
-    sizes = hp.derive(world_size=2, num_prompts=100)
+    sizes = derive(hp, world_size=2, num_prompts=100)
     # 32 episodes per update = 8 prompts x 4 samples, 4 prompts per process; one pass = 100 x 4 episodes -> 12 whole batches
     assert (sizes.batch, sizes.prompts_per_update, sizes.local_prompts, sizes.samples_per_prompt) == (32, 8, 4, 4)
     assert sizes.total_episodes == 384 and sizes.num_updates == 12
     with pytest.raises(UserError, match=r"3 training prompts x 4 samples per prompt x 1 epoch\(s\) is less than one batch of 32"):
-        hp.derive(2, 3)
+        derive(hp, 2, 3)
     with pytest.raises(UserError, match=r"ppo.critic_warmup_updates \(2\) leaves no update that trains the policy: the run has 2 updates"):
-        PPOHyperparams(per_device_train_batch_size=8, total_episodes=16, critic_warmup_updates=2).derive(1, 100)
-    assert PPOHyperparams(per_device_train_batch_size=8, total_episodes=16, critic_warmup_updates=1).derive(1, 100).num_updates == 2
+        derive(PPOHyperparams(per_device_train_batch_size=8, total_episodes=16, critic_warmup_updates=2), 1, 100)
+    assert derive(PPOHyperparams(per_device_train_batch_size=8, total_episodes=16, critic_warmup_updates=1), 1, 100).num_updates == 2
 
 
 def test_a_learning_rate_warm_up_must_fit_after_the_critic_warm_up():
     hp = PPOHyperparams(per_device_train_batch_size=8, total_episodes=32, num_ppo_epochs=2, critic_warmup_updates=2, warmup_steps=4)
     # 4 updates x 2 optimiser steps; the policy's schedule has the last 2 updates: 4 steps
     with pytest.raises(UserError, match=r"ppo.warmup_steps \(4\) is not shorter than the policy's 4 optimiser steps after ppo.critic_warmup_updates \(2\)"):
-        hp.derive(1, 100)
+        derive(hp, 1, 100)
     hp.warmup_steps = 3
-    assert hp.derive(1, 100).num_updates == 4
+    assert derive(hp, 1, 100).num_updates == 4
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ppokit.batch_sizes import derive
 from ppokit.config import PPOConfig
 from ppokit.rewards.scorer import function_source
 
@@ -30,7 +31,7 @@ def test_a_recipe_config_loads_and_validates(name):
     processes, is_that_recipe = RECIPES[name]
     config = PPOConfig.load(ROOT / "examples" / name)
     assert is_that_recipe(config)
-    sizes = config.ppo.derive(processes, num_prompts=1000)  # total_episodes is set: the prompt count does not matter
+    sizes = derive(config.ppo, processes, num_prompts=1000)  # total_episodes is set: the prompt count does not matter
     assert sizes.num_updates >= 100
     for i, entry in enumerate(config.reward.functions):
         function_source(entry, f"reward.functions[{i}]")

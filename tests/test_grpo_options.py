@@ -15,6 +15,7 @@ from conftest import tiny_ppo_config
 from test_algo import _two_processes
 
 from ppokit import algo
+from ppokit.batch_sizes import derive
 from ppokit.config import PPOConfig, PPOHyperparams
 from ppokit.errors import UserError
 from ppokit.estimators import ESTIMATORS
@@ -234,10 +235,10 @@ def test_warmup_ratio_refusals(overrides, message):
 
 def test_a_warmup_ratio_as_long_as_the_run_is_refused():
     hp = PPOHyperparams(per_device_train_batch_size=8, total_episodes=32, num_ppo_epochs=2, num_mini_batches=2, warmup_ratio=0.8)
-    assert hp.derive(1, 100).num_updates == 2  # ceil(0.8 x 8) = 7 of the run's 8 optimiser steps
+    assert derive(hp, 1, 100).num_updates == 2  # ceil(0.8 x 8) = 7 of the run's 8 optimiser steps
     hp.warmup_ratio = 0.9  # ceil(0.9 x 8) = 8: the whole run
     with pytest.raises(UserError, match=re.escape("ppo.warmup_ratio (0.9), a warm-up of 8 optimiser steps, is not shorter than the run's 8 optimiser steps")):
-        hp.derive(1, 100)
+        derive(hp, 1, 100)
 
 
 # --------------------------------------------------------------------------- through the trainer

@@ -12,8 +12,8 @@ from ppokit import algo, experience
 
 from ppokit.config import LoraConfig, PPOConfig
 from ppokit.errors import UserError
-from ppokit.models import left_pad, load_causal_lm, response_logits, score_at_last_token
-from ppokit.roles import POLICY_ADAPTER, VALUE_ADAPTER, enable_gradient_checkpointing
+from ppokit.models import enable_gradient_checkpointing, left_pad, load_causal_lm, response_logits, score_at_last_token
+from ppokit.roles import POLICY_ADAPTER, VALUE_ADAPTER, recompute_with_active_adapter
 from ppokit.tiny import tiny_config
 from ppokit.trainer import PPOTrainer
 
@@ -143,7 +143,7 @@ def test_gradient_checkpointing_recomputes_with_the_right_adapter(model_dir, pro
 
     model.train()
     plain = grads()
-    enable_gradient_checkpointing(trainer.policy, trainer.policy)
+    enable_gradient_checkpointing(trainer.policy, recompute_with_active_adapter(trainer.policy))
     assert trainer.policy.get_base_model().is_gradient_checkpointing
     checkpointed = grads()
     assert plain.keys() == checkpointed.keys() and any(f".{VALUE_ADAPTER}." in n for n in plain)

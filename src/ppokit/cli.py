@@ -74,13 +74,14 @@ def check_run_config(config, processes: int | None = None) -> None:
     the run refuses is the same one line and exit status 2 there."""
     if processes is not None and processes < 1:
         raise UserError(f"--processes {processes}: must be at least 1")
+    from ppokit import batch_sizes
     from ppokit.environments.python_tool import check_config as check_python_tool
     from ppokit.launcher import launched_processes
 
     check_python_tool(config.environment, config.environment_args, Path.cwd())  # the sandbox the Python tool needs
 
     if config.ppo.total_episodes is not None:  # without it the batch arithmetic needs the prompts (the plan and the trainer)
-        config.ppo.derive(processes or launched_processes(), 0)
+        batch_sizes.derive(config.ppo, processes or launched_processes(), 0)
 
 
 def _is_main_process() -> bool:

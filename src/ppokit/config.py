@@ -16,7 +16,7 @@ import threading
 from fractions import Fraction
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -195,12 +195,6 @@ class PPOHyperparams:
             return self.warmup_steps
         return math.ceil(Fraction(repr(self.warmup_ratio)) * num_steps)
 
-    def _warmup_said(self, warmup: int) -> str:
-        """The warm-up key as set, for an error message: `ppo.warmup_steps (4)`, `ppo.warmup_ratio (0.9), a warm-up of 5 steps,`."""
-        if self.warmup_steps:
-            return f"ppo.warmup_steps ({self.warmup_steps})"
-        return f"ppo.warmup_ratio ({self.warmup_ratio}), a warm-up of {warmup} optimiser steps,"
-
     @property
     def estimator(self) -> Estimator:
         """The declaration of `advantage_estimator` (ppokit.estimators): its function and traits."""
@@ -210,76 +204,6 @@ class PPOHyperparams:
     def rollback(self) -> str:
         """`nonfinite_rollback` as one of memory, disk, off (true and false are its aliases)."""
         return {True: "memory", False: "off"}.get(self.nonfinite_rollback, self.nonfinite_rollback)
-
-    def derive(self, world_size: int, num_prompts: int) -> "BatchSizes":
-        """Batch arithmetic, as TRL does it; raises UserError on inexact division.
-
-        Sizes count episodes (responses). With n = num_samples_per_prompt, one update samples
-        n responses for each of batch / n prompts, local_batch / n of them on each process; a pass
-        over the training prompts is num_prompts x n episodes.
-        """
-        n = self.num_samples_per_prompt
-        local_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
-        batch = local_batch * world_size
-        local_mini = local_batch // self.num_mini_batches
-        if self.total_episodes is None:
-            total = (self.num_train_epochs * num_prompts * n) // batch * batch
-            if total == 0:
-                samples = f" x {n} samples per prompt" if n > 1 else ""
-                raise UserError(
-                    f"ppo.total_episodes: {num_prompts} training prompts{samples} x {self.num_train_epochs} epoch(s) "
-                    f"is less than one batch of {batch}; add prompts or lower the batch size"
-                )
-        else:
-            total = self.total_episodes
-            if total % batch:
-                raise UserError(
-                    f"ppo.total_episodes ({total}) is not a multiple of the batch size ({batch} = "
-                    f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
-                    f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches} x processes {world_size})"
-                )
-        num_updates = total // batch
-        steps = num_updates * self.num_ppo_epochs * self.num_mini_batches
-        sizes = BatchSizes(
-            micro_batch=self.per_device_train_batch_size,
-            local_batch=local_batch,
-            batch=batch,
-            local_mini_batch=local_mini,
-            total_episodes=total,
-            num_updates=num_updates,
-            samples_per_prompt=n,
-            prompts_per_update=batch // n,
-            local_prompts=local_batch // n,
-            optimiser_steps=steps,
-            warmup_steps=self.warmup_steps_over(steps),
-            policy_start_step=self.critic_warmup_updates * self.num_ppo_epochs * self.num_mini_batches,
-        )
-        self.check_schedule(sizes)
-        return sizes
-
-    def check_schedule(self, sizes: "BatchSizes") -> None:
-        """The policy trains after the critic's warm-up, and each warm-up is shorter than the steps it warms: else the
-        learning rate would never reach learning_rate (the schedule counts optimiser steps)."""
-        steps, warmup = sizes.optimiser_steps, sizes.warmup_steps
-        if self.critic_warmup_updates:
-            if self.critic_warmup_updates >= sizes.num_updates:
-                raise UserError(
-                    f"ppo.critic_warmup_updates ({self.critic_warmup_updates}) leaves no update that trains the policy: "
-                    f"the run has {sizes.num_updates} updates; it must be fewer"
-                )
-            policy_steps = steps - sizes.policy_start_step
-            if warmup >= policy_steps:
-                raise UserError(
-                    f"{self._warmup_said(warmup)} is not shorter than the policy's {policy_steps} optimiser steps after "
-                    f"ppo.critic_warmup_updates ({self.critic_warmup_updates}): its learning rate would never reach ppo.learning_rate"
-                )
-        if warmup and warmup >= steps:
-            shorter = "ppo.warmup_steps below" if self.warmup_steps else "ppo.warmup_ratio so that ceil(ratio x steps) is below"
-            raise UserError(
-                f"{self._warmup_said(warmup)} is not shorter than the run's {steps} optimiser steps ({sizes.num_updates} "
-                f"updates x num_ppo_epochs {self.num_ppo_epochs} x num_mini_batches {self.num_mini_batches}): the learning rate "
-                f"would never reach ppo.learning_rate; set {shorter} {steps}"
-            )
 
     def check_combination(self) -> None:
         """Rules across keys of this section (each key's own range is checked by `validate`):
@@ -341,24 +265,6 @@ class PPOHyperparams:
         for key, why in unused:
             if differs_from_default(self, key):
                 raise UserError(f"ppo.{key} ({getattr(self, key)!r}) is for {why}; remove it")
-
-
-class BatchSizes(NamedTuple):
-    """Derived sizes. local_* are per process; batch is the global rollout batch of one update."""
-
-    micro_batch: int
-    local_batch: int
-    batch: int
-    local_mini_batch: int
-    total_episodes: int
-    num_updates: int
-    samples_per_prompt: int = 1  # n: episodes = prompts x n
-    prompts_per_update: int = 0  # batch / n, over every process
-    local_prompts: int = 0  # local_batch / n, on each process
-    # The learning-rate schedule, decided here once (`PPOHyperparams.derive`; `optimise.build_optimiser` builds it):
-    optimiser_steps: int = 0  # the run's: num_updates x num_ppo_epochs x num_mini_batches
-    warmup_steps: int = 0  # ppo.warmup_steps, or ceil(ppo.warmup_ratio x optimiser_steps)
-    policy_start_step: int = 0  # the policy's first optimiser step: the critic's warm-up (ppo.critic_warmup_updates) before it
 
 
 def http_url_problem(url: Any) -> Optional[str]:

@@ -477,6 +477,20 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model() if get_base_model is not None and not isinstance(model, PreTrainedModel) else model
 
 
+def enable_gradient_checkpointing(model: nn.Module, context_fn: Optional[Callable] = None) -> None:
+    """Non-reentrant gradient checkpointing of the transformers model (inside a peft wrapper, its LoRA layers included).
+    context_fn: what a layer's recompute runs under, as torch.utils.checkpoint takes it (a multi-adapter PeftModel's:
+    `roles.recompute_with_active_adapter`)."""
+    kwargs: dict = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    base = unwrap_peft(model)
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only, so left padding does not shift them. (B, L) -> (B, L)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

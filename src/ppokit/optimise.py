@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ppokit import algo, batching, roles
-from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, BatchSizes, PPOHyperparams
+from ppokit.batch_sizes import BatchSizes
+from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, PPOHyperparams
 from ppokit.episodes import Episodes
 from ppokit.guards import NonFiniteUpdate, check_finite
 from ppokit.metric_values import training_metrics
@@ -112,7 +113,7 @@ def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, sizes: Ba
 
 def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int, warmup: int, policy_start: int = 0):
     """AdamW and its learning-rate schedule over `num_steps` optimiser steps, the first `warmup` of them warming up
-    (`BatchSizes`: the schedule is decided once, by `PPOHyperparams.derive`).
+    (`BatchSizes`: the schedule is decided once, by `batch_sizes.derive`).
 
     Two parameter groups: the policy's (`learning_rate`) and the critic's (`vf_learning_rate`,
     default the same), in that order; both follow the schedule. The policy's schedule starts at step `policy_start`,

@@ -25,8 +25,8 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batching, engines, parallel, roles, run_dir
-from ppokit.config import BatchSizes, PPOConfig
+from ppokit import algo, batch_sizes, batching, engines, parallel, roles, run_dir
+from ppokit.config import PPOConfig
 from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for, episode_source
 from ppokit.models import check_prompts_fit, input_pad_id, policy_tokenizer, position_limit, tightest
 from ppokit.optimise import prepare_training
@@ -45,7 +45,7 @@ class Parts:
     strategy: Any  # parallel.Replicated or parallel.Sharded
     say: Callable[[str], None]  # a notice for the user: stderr, main process only
     show_progress: bool
-    sizes: BatchSizes
+    sizes: batch_sizes.BatchSizes
     train_data: PromptDataset
     eval_data: Optional[PromptDataset]
     tokenizer: Any
@@ -94,7 +94,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
 
     train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
-    sizes = config.ppo.derive(accelerator.num_processes, len(train_data))
+    sizes = batch_sizes.derive(config.ppo, accelerator.num_processes, len(train_data))
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)
     # the environment made, the chat template checked against it, chat prompts rendered with its tools

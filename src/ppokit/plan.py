@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ppokit import engines
-from ppokit.config import BatchSizes, LoraConfig, PPOConfig
+from ppokit.batch_sizes import BatchSizes, derive
+from ppokit.config import LoraConfig, PPOConfig
 from ppokit.environments.episode_loop import conversation_for
 from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
@@ -533,7 +534,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
             roles.append(trained("value", source, params, weights, params, _bytes(value_dtype), act))
 
     # Batch sizes that do not divide are a config error, as `ppokit ppo` (the trainer) raises it: not a warning.
-    sizes = hp.derive(processes, num_prompts or 0) if hp.total_episodes is not None or num_prompts is not None else None
+    sizes = derive(hp, processes, num_prompts or 0) if hp.total_episodes is not None or num_prompts is not None else None
     engine = engines.engine_class(config.rollout.engine).memory(engines.EngineSizing(
         policy_config, dims, _stats(policy_config, False, dtype, None, trust_remote_code=trc)[1], dtype, act_bytes, chunk,
         sizes.local_batch if sizes else 0, seq, config.rollout, device[1], on_gpu(device[0])))

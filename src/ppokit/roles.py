@@ -44,12 +44,12 @@ from ppokit.models import (
     backbone,
     check_output_head,
     disable_dropout,
+    enable_gradient_checkpointing,
     frozen_copy,
     load_causal_lm,
     load_scalar_model,
     model_config,
     no_progress_bars,
-    unwrap_peft,
     value_model_from_path,
     value_model_from_policy,
 )
@@ -223,9 +223,10 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     if layout.critic == CRITIC_SHARED:
         value = SharedBaseCritic(policy, config)
     if config.gradient_checkpointing:
-        shared = policy if layout.critic == CRITIC_SHARED else None
-        enable_gradient_checkpointing(policy, shared)
-        if shared is None and value is not None:
+        # The shared critic runs on the policy's base: one switch, whose recompute re-activates the adapter that ran.
+        context_fn = recompute_with_active_adapter(policy) if layout.critic == CRITIC_SHARED else None
+        enable_gradient_checkpointing(policy, context_fn)
+        if context_fn is None and value is not None:
             enable_gradient_checkpointing(value)
     # The memory-light LM head and the compiled forward read the logits from the last hidden state: a model whose forward
     # computes them otherwise is refused now, before the optimiser, rather than trained on wrong logits.
@@ -259,7 +260,7 @@ def _prepare_quantized(model: nn.Module, config: PPOConfig) -> None:
     if config.quantization is not None and getattr(model, "is_quantized", False):
         from peft import prepare_model_for_kbit_training
 
-        # Gradient checkpointing is switched on by `enable_gradient_checkpointing`, with our context.
+        # Gradient checkpointing is switched on by `build_roles`, with our context (`recompute_with_active_adapter`).
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
@@ -391,22 +392,15 @@ class SharedBaseCritic(nn.Module):
         }, indent=2))
 
 
-def enable_gradient_checkpointing(model: nn.Module, peft_model=None) -> None:
-    """Non-reentrant checkpointing; under a multi-adapter PeftModel the recompute uses the adapter
-    that was active in the forward (see the module docstring)."""
-    kwargs: dict = {"use_reentrant": False}
-    if peft_model is not None:
+def recompute_with_active_adapter(peft_model):
+    """Gradient checkpointing's `context_fn` under a multi-adapter PeftModel: a layer is recomputed with the adapter
+    that was active in its forward (see the module docstring)."""
 
-        def context_fn():
-            name = peft_model.active_adapter
-            return contextlib.nullcontext(), active_adapter(peft_model, name)
+    def context_fn():
+        name = peft_model.active_adapter
+        return contextlib.nullcontext(), active_adapter(peft_model, name)
 
-        kwargs["context_fn"] = context_fn
-    base = unwrap_peft(model)
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return context_fn
 
 
 @contextlib.contextmanager
