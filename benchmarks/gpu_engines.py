@@ -44,8 +44,9 @@ import rollout_engines  # noqa: E402
 MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=8,
              max_position_embeddings=512, tie_word_embeddings=True)
 OFF_POLICY_KEYS = ["rollout.engine=vllm", "rollout.placement=separate", "ppo.rollout_is=tis"]  # the server on GPUs of its own
+STALENESS = {"vllm-k0": 0, "vllm-k1": 1}  # the off-policy cases: rollout.max_staleness
 ENGINE_KEYS = {"vllm": ["rollout.engine=vllm", "rollout.sleep=true"], "hf": ["rollout.engine=hf"],
-               "vllm-k0": OFF_POLICY_KEYS + ["rollout.max_staleness=0"], "vllm-k1": OFF_POLICY_KEYS + ["rollout.max_staleness=1"]}
+               **{case: OFF_POLICY_KEYS + [f"rollout.max_staleness={k}"] for case, k in STALENESS.items()}}
 COMMON_KEYS = ["bf16=true"]
 
 
@@ -108,7 +109,7 @@ def run_engine(engine: str, args) -> dict:
 
     start = time.perf_counter()
     # k updates after the timed ones, not timed: each timed update then samples ahead, as in a long run
-    k = next((int(key.split("=")[1]) for key in ENGINE_KEYS[engine] if key.startswith("rollout.max_staleness=")), 0)
+    k = STALENESS.get(engine, 0)
     data, tokenizer = rollout_engines.demo_data(args.episodes * (args.updates + k + 1))
     config = model_config(tokenizer)
     smi = NvidiaSmiPeak()
