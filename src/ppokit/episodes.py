@@ -158,22 +158,32 @@ def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], p
 
     query_ids, query_mask = left_pad(prompts, pad_token_id)
     rows, width = len(spans), max(1, max(sum(len(s.ids) for s in row) for row in spans))
-    response_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((rows, width), dtype=torch.bool)
-    loss_mask = torch.zeros((rows, width), dtype=torch.bool)
-    token_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    turn_rewards = torch.zeros((rows, width), dtype=torch.float32)
+    # each row's columns as Python lists, made tensors at once (a tensor op per span costs more than the spans' work)
+    ids, real, trained, logprobs = [], [], [], []
+    rewards: dict[tuple[int, int], float] = {}  # (row, column) -> the step rewards ending there
     for row, row_spans in enumerate(spans):
-        at = 0
+        row_ids, row_trained, row_logprobs = [], [], []
         for span in row_spans:
-            end = at + len(span.ids)
-            response_ids[row, at:end] = torch.tensor(span.ids, dtype=torch.long)
-            response_mask[row, at:end] = True
-            if span.logprobs is not None:
-                loss_mask[row, at:end] = True
-                token_logprobs[row, at:end] = torch.tensor(span.logprobs, dtype=torch.float32)
-                turn_rewards[row, max(end - 1, 0)] += span.reward
-            at = end
+            row_ids += span.ids
+            model = span.logprobs is not None
+            row_trained += [model] * len(span.ids)
+            row_logprobs += span.logprobs if model else [0.0] * len(span.ids)
+            if model:
+                at = (row, max(len(row_ids) - 1, 0))
+                # a second reward at one token (after an empty turn) adds in float32, as a tensor's += would
+                rewards[at] = span.reward if at not in rewards else (torch.tensor(rewards[at], dtype=torch.float32) + span.reward).item()
+        room = width - len(row_ids)
+        ids.append(row_ids + [pad_token_id] * room)
+        real.append([True] * len(row_ids) + [False] * room)
+        trained.append(row_trained + [False] * room)
+        logprobs.append(row_logprobs + [0.0] * room)
+    response_ids = torch.tensor(ids, dtype=torch.long)
+    response_mask = torch.tensor(real, dtype=torch.bool)
+    loss_mask = torch.tensor(trained, dtype=torch.bool)
+    token_logprobs = torch.tensor(logprobs, dtype=torch.float32)
+    turn_rewards = torch.zeros((rows, width), dtype=torch.float32)
+    if rewards:
+        turn_rewards[tuple(torch.tensor(list(rewards)).T)] = torch.tensor(list(rewards.values()), dtype=torch.float32)
     episodes = Episodes(
         query_ids=query_ids.to(device), response_ids=response_ids.to(device),
         attention_mask=torch.cat([query_mask, response_mask], dim=1).to(device), loss_mask=loss_mask.to(device),
