@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MT = "tests/test_multiturn_trainer.py"
 CONV = "tests/test_conversation.py"
+REQ = "tests/test_engine_requests.py"
 
 
 @dataclass
@@ -160,6 +161,29 @@ MUTATIONS = [
              ("tests/test_multiturn_failures.py::test_an_environment_raising_a_base_exception_fails_its_episode_in_one_line",
               "tests/test_multiturn_failures.py::test_keyboard_interrupt_inside_step_stops_the_run_in_one_line_naming_the_environment"),
              "a KeyboardInterrupt or other BaseException raised by an environment's step is not its episode's failure"),
+    # ---- the hf engine's slot decoder (issue 29)
+    Mutation("placeholders_write_real_columns", "src/ppokit/engines/slots.py",
+             "        cache.write_at = torch.where(real, positions, self.capacity)",
+             "        cache.write_at = torch.where(real, positions, 0)",
+             (f"{REQ}::test_an_episode_continues_from_its_kept_keys_and_values",),
+             "an idle or reading slot's placeholder is written to column 0 of its slot (over a kept turn's first key)"),
+    Mutation("reading_forward_samples_the_wrong_column", "src/ppokit/engines/slots.py",
+             "                last[i] = len(new) - 1", "                last[i] = width - 1",
+             (f"{REQ}::test_logprobs_are_the_training_forwards",),
+             "a request read together samples its first token from the reading forward's last column, not its last token's"),
+    Mutation("kept_slot_taken_without_copying_out", "src/ppokit/engines/slots.py",
+             "            self._copy_out(self.kept[self.home[slot]])\n", "            pass\n",
+             (f"{REQ}::test_kept_keys_and_values_stay_in_their_slot_until_another_request_needs_it",),
+             "a request takes a slot holding a kept turn without copying it out first"),
+    Mutation("continuation_not_sent_back_to_its_slot", "src/ppokit/engines/slots.py",
+             "        if kept is not None and kept.slot is not None:\n            return kept.slot",
+             "        if False:\n            return kept.slot",
+             (f"{REQ}::test_kept_keys_and_values_stay_in_their_slot_until_another_request_needs_it",),
+             "the turn that continues a kept one is put in any free slot, its keys and values copied there"),
+    Mutation("turn_reward_packed_at_the_episodes_start", "src/ppokit/episodes.py",
+             "                at = (row, max(len(row_ids) - 1, 0))", "                at = (row, 0)",
+             (f"{MT}::test_turn_rewards_reach_the_update_at_the_turns_that_earned_them",),
+             "`episodes.pack` puts each step's reward at the response's first token, not at its turn's last"),
     # ---- rollout importance sampling
     Mutation("tis_floor_ignored", "src/ppokit/engines/correction.py",
              "    return algo.truncated_is_weights(trainer, engine, cap, floor)",

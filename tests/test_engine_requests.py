@@ -67,11 +67,15 @@ def crowd(prompts, n, first_seed=100, prefix="other"):
     return [Request(f"{prefix}{i}", prompts[(i + 3) % len(prompts)], SAMPLINGS[i % len(SAMPLINGS)], seed=first_seed + i) for i in range(n)]
 
 
-# read_in_steps: every prompt read alone (0), by the default (these 14-token prompts alone, short ones in the steps), or
-# every prompt read through the decoding steps (CAPACITY)
-@pytest.mark.parametrize("read_in_steps", [0, None, CAPACITY])
+# How the slot decoder reads a prompt (`slots.SlotDecoder`): every prompt alone; through the decoding forwards; in the
+# reading forwards beside the other slots that read then; by the defaults (these 14-token prompts: together).
+READING = {"alone": dict(read_in_steps=0, read_together=0), "in-steps": dict(read_in_steps=CAPACITY),
+           "together": dict(read_in_steps=0, read_together=CAPACITY), "default": {}}
+
+
+@pytest.mark.parametrize("reading", list(READING))
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, read_in_steps, tokenizer, prompts):
+def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, reading, tokenizer, prompts):
     """The same request decoded alone, then among others: some running before it arrived (it takes a slot freed
     mid-way), some arriving with and after it, more of them than slots (they wait), other samplings (temperature,
     top_k / top_p / min_p, greedy) and other lengths beside it. Identical tokens and logprobs, to the last bit."""
@@ -80,9 +84,9 @@ def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, read_in_
                Request("target-top-k", prompts[1], Sampling(10, 0.8, None, top_k=4), seed=8),
                Request("target-greedy", prompts[2], Sampling(8, 1.0, None, greedy=True), seed=0)]
     siblings = [Request(f"sibling{i}", prompts[0], Sampling(12, 1.0, None), seed=70 + i) for i in range(2)]  # one read for three
-    alone = {t.request_id: complete(engine_for(policy, tokenizer, read_in_steps=read_in_steps), [t])[0] for t in targets + siblings}
+    alone = {t.request_id: complete(engine_for(policy, tokenizer, **READING[reading]), [t])[0] for t in targets + siblings}
     others = crowd(prompts, 10)
-    crowded, _ = drive(engine_for(policy, tokenizer, read_in_steps=read_in_steps), {0: others[:5], 3: targets[:1] + siblings + others[5:8], 5: targets[1:] + others[8:]})
+    crowded, _ = drive(engine_for(policy, tokenizer, **READING[reading]), {0: others[:5], 3: targets[:1] + siblings + others[5:8], 5: targets[1:] + others[8:]})
     for t in targets + siblings:
         got, want = crowded[t.request_id], alone[t.request_id]
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, t.request_id
@@ -91,12 +95,12 @@ def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, read_in_
     assert [len(crowded[o.request_id].token_ids) for o in others] == [o.sampling.max_new_tokens for o in others]
 
 
-@pytest.mark.parametrize("read_in_steps", [0, None, CAPACITY])
-def test_a_groups_samples_read_their_prompt_once_and_are_each_their_own(read_in_steps, policy, tokenizer, prompts):
-    """Four samples of one prompt admitted in one step (read alone once and shared, or each read in the decoding
-    steps, or the default for these 14-token prompts and 4 slots: alone) are each what they are alone."""
+@pytest.mark.parametrize("reading", list(READING))
+def test_a_groups_samples_read_their_prompt_once_and_are_each_their_own(reading, policy, tokenizer, prompts):
+    """Four samples of one prompt admitted in one step (read alone once and shared, each read in the decoding steps,
+    or all in one reading forward) are each what they are alone."""
     group = [Request(f"sample{i}", prompts[5], Sampling(9, 1.0, None), seed=40 + i) for i in range(4)]
-    engine = lambda: engine_for(policy, tokenizer, read_in_steps=read_in_steps)  # noqa: E731
+    engine = lambda: engine_for(policy, tokenizer, **READING[reading])  # noqa: E731
     together = complete(engine(), group)
     assert together == [complete(engine(), [r])[0] for r in group]
     assert len({tuple(c.token_ids) for c in together}) == 4
@@ -199,8 +203,8 @@ def test_abort_hands_back_the_tokens_so_far_and_leaves_the_others_alone(policy, 
     assert engine.unfinished() == 0 and "never-submitted" not in done
 
 
-@pytest.mark.parametrize("read_in_steps", [0, None])  # the turn's new tokens read alone, or in the decoding steps
-def test_an_episode_continues_from_its_kept_keys_and_values(read_in_steps, policy, tokenizer, prompts):
+@pytest.mark.parametrize("reading", list(READING))  # how the turn's new tokens are read
+def test_an_episode_continues_from_its_kept_keys_and_values(reading, policy, tokenizer, prompts):
     """Turn 1 kept, turn 2 continues it: only the new tokens are read (cached_tokens), its logprobs are a plain
     forward's over the whole context, and the two-turn chain is bit for bit the same among other episodes."""
     sampling = Sampling(8, 1.0, None)
@@ -214,7 +218,7 @@ def test_an_episode_continues_from_its_kept_keys_and_values(read_in_steps, polic
         done2, _ = drive(engine, {0: [*others[3:], Request("e-2", context, sampling, seed=2, continues="e-1")]})
         return first, done2["e-2"], context
 
-    engine = engine_for(policy, tokenizer, read_in_steps=read_in_steps)
+    engine = engine_for(policy, tokenizer, **READING[reading])
     first, second, context = episode(engine)
     assert second.cached_tokens == len(prompts[0]) + len(first.token_ids) - 1 and first.cached_tokens == 0
     ids = torch.tensor([context + second.token_ids])
@@ -224,9 +228,33 @@ def test_an_episode_continues_from_its_kept_keys_and_values(read_in_steps, polic
     assert_float32_close(torch.tensor([second.logprobs]), want, terms=64 * 2, ulps=16, scale=want.abs().max().item())
     with pytest.raises(ValueError, match="not kept"):  # its keys and values moved to the request that continued it
         engine.submit([Request("e-3", context + second.token_ids, sampling, seed=3, continues="e-1")])
-    crowded_first, crowded_second, _ = episode(engine_for(policy, tokenizer, read_in_steps=read_in_steps), crowd(prompts, 7))
+    crowded_first, crowded_second, _ = episode(engine_for(policy, tokenizer, **READING[reading]), crowd(prompts, 7))
     assert (crowded_first.token_ids, crowded_first.logprobs) == (first.token_ids, first.logprobs)
     assert (crowded_second.token_ids, crowded_second.logprobs) == (second.token_ids, second.logprobs)
+
+
+def test_kept_keys_and_values_stay_in_their_slot_until_another_request_needs_it(policy, tokenizer, prompts):
+    """A finished turn's keys and values stay in its slot (nothing copied) while other requests find free slots
+    elsewhere, and the turn that continues it goes back there; a request that needs that very slot copies them out
+    first. The continuation is the same either way, bit for bit."""
+    sampling = Sampling(6, 1.0, None)
+    observation = tokenizer(" the plot was", add_special_tokens=False)["input_ids"]
+
+    def two_turns(others: int):
+        engine = engine_for(policy, tokenizer)
+        first = complete(engine, [Request("e-1", prompts[0], sampling, seed=1, keep=True)])[0]
+        kept = engine._decoder.kept["e-1"]
+        assert kept.slot is not None and kept.keys is None  # left in its slot
+        complete(engine, crowd(prompts, others))
+        context = list(prompts[0]) + first.token_ids + observation
+        return kept, complete(engine, [Request("e-2", context, sampling, seed=2, continues="e-1")])[0]
+
+    in_place, second = two_turns(SLOTS - 1)  # the others fit in the slots that hold nothing kept
+    assert in_place.slot is not None and in_place.keys is None
+    copied, again = two_turns(SLOTS)  # one of them needed its slot
+    assert copied.slot is None and len(copied.keys) == policy.config.num_hidden_layers
+    assert copied.keys[0].shape[-2] == len(prompts[0]) + 5  # its prompt and every token it sampled but the last (6 tokens)
+    assert (again.token_ids, again.logprobs) == (second.token_ids, second.logprobs)
 
 
 def test_kept_requests_are_forgotten_and_released(policy, tokenizer, prompts):

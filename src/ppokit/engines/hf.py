@@ -39,7 +39,8 @@ class HFEngine:
     policy: the policy module, or a function returning the current one. pad_token_id: left-pads the prompts.
     rows_per_forward: rows per sampling forward: the lock-step batch's, and the slot decoder's number of slots.
     max_sequence: the slot decoder's positions per sequence (a seeded request's prompt + max_new_tokens must fit);
-    None: the model's position limit. read_in_steps: the slot decoder's (`slots.SlotDecoder`; None: its default).
+    None: the model's position limit. read_in_steps / read_together: how the slot decoder reads a request's prompt, by
+    its number of tokens (`slots.SlotDecoder`; None: its defaults).
     logprobs_are_trainers: what the engine declares (True: the sampled logprobs
     are the training forward's); False makes the trainer recompute them as for an external engine (a test of that
     path with an engine whose answer is known).
@@ -47,7 +48,8 @@ class HFEngine:
 
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, device: torch.device,
                  rows_per_forward: int, sampling_contexts: Optional[Callable[[nn.Module], Sequence[ContextManager]]] = None,
-                 logprobs_are_trainers: bool = True, max_sequence: Optional[int] = None, read_in_steps: Optional[int] = None):
+                 logprobs_are_trainers: bool = True, max_sequence: Optional[int] = None, read_in_steps: Optional[int] = None,
+                 read_together: Optional[int] = None):
         self._policy = policy
         self.pad_token_id = pad_token_id
         self.device = device
@@ -55,7 +57,7 @@ class HFEngine:
         self.sampling_contexts = sampling_contexts or (lambda policy: ())
         self.logprobs_are_trainers = logprobs_are_trainers
         self.max_sequence = max_sequence
-        self.read_in_steps = read_in_steps
+        self.read_in_steps, self.read_together = read_in_steps, read_together
         self._batches: deque[list[Request]] = deque()  # seedless requests, one lock-step batch per submit call and sampling
         self._decoder: Optional[SlotDecoder] = None  # seeded requests; built at the first one
         self._serving = False
@@ -145,7 +147,7 @@ class HFEngine:
                 if limit is None:
                     raise ValueError("the hf engine's seeded requests need max_sequence: the model's config states no position limit")
                 capacity = limit.tokens
-            self._decoder = SlotDecoder(self.rows_per_forward, capacity, self.pad_token_id, self.device, self.read_in_steps)
+            self._decoder = SlotDecoder(self.rows_per_forward, capacity, self.pad_token_id, self.device, self.read_in_steps, self.read_together)
         return self._decoder
 
     def _lockstep(self, batch: list[Request]) -> list[Completion]:
@@ -191,9 +193,9 @@ class HFEngine:
     def memory(sizing: EngineSizing) -> EngineMemory:
         """Nothing held of its own (it samples from the training weights, counted apart); while sampling
         rows_per_forward sequences of up to longest_sequence tokens: keys and values of every layer at the
-        activations' width (the lock-step batch's cache, or the slot decoder's slots; its one prefill row and what it
-        keeps between an episode's turns are not counted), and one step's float32 logits and their log-softmax
-        (`step_logits_bytes`)."""
+        activations' width (the lock-step batch's cache, or the slot decoder's slots; their one scratch column each,
+        its one prefill row and what it keeps between an episode's turns out of its slots are not counted), and one
+        step's float32 logits and their log-softmax (`step_logits_bytes`)."""
         dims, rows = sizing.dims, sizing.rows_per_forward
         kv_cache = 2 * dims["layers"] * dims["kv"] * rows * sizing.longest_sequence * sizing.act_bytes
         return EngineMemory(sampling=kv_cache + step_logits_bytes(rows, dims["vocab"]))

@@ -4,16 +4,19 @@ logprobs do not depend on what else is decoded beside it (continuous batching wi
 Why one shape: a row of a matrix product can change in its last bits with the number of rows beside it (measured
 on this project's CPUs: a row of X @ W for a 768 x 3072 weight differs by up to 1e-4 between 3 and 4 rows), and
 attention's sums with the padding in front of a row. So:
-- decoding: every step is one forward of `slots` rows, one per slot (an idle slot is fed a placeholder token),
-  against `capacity` cached positions per slot. A slot's token at position p is written at column p of its own
-  cache (no padding in front of it: its real keys are columns 0..p), and a 4-D mask shows each row its own
-  columns 0..p only.
-- reading a prompt: a request with few tokens to read (its prompt, or what follows the request it continues: at
-  most `read_in_steps`, by default as many as there are slots) reads them in its slot through the decoding steps,
-  one token per step, beside the other slots' decoding (no forward of its own: on CPU a forward's fixed cost is
-  most of a small model's); a longer one is read alone (one row, its own length) into a one-row cache of the same
-  capacity, then copied into its slot; requests with the same prompt read alone in one step (a group's samples)
-  share that read, which is the same computation. Which way a request is read depends on the request alone.
+- decoding: every decoding forward is `slots` rows of one token, one per slot, against `capacity` cached positions
+  per slot. A slot's token at position p is written at column p of its own cache (no padding in front of it: its
+  real keys are columns 0..p), and a 4-D mask shows each row its own columns 0..p only. What is not a slot's real
+  token (an idle slot's, a slot that reads instead) is a placeholder: it is written to the slot's scratch column,
+  after the `capacity` real ones, and sees only that column, so it never touches a real key.
+- reading a prompt (its tokens, or what follows the request it continues), one of three ways by how many tokens
+  it has to read: at most `read_in_steps` (4) in its slot through the decoding forwards, one token per step, beside
+  the other slots' decoding (no forward of its own: on CPU a forward's fixed cost is most of a small model's); at
+  most `read_together` (16) in one reading forward of `slots` rows of `read_together` tokens, its slot's row
+  beside every other slot that reads then (the others' rows placeholders), whose last real token gives its first
+  sample, in the same step as the decoding forward; more, alone (one row, its own length) into a one-row cache,
+  then copied into its slot; requests with the same prompt read alone in one step (a group's samples) share that
+  read, which is the same computation. Which way a request is read depends on the request alone.
 - sampling: each request has its own torch.Generator seeded with its seed; a token is argmax(p / E) with E ~ Exp(1)
   drawn per vocabulary entry from the request's generator (the exponential race torch.multinomial runs for one
   sample); greedy is the argmax of the logprobs.
@@ -39,17 +42,25 @@ from ppokit.engines.base import Completion, Request
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.models import causal_lm_step
 
+# How a request's tokens to read are read, by their number (`SlotDecoder`). Measured on the 2-core CPU machine with
+# the multi-turn benchmark's model (64 slots): a reading forward of 16 tokens per slot costs what ~4 decoding forwards
+# do, so up to 4 tokens ride along the decoding forwards and up to 16 (a short prompt, a chat turn's observation) are
+# read by all the slots that read them at once.
+READ_IN_STEPS, READ_TOGETHER = 4, 16
+
 # Attention implementations that read a 4-D mask as given: a boolean mask (sdpa) or an additive one (eager).
 MASKED_ATTENTION = {"sdpa": "bool", "eager": "additive"}
 
 
 class SlotCache(Cache):
-    """Keys and values of `rows` sequences, `capacity` positions each: per layer (rows, kv heads, capacity, head dim),
-    allocated at the first write. `write_at` (rows, q): the column each new key of a forward goes to (set before it)."""
+    """Keys and values of `rows` sequences, `capacity` positions each and `scratch` columns after them for placeholders:
+    per layer (rows, kv heads, width = capacity + scratch, head dim), allocated at the first write. `write_at` (rows,
+    q): the column each new key of a forward goes to (set before it; placeholders of a row may share one)."""
 
-    def __init__(self, rows: int, capacity: int):
+    def __init__(self, rows: int, capacity: int, scratch: int = 0):
         super().__init__(layers=[])
-        self.rows, self.capacity = rows, capacity
+        self.rows, self.capacity, self.width = rows, capacity, capacity + scratch
+        self._rows: Optional[torch.Tensor] = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.write_at: Optional[torch.Tensor] = None
@@ -57,28 +68,34 @@ class SlotCache(Cache):
     def allocate_like(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Tensors for every layer, shaped as another cache's (their rows and lengths aside)."""
         def blank(t):
-            return t.new_zeros((self.rows, t.shape[-3], self.capacity, t.shape[-1]))
+            return t.new_zeros((self.rows, t.shape[-3], self.width, t.shape[-1]))
 
         self.keys, self.values = [blank(k) for k in keys], [blank(v) for v in values]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx == len(self.keys):
-            self.keys.append(key_states.new_zeros((self.rows, key_states.shape[1], self.capacity, key_states.shape[-1])))
-            self.values.append(value_states.new_zeros((self.rows, value_states.shape[1], self.capacity, value_states.shape[-1])))
-        rows = torch.arange(self.rows, device=key_states.device).unsqueeze(1)
+            self.keys.append(key_states.new_zeros((self.rows, key_states.shape[1], self.width, key_states.shape[-1])))
+            self.values.append(value_states.new_zeros((self.rows, value_states.shape[1], self.width, value_states.shape[-1])))
+        rows = self._row_index(key_states.device)
         # (rows, q) columns; the indexed result is (rows, q, heads, head dim)
         self.keys[layer_idx][rows, :, self.write_at] = key_states.transpose(1, 2)
         self.values[layer_idx][rows, :, self.write_at] = value_states.transpose(1, 2)
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def _row_index(self, device) -> torch.Tensor:
+        """(rows, 1): each row's index, made once (every layer of every forward indexes with it)."""
+        if self._rows is None or self._rows.device != device:
+            self._rows = torch.arange(self.rows, device=device).unsqueeze(1)
+        return self._rows
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are given to every forward; nothing reads this to place tokens
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return self.capacity
+        return self.width
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.capacity, 0
+        return self.width, 0
 
     @property
     def allocated(self) -> bool:
@@ -93,11 +110,14 @@ class SlotCache(Cache):
 
 @dataclass
 class _Kept:
-    """A finished request's keys and values, kept for the request that continues it."""
+    """A finished request's keys and values, kept for the request that continues it: left in the slot it ran in
+    (columns 0..n-1, n = len(tokens) - 1: its last token was never fed) until another request takes that slot, then
+    copied out."""
 
     tokens: list[int]  # its prompt + completion: what a continuing prompt starts with
-    keys: list[torch.Tensor]  # per layer (kv heads, n, head dim), n = len(tokens) - 1 (its last token was never fed)
-    values: list[torch.Tensor]
+    slot: Optional[int] = None  # the free slot they lie in; None: in keys / values
+    keys: Optional[list[torch.Tensor]] = None  # per layer (kv heads, n, head dim)
+    values: Optional[list[torch.Tensor]] = None
 
 
 class _Rows:
@@ -116,6 +136,7 @@ class _Running:
     generator: Optional[torch.Generator]
     fed: int  # columns of its slot written: tokens fed so far
     cached: int
+    reads_together: bool = False  # its prompt's tokens wait for the next reading forward (not fed by the decoding ones)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -141,18 +162,23 @@ class _Running:
 class SlotDecoder:
     """Requests decoded in `slots` fixed slots of `capacity` positions (see the module docstring).
 
-    read_in_steps: a request with at most this many tokens to read (its prompt, or what follows the request it
-    continues) reads them through the decoding steps, one per step, in its slot (default: `slots`); a longer one
-    is read alone first. Which way depends on the request alone. pad_token_id: what an idle slot is fed. The model is handed to every `step` (the engine's current policy);
-    the caller holds torch.inference_mode and the sampling contexts around it.
+    read_in_steps / read_together: a request with at most `read_in_steps` tokens to read (its prompt, or what follows
+    the request it continues) reads them through the decoding forwards, one per step, in its slot (default 4); one
+    with at most `read_together` (default 16) in one reading forward beside the other slots reading then; a longer one
+    alone first. Which way depends on the request alone. pad_token_id: what a placeholder is fed. The model is handed
+    to every `step` (the engine's current policy); the caller holds torch.inference_mode and the sampling contexts
+    around it.
     """
 
-    def __init__(self, slots: int, capacity: int, pad_token_id: int, device: torch.device, read_in_steps: Optional[int] = None):
+    def __init__(self, slots: int, capacity: int, pad_token_id: int, device: torch.device, read_in_steps: Optional[int] = None,
+                 read_together: Optional[int] = None):
         self.slots, self.capacity, self.pad_token_id, self.device = slots, capacity, pad_token_id, torch.device(device)
-        self.read_in_steps = slots if read_in_steps is None else read_in_steps
+        self.read_in_steps = READ_IN_STEPS if read_in_steps is None else read_in_steps
+        self.read_together = READ_TOGETHER if read_together is None else read_together
         self.queue: deque[Request] = deque()
         self.running: list[Optional[_Running]] = [None] * slots
         self.kept: dict[str, _Kept] = {}
+        self.home: list[Optional[str]] = [None] * slots  # per free slot, the kept request whose keys and values lie in it
         self._decode: Optional[SlotCache] = None
         self._prefill: Optional[SlotCache] = None
         self._prefilled: Optional[tuple[tuple[int, ...], torch.Tensor]] = None  # (prompt, its logits) the prefill row holds
@@ -200,49 +226,73 @@ class SlotDecoder:
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            self.kept.pop(request_id, None)
+            kept = self.kept.pop(request_id, None)
+            if kept is not None and kept.slot is not None:
+                self.home[kept.slot] = None
 
     def release(self) -> None:
         """Free the caches and everything kept (nothing may be running)."""
         if self.unfinished():
             raise RuntimeError(f"the hf engine has {self.unfinished()} unfinished requests; abort them before training")
         self.kept.clear()
+        self.home = [None] * self.slots
         self._decode = self._prefill = self._prefilled = None
 
     # ------------------------------------------------------------------ decoding
 
     def step(self, model) -> list[Completion]:
-        """Admit queued requests into free slots (each prefilled alone, its first token sampled), then one decoding
-        step of every slot -> the requests that completed."""
+        """Admit queued requests into free slots (those read alone are read now, their first token sampled), then the
+        reading forward (if a slot has tokens to read together), then the decoding forward (if a slot has a token to
+        feed) -> the requests that completed."""
         done = []
         self._prefilled = None  # shared only between requests admitted in one step (the weights may change between steps)
-        for i in range(self.slots):
-            while self.running[i] is None and self.queue:
-                finished = self._admit(model, self.queue.popleft(), i)
-                if finished is not None:
-                    done.append(finished)
-        if any(self.running):
+        while self.queue:
+            slot = self._free_slot(self.queue[0])
+            if slot is None:
+                break
+            finished = self._admit(model, self.queue.popleft(), slot)
+            if finished is not None:
+                done.append(finished)
+        if any(slot is not None and slot.reads_together for slot in self.running):
+            done += self._read_step(model)
+        if any(slot is not None and not slot.reads_together for slot in self.running):
             done += self._decode_step(model)
         return done
 
+    def _free_slot(self, request: Request) -> Optional[int]:
+        """Where `request` goes: the slot that holds what it continues, else a free slot holding nothing kept, else any
+        free one (None: none free). Which slot does not change its result: a slot's row never meets another's."""
+        kept = self.kept.get(request.continues) if request.continues is not None else None
+        if kept is not None and kept.slot is not None:
+            return kept.slot  # free: a request taking a slot copies out what it holds (`_admit`)
+        free = [i for i, running in enumerate(self.running) if running is None]
+        return next((i for i in free if self.home[i] is None), free[0] if free else None)
+
     def _admit(self, model, request: Request, slot: int) -> Optional[Completion]:
-        """Put `request` in the free `slot`: with what it continues copied in, its prompt to be read in the decoding steps,
-        or read alone now (its first token sampled then) -> its completion if that first token already ended it."""
+        """Put `request` in the free `slot`: with what it continues in place or copied in, its prompt to be read in the
+        decoding or reading forwards, or read alone now (its first token sampled then) -> its completion if that first
+        token already ended it."""
         kept = self.kept.pop(request.continues) if request.continues is not None else None
+        if self.home[slot] is not None and (kept is None or kept.slot != slot):
+            self._copy_out(self.kept[self.home[slot]])
+        self.home[slot] = None
         start = len(kept.tokens) - 1 if kept is not None else 0
         running = _Running(request, _generator(request, self.device), fed=start, cached=start)
-        if len(request.prompt) - start <= self.read_in_steps:
-            if kept is not None:
+        to_read = len(request.prompt) - start
+        if to_read <= max(self.read_in_steps, self.read_together):
+            if kept is not None and kept.slot != slot:
                 self._decode_cache(kept.keys, kept.values).copy_row(_Rows(kept), 0, slot, start)
+            running.reads_together = to_read > self.read_in_steps
             self.running[slot] = running
             return None
         if self._prefill is None:
             self._prefill = SlotCache(1, self.capacity)
         prefill = self._prefill
         if kept is not None:
+            source, row = (self._decode, slot) if kept.slot == slot else (_Rows(kept), 0)
             if not prefill.allocated:
-                prefill.allocate_like(kept.keys, kept.values)
-            prefill.copy_row(_Rows(kept), 0, 0, start)
+                prefill.allocate_like(source.keys, source.values)
+            prefill.copy_row(source, row, 0, start)
         prompt = tuple(request.prompt)
         if kept is None and self._prefilled is not None and self._prefilled[0] == prompt:
             logits = self._prefilled[1]  # the prompt the prefill row holds already (a group's samples): the same bits
@@ -250,7 +300,7 @@ class SlotDecoder:
             new = torch.tensor([list(request.prompt[start:])], dtype=torch.long, device=self.device)
             positions = torch.arange(start, len(request.prompt), device=self.device).unsqueeze(0)
             prefill.write_at = positions
-            logits, _ = causal_lm_step(model, new, self._mask(model, positions), positions, cache=prefill, logits_to_keep=1)
+            logits, _ = causal_lm_step(model, new, self._mask(model, positions, prefill.width), positions, cache=prefill, logits_to_keep=1)
             if not prefill.allocated:
                 raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
         self._prefilled = (prompt, logits) if kept is None else None
@@ -267,26 +317,64 @@ class SlotDecoder:
     def _decode_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> SlotCache:
         """The slots' cache, allocated like `keys` / `values` if no forward has made it yet."""
         if self._decode is None:
-            self._decode = SlotCache(self.slots, self.capacity)
+            self._decode = SlotCache(self.slots, self.capacity, scratch=1)
         if not self._decode.allocated:
             self._decode.allocate_like(keys, values)
         return self._decode
 
+    def _read_step(self, model) -> list[Completion]:
+        """One reading forward: `slots` rows of `read_together` tokens, each slot that reads together its tokens to
+        read (the rest of its row, and every other row, placeholders); the logits at its last token give its first
+        sample."""
+        width = self.read_together
+        reading = [slot if slot is not None and slot.reads_together else None for slot in self.running]
+        tokens = [[self.pad_token_id] * width for _ in reading]
+        positions = [[0] * width for _ in reading]
+        real = [[False] * width for _ in reading]
+        last = [0] * len(reading)
+        for i, slot in enumerate(reading):
+            if slot is not None:
+                new = slot.request.prompt[slot.fed:]
+                tokens[i][: len(new)] = new
+                positions[i][: len(new)] = range(slot.fed, slot.fed + len(new))
+                real[i][: len(new)] = [True] * len(new)
+                last[i] = len(new) - 1
+                slot.fed, slot.reads_together = len(slot.request.prompt), False
+        logits = self._forward(model, tokens, positions, real, logits_to_keep=width)
+        return self._sampled(logits[torch.arange(len(reading)), torch.tensor(last)], reading)
+
     def _decode_step(self, model) -> list[Completion]:
-        """One forward of every slot: each running request's next token in (a prompt token or the last it sampled)."""
-        inputs = [(slot.next_input(), slot.fed) if slot is not None else (self.pad_token_id, 0) for slot in self.running]
-        for slot in self.running:
+        """One decoding forward of every slot: each running request's next token in (a prompt token or the last it
+        sampled); the slots that read together are placeholders in it."""
+        feeding = [slot if slot is not None and not slot.reads_together else None for slot in self.running]
+        tokens = [[slot.next_input() if slot is not None else self.pad_token_id] for slot in feeding]
+        positions = [[slot.fed if slot is not None else 0] for slot in feeding]
+        for slot in feeding:
             if slot is not None:
                 slot.fed += 1
-        tokens, positions = torch.tensor(inputs, dtype=torch.long, device=self.device).unsqueeze(-1).unbind(1)
+        logits = self._forward(model, tokens, positions, [[slot is not None] for slot in feeding], logits_to_keep=1)
+        return self._sampled(logits[:, -1], [slot if slot is not None and slot.samples else None for slot in feeding])
+
+    def _forward(self, model, tokens: list[list[int]], positions: list[list[int]], real: list[list[bool]], logits_to_keep: int) -> torch.Tensor:
+        """One forward of every slot, (slots, q) tokens at their positions into the slots' cache, where `real`; the
+        placeholders into the scratch column (which of a row's placeholders is left there does not matter: only
+        placeholders see it) -> logits (slots, logits_to_keep, V)."""
+        tokens, positions = (torch.tensor(t, dtype=torch.long, device=self.device) for t in (tokens, positions))
+        real = torch.tensor(real, dtype=torch.bool, device=self.device)
         if self._decode is None:
-            self._decode = SlotCache(self.slots, self.capacity)
-        self._decode.write_at = positions
-        logits, _ = causal_lm_step(model, tokens, self._mask(model, positions), positions, cache=self._decode, logits_to_keep=1)
-        if not self._decode.allocated:
+            self._decode = SlotCache(self.slots, self.capacity, scratch=1)
+        cache = self._decode
+        cache.write_at = torch.where(real, positions, self.capacity)
+        columns = torch.arange(cache.width, device=self.device)
+        sees = torch.where(real.unsqueeze(-1), (columns <= positions.unsqueeze(-1)), columns == cache.write_at.unsqueeze(-1))
+        logits, _ = causal_lm_step(model, tokens, self._as_mask(model, sees), positions, cache=cache, logits_to_keep=logits_to_keep)
+        if not cache.allocated:
             raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
-        sampling = [slot if slot is not None and slot.samples else None for slot in self.running]
-        self._sample(logits[:, -1], sampling)
+        return logits
+
+    def _sampled(self, logits: torch.Tensor, sampling: list[Optional[_Running]]) -> list[Completion]:
+        """(slots, V) logits -> the next token of each slot in `sampling` (None: not sampled) -> the requests it completed."""
+        self._sample(logits, sampling)
         done = []
         for i, slot in enumerate(sampling):
             reason = slot.finish_reason() if slot is not None else None
@@ -297,18 +385,34 @@ class SlotDecoder:
         return done
 
     def _finish(self, running: _Running, cache: SlotCache, row: int) -> None:
-        """Keep a finished request's keys and values (every token it fed) when it asked to be continued."""
+        """Keep a finished request's keys and values (every token it fed) when it asked to be continued: in its slot
+        (`cache` the slots'), or copied out of the prefill row."""
         if running.request.keep:
-            fed = running.fed  # its prompt and every sampled token but the last, which was never fed
-            self.kept[running.request.request_id] = _Kept(
-                list(running.request.prompt) + running.tokens,
-                [k[row, :, :fed].clone() for k in cache.keys], [v[row, :, :fed].clone() for v in cache.values])
+            request_id = running.request.request_id
+            self.kept[request_id] = kept = _Kept(list(running.request.prompt) + running.tokens, slot=row)
+            if cache is self._decode:
+                self.home[row] = request_id
+            else:
+                self._copy_out(kept, cache)
 
-    def _mask(self, model, positions: torch.Tensor) -> torch.Tensor:
-        """(rows, q) positions -> the 4-D mask (rows, 1, q, capacity): each query sees its own row's columns up to its
-        position, as the model's attention takes it (boolean for sdpa, additive for eager)."""
-        columns = torch.arange(self.capacity, device=positions.device)
-        allowed = (columns <= positions.unsqueeze(-1)).unsqueeze(1)
+    def _copy_out(self, kept: _Kept, cache: Optional[SlotCache] = None) -> None:
+        """Copy kept keys and values out of the row they lie in (its slot of the slots' cache, or row 0 of `cache`)."""
+        cache, n = cache or self._decode, len(kept.tokens) - 1
+        kept.keys = [k[kept.slot, :, :n].clone() for k in cache.keys]
+        kept.values = [v[kept.slot, :, :n].clone() for v in cache.values]
+        if cache is self._decode:
+            self.home[kept.slot] = None
+        kept.slot = None
+
+    def _mask(self, model, positions: torch.Tensor, width: int) -> torch.Tensor:
+        """(rows, q) positions of real tokens -> their mask: each query sees its own row's columns up to its position."""
+        return self._as_mask(model, torch.arange(width, device=positions.device) <= positions.unsqueeze(-1))
+
+    @staticmethod
+    def _as_mask(model, sees: torch.Tensor) -> torch.Tensor:
+        """(rows, q, width) which columns each query sees -> the 4-D mask (rows, 1, q, width) as the model's attention
+        takes it (boolean for sdpa, additive for eager)."""
+        allowed = sees.unsqueeze(1)
         kind = MASKED_ATTENTION.get(getattr(model.config, "_attn_implementation", None) or "eager")
         if kind is None:
             raise ValueError(f"the hf engine's requests need attn_implementation sdpa or eager, not {model.config._attn_implementation!r}")
