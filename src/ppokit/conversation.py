@@ -82,6 +82,7 @@ class ConversationRenderer:
         self._heads: dict[str, list[int]] = {}  # ids of the probe text before an observation, by text
         self._short = False  # observations tokenised the short way (`_suffix`), once `check` found it exact
         self._warned_unknown = False
+        self._unknown_id = getattr(tokenizer, "unk_token_id", None)  # read once: a tokenizer's attributes are slow to look up
         self.first_observation_problem: Optional[str] = None  # set by check(): why a reset observation cannot follow a prompt
 
     # ------------------------------------------------------------------ prompts
@@ -266,7 +267,7 @@ class ConversationRenderer:
     def _as_read(self, content: str) -> str:
         """The content as the model reads it: where the tokenizer maps words to its unknown token, the decoded ids (the
         first time, a warning with an example)."""
-        unknown = getattr(self.tokenizer, "unk_token_id", None)
+        unknown = self._unknown_id
         if unknown is None or not content:
             return content
         ids = self.encode(content)

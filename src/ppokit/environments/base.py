@@ -237,9 +237,9 @@ class EnvironmentRunner:
                                   f"(its thread is left running: Python cannot stop it){prompt_suffix(prompt)}")
 
     def _check_observation(self, env, observation, what: str, prompt: Optional[str]) -> Step:
-        where = prompt_suffix(prompt)
         if observation is not None and not isinstance(observation, str):
-            raise EnvironmentFailure(f"environment {self.spec}: {what} returned the observation {_short(observation)} (a {type(observation).__name__}); expected a str or None{where}")
+            raise EnvironmentFailure(f"environment {self.spec}: {what} returned the observation {_short(observation)} "
+                                     f"(a {type(observation).__name__}); expected a str or None{prompt_suffix(prompt)}")
         return Step(observation, 0.0, False, self._messages(env, observation, what, prompt))
 
     def _messages(self, env, observation: Optional[str], what: str, prompt: Optional[str]) -> list[dict]:
@@ -256,17 +256,18 @@ class EnvironmentRunner:
 
     def check_step(self, env, result, prompt: Optional[str]) -> Step:
         """step's return value -> a Step; EnvironmentFailure naming the environment and the value otherwise."""
-        where = prompt_suffix(prompt)
         if not isinstance(result, (tuple, list)) or len(result) != 3:
-            raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){where}")
+            raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){prompt_suffix(prompt)}")
         observation, reward, done = result
         number = None if reward is None else as_number(reward)  # None would read as NaN: a forgotten return
         if number is None:
-            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {_short(reward)} (a {type(reward).__name__}); expected a number{where}")
+            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {_short(reward)} (a {type(reward).__name__}); "
+                                     f"expected a number{prompt_suffix(prompt)}")
         if not math.isfinite(number):
-            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {number}; expected a finite number{where}")
+            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {number}; expected a finite number{prompt_suffix(prompt)}")
         if not _is_flag(done):
-            raise EnvironmentFailure(f"environment {self.spec}: step returned done={_short(done)} (a {type(done).__name__}); expected True or False{where}")
+            raise EnvironmentFailure(f"environment {self.spec}: step returned done={_short(done)} (a {type(done).__name__}); "
+                                     f"expected True or False{prompt_suffix(prompt)}")
         step = self._check_observation(env, observation, "step", prompt)
         step.reward, step.done = number, bool(done)
         return step
