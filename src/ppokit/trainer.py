@@ -71,8 +71,9 @@ class PPOTrainer:
             eval_dataset=eval_dataset, accelerator=accelerator, show_progress=show_progress, overwrite=overwrite)
         self.saving = Saving(self.parts, overwrite)
         self.state = TrainingState()
-        self.off_policy = off_policy.build(config.rollout.max_staleness, save_steps=config.ppo.save_steps, num_updates=lambda: self.sizes.num_updates,
-                                           engine=self.rollout_engine, seed=config.seed, process=self.accelerator.process_index)
+        run = self.config  # the run's validated copy (`parts.run_config`), not the caller's object
+        self.off_policy = off_policy.build(run.rollout.max_staleness, save_steps=run.ppo.save_steps, num_updates=lambda: self.sizes.num_updates,
+                                           engine=self.rollout_engine, seed=run.seed, process=self.accelerator.process_index)
         self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
         self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
