@@ -12,8 +12,8 @@ attention's sums with the padding in front of a row. So:
 - reading a prompt (its tokens, or what follows the request it continues), one of three ways by how many tokens
   it has to read: at most `read_in_steps` (4) in its slot through the decoding forwards, one token per step, beside
   the other slots' decoding (no forward of its own: on CPU a forward's fixed cost is most of a small model's); at
-  most `read_together` (16) in one reading forward of `slots` rows of `read_together` tokens, its slot's row
-  beside every other slot that reads then (the others' rows placeholders), whose last real token gives its first
+  most `read_together` (16) in one reading forward of `slots` rows of `read_together` tokens, at the end of its
+  slot's row beside every other slot that reads then (the rest placeholders), whose last token gives its first
   sample, in the same step as the decoding forward; more, alone (one row, its own length) into a one-row cache,
   then copied into its slot; requests with the same prompt read alone in one step (a group's samples) share that
   read, which is the same computation. Which way a request is read depends on the request alone.
@@ -324,24 +324,22 @@ class SlotDecoder:
 
     def _read_step(self, model) -> list[Completion]:
         """One reading forward: `slots` rows of `read_together` tokens, each slot that reads together its tokens to
-        read (the rest of its row, and every other row, placeholders); the logits at its last token give its first
-        sample."""
+        read at the end of its row (placeholders before them, and in every other row), so that the row's last column,
+        the only one whose logits are made (a vocabulary's worth per row, not per token), gives its first sample."""
         width = self.read_together
         reading = [slot if slot is not None and slot.reads_together else None for slot in self.running]
         tokens = [[self.pad_token_id] * width for _ in reading]
         positions = [[0] * width for _ in reading]
         real = [[False] * width for _ in reading]
-        last = [0] * len(reading)
         for i, slot in enumerate(reading):
             if slot is not None:
                 new = slot.request.prompt[slot.fed:]
-                tokens[i][: len(new)] = new
-                positions[i][: len(new)] = range(slot.fed, slot.fed + len(new))
-                real[i][: len(new)] = [True] * len(new)
-                last[i] = len(new) - 1
+                tokens[i][width - len(new):] = new
+                positions[i][width - len(new):] = range(slot.fed, slot.fed + len(new))
+                real[i][width - len(new):] = [True] * len(new)
                 slot.fed, slot.reads_together = len(slot.request.prompt), False
-        logits = self._forward(model, tokens, positions, real, logits_to_keep=width)
-        return self._sampled(logits[torch.arange(len(reading)), torch.tensor(last)], reading)
+        logits = self._forward(model, tokens, positions, real, logits_to_keep=1)
+        return self._sampled(logits[:, -1], reading)
 
     def _decode_step(self, model) -> list[Completion]:
         """One decoding forward of every slot: each running request's next token in (a prompt token or the last it
