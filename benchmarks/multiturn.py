@@ -13,6 +13,7 @@ environment's step) x tools and deadline x engine
 episodes after one warm-up batch; the figures are medians. Every line carries the machine's load average (the
 2-core machine is shared: compare lines measured together) and, for the per-episode loop, a digest of the episodes
 (tokens, logprobs, rewards): the same digest with slow and instant tools is the same episodes whatever the latency.
+With hf, `forwards_per_batch` counts the policy's forwards in a batch (the engine's decoding and reading steps).
 
     PYTHONPATH=src python benchmarks/multiturn.py [--episodes 64] [--repeats 2] [--engine hf] [--work DIR] [--base 990d034]
     PYTHONPATH=src ~/.cache/ppokit-ci/vllm-*/bin/python benchmarks/multiturn.py --engine vllm
@@ -98,6 +99,8 @@ def run_cases(args, loop_name: str) -> list[dict]:
     work = model_folder(args)
     tokenizer = AutoTokenizer.from_pretrained(work / "sft")
     model = AutoModelForCausalLM.from_pretrained(work / "sft").eval()
+    forwards = [0]  # calls of the policy module: the hf engine's forwards (vLLM runs a model of its own)
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     data = rows(args.episodes)
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in data]
     budget = MAX_TURNS * 4
@@ -116,6 +119,7 @@ def run_cases(args, loop_name: str) -> list[dict]:
             return out[0] if isinstance(out, tuple) else out  # the lock-step loop returned (Episodes, EpisodeOutcome)
 
         sample()  # warm-up
+        forwards[0] = 0
         seconds, tokens, turns, digests = [], [], [], set()
         for _ in range(args.repeats):
             load = os.getloadavg()[0]
@@ -129,6 +133,7 @@ def run_cases(args, loop_name: str) -> list[dict]:
         results.append({
             "benchmark": "multiturn", "loop": loop_name, "engine": args.engine, "tools": tools, "environment_timeout_s": deadline_s, "episodes": args.episodes,
             "repeats": args.repeats, "episodes_per_s": round(args.episodes / t, 2), "model_tokens_per_s": round(statistics.median(tokens) / t, 1),
+            "forwards_per_batch": forwards[0] / args.repeats if args.engine == "hf" else None,
             "mean_turns": round(statistics.mean(turns), 3), "seconds": round(t, 3), "load_avg_1min": round(load, 2),
             "digest": sorted(digests)[0] if len(digests) == 1 else "differs between repeats", "threads": torch.get_num_threads(),
             "ppokit": str(Path(ppokit.__file__).parent.parent),
