@@ -173,7 +173,7 @@ MUTATIONS = [
              (f"{REQ}::test_logprobs_are_the_training_forwards",),
              "a request read together has its tokens at the end of its row and their positions at the start"),
     Mutation("kept_slot_taken_without_copying_out", "src/ppokit/engines/slots.py",
-             "            self._copy_out(self.kept[self.home[slot]])\n", "            pass\n",
+             "            self._evict(slot)\n", "            pass\n",
              (f"{REQ}::test_kept_keys_and_values_stay_in_their_slot_until_another_request_needs_it",),
              "a request takes a slot holding a kept turn without copying it out first"),
     Mutation("continuation_not_sent_back_to_its_slot", "src/ppokit/engines/slots.py",

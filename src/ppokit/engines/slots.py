@@ -274,7 +274,7 @@ class SlotDecoder:
         token already ended it."""
         kept = self.kept.pop(request.continues) if request.continues is not None else None
         if self.home[slot] is not None and (kept is None or kept.slot != slot):
-            self._copy_out(self.kept[self.home[slot]])
+            self._evict(slot)
         self.home[slot] = None
         start = len(kept.tokens) - 1 if kept is not None else 0
         running = _Running(request, _generator(request, self.device), fed=start, cached=start)
@@ -314,13 +314,18 @@ class SlotDecoder:
         self.running[slot] = running
         return None
 
-    def _decode_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> SlotCache:
-        """The slots' cache, allocated like `keys` / `values` if no forward has made it yet."""
+    def _slots_cache(self) -> SlotCache:
+        """The slots' cache: `capacity` columns per slot and one scratch column for placeholders."""
         if self._decode is None:
             self._decode = SlotCache(self.slots, self.capacity, scratch=1)
-        if not self._decode.allocated:
-            self._decode.allocate_like(keys, values)
         return self._decode
+
+    def _decode_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> SlotCache:
+        """The slots' cache, allocated like `keys` / `values` if no forward has made it yet."""
+        cache = self._slots_cache()
+        if not cache.allocated:
+            cache.allocate_like(keys, values)
+        return cache
 
     def _read_step(self, model) -> list[Completion]:
         """One reading forward: `slots` rows of `read_together` tokens, each slot that reads together its tokens to
@@ -359,9 +364,7 @@ class SlotDecoder:
         placeholders see it) -> logits (slots, logits_to_keep, V)."""
         tokens, positions = (torch.tensor(t, dtype=torch.long, device=self.device) for t in (tokens, positions))
         real = torch.tensor(real, dtype=torch.bool, device=self.device)
-        if self._decode is None:
-            self._decode = SlotCache(self.slots, self.capacity, scratch=1)
-        cache = self._decode
+        cache = self._slots_cache()
         cache.write_at = torch.where(real, positions, self.capacity)
         columns = torch.arange(cache.width, device=self.device)
         sees = torch.where(real.unsqueeze(-1), (columns <= positions.unsqueeze(-1)), columns == cache.write_at.unsqueeze(-1))
@@ -387,20 +390,24 @@ class SlotDecoder:
         (`cache` the slots'), or copied out of the prefill row."""
         if running.request.keep:
             request_id = running.request.request_id
-            self.kept[request_id] = kept = _Kept(list(running.request.prompt) + running.tokens, slot=row)
+            self.kept[request_id] = kept = _Kept(list(running.request.prompt) + running.tokens)
             if cache is self._decode:
-                self.home[row] = request_id
+                kept.slot, self.home[row] = row, request_id
             else:
-                self._copy_out(kept, cache)
+                self._copy_out(kept, cache, row)
 
-    def _copy_out(self, kept: _Kept, cache: Optional[SlotCache] = None) -> None:
-        """Copy kept keys and values out of the row they lie in (its slot of the slots' cache, or row 0 of `cache`)."""
-        cache, n = cache or self._decode, len(kept.tokens) - 1
-        kept.keys = [k[kept.slot, :, :n].clone() for k in cache.keys]
-        kept.values = [v[kept.slot, :, :n].clone() for v in cache.values]
-        if cache is self._decode:
-            self.home[kept.slot] = None
-        kept.slot = None
+    def _evict(self, slot: int) -> None:
+        """The kept keys and values lying in free `slot` copied out of it, before another request takes it."""
+        kept = self.kept[self.home[slot]]
+        self._copy_out(kept, self._decode, slot)
+        kept.slot, self.home[slot] = None, None
+
+    @staticmethod
+    def _copy_out(kept: _Kept, cache: SlotCache, row: int) -> None:
+        """Copy a kept request's keys and values (columns 0..n-1) out of `cache`'s `row`."""
+        n = len(kept.tokens) - 1
+        kept.keys = [k[row, :, :n].clone() for k in cache.keys]
+        kept.values = [v[row, :, :n].clone() for v in cache.values]
 
     def _mask(self, model, positions: torch.Tensor, width: int) -> torch.Tensor:
         """(rows, q) positions of real tokens -> their mask: each query sees its own row's columns up to its position."""
