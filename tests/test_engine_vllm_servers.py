@@ -362,6 +362,77 @@ def test_two_trainer_processes_sample_one_update_ahead_on_two_servers(servers, s
     assert [weight_version(s.address) for s in servers] == ["4", "4"]  # the start's push and one per update
 
 
+PUSH_AFTER_EVERY_PROCESS = '''
+import json, os, sys, time
+import requests, torch
+from transformers import AutoModelForCausalLM
+from ppokit.engines.base import Request, Sampling
+from ppokit.engines.vllm_servers import VLLMServersEngine
+
+model, pad, addresses, out = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
+torch.distributed.init_process_group("gloo")
+rank = torch.distributed.get_rank()
+engine = VLLMServersEngine(AutoModelForCausalLM.from_pretrained(model).eval(), pad, lambda: (addresses, []), timeout_s=120,
+                           longest_sequence={max_len})
+
+def versions():
+    return [requests.get(f"http://{{a}}/weight_info", timeout=30).json()["weight_version"] for a in addresses]
+
+before = versions()
+if rank == 1:  # this process's requests start {wait_s} s after process 0 called sync_weights
+    while not os.path.exists(f"{{out}}.pushing"):
+        time.sleep(0.05)
+    time.sleep({wait_s})
+engine.submit([Request(f"process-{{rank}}-{{i}}", [5, 6, 7, 8], Sampling({new_tokens}, 1.0, None), seed=i) for i in range(4)])
+while engine.unfinished():
+    engine.step()  # refuses a completion sampled by weights other than this process's last push
+seen = versions()
+if rank == 0:
+    open(f"{{out}}.pushing", "w").close()
+engine.sync_weights(engine.policy)
+with open(f"{{out}}.{{rank}}", "w") as f:
+    json.dump({{"before": before, "seen": seen, "after": versions()}}, f)
+engine.close()
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_a_push_starts_once_every_trainer_process_s_requests_have_ended(servers, server_model, tokenizer, tmp_path):
+    """Two trainer processes share the servers: process 0 pushes only once process 1, whose requests start 2 s after
+    process 0 called sync_weights, has its completions and calls sync_weights too, so no request of any process runs on
+    a server during a push (a push there meets vLLM's layer-wise reload half done) and no process's completion comes
+    from weights it has not pushed. Process 1 reads the servers' version just before it pushes: still the old."""
+    from test_multiprocess import TORCHRUN, _env, _free_port
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    script = tmp_path / "push.py"
+    script.write_text(PUSH_AFTER_EVERY_PROCESS.format(max_len=MAX_LEN, new_tokens=NEW_TOKENS, wait_s=2))
+    out = tmp_path / "seen"
+    result = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script), str(server_model),
+                             str(tokenizer.pad_token_id), ",".join(s.address for s in servers), str(out)],
+                            capture_output=True, text=True, timeout=900, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    before = seen[0]["before"]
+    assert len(set(before)) == 1 and seen[1]["before"] == before
+    assert seen[0]["seen"] == seen[1]["seen"] == before, seen
+    assert seen[0]["after"] == seen[1]["after"] == [str(int(before[0]) + 1)] * 2, seen
+
+
+def test_a_server_that_cannot_be_reached_at_the_start_is_one_line(server_model, prompts_file, tmp_path):
+    """rollout.servers naming an address where nothing listens: one line naming it, exit 2, no traceback."""
+    from ppokit.engines.launched_server import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    config = run_config(server_model, prompts_file, tmp_path, {"placement": "servers", "servers": [address], "server_timeout_s": 30})
+    result = ppo(config)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == f"ppokit: error: rollout server {address} cannot be reached (/health): connection refused (rollout.servers)"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 KILLER = '''
 import os, signal
 calls = [0]

@@ -13,7 +13,8 @@ served its last (its prefix cache), others to the least busy. Weights: `sync_wei
 at once through vLLM's trainer-side engine of the backend (`gloo`: `ppokit.engines.weight_transfer`; `nccl`: vLLM's),
 labelled with a version (1, 2, ...): every completion says which version sampled it, and one sampled with weights
 other than the last pushed is refused (a stale engine). Under torchrun every trainer process holds one of these; the
-push is driven by process 0 (the others take part in gathering a sharded policy) and every process waits for it.
+push is driven by process 0 (the others take part in gathering a sharded policy) once every process's requests have
+ended, and every process waits for it.
 
 Every wait is bounded by `rollout.server_timeout_s`: a server that dies or stops answering is one line naming it.
 """
@@ -256,8 +257,11 @@ class VLLMServersEngine:
         else:
             def connect():
                 return start_separate(unwrap_peft(unwrap(setup.policy())), settings, setup, backend)
-        return cls(setup.policy, setup.pad_token_id, connect, backend=backend, timeout_s=settings.server_timeout_s,
-                   longest_sequence=setup.longest_sequence, device=setup.device)
+        try:
+            return cls(setup.policy, setup.pad_token_id, connect, backend=backend, timeout_s=settings.server_timeout_s,
+                       longest_sequence=setup.longest_sequence, device=setup.device)
+        except EngineLost as e:  # before the run starts: nothing to resume from, the line alone
+            raise UserError(f"{e} (rollout.{'servers' if settings.placement == 'servers' else 'placement'})") from None
 
     def _open(self) -> None:
         """Reach the servers (starting ppokit's own), check them, and push the policy's weights."""
@@ -428,6 +432,10 @@ class VLLMServersEngine:
         self._opened()
         if self._unfinished:
             raise RuntimeError("rollout engine: weights pushed while requests are in flight")
+        if self.world > 1:
+            # The servers are shared: every trainer process's requests end before the push starts (vLLM's engine core
+            # steps between the pieces of a push; a request running then meets half-loaded weights).
+            torch.distributed.barrier()
         if self._transfer is None:
             self._transfer = self._open_transfer()
         self.version += 1
