@@ -276,4 +276,10 @@ def main(out: Path, load_from: Path | None) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
+    try:
+        main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
+    finally:
+        # as the CLI does (`cli._end_process_group`): gloo's threads left to the interpreter's exit abort a finished
+        # process now and then ("terminate called without an active exception"), which fails the launch
+        if dist.is_initialized():
+            dist.destroy_process_group()
