@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                                 capture_output=True, text=True).stdout.strip())
     print(f"mutations: {len(chosen)} on {tree} at {commit}{' (with uncommitted changes)' if dirty else ''}", file=sys.stderr)
     survived = 0
-    runnable = [m for m in chosen if not missing(m)]
+    lacking = {m.name: missing(m) for m in chosen}
+    runnable = [m for m in chosen if not lacking[m.name]]
     if args.baseline and runnable:
         tests = tuple(dict.fromkeys(t for m in runnable for t in m.tests))
         with tempfile.TemporaryDirectory(prefix="ppokit-mutation-baseline-") as folder:
@@ -368,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 record.update(status="stale", why=problem)
             elif args.check:
                 record.update(status="applies")
-            elif missing(m):
-                record.update(status="not run", why=f"its tests need {', '.join(missing(m))}: run this script with the "
+            elif lacking[m.name]:
+                record.update(status="not run", why=f"its tests need {', '.join(lacking[m.name])}: run this script with the "
                                                     "python of an environment that has it (.ci/vllm-env's)")
             else:
                 rc, failed, tail, seconds = run_tests(folder, m.tests, args.timeout)
