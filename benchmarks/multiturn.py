@@ -15,7 +15,7 @@ episodes after one warm-up batch; the figures are medians. Every line carries th
 (tokens, logprobs, rewards): the same digest with slow and instant tools is the same episodes whatever the latency.
 With hf, `forwards_per_batch` counts the policy's forwards in a batch (the engine's decoding and reading steps).
 
-    PYTHONPATH=src python benchmarks/multiturn.py [--episodes 64] [--repeats 2] [--engine hf] [--work DIR] [--base 990d034]
+    PYTHONPATH=src python benchmarks/multiturn.py [--episodes 64] [--repeats 2] [--engine hf] [--work DIR] [--base 990d034] [--device cuda]
     PYTHONPATH=src ~/.cache/ppokit-ci/vllm-*/bin/python benchmarks/multiturn.py --engine vllm
 """
 
@@ -68,7 +68,7 @@ def rows(n: int) -> list[dict]:
     return [{"prompt": "guess a number from 1 to 16 .", "id": i, "turns": turns.randint(1, MAX_TURNS)} for i in range(n)]
 
 
-def build_engine(name: str, model, tokenizer, rows_per_forward: int, longest: int):
+def build_engine(name: str, model, tokenizer, rows_per_forward: int, longest: int, device: str = "cpu"):
     import inspect
 
     import torch
@@ -77,7 +77,7 @@ def build_engine(name: str, model, tokenizer, rows_per_forward: int, longest: in
         from ppokit.engines.hf import HFEngine
 
         extra = {"max_sequence": longest} if "max_sequence" in inspect.signature(HFEngine).parameters else {}
-        return HFEngine(model, tokenizer.pad_token_id, torch.device("cpu"), rows_per_forward=rows_per_forward, **extra)
+        return HFEngine(model, tokenizer.pad_token_id, torch.device(device), rows_per_forward=rows_per_forward, **extra)
     from ppokit.engines.vllm import VLLMEngine
 
     return VLLMEngine(model, tokenizer.pad_token_id, longest, max_num_seqs=rows_per_forward, seed=0)
@@ -98,13 +98,13 @@ def run_cases(args, loop_name: str) -> list[dict]:
     torch.set_num_threads(args.threads)
     work = model_folder(args)
     tokenizer = AutoTokenizer.from_pretrained(work / "sft")
-    model = AutoModelForCausalLM.from_pretrained(work / "sft").eval()
+    model = AutoModelForCausalLM.from_pretrained(work / "sft").eval().to(args.device)
     forwards = [0]  # calls of the policy module: the hf engine's forwards (vLLM runs a model of its own)
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     data = rows(args.episodes)
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in data]
     budget = MAX_TURNS * 4
-    engine = build_engine(args.engine, model, tokenizer, args.episodes, max(map(len, prompts)) + budget)
+    engine = build_engine(args.engine, model, tokenizer, args.episodes, max(map(len, prompts)) + budget, args.device)
     # the stop token's keyword as each loop's ppokit names it (one id then, a list of them since)
     stop = "stop_token_ids" if "stop_token_ids" in inspect.signature(Sampling).parameters else "stop_token_id"
     sampling = Sampling(max_new_tokens=3, temperature=1.0, **{stop: tokenizer.eos_token_id})
@@ -135,7 +135,7 @@ def run_cases(args, loop_name: str) -> list[dict]:
             "repeats": args.repeats, "episodes_per_s": round(args.episodes / t, 2), "model_tokens_per_s": round(statistics.median(tokens) / t, 1),
             "forwards_per_batch": forwards[0] / args.repeats if args.engine == "hf" else None,
             "mean_turns": round(statistics.mean(turns), 3), "seconds": round(t, 3), "load_avg_1min": round(load, 2),
-            "digest": sorted(digests)[0] if len(digests) == 1 else "differs between repeats", "threads": torch.get_num_threads(),
+            "digest": sorted(digests)[0] if len(digests) == 1 else "differs between repeats", "threads": torch.get_num_threads(), "device": args.device,
             "ppokit": str(Path(ppokit.__file__).parent.parent),
         })
     return results
@@ -150,12 +150,13 @@ def digest(episodes) -> str:
     """A fingerprint of what was sampled: the tokens, the trained mask, the logprobs' bits."""
     h = hashlib.sha256()
     for tensor in (episodes.response_ids, episodes.loss_mask, episodes.logprobs):
-        h.update(tensor.contiguous().numpy().tobytes())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
 def base_source(commit: str, where: Path) -> Path:
-    """The `src` folder of `commit` of this repository (git archive), extracted once into `where`."""
+    """The `src` folder of `commit` of this repository (git archive), extracted once into `where` (the --work folder:
+    carried with it to a machine without the repository's history)."""
     target = where / f"ppokit-{commit}"
     if not (target / "src" / "ppokit").is_dir():
         repo = Path(__file__).resolve().parent.parent
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
+    parser.add_argument("--device", default="cpu", help="where the hf engine's model runs (cuda: a GPU)")
     parser.add_argument("--work", default=None, help="where the demo's SFT models are built, one per engine (reused if there); default a temporary folder")
     parser.add_argument("--base", default="990d034", help="the commit whose lock-step loop is measured; 'none': skip it")
     parser.add_argument("--only", choices=("per-episode", "lock-step"), default=None, help=argparse.SUPPRESS)  # the subprocess's
@@ -189,9 +191,9 @@ def main() -> None:
 
         demo_game.prepare_game_demo(model_folder(args), quick=True, seed=0, say=lambda *a: print(*a, file=sys.stderr), engine=args.engine)
     if args.base != "none":
-        src = base_source(args.base, Path(tempfile.gettempdir()))
+        src = base_source(args.base, Path(args.work))
         command = [sys.executable, __file__, "--only", "lock-step", "--episodes", str(args.episodes), "--repeats", str(args.repeats),
-                   "--engine", args.engine, "--threads", str(args.threads), "--work", args.work]
+                   "--engine", args.engine, "--threads", str(args.threads), "--work", args.work, "--device", args.device]
         subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(src)})
     for line in run_cases(args, "per-episode"):
         print(json.dumps(line), flush=True)

@@ -6,6 +6,8 @@ tests/test_tool_episodes.py."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -22,9 +24,10 @@ def steer(model, script: dict[int, int], bias: float = 40.0):
     its KV cache, and in a training forward: a function of the position alone, as position_ids give it)."""
     base = type(model)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
-        out = base.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, **kwargs)
-        logits = out.logits
+    @functools.wraps(base.forward)  # the model's own signature: callers read the name of its KV-cache keyword there
+    def forward(self, input_ids=None, **kwargs):
+        out = base.forward(self, input_ids=input_ids, **kwargs)
+        logits, position_ids = out.logits, kwargs.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         positions = position_ids[:, -logits.shape[1]:]

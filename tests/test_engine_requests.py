@@ -16,11 +16,14 @@ from ppokit.models import left_pad, response_logprobs
 from ppokit.tiny import tiny_causal_lm
 
 SLOTS, CAPACITY = 4, 48
+# The properties that hold by construction hold on a GPU too (its own kernels, its own generators): the tests that
+# take `device` run there as well, where a CUDA device is (marker gpu).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def make_policy(tokenizer, arch="llama"):
+def make_policy(tokenizer, arch="llama", device="cpu"):
     torch.manual_seed(0)
-    return tiny_causal_lm(arch, tokenizer).eval()
+    return tiny_causal_lm(arch, tokenizer).eval().to(device)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,8 @@ def prompts(tokenizer, demo_data):
 
 
 def engine_for(policy, tokenizer, slots=SLOTS, **kwargs):
-    return HFEngine(policy, tokenizer.pad_token_id, torch.device("cpu"), rows_per_forward=slots, max_sequence=CAPACITY, **kwargs)
+    device = next(policy.parameters()).device
+    return HFEngine(policy, tokenizer.pad_token_id, device, rows_per_forward=slots, max_sequence=CAPACITY, **kwargs)
 
 
 def drive(engine, arrivals: dict[int, list[Request]], abort_at: dict[int, list[str]] = ()) -> tuple[dict[str, Completion], int]:
@@ -73,13 +77,14 @@ READING = {"alone": dict(read_in_steps=0, read_together=0), "in-steps": dict(rea
            "together": dict(read_in_steps=0, read_together=CAPACITY), "default": {}}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reading", list(READING))
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, reading, tokenizer, prompts):
+def test_a_request_is_the_same_alone_and_among_others_bit_for_bit(arch, reading, device, tokenizer, prompts):
     """The same request decoded alone, then among others: some running before it arrived (it takes a slot freed
     mid-way), some arriving with and after it, more of them than slots (they wait), other samplings (temperature,
     top_k / top_p / min_p, greedy) and other lengths beside it. Identical tokens and logprobs, to the last bit."""
-    policy = make_policy(tokenizer, arch)
+    policy = make_policy(tokenizer, arch, device)
     targets = [Request("target", prompts[0], Sampling(12, 1.0, None), seed=7),
                Request("target-top-k", prompts[1], Sampling(10, 0.8, None, top_k=4), seed=8),
                Request("target-greedy", prompts[2], Sampling(8, 1.0, None, greedy=True), seed=0)]
@@ -106,20 +111,22 @@ def test_a_groups_samples_read_their_prompt_once_and_are_each_their_own(reading,
     assert len({tuple(c.token_ids) for c in together}) == 4
 
 
-def test_logprobs_are_the_training_forwards(policy, tokenizer, prompts):
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_the_training_forwards(device, tokenizer, prompts):
     """Each completion's logprobs are log softmax(logits / its temperature) of a plain forward over prompt +
     completion (the full distribution, also where top_k / top_p / min_p cut the one it was drawn from), within
     float rounding; the slots' positions and masks are right (an off-by-one would move them by far more)."""
+    policy = make_policy(tokenizer, device=device)
     requests = crowd(prompts, 9, prefix="r")
     done, _ = drive(engine_for(policy, tokenizer), {0: requests[:6], 2: requests[6:]})
     for request in requests:
         completion = done[request.request_id]
-        ids = torch.tensor([list(request.prompt) + completion.token_ids])
-        response = torch.tensor([completion.token_ids])
+        ids = torch.tensor([list(request.prompt) + completion.token_ids], device=device)
+        response = torch.tensor([completion.token_ids], device=device)
         with torch.no_grad():
             want, _ = response_logprobs(policy, ids, torch.ones_like(ids), response, torch.ones_like(response, dtype=torch.bool),
                                         request.sampling.temperature)
-        got = torch.tensor([completion.logprobs])
+        got = torch.tensor([completion.logprobs], device=device)
         assert got.dtype == torch.float32
         assert_float32_close(got, want, terms=64 * 2, ulps=16, scale=want.abs().max().item() / request.sampling.temperature)
         if request.sampling.greedy:  # the argmax at every step
@@ -406,11 +413,13 @@ def test_a_cancelled_episode_stops_its_request(policy, tokenizer, prompts):
     assert asyncio.run(rollout()).finish_reason == "length" and engine.unfinished() == 0
 
 
-def test_under_the_training_precision_bf16_autocast(policy, tokenizer, prompts):
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_the_training_precision_bf16_autocast(device, tokenizer, prompts):
     """Sampling under the training forward's precision (the trainer's sampling contexts enter autocast): the slots
     hold the values autocast made (bfloat16; the keys come out of the rotary embedding in float32) and a request
     is still the same alone and among others."""
-    autocast = lambda p: (torch.autocast("cpu", dtype=torch.bfloat16),)  # noqa: E731
+    policy = make_policy(tokenizer, device=device)
+    autocast = lambda p: (torch.autocast(device, dtype=torch.bfloat16),)  # noqa: E731
     target = Request("target", prompts[0], Sampling(10, 1.0, None), seed=7)
     engine = engine_for(policy, tokenizer, sampling_contexts=autocast)
     alone = complete(engine, [target])[0]
