@@ -1,6 +1,6 @@
 """The rollout engines on one GPU (issue 22, "On a GPU"): a ~0.5B Llama, bf16, `rollout.engine: vllm` (with
-`rollout.sleep: true`) against `hf`, a few PPO updates each; one JSON line per engine. Prepared, not yet run:
-no GPU has been lent to this work (docs/rollout.md).
+`rollout.sleep: true`) against `hf`, a few PPO updates each; one JSON line per engine. hf measured on one H200
+(docs/rollout.md, "On a GPU"); the vLLM cases not yet run (the machine lent had no vLLM).
 
     pip install -e ".[vllm]"          # once, on the GPU machine: ppokit and upstream vLLM (its CUDA torch with it)
     python benchmarks/gpu_engines.py [--engines vllm,hf] [--updates 4] [--episodes 64] [--response-length 128]

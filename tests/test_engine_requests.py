@@ -15,6 +15,8 @@ from ppokit.engines.hf import HFEngine, HFSampler
 from ppokit.models import left_pad, response_logprobs
 from ppokit.tiny import tiny_causal_lm
 
+pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
+
 SLOTS, CAPACITY = 4, 48
 # The properties that hold by construction hold on a GPU too (its own kernels, its own generators): the tests that
 # take `device` run there as well, where a CUDA device is (marker gpu).

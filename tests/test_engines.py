@@ -19,6 +19,8 @@ from ppokit.errors import UserError
 from ppokit.models import left_pad, load_causal_lm
 from ppokit.trainer import PPOTrainer
 
+pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
+
 
 def test_engine_table_imports_no_torch():
     code = "import sys, ppokit.engines, ppokit.config; assert 'torch' not in sys.modules; print(sorted(ppokit.engines.ENGINES))"

@@ -22,6 +22,8 @@ from ppokit.environments.episode_loop import EpisodeLoop, EpisodeSeeds
 from ppokit.episodes import EnvironmentSaid, Span, pack
 from ppokit.tiny import tiny_causal_lm, word_tokenizer
 
+pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
+
 WORDS = "guess the number from 1 to 16 : 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 higher lower correct user assistant"
 # What a test waits for at most before it calls the behaviour broken (the behaviour itself needs no wait): far above
 # what a loaded machine takes, so only a loop that cannot make progress reaches it.

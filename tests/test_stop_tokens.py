@@ -23,6 +23,8 @@ from ppokit.engines.hf import HFEngine
 from ppokit.errors import UserError
 from ppokit.tiny import tiny_causal_lm
 
+pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
+
 
 # --------------------------------------------------------------------------- the pure function
 

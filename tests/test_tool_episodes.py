@@ -17,6 +17,8 @@ from steered import scripted, steer
 
 from ppokit.tiny import tiny_causal_lm
 
+pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
+
 
 CALLS = {
     "mistral": '[TOOL_CALLS]add[ARGS]{"a": 17, "b": 25}',
