@@ -404,3 +404,20 @@ def test_the_trainers_jobs_never_reach_back_into_it():
         assert "ppokit.trainer" not in imported, name
     assert len((package / "trainer.py").read_text().splitlines()) <= 300
 
+
+def test_no_module_imports_the_package_face():
+    """`ppokit/__init__.py` hands out the trainer (lazily): a module of the package that imports a name from it
+    (not a submodule) closes a loop back up through the trainer. The version is `ppokit.version`'s."""
+    import ast
+    from pathlib import Path
+
+    import ppokit
+
+    package = Path(ppokit.__file__).parent
+    submodules = {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "ppokit":
+                names = {a.name for a in node.names} - submodules
+                assert not names, f"{path.relative_to(package)} imports {sorted(names)} from the package face"
+

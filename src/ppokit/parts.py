@@ -3,9 +3,9 @@ in one object that the update, the evaluation and the saving read (`Parts`). Not
 
 `assemble` builds them in an order that fails early and cheaply:
     1. the run's own config (a validated copy) and what it needs of this machine (`PPOConfig.check_machine`), the
-       accelerator, the parallel strategy, the seed, the output folder's check
-    2. the prompts (a bad file fails before any weights load) and the batch arithmetic with the learning-rate
-       schedule (`sizes`)
+       accelerator, the parallel strategy, the seed
+    2. the prompts (a bad file fails before any weights load), the output folder's check, and the batch arithmetic with
+       the learning-rate schedule (`sizes`)
     3. the tokenizer, the stop token, the conversation (which may add the stop token of a tool-calling turn) (the environment made, the chat template checked against it,
        chat prompts rendered with its tools), the prompts' token ids, the token budget
     4. the reward sources (`scorer`), which model plays which role (`layout`), the pad id, every prompt's fit
@@ -88,12 +88,12 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     strategy = parallel.strategy(config.parallel, accelerator, bf16=config.bf16)
     reduce = parallel.sum_over_processes(accelerator)
     set_seed(config.seed)
-    if accelerator.is_main_process:
-        run_dir.check_run_folder(config.output_dir, overwrite)  # a folder it must not write in fails before any loading
     show_progress = show_progress and accelerator.is_main_process
     say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
 
     train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
+    if accelerator.is_main_process:
+        run_dir.check_run_folder(config.output_dir, overwrite)  # a folder it must not write in fails before any weights load
     sizes = batch_sizes.derive(config.ppo, accelerator.num_processes, len(train_data))
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ppokit.errors import UserError
+from ppokit.version import __version__
 
 MARKER = ".ppokit"
 LOCK_FILE = ".ppokit.lock"
@@ -47,8 +48,6 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 def write_marker(folder: Path, kind: str) -> None:
     """Mark `folder` as written by ppokit; `kind` says what it is (sft, rm, ppo-run, checkpoint, final)."""
-    from ppokit import __version__
-
     (Path(folder) / MARKER).write_text(json.dumps({"written_by": "ppokit", "kind": kind, "version": __version__}) + "\n")
 
 
