@@ -303,9 +303,13 @@ def _meta_model(model_config, scalar: bool, trust_remote_code: bool = False) -> 
     try:
         with torch.device("meta"):
             # The config's own choice, always given: left unset, transformers asks on the terminal for a model with custom code.
-            return cls.from_config(model_config, trust_remote_code=trust_remote_code)
+            model = cls.from_config(model_config, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise UserError(f"cannot build a {model_config.model_type} model as {cls.__name__}: {str(e).splitlines()[0]}") from None
+    # Tied input and output embeddings are one tensor, as in the model that loads: transformers 5.0.0 builds them untied
+    # on meta (the LM head counted twice: 262M parameters too many for Llama-3.2-1B); from 5.1 on this changes nothing.
+    model.tie_weights()
+    return model
 
 
 def _dtype(model_config) -> torch.dtype:
