@@ -207,6 +207,11 @@ MUTATIONS = [
              '            args += ["--seccomp", str(filter_fd)]', "            pass",
              ("tests/test_sandbox.py",),
              "the Python tool's sandbox runs without its seccomp filter"),
+    Mutation("sandbox_work_folder_over_the_environment", "src/ppokit/environments/sandbox.py",
+             '    args += ["--dev", "/dev", "--chdir", WORK]',
+             '    args += ["--dev", "/dev", "--size", str(limits.folder_mb << 20), "--tmpfs", WORK, "--chdir", WORK]',
+             ("tests/test_sandbox.py::test_a_python_environment_under_tmp_runs_the_tool",),
+             "the sandbox's working folder is mounted over a Python environment under /tmp"),
     # ---- LoRA and FSDP multi-turn
     Mutation("lora_reference_is_the_policy", "src/ppokit/experience.py",
              "    with roles.adapters_disabled(policy):\n        return forward_logprobs(policy,",

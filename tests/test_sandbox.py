@@ -31,6 +31,8 @@ from ppokit.errors import UserError
 PROBLEM = sandbox.problem()
 needs_sandbox = pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox on this machine: {PROBLEM}")
 WAIT_BOUND_S = 60.0  # how long a call may take on a machine several times slower than ours, start-up included
+# An interpreter's environment under /tmp is bound (read-only) into the working folder: its top folder shows there.
+SHOWN_IN_TMP = [Path(f).relative_to("/tmp").parts[0] for f in sandbox.python_folders() if f.startswith("/tmp/")]
 
 # Every hostile program starts with this: where the trainer's files are, its pid, its secret; `attempt` prints
 # "NAME: refused (...)" when an attempt raises and "NAME: ESCAPED" when it goes through.
@@ -312,7 +314,7 @@ EXPECTED = {
              r"mknod outside: refused", r"mkfifo /: refused \(OSError: \[Errno 30\]", r"mknod char device: refused \(PermissionError"],
     "chmod": [r"fchmod interpreter: refused \((OSError: \[Errno 30\]|PermissionError)", r"chmod outside: refused \(FileNotFoundError"],
     "proc_environ": [r"pids: \[1, 2\] ppid: 1", r"trainer's cmdline: refused \(FileNotFoundError"],
-    "proc_self": [r"mounts: \['/', '/usr', .*'/proc', .*'/dev', .*'/tmp'\]", r"through /proc/self/root: refused \(FileNotFoundError",
+    "proc_self": [r"mounts: \['/', '/usr', .*'/tmp', .*'/proc', .*'/dev', .*'/dev/pts'\]", r"through /proc/self/root: refused \(FileNotFoundError",
                   r"through /proc/1/root: refused", r"write /proc/self/exe: refused", r"oom_score_adj: refused",
                   r"pid 1's memory: refused"],
     "sysctl": [r"core_pattern: refused \(OSError: \[Errno 30\]", r"drop_caches: refused", r"sysrq-trigger: refused",
@@ -333,7 +335,7 @@ EXPECTED = {
                   r"write /usr: refused \(OSError: \[Errno 30\]", r"write the interpreter's folder: refused \(OSError: \[Errno 30\]"],
     "read_files": [r"read config.yaml: refused \(FileNotFoundError", r"read outside: refused \(FileNotFoundError",
                    r"/root \['.pyenv'\]|/root FileNotFoundError", r"/home FileNotFoundError", r"/etc FileNotFoundError",
-                   r"/tmp \['main.py'\]", r"/dev \[.*'null'.*\]"],
+                   re.escape(f"/tmp {sorted(['main.py', *SHOWN_IN_TMP])}"), r"/dev \[.*'null'.*\]"],
     "environment": [r"^\[\('HOME', '/tmp'\), \('LANG', 'C.UTF-8'\), .*\('PATH', '/usr/bin:/bin'\), .*\('TMPDIR', '/tmp'\)\]\n$"],
     "signal_trainer": [r"kill trainer: refused \(ProcessLookupError", r"pidfd of trainer: refused \(ProcessLookupError",
                        r"kill everything: refused \(ProcessLookupError", r"kill the trainer's group: refused \(ProcessLookupError",
@@ -485,7 +487,25 @@ def test_the_python_tool_answers_what_the_code_did(code, answer):
 def test_each_call_starts_from_an_empty_folder():
     first = python_tool.execute_python("import os\nopen('mine.txt', 'w').write('kept')\nprint(os.getcwd(), sorted(os.listdir()))\n")
     second = python_tool.execute_python("import os\nprint(os.getcwd(), sorted(os.listdir()))\n")
-    assert first == "/tmp ['main.py', 'mine.txt']\n" and second == "/tmp ['main.py']\n"
+    assert first == f"/tmp {sorted(['main.py', 'mine.txt', *SHOWN_IN_TMP])}\n" and second == f"/tmp {sorted(['main.py', *SHOWN_IN_TMP])}\n"
+
+
+@needs_sandbox
+def test_a_python_environment_under_tmp_runs_the_tool():
+    """The working folder is a tmpfs on /tmp: an environment there (`python -m venv /tmp/env`) is bound into it after it
+    is made, not hidden under it (it was: bwrap could not start the environment's python, and the probe said no sandbox)."""
+    import shutil
+    import tempfile
+
+    environment = Path(tempfile.mkdtemp(prefix="ppokit-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(environment)], check=True)
+        code = ("from ppokit.environments import python_tool, sandbox\nprint(sandbox.problem())\n"
+                "print(python_tool.execute_python('import sys, numpy; print(sys.prefix, numpy.arange(3).sum())'), end='')")
+        out = subprocess.run([str(environment / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=300)
+        assert out.stdout == f"None\n{environment} 3\n", out
+    finally:
+        shutil.rmtree(environment)
 
 
 @needs_sandbox

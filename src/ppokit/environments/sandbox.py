@@ -6,7 +6,8 @@ On Linux the command runs under bubblewrap (`bwrap`: the PyPI package bubblewrap
     user     uid/gid 65534 inside, no capabilities, no further user namespaces (--disable-userns)
     mount    an empty root: /usr and the Python installation read-only, a fresh /proc of its own
              processes, a minimal /dev, and one writable folder, /tmp (a tmpfs of `folder_mb`,
-             the working directory); nothing else of the host: no trainer files, no /home, no /etc
+             the working directory; a Python environment under /tmp is bound read-only into it); nothing
+             else of the host: no trainer files, no /home, no /etc
     pid      it sees and can signal only its own process (and bwrap's reaper, pid 1)
     network  a loopback device of its own: no route out, no host service, no abstract unix socket
     ipc, uts, cgroup   its own (cgroup where the kernel allows it)
@@ -193,13 +194,16 @@ def bwrap_arguments(limits: Limits, environment: dict[str, str], read_only: tupl
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
+    # The working folder before the binds: a Python environment under /tmp (python -m venv /tmp/env) is bound into it
+    # rather than hidden by it.
+    args += ["--size", str(limits.folder_mb << 20), "--tmpfs", WORK]
     for path in python_folders() + [str(Path(p).resolve()) for p in read_only]:
         args += ["--ro-bind", path, path]
     args += ["--proc", "/proc"]
     for name in PROC_MASKED:
         if os.path.exists(f"/proc/{name}"):
             args += ["--ro-bind", "/dev/null", f"/proc/{name}"]
-    args += ["--dev", "/dev", "--size", str(limits.folder_mb << 20), "--tmpfs", WORK, "--chdir", WORK]
+    args += ["--dev", "/dev", "--chdir", WORK]
     # Read-only at the end: / and /dev (tmpfs of bwrap's, in memory, not limited), and /proc: a trainer run as root
     # maps the sandbox to uid 0 outside, which file permissions treat as root (/proc/sys/kernel/core_pattern, sysrq-trigger).
     args += ["--remount-ro", "/proc", "--remount-ro", "/dev", "--remount-ro", "/"]
