@@ -260,6 +260,10 @@ MUTATIONS = [
              "        except EngineLost as e:  # before the run starts", "        except ZeroDivisionError as e:  # before the run starts",
              ("tests/test_engine_vllm_servers.py::test_a_server_that_cannot_be_reached_at_the_start_is_one_line",),
              "a rollout server unreachable when the run starts ends it with a traceback", needs=("vllm",)),
+    Mutation("overlap_window_from_the_trainer_waking", "src/ppokit/off_policy.py",
+             "        self._window_start = max(started, job.ran[1])", "        self._window_start = time.perf_counter()",
+             ("tests/test_off_policy.py::test_the_overlap_counts_from_when_the_episodes_were_ready_not_when_the_trainer_woke",),
+             "time/overlap counts from when the trainer's thread woke, not when its episodes were ready (0 on a loaded machine)"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',

@@ -177,6 +177,27 @@ def test_sampling_overlaps_training_and_is_measured():
     assert records[-1]["time/overlap"] == 0.0  # nothing left to sample during the last update
 
 
+def test_the_overlap_counts_from_when_the_episodes_were_ready_not_when_the_trainer_woke(monkeypatch):
+    """A trainer thread scheduled 0.5 s after its episodes were ready (a loaded machine; seen in CI beside a vLLM server):
+    the next batch (0.2 s) was sampled whole in that time, which is still this update's overlap, not 0."""
+    from concurrent.futures import Future
+
+    taken = Future.result
+
+    def taken_late(future, timeout=None):
+        result = taken(future, timeout)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.5)
+        return result
+
+    monkeypatch.setattr(Future, "result", taken_late)
+    _, records = run_schedule(1, 0, 3, sample_seconds=0.2)
+    assert all(r["time/overlap"] > 0.15 for r in records[:-1]), records
+    assert records[-1]["time/overlap"] == 0.0
+    # the wait is until the episodes were ready: the first batch's sampling, not the late wake after it
+    assert records[0]["time/generation_wait"] < 0.45, records
+
+
 def test_the_synchronous_schedule_adds_nothing():
     engine, records = run_schedule(0, 0, 3)
     assert [(kind, *rest) for kind, *rest in engine.events] == [("sampled", 0, 0), ("push", 1), ("sampled", 1, 1), ("push", 2),

@@ -79,7 +79,8 @@ class _Job:
 class Ahead:
     """k >= 1: batches sampled ahead by one worker thread (module docstring). `episodes(update, sample)` returns the
     update's episodes, each tagged with its `weight_version`, and its metrics (staleness; the wait; the generation /
-    training overlap is added when `training` ends, before the record is written); `training(engine, policy)` wraps the
+    training overlap, from the moment the update's episodes were ready to the end of its training, is added when
+    `training` ends, before the record is written); `training(engine, policy)` wraps the
     optimisation: the batches in flight finish with the old weights, then the new are pushed.
 
     sample(update, engine): the episodes of `update` sampled with `engine` (here a `SeededEngine`: seeds keyed by
@@ -111,14 +112,17 @@ class Ahead:
         self._jobs[update] = job
 
     def episodes(self, update: int, sample: Sample) -> tuple[Episodes, dict]:
+        started = time.perf_counter()
         if self.version is None:
             self.version = update  # the start or a resume: the engine holds this update's weights
         for b in range(update, min(update + self.k, self.num_updates() - 1) + 1):
             if b not in self._jobs and sampling_version(b, self.k, self.save_steps) <= self.version:
                 self._launch(b, sample)
-        started = time.perf_counter()
-        episodes = self._jobs.pop(update).future.result()
-        self._window_start = time.perf_counter()
+        job = self._jobs.pop(update)
+        episodes = job.future.result()
+        # The update's own time starts when its episodes were ready (or when it asked, if later), not when this thread
+        # woke to take them: on a loaded machine that can come after the next batch was sampled whole.
+        self._window_start = max(started, job.ran[1])
         self._metrics = {**staleness_metrics(update, episodes.weight_version, self.k), "time/generation_wait": self._window_start - started}
         return episodes, self._metrics
 
