@@ -208,6 +208,30 @@ def test_a_reward_function_that_sleeps_for_ever_stops_the_run_with_one_line(mode
     )
 
 
+def test_a_finished_run_exits_0_while_the_users_own_thread_computes_in_torch(model_dir, prompts_file, tmp_path):
+    """A reward module whose background thread (daemon: it does not hold the program open) is inside torch's C++ code
+    when the run ends: the interpreter's shutdown woke it there and the finished run aborted (SIGABRT, "terminate called
+    without an active exception", exit 134; under torchrun the whole launch failed). The program ends as the shutdown
+    would, up to its atexit handlers, and leaves before that."""
+    (tmp_path / "busy.py").write_text(
+        "import threading\n\nimport torch\n\n\n"
+        "def spin():\n    x = torch.randn(128, 128)\n    while True:\n        x = (x @ x).tanh()\n\n\n"
+        "for _ in range(2):\n    threading.Thread(target=spin, daemon=True).start()\n\n\n"
+        "def busy(prompts, completions, **columns):\n    return [float(len(c)) for c in completions]\n")
+    (tmp_path / "ppo.yaml").write_text(yaml.safe_dump({
+        "model": str(model_dir("llama")), "output_dir": str(tmp_path / "run"), "data": {"train": str(prompts_file)},
+        "reward": {"functions": ["busy.py:busy"]},
+        "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 2, "response_length": 8},
+    }))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "ppo.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert "terminate called" not in proc.stderr
+    assert (tmp_path / "run" / "final").is_dir() and len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
 @pytest.mark.parametrize("timeout_s", [600, None], ids=["worker-thread", "main-thread"])
 def test_a_second_sigterm_abandons_an_update_stuck_in_a_reward_function(model_dir, prompts_file, tmp_path, timeout_s):
     (tmp_path / "sleepy.py").write_text(

@@ -9,6 +9,7 @@ import shlex
 import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 from ppokit import cpu_threads, interrupts
 from ppokit.errors import TrainingInterrupted, UserError
@@ -500,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (the `ppokit` script, python -m ppokit), not a call in-process
         interrupts.act_on_ctrl_c()
         cpu_threads.settle()  # before torch is imported: its OpenMP runtime reads them when loaded
-        return _exit_past_abandoned_calls(main(sys.argv[1:]))
+        return _leave(main(sys.argv[1:]))
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C anywhere, heavy imports and model loading included: one line, no traceback
@@ -552,17 +553,21 @@ def _process_group_initialized() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def _exit_past_abandoned_calls(code: int) -> int:
-    """`code`, or, while a reward call that passed its deadline still runs (`ThreadCall.left_running`),
-    the exit with `code` now: the atexit handlers run, the interpreter's shutdown does not."""
-    sources = sys.modules.get("ppokit.rewards.sources")  # not imported: no call was made
-    if sources is None or not sources.ThreadCall.left_running():
-        return code
+def _leave(code: int) -> NoReturn:
+    """Exit with `code` as the interpreter's shutdown would up to its last part (non-daemon threads joined, atexit
+    handlers run, stdout and stderr flushed), without that part: a thread still running there wakes inside torch's
+    C++ code and aborts the finished process (SIGABRT, "terminate called without an active exception"; under torchrun
+    the whole launch fails). Such threads: a reward or environment call left running past its deadline, the user's
+    own daemon threads, gloo's workers freeing tensors under the GIL."""
     import atexit
+    import contextlib
+    import threading
 
+    threading._shutdown()  # what the interpreter runs first: executors' exit hooks, non-daemon threads joined
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (`ppokit ... | head`) or a stream closed
+            stream.flush()
     os._exit(code)
 
 

@@ -399,7 +399,6 @@ class SideBySide:
         for token, pending in list(self._pending.items()):
             if pending.deadline <= now:
                 del self._pending[token]
-                ThreadCall.abandoned.add(pending)
                 done.append((pending.key, self.runner.timed_out(pending.what, pending.prompt)))
 
 
@@ -414,9 +413,6 @@ class _Pending:
     started: float
     deadline: float
     took: Optional[float] = None  # set by the thread that ran it, before it hands the value back
-
-    def running(self) -> bool:  # for ThreadCall.left_running, once abandoned
-        return self.took is None
 
 
 _ENVIRONMENT_WORKERS = WorkerThreads("ppokit-env")

@@ -197,11 +197,10 @@ class ThreadCall:
 
     The thread inherits the caller's autograd and inference mode and its CUDA device (both are
     per-thread in PyTorch). Python cannot stop a thread: one that never returns is abandoned,
-    and a daemon thread does not keep the process alive at exit. Waiting is interruptible by
-    signal handlers, like any blocking call in the main thread.
+    and a daemon thread does not keep the process alive at exit (the program leaves before the
+    interpreter's shutdown could wake it inside torch's C++ code: `cli._leave`). Waiting is
+    interruptible by signal handlers, like any blocking call in the main thread.
     """
-
-    abandoned: set = set()  # the calls whose caller stopped waiting, these and others with `running()` (`left_running`)
 
     def __init__(self, fn: Callable[[], Any], name: str = "ppokit-call"):
         self._done = threading.Event()
@@ -224,18 +223,9 @@ class ThreadCall:
     def running(self) -> bool:
         return not self._done.is_set()
 
-    @classmethod
-    def left_running(cls) -> bool:
-        """Whether a call past its deadline is still running. Its thread may be inside torch's C++ code
-        when the interpreter shuts down, and a daemon thread that wakes there aborts the process
-        ("terminate called without an active exception") or hangs it: the program leaves without
-        that shutdown (`cli.main`)."""
-        return any(call.running() for call in cls.abandoned)
-
     def result(self, timeout_s: Optional[float]) -> Any:
         """fn's return value, or its exception re-raised; DeadlineExceeded after `timeout_s` seconds."""
         if not self._done.wait(timeout_s):
-            ThreadCall.abandoned.add(self)
             raise DeadlineExceeded()
         if self._error is not None:
             raise self._error
