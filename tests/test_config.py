@@ -386,3 +386,38 @@ def test_what_the_config_needs_of_this_machine_is_checked_apart_from_validate(tm
     with pytest.raises(UserError, match=r"^fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine$"):
         config.check_machine()
     PPOConfig(model="m", reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate().check_machine()
+
+
+def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
+    """peft 0.16 and 0.17 fail on import under transformers 5 (they import its removed HybridCache) and 0.13-0.14 cannot
+    put an adapter on a critic sharing the policy's base: measured in a venv with each release (docs/memory.md). With
+    lora on, `check_machine` names the installed release and the requirement in one line; pyproject.toml's extras
+    carry the same requirement."""
+    import tomllib
+    from importlib import metadata
+    from pathlib import Path
+
+    from ppokit.config import PEFT_REQUIREMENT, DataConfig, LoraConfig, RewardConfig
+
+    config = PPOConfig(model="m", lora=LoraConfig(), reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate()
+    config.check_machine()  # the peft of this environment (the dev extra's)
+    real = metadata.version
+    for release, works in [("0.13.0", False), ("0.14.0", False), ("0.15.0", True), ("0.15.2", True), ("0.16.0", False),
+                            ("0.17.1", False), ("0.18.0", True), ("0.21.2", True), ("1.0.0", True)]:
+        monkeypatch.setattr(metadata, "version", lambda name, release=release: release if name == "peft" else real(name))
+        if works:
+            config.check_machine()
+        else:
+            with pytest.raises(UserError, match=rf"^lora: peft {re.escape(release)} is installed and does not work with ppokit "
+                                                rf"\(it needs {re.escape(PEFT_REQUIREMENT)}: .*\): pip install '{re.escape(PEFT_REQUIREMENT)}'$"):
+                config.check_machine()
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(UserError, match=r"^lora: needs the peft package: pip install 'ppokit\[lora\]'$"):
+        config.check_machine()
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [[r for r in extras[extra] if r.startswith("peft")] for extra in ("lora", "quantization", "dev")] == [[PEFT_REQUIREMENT]] * 3

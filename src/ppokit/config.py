@@ -59,6 +59,10 @@ DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "pr
 # config does not import torch.
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# The peft releases lora works with under transformers 5 (pyproject.toml's extras say the same; tests/test_config.py
+# checks): before 0.15 an adapter on a critic that shares the policy's base fails ("Target module Identity() is not
+# supported"); 0.16 and 0.17 do not import (they import transformers' HybridCache, gone in 5.0).
+PEFT_REQUIREMENT = "peft>=0.15,!=0.16.*,!=0.17.*"
 ROLLOUT_IS = ("tis", "tis_sequence")  # ppo.rollout_is: engines.correction.IMPORTANCE_WEIGHTS holds their functions
 
 
@@ -528,10 +532,7 @@ class PPOConfig:
         import torch
 
         if self.lora is not None:
-            try:
-                import peft  # noqa: F401
-            except ImportError:
-                raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
+            _check_peft()
         if self.quantization is not None:
             if not torch.cuda.is_available():
                 raise UserError(
@@ -742,3 +743,21 @@ class PipelineConfig(ConfigFile):
         if not (self.sft or self.rm or self.ppo):
             raise UserError("pipeline: no stages; add sft:, rm: and/or ppo: sections")
         return self
+
+
+def _check_peft() -> None:
+    """A UserError unless a peft release lora works with (`PEFT_REQUIREMENT`) is installed; read from its metadata, as
+    the releases that do not work fail on import."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    wanted = Requirement(PEFT_REQUIREMENT)
+    try:
+        installed = metadata.version("peft")
+    except metadata.PackageNotFoundError:
+        raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
+    if not wanted.specifier.contains(installed, prereleases=True):
+        raise UserError(f"lora: peft {installed} is installed and does not work with ppokit (it needs {PEFT_REQUIREMENT}: "
+                        f"0.16 and 0.17 do not import under transformers 5, older releases cannot give a critic on the "
+                        f"policy's base its adapter): pip install '{PEFT_REQUIREMENT}'")
