@@ -389,27 +389,38 @@ def test_what_the_config_needs_of_this_machine_is_checked_apart_from_validate(tm
 
 
 def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
-    """peft 0.16 and 0.17 fail on import under transformers 5 (they import its removed HybridCache) and 0.13-0.14 cannot
-    put an adapter on a critic sharing the policy's base: measured in a venv with each release (docs/memory.md). With
-    lora on, `check_machine` names the installed release and the requirement in one line; pyproject.toml's extras
-    carry the same requirement."""
+    """peft 0.16 and 0.17 fail on import under transformers 5 (they import its removed HybridCache), 0.13-0.14 cannot
+    put an adapter on a critic sharing the policy's base, and before 0.21 LoRA under fsdp fails in its first forward:
+    measured in a venv with each release (docs/memory.md). With lora on, `check_machine` names the installed release
+    and the requirement in one line; pyproject.toml's extras carry the same requirements."""
     import tomllib
     from importlib import metadata
     from pathlib import Path
 
-    from ppokit.config import PEFT_REQUIREMENT, DataConfig, LoraConfig, RewardConfig
+    from ppokit.config import PEFT_REQUIREMENT, DataConfig, LoraConfig, ParallelConfig, RewardConfig
+    from ppokit.strategies import STRATEGIES
 
-    config = PPOConfig(model="m", lora=LoraConfig(), reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate()
-    config.check_machine()  # the peft of this environment (the dev extra's)
+    def lora_config(strategy):
+        return PPOConfig(model="m", lora=LoraConfig(), parallel=ParallelConfig(strategy=strategy), reward=RewardConfig(functions=["sentiment"]),
+                         data=DataConfig(train="p.jsonl")).validate()
+
+    ddp, fsdp = lora_config("ddp"), lora_config("fsdp")
+    ddp.check_machine()  # the peft of this environment (the dev extra's)
+    fsdp.check_machine()
     real = metadata.version
-    for release, works in [("0.13.0", False), ("0.14.0", False), ("0.15.0", True), ("0.15.2", True), ("0.16.0", False),
-                            ("0.17.1", False), ("0.18.0", True), ("0.21.2", True), ("1.0.0", True)]:
+    for release, works_under_ddp, works_under_fsdp in [
+            ("0.13.0", False, False), ("0.14.0", False, False), ("0.15.0", True, False), ("0.15.2", True, False), ("0.16.0", False, False),
+            ("0.17.1", False, False), ("0.18.0", True, False), ("0.20.0", True, False), ("0.21.0", True, True), ("1.0.0", True, True)]:
         monkeypatch.setattr(metadata, "version", lambda name, release=release: release if name == "peft" else real(name))
-        if works:
-            config.check_machine()
-        else:
-            with pytest.raises(UserError, match=rf"^lora: peft {re.escape(release)} is installed and does not work with ppokit "
-                                                rf"\(it needs {re.escape(PEFT_REQUIREMENT)}: .*\): pip install '{re.escape(PEFT_REQUIREMENT)}'$"):
+        for config, works, what, requirement in [(ddp, works_under_ddp, "lora", PEFT_REQUIREMENT),
+                                                 (fsdp, works_under_fsdp, "lora under parallel.strategy: fsdp", "peft>=0.21")]:
+            if works:
+                config.check_machine()
+                continue
+            if what != "lora" and not works_under_ddp:
+                what, requirement = "lora", PEFT_REQUIREMENT  # lora's own requirement is checked first
+            with pytest.raises(UserError, match=rf"^{re.escape(what)}: peft {re.escape(release)} is installed and does not work with it "
+                                                rf"\(it needs {re.escape(requirement)}; docs/memory.md says why\): pip install '{re.escape(requirement)}'$"):
                 config.check_machine()
 
     def missing(name):
@@ -417,7 +428,8 @@ def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
 
     monkeypatch.setattr(metadata, "version", missing)
     with pytest.raises(UserError, match=r"^lora: needs the peft package: pip install 'ppokit\[lora\]'$"):
-        config.check_machine()
+        ddp.check_machine()
 
     extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert [[r for r in extras[extra] if r.startswith("peft")] for extra in ("lora", "quantization", "dev")] == [[PEFT_REQUIREMENT]] * 3
+    peft = {extra: [r for r in extras[extra] if r.startswith("peft")] for extra in ("lora", "quantization", "dev")}
+    assert peft == {"lora": [PEFT_REQUIREMENT], "quantization": [PEFT_REQUIREMENT], "dev": [STRATEGIES["fsdp"].lora_peft]}

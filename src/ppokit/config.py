@@ -61,7 +61,8 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # The peft releases lora works with under transformers 5 (pyproject.toml's extras say the same; tests/test_config.py
 # checks): before 0.15 an adapter on a critic that shares the policy's base fails ("Target module Identity() is not
-# supported"); 0.16 and 0.17 do not import (they import transformers' HybridCache, gone in 5.0).
+# supported"); 0.16 and 0.17 do not import (they import transformers' HybridCache, gone in 5.0). A strategy may need
+# newer ones (strategies.StrategyFacts.lora_peft).
 PEFT_REQUIREMENT = "peft>=0.15,!=0.16.*,!=0.17.*"
 ROLLOUT_IS = ("tis", "tis_sequence")  # ppo.rollout_is: engines.correction.IMPORTANCE_WEIGHTS holds their functions
 
@@ -532,7 +533,10 @@ class PPOConfig:
         import torch
 
         if self.lora is not None:
-            _check_peft()
+            _check_peft(PEFT_REQUIREMENT, "lora")
+            sharded = STRATEGIES[self.parallel.strategy].lora_peft
+            if sharded is not None:
+                _check_peft(sharded, f"lora under parallel.strategy: {self.parallel.strategy}")
         if self.quantization is not None:
             if not torch.cuda.is_available():
                 raise UserError(
@@ -745,19 +749,18 @@ class PipelineConfig(ConfigFile):
         return self
 
 
-def _check_peft() -> None:
-    """A UserError unless a peft release lora works with (`PEFT_REQUIREMENT`) is installed; read from its metadata, as
-    the releases that do not work fail on import."""
+def _check_peft(requirement: str, what: str) -> None:
+    """A UserError unless the installed peft meets `requirement` (a pip requirement: `PEFT_REQUIREMENT`, a strategy's
+    `lora_peft`), read from its metadata, as some releases that do not work fail on import. what: the setting, for the line."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
 
-    wanted = Requirement(PEFT_REQUIREMENT)
+    wanted = Requirement(requirement)
     try:
         installed = metadata.version("peft")
     except metadata.PackageNotFoundError:
         raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
     if not wanted.specifier.contains(installed, prereleases=True):
-        raise UserError(f"lora: peft {installed} is installed and does not work with ppokit (it needs {PEFT_REQUIREMENT}: "
-                        f"0.16 and 0.17 do not import under transformers 5, older releases cannot give a critic on the "
-                        f"policy's base its adapter): pip install '{PEFT_REQUIREMENT}'")
+        raise UserError(f"{what}: peft {installed} is installed and does not work with it (it needs {requirement}; "
+                        f"docs/memory.md says why): pip install '{requirement}'")

@@ -28,6 +28,9 @@ class StrategyFacts:
     # Runs bf16 through a mixed-precision policy of its own (named here): accelerate adds no autocast, fp16 is refused.
     own_mixed_precision: Optional[str] = None
     holds_quantized: bool = True  # can hold bitsandbytes-quantised weights
+    # The peft releases its LoRA runs need where narrower than lora's own (config.PEFT_REQUIREMENT), as a pip
+    # requirement; `PPOConfig.check_machine` refuses others before any weights load.
+    lora_peft: Optional[str] = None
 
 
 DEFAULT = "ddp"
@@ -39,6 +42,9 @@ STRATEGIES = {
             "fsdp", implementation="Sharded", shards=True, checkpoint_weights="sharded",
             keys=("shard_frozen", "cpu_offload", "wrap_classes", "unshard_for_generation"),
             own_mixed_precision="FSDP's MixedPrecisionPolicy", holds_quantized=False,
+            # before 0.21 a LoRA model's forward reaches FSDP2's still-sharded embedding ("aten.embedding.default got
+            # mixed torch.Tensor and DTensor"; measured with 0.18.0, 0.19.1, 0.20.0; 0.21.0 and 0.21.2 pass)
+            lora_peft="peft>=0.21",
         ),
     )
 }
