@@ -65,10 +65,12 @@ def test_budget_bounds(budget, groups):
 
 
 def test_check_budget_names_both_numbers():
-    batching.check_budget(None, [5, 9], 16)
-    batching.check_budget(25, [5, 9], 16)
-    with pytest.raises(batching.BudgetTooSmall, match=r"max_tokens_per_micro_batch=24 is smaller than .*25 tokens.*9 tokens.*response_length 16"):
-        batching.check_budget(24, [5, 9], 16)
+    from ppokit import lengths
+
+    lengths.check_budget(None, [5, 9], 16)
+    lengths.check_budget(25, [5, 9], 16)
+    with pytest.raises(lengths.BudgetTooSmall, match=r"max_tokens_per_micro_batch=24 is smaller than .*25 tokens.*9 tokens.*response_length 16"):
+        lengths.check_budget(24, [5, 9], 16)
 
 
 def test_pack_ends_every_row_at_the_last_column_and_moves_its_token_fields_along():

@@ -376,16 +376,24 @@ def test_a_learning_rate_warm_up_must_fit_after_the_critic_warm_up():
     assert derive(hp, 1, 100).num_updates == 4
 
 
+def machine_check(config: PPOConfig) -> None:
+    """`machine.check_machine` with a validated config's switches, as the run's set-up passes them (`parts.assemble`)."""
+    from ppokit.machine import check_machine
+
+    check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
+                  strategy=config.parallel.strategy, report_to=config.report_to)
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA")
 def test_what_the_config_needs_of_this_machine_is_checked_apart_from_validate(tmp_path):
-    """fp16 needs a CUDA device: `check_machine` refuses it in one line, `validate` (which `ppokit plan` runs for other
+    """fp16 needs a CUDA device: `machine.check_machine` refuses it in one line, `validate` (which `ppokit plan` runs for other
     machines) does not; report_to a tracker whose package is missing names the extra."""
     from ppokit.config import DataConfig, RewardConfig
 
     config = PPOConfig(model="m", fp16=True, reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate()
     with pytest.raises(UserError, match=r"^fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine$"):
-        config.check_machine()
-    PPOConfig(model="m", reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate().check_machine()
+        machine_check(config)
+    machine_check(PPOConfig(model="m", reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate())
 
 
 def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
@@ -397,7 +405,8 @@ def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
     from importlib import metadata
     from pathlib import Path
 
-    from ppokit.config import PEFT_REQUIREMENT, DataConfig, LoraConfig, ParallelConfig, RewardConfig
+    from ppokit.config import DataConfig, LoraConfig, ParallelConfig, RewardConfig
+    from ppokit.machine import PEFT_REQUIREMENT
     from ppokit.strategies import STRATEGIES
 
     def lora_config(strategy):
@@ -405,8 +414,8 @@ def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
                          data=DataConfig(train="p.jsonl")).validate()
 
     ddp, fsdp = lora_config("ddp"), lora_config("fsdp")
-    ddp.check_machine()  # the peft of this environment (the dev extra's)
-    fsdp.check_machine()
+    machine_check(ddp)  # the peft of this environment (the dev extra's)
+    machine_check(fsdp)
     real = metadata.version
     for release, works_under_ddp, works_under_fsdp in [
             ("0.13.0", False, False), ("0.14.0", False, False), ("0.15.0", True, False), ("0.15.2", True, False), ("0.16.0", False, False),
@@ -415,20 +424,20 @@ def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
         for config, works, what, requirement in [(ddp, works_under_ddp, "lora", PEFT_REQUIREMENT),
                                                  (fsdp, works_under_fsdp, "lora under parallel.strategy: fsdp", "peft>=0.21")]:
             if works:
-                config.check_machine()
+                machine_check(config)
                 continue
             if what != "lora" and not works_under_ddp:
                 what, requirement = "lora", PEFT_REQUIREMENT  # lora's own requirement is checked first
             with pytest.raises(UserError, match=rf"^{re.escape(what)}: peft {re.escape(release)} is installed and does not work with it "
                                                 rf"\(it needs {re.escape(requirement)}; docs/memory.md says why\): pip install '{re.escape(requirement)}'$"):
-                config.check_machine()
+                machine_check(config)
 
     def missing(name):
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "version", missing)
     with pytest.raises(UserError, match=r"^lora: needs the peft package: pip install 'ppokit\[lora\]'$"):
-        ddp.check_machine()
+        machine_check(ddp)
 
     extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     peft = {extra: [r for r in extras[extra] if r.startswith("peft")] for extra in ("lora", "quantization", "dev")}

@@ -105,7 +105,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
         data = as_prompt_dataset([{"messages": question}])
         conversation = conversation_setup(tok, chat_template=None, template_kwargs=family.template_kwargs, datasets=[data],
                                           environment="ppokit.environments:Tools", environment_args={"tools": [f"{tools_file}:add"]},
-                                          timeout_s=None, max_turns=3, stop_token_ids=stop)
+                                          timeout_s=None, max_turns=3, stop_token_id=stop)
         renderer, runner = conversation.renderer, conversation.runner
         assert renderer is not None and runner.notes == [f"environment_args.tool_parser: auto chose {family.parser} "
                                                          f"(the chat template writes {runner.notes[0].split('writes ')[1]}"]
@@ -165,7 +165,7 @@ def _tools_setup(tok, tools_file, args=None, **kw):
     """conversation_setup for chat prompts and the Tools environment with the `add` tool."""
     setup = dict(chat_template=None, template_kwargs={}, datasets=[as_prompt_dataset([{"messages": [{"role": "user", "content": "hi"}]}])],
                  environment="ppokit.environments:Tools", environment_args={"tools": [f"{tools_file}:add"], **(args or {})},
-                 timeout_s=None, max_turns=2, stop_token_ids=tok.eos_token_id)
+                 timeout_s=None, max_turns=2, stop_token="eos")
     return conversation_setup(tok, **{**setup, **kw})
 
 
@@ -209,7 +209,7 @@ def test_plain_text_prompts_with_tools_are_refused_unless_the_prompts_describe_t
     data = as_prompt_dataset(["What is 17 + 25?"])
     args = {"tools": [f"{tools_file}:add"]}
     setup = dict(chat_template=None, template_kwargs={}, environment="ppokit.environments:Tools", timeout_s=None, max_turns=2,
-                 stop_token_ids=tok.eos_token_id)
+                 stop_token="eos")
     with pytest.raises(UserError, match="prompts of .* are plain text; use chat prompts .* environment_args.tool_schemas: none"):
         conversation_setup(tok, datasets=[data], environment_args=args, **setup)
     said = []

@@ -283,7 +283,7 @@ def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_d
 
 
 def test_the_plan_reads_prompts_and_position_limits_as_the_trainer_does(model_dir, prompts_file, tmp_path, capsys):
-    """Prompt lengths under the same rule (prompts.encode_prompts), and the smallest position limit
+    """Prompt lengths under the same rule (lengths.encode_prompts), and the smallest position limit
     of the models that read the policy's ids: `ppokit plan` names the problem; `ppokit ppo`'s
     preflight leaves it to the trainer's own one-line error."""
     from ppokit.trainer import PPOTrainer

@@ -28,8 +28,8 @@ real tokens up to its last trained token, the prompt alone for a row with none (
 
 What the budget bounds: rows x the longest row of the micro-batch, the tensor the forward pass sees,
 padding left inside it included. A row longer than the budget cannot be placed: `plan_micro_batches`
-raises `BudgetTooSmall` naming both numbers (the trainer checks the longest row a run can produce,
-longest prompt + `response_length`, before any model loads).
+raises `BudgetTooSmall` naming both numbers (the run's set-up checks the longest row it can produce,
+longest prompt + `response_length`, before any model loads: `lengths.check_budget`).
 
 The order of the micro-batches and of the rows in them depends only on the row lengths and the order of
 the rows given (the minibatch's seeded shuffle): the same seed gives the same plan. Longest micro-batch
@@ -45,11 +45,7 @@ import torch
 
 from ppokit import algo
 from ppokit.episodes import Episodes
-from ppokit.errors import UserError
-
-
-class BudgetTooSmall(UserError):
-    """A single row is wider than the token budget (a user's setting, so a UserError naming both numbers)."""
+from ppokit.lengths import BudgetTooSmall
 
 
 def right_align(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -212,21 +208,3 @@ def padded_tokens(micro_batches: list[Episodes]) -> tuple[int, torch.Tensor]:
         return 0, torch.zeros((), dtype=torch.long)
     real = torch.stack([mb.attention_mask.sum() for mb in micro_batches]).sum()
     return processed, real
-
-
-def longest_row(prompt_token_counts: list[int], response_length: int) -> int:
-    """The widest row a run can produce: its longest prompt and a full-length response."""
-    return (max(prompt_token_counts) if prompt_token_counts else 0) + response_length
-
-
-def check_budget(max_tokens: Optional[int], prompt_token_counts: list[int], response_length: int) -> None:
-    """Before any model loads: a budget below the longest possible row is an error naming both numbers."""
-    if max_tokens is None:
-        return
-    longest = longest_row(prompt_token_counts, response_length)
-    if max_tokens < longest:
-        raise BudgetTooSmall(
-            f"ppo.max_tokens_per_micro_batch={max_tokens} is smaller than the longest row this run can produce "
-            f"({longest} tokens: the longest prompt, {longest - response_length} tokens, + ppo.response_length "
-            f"{response_length}); raise it to at least {longest} or shorten prompts with data.max_prompt_length"
-        )

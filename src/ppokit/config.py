@@ -25,7 +25,7 @@ from ppokit.engines import ENGINES
 from ppokit.errors import UserError
 from ppokit.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
-from ppokit.trackers import TRACKERS, check_usable
+from ppokit.trackers import TRACKERS
 from ppokit.trl_grpo_names import TRL_GRPO_NAMES
 
 
@@ -59,11 +59,6 @@ DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "pr
 # config does not import torch.
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-# The peft releases lora works with under transformers 5 (pyproject.toml's extras say the same; tests/test_config.py
-# checks): before 0.15 an adapter on a critic that shares the policy's base fails ("Target module Identity() is not
-# supported"); 0.16 and 0.17 do not import (they import transformers' HybridCache, gone in 5.0). A strategy may need
-# newer ones (strategies.StrategyFacts.lora_peft).
-PEFT_REQUIREMENT = "peft>=0.15,!=0.16.*,!=0.17.*"
 ROLLOUT_IS = ("tis", "tis_sequence")  # ppo.rollout_is: engines.correction.IMPORTANCE_WEIGHTS holds their functions
 
 
@@ -499,7 +494,7 @@ class PPOConfig:
         validate(self)
         if not self.model and not model_given:
             raise UserError("model: required (a path to a saved causal LM or a hub id)")
-        has_reward_model = bool(self.reward.model) or reward_model_given
+        has_reward_model = self._has_reward_model(reward_model_given)
         has_environment = self.environment is not None
         if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment:
             raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment)")
@@ -520,40 +515,11 @@ class PPOConfig:
             raise UserError("ppo.missing_eos_penalty needs a stop token; set ppo.stop_token (e.g. eos) or ppo.stop_token_id, or drop the penalty")
         if self.data.eval and self.data.eval_fraction:
             raise UserError("data.eval_fraction holds out training prompts for evaluation, but data.eval is set too; set one of them")
-        self._validate_memory_switches(has_reward_model)
+        self._validate_memory_switches(reward_model_given)
         self._validate_environment()
         self._validate_parallel()
         self._validate_report_to()
         return self
-
-    def check_machine(self) -> None:
-        """Fail before any weights load when a switch needs something this machine lacks: a package (peft for lora,
-        bitsandbytes for quantization, a tracker's), a CUDA device (quantization, fp16), a compiler (compile), or a
-        writable tracker store. Apart from `validate`, which reads the config alone (`ppokit plan` plans for other machines)."""
-        import torch
-
-        if self.lora is not None:
-            _check_peft(PEFT_REQUIREMENT, "lora")
-            sharded = STRATEGIES[self.parallel.strategy].lora_peft
-            if sharded is not None:
-                _check_peft(sharded, f"lora under parallel.strategy: {self.parallel.strategy}")
-        if self.quantization is not None:
-            if not torch.cuda.is_available():
-                raise UserError(
-                    f"quantization: {self.quantization} needs a CUDA device (bitsandbytes kernels) and this machine has none; "
-                    "set quantization: null (the plan command shows what fits without it)"
-                )
-            try:
-                import bitsandbytes  # noqa: F401
-            except ImportError:
-                raise UserError(f"quantization: {self.quantization} needs bitsandbytes: pip install 'ppokit[quantization]'") from None
-        if self.fp16 and not torch.cuda.is_available():
-            raise UserError("fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine")
-        if self.compile:
-            from ppokit.compiled import check_available
-
-            check_available("cuda" if torch.cuda.is_available() else "cpu")
-        check_usable(self.report_to)  # a missing tracker package or an unwritable store is one line, not a late crash
 
     @property
     def response_room(self) -> int:
@@ -636,8 +602,12 @@ class PPOConfig:
         if len(set(self.report_to)) != len(self.report_to):
             raise UserError(f"report_to: a tracker is listed twice: {self.report_to}")
 
-    def _validate_memory_switches(self, has_reward_model: bool) -> None:
-        """Combinations of lora / value_model / quantization / precision that cannot work."""
+    def _has_reward_model(self, reward_model_given: bool) -> bool:
+        return bool(self.reward.model) or reward_model_given
+
+    def _validate_memory_switches(self, reward_model_given: bool) -> None:
+        """Combinations of lora / value_model / quantization / precision that cannot work (reward_model_given: `validate`'s)."""
+        has_reward_model = self._has_reward_model(reward_model_given)
         if self.bf16 and self.fp16:
             raise UserError("bf16 and fp16 are both true; choose one mixed precision")
         if self.value_model == "shared" and self.lora is None:
@@ -747,20 +717,3 @@ class PipelineConfig(ConfigFile):
         if not (self.sft or self.rm or self.ppo):
             raise UserError("pipeline: no stages; add sft:, rm: and/or ppo: sections")
         return self
-
-
-def _check_peft(requirement: str, what: str) -> None:
-    """A UserError unless the installed peft meets `requirement` (a pip requirement: `PEFT_REQUIREMENT`, a strategy's
-    `lora_peft`), read from its metadata, as some releases that do not work fail on import. what: the setting, for the line."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    wanted = Requirement(requirement)
-    try:
-        installed = metadata.version("peft")
-    except metadata.PackageNotFoundError:
-        raise UserError("lora: needs the peft package: pip install 'ppokit[lora]'") from None
-    if not wanted.specifier.contains(installed, prereleases=True):
-        raise UserError(f"{what}: peft {installed} is installed and does not work with it (it needs {requirement}; "
-                        f"docs/memory.md says why): pip install '{requirement}'")

@@ -1,11 +1,12 @@
 """The length rule, decided once: how sft and rm rows and PPO prompts are encoded and fitted to
-`max_prompt_length` / `max_length` (`encode_row(s)`; PPO prompts `truncate_prompt`), and what it
-did (`LengthReport`). docs/data.md states the rule."""
+`max_prompt_length` / `max_length` (`encode_row(s)`; PPO prompts `encode_prompts`, `truncate_prompt`), and what it
+did (`LengthReport`); the longest row a PPO run can produce, checked against its micro-batch token budget before any
+model loads (`check_budget`). docs/data.md states the rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ppokit.chat import Renderer, Text
 from ppokit.errors import UserError
@@ -40,6 +41,54 @@ def truncate_prompt(prompt_ids: list[int], max_prompt_length: Optional[int]) -> 
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         return prompt_ids[-max_prompt_length:], True
     return prompt_ids, False
+
+
+def encode_prompts(tokenizer, datasets: Mapping[str, Any], max_prompt_length: Optional[int],
+                   say: Callable[[str], None]) -> list[Optional[list[list[int]]]]:
+    """The token ids of every PPO prompt of each of `datasets` (its config key, e.g. data.train -> a
+    `prompts.PromptDataset`; None: none, and None back) under rule 1 (`truncate_prompt`), in their order; how many
+    of a dataset's prompts were cut is said once, with its key. A prompt that encodes to no tokens is an error naming its row."""
+    encoded_sets = []
+    for key, dataset in datasets.items():
+        if dataset is None:
+            encoded_sets.append(None)
+            continue
+        encoded, truncated = [], 0
+        for i, prompt in enumerate(dataset.prompts):
+            ids = encode_prompt_text(tokenizer, prompt)
+            if not ids:
+                raise UserError(f"{dataset.where(i)}: the prompt encodes to no tokens")
+            ids, cut = truncate_prompt(ids, max_prompt_length)
+            truncated += cut
+            encoded.append(ids)
+        if truncated:
+            say(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={max_prompt_length} were truncated "
+                "from the left (their start is cut: a chat template's system prompt, with an environment's tools their schemas)")
+        encoded_sets.append(encoded)
+    return encoded_sets
+
+
+class BudgetTooSmall(UserError):
+    """A single row is wider than the token budget (a user's setting, so a UserError naming both numbers)."""
+
+
+def longest_row(prompt_token_counts: list[int], response_length: int) -> int:
+    """The widest row a run can produce: its longest prompt and a full-length response."""
+    return (max(prompt_token_counts) if prompt_token_counts else 0) + response_length
+
+
+def check_budget(max_tokens: Optional[int], prompt_token_counts: list[int], response_length: int) -> None:
+    """Before any model loads: a micro-batch token budget (ppo.max_tokens_per_micro_batch, `batching`) below the longest
+    row the run can produce is an error naming both numbers."""
+    if max_tokens is None:
+        return
+    longest = longest_row(prompt_token_counts, response_length)
+    if max_tokens < longest:
+        raise BudgetTooSmall(
+            f"ppo.max_tokens_per_micro_batch={max_tokens} is smaller than the longest row this run can produce "
+            f"({longest} tokens: the longest prompt, {longest - response_length} tokens, + ppo.response_length "
+            f"{response_length}); raise it to at least {longest} or shorten prompts with data.max_prompt_length"
+        )
 
 
 @dataclass

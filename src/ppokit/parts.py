@@ -2,7 +2,7 @@
 in one object that the update, the evaluation and the saving read (`Parts`). Nothing here reads the trainer.
 
 `assemble` builds them in an order that fails early and cheaply:
-    1. the run's own config (a validated copy) and what it needs of this machine (`PPOConfig.check_machine`), the
+    1. the run's own config (a validated copy) and what it needs of this machine (`machine.check_machine`), the
        accelerator, the parallel strategy, the seed
     2. the prompts (a bad file fails before any weights load), the output folder's check, and the batch arithmetic with
        the learning-rate schedule (`sizes`)
@@ -25,12 +25,14 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
-from ppokit import algo, batch_sizes, batching, engines, parallel, roles, run_dir
+from ppokit import algo, batch_sizes, engines, parallel, roles, run_dir
 from ppokit.config import PPOConfig
+from ppokit.lengths import check_budget, encode_prompts
+from ppokit.machine import check_machine
 from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for, episode_source
 from ppokit.models import check_prompts_fit, input_pad_id, policy_tokenizer, position_limit, tightest
 from ppokit.optimise import prepare_training
-from ppokit.prompts import PromptDataset, encode_prompts, load_prompt_data
+from ppokit.prompts import PromptDataset, load_prompt_data
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.rollout import Rollout
 
@@ -83,7 +85,8 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
              eval_dataset=None, accelerator=None, show_progress: bool = True, overwrite: bool = False) -> Parts:
     """The run's parts from `config` and the objects passed in its place (`PPOTrainer`'s arguments, which it documents)."""
     config = run_config(config, model, reward_model, reward_functions)
-    config.check_machine()  # before any weights load
+    check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
+                  strategy=config.parallel.strategy, report_to=config.report_to)  # before any weights load
     accelerator = accelerator or parallel.make_accelerator(config.parallel, roles.mixed_precision(config))
     strategy = parallel.strategy(config.parallel, accelerator, bf16=config.bf16)
     reduce = parallel.sum_over_processes(accelerator)
@@ -103,10 +106,9 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     if conversation.template is not None:
         config.data.chat_template = conversation.template  # the run's config records the template used
     limit = config.data.max_prompt_length
-    train_query_ids = encode_prompts(tokenizer, train_data, limit, "data.train", say)
-    eval_query_ids = encode_prompts(tokenizer, eval_data, limit, "data.eval", say) if eval_data else None
+    train_query_ids, eval_query_ids = encode_prompts(tokenizer, {"data.train": train_data, "data.eval": eval_data}, limit, say)
     room = config.response_room  # tokens after the prompt
-    batching.check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], room)
+    check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], room)
 
     scorer = build_scorer(
         config.reward, missing_eos_penalty=config.ppo.missing_eos_penalty, reward_model=reward_model, reward_tokenizer=reward_tokenizer,

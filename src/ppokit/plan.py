@@ -39,7 +39,8 @@ from ppokit.errors import UserError
 from ppokit.launcher import launched_processes
 from ppokit.models import load_tokenizer, position_limit, prompt_room, resolve_model_path, same_vocabulary, tightest
 from ppokit.parallel import backward_separately
-from ppokit.prompts import as_prompt_dataset, encode_prompts
+from ppokit.lengths import encode_prompts
+from ppokit.prompts import as_prompt_dataset
 from ppokit.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,
@@ -725,7 +726,7 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
         if tokenizer is not None:
             # rendered as the trainer renders them (the environment's tools' schemas too); what it refuses, the plan refuses
             conversation_for(config, tokenizer, [dataset])
-            longest = max(len(ids) for ids in encode_prompts(tokenizer, dataset, limit, "data.train", lambda _: None))
+            longest = max(len(ids) for ids in encode_prompts(tokenizer, {"data.train": dataset}, limit, lambda _: None)[0])
     if longest is None:
         longest = limit or DEFAULT_PROMPT_LENGTH
         if limit is None:

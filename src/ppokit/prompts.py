@@ -1,6 +1,6 @@
 """The prompts of a PPO run: `PromptDataset` (prompt texts or chats, and the other columns for reward
-functions), the training and eval datasets from the config or the caller, their token ids, and which
-prompts each update takes (`batch_indices`).
+functions), the training and eval datasets from the config or the caller, and which prompts each update takes
+(`batch_indices`); their token ids are the length rule's (`lengths.encode_prompts`).
 
 torch and the model helpers are imported where used: `ppokit data inspect` reads prompts with neither (an answer in a
 second, not after the 20-30 s a loaded machine takes to import them)."""
@@ -14,7 +14,6 @@ from ppokit.chat import Messages, Renderer, Text
 from ppokit.config import DataConfig
 from ppokit.data import FORMATS_ACCEPTED, Records, alpaca_prompt, load_records, split_eval
 from ppokit.errors import UserError
-from ppokit.lengths import encode_prompt_text, truncate_prompt
 
 
 @dataclass
@@ -121,24 +120,6 @@ def load_prompt_data(data: DataConfig, seed: int, train_dataset=None, eval_datas
     if evaluation is None and data.eval_fraction:
         train, evaluation = train.split(data.eval_fraction, seed)
     return train, evaluation
-
-
-def encode_prompts(tokenizer, dataset: PromptDataset, max_prompt_length: Optional[int], key: str, say: Callable[[str], None]) -> list[list[int]]:
-    """Token ids of every prompt under the length rule's first step (`lengths.truncate_prompt`: cut
-    from the left to `max_prompt_length`, the end is what the response continues); how many were
-    cut is said once."""
-    encoded, truncated = [], 0
-    for i, prompt in enumerate(dataset.prompts):
-        ids = encode_prompt_text(tokenizer, prompt)
-        if not ids:
-            raise UserError(f"{dataset.where(i)}: the prompt encodes to no tokens")
-        ids, cut = truncate_prompt(ids, max_prompt_length)
-        truncated += cut
-        encoded.append(ids)
-    if truncated:
-        say(f"{key}: {truncated} of {len(encoded)} prompts longer than data.max_prompt_length={max_prompt_length} were truncated from the left "
-            "(their start is cut: a chat template's system prompt, with an environment's tools their schemas)")
-    return encoded
 
 
 def batch_indices(update: int, num_prompts: int, prompts_per_update: int, seed: int, rank: int = 0, world: int = 1) -> list[int]:

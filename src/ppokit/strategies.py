@@ -28,8 +28,8 @@ class StrategyFacts:
     # Runs bf16 through a mixed-precision policy of its own (named here): accelerate adds no autocast, fp16 is refused.
     own_mixed_precision: Optional[str] = None
     holds_quantized: bool = True  # can hold bitsandbytes-quantised weights
-    # The peft releases its LoRA runs need where narrower than lora's own (config.PEFT_REQUIREMENT), as a pip
-    # requirement; `PPOConfig.check_machine` refuses others before any weights load.
+    # The peft releases its LoRA runs need where narrower than lora's own (machine.PEFT_REQUIREMENT), as a pip
+    # requirement; `machine.check_machine` refuses others before any weights load.
     lora_peft: Optional[str] = None
 
 

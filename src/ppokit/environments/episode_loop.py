@@ -337,16 +337,20 @@ class Conversation:
 
 def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwargs: Optional[dict], datasets: list,
                        environment: Optional[str], environment_args: dict, timeout_s: Optional[float], max_turns: int,
-                       stop_token_ids, base_dir=None, say=lambda message: None) -> Conversation:
+                       stop_token: Optional[str] = None, stop_token_id: Optional[int] = None, base_dir=None,
+                       say=lambda message: None) -> Conversation:
     """The run's conversation, checked, and its chat prompts rendered (every `datasets` entry, None skipped): the
     environment is made (one instance, its arguments checked; it gets the template as `chat_template` if its
     constructor declares it), the renderer built with its tools, every rendering the episodes will need tried once
     (`ConversationRenderer.check`), then the prompts rendered with the tools' schemas. Every failure is one UserError
-    line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs; stop_token_ids:
-    ppo.stop_token's id(s) (the conversation's `stop_token_ids` may add one)."""
+    line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs; stop_token,
+    stop_token_id: ppo.stop_token / ppo.stop_token_id (`models.resolve_stop_token`; the conversation's `stop_token_ids`
+    may add a tool-calling turn's own)."""
     from ppokit.chat import resolve_chat_template
     from ppokit.environments.base import EnvironmentRunner
+    from ppokit.models import resolve_stop_token
 
+    stop_token_ids = resolve_stop_token(tokenizer, stop_token, stop_token_id)
     datasets = [d for d in datasets if d is not None]
     template = resolve_chat_template(tokenizer, chat_template) if any(d.chat is not None for d in datasets) else None
     runner = None
@@ -377,12 +381,10 @@ def conversation_for(config, tokenizer, datasets: list, say: Callable[[str], Non
     None skipped) rendered as they are trained on, tools' schemas included. The one way the trainer, `ppokit plan` and
     `ppokit data inspect --config` render a run's prompts, so that their token counts agree. base_dir: where tool files
     are looked up (default: the working directory)."""
-    from ppokit.models import resolve_stop_token
-
     return conversation_setup(
         tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs, datasets=datasets,
         environment=config.environment, environment_args=config.environment_args, timeout_s=config.environment_timeout_s,
-        max_turns=config.rollout.max_turns, stop_token_ids=resolve_stop_token(tokenizer, config.ppo.stop_token, config.ppo.stop_token_id),
+        max_turns=config.rollout.max_turns, stop_token=config.ppo.stop_token, stop_token_id=config.ppo.stop_token_id,
         base_dir=base_dir if base_dir is not None else Path.cwd(), say=say)
 
 
