@@ -213,8 +213,12 @@ MUTATIONS = [
              ("tests/test_sandbox.py::test_a_python_environment_under_tmp_runs_the_tool",),
              "the sandbox's working folder is mounted over a Python environment under /tmp"),
     # ---- LoRA and FSDP multi-turn
+    Mutation("critic_on_reward_scores_with_its_adapter", "src/ppokit/roles.py",
+             "replace(s, scored_under=functools.partial(adapters_disabled, value))", "replace(s)",
+             ("tests/test_roles.py::test_from_reward_shares_the_reward_weights_and_scores_without_the_adapter",),
+             "the reward model that carries the critic's adapter scores with the adapter on"),
     Mutation("lora_reference_is_the_policy", "src/ppokit/experience.py",
-             "    with roles.adapters_disabled(policy):\n        return forward_logprobs(policy,",
+             "    with adapters.adapters_disabled(policy):\n        return forward_logprobs(policy,",
              "    with contextlib.nullcontext():\n        return forward_logprobs(policy,",
              (f"{MT}::test_a_lora_multi_turn_update_is_the_full_weight_update_of_its_merged_weights",),
              "the LoRA policy's reference keeps its adapters on (the KL to the base is 0)"),

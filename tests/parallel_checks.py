@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from accelerate import Accelerator  # noqa: E402
 
-from ppokit import parallel, roles  # noqa: E402
+from ppokit import adapters, parallel, roles  # noqa: E402
 from ppokit.config import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.guards import UpdateSnapshot  # noqa: E402
 from ppokit.models import enable_gradient_checkpointing, response_logits, value_model_from_policy  # noqa: E402
@@ -47,8 +47,8 @@ def build(tokenizer, lora: bool = False, checkpointing: bool = False) -> PolicyA
     torch.nn.init.normal_(value.score.weight, std=0.1)  # a zero head would give the critic no gradient at step 1
     if lora:
         config = PPOConfig(lora=LoraConfig(r=4, alpha=8))
-        value = roles.add_value_adapter(value, config)
-        policy = roles.add_policy_adapter(policy, config)
+        value = adapters.add_value_adapter(value, config.lora)
+        policy = adapters.add_policy_adapter(policy, config.lora)
         with torch.no_grad():  # peft starts B at zero: make the adapter change the output from step 1
             for name, p in policy.named_parameters():
                 if "lora_B" in name:

@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_ppo_config
 
 from ppokit import algo, roles
+from ppokit.adapters import VALUE_ADAPTER
 from ppokit.config import DataConfig, PPOConfig
 from ppokit.demo import estimator_settings, prepare_demo, run_demo
 from ppokit.errors import UserError
@@ -136,7 +137,7 @@ def test_shared_critic_adapter_is_in_the_value_group(model_dir, prompts_file, tm
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     policy_group, value_group = trainer.optimizer.param_groups
     assert value_group["lr"] == 1e-2 and policy_group["lr"] == 1e-3
-    assert all(f".{roles.VALUE_ADAPTER}." in names[id(p)] or "score" in names[id(p)] for p in value_group["params"])
+    assert all(f".{VALUE_ADAPTER}." in names[id(p)] or "score" in names[id(p)] for p in value_group["params"])
     assert all(f".{roles.POLICY_ADAPTER}." in names[id(p)] for p in policy_group["params"])
     assert len(policy_group["params"]) + len(value_group["params"]) == sum(1 for p in trainer.model.parameters() if p.requires_grad)
 

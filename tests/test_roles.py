@@ -13,7 +13,8 @@ from ppokit import algo, experience
 from ppokit.config import LoraConfig, PPOConfig
 from ppokit.errors import UserError
 from ppokit.models import enable_gradient_checkpointing, left_pad, load_causal_lm, response_logits, score_at_last_token
-from ppokit.roles import POLICY_ADAPTER, VALUE_ADAPTER, recompute_with_active_adapter
+from ppokit.adapters import VALUE_ADAPTER, recompute_with_active_adapter
+from ppokit.models import POLICY_ADAPTER
 from ppokit.tiny import tiny_config
 from ppokit.trainer import PPOTrainer
 
@@ -178,9 +179,11 @@ def test_from_reward_shares_the_reward_weights_and_scores_without_the_adapter(mo
     config = lora_config(model_dir("llama"), prompts_file, tmp_path / "run", value_model="from_reward", learning_rate=1e-2)
     config.reward.model = str(reward_model_dir)
     config.reward.functions = []
+    config.ppo.max_tokens_per_micro_batch = 1024
     trainer = PPOTrainer(config, show_progress=False)
     reward_source = trainer.scorer.sources[0]
     assert trainer.value_model.get_base_model() is reward_source.model  # one copy of the reward weights
+    assert reward_source.by_tokens  # scored with the adapter off, it keeps its settings (a subclass once lost this one)
     trainer.train()
 
     ids, mask = left_pad([[5, 6, 7, 8], [9, 10, 11]], trainer.tokenizer.pad_token_id)

@@ -20,7 +20,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from ppokit import algo, batching, roles
+from ppokit import adapters, algo, batching
 from ppokit.episodes import Episodes
 from ppokit.estimators import Estimator
 from ppokit.metric_values import episode_metrics
@@ -103,7 +103,7 @@ def reference_logprobs(policy: nn.Module, ref_model: Optional[nn.Module], input_
     if ref_model is not None:
         return forward_logprobs(ref_model, input_ids, attention_mask, response_ids, trained_mask, temperature=temperature,
                                 chunk_size=chunk_size, autocast=autocast)
-    with roles.adapters_disabled(policy):
+    with adapters.adapters_disabled(policy):
         return forward_logprobs(policy, input_ids, attention_mask, response_ids, trained_mask, temperature=temperature,
                                 chunk_size=chunk_size, autocast=autocast)
 

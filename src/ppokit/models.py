@@ -40,7 +40,7 @@ def _looks_like_path(name: str) -> bool:
 
 
 # Files of which a saved tokenizer holds at least one (fast, slow BPE/WordPiece, SentencePiece, tiktoken).
-# The policy's LoRA adapter: peft's default name (a critic on the same base has its own, roles.VALUE_ADAPTER).
+# The policy's LoRA adapter: peft's default name (a critic on the same base has its own, adapters.VALUE_ADAPTER).
 POLICY_ADAPTER = "default"
 
 TOKENIZER_FILES = (
@@ -480,7 +480,7 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 def enable_gradient_checkpointing(model: nn.Module, context_fn: Optional[Callable] = None) -> None:
     """Non-reentrant gradient checkpointing of the transformers model (inside a peft wrapper, its LoRA layers included).
     context_fn: what a layer's recompute runs under, as torch.utils.checkpoint takes it (a multi-adapter PeftModel's:
-    `roles.recompute_with_active_adapter`)."""
+    `adapters.recompute_with_active_adapter`)."""
     kwargs: dict = {"use_reentrant": False}
     if context_fn is not None:
         kwargs["context_fn"] = context_fn

@@ -41,6 +41,7 @@ from ppokit.models import load_tokenizer, position_limit, prompt_room, resolve_m
 from ppokit.parallel import backward_separately
 from ppokit.lengths import encode_prompts
 from ppokit.prompts import as_prompt_dataset
+from ppokit.adapters import peft_lora_config
 from ppokit.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,
@@ -49,7 +50,6 @@ from ppokit.roles import (
     REFERENCE_OWN,
     RoleLayout,
     decide_roles,
-    peft_lora_config,
 )
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, SHARDING, STRATEGIES
 

@@ -8,7 +8,7 @@ second, not after the 20-30 s a loaded machine takes to import them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ppokit.chat import Messages, Renderer, Text
 from ppokit.config import DataConfig

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -37,10 +38,17 @@ class RewardModelReward:
     # With ppo.max_tokens_per_micro_batch: chunks by tokens (rows of similar length together, each
     # chunk within batch_size rows of the batch's full width, right-aligned to its own longest row) instead of rows.
     by_tokens: bool = False
+    # What the model is scored under: with the critic's LoRA adapter on the reward model's own weights, that adapter
+    # disabled (`roles.build_roles`: `adapters.adapters_disabled`).
+    scored_under: Callable[[], ContextManager] = contextlib.nullcontext
     _shared: dict = field(default_factory=dict, repr=False)  # id(policy tokenizer) -> same vocabulary?
 
-    @torch.inference_mode()
     def score(self, batch: ScoringBatch) -> torch.Tensor:
+        with self.scored_under():
+            return self._score(batch)
+
+    @torch.inference_mode()
+    def _score(self, batch: ScoringBatch) -> torch.Tensor:
         device = next(self.model.parameters()).device
         if batch.input_ids is not None and self.shares_vocabulary(batch.tokenizer):
             ids, mask = batch.input_ids, batch.attention_mask
