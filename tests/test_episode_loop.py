@@ -340,7 +340,8 @@ def test_episode_seeds_are_keyed_by_run_seed_update_row_and_turn():
     assert EpisodeSeeds.drawn() == drawn  # without a key: one draw from torch's generator, repeatable under its seed
 
 
-def test_the_rollout_seeds_an_update_by_its_number_and_rows_across_processes():
+def test_the_rollout_seeds_an_update_by_its_number_and_rows_across_processes(monkeypatch):
+    from ppokit import rollout as rollout_module
     from ppokit.rollout import Rollout
 
     class Source:
@@ -351,7 +352,9 @@ def test_the_rollout_seeds_an_update_by_its_number_and_rows_across_processes():
         temperature, eval_temperature, response_length, top_k, top_p, min_p = 1.0, None, 4, 0, 1.0, 0.0
 
     source = Source()
-    rollout = Rollout(source, None, None, Hp, stop_token_ids=(), device=torch.device("cpu"), reduce=None, seed=9, process_index=2)
+    monkeypatch.setattr(rollout_module, "episode_source", lambda engine, conversation, **keys: source)
+    rollout = Rollout(None, None, None, None, Hp, max_turns=1, max_episode_tokens=4, max_concurrent=None, pad_token_id=0,
+                      stop_token_ids=(), device=torch.device("cpu"), reduce=None, seed=9, process_index=2)
     rollout.sample([[1], [2], [3]], ["a", "b", "c"], {}, update=5)
     assert source.seeds == EpisodeSeeds(9, 5, "train", first_row=6)
     rollout.sample([[1]], ["a"], {}, "eval")

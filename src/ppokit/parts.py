@@ -4,10 +4,10 @@ in one object that the update, the evaluation and the saving read (`Parts`). Not
 `assemble` builds them in an order that fails early and cheaply:
     1. the run's own config (a validated copy) and what it needs of this machine (`machine.check_machine`), the
        accelerator, the parallel strategy, the seed
-    2. the prompts (a bad file fails before any weights load), the output folder's check, and the batch arithmetic with
-       the learning-rate schedule (`sizes`)
-    3. the tokenizer, the stop token, the conversation (which may add the stop token of a tool-calling turn) (the environment made, the chat template checked against it,
-       chat prompts rendered with its tools), the prompts' token ids, the token budget
+    2. the prompts (a bad file fails before any weights load), the tokenizer, the batch arithmetic with the
+       learning-rate schedule (`sizes`), the output folder's check
+    3. the conversation (the stop token, the environment made, the chat template checked against it, a tool-calling
+       turn's own stop token added, chat prompts rendered with its tools), the prompts' token ids, the token budget
     4. the reward sources (`scorer`), which model plays which role (`layout`), the pad id, every prompt's fit
     5. the models: policy and critic under one trainable module with its optimiser and schedule, the frozen reference
     6. the rollout engine, what samples the episodes over it and scores them (`rollout`), the KL controller
@@ -29,7 +29,7 @@ from ppokit import algo, batch_sizes, engines, parallel, roles, run_dir
 from ppokit.config import PPOConfig
 from ppokit.lengths import check_budget, encode_prompts
 from ppokit.machine import check_machine
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for, episode_source
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for
 from ppokit.models import check_prompts_fit, input_pad_id, policy_tokenizer, position_limit, tightest
 from ppokit.optimise import prepare_training
 from ppokit.prompts import PromptDataset, load_prompt_data
@@ -95,11 +95,11 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
 
     train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
-    if accelerator.is_main_process:
-        run_dir.check_run_folder(config.output_dir, overwrite)  # a folder it must not write in fails before any weights load
-    sizes = batch_sizes.derive(config.ppo, accelerator.num_processes, len(train_data))
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)
+    sizes = batch_sizes.derive(config.ppo, accelerator.num_processes, len(train_data))
+    if accelerator.is_main_process:
+        run_dir.check_run_folder(config.output_dir, overwrite)  # a folder it must not write in fails before any weights load
     # the environment made, the chat template checked against it, chat prompts rendered with its tools
     conversation = conversation_for(config, tokenizer, [train_data, eval_data], say, base_dir=Path.cwd())
     stop_token_ids = conversation.stop_token_ids  # decided once: ppo.stop_token, and a tool-calling turn's own token
@@ -140,11 +140,9 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         lambda policy: (strategy.generation(policy), accelerator.autocast()), config.rollout,
         longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
-    source = episode_source(  # decided once: the episode loop over the engine (one turn per prompt without an environment)
-        engine, conversation, max_turns=config.rollout.max_turns, max_episode_tokens=room,
-        max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, device=accelerator.device)
-    rollout = Rollout(source, scorer, tokenizer, config.ppo, stop_token_ids=stop_token_ids, device=accelerator.device, reduce=reduce,
-                      seed=config.seed, process_index=accelerator.process_index)
+    rollout = Rollout(engine, conversation, scorer, tokenizer, config.ppo, max_turns=config.rollout.max_turns, max_episode_tokens=room,
+                      max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, stop_token_ids=stop_token_ids,
+                      device=accelerator.device, reduce=reduce, seed=config.seed, process_index=accelerator.process_index)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_ids, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,

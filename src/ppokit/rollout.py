@@ -18,7 +18,7 @@ import torch
 
 from ppokit import experience
 from ppokit.engines.base import PURPOSES, Sampling, stop_ids
-from ppokit.environments.episode_loop import EpisodeSeeds, data_rows
+from ppokit.environments.episode_loop import Conversation, EpisodeSeeds, data_rows, episode_source
 from ppokit.episodes import Episodes
 from ppokit.off_policy import with_engine
 
@@ -26,15 +26,20 @@ from ppokit.off_policy import with_engine
 class Rollout:
     """Sampling and scoring for the trainer, its evaluation and its greedy baselines.
 
-    source: the episode source (`episode_loop.episode_source`); scorer: the reward sources (`rewards.RewardScorer`);
-    tokenizer: the policy's (completions are decoded with it); hp: the `ppo:` section (the sampling of each purpose,
-    `Sampling.for_purpose`); stop_token_ids: what ends a response (any of them); device: where scores go; reduce: a sum over processes;
-    seed: the run's (the episodes' seeds); process_index: this process's (its rows' numbers among every process's).
+    engine: the rollout engine (`engines.base.RolloutEngine`) and conversation (`episode_loop.Conversation`), which the
+    episode source samples over (`episode_loop.episode_source`, with max_turns, max_episode_tokens, max_concurrent,
+    pad_token_id: its keys); scorer: the reward sources (`rewards.RewardScorer`); tokenizer: the policy's (completions
+    are decoded with it); hp: the `ppo:` section (the sampling of each purpose, `Sampling.for_purpose`); stop_token_ids:
+    what ends a response (any of them); device: where episodes and scores go; reduce: a sum over processes; seed: the
+    run's (the episodes' seeds); process_index: this process's (its rows' numbers among every process's).
     """
 
-    def __init__(self, source, scorer, tokenizer, hp, *, stop_token_ids: tuple[int, ...], device: torch.device,
+    def __init__(self, engine, conversation: Conversation, scorer, tokenizer, hp, *, max_turns: int, max_episode_tokens: int,
+                 max_concurrent: Optional[int], pad_token_id: int, stop_token_ids: tuple[int, ...], device: torch.device,
                  reduce: Callable[[torch.Tensor], torch.Tensor], seed: int = 0, process_index: int = 0):
-        self.source, self.scorer, self.tokenizer = source, scorer, tokenizer
+        self.source = episode_source(engine, conversation, max_turns=max_turns, max_episode_tokens=max_episode_tokens,
+                                     max_concurrent=max_concurrent, pad_token_id=pad_token_id, device=device)
+        self.scorer, self.tokenizer = scorer, tokenizer
         self.sampling = {purpose: Sampling.for_purpose(hp, stop_token_ids, purpose) for purpose in PURPOSES}
         self.stop_token_ids, self.device, self.reduce = stop_ids(stop_token_ids), device, reduce
         self.seed, self.process_index = seed, process_index

@@ -18,27 +18,30 @@ from ppokit.state import TrainingState
 
 
 class Saving:
-    """The saving of one run: its `parts` (the models, optimiser, data, sizes), into `parts.config.output_dir`.
-    overwrite: a fresh run may replace the run there (kept until this one's first checkpoint) or write into a folder
-    that ppokit did not make (`ppokit.run_dir`)."""
+    """The saving of one run into `output_dir` (its folder, which update was saved where); each call that writes or reads
+    the run's parts (the models, optimiser, data, sizes: `parts.Parts`) is given them. overwrite: a fresh run may replace
+    the run there (kept until this one's first checkpoint) or write into a folder that ppokit did not make (`ppokit.run_dir`)."""
 
-    def __init__(self, parts: Parts, overwrite: bool = False):
-        self.parts, self.overwrite = parts, overwrite
-        self.output_dir = Path(parts.config.output_dir)
+    def __init__(self, output_dir: str | Path, overwrite: bool = False):
+        self._output_dir, self.overwrite = output_dir, overwrite  # as configured: the config is validated after this (`parts.assemble`)
         self.run: Optional[run_dir.RunFolder] = None
         self.saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self._output_dir)
 
     @property
     def last_checkpoint(self) -> Optional[Path]:
         return self.saved_at[1] if self.saved_at else None
 
-    def folder(self) -> run_dir.RunFolder:
+    def folder(self, parts: Parts) -> run_dir.RunFolder:
         """output_dir, locked for this run (until `close`), its leftovers cleared (`ppokit.run_dir`)."""
         if self.run is None:
-            self.run = run_dir.RunFolder.open(self.output_dir, self.parts.accelerator.is_main_process, self.overwrite)
+            self.run = run_dir.RunFolder.open(self.output_dir, parts.accelerator.is_main_process, self.overwrite)
             weakref.finalize(self, self.run.close)
             for note in self.run.notes:
-                self.parts.say(note)
+                parts.say(note)
         return self.run
 
     def close(self) -> None:
@@ -51,49 +54,47 @@ class Saving:
         """Where this run writes now (`RunFolder.start`)."""
         return self.run.files if self.run is not None else self.output_dir
 
-    def checkpoint(self, state: TrainingState) -> Path:
+    def checkpoint(self, parts: Parts, state: TrainingState) -> Path:
         """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""
         if self.saved_at is None or self.saved_at[0] != state.update:
-            path = checkpoint.save_checkpoint(state, self.trained_parts(), self.parts.config, self.run_facts(),
-                                              lambda folder: self.models(folder, merged=False, kind="model"), self.parts.accelerator)
-            run = self.folder()
+            path = checkpoint.save_checkpoint(state, trained_parts(parts), parts.config, self.run_facts(parts),
+                                              lambda folder: self.models(parts, folder, merged=False, kind="model"), parts.accelerator)
+            run = self.folder(parts)
             replacing = run.staged
             self.saved_at = (state.update, run.commit(path))  # a run replacing another takes its place now
             if replacing:
-                self.parts.say(f"{run.root}: the earlier run there is replaced by this one, whose first checkpoint is written")
+                parts.say(f"{run.root}: the earlier run there is replaced by this one, whose first checkpoint is written")
         return self.saved_at[1]
 
-    def final(self, state: TrainingState) -> Path:
+    def final(self, parts: Parts, state: TrainingState) -> Path:
         """policy + tokenizer + model card in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
-        target = self.folder().commit() / "final"
-        card = model_card.ppo_card(self.parts.config, state.records[-1] if state.records else None, self.parts.sizes.num_updates)
+        target = self.folder(parts).commit() / "final"
+        card = model_card.ppo_card(parts.config, state.records[-1] if state.records else None, parts.sizes.num_updates)
         try:
-            self.models(target, replace_unmarked=self.overwrite, card=card)
+            self.models(parts, target, replace_unmarked=self.overwrite, card=card)
         except run_dir.NoSpaceError as e:
             raise run_dir.full_disk(e, target, self.last_checkpoint) from None
-        self.parts.accelerator.wait_for_everyone()
+        parts.accelerator.wait_for_everyone()
         return target
 
-    def models(self, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False,
+    def models(self, parts: Parts, target: Path, merged: bool = True, kind: str = "final", replace_unmarked: bool = False,
                card: Optional[model_card.ModelCard] = None) -> None:
         """Policy, tokenizer and value model as loadable folders (with `card`, their README.md); `merged`: also
         final/merged/ if configured. Every process calls this; the main one writes the strategy's whole copy of the models."""
-        parts = self.parts
         with parts.strategy.consolidated(parts.model) as whole, no_progress_bars():
             if whole is not None:
                 merged = merged and parts.config.save_merged
                 run_dir.atomic_save_dir(target, lambda folder: write_models(folder, whole, parts.tokenizer, merged, card), kind,
                                         replace_unmarked)
 
-    def resume(self, path: str | Path | None, force: bool = False) -> tuple[TrainingState, Path]:
+    def resume(self, parts: Parts, path: str | Path | None, force: bool = False) -> tuple[TrainingState, Path]:
         """(the TrainingState, the path) of checkpoint `path` (default: the latest complete one in output_dir/checkpoints), every part
         restored from it (`checkpoint.load_checkpoint`; a config that would change the result is refused unless `force`),
         the run's length continued to ppo.total_episodes (`parts.sizes`)."""
-        parts = self.parts
         path = checkpoint.find_checkpoint(str(path) if path is not None else None, self.output_dir, parts.say)
         run_dir.check_resume_into(self.output_dir, path)
-        self.folder()  # this run's from here on: the lock before anything is restored into it
-        state = checkpoint.load_checkpoint(path, self.trained_parts(), parts.config, self.run_facts(), parts.accelerator,
+        self.folder(parts)  # this run's from here on: the lock before anything is restored into it
+        state = checkpoint.load_checkpoint(path, trained_parts(parts), parts.config, self.run_facts(parts), parts.accelerator,
                                            force=force, say=parts.say)
         sizes = parts.sizes
         parts.sizes = sizes._replace(num_updates=checkpoint.continued_updates(sizes.total_episodes, sizes.batch, state, path))
@@ -102,12 +103,12 @@ class Saving:
         self.saved_at = (state.update if own.exists() and own.resolve() == path.resolve() else -1, path)
         return state, path
 
-    def trained_parts(self) -> TrainedParts:
-        parts = self.parts
-        return TrainedParts(parts.accelerator.unwrap_model(parts.model), parts.optimizer, parts.scheduler, parts.kl_controller,
-                            parts.scorer, parts.layout.policy_adapter or parts.layout.critic_adapter, parts.strategy.checkpoint_weights())
-
-    def run_facts(self) -> RunFacts:
-        parts = self.parts
+    def run_facts(self, parts: Parts) -> RunFacts:
         return RunFacts(self.files(), parts.train_data, parts.eval_data, parts.sizes.batch, parts.sizes.num_updates,
                         parts.config.ppo.save_total_limit, parts.sizes.samples_per_prompt)
+
+
+def trained_parts(parts: Parts) -> TrainedParts:
+    """What a checkpoint saves and restores of the run's parts (`checkpoint.TrainedParts`)."""
+    return TrainedParts(parts.accelerator.unwrap_model(parts.model), parts.optimizer, parts.scheduler, parts.kl_controller,
+                        parts.scorer, parts.layout.policy_adapter or parts.layout.critic_adapter, parts.strategy.checkpoint_weights())

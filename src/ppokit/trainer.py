@@ -65,11 +65,11 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, value_model=None, reward_model=None,
                  reward_tokenizer=None, reward_functions: Optional[Sequence[Callable | str]] = None, train_dataset=None,
                  eval_dataset=None, accelerator: Optional[Accelerator] = None, show_progress: bool = True, overwrite: bool = False):
+        self.saving = Saving(config.output_dir, overwrite)  # the run folder's bookkeeping: nothing is read or written yet
         self.parts: Parts = assemble(
             config, model=model, tokenizer=tokenizer, ref_model=ref_model, value_model=value_model, reward_model=reward_model,
             reward_tokenizer=reward_tokenizer, reward_functions=reward_functions, train_dataset=train_dataset,
             eval_dataset=eval_dataset, accelerator=accelerator, show_progress=show_progress, overwrite=overwrite)
-        self.saving = Saving(self.parts, overwrite)
         self.state = TrainingState()
         run = self.config  # the run's validated copy (`parts.run_config`), not the caller's object
         self.off_policy = off_policy.build(run.rollout.max_staleness, save_steps=run.ppo.save_steps, num_updates=lambda: self.sizes.num_updates,
@@ -193,7 +193,7 @@ class PPOTrainer:
 
     def _train(self) -> None:
         hp, state, is_main = self.config.ppo, self.state, self.accelerator.is_main_process
-        files = self.saving.folder().start(fresh=state.update == 0, overwrite=self.saving.overwrite, barrier=self.accelerator.wait_for_everyone)
+        files = self.saving.folder(self.parts).start(fresh=state.update == 0, overwrite=self.saving.overwrite, barrier=self.accelerator.wait_for_everyone)
         parallel.check_shared_folder(files, self.accelerator)
         if is_main:
             self.config.save(files / "config.yaml")
@@ -256,7 +256,7 @@ class PPOTrainer:
     def resume_from(self, path: str | Path | None = None, force: bool = False) -> Path:
         """Continue from checkpoint `path` (default: the latest complete one in output_dir/checkpoints); call train() next. Restores
         weights, optimiser, schedule, KL controller, reward-source state, RNG states, counters, metrics. A config that would change the result is refused unless `force`."""
-        self.state, path = self.saving.resume(path, force)
+        self.state, path = self.saving.resume(self.parts, path, force)
         self.rollout_engine.sync_weights(self.policy)
         return path
 
@@ -287,12 +287,12 @@ class PPOTrainer:
 
     def save_checkpoint(self) -> Path:
         """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""
-        return self.saving.checkpoint(self.state)
+        return self.saving.checkpoint(self.parts, self.state)
 
     def save_final(self) -> Path:
         """policy + tokenizer + model card in final/, the value model (with the tokenizer, if there is one) in final/value_model/, whole."""
-        return self.saving.final(self.state)
+        return self.saving.final(self.parts, self.state)
 
     def save_models(self, target: Path, **options) -> None:
         """Policy, tokenizer and value model as loadable folders (`saving.Saving.models`: merged, kind, replace_unmarked, card)."""
-        self.saving.models(target, **options)
+        self.saving.models(self.parts, target, **options)
