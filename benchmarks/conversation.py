@@ -34,6 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     from chat_families import FAMILIES
 
+    from ppokit.chat import Renderer
     from ppokit.conversation import ConversationRenderer
     from ppokit.environments.tools import tool_schemas
 
@@ -42,8 +43,8 @@ def main() -> None:
     for name in ("qwen2_5", "qwen3", "llama3_1", "gptoss"):
         family = FAMILIES[name]
         tok = family.tokenizer()
-        renderer = ConversationRenderer(tok, tok.chat_template, tools=schemas, stop_token_ids=tok.convert_tokens_to_ids(family.stop),
-                                        observation_role="tool", template_kwargs=family.template_kwargs)
+        chat = Renderer(tok, tok.chat_template, tools=schemas, template_kwargs=family.template_kwargs)
+        renderer = ConversationRenderer(tok, chat, stop_token_ids=(tok.convert_tokens_to_ids(family.stop),), observation_role="tool")
         renderer.check(needs_tools=True, max_turns=2)
         times = []
         for _ in range(args.repeats):

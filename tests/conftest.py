@@ -45,6 +45,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def conversation_renderer(tokenizer, template, *, tools=None, template_kwargs=None, stop_token_ids=None, **keys):
+    """A `ConversationRenderer` over `template` (None: plain-text prompts), its chat renderer and stop tokens made as the
+    run's set-up makes them (`episode_loop.conversation_setup`); keys: its other arguments (observation_role, say)."""
+    from ppokit.chat import Renderer
+    from ppokit.conversation import ConversationRenderer
+    from ppokit.engines.base import stop_ids
+
+    chat = Renderer(tokenizer, template, tools=tools, template_kwargs=template_kwargs) if template is not None else None
+    return ConversationRenderer(tokenizer, chat, stop_token_ids=stop_ids(stop_token_ids), **keys)
+
+
 @contextlib.contextmanager
 def sigint_disposition(handler):
     """SIGINT handled by `handler` in this process while inside, then as before. Processes started inside inherit

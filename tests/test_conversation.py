@@ -12,9 +12,9 @@ import pytest
 import torch
 from chat_families import ADD, FAMILIES, byte_tokenizer, trl_template
 from request_engines import ScriptedRequests
+from conftest import conversation_renderer
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
-from ppokit.conversation import ConversationRenderer
 from ppokit.engines.base import Sampling
 from ppokit.environments import EnvironmentRunner
 from ppokit.environments.episode_loop import EpisodeLoop, conversation_setup
@@ -114,7 +114,7 @@ def test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_tr
         observations = [[{"role": "tool", "name": "add", "content": "42"}], [{"role": "tool", "name": "add", "content": "50"}]]
     else:
         runner = EnvironmentRunner("answers.py:Answers", Answers, {}, timeout_s=None)
-        renderer = ConversationRenderer(tok, tok.chat_template, template_kwargs=family.template_kwargs, stop_token_ids=stop)
+        renderer = conversation_renderer(tok, tok.chat_template, template_kwargs=family.template_kwargs, stop_token_ids=stop)
         renderer.check(needs_tools=False, max_turns=3)
         turns = [family.answer("8"), family.answer("12"), family.answer("10")]
         calls = [None, None, None]
@@ -196,7 +196,7 @@ def test_the_stop_token_at_the_end_of_a_chatml_turn_is_not_written_twice():
     family = FAMILIES["qwen2_5"]
     tok = family.tokenizer()
     stop = tok.convert_tokens_to_ids("<|im_end|>")
-    renderer = ConversationRenderer(tok, tok.chat_template, stop_token_ids=stop)
+    renderer = conversation_renderer(tok, tok.chat_template, stop_token_ids=stop)
     observation = [{"role": "user", "content": "higher"}]
     stopped = renderer.observation(observation, "higher", True).ids
     cut = renderer.observation(observation, "higher", False).ids
@@ -260,7 +260,7 @@ def test_a_tool_whose_signature_makes_no_schema_is_one_line(tmp_path):
 
 def _renderer(template=PLAIN_CHAT_TEMPLATE, **kw):
     tok = byte_tokenizer(["<|im_start|>", "<|im_end|>", "<pad>"], eos="<|im_end|>", pad="<pad>", chat_template=template)
-    return tok, ConversationRenderer(tok, template if template is not None else None, stop_token_ids=tok.eos_token_id, **kw)
+    return tok, conversation_renderer(tok, template if template is not None else None, stop_token_ids=tok.eos_token_id, **kw)
 
 
 def test_observation_ids_are_tokenised_once_per_text_and_the_least_recently_used_is_forgotten(monkeypatch):
@@ -317,7 +317,7 @@ def test_words_the_tokenizer_cannot_represent_warn_once_and_the_transcript_shows
 
     tok = word_tokenizer(["user assistant : higher lower"])
     said = []
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id, say=said.append)
+    renderer = conversation_renderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id, say=said.append)
     first = renderer.observation([], "higher zebra", True)
     renderer.observation([], "lower okapi", True)
     assert first.said == [{"role": "user", "text": "higher <unk>", "original": "higher zebra"}]
@@ -326,7 +326,7 @@ def test_words_the_tokenizer_cannot_represent_warn_once_and_the_transcript_shows
 
 def test_a_turns_text_keeps_its_special_tokens_and_drops_its_stop_token():
     tok = byte_tokenizer(["[TOOL_CALLS]", "</s>", "<pad>"], eos="</s>", pad="<pad>")
-    renderer = ConversationRenderer(tok, None, stop_token_ids=tok.eos_token_id)
+    renderer = conversation_renderer(tok, None, stop_token_ids=tok.eos_token_id)
     ids = tok('[TOOL_CALLS]add[ARGS]{"a": 1}', add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert renderer.turn_text(ids, stopped=True) == '[TOOL_CALLS]add[ARGS]{"a": 1}'
     assert renderer.turn_text(ids, stopped=False) == '[TOOL_CALLS]add[ARGS]{"a": 1}</s>'
@@ -337,7 +337,7 @@ def test_a_template_that_does_not_continue_is_one_line_naming_the_key():
     # renders the last assistant turn with a marker an earlier one does not have: what follows it is not a continuation
     odd = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if loop.last and m['role'] == 'assistant' %} (last){% endif %}\n"
            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
-    renderer = ConversationRenderer(tok, odd, stop_token_ids=tok.eos_token_id)
+    renderer = conversation_renderer(tok, odd, stop_token_ids=tok.eos_token_id)
     with pytest.raises(UserError) as error:
         renderer.check(needs_tools=False, max_turns=2)
     assert str(error.value).startswith("data.chat_template: the chat template does not render an observation after an assistant turn")
@@ -445,7 +445,7 @@ def test_a_call_marked_by_a_special_token_reaches_the_parser_and_runs(tools_file
     from ppokit.environments import Tools
 
     tok = byte_tokenizer(["[TOOL_CALLS]", "[ARGS]", "</s>", "<pad>"], eos="</s>", pad="<pad>")
-    renderer = ConversationRenderer(tok, None, stop_token_ids=tok.eos_token_id)
+    renderer = conversation_renderer(tok, None, stop_token_ids=tok.eos_token_id)
     turn = tok('[TOOL_CALLS]add[ARGS]{"a": 17, "b": 25}', add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert tok.decode(turn, skip_special_tokens=True) == 'add{"a": 17, "b": 25}'  # what the old decoding handed over
     tools = Tools([f"{tools_file}:add"], tool_parser="mistral")
@@ -468,7 +468,7 @@ def test_a_20_million_character_observation_is_cut_before_it_is_tokenised():
     family = FAMILIES["qwen2_5"]
     tok = family.tokenizer()
     stop = tok.convert_tokens_to_ids(family.stop)
-    renderer = ConversationRenderer(tok, tok.chat_template, stop_token_ids=stop, observation_role="tool")
+    renderer = conversation_renderer(tok, tok.chat_template, stop_token_ids=stop, observation_role="tool")
     longest, encoded = [0], renderer.encode
     renderer.encode = lambda text: (longest.__setitem__(0, max(longest[0], len(text))), encoded(text))[1]
     turn = tok("7", add_special_tokens=False)["input_ids"] + [stop]

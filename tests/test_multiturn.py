@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 from request_engines import ScriptedRequests
+from conftest import conversation_renderer
 
 from ppokit.chat import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
 from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner
 from ppokit import experience
-from ppokit.conversation import ConversationRenderer
 from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.metric_values import episode_metrics
 from ppokit.models import response_logprobs
@@ -225,11 +225,11 @@ def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
 
 def test_chat_observations_use_the_template(game_tokenizer):
     tok = game_tokenizer
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id)
+    renderer = conversation_renderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=tok.eos_token_id)
     # plain template: "role: content\n" lines, "assistant:" as the generation prompt
     assert renderer.observation([], "higher", True).ids == ids(tok, "\nuser: higher\nassistant:")
     assert renderer.observation([{"role": "tool", "content": "4"}], "4", True).ids == ids(tok, "\ntool: 4\nassistant:")
-    assert ConversationRenderer(tok, None).observation([], "higher", True).ids == ids(tok, "higher")
+    assert conversation_renderer(tok, None).observation([], "higher", True).ids == ids(tok, "higher")
 
 
 def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_tokenizer):
@@ -246,7 +246,7 @@ def test_chat_reset_observation_is_the_next_user_message_of_the_prompt(game_toke
     prompt = render([user("guess the number")])
     row = {"prompt": "guess the number", "first": "1 to 16", "plan": [("higher", 0.0, False), ("correct", 1.0, True)]}
     loop = make_loop(tok, ScriptedEngine([seven, eos], tok.pad_token_id, eos),
-                     renderer=ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=eos))
+                     renderer=conversation_renderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=eos))
     episodes = loop.sample([prompt], [row], sampling(tok))
     whole = episodes.input_ids[0][episodes.attention_mask[0]].tolist()
     # the stop token ends the assistant turn where the plain template writes its newline (not written twice)
@@ -283,7 +283,7 @@ def test_an_observation_has_the_tokens_it_has_in_the_whole_conversation():
 
     tok = metaspace_tokenizer()
     stop = tok.eos_token_id
-    renderer = ConversationRenderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=stop)
+    renderer = conversation_renderer(tok, PLAIN_CHAT_TEMPLATE, stop_token_ids=stop)
     renderer.check(needs_tools=False, max_turns=3)
     turns = [" 8", " 12", " 10"]  # after the generation prompt "assistant:", as the template writes "assistant: 8"
     turn_ids = [tok(text, add_special_tokens=False)["input_ids"] + [stop] for text in turns]

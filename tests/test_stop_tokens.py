@@ -15,9 +15,9 @@ import pytest
 import torch
 from chat_families import ADD, FAMILIES, byte_tokenizer
 from steered import steer
+from conftest import conversation_renderer
 
 from ppokit import algo
-from ppokit.conversation import ConversationRenderer
 from ppokit.engines.base import Request, Sampling, complete
 from ppokit.engines.hf import HFEngine
 from ppokit.errors import UserError
@@ -94,7 +94,7 @@ def test_a_tool_calling_turn_ending_with_no_stop_token_or_special_token_is_one_l
                 "{% endif %}{% elif m.role == 'tool' %}T: {{ m.content }}</s>{% else %}{{ m.role }}: {{ m.content }}</s>{% endif %}"
                 "{% endfor %}{% if tools %}tools: {{ tools | tojson }}{% endif %}{% if add_generation_prompt %}A: {% endif %}")
     tok = byte_tokenizer(["</s>", "<pad>"], eos="</s>", pad="<pad>", chat_template=template)
-    renderer = ConversationRenderer(tok, template, stop_token_ids=tok.eos_token_id, observation_role="tool",
+    renderer = conversation_renderer(tok, template, stop_token_ids=tok.eos_token_id, observation_role="tool",
                                     tools=[{"type": "function", "function": {"name": "add"}}])
     with pytest.raises(UserError) as error:
         _probe_call_turn(renderer)

@@ -1,6 +1,6 @@
 """The conversation renderer: how a run's episodes become token ids, decided once, before any weights load.
 
-    renderer = ConversationRenderer(tokenizer, template, tools=..., stop_token_ids=..., observation_role=...)
+    renderer = ConversationRenderer(tokenizer, Renderer(tokenizer, template, tools=...), stop_token_ids=..., observation_role=...)
     renderer.check()                                       # start-up: one UserError line naming data.chat_template
     renderer.stop_token_ids                                # what ends a model turn, decided by check()
     renderer.prompt(messages) -> str                       # a chat prompt, with the tools' schemas (`tools=`)
@@ -35,10 +35,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from ppokit.chat import Messages, Renderer
-from ppokit.engines.base import stop_ids
 from ppokit.errors import UserError
 
 PROBE_QUESTION = "ppokit probe question"
@@ -61,19 +60,19 @@ class Observation:
 class ConversationRenderer:
     """Prompts and observations of one run through one template (see the module docstring).
 
-    tokenizer: the policy's; template: the resolved chat template text, or None for plain-text prompts; tools: the
-    environment's JSON schemas (None: none); template_kwargs: extra template variables; stop_token_ids: the tokens
-    that end a model turn (ppo.stop_token; `check` may add the one the template ends a tool-calling turn with);
+    tokenizer: the policy's; chat: the chat template's renderer (`chat.Renderer`: the resolved template, the
+    environment's tools' JSON schemas, the extra template variables), or None for plain-text prompts; stop_token_ids:
+    the tokens that end a model turn, a tuple (`engines.base.stop_ids`; ppo.stop_token: `models.resolve_stop_token`;
+    `check` may add the one the template ends a tool-calling turn with);
     observation_role: the role an observation is rendered as ("user" or "tool"); say: where notes go (a warning shown once: observation words the tokenizer reads as its unknown token).
     """
 
-    def __init__(self, tokenizer, template: Optional[str], *, tools: Optional[list[dict]] = None,
-                 template_kwargs: Optional[dict] = None, stop_token_ids: Sequence[int] = (), observation_role: str = "user",
+    def __init__(self, tokenizer, chat: Optional[Renderer], *, stop_token_ids: tuple[int, ...] = (), observation_role: str = "user",
                  say: Callable[[str], None] = lambda message: None):
-        self.tokenizer, self.template, self.tools = tokenizer, template, tools
+        self.tokenizer, self.chat = tokenizer, chat
+        self.tools = chat.tools if chat is not None else None
         self.observation_role, self.say = observation_role, say
-        self.stop_token_ids: tuple[int, ...] = stop_ids(stop_token_ids)
-        self.chat = Renderer(tokenizer, template, tools=tools, template_kwargs=template_kwargs) if template is not None else None
+        self.stop_token_ids: tuple[int, ...] = tuple(stop_token_ids)
         self._lock = threading.Lock()  # a fast tokenizer is called from the environment's worker threads
         self._encoded: dict[str, tuple[int, ...]] = {}  # text -> ids, oldest use first (`encode`)
         self._turn_ends: dict[tuple, tuple[dict, str, Optional[int]]] = {}  # per shape of observation: (probe turn, closing, its stop id)

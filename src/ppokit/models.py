@@ -162,18 +162,19 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tokenizer
 
 
-def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | None, stop_token_id: int | None) -> int | None:
-    """The token id that ends a response (ppo.stop_token / ppo.stop_token_id), or None for none."""
+def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | None, stop_token_id: int | None) -> tuple[int, ...]:
+    """The token ids that end a response (ppo.stop_token / ppo.stop_token_id) as every engine reads them
+    (`engines.base.stop_ids`): that one, or () for none."""
     if stop_token_id is not None:
         if stop_token_id >= len(tokenizer):
             raise UserError(f"ppo.stop_token_id {stop_token_id} is outside the vocabulary ({len(tokenizer)} tokens)")
-        return stop_token_id
+        return (stop_token_id,)
     if stop_token is None:
-        return None
+        return ()
     if stop_token == "eos":
         if tokenizer.eos_token_id is None:
             raise UserError("ppo.stop_token is 'eos' but the tokenizer has no EOS token; set ppo.stop_token_id")
-        return tokenizer.eos_token_id
+        return (tokenizer.eos_token_id,)
     ids = tokenizer.convert_tokens_to_ids([stop_token])
     if ids[0] is None or ids[0] == tokenizer.unk_token_id:
         encoded = tokenizer(stop_token, add_special_tokens=False)["input_ids"]
@@ -182,7 +183,7 @@ def resolve_stop_token(tokenizer: PreTrainedTokenizerBase, stop_token: str | Non
         if encoded[0] == tokenizer.unk_token_id and stop_token != tokenizer.unk_token:
             raise UserError(f"ppo.stop_token {stop_token!r} is not in the tokenizer's vocabulary (it encodes as {tokenizer.unk_token!r})")
         ids = encoded
-    return ids[0]
+    return (ids[0],)
 
 
 def load_causal_lm(name_or_model, role: str = "model", trust_remote_code: bool = False, **load_kwargs) -> PreTrainedModel:

@@ -26,6 +26,7 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from ppokit import algo, batch_sizes, engines, parallel, roles, run_dir
+from ppokit.engines.base import Sampling
 from ppokit.config import PPOConfig
 from ppokit.lengths import check_budget, encode_prompts
 from ppokit.machine import check_machine
@@ -140,7 +141,8 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         lambda policy: (strategy.generation(policy), accelerator.autocast()), config.rollout,
         longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
-    rollout = Rollout(engine, conversation, scorer, tokenizer, config.ppo, max_turns=config.rollout.max_turns, max_episode_tokens=room,
+    sampling = Sampling.by_purpose(config.ppo, stop_token_ids)  # train, eval, greedy
+    rollout = Rollout(engine, conversation, scorer, tokenizer, sampling, max_turns=config.rollout.max_turns, max_episode_tokens=room,
                       max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, stop_token_ids=stop_token_ids,
                       device=accelerator.device, reduce=reduce, seed=config.seed, process_index=accelerator.process_index)
     return Parts(

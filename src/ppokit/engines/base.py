@@ -65,6 +65,11 @@ class Sampling:
         temperature = eval_temperature if purpose == "eval" and not greedy else hp.temperature
         return cls(hp.response_length, temperature, stop_token_ids, top_k=hp.top_k, top_p=hp.top_p, min_p=hp.min_p, greedy=greedy)
 
+    @classmethod
+    def by_purpose(cls, hp, stop_token_ids: Sequence[int]) -> dict[str, "Sampling"]:
+        """`for_purpose` for each of `PURPOSES`."""
+        return {purpose: cls.for_purpose(hp, stop_token_ids, purpose) for purpose in PURPOSES}
+
 
 def stop_ids(ids) -> tuple[int, ...]:
     """Stop tokens as every engine reads them: a tuple of ids (None: none; one id: that one)."""

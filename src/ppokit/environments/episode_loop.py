@@ -346,7 +346,7 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
     line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs; stop_token,
     stop_token_id: ppo.stop_token / ppo.stop_token_id (`models.resolve_stop_token`; the conversation's `stop_token_ids`
     may add a tool-calling turn's own)."""
-    from ppokit.chat import resolve_chat_template
+    from ppokit.chat import Renderer, resolve_chat_template
     from ppokit.environments.base import EnvironmentRunner
     from ppokit.models import resolve_stop_token
 
@@ -363,8 +363,9 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
                             f"prompt, and the prompts{' of ' + datasets[0].source if datasets else ''} are plain text; use chat prompts (a `messages` "
                             "column, or prompts as lists of messages) or, if the prompt text describes the tools itself, "
                             "environment_args.tool_schemas: none")
-    renderer = ConversationRenderer(tokenizer, template, tools=runner.tools if runner else None, template_kwargs=template_kwargs,
-                                    stop_token_ids=stop_token_ids, observation_role=runner.observation_role if runner else "user", say=say)
+    chat = Renderer(tokenizer, template, tools=runner.tools if runner else None, template_kwargs=template_kwargs) if template is not None else None
+    renderer = ConversationRenderer(tokenizer, chat, stop_token_ids=stop_token_ids, observation_role=runner.observation_role if runner else "user",
+                                    say=say)
     if runner is not None:
         renderer.check(needs_tools=bool(runner.tools), max_turns=max_turns, what=f"environment {environment}")
         if renderer.first_observation_problem:
