@@ -26,11 +26,11 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from ppokit import algo, batch_sizes, engines, parallel, roles, run_dir
-from ppokit.engines.base import Sampling
 from ppokit.config import PPOConfig
+from ppokit.engines.base import Sampling
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for
 from ppokit.lengths import check_budget, encode_prompts
 from ppokit.machine import check_machine
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for
 from ppokit.models import check_prompts_fit, input_pad_id, policy_tokenizer, position_limit, tightest
 from ppokit.optimise import prepare_training
 from ppokit.prompts import PromptDataset, load_prompt_data
