@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -353,8 +354,9 @@ def test_the_rollout_seeds_an_update_by_its_number_and_rows_across_processes(mon
 
     source = Source()
     monkeypatch.setattr(rollout_module, "episode_source", lambda engine, conversation, **keys: source)
-    rollout = Rollout(None, None, None, None, Sampling.by_purpose(Hp, ()), max_turns=1, max_episode_tokens=4, max_concurrent=None, pad_token_id=0,
-                      stop_token_ids=(), device=torch.device("cpu"), reduce=None, seed=9, process_index=2)
+    conversation = types.SimpleNamespace(stop_token_ids=())
+    rollout = Rollout(None, conversation, None, None, Sampling.by_purpose(Hp, ()), max_turns=1, max_episode_tokens=4, max_concurrent=None,
+                      pad_token_id=0, device=torch.device("cpu"), reduce=None, seed=9, process_index=2)
     rollout.sample([[1], [2], [3]], ["a", "b", "c"], {}, update=5)
     assert source.seeds == EpisodeSeeds(9, 5, "train", first_row=6)
     rollout.sample([[1]], ["a"], {}, "eval")

@@ -143,7 +143,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         seed=config.seed))
     sampling = Sampling.by_purpose(config.ppo, stop_token_ids)  # train, eval, greedy
     rollout = Rollout(engine, conversation, scorer, tokenizer, sampling, max_turns=config.rollout.max_turns, max_episode_tokens=room,
-                      max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id, stop_token_ids=stop_token_ids,
+                      max_concurrent=config.rollout.max_concurrent_episodes, pad_token_id=pad_id,
                       device=accelerator.device, reduce=reduce, seed=config.seed, process_index=accelerator.process_index)
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,

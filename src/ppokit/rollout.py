@@ -29,18 +29,18 @@ class Rollout:
     engine: the rollout engine (`engines.base.RolloutEngine`) and conversation (`episode_loop.Conversation`), which the
     episode source samples over (`episode_loop.episode_source`, with max_turns, max_episode_tokens, max_concurrent,
     pad_token_id: its keys); scorer: the reward sources (`rewards.RewardScorer`); tokenizer: the policy's (completions
-    are decoded with it); sampling: each purpose's (`engines.base.Sampling.by_purpose`); stop_token_ids: what ends a
-    response (any of them: the conversation's); device: where episodes and scores go; reduce: a sum over processes; seed: the
+    are decoded with it); sampling: each purpose's (`engines.base.Sampling.by_purpose`); what ends a response is the
+    conversation's `stop_token_ids` (any of them); device: where episodes and scores go; reduce: a sum over processes; seed: the
     run's (the episodes' seeds); process_index: this process's (its rows' numbers among every process's).
     """
 
     def __init__(self, engine, conversation: Conversation, scorer, tokenizer, sampling: dict[str, Sampling], *, max_turns: int, max_episode_tokens: int,
-                 max_concurrent: Optional[int], pad_token_id: int, stop_token_ids: tuple[int, ...], device: torch.device,
+                 max_concurrent: Optional[int], pad_token_id: int, device: torch.device,
                  reduce: Callable[[torch.Tensor], torch.Tensor], seed: int = 0, process_index: int = 0):
         self.source = episode_source(engine, conversation, max_turns=max_turns, max_episode_tokens=max_episode_tokens,
                                      max_concurrent=max_concurrent, pad_token_id=pad_token_id, device=device)
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
-        self.stop_token_ids, self.device, self.reduce = tuple(stop_token_ids), device, reduce
+        self.stop_token_ids, self.device, self.reduce = conversation.stop_token_ids, device, reduce
         self.seed, self.process_index = seed, process_index
 
     @property
