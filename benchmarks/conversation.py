@@ -1,4 +1,4 @@
-"""The conversation renderer's cost per observation (ppokit.conversation): what the per-episode loop pays after every
+"""The conversation renderer's cost per observation (ppokit.conversation.renderer): what the per-episode loop pays after every
 model turn, for real chat templates (the originals trl ships, read from the installed package) with one tool's schema
 in them. Prints one JSON line: microseconds per call, median of repeats.
 
@@ -34,8 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     from chat_families import FAMILIES
 
-    from ppokit.chat import Renderer
-    from ppokit.conversation import ConversationRenderer
+    from ppokit.conversation.templates import Renderer
+    from ppokit.conversation.renderer import ConversationRenderer
     from ppokit.environments.tools import tool_schemas
 
     schemas = tool_schemas({"add": add})

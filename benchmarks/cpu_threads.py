@@ -1,4 +1,4 @@
-"""CPU threads beside other work (ppokit/cpu_threads.py); prints one JSON line per setting and number of busy processes.
+"""CPU threads beside other work (ppokit/process/cpu_threads.py); prints one JSON line per setting and number of busy processes.
 
     python benchmarks/cpu_threads.py [--busy 0 4] [--hidden 64] [--updates 6] [--settings torch ppokit one-thread]
 
@@ -71,7 +71,7 @@ def environment(setting: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     if setting == "ppokit":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-        from ppokit import cpu_threads
+        from ppokit.process import cpu_threads
 
         cpu_threads.settle(env)
     elif setting == "one-thread":

@@ -32,8 +32,8 @@ MODES = {
 def build(workdir: Path) -> tuple[Path, Path]:
     import torch
 
-    from ppokit.demo import make_data
-    from ppokit.tiny import tiny_causal_lm, word_tokenizer
+    from ppokit.demos.reviews import make_data
+    from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
 
     data = make_data(seed=0, n_sft=400, n_prompts=256, n_eval=4)
     # The demo's words plus filler words, for a realistic ~8k vocabulary (the LM head dominates memory at small sizes).
@@ -56,8 +56,8 @@ def rss_mib() -> float:
 def run_mode(mode: str, model_dir: str, prompts: str, output: str, updates: int, response_length: int) -> dict:
     import torch
 
-    from ppokit.config import PPOConfig
-    from ppokit.dataclass_config import load_config
+    from ppokit.config.schema import PPOConfig
+    from ppokit.config.fields import load_config
     from ppokit.trainer import PPOTrainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))

@@ -1,7 +1,7 @@
 """Multi-turn rollouts with a tool of realistic latency: episodes/s and model tokens/s of the per-episode loop against
 the lock-step loop it replaced; one JSON line per case.
 
-The demo game's SFT'd tiny Llama (`ppokit.demo_game`, built once into --work, ~1 minute on 2 cores) plays episodes of
+The demo game's SFT'd tiny Llama (`ppokit.demos.guess`, built once into --work, ~1 minute on 2 cores) plays episodes of
 1 to 6 turns (each row's own number, drawn from a fixed seed) against `LatentTool`, an environment whose every call
 takes, with tools `slow`, 1 s for 10% of the calls and 10 ms for the others (which calls, fixed by the row and turn:
 the same for every loop), and with tools `instant` no time at all; each call under environment_timeout_s 60 (on
@@ -187,7 +187,7 @@ def main() -> None:
             print(json.dumps(line), flush=True)
         return
     if not (model_folder(args) / "sft").is_dir():
-        from ppokit import demo_game
+        from ppokit.demos import guess as demo_game
 
         demo_game.prepare_game_demo(model_folder(args), quick=True, seed=0, say=lambda *a: print(*a, file=sys.stderr), engine=args.engine)
     if args.base != "none":

@@ -32,9 +32,9 @@ import os
 import threading
 from pathlib import Path
 
-from ppokit import cpu_threads
+from ppokit.process import cpu_threads
 
-# What the `ppokit` program sets before torch loads (ppokit/cpu_threads.py), here where the trainer runs through the API:
+# What the `ppokit` program sets before torch loads (ppokit/process/cpu_threads.py), here where the trainer runs through the API:
 # without it, beside other busy processes, the synchronous update's (k = 0) OpenMP threads spun through their time
 # slices: the small model's optimisation took 4-50 s instead of 0.2 s.
 cpu_threads.settle()

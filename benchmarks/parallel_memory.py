@@ -56,8 +56,8 @@ def nbytes(tensors) -> int:
 def child(strategy: str, model_dir: str, prompts: str, output: str, updates: int, response_length: int) -> None:
     import torch
 
-    from ppokit.config import PPOConfig
-    from ppokit.dataclass_config import load_config
+    from ppokit.config.schema import PPOConfig
+    from ppokit.config.fields import load_config
     from ppokit.trainer import PPOTrainer
 
     torch.set_num_threads(1)

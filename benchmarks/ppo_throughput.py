@@ -43,8 +43,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from ppokit import experience  # noqa: E402
-from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig  # noqa: E402
+from ppokit.training import experience  # noqa: E402
+from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig  # noqa: E402
 from ppokit.trainer import PPOTrainer  # noqa: E402
 
 CONFIGS = ("default", "budget", "light", "compile")
@@ -54,8 +54,8 @@ CURVE_KEYS = ("objective/scores", "objective/kl", "objective/response_length", "
 
 
 def fixed_task(work: Path, updates: int, arch: str) -> tuple[PPOConfig, dict]:
-    from ppokit.demo import make_data
-    from ppokit.tiny import tiny_causal_lm, word_tokenizer
+    from ppokit.demos.reviews import make_data
+    from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
 
     batch = 64
     torch.manual_seed(0)
@@ -121,7 +121,7 @@ class PhaseRSS:
 
     def __init__(self, trainer):
         self.stage, self.peaks = "setup", {"setup": self._rss()}
-        # stage 3 is a function of ppokit.experience, which the trainer looks up there at every update
+        # stage 3 is a function of ppokit.training.experience, which the trainer looks up there at every update
         for owner, name, stage in ((trainer, "generate", "sampling"), (experience, "reference_and_values", "forward"),
                                    (trainer, "optimise", "training")):
             setattr(owner, name, self._tagged(getattr(owner, name), stage))

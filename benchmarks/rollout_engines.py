@@ -47,8 +47,8 @@ PPO_EPISODES, PPO_RESPONSE = 32, 32  # per update; response tokens
 def demo_data(n_prompts: int):
     """-> (the demo's data with `n_prompts` prompts, its word-level tokenizer)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from ppokit.demo import make_data
-    from ppokit.tiny import word_tokenizer
+    from ppokit.demos.reviews import make_data
+    from ppokit.demos.tiny import word_tokenizer
 
     data = make_data(seed=0, n_sft=400, n_prompts=n_prompts, n_eval=4)
     return data, word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
@@ -58,7 +58,7 @@ def size_model(size: str, tokenizer):
     """A Llama of `size` (SIZES) for `tokenizer`, random weights drawn from seed 0."""
     import torch
 
-    from ppokit.tiny import tiny_causal_lm
+    from ppokit.demos.tiny import tiny_causal_lm
 
     torch.manual_seed(0)
     return tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size])
@@ -68,7 +68,7 @@ def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
     import torch
 
     from ppokit.engines.base import Sampling
-    from ppokit.models import left_pad
+    from ppokit.models.loading import left_pad
     from ppokit.engines.hf import HFSampler
 
     data, tokenizer = demo_data(PROMPTS)
@@ -126,8 +126,8 @@ def ppo_config(model_dir: str, prompts_file: str, output_dir: str, overrides: li
     """The benchmark's PPO config, validated: `episodes` per update (2 minibatches), 1 PPO epoch, `response_length`
     tokens without a stop token, VADER sentiment as the reward, updates + 1 updates (the first a warm-up), then
     `overrides` as on the command line (e.g. "rollout.engine=vllm", "bf16=true"). Nothing is read from disk."""
-    from ppokit.config import PPOConfig
-    from ppokit.dataclass_config import load_config
+    from ppokit.config.schema import PPOConfig
+    from ppokit.config.fields import load_config
 
     base = {
         "model": model_dir, "output_dir": output_dir, "seed": 0,
@@ -150,7 +150,7 @@ def ppo_records(build_model, tokenizer, prompts: list[dict], overrides: list[str
 
     import torch
 
-    from ppokit.models import no_progress_bars
+    from ppokit.models.loading import no_progress_bars
     from ppokit.trainer import PPOTrainer
 
     with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:

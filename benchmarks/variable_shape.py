@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from ppokit.demo import NEGATIVE, NOUNS, OPENERS, POSITIVE, _review
-from ppokit.sft import IGNORE_INDEX, collate, encode_pair, train_loop
-from ppokit.tiny import bpe_tokenizer, tiny_causal_lm
+from ppokit.demos.reviews import NEGATIVE, NOUNS, OPENERS, POSITIVE, _review
+from ppokit.training.sft import IGNORE_INDEX, collate, encode_pair, train_loop
+from ppokit.demos.tiny import bpe_tokenizer, tiny_causal_lm
 
 VERSION = 1
 VOCAB = 32000
@@ -95,7 +95,7 @@ def cache_dir() -> Path:
 
 def _sft_loss(model, batch, pad_token_id):
     """Completion cross-entropy with logits only at the labelled positions (the vocabulary is large)."""
-    from ppokit.models import hidden_states, output_head  # here: a tree without them can still run the cached task
+    from ppokit.models.loading import hidden_states, output_head  # here: a tree without them can still run the cached task
 
     ids, mask, labels = collate(batch, pad_token_id)
     hidden = hidden_states(model, ids, mask)[:, :-1]

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from ppokit.demo import NEGATIVE, OPENERS, POSITIVE, _review, make_data
-from ppokit.tiny import tiny_causal_lm, word_tokenizer
+from ppokit.demos.reviews import NEGATIVE, OPENERS, POSITIVE, _review, make_data
+from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
 
 
 def main(out: Path) -> None:

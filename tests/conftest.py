@@ -18,8 +18,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from ppokit.demo import make_data  # noqa: E402
-from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
+from ppokit.demos.reviews import make_data  # noqa: E402
+from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
 
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps
@@ -48,8 +48,8 @@ def pytest_collection_modifyitems(config, items):
 def conversation_renderer(tokenizer, template, *, tools=None, template_kwargs=None, stop_token_ids=None, **keys):
     """A `ConversationRenderer` over `template` (None: plain-text prompts), its chat renderer and stop tokens made as the
     run's set-up makes them (`episode_loop.conversation_setup`); keys: its other arguments (observation_role, say)."""
-    from ppokit.chat import Renderer
-    from ppokit.conversation import ConversationRenderer
+    from ppokit.conversation.templates import Renderer
+    from ppokit.conversation.renderer import ConversationRenderer
     from ppokit.engines.base import stop_ids
 
     chat = Renderer(tokenizer, template, tools=tools, template_kwargs=template_kwargs) if template is not None else None
@@ -112,7 +112,7 @@ def prompts_file(tmp_path_factory, demo_data):
 
 def tiny_ppo_config(model_dir: Path, prompts_file: Path, output_dir: Path, **ppo):
     """A PPOConfig for a run of a few seconds on CPU."""
-    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
 
     hp = dict(total_episodes=16, per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2,
               response_length=8, temperature=1.0, learning_rate=1e-3, num_sample_generations=2)
@@ -128,7 +128,7 @@ def tiny_ppo_config(model_dir: Path, prompts_file: Path, output_dir: Path, **ppo
 def sft_model_dir(tmp_path_factory, tokenizer, demo_data):
     """The tiny llama after one short SFT epoch on the demo reviews (under a second): it ends its
     responses with EOS at varied lengths, as real policies do (random weights almost never stop)."""
-    from ppokit.sft import encode_pair, train_sft
+    from ppokit.training.sft import encode_pair, train_sft
 
     torch.manual_seed(0)
     model = tiny_causal_lm("llama", tokenizer)

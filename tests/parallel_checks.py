@@ -1,4 +1,4 @@
-"""The pieces of ppokit.parallel, checked under `torchrun --nproc_per_node N` (gloo, CPU) or as one plain
+"""The pieces of ppokit.process.parallel, checked under `torchrun --nproc_per_node N` (gloo, CPU) or as one plain
 process. tests/test_multiprocess.py launches this file and asserts on what it writes; run by hand:
 
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 tests/parallel_checks.py OUT_DIR [LOAD_DIR]
@@ -26,14 +26,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from accelerate import Accelerator  # noqa: E402
 
-from ppokit import adapters, parallel, roles  # noqa: E402
-from ppokit.config import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
-from ppokit.guards import UpdateSnapshot  # noqa: E402
-from ppokit.models import enable_gradient_checkpointing, response_logits, value_model_from_policy  # noqa: E402
+from ppokit.models import adapters, roles  # noqa: E402
+
+from ppokit.process import parallel
+from ppokit.config.schema import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
+from ppokit.training.guards import UpdateSnapshot  # noqa: E402
+from ppokit.models.loading import enable_gradient_checkpointing, response_logits, value_model_from_policy  # noqa: E402
 from ppokit.engines.base import Request, Sampling, complete  # noqa: E402
 from ppokit.engines.hf import HFEngine, HFSampler  # noqa: E402
-from ppokit.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
-from ppokit.optimise import PolicyAndValue  # noqa: E402
+from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
+from ppokit.training.optimise import PolicyAndValue  # noqa: E402
 
 WORDS = "the a good bad movie film was is great awful fine plot actors story long short".split()
 STEPS = 3

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import assert_float32_close
 
-from ppokit import algo
+from ppokit.training import algo
 
 
 def test_logprobs_divide_logits_by_temperature():

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import assert_float32_close
 
-from ppokit import algo, batching
-from ppokit.episodes import Episodes
-from ppokit.models import left_pad, position_ids_from_mask, response_logprobs
+from ppokit.training import algo, batching
+from ppokit.training.episodes import Episodes
+from ppokit.models.loading import left_pad, position_ids_from_mask, response_logprobs
 
 
 def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, pad: int = 0) -> Episodes:
@@ -65,7 +65,7 @@ def test_budget_bounds(budget, groups):
 
 
 def test_check_budget_names_both_numbers():
-    from ppokit import lengths
+    from ppokit.data import lengths
 
     lengths.check_budget(None, [5, 9], 16)
     lengths.check_budget(25, [5, 9], 16)
@@ -199,7 +199,7 @@ def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokeniz
 
 
 def test_reward_model_chunks_by_tokens_give_the_scores_of_row_chunks(model_dir, tokenizer):
-    from ppokit.models import load_scalar_model
+    from ppokit.models.loading import load_scalar_model
     from ppokit.rewards.model import RewardModelReward
     from ppokit.rewards.sources import ScoringBatch
 

@@ -17,9 +17,9 @@ import yaml
 from conftest import tiny_ppo_config, with_speed_switches
 
 import ppokit
-from ppokit import checkpoint, run_dir
+from ppokit.run import checkpoint, run_dir
 from ppokit.cli import main
-from ppokit.config import PPOConfig
+from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
 from ppokit.trainer import PPOTrainer
 
@@ -293,7 +293,7 @@ def test_resume_refuses_config_changes_that_change_the_result(model_dir, prompts
 
 
 def test_the_keys_a_resume_may_change_are_those_declared_so_with_the_key():
-    # doc(..., resume=...) in ppokit.config; a key without it (any key added later) is refused
+    # doc(..., resume=...) in ppokit.config.schema; a key without it (any key added later) is refused
     assert set(checkpoint.RESUME_RULES) == {
         "output_dir", "trust_remote_code", "ppo.logging_steps", "ppo.save_steps", "ppo.save_total_limit",
         "ppo.max_skipped_updates", "ppo.nonfinite_rollback", "ppo.max_tokens_per_micro_batch", "parallel.shard_frozen",
@@ -334,7 +334,7 @@ def test_checkpoint_files_cannot_run_code(model_dir, prompts_file, tmp_path, ref
 
 def test_model_weights_in_pickle_format_cannot_run_code(model_dir, tmp_path):
     """Models load through transformers, which reads .bin weights with torch.load(weights_only=True)."""
-    from ppokit.models import load_causal_lm
+    from ppokit.models.loading import load_causal_lm
 
     folder = tmp_path / "model"
     shutil.copytree(model_dir("llama"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -399,7 +399,7 @@ def test_adaptive_kl_coefficient_in_the_metrics_follows_the_rule(reference):
 def test_resume_is_exact_with_lora_critics_and_reward_normalisation(model_dir, prompts_file, tmp_path, value_model):
     """The state of every role layout (adapters on one base, a separate LoRA critic) and the reward
     normalisation statistics survive a resume."""
-    from ppokit.config import LoraConfig
+    from ppokit.config.schema import LoraConfig
 
     def config(out, **extra):
         c = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=24, num_sample_generations=0, learning_rate=1e-2, **extra)
@@ -420,7 +420,7 @@ def test_resume_is_exact_with_lora_critics_and_reward_normalisation(model_dir, p
 
 @pytest.mark.parametrize("field,value", [("update", -3), ("episode", "8"), ("skipped_updates", None), ("skipped_in_a_row", True)])
 def test_training_state_with_a_wrong_counter_is_named(field, value):
-    from ppokit.state import TrainingState
+    from ppokit.run.state import TrainingState
 
     saved = {"update": 4, "episode": 32, "skipped_updates": 0, "skipped_in_a_row": 0, "last_nonfinite": None, field: value}
     with pytest.raises(UserError, match=f"trainer_state.json: {field} must be a non-negative integer"):

@@ -347,7 +347,7 @@ def test_the_program_acts_on_ctrl_c_before_it_imports_anything_of_its_own_beyond
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.replace("'", '"')) == [
-        "ppokit", "ppokit.cli", "ppokit.cpu_threads", "ppokit.errors", "ppokit.interrupts", "ppokit.version"]
+        "ppokit", "ppokit.cli", "ppokit.process.cpu_threads", "ppokit.errors", "ppokit.process.interrupts", "ppokit.version"]
 
 
 def _mapped(pid: int, library: str) -> bool:
@@ -381,7 +381,7 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130_never_a_traceback(model_d
 
     from conftest import tiny_ppo_config
 
-    from ppokit.batch_sizes import derive
+    from ppokit.training.batch_sizes import derive
 
     config, out = tmp_path / "ppo.yaml", tmp_path / "run"
     settings = tiny_ppo_config(model_dir(), prompts_file, out)

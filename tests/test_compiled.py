@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from ppokit.models import response_logprobs, response_values, value_model_from_policy
+from ppokit.models.loading import response_logprobs, response_values, value_model_from_policy
 
 SRC = os.path.join(os.path.dirname(__file__), os.pardir, "src")
 
@@ -17,7 +17,7 @@ def test_compiled_training_forward_equals_eager(model_dir):
     """Logprobs, values and gradients of two micro-batch shapes (dynamic shapes: one compile)."""
     from transformers import AutoModelForCausalLM
 
-    from ppokit.compiled import compiled_backbone
+    from ppokit.models.compiled import compiled_backbone
 
     policy = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
     critic = value_model_from_policy(policy)
@@ -52,7 +52,7 @@ def test_compile_where_torch_compile_cannot_run_is_one_clear_error(tmp_path):
     """No C++ compiler for inductor's CPU kernels (a real failure, not a mock): a UserError saying so."""
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
            "PYTHONPATH": os.path.abspath(SRC)}
-    code = ("from ppokit.compiled import check_available\nfrom ppokit.errors import UserError\n"
+    code = ("from ppokit.models.compiled import check_available\nfrom ppokit.errors import UserError\n"
             "try:\n    check_available()\nexcept UserError as e:\n    print(e)\nelse:\n    print('no error')\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.stdout.startswith("compile: true, but torch.compile cannot run on this machine (")

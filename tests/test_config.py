@@ -4,8 +4,8 @@ import threading
 import pytest
 import yaml
 
-from ppokit.batch_sizes import derive
-from ppokit.config import PER_MICRO_BATCH, PER_MINIBATCH, PPOConfig, PPOHyperparams
+from ppokit.training.batch_sizes import derive
+from ppokit.config.schema import PER_MICRO_BATCH, PER_MINIBATCH, PPOConfig, PPOHyperparams
 from ppokit.errors import UserError
 
 BASE = ["model=some/model", "reward.functions=[sentiment]", "data.train=p.jsonl"]
@@ -116,7 +116,7 @@ def test_an_unknown_key_is_told_where_it_goes(overrides, message):
 
 
 def test_the_stage_configs_point_trl_names_too():
-    from ppokit.config import SFTConfig
+    from ppokit.config.schema import SFTConfig
 
     with pytest.raises(UserError, match=re.escape("unknown config keys model_name_or_path (TRL's name; ppokit's is model), "
                                                   "learning_rate (did you mean train.learning_rate?)")):
@@ -126,7 +126,7 @@ def test_the_stage_configs_point_trl_names_too():
 def test_every_trl_name_is_in_the_side_by_side_table_of_docs_trl():
     from pathlib import Path
 
-    from ppokit.config import TRL_PPO_NAMES
+    from ppokit.config.schema import TRL_PPO_NAMES
 
     table = Path(__file__).resolve().parents[1].joinpath("docs", "trl.md").read_text()
     assert [name for name in TRL_PPO_NAMES if f"| `{name}` |" not in table] == []
@@ -229,7 +229,7 @@ def test_yaml_mistakes_name_the_key_and_the_lines(tmp_path, text, message):
 
 @pytest.mark.parametrize("seed, ok", [(0, True), (2**32 - 1, True), (-1, False), (2**32, False)])
 def test_seed_range_is_checked_at_config_time(seed, ok):
-    from ppokit.config import RMConfig, SFTConfig
+    from ppokit.config.schema import RMConfig, SFTConfig
 
     for cls, args in ((PPOConfig, BASE), (SFTConfig, ["model=m", "data.train=t.jsonl"]), (RMConfig, ["model=m", "data.train=t.jsonl"])):
         if ok:
@@ -251,7 +251,8 @@ def test_toolbox_defaults_reproduce_todays_ppo():
 
 
 def test_toolbox_choices_are_algos():
-    from ppokit import algo, config
+    from ppokit.config import schema as config
+    from ppokit.training import algo
 
     assert config.LOSS_AGGREGATIONS == algo.LOSS_AGGREGATIONS and config.KL_ESTIMATORS == algo.KL_ESTIMATORS
 
@@ -378,7 +379,7 @@ def test_a_learning_rate_warm_up_must_fit_after_the_critic_warm_up():
 
 def machine_check(config: PPOConfig) -> None:
     """`machine.check_machine` with a validated config's switches, as the run's set-up passes them (`parts.assemble`)."""
-    from ppokit.machine import check_machine
+    from ppokit.process.machine import check_machine
 
     check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
                   strategy=config.parallel.strategy, report_to=config.report_to)
@@ -388,7 +389,7 @@ def machine_check(config: PPOConfig) -> None:
 def test_what_the_config_needs_of_this_machine_is_checked_apart_from_validate(tmp_path):
     """fp16 needs a CUDA device: `machine.check_machine` refuses it in one line, `validate` (which `ppokit plan` runs for other
     machines) does not; report_to a tracker whose package is missing names the extra."""
-    from ppokit.config import DataConfig, RewardConfig
+    from ppokit.config.schema import DataConfig, RewardConfig
 
     config = PPOConfig(model="m", fp16=True, reward=RewardConfig(functions=["sentiment"]), data=DataConfig(train="p.jsonl")).validate()
     with pytest.raises(UserError, match=r"^fp16: float16 mixed precision needs a CUDA device; use bf16: true on this machine$"):
@@ -405,9 +406,9 @@ def test_lora_refuses_the_peft_releases_it_does_not_work_with(monkeypatch):
     from importlib import metadata
     from pathlib import Path
 
-    from ppokit.config import DataConfig, LoraConfig, ParallelConfig, RewardConfig
-    from ppokit.machine import PEFT_REQUIREMENT
-    from ppokit.strategies import STRATEGIES
+    from ppokit.config.schema import DataConfig, LoraConfig, ParallelConfig, RewardConfig
+    from ppokit.process.machine import PEFT_REQUIREMENT
+    from ppokit.process.strategies import STRATEGIES
 
     def lora_config(strategy):
         return PPOConfig(model="m", lora=LoraConfig(), parallel=ParallelConfig(strategy=strategy), reward=RewardConfig(functions=["sentiment"]),

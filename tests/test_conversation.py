@@ -14,14 +14,14 @@ from chat_families import ADD, FAMILIES, byte_tokenizer, trl_template
 from request_engines import ScriptedRequests
 from conftest import conversation_renderer
 
-from ppokit.chat import PLAIN_CHAT_TEMPLATE
+from ppokit.conversation.templates import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
 from ppokit.environments import EnvironmentRunner
 from ppokit.environments.episode_loop import EpisodeLoop, conversation_setup
 from ppokit.errors import UserError
-from ppokit.models import response_logprobs
-from ppokit.prompts import as_prompt_dataset
-from ppokit.tiny import tiny_causal_lm
+from ppokit.models.loading import response_logprobs
+from ppokit.data.prompts import as_prompt_dataset
+from ppokit.demos.tiny import tiny_causal_lm
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +267,7 @@ def test_observation_ids_are_tokenised_once_per_text_and_the_least_recently_used
     """`encode` remembers the ids of the texts it was given last (observations repeat, and each is read twice): the same
     ids as the tokenizer's, the tokenizer called once per text while it is remembered, the text used longest ago
     forgotten first, and a caller changing the list it got changes nothing remembered."""
-    import ppokit.conversation
+    import ppokit.conversation.renderer
 
     tok, renderer = _renderer(template=None)
     asked = []
@@ -282,7 +282,7 @@ def test_observation_ids_are_tokenised_once_per_text_and_the_least_recently_used
             return getattr(real, name)
 
     renderer.tokenizer = Counting()
-    monkeypatch.setattr(ppokit.conversation, "ENCODED_KEPT", 2)
+    monkeypatch.setattr(ppokit.conversation.renderer, "ENCODED_KEPT", 2)
     expected = {t: real(t, add_special_tokens=False)["input_ids"] for t in ("higher", "lower", "correct")}
     first = renderer.observation([], "higher", True)
     assert first.ids == expected["higher"] and asked == ["higher"]  # read as the model reads it, then its ids: one call
@@ -313,7 +313,7 @@ def test_a_lone_surrogate_in_an_observation_reads_as_the_replacement_character()
 
 
 def test_words_the_tokenizer_cannot_represent_warn_once_and_the_transcript_shows_what_was_read():
-    from ppokit.tiny import word_tokenizer
+    from ppokit.demos.tiny import word_tokenizer
 
     tok = word_tokenizer(["user assistant : higher lower"])
     said = []
@@ -351,7 +351,7 @@ def test_a_template_that_does_not_continue_is_one_line_naming_the_key():
 def qwen_run(tmp_path_factory, tools_file):
     """A tiny Qwen2 model saved with the qwen2_5 family's tokenizer (Qwen2.5's original template), chat prompts, and a
     config of the built-in Tools environment over them."""
-    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
 
     root = tmp_path_factory.mktemp("qwen-run")
     tok = FAMILIES["qwen2_5"].tokenizer()
@@ -419,7 +419,7 @@ def test_data_inspect_and_plan_count_the_prompt_as_the_trainer_reads_it(qwen_run
     ({"data": "plain"}, "are plain text; use chat prompts"),
 ], ids=["no_tools_template", "unknown_parser", "timeout_range", "plain_text"])
 def test_bad_conversation_input_stops_the_trainer_before_any_weights_load(qwen_run, tools_file, change, message, monkeypatch):
-    from ppokit import roles
+    from ppokit.models import roles
     from ppokit.trainer import PPOTrainer
 
     tok, config, root = qwen_run

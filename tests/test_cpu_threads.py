@@ -1,4 +1,4 @@
-"""CPU threads of the `ppokit` program (ppokit/cpu_threads.py): passive waiting and the cgroup quota, set before torch
+"""CPU threads of the `ppokit` program (ppokit/process/cpu_threads.py): passive waiting and the cgroup quota, set before torch
 is imported, never over what the user set. Their effect on speed is benchmarks/cpu_threads.py's to show."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ppokit import cpu_threads
+from ppokit.process import cpu_threads
 
 
 def write(path, text):
@@ -72,7 +72,8 @@ def test_settle_sets_only_what_the_user_has_not(given, cpus, chosen):
 
 PROGRAM = """
 import json, os, sys
-from ppokit import cli, cpu_threads
+from ppokit import cli
+from ppokit.process import cpu_threads
 
 if sys.argv[1] == "quota":
     cpu_threads.cgroup_cpu_quota = lambda *paths: 1.0  # a cgroup allowing one CPU's time

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from ppokit.chat import PLAIN_CHAT_TEMPLATE, Renderer
-from ppokit.data import load_records, preference_triples, sft_pairs, split_eval
-from ppokit.data_sources import read_source
-from ppokit.lengths import fit_lengths, tokenize_pair
-from ppokit.prompts import as_prompt_dataset, render_chat_prompts
+from ppokit.conversation.templates import PLAIN_CHAT_TEMPLATE, Renderer
+from ppokit.data.formats import load_records, preference_triples, sft_pairs, split_eval
+from ppokit.data.sources import read_source
+from ppokit.data.lengths import fit_lengths, tokenize_pair
+from ppokit.data.prompts import as_prompt_dataset, render_chat_prompts
 from ppokit.errors import UserError
 
 CHAT = [
@@ -332,8 +332,8 @@ def test_an_empty_prompt_is_found_at_data_time_with_its_line(tmp_path):
 def test_prompt_data_refuses_eval_dataset_with_eval_fraction_before_reading_anything(tmp_path):
     """eval_dataset= and data.eval_fraction both choose the eval prompts: refused before the training data is read
     (here a path that does not exist, which would fail otherwise)."""
-    from ppokit.config import DataConfig
-    from ppokit.prompts import load_prompt_data
+    from ppokit.config.schema import DataConfig
+    from ppokit.data.prompts import load_prompt_data
 
     data = DataConfig(train=str(tmp_path / "missing.jsonl"), eval_fraction=0.5)
     with pytest.raises(UserError, match="data.eval_fraction holds out training prompts for evaluation, but eval_dataset is given too"):

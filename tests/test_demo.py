@@ -73,7 +73,7 @@ def test_the_vllm_demo_without_vllm_says_how_to_install_it_before_any_work(tmp_p
 
 
 def test_the_demo_model_keeps_its_heads_with_hf_and_gets_head_dim_64_otherwise():
-    from ppokit.demo import SETTINGS, model_heads
+    from ppokit.demos.reviews import SETTINGS, model_heads
 
     assert [model_heads(SETTINGS[quick]["hidden"], "hf") for quick in (True, False)] == [4, 4]  # the documented demo
     assert [SETTINGS[quick]["hidden"] // model_heads(SETTINGS[quick]["hidden"], "vllm") for quick in (True, False)] == [64, 64]
@@ -83,7 +83,7 @@ def test_the_demo_model_keeps_its_heads_with_hf_and_gets_head_dim_64_otherwise()
 
 
 def test_each_demo_has_its_own_default_folder_and_the_command_that_makes_it():
-    from ppokit.demo import DemoChoice
+    from ppokit.demos.reviews import DemoChoice
 
     folders = {flags: DemoChoice.of(**kwargs).default_output() for flags, kwargs in {
         "--quick": {}, "": {"quick": False}, "--quick --environment guess": {"environment": "guess"},
@@ -103,7 +103,7 @@ def test_each_demo_has_its_own_default_folder_and_the_command_that_makes_it():
 
 def _finished_demo(folder, choice) -> None:
     """`folder` as a finished demo leaves it: marked, its demo.json, ppo/final/."""
-    from ppokit import demo
+    from ppokit.demos import reviews as demo
 
     demo.mark_demo_folder(folder, choice)
     (folder / "ppo" / "final").mkdir(parents=True)
@@ -112,7 +112,7 @@ def _finished_demo(folder, choice) -> None:
 def test_a_demo_whose_folder_is_taken_is_refused_before_torch_or_transformers_is_imported(tmp_path):
     """The README's order, `ppokit demo --quick` then `--environment guess`, never meets (each its own folder); the
     same demo twice is refused in one line, before any heavy import: torch and transformers cannot even be imported here."""
-    from ppokit.demo import DemoChoice
+    from ppokit.demos.reviews import DemoChoice
 
     _finished_demo(tmp_path / "ppokit-demo-guess", DemoChoice.of("guess"))
     blocked = ("import sys\n"
@@ -136,7 +136,7 @@ def test_a_demo_whose_folder_is_taken_is_refused_before_torch_or_transformers_is
 
 def test_resume_of_a_demo_is_refused_in_one_line_when_there_is_nothing_to_resume(tmp_path, capsys):
     from ppokit.cli import main
-    from ppokit.demo import DemoChoice
+    from ppokit.demos.reviews import DemoChoice
 
     finished, other = tmp_path / "finished", tmp_path / "other"
     _finished_demo(finished, DemoChoice.of("guess"))
@@ -161,9 +161,9 @@ def test_the_calculator_demos_tokenizer_reads_every_number_and_the_tools_errors_
     not the unknown token."""
     import random
 
-    from ppokit import demo_calculator as calc
+    from ppokit.demos import calculator as calc
     from ppokit.environments.tools import Tools, tool_schemas
-    from ppokit.tiny import spaced_tokenizer
+    from ppokit.demos.tiny import spaced_tokenizer
 
     rng = random.Random(0)
     conversations = [q["messages"] + calc.transcript(q, rng) for q in (calc.question(rng) for _ in range(50))]

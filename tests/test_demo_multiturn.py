@@ -15,7 +15,7 @@ def test_the_guess_demo_learns_to_bisect_and_its_report_shows_the_games(tmp_path
     """`ppokit demo --quick --environment guess`, shortened: the share of games won rises and the turns fall (towards
     bisection's 100% and 3.375), the console says what the reward is in whole, and the report has the episode curves and
     the games turn by turn from before training, the winning turn marked."""
-    from ppokit import demo_game
+    from ppokit.demos import guess as demo_game
     from ppokit.report import make_report
 
     monkeypatch.setitem(demo_game.SETTINGS, True, {**demo_game.SETTINGS[True], **SHORT_GAME})
@@ -41,7 +41,7 @@ def test_a_demo_stopped_by_ctrl_c_says_how_to_continue_and_continues_with_resume
     import os
     import signal
 
-    from ppokit import demo_game
+    from ppokit.demos import guess as demo_game
     from ppokit.cli import main
     from ppokit.environments.guess import GuessNumber
     from ppokit.trainer import PPOTrainer
@@ -84,7 +84,7 @@ SHORT_CALCULATOR = dict(total_episodes=512)  # the quick calculator demo's SFT, 
 def test_the_calculator_demo_learns_to_call_its_tool(tmp_path, monkeypatch):
     """`ppokit demo --quick --environment calculator`, shortened: the share of right answers and of episodes with a
     valid calculator call rise; the calls the model writes are Hermes calls the parser reads (valid ones ran)."""
-    from ppokit import demo_calculator
+    from ppokit.demos import calculator as demo_calculator
 
     monkeypatch.setitem(demo_calculator.SETTINGS, True, {**demo_calculator.SETTINGS[True], **SHORT_CALCULATOR})
     summary = demo_calculator.run_calculator_demo(tmp_path / "calc", quick=True, show_progress=False)

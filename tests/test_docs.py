@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.configdoc import reference_document
+from ppokit.config.reference import reference_document
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_reference_is_current():
     """docs/config.md is generated from the dataclasses' help texts; regenerate it when a key changes:
-    python -m ppokit.configdoc > docs/config.md"""
+    python -m ppokit.config.reference > docs/config.md"""
     assert (ROOT / "docs" / "config.md").read_text() == reference_document()
 
 
@@ -33,14 +33,14 @@ def test_the_documented_generator_command_prints_the_reference_and_nothing_else(
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-m", "ppokit.configdoc"], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "ppokit.config.reference"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout == reference_document()
 
 
 def test_algorithms_page_has_every_estimator_and_knob():
-    from ppokit.config import LOSS_AGGREGATIONS
-    from ppokit.estimators import ESTIMATORS
+    from ppokit.config.schema import LOSS_AGGREGATIONS
+    from ppokit.training.estimators import ESTIMATORS
 
     page = (ROOT / "docs" / "algorithms.md").read_text()
     knobs = ("top_k", "top_p", "min_p", "num_samples_per_prompt", "eval_temperature", "grpo_scale_std", "kl_in_reward",

@@ -12,8 +12,8 @@ from test_engines import _recording
 
 from ppokit.engines.base import Completion, Request, Sampling, complete, request_seed
 from ppokit.engines.hf import HFEngine, HFSampler
-from ppokit.models import left_pad, response_logprobs
-from ppokit.tiny import tiny_causal_lm
+from ppokit.models.loading import left_pad, response_logprobs
+from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
 

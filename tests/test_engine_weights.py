@@ -3,7 +3,7 @@
 import torch
 
 from ppokit.engines.weights import bucket_bounds, policy_weight_metadata, policy_weights, tensor_bytes
-from ppokit.tiny import tiny_causal_lm
+from ppokit.demos.tiny import tiny_causal_lm
 
 
 def test_full_policy_sends_every_parameter_once_under_checkpoint_names(tokenizer):

@@ -11,19 +11,21 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import algo, engines
-from ppokit.config import PPOConfig, PPOHyperparams
+from ppokit import engines
+
+from ppokit.training import algo
+from ppokit.config.schema import PPOConfig, PPOHyperparams
 from ppokit.engines.base import Sampling
 from ppokit.engines.hf import HFEngine, HFSampler
 from ppokit.errors import UserError
-from ppokit.models import left_pad, load_causal_lm
+from ppokit.models.loading import left_pad, load_causal_lm
 from ppokit.trainer import PPOTrainer
 
 pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
 
 
 def test_engine_table_imports_no_torch():
-    code = "import sys, ppokit.engines, ppokit.config; assert 'torch' not in sys.modules; print(sorted(ppokit.engines.ENGINES))"
+    code = "import sys, ppokit.engines, ppokit.config.schema; assert 'torch' not in sys.modules; print(sorted(ppokit.engines.ENGINES))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['hf', 'vllm']"
 
@@ -95,7 +97,7 @@ def _sizing(settings, on_gpu=False):
 
 
 def test_plan_reads_the_engines_memory():
-    from ppokit.config import RolloutConfig
+    from ppokit.config.schema import RolloutConfig
 
     # hf: nothing of its own; keys and values 2 x layers x kv x rows x seq x bytes, logits and their log-softmax 2 x rows x vocab x 4
     assert engines.engine_class("hf").memory(_sizing(RolloutConfig())) == engines.EngineMemory(sampling=2 * 2 * 64 * 3 * 5 * 2 + 2 * 3 * 10 * 4)
@@ -209,7 +211,7 @@ def test_tis_weights_scale_the_policy_loss(model_dir, prompts_file, tmp_path):
 def test_resume_refuses_another_engine_and_reads_an_older_checkpoint_as_hf():
     """Another engine samples with other kernels (other logprobs, other tokens): a changed rollout.engine is a
     difference --resume-force must allow; a checkpoint written before the key existed counts as its default."""
-    from ppokit import checkpoint
+    from ppokit.run import checkpoint
 
     base = PPOConfig(model="m").to_dict()
     older = {k: v for k, v in base.items() if k != "rollout"}
@@ -243,8 +245,9 @@ def test_an_engine_class_lacking_a_protocol_method_is_named(monkeypatch):
 
 TOY_RUN = """
 import json, sys
-from ppokit import configdoc, engines
-from ppokit.config import PPOConfig
+from ppokit import engines
+from ppokit.config import reference as configdoc
+from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
 from ppokit.plan import plan_for
 from ppokit.trainer import PPOTrainer

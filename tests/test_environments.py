@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ppokit.config import PPOConfig
+from ppokit.config.schema import PPOConfig
 from ppokit.environments import (
     BadToolCall,
     EnvironmentFailure,

@@ -20,8 +20,8 @@ from ppokit.engines.base import Request, Sampling, request_seed
 from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner, EnvironmentTimeout
 from ppokit.environments.episode_loop import EpisodeLoop, EpisodeSeeds
-from ppokit.episodes import EnvironmentSaid, Span, pack
-from ppokit.tiny import tiny_causal_lm, word_tokenizer
+from ppokit.training.episodes import EnvironmentSaid, Span, pack
+from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
 
 pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
 
@@ -304,7 +304,7 @@ def test_a_run_writes_the_same_metrics_whatever_its_tools_latencies(model_dir, p
     samples.jsonl."""
     from conftest import tiny_ppo_config
 
-    from ppokit.config import RolloutConfig
+    from ppokit.config.schema import RolloutConfig
     from ppokit.trainer import PPOTrainer
 
     env_file = tmp_path / "latent.py"
@@ -342,8 +342,8 @@ def test_episode_seeds_are_keyed_by_run_seed_update_row_and_turn():
 
 
 def test_the_rollout_seeds_an_update_by_its_number_and_rows_across_processes(monkeypatch):
-    from ppokit import rollout as rollout_module
-    from ppokit.rollout import Rollout
+    from ppokit.training import rollout as rollout_module
+    from ppokit.training.rollout import Rollout
 
     class Source:
         def sample(self, query_ids, rows, sampling, seeds):

@@ -9,12 +9,14 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import algo, roles
-from ppokit.adapters import VALUE_ADAPTER
-from ppokit.config import DataConfig, PPOConfig
-from ppokit.demo import estimator_settings, prepare_demo, run_demo
+from ppokit.models import roles
+
+from ppokit.training import algo
+from ppokit.models.adapters import VALUE_ADAPTER
+from ppokit.config.schema import DataConfig, PPOConfig
+from ppokit.demos.reviews import estimator_settings, prepare_demo, run_demo
 from ppokit.errors import UserError
-from ppokit.estimators import ESTIMATORS, Estimator
+from ppokit.training.estimators import ESTIMATORS, Estimator
 from ppokit.plan import estimate
 from ppokit.trainer import PPOTrainer
 
@@ -129,7 +131,7 @@ def test_value_model_has_its_own_learning_rate_on_the_same_schedule(model_dir, p
 
 def test_shared_critic_adapter_is_in_the_value_group(model_dir, prompts_file, tmp_path):
     pytest.importorskip("peft")
-    from ppokit.config import LoraConfig
+    from ppokit.config.schema import LoraConfig
 
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", vf_learning_rate=1e-2)
     config.lora, config.value_model = LoraConfig(r=4, alpha=8), "shared"
@@ -192,7 +194,7 @@ def test_every_estimator_raises_the_demo_score(estimator, demo_sft, tmp_path):
 
 def test_a_value_model_object_with_a_critic_free_estimator_is_refused(model_dir, prompts_file, tmp_path):
     from ppokit.errors import UserError
-    from ppokit.models import load_scalar_model
+    from ppokit.models.loading import load_scalar_model
 
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", **GRPO)
     with pytest.raises(UserError, match="ppo.advantage_estimator grpo builds no value model"):
@@ -256,7 +258,7 @@ def toy_estimator(monkeypatch):
 
 def test_a_new_estimator_is_served_by_config_roles_plan_demo_cli_and_card(toy_estimator, model_dir, prompts_file):
     from ppokit.cli import build_parser
-    from ppokit.model_card import ppo_card
+    from ppokit.run.model_card import ppo_card
 
     base = [f"model={model_dir('llama')}", f"data.train={prompts_file}", "reward.functions=[sentiment]", "output_dir=runs/r",
             "ppo.advantage_estimator=toy"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.batch_sizes import derive
-from ppokit.config import PPOConfig
+from ppokit.training.batch_sizes import derive
+from ppokit.config.schema import PPOConfig
 from ppokit.rewards.scorer import function_source
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from conftest import tiny_ppo_config
 from test_golden import ATOL, GOLDEN, RTOL
 from test_multiturn import CRITIC
 
-from ppokit.config import RolloutConfig
+from ppokit.config.schema import RolloutConfig
 from ppokit.trainer import PPOTrainer
 
 

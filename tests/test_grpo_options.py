@@ -14,11 +14,11 @@ import torch
 from conftest import tiny_ppo_config
 from test_algo import _two_processes
 
-from ppokit import algo
-from ppokit.batch_sizes import derive
-from ppokit.config import PPOConfig, PPOHyperparams
+from ppokit.training import algo
+from ppokit.training.batch_sizes import derive
+from ppokit.config.schema import PPOConfig, PPOHyperparams
 from ppokit.errors import UserError
-from ppokit.estimators import ESTIMATORS
+from ppokit.training.estimators import ESTIMATORS
 
 BASE = ["model=some/model", "reward.functions=[sentiment]", "data.train=p.jsonl"]
 GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
@@ -167,7 +167,7 @@ def test_gspo_with_one_token_per_response_is_ppo_and_differs_otherwise():
 
 
 def test_importance_sampling_level_reaches_the_loss():
-    from ppokit.optimise import loss_settings
+    from ppokit.training.optimise import loss_settings
 
     assert loss_settings(PPOHyperparams()).importance_sampling_level == "token"
     assert loss_settings(PPOHyperparams(importance_sampling_level="sequence")).importance_sampling_level == "sequence"
@@ -208,7 +208,7 @@ def test_warmup_ratio_is_ceil_of_the_share_of_steps_as_written(ratio, steps, wan
 def test_warmup_ratio_shapes_the_schedule_as_the_same_warmup_steps_would():
     from torch import nn
 
-    from ppokit.optimise import PolicyAndValue, build_optimiser
+    from ppokit.training.optimise import PolicyAndValue, build_optimiser
 
     def rates(hp, steps=20):
         optimizer, scheduler = build_optimiser(PolicyAndValue(nn.Linear(2, 2), None), hp, steps, hp.warmup_steps_over(steps))

@@ -11,9 +11,11 @@ from conftest import tiny_ppo_config, with_speed_switches
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
-from ppokit import algo, checkpoint
-from ppokit.guards import NonFiniteStop
-from ppokit.tiny import tiny_config
+from ppokit.run import checkpoint
+
+from ppokit.training import algo
+from ppokit.training.guards import NonFiniteStop
+from ppokit.demos.tiny import tiny_config
 from ppokit.trainer import PPOTrainer
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppokit.algo import AdaptiveKLController, FixedKLController
+from ppokit.training.algo import AdaptiveKLController, FixedKLController
 
 
 def test_adaptive_kl_update_rule_by_hand():

@@ -1,10 +1,10 @@
-"""The launcher's environment read before anything loads (ppokit.launcher); the real `accelerate launch`
+"""The launcher's environment read before anything loads (ppokit.process.launcher); the real `accelerate launch`
 is in tests/test_multiprocess.py."""
 
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.launcher import check_launch, check_world_size, launched_processes
+from ppokit.process.launcher import check_launch, check_world_size, launched_processes
 
 # What `accelerate launch` puts in a child's environment besides the user's (accelerate's utils/launch.py).
 ACCELERATE = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_USE_CPU": "False"}

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import assert_float32_close
 
-from ppokit import algo
+from ppokit.training import algo
 from ppokit.errors import UserError
-from ppokit.models import check_output_head, output_head, response_logprobs
+from ppokit.models.loading import check_output_head, output_head, response_logprobs
 
 
 def _batch(vocab: int, seed: int = 0):
@@ -117,7 +117,7 @@ def test_sampling_logprobs_equal_the_light_head(model_dir, tokenizer):
     """Sampling keeps its own per-step logprobs (KV cache); they equal both heads' on the sampled rows."""
     from transformers import AutoModelForCausalLM
 
-    from ppokit.models import left_pad
+    from ppokit.models.loading import left_pad
     from ppokit.engines.hf import HFSampler
 
     torch.manual_seed(0)
@@ -222,7 +222,7 @@ def test_the_trainer_refuses_such_a_model_before_its_optimiser(model_dir, prompt
     from conftest import tiny_ppo_config
     from transformers import AutoModelForCausalLM
 
-    from ppokit import optimise
+    from ppokit.training import optimise
     from ppokit.trainer import PPOTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))

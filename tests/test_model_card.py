@@ -1,4 +1,4 @@
-"""Model cards (ppokit.model_card): README.md beside every saved model. The sft/rm cards are checked on
+"""Model cards (ppokit.run.model_card): README.md beside every saved model. The sft/rm cards are checked on
 the pipeline's outputs (tests/test_stages.py), the LoRA and merged cards on the LoRA run of
 tests/test_roles.py."""
 
@@ -8,8 +8,8 @@ import yaml
 from conftest import tiny_ppo_config
 
 from ppokit import __version__
-from ppokit.config import LoraConfig, PPOConfig, RemoteRewardConfig
-from ppokit.model_card import ppo_card
+from ppokit.config.schema import LoraConfig, PPOConfig, RemoteRewardConfig
+from ppokit.run.model_card import ppo_card
 
 
 def front_matter(text: str) -> dict:

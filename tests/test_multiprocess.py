@@ -1,6 +1,6 @@
 """Several processes on CPU (torchrun, gloo): the run completes without hanging, the batch is split
 across processes, metrics are reduced over them, and the main process alone writes the run directory;
-the pieces of ppokit.parallel (FSDP2) checked by tests/parallel_checks.py under 1 and 2 processes."""
+the pieces of ppokit.process.parallel (FSDP2) checked by tests/parallel_checks.py under 1 and 2 processes."""
 
 import contextlib
 import json
@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from ppokit import parallel
+from ppokit.process import parallel
 
 # The torchrun of the environment running the tests (a venv's, as .ci/vllm-env's), else the one on PATH.
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
@@ -111,7 +111,7 @@ def test_two_processes_follow_the_one_process_learning_rate_schedule(runs, model
     """The same global batch (16) on one process: the lr column, update by update, and the number of
     optimiser steps are the same. (accelerate's scheduler wrapper once stepped the schedule once per
     process per step: with 2 processes the rate reached 0 halfway through the run.)"""
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
     from ppokit.trainer import PPOTrainer
 
     config_path, run = runs["ddp"]
@@ -225,7 +225,7 @@ def test_two_nodes_fsdp_killed_after_a_checkpoint_and_resumed_equal_the_straight
         os.killpg(n.pid, signal.SIGKILL)  # the launcher and its worker, on both nodes
     assert _wait(nodes, log) == [-signal.SIGKILL] * 2
     assert len(metrics.read_text().splitlines()) == 3
-    from ppokit import checkpoint
+    from ppokit.run import checkpoint
 
     assert checkpoint.find_checkpoint(None, tmp_path / "run").name == "update-2"
 
@@ -280,7 +280,7 @@ def test_accelerate_launch_of_two_processes_that_starts_one_is_refused(model_dir
     assert not (tmp_path / "run-ddp").exists()
 
 
-# --------------------------------------------------------------------------- ppokit.parallel pieces
+# --------------------------------------------------------------------------- ppokit.process.parallel pieces
 
 
 @pytest.fixture(scope="module")
@@ -376,8 +376,8 @@ def test_sharded_lora_run_saves_adapter_and_merged_model(parallel_checks):
 
     sys.path.insert(0, str(CHECKS.parent))
     import parallel_checks as checks
-    from ppokit.models import response_logits
-    from ppokit.tiny import word_tokenizer
+    from ppokit.models.loading import response_logits
+    from ppokit.demos.tiny import word_tokenizer
 
     two = parallel_checks[1]
     assert _results(two)["lora"]["max_weight_difference"] < 1e-5  # LoRA (+ gradient checkpointing) under FSDP trains as under DDP
@@ -649,7 +649,7 @@ def test_a_damaged_shard_is_named_with_the_checkpoint_before_it(runs, tmp_path, 
 def test_a_shard_that_dcp_cannot_read_is_named_with_the_checkpoint_before_it(runs, tmp_path):
     """Whole in size but not readable (zeroed bytes): DCP's CheckpointException, a BaseException that
     `except Exception` let through, becomes the damaged-checkpoint message."""
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
     from ppokit.errors import UserError
     from ppokit.trainer import PPOTrainer
 
@@ -702,7 +702,7 @@ def test_a_two_process_checkpoint_resumed_on_one_process_ends_at_total_episodes(
     """--resume-force with half the processes halves the batch: the run used to take the one-process number of
     updates from the start, and ran past total_episodes (episodes 40, 48, ..., 80 after the checkpoint's 32, with
     total_episodes=64). It continues with the updates of the episodes left, at its own batch."""
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
     from ppokit.trainer import PPOTrainer
 
     config, source = runs["ddp"]

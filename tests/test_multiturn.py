@@ -10,15 +10,15 @@ import torch
 from request_engines import ScriptedRequests
 from conftest import conversation_renderer
 
-from ppokit.chat import PLAIN_CHAT_TEMPLATE
+from ppokit.conversation.templates import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
 from ppokit.engines.hf import HFEngine
 from ppokit.environments import EnvironmentRunner
-from ppokit import experience
+from ppokit.training import experience
 from ppokit.environments.episode_loop import EpisodeLoop
-from ppokit.metric_values import episode_metrics
-from ppokit.models import response_logprobs
-from ppokit.tiny import tiny_causal_lm, word_tokenizer
+from ppokit.metrics.values import episode_metrics
+from ppokit.models.loading import response_logprobs
+from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
 
 WORDS = "guess the number from 1 to 16 : 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 higher lower correct user assistant"
 
@@ -129,7 +129,7 @@ def test_episode_metrics_are_means_over_every_process(game_tokenizer):
     """rollout/* and env/* add every process's sums and counts before dividing: with a fake all-reduce that
     doubles them (two processes with these same episodes) the means are unchanged, and a process's own
     sums are what it adds (sum and count, not its mean, go into the reduction)."""
-    from ppokit.metric_values import EPISODE_METRICS
+    from ppokit.metrics.values import EPISODE_METRICS
 
     tok = game_tokenizer
     eos, seven = tok.eos_token_id, ids(tok, "7")[0]
@@ -208,7 +208,7 @@ def test_environment_failures_are_the_episodes_own(game_tokenizer):
 
 def test_turn_rewards_refused_where_the_score_is_not_a_weighted_sum():
     """Refused when the config is read (`ppokit validate`, the plan, before any loading), not after the models load."""
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
     from ppokit.errors import UserError
 
     def config(*overrides):
@@ -354,7 +354,7 @@ def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
 
 @pytest.mark.parametrize("on_error", ["skip", "raise"])
 def test_environment_reward_is_a_source_whose_failures_follow_on_error(on_error):
-    from ppokit.config import RewardConfig
+    from ppokit.config.schema import RewardConfig
     from ppokit.environments.episode_loop import EnvironmentReward
     from ppokit.rewards import ScoringBatch, build_scorer
     from ppokit.rewards.sources import RewardError
@@ -376,7 +376,7 @@ def test_environment_reward_is_a_source_whose_failures_follow_on_error(on_error)
 
 
 def test_demo_game_sft_examples_train_the_guesses_only():
-    from ppokit.demo_game import sft_examples
+    from ppokit.demos.guess import sft_examples
     from ppokit.environments.guess import vocabulary
 
     tok = word_tokenizer([" ".join(vocabulary())])
@@ -406,7 +406,7 @@ class Critic:
 def multi_turn_config(model_dir, prompts_file, out, env_file, **ppo):
     from conftest import tiny_ppo_config
 
-    from ppokit.config import RolloutConfig
+    from ppokit.config.schema import RolloutConfig
 
     config = tiny_ppo_config(model_dir("llama"), prompts_file, out, **{"total_episodes": 32, "advantage_estimator": "grpo",
                                                                       "num_samples_per_prompt": 4, **ppo})
@@ -421,8 +421,8 @@ def test_multi_turn_grpo_resumes_exactly_after_sigkill(model_dir, prompts_file, 
 
     from test_checkpoint import _cli, _wait_until, comparable, line_count
 
-    from ppokit import checkpoint
-    from ppokit.config import PPOConfig
+    from ppokit.run import checkpoint
+    from ppokit.config.schema import PPOConfig
     from ppokit.trainer import PPOTrainer
 
     env_file = tmp_path / "critic.py"
@@ -464,7 +464,7 @@ def _episode_run(model_dir, prompts_file, tmp_path, name, **switches):
     lora = switches.pop("lora", None)
     config = with_speed_switches(multi_turn_config(model_dir, prompts_file, tmp_path / name, env_file, total_episodes=16), **switches)
     if lora is not None:
-        from ppokit.config import LoraConfig
+        from ppokit.config.schema import LoraConfig
 
         config.lora = LoraConfig(**lora)
     records = PPOTrainer(config, show_progress=False).train()

@@ -193,7 +193,7 @@ def test_the_loop_fails_only_the_episode_whose_reset_fills_the_budget(spec):
     from test_multiturn import ScriptedEngine, ids, sampling
 
     from ppokit.environments.episode_loop import EpisodeLoop
-    from ppokit.tiny import word_tokenizer
+    from ppokit.demos.tiny import word_tokenizer
 
     tok = word_tokenizer(["good the movie was 7"])
     eos, seven = tok.eos_token_id, ids(tok, "7")[0]

@@ -15,8 +15,8 @@ import torch
 from chat_families import FAMILIES, trl_template
 from conftest import tiny_ppo_config
 from test_multiturn import CRITIC  # Critic: rewards a turn by its length (mod 3), answers "the movie was", done after 2 turns
-from ppokit import algo
-from ppokit.config import RewardConfig, RolloutConfig
+from ppokit.training import algo
+from ppokit.config.schema import RewardConfig, RolloutConfig
 from ppokit.trainer import PPOTrainer
 
 ONE_UPDATE = dict(total_episodes=8, per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0)
@@ -199,8 +199,8 @@ def chatml_model(tmp_path_factory):
     answered, in Qwen2.5's format; its tokenizer carries ChatML's tokens and Qwen2.5's original template. Prompts with
     and without the tools' schemas are both taught."""
     from ppokit.environments.tools import tool_schemas
-    from ppokit.sft import encode_pair, train_sft
-    from ppokit.tiny import tiny_causal_lm
+    from ppokit.training.sft import encode_pair, train_sft
+    from ppokit.demos.tiny import tiny_causal_lm
 
     schemas = tool_schemas({"tally": tally})
     conversations = [(tool_conversation(q, ["counted", OVER_MAX_CALLS]), tools) for q in QUESTIONS for tools in (None, schemas)]
@@ -238,7 +238,7 @@ class RecordingSource:
 def tool_run(chatml_model, tmp_path_factory):
     """One update of 8 episodes of the ChatML model with the Tools environment (max_calls 1), sampled greedily
     (top_k 1): what the reward source read, the samples' turns, and the tool's own log of its calls."""
-    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams
 
     folder = tmp_path_factory.mktemp("tool-run")
     log = folder / "tally.log"
@@ -341,7 +341,7 @@ def test_a_lora_multi_turn_update_is_the_full_weight_update_of_its_merged_weight
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ppokit.config import LoraConfig
+    from ppokit.config.schema import LoraConfig
 
     env = tmp_path / "env.py"
     env.write_text(CRITIC)

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from ppokit import algo, off_policy
-from ppokit.episodes import Episodes
+from ppokit.training import algo, off_policy
+from ppokit.training.episodes import Episodes
 
 
 def test_decoupled_loss_by_hand():
@@ -206,7 +206,7 @@ def test_the_synchronous_schedule_adds_nothing():
 
 
 def config_with(**rollout):
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
 
     config = PPOConfig()
     config.model, config.reward.functions = "x", ["sentiment"]

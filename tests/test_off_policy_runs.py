@@ -31,7 +31,7 @@ def server_model(model_dir):
 def server(server_model):
     from transformers import AutoModelForCausalLM
 
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
     from ppokit.engines.launched_server import LaunchedServer
     from ppokit.engines.vllm_servers import separate_options
 
@@ -60,7 +60,7 @@ def config(model, prompts_file, out, address, k, **ppo):
 def test_a_k1_run_samples_ahead_and_a_crashed_one_resumes_to_the_straight_run(server, server_model, prompts_file, tmp_path):
     from test_checkpoint import assert_same_run, resume_and_finish, train_until_crash_at_optimizer_step
 
-    from ppokit import checkpoint
+    from ppokit.run import checkpoint
     from ppokit.trainer import PPOTrainer
 
     straight = tmp_path / "straight"

@@ -1,4 +1,4 @@
-"""ppokit.parallel in one process, without a process group: choosing the strategy, finding the layers to
+"""ppokit.process.parallel in one process, without a process group: choosing the strategy, finding the layers to
 shard, the meta skeleton that consolidated saves are built on, and the config checks. The multi-process
 behaviour is in tests/test_multiprocess.py."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from ppokit import parallel
-from ppokit.config import PPOConfig
+from ppokit.process import parallel
+from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
-from ppokit.models import value_model_from_policy
-from ppokit.tiny import tiny_causal_lm
+from ppokit.models.loading import value_model_from_policy
+from ppokit.demos.tiny import tiny_causal_lm
 
 BASE = ["model=some/model", "reward.functions=[sentiment]"]
 
@@ -46,8 +46,8 @@ def test_an_unknown_strategy_object_is_refused_by_the_strategy_too():
 
 
 def test_each_declared_strategy_has_its_class_and_checkpoint_layout():
-    from ppokit.checkpoint import PlainWeights
-    from ppokit.strategies import STRATEGIES
+    from ppokit.run.checkpoint import PlainWeights
+    from ppokit.process.strategies import STRATEGIES
 
     layouts = {PlainWeights.kind, parallel.ShardedWeights.kind}
     for name, facts in STRATEGIES.items():

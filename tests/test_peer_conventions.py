@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppokit import algo
+from ppokit.training import algo
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"
 
@@ -174,7 +174,7 @@ def test_sequence_weights_by_hand_and_by_a_plain_loop():
 
 
 def test_rollout_is_keys():
-    from ppokit.config import ROLLOUT_IS, PPOConfig, PPOHyperparams
+    from ppokit.config.schema import ROLLOUT_IS, PPOConfig, PPOHyperparams
     from ppokit.engines.correction import IMPORTANCE_WEIGHTS
     from ppokit.errors import UserError
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.config import PPOConfig
+from ppokit.config.schema import PPOConfig
 from ppokit.engines.base import EngineLost, engine_lost
 from ppokit.errors import UserError
 

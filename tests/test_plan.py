@@ -9,7 +9,7 @@ import yaml
 from conftest import tiny_ppo_config
 
 from ppokit.cli import PLAN_DOES_NOT_FIT, main
-from ppokit.config import LoraConfig
+from ppokit.config.schema import LoraConfig
 from ppokit.errors import UserError
 from ppokit.plan import HEADROOM, GiB, estimate, plan_for
 
@@ -154,8 +154,8 @@ def test_ppo_command_prints_the_plan_first(model_dir, prompts_file, big_model_di
 
 
 def test_plan_reads_chat_prompts_and_the_eval_hold_out_as_the_trainer_does(model_dir, tmp_path):
-    from ppokit.prompts import as_prompt_dataset, render_chat_prompts
-    from ppokit.models import load_tokenizer
+    from ppokit.data.prompts import as_prompt_dataset, render_chat_prompts
+    from ppokit.models.loading import load_tokenizer
     from ppokit.plan import data_shape
 
     chats = tmp_path / "chat.jsonl"
@@ -268,7 +268,7 @@ def test_plan_refuses_what_the_run_refuses_with_the_same_line(model_dir, prompts
 
 def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_dir, tmp_path, monkeypatch, capsys):
     from ppokit.cli import _preflight
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
 
     config = PPOConfig.load(write_config(tmp_path / "big.yaml", model=str(big_model_dir), bf16=True, reward={"functions": ["sentiment"]},
                                          ppo={"total_episodes": 64, "per_device_train_batch_size": 4, "response_length": 64}))

@@ -1,6 +1,6 @@
 import pytest
 
-from ppokit.config import PPOConfig
+from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
 from ppokit.rewards import ScoringBatch, function_source
 from ppokit.rewards.builtins import extract_answer, last_boxed, parse_number
@@ -170,7 +170,7 @@ def test_every_builtin_and_parameter_is_documented():
 
 
 def test_a_column_a_reward_function_needs_is_checked_before_any_model_loads(model_dir, prompts_file, tmp_path, monkeypatch):
-    import ppokit.roles
+    import ppokit.models.roles
     import ppokit.trainer
     from conftest import tiny_ppo_config
 
@@ -179,7 +179,7 @@ def test_a_column_a_reward_function_needs_is_checked_before_any_model_loads(mode
     def must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the data's columns were checked")
 
-    monkeypatch.setattr(ppokit.roles, "load_causal_lm", must_not_load)
+    monkeypatch.setattr(ppokit.models.roles, "load_causal_lm", must_not_load)
 
     def needs_target(prompts, completions, target, weight=1.0, **columns):
         return [weight * (t in c) for t, c in zip(target, completions)]

@@ -2,11 +2,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from ppokit.config import RewardConfig
+from ppokit.config.schema import RewardConfig
 from ppokit.errors import UserError
-from ppokit.models import left_pad, score_at_last_token
+from ppokit.models.loading import left_pad, score_at_last_token
 from ppokit.rewards import RewardModelReward, ScoringBatch, build_scorer, reward_model_source
-from ppokit.tiny import bpe_tokenizer, tiny_config
+from ppokit.demos.tiny import bpe_tokenizer, tiny_config
 
 
 def tiny_rm(tokenizer, seed=0, **config):

@@ -13,9 +13,9 @@ from conftest import tiny_ppo_config
 from test_rewards_remote import running
 from test_rewards_model import tiny_rm
 
-from ppokit.config import PPOConfig
+from ppokit.config.schema import PPOConfig
 from ppokit.rewards import function_source, make_server
-from ppokit.tiny import bpe_tokenizer
+from ppokit.demos.tiny import bpe_tokenizer
 from ppokit.trainer import PPOTrainer
 
 TARGET = "great"  # a word of the demo vocabulary that the untrained tiny model emits now and then
@@ -117,7 +117,7 @@ def test_python_objects_as_sources(model_dir, prompts_file, tmp_path, tokenizer,
 
 
 def test_a_reward_function_that_edits_its_arguments_changes_nothing_outside_itself(model_dir, demo_data, tmp_path):
-    from ppokit import checkpoint
+    from ppokit.run import checkpoint
 
     rows = [{"prompt": r["prompt"], "meta": {"tags": ["t"], "i": i}} for i, r in enumerate(demo_data["prompts"][:16])]
     for name, part in (("train", rows[:12]), ("eval", rows[12:])):
@@ -160,7 +160,7 @@ def test_a_reward_function_that_edits_its_arguments_changes_nothing_outside_itse
 
 
 def test_a_reward_function_past_reward_timeout_s_is_skipped_like_any_failure(model_dir, prompts_file, tmp_path):
-    from ppokit.guards import NonFiniteStop
+    from ppokit.training.guards import NonFiniteStop
 
     release = threading.Event()
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from ppokit.config import RemoteRewardConfig, RewardConfig
+from ppokit.config.schema import RemoteRewardConfig, RewardConfig
 from ppokit.errors import UserError
 from ppokit.rewards import RemoteReward, RewardError, RewardModelReward, ScoringBatch, build_scorer, function_source, make_server
 
@@ -45,7 +45,7 @@ def test_remote_scores_equal_local_scores_end_to_end():
 def test_remote_reward_model_with_its_own_tokenizer(tokenizer, demo_data):
     from test_rewards_model import tiny_rm
 
-    from ppokit.tiny import bpe_tokenizer
+    from ppokit.demos.tiny import bpe_tokenizer
 
     rm_tok = bpe_tokenizer(r["prompt"] + " " + r["completion"] for r in demo_data["sft"])
     local = RewardModelReward(tiny_rm(rm_tok, seed=3), rm_tok)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from ppokit.config import RewardConfig
+from ppokit.config.schema import RewardConfig
 from ppokit.errors import UserError
 from ppokit.rewards import RewardError, ScoringBatch, build_scorer
 
@@ -75,7 +75,7 @@ def test_on_error_skip_drops_only_the_failing_row_and_counts_it(fn):
 
 
 def test_on_error_skip_marks_every_row_when_nothing_scores():
-    # The trainer skips such an update (ppokit.guards.check_some_scored); the scorer only reports it.
+    # The trainer skips such an update (ppokit.training.guards.check_some_scored); the scorer only reports it.
     with pytest.warns(UserWarning):
         result = scorer(lambda p, c, **k: [float("nan")] * len(c), on_error="skip").score(batch())
     assert not result.valid.any() and result.scores.tolist() == [0.0] * 4 and result.errors
@@ -328,7 +328,7 @@ def test_a_function_in_its_worker_thread_runs_in_the_callers_grad_mode():
 
 
 def test_timeout_s_is_a_checked_config_key():
-    from ppokit.dataclass_config import validate
+    from ppokit.config.fields import validate
 
     assert RewardConfig().timeout_s == 600.0
     with pytest.raises(UserError, match=r"reward.timeout_s: value 0 is out of range, it must be in \(0, "):

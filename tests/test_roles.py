@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import algo, experience
+from ppokit.training import algo, experience
 
-from ppokit.config import LoraConfig, PPOConfig
+from ppokit.config.schema import LoraConfig, PPOConfig
 from ppokit.errors import UserError
-from ppokit.models import enable_gradient_checkpointing, left_pad, load_causal_lm, response_logits, score_at_last_token
-from ppokit.adapters import VALUE_ADAPTER, recompute_with_active_adapter
-from ppokit.models import POLICY_ADAPTER
-from ppokit.tiny import tiny_config
+from ppokit.models.loading import enable_gradient_checkpointing, left_pad, load_causal_lm, response_logits, score_at_last_token
+from ppokit.models.adapters import VALUE_ADAPTER, recompute_with_active_adapter
+from ppokit.models.loading import POLICY_ADAPTER
+from ppokit.demos.tiny import tiny_config
 from ppokit.trainer import PPOTrainer
 
 pytest.importorskip("peft")
@@ -174,7 +174,7 @@ def reward_model_dir(tmp_path_factory, tokenizer):
 
 
 def test_from_reward_shares_the_reward_weights_and_scores_without_the_adapter(model_dir, reward_model_dir, prompts_file, tmp_path):
-    from ppokit.models import load_scalar_model
+    from ppokit.models.loading import load_scalar_model
 
     config = lora_config(model_dir("llama"), prompts_file, tmp_path / "run", value_model="from_reward", learning_rate=1e-2)
     config.reward.model = str(reward_model_dir)
@@ -213,7 +213,7 @@ import sys
 sys.modules["peft"] = None  # importing peft now fails
 import torch
 from transformers import AutoModelForCausalLM
-from ppokit.models import response_logits
+from ppokit.models.loading import response_logits
 data = torch.load({str(tmp_path / "expected.pt")!r})
 model = AutoModelForCausalLM.from_pretrained({str(merged)!r}).eval()
 with torch.no_grad():
@@ -262,7 +262,7 @@ def test_config_rejects_impossible_switches(overrides, message):
 
 
 def _load(data):
-    from ppokit.dataclass_config import load_config
+    from ppokit.config.fields import load_config
 
     return load_config(PPOConfig, data=data)
 
@@ -270,7 +270,7 @@ def _load(data):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 @pytest.mark.parametrize("switch", [{"quantization": "4bit"}, {"quantization": "8bit"}, {"fp16": True}])
 def test_cuda_only_switches_fail_before_loading_weights(switch, model_dir, prompts_file, tmp_path, monkeypatch):
-    import ppokit.roles as roles_module
+    import ppokit.models.roles as roles_module
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("weights were loaded before the CUDA check")
@@ -329,7 +329,7 @@ def other_vocab_reward_dir(tmp_path_factory, demo_data):
     """A reward model whose tokenizer (byte-level BPE) is not the policy's (word-level)."""
     from test_rewards_model import tiny_rm
 
-    from ppokit.tiny import bpe_tokenizer
+    from ppokit.demos.tiny import bpe_tokenizer
 
     rm_tokenizer = bpe_tokenizer(r["prompt"] + " " + r["completion"] for r in demo_data["sft"])
     path = tmp_path_factory.mktemp("tiny-rm-bpe")
@@ -369,7 +369,7 @@ def plan_role_table(plan) -> dict:
     return table
 
 
-import ppokit.roles as roles_module  # noqa: E402
+import ppokit.models.roles as roles_module  # noqa: E402
 
 LAYOUTS = {
     # name: (lora?, changes to the config) -> the reference and critic the decision must give

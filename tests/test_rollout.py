@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from ppokit import algo
-from ppokit.models import left_pad, load_causal_lm, response_logits
+from ppokit.training import algo
+from ppokit.models.loading import left_pad, load_causal_lm, response_logits
 from ppokit.engines.hf import HFSampler, truncate_distribution
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])

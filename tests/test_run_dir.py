@@ -17,9 +17,9 @@ import torch
 import yaml
 
 import ppokit
-from ppokit import run_dir
+from ppokit.run import run_dir
 from ppokit.cli import main
-from ppokit.config import SFTConfig
+from ppokit.config.schema import SFTConfig
 from ppokit.errors import UserError
 from ppokit.stages.sft import run_sft
 
@@ -224,7 +224,7 @@ def test_a_full_file_system_while_saving(sft_files, tmp_path):
 LOCK_HOLDER = """
 import sys, time
 sys.path.insert(0, {src!r})
-from ppokit.run_dir import RunLock
+from ppokit.run.run_dir import RunLock
 RunLock.acquire({folder!r})
 print("locked", flush=True)
 time.sleep(120)
@@ -379,7 +379,7 @@ KILLED_SWAP = """
 import os, signal, sys
 sys.path.insert(0, {src!r})
 from pathlib import Path
-from ppokit import run_dir
+from ppokit.run import run_dir
 root = Path({root!r})
 run = run_dir.RunFolder.open(root, overwrite=True)
 files = run.start(fresh=True, overwrite=True)
@@ -485,7 +485,7 @@ def finished_run(model_dir, prompts_file, tmp_path, **ppo) -> tuple[Path, Path]:
 def test_a_fresh_run_over_a_run_is_refused_and_overwrite_keeps_the_old_run_until_its_first_checkpoint(
     model_dir, prompts_file, tmp_path, capsys, monkeypatch
 ):
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
     from ppokit.trainer import PPOTrainer
 
     out, config_path = finished_run(model_dir, prompts_file, tmp_path)
@@ -544,7 +544,7 @@ KILL_WHILE_SAVING = """
 import os, signal, sys
 sys.path[:0] = [{src!r}]
 import torch
-from ppokit import roles
+from ppokit.models import roles
 real_save, real_policy = torch.save, roles.save_policy
 def save(obj, path, *args, **kwargs):
     if ".update-2.tmp-" in str(path) and str(path).endswith("scheduler.pt") and {where!r} == "checkpoint":
@@ -641,7 +641,7 @@ def test_a_reward_error_under_on_error_raise_saves_the_last_complete_update(mode
 
     from conftest import tiny_ppo_config
 
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
     from ppokit.trainer import PPOTrainer
 
     judge = tmp_path / "judge.py"

@@ -707,7 +707,7 @@ def test_a_training_run_survives_the_model_attacking_it(model_dir, prompts_file,
 
     from conftest import tiny_ppo_config
 
-    from ppokit.config import RolloutConfig
+    from ppokit.config.schema import RolloutConfig
 
     out, results = tmp_path / "train", tmp_path / "results.jsonl"
     bodies = [ESCAPES[name] for name in ("dir_fd", "link", "proc_environ", "openat2", "fork_bomb", "signal_trainer")]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_ppo_config, with_speed_switches
 
-from ppokit import batching, experience, optimise
+from ppokit.training import batching, experience, optimise
 from ppokit.errors import UserError
 from ppokit.trainer import PPOTrainer
 
@@ -140,7 +140,7 @@ def test_a_budget_below_the_longest_row_is_refused_before_any_model_loads(sft_mo
 def test_the_compiled_backbones_run_in_training_only(sft_model_dir, prompts_file, tmp_path):
     """compile: true wraps the training forward; the rollout's reference and value passes stay eager (docs/speed.md).
     The stand-ins here are the eager backbones behind a call counter, so no compile is paid."""
-    from ppokit.models import backbone
+    from ppokit.models.loading import backbone
 
     config = tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / "run", total_episodes=8, per_device_train_batch_size=4,
                              num_mini_batches=1, num_ppo_epochs=1, response_length=6)

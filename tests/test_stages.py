@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from ppokit import algo
+from ppokit.training import algo
 from ppokit.cli import main
-from ppokit.config import RMConfig, SFTConfig
-from ppokit.demo import NEGATIVE, OPENERS, POSITIVE, _review
+from ppokit.config.schema import RMConfig, SFTConfig
+from ppokit.demos.reviews import NEGATIVE, OPENERS, POSITIVE, _review
 from ppokit.errors import UserError
 from ppokit.stages.data_inspect import inspect_data
 from ppokit.stages.pipeline import differences, run_pipeline
@@ -101,7 +101,7 @@ def test_sft_chat_data_records_the_template(model_dir, files, tmp_path, kind):
 
 
 def test_completion_only_loss_switch(tokenizer):
-    from ppokit.sft import IGNORE_INDEX, encode_pair
+    from ppokit.training.sft import IGNORE_INDEX, encode_pair
 
     _, labels = encode_pair(tokenizer, "the movie was", "great .", completion_only_loss=True)
     assert labels[:3] == [IGNORE_INDEX] * 3 and labels[-1] == tokenizer.eos_token_id
@@ -148,7 +148,7 @@ def test_wrong_data_and_missing_model(model_dir, files, tmp_path):
 def test_tokenizer_without_pad_token_uses_eos(files, tmp_path, demo_data):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from ppokit.tiny import tiny_causal_lm, word_tokenizer
+    from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
 
     full = word_tokenizer(r["prompt"] + " " + r["completion"] for r in demo_data["sft"])
     no_pad = PreTrainedTokenizerFast(tokenizer_object=full.backend_tokenizer, eos_token="<eos>", unk_token="<unk>")
@@ -256,7 +256,7 @@ def test_pipeline_skips_completed_stages_and_reruns_changed_ones(pipeline_run, c
 
 
 def test_pipeline_reruns_ppo_without_final(tmp_path):
-    from ppokit.run_dir import write_marker
+    from ppokit.run.run_dir import write_marker
 
     out = tmp_path / "ppo"
     out.mkdir()
@@ -334,7 +334,7 @@ def test_careless_model_and_tokenizer_inputs_are_one_line(model_dir, files, toke
 
     from transformers import PreTrainedTokenizerFast
 
-    from ppokit.tiny import word_tokenizer
+    from ppokit.demos.tiny import word_tokenizer
 
     model = model_dir("llama")
     # A tokenizer with more tokens than the model has embeddings (another model's, or tokens added later).
@@ -352,7 +352,7 @@ def test_careless_model_and_tokenizer_inputs_are_one_line(model_dir, files, toke
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ppokit.models import load_scalar_model
+    from ppokit.models.loading import load_scalar_model
 
     load_scalar_model(str(model), "x").save_pretrained(tmp_path / "scorer")
     shutil.copytree(tmp_path / "scorer", tmp_path / "scorer-with-tokenizer")

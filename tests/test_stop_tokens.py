@@ -17,11 +17,11 @@ from chat_families import ADD, FAMILIES, byte_tokenizer
 from steered import steer
 from conftest import conversation_renderer
 
-from ppokit import algo
+from ppokit.training import algo
 from ppokit.engines.base import Request, Sampling, complete
 from ppokit.engines.hf import HFEngine
 from ppokit.errors import UserError
-from ppokit.tiny import tiny_causal_lm
+from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
 
@@ -124,7 +124,7 @@ def _probe_call_turn(renderer):
 
 
 def test_a_gpt_oss_episode_stops_at_call_then_at_return_through_the_trainers_parts(tmp_path):
-    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
     from ppokit.trainer import PPOTrainer
 
     family = FAMILIES["gptoss"]

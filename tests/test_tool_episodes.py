@@ -15,7 +15,7 @@ import torch
 from chat_families import ADD, byte_tokenizer
 from steered import scripted, steer
 
-from ppokit.tiny import tiny_causal_lm
+from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)
 
@@ -28,7 +28,7 @@ CALLS = {
 
 @pytest.mark.parametrize("parser", sorted(CALLS))
 def test_a_call_in_the_named_format_runs_the_tool_through_an_episode(parser, tmp_path):
-    from ppokit.config import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
     from ppokit.trainer import PPOTrainer
 
     # mistral's call markers are special tokens of its tokenizer: the turn reaches the parser with them kept

@@ -20,8 +20,8 @@ import pytest
 # trackio reads its store's location once, when first imported: point it at a folder of the tests.
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="ppokit-test-trackio-"))
 
-from ppokit import trackers  # noqa: E402
-from ppokit.config import PPOConfig  # noqa: E402
+from ppokit.metrics import trackers  # noqa: E402
+from ppokit.config.schema import PPOConfig  # noqa: E402
 from ppokit.errors import UserError  # noqa: E402
 from test_report import healthy_records, sample_rows  # noqa: E402
 
@@ -362,7 +362,7 @@ def test_a_real_run_and_its_resume_reach_every_tracker_once(model_dir, prompts_f
 def test_a_missing_tracker_package_stops_the_run_before_any_model_loads(model_dir, prompts_file, tmp_path, monkeypatch):
     from conftest import tiny_ppo_config
 
-    from ppokit import roles
+    from ppokit.models import roles
     from ppokit.trainer import PPOTrainer
 
     def no_models(*args, **kwargs):
@@ -406,7 +406,7 @@ def test_an_unwritable_trackio_store_stops_the_run_before_any_model_loads(model_
     import trackio.utils
     from conftest import tiny_ppo_config
 
-    from ppokit import roles
+    from ppokit.models import roles
     from ppokit.trainer import PPOTrainer
 
     def no_models(*args, **kwargs):

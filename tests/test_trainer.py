@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit import algo, experience
+from ppokit.training import algo, experience
 from ppokit.trainer import PPOTrainer
 
 
@@ -98,7 +98,7 @@ def dropout_left(model: torch.nn.Module) -> list[str]:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
 def test_dropout_is_off_in_every_model(arch, model_dir, prompts_file, tmp_path):
-    from ppokit.models import frozen_copy, load_scalar_model
+    from ppokit.models.loading import frozen_copy, load_scalar_model
 
     directory = model_dir(arch, dropout=0.5)
     reward_model = load_scalar_model(str(directory), "reward.model")
@@ -168,7 +168,7 @@ def test_final_models_load_with_auto_classes(model_dir, prompts_file, tmp_path):
 
 
 def test_reward_model_scores_at_last_real_token(model_dir, tokenizer):
-    from ppokit.models import left_pad, load_scalar_model, score_at_last_token
+    from ppokit.models.loading import left_pad, load_scalar_model, score_at_last_token
 
     model = load_scalar_model(str(model_dir("llama")), "reward.model")
     seqs = [[5, 6, 7], [8, 9]]
@@ -296,7 +296,7 @@ def test_notices_go_to_stderr_and_stdout_stays_for_results(model_dir, prompts_fi
 
 
 def test_the_callers_config_is_not_changed(model_dir, prompts_file, tmp_path, tokenizer):
-    from ppokit.models import load_causal_lm
+    from ppokit.models.loading import load_causal_lm
 
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", total_episodes=8)
     config.model = None
@@ -313,7 +313,7 @@ def test_prompts_that_a_model_cannot_read_are_refused_before_its_weights_load(mo
     """Token ids past the embeddings of any model that reads them, or prompt + response past the
     smallest position limit among them: one line naming the row (both were IndexErrors in the model)."""
     from ppokit.errors import UserError
-    from ppokit.tiny import word_tokenizer
+    from ppokit.demos.tiny import word_tokenizer
 
     bigger = word_tokenizer([r["prompt"] + " " + r["completion"] for r in demo_data["sft"]] + [f"new{i}" for i in range(50)])
     rows = tmp_path / "new.jsonl"
@@ -388,7 +388,7 @@ def test_a_pad_token_outside_the_models_vocabulary_pads_with_one_it_has(model_di
 
 
 def test_the_trainers_jobs_never_reach_back_into_it():
-    """Set-up, the rollout, evaluation and saving take what they need (`ppokit.parts.Parts`, its pieces): none imports
+    """Set-up, the rollout, evaluation and saving take what they need (`ppokit.training.parts.Parts`, its pieces): none imports
     the trainer, so none can call back into it; the trainer stays the run's life, within 300 lines."""
     import ast
     from pathlib import Path

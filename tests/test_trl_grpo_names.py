@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.config import PPOConfig
-from ppokit.dataclass_config import _key_paths
+from ppokit.config.schema import PPOConfig
+from ppokit.config.fields import _key_paths
 from ppokit.errors import UserError
-from ppokit.trl_grpo_names import LOSS_TYPES, TRL_GRPO_EQUIVALENTS, TRL_GRPO_NAMES, WITHOUT_EQUIVALENT, Equivalent
+from ppokit.config.trl_names import LOSS_TYPES, TRL_GRPO_EQUIVALENTS, TRL_GRPO_NAMES, WITHOUT_EQUIVALENT, Equivalent
 
 BASE = ["model=some/model", "reward.functions=[sentiment]", "data.train=p.jsonl"]
 
@@ -108,7 +108,7 @@ def test_every_suggested_setting_is_a_valid_ppokit_config_that_holds_the_value()
 
 
 def _yaml(value) -> str:
-    from ppokit.trl_grpo_names import yaml_value
+    from ppokit.config.trl_names import yaml_value
 
     return yaml_value(value)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ppokit import roles
-from ppokit.config import PPOConfig
+from ppokit.models import roles
+from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
 from ppokit.rewards import FunctionReward, ScoringBatch
 from ppokit.rewards.sources import KEYWORDS, POSITIONAL, calling_convention

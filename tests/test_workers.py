@@ -1,4 +1,4 @@
-"""Threads that run environment code (ppokit.workers, and SideBySide over them): a thread is kept for the next call, a
+"""Threads that run environment code (ppokit.process.workers, and SideBySide over them): a thread is kept for the next call, a
 call never waits for a busy one, an idle thread ends, the caller's torch modes are the call's; SideBySide keeps each
 call's deadline itself (one thread per call), drops what a timed-out call returns later, and waits for the calls
 started since its last look when asked to be patient and its calls usually return in time."""
@@ -12,7 +12,7 @@ import torch
 
 from ppokit.environments import EnvironmentRunner, EnvironmentTimeout
 from ppokit.environments.base import SideBySide
-from ppokit.workers import WorkerThreads
+from ppokit.process.workers import WorkerThreads
 
 # What a test waits for at most before it calls the behaviour broken: far above what a loaded machine takes.
 WAIT_BOUND_S = 20.0

@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return PPOTrainer
     if name in _CONFIG_NAMES:
-        from ppokit import config
+        from ppokit.config import schema as config
 
         return getattr(config, name)
     raise AttributeError(f"module 'ppokit' has no attribute {name!r}")

@@ -11,14 +11,15 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
-from ppokit import cpu_threads, interrupts
+from ppokit.process import cpu_threads, interrupts
 from ppokit.errors import TrainingInterrupted, UserError
 from ppokit.version import __version__
 
 
 def _ppo(args) -> int:
-    from ppokit import launcher, run_dir
-    from ppokit.config import PPOConfig
+    from ppokit.process import launcher
+    from ppokit.run import run_dir
+    from ppokit.config.schema import PPOConfig
 
     launcher.check_launch()  # a launch that cannot run as asked stops first, before the config is even read
     overrides, resume = list(args.overrides), args.resume
@@ -33,7 +34,7 @@ def _ppo(args) -> int:
         raise UserError("--resume continues the run in output_dir and --overwrite replaces it: give one of them")
     run = run_dir.RunFolder.open(config.output_dir, main_process=_is_main_process(), overwrite=args.overwrite)
     try:
-        from ppokit import checkpoint  # torch: only once the config and the run folder are known to be good
+        from ppokit.run import checkpoint  # torch: only once the config and the run folder are known to be good
 
         run_dir.check_run_start(config.output_dir, resume=resume is not None, overwrite=args.overwrite)
         for note in run.notes:
@@ -75,9 +76,9 @@ def check_run_config(config, processes: int | None = None) -> None:
     the run refuses is the same one line and exit status 2 there."""
     if processes is not None and processes < 1:
         raise UserError(f"--processes {processes}: must be at least 1")
-    from ppokit import batch_sizes
+    from ppokit.training import batch_sizes
     from ppokit.environments.python_tool import check_config as check_python_tool
-    from ppokit.launcher import launched_processes
+    from ppokit.process.launcher import launched_processes
 
     check_python_tool(config.environment, config.environment_args, Path.cwd())  # the sandbox the Python tool needs
 
@@ -132,7 +133,7 @@ def _preflight(config, ignore_plan: bool = False) -> None:
 
 
 def _plan(args) -> int:
-    from ppokit.config import PPOConfig
+    from ppokit.config.schema import PPOConfig
 
     config = PPOConfig.load(args.config, args.overrides)
     check_run_config(config, args.processes)
@@ -147,7 +148,7 @@ def _plan(args) -> int:
 
 
 def _demo(args) -> int:
-    from ppokit import demo  # no torch, no transformers: a demo that cannot start is refused at once
+    from ppokit.demos import reviews as demo  # no torch, no transformers: a demo that cannot start is refused at once
 
     choice = demo.DemoChoice.of(args.environment, args.quick, args.seed, args.estimator, args.engine)
     out = demo.demo_folder(choice, args.output, args.overwrite, args.resume)
@@ -180,7 +181,7 @@ def _quiet_transformers() -> None:
 
 
 def _sft(args) -> int:
-    from ppokit.config import SFTConfig
+    from ppokit.config.schema import SFTConfig
 
     config = SFTConfig.load(args.config, args.overrides)
     from ppokit.stages.sft import run_sft
@@ -191,7 +192,7 @@ def _sft(args) -> int:
 
 
 def _rm(args) -> int:
-    from ppokit.config import RMConfig
+    from ppokit.config.schema import RMConfig
 
     config = RMConfig.load(args.config, args.overrides)
     from ppokit.stages.rm import run_rm
@@ -216,11 +217,11 @@ def _data_inspect(args) -> int:
     """One report per path (as a shell expands `data/*.jsonl`); a path that fails is one error
     line and the others are still reported; the exit status is 2 when any failed. With --config, the
     run's own prompts and rendering (`episode_loop.conversation_for`: what its trainer reads, tools included)."""
-    from ppokit.data import load_records
+    from ppokit.data.formats import load_records
 
     config = None
     if args.config:
-        from ppokit.config import PPOConfig
+        from ppokit.config.schema import PPOConfig
 
         config = PPOConfig.load(args.config, [])
         if args.chat_template is not None:
@@ -251,7 +252,7 @@ def _data_inspect(args) -> int:
     tokenizer = limit = render_prompts = None
     name = args.tokenizer or (config.tokenizer or config.model if config is not None else None)
     if name:
-        from ppokit.models import load_tokenizer, position_limit_of, resolve_model_path
+        from ppokit.models.loading import load_tokenizer, position_limit_of, resolve_model_path
 
         trust = config.trust_remote_code if config is not None else False
         tokenizer = load_tokenizer(name, trust)
@@ -298,7 +299,7 @@ def _limit(text: str):
 
 
 def _serve_rm(args) -> int:
-    from ppokit.config import positive, timeout_range
+    from ppokit.config.schema import positive, timeout_range
 
     token = None
     if args.token_env is not None:
@@ -323,7 +324,7 @@ def _serve_rm(args) -> int:
 
 
 def _report(args) -> int:
-    from ppokit.dataclass_config import apply_override, parse_override, read_yaml
+    from ppokit.config.fields import apply_override, parse_override, read_yaml
     from ppokit.report import AlarmThresholds, make_report
 
     settings = read_yaml(args.thresholds) if args.thresholds else {}
@@ -350,7 +351,7 @@ OVERWRITE_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ppokit.config import RewardConfig
+    from ppokit.config.schema import RewardConfig
 
     parser = argparse.ArgumentParser(prog="ppokit", description="PPO for language models: sft, reward models, ppo.")
     parser.add_argument("--version", action="version", version=f"ppokit {__version__}")
@@ -422,9 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
 
-    from ppokit.demo import ENVIRONMENTS as DEMO_ENVIRONMENTS  # no torch: the parser stays quick
+    from ppokit.demos.reviews import ENVIRONMENTS as DEMO_ENVIRONMENTS  # no torch: the parser stays quick
     from ppokit.engines import ENGINES
-    from ppokit.estimators import ESTIMATORS
+    from ppokit.training.estimators import ESTIMATORS
 
     demo = sub.add_parser("demo", help="the embedded demos: SFT then PPO towards positive movie reviews, or a game or a tool (--environment)")
     demo.add_argument("--quick", action="store_true", help="a smaller run, about a minute on 2 cores")

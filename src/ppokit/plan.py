@@ -32,17 +32,17 @@ import torch
 from torch import nn
 
 from ppokit import engines
-from ppokit.batch_sizes import BatchSizes, derive
-from ppokit.config import LoraConfig, PPOConfig
+from ppokit.training.batch_sizes import BatchSizes, derive
+from ppokit.config.schema import LoraConfig, PPOConfig
 from ppokit.environments.episode_loop import conversation_for
 from ppokit.errors import UserError
-from ppokit.launcher import launched_processes
-from ppokit.models import load_tokenizer, position_limit, prompt_room, resolve_model_path, same_vocabulary, tightest
-from ppokit.parallel import backward_separately
-from ppokit.lengths import encode_prompts
-from ppokit.prompts import as_prompt_dataset
-from ppokit.adapters import peft_lora_config
-from ppokit.roles import (
+from ppokit.process.launcher import launched_processes
+from ppokit.models.loading import load_tokenizer, position_limit, prompt_room, resolve_model_path, same_vocabulary, tightest
+from ppokit.process.parallel import backward_separately
+from ppokit.data.lengths import encode_prompts
+from ppokit.data.prompts import as_prompt_dataset
+from ppokit.models.adapters import peft_lora_config
+from ppokit.models.roles import (
     CRITIC_ON_REWARD,
     CRITIC_OWN,
     CRITIC_SHARED,
@@ -51,7 +51,7 @@ from ppokit.roles import (
     RoleLayout,
     decide_roles,
 )
-from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, SHARDING, STRATEGIES
+from ppokit.process.strategies import DEFAULT as DEFAULT_STRATEGY, SHARDING, STRATEGIES
 
 GiB = 1024**3
 HEADROOM = 0.9  # CUDA context, allocator fragmentation and framework buffers are not counted

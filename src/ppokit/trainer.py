@@ -4,14 +4,14 @@
     2. score      reward sources on prompt + completion text (and token ids); the greedy baseline an estimator asks for
     3. forward    reference logprobs and (with a critic) values for every trained token
     4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at each episode's score position
-    5. advantages ppo.advantage_estimator's function (ppokit.estimators: gae, grpo, rloo, reinforce_pp, remax)
-    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches (ppokit.optimise)
+    5. advantages ppo.advantage_estimator's function (ppokit.training.estimators: gae, grpo, rloo, reinforce_pp, remax)
+    6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches (ppokit.training.optimise)
     7. log        metrics.jsonl, console, samples.jsonl
     8. save       checkpoint every save_steps, final model at the end
 
-The trainer holds the run's parts (`ppokit.parts`, built once from the config), its state (`ppokit.state`) and its
-saving (`ppokit.saving`); stages 1-2 are `ppokit.rollout`'s, 2-5 functions of their explicit inputs in
-`ppokit.experience`, evaluation is `ppokit.evaluation`'s. None of them reads the trainer. Here: the order of the
+The trainer holds the run's parts (`ppokit.training.parts`, built once from the config), its state (`ppokit.run.state`) and its
+saving (`ppokit.run.saving`); stages 1-2 are `ppokit.training.rollout`'s, 2-5 functions of their explicit inputs in
+`ppokit.training.experience`, evaluation is `ppokit.training.evaluation`'s. None of them reads the trainer. Here: the order of the
 stages, the run loop with its stop signals and sinks, and what a failure does to the run."""
 
 from __future__ import annotations
@@ -24,20 +24,26 @@ from typing import Any, Callable, Optional, Sequence
 
 from accelerate import Accelerator
 
-from ppokit import engines, evaluation, experience, off_policy, parallel, random_states, run_dir
-from ppokit.config import PPOConfig
+from ppokit import engines
+
+from ppokit.process import parallel, random_states
+
+from ppokit.run import run_dir
+
+from ppokit.training import evaluation, experience, off_policy
+from ppokit.config.schema import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
-from ppokit.episodes import Episodes, repeat_each
+from ppokit.training.episodes import Episodes, repeat_each
 from ppokit.errors import UserError
-from ppokit.guards import (StopSignals, TrainingInterrupted, UpdateSnapshot, check_finite, check_some_scored, guarded_update,
+from ppokit.training.guards import (StopSignals, TrainingInterrupted, UpdateSnapshot, check_finite, check_some_scored, guarded_update,
                            nothing_trained, rollback_file, saved_if_it_fails, too_many_skipped)
-from ppokit.metric_sinks import open_sinks
-from ppokit.metric_values import objective_metrics
-from ppokit.optimise import ppo_epochs
-from ppokit.parts import Parts, assemble
-from ppokit.prompts import batch_indices
-from ppokit.saving import Saving
-from ppokit.state import TrainingState
+from ppokit.metrics.sinks import open_sinks
+from ppokit.metrics.values import objective_metrics
+from ppokit.training.optimise import ppo_epochs
+from ppokit.training.parts import Parts, assemble
+from ppokit.data.prompts import batch_indices
+from ppokit.run.saving import Saving
+from ppokit.run.state import TrainingState
 
 
 class PPOTrainer:
@@ -56,10 +62,10 @@ class PPOTrainer:
             `score(ScoringBatch)`, e.g. `RemoteReward`), or entries as in `reward.functions`; they replace `config.reward.functions`.
         train_dataset / eval_dataset: a path, a list of prompts or row dicts, or a `datasets.Dataset`.
         overwrite: a fresh run may replace the run in output_dir (kept until this one's first checkpoint) or write into a folder
-            that ppokit did not make (`ppokit.run_dir`).
+            that ppokit did not make (`ppokit.run.run_dir`).
 
     The run's parts are the trainer's attributes under their own names (`trainer.policy`, `trainer.tokenizer`, `trainer.model`,
-    `trainer.optimizer`, `trainer.sizes`, ...: `ppokit.parts.Parts`).
+    `trainer.optimizer`, `trainer.sizes`, ...: `ppokit.training.parts.Parts`).
     """
 
     def __init__(self, config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, value_model=None, reward_model=None,
@@ -100,7 +106,7 @@ class PPOTrainer:
         indices = self.batch_indices(state.update)
         prompts, columns = parts.train_data.rows(repeat_each(indices, n))  # n samples of each prompt, in adjacent rows
 
-        # 1. generate (now, or taken from what was sampled ahead: rollout.max_staleness, ppokit.off_policy)
+        # 1. generate (now, or taken from what was sampled ahead: rollout.max_staleness, ppokit.training.off_policy)
         episodes, ahead = self.off_policy.episodes(state.update, self._sample)
         t_generate = time.perf_counter()
 
@@ -159,7 +165,7 @@ class PPOTrainer:
         return self.rollout.sample([self.train_query_ids[i] for i in samples], *self.train_data.rows(samples), update=update, engine=engine)
 
     def optimise(self, episodes: Episodes) -> dict[str, float]:
-        """num_ppo_epochs passes over minibatches (ppokit.optimise) -> the loss statistics; the first critic_warmup_updates
+        """num_ppo_epochs passes over minibatches (ppokit.training.optimise) -> the loss statistics; the first critic_warmup_updates
         move only the critic. The engine gives its memory to the training meanwhile and is sent the new weights after."""
         parts, hp = self.parts, self.config.ppo
         with self.off_policy.training(parts.rollout_engine, parts.policy):
@@ -286,7 +292,7 @@ class PPOTrainer:
         return self._samples_before
 
     def save_checkpoint(self) -> Path:
-        """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.checkpoint), once per update."""
+        """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.run.checkpoint), once per update."""
         return self.saving.checkpoint(self.parts, self.state)
 
     def save_final(self) -> Path:

@@ -2,7 +2,7 @@
 
 `ENGINES` declares every engine `rollout.engine` may take, once: where its class lives, what it is, and its
 own `rollout:` keys with their defaults, help and range checks (the config's `rollout:` section is built
-from them: `ppokit.config.RolloutConfig`). `build` makes one, importing its module only then. Importing
+from them: `ppokit.config.schema.RolloutConfig`). `build` makes one, importing its module only then. Importing
 this package imports no torch (the config reads the table).
 
 To add an engine: one module here with a class that implements `base.RolloutEngine` (its class methods
@@ -17,7 +17,7 @@ from importlib import import_module
 import threading
 from typing import Any, Callable, Optional
 
-from ppokit.dataclass_config import differs_from_default, doc, one_of, rule
+from ppokit.config.fields import differs_from_default, doc, one_of, rule
 from ppokit.errors import UserError
 from ppokit.engines.base import (  # noqa: F401  (torch-free)
     ENGINE_METHODS,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ppokit.episodes import Episodes
+    from ppokit.training.episodes import Episodes
     from ppokit.errors import UserError
 
 PURPOSES = ("train", "eval", "greedy")
@@ -154,7 +154,7 @@ _GENERATE_CALLS = itertools.count()
 def generate(engine: "RolloutEngine", prompts: list[list[int]], sampling: Sampling, pad_token_id: int, device=None) -> "Episodes":
     """What every engine's `generate` is: one response per prompt, as seedless requests of one `submit` call waited
     for (`complete`), packed by the one function that builds Episodes (`episodes.pack`), rows in the order of prompts."""
-    from ppokit.episodes import Span, pack
+    from ppokit.training.episodes import Span, pack
 
     call = next(_GENERATE_CALLS)
     completions = complete(engine, [Request(f"generate-{call}-{i}", p, sampling) for i, p in enumerate(prompts)])
@@ -212,7 +212,7 @@ class EngineSetup:
     device: "torch.device"
     rows_per_forward: int
     sampling_contexts: Callable[["nn.Module"], Sequence[ContextManager]]
-    settings: Any  # the `rollout:` section, ppokit.config.RolloutConfig (config imports this package: no import back)
+    settings: Any  # the `rollout:` section, ppokit.config.schema.RolloutConfig (config imports this package: no import back)
     longest_sequence: int = 0
     rows_per_rollout: int = 0
     seed: int = 0

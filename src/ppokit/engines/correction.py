@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ppokit import algo
+from ppokit.training import algo
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 

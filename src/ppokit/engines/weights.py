@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ppokit.errors import UserError
-from ppokit.models import POLICY_ADAPTER, unwrap_peft
+from ppokit.models.loading import POLICY_ADAPTER, unwrap_peft
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 from ppokit.errors import UserError
 from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number, code_raised, raised_text
 from ppokit.user_code import load_attribute
-from ppokit.workers import WorkerThreads
+from ppokit.process.workers import WorkerThreads
 
 BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
 SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"

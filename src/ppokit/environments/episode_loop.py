@@ -55,14 +55,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ppokit.conversation import ConversationRenderer, Observation
+from ppokit.conversation.renderer import ConversationRenderer, Observation
 from ppokit.engines.base import PURPOSES, Request, request_seed
-from ppokit.episodes import EnvironmentSaid, Span, pack
+from ppokit.training.episodes import EnvironmentSaid, Span, pack
 from ppokit.errors import UserError
 
 if TYPE_CHECKING:
     from ppokit.engines.base import Completion, RolloutEngine, Sampling
-    from ppokit.episodes import Episodes
+    from ppokit.training.episodes import Episodes
 
 
 @dataclass(frozen=True)
@@ -346,9 +346,9 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
     line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs; stop_token,
     stop_token_id: ppo.stop_token / ppo.stop_token_id (`models.resolve_stop_token`; the conversation's `stop_token_ids`
     may add a tool-calling turn's own)."""
-    from ppokit.chat import Renderer, resolve_chat_template
+    from ppokit.conversation.templates import Renderer, resolve_chat_template
     from ppokit.environments.base import EnvironmentRunner
-    from ppokit.models import resolve_stop_token
+    from ppokit.models.loading import resolve_stop_token
 
     stop_token_ids = resolve_stop_token(tokenizer, stop_token, stop_token_id)
     datasets = [d for d in datasets if d is not None]

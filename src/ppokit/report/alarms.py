@@ -14,8 +14,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-# Only ppokit.config (tests/test_report.py): the report reads run folders and nothing that trains.
-from ppokit.config import doc, load_config, non_negative, positive, unit_interval
+# Only ppokit.config.schema (tests/test_report.py): the report reads run folders and nothing that trains.
+from ppokit.config.schema import doc, load_config, non_negative, positive, unit_interval
 from ppokit.errors import UserError
 from ppokit.report.rundata import RunData, score_spread, stop_rate
 

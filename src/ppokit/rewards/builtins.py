@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
-from ppokit.config import non_negative, positive
-from ppokit.dataclass_config import doc, one_of
+from ppokit.config.schema import non_negative, positive
+from ppokit.config.fields import doc, one_of
 from ppokit.errors import UserError
 
 # --------------------------------------------------------------------------- sentiment

@@ -8,9 +8,9 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from ppokit import batching
+from ppokit.training import batching
 from ppokit.errors import UserError
-from ppokit.models import input_pad_id, left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
+from ppokit.models.loading import input_pad_id, left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
 from ppokit.rewards.sources import ScoringBatch
 
 

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ppokit.config import http_url_problem
+from ppokit.config.schema import http_url_problem
 from ppokit.errors import UserError
 from ppokit.rewards.sources import DeadlineExceeded, RewardError, RewardSource, ScoringBatch, ThreadCall, check_scores
 

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ppokit.config import RewardConfig
-from ppokit.dataclass_config import build, validate
+from ppokit.config.schema import RewardConfig
+from ppokit.config.fields import build, validate
 from ppokit.errors import UserError
 from ppokit.rewards.builtins import BUILTINS
 from ppokit.rewards.model import RewardModelReward, reward_model_source

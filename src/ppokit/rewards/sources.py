@@ -26,7 +26,7 @@ import torch
 
 from ppokit.errors import TrainingInterrupted, UserError
 from ppokit.user_code import load_attribute
-from ppokit.workers import in_callers_modes
+from ppokit.process.workers import in_callers_modes
 
 
 @dataclass

@@ -13,15 +13,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ppokit.chat import Renderer, describe_template
-from ppokit.config import StageDataConfig
-from ppokit.data import Records, load_records, split_eval
+from ppokit.conversation.templates import Renderer, describe_template
+from ppokit.config.schema import StageDataConfig
+from ppokit.data.formats import Records, load_records, split_eval
 from ppokit.errors import UserError
-from ppokit.lengths import EncodedRow, LengthReport, encode_rows
-from ppokit.metric_sinks import JsonlWriter
-from ppokit.model_card import stage_card
-from ppokit.models import PositionLimit, check_token_ids, load_tokenizer, model_config, no_progress_bars, position_limit, resolve_model_path
-from ppokit.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers
+from ppokit.data.lengths import EncodedRow, LengthReport, encode_rows
+from ppokit.metrics.sinks import JsonlWriter
+from ppokit.run.model_card import stage_card
+from ppokit.models.loading import PositionLimit, check_token_ids, load_tokenizer, model_config, no_progress_bars, position_limit, resolve_model_path
+from ppokit.run.run_dir import NoSpaceError, atomic_save_dir, check_output_dir, check_replaceable, locked_output, remove_leftovers
 
 
 def printer(enabled: bool, stage: str) -> Callable[[str], None]:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ppokit.chat import Renderer
-from ppokit.config import DataConfig, PPOHyperparams, StageDataConfig
-from ppokit.data import Records, load_records, preference_triples, sft_pairs
+from ppokit.conversation.templates import Renderer
+from ppokit.config.schema import DataConfig, PPOHyperparams, StageDataConfig
+from ppokit.data.formats import Records, load_records, preference_triples, sft_pairs
 from ppokit.errors import UserError
-from ppokit.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt
-from ppokit.prompts import PromptDataset, prompt_dataset_from_records
+from ppokit.data.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt
+from ppokit.data.prompts import PromptDataset, prompt_dataset_from_records
 
 if TYPE_CHECKING:  # torch and transformers: not for a report without a tokenizer
-    from ppokit.models import PositionLimit
+    from ppokit.models.loading import PositionLimit
 
 STAGE_OF_FORMAT = {"preference": "rm", "prompt": "ppo"}  # everything else is sft data
 
@@ -163,7 +163,7 @@ def _positions(limit: Optional[PositionLimit], sequences: list[tuple[str, int]],
     """Rows the model could not take: count, the first, and the key that fixes it."""
     if limit is None:
         return None
-    from ppokit.models import prompt_room
+    from ppokit.models.loading import prompt_room
     from ppokit.stages.common import max_length_room
 
     over = limit.rows_over(sequences)

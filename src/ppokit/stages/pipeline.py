@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 
-from ppokit.config import PPOConfig, PipelineConfig, RMConfig, SFTConfig
-from ppokit.dataclass_config import apply_override, build, parse_override, read_yaml
+from ppokit.config.schema import PPOConfig, PipelineConfig, RMConfig, SFTConfig
+from ppokit.config.fields import apply_override, build, parse_override, read_yaml
 from ppokit.errors import UserError
-from ppokit.run_dir import check_output_dir, check_replaceable, check_run_folder, marker_kind
+from ppokit.run.run_dir import check_output_dir, check_replaceable, check_run_folder, marker_kind
 
 STAGES = ("sft", "rm", "ppo")
 CONFIG_CLASSES = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ppokit import algo
-from ppokit.config import RMConfig
-from ppokit.data import preference_triples
-from ppokit.models import disable_dropout, input_pad_id, left_pad, load_scalar_model, score_at_last_token
-from ppokit.sft import train_loop
+from ppokit.training import algo
+from ppokit.config.schema import RMConfig
+from ppokit.data.formats import preference_triples
+from ppokit.models.loading import disable_dropout, input_pad_id, left_pad, load_scalar_model, score_at_last_token
+from ppokit.training.sft import train_loop
 from ppokit.stages.common import StepLog, device, prepare_data, run_stage, save_model_and_tokenizer, save_stage
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ppokit.config import SFTConfig
-from ppokit.data import sft_pairs
-from ppokit.models import input_pad_id, load_causal_lm
-from ppokit.sft import build_example, train_sft
+from ppokit.config.schema import SFTConfig
+from ppokit.data.formats import sft_pairs
+from ppokit.models.loading import input_pad_id, load_causal_lm
+from ppokit.training.sft import build_example, train_sft
 from ppokit.stages.common import StepLog, device, prepare_data, run_stage, save_model_and_tokenizer, save_stage
 
 

@@ -1,0 +1,1 @@
+"""How a conversation becomes the text and token ids the model sees: chat templates (templates) and the conversation renderer."""

@@ -1,0 +1,1 @@
+"""A run's numbers: what each metric is (values), where records go (sinks), and the experiment trackers."""

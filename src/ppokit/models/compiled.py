@@ -1,0 +1,47 @@
+"""`compile: true`: the training forward through torch.compile, and a clear error where it cannot run.
+
+What is compiled: the backbone (embeddings, decoder layers, final norm) of the policy and of the value
+model, as the training pass calls them. The output layer runs eagerly after it (through
+`models.response_logprobs`, chunked when `lm_head_chunk_size` is set), and so do sampling (its KV cache
+grows by one position a step: every step would be a new shape) and the no-gradient passes (one pass an
+update does not repay a compile). The compiled callable wraps the module, it does not copy it: the
+weights, their gradients and what a checkpoint saves are the module's own.
+
+Shapes vary every micro-batch (prompt and response widths, and the rows of a token budget), so the
+backbone is compiled with dynamic shapes from the start instead of once per shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ppokit.errors import UserError
+from ppokit.models.loading import backbone
+
+
+def check_available(device: torch.device | str = "cpu") -> None:
+    """Compile and run a two-operation function on `device`, or raise a UserError saying why not.
+
+    The reasons it fails are the machine's, not the model's: a Python version dynamo does not support,
+    no C++ compiler for inductor's CPU kernels (CXX), no triton for CUDA kernels.
+    """
+    if not hasattr(torch, "compile"):
+        raise UserError(f"compile: true needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
+    try:
+        import torch._dynamo as dynamo
+
+        dynamo.eval_frame.check_if_dynamo_supported()
+        probe = torch.compile(lambda x: torch.tanh(x) * 2 + 1, dynamic=False)
+        out = probe(torch.ones(3, device=device))
+        expected = torch.tanh(torch.ones(3, device=device)) * 2 + 1
+        if not torch.allclose(out, expected):
+            raise RuntimeError("a compiled probe computed a wrong result")
+    except Exception as e:  # noqa: BLE001 - any failure of the toolchain means the same to the user
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"compile: true, but torch.compile cannot run on this machine ({type(e).__name__}: {first}); set compile: false") from None
+
+
+def compiled_backbone(model):
+    """A callable with the backbone's signature (input_ids, attention_mask, position_ids, use_cache) that
+    runs it compiled; pass it as `backbone_fn` to `models.response_logprobs` / `models.response_values`."""
+    return torch.compile(backbone(model), dynamic=True)

@@ -1,0 +1,1 @@
+"""The run folder and what a run saves in it: the folder's rules (run_dir), checkpoints and their files, the saving bookkeeping, the training state, model cards."""

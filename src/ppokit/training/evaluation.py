@@ -1,0 +1,71 @@
+"""Evaluation: completions sampled with the current policy and scored, without training and without moving the
+reward normalisation. `evaluate` gives the eval metrics over the eval prompts; `sample_rows` the rows of
+samples.jsonl (a few eval prompts, else the last update's batch)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ppokit.environments.episode_loop import sample_row
+from ppokit.errors import UserError
+from ppokit.metrics.values import eval_metrics
+from ppokit.training.rollout import Rollout
+
+
+@torch.inference_mode()
+def evaluate(rollout: Rollout, data, query_ids: Optional[list[list[int]]], *, max_prompts: Optional[int], seed: int,
+             rows_per_call: int, device: torch.device) -> dict[str, float]:
+    """`eval/scores`, `eval/response_length`, `eval/ended` and `eval/num_scored` over the prompts of `data` (all of them,
+    or the first `max_prompts`; query_ids: their token ids), sampled `rows_per_call` at a time for `eval`
+    (ppo.eval_temperature) with torch's generator seeded with `seed` and given back as it was (training's random
+    stream is left as it was; `device`'s too, on CUDA)."""
+    if data is None:
+        raise UserError("evaluate: no eval prompts; set data.eval or data.eval_fraction, or pass eval_dataset=")
+    n = len(data) if max_prompts is None else min(max_prompts, len(data))
+    scores, lengths, ended = [], [], []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for start in range(0, n, rows_per_call):
+            episodes, scored = rollout.sample_and_score(data, query_ids, range(start, min(n, start + rows_per_call)), "eval")
+            valid = scored.valid
+            scores += scored.scores[valid].tolist()
+            lengths += episodes.loss_mask.sum(1)[valid].tolist()
+            ended += episodes.ended[valid].tolist()
+    if not scores:
+        raise UserError(f"evaluate: no reward source could score any of the {n} eval completions")
+    return eval_metrics(scores, lengths, ended)
+
+
+@torch.inference_mode()
+def sample_rows(rollout: Rollout, data, query_ids: Optional[list[list[int]]], n: int, last_batch: tuple, **row) -> list[dict]:
+    """samples.jsonl rows: completions for the first `n` prompts of `data` (the eval prompts; query_ids their token ids),
+    scored, or without them the first `n` of `last_batch` (prompts, completions, scores, turns of the last update);
+    each row with `row`'s fields (update, episode) and score None where no reward source could score it; sampled with
+    the seeds of `row`'s update."""
+    if data is not None:
+        n = min(n, len(data))
+        episodes, scored = rollout.sample_and_score(data, query_ids, range(n), "eval", row.get("update"))
+        prompts, completions, scores, turns = data.prompts[:n], scored.completions, scores_or_none(scored.scores, scored.valid), transcripts(episodes)
+        split = "eval"
+    else:
+        prompts, completions, scores, turns = (x[:n] for x in last_batch)
+        split = "train"
+    return [sample_row({**row, "split": split, "prompt": p, "completion": c, "score": s}, t)
+            for p, c, s, t in zip(prompts, completions, scores, turns)]
+
+
+def eval_score(rows: list[dict]) -> dict[str, float]:
+    """{"eval/scores": the mean score of the scored eval rows among `rows`}, or {} (none scored; training-batch rows)."""
+    scored = [r["score"] for r in rows if r["score"] is not None and r["split"] == "eval"]
+    return {"eval/scores": sum(scored) / len(scored)} if scored else {}
+
+
+def transcripts(episodes) -> list[Optional[list[dict]]]:
+    """Each episode's turns (`Episodes.transcripts`), the `turns` of its samples.jsonl row; None per row without an environment."""
+    return [None] * len(episodes) if episodes.transcripts is None else list(episodes.transcripts)
+
+
+def scores_or_none(scores: torch.Tensor, valid: torch.Tensor) -> list[Optional[float]]:
+    return [score if ok else None for score, ok in zip(scores.tolist(), valid.tolist())]

@@ -1,0 +1,156 @@
+"""The stages of one update between sampling and optimising, as functions of what each reads: the episodes
+and the models, sizes and settings they name, never the trainer or the whole config, so that a loop that
+samples ahead of training (or a test) can call them as `PPOTrainer.step` does (stages 2-5 of its list).
+
+    score                  the reward sources on each episode's prompt + completion -> `Scored`: scores (B,), valid (B,), ...
+    reference_and_values   one no-gradient pass: reference logprobs, values, the policy's own logprobs
+    rewards                per-token KL penalty, the score at each score position, per-turn rewards, whitening
+    advantages             the estimator's advantages and returns over the trained tokens
+    trained_on             the episodes as the optimisation sees them (truncated ones out, ppo.mask_truncated_completions)
+
+Every per-token result is (B, R), 0 outside the episodes' `trained_mask`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from ppokit.models import adapters
+
+from ppokit.training import algo, batching
+from ppokit.training.episodes import Episodes
+from ppokit.training.estimators import Estimator
+from ppokit.metrics.values import episode_metrics
+from ppokit.models.loading import eval_mode, response_logprobs
+from ppokit.training.optimise import PolicyAndValue
+from ppokit.rewards import ScoringBatch, completion_token_ids
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+Autocast = Callable[[], ContextManager]
+
+
+@dataclasses.dataclass
+class Scored:
+    """What stage 2 found for B episodes."""
+
+    scores: torch.Tensor  # (B,) float, the reward sources' combined score
+    valid: torch.Tensor  # (B,) bool, False where a source failed under reward.on_error=skip (the row leaves the update)
+    errors: list[str]  # the first message of each failed source
+    completions: list[str]  # everything after each prompt, decoded (with an environment: every turn and observation)
+    metrics: dict[str, float]  # reward/*, and with an environment rollout/* and env/*
+
+
+def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: dict, *, stop_token_ids: tuple[int, ...],
+          device: torch.device, update_statistics: bool = True, all_reduce: Optional[Reduce] = None) -> Scored:
+    """The reward sources (`scorer`) on each episode's prompt and completion, scores and valid on `device`.
+
+    The completion is everything after the prompt (with an environment: every turn and observation), decoded
+    by the policy's `tokenizer`; the environment's summed rewards and failures reach its reward source from the
+    episodes. update_statistics=False (evaluation, a greedy baseline) leaves the scorer's reward normalisation
+    where it was. all_reduce sums the episode metrics' parts over processes (None: one process)."""
+    completions = tokenizer.batch_decode(
+        episodes.response_ids.masked_fill(~episodes.attention_mask[:, episodes.query_ids.shape[1]:], tokenizer.pad_token_id),
+        skip_special_tokens=True,
+    )
+    environment = episodes.environment_rewards is not None
+    batch = ScoringBatch(
+        prompts, completions, columns, episodes.input_ids, episodes.attention_mask.long(), tokenizer,
+        completion_ids=completion_token_ids(episodes.response_ids, episodes.loss_mask, stop_token_ids),
+        ended=episodes.ended.cpu() if stop_token_ids else None,
+        environment_rewards=episodes.environment_rewards.tolist() if environment else None,
+        environment_errors=list(episodes.environment_errors) if environment else None,
+    )
+    result = scorer.score(batch, update_statistics)
+    metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}), **scorer.metrics(result)}
+    return Scored(result.scores.to(device), result.valid.to(device), result.errors, completions, metrics)
+
+
+@torch.inference_mode()
+def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: Optional[nn.Module], *, rows: int, packed: bool,
+                         temperature: float, chunk_size: Optional[int], autocast: Autocast = contextlib.nullcontext,
+                         policy_logprobs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """-> (reference logprobs, values, the policy's own logprobs), each (B, R) over the trained tokens.
+
+    model: the policy and critic (unwrapped), values None without a critic; ref_model: the frozen reference, None
+    for the LoRA policy's base (`reference_logprobs`). Chunks of `rows` rows (ppo.local_rollout_forward_batch_size);
+    `packed` (a token budget, ppo.max_tokens_per_micro_batch): that many rows of the batch's width in tokens, rows of
+    similar length together, packed (`batching.split`). temperature, chunk_size: as the training forward
+    (ppo.temperature, lm_head_chunk_size); autocast: the mixed-precision context. policy_logprobs: also the policy's
+    own (a rollout engine whose logprobs are not the trainer's), else None."""
+    budget = batching.forward_budget(episodes, rows) if packed else None
+    ref_logprobs, values, logprobs = [], [], []
+    with model.critic_in_eval_mode(), eval_mode(model.policy):
+        for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget):
+            inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask)
+            ref_logprobs.append((index, reference_logprobs(model.policy, ref_model, *inputs, temperature=temperature,
+                                                           chunk_size=chunk_size, autocast=autocast), mb.trained_mask))
+            if policy_logprobs:  # the PPO ratio's and the KL's old logprobs: the training forward's
+                logprobs.append((index, forward_logprobs(model.policy, *inputs, temperature=temperature, chunk_size=chunk_size,
+                                                         autocast=autocast), mb.trained_mask))
+            with autocast():
+                chunk_values = model.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
+            if chunk_values is not None:
+                values.append((index, chunk_values, mb.trained_mask))
+    return tuple(batching.restore_tokens(pieces, episodes.trained_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs))
+
+
+def reference_logprobs(policy: nn.Module, ref_model: Optional[nn.Module], input_ids, attention_mask, response_ids, trained_mask, *,
+                       temperature: float, chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
+    """(B, P + R), (B, R) -> (B, R) logprobs under the reference: `ref_model`, or (None) the LoRA policy's base with adapters off."""
+    if ref_model is not None:
+        return forward_logprobs(ref_model, input_ids, attention_mask, response_ids, trained_mask, temperature=temperature,
+                                chunk_size=chunk_size, autocast=autocast)
+    with adapters.adapters_disabled(policy):
+        return forward_logprobs(policy, input_ids, attention_mask, response_ids, trained_mask, temperature=temperature,
+                                chunk_size=chunk_size, autocast=autocast)
+
+
+def forward_logprobs(model: nn.Module, input_ids, attention_mask, response_ids, trained_mask, *, temperature: float,
+                     chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
+    """(B, R) logprobs of the response tokens under `model`, through `models.response_logprobs` as the training forward."""
+    with autocast():
+        return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk_size)[0]
+
+
+def rewards(episodes: Episodes, *, kl_estimator: str, kl_clamp: Optional[float], kl_coef: float, whiten: bool,
+            turn_weight: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (rewards (B, R), kl (B, R), non-score reward (B, R)): the per-token KL between the episodes' logprobs and
+    ref_logprobs (`algo.kl_per_token` by `kl_estimator`, `kl_clamp`) times -kl_coef (0: the KL is not in the reward),
+    plus the episodes' scores at their score_index (`algo.shape_rewards`); with `turn_weight` (rollout.turn_rewards:
+    the environment's weight in reward.weights) the environment's part of each score moved to the turns that earned
+    it (`algo.place_turn_rewards`); with `whiten` the rewards whitened over the trained tokens (ppo.whiten_rewards;
+    not re-centred)."""
+    mask = episodes.trained_mask
+    kl = algo.kl_per_token(episodes.logprobs, episodes.ref_logprobs, kl_estimator, kl_clamp) * mask
+    shaped, non_score = algo.shape_rewards(episodes.scores, kl, mask, kl_coef, episodes.score_index)
+    if turn_weight is not None and episodes.turn_rewards is not None:
+        shaped = algo.place_turn_rewards(shaped, episodes.score_index, episodes.environment_rewards, episodes.turn_rewards, turn_weight)
+    if whiten:
+        shaped = algo.masked_whiten(shaped, mask, shift_mean=False)
+    return shaped, kl, non_score
+
+
+def advantages(estimator: Estimator, episodes: Episodes, *, gamma: float, lam: float, whiten: bool, group_size: int,
+               grpo_scale_std: bool, all_reduce: Reduce) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """-> (advantages (B, R), returns (B, R), None without a critic): `estimator`'s function (ppokit.training.estimators) over the episodes' rewards,
+    values and baseline scores on the trained tokens; group_size: the n samples of each prompt (adjacent rows);
+    all_reduce: the sum over processes (whitening statistics of the whole batch)."""
+    return estimator.advantages(
+        episodes.rewards, episodes.trained_mask, values=episodes.values, gamma=gamma, lam=lam, whiten=whiten,
+        group_size=group_size, grpo_scale_std=grpo_scale_std, baseline_scores=episodes.baseline_scores, all_reduce=all_reduce,
+    )
+
+
+def trained_on(episodes: Episodes, *, mask_truncated_completions: bool) -> Episodes:
+    """The episodes that stage 6 optimises over: these, or with `mask_truncated_completions` (ppo.mask_truncated_completions)
+    a copy whose loss_mask leaves out every episode that did not end by itself (`algo.mask_truncated`). Called after
+    the advantages: a truncated episode's score still counted in its group's baseline and the statistics, as in TRL;
+    the episodes themselves (and the metrics read from them) keep every sampled token."""
+    if not mask_truncated_completions:
+        return episodes
+    return dataclasses.replace(episodes, loss_mask=algo.mask_truncated(episodes.loss_mask, episodes.ended))

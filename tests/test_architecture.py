@@ -1,0 +1,117 @@
+"""docs/architecture.md's map is the code's: every module listed once, every import pointing down the list; the top
+level stays small; the import paths users write keep working."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "ppokit"
+MAP_LINE = re.compile(r"^(\S+\.py|\S+/)\s")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name; a package whose `__init__.py` is empty is no module of its own."""
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py" or p.read_text().strip()}
+
+
+def map_entry(name: str) -> str:
+    """How the map writes a module: its path under src/ppokit/, a package's `__init__.py` as `package/`."""
+    path = Path(*name.split(".")[1:])
+    if (PACKAGE / path).is_dir():
+        return f"{path.as_posix()}/" if name != "ppokit" else "__init__.py"
+    return f"{path.as_posix()}.py"
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The ppokit modules `name` imports anywhere in its file (lazy imports inside functions too): `from a.b import c`
+    is an import of a.b.c where that is a module, else of a.b."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module, or an empty package: the module holding it
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("ppokit"):
+                found.add(target)
+    return found
+
+
+def read_map() -> list[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## The module map", 1)[1].split("```", 2)[1]
+    return [m.group(1) for line in block.splitlines() if (m := MAP_LINE.match(line))]
+
+
+def imports_up_the_map(found: dict[str, Path], listed: list[str]) -> list[tuple[str, str]]:
+    """(importer, imported) map entries where the imported module stands above its importer, or on its line."""
+    entries = {map_entry(name): name for name in found}
+    position = {entries[entry]: i for i, entry in enumerate(listed)}
+    return [(map_entry(a), map_entry(b)) for a, path in found.items() for b in sorted(imports(a, path, set(found)))
+            if position[b] <= position[a]]
+
+
+def test_every_module_is_in_the_map_once_and_every_import_points_down_it():
+    found = modules()
+    listed = read_map()
+    entries = {map_entry(name) for name in found}
+    assert len(listed) == len(set(listed)), f"listed twice: {sorted({e for e in listed if listed.count(e) > 1})}"
+    assert not entries - set(listed), f"modules missing from docs/architecture.md's map: {sorted(entries - set(listed))}"
+    assert not set(listed) - entries, f"the map lists what is not a module: {sorted(set(listed) - entries)}"
+    upward = imports_up_the_map(found, listed)
+    assert not upward, f"imports that point up the map (importer, imported): {upward}"
+
+
+def test_the_map_check_sees_an_import_up_the_list(tmp_path):
+    """The check itself: with the mathematics listed first, every module that imports it imports up the list; a lazy
+    import inside a function counts as an import."""
+    found, listed = modules(), read_map()
+    moved = ["training/algo.py"] + [entry for entry in listed if entry != "training/algo.py"]
+    assert ("training/optimise.py", "training/algo.py") in imports_up_the_map(found, moved)
+    lazy = tmp_path / "algo.py"
+    lazy.write_text("def f():\n    from ppokit.trainer import PPOTrainer\n")
+    assert imports("ppokit.training.algo", lazy, set(found)) == {"ppokit.trainer"}
+
+
+def test_the_top_level_keeps_at_most_twelve_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+
+
+@pytest.mark.parametrize("statement", [
+    "from ppokit import PPOTrainer, PPOConfig, PPOHyperparams, RewardConfig, DataConfig, UserError, __version__",
+    "from ppokit.environments import Tools, GuessNumber, run_python",
+    "from ppokit.rewards import sentiment, ExactMatch, MathEquivalence, RewardSource, ScoringBatch",
+    "from ppokit.trainer import PPOTrainer",
+])
+def test_the_import_paths_users_write_keep_working(statement):
+    subprocess.run([sys.executable, "-c", statement], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("spec", ["ppokit.environments:Tools", "ppokit.environments:GuessNumber",
+                                  "ppokit.environments:run_python", "ppokit.rewards:sentiment"])
+def test_the_specs_configs_name_keep_loading(spec):
+    from ppokit.user_code import load_attribute
+
+    name, loaded = load_attribute(spec, None, "spec", "object", "module:NAME")
+    assert name == spec.rpartition(":")[2] and loaded is not None
