@@ -347,7 +347,8 @@ def test_the_program_acts_on_ctrl_c_before_it_imports_anything_of_its_own_beyond
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.replace("'", '"')) == [
-        "ppokit", "ppokit.cli", "ppokit.process.cpu_threads", "ppokit.errors", "ppokit.process.interrupts", "ppokit.version"]
+        "ppokit", "ppokit.cli", "ppokit.errors", "ppokit.process", "ppokit.process.cpu_threads", "ppokit.process.interrupts",
+        "ppokit.version"]  # ppokit.process: the package, a docstring
 
 
 def _mapped(pid: int, library: str) -> bool:
