@@ -276,7 +276,7 @@ MUTATIONS = [
              "        if sharded is not None:", "        if False:",
              ("tests/test_config.py::test_lora_refuses_the_peft_releases_it_does_not_work_with",),
              "LoRA under fsdp starts with a peft release whose forward fails on the sharded embedding"),
-    Mutation("overlap_window_from_the_trainer_waking", "src/ppokit/training/off_policy.py",
+    Mutation("overlap_window_from_the_trainer_waking", "src/ppokit/training/sampler.py",
              "        self._window_start = max(started, job.ran[1])", "        self._window_start = time.perf_counter()",
              ("tests/test_off_policy.py::test_the_overlap_counts_from_when_the_episodes_were_ready_not_when_the_trainer_woke",),
              "time/overlap counts from when the trainer's thread woke, not when its episodes were ready (0 on a loaded machine)"),

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ppokit.training import algo, off_policy
+from ppokit.training import algo, sampler
 from ppokit.training.episodes import Episodes
 
 
@@ -86,17 +86,17 @@ def test_the_trainers_loss_is_the_decoupled_loss():
     (2, 2, [0, 0, 2, 2, 4, 4, 6]),
 ])
 def test_the_sampling_schedule(k, save_steps, want):
-    got = [off_policy.sampling_version(u, k, save_steps) for u in range(7)]
+    got = [sampler.sampling_version(u, k, save_steps) for u in range(7)]
     assert got == want
     assert all(0 <= u - v <= k for u, v in enumerate(got))
 
 
 def test_staleness_metrics_and_the_bound():
-    assert off_policy.staleness_metrics(5, torch.tensor([4, 4, 3, 5]), 2) == {"rollout/staleness_mean": 1.0, "rollout/staleness_max": 2.0}
+    assert sampler.staleness_metrics(5, torch.tensor([4, 4, 3, 5]), 2) == {"rollout/staleness_mean": 1.0, "rollout/staleness_max": 2.0}
     with pytest.raises(RuntimeError, match=r"update 6: episodes sampled with weight versions \[2, 4\], outside \[3, 5\]"):
-        off_policy.staleness_metrics(5, torch.tensor([4, 2]), 2)
+        sampler.staleness_metrics(5, torch.tensor([4, 2]), 2)
     with pytest.raises(RuntimeError, match="outside"):
-        off_policy.staleness_metrics(5, torch.tensor([6]), 2)
+        sampler.staleness_metrics(5, torch.tensor([6]), 2)
 
 
 class RecordingEngine:
@@ -135,16 +135,33 @@ class RecordingEngine:
                         logprobs=torch.zeros(2, 1), ended=torch.ones(2, dtype=torch.bool), score_index=torch.zeros(2, dtype=torch.long))
 
 
+class RecordingRollout:
+    """The rollout a sampler holds: samples with its engine (a batch sampled ahead: with the `SeededEngine` over it)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def over(self, engine):
+        return RecordingRollout(engine)
+
+
+class RecordingPrompts:
+    process = 0
+
+    def sample(self, rollout, update):
+        return rollout.engine.sample(update, rollout.engine)
+
+
 def run_schedule(k, save_steps, updates, start=0, sample_seconds=0.0, train_seconds=0.0):
     engine = RecordingEngine(sample_seconds)
     engine.version = start
-    ahead = off_policy.build(k, save_steps=save_steps, num_updates=lambda: updates, engine=engine, seed=0, process=0)
+    ahead = sampler.build(RecordingRollout(engine), RecordingPrompts(), max_staleness=k, save_steps=save_steps, seed=0)
     records = []
     try:
         for update in range(start, updates):
-            episodes, metrics = ahead.episodes(update, engine.sample)
+            episodes, metrics = ahead.episodes(update, updates)
             assert episodes.response_ids[0, 0].item() == update  # the update's own batch
-            with ahead.training(engine, None):
+            with ahead.training(None):
                 time.sleep(train_seconds)
             version = None if episodes.weight_version is None else episodes.weight_version.tolist()
             records.append({"update": update, "version": version, **metrics})
@@ -156,7 +173,7 @@ def run_schedule(k, save_steps, updates, start=0, sample_seconds=0.0, train_seco
 @pytest.mark.parametrize("k, save_steps", [(1, 0), (2, 0), (1, 3), (2, 2)])
 def test_each_batch_is_sampled_by_the_version_of_the_schedule_and_tagged_with_it(k, save_steps):
     engine, records = run_schedule(k, save_steps, 7)
-    want = [off_policy.sampling_version(u, k, save_steps) for u in range(7)]
+    want = [sampler.sampling_version(u, k, save_steps) for u in range(7)]
     seen = {update: version for kind, *rest in engine.events if kind == "sampled" for update, version in [rest]}
     assert [seen[u] for u in range(7)] == want  # what the engine held when the batch was sampled
     assert [r["version"] for r in records] == [[v, v] for v in want]  # what the episodes carry
@@ -198,7 +215,7 @@ def test_the_overlap_counts_from_when_the_episodes_were_ready_not_when_the_train
     assert records[0]["time/generation_wait"] < 0.45, records
 
 
-def test_the_synchronous_schedule_adds_nothing():
+def test_the_on_policy_sampler_adds_nothing():
     engine, records = run_schedule(0, 0, 3)
     assert [(kind, *rest) for kind, *rest in engine.events] == [("sampled", 0, 0), ("push", 1), ("sampled", 1, 1), ("push", 2),
                                                                  ("sampled", 2, 2), ("push", 3)]

@@ -30,7 +30,7 @@ from ppokit.process import parallel, random_states
 
 from ppokit.run import run_dir
 
-from ppokit.training import evaluation, experience, off_policy
+from ppokit.training import evaluation, experience, sampler
 from ppokit.config.schema import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
 from ppokit.training.episodes import Episodes, repeat_each
@@ -41,7 +41,6 @@ from ppokit.metrics.sinks import open_sinks
 from ppokit.metrics.values import objective_metrics
 from ppokit.training.optimise import ppo_epochs
 from ppokit.training.parts import Parts, assemble
-from ppokit.data.prompts import batch_indices
 from ppokit.run.saving import Saving
 from ppokit.run.state import TrainingState
 
@@ -78,8 +77,9 @@ class PPOTrainer:
             eval_dataset=eval_dataset, accelerator=accelerator, show_progress=show_progress, overwrite=overwrite)
         self.state = TrainingState()
         run = self.config  # the run's validated copy (`parts.run_config`), not the caller's object
-        self.off_policy = off_policy.build(run.rollout.max_staleness, save_steps=run.ppo.save_steps, num_updates=lambda: self.sizes.num_updates,
-                                           engine=self.rollout_engine, seed=run.seed, process=self.accelerator.process_index)
+        prompts = sampler.UpdatePrompts(self.train_data, self.train_query_ids, self.sizes.prompts_per_update, self.sizes.samples_per_prompt,
+                                        run.seed, self.accelerator.process_index, self.accelerator.num_processes)
+        self.sampler = sampler.build(self.rollout, prompts, max_staleness=run.rollout.max_staleness, save_steps=run.ppo.save_steps, seed=run.seed)
         self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
         self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
@@ -91,8 +91,7 @@ class PPOTrainer:
 
     def batch_indices(self, update: int) -> list[int]:
         """Prompt indices of update `update` (0-based) on this process (`prompts.batch_indices`)."""
-        return batch_indices(update, len(self.train_data), self.sizes.prompts_per_update, self.config.seed,
-                             self.accelerator.process_index, self.accelerator.num_processes)
+        return self.sampler.prompts.indices(update)
 
     # ------------------------------------------------------------------ one update
 
@@ -106,8 +105,8 @@ class PPOTrainer:
         indices = self.batch_indices(state.update)
         prompts, columns = parts.train_data.rows(repeat_each(indices, n))  # n samples of each prompt, in adjacent rows
 
-        # 1. generate (now, or taken from what was sampled ahead: rollout.max_staleness, ppokit.training.off_policy)
-        episodes, ahead = self.off_policy.episodes(state.update, self._sample)
+        # 1. generate (now, or taken from what was sampled ahead: rollout.max_staleness, ppokit.training.sampler)
+        episodes, ahead = self.sampler.episodes(state.update, parts.sizes.num_updates)
         t_generate = time.perf_counter()
 
         # 2. score
@@ -160,15 +159,11 @@ class PPOTrainer:
                             evaluation.transcripts(episodes))
         return record
 
-    def _sample(self, update: int, engine=None) -> Episodes:  # update's episodes, by the rollout's engine or `engine`
-        samples = repeat_each(self.batch_indices(update), self.sizes.samples_per_prompt)
-        return self.rollout.sample([self.train_query_ids[i] for i in samples], *self.train_data.rows(samples), update=update, engine=engine)
-
     def optimise(self, episodes: Episodes) -> dict[str, float]:
         """num_ppo_epochs passes over minibatches (ppokit.training.optimise) -> the loss statistics; the first critic_warmup_updates
         move only the critic. The engine gives its memory to the training meanwhile and is sent the new weights after."""
         parts, hp = self.parts, self.config.ppo
-        with self.off_policy.training(parts.rollout_engine, parts.policy):
+        with self.sampler.training(parts.policy):
             return ppo_epochs(parts.model, parts.optimizer, parts.scheduler, episodes, hp, parts.sizes, parts.strategy, parts.reduce,
                               train_policy=self.state.update >= hp.critic_warmup_updates,
                               on_skipped_step=lambda bad: self._progress(f"update {self.state.update + 1}: an optimiser step skipped, {bad}"))
@@ -192,7 +187,7 @@ class PPOTrainer:
                 raise
             raise said from None
         finally:
-            self.off_policy.close()
+            self.sampler.close()
             self.rollout_engine.close()
             self.saving.close()
         return self.state.records

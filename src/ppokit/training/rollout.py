@@ -12,6 +12,7 @@ The engine is held here once, by the episode source (`engine`).
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -20,7 +21,6 @@ from ppokit.training import experience
 from ppokit.engines.base import Sampling
 from ppokit.environments.episode_loop import Conversation, EpisodeSeeds, data_rows, episode_source
 from ppokit.training.episodes import Episodes
-from ppokit.training.off_policy import with_engine
 
 
 class Rollout:
@@ -48,14 +48,21 @@ class Rollout:
         """The rollout engine (`engines.base.RolloutEngine`)."""
         return self.source.engine
 
+    def over(self, engine) -> "Rollout":
+        """This rollout sampling with `engine` in place of its own (`sampler.SeededEngine`, for batches sampled ahead)."""
+        other = copy.copy(self)
+        other.source = copy.copy(self.source)
+        other.source.engine = engine
+        return other
+
     def sample(self, query_ids: list[list[int]], prompts: list[str], columns: dict, purpose: str = "train",
-               update: Optional[int] = None, engine=None) -> Episodes:
-        """One response per query by the rollout engine (or by `engine` in its place: `off_policy.SeededEngine`), or with
-        an `environment` a multi-turn episode over it (what it said in the episodes too), the data rows (`prompts`,
-        `columns`) given to its reset. update: the update the episodes are for (their seeds: `EpisodeSeeds`, this
-        process's rows numbered after the processes' before it); None: seeds drawn from torch's generator."""
+               update: Optional[int] = None) -> Episodes:
+        """One response per query by the rollout engine, or with an `environment` a multi-turn episode over it (what it
+        said in the episodes too), the data rows (`prompts`, `columns`) given to its reset. update: the update the
+        episodes are for (their seeds: `EpisodeSeeds`, this process's rows numbered after the processes' before it);
+        None: seeds drawn from torch's generator."""
         seeds = None if update is None else EpisodeSeeds(self.seed, update, purpose, first_row=self.process_index * len(query_ids))
-        return with_engine(self.source, engine).sample(query_ids, data_rows(prompts, columns), self.sampling[purpose], seeds)
+        return self.source.sample(query_ids, data_rows(prompts, columns), self.sampling[purpose], seeds)
 
     def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> experience.Scored:
         """The reward sources on the episodes (`experience.score`)."""

@@ -1,6 +1,13 @@
-"""Rollouts sampled ahead of training (`rollout.max_staleness: k`): the episodes of updates u+1 ... u+k are sampled by
-an engine outside the trainer's process while update u trains, and trained at most k weight versions after the
-weights that sampled them.
+"""Stage 1 of every update, decided once at set-up: the sampler. It holds the rollout (and through it the engine),
+which prompts each update samples, and when its episodes are sampled; it answers the trainer's two questions:
+
+    episodes, metrics = sampler.episodes(update, num_updates)   # this update's episodes (sampled now, or earlier)
+    with sampler.training(policy):                              # the optimiser's steps; the engine samples with the
+        ...                                                     # new weights after the block
+
+    OnPolicy   rollout.max_staleness 0: each update samples its episodes from the current weights, trains, pushes
+    Ahead      k >= 1: the episodes of updates u+1 ... u+k are sampled by an engine outside the trainer's process
+               while update u trains, and trained at most k weight versions after the weights that sampled them
 
 A weight version is the number of updates whose weights the engine holds (0: the start's). Batch b (the episodes of
 update b, 0-based) is sampled with version `sampling_version(b)`:
@@ -17,25 +24,45 @@ waits for those in flight before the weights change (a batch is sampled by one v
 completion of another) and pushes the new weights. The loss for the stale episodes is the decoupled PPO loss
 (`algo.decoupled_policy_loss`): the trainer's recomputed logprobs are the proximal policy (the PPO ratio's), the
 engine's the behaviour policy, whose mismatch `ppo.rollout_is` corrects (`engines.correction`).
-
-`Synchronous` (k = 0) is today's run: sample now, train, push.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from ppokit.data.prompts import PromptDataset, batch_indices
 from ppokit.engines.base import RolloutEngine, generate, request_seed, training_between_rollouts
-from ppokit.training.episodes import Episodes
+from ppokit.training.episodes import Episodes, repeat_each
+from ppokit.training.rollout import Rollout
 
-Sample = Callable[[int, Optional[RolloutEngine]], Episodes]  # (update, the engine to sample with or None: the rollout's) -> its episodes
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePrompts:
+    """Which training prompts each update samples on this process (`prompts.batch_indices`: by (seed, update), so the
+    update counter is the data position), each repeated for its n adjacent samples."""
+
+    data: PromptDataset
+    query_ids: list[list[int]]  # every training prompt's token ids
+    prompts_per_update: int  # over every process
+    samples_per_prompt: int
+    seed: int
+    process: int
+    processes: int
+
+    def indices(self, update: int) -> list[int]:
+        """The prompt indices of `update` (0-based) on this process."""
+        return batch_indices(update, len(self.data), self.prompts_per_update, self.seed, self.process, self.processes)
+
+    def sample(self, rollout: Rollout, update: int) -> Episodes:
+        """The episodes of `update` sampled by `rollout`, seeded by (run seed, update, row, turn)."""
+        rows = repeat_each(self.indices(update), self.samples_per_prompt)
+        return rollout.sample([self.query_ids[i] for i in rows], *self.data.rows(rows), update=update)
 
 
 def sampling_version(update: int, max_staleness: int, save_steps: int) -> int:
@@ -56,14 +83,17 @@ def staleness_metrics(update: int, weight_versions: torch.Tensor, max_staleness:
             "rollout/staleness_max": staleness.max().item() if staleness.numel() else 0.0}
 
 
-class Synchronous:
+class OnPolicy:
     """k = 0: each update samples its episodes from the current weights, trains, then pushes (`training_between_rollouts`)."""
 
-    def episodes(self, update: int, sample: Sample) -> tuple[Episodes, dict]:
-        return sample(update, None), {}
+    def __init__(self, rollout: Rollout, prompts: UpdatePrompts):
+        self.rollout, self.prompts = rollout, prompts
 
-    def training(self, engine: RolloutEngine, policy):
-        return training_between_rollouts(engine, policy)
+    def episodes(self, update: int, num_updates: int) -> tuple[Episodes, dict]:
+        return self.prompts.sample(self.rollout, update), {}
+
+    def training(self, policy):
+        return training_between_rollouts(self.rollout.engine, policy)
 
     def close(self) -> None:
         pass
@@ -77,32 +107,34 @@ class _Job:
 
 
 class Ahead:
-    """k >= 1: batches sampled ahead by one worker thread (module docstring). `episodes(update, sample)` returns the
+    """k >= 1: batches sampled ahead by one worker thread (module docstring). `episodes(update, num_updates)` returns the
     update's episodes, each tagged with its `weight_version`, and its metrics (staleness; the wait; the generation /
     training overlap, from the moment the update's episodes were ready to the end of its training, is added when
-    `training` ends, before the record is written); `training(engine, policy)` wraps the
-    optimisation: the batches in flight finish with the old weights, then the new are pushed.
+    `training` ends, before the record is written); `training(policy)` wraps the optimisation: the batches in flight
+    finish with the old weights, then the new are pushed.
 
-    sample(update, engine): the episodes of `update` sampled with `engine` (here a `SeededEngine`: seeds keyed by
-    (seed, update, process, call, row), so no draw from torch's shared generator happens on this thread)."""
+    The worker samples through the rollout over a `SeededEngine` (seeds keyed by (seed, update, process, call, row)),
+    so no draw from torch's shared generator happens on its thread."""
 
-    def __init__(self, max_staleness: int, save_steps: int, num_updates: Callable[[], int], engine: RolloutEngine, *, seed: int, process: int):
-        self.k, self.save_steps, self.num_updates = max_staleness, save_steps, num_updates
-        self.engine, self.seed, self.process = engine, seed, process
+    def __init__(self, rollout: Rollout, prompts: UpdatePrompts, max_staleness: int, save_steps: int, *, seed: int):
+        self.k, self.save_steps, self.prompts = max_staleness, save_steps, prompts
+        self.engine, self.seed = rollout.engine, seed
+        self._seeded = SeededEngine(rollout.engine)
+        self._rollout = rollout.over(self._seeded)  # built once; the one worker thread re-keys its engine per batch
         self.version: Optional[int] = None  # the weights the engine holds, in updates (set when the run starts or resumes)
         self._jobs: dict[int, _Job] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppokit-ahead")
         self._metrics: dict = {}
         self._window_start = 0.0
 
-    def _launch(self, update: int, sample: Sample) -> None:
+    def _launch(self, update: int) -> None:
         job = _Job(self.version, None)
-        engine = SeededEngine(self.engine, (self.seed, update, self.process))
 
         def run() -> Episodes:
             job.ran.append(time.perf_counter())
             try:
-                episodes = sample(update, engine)
+                self._seeded.key((self.seed, update, self.prompts.process))
+                episodes = self.prompts.sample(self._rollout, update)
             finally:
                 job.ran.append(time.perf_counter())
             episodes.weight_version = torch.full((len(episodes),), job.version, dtype=torch.long, device=episodes.query_ids.device)
@@ -111,13 +143,14 @@ class Ahead:
         job.future = self._pool.submit(run)
         self._jobs[update] = job
 
-    def episodes(self, update: int, sample: Sample) -> tuple[Episodes, dict]:
+    def episodes(self, update: int, num_updates: int) -> tuple[Episodes, dict]:
+        """num_updates: the run's updates (a resumed run may continue to another length): nothing is sampled past them."""
         started = time.perf_counter()
         if self.version is None:
             self.version = update  # the start or a resume: the engine holds this update's weights
-        for b in range(update, min(update + self.k, self.num_updates() - 1) + 1):
+        for b in range(update, min(update + self.k, num_updates - 1) + 1):
             if b not in self._jobs and sampling_version(b, self.k, self.save_steps) <= self.version:
-                self._launch(b, sample)
+                self._launch(b)
         job = self._jobs.pop(update)
         episodes = job.future.result()
         # The update's own time starts when its episodes were ready (or when it asked, if later), not when this thread
@@ -127,7 +160,8 @@ class Ahead:
         return episodes, self._metrics
 
     @contextlib.contextmanager
-    def training(self, engine: RolloutEngine, policy):
+    def training(self, policy):
+        engine = self.engine
         engine.release()
         try:
             yield
@@ -151,11 +185,16 @@ class Ahead:
 
 class SeededEngine:
     """An engine whose `generate` sends seeded requests: request i of call c sampled with request_seed(*key, c, i), key
-    (run seed, update, process). The tokens are then a function of the weights, the prompts and the key alone, not of
-    torch's shared generator (which the training thread draws from meanwhile). Everything else is the engine's."""
+    (run seed, update, process), calls counted from the last `key`. The tokens are then a function of the weights, the
+    prompts and the key alone, not of torch's shared generator (which the training thread draws from meanwhile).
+    Everything else is the engine's."""
 
-    def __init__(self, engine: RolloutEngine, key: tuple[int, ...]):
-        self._engine, self._key, self._calls = engine, key, 0
+    def __init__(self, engine: RolloutEngine):
+        self._engine, self._key, self._calls = engine, (), 0
+
+    def key(self, key: tuple[int, ...]) -> None:
+        """Seed what follows by `key` (a batch's: run seed, update, process)."""
+        self._key, self._calls = key, 0
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
@@ -172,18 +211,8 @@ class SeededEngine:
         return generate(self, prompts, sampling, self._engine.pad_token_id, self._engine.device)  # through `submit`
 
 
-def build(max_staleness: int, *, save_steps: int, num_updates: Callable[[], int], engine: RolloutEngine, seed: int, process: int):
-    """The run's sampling schedule: `Synchronous` for k = 0, else `Ahead`. num_updates: the run's updates, asked when
-    needed (a resumed run may continue to another length)."""
+def build(rollout: Rollout, prompts: UpdatePrompts, *, max_staleness: int, save_steps: int, seed: int):
+    """The run's sampler: `OnPolicy` for k = 0, else `Ahead`."""
     if not max_staleness:
-        return Synchronous()
-    return Ahead(max_staleness, save_steps, num_updates, engine, seed=seed, process=process)
-
-
-def with_engine(source, engine: Optional[RolloutEngine]):
-    """The episode source `source` (`episode_loop.episode_source`) sampling with `engine` in place of its own (None: itself)."""
-    if engine is None:
-        return source
-    seeded = copy.copy(source)
-    seeded.engine = engine
-    return seeded
+        return OnPolicy(rollout, prompts)
+    return Ahead(rollout, prompts, max_staleness, save_steps, seed=seed)
