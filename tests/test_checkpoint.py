@@ -45,6 +45,8 @@ VARIANTS = {
     "gae": {},
     "grpo_n4": dict(advantage_estimator="grpo", num_samples_per_prompt=4),
     "gae_critic_warmup": dict(critic_warmup_updates=3, vf_learning_rate=3e-3),  # the checkpoint (update 2) is inside the warm-up
+    # TRL's cosine with a floor and its AdamW betas: the schedule and the optimiser's state carry over exactly too
+    "cosine_min_lr_betas": dict(lr_scheduler_type="cosine_with_min_lr", min_lr_rate=0.1, warmup_steps=2, adam_beta1=0.8, adam_beta2=0.99),
 }
 
 # docs/speed.md's switches: trimmed token-budget micro-batches (2 rows of the longest row) and the light LM head.

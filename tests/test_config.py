@@ -48,7 +48,7 @@ def test_yaml_and_overrides(tmp_path):
         ("ppo.cliprange=-1", "ppo.cliprange: value -1.0 is out of range, it must be in (0, 3.4e38]"),
         ("ppo.kl_estimator=k4", "ppo.kl_estimator: value 'k4' is out of range, it must be one of k1, k2, k3"),
         ("reward.on_error=ignore", "reward.on_error: value 'ignore' is out of range, it must be one of raise, skip"),
-        ("ppo.lr_scheduler_type=cosine", "ppo.lr_scheduler_type: value 'cosine' is out of range, it must be one of linear, constant"),
+        ("ppo.lr_scheduler_type=polynomial", "ppo.lr_scheduler_type: value 'polynomial' is out of range, it must be one of linear, constant, cosine, cosine_with_min_lr"),
         ("ppo.num_ppo_epochs=two", "ppo.num_ppo_epochs: expected an integer"),
         ("ppo.gamma=1.5", "ppo.gamma: value 1.5 is out of range, it must be in [0, 1]"),
         ("data.eval_fraction=1", "data.eval_fraction: value 1.0 is out of range, it must be in [0, 1)"),
