@@ -20,13 +20,13 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from ppokit.dataclass_config import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
+from ppokit.dataclass_config import ConfigFile, OtherConfig, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.engines import ENGINES
 from ppokit.errors import UserError
 from ppokit.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
 from ppokit.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.trackers import TRACKERS
-from ppokit.trl_grpo_names import TRL_GRPO_NAMES
+from ppokit.trl_grpo_names import GRPO_ADVICE, GRPO_ONLY_NAMES, TRL_GRPO_NAMES
 
 
 positive = rule("> 0", lambda v: v > 0)
@@ -453,6 +453,7 @@ class PPOConfig:
     """Everything a PPO run needs. Load with `PPOConfig.load(path, overrides)` or build directly."""
 
     OTHER_NAMES = {**TRL_PPO_NAMES, **TRL_GRPO_NAMES}  # not a field (no annotation): hints for unknown keys (dataclass_config.unknown_keys)
+    OTHER_CONFIGS = (OtherConfig(GRPO_ONLY_NAMES, GRPO_ADVICE),)  # not a field: what a TRL GRPO config needs besides its keys
 
     model: Optional[str] = doc(None, "Policy to start from (local path or hub id), usually an SFT model.")
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
