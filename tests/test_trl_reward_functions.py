@@ -217,7 +217,7 @@ NONE_BATCH = dict(prompts=["a", "b", "c", "d"], completions=["yes it is", "no", 
                   columns={"solution": ["yes", None, None, "yes"]})
 
 
-def _trls_rewards(functions, weights) -> "torch.Tensor":
+def _trls_rewards(functions, weights):
     """TRL 1.16's own rewards_per_func, by GRPOTrainer._calculate_rewards itself (None -> NaN), on a stand-in trainer;
     then its combination in _generate_and_score_completions (sum_then_normalize): the weighted nansum, NaN for a row
     that no function scored."""
