@@ -52,6 +52,8 @@ def test_a_trl_grpo_config_becomes_a_ppokit_config_that_trains_grpo(tmp_path, ca
     text = out.read_text()
     assert "advantage_estimator: grpo  # TRL's GRPOTrainer: group-relative advantages, no value model" in text
     assert "num_ppo_epochs: 1  # TRL's default num_iterations: 1" in text
+    assert "  num_samples_per_prompt: 4  # num_generations: 4\n" in text and "  learning_rate: 1.0e-06\n" in text  # moved as named
+    assert "\nseed: 7\n" in text
     # the translation, one TRL key a line on stderr
     lines = err.splitlines()
     assert lines[0] == f"from-trl: {tmp_path / 'trl_grpo.yaml'}, TRL's GRPO config, as ppokit's:"
@@ -92,10 +94,10 @@ def test_trls_defaults_are_the_installed_trls_and_differ_from_ppokits():
         "  push_to_hub: true: ppokit has no such key",
         "  vllm_mode: nonsense: TRL's GRPO name; ppokit knows the values colocate, server of vllm_mode, not nonsense"]),
     ({"num_generations": 4, "ppo": {"num_samples_per_prompt": 8}}, [
-        "  ppo.num_samples_per_prompt: num_generations: 4 sets 4, as written sets 8"]),
+        "  ppo.num_samples_per_prompt: 4 from `num_generations: 4`, 8 from `ppo.num_samples_per_prompt: 8`"]),
     ({"use_vllm": False, "vllm_importance_sampling_correction": False, "vllm_importance_sampling_mode": "sequence_truncate"}, [
-        "  ppo.rollout_is: vllm_importance_sampling_correction: false sets null, vllm_importance_sampling_mode: sequence_truncate sets "
-        "tis_sequence"]),
+        "  ppo.rollout_is: null from `vllm_importance_sampling_correction: false`, tis_sequence from "
+        "`vllm_importance_sampling_mode: sequence_truncate`"]),
     ({"disable_dropout": False}, ["  disable_dropout: false: TRL's GRPO name; ppokit has no equivalent of false"]),
 ])
 def test_what_cannot_be_translated_is_refused_a_key_a_line_and_nothing_is_written(tmp_path, capsys, trl, lines):

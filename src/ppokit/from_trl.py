@@ -72,19 +72,21 @@ class Translation:
             else:
                 top.append((key, setting))
         out = [f"# ppokit's config from the TRL GRPO config {source} (ppokit from-trl); docs/trl.md"]
-        out += [_yaml_line(key, setting, "") for key, setting in top]
+        out += [_yaml_line(key, key, setting, "") for key, setting in top]
         for section, items in nested.items():
             out.append(f"{section}:")
-            out += [_yaml_line(leaf, setting, "  ") for leaf, setting in items]
+            out += [_yaml_line(f"{section}.{leaf}", leaf, setting, "  ") for leaf, setting in items]
         return "\n".join(out) + "\n"
 
 
-def _yaml_line(key: str, setting: Setting, indent: str) -> str:
+def _yaml_line(key: str, leaf: str, setting: Setting, indent: str) -> str:
+    """`leaf: value`, with a comment naming what set it unless that is the same key and value (ppokit's own, or a name
+    that ppokit spells the same in a section)."""
     value = yaml.safe_dump(setting.value, default_flow_style=True, width=10**9).strip()
     if value.endswith("\n..."):  # a plain scalar's document end marker
         value = value[: -len("\n...")]
-    comment = "" if setting.origin == "as written" else f"  # {setting.origin}"
-    return f"{indent}{key}: {value}{comment}"
+    own = setting.origin in (f"{name}: {yaml_value(setting.value)}" for name in (key, leaf))
+    return f"{indent}{leaf}: {value}" + ("" if own else f"  # {setting.origin}")
 
 
 def translate(trl: dict, source: str = "the file") -> Translation:
@@ -103,9 +105,9 @@ def translate(trl: dict, source: str = "the file") -> Translation:
         if before is None or (before.implied and not implied):
             settings[key] = Setting(value, origin, implied)
         elif before.value != value and not implied:
-            conflicts.append(f"  {key}: {before.origin} sets {yaml_value(before.value)}, {origin} sets {yaml_value(value)}")
+            conflicts.append(f"  {key}: {yaml_value(before.value)} from `{before.origin}`, {yaml_value(value)} from `{origin}`")
 
-    def put_equivalent(name: str, value: Any, said: Equivalent, origin: str) -> None:
+    def put_equivalent(said: Equivalent, origin: str) -> None:
         for key, v in said.settings:
             put(key, v, origin, implied=key in said.implied)
         shown = ", ".join(f"{key}: {yaml_value(v)}" for key, v in said.settings) or "nothing to set"
@@ -121,7 +123,7 @@ def translate(trl: dict, source: str = "the file") -> Translation:
         elif name in TRL_GRPO_EQUIVALENTS:
             said = TRL_GRPO_EQUIVALENTS[name](value)
             if isinstance(said, Equivalent):
-                put_equivalent(name, value, said, origin)
+                put_equivalent(said, origin)
             else:
                 refused.append(f"  {origin}: {describe(said)}")
         elif name in TRL_GRPO_NAMES:  # no equivalent
@@ -129,9 +131,9 @@ def translate(trl: dict, source: str = "the file") -> Translation:
         elif name in top_level:
             if name in sections and isinstance(value, dict):  # a ppokit section written in the file: its keys as written
                 for key, v in value.items():
-                    put(f"{name}.{key}", v, "as written")
+                    put(f"{name}.{key}", v, f"{name}.{key}: {yaml_value(v)}")
             else:
-                put(name, value, "as written")
+                put(name, value, origin)
         elif name in MODEL_AND_DATA:
             if name.startswith("lora_") and not use_peft:
                 lines.append(f"  {origin}  ->  nothing (TRL reads it only with use_peft: true)")
@@ -143,7 +145,7 @@ def translate(trl: dict, source: str = "the file") -> Translation:
             lines.append(f"  {origin}  ->  {key}: {yaml_value(value)}")
         elif len(elsewhere.get(name, [])) == 1:  # the same name in one of ppokit's sections
             key = elsewhere[name][0]
-            put(key, value, "as written")
+            put(key, value, origin)
             lines.append(f"  {origin}  ->  {key}: {yaml_value(value)}")
         else:
             refused.append(f"  {origin}:{top_level_hint(PPOConfig, name, value) or ' ppokit has no such key'}")
@@ -159,7 +161,7 @@ def translate(trl: dict, source: str = "the file") -> Translation:
     if any(name in trl for name in SERVER):
         address = server_address(trl.get("vllm_server_host", "0.0.0.0"), trl.get("vllm_server_port", 8000))
         origin = ", ".join(f"{name}: {yaml_value(trl[name])}" for name in SERVER if name in trl)
-        put_equivalent("", None, Equivalent((("rollout.engine", "vllm"), ("rollout.placement", "servers"), ("rollout.servers", [address])),
+        put_equivalent(Equivalent((("rollout.engine", "vllm"), ("rollout.placement", "servers"), ("rollout.servers", [address])),
                                             implied=("rollout.engine", "rollout.placement")), origin)
     for key, value in GRPO_TRAINER:
         put(key, value, GRPO_TRAINER_NOTE)
@@ -168,7 +170,7 @@ def translate(trl: dict, source: str = "the file") -> Translation:
         said = _default_equivalent(name, default, elsewhere)
         if name in trl or any(key in settings for key, _ in said.settings):
             continue  # the file sets it (as TRL's name or as ppokit's)
-        put_equivalent(name, default, said, f"TRL's default {name}: {yaml_value(default)}")
+        put_equivalent(said, f"TRL's default {name}: {yaml_value(default)}")
     problems = []
     if refused:
         problems.append(f"{source}: no ppokit translation for these keys (remove them, or set what they ask by hand):\n" + "\n".join(refused))
