@@ -94,8 +94,6 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     set_seed(config.seed)
     show_progress = show_progress and accelerator.is_main_process
     say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
-    # the run's first line: what trains (a TRL GRPO config translated without ppo.advantage_estimator once trained GAE unsaid)
-    say(f"ppo.advantage_estimator: {config.ppo.estimator.name} ({config.ppo.estimator.doc})")
 
     train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
@@ -124,9 +122,6 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     reward_vocabulary = None if scorer.reward_model is None else scorer.reward_model_shares_vocabulary(tokenizer)
     layout = roles.decide_roles(config, reward_vocabulary=reward_vocabulary, ref_model_given=ref_model is not None,
                                 value_model_given=value_model is not None)
-    if layout.has_critic:
-        own = f" {config.value_model}" if layout.critic == roles.CRITIC_OWN and config.value_model else ""
-        say(f"value model (the critic): {layout.critic}{own}" + (", training a LoRA adapter" if layout.critic_adapter else ""))
     given = dict(model=model, ref_model=ref_model, value_model=value_model)
     readers = roles.configs_reading_policy_ids(layout, config, scorer, reward_vocabulary, **given)
     pad_id = input_pad_id(tokenizer, readers.values())
@@ -134,6 +129,12 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     check_prompts_fit(readers, positions, [("data.train", train_data, train_query_ids), ("data.eval", eval_data, eval_query_ids)],
                       room, limit, tokenizer, stop_token_ids)
 
+    # What trains, once every start-up check has passed and before the weights load (a TRL GRPO config translated without
+    # ppo.advantage_estimator once trained GAE with a critic unsaid): the run's first lines.
+    say(f"ppo.advantage_estimator: {config.ppo.estimator.name} ({config.ppo.estimator.doc})")
+    if layout.has_critic:
+        own = f" {config.value_model}" if layout.critic == roles.CRITIC_OWN and config.value_model else ""
+        say(f"value model (the critic): {layout.critic}{own}" + (", training a LoRA adapter" if layout.critic_adapter else ""))
     built = roles.build_roles(layout, config, scorer, **given)
     trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, sizes, lm_head_chunk_size=config.lm_head_chunk_size,
                                                      compile=config.compile, unwrap=accelerator.unwrap_model)
