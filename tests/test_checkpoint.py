@@ -45,6 +45,8 @@ VARIANTS = {
     "gae": {},
     "grpo_n4": dict(advantage_estimator="grpo", num_samples_per_prompt=4),
     "gae_critic_warmup": dict(critic_warmup_updates=3, vf_learning_rate=3e-3),  # the checkpoint (update 2) is inside the warm-up
+    # TRL's cosine with a floor and its AdamW betas: the schedule and the optimiser's state carry over exactly too
+    "cosine_min_lr_betas": dict(lr_scheduler_type="cosine_with_min_lr", min_lr_rate=0.1, warmup_steps=2, adam_beta1=0.8, adam_beta2=0.99),
 }
 
 # docs/speed.md's switches: trimmed token-budget micro-batches (2 rows of the longest row) and the light LM head.
@@ -471,7 +473,7 @@ DAMAGE = {
     "rng not rng": (lambda c: torch.save({"python": 1}, c / "rng.pt"), "rng.pt: not a list of RNG states, one per process"),
     "config missing": (lambda c: (c / "config.yaml").unlink(), "config.yaml: missing"),
     "config garbage": (lambda c: (c / "config.yaml").write_text("- this\n- is not\n- a config\n"), "config.yaml: list, not a mapping of config keys"),
-    "config of another tool": (lambda c: (c / "config.yaml").write_text("learning_rate: 0.1\nepochs: 3\n"), "config.yaml: unknown config keys learning_rate"),
+    "config of another tool": (lambda c: (c / "config.yaml").write_text("learning_rate: 0.1\nepochs: 3\n"), "config.yaml: unknown config keys: learning_rate (did you mean ppo.learning_rate?); epochs; known keys here: model, "),
     "config cut short": (lambda c: (c / "config.yaml").write_text("ppo:\n  kl_coef: [0.05\n"), "config.yaml: not valid YAML"),
     "metrics cut short": (lambda c: _cut(c / "metrics.jsonl", 0.9), "metrics.jsonl: line 4 is not valid JSON (cut short?)"),
     "metrics short of records": (lambda c: (c / "metrics.jsonl").write_text((c / "metrics.jsonl").read_text().split("\n", 1)[1]),

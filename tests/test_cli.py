@@ -282,7 +282,8 @@ DATA_FILES = {  # one file of each stage's data, for `data inspect` without a to
 
 
 @pytest.mark.parametrize("command", [["--help"], ["--version"], ["report", "RUN", "--output", "OUT"], ["report", "--help"],
-                                     *(["data", "inspect", name] for name in DATA_FILES)], ids=lambda c: " ".join(c))
+                                     *(["data", "inspect", name] for name in DATA_FILES), ["from-trl", "TRL_GRPO"]],
+                         ids=lambda c: " ".join(c))
 def test_the_cheap_commands_import_neither_torch_nor_transformers(tmp_path, command):
     """`ppokit --help`, `--version` and `report` took 4 s and more: the package imported the trainer (torch,
     transformers), and the report matplotlib (2.3 s to import, 3.5 s to draw; it draws SVG itself now). `data
@@ -294,7 +295,8 @@ def test_the_cheap_commands_import_neither_torch_nor_transformers(tmp_path, comm
     run = write_run(tmp_path / "run", healthy_records())
     for name, rows in DATA_FILES.items():
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    argv = [str(run) if a == "RUN" else str(tmp_path / "report.html") if a == "OUT" else
+    (tmp_path / "trl_grpo.yaml").write_text("num_generations: 4\nbeta: 0.04\nlearning_rate: 1.0e-6\n")
+    argv = [str(run) if a == "RUN" else str(tmp_path / "report.html") if a == "OUT" else str(tmp_path / "trl_grpo.yaml") if a == "TRL_GRPO" else
             str(tmp_path / f"{a}.jsonl") if a in DATA_FILES else a for a in command]
     result = subprocess.run([sys.executable, "-c", IMPORTED_BY, *argv], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

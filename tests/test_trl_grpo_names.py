@@ -11,20 +11,25 @@ from pathlib import Path
 import pytest
 
 from ppokit.config.schema import PPOConfig
-from ppokit.config.fields import _key_paths
+from ppokit.config.fields import key_paths
 from ppokit.errors import UserError
-from ppokit.config.trl_names import LOSS_TYPES, TRL_GRPO_EQUIVALENTS, TRL_GRPO_NAMES, WITHOUT_EQUIVALENT, Equivalent
+from ppokit.config.trl_names import (
+    GRPO_ADVICE, GRPO_ONLY_NAMES, LOSS_TYPES, TRAINING_ARGUMENTS_NAMES, TRL_GRPO_EQUIVALENTS, TRL_GRPO_NAMES, WITHOUT_EQUIVALENT,
+    Equivalent,
+)
 
 BASE = ["model=some/model", "reward.functions=[sentiment]", "data.train=p.jsonl"]
 
 
 def hint_of(override: str) -> str:
+    """The hint of one unknown key: its one line, then (a GRPOConfig name) the line of what GRPO needs besides."""
     with pytest.raises(UserError) as error:
         PPOConfig.load(None, BASE + [override])
-    message = str(error.value)
-    assert "\n" not in message
-    found = re.match(r"unknown config key \S+ \((.*)\); known keys here", message)
-    assert found, message
+    first, *more = str(error.value).split("\n")
+    name = override.split("=")[0].split(".")[-1]
+    assert more == ([GRPO_ADVICE] if name in GRPO_ONLY_NAMES else []), str(error.value)
+    found = re.match(r"unknown config key \S+ \((.*)\); known keys here", first)
+    assert found, first
     return found.group(1)
 
 
@@ -57,12 +62,34 @@ def hint_of(override: str) -> str:
     ("reward_weights=[1.0, 0.5]", "TRL's GRPO name; ppokit's is reward.weights: [1.0, 0.5]"),
     ("max_tool_calling_iterations=3", "TRL's GRPO name; ppokit's is rollout.max_turns: 4; model turns"),
     ("top_entropy_quantile=0.2", "TRL's GRPO name; ppokit has no equivalent"),
+    # TRL's vLLM server mode is ppokit's servers placement (issue 47: these once said "no equivalent")
+    ("vllm_mode=server", "TRL's GRPO name; ppokit's is rollout.engine: vllm with rollout.placement: servers; with rollout.servers: "
+                         "[HOST:PORT], TRL's vllm_server_host and vllm_server_port"),
+    ("vllm_server_host=10.0.0.9", "TRL's GRPO name; ppokit's is rollout.servers: [HOST:PORT] with rollout.engine: vllm and "
+                                  "rollout.placement: servers (servers you start: docs/rollout.md): HOST is vllm_server_host"),
+    ("vllm_server_port=8001", "TRL's GRPO name; ppokit's is rollout.servers: [HOST:PORT] with rollout.engine: vllm and "
+                              "rollout.placement: servers (servers you start: docs/rollout.md): HOST is vllm_server_host, PORT vllm_server_port"),
+    ("vllm_server_base_url=http://10.0.0.9:8001", "TRL's GRPO name; ppokit's is rollout.engine: vllm with rollout.placement: servers "
+                                                  "with rollout.servers: [10.0.0.9:8001]"),
+    ("vllm_server_timeout=300", "TRL's GRPO name; ppokit's is rollout.engine: vllm with rollout.placement: servers with "
+                                "rollout.server_timeout_s: 300"),
+    ("vllm_group_port=51216", "TRL's GRPO name; ppokit has no equivalent: ppokit's weight-transfer group takes a free port"),
+    ("disable_dropout=true", "TRL's GRPO name; ppokit always zeroes every dropout probability, in every role; remove the key"),
+    ("disable_dropout=false", "TRL's GRPO name; ppokit has no equivalent of false: ppokit always zeroes every dropout probability"),
+    ("lr_scheduler_kwargs={min_lr_rate: 0.1}", "TRL's GRPO name; ppokit's is ppo.min_lr_rate: 0.1; with ppo.lr_scheduler_type: "
+                                               "cosine_with_min_lr"),
+    ("lr_scheduler_kwargs={min_lr: 1e-7}", "TRL's GRPO name; ppokit's is ppo.min_lr_rate (the floor as a share of the peak rate, "
+                                           "transformers' min_lr_rate; min_lr / learning_rate)"),
     ("ppo.sync_ref_model=true", "TRL's GRPO name; ppokit has no equivalent"),
     # names ppokit spells the same, in its ppo section
     ("warmup_ratio=0.1", "did you mean ppo.warmup_ratio?"),
     ("mask_truncated_completions=true", "did you mean ppo.mask_truncated_completions?"),
     ("importance_sampling_level=sequence", "did you mean ppo.importance_sampling_level?"),
     ("temperature=1.0", "did you mean ppo.temperature?"),
+    ("chat_template_kwargs={enable_thinking: false}", "did you mean data.chat_template_kwargs?"),  # once "no equivalent"
+    ("lr_scheduler_type=cosine", "did you mean ppo.lr_scheduler_type?"),
+    ("adam_beta1=0.9", "did you mean ppo.adam_beta1?"),
+    ("adam_beta2=0.99", "did you mean ppo.adam_beta2?"),
 ])
 def test_a_trl_grpo_name_is_told_the_exact_ppokit_key_and_value(override, hint):
     assert hint_of(override).startswith(hint)
@@ -78,6 +105,7 @@ SAMPLE_VALUES = {  # values a TRL GRPO user writes, for each name with an equiva
     "vllm_importance_sampling_correction": [True, False], "vllm_importance_sampling_mode": ["token_truncate", "sequence_truncate"],
     "vllm_importance_sampling_clip_min": [0.5],
     "vllm_importance_sampling_clip_max": [3.0], "vllm_importance_sampling_cap": [2.5], "ds3_gather_for_generation": [False],
+    "vllm_server_base_url": ["http://10.0.0.9:8001"], "vllm_server_timeout": [300.0], "lr_scheduler_kwargs": [{"min_lr_rate": 0.1}],
 }
 
 
@@ -96,6 +124,10 @@ def test_every_suggested_setting_is_a_valid_ppokit_config_that_holds_the_value()
                 context = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
             if "rollout.max_turns" in keys:
                 context = ["environment=ppokit.environments:GuessNumber"]
+            if "rollout.placement" in keys and "rollout.servers" not in keys:
+                context = ["rollout.servers=[10.0.0.9:8001]"]
+            if "ppo.min_lr_rate" in keys:
+                context = ["ppo.lr_scheduler_type=cosine_with_min_lr"]
             config = PPOConfig.load(None, BASE + context + overrides)
             for key, v in equivalent.settings:
                 section, _, leaf = key.rpartition(".")
@@ -104,7 +136,7 @@ def test_every_suggested_setting_is_a_valid_ppokit_config_that_holds_the_value()
                     node = getattr(node, part)
                 assert getattr(node, leaf) == v, (name, value, key)
             tried += 1
-    assert tried >= 30
+    assert tried >= 33
 
 
 def _yaml(value) -> str:
@@ -121,7 +153,7 @@ def test_every_field_of_trls_grpoconfig_is_a_ppokit_key_or_has_a_hint():
 
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     own = [f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name not in base]
-    ppokit_keys = set(_key_paths(PPOConfig))
+    ppokit_keys = set(key_paths(PPOConfig))
     assert len(own) > 50, own
     assert [name for name in own if name not in ppokit_keys and name not in TRL_GRPO_NAMES] == []
     # and the table's names are GRPOConfig's or TrainingArguments' (no invented TRL names)
@@ -131,7 +163,8 @@ def test_every_field_of_trls_grpoconfig_is_a_ppokit_key_or_has_a_hint():
 
 def test_the_grpo_names_are_in_docs_trl_side_by_side():
     table = Path(__file__).resolve().parents[1].joinpath("docs", "trl.md").read_text()
-    names = list(TRL_GRPO_EQUIVALENTS) + ["warmup_ratio", "mask_truncated_completions", "importance_sampling_level"]
+    names = list(TRL_GRPO_EQUIVALENTS) + ["warmup_ratio", "mask_truncated_completions", "importance_sampling_level", "chat_template_kwargs",
+                                          "lr_scheduler_type", "adam_beta1", "adam_beta2", "adam_epsilon"]
     assert [name for name in names if f"| `{name}`" not in table] == []
     assert [name for name in WITHOUT_EQUIVALENT if f"`{name}`" not in table] == []
 
@@ -152,3 +185,32 @@ def test_transformers_warmup_ratio_spelling_is_pointed_at_warmup_ratio():
     with pytest.raises(UserError, match=re.escape("ppo.warmup_steps: expected an integer, got 0.1; a share of the run's steps "
                                                   "(transformers' and TRL's warmup_steps: 0.1) is ppo.warmup_ratio")):
         PPOConfig.load(None, BASE + ["ppo.warmup_steps=0.1"])
+
+
+def test_the_grpo_only_names_are_grpoconfigs_own_not_training_arguments():
+    """The names that make a refusal say what GRPO needs besides: GRPOConfig's own, never a TrainingArguments name
+    that a TRL PPO config has too."""
+    trl = pytest.importorskip("trl")
+    from transformers import TrainingArguments
+
+    training_arguments = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert {name for name in TRL_GRPO_NAMES if name in training_arguments} == TRAINING_ARGUMENTS_NAMES
+    assert GRPO_ONLY_NAMES == {f.name for f in dataclasses.fields(trl.GRPOConfig)} & set(TRL_GRPO_NAMES) - training_arguments
+
+
+def test_a_trl_grpo_config_is_refused_a_key_a_line_with_the_grpo_estimator(tmp_path):
+    """Issue 47: 18 keys once made one line of 2,000 characters that mapped each key but never said
+    ppo.advantage_estimator: grpo; translated as told, the run trained GAE with a critic."""
+    import yaml
+
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": "m", "num_generations": 8, "beta": 0.04, "learning_rate": 1e-6,
+                                    "vllm_mode": "server", "chat_template_kwargs": {"enable_thinking": False}}, sort_keys=False))
+    with pytest.raises(UserError) as error:
+        PPOConfig.load(path)
+    lines = str(error.value).split("\n")
+    assert lines[0] == "unknown config keys:"
+    assert [line.split(" (")[0] for line in lines[1:7]] == ["  model_name_or_path", "  num_generations", "  beta", "  learning_rate",
+                                                            "  vllm_mode", "  chat_template_kwargs"]
+    assert lines[-1] == GRPO_ADVICE and "ppo.advantage_estimator: grpo" in GRPO_ADVICE and "from-trl" in GRPO_ADVICE
+    assert len(lines) == 8 and max(map(len, lines)) < 300

@@ -200,3 +200,91 @@ def test_the_refusal_is_one_line_from_the_command_line(tmp_path, model_dir, targ
         "called TRL's way, every argument by keyword"], done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "final").exists()
+
+
+# --------------------------------------------------------------------------- None: "this function does not score this row"
+
+def _accuracy(completions, solution, **kwargs):
+    """TRL's documentation's pattern: None where the row has no solution to check against."""
+    return [None if s is None else float(c.startswith(s)) for c, s in zip(completions, solution)]
+
+
+def _format(completions, **kwargs):
+    return [None if c.endswith("?") else 0.5 * len(c) for c in completions]
+
+
+NONE_BATCH = dict(prompts=["a", "b", "c", "d"], completions=["yes it is", "no", "maybe?", "no thanks"],
+                  columns={"solution": ["yes", None, None, "yes"]})
+
+
+def _trls_rewards(functions, weights):
+    """TRL 1.16's own rewards_per_func, by GRPOTrainer._calculate_rewards itself (None -> NaN), on a stand-in trainer;
+    then its combination in _generate_and_score_completions (sum_then_normalize): the weighted nansum, NaN for a row
+    that no function scored."""
+    import types
+
+    import torch
+    from accelerate import PartialState
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    PartialState()  # TRL's logger needs accelerate's state
+    trainer = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(device=torch.device("cpu"), is_main_process=True), state=types.SimpleNamespace(global_step=0),
+        args=types.SimpleNamespace(report_to=[]), _log_completion_extra=None, _log_metric=None, environments=None,
+        reward_funcs=functions, reward_processing_classes=[None] * len(functions), reward_func_names=[f.__name__ for f in functions])
+    batch = NONE_BATCH
+    inputs = [{"prompt": p, "solution": s} for p, s in zip(batch["prompts"], batch["columns"]["solution"])]
+    per_function = GRPOTrainer._calculate_rewards(trainer, inputs, batch["prompts"], batch["completions"], [[1]] * len(inputs))
+    rewards = (per_function * torch.tensor(weights).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_function).all(dim=1)] = torch.nan
+    return rewards
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_none_score_is_trls_no_score_the_others_weighted_sum_stands(on_error):
+    """Rows 1 and 2: _accuracy returns None (no solution), row 2 _format too. TRL's combination: row 1 is _format's score
+    alone (weighted), row 2 no function scored (left out); ppokit's the same, under raise (no error) and skip (not dropped)."""
+    pytest.importorskip("trl")
+    import torch
+
+    from ppokit.rewards.scorer import RewardScorer
+
+    weights = [1.0, 0.5]
+    trl_rewards = _trls_rewards([_accuracy, _format], weights)
+    scorer = RewardScorer([FunctionReward(_accuracy, "accuracy"), FunctionReward(_format, "format")], weights, [False, False],
+                          on_error=on_error)
+    with pytest.warns(UserWarning, match=r"every reward source returned None \(no score\) for row 2: prompt 'c'"):
+        result = scorer.score(ScoringBatch(**NONE_BATCH))
+    assert result.valid.tolist() == (~torch.isnan(trl_rewards)).tolist() == [True, True, False, True]
+    assert result.scores[result.valid].tolist() == trl_rewards[~torch.isnan(trl_rewards)].tolist()
+    assert result.scores[2] == 0 and result.errors == []
+    metrics = scorer.metrics(result)  # each source's mean over the rows it scored (TRL's nanmean), the unscored row skipped
+    assert (metrics["reward/accuracy"], metrics["reward/format"], metrics["reward/skipped"]) == (0.5, (4.5 + 1 + 4.5) / 3, 1.0)
+
+
+def test_a_none_score_leaves_the_normalisation_to_the_rows_scored():
+    """With reward.normalize a None row adds 0 (not its normalised 0 score) and its statistics come from the scored rows."""
+    import torch
+
+    from ppokit.rewards.scorer import RewardScorer
+
+    scorer = RewardScorer([FunctionReward(_accuracy, "accuracy"), FunctionReward(_format, "format")], [1.0, 1.0], [True, False])
+    with pytest.warns(UserWarning):
+        result = scorer.score(ScoringBatch(**NONE_BATCH))
+    moments = scorer.moments["accuracy"]
+    assert (moments.count, moments.mean, moments.var) == (2, 0.5, 0.25)  # rows 0 and 3: 1 and 0
+    assert result.scores[1].item() == 1.0  # format's 1.0 alone: accuracy adds 0, not (0 - 0.5) / 0.5
+    assert result.scores[0].item() == pytest.approx((1 - 0.5) / (0.5 + 1e-8) + 4.5, rel=1e-6)
+    assert torch.isfinite(result.scores).all()
+
+
+def test_a_nan_returned_is_still_a_failure_and_none_is_not():
+    """float('nan') is a function's failure (the run stops naming it); None is TRL's no-score."""
+    from ppokit.rewards.scorer import RewardScorer
+
+    def nan_score(completions, **kwargs):
+        return [float("nan")] + [1.0] * (len(completions) - 1)
+
+    scorer = RewardScorer([FunctionReward(nan_score, "nan_score"), FunctionReward(_format, "format")], [1.0, 1.0], [False, False])
+    with pytest.raises(UserError, match=r"reward function nan_score returned nan for row 0"):
+        scorer.score(ScoringBatch(**NONE_BATCH))

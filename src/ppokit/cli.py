@@ -344,6 +344,12 @@ def _report(args) -> int:
     return 0
 
 
+def _from_trl(args) -> int:
+    from ppokit.config.from_trl import convert
+
+    return convert(args.config, args.output)
+
+
 OVERWRITE_HELP = (
     "replace output_dir even when it is not a ppokit output (ppokit knows its own by the .ppokit marker in them; "
     "without this flag it replaces only those)"
@@ -422,6 +428,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--processes", type=int, metavar="N",
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
     plan.set_defaults(func=_plan)
+
+    from_trl = sub.add_parser(
+        "from-trl", help="write the ppokit config of a TRL GRPO config (GRPOConfig's YAML): the translation on stderr",
+        description="Each key becomes ppokit's (docs/trl.md), with ppo.advantage_estimator: grpo (TRL's GRPOTrainer: no value "
+        "model) and TRL's defaults where ppokit's differ and the file sets none; a key with no translation is an error naming it.",
+    )
+    from_trl.add_argument("config", help="the TRL GRPO config (YAML)")
+    from_trl.add_argument("-o", "--output", metavar="PATH", help="write the ppokit config here (default: stdout)")
+    from_trl.set_defaults(func=_from_trl)
 
     from ppokit.demos.reviews import ENVIRONMENTS as DEMO_ENVIRONMENTS  # no torch: the parser stays quick
     from ppokit.engines import ENGINES

@@ -149,7 +149,7 @@ def build(cls, data: dict, prefix: str = ""):
     (`unknown_keys`)."""
     unknown = unknown_keys(cls, data, prefix)
     if unknown:
-        raise UserError(_unknown_keys_message(unknown))
+        raise UserError(_unknown_keys_message(unknown, getattr(cls, "OTHER_CONFIGS", ())))
     hints = typing.get_type_hints(cls)
     if_wrong = {f.name: f.metadata.get("if_wrong") for f in dataclasses.fields(cls)}
     values = {}
@@ -164,6 +164,7 @@ def build(cls, data: dict, prefix: str = ""):
 
 
 class UnknownKey(typing.NamedTuple):
+    name: Any  # the key as written: kl_coeff
     shown: str  # the key as written, with its section: ppo.kl_coeff
     hint: str  # " (did you mean ...?)" or ""
     section: str  # where it was found: "" for the top level, else "ppo."
@@ -176,9 +177,14 @@ def unknown_keys(cls, data: dict, prefix: str = "") -> list[UnknownKey]:
     is a text, or a function of the value set that returns one), a key of that name in another section
     (`learning_rate` -> ppo.learning_rate), a close spelling in its own."""
     other_names = getattr(cls, "OTHER_NAMES", {})
-    elsewhere = _key_paths(cls)
+    elsewhere = key_paths(cls)
     return _unknown_in(cls, data, prefix,
                        lambda key, value, here, section: _hint(key, value, here, section, prefix, other_names, elsewhere))
+
+
+def top_level_hint(cls, key: str, value: Any) -> str:
+    """The hint that `key` (set to `value`), unknown at the top level of `cls`, gets in `unknown_keys`: " (...)" or ""."""
+    return _hint(key, value, tuple(f.name for f in dataclasses.fields(cls)), "", "", getattr(cls, "OTHER_NAMES", {}), key_paths(cls))
 
 
 def _unknown_in(cls, data: dict, section: str, hint) -> list[UnknownKey]:
@@ -188,7 +194,7 @@ def _unknown_in(cls, data: dict, section: str, hint) -> list[UnknownKey]:
     for key, value in data.items():
         if key not in names:
             shown = f"{section}{key}" if isinstance(key, str) and key.strip() else f"{section}{key!r}"
-            found.append(UnknownKey(shown, hint(key, value, names, section), section, names))
+            found.append(UnknownKey(key, shown, hint(key, value, names, section), section, names))
             continue
         inner, _ = unwrap_optional(hints[key])
         if dataclasses.is_dataclass(inner) and isinstance(value, dict):
@@ -207,7 +213,7 @@ def _hint(key, value, here: tuple[str, ...], section: str, prefix: str, other_na
     return f" (did you mean {section}{close[0]}?)" if close else ""
 
 
-def _key_paths(cls, section: str = "") -> dict[str, list[str]]:
+def key_paths(cls, section: str = "") -> dict[str, list[str]]:
     """{key: [its dotted path in every section of `cls` that has it]}."""
     paths: dict[str, list[str]] = {}
     hints = typing.get_type_hints(cls)
@@ -215,21 +221,33 @@ def _key_paths(cls, section: str = "") -> dict[str, list[str]]:
         paths.setdefault(f.name, []).append(section + f.name)
         inner, _ = unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(inner):
-            for key, found in _key_paths(inner, f"{section}{f.name}.").items():
+            for key, found in key_paths(inner, f"{section}{f.name}.").items():
                 paths.setdefault(key, []).extend(found)
     return paths
 
 
-def _unknown_keys_message(unknown: list[UnknownKey]) -> str:
-    """One line: every unknown key with its hint, then the known keys of each section they were found in."""
+class OtherConfig(typing.NamedTuple):
+    """Another tool's config, told apart by its names (`cls.OTHER_CONFIGS`): when an unknown key is one of `names`,
+    the refusal also says `advice` (e.g. what a TRL GRPO config needs besides its keys' translations)."""
+
+    names: frozenset
+    advice: str
+
+
+def _unknown_keys_message(unknown: list[UnknownKey], other_configs: typing.Sequence[OtherConfig] = ()) -> str:
+    """One key: one line, the key with its hint and the known keys of its section. Several: a first line, then one
+    key a line with its hint, then the known keys of each section a key without a hint was found in. Then the advice
+    of another tool's config whose names are among them, a line each."""
+    advice = "".join(f"\n{other.advice}" for other in other_configs
+                     if any(isinstance(u.name, str) and u.name in other.names for u in unknown))
     if len(unknown) == 1:
-        return f"unknown config key {unknown[0].shown}{unknown[0].hint}; known keys here: {', '.join(unknown[0].known)}"
-    keys = ", ".join(u.shown + u.hint for u in unknown)
+        return f"unknown config key {unknown[0].shown}{unknown[0].hint}; known keys here: {', '.join(unknown[0].known)}{advice}"
+    keys = "".join(f"\n  {u.shown}{u.hint}" for u in unknown)
     sections = {u.section: u.known for u in unknown if not u.hint}  # where a key has no hint, the keys it could be
     one_section = len({u.section for u in unknown}) == 1
-    known = "".join(f"; known keys {'here' if one_section else f'in {s[:-1]}' if s else 'at the top level'}: {', '.join(k)}"
+    known = "".join(f"\nknown keys {'here' if one_section else f'in {s[:-1]}' if s else 'at the top level'}: {', '.join(k)}"
                     for s, k in sections.items())
-    return f"unknown config keys {keys}{known}"
+    return f"unknown config keys:{keys}{known}{advice}"
 
 
 def validate(obj, prefix: str = "") -> None:

@@ -20,13 +20,13 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from ppokit.config.fields import ConfigFile, differs_from_default, doc, load_config, one_of, rule, validate
+from ppokit.config.fields import ConfigFile, OtherConfig, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.engines import ENGINES
 from ppokit.errors import UserError
 from ppokit.training.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
 from ppokit.process.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.metrics.trackers import TRACKERS
-from ppokit.config.trl_names import TRL_GRPO_NAMES
+from ppokit.config.trl_names import GRPO_ADVICE, GRPO_ONLY_NAMES, TRL_GRPO_NAMES
 
 
 positive = rule("> 0", lambda v: v > 0)
@@ -59,6 +59,7 @@ DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "pr
 # config does not import torch.
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+LR_SCHEDULES = ("linear", "constant", "cosine", "cosine_with_min_lr")  # optimise.lr_factor computes each
 ROLLOUT_IS = ("tis", "tis_sequence")  # ppo.rollout_is: engines.correction.IMPORTANCE_WEIGHTS holds their functions
 
 
@@ -161,10 +162,13 @@ class PPOHyperparams:
     vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `--critic.adam.lr`, veRL `critic.optim.lr`). gae only.", check=positive)
     critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `--critic.freezing_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
-    adam_epsilon: float = doc(1e-5, "AdamW epsilon. Differs from transformers' 1e-8: 1e-5 as in 'The N+ Implementation Details of RLHF with PPO'.", check=positive)
+    adam_epsilon: float = doc(1e-5, "AdamW epsilon. Differs from transformers' and TRL's 1e-8: 1e-5 as in 'The N+ Implementation Details of RLHF with PPO'.", check=positive)
+    adam_beta1: float = doc(0.9, "AdamW's beta1, the decay of its gradient average (transformers' and TRL's name and default).", check=rule("in [0, 1)", lambda v: 0 <= v < 1))
+    adam_beta2: float = doc(0.999, "AdamW's beta2, the decay of its squared-gradient average (transformers' and TRL's name and default).", check=rule("in [0, 1)", lambda v: 0 <= v < 1))
     weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
-    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps: linear (decay to 0) or constant.", check=one_of(("linear", "constant")))
+    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps after the warm-up: linear (decay to 0), constant, cosine (a half cosine down to 0) or cosine_with_min_lr (down to `min_lr_rate` x the peak), as transformers' schedules of those names.", check=one_of(LR_SCHEDULES))
+    min_lr_rate: Optional[float] = doc(None, "The floor of lr_scheduler_type cosine_with_min_lr, a share of the peak rate (transformers' and TRL's `lr_scheduler_kwargs: {min_lr_rate: ...}`; their `min_lr` is min_lr / learning_rate). Only with cosine_with_min_lr, which needs it.", check=rule("in [0, 1]", lambda v: 0 <= v <= 1))
     warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative,
                             if_wrong="a share of the run's steps (transformers' and TRL's warmup_steps: 0.1) is ppo.warmup_ratio")
     warmup_ratio: float = doc(0.0, "Linear warm-up as a share of the run's optimiser steps: ceil(warmup_ratio x steps), the ratio taken as written (0.07 of 100 steps is 7, where the float product 7.000000000000001 would make 8) (TRL/transformers `warmup_ratio`, OpenRLHF `--actor.lr_warmup_ratio`, veRL `optim.lr_warmup_steps_ratio`, which rounds down). Set this or `warmup_steps`, not both.", check=fraction)
@@ -223,6 +227,11 @@ class PPOHyperparams:
             )
         if self.warmup_steps and self.warmup_ratio:
             raise UserError(f"ppo.warmup_steps ({self.warmup_steps}) and ppo.warmup_ratio ({self.warmup_ratio}) both set the warm-up; set one of them")
+        if (self.lr_scheduler_type == "cosine_with_min_lr") != (self.min_lr_rate is not None):
+            raise UserError("ppo.lr_scheduler_type cosine_with_min_lr needs ppo.min_lr_rate, its floor as a share of the peak rate"
+                            if self.min_lr_rate is None else
+                            f"ppo.min_lr_rate ({self.min_lr_rate}) is the floor of ppo.lr_scheduler_type cosine_with_min_lr, and "
+                            f"this run's schedule is {self.lr_scheduler_type}; remove it, or set ppo.lr_scheduler_type: cosine_with_min_lr")
         for key in ("rollout_is_cap", "rollout_is_floor"):
             if self.rollout_is is None and differs_from_default(self, key):
                 raise UserError(f"ppo.{key} ({getattr(self, key)}) bounds the weights of ppo.rollout_is, which is off; set ppo.rollout_is: "
@@ -444,6 +453,7 @@ class PPOConfig:
     """Everything a PPO run needs. Load with `PPOConfig.load(path, overrides)` or build directly."""
 
     OTHER_NAMES = {**TRL_PPO_NAMES, **TRL_GRPO_NAMES}  # not a field (no annotation): hints for unknown keys (dataclass_config.unknown_keys)
+    OTHER_CONFIGS = (OtherConfig(GRPO_ONLY_NAMES, GRPO_ADVICE),)  # not a field: what a TRL GRPO config needs besides its keys
 
     model: Optional[str] = doc(None, "Policy to start from (local path or hub id), usually an SFT model.")
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")

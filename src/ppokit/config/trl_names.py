@@ -20,10 +20,14 @@ from typing import Any, Callable, NamedTuple, Union
 
 
 class Equivalent(NamedTuple):
-    """The ppokit settings that do what a TRL setting does: (dotted key, value) pairs, and a remark."""
+    """The ppokit settings that do what a TRL setting does: (dotted key, value) pairs, and a remark. No settings: what
+    the TRL setting asks is what ppokit always does. `implied`: the keys among the settings that the TRL setting only
+    needs (rollout.engine: vllm for a vLLM option): another TRL key that sets one of them explicitly decides it
+    (`ppokit.config.from_trl`)."""
 
     settings: tuple[tuple[str, Any], ...]
     note: str = ""
+    implied: tuple[str, ...] = ()
 
 
 Said = Union[Equivalent, str]  # a str: ppokit has no equivalent, and why or what instead
@@ -37,6 +41,8 @@ def yaml_value(value: Any) -> str:
         return "null"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
@@ -44,6 +50,8 @@ def describe(said: Said) -> str:
     """The hint's text: `TRL's GRPO name; ppokit's is KEY: VALUE[ with KEY: VALUE][; note]`."""
     if isinstance(said, str):
         return f"TRL's GRPO name; {said}"
+    if not said.settings:
+        return f"TRL's GRPO name; {said.note}; remove the key"
     settings = " with ".join(f"{key}: {yaml_value(value)}" for key, value in said.settings)
     return f"TRL's GRPO name; ppokit's is {settings}" + (f"; {said.note}" if said.note else "")
 
@@ -55,7 +63,37 @@ def same(key: str, note: str = "") -> Callable[[Any], Said]:
 
 def with_engine(key: str, engine_note: str = "") -> Callable[[Any], Said]:
     """A vLLM key of TRL: ppokit's rollout key, which needs rollout.engine: vllm."""
-    return lambda value: Equivalent((("rollout.engine", "vllm"), (key, value)), engine_note)
+    return lambda value: Equivalent((("rollout.engine", "vllm"), (key, value)), engine_note, implied=("rollout.engine",))
+
+
+def always(note: str, when: Any) -> Callable[[Any], Said]:
+    """A TRL key whose value `when` asks what ppokit always does (`note`: what); another value has no equivalent."""
+    return lambda value: (Equivalent((), note) if value == when
+                          else f"{NO_EQUIVALENT} of {yaml_value(value)}: {note}")
+
+
+SERVERS = "rollout.servers: [HOST:PORT] with rollout.engine: vllm and rollout.placement: servers (servers you start: docs/rollout.md)"
+
+
+def server_address(host: Any = "0.0.0.0", port: Any = 8000) -> str:
+    """rollout.servers' entry for TRL's vllm_server_host and vllm_server_port (TRL's defaults 0.0.0.0 and 8000): the
+    address the trainer connects to, so TRL's listening-on-every-interface host is read as this machine."""
+    return f"{'127.0.0.1' if str(host) == '0.0.0.0' else host}:{port}"
+
+
+def server_url_address(url: Any) -> Said:
+    """TRL's vllm_server_base_url (http://HOST:PORT) as rollout.servers' entry."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(str(url))
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or not parts.hostname or port is None or parts.path.strip("/"):
+        return f"ppokit's is {SERVERS}; {yaml_value(url)} is no http://HOST:PORT"
+    return Equivalent((("rollout.engine", "vllm"), ("rollout.placement", "servers"), ("rollout.servers", [f"{parts.hostname}:{port}"])),
+                      implied=("rollout.engine",))
 
 
 def _beta(value: Any) -> Said:
@@ -144,15 +182,24 @@ TRL_GRPO_EQUIVALENTS: dict[str, Callable[[Any], Said]] = {
     "use_vllm": lambda value: Equivalent((("rollout.engine", "vllm" if value else "hf"),)),
     "vllm_mode": _by_value({
         "colocate": Equivalent((("rollout.engine", "vllm"),), "an engine in the trainer's process, as TRL's colocate"),
-        "server": f"{NO_EQUIVALENT} of vllm_mode: server; rollout.engine: vllm runs the engine in the trainer's process",
+        "server": Equivalent((("rollout.engine", "vllm"), ("rollout.placement", "servers")),
+                             "with rollout.servers: [HOST:PORT], TRL's vllm_server_host and vllm_server_port (docs/rollout.md)",
+                             implied=("rollout.engine",)),
     }, "vllm_mode"),
+    "vllm_server_host": lambda value: f"ppokit's is {SERVERS}: HOST is vllm_server_host, PORT vllm_server_port",
+    "vllm_server_port": lambda value: f"ppokit's is {SERVERS}: HOST is vllm_server_host, PORT vllm_server_port",
+    "vllm_server_base_url": server_url_address,
+    "vllm_server_timeout": lambda value: Equivalent(
+        (("rollout.engine", "vllm"), ("rollout.placement", "servers"), ("rollout.server_timeout_s", value)),
+        "the longest wait for a server: its start, one request, one weight push", implied=("rollout.engine", "rollout.placement")),
+    "vllm_group_port": lambda value: f"{NO_EQUIVALENT}: ppokit's weight-transfer group takes a free port",
     "vllm_gpu_memory_utilization": with_engine("rollout.gpu_memory_utilization"),
     "vllm_tensor_parallel_size": with_engine("rollout.tensor_parallel_size"),
     "vllm_max_model_length": with_engine("rollout.max_model_len"),
     "vllm_enable_sleep_mode": with_engine("rollout.sleep"),
     "vllm_importance_sampling_correction": lambda value: (
         Equivalent((("ppo.rollout_is", "tis"),), "per-token truncated weights, TRL's token_truncate; TRL 1.16's default "
-                   "mode, sequence_mask, ppokit lacks") if value else Equivalent((("ppo.rollout_is", None),), "ppokit's default")),
+                   "mode, sequence_mask, ppokit lacks", implied=("ppo.rollout_is",)) if value else Equivalent((("ppo.rollout_is", None),), "ppokit's default")),
     "vllm_importance_sampling_mode": _by_value({
         "token_truncate": Equivalent((("ppo.rollout_is", "tis"),)),
         "token_mask": f"{NO_EQUIVALENT} of token_mask (ppo.rollout_is: tis truncates the weights, token_truncate)",
@@ -160,26 +207,34 @@ TRL_GRPO_EQUIVALENTS: dict[str, Callable[[Any], Said]] = {
         "sequence_mask": f"{NO_EQUIVALENT} of sequence_mask (ppo.rollout_is: tis_sequence truncates the response's weight, "
                          "sequence_truncate)",
     }, "vllm_importance_sampling_mode"),
-    "vllm_importance_sampling_clip_max": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_cap", value))),
-    "vllm_importance_sampling_cap": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_cap", value))),
-    "vllm_importance_sampling_clip_min": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_floor", value))),
+    "vllm_importance_sampling_clip_max": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_cap", value)),
+                                                                  implied=("ppo.rollout_is",)),
+    "vllm_importance_sampling_cap": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_cap", value)),
+                                                             implied=("ppo.rollout_is",)),
+    "vllm_importance_sampling_clip_min": lambda value: Equivalent((("ppo.rollout_is", "tis"), ("ppo.rollout_is_floor", value)),
+                                                                  implied=("ppo.rollout_is",)),
     "ds3_gather_for_generation": lambda value: Equivalent(
         (("parallel.strategy", "fsdp"), ("parallel.unshard_for_generation", value)), "ppokit shards with FSDP2, not DeepSpeed"),
     # what ppokit always does
-    "disable_dropout": lambda value: "ppokit always zeroes every dropout probability, in every role; remove the key",
-    "remove_unused_columns": lambda value: "ppokit passes every data column to the reward functions (TRL's false); remove the key",
-    "shuffle_dataset": lambda value: "ppokit's prompt order is always a shuffle by `seed`; remove the key",
-    "log_completions": lambda value: "ppokit writes sample completions to samples.jsonl ppo.num_sample_generations times "
-                                     "over the run",
+    "disable_dropout": always("ppokit always zeroes every dropout probability, in every role", True),
+    "remove_unused_columns": always("ppokit passes every data column to the reward functions (TRL's false)", False),
+    "shuffle_dataset": always("ppokit's prompt order is always a shuffle by `seed`", True),
+    "log_completions": lambda value: Equivalent((), "ppokit writes sample completions to samples.jsonl "
+                                                    "ppo.num_sample_generations times over the run"),
     "model_init_kwargs": lambda value: "ppokit loads the checkpoint's dtype; set bf16, quantization and trust_remote_code "
                                        "at the top level",
+    # transformers' TrainingArguments that ppokit spells otherwise
+    "lr_scheduler_kwargs": lambda value: (
+        Equivalent((("ppo.min_lr_rate", value["min_lr_rate"]),), "with ppo.lr_scheduler_type: cosine_with_min_lr")
+        if isinstance(value, dict) and set(value) == {"min_lr_rate"}
+        else "ppokit's is ppo.min_lr_rate (the floor as a share of the peak rate, transformers' min_lr_rate; min_lr / "
+             "learning_rate) with ppo.lr_scheduler_type: cosine_with_min_lr; no other scheduler argument"),
 }
 
 # GRPOConfig names with no counterpart: named as such, so that no close spelling of another key is offered instead.
 WITHOUT_EQUIVALENT = (
-    "router_aux_loss_coef", "cast_lm_head_to_fp32", "pad_to_multiple_of", "generation_kwargs", "chat_template_kwargs",
+    "router_aux_loss_coef", "cast_lm_head_to_fp32", "pad_to_multiple_of", "generation_kwargs",
     "repetition_penalty", "cache_implementation", "vllm_model_impl", "vllm_structured_outputs_regex",
-    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
     "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
     "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "top_entropy_quantile", "use_adaptive_entropy",
     "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal", "num_completions_to_print",
@@ -191,3 +246,14 @@ TRL_GRPO_NAMES: dict[str, Callable[[Any], str]] = {
     **{name: (lambda said: lambda value: describe(said(value)))(said) for name, said in TRL_GRPO_EQUIVALENTS.items()},
     **{name: (lambda value: describe(NO_EQUIVALENT)) for name in WITHOUT_EQUIVALENT},
 }
+
+# The table's names that are transformers' TrainingArguments (a TRL PPO config has them too): the others are a GRPO
+# config's own, and one of them among a config's unknown keys makes the refusal say what GRPO needs besides them.
+TRAINING_ARGUMENTS_NAMES = frozenset({"max_steps", "lr_scheduler_kwargs", "remove_unused_columns"})
+GRPO_ONLY_NAMES = frozenset(TRL_GRPO_NAMES) - TRAINING_ARGUMENTS_NAMES
+
+GRPO_TRAINER: tuple[tuple[str, Any], ...] = (("ppo.advantage_estimator", "grpo"),)
+"""What TRL's GRPOTrainer is in ppokit besides its config's keys: group-relative advantages, which build no value model."""
+
+GRPO_ADVICE = ("a TRL GRPO config: TRL's GRPOTrainer is also ppo.advantage_estimator: grpo (group-relative advantages, "
+               "no value model); `ppokit from-trl FILE -o ppo.yaml` writes the whole ppokit config (docs/trl.md)")

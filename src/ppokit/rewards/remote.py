@@ -2,7 +2,7 @@
 
 The protocol, one POST per batch of rows:
     request   {"prompts": [str], "completions": [str], "columns": {name: [value per row]}}
-    response  {"rewards": [number or null per row]}       (null: no score for that row)
+    response  {"rewards": [number or null per row]}       (null: that row failed)
     errors    HTTP 4xx/5xx with {"error": "message"}; 422 means the source failed on this data.
 Connection errors, timeouts, 429 and 5xx are retried with exponential back-off; after the last
 retry the run stops with the last error. A missing or non-finite score is never read as 0.

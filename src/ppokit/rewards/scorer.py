@@ -7,7 +7,10 @@
                  - length_penalty * max(0, completion tokens - length_penalty_start)
     score      = clip(score, *clip_range)
 
-A source that raises, returns the wrong count, something that is not numbers or a non-finite
+A Python function that returns None for a row does not score it (TRL's reward-function protocol): the row's score is
+the weighted sum of the other sources' (z_i is 0 there, as TRL's nansum), and a row that no source scores leaves the
+update (as TRL gives it no advantage and leaves it out of its group's baseline), counted in `reward/skipped` with a
+warning. A source that raises, returns the wrong count, something that is not numbers or a non-finite
 score, or (a Python function) does not return within `reward.timeout_s`, stops the run with an
 error naming the source and a row; with `on_error: skip` those rows are marked invalid instead
 (the trainer masks them out of the update) and counted in `reward/skipped`. Every source scores
@@ -32,7 +35,7 @@ from ppokit.rewards.builtins import BUILTINS
 from ppokit.rewards.model import RewardModelReward, reward_model_source
 from ppokit.rewards.remote import RemoteReward
 from ppokit.rewards.sources import (
-    FunctionReward, RewardError, RewardSource, RewardTimeout, ScoringBatch, first_non_finite, load_function,
+    FunctionReward, RewardError, RewardSource, RewardTimeout, Scores, ScoringBatch, first_non_finite, load_function,
 )
 
 
@@ -65,11 +68,14 @@ class RunningMoments:
         return (values - self.mean) / (math.sqrt(self.var) + 1e-8)
 
 
+UNSCORED = object()  # RewardScorer._warned's entry once rows that no source scored were reported
+
+
 @dataclass
 class ScoreResult:
     scores: torch.Tensor  # (B,) float32, 0 where invalid
     valid: torch.Tensor  # (B,) bool: False for rows dropped by on_error: skip
-    raw: dict[str, torch.Tensor]  # name -> (B,) raw scores, NaN where the source gave none
+    raw: dict[str, torch.Tensor]  # name -> (B,) raw scores, NaN where the source gave none (failed, or None: no score)
     errors: list[str] = field(default_factory=list)  # one message per failed source
 
 
@@ -92,7 +98,7 @@ class RewardScorer:
     # them when any failed (`parallel.stop_together`), so none waits for one that has stopped.
     verdict: Optional[Callable[[Optional[UserError]], None]] = None
     moments: dict[str, RunningMoments] = field(default_factory=dict)
-    _warned: set = field(default_factory=set, repr=False)  # sources whose skipped failure was reported
+    _warned: set = field(default_factory=set, repr=False)  # sources whose skipped failure was reported (and UNSCORED)
 
     def __post_init__(self):
         names: dict[str, int] = {}
@@ -110,10 +116,10 @@ class RewardScorer:
     def score(self, batch: ScoringBatch, update_statistics: bool = True) -> ScoreResult:
         n = len(batch)
         valid = torch.ones(n, dtype=torch.bool)
-        raw, errors = {}, []
+        raw, unscored, errors = {}, {}, []
         for name, source in zip(self.names, self.sources):
             try:
-                raw[name], error = self._score_source(name, source, batch)
+                (raw[name], unscored[name]), error = self._score_source(name, source, batch)
             except UserError as failure:
                 if self.verdict is None:
                     raise
@@ -122,14 +128,16 @@ class RewardScorer:
                 self.verdict(None)
             if error:
                 errors.append(error)
-            valid &= torch.isfinite(raw[name])
+            valid &= torch.isfinite(raw[name]) | unscored[name]
+        valid &= ~self._scored_by_none(unscored, batch)
         total = torch.zeros(n)
         for name, weight in zip(self.names, self.weights):
-            values = torch.where(valid, raw[name], torch.zeros(()))
+            scored = valid & ~unscored[name]
+            values = torch.where(scored, raw[name], torch.zeros(()))
             if name in self.moments:
                 if update_statistics:
-                    self.moments[name].update(values[valid], self.all_reduce)
-                values = self.moments[name].normalise(values)
+                    self.moments[name].update(values[scored], self.all_reduce)
+                values = torch.where(scored, self.moments[name].normalise(values), torch.zeros(()))
             total = total + weight * values
         if self.missing_eos_penalty is not None and batch.ended is not None:
             total = total - self.missing_eos_penalty * (~batch.ended.cpu()).float()
@@ -140,45 +148,58 @@ class RewardScorer:
             total = total.clamp(*self.clip_range)
         return ScoreResult(total.masked_fill(~valid, 0.0), valid, raw, errors)
 
-    def _score_source(self, name: str, source: RewardSource, batch: ScoringBatch) -> tuple[torch.Tensor, Optional[str]]:
-        """-> (B,) scores (NaN where failed when skipping), the first error message or None."""
+    def _scored_by_none(self, unscored: dict[str, torch.Tensor], batch: ScoringBatch) -> torch.Tensor:
+        """(B,) bool: the rows that every source left unscored (each returned None), which the update leaves out."""
+        none = torch.stack(list(unscored.values())).all(0) if unscored else torch.zeros(len(batch), dtype=torch.bool)
+        if none.any() and UNSCORED not in self._warned:
+            self._warned.add(UNSCORED)
+            row = int(none.nonzero()[0])
+            warnings.warn(f"every reward source returned None (no score) for {batch.describe_row(row)}: such rows leave the "
+                          "update, counted in reward/skipped (TRL gives them no advantage)", stacklevel=3)
+        return none
+
+    def _score_source(self, name: str, source: RewardSource, batch: ScoringBatch) -> tuple[Scores, Optional[str]]:
+        """-> (B,) scores (NaN where failed when skipping, or unscored) and the rows the source did not score (None), the
+        first error message or None."""
         try:
             scores = _score_copy(source, batch)
         except RewardTimeout as e:  # trying each row alone would wait as long again, row after row
             if self.on_error == "raise":
                 raise
             self._warn_once(name, str(e))
-            return torch.full((len(batch),), float("nan")), str(e)
+            return Scores(torch.full((len(batch),), float("nan")), torch.zeros(len(batch), dtype=torch.bool)), str(e)
         except RewardError as e:
             rows = self._isolate(source, batch)
-            bad = [i for i, s in enumerate(rows.tolist()) if not math.isfinite(s)]
+            bad = [i for i, (s, none) in enumerate(zip(rows.values.tolist(), rows.unscored.tolist())) if not math.isfinite(s) and not none]
             failing = batch.describe_row(bad[0]) if bad else None
             message = f"{e} (failing {failing})" if failing and failing not in str(e) else str(e)
             if self.on_error == "raise":
                 raise RewardError(message) from e.__cause__
             self._warn_once(name, message)
             return rows, message
-        bad = first_non_finite(scores)
+        bad = first_non_finite(scores.values.masked_fill(scores.unscored, 0.0))
         if bad is None:
             return scores, None
         what = "reward function" if isinstance(source, FunctionReward) else "reward source"
-        message = f"{what} {source.name} returned {scores[bad].item()} for {batch.describe_row(bad)}"
+        message = f"{what} {source.name} returned {scores.values[bad].item()} for {batch.describe_row(bad)}"
         if self.on_error == "raise":
             raise RewardError(message)
         self._warn_once(name, message)
         return scores, message
 
-    def _isolate(self, source: RewardSource, batch: ScoringBatch) -> torch.Tensor:
+    def _isolate(self, source: RewardSource, batch: ScoringBatch) -> Scores:
         """Score row by row after a batch failed: NaN for the rows that fail alone."""
         scores = torch.full((len(batch),), float("nan"))
+        unscored = torch.zeros(len(batch), dtype=torch.bool)
         for i in range(len(batch)):
             try:
-                scores[i] = _score_copy(source, batch.select([i]))[0]
+                row = _score_copy(source, batch.select([i]))
+                scores[i], unscored[i] = row.values[0], row.unscored[0]
             except RewardTimeout:
                 break  # the function is stuck: the rows left fail too, without waiting for each
             except RewardError:
                 pass
-        return scores
+        return Scores(scores, unscored)
 
     def _warn_once(self, name: str, message: str) -> None:
         if name not in self._warned:
@@ -218,11 +239,14 @@ class RewardScorer:
             self.moments[name] = RunningMoments(**values)
 
 
-def _score_copy(source: RewardSource, batch: ScoringBatch) -> torch.Tensor:
-    """source(its own copy of batch) -> (B,) float32 on the CPU. sys.exit() inside a source is that
-    source failing, not the run ending (with exit status 0 and no final/)."""
+def _score_copy(source: RewardSource, batch: ScoringBatch) -> Scores:
+    """source(its own copy of batch) -> (B,) float32 on the CPU, and the rows it did not score (a reward function's None).
+    sys.exit() inside a source is that source failing, not the run ending (with exit status 0 and no final/)."""
     try:
-        return source.score(batch.copy()).float().cpu()
+        if isinstance(source, FunctionReward):
+            return source.score_rows(batch.copy())
+        scores = source.score(batch.copy()).float().cpu()
+        return Scores(scores, torch.zeros(len(scores), dtype=torch.bool))
     except SystemExit as e:
         raise RewardError(f"reward source {source.name} called sys.exit({'' if e.code is None else repr(e.code)})") from None
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -146,6 +146,17 @@ def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward sou
     Non-finite values pass through (as NaN/inf): the caller decides whether they stop the run
     or drop the row. None becomes NaN (JSON has no NaN, so remote scorers send null).
     """
+    return scores_and_abstentions(values, batch, name, what).values
+
+
+class Scores(NamedTuple):
+    values: torch.Tensor  # (B,) float32, NaN where None
+    unscored: torch.Tensor  # (B,) bool: the source returned None for the row
+
+
+def scores_and_abstentions(values, batch: ScoringBatch, name: str, what: str = "reward source") -> Scores:
+    """`check_scores`, and which rows were None (for a reward function, TRL's meaning: it does not score that row)."""
+    unscored = []
     if isinstance(values, torch.Tensor) and values.ndim == 1 and not values.is_complex():
         scores = values.detach().to("cpu", torch.float32)
     else:
@@ -162,10 +173,11 @@ def check_scores(values, batch: ScoringBatch, name: str, what: str = "reward sou
                     f"{what} {name} returned {_brief(value)} (a {type(value).__name__}) for {where}; expected a number"
                 )
             numbers.append(number)
+            unscored.append(value is None)
         scores = torch.tensor(numbers, dtype=torch.float32)
     if scores.shape[0] != len(batch):
         raise RewardError(f"{what} {name} returned {scores.shape[0]} scores for {len(batch)} completions{batch.first_row()}")
-    return scores
+    return Scores(scores, torch.tensor(unscored, dtype=torch.bool) if unscored else torch.zeros(len(scores), dtype=torch.bool))
 
 
 def as_number(value) -> Optional[float]:
@@ -396,6 +408,11 @@ class FunctionReward:
         return f"fn({', '.join(passed)})"
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
+        return self.score_rows(batch).values
+
+    def score_rows(self, batch: ScoringBatch) -> Scores:
+        """The scores, and the rows the function returned None for: TRL's reward-function protocol, where None means
+        that this function does not score that row (`RewardScorer` combines the other sources' scores there)."""
         clash = sorted(set(self.kwargs) & set(batch.columns))
         if clash:
             raise UserError(f"reward function {self.name}: parameter(s) {', '.join(clash)} have the name of a data column; rename one")
@@ -414,7 +431,7 @@ class FunctionReward:
             raise RewardError(f"reward function {self.name} called sys.exit({'' if e.code is None else repr(e.code)})") from None
         except Exception as e:
             raise RewardError(f"reward function {self.name} raised {type(e).__name__}: {e}") from e
-        return check_scores(result, batch, self.name, what="reward function")
+        return scores_and_abstentions(result, batch, self.name, what="reward function")
 
     def _call_with_deadline(self, call: Callable[[], Any]) -> Any:
         if self._abandoned is not None and self._abandoned.running():

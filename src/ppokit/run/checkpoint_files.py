@@ -24,7 +24,8 @@ class DamagedCheckpoint(UserError):
     def __init__(self, path: Path, detail: str):
         earlier = [p for p in list_checkpoints(path.parent) if update_of(p) < update_of(path)]
         fallback = f"the previous complete one is {earlier[-1]}" if earlier else "there is no earlier complete checkpoint"
-        super().__init__(f"checkpoint {path} is damaged: {detail}; {fallback}")
+        first, *more = detail.splitlines() or [""]  # one line, whose end names the fallback (a config's unknown keys are a line each)
+        super().__init__(f"checkpoint {path} is damaged: {' '.join([first, '; '.join(line.strip() for line in more)]).strip()}; {fallback}")
 
 
 def update_of(path: Path) -> int:

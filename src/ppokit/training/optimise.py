@@ -20,6 +20,7 @@ estimator) there is one group and no value loss.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Any, Callable, Optional
 
@@ -132,13 +133,15 @@ def build_optimiser(model: PolicyAndValue, hp: PPOHyperparams, num_steps: int, w
     optimizer = torch.optim.AdamW(
         groups,
         lr=hp.learning_rate,
+        betas=(hp.adam_beta1, hp.adam_beta2),
         eps=hp.adam_epsilon,
         weight_decay=hp.weight_decay,
         fused=_fused_adamw_supported(),  # one kernel per step instead of a loop of small ones
     )
-    schedules = [_lr_lambda(hp.lr_scheduler_type, warmup, num_steps - policy_start, start=policy_start)]
+    floor = hp.min_lr_rate or 0.0
+    schedules = [_lr_lambda(hp.lr_scheduler_type, warmup, num_steps - policy_start, start=policy_start, min_lr_rate=floor)]
     if critic_params:
-        schedules.append(_lr_lambda(hp.lr_scheduler_type, warmup, num_steps))
+        schedules.append(_lr_lambda(hp.lr_scheduler_type, warmup, num_steps, min_lr_rate=floor))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     return optimizer, scheduler
 
@@ -343,8 +346,12 @@ def _drop_since(stats: dict[str, list], has_tokens: list, lengths: dict[str, int
     del has_tokens[tokens_length:]
 
 
-def _lr_lambda(kind: str, warmup: int, total: int, start: int = 0):
-    """The schedule's factor at each optimiser step; a schedule that starts at step `start` is 0 before it."""
+def _lr_lambda(kind: str, warmup: int, total: int, start: int = 0, min_lr_rate: float = 0.0):
+    """The schedule's factor at each optimiser step; a schedule that starts at step `start` is 0 before it.
+
+    The warm-up gives step i (counted from `start`) (i + 1) / warmup, so that the first step moves the weights; after
+    it each schedule is transformers' of the same name on the same step (get_linear_schedule_with_warmup, get_cosine_*
+    with num_cycles 0.5, get_cosine_with_min_lr_schedule_with_warmup with `min_lr_rate`), the same float operations."""
 
     def factor(step: int) -> float:
         if step < start:
@@ -354,7 +361,13 @@ def _lr_lambda(kind: str, warmup: int, total: int, start: int = 0):
             return (step + 1) / warmup
         if kind == "constant":
             return 1.0
-        return max(0.0, (total - step) / max(1, total - warmup)) if step >= warmup else 1.0
+        if kind == "linear":
+            return max(0.0, (total - step) / max(1, total - warmup))
+        progress = float(step - warmup) / float(max(1, total - warmup))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+        if kind == "cosine":
+            return max(0.0, cosine)
+        return max(0, cosine * (1 - min_lr_rate) + min_lr_rate)  # cosine_with_min_lr
 
     return factor
 

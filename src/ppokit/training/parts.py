@@ -137,6 +137,12 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     check_prompts_fit(readers, positions, [("data.train", train_data, train_query_ids), ("data.eval", eval_data, eval_query_ids)],
                       room, limit, tokenizer, stop_token_ids)
 
+    # What trains, once every start-up check has passed and before the weights load (a TRL GRPO config translated without
+    # ppo.advantage_estimator once trained GAE with a critic unsaid): the run's first lines.
+    say(f"ppo.advantage_estimator: {config.ppo.estimator.name} ({config.ppo.estimator.doc})")
+    if layout.has_critic:
+        own = f" {config.value_model}" if layout.critic == roles.CRITIC_OWN and config.value_model else ""
+        say(f"value model (the critic): {layout.critic}{own}" + (", training a LoRA adapter" if layout.critic_adapter else ""))
     built = roles.build_roles(layout, config, scorer, **given)
     trained, optimizer, scheduler = prepare_training(built, strategy, config.ppo, sizes, lm_head_chunk_size=config.lm_head_chunk_size,
                                                      compile=config.compile, unwrap=accelerator.unwrap_model)
