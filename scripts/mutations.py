@@ -212,6 +212,11 @@ MUTATIONS = [
              '    args += ["--dev", "/dev", "--size", str(limits.folder_mb << 20), "--tmpfs", WORK, "--chdir", WORK]',
              ("tests/test_sandbox.py::test_a_python_environment_under_tmp_runs_the_tool",),
              "the sandbox's working folder is mounted over a Python environment under /tmp"),
+    Mutation("sandbox_site_packages_not_bound", "src/ppokit/environments/sandbox.py",
+             "os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()):",
+             "os.path.dirname(os.path.realpath(sys.executable))):",
+             ("tests/test_sandbox.py::test_a_python_environment_under_tmp_runs_the_tool",),
+             "the sandbox binds the interpreter's prefixes but not a site-packages folder that lies outside them"),
     # ---- LoRA and FSDP multi-turn
     Mutation("critic_on_reward_scores_with_its_adapter", "src/ppokit/roles.py",
              "replace(s, scored_under=functools.partial(adapters_disabled, value))", "replace(s)",
