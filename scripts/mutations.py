@@ -232,6 +232,11 @@ MUTATIONS = [
              "        for key in unread:\n            del data[\"ppo\"][key]\n", "",
              ("tests/test_model_card.py::test_a_dr_grpo_cards_and_config_say_what_trained",),
              "config.yaml lists under ppo: the keys the run never read"),
+    Mutation("guess_cost_not_charged", "src/ppokit/environments/guess.py",
+             "        return word, reward - self.guess_cost, done\n", "        return word, reward, done\n",
+             ("tests/test_environments.py::test_the_guess_demos_reward_is_what_it_says_1_for_a_win_less_its_cost_per_guess",
+              "tests/test_environments.py::test_guess_number_charges_guess_cost_for_every_turn"),
+             "GuessNumber's winning turn is not charged its guess_cost (a 4-guess win scores 0.94, not the 0.92 the demo says)"),
     # ---- LoRA and FSDP multi-turn
     Mutation("critic_on_reward_scores_with_its_adapter", "src/ppokit/roles.py",
              "replace(s, scored_under=functools.partial(adapters_disabled, value))", "replace(s)",
