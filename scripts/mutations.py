@@ -237,6 +237,10 @@ MUTATIONS = [
              ("tests/test_environments.py::test_the_guess_demos_reward_is_what_it_says_1_for_a_win_less_its_cost_per_guess",
               "tests/test_environments.py::test_guess_number_charges_guess_cost_for_every_turn"),
              "GuessNumber's winning turn is not charged its guess_cost (a 4-guess win scores 0.94, not the 0.92 the demo says)"),
+    Mutation("console_entropy_unlabelled", "src/ppokit/metric_sinks.py",
+             '("objective/entropy", "entropy per sequence", "{:.2f}")', '("objective/entropy", "entropy", "{:.2f}")',
+             ("tests/test_trainer_smoke.py::test_the_console_names_the_entropy_it_prints_as_the_report_does",),
+             "the console prints the per-sequence entropy as a bare 'entropy'"),
     # ---- LoRA and FSDP multi-turn
     Mutation("critic_on_reward_scores_with_its_adapter", "src/ppokit/roles.py",
              "replace(s, scored_under=functools.partial(adapters_disabled, value))", "replace(s)",

@@ -51,7 +51,7 @@ class JsonlWriter:
 CONSOLE_KEYS = (
     ("objective/scores", "score", "{:+.3f}"),
     ("objective/kl", "kl", "{:.3f}"),
-    ("objective/entropy", "entropy", "{:.2f}"),
+    ("objective/entropy", "entropy per sequence", "{:.2f}"),  # a sum over the response's tokens, as the report says
     ("objective/response_length", "len", "{:.1f}"),
     ("eps", "eps", "{:.1f}"),
 )
