@@ -74,7 +74,7 @@ class PPOTrainer:
         run = self.config  # the run's validated copy (`parts.run_config`), not the caller's object
         self.off_policy = off_policy.build(run.rollout.max_staleness, save_steps=run.ppo.save_steps, num_updates=lambda: self.sizes.num_updates,
                                            engine=self.rollout_engine, seed=run.seed, process=self.accelerator.process_index)
-        self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
+        self._last_batch: list[dict] = []  # the last update's episodes as samples.jsonl rows (`evaluation.scored_rows`)
         self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
     def __getattr__(self, name: str):
@@ -150,8 +150,7 @@ class PPOTrainer:
             "eps": parts.sizes.batch / elapsed, "time/generation": t_generate - t0, "time/scoring": t_score - t_generate,
             "time/forward": t_forward - t_score, "time/training": t_train - t_forward, "time/update": elapsed,
         }
-        self._last_batch = (prompts, scored.completions, evaluation.scores_or_none(episodes.scores, episodes.valid),
-                            evaluation.transcripts(episodes))
+        self._last_batch = evaluation.scored_rows(prompts, columns, scored, episodes, episodes.valid)
         return record
 
     def _sample(self, update: int, engine=None) -> Episodes:  # update's episodes, by the rollout's engine or `engine`
