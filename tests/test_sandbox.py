@@ -524,15 +524,15 @@ def test_a_python_environment_under_tmp_runs_the_tool(tmp_path):
     inside a venv lacks them."""
     import shutil
     import site
-    import sysconfig
     import tempfile
 
     environment = Path(tempfile.mkdtemp(prefix="ppokit-venv-", dir="/tmp"))
     packages = tmp_path / "packages"  # under /tmp too (pytest's folder), outside the environment
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True)
-        made = environment / Path(sysconfig.get_path("purelib", vars={"base": ""}).lstrip("/"))  # lib/pythonX.Y/site-packages
-        assert made.is_dir(), made
+        made = Path(subprocess.run([str(environment / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                   capture_output=True, text=True, check=True).stdout.strip())  # its site-packages, as it sees it
+        assert made.is_dir() and made.is_relative_to(environment), made
         made.rmdir()
         packages.mkdir()
         made.symlink_to(packages)
