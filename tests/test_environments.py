@@ -353,6 +353,37 @@ def test_guess_number_answers_higher_lower_correct():
     assert game.step("11") == ("correct", 1.0, True)
 
 
+def test_guess_number_charges_guess_cost_for_every_turn():
+    game = GuessNumber(guess_cost=0.25)
+    game.reset({"prompt": "guess a number from 1 to 16 .", "target": 11})
+    assert [game.step(turn) for turn in ("8", "no idea", "11")] == [("higher", -0.25, False), ("number", -0.25, False), ("correct", 0.75, True)]
+    for bad in (-0.1, True, "0.1", float("inf"), float("nan")):
+        with pytest.raises(UserError, match=r"^environment_args.guess_cost: GuessNumber needs a finite number >= 0, got "):
+            GuessNumber(guess_cost=bad)
+
+
+def test_the_guess_demos_reward_is_what_it_says_1_for_a_win_less_its_cost_per_guess(tmp_path):
+    """The demo prints "reward: 1 for a win, less 0.02 per guess": its config scores a game won at the fourth guess
+    (a guess and the turn's end are 2 tokens each) 1 - 4 x 0.02, whatever the turns' tokens (it scored 0.86 once: 0.02
+    per token)."""
+    from ppokit.demos import guess as demo_game
+    from ppokit.demos.reviews import estimator_settings
+    from ppokit.environments.episode_loop import EnvironmentReward
+    from ppokit.rewards import ScoringBatch, build_scorer
+
+    config = demo_game.game_config(tmp_path, tmp_path, True, 0, estimator_settings("gae"))
+    cost = demo_game.SETTINGS[True]["guess_cost"]
+    assert cost == 0.02
+    game = GuessNumber(**config.environment_args)
+    game.reset({"prompt": "guess a number from 1 to 16 .", "target": 11})
+    steps = [game.step(guess) for guess in ("8", "12", "10", "11")]
+    assert [done for _, _, done in steps] == [False, False, False, True]
+    scorer = build_scorer(config.reward, missing_eos_penalty=config.ppo.missing_eos_penalty, environment=EnvironmentReward())
+    batch = ScoringBatch(["guess a number from 1 to 16 ."], ["8 higher 12 lower 10 higher 11"], completion_ids=[[5, 2] * 3 + [7]],
+                         environment_rewards=[sum(reward for _, reward, _ in steps)], environment_errors=[None])
+    assert scorer.score(batch).scores.tolist() == [pytest.approx(1 - 4 * cost, abs=1e-6)]  # float32 of 0.92
+
+
 def test_guess_number_refuses_a_row_without_a_target():
     runner = _runner("ppokit.environments:GuessNumber")
     [out_of_range] = runner.start_many([{"prompt": "p", "target": 40}], ["q"])

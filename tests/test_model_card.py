@@ -81,6 +81,51 @@ def test_the_card_says_what_the_run_was_without_loading_anything():
     assert "AutoModelForCausalLM.from_pretrained('runs/r/final/merged')" in merged
 
 
+DR_GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4", "ppo.grpo_scale_std=false", "ppo.kl_in_reward=false",
+           "ppo.kl_loss_coef=0.01", "ppo.loss_aggregation=seq_mean_token_sum_norm"]
+
+
+def test_a_dr_grpo_cards_and_config_say_what_trained(tmp_path):
+    """Dr. GRPO (grpo with grpo_scale_std: false, no KL in the reward, a KL term in the loss): the card says the rewards are
+    not divided by a std and lists only the keys the run read; config.yaml leaves the others out of `ppo:` and names
+    them in a comment with their values, and loads back as the same config (a resume compares it so)."""
+    config = PPOConfig.load(None, ["model=org/base-1b", "data.train=org/prompts:train", "reward.functions=[sentiment]",
+                                   "output_dir=runs/r", *DR_GRPO]).validate()
+    text = ppo_card(config, None, 2).render()
+    assert ("| advantage estimator | `grpo`: Dr. GRPO: each reward less the mean of its prompt's group of samples, not divided by "
+            "a standard deviation, no value model |") in text
+    assert "normalised within each prompt's group" not in text
+    for shown in ("| `ppo.grpo_scale_std` | False |", "| `ppo.kl_in_reward` | False |", "| `ppo.kl_loss_coef` | 0.01 |",
+                  "| `ppo.kl_loss_estimator` | k3 |", "| `ppo.loss_aggregation` | seq_mean_token_sum_norm |",
+                  "| `ppo.kl_estimator` | k1 (of the reported objective/kl only: no KL in the reward) |",
+                  "Keys of the `ppo:` section that this run did not read are left out (config.yaml names them)."):
+        assert shown in text, shown
+    for hidden in ("ppo.kl_coef", "ppo.kl_target", "ppo.vf_coef", "ppo.lam", "ppo.gamma", "ppo.whiten_advantages", "ppo.cliprange_value"):
+        assert f"`{hidden}`" not in text, hidden
+
+    config.save(tmp_path / "config.yaml")
+    written = (tmp_path / "config.yaml").read_text()
+    saved = yaml.safe_load(written)["ppo"]
+    unread = ("vf_learning_rate", "critic_warmup_updates", "vf_coef", "cliprange_value", "lam", "gamma", "whiten_advantages",
+              "whiten_rewards", "kl_coef", "kl_target", "kl_horizon")
+    assert set(unread).isdisjoint(saved) and saved["grpo_scale_std"] is False and saved["kl_estimator"] == "k1"
+    assert "  #   vf_coef: 0.1  (for the value model, which ppo.advantage_estimator grpo does not build)\n" in written
+    assert "  #   kl_coef: 0.05  (for the KL penalty in the reward, and ppo.kl_in_reward is false)\n" in written
+    assert [line.split(":")[0].strip("# ") for line in written.splitlines() if line.startswith("  #   ")] == list(unread)
+    assert PPOConfig.load(tmp_path / "config.yaml").validate().to_dict() == config.to_dict()
+
+
+def test_a_gae_cards_and_config_keep_every_key_it_read(tmp_path):
+    config = PPOConfig.load(None, ["model=m", "reward.functions=[sentiment]"]).validate()
+    text = ppo_card(config, None, 2).render()
+    assert "| `ppo.kl_coef` | 0.05 |" in text and "| `ppo.vf_coef` | 0.1 |" in text and "| `ppo.whiten_advantages` | True |" in text
+    assert "`ppo.grpo_scale_std`" not in text and "`ppo.kl_loss_estimator`" not in text
+    config.save(tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["ppo"]
+    assert {"kl_coef", "vf_coef", "lam", "whiten_advantages", "gamma"} <= set(saved) and "grpo_scale_std" not in saved
+    assert PPOConfig.load(tmp_path / "config.yaml").validate().to_dict() == config.to_dict()
+
+
 @pytest.mark.parametrize("title", ["a|b", "<script>x</script>", "two\nlines"])
 def test_names_cannot_break_the_card(title, tmp_path):
     config = _config(output_dir=str(tmp_path / title))

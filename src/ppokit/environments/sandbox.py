@@ -211,10 +211,15 @@ def bwrap_arguments(limits: Limits, environment: dict[str, str], read_only: tupl
 
 
 def python_folders() -> list[str]:
-    """The interpreter's installation and its environment (a venv), outside /usr: bound read-only so that
-    sys.executable runs inside with the packages it has."""
+    """The interpreter's installation, its environment (a venv, a conda prefix) and its site-packages folders, outside
+    /usr: bound read-only so that sys.executable runs inside with the packages it has (`python -I`: no user site).
+    The site-packages lie inside a prefix in every usual layout; named here for those that do not."""
+    import site
+
     folders = []
-    for prefix in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable))):
+    for prefix in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()):
+        if not os.path.isdir(prefix):  # a site-packages folder the layout names but that was never made
+            continue
         path = os.path.realpath(prefix)
         if path == "/" or path == "/usr" or path.startswith("/usr/"):
             continue

@@ -21,8 +21,13 @@ from ppokit.metrics.trackers import open_trackers
 
 
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
+    """`value` as JSON can hold it: nested dicts and lists (a samples.jsonl row's `rewards`, its data `columns`) too."""
+    if hasattr(value, "tolist"):  # a tensor or numpy value: its Python number or (nested) list
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN; keep the fact visible instead of failing to log it
     return value
@@ -37,7 +42,7 @@ class JsonlWriter:
         self._file = self.path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.write(json.dumps(_jsonable(record), default=str) + "\n")  # a value JSON has no type for (a date): its text
         self._file.flush()
 
     def write_many(self, records: Iterable[dict]) -> None:
@@ -51,7 +56,7 @@ class JsonlWriter:
 CONSOLE_KEYS = (
     ("objective/scores", "score", "{:+.3f}"),
     ("objective/kl", "kl", "{:.3f}"),
-    ("objective/entropy", "entropy", "{:.2f}"),
+    ("objective/entropy", "entropy per sequence", "{:.2f}"),  # a sum over the response's tokens, as the report says
     ("objective/response_length", "len", "{:.1f}"),
     ("eps", "eps", "{:.1f}"),
 )

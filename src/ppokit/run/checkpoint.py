@@ -207,7 +207,8 @@ def config_differences(saved: dict, current: dict, defaults: dict) -> list[str]:
     """'key (checkpoint A, now B)' for every key whose value differs in a way its declaration (RESUME_RULES)
     does not allow; a value inside a mapping-valued key counts as that key's.
 
-    Keys missing from the saved config (added to ppokit since) count as their default.
+    Keys missing from the saved config (added to ppokit since, or a ppo key the run did not read: PPOConfig.save)
+    count as their default.
     """
     normalise = lambda d: _flatten(yaml.safe_load(yaml.safe_dump(d)))  # noqa: E731  (YAML round trip, as saved)
     before = {**normalise(defaults), **normalise(saved)}

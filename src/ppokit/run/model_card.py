@@ -22,11 +22,14 @@ import yaml
 from ppokit.version import __version__
 
 FILE = "README.md"
-# What the card shows of the `ppo:` section (the whole config is the run's config.yaml).
+# What the card shows of the `ppo:` section (the whole config is the run's config.yaml): those of these keys the run
+# read (`PPOHyperparams.unread_keys` says which it did not: the critic's without one, the KL penalty's without
+# kl_in_reward, ...) and that are set (not null).
 PPO_KEYS = ("learning_rate", "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-            "num_ppo_epochs", "num_samples_per_prompt", "response_length", "temperature", "kl_coef", "kl_estimator", "kl_target",
-            "kl_in_reward", "kl_loss_coef", "cliprange", "cliprange_low", "cliprange_high", "entropy_coef", "loss_aggregation")
-CRITIC_KEYS = ("vf_coef", "cliprange_value", "gamma", "lam", "vf_learning_rate")
+            "num_ppo_epochs", "num_samples_per_prompt", "response_length", "temperature", "grpo_scale_std", "whiten_advantages",
+            "kl_coef", "kl_estimator", "kl_target", "kl_in_reward", "kl_loss_coef", "kl_loss_estimator", "kl_clamp", "cliprange",
+            "cliprange_low", "cliprange_high", "entropy_coef", "loss_aggregation", "vf_coef", "cliprange_value", "gamma", "lam",
+            "vf_learning_rate")
 RESULT_PREFIXES = ("objective/", "eval/", "reward/")
 
 
@@ -43,6 +46,7 @@ class ModelCard:
     hyperparameters: dict[str, Any]  # dotted key -> value as set for the run
     results: dict[str, Any]  # metric -> final value
     results_title: str
+    hyperparameters_note: str = ""  # a line under the Hyperparameters table
     task: str = "text-generation"  # the hub's pipeline_tag
     adapter: bool = False  # the folder holds a peft adapter, not full weights
     tags: list[str] = field(default_factory=list)
@@ -72,6 +76,7 @@ class ModelCard:
         lines += [f"| {what} | {value} |" for what, value in self.training]
         lines += ["", "## Hyperparameters", "", "| key | value |", "|---|---|"]
         lines += [f"| `{key}` | {_cell(value)} |" for key, value in self.hyperparameters.items()]
+        lines += ["", _text(self.hyperparameters_note)] if self.hyperparameters_note else []
         lines += ["", f"## {self.results_title}", ""]
         if self.results:
             lines += ["| metric | value |", "|---|---|"] + [f"| `{key}` | {_cell(value)} |" for key, value in self.results.items()]
@@ -100,15 +105,17 @@ def ppo_card(config, final_record: Optional[dict], total_updates: int) -> ModelC
         ("base model", _code(config.model)),
         ("data", _data_cell({"train": config.data.train, "eval": config.data.eval})),
         ("reward", _reward_sources(config.reward)),
-        ("advantage estimator", f"`{estimator}`: {hp.estimator.doc}"),
+        ("advantage estimator", f"`{estimator}`: {hp.estimator_description}"),
         ("trained weights", f"a LoRA adapter (r {config.lora.r}, alpha {config.lora.alpha:g}) on the frozen base" if config.lora
          else "all weights"),
     ]
     if critic:
         training.append(("value model", "in value_model/ beside the policy"))
     training.append(("ppokit", f"{__version__} (`ppokit ppo`)"))
-    keys = PPO_KEYS + (CRITIC_KEYS if critic else ())
-    hyperparameters = {f"ppo.{k}": getattr(hp, k) for k in keys if getattr(hp, k) is not None}
+    unread = hp.unread_keys()
+    hyperparameters = {f"ppo.{k}": getattr(hp, k) for k in PPO_KEYS if k not in unread and getattr(hp, k) is not None}
+    if not hp.kl_in_reward:  # still the estimator of the objective/kl it reports
+        hyperparameters["ppo.kl_estimator"] = f"{hp.kl_estimator} (of the reported objective/kl only: no KL in the reward)"
     hyperparameters.update({"seed": config.seed, "bf16": config.bf16})
     if config.lora:
         hyperparameters.update({"lora.r": config.lora.r, "lora.alpha": config.lora.alpha, "lora.target_modules": config.lora.target_modules})
@@ -119,7 +126,8 @@ def ppo_card(config, final_record: Optional[dict], total_updates: int) -> ModelC
     return ModelCard(
         title=_folder_name(config.output_dir), location=str(Path(config.output_dir) / "final"), base_model=config.model, data={"train": config.data.train, "eval": config.data.eval},
         summary=f"A policy trained from {_code(config.model)} with reinforcement learning by ppokit {__version__}: "
-                f"{hp.estimator.doc}.",
+                f"{hp.estimator_description}.",
+        hyperparameters_note="Keys of the `ppo:` section that this run did not read are left out (config.yaml names them)." if unread else "",
         training=training, hyperparameters=hyperparameters, results=results, results_title=title,
         adapter=config.lora is not None, tags=["rlhf", "ppo" if critic else estimator],
     )

@@ -131,7 +131,8 @@ def run_pipeline(
         recorded = completed_output(stage, out)
         if recorded is not None and not earlier_ran:
             try:
-                changed = differences(config.to_dict(), read_yaml(recorded))
+                # built, so that keys the record leaves out (a ppo run's unread keys, PPOConfig.save) are their defaults
+                changed = differences(config.to_dict(), build(type(config), read_yaml(recorded)).to_dict())
             except UserError as e:  # a damaged record: the output cannot be trusted to match
                 changed = [f"its config.yaml is unreadable: {e}"]
             if not changed:

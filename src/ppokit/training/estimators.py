@@ -7,7 +7,7 @@ Every reader asks the declaration of `ppo.advantage_estimator` (`ESTIMATORS[name
   plan.py           whether the value model costs memory, and whether `value_model: shared` may help
   trainer.py        stage 2 scores a greedy baseline (`greedy_baseline`), stage 5 calls `advantages`
   demos/reviews.py, cli  the demo's --estimator choices and their usual samples per prompt
-  run/model_card.py its doc line, and whether the card lists the critic's settings
+  run/model_card.py its doc line (`description`: grpo's by its scaling), and the keys it does not read
 
 Adding an estimator is one `Estimator(...)` in `ESTIMATORS` below, its pure tensor function in
 `algo.py` (with hand-worked tests), an adapter here calling it, and its row in docs/algorithms.md.
@@ -36,6 +36,21 @@ GRPO_STD_SCALINGS = {True: "group", "group": "group", "batch": "batch", False: "
 def grpo_std_scaling(value: Any) -> str:
     """ppo.grpo_scale_std -> "group" (the group's std), "batch" (the whole batch's) or "none" (Dr. GRPO)."""
     return GRPO_STD_SCALINGS[value]
+
+
+# What grpo computes under each scaling (the model card's line; "group" is the estimator's own doc).
+GRPO_SCALING_DOCS = {
+    "batch": "GRPO with the batch's scale (Lite PPO): each reward less its group's mean, divided by the standard deviation of "
+             "the whole batch's rewards, no value model",
+    "none": "Dr. GRPO: each reward less the mean of its prompt's group of samples, not divided by a standard deviation, no value model",
+}
+
+
+def description(name: str, grpo_scale_std: Any = True) -> str:
+    """One phrase saying what estimator `name` computes with these settings (grpo: by ppo.grpo_scale_std)."""
+    if name == "grpo":
+        return GRPO_SCALING_DOCS.get(grpo_std_scaling(grpo_scale_std), ESTIMATORS[name].doc)
+    return ESTIMATORS[name].doc
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ samples.jsonl (a few eval prompts, else the last update's batch)."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -39,21 +40,31 @@ def evaluate(rollout: Rollout, data, query_ids: Optional[list[list[int]]], *, ma
 
 
 @torch.inference_mode()
-def sample_rows(rollout: Rollout, data, query_ids: Optional[list[list[int]]], n: int, last_batch: tuple, **row) -> list[dict]:
+def sample_rows(rollout: Rollout, data, query_ids: Optional[list[list[int]]], n: int, last_batch: list[dict], **row) -> list[dict]:
     """samples.jsonl rows: completions for the first `n` prompts of `data` (the eval prompts; query_ids their token ids),
-    scored, or without them the first `n` of `last_batch` (prompts, completions, scores, turns of the last update);
-    each row with `row`'s fields (update, episode) and score None where no reward source could score it; sampled with
-    the seeds of `row`'s update."""
+    scored, or without them the first `n` of `last_batch` (the last update's `scored_rows`); each row with `row`'s
+    fields (update, episode) first; sampled with the seeds of `row`'s update."""
     if data is not None:
         n = min(n, len(data))
         episodes, scored = rollout.sample_and_score(data, query_ids, range(n), "eval", row.get("update"))
-        prompts, completions, scores, turns = data.prompts[:n], scored.completions, scores_or_none(scored.scores, scored.valid), transcripts(episodes)
-        split = "eval"
+        prompts, columns = data.rows(range(n))
+        rows, split = scored_rows(prompts, columns, scored, episodes, scored.valid), "eval"
     else:
-        prompts, completions, scores, turns = (x[:n] for x in last_batch)
-        split = "train"
-    return [sample_row({**row, "split": split, "prompt": p, "completion": c, "score": s}, t)
-            for p, c, s, t in zip(prompts, completions, scores, turns)]
+        rows, split = last_batch[:n], "train"
+    return [{**row, "split": split, **scored_row} for scored_row in rows]
+
+
+def scored_rows(prompts: list[str], columns: dict[str, list], scored, episodes, valid: torch.Tensor) -> list[dict]:
+    """One samples.jsonl row per episode (without update, episode and split): its prompt and completion, its score (None
+    where `valid` is false: no reward source could score it), each reward source's raw score as `rewards` ({name: score},
+    before weights and normalisation, as `reward/<name>`; None where that source gave none), the data columns the
+    sources and the environment were given (`columns`), and with an environment its turns (`sample_row`)."""
+    scores, turns = scores_or_none(scored.scores, valid), transcripts(episodes)
+    sources = {name: [None if math.isnan(v) else v for v in values.tolist()] for name, values in scored.sources.items()}
+    return [sample_row({"prompt": prompt, "completion": completion, "score": score,
+                        "rewards": {name: values[i] for name, values in sources.items()},
+                        "columns": {name: values[i] for name, values in columns.items()}}, turns[i])
+            for i, (prompt, completion, score) in enumerate(zip(prompts, scored.completions, scores))]
 
 
 def eval_score(rows: list[dict]) -> dict[str, float]:

@@ -43,6 +43,7 @@ class Scored:
     errors: list[str]  # the first message of each failed source
     completions: list[str]  # everything after each prompt, decoded (with an environment: every turn and observation)
     metrics: dict[str, float]  # reward/*, and with an environment rollout/* and env/*
+    sources: dict[str, torch.Tensor]  # each reward source's raw score (B,), before weights and normalisation; NaN: none
 
 
 def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: dict, *, stop_token_ids: tuple[int, ...],
@@ -67,7 +68,7 @@ def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: di
     )
     result = scorer.score(batch, update_statistics)
     metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}), **scorer.metrics(result)}
-    return Scored(result.scores.to(device), result.valid.to(device), result.errors, completions, metrics)
+    return Scored(result.scores.to(device), result.valid.to(device), result.errors, completions, metrics, result.raw)
 
 
 @torch.inference_mode()
