@@ -470,6 +470,11 @@ def filled_socket(i):  # one byte a send: a buffer's worth of skbs (slab) held b
         pass
 
 hoard("filled socket pairs", filled_socket)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+region = libc.mmap(None, 140_000 * 4096, 3, 0x22, -1, 0)  # read-write, private, anonymous: 547 MiB of address space
+# every other page made read-only: a mapping (vm_area_struct) each, until the kernel's vm.max_map_count
+hoard("mappings", lambda i: native(libc.mprotect(ctypes.c_void_p(region + 2 * i * 4096), 4096, 1)), 70_000)
 print("holding", flush=True)
 time.sleep(2)
 '''
@@ -490,9 +495,11 @@ def test_a_call_cannot_make_the_kernel_hoard_memory():
     (the probe held 1.28 GiB; with the inode limit or the socket-buffer rule removed this call holds 100+ MiB here)."""
     limits = sandbox.Limits()
     socket_buffer = max(int(Path(f"/proc/sys/net/core/{name}").read_text()) for name in ("wmem_default", "rmem_default"))
+    max_map_count = int(Path("/proc/sys/vm/max_map_count").read_text())  # the kernel's limit, for one process
     bound = (limits.max_files * 4096  # an inode, its dentry and a symlink's name: ~1 KiB; a page each
              + limits.max_open_files * 2 * socket_buffer  # a socket's default buffer, sending and receiving
              + limits.max_queued_signals * 4096  # a POSIX timer and its queued signal
+             + max_map_count * 512  # a mapping: its vm_area_struct (~250 B) and its share of the maple tree
              + (32 << 20))  # the sandbox's own processes and namespaces, and what else runs on this machine meanwhile
     before = _unreclaimable_slab()
     peak, done = [before], threading.Event()
@@ -510,7 +517,7 @@ def test_a_call_cannot_make_the_kernel_hoard_memory():
         done.set()
         watcher.join()
     made = {name: (int(count), why) for name, count, why in re.findall(r"^([\w ]+): (\d+) \((\w+)\)$", result, re.MULTILINE)}
-    assert "holding" in result and len(made) == 16, result
+    assert "holding" in result and len(made) == 17, result
     for name in ("xattr user", "xattr security", "xattr trusted", "sysv message queues", "sysv shared memory", "sysv semaphores",
                  "posix message queues", "inotify", "landlock", "raise socket buffer"):
         assert made[name] == (0, "EPERM"), (name, result)
@@ -518,6 +525,7 @@ def test_a_call_cannot_make_the_kernel_hoard_memory():
         assert made[name] == (limits.max_files - 2, "ENOSPC"), (name, result)
     assert made["posix timers"] == (limits.max_queued_signals, "EAGAIN"), result
     assert made["filled socket pairs"][0] <= limits.max_open_files // 2, result
+    assert made["mappings"][0] < max_map_count and made["mappings"][1] == "ENOMEM", result
     assert peak[0] - before < bound, (f"SUnreclaim grew {(peak[0] - before) >> 20} MiB, bound {bound >> 20} MiB", result)
 
 

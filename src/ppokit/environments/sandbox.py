@@ -30,7 +30,7 @@ and no size limit counts it, so the folder's tmpfs is mounted with nr_inodes (`m
 bounds its extended attributes (tmpfs charges them to the same budget); bwrap cannot set nr_inodes, so
 the launcher (MOUNTER) mounts that tmpfs in a user and mount namespace of its own and execs bwrap there,
 which binds it as /tmp. Everything else that holds kernel memory is refused by the filter or counted by
-an rlimit (descriptors: sockets and pipes; queued signals: POSIX timers).
+a limit (descriptors: sockets and pipes; queued signals: POSIX timers; the kernel's vm.max_map_count: mappings).
 
 Why one process: the limit on processes (RLIMIT_NPROC) does not bind a process that is root outside
 its user namespace, and a trainer run as root (containers) is common; without the filter a fork or
