@@ -209,7 +209,7 @@ MUTATIONS = [
              "the Python tool's sandbox runs without its seccomp filter"),
     Mutation("sandbox_work_folder_over_the_environment", "src/ppokit/environments/sandbox.py",
              '    args += ["--dev", "/dev", "--chdir", WORK]',
-             '    args += ["--dev", "/dev", "--size", str(limits.folder_mb << 20), "--tmpfs", WORK, "--chdir", WORK]',
+             '    args += ["--dev", "/dev", "--tmpfs", WORK, "--chdir", WORK]',
              ("tests/test_sandbox.py::test_a_python_environment_under_tmp_runs_the_tool",),
              "the sandbox's working folder is mounted over a Python environment under /tmp"),
     # ---- the sandbox's kernel memory, the kernel's files, x32, the unisolated keeper (issue 47)
