@@ -252,6 +252,10 @@ MUTATIONS = [
              "    if keeper and process.poll() is None:", "    if False:",
              ("tests/test_sandbox.py::test_unisolated_a_setsid_grandchild_ends_with_the_call",),
              "at the wall clock the unisolated process group is killed, keeper included, before it ends the descendants"),
+    Mutation("unisolated_keeper_outlives_its_caller", "src/ppokit/environments/sandbox.py",
+             "libc.prctl(1, signal.SIGTERM, 0, 0, 0)", "pass",
+             ("tests/test_sandbox.py::test_unisolated_a_trainer_that_dies_takes_the_calls_processes_with_it",),
+             "the unisolated keeper has no parent-death signal: a killed trainer leaves the call's processes running"),
     # ---- LoRA and FSDP multi-turn
     Mutation("critic_on_reward_scores_with_its_adapter", "src/ppokit/roles.py",
              "replace(s, scored_under=functools.partial(adapters_disabled, value))", "replace(s)",

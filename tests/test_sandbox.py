@@ -647,6 +647,30 @@ if {program_ends == "by the wall clock"!r}:
     assert not late_file.exists()
 
 
+@pytest.mark.skipif(not sandbox.UNISOLATED_KEEPER, reason="elsewhere the unisolated wall clock kills the process group only")
+def test_unisolated_a_trainer_that_dies_takes_the_calls_processes_with_it():
+    """SIGKILL of a trainer mid-call (unisolated, wall clock 600 s): the program and its setsid grandchild end too."""
+    marker = f"{100 + time.time() % 100:.6f}"
+    src = str(Path(python_tool.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    code = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+            f"    os._exit(0)\nos.execv('/bin/sleep', ['sleep', '{marker}'])\n")
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys\nfrom ppokit.environments import sandbox\n"
+                                "sandbox.run([sys.executable, '-c', sys.stdin.read()], sandbox.Limits(wall_s=600), isolated=False)"],
+                               env=env, stdin=subprocess.PIPE, text=True)
+    trainer.stdin.write(code)  # on stdin: the marker is in the keeper's and the sleeps' command lines only
+    trainer.stdin.close()
+    try:
+        deadline = time.monotonic() + WAIT_BOUND_S * 3
+        while len(_processes_with(marker)) < 3:  # the keeper, the program's sleep, the grandchild's sleep
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _wait_gone(marker) == []
+
+
 # --------------------------------------------------------------------------- limits and answers
 
 

@@ -40,8 +40,9 @@ thread bomb would take every pid of the machine within the wall clock.
 `run(..., isolated=False)` is the unsafe fallback a user opts into: the same limits and a fresh folder
 on the host, but no namespaces and no filter. On Linux the limiter stays as the call's keeper: the
 child subreaper (PR_SET_CHILD_SUBREAPER), so that every descendant, one that left the process group
-(setsid after a double fork) included, stays its descendant; when the program exits, or when the
-wall clock is up (the caller's SIGTERM), it kills them all before it exits with the program's status.
+(setsid after a double fork) included, stays its descendant; when the program exits, when the wall
+clock is up (the caller's SIGTERM), or when the caller dies (PR_SET_PDEATHSIG: SIGTERM), it kills them
+all before it exits with the program's status.
 Code that attacks the keeper itself (it runs as the same user) can defeat this: unisolated is unsafe.
 Elsewhere (macOS) the wall clock kills the process group only.
 """
@@ -70,13 +71,14 @@ KEEPER_GRACE_S = 10.0  # how long the keeper may take to end the call's processe
 SANDBOX_UID = 65534  # "nobody": not root inside the sandbox's user namespace
 WORK = "/tmp"  # the sandbox's one writable folder and its working directory
 
-# Runs before the command: `python -I -S -c LIMITER '{"RLIMIT_AS": value, ...}' MODE argv...`. Each limit is soft = hard
+# Runs before the command: `python -I -S -c LIMITER '{"RLIMIT_AS": value, ...}' MODE CALLER argv...` (CALLER: the caller's
+# pid). Each limit is soft = hard
 # (the command cannot raise it). MODE "isolated" (inside the sandbox): a limit the OS refuses is an error; "group" and
 # "keeper" (unisolated), it is skipped; "keeper" (unisolated on Linux): this process stays as the call's keeper (see the
 # module's docstring): it forks the command and, as the child subreaper, outlives every descendant.
 LIMITER = r'''
 import json, os, resource, signal, sys, time
-limits, mode, argv = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
+limits, mode, caller, argv = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 
 def limited():
     for name, value in limits.items():
@@ -113,8 +115,12 @@ def wall_clock(*_):
     raise WallClock
 
 import ctypes
-ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of its tree come here
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of its tree come here
 signal.signal(signal.SIGTERM, wall_clock)
+libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: the caller's death ends the call too
+if os.getppid() != caller:  # it died before that
+    os._exit(128 + signal.SIGKILL)
 program = os.fork()
 if program == 0:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -417,7 +423,7 @@ def run(argv: list[str], limits: Limits, files: Optional[dict[str, bytes]] = Non
     `limits.max_file_bytes` each). Never raises for what the command does; OSError when bwrap cannot start."""
     environment = {**BASE_ENVIRONMENT, **(environment or {})}
     mode = "isolated" if isolated else "keeper" if UNISOLATED_KEEPER else "group"
-    limiter = [sys.executable, "-I", "-S", "-c", LIMITER, json.dumps(limits.rlimits()), mode]
+    limiter = [sys.executable, "-I", "-S", "-c", LIMITER, json.dumps(limits.rlimits()), mode, str(os.getpid())]
     host_folder = None
     pass_fds: list[int] = []
     try:
