@@ -53,6 +53,20 @@ class Mutation:
     needs: tuple[str, ...] = ()  # modules the tests need (vllm: run this script with .ci/vllm-env's python)
 
 
+# sandbox.py's MOUNTER, from the unshare that makes the network namespace to the loopback it brings up
+NETWORK_NAMESPACE = """check(libc.unshare(0x10000000 | 0x00020000 | 0x40000000), "unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET)")
+for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+check(libc.mount(b"tmpfs", sys.argv[1].encode(), b"tmpfs", 2 | 4, sys.argv[2].encode()), "mount tmpfs")  # nosuid, nodev
+for name, value in json.loads(sys.argv[3]).items():
+    with open(f"/proc/sys/{name}", "w") as f:  # /proc/sys/net is the writer's network namespace's
+        f.write(value)
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", 0x1 | 0x8 | 0x40))  # SIOCSIFFLAGS lo: up, loopback, running
+"""
+
+
 def parser_returns_nothing(parser: str, tests: tuple[str, ...]) -> Mutation:
     signature = f"def parse_{parser}(text: str, schemas: Schemas = None) -> list[Call]:\n"
     return Mutation(f"tool_parser_{parser}_finds_no_call", "src/ppokit/environments/tool_parsers.py", signature,
@@ -199,8 +213,8 @@ MUTATIONS = [
              ("tests/test_peer_conventions.py::test_the_weights_reaching_the_loss",),
              "ppo.rollout_is: tis_sequence gives the token-level weights"),
     # ---- the sandbox
-    Mutation("sandbox_network_namespace_dropped", "src/ppokit/environments/sandbox.py",
-             '"--unshare-pid", "--unshare-net", ', '"--unshare-pid", ',
+    Mutation("sandbox_network_namespace_dropped", "src/ppokit/environments/sandbox.py",  # MOUNTER makes it (and sets it up)
+             NETWORK_NAMESPACE, NETWORK_NAMESPACE.replace(" | 0x40000000), ", "), ").split("\nfor name, value")[0] + "\n",
              ("tests/test_sandbox.py",),
              "the Python tool's sandbox shares the host's network namespace"),
     Mutation("sandbox_seccomp_filter_dropped", "src/ppokit/environments/sandbox.py",
@@ -244,6 +258,10 @@ MUTATIONS = [
              ("tests/test_sandbox.py::test_an_x32_call_is_refused_and_the_program_goes_on",
               "tests/test_sandbox.py::test_the_system_call_filter_refuses_what_it_lists_kills_another_architecture_and_refuses_x32"),
              "an x32 call kills the process instead of failing with EPERM (what the docs say it does)"),
+    Mutation("sandbox_tcp_buffers_of_the_host", "src/ppokit/environments/sandbox.py",
+             "json.dumps(limits.network_sysctls())", "json.dumps({})",
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",),
+             "the sandbox's network namespace keeps TCP's buffer limits copied from the host (4 MiB a loopback connection)"),
     Mutation("unisolated_keeper_not_subreaper", "src/ppokit/environments/sandbox.py",
              "ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)", "pass",
              ("tests/test_sandbox.py::test_unisolated_a_setsid_grandchild_ends_with_the_call",),

@@ -470,6 +470,24 @@ def filled_socket(i):  # one byte a send: a buffer's worth of skbs (slab) held b
         pass
 
 hoard("filled socket pairs", filled_socket)
+for a, b in pairs:
+    a.close()
+    b.close()
+server, queued = socket.create_server(("127.0.0.1", 0), backlog=64), []
+
+def filled_connection(i):  # TCP over its loopback, never read: what the sender and the receiver queue (pages)
+    client = socket.create_connection(server.getsockname())
+    pairs.append((client, server.accept()[0]))
+    client.setblocking(False)
+    queued.append(0)
+    try:
+        while True:
+            queued[-1] += client.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+
+hoard("filled tcp connections", filled_connection)
+print(f"tcp queued: {max(queued)} bytes at most a connection", flush=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 region = libc.mmap(None, 140_000 * 4096, 3, 0x22, -1, 0)  # read-write, private, anonymous: 547 MiB of address space
@@ -517,7 +535,7 @@ def test_a_call_cannot_make_the_kernel_hoard_memory():
         done.set()
         watcher.join()
     made = {name: (int(count), why) for name, count, why in re.findall(r"^([\w ]+): (\d+) \((\w+)\)$", result, re.MULTILINE)}
-    assert "holding" in result and len(made) == 17, result
+    assert "holding" in result and len(made) == 18, result
     for name in ("xattr user", "xattr security", "xattr trusted", "sysv message queues", "sysv shared memory", "sysv semaphores",
                  "posix message queues", "inotify", "landlock", "raise socket buffer"):
         assert made[name] == (0, "EPERM"), (name, result)
@@ -526,6 +544,9 @@ def test_a_call_cannot_make_the_kernel_hoard_memory():
     assert made["posix timers"] == (limits.max_queued_signals, "EAGAIN"), result
     assert made["filled socket pairs"][0] <= limits.max_open_files // 2, result
     assert made["mappings"][0] < max_map_count and made["mappings"][1] == "ENOMEM", result
+    assert made["filled tcp connections"][0] <= limits.max_open_files // 2, result
+    queued = int(re.search(r"^tcp queued: (\d+) bytes", result, re.MULTILINE).group(1))
+    assert 0 < queued <= 2 * limits.tcp_buffer_bytes, result  # its send buffer and its peer's receive buffer
     assert peak[0] - before < bound, (f"SUnreclaim grew {(peak[0] - before) >> 20} MiB, bound {bound >> 20} MiB", result)
 
 

@@ -10,7 +10,8 @@ On Linux the command runs under bubblewrap (`bwrap`: the PyPI package bubblewrap
              the working directory; a Python environment under /tmp is bound read-only into it); nothing
              else of the host: no trainer files, no /home, no /etc, no /sys
     pid      it sees and can signal only its own process (and bwrap's reaper, pid 1)
-    network  a loopback device of its own: no route out, no host service, no abstract unix socket
+    network  a loopback device of its own: no route out, no host service, no abstract unix socket;
+             TCP's buffers limited (`tcp_buffer_bytes`); made by MOUNTER, not bwrap
     ipc, uts, cgroup   its own (cgroup where the kernel allows it)
     session  a new one (no TIOCSTI into the trainer's terminal); killed when the trainer dies
     environment   empty, but for PATH, HOME, TMPDIR, LANG and what the caller sets
@@ -19,8 +20,8 @@ A seccomp filter refuses (EPERM) new processes and threads (fork, vfork, clone, 
 one process; and the kernel interfaces that namespaces do not cover: keyrings (keyctl, add_key,
 request_key), ptrace and process_vm_*, bpf, perf_event_open, userfaultfd, io_uring, mount and
 namespace calls, open_by_handle_at; the calls that make the kernel hold memory no rlimit counts
-(extended attributes, SysV IPC, POSIX message queues, inotify/fanotify, Landlock); every call of the
-x32 ABI (EPERM too: the process goes on). A call of another architecture (i386 on x86_64) kills it.
+(extended attributes, SysV IPC, POSIX message queues, inotify/fanotify, Landlock, raising a socket's
+buffer with setsockopt); every call of the x32 ABI (EPERM too: the process goes on). A call of another architecture (i386 on x86_64) kills it.
 Resource limits (setrlimit, applied inside before the command starts): CPU time, address space,
 the size of any file it writes (its output included), open files, queued signals (POSIX timers), no
 core dumps; the wall clock is the caller's (`wall_s`): the whole sandbox is killed after it.
@@ -28,9 +29,11 @@ core dumps; the wall clock is the caller's (`wall_s`): the whole sandbox is kill
 The kernel memory a call can hold is bounded so: a tmpfs inode costs about 1 KiB of unreclaimable slab
 and no size limit counts it, so the folder's tmpfs is mounted with nr_inodes (`max_files`), which also
 bounds its extended attributes (tmpfs charges them to the same budget); bwrap cannot set nr_inodes, so
-the launcher (MOUNTER) mounts that tmpfs in a user and mount namespace of its own and execs bwrap there,
+the launcher (MOUNTER) mounts that tmpfs in a user, mount and network namespace of its own and execs bwrap there,
 which binds it as /tmp. Everything else that holds kernel memory is refused by the filter or counted by
-a limit (descriptors: sockets and pipes; queued signals: POSIX timers; the kernel's vm.max_map_count: mappings).
+a limit (descriptors: sockets and pipes; the network namespace's tcp_wmem/tcp_rmem: TCP's buffers, which MOUNTER
+sets; queued signals: POSIX timers; the kernel's vm.max_map_count: mappings). Pipe buffers (pages) are not bounded
+beyond descriptors x fs.pipe-max-size.
 
 Why one process: the limit on processes (RLIMIT_NPROC) does not bind a process that is root outside
 its user namespace, and a trainer run as root (containers) is common; without the filter a fork or
@@ -157,12 +160,15 @@ if number:
 os._exit(os.waitstatus_to_exitcode(status) if status is not None else 128 + number)
 '''
 
-# Runs first (on the host): `python -I -S -c MOUNTER folder tmpfs-options bwrap args...`. In a user and mount namespace
-# of its own (uid and gid 0 there, the caller's outside) it mounts the sandbox's working tmpfs on `folder` with the
-# options bwrap has no flag for (nr_inodes) and execs bwrap, which binds it as /tmp. The mount is seen only there: the
-# host's `folder` stays an empty folder (a mount namespace made in a new user namespace propagates nothing back).
+# Runs first (on the host): `python -I -S -c MOUNTER folder tmpfs-options '{"net/ipv4/tcp_wmem": "...", ...}' bwrap
+# args...`. In a user, mount and network namespace of its own (uid and gid 0 there, the caller's outside) it does what
+# bwrap has no flag for, then execs bwrap there: it mounts the sandbox's working tmpfs on `folder` with nr_inodes (bwrap
+# binds it as /tmp; the mount is seen only there, the host's `folder` stays empty: a mount namespace made in a new user
+# namespace propagates nothing back); it sets the network namespace's own sysctls (TCP's buffer limits: a new network
+# namespace copies the host's, which let a loopback connection queue 4 MiB) and brings its loopback up (the sandbox
+# shares this network namespace: bwrap does not make another).
 MOUNTER = r'''
-import ctypes, os, sys
+import ctypes, fcntl, json, os, socket, struct, sys
 libc = ctypes.CDLL(None, use_errno=True)
 
 def check(result, what):
@@ -170,12 +176,17 @@ def check(result, what):
         sys.exit(f"ppokit sandbox: {what}: {os.strerror(ctypes.get_errno())}")
 
 uid, gid = os.getuid(), os.getgid()
-check(libc.unshare(0x10000000 | 0x00020000), "unshare(CLONE_NEWUSER | CLONE_NEWNS)")
+check(libc.unshare(0x10000000 | 0x00020000 | 0x40000000), "unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET)")
 for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
     with open(f"/proc/self/{name}", "w") as f:
         f.write(text)
 check(libc.mount(b"tmpfs", sys.argv[1].encode(), b"tmpfs", 2 | 4, sys.argv[2].encode()), "mount tmpfs")  # nosuid, nodev
-os.execv(sys.argv[3], sys.argv[3:])
+for name, value in json.loads(sys.argv[3]).items():
+    with open(f"/proc/sys/{name}", "w") as f:  # /proc/sys/net is the writer's network namespace's
+        f.write(value)
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", 0x1 | 0x8 | 0x40))  # SIOCSIFFLAGS lo: up, loopback, running
+os.execv(sys.argv[4], sys.argv[4:])
 '''
 
 
@@ -192,6 +203,7 @@ class Limits:
     max_files: int = 1024
     max_open_files: int = 64
     max_queued_signals: int = 64  # RLIMIT_SIGPENDING: also the most POSIX timers (kernel memory each)
+    tcp_buffer_bytes: int = 1 << 17  # the most a TCP socket's send or receive buffer grows to (its network namespace's)
 
     def rlimits(self) -> dict[str, int]:
         return {"RLIMIT_CPU": max(1, math.ceil(self.wall_s)), "RLIMIT_AS": self.memory_mb << 20,
@@ -200,6 +212,11 @@ class Limits:
 
     def tmpfs_options(self) -> str:
         return f"size={self.folder_mb << 20},nr_inodes={self.max_files},mode=0755"
+
+    def network_sysctls(self) -> dict[str, str]:
+        """min, default, max: the defaults are the kernel's (16 KiB to send, 128 KiB to receive), at most the limit."""
+        send, receive = (min(default, self.tcp_buffer_bytes) for default in (16384, 131072))
+        return {"net/ipv4/tcp_wmem": f"4096 {send} {self.tcp_buffer_bytes}", "net/ipv4/tcp_rmem": f"4096 {receive} {self.tcp_buffer_bytes}"}
 
 
 @dataclass
@@ -355,8 +372,9 @@ def problem() -> Optional[str]:
 def bwrap_arguments(work_folder: str, environment: dict[str, str], read_only: tuple = ()) -> list[str]:
     """bwrap's options for one run, up to the command (the seccomp filter and the files come as descriptors: see `run`);
     `work_folder`: where MOUNTER mounted the working tmpfs."""
+    # No --unshare-net: the sandbox's network namespace is MOUNTER's (its own, with TCP's buffers limited).
     args = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns",
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox", "--unshare-cgroup-try",
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
     for name, value in environment.items():
         args += ["--setenv", name, value]
@@ -440,7 +458,7 @@ def run(argv: list[str], limits: Limits, files: Optional[dict[str, bytes]] = Non
                 fd = _pipe_with(content)
                 pass_fds.append(fd)
                 args += ["--perms", "0644", "--file", str(fd), f"{WORK}/{name}"]
-            mounter = [sys.executable, "-I", "-S", "-c", MOUNTER, host_folder, limits.tmpfs_options()]
+            mounter = [sys.executable, "-I", "-S", "-c", MOUNTER, host_folder, limits.tmpfs_options(), json.dumps(limits.network_sysctls())]
             command, cwd, env = [*mounter, bwrap, *args, "--", *limiter, *argv], "/", {}
         else:
             host_folder = tempfile.mkdtemp(prefix="ppokit-unisolated-")
