@@ -473,6 +473,8 @@ hoard("filled socket pairs", filled_socket)
 for a, b in pairs:
     a.close()
     b.close()
+pipe = os.pipe()
+hoard("raise pipe buffer", lambda i: __import__("fcntl").fcntl(pipe[1], 1031, 1 << 20))  # F_SETPIPE_SZ
 server, queued = socket.create_server(("127.0.0.1", 0), backlog=64), []
 
 def filled_connection(i):  # TCP over its loopback, never read: what the sender and the receiver queue (pages)
@@ -535,9 +537,9 @@ def test_a_call_cannot_make_the_kernel_hoard_memory():
         done.set()
         watcher.join()
     made = {name: (int(count), why) for name, count, why in re.findall(r"^([\w ]+): (\d+) \((\w+)\)$", result, re.MULTILINE)}
-    assert "holding" in result and len(made) == 18, result
+    assert "holding" in result and len(made) == 19, result
     for name in ("xattr user", "xattr security", "xattr trusted", "sysv message queues", "sysv shared memory", "sysv semaphores",
-                 "posix message queues", "inotify", "landlock", "raise socket buffer"):
+                 "posix message queues", "inotify", "landlock", "raise socket buffer", "raise pipe buffer"):
         assert made[name] == (0, "EPERM"), (name, result)
     for name in ("files", "folders", "symlinks", "hard links"):  # the folder and main.py take two of its inodes
         assert made[name] == (limits.max_files - 2, "ENOSPC"), (name, result)
@@ -778,6 +780,10 @@ def test_the_system_call_filter_refuses_what_it_lists_kills_another_architecture
             assert run_bpf(program, arch, setsockopt, (3, level, option)) == EPERM, (machine, option)
         for level, option in ((1, 2), (6, 7), (6, 8), (0, 7)):  # SO_REUSEADDR; TCP's options 7, 8; IP's 7
             assert run_bpf(program, arch, setsockopt, (3, level, option)) == ALLOW, (machine, level, option)
+        fcntl = {"x86_64": 72, "aarch64": 25}[machine]
+        assert run_bpf(program, arch, fcntl, (3, 1031, 1 << 20)) == EPERM  # F_SETPIPE_SZ
+        for command in (1, 2, 3, 4, 1032):  # F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_GETPIPE_SZ
+            assert run_bpf(program, arch, fcntl, (3, command, 0)) == ALLOW, (machine, command)
         assert set(refused) >= {"setxattr", "lsetxattr", "fsetxattr", "setxattrat", "msgget", "shmget", "semget", "mq_open",
                                 "inotify_init1", "landlock_create_ruleset"}
     assert set(sandbox._SECCOMP_ARCH["x86_64"][1]) >= {"fork", "vfork", "clone", "clone3", "ptrace", "keyctl", "unshare", "mount"}

@@ -21,7 +21,7 @@ one process; and the kernel interfaces that namespaces do not cover: keyrings (k
 request_key), ptrace and process_vm_*, bpf, perf_event_open, userfaultfd, io_uring, mount and
 namespace calls, open_by_handle_at; the calls that make the kernel hold memory no rlimit counts
 (extended attributes, SysV IPC, POSIX message queues, inotify/fanotify, Landlock, raising a socket's
-buffer with setsockopt); every call of the x32 ABI (EPERM too: the process goes on). A call of another architecture (i386 on x86_64) kills it.
+or a pipe's buffer with setsockopt or fcntl); every call of the x32 ABI (EPERM too: the process goes on). A call of another architecture (i386 on x86_64) kills it.
 Resource limits (setrlimit, applied inside before the command starts): CPU time, address space,
 the size of any file it writes (its output included), open files, queued signals (POSIX timers), no
 core dumps; the wall clock is the caller's (`wall_s`): the whole sandbox is killed after it.
@@ -31,9 +31,8 @@ and no size limit counts it, so the folder's tmpfs is mounted with nr_inodes (`m
 bounds its extended attributes (tmpfs charges them to the same budget); bwrap cannot set nr_inodes, so
 the launcher (MOUNTER) mounts that tmpfs in a user, mount and network namespace of its own and execs bwrap there,
 which binds it as /tmp. Everything else that holds kernel memory is refused by the filter or counted by
-a limit (descriptors: sockets and pipes; the network namespace's tcp_wmem/tcp_rmem: TCP's buffers, which MOUNTER
-sets; queued signals: POSIX timers; the kernel's vm.max_map_count: mappings). Pipe buffers (pages) are not bounded
-beyond descriptors x fs.pipe-max-size.
+a limit (descriptors: sockets and pipes, whose buffers cannot be raised; the network namespace's tcp_wmem/tcp_rmem:
+TCP's buffers, which MOUNTER sets; queued signals: POSIX timers; the kernel's vm.max_map_count: mappings).
 
 Why one process: the limit on processes (RLIMIT_NPROC) does not bind a process that is root outside
 its user namespace, and a trainer run as root (containers) is common; without the filter a fork or
@@ -279,6 +278,8 @@ _SECCOMP_ARCH = {
 # net.core.wmem_max (8 MiB here), times the descriptors. The numbers are the same on both architectures.
 _SETSOCKOPT = {"x86_64": 54, "aarch64": 208}
 _SOL_SOCKET, _SOCKET_BUFFER_OPTIONS = 1, (7, 8, 32, 33)
+# fcntl(fd, F_SETPIPE_SZ, ...) too: a pipe's buffer (pages) from 64 KiB to fs.pipe-max-size (1 MiB), times the descriptors.
+_FCNTL, _F_SETPIPE_SZ = {"x86_64": 72, "aarch64": 25}, 1031
 _BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 _SECCOMP_RET_KILL_PROCESS, _SECCOMP_RET_ERRNO, _SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 _EPERM = 1
@@ -296,6 +297,8 @@ def seccomp_filter(machine: str) -> bytes:
     if x32 is not None:
         program.append((_BPF_JGE_K, "deny", None, x32))
     program += [(_BPF_JEQ_K, "deny", None, n) for n in sorted(set(refused.values()))]
+    program += [(_BPF_JEQ_K, None, "not fcntl", _FCNTL[machine]), (_BPF_LD_W_ABS, None, None, _ARG1),
+                (_BPF_JEQ_K, "deny", "allow", _F_SETPIPE_SZ), "not fcntl"]
     program += [(_BPF_JEQ_K, None, "allow", _SETSOCKOPT[machine]), (_BPF_LD_W_ABS, None, None, _ARG1),
                 (_BPF_JEQ_K, None, "allow", _SOL_SOCKET), (_BPF_LD_W_ABS, None, None, _ARG2)]
     program += [(_BPF_JEQ_K, "deny", None, option) for option in _SOCKET_BUFFER_OPTIONS]
