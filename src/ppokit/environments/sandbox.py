@@ -290,7 +290,8 @@ _NR, _ARCH, _ARG1, _ARG2 = 0, 4, 24, 32
 def seccomp_filter(machine: str) -> bytes:
     """The classic-BPF program (struct sock_filter[], what bwrap --seccomp reads) for `machine`
     (platform.machine()): a call of another architecture (i386 on x86_64, arm32 on aarch64) kills the process; the
-    refused calls, and on x86_64 every call of the x32 ABI (numbers from 0x40000000), return EPERM; the rest run."""
+    refused calls, setsockopt of a socket's buffer size, fcntl F_SETPIPE_SZ, and on x86_64 every call of the x32 ABI
+    (numbers from 0x40000000), return EPERM; the rest run. Arguments are read as the kernel does: their low 32 bits."""
     arch, refused, x32 = _SECCOMP_ARCH[machine]
     # (code, where to go when true, when false, k): a label, or None for the next instruction; jumps go forward only
     program: list = [(_BPF_LD_W_ABS, None, None, _ARCH), (_BPF_JEQ_K, None, "kill", arch), (_BPF_LD_W_ABS, None, None, _NR)]
