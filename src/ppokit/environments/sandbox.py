@@ -453,7 +453,9 @@ def run(argv: list[str], limits: Limits, files: Optional[dict[str, bytes]] = Non
             bwrap = find_bwrap()
             if bwrap is None:
                 raise OSError(f"bubblewrap (bwrap) is not installed: {INSTALL}")
-            host_folder = tempfile.mkdtemp(prefix="ppokit-sandbox-")  # stays empty: the tmpfs is mounted over it in MOUNTER's namespace
+            # Stays empty (the tmpfs is mounted over it in MOUNTER's namespace only) and is removed below; a trainer killed
+            # by SIGKILL mid-call leaves it behind, as it leaves an unisolated call's folder.
+            host_folder = tempfile.mkdtemp(prefix="ppokit-sandbox-")
             args = bwrap_arguments(host_folder, environment, read_only)
             filter_fd = _pipe_with(seccomp_filter(platform.machine()))
             pass_fds.append(filter_fd)
