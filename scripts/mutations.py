@@ -53,6 +53,20 @@ class Mutation:
     needs: tuple[str, ...] = ()  # modules the tests need (vllm: run this script with .ci/vllm-env's python)
 
 
+# sandbox.py's MOUNTER, from the unshare that makes the network namespace to the loopback it brings up
+NETWORK_NAMESPACE = """check(libc.unshare(0x10000000 | 0x00020000 | 0x40000000), "unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET)")
+for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+check(libc.mount(b"tmpfs", sys.argv[1].encode(), b"tmpfs", 2 | 4, sys.argv[2].encode()), "mount tmpfs")  # nosuid, nodev
+for name, value in json.loads(sys.argv[3]).items():
+    with open(f"/proc/sys/{name}", "w") as f:  # /proc/sys/net is the writer's network namespace's
+        f.write(value)
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", 0x1 | 0x8 | 0x40))  # SIOCSIFFLAGS lo: up, loopback, running
+"""
+
+
 def parser_returns_nothing(parser: str, tests: tuple[str, ...]) -> Mutation:
     signature = f"def parse_{parser}(text: str, schemas: Schemas = None) -> list[Call]:\n"
     return Mutation(f"tool_parser_{parser}_finds_no_call", "src/ppokit/environments/tool_parsers.py", signature,
@@ -199,8 +213,8 @@ MUTATIONS = [
              ("tests/test_peer_conventions.py::test_the_weights_reaching_the_loss",),
              "ppo.rollout_is: tis_sequence gives the token-level weights"),
     # ---- the sandbox
-    Mutation("sandbox_network_namespace_dropped", "src/ppokit/environments/sandbox.py",
-             '"--unshare-pid", "--unshare-net", ', '"--unshare-pid", ',
+    Mutation("sandbox_network_namespace_dropped", "src/ppokit/environments/sandbox.py",  # MOUNTER makes it (and sets it up)
+             NETWORK_NAMESPACE, NETWORK_NAMESPACE.replace(" | 0x40000000), ", "), ").split("\nfor name, value")[0] + "\n",
              ("tests/test_sandbox.py",),
              "the Python tool's sandbox shares the host's network namespace"),
     Mutation("sandbox_seccomp_filter_dropped", "src/ppokit/environments/sandbox.py",
@@ -209,7 +223,7 @@ MUTATIONS = [
              "the Python tool's sandbox runs without its seccomp filter"),
     Mutation("sandbox_work_folder_over_the_environment", "src/ppokit/environments/sandbox.py",
              '    args += ["--dev", "/dev", "--chdir", WORK]',
-             '    args += ["--dev", "/dev", "--size", str(limits.folder_mb << 20), "--tmpfs", WORK, "--chdir", WORK]',
+             '    args += ["--dev", "/dev", "--tmpfs", WORK, "--chdir", WORK]',
              ("tests/test_sandbox.py::test_a_python_environment_under_tmp_runs_the_tool",),
              "the sandbox's working folder is mounted over a Python environment under /tmp"),
     Mutation("sandbox_site_packages_not_bound", "src/ppokit/environments/sandbox.py",
@@ -249,6 +263,59 @@ MUTATIONS = [
              '"columns": {name: values[i] for name, values in columns.items()}}', '"columns": {}}',
              ("tests/test_trainer.py::test_each_sample_row_has_every_sources_score_and_the_data_columns",),
              "samples.jsonl rows leave out the data columns the rewards read (answer, ...)"),
+    # ---- the sandbox's kernel memory, the kernel's files, x32, the unisolated keeper (issue 47)
+    Mutation("sandbox_tmpfs_without_inode_limit", "src/ppokit/environments/sandbox.py",
+             'return f"size={self.folder_mb << 20},nr_inodes={self.max_files},mode=0755"', 'return f"size={self.folder_mb << 20},mode=0755"',
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",),
+             "the sandbox's tmpfs has no inode limit: files, folders and links hold ~1 KiB of kernel memory each, unbounded"),
+    Mutation("sandbox_xattrs_allowed", "src/ppokit/environments/sandbox.py",
+             '    "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463, ', "    ",
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",
+              "tests/test_sandbox.py::test_the_system_call_filter_refuses_what_it_lists_kills_another_architecture_and_refuses_x32"),
+             "the filter lets the sandbox set extended attributes (x86_64)"),
+    Mutation("sandbox_kernel_memory_calls_allowed", "src/ppokit/environments/sandbox.py",
+             "        **_KERNEL_MEMORY_X86_64}, 0x40000000),", "        }, 0x40000000),",
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",),
+             "the filter allows xattrs, SysV IPC, POSIX message queues, inotify, fanotify and Landlock (x86_64)"),
+    Mutation("sandbox_socket_buffers_raisable", "src/ppokit/environments/sandbox.py",
+             '    program += [(_BPF_JEQ_K, "deny", None, option) for option in _SOCKET_BUFFER_OPTIONS]\n', "",
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",),
+             "setsockopt SO_SNDBUF/SO_RCVBUF is allowed: a socket's buffer of skbs grows to twice net.core.wmem_max"),
+    Mutation("sandbox_pipe_buffers_raisable", "src/ppokit/environments/sandbox.py",
+             '(_BPF_JEQ_K, "deny", "allow", _F_SETPIPE_SZ)', '(_BPF_JEQ_K, "allow", "allow", _F_SETPIPE_SZ)',
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",
+              "tests/test_sandbox.py::test_the_system_call_filter_refuses_what_it_lists_kills_another_architecture_and_refuses_x32"),
+             "fcntl F_SETPIPE_SZ is allowed: a pipe's buffer grows from 64 KiB to fs.pipe-max-size"),
+    Mutation("sandbox_no_queued_signal_limit", "src/ppokit/environments/sandbox.py",
+             '"RLIMIT_SIGPENDING": self.max_queued_signals, ', "",
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",),
+             "no RLIMIT_SIGPENDING in the sandbox: POSIX timers (kernel memory each) up to the user's default limit"),
+    Mutation("sandbox_root_only_proc_files_shown", "src/ppokit/environments/sandbox.py",
+             "if entry.name in PROC_MASKED or (entry.is_file(follow_symlinks=False) and not entry.stat().st_mode & 0o004):",
+             "if entry.name in PROC_MASKED:",
+             ("tests/test_sandbox.py::test_the_kernels_own_files_in_proc_read_nothing_and_sys_is_not_there",),
+             "the host's root-only /proc files (slabinfo, vmallocinfo, kpageflags, ...) are readable in a sandbox mapped to root"),
+    Mutation("sandbox_x32_kills", "src/ppokit/environments/sandbox.py",
+             'program.append((_BPF_JGE_K, "deny", None, x32))', 'program.append((_BPF_JGE_K, "kill", None, x32))',
+             ("tests/test_sandbox.py::test_an_x32_call_is_refused_and_the_program_goes_on",
+              "tests/test_sandbox.py::test_the_system_call_filter_refuses_what_it_lists_kills_another_architecture_and_refuses_x32"),
+             "an x32 call kills the process instead of failing with EPERM (what the docs say it does)"),
+    Mutation("sandbox_tcp_buffers_of_the_host", "src/ppokit/environments/sandbox.py",
+             "json.dumps(limits.network_sysctls())", "json.dumps({})",
+             ("tests/test_sandbox.py::test_a_call_cannot_make_the_kernel_hoard_memory",),
+             "the sandbox's network namespace keeps TCP's buffer limits copied from the host (4 MiB a loopback connection)"),
+    Mutation("unisolated_keeper_not_subreaper", "src/ppokit/environments/sandbox.py",
+             "libc.prctl(36, 1, 0, 0, 0)", "pass",
+             ("tests/test_sandbox.py::test_unisolated_a_setsid_grandchild_ends_with_the_call",),
+             "the unisolated keeper is no child subreaper: a setsid grandchild is reparented away and outlives the call"),
+    Mutation("unisolated_wall_clock_kills_the_keeper_first", "src/ppokit/environments/sandbox.py",
+             "    if keeper and process.poll() is None:", "    if False:",
+             ("tests/test_sandbox.py::test_unisolated_a_setsid_grandchild_ends_with_the_call",),
+             "at the wall clock the unisolated process group is killed, keeper included, before it ends the descendants"),
+    Mutation("unisolated_keeper_outlives_its_caller", "src/ppokit/environments/sandbox.py",
+             "libc.prctl(1, signal.SIGTERM, 0, 0, 0)", "pass",
+             ("tests/test_sandbox.py::test_unisolated_a_trainer_that_dies_takes_the_calls_processes_with_it",),
+             "the unisolated keeper has no parent-death signal: a killed trainer leaves the call's processes running"),
     # ---- LoRA and FSDP multi-turn
     Mutation("critic_on_reward_scores_with_its_adapter", "src/ppokit/models/roles.py",
              "replace(s, scored_under=functools.partial(adapters_disabled, value))", "replace(s)",

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -428,6 +429,184 @@ print("interfaces:", sorted(n for _, n in socket.if_nameindex()))
         assert re.search(pattern, result), (pattern, result)
 
 
+# --------------------------------------------------------------------------- kernel memory and the kernel's own files
+
+# Each way we know for one process to make the kernel hold memory no rlimit counts, tried up to CAP times (harmless
+# where a bound is missing, far above any bound; SysV's fewer), then all held for 2 s: "NAME: COUNT (why it stopped)".
+HOARDER = '''
+import ctypes, errno, os, socket, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+CAP = 200_000
+
+def hoard(name, make, cap=CAP):
+    made, stop = 0, "cap"
+    try:
+        while made < cap:
+            make(made)
+            made += 1
+    except OSError as e:
+        stop = errno.errorcode.get(e.errno, str(e.errno))
+    print(f"{name}: {made} ({stop})", flush=True)
+    return made
+
+def native(result):
+    if result == -1:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+for space in ("user", "security", "trusted"):
+    hoard(f"xattr {space}", lambda i: os.setxattr("main.py", f"{space}.x{i}", b"v" * 1000))
+for kind, prefix, make, remove in (("files", "f", lambda i: open(f"f{i}", "w").close(), os.unlink),
+                                   ("folders", "d", lambda i: os.mkdir(f"d{i}"), os.rmdir),
+                                   ("symlinks", "s", lambda i: os.symlink("x" * 40, f"s{i}"), os.unlink)):
+    for i in range(hoard(kind, make)):
+        remove(f"{prefix}{i}")
+hoard("hard links", lambda i: os.link("main.py", f"h{i}"))  # held
+buffer = ctypes.create_string_buffer(8 + 8000)
+ctypes.c_long.from_buffer(buffer).value = 1
+
+def message_queue(i):
+    queue = libc.msgget(0, 0o600)
+    native(queue)
+    for _ in range(2):
+        native(libc.msgsnd(queue, buffer, 8000, 0o4000))  # IPC_NOWAIT: 16 KB a queue, the default msgmnb
+
+hoard("sysv message queues", message_queue, 8000)  # 128 MB, were they allowed
+hoard("sysv shared memory", lambda i: native(libc.shmget(0, 1 << 20, 0o600)), 8000)
+hoard("sysv semaphores", lambda i: native(libc.semget(0, 250, 0o600)), 8000)  # 16 KB of kernel memory each
+hoard("posix message queues", lambda i: native(libc.mq_open(f"/q{i}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None)))
+hoard("inotify", lambda i: native(libc.inotify_init1(0)))
+hoard("landlock", lambda i: native(libc.syscall(444, None, 0, 1)))
+timer = ctypes.c_long()
+hoard("posix timers", lambda i: native(libc.timer_create(1, None, ctypes.byref(timer))))
+pairs = []
+
+def filled_socket(i):  # one byte a send: a buffer's worth of skbs (slab) held by the kernel for the sender
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pairs.append((a, b))
+    if i == 0:
+        hoard("raise socket buffer", lambda j: a.setsockopt(socket.SOL_SOCKET, (socket.SO_SNDBUF, socket.SO_RCVBUF)[j % 2], 1 << 30))
+    a.setblocking(False)
+    try:
+        while True:
+            a.send(b"x")
+    except BlockingIOError:
+        pass
+
+hoard("filled socket pairs", filled_socket)
+for a, b in pairs:
+    a.close()
+    b.close()
+pipe = os.pipe()
+hoard("raise pipe buffer", lambda i: __import__("fcntl").fcntl(pipe[1], 1031, 1 << 20))  # F_SETPIPE_SZ
+server, queued = socket.create_server(("127.0.0.1", 0), backlog=64), []
+
+def filled_connection(i):  # TCP over its loopback, never read: what the sender and the receiver queue (pages)
+    client = socket.create_connection(server.getsockname())
+    pairs.append((client, server.accept()[0]))
+    client.setblocking(False)
+    queued.append(0)
+    try:
+        while True:
+            queued[-1] += client.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+
+hoard("filled tcp connections", filled_connection)
+print(f"tcp queued: {max(queued)} bytes at most a connection", flush=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+region = libc.mmap(None, 140_000 * 4096, 3, 0x22, -1, 0)  # read-write, private, anonymous: 547 MiB of address space
+# every other page made read-only: a mapping (vm_area_struct) each, until the kernel's vm.max_map_count
+hoard("mappings", lambda i: native(libc.mprotect(ctypes.c_void_p(region + 2 * i * 4096), 4096, 1)), 70_000)
+print("holding", flush=True)
+time.sleep(2)
+'''
+
+
+def _unreclaimable_slab() -> int:
+    """The host's SUnreclaim (bytes): kernel memory that stays until its owner frees it."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("SUnreclaim:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no SUnreclaim in /proc/meminfo")
+
+
+@needs_sandbox
+def test_a_call_cannot_make_the_kernel_hoard_memory():
+    """The probe's xattrs and inodes, and the other known ways, as one call that holds what it got for 2 s: each is
+    refused or stops at its limit, and the host's unreclaimable kernel memory grows by less than those limits allow
+    (the probe held 1.28 GiB; with the inode limit or the socket-buffer rule removed this call holds 100+ MiB here)."""
+    limits = sandbox.Limits()
+    socket_buffer = max(int(Path(f"/proc/sys/net/core/{name}").read_text()) for name in ("wmem_default", "rmem_default"))
+    max_map_count = int(Path("/proc/sys/vm/max_map_count").read_text())  # the kernel's limit, for one process
+    bound = (limits.max_files * 4096  # an inode, its dentry and a symlink's name: ~1 KiB; a page each
+             + limits.max_open_files * 2 * socket_buffer  # a socket's default buffer, sending and receiving
+             + limits.max_queued_signals * 4096  # a POSIX timer and its queued signal
+             + max_map_count * 512  # a mapping: its vm_area_struct (~250 B) and its share of the maple tree
+             + (32 << 20))  # the sandbox's own processes and namespaces, and what else runs on this machine meanwhile
+    before = _unreclaimable_slab()
+    peak, done = [before], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], _unreclaimable_slab())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = python_tool.execute_python(HOARDER, wall_s=20.0)
+    finally:
+        done.set()
+        watcher.join()
+    made = {name: (int(count), why) for name, count, why in re.findall(r"^([\w ]+): (\d+) \((\w+)\)$", result, re.MULTILINE)}
+    assert "holding" in result and len(made) == 19, result
+    for name in ("xattr user", "xattr security", "xattr trusted", "sysv message queues", "sysv shared memory", "sysv semaphores",
+                 "posix message queues", "inotify", "landlock", "raise socket buffer", "raise pipe buffer"):
+        assert made[name] == (0, "EPERM"), (name, result)
+    for name in ("files", "folders", "symlinks", "hard links"):  # the folder and main.py take two of its inodes
+        assert made[name] == (limits.max_files - 2, "ENOSPC"), (name, result)
+    assert made["posix timers"] == (limits.max_queued_signals, "EAGAIN"), result
+    assert made["filled socket pairs"][0] <= limits.max_open_files // 2, result
+    assert made["mappings"][0] < max_map_count and made["mappings"][1] == "ENOMEM", result
+    assert made["filled tcp connections"][0] <= limits.max_open_files // 2, result
+    queued = int(re.search(r"^tcp queued: (\d+) bytes", result, re.MULTILINE).group(1))
+    assert 0 < queued <= 2 * limits.tcp_buffer_bytes, result  # its send buffer and its peer's receive buffer
+    assert peak[0] - before < bound, (f"SUnreclaim grew {(peak[0] - before) >> 20} MiB, bound {bound >> 20} MiB", result)
+
+
+@needs_sandbox
+def test_the_kernels_own_files_in_proc_read_nothing_and_sys_is_not_there():
+    """Every top-level file of the host's /proc that only root may read (slabinfo, vmallocinfo, kpageflags, ...: a
+    trainer run as root maps the sandbox to root outside), and the world-readable ones about the whole machine
+    (PROC_MASKED), read as nothing inside."""
+    root_only = {e.name for e in os.scandir("/proc") if e.is_file(follow_symlinks=False) and not e.stat().st_mode & 0o004}
+    names = sorted(root_only | {n for n in sandbox.PROC_MASKED if os.path.exists(f"/proc/{n}")})
+    assert {"slabinfo", "vmallocinfo"} <= set(names)  # root-only where the kernel has them
+    body = f'''
+for name in {names!r}:
+    try:
+        with open("/proc/" + name, "rb") as f:
+            print(name, len(f.read(4096)), "bytes")
+    except OSError as e:
+        print(name, "refused", type(e).__name__)
+attempt("list /sys", lambda: os.listdir("/sys"))
+'''
+    result = python_tool.execute_python(PRELUDE.format(run="", outside="", trainer=os.getpid(), secret="") + body)
+    for name in names:
+        assert re.search(rf"^{re.escape(name)} (0 bytes|refused \w+Error)$", result, re.MULTILINE), (name, result)
+    assert re.search(r"^list /sys: refused \(FileNotFoundError", result, re.MULTILINE), result
+
+
+@needs_sandbox
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x32 ABI is x86_64's")
+def test_an_x32_call_is_refused_and_the_program_goes_on():
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+            "print(libc.syscall(0x40000000 + 39), ctypes.get_errno())\nprint('went on')\n")  # x32's getpid: -1, EPERM
+    assert python_tool.execute_python(code) == "-1 1\nwent on\n"
+
+
 # --------------------------------------------------------------------------- nothing outlives its call
 
 
@@ -473,6 +652,64 @@ def test_a_trainer_that_dies_takes_its_sandboxes_with_it():
     try:
         deadline = time.monotonic() + WAIT_BOUND_S * 3
         while not _processes_with(marker):
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _wait_gone(marker) == []
+
+
+@pytest.mark.skipif(not sandbox.UNISOLATED_KEEPER, reason="elsewhere the unisolated wall clock kills the process group only")
+@pytest.mark.parametrize("program_ends", ["at once", "by the wall clock"])
+def test_unisolated_a_setsid_grandchild_ends_with_the_call(no_sandbox, tmp_path, program_ends):
+    """The unsafe fallback: the program double-forks a grandchild that leaves its process group (setsid) and writes a
+    file a second after the call's wall clock; the program then exits at once or runs until the wall clock. Either
+    way the grandchild is gone when the call returns, and the file never appears."""
+    wall_s = 4.0  # the program's start and its fork, on a slow machine, come well within it
+    pid_file, late_file = tmp_path / "grandchild.pid", tmp_path / "late.txt"
+    late_at = time.time() + wall_s + 1.0  # a second after the call's wall clock, however late the program starts
+    code = f'''
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(max(0.0, {late_at} - time.time()))
+        open({str(late_file)!r}, "w").write("outlived the call")
+    os._exit(0)
+while not os.path.exists({str(pid_file)!r}):
+    time.sleep(0.01)
+print("forked", flush=True)
+if {program_ends == "by the wall clock"!r}:
+    time.sleep(600)
+'''
+    result = python_tool.execute_python(code, wall_s=wall_s, unsafe_without_isolation=True)
+    expected = "forked\n" if program_ends == "at once" else f"error: the code did not finish within {wall_s:g}s\n[output so far]\nforked"
+    assert result == expected
+    grandchild = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(grandchild, 0)  # killed and reaped by the keeper before the call returned
+    time.sleep(max(0.0, late_at + 0.5 - time.time()))  # past the moment it would have written
+    assert not late_file.exists()
+
+
+@pytest.mark.skipif(not sandbox.UNISOLATED_KEEPER, reason="elsewhere the unisolated wall clock kills the process group only")
+def test_unisolated_a_trainer_that_dies_takes_the_calls_processes_with_it():
+    """SIGKILL of a trainer mid-call (unisolated, wall clock 600 s): the program and its setsid grandchild end too."""
+    marker = f"{100 + time.time() % 100:.6f}"
+    src = str(Path(python_tool.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    code = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+            f"    os._exit(0)\nos.execv('/bin/sleep', ['sleep', '{marker}'])\n")
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys\nfrom ppokit.environments import sandbox\n"
+                                "sandbox.run([sys.executable, '-c', sys.stdin.read()], sandbox.Limits(wall_s=600), isolated=False)"],
+                               env=env, stdin=subprocess.PIPE, text=True)
+    trainer.stdin.write(code)  # on stdin: the marker is in the keeper's and the sleeps' command lines only
+    trainer.stdin.close()
+    try:
+        deadline = time.monotonic() + WAIT_BOUND_S * 3
+        while len(_processes_with(marker)) < 3:  # the keeper, the program's sleep, the grandchild's sleep
             assert trainer.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
     finally:
@@ -563,26 +800,38 @@ print(sorted(me.items()))
         assert link != os.readlink(f"/proc/self/ns/{name}"), name
 
 
-def test_the_system_call_filter_refuses_what_it_lists_and_kills_another_abi():
+def test_the_system_call_filter_refuses_what_it_lists_kills_another_architecture_and_refuses_x32():
     """The BPF program run by a small interpreter of the instructions it uses, for both architectures."""
-    for machine, (arch, refused, other_abi) in sandbox._SECCOMP_ARCH.items():
+    EPERM, ALLOW = 0x00050000 | 1, 0x7FFF0000  # SECCOMP_RET_ERRNO | EPERM: the call fails, the process goes on
+    for machine, (arch, refused, x32) in sandbox._SECCOMP_ARCH.items():
         program = sandbox.seccomp_filter(machine)
         for nr in refused.values():
-            assert run_bpf(program, arch, nr) == 0x00050000 | 1, (machine, nr)  # SECCOMP_RET_ERRNO | EPERM
+            assert run_bpf(program, arch, nr) == EPERM, (machine, nr)
         for nr in (0, 1, 2, 3, 59, 60, 62, 231, 63, 93, 64, 221):  # read, write, open/close, execve, exit, kill, ...
             if nr not in refused.values():
-                assert run_bpf(program, arch, nr) == 0x7FFF0000, (machine, nr)
+                assert run_bpf(program, arch, nr) == ALLOW, (machine, nr)
         assert run_bpf(program, 0x40000003, 2) == 0x80000000  # i386 on x86_64, or anything else: killed
-        if other_abi is not None:
-            assert run_bpf(program, arch, other_abi + 1) == 0x00050000 | 1  # x32
+        if x32 is not None:
+            assert run_bpf(program, arch, x32 + 39) == EPERM  # x32's getpid: refused, not killed
+        setsockopt = {"x86_64": 54, "aarch64": 208}[machine]
+        for level, option in ((1, 7), (1, 8), (1, 32), (1, 33)):  # SOL_SOCKET: SO_SNDBUF, SO_RCVBUF, and their FORCE
+            assert run_bpf(program, arch, setsockopt, (3, level, option)) == EPERM, (machine, option)
+        for level, option in ((1, 2), (6, 7), (6, 8), (0, 7)):  # SO_REUSEADDR; TCP's options 7, 8; IP's 7
+            assert run_bpf(program, arch, setsockopt, (3, level, option)) == ALLOW, (machine, level, option)
+        fcntl = {"x86_64": 72, "aarch64": 25}[machine]
+        assert run_bpf(program, arch, fcntl, (3, 1031, 1 << 20)) == EPERM  # F_SETPIPE_SZ
+        for command in (1, 2, 3, 4, 1032):  # F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_GETPIPE_SZ
+            assert run_bpf(program, arch, fcntl, (3, command, 0)) == ALLOW, (machine, command)
+        assert set(refused) >= {"setxattr", "lsetxattr", "fsetxattr", "setxattrat", "msgget", "shmget", "semget", "mq_open",
+                                "inotify_init1", "landlock_create_ruleset"}
     assert set(sandbox._SECCOMP_ARCH["x86_64"][1]) >= {"fork", "vfork", "clone", "clone3", "ptrace", "keyctl", "unshare", "mount"}
 
 
-def run_bpf(program: bytes, arch: int, nr: int) -> int:
-    """Classic BPF over struct seccomp_data {int nr; u32 arch; ...}: the return value for (arch, nr)."""
+def run_bpf(program: bytes, arch: int, nr: int, args: tuple = ()) -> int:
+    """Classic BPF over struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6]}: the return value for (arch, nr, args)."""
     import struct
 
-    data = struct.pack("=iI", nr, arch) + bytes(56)
+    data = struct.pack("=iIQ6Q", nr, arch, 0, *args, *[0] * (6 - len(args)))
     code = [struct.unpack_from("=HBBI", program, i) for i in range(0, len(program), 8)]
     pc, a = 0, 0
     while True:

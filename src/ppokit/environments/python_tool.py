@@ -12,7 +12,8 @@ Where the machine cannot isolate it (no bwrap, user namespaces disabled, not Lin
 tool stops at start-up with one line saying what is missing (`ppokit ppo` and `ppokit plan`: as soon as the config is
 read, before any heavy import or run folder: `check_config`), unless the user opts in with
 `environment_args.unsafe_python_without_isolation: true`: then the code runs with the same limits in a
-fresh folder on the host, with the trainer's permissions (it can read and write what the trainer can).
+fresh folder on the host, with the trainer's permissions (it can read and write what the trainer can); on Linux
+every process it starts ends with the call (sandbox.py's keeper), on macOS its process group.
 """
 
 from __future__ import annotations
