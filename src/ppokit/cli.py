@@ -8,7 +8,6 @@ import os
 import shlex
 import sys
 import warnings
-from pathlib import Path
 from typing import NoReturn
 
 from ppokit import cpu_threads, interrupts
@@ -19,13 +18,14 @@ from ppokit.version import __version__
 def _ppo(args) -> int:
     from ppokit import launcher, run_dir
     from ppokit.config import PPOConfig
+    from ppokit.startup import check_config
 
     launcher.check_launch()  # a launch that cannot run as asked stops first, before the config is even read
     overrides, resume = list(args.overrides), args.resume
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
-    check_run_config(config)
+    check_config(config)  # `ppokit plan` runs it too; the rest of the start-up checks are the trainer's (`startup.prepare`)
     # Before any weights load: the run folder may be used (not another tool's), is this run's alone (the
     # lock, held until the command ends: a run in progress is named by its PID), holds no run that a fresh
     # start would replace, and the checkpoint to resume is found and read whole.
@@ -69,22 +69,6 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     return 0
 
 
-def check_run_config(config, processes: int | None = None) -> None:
-    """What `ppokit ppo` refuses from the loaded config and the process count alone (`processes`, default
-    WORLD_SIZE, else 1), before anything is written or loaded. `ppokit plan` calls it too, so a config
-    the run refuses is the same one line and exit status 2 there."""
-    if processes is not None and processes < 1:
-        raise UserError(f"--processes {processes}: must be at least 1")
-    from ppokit import batch_sizes
-    from ppokit.environments.python_tool import check_config as check_python_tool
-    from ppokit.launcher import launched_processes
-
-    check_python_tool(config.environment, config.environment_args, Path.cwd())  # the sandbox the Python tool needs
-
-    if config.ppo.total_episodes is not None:  # without it the batch arithmetic needs the prompts (the plan and the trainer)
-        batch_sizes.derive(config.ppo, processes or launched_processes(), 0)
-
-
 def _is_main_process() -> bool:
     # Read from the launcher's environment: the Accelerator does not exist yet when the plan prints.
     return os.environ.get("RANK", "0") == "0"
@@ -106,7 +90,7 @@ def _preflight(config, ignore_plan: bool = False) -> None:
     from ppokit.plan import plan_for
 
     try:
-        plan = plan_for(config)
+        plan = plan_for(config, startup_checks=False)  # the trainer runs them next, before any weights load
     except UserError:
         return  # the same mistake stops the trainer next, with one line; the plan adds nothing to it
     except Exception as e:  # an estimate must never stop a run that might fit
@@ -134,12 +118,14 @@ def _preflight(config, ignore_plan: bool = False) -> None:
 def _plan(args) -> int:
     from ppokit.config import PPOConfig
 
+    from ppokit.startup import check_config
+
     config = PPOConfig.load(args.config, args.overrides)
-    check_run_config(config, args.processes)
+    check_config(config, args.processes)
     if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
         raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
     from ppokit.plan import plan_for, to_json  # torch and transformers, for the models on the meta device
-    plan = plan_for(config, args.device_memory, args.processes)
+    plan = plan_for(config, args.device_memory, args.processes, overwrite=args.overwrite)
     print(to_json(plan) if args.json else plan.render())
     for stop in plan.stops:  # `ppokit ppo` would stop on it, whatever the memory: a config error
         print(f"ppokit: error: {stop}", file=sys.stderr)
@@ -409,9 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_data_inspect)
 
     plan = sub.add_parser(
-        "plan", help="estimate parameters, memory and batch sizes of a PPO config (reads config files only)",
+        "plan", help="estimate parameters, memory and batch sizes of a PPO config (loads no weights, writes nothing)",
         description=f"Exit status: 0 when the estimate fits the device, {PLAN_DOES_NOT_FIT} when it does not, 2 on a config error "
-        "or when `ppokit ppo` would stop on the config before training (e.g. prompt + response over a model's position limit).",
+        "or when `ppokit ppo` would stop on the config before training, on this machine, with the same line (its start-up checks: "
+        "data, reward functions, output_dir, token budget, CUDA for fp16 and quantization, ...; prompt + response over a "
+        "model's position limit). The estimate is still printed when it can be made.",
     )
     plan.add_argument("config", help="YAML config file, as for `ppokit ppo`")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -420,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan for a device of this many GiB instead of this machine's (CUDA memory, else RAM)")
     plan.add_argument("--processes", type=int, metavar="N",
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
+    plan.add_argument("--overwrite", action="store_true",
+                      help="check output_dir as `ppokit ppo --overwrite` does (a folder ppokit did not make is then accepted)")
     plan.set_defaults(func=_plan)
 
     from ppokit.demo import ENVIRONMENTS as DEMO_ENVIRONMENTS  # no torch: the parser stays quick
