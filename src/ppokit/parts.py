@@ -2,12 +2,13 @@
 in one object that the update, the evaluation and the saving read (`Parts`). Nothing here reads the trainer.
 
 `assemble` builds them in an order that fails early and cheaply:
-    1. the run's own config (a validated copy), the accelerator, the parallel strategy, the seed
+    1. the run's own config (a validated copy), the seed
     2. every refusal that needs no weights (`startup.prepare`, which `ppokit plan` runs too): what the config needs of
        this machine, the prompts (a bad file fails before any weights load), the tokenizer, the batch arithmetic with
        the learning-rate schedule (`sizes`), the output folder's check, the conversation (the stop token, the
        environment made, the chat template checked against it, a tool-calling turn's own stop token added, chat
-       prompts rendered with its tools), the prompts' token ids, the token budget, the reward functions checked
+       prompts rendered with its tools), the prompts' token ids, the token budget, the reward functions checked;
+       then the accelerator and the parallel strategy
     3. the reward sources (`scorer`: the reward model loads), which model plays which role (`layout`), the pad id,
        every prompt's fit
     4. the models: policy and critic under one trainable module with its optimiser and schedule, the frozen reference
@@ -28,6 +29,7 @@ from torch import nn
 from ppokit import algo, batch_sizes, engines, parallel, roles
 from ppokit.config import PPOConfig
 from ppokit.engines.base import Sampling
+from ppokit.launcher import launched_processes, launched_rank
 from ppokit.environments.episode_loop import Conversation, EnvironmentReward
 from ppokit.models import check_prompts_fit, input_pad_id, position_limit, tightest
 from ppokit.optimise import prepare_training
@@ -85,17 +87,21 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
              eval_dataset=None, accelerator=None, show_progress: bool = True, overwrite: bool = False) -> Parts:
     """The run's parts from `config` and the objects passed in its place (`PPOTrainer`'s arguments, which it documents)."""
     config = run_config(config, model, reward_model, reward_functions)
+    if accelerator is None:  # the processes the accelerator will see (`launcher.check_world_size`), before it exists
+        processes, main_process = launched_processes(), launched_rank() == 0
+    else:
+        processes, main_process = accelerator.num_processes, accelerator.is_main_process
+    show_progress = show_progress and main_process
+    say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
+    set_seed(config.seed)
+    # Every refusal that needs no weights, as `ppokit plan` checks them, this machine's first (the main process checks
+    # the run folder); then the accelerator, for the switches this machine has
+    start = prepare(config, processes=processes, check_folder=main_process, overwrite=overwrite, say=say, model=model,
+                    tokenizer=tokenizer, reward_model_given=reward_model is not None, reward_functions=reward_functions,
+                    train_dataset=train_dataset, eval_dataset=eval_dataset)
     accelerator = accelerator or parallel.make_accelerator(config.parallel, roles.mixed_precision(config))
     strategy = parallel.strategy(config.parallel, accelerator, bf16=config.bf16)
     reduce = parallel.sum_over_processes(accelerator)
-    set_seed(config.seed)
-    show_progress = show_progress and accelerator.is_main_process
-    say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
-
-    # Every refusal that needs no weights, as `ppokit plan` checks them (the main process checks the run folder)
-    start = prepare(config, processes=accelerator.num_processes, check_folder=accelerator.is_main_process, overwrite=overwrite,
-                    say=say, model=model, tokenizer=tokenizer, reward_model_given=reward_model is not None,
-                    reward_functions=reward_functions, train_dataset=train_dataset, eval_dataset=eval_dataset)
     train_data, eval_data, tokenizer, sizes = start.train_data, start.eval_data, start.tokenizer, start.sizes
     conversation, train_query_ids, eval_query_ids = start.conversation, start.train_query_ids, start.eval_query_ids
     stop_token_ids = conversation.stop_token_ids  # decided once: ppo.stop_token, and a tool-calling turn's own token

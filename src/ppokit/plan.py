@@ -1,4 +1,4 @@
-"""Preflight for a PPO run: parameters, memory and batch sizes, from config files only.
+"""Preflight for a PPO run: parameters, memory and batch sizes, with no weights loaded.
 
 Every model is built on the meta device from its config.json (no weights are read, no memory
 is allocated) to count parameters; LoRA adapters are added the same way, so trainable counts
