@@ -102,13 +102,21 @@ def test_plan_refuses_what_ppo_refuses_with_its_line(run_folder, capsys, args, m
 
 
 def test_plan_still_prints_its_estimate_beside_the_refusal(run_folder, capsys):
-    """A refusal of this machine's (fp16 without CUDA) leaves the table for the device planned for: the estimate, then
-    the run's refusal as the first stop, exit 2."""
+    """A refusal leaves the estimate for the device planned for (with data.train missing, on assumed prompt lengths):
+    the run's refusal is the plan's first stop, exit 2."""
     assert main(["plan", "ppo.yaml", "bf16=true", "data.train=missing.jsonl", "--json", "--device-memory", "24"]) == 2
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert report["stops"][0] == "data file not found: missing.jsonl" and report["fits"]
     assert errors(captured.err)[0] == "ppokit: error: data file not found: missing.jsonl"
+
+
+def test_plan_overwrite_checks_output_dir_as_ppo_overwrite_does(run_folder):
+    """A folder ppokit did not make, refused without --overwrite (above), is taken with it, as `ppokit ppo --overwrite`
+    takes it (tests/test_run_dir.py); the plan leaves it as it was."""
+    before = files_under(run_folder)
+    assert main(["plan", "ppo.yaml", "output_dir=theirs", "--overwrite"]) == 0
+    assert files_under(run_folder) == before
 
 
 # Each call that can refuse in the start-up checks -> where it is looked up when called (each is imported in the function).
