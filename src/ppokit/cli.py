@@ -70,8 +70,10 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
 
 
 def _is_main_process() -> bool:
+    from ppokit.launcher import launched_rank
+
     # Read from the launcher's environment: the Accelerator does not exist yet when the plan prints.
-    return os.environ.get("RANK", "0") == "0"
+    return launched_rank() == 0
 
 
 PLAN_DOES_NOT_FIT = 3
@@ -117,7 +119,6 @@ def _preflight(config, ignore_plan: bool = False) -> None:
 
 def _plan(args) -> int:
     from ppokit.config import PPOConfig
-
     from ppokit.startup import check_config
 
     config = PPOConfig.load(args.config, args.overrides)

@@ -741,12 +741,12 @@ def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: O
     of `processes` processes (default: WORLD_SIZE, else 1). With `startup_checks`, the run's own refusals before any
     weights load (`startup.prepare`, output_dir checked as with `--overwrite` when `overwrite`) are the plan's first
     stop, in the run's words; the estimate is still made where it can be (a CUDA config planned on this CPU machine)."""
-    refusal = None
+    refusal: Optional[UserError] = None
     if startup_checks:
         try:
             prepare(config, processes=processes or launched_processes(), overwrite=overwrite)
         except UserError as e:
-            refusal = str(e)
+            refusal = e
     try:
         prompt_length, num_prompts, notes = data_shape(config)
         device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
@@ -754,14 +754,14 @@ def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: O
     except UserError:
         if refusal is None:
             raise
-        raise UserError(refusal) from None  # what the run says first
+        raise refusal from None  # what the run says first
     plan.warnings.extend(notes)
     try:  # the rollout engine's own refusals (vLLM not installed, say), as the run meets them: the engine's check
         engines.check(config.rollout.engine, _auto_config(config.model, "model", config.trust_remote_code), config.rollout)
     except UserError as e:
         plan.stops.insert(0, str(e))
-    if refusal is not None:
-        plan.stops.insert(0, refusal)
+    if refusal is not None:  # before any engine is made: the run's first line
+        plan.stops.insert(0, str(refusal))
     return plan
 
 
