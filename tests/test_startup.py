@@ -101,6 +101,16 @@ def test_plan_refuses_what_ppo_refuses_with_its_line(run_folder, capsys, args, m
     assert plan == ppo and ppo.startswith(f"ppokit: error: {message}"), (plan, ppo)
 
 
+@pytest.mark.parametrize("case", ["token budget below the longest row", "reward file missing", "output_dir is the current directory"])
+def test_a_run_that_does_not_fit_and_is_refused_says_the_refusal_as_plan_does(run_folder, capsys, monkeypatch, case):
+    """`ppokit ppo`'s own plan (the preflight) stopped a run that does not fit with exit 3 while `ppokit plan` said the
+    config's refusal (exit 2): both now say the refusal."""
+    monkeypatch.setattr("ppokit.plan.device_memory", lambda: ("cpu test", 1024))  # a device of 1 KiB: nothing fits
+    args, message = REFUSALS[case]
+    plan, ppo = refused_alike(run_folder, args, capsys)
+    assert plan == ppo and ppo.startswith(f"ppokit: error: {message}"), (plan, ppo)
+
+
 def test_plan_still_prints_its_estimate_beside_the_refusal(run_folder, capsys):
     """A refusal leaves the estimate for the device planned for (with data.train missing, on assumed prompt lengths):
     the run's refusal is the plan's first stop, exit 2."""

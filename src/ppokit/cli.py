@@ -52,7 +52,7 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     from ppokit.trainer import PPOTrainer
 
     if _is_main_process():
-        _preflight(config, args.ignore_plan)
+        _preflight(config, args.ignore_plan, args.overwrite)
     trainer = PPOTrainer(config, overwrite=args.overwrite)
     if resume_path is not None:
         trainer.resume_from(resume_path, force=args.resume_force)
@@ -85,14 +85,19 @@ class PlanDoesNotFit(UserError):
     exit_code = PLAN_DOES_NOT_FIT
 
 
-def _preflight(config, ignore_plan: bool = False) -> None:
+def _preflight(config, ignore_plan: bool = False, overwrite: bool = False) -> None:
     """The plan before any weights load. A run it estimates not to fit stops here, unless `ignore_plan`
     (a run that cannot fit would fail later, after loading every model, or exhaust the machine's
-    memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
+    memory); a plan that cannot be made never stops a run (config mistakes are the config's), nor does one
+    whose config the run refuses at start-up (`startup.prepare`: the trainer says that first, as `ppokit plan` does)."""
     from ppokit.plan import plan_for
 
     try:
-        plan = plan_for(config, startup_checks=False)  # the trainer runs them next, before any weights load
+        # The start-up checks are the trainer's, next (here as well, the user's reward files would be imported twice):
+        # only a plan that would stop the run asks them first.
+        plan = plan_for(config, startup_checks=False)
+        if not plan.fits and not ignore_plan:
+            plan = plan_for(config, overwrite=overwrite)
     except UserError:
         return  # the same mistake stops the trainer next, with one line; the plan adds nothing to it
     except Exception as e:  # an estimate must never stop a run that might fit
