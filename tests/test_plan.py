@@ -267,11 +267,12 @@ def test_plan_refuses_what_the_run_refuses_with_the_same_line(model_dir, prompts
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_dir, tmp_path, monkeypatch, capsys):
+def test_ppo_preflight_suggests_sharding_when_the_model_does_not_fit(big_model_dir, prompts_file, tmp_path, monkeypatch, capsys):
     from ppokit.cli import _preflight
     from ppokit.config import PPOConfig
 
     config = PPOConfig.load(write_config(tmp_path / "big.yaml", model=str(big_model_dir), bf16=True, reward={"functions": ["sentiment"]},
+                                         data={"train": str(prompts_file)}, output_dir=str(tmp_path / "run"),
                                          ppo={"total_episodes": 64, "per_device_train_batch_size": 4, "response_length": 64}))
     monkeypatch.setattr("ppokit.plan.device_memory", lambda: ("cuda:0 test", 80 * GiB))
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -29,8 +29,8 @@ from torch import nn
 from ppokit import algo, batch_sizes, engines, parallel, roles
 from ppokit.config import PPOConfig
 from ppokit.engines.base import Sampling
-from ppokit.launcher import launched_processes, launched_rank
 from ppokit.environments.episode_loop import Conversation, EnvironmentReward
+from ppokit.launcher import launched_processes, launched_rank
 from ppokit.models import check_prompts_fit, input_pad_id, position_limit, tightest
 from ppokit.optimise import prepare_training
 from ppokit.prompts import PromptDataset
