@@ -171,6 +171,8 @@ def docs_workspace(tmp_path_factory, model_dir, demo_data):
     (their metrics.jsonl and samples.jsonl made up: `ppokit report` reads only those), and examples/."""
     from test_report import healthy_records, write_run
 
+    from ppokit.run.run_dir import write_marker
+
     work = tmp_path_factory.mktemp("docs")
     (work / "ppokit-demo" / "data").mkdir(parents=True)
     for name in ("prompts", "eval_prompts"):
@@ -181,6 +183,7 @@ def docs_workspace(tmp_path_factory, model_dir, demo_data):
     (work / "config.yaml").write_text(ppo_yaml)
     for run, seed in (("ppokit-demo/ppo", 0), ("runs/sentiment", 1), ("runs/k3", 2), ("runs/ppo", 3)):
         write_run(work / run, healthy_records(seed=seed))
+        write_marker(work / run, "ppo-run")  # as a run writes it: `ppokit plan` checks output_dir as `ppokit ppo` does
     (work / "examples").symlink_to(ROOT / "examples")
     # `ppokit` and `python` as the docs name them, running this checkout
     bin_dir = work / ".bin"

@@ -4,7 +4,7 @@ is in tests/test_multiprocess.py."""
 import pytest
 
 from ppokit.errors import UserError
-from ppokit.process.launcher import check_launch, check_world_size, launched_processes
+from ppokit.process.launcher import RANK_VARIABLES, check_launch, check_world_size, launched_processes, launched_rank
 
 # What `accelerate launch` puts in a child's environment besides the user's (accelerate's utils/launch.py).
 ACCELERATE = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_USE_CPU": "False"}
@@ -21,6 +21,22 @@ ACCELERATE = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "
 def test_a_launch_that_runs_as_asked_passes(env, processes):
     assert check_launch(env) == launched_processes(env) == processes
     check_world_size(processes, env)
+
+
+@pytest.mark.parametrize("env", [
+    {}, {"RANK": "3", "WORLD_SIZE": "4"}, {"PMI_RANK": "2", "PMI_SIZE": "3"}, {"OMPI_COMM_WORLD_RANK": "1"},
+    {"MV2_COMM_WORLD_RANK": "1"}, {"RANK": "0", "PMI_RANK": "5"},
+])
+def test_the_process_number_read_before_the_accelerator_is_the_one_accelerate_gives(env, monkeypatch):
+    """A run's set-up reads its process number before the accelerator exists (which process checks output_dir, shows
+    progress): accelerate's own reading of the same environment agrees."""
+    from accelerate.utils.environment import get_cpu_distributed_information
+
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launched_rank() == get_cpu_distributed_information().rank
 
 
 def test_accelerate_asked_for_several_processes_that_started_one_is_refused():

@@ -8,7 +8,6 @@ import os
 import shlex
 import sys
 import warnings
-from pathlib import Path
 from typing import NoReturn
 
 from ppokit.process import cpu_threads, interrupts
@@ -20,13 +19,14 @@ def _ppo(args) -> int:
     from ppokit.process import launcher
     from ppokit.run import run_dir
     from ppokit.config.schema import PPOConfig
+    from ppokit.training.startup import check_config
 
     launcher.check_launch()  # a launch that cannot run as asked stops first, before the config is even read
     overrides, resume = list(args.overrides), args.resume
     if args.resume_force and resume is None:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
-    check_run_config(config)
+    check_config(config)  # `ppokit plan` runs it too; the rest of the start-up checks are the trainer's (`startup.prepare`)
     # Before any weights load: the run folder may be used (not another tool's), is this run's alone (the
     # lock, held until the command ends: a run in progress is named by its PID), holds no run that a fresh
     # start would replace, and the checkpoint to resume is found and read whole.
@@ -53,7 +53,7 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     from ppokit.trainer import PPOTrainer
 
     if _is_main_process():
-        _preflight(config, args.ignore_plan)
+        _preflight(config, args.ignore_plan, args.overwrite)
     trainer = PPOTrainer(config, overwrite=args.overwrite)
     if resume_path is not None:
         trainer.resume_from(resume_path, force=args.resume_force)
@@ -70,25 +70,11 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
     return 0
 
 
-def check_run_config(config, processes: int | None = None) -> None:
-    """What `ppokit ppo` refuses from the loaded config and the process count alone (`processes`, default
-    WORLD_SIZE, else 1), before anything is written or loaded. `ppokit plan` calls it too, so a config
-    the run refuses is the same one line and exit status 2 there."""
-    if processes is not None and processes < 1:
-        raise UserError(f"--processes {processes}: must be at least 1")
-    from ppokit.training import batch_sizes
-    from ppokit.environments.python_tool import check_config as check_python_tool
-    from ppokit.process.launcher import launched_processes
-
-    check_python_tool(config.environment, config.environment_args, Path.cwd())  # the sandbox the Python tool needs
-
-    if config.ppo.total_episodes is not None:  # without it the batch arithmetic needs the prompts (the plan and the trainer)
-        batch_sizes.derive(config.ppo, processes or launched_processes(), 0)
-
-
 def _is_main_process() -> bool:
+    from ppokit.process.launcher import launched_rank
+
     # Read from the launcher's environment: the Accelerator does not exist yet when the plan prints.
-    return os.environ.get("RANK", "0") == "0"
+    return launched_rank() == 0
 
 
 PLAN_DOES_NOT_FIT = 3
@@ -100,14 +86,19 @@ class PlanDoesNotFit(UserError):
     exit_code = PLAN_DOES_NOT_FIT
 
 
-def _preflight(config, ignore_plan: bool = False) -> None:
+def _preflight(config, ignore_plan: bool = False, overwrite: bool = False) -> None:
     """The plan before any weights load. A run it estimates not to fit stops here, unless `ignore_plan`
     (a run that cannot fit would fail later, after loading every model, or exhaust the machine's
-    memory); a plan that cannot be made never stops a run (config mistakes are the config's)."""
+    memory); a plan that cannot be made never stops a run (config mistakes are the config's), nor does one
+    whose config the run refuses at start-up (`startup.prepare`: the trainer says that first, as `ppokit plan` does)."""
     from ppokit.plan import plan_for
 
     try:
-        plan = plan_for(config)
+        # The start-up checks are the trainer's, next (here as well, the user's reward files would be imported twice):
+        # only a plan that would stop the run asks them first.
+        plan = plan_for(config, startup_checks=False)
+        if not plan.fits and not ignore_plan:
+            plan = plan_for(config, overwrite=overwrite)
     except UserError:
         return  # the same mistake stops the trainer next, with one line; the plan adds nothing to it
     except Exception as e:  # an estimate must never stop a run that might fit
@@ -134,13 +125,14 @@ def _preflight(config, ignore_plan: bool = False) -> None:
 
 def _plan(args) -> int:
     from ppokit.config.schema import PPOConfig
+    from ppokit.training.startup import check_config
 
     config = PPOConfig.load(args.config, args.overrides)
-    check_run_config(config, args.processes)
+    check_config(config, args.processes)
     if args.device_memory is not None and not 0 < args.device_memory < float("inf"):
         raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
     from ppokit.plan import plan_for, to_json  # torch and transformers, for the models on the meta device
-    plan = plan_for(config, args.device_memory, args.processes)
+    plan = plan_for(config, args.device_memory, args.processes, overwrite=args.overwrite)
     print(to_json(plan) if args.json else plan.render())
     for stop in plan.stops:  # `ppokit ppo` would stop on it, whatever the memory: a config error
         print(f"ppokit: error: {stop}", file=sys.stderr)
@@ -416,9 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_data_inspect)
 
     plan = sub.add_parser(
-        "plan", help="estimate parameters, memory and batch sizes of a PPO config (reads config files only)",
+        "plan", help="estimate parameters, memory and batch sizes of a PPO config (loads no weights, writes nothing)",
         description=f"Exit status: 0 when the estimate fits the device, {PLAN_DOES_NOT_FIT} when it does not, 2 on a config error "
-        "or when `ppokit ppo` would stop on the config before training (e.g. prompt + response over a model's position limit).",
+        "or when `ppokit ppo` would stop on the config before training, on this machine, with the same line (its start-up checks: "
+        "data, reward functions, output_dir, token budget, CUDA for fp16 and quantization, ...; prompt + response over a "
+        "model's position limit). The estimate is still printed when it can be made.",
     )
     plan.add_argument("config", help="YAML config file, as for `ppokit ppo`")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -427,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan for a device of this many GiB instead of this machine's (CUDA memory, else RAM)")
     plan.add_argument("--processes", type=int, metavar="N",
                       help="plan per device of N processes, under ddp and fsdp (default: WORLD_SIZE, else 1)")
+    plan.add_argument("--overwrite", action="store_true",
+                      help="check output_dir as `ppokit ppo --overwrite` does (a folder ppokit did not make is then accepted)")
     plan.set_defaults(func=_plan)
 
     from_trl = sub.add_parser(

@@ -1,4 +1,4 @@
-"""Preflight for a PPO run: parameters, memory and batch sizes, from config files only.
+"""Preflight for a PPO run: parameters, memory and batch sizes, with no weights loaded.
 
 Every model is built on the meta device from its config.json (no weights are read, no memory
 is allocated) to count parameters; LoRA adapters are added the same way, so trainable counts
@@ -15,6 +15,10 @@ It is per device, for `processes` processes (WORLD_SIZE, or `ppokit plan --proce
 both parallel strategies: ddp holds every role whole on each device; fsdp holds 1/N of each
 sharded role (the trainable ones always, the frozen ones with parallel.shard_frozen) and, while a
 phase runs, the units FSDP gathers whole (`Sharding`).
+
+Before the estimate, the run's own start-up checks (`startup.prepare`: this machine, the prompts, the output folder, the
+token budget, the reward functions; no weights, nothing written): what `ppokit ppo` would refuse is the plan's first
+stop, in the same words, and `ppokit plan` exits 2 on it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from ppokit.models.roles import (
     RoleLayout,
     decide_roles,
 )
+from ppokit.training.startup import prepare
 from ppokit.process.strategies import DEFAULT as DEFAULT_STRATEGY, SHARDING, STRATEGIES
 
 GiB = 1024**3
@@ -561,11 +566,7 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
         "training": 2 * (2 * unit[0] + unit[1]),
     })
 
-    warnings: list[str] = []
-    if quant is not None and not torch.cuda.is_available():
-        warnings.append(f"quantization: {quant} needs a CUDA device; this machine has none, so `ppokit ppo` will stop before loading weights")
-    if config.fp16 and not torch.cuda.is_available():
-        warnings.append("fp16 needs a CUDA device; use bf16 on this machine")
+    warnings: list[str] = []  # what this machine lacks for the config is the run's refusal (`startup.prepare`), a stop
     stops = []
     limit = tightest(limits)
     if limit is not None and seq > limit.tokens:
@@ -734,17 +735,33 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     return longest, (len(prompts) if prompts is not None else None), notes
 
 
-def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: Optional[int] = None) -> Plan:
+def plan_for(config: PPOConfig, memory_gib: Optional[float] = None, processes: Optional[int] = None, *,
+             overwrite: bool = False, startup_checks: bool = True) -> Plan:
     """The plan for a loaded config, against this machine's device memory or `memory_gib`, per device
-    of `processes` processes (default: WORLD_SIZE, else 1)."""
-    prompt_length, num_prompts, notes = data_shape(config)
-    device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
-    plan = estimate(config, prompt_length, num_prompts, device, processes=processes)
+    of `processes` processes (default: WORLD_SIZE, else 1). With `startup_checks`, the run's own refusals before any
+    weights load (`startup.prepare`, output_dir checked as with `--overwrite` when `overwrite`) are the plan's first
+    stop, in the run's words; the estimate is still made where it can be (a CUDA config planned on this CPU machine)."""
+    refusal: Optional[UserError] = None
+    if startup_checks:
+        try:
+            prepare(config, processes=processes or launched_processes(), overwrite=overwrite)
+        except UserError as e:
+            refusal = e
+    try:
+        prompt_length, num_prompts, notes = data_shape(config)
+        device = (f"given {memory_gib:g} GiB", int(memory_gib * GiB)) if memory_gib else device_memory()
+        plan = estimate(config, prompt_length, num_prompts, device, processes=processes)
+    except UserError:
+        if refusal is None:
+            raise
+        raise refusal from None  # what the run says first
     plan.warnings.extend(notes)
     try:  # the rollout engine's own refusals (vLLM not installed, say), as the run meets them: the engine's check
         engines.check(config.rollout.engine, _auto_config(config.model, "model", config.trust_remote_code), config.rollout)
     except UserError as e:
         plan.stops.insert(0, str(e))
+    if refusal is not None:  # before any engine is made: the run's first line
+        plan.stops.insert(0, str(refusal))
     return plan
 
 

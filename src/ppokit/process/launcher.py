@@ -32,6 +32,8 @@ from ppokit.errors import UserError
 
 # In the order accelerate reads them (utils/environment.py, get_cpu_distributed_information).
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+# This process's number, in the order accelerate reads them (get_cpu_distributed_information; torchrun sets RANK).
+RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 # Set by every `accelerate launch` in the processes it starts (and by nothing else).
 ACCELERATE_LAUNCH_VARIABLES = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
 # What accelerate's str_to_bool accepts for ACCELERATE_USE_CPU.
@@ -55,6 +57,15 @@ def launched_processes(env: Mapping[str, str] = os.environ) -> int:
                                 f"the launcher sets it: unset it for one process, or launch with: {CPU_LAUNCH}")
             return value
     return 1
+
+
+def launched_rank(env: Mapping[str, str] = os.environ) -> int:
+    """This process's number among those the launcher started (0 without a launcher), as accelerate will number it:
+    what a run's set-up reads before its accelerator exists."""
+    for name in RANK_VARIABLES:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 0
 
 
 def check_launch(env: Mapping[str, str] = os.environ) -> int:

@@ -4,18 +4,20 @@
     builtins.py  sentiment, exact_match, math_equivalence, regex, format, length, contains
     model.py     a sequence-classification reward model, with its own tokenizer if need be
     remote.py    a scorer behind HTTP, and `ppokit serve-rm` to serve any source
-    scorer.py    weights, running normalisation, shaping, failure handling; build_scorer(config)
+    scorer.py    weights, running normalisation, shaping, failure handling; check_sources (no weights), build_scorer(config)
 """
 
 from ppokit.rewards.builtins import BUILTINS, Contains, ExactMatch, Format, Length, MathEquivalence, Regex, sentiment
 from ppokit.rewards.model import RewardModelReward, load_reward_model, reward_model_source
 from ppokit.rewards.remote import RemoteReward, make_server, serve
 from ppokit.rewards.scorer import (
+    CheckedSources,
     RewardScorer,
     RunningMoments,
     ScoreResult,
     as_source,
     build_scorer,
+    check_sources,
     function_source,
     source_from_argument,
     source_label,
@@ -34,7 +36,7 @@ __all__ = [
     "BUILTINS", "Contains", "ExactMatch", "Format", "Length", "MathEquivalence", "Regex", "sentiment",
     "RewardModelReward", "load_reward_model", "reward_model_source",
     "RemoteReward", "make_server", "serve",
-    "RewardScorer", "RunningMoments", "ScoreResult", "as_source", "build_scorer", "function_source",
+    "CheckedSources", "RewardScorer", "RunningMoments", "ScoreResult", "as_source", "build_scorer", "check_sources", "function_source",
     "source_from_argument", "source_label",
     "FunctionReward", "RewardError", "RewardSource", "ScoringBatch", "check_scores", "completion_token_ids", "load_function",
 ]

@@ -303,29 +303,28 @@ def source_label(item: Any) -> str | dict:
     return getattr(item, "name", None) or getattr(getattr(item, "func", item), "__name__", None) or type(item).__name__
 
 
-def build_scorer(
+@dataclass
+class CheckedSources:
+    """The `reward:` section's sources that load no weights, built and checked (`check_sources`): the functions, each
+    signature checked against the data's columns, and the remote scorer (its URL and headers checked)."""
+
+    functions: list[RewardSource]
+    remote: Optional[RemoteReward]
+
+
+def check_sources(
     reward: RewardConfig,
     *,
-    missing_eos_penalty: Optional[float] = None,
-    reward_model=None,
-    reward_tokenizer=None,
     reward_functions: Optional[Sequence[Callable | str | dict | RewardSource]] = None,
-    trust_remote_code: bool = False,
     base_dir: Optional[Path] = None,
-    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    verdict: Optional[Callable[[Optional[UserError]], None]] = None,
-    load_kwargs: Optional[dict] = None,
     data_columns: Optional[dict[str, set[str]]] = None,
-    reward_model_by_tokens: bool = False,
-    environment: Optional[RewardSource] = None,
-) -> RewardScorer:
-    """Every source of the `reward:` section (objects passed in replace the config's entries), in
-    `weights` order: reward model, functions, remote, environment. Loads the reward model: a model that cannot be
-    loaded or has more than one label is a UserError here, before any training. With several
-    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all, and
-    `verdict` (`parallel.stop_together`) makes a source failing on one of them stop every one.
-    reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch).
-    environment: the episodes' environment as a source (`environments.EnvironmentReward`), the last in weights order."""
+    reward_model: bool = False,
+    environment: bool = False,
+) -> CheckedSources:
+    """Every check of the `reward:` section that needs no weights, before any model loads (the run's set-up and
+    `ppokit plan` both run it, `ppokit.training.startup`): each function resolved (objects passed in replace the config's entries)
+    and its signature checked against `data_columns` (split -> its column names), the remote scorer built, and the
+    number of sources against reward.weights. reward_model / environment: whether those sources are there too."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
     # A column a function needs but the data lacks, or a signature that cannot take the call, fails now, not after
@@ -348,25 +347,59 @@ def build_scorer(
             r.url, r.timeout_s, r.max_retries, r.backoff_s, r.batch_size, dict(r.headers), r.name,
             max_response_bytes=r.max_response_bytes, key="reward.remote",
         )
+    count = reward_model + len(functions) + (remote is not None) + environment
+    if not count:
+        raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
+    if reward.weights is not None and len(reward.weights) != count:
+        raise UserError(f"reward.weights has {len(reward.weights)} entries for {count} reward sources")
+    return CheckedSources(functions, remote)
+
+
+def build_scorer(
+    reward: RewardConfig,
+    *,
+    missing_eos_penalty: Optional[float] = None,
+    reward_model=None,
+    reward_tokenizer=None,
+    reward_functions: Optional[Sequence[Callable | str | dict | RewardSource]] = None,
+    trust_remote_code: bool = False,
+    base_dir: Optional[Path] = None,
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    verdict: Optional[Callable[[Optional[UserError]], None]] = None,
+    load_kwargs: Optional[dict] = None,
+    data_columns: Optional[dict[str, set[str]]] = None,
+    reward_model_by_tokens: bool = False,
+    environment: Optional[RewardSource] = None,
+    checked: Optional[CheckedSources] = None,
+) -> RewardScorer:
+    """Every source of the `reward:` section (objects passed in replace the config's entries), in
+    `weights` order: reward model, functions, remote, environment. Loads the reward model: a model that cannot be
+    loaded or has more than one label is a UserError here, before any training. With several
+    processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all, and
+    `verdict` (`parallel.stop_together`) makes a source failing on one of them stop every one.
+    reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch).
+    environment: the episodes' environment as a source (`environments.EnvironmentReward`), the last in weights order.
+    checked: what `check_sources` returned for these arguments (the run's start-up checked them already); else
+    they are checked here."""
+    has_model = reward_model is not None or bool(reward.model)
+    if checked is None:
+        checked = check_sources(reward, reward_functions=reward_functions, base_dir=base_dir, data_columns=data_columns,
+                                reward_model=has_model, environment=environment is not None)
     sources: list[RewardSource] = []
     rm_module = None
-    if reward_model is not None or reward.model:
+    if has_model:
         rm = reward_model_source(
             reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code,
             by_tokens=reward_model_by_tokens, **(load_kwargs or {}),
         )
         sources.append(rm)
         rm_module = rm.model
-    sources += functions
-    if remote is not None:
-        sources.append(remote)
+    sources += checked.functions
+    if checked.remote is not None:
+        sources.append(checked.remote)
     if environment is not None:
         sources.append(environment)
-    if not sources:
-        raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
     weights = list(reward.weights) if reward.weights is not None else [1.0] * len(sources)
-    if len(weights) != len(sources):
-        raise UserError(f"reward.weights has {len(weights)} entries for {len(sources)} reward sources")
     normalize = list(reward.normalize) if isinstance(reward.normalize, list) else [bool(reward.normalize)] * len(sources)
     return RewardScorer(
         sources=sources,

@@ -2,15 +2,17 @@
 in one object that the update, the evaluation and the saving read (`Parts`). Nothing here reads the trainer.
 
 `assemble` builds them in an order that fails early and cheaply:
-    1. the run's own config (a validated copy) and what it needs of this machine (`machine.check_machine`), the
-       accelerator, the parallel strategy, the seed
-    2. the prompts (a bad file fails before any weights load), the tokenizer, the batch arithmetic with the
-       learning-rate schedule (`sizes`), the output folder's check
-    3. the conversation (the stop token, the environment made, the chat template checked against it, a tool-calling
-       turn's own stop token added, chat prompts rendered with its tools), the prompts' token ids, the token budget
-    4. the reward sources (`scorer`), which model plays which role (`layout`), the pad id, every prompt's fit
-    5. the models: policy and critic under one trainable module with its optimiser and schedule, the frozen reference
-    6. the rollout engine, what samples the episodes over it and scores them (`rollout`), the KL controller
+    1. the run's own config (a validated copy), the seed
+    2. every refusal that needs no weights (`startup.prepare`, which `ppokit plan` runs too): what the config needs of
+       this machine, the prompts (a bad file fails before any weights load), the tokenizer, the batch arithmetic with
+       the learning-rate schedule (`sizes`), the output folder's check, the conversation (the stop token, the
+       environment made, the chat template checked against it, a tool-calling turn's own stop token added, chat
+       prompts rendered with its tools), the prompts' token ids, the token budget, the reward functions checked;
+       then the accelerator and the parallel strategy
+    3. the reward sources (`scorer`: the reward model loads), which model plays which role (`layout`), the pad id,
+       every prompt's fit
+    4. the models: policy and critic under one trainable module with its optimiser and schedule, the frozen reference
+    5. the rollout engine, what samples the episodes over it and scores them (`rollout`), the KL controller
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import copy
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -31,19 +32,17 @@ from ppokit.models import roles
 
 from ppokit.process import parallel
 
-from ppokit.run import run_dir
-
 from ppokit.training import algo, batch_sizes
 from ppokit.config.schema import PPOConfig
 from ppokit.engines.base import Sampling
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward, conversation_for
-from ppokit.data.lengths import check_budget, encode_prompts
-from ppokit.process.machine import check_machine
-from ppokit.models.loading import check_prompts_fit, input_pad_id, policy_tokenizer, position_limit, tightest
+from ppokit.environments.episode_loop import Conversation, EnvironmentReward
+from ppokit.process.launcher import launched_processes, launched_rank
+from ppokit.models.loading import check_prompts_fit, input_pad_id, position_limit, tightest
 from ppokit.training.optimise import prepare_training
-from ppokit.data.prompts import PromptDataset, load_prompt_data
+from ppokit.data.prompts import PromptDataset
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.training.rollout import Rollout
+from ppokit.training.startup import prepare
 
 
 @dataclass
@@ -94,37 +93,33 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
              eval_dataset=None, accelerator=None, show_progress: bool = True, overwrite: bool = False) -> Parts:
     """The run's parts from `config` and the objects passed in its place (`PPOTrainer`'s arguments, which it documents)."""
     config = run_config(config, model, reward_model, reward_functions)
-    check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
-                  strategy=config.parallel.strategy, report_to=config.report_to)  # before any weights load
+    if accelerator is None:  # the processes the accelerator will see (`launcher.check_world_size`), before it exists
+        processes, main_process = launched_processes(), launched_rank() == 0
+    else:
+        processes, main_process = accelerator.num_processes, accelerator.is_main_process
+    show_progress = show_progress and main_process
+    say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
+    set_seed(config.seed)
+    # Every refusal that needs no weights, as `ppokit plan` checks them, this machine's first (the main process checks
+    # the run folder); then the accelerator, for the switches this machine has
+    start = prepare(config, processes=processes, check_folder=main_process, overwrite=overwrite, say=say, model=model,
+                    tokenizer=tokenizer, reward_model_given=reward_model is not None, reward_functions=reward_functions,
+                    train_dataset=train_dataset, eval_dataset=eval_dataset)
     accelerator = accelerator or parallel.make_accelerator(config.parallel, roles.mixed_precision(config))
     strategy = parallel.strategy(config.parallel, accelerator, bf16=config.bf16)
     reduce = parallel.sum_over_processes(accelerator)
-    set_seed(config.seed)
-    show_progress = show_progress and accelerator.is_main_process
-    say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if show_progress else (lambda message: None)
-
-    train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
-    tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
-                                 trust_remote_code=config.trust_remote_code)
-    sizes = batch_sizes.derive(config.ppo, accelerator.num_processes, len(train_data))
-    if accelerator.is_main_process:
-        run_dir.check_run_folder(config.output_dir, overwrite)  # a folder it must not write in fails before any weights load
-    # the environment made, the chat template checked against it, chat prompts rendered with its tools
-    conversation = conversation_for(config, tokenizer, [train_data, eval_data], say, base_dir=Path.cwd())
+    train_data, eval_data, tokenizer, sizes = start.train_data, start.eval_data, start.tokenizer, start.sizes
+    conversation, train_query_ids, eval_query_ids = start.conversation, start.train_query_ids, start.eval_query_ids
     stop_token_ids = conversation.stop_token_ids  # decided once: ppo.stop_token, and a tool-calling turn's own token
     if conversation.template is not None:
         config.data.chat_template = conversation.template  # the run's config records the template used
-    limit = config.data.max_prompt_length
-    train_query_ids, eval_query_ids = encode_prompts(tokenizer, {"data.train": train_data, "data.eval": eval_data}, limit, say)
-    room = config.response_room  # tokens after the prompt
-    check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], room)
+    limit, room = config.data.max_prompt_length, config.response_room  # room: tokens after the prompt
 
     scorer = build_scorer(
         config.reward, missing_eos_penalty=config.ppo.missing_eos_penalty, reward_model=reward_model, reward_tokenizer=reward_tokenizer,
-        reward_functions=reward_functions, trust_remote_code=config.trust_remote_code, base_dir=Path.cwd(),
-        all_reduce=reduce if accelerator.num_processes > 1 else None, load_kwargs=roles.load_kwargs(config),
-        data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
-        verdict=parallel.stop_together(accelerator), environment=EnvironmentReward() if config.environment is not None else None,
+        trust_remote_code=config.trust_remote_code, all_reduce=reduce if accelerator.num_processes > 1 else None,
+        load_kwargs=roles.load_kwargs(config), verdict=parallel.stop_together(accelerator), checked=start.rewards,
+        environment=EnvironmentReward() if config.environment is not None else None,
         reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None,
     )
     reward_vocabulary = None if scorer.reward_model is None else scorer.reward_model_shares_vocabulary(tokenizer)
