@@ -306,6 +306,11 @@ MUTATIONS = [
              "not (is_marked(entry) or _unfilled(entry)):", "not is_marked(entry):",
              ("tests/test_run_dir.py::test_an_empty_leftover_of_a_process_killed_before_its_marker_is_removed",),
              "an empty .update-N.tmp-PID (a kill between its mkdir and its marker) survives the run's next start"),
+    Mutation("chat_template_without_content_trains", "src/ppokit/chat.py",
+             "        if CONTENT_PROBE not in text:", "        if False:",
+             ("tests/test_data.py::test_a_template_that_writes_no_message_content_is_refused",
+              "tests/test_cli.py::test_a_chat_template_name_ppokit_does_not_ship_is_refused"),
+             "data.chat_template: chatml (Jinja text that writes no message's content) trains every prompt as the word"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',

@@ -109,6 +109,21 @@ def test_a_refused_run_leaves_output_dir_as_it_found_it(case, existed, model_dir
     assert main(["ppo", str(config), *args]) == status
     assert f"ppokit: error: {error}" in capsys.readouterr().err
     assert (sorted(run.iterdir()) == [] if existed else not run.exists())
+def test_a_chat_template_name_ppokit_does_not_ship_is_refused(model_dir, tmp_path, capsys):
+    """`data.chat_template: chatml` once trained every chat prompt as the word "chatml" (rc 0): one line naming the
+    key, exit 2, and no run folder left behind."""
+    from ppokit.cli import main
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"the movie was {w}"}]}) + "\n"
+                             for w in ("good", "bad", "long", "short") * 4))
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), chats, tmp_path / "run")
+    assert main(["ppo", str(config), "data.chat_template=chatml"]) == 2
+    err = capsys.readouterr().err
+    assert "ppokit: error: data.chat_template: 'chatml' writes no message's content" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
