@@ -283,7 +283,7 @@ from ppokit.cli import main
 train_sft = stage.train_sft
 
 def waiting(*args, **kwargs):  # holds the run at its first step until the test says go
-    print("training", flush=True)
+    print("training", file=sys.stderr, flush=True)  # a command's stdout holds its results alone (cli.result)
     while not Path({go!r}).exists():
         time.sleep(0.05)
     return train_sft(*args, **kwargs)
@@ -300,7 +300,10 @@ def test_a_second_sft_run_into_the_folder_of_one_in_progress_is_refused(sft_file
     first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     try:
-        assert first.stdout.readline().strip() == "training", first.stderr.read() if first.poll() is not None else ""
+        said = ""
+        while said not in ("training", None):
+            said = first.stderr.readline().strip() or (None if first.poll() is not None else "")
+        assert said == "training", first.stderr.read()
         assert main(["sft", str(sft_files["config"]), f"output_dir={out}"]) == 2
         assert one_error_line(capsys.readouterr().err) == (
             f"ppokit: error: {out} is in use by another ppokit run (PID {first.pid}); wait for it to end, or give another output_dir")

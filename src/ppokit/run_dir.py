@@ -489,10 +489,10 @@ class RunFolder:
 
     @classmethod
     def open(cls, output_dir: str | Path, main_process: bool = True, overwrite: bool = False) -> "RunFolder":
-        root = Path(output_dir)
+        root = Path(output_dir).absolute()  # user code may change the working directory while the run holds the folder
         if not main_process:
             return cls(root, False, None)
-        check_run_folder(str(root), overwrite)  # before anything is written in it
+        check_run_folder(str(output_dir), overwrite)  # before anything is written in it (as given: `.` is refused)
         made = [path for path in (root, root / LOCK_FILE, root / MARKER) if not path.exists()]
         lock = RunLock.acquire(root)
         run = cls(root, True, lock)
