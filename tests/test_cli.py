@@ -109,6 +109,81 @@ def test_a_refused_run_leaves_output_dir_as_it_found_it(case, existed, model_dir
     assert main(["ppo", str(config), *args]) == status
     assert f"ppokit: error: {error}" in capsys.readouterr().err
     assert (sorted(run.iterdir()) == [] if existed else not run.exists())
+WANDERER = """
+import os, sys
+
+os.chdir({elsewhere!r})  # on import, while the trainer is set up, before the run folder is opened
+
+
+class Wanderer:
+    \"\"\"One turn, rewarded 1. Its reset writes partial lines to stdout (print without a newline, os.write to descriptor 1)
+    and changes the working directory (again).\"\"\"
+    def reset(self, row):
+        print("partial line without newline", end="")
+        os.write(1, b"raw partial line")
+        os.chdir({elsewhere!r})
+        return None
+
+    def step(self, completion):
+        return None, 1.0, True
+"""
+
+
+@pytest.fixture(scope="module")
+def wandering_run(model_dir, prompts_file, tmp_path_factory):
+    """`ppokit ppo` with a relative output_dir (run) and the environment above: -> (the command's result, the folder it
+    ran in, the folder the environment moved to)."""
+    folder = tmp_path_factory.mktemp("wandering")
+    elsewhere = folder / "elsewhere"
+    elsewhere.mkdir()
+    env = folder / "wanderer.py"
+    env.write_text(WANDERER.format(elsewhere=str(elsewhere)))
+    config = write_config(folder / "ppo.yaml", model_dir("llama"), prompts_file, "run", environment=f"{env}:Wanderer",
+                          reward={"functions": []}, report_to=["tensorboard"])
+    settings = yaml.safe_load(config.read_text())
+    settings["ppo"].update(save_steps=1, num_sample_generations=0)
+    config.write_text(yaml.safe_dump(settings))
+    return ppokit("ppo", config, cwd=folder), folder, elsewhere
+
+
+def test_what_user_code_writes_to_stdout_does_not_reach_the_result_line(wandering_run):
+    """An environment writing partial lines to stdout (Python's print and os.write on descriptor 1) once glued them to
+    the JSON summary: stdout holds the result alone, and what the environment wrote goes to stderr."""
+    result, _, _ = wandering_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("\n") == 1 and json.loads(result.stdout)["updates"] == 2, result.stdout
+    assert "partial line without newline" in result.stderr and "raw partial line" in result.stderr
+
+
+def test_an_environment_changing_the_working_directory_does_not_split_the_run(wandering_run):
+    """output_dir `run`, relative, and an environment that calls os.chdir (on import and in every episode): config,
+    metrics, trackers, checkpoints and final/ all land in the run folder as it was when the run started, nothing where
+    the environment went."""
+    result, folder, elsewhere = wandering_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = folder / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (run / "config.yaml").is_file() and (run / "trackers.json").is_file() and (run / "tensorboard").is_dir()
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["update-1", "update-2"]
+    assert (run / "final" / "model.safetensors").is_file()
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_chat_template_name_ppokit_does_not_ship_is_refused(model_dir, tmp_path, capsys):
+    """`data.chat_template: chatml` once trained every chat prompt as the word "chatml" (rc 0): one line naming the
+    key, exit 2, and no run folder left behind."""
+    from ppokit.cli import main
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"the movie was {w}"}]}) + "\n"
+                             for w in ("good", "bad", "long", "short") * 4))
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), chats, tmp_path / "run")
+    assert main(["ppo", str(config), "data.chat_template=chatml"]) == 2
+    err = capsys.readouterr().err
+    assert "ppokit: error: data.chat_template: 'chatml' writes no message's content" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

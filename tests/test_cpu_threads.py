@@ -80,7 +80,7 @@ if sys.argv[1] == "quota":
 
 def command(args):
     import torch  # after the program's start, as every command imports it
-    print(json.dumps({"wait": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}))
+    cli.result(json.dumps({"wait": os.environ.get("OMP_WAIT_POLICY"), "threads": torch.get_num_threads()}))  # a command's result
     return 0
 
 cli._report = command

@@ -166,6 +166,20 @@ def test_renderer_uses_the_tokenizers_template_and_strips_a_doubled_bos(tokenize
     assert tok(prompt)["input_ids"].count(tok.bos_token_id) == 1
 
 
+def test_a_template_that_writes_no_message_content_is_refused(tokenizer, tmp_path):
+    """`data.chat_template: chatml` (a name ppokit does not ship) is Jinja text that renders as the word itself: every
+    prompt would train as "chatml". A template that writes no message's content is one line naming the key; one that
+    writes it renders."""
+    chat = [{"role": "user", "content": "the movie was"}]
+    no_content = tmp_path / "fixed.jinja"
+    no_content.write_text("{% for m in messages %}[{{ m['role'] }}]{% endfor %}")
+    for template, shown in (("chatml", "'chatml'"), (str(no_content), repr(str(no_content)))):
+        with pytest.raises(UserError, match=rf"^data.chat_template: {re.escape(shown)} writes no message's content"):
+            Renderer(tokenizer, template).prompt(chat)
+    assert Renderer(tokenizer, "{% for m in messages %}{{ m['content'] }}{% endfor %}").prompt(chat) == "the movie was"
+    assert Renderer(tokenizer, "plain").prompt(chat) == "user: the movie was\nassistant:"
+
+
 def test_tokenize_pair_appends_eos_once(tokenizer):
     prompt_ids, completion_ids = tokenize_pair(tokenizer, "the movie was", "great .")
     assert completion_ids[-1] == tokenizer.eos_token_id and completion_ids.count(tokenizer.eos_token_id) == 1

@@ -9,6 +9,7 @@ machine and minutes on a loaded one: this file starts three (the two of `servers
 The tiny head_dim-64 Llama of tests/test_engine_vllm.py throughout.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -468,3 +469,84 @@ def test_a_server_killed_mid_run_ends_it_with_one_line(servers, server_model, pr
     assert named and Path(named[1]).is_dir() and Path(named[1]).parent == tmp_path / "run" / "checkpoints", line
     print(f"stopped after {took:.0f} s: {line}")
     assert took < 300, took
+
+
+# ---------------------------------------------------------------------------------------------- a separate server's life
+
+
+def launch_separate(model_path) -> "LaunchedServer":  # noqa: F821 - ppokit.engines.launched_server's
+    """A server as `rollout.placement: separate` launches it (its options, its launch code), of the model at `model_path`."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.engines.launched_server import LaunchedServer
+    from ppokit.engines.vllm_servers import separate_options
+
+    base = AutoModelForCausalLM.from_pretrained(model_path)
+    setup = SimpleNamespace(longest_sequence=MAX_LEN, rows_per_rollout=8, rows_per_forward=8, seed=0)
+    options, env = separate_options(base, settings(server_timeout_s=SERVER_TIMEOUT_S), setup, "gloo")
+    return LaunchedServer(base, options, env, SERVER_TIMEOUT_S)
+
+
+TRAINER = f"""
+import json, sys, time
+sys.path[:0] = [{str(Path(__file__).parent)!r}]
+from test_engine_vllm_servers import launch_separate
+server = launch_separate(sys.argv[1])
+print(json.dumps({{"group": server.process.pid, "folder": str(server.folder)}}), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_separate_server_ends_with_its_trainer_when_the_trainer_is_sigkilled(server_model, tmp_path):
+    """The real-vLLM variant of tests/test_placement.py's stand-in test: a trainer-like process launches a vLLM server
+    as `separate` does and is SIGKILLed; no process of the server's tree (API server, engine core, workers) is left and
+    its /tmp/ppokit-vllm-* folder is gone within the guard's SIGTERM grace and a generous margin."""
+    from ppokit.engines.server_guard import GRACE_S, group_processes
+
+    with open(tmp_path / "stderr", "wb") as stderr:
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(server_model)], stdout=subprocess.PIPE, stderr=stderr)
+    group = None
+    try:
+        said = json.loads(trainer.stdout.readline() or "null")
+        assert said is not None, (tmp_path / "stderr").read_text()[-3000:]
+        group, folder = said["group"], Path(said["folder"])
+        assert len(group_processes(group)) >= 3 and folder.is_dir()  # the guard, the API server, its engine core
+        trainer.kill()
+        trainer.wait(60)
+        deadline = time.monotonic() + GRACE_S + 120
+        while (group_processes(group) or folder.exists()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not group_processes(group) and not folder.exists(), group_processes(group)
+    finally:
+        trainer.kill()
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, 9)
+
+
+def test_a_separate_server_whose_engine_core_is_killed_is_noticed_within_seconds(server_model):
+    """SIGKILL of a separate server's engine core leaves its API server up and silent: a wait for requests is
+    EngineLost within seconds, naming the process, not after rollout.server_timeout_s."""
+    import queue
+
+    from ppokit.engines.vllm_servers import next_done
+
+    server = launch_separate(server_model)
+    try:
+        def parent(pid):  # after the command's closing parenthesis: state, ppid, ...
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+        guard = server.process.pid
+        api_server = [pid for pid in server.watched if pid != guard and parent(pid) == guard]
+        engines = [pid for pid in server.watched if pid != guard and pid not in api_server]  # the engine core, its workers
+        assert api_server and engines, server.watched
+        os.kill(engines[0], 9)
+        started = time.monotonic()
+        with pytest.raises(EngineLost, match=rf"^rollout server {server.address} stopped serving: its process {engines[0]} "):
+            next_done(queue.Queue(), time.monotonic() + 300, [server])
+        assert time.monotonic() - started < 60
+    finally:
+        server.stop()
+        import shutil
+
+        shutil.rmtree(server.folder, ignore_errors=True)

@@ -393,3 +393,42 @@ def test_a_multi_turn_fsdp_run_on_two_processes_is_the_one_process_run(model_dir
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final").state_dict()
     for name, weight in AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final").state_dict().items():
         assert torch.allclose(weight, trained[name], atol=1e-5), name
+
+
+# --------------------------------------------------------------------------- an environment that changes directory
+
+
+WANDERING_ENV = '''
+import os
+
+os.chdir({elsewhere!r})  # on import, while the trainer is set up
+
+
+class Wanders:
+    """One turn, rewarded 1; every episode changes the working directory again."""
+    def reset(self, row):
+        os.chdir({elsewhere!r})
+        return None
+    def step(self, completion):
+        return None, 1.0, True
+'''
+
+
+def test_a_trainer_s_relative_output_dir_stays_where_it_was_when_the_environment_changes_directory(model_dir, prompts_file,
+                                                                                                    tmp_path, monkeypatch):
+    """PPOTrainer used as a library with output_dir `run` (relative): the environment's os.chdir (on import, in the
+    trainer's set-up, and in every episode) moves nothing, its trackers' files included: the run folder is resolved
+    once, when the trainer is made."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = tmp_path / "wanders.py"
+    env.write_text(WANDERING_ENV.format(elsewhere=str(elsewhere)))
+    monkeypatch.chdir(tmp_path)
+    config = _config(model_dir, prompts_file, "run", f"{env}:Wanders", dict(max_turns=1), response_length=4)
+    config.report_to = ["tensorboard"]
+    PPOTrainer(config, show_progress=False).train()
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (run / "trackers.json").is_file() and (run / "tensorboard").is_dir()
+    assert (run / "checkpoints" / "update-1").is_dir() and (run / "final" / "model.safetensors").is_file()
+    assert list(elsewhere.iterdir()) == []

@@ -2,10 +2,13 @@
 No vLLM needed; the placements themselves run in tests/test_engine_vllm_servers.py."""
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,35 +66,147 @@ def test_a_lost_engine_is_one_line_naming_it_and_where_to_resume():
     assert engine_lost(RuntimeError("something else"), None) is None
 
 
-CHILD = """
+# A stand-in for vLLM's API server, launched by the same code (`LaunchedServer.of_command`): it starts an "engine" that
+# starts a "worker" (as the API server starts the engine core, which starts its workers), writes their pids into its
+# folder, and then serves GET /health on its port. The worker's way with SIGTERM: meek (ends), slow (ends a second
+# later: vLLM's engine core outlives the API server's own exit by a moment), stubborn (ignores it).
+WORKER = """
 import signal, sys, time
-signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))
-print("ready", flush=True)
-time.sleep(120)
+if sys.argv[1] == "slow":
+    signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))
+elif sys.argv[1] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", flush=True)
+time.sleep(600)
 """
-LEADER = f"""
+ENGINE = f"""
 import subprocess, sys, time
-subprocess.Popen([sys.executable, "-c", {CHILD!r}])
-time.sleep(120)
+worker = subprocess.Popen([sys.executable, "-c", {WORKER!r}, sys.argv[1]], stdout=subprocess.PIPE)
+assert worker.stdout.readline() == b"up\\n"
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+STAND_IN = f"""
+import http.server, json, os, subprocess, sys
+port, worker_mode, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+engine = subprocess.Popen([sys.executable, "-c", {ENGINE!r}, worker_mode], stdout=subprocess.PIPE)
+worker = int(engine.stdout.readline())
+with open(os.path.join(folder, "pids.json"), "w") as f:
+    json.dump({{"server": os.getpid(), "engine": engine.pid, "worker": worker}}, f)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process group from /proc")
-def test_stopping_a_launched_server_waits_for_every_process_of_its_group(tmp_path):
-    """vLLM's server exits at SIGTERM before the engine core it started does: `stop` returns only when no process of
-    the group is left (a run that ends leaves no server process behind), and keeps its folder only when asked."""
-    from ppokit.engines import launched_server
+def launch_stand_in(worker_mode: str, timeout_s: float = 120):
+    """A stand-in server (above) launched as ppokit launches vLLM's -> (the LaunchedServer, {role: pid})."""
+    import tempfile
 
-    server = object.__new__(launched_server.LaunchedServer)
-    server.folder = tmp_path / "server"
-    server.folder.mkdir()
-    server.process = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, start_new_session=True)
+    from ppokit.engines.launched_server import LaunchedServer, free_port
+
+    folder, port = Path(tempfile.mkdtemp(prefix="ppokit-vllm-stand-in-")), free_port()
+    server = LaunchedServer.of_command([sys.executable, "-c", STAND_IN, str(port), worker_mode, str(folder)], folder, port,
+                                       dict(os.environ), timeout_s)
+    return server, json.loads((folder / "pids.json").read_text())
+
+
+def gone(pid: int) -> bool:
+    from ppokit.engines.server_guard import process_start
+
+    return process_start(pid) is None
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes and their groups from /proc")
+
+
+@needs_proc
+def test_stopping_a_launched_server_waits_for_every_process_of_its_group():
+    """vLLM's server exits at SIGTERM before the engine core it started does: `stop` returns only when no process of
+    the group is left (a run that ends leaves no server process behind), and removes its folder."""
+    from ppokit.engines.server_guard import live_in_group
+
+    server, pids = launch_stand_in("slow")
     try:
-        assert server.process.stdout.readline() == b"ready\n"  # the child's SIGTERM handler is in place
-        assert launched_server._live_in_group(server.process.pid)
+        assert server.died() is None and live_in_group(server.process.pid)
         server.stop()
-        assert not launched_server._live_in_group(server.process.pid)
+        assert not live_in_group(server.process.pid) and all(gone(pid) for pid in pids.values())
         assert not server.folder.exists()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.process.pid, signal.SIGKILL)
+
+
+TRAINER = f"""
+import json, os, sys, time
+sys.path[:0] = [{str(Path(__file__).parent)!r}]
+from test_placement import launch_stand_in
+server, pids = launch_stand_in("stubborn")
+print(json.dumps({{"group": server.process.pid, "folder": str(server.folder), "pids": pids}}), flush=True)
+time.sleep(600)
+"""
+
+
+@needs_proc
+def test_a_server_ends_with_its_trainer_when_the_trainer_is_sigkilled(tmp_path):
+    """A trainer-like process launches a server (the launch code of `rollout.placement: separate`, on the stand-in whose
+    worker ignores SIGTERM) and is SIGKILLed: no process of the server's tree is left, and its folder is gone, within
+    the guard's SIGTERM grace and a generous margin (on a quiet machine: the grace, about 10 s)."""
+    from ppokit.engines.server_guard import GRACE_S, group_processes
+
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr", "wb"))
+    group = folder = None
+    try:
+        said = json.loads(trainer.stdout.readline() or "null")
+        assert said is not None, (tmp_path / "stderr").read_text()[-2000:]
+        group, folder, pids = said["group"], Path(said["folder"]), said["pids"]
+        assert set(group_processes(group)) >= {group, *pids.values()} and folder.is_dir()
+        trainer.kill()
+        trainer.wait(30)
+        deadline = time.monotonic() + GRACE_S + 60
+        while (group_processes(group) or folder.exists()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_processes(group), group_processes(group)
+        assert all(gone(pid) for pid in pids.values())
+        assert not folder.exists()
+    finally:
+        trainer.kill()
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@needs_proc
+def test_a_server_whose_engine_is_killed_is_noticed_within_seconds():
+    """SIGKILL of the engine (vLLM: the engine core) leaves the API server up and silent: a wait for requests notices
+    within seconds, with one line naming the server and the process, not at the wait's deadline (rollout.server_timeout_s:
+    60 s here).
+    While the whole tree runs, the same wait only times out."""
+    import queue
+
+    from ppokit.engines.vllm_servers import WATCH_S, next_done
+
+    server, pids = launch_stand_in("meek")
+    try:
+        started = time.monotonic()
+        assert next_done(queue.Queue(), time.monotonic() + 2 * WATCH_S, [server]) is None  # up: nothing to say
+        assert time.monotonic() - started >= 2 * WATCH_S
+        os.kill(pids["engine"], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineLost) as lost:
+            next_done(queue.Queue(), time.monotonic() + 60, [server])
+        took = time.monotonic() - started
+        said = str(lost.value)
+        assert said.startswith(f"rollout server {server.address} stopped serving: its process {pids['engine']} (python") and "\n" not in said, said
+        assert took < 30, took  # about WATCH_S on a quiet machine
+    finally:
+        server.stop()  # keeps the folder of a server that died (its output says why): the test's to remove
+        shutil.rmtree(server.folder, ignore_errors=True)

@@ -171,12 +171,37 @@ def test_leftovers_of_a_killed_stage_are_cleared_at_its_next_start(sft_files, tm
     (ours / "model.safetensors").write_bytes(b"half")
     foreign = tmp_path / f".out.tmp-{dead + 1}"  # the same name pattern, not marked: not ppokit's
     foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone else's")
     running = tmp_path / f".out.tmp-{os.getppid()}"  # a live process: may be writing it now
     running.mkdir()
     run_dir.write_marker(running, "sft")
     run_sft(sft_config(sft_files, out), show_progress=False)
     assert not ours.exists() and foreign.exists() and running.exists()
     assert run_dir.marker_kind(out) == "sft"
+
+
+def test_an_empty_leftover_of_a_process_killed_before_its_marker_is_removed(tmp_path):
+    """SIGKILL between a temporary folder's mkdir and its marker leaves `.update-N.tmp-PID` empty (or with the marker
+    file cut short): the next start removes it, as it removes marked ones; a live process's empty one stays."""
+    dead = 2**22 + 4321  # above the default pid_max: no process has it
+    empty, cut_short = tmp_path / f".update-3.tmp-{dead}", tmp_path / f".final.tmp-{dead + 1}"
+    running = tmp_path / f".update-4.tmp-{os.getppid()}"
+    for folder in (empty, cut_short, running):
+        folder.mkdir()
+    (cut_short / run_dir.MARKER).write_text('{"written_by": "ppo')
+    done = run_dir.remove_leftovers(tmp_path)
+    assert not empty.exists() and not cut_short.exists() and running.exists()
+    assert f"removed .update-3.tmp-{dead}, left by process {dead}" in done
+    # at the start of the run whose checkpoint it was
+    run = tmp_path / "run"
+    leftover = run / "checkpoints" / f".update-2.tmp-{dead}"
+    leftover.mkdir(parents=True)
+    run_dir.write_marker(run, "ppo-run")
+    opened = run_dir.RunFolder.open(run)
+    try:
+        assert not leftover.exists() and f"removed .update-2.tmp-{dead}, left by process {dead}" in opened.notes
+    finally:
+        opened.close()
 
 
 def test_remove_leftovers_finishes_a_rename_cut_short(tmp_path):
@@ -258,7 +283,7 @@ from ppokit.cli import main
 train_sft = stage.train_sft
 
 def waiting(*args, **kwargs):  # holds the run at its first step until the test says go
-    print("training", flush=True)
+    print("training", file=sys.stderr, flush=True)  # a command's stdout holds its results alone (cli.result)
     while not Path({go!r}).exists():
         time.sleep(0.05)
     return train_sft(*args, **kwargs)
@@ -275,7 +300,10 @@ def test_a_second_sft_run_into_the_folder_of_one_in_progress_is_refused(sft_file
     first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     try:
-        assert first.stdout.readline().strip() == "training", first.stderr.read() if first.poll() is not None else ""
+        said = ""
+        while said not in ("training", None):
+            said = first.stderr.readline().strip() or (None if first.poll() is not None else "")
+        assert said == "training", first.stderr.read()
         assert main(["sft", str(sft_files["config"]), f"output_dir={out}"]) == 2
         assert one_error_line(capsys.readouterr().err) == (
             f"ppokit: error: {out} is in use by another ppokit run (PID {first.pid}); wait for it to end, or give another output_dir")

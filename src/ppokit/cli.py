@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
 import warnings
-from typing import NoReturn
+from pathlib import Path
+from typing import Iterator, NoReturn, Optional, TextIO
 
 from ppokit.process import cpu_threads, interrupts
 from ppokit.errors import TrainingInterrupted, UserError
@@ -42,8 +44,12 @@ def _ppo(args) -> int:
         say = (lambda message: print(f"ppokit: {message}", file=sys.stderr)) if _is_main_process() else None
         resume_path = checkpoint.find_checkpoint(None if resume == "latest" else resume, config.output_dir, say) if resume is not None else None
         if resume_path is not None:
+            resume_path = resume_path.absolute()  # user code may change the working directory before it is read
             run_dir.check_resume_into(config.output_dir, resume_path)
             checkpoint.read_checkpoint(resume_path)  # a damaged file is found before any model loads
+        # Once, absolutely (checked and named as given until here): user code, imported from the plan on, may change
+        # the working directory.
+        config.output_dir = str(run.root)
         return _train(args, config, overrides, resume_path)
     finally:
         run.close()
@@ -66,7 +72,7 @@ def _train(args, config, overrides: list[str], resume_path) -> int:
         return _stopped(e, "resume with: " + shlex.join(["ppokit", "ppo", args.config, *overrides, "--resume"]))
     scores = [r["objective/scores"] for r in records if "objective/scores" in r]
     if _is_main_process():
-        print(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": scores[-1] if scores else None}))
+        result(json.dumps({"output_dir": config.output_dir, "updates": len(records), "final_score": scores[-1] if scores else None}))
     return 0
 
 
@@ -133,7 +139,7 @@ def _plan(args) -> int:
         raise UserError(f"--device-memory {args.device_memory:g}: must be a number of GiB > 0")
     from ppokit.plan import plan_for, to_json  # torch and transformers, for the models on the meta device
     plan = plan_for(config, args.device_memory, args.processes, overwrite=args.overwrite)
-    print(to_json(plan) if args.json else plan.render())
+    result(to_json(plan) if args.json else plan.render())
     for stop in plan.stops:  # `ppokit ppo` would stop on it, whatever the memory: a config error
         print(f"ppokit: error: {stop}", file=sys.stderr)
     return 2 if plan.stops else 0 if plan.fits else PLAN_DOES_NOT_FIT
@@ -148,7 +154,7 @@ def _demo(args) -> int:
         summary = demo.run(choice, out, overwrite=args.overwrite, resume=args.resume)
     except TrainingInterrupted as e:
         return _stopped(e, f"continue the demo with: {choice.command(out, '--resume')}")
-    print(json.dumps(summary))
+    result(json.dumps(summary))
     return 0
 
 
@@ -179,7 +185,7 @@ def _sft(args) -> int:
     from ppokit.stages.sft import run_sft
 
     summary = run_sft(config, overwrite=args.overwrite)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
+    result(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
 
@@ -190,7 +196,7 @@ def _rm(args) -> int:
     from ppokit.stages.rm import run_rm
 
     summary = run_rm(config, overwrite=args.overwrite)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
+    result(json.dumps({k: v for k, v in summary.items() if k not in ("length_rule", "chat_template")}))
     return 0
 
 
@@ -201,7 +207,7 @@ def _pipeline(args) -> int:
         summaries = run_pipeline(args.config, args.overrides, overwrite=args.overwrite)
     except TrainingInterrupted as e:
         return _stopped(e, "run the pipeline again: a stage whose output is complete with this config is skipped")
-    print(json.dumps({stage: {k: v for k, v in s.items() if k not in ("length_rule", "chat_template", "scores")} for stage, s in summaries.items()}))
+    result(json.dumps({stage: {k: v for k, v in s.items() if k not in ("length_rule", "chat_template", "scores")} for stage, s in summaries.items()}))
     return 0
 
 
@@ -271,9 +277,9 @@ def _data_inspect(args) -> int:
             failure(e)
             continue
         if args.json:
-            print(json.dumps(report))
+            result(json.dumps(report))
         else:
-            print(("\n" if i else "") + format_report(report))
+            result(("\n" if i else "") + format_report(report))
     return 2 if failed else 0
 
 
@@ -332,14 +338,14 @@ def _report(args) -> int:
         print(f"report: {run['label']}: {run['updates']} updates, {alarms}", file=sys.stderr)
     for note in [f"{r['label']}: {n}" for r in summary["runs"] for n in r["skipped"]] + summary["skipped"]:
         print(f"report: skipped: {note}", file=sys.stderr)
-    print(json.dumps(summary))
+    result(json.dumps(summary))
     return 0
 
 
 def _from_trl(args) -> int:
     from ppokit.config.from_trl import convert
 
-    return convert(args.config, args.output)
+    return convert(args.config, args.output, result)
 
 
 OVERWRITE_HELP = (
@@ -526,7 +532,9 @@ def _main(argv: list[str]) -> int:
     args = _parse_args(build_parser(), argv)
     _quiet_transformers()
     had_process_group = _process_group_initialized()
-    with warnings.catch_warnings():  # restores warnings.showwarning when main is called in-process
+    # serve-rm's stdout is its one line saying where it serves, written before any request reaches the user's code
+    results = contextlib.nullcontext() if args.func is _serve_rm else results_alone_on_stdout()
+    with warnings.catch_warnings(), results:  # restores warnings.showwarning when main is called in-process
         _one_line_warnings()
         try:
             return args.func(args)
@@ -540,6 +548,64 @@ def _main(argv: list[str]) -> int:
         finally:
             if not had_process_group:
                 _end_process_group()
+
+
+_results: Optional[TextIO] = None  # where `result` writes while a command runs (`results_alone_on_stdout`)
+
+
+def result(text: str) -> None:
+    """A command's result, one write to stdout (the real one while `results_alone_on_stdout` holds it aside)."""
+    stream = _results if _results is not None else sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
+@contextlib.contextmanager
+def results_alone_on_stdout() -> Iterator[None]:
+    """While a command runs, stdout holds its results alone (`result`): what anything else writes there (an environment,
+    a reward function, a library they call, C code or a process they start; a partial line once glued itself to the
+    final JSON line) goes to stderr. At the file-descriptor level, so that os.write(1, ...) and C's stdio are
+    redirected too: descriptor 1 leads to stderr's file and sys.stdout is sys.stderr meanwhile; the real stdout is
+    kept on a descriptor of its own, which `result` writes to."""
+    global _results
+    try:
+        sys.stdout.flush()
+        kept = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no stdout to protect (closed): as it is
+        kept = None
+    if kept is None:
+        yield
+        return
+    try:
+        real = sys.stdout.fileno() == 1
+    except (OSError, ValueError, AttributeError):  # a stream of its own (a test's capture): results go to it
+        real = False
+    before, previous = sys.stdout, _results
+    _results = open(kept, "w", encoding=getattr(before, "encoding", None) or "utf-8", closefd=False) if real else before
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = before
+        for stream in (before, sys.__stdout__):  # what user code wrote into them before the swap, or around it
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        _flush_c_stdio()
+        os.dup2(kept, 1)
+        if real:
+            with contextlib.suppress(OSError, ValueError):
+                _results.close()
+        os.close(kept)
+        _results = previous
+
+
+def _flush_c_stdio() -> None:
+    """C code's buffered stdout (printf without a newline) goes out while descriptor 1 still leads to stderr."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
 
 
 def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

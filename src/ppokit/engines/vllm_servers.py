@@ -364,12 +364,11 @@ class VLLMServersEngine:
             return []
         done, deadline = [], time.monotonic() + self.timeout_s
         while not done:
-            try:
-                request_id = self._done.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+            request_id = next_done(self._done, deadline, self.launched)
+            if request_id is None:
                 names = sorted({str(self.servers[i]) for i, _ in self._unfinished.values()})
                 raise EngineLost(f"rollout server {', '.join(names)} completed no request within {self.timeout_s:g} s "
-                                         "(rollout.server_timeout_s)") from None
+                                         "(rollout.server_timeout_s)")
             while True:  # what else has completed meanwhile (ids of aborted requests are no longer unfinished)
                 if request_id in self._unfinished:
                     done.append(self._completion(request_id, *self._unfinished.pop(request_id)))
@@ -496,6 +495,26 @@ class VLLMServersEngine:
         for server in self.launched:
             server.stop()
         self.launched = []
+
+
+WATCH_S = 1.0  # how often a wait looks at the servers ppokit started
+
+
+def next_done(done: "queue.Queue[str]", deadline: float, launched: Sequence[LaunchedServer]) -> Optional[str]:
+    """The next request id put in `done`, waited for until `deadline` (time.monotonic; None once it passed). Every
+    WATCH_S the servers ppokit started are looked at: one that lost a process (vLLM's API server stays up, and silent,
+    when its engine core is killed) is EngineLost at once, not after rollout.server_timeout_s."""
+    while True:
+        try:
+            return done.get(timeout=max(0.0, min(WATCH_S, deadline - time.monotonic())))
+        except queue.Empty:
+            pass
+        for server in launched:
+            said = server.died()
+            if said is not None:
+                raise EngineLost(f"rollout server {server.address} stopped serving: {said}")
+        if time.monotonic() >= deadline:
+            return None
 
 
 def _trainer_ranks() -> tuple[int, int]:

@@ -157,18 +157,21 @@ class Sinks:
             sink.close()
 
 
-def open_sinks(config, *, total_updates: int, done_updates: int, is_main: bool, show_progress: bool, folder=None) -> Sinks:
+def open_sinks(config, *, total_updates: int, done_updates: int, is_main: bool, show_progress: bool, folder=None,
+               output_dir=None) -> Sinks:
     """The sinks of a PPO run: on the main process the run's files and the trackers of `report_to`
     (ppokit.metrics.trackers); the console where progress shows.
 
     done_updates > 0: a resumed run, whose files continue where the checkpoint left them (and whose
     trackers continue their runs).
-    folder: where the run's files go, if not config.output_dir (a run replacing another writes beside it first).
+    output_dir: the run folder as the run resolved it (`saving.Saving`), if not config.output_dir.
+    folder: where the run's files go, if not output_dir (a run replacing another writes beside it first).
     """
     sinks: list[Sink] = []
+    output_dir = output_dir if output_dir is not None else config.output_dir
     if is_main:
-        sinks.append(RunFiles(folder or config.output_dir, append=done_updates > 0))
-        trackers = open_trackers(config, total_updates=total_updates, done_updates=done_updates,
+        sinks.append(RunFiles(folder or output_dir, append=done_updates > 0))
+        trackers = open_trackers(config, output_dir=output_dir, total_updates=total_updates, done_updates=done_updates,
                                  say=lambda message: print(f"ppokit: {message}", file=sys.stderr) if show_progress else None)
         if trackers is not None:
             sinks.append(trackers)

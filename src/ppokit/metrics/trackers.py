@@ -164,8 +164,8 @@ class Tracker:
 class TrackerSettings:
     """What the trackers read from the run's config."""
 
-    def __init__(self, config, run_name: str):
-        self.output_dir = Path(config.output_dir)
+    def __init__(self, config, run_name: str, output_dir: Path):
+        self.output_dir = output_dir
         self.config = config.to_dict()
         self.project = config.project
         self.run_name = run_name
@@ -416,8 +416,9 @@ class Trackers:
             pass  # already failing; the warning above is what the user needs
 
 
-def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda message: None) -> Optional[Trackers]:
-    """Start (or, on resume, continue) every tracker of `config.report_to`; None when there are none.
+def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda message: None, output_dir=None) -> Optional[Trackers]:
+    """Start (or, on resume, continue) every tracker of `config.report_to`; None when there are none. Their files go
+    under `output_dir` (default config.output_dir), made absolute here: the trackers write there all run long.
 
     On resume (done_updates > 0) each tracker is sent the updates of the run so far that it lacks,
     read from metrics.jsonl and samples.jsonl (which resume rewrote to the checkpoint's)."""
@@ -425,11 +426,12 @@ def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda m
     if not names:
         return None
     check_installed(names)
-    state = TrackerState.load(Path(config.output_dir), resumed=done_updates > 0)
+    output_dir = Path(output_dir if output_dir is not None else config.output_dir).absolute()
+    state = TrackerState.load(output_dir, resumed=done_updates > 0)
     # one name for the whole run, kept across resumes
-    state.data.setdefault("run_name", f"{Path(config.output_dir).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    state.data.setdefault("run_name", f"{output_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
     state.data["run_name"] = config.run_name or state.data["run_name"]
-    settings = TrackerSettings(config, state.data["run_name"])
+    settings = TrackerSettings(config, state.data["run_name"], output_dir)
     trackers = []
     for name in names:
         entry = state.of(name)
@@ -449,7 +451,7 @@ def open_trackers(config, *, total_updates: int, done_updates: int, say=lambda m
         trackers.append(tracker)
     sink = Trackers(trackers, state, total_updates, say)
     if done_updates > 0:
-        _replay(sink, Path(config.output_dir), done_updates)
+        _replay(sink, output_dir, done_updates)
     state.save()
     return sink
 

@@ -221,8 +221,10 @@ def remove_leftovers(folder: Path, name: Optional[str] = None) -> list[str]:
     """Finish or clear what an `atomic_save_dir` cut short (SIGKILL, power loss) left in `folder`
     (only entries for `name` when given); returns what was done, for a message.
 
-    Only marked folders of processes no longer running are touched. `.NAME.old-PID` beside
-    `.NAME.tmp-PID` and no NAME means only the final rename was missing: it is done now.
+    Only folders of processes no longer running are touched, and of those only the marked ones and the
+    empty ones (nothing in them but at most a marker cut short: the process was killed between the
+    folder's mkdir and its marker; nothing is lost with them). `.NAME.old-PID` beside `.NAME.tmp-PID`
+    and no NAME means only the final rename was missing: it is done now.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -230,7 +232,7 @@ def remove_leftovers(folder: Path, name: Optional[str] = None) -> list[str]:
     done = []
     for entry in sorted(folder.iterdir()):
         m = _LEFTOVER.match(entry.name)
-        if not m or (name is not None and m["name"] != name) or not entry.is_dir() or not is_marked(entry):
+        if not m or (name is not None and m["name"] != name) or not entry.is_dir() or not (is_marked(entry) or _unfilled(entry)):
             continue
         pid = int(m["pid"])
         if pid == os.getpid() or _running(pid) or not entry.exists():
@@ -247,6 +249,11 @@ def remove_leftovers(folder: Path, name: Optional[str] = None) -> list[str]:
         shutil.rmtree(entry, ignore_errors=True)
         done.append(f"removed {entry.name}, left by process {pid}")
     return done
+
+
+def _unfilled(folder: Path) -> bool:
+    """Nothing in `folder` but at most its marker file (a marker being written when the process was killed)."""
+    return all(p.name == MARKER for p in folder.iterdir())
 
 
 def _running(pid: int) -> bool:
@@ -482,10 +489,10 @@ class RunFolder:
 
     @classmethod
     def open(cls, output_dir: str | Path, main_process: bool = True, overwrite: bool = False) -> "RunFolder":
-        root = Path(output_dir)
+        root = Path(output_dir).absolute()  # user code may change the working directory while the run holds the folder
         if not main_process:
             return cls(root, False, None)
-        check_run_folder(str(root), overwrite)  # before anything is written in it
+        check_run_folder(str(output_dir), overwrite)  # before anything is written in it (as given: `.` is refused)
         made = [path for path in (root, root / LOCK_FILE, root / MARKER) if not path.exists()]
         lock = RunLock.acquire(root)
         run = cls(root, True, lock)

@@ -23,13 +23,11 @@ class Saving:
     the run there (kept until this one's first checkpoint) or write into a folder that ppokit did not make (`ppokit.run.run_dir`)."""
 
     def __init__(self, output_dir: str | Path, overwrite: bool = False):
-        self._output_dir, self.overwrite = output_dir, overwrite  # as configured: the config is validated after this (`parts.assemble`)
+        # Absolute, once, before any user code runs: an environment or reward function that changes the working
+        # directory must not split the run between two folders. (The config is validated after this: `parts.assemble`.)
+        self.output_dir, self.overwrite = Path(output_dir).absolute(), overwrite
         self.run: Optional[run_dir.RunFolder] = None
         self.saved_at: Optional[tuple[int, Path]] = None  # (update, path) of the last checkpoint written or resumed from
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self._output_dir)
 
     @property
     def last_checkpoint(self) -> Optional[Path]:
