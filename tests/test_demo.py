@@ -127,7 +127,7 @@ def test_a_demo_whose_folder_is_taken_is_refused_before_torch_or_transformers_is
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("ppokit: error: demo --output ppokit-demo-guess: ppokit-demo-guess/ppo holds a finished run")
     # the check itself imports neither torch nor transformers (`ppokit demo` runs it first)
-    probe = ("import sys; from ppokit import demo; from ppokit.errors import UserError\n"
+    probe = ("import sys; from ppokit.demos import reviews as demo; from ppokit.errors import UserError\n"
              "try:\n    demo.demo_folder(demo.DemoChoice.of('guess'), None, overwrite=False)\nexcept UserError as e:\n    print(e)\n"
              "print('torch' in sys.modules, 'transformers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
