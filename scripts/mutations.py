@@ -101,7 +101,7 @@ MUTATIONS = [
               f"{CONV}::test_the_stop_token_at_the_end_of_a_chatml_turn_is_not_written_twice"),
              "the stop token that ended the model's turn is written again at the start of the observation"),
     # ---- the renderer
-    Mutation("tools_missing_from_the_prompt", "src/ppokit/environments/episode_loop.py",
+    Mutation("tools_missing_from_the_prompt", "src/ppokit/conversation/setup.py",
              "    for dataset in datasets:\n        dataset.render_chat(renderer)\n",
              "    for dataset in datasets:\n        dataset.render_chat(ConversationRenderer(tokenizer, Renderer(tokenizer, template, template_kwargs=template_kwargs) if template else None))\n",
              (f"{CONV}::test_the_trainers_prompts_carry_the_tools_and_a_run_trains",),
@@ -119,7 +119,7 @@ MUTATIONS = [
              (f"{CONV}::test_a_call_marked_by_a_special_token_reaches_the_parser_and_runs",
               f"{CONV}::test_a_turns_text_keeps_its_special_tokens_and_drops_its_stop_token"),
              "a model turn reaches the tool parser decoded with skip_special_tokens=True (<|python_tag|>, [TOOL_CALLS] lost)"),
-    Mutation("template_not_checked_at_start_up", "src/ppokit/environments/episode_loop.py",
+    Mutation("template_not_checked_at_start_up", "src/ppokit/conversation/setup.py",
              "        renderer.check(needs_tools=bool(runner.tools), max_turns=max_turns, what=f\"environment {environment}\")",
              "        pass",
              (f"{CONV}::test_a_template_that_cannot_render_tools_is_refused_at_start_up",

@@ -368,7 +368,7 @@ def test_the_guess_demos_reward_is_what_it_says_1_for_a_win_less_its_cost_per_gu
     per token)."""
     from ppokit.demos import guess as demo_game
     from ppokit.demos.reviews import estimator_settings
-    from ppokit.environments.episode_loop import EnvironmentReward
+    from ppokit.rewards.environment import EnvironmentReward
     from ppokit.rewards import ScoringBatch, build_scorer
 
     config = demo_game.game_config(tmp_path, tmp_path, True, 0, estimator_settings("gae"))

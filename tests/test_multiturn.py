@@ -355,7 +355,7 @@ def test_loop_over_a_real_model_keeps_its_logprobs(game_tokenizer, game_model):
 @pytest.mark.parametrize("on_error", ["skip", "raise"])
 def test_environment_reward_is_a_source_whose_failures_follow_on_error(on_error):
     from ppokit.config.schema import RewardConfig
-    from ppokit.environments.episode_loop import EnvironmentReward
+    from ppokit.rewards.environment import EnvironmentReward
     from ppokit.rewards import ScoringBatch, build_scorer
     from ppokit.rewards.sources import RewardError
 

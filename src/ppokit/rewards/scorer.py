@@ -378,7 +378,7 @@ def build_scorer(
     processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all, and
     `verdict` (`parallel.stop_together`) makes a source failing on one of them stop every one.
     reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch).
-    environment: the episodes' environment as a source (`environments.EnvironmentReward`), the last in weights order.
+    environment: the episodes' environment as a source (`rewards.environment.EnvironmentReward`), the last in weights order.
     checked: what `check_sources` returned for these arguments (the run's start-up checked them already); else
     they are checked here."""
     has_model = reward_model is not None or bool(reward.model)

@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch
 
-from ppokit.environments.episode_loop import sample_row
 from ppokit.errors import UserError
 from ppokit.metrics.values import eval_metrics
 from ppokit.training.rollout import Rollout
@@ -80,3 +79,8 @@ def transcripts(episodes) -> list[Optional[list[dict]]]:
 
 def scores_or_none(scores: torch.Tensor, valid: torch.Tensor) -> list[Optional[float]]:
     return [score if ok else None for score, ok in zip(scores.tolist(), valid.tolist())]
+
+
+def sample_row(row: dict, turns: Optional[list[dict]]) -> dict:
+    """A samples.jsonl row with its episode's turns marked (`turns`), unchanged for a single-turn response."""
+    return row if turns is None else {**row, "turns": turns}

@@ -35,11 +35,12 @@ from ppokit.process import parallel
 from ppokit.training import algo, batch_sizes
 from ppokit.config.schema import PPOConfig
 from ppokit.engines.base import Sampling
-from ppokit.environments.episode_loop import Conversation, EnvironmentReward
+from ppokit.conversation.setup import Conversation
 from ppokit.process.launcher import launched_processes, launched_rank
 from ppokit.models.loading import check_prompts_fit, input_pad_id, position_limit, tightest
 from ppokit.training.optimise import prepare_training
 from ppokit.data.prompts import PromptDataset
+from ppokit.rewards.environment import EnvironmentReward
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.training.rollout import Rollout
 from ppokit.training.startup import prepare

@@ -47,7 +47,7 @@ class Start:
     eval_data: Any  # Optional[prompts.PromptDataset]
     tokenizer: Any
     sizes: Any  # batch_sizes.BatchSizes
-    conversation: Any  # episode_loop.Conversation
+    conversation: Any  # conversation.setup.Conversation
     train_query_ids: list[list[int]]
     eval_query_ids: Optional[list[list[int]]]
     rewards: Any  # rewards.CheckedSources
@@ -63,7 +63,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     a reward model object is passed. Writes nothing."""
     from ppokit.run import run_dir
     from ppokit.training import batch_sizes
-    from ppokit.environments.episode_loop import conversation_for
+    from ppokit.conversation.setup import conversation_for
     from ppokit.data.lengths import check_budget, encode_prompts
     from ppokit.process.machine import check_machine
     from ppokit.models.loading import policy_tokenizer
