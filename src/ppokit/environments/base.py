@@ -311,6 +311,7 @@ class EnvironmentCalls:
     def __init__(self, runner: "EnvironmentRunner", threaded: bool):
         self.runner, self.threaded = runner, threaded
         self._fresh: set[asyncio.Future] = set()  # calls started since the last settle, not yet back with their episode
+        self._returned: set[asyncio.Future] = set()  # calls back from their thread (or past their deadline), not yet with their episode
         self._settling: set[asyncio.Future] = set()  # those the running settle waits for
         self._settled: Optional[asyncio.Future] = None  # its wake-up
 
@@ -324,6 +325,7 @@ class EnvironmentCalls:
         def hand_back(value, took: Optional[float] = None) -> None:
             if not answer.done():  # done: it timed out already, or its episode was stopped
                 answer.set_result(value)
+                self._returned.add(answer)
                 if took is not None:
                     self.runner.recent_call_s.append(took)
 
@@ -352,22 +354,24 @@ class EnvironmentCalls:
     def _back(self, answer: asyncio.Future) -> None:
         """A call's value is back with its episode, which goes on in this task up to its next request or its end."""
         self._fresh.discard(answer)
+        self._returned.discard(answer)
         self._settling.discard(answer)
         if not self._settling and self._settled is not None and not self._settled.done():
             self._settled.set_result(None)
 
     async def settle(self, most_s: float) -> None:
-        """Wait for the calls started since the last settle to be back with their episodes (so that their next requests
-        join the next engine step instead of the one after): twice the median time of the environment's recent calls,
-        if that is within most_s (the last engine step's time), and not at all otherwise (calls that usually take
-        longer than a step are not waited for)."""
-        self._settling, self._fresh = self._fresh, set()
-        wait_s = self._patience(most_s) if self._settling else 0.0
-        if wait_s <= 0:
+        """Wait until the calls that have returned are back with their episodes, and the calls started since the last
+        settle too (so that their next requests join the next engine step instead of the one after): these twice the
+        median time of the environment's recent calls, if that is within most_s (the last engine step's time), and not
+        at all otherwise (calls that usually take longer than a step are not waited for)."""
+        fresh, self._fresh = self._fresh, set()
+        wait_s = self._patience(most_s) if fresh else 0.0
+        self._settling = (fresh if wait_s > 0 else set()) | self._returned
+        if not self._settling:
             return
         self._settled = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(self._settled, wait_s)
+            await asyncio.wait_for(self._settled, wait_s if wait_s > 0 else None)
         except asyncio.TimeoutError:
             pass
         finally:
