@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from request_engines import ScriptedRequests
 from test_multiturn import ScriptedEngine, ids, sampling
 
 from ppokit.engines.base import Request, Sampling, request_seed
@@ -463,3 +464,85 @@ def test_requests_ask_at_most_the_room_left(tok):
                 EpisodeSeeds(0))
     # turn 1: 6 tokens of room (2 taken: 7 <eos>), observation "higher" (1), turn 2: 3 left
     assert [r.sampling.max_new_tokens for r in engine.requests] == [6, 3]
+
+
+# --------------------------------------------------------------------------- the loop's own event loop
+
+
+def test_sample_called_from_a_running_event_loop_is_the_same_rollout(tok, model):
+    """An async caller (an agent endpoint) calls `sample` from its event loop's thread: the rollout runs on a loop of its
+    own, blocking the caller as any synchronous call does, and gives the same episodes."""
+    def rollout():
+        engine = HFEngine(model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=4, max_sequence=64)
+        Latent.delay = staticmethod(lambda row, turn: 0.0)
+        loop = loop_over(engine, tok, Latent, max_episode_tokens=30)
+        prompts = [ids(tok, "guess the number :"), ids(tok, "guess :")]
+        return loop.sample(prompts, [{"prompt": str(i)} for i in range(2)], sampling(tok, 6), EpisodeSeeds(5))
+
+    async def caller():
+        return rollout()
+
+    plain, from_async = rollout(), asyncio.run(caller())
+    for name in ("response_ids", "logprobs", "loss_mask", "environment_rewards"):
+        assert torch.equal(getattr(plain, name), getattr(from_async, name)), name
+
+
+class Forgetful(ScriptedRequests):
+    """Completes every request but the second turn of row 1, which it drops without a word (a broken engine)."""
+
+    def respond(self, request):
+        return [self.seven, self.eos], [-0.5, -0.5]
+
+    def step(self):
+        self.queue = [r for r in self.queue if not r.request_id.endswith("-1-1")]
+        return super().step()
+
+
+def test_an_engine_that_loses_a_request_is_an_error_not_a_hang(tok):
+    engine = Forgetful()
+    engine.seven, engine.eos, engine.pad_token_id = ids(tok, "7")[0], tok.eos_token_id, tok.pad_token_id
+    loop = loop_over(engine, tok, Latent)
+    Latent.delay = staticmethod(lambda row, turn: 0.0)
+    raised = []
+
+    def rollout():  # in a thread of its own, so that a loop that hangs fails the test instead of hanging it
+        try:
+            loop.sample([ids(tok, "guess")] * 2, [{"prompt": "0"}, {"prompt": "1"}], Sampling(4, 1.0, tok.eos_token_id), EpisodeSeeds(0))
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    thread = threading.Thread(target=rollout, daemon=True)
+    thread.start()
+    thread.join(WAIT_BOUND_S)
+    assert raised and raised[0].startswith("stuck: the engine holds none of the 1 requests still waited for (episode-0-1-1")
+
+
+def test_ctrl_c_mid_rollout_leaves_nothing_in_the_engine_and_leaves_its_serving(tok, model, monkeypatch, caplog):
+    """Ctrl-C under Python's own SIGINT handler while an environment runs in the loop's thread (environment_timeout_s
+    null): the KeyboardInterrupt is the run's, not the episode's. It stops the rollout; the other episodes' coroutines are
+    unwound (the engine's `serving()` left), their requests aborted and what the engine kept for them forgotten; nothing
+    of the rollout's tasks is left for asyncio to report later (at a garbage collection, in the middle of other code)."""
+    import gc
+    import signal
+
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.default_int_handler)
+
+    class CtrlC:
+        def reset(self, row):
+            self.turn, self.row = 0, row["prompt"]
+
+        def step(self, completion):
+            self.turn += 1
+            if self.row == "0" and self.turn == 2:
+                raise KeyboardInterrupt  # what the default handler raises where the main thread is
+            return "higher", 0.0, False
+
+    engine = HFEngine(model, tok.pad_token_id, torch.device("cpu"), rows_per_forward=2, max_sequence=64)
+    loop = loop_over(engine, tok, CtrlC, timeout_s=None)
+    with pytest.raises(KeyboardInterrupt):
+        loop.sample([ids(tok, "guess :")] * 4, [{"prompt": str(i)} for i in range(4)], sampling(tok, 4), EpisodeSeeds(0))
+    assert engine.unfinished() == 0 and not engine._decoder.kept and not engine._serving
+    engine.release()
+    caplog.clear()
+    gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []

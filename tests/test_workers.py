@@ -1,18 +1,20 @@
-"""Threads that run environment code (ppokit.process.workers, and SideBySide over them): a thread is kept for the next call, a
-call never waits for a busy one, an idle thread ends, the caller's torch modes are the call's; SideBySide keeps each
-call's deadline itself (one thread per call), drops what a timed-out call returns later, and waits for the calls
-started since its last look when asked to be patient and its calls usually return in time."""
+"""Threads that run environment code (ppokit.process.workers, and EnvironmentCalls over them): a thread is kept for the next
+call, a call never waits for a busy one, an idle thread ends, the caller's torch modes are the call's; EnvironmentCalls
+keeps each call's deadline on the event loop (one thread per call), drops what a timed-out call returns later, and
+waits for the calls started since its last settle when they usually return in time."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from functools import partial
 
 import torch
 
 from ppokit.environments import EnvironmentRunner, EnvironmentTimeout
-from ppokit.environments.base import SideBySide
-from ppokit.process.workers import WorkerThreads
+from ppokit.environments.base import EnvironmentCalls
+from ppokit.process.workers import WorkerThreads, run_coroutine
 
 # What a test waits for at most before it calls the behaviour broken: far above what a loaded machine takes.
 WAIT_BOUND_S = 20.0
@@ -100,50 +102,73 @@ def _calls(timeout_s: float):
     return runner, runner.side_by_side()
 
 
-def test_each_call_is_one_worker_thread_under_the_side_by_sides_own_deadline():
+def test_each_call_is_one_worker_thread_under_the_event_loops_deadline():
     runner, calls = _calls(timeout_s=0.2)
     [episode] = runner.start_many([{}], ["p"])
-    calls.start("quick", lambda **kw: episode.step("0", **kw), "step", "p")
-    calls.start("hung", lambda **kw: episode.step("1.0", **kw), "step", "p")
-    returned = {}
-    assert _until(lambda: returned.update(calls.finished(wait=True, timeout_s=0.05)) or len(returned) == 2)
-    assert returned["quick"].observation == "ppokit-env"  # not a deadline thread of its own ("ppokit-env-step")
-    timed_out = returned["hung"]
-    assert isinstance(timed_out, EnvironmentTimeout)
+
+    async def both():
+        started = time.monotonic()
+        quick, hung = await asyncio.gather(calls.run(partial(episode.step, "0"), "step", "p"),
+                                           calls.run(partial(episode.step, "1.0"), "step", "p"))
+        waited = time.monotonic() - started
+        await asyncio.sleep(1.0)  # the hung call returns meanwhile, into the same loop
+        return quick, hung, waited
+
+    quick, timed_out, waited = run_coroutine(both)
+    assert quick.observation == "ppokit-env"  # not a deadline thread of its own ("ppokit-env-step")
+    assert isinstance(timed_out, EnvironmentTimeout) and waited < 1.0  # answered at its deadline, not when it returned
     assert str(timed_out).startswith("environment test:Sleeps: step did not return within environment_timeout_s=0.2s")
     assert str(timed_out).endswith("; prompt 'p'")
-    assert calls.running == 0  # handed back, its thread still sleeping
-    time.sleep(1.0)
-    assert calls.finished(wait=False) == []  # what it returned at last is dropped: its episode failed already
+    assert len(runner.recent_call_s) == 1  # what it returned at last is dropped: its episode failed already
 
 
-def test_patience_waits_for_the_calls_started_since_the_last_look_when_they_usually_return_in_time():
+def test_settle_waits_for_the_calls_started_since_the_last_when_they_usually_return_in_time():
+    """`settle` waits until the calls started since the last settle are back with their episodes (the coroutines that
+    awaited them have gone on), at most twice the environment's usual call time, and only if that is within the limit."""
     runner, calls = _calls(timeout_s=60.0)
     [episode] = runner.start_many([{}], ["p"])
-    calls.start("first", lambda **kw: episode.step("0.2", **kw), "step", "p")
-    assert calls.finished(wait=False, patience_s=WAIT_BOUND_S) == []  # how long its calls take is not known yet
-    assert [key for key, _ in calls.finished(wait=True)] == ["first"]
-    calls.start("again", lambda **kw: episode.step("0.2", **kw), "step", "p")
-    assert calls.finished(wait=False, patience_s=0.3) == []  # twice its usual time is more than it may wait
-    assert [key for key, _ in calls.finished(wait=True)] == ["again"]
-    calls.start("patient", lambda **kw: episode.step("0.2", **kw), "step", "p")
-    [(key, step)] = calls.finished(wait=False, patience_s=WAIT_BOUND_S)  # waits up to twice 0.2 s
-    assert key == "patient" and step.observation == "ppokit-env"
+    back = []
 
-    calls.start("second", lambda **kw: episode.step("3", **kw), "step", "p")
-    assert calls.finished(wait=False) == []  # not patient: it runs for seconds
-    calls.start("third", lambda **kw: episode.step("0", **kw), "step", "p")
-    returned = calls.finished(wait=False, patience_s=WAIT_BOUND_S)
-    assert [key for key, _ in returned] == ["third"]  # "second" was started before the last look: not waited for
-    [(key, _)] = calls.finished(wait=True)
-    assert key == "second" and calls.running == 0
+    async def scenario():
+        async def call(key, seconds):
+            await calls.run(partial(episode.step, seconds), "step", "p")
+            back.append(key)
+
+        async def started(key, seconds):
+            task = asyncio.ensure_future(call(key, seconds))
+            await asyncio.sleep(0)  # the call starts
+            return task
+
+        first = await started("first", "0.2")
+        await calls.settle(WAIT_BOUND_S)
+        assert back == []  # how long its calls take is not known yet
+        await first
+        again = await started("again", "0.2")
+        await calls.settle(0.3)
+        assert back == ["first"]  # twice its usual time is more than it may wait
+        await again
+        await started("patient", "0.2")
+        await calls.settle(WAIT_BOUND_S)  # waits up to twice 0.2 s
+        assert back[-1] == "patient"
+
+        second = await started("second", "3")
+        await calls.settle(WAIT_BOUND_S)  # not patient: it runs for seconds
+        await started("third", "0")
+        await calls.settle(WAIT_BOUND_S)
+        assert back[-1] == "third"  # "second" was started before the last settle: not waited for
+        await second
+        assert back[-1] == "second"
+
+    run_coroutine(scenario)
 
 
-def test_without_a_deadline_calls_run_in_the_callers_thread():
+def test_without_a_deadline_calls_run_in_the_event_loops_thread_as_in_a_plain_one():
     runner = EnvironmentRunner("test:Sleeps", Sleeps, {}, timeout_s=None)
     calls = runner.side_by_side()
-    assert isinstance(calls, SideBySide) and not calls.threaded
+    assert isinstance(calls, EnvironmentCalls) and not calls.threaded
     [episode] = runner.start_many([{}], ["p"])
-    calls.start("x", lambda **kw: episode.step("0", **kw), "step", "p")
-    [(key, step)] = calls.finished(wait=False)
-    assert key == "x" and step.observation == threading.current_thread().name
+    step = run_coroutine(lambda: calls.run(partial(episode.step, "0"), "step", "p"))
+    assert step.observation == threading.current_thread().name
+    # code that runs an event loop of its own works there, as in a thread without one
+    step = run_coroutine(lambda: calls.run(lambda: asyncio.run(asyncio.sleep(0, result="own loop")), "step", "p"))
+    assert step == "own loop"

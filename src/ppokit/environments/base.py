@@ -12,13 +12,13 @@ names its class in the config (`environment: path/to/env.py:ClassName` or `packa
 event loop shared by every episode (a thread of its own), under the same deadline.
 
 `EnvironmentRunner` is what the episode loop holds: it makes the instances and calls them in worker
-threads under `environment_timeout_s` (`ThreadCall`, or `SideBySide`'s threads kept between calls), checks what they return, and turns every
+threads under `environment_timeout_s` (`ThreadCall`, or `EnvironmentCalls`' threads kept between calls), checks what they return, and turns every
 failure into an `EnvironmentFailure` (a RewardError, so `reward.on_error` applies: skip that episode
 or stop the run) whose one-line message names the environment, the call and the episode's prompt.
 A hung call fails its episode; its thread is left running (Python cannot stop a thread; a hung coroutine is
 cancelled). Whatever the code raises is its failure, KeyboardInterrupt and other BaseExceptions included: only a
-stop request that reaches the main thread (Ctrl-C) passes through (`rewards.sources.code_raised`). `SideBySide` runs
-many calls at once and hands each back as soon as it returns (the episode loop's environment calls).
+stop request that reaches the main thread (Ctrl-C) passes through (`rewards.sources.code_raised`). `EnvironmentCalls`
+runs the calls of many episodes at once, each awaited by its episode's coroutine (the episode loop's environment calls).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-import itertools
 import math
-import queue
 import statistics
 import threading
 import time
@@ -41,7 +39,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 from ppokit.errors import UserError
 from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number, code_raised, raised_text
 from ppokit.user_code import load_attribute
-from ppokit.process.workers import WorkerThreads
+from ppokit.process.workers import WorkerThreads, outside_event_loop, run_coroutine
 
 BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
 SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"
@@ -130,7 +128,7 @@ class EnvironmentRunner:
         if "chat_template" not in self.args and _declares(cls, "chat_template"):
             self.args["chat_template"] = chat_template  # the run's template (None: plain-text prompts): Tools reads its call format there
         self.timeout_s = timeout_s
-        self.recent_call_s: deque[float] = deque(maxlen=64)  # how long its last calls on `SideBySide`'s threads took
+        self.recent_call_s: deque[float] = deque(maxlen=64)  # how long its last calls on `EnvironmentCalls`' threads took
         # One instance made now: a wrong environment_args (or a tools list that does not import) fails at
         # start, in one line, rather than in the first episode; and it tells the tools and the role.
         try:
@@ -152,7 +150,7 @@ class EnvironmentRunner:
 
     def start(self, row: dict, prompt: Optional[str] = None, watched: bool = False) -> "EpisodeEnvironment":
         """A new instance for one episode, reset on `row`; `prompt` names the episode in errors; watched: the caller
-        keeps the deadline (`SideBySide`)."""
+        keeps the deadline (`EnvironmentCalls`)."""
 
         def make_and_reset():
             env = self.cls(**self.args)
@@ -180,19 +178,18 @@ class EnvironmentRunner:
         return self._side_by_side(calls, "step", [e.prompt for e in episodes])
 
     def _side_by_side(self, calls: list, what: str, prompts: list) -> list:
-        """Every call's outcome, in order, the calls running side by side (`SideBySide`)."""
+        """Every call's outcome, in order, the calls running side by side (`EnvironmentCalls`)."""
         running = self.side_by_side(threaded=len(calls) > 1)
-        for i, (call, prompt) in enumerate(zip(calls, prompts)):
-            running.start(i, call, what, prompt)
-        done = {}
-        while running.running:
-            done.update(running.finished(wait=True))
-        return [done[i] for i in range(len(calls))]
 
-    def side_by_side(self, threaded: bool = True) -> "SideBySide":
-        """Calls of this runner's environments that run side by side (in the caller's thread, one at a time, without a
-        deadline: environment_timeout_s null)."""
-        return SideBySide(self, threaded=threaded and self.timeout_s is not None)
+        async def every():
+            return await asyncio.gather(*(running.run(call, what, prompt) for call, prompt in zip(calls, prompts)))
+
+        return run_coroutine(every)
+
+    def side_by_side(self, threaded: bool = True) -> "EnvironmentCalls":
+        """Calls of this runner's environments that run side by side (in the event loop's thread, one at a time, without
+        a deadline: environment_timeout_s null)."""
+        return EnvironmentCalls(self, threaded=threaded and self.timeout_s is not None)
 
     def settled(self, value):
         """What an `async def` reset or step returned, run to its end on the environments' event loop (one thread
@@ -214,7 +211,7 @@ class EnvironmentRunner:
     # ------------------------------------------------------------------ the checks
 
     def _call(self, fn, what: str, prompt: Optional[str], watched: bool = False):
-        """fn() under the deadline (watched: in this thread, its caller keeps the deadline: `SideBySide`);
+        """fn() under the deadline (watched: in this thread, its caller keeps the deadline: `EnvironmentCalls`);
         EnvironmentFailure (or EnvironmentTimeout) naming `what` and the prompt. A UserError the environment
         raises itself (its own one-line complaint) passes through: it stops the run."""
         call = None
@@ -285,7 +282,7 @@ class EpisodeEnvironment:
     def step(self, completion: str, render=None, watched: bool = False) -> Step:
         """step(completion), checked; with `render`, render(step) too (`Step.rendered`), all under one deadline:
         everything a step costs (the environment's code, its observation's messages, their tokens); watched: the
-        caller keeps the deadline (`SideBySide`)."""
+        caller keeps the deadline (`EnvironmentCalls`)."""
 
         def whole():
             step = self.runner.check_step(self.env, self.runner.settled(self.env.step(completion)), self.prompt)
@@ -296,123 +293,94 @@ class EpisodeEnvironment:
         return self.runner._call(whole, "step", self.prompt, watched)
 
 
-class SideBySide:
+class EnvironmentCalls:
     """Calls of an environment's code (`EnvironmentRunner.start`, `EpisodeEnvironment.step`: each checked and under its
-    own deadline) running side by side, each handed back as soon as it returns.
+    own deadline) awaited by the episodes of one rollout, on the event loop that runs them.
 
-    threaded: every call on a worker thread of its own (`WorkerThreads`: threads kept between calls, so a small call
-    does not pay for a thread's start), the deadline kept here: a call still running `timeout_s` after it started is
-    handed back as the runner's EnvironmentTimeout (N slow calls cost one deadline, not N), and what it returns later
-    is dropped. False: each call in the caller's thread when it is started, under the runner's own deadline.
-        calls.start(key, call, what, prompt)  # call(watched=...) -> its value, or raises EnvironmentFailure; what, prompt: for a timeout's line
-        calls.finished(wait, patience_s) -> [(key, value or EnvironmentFailure), ...]   # those that returned (or timed out) since the last look
-    Anything else a call raised (a UserError the environment raised itself: it stops the run) is raised by `finished`.
+        value = await calls.run(call, what, prompt)  # call(watched=...) -> its value; its EnvironmentFailure returned
+        await calls.settle(most_s)                   # the calls started since the last settle, waited for briefly
+
+    threaded: each call on a worker thread (`WorkerThreads`: threads kept between calls, so that a small call does not
+    pay for a thread's start), its deadline kept by the event loop: a call still running `timeout_s` after it started
+    is answered with the runner's EnvironmentTimeout (N slow calls cost one deadline, not N), and what it returns later
+    is dropped. False: each call at once, in the event loop's thread (as in a thread without one: `outside_event_loop`),
+    under the runner's own deadline. What a call raises besides its failure (a UserError the environment raised itself:
+    it stops the run) is raised by `run`.
     """
 
     def __init__(self, runner: "EnvironmentRunner", threaded: bool):
         self.runner, self.threaded = runner, threaded
-        self._pending: dict[int, _Pending] = {}  # started and not yet handed back, by token
-        self._tokens = itertools.count()
-        self._returned: queue.SimpleQueue = queue.SimpleQueue()  # (token, value)
-        self._fresh: set[int] = set()  # the calls started since the last look
+        self._fresh: set[asyncio.Future] = set()  # calls started since the last settle, not yet back with their episode
+        self._returned: set[asyncio.Future] = set()  # calls back from their thread (or past their deadline), not yet with their episode
+        self._settling: set[asyncio.Future] = set()  # those the running settle waits for
+        self._settled: Optional[asyncio.Future] = None  # its wake-up
 
-    @property
-    def running(self) -> int:
-        return len(self._pending)
-
-    def start(self, key, call, what: str, prompt: Optional[str]) -> None:
-        token = next(self._tokens)
-        now = time.monotonic()
-        pending = _Pending(key, what, prompt, now, now + self.runner.timeout_s if self.threaded else math.inf)
-        self._pending[token] = pending
-        self._fresh.add(token)
+    async def run(self, call, what: str, prompt: Optional[str]):
         if not self.threaded:
-            self._returned.put((token, _outcome(call)))  # what the call raises besides its failure is raised here, at once
-            pending.took = time.monotonic() - pending.started
-            return
+            return outside_event_loop(partial(_outcome, call))
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        started = time.monotonic()
 
-        def run():
+        def hand_back(value, took: Optional[float] = None) -> None:
+            if not answer.done():  # done: it timed out already, or its episode was stopped
+                answer.set_result(value)
+                self._returned.add(answer)
+                if took is not None:
+                    self.runner.recent_call_s.append(took)
+
+        def job():
             try:
-                returned = _outcome(partial(call, watched=True))
-            except BaseException as e:  # the caller's to raise (`finished`), not this thread's to swallow
-                returned = _Raised(e)
-            pending.took = time.monotonic() - pending.started
-            self._returned.put((token, returned))
+                value = _outcome(partial(call, watched=True))
+            except BaseException as e:  # the episode's to raise, not this thread's to swallow
+                value = _Raised(e)
+            try:
+                loop.call_soon_threadsafe(hand_back, value, time.monotonic() - started)
+            except RuntimeError:  # its rollout is over (the loop closed): its deadline had passed
+                pass
 
-        _ENVIRONMENT_WORKERS.run(run)
+        deadline = loop.call_later(self.runner.timeout_s, lambda: hand_back(self.runner.timed_out(what, prompt)))
+        self._fresh.add(answer)
+        _ENVIRONMENT_WORKERS.run(job)
+        try:
+            value = await answer
+        finally:
+            deadline.cancel()
+            self._back(answer)
+        if isinstance(value, _Raised):
+            raise value.error
+        return value
 
-    def finished(self, wait: bool, timeout_s: Optional[float] = None, patience_s: float = 0.0) -> list[tuple]:
-        """The calls that returned, or passed their deadline, since the last look; wait: block until one has (at most
-        timeout_s; None: no limit) when none has yet and some are running; patience_s: besides, the most it may wait
-        for the calls started since the last look (the episode loop: a decoding step's time, as a call back by then
-        joins the next step rather than the one after). It waits twice the median time of the environment's recent
-        calls, if that is within patience_s, and not at all otherwise: calls that usually take longer than a step are
-        not waited for."""
-        done: list[tuple] = []
-        start = time.monotonic()
+    def _back(self, answer: asyncio.Future) -> None:
+        """A call's value is back with its episode, which goes on in this task up to its next request or its end."""
+        self._fresh.discard(answer)
+        self._returned.discard(answer)
+        self._settling.discard(answer)
+        if not self._settling and self._settled is not None and not self._settled.done():
+            self._settled.set_result(None)
+
+    async def settle(self, most_s: float) -> None:
+        """Wait until the calls that have returned are back with their episodes, and the calls started since the last
+        settle too (so that their next requests join the next engine step instead of the one after): these twice the
+        median time of the environment's recent calls, if that is within most_s (the last engine step's time), and not
+        at all otherwise (calls that usually take longer than a step are not waited for)."""
         fresh, self._fresh = self._fresh, set()
-        patience = self._patience(patience_s) if fresh else 0.0
-        item = None
-        while True:
-            try:
-                while True:
-                    self._hand_back(item or self._returned.get_nowait(), done)
-                    item = None
-            except queue.Empty:
-                pass
-            self._expire(done)
-            fresh &= self._pending.keys()
-            if wait and not done and self._pending:
-                until = math.inf if timeout_s is None else start + timeout_s
-            elif fresh:
-                until = start + patience
-            else:
-                break
-            now = time.monotonic()
-            if now >= until:
-                break
-            try:  # until the next return, the first deadline or the limit
-                wake = min(until, min(p.deadline for p in self._pending.values()))
-                item = self._returned.get(timeout=None if wake == math.inf else wake - now)
-            except queue.Empty:
-                pass
-        for _, value in done:
-            if isinstance(value, _Raised):
-                raise value.error
-        return done
+        wait_s = self._patience(most_s) if fresh else 0.0
+        self._settling = (fresh if wait_s > 0 else set()) | self._returned
+        if not self._settling:
+            return
+        self._settled = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(self._settled, wait_s if wait_s > 0 else None)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._settling, self._settled = set(), None
 
     def _patience(self, most_s: float) -> float:
         recent = self.runner.recent_call_s
         wait_s = 2 * statistics.median(recent) if recent else math.inf
         return wait_s if wait_s <= most_s else 0.0
-
-    def _hand_back(self, item: tuple, done: list) -> None:
-        token, value = item
-        pending = self._pending.pop(token, None)
-        if pending is not None:  # None: it timed out already
-            done.append((pending.key, value))
-            if self.threaded:
-                self.runner.recent_call_s.append(pending.took)
-
-    def _expire(self, done: list) -> None:
-        now = time.monotonic()
-        for token, pending in list(self._pending.items()):
-            if pending.deadline <= now:
-                del self._pending[token]
-                done.append((pending.key, self.runner.timed_out(pending.what, pending.prompt)))
-
-
-@dataclass(eq=False)
-class _Pending:
-    """A call `SideBySide` started: who asked (key), what it is (for a timeout's line), when it started and times out,
-    how long it took once it returned."""
-
-    key: Any
-    what: str
-    prompt: Optional[str]
-    started: float
-    deadline: float
-    took: Optional[float] = None  # set by the thread that ran it, before it hands the value back
 
 
 _ENVIRONMENT_WORKERS = WorkerThreads("ppokit-env")

@@ -1,4 +1,4 @@
-"""The episode loop: every episode of a rollout advancing on its own, over a rollout engine that takes requests.
+"""The episode loop: every episode of a rollout one coroutine, over a rollout engine that takes requests.
 
     prompt [+ reset observation] -> model turn -> step -> observation -> model turn -> step -> ... -> done
 
@@ -8,31 +8,25 @@ are never re-tokenised) is one `Request` per model turn; an episode ends when it
 most the room left; an observation longer than the room is cut there, and the episode is marked truncated). A
 rollout without an environment is the one-turn case of the same loop.
 
-What runs when. One thread (the caller's) drives the engine and does the bookkeeping; environment calls run beside it.
-  admit   at most `max_concurrent` episodes are in flight (rollout.max_concurrent_episodes; null: all of the rollout's);
-          when one ends the next starts, in row order. Starting one starts its environment's reset (the constructor
-          and reset) or, without an environment, asks for its model turn.
-  ask     an episode whose context is ready becomes a request; the requests ready at one moment go in one `submit`.
-  decode  one engine step: one decoding step of every request in flight (the engine admits new ones as room frees)
-          -> the requests that completed in it.
-  answer  a completed turn starts its environment's `step` with the turn's text, and the rendering of the observation
-          (`ConversationRenderer.observation`), as one call under one deadline (environment_timeout_s) on a worker
-          thread of its own, kept for later calls (`SideBySide`); its answer, when it returns, makes the episode's next
-          request or ends it.
-The loop decodes while anything is in the engine and looks at the returned environment calls between two steps; it
-waits for the calls started since its last look, twice as long as the environment's calls usually take when that is
-shorter than the last step (a call back by then joins the next step instead of the one after; calls that usually
-take longer are not waited for), and with nothing to decode it waits for the next call to return. An episode waits only for its
-own requests and its own environment: a slow tool call holds its episode, not the others (the lock-step loop this
-replaced asked for every running episode's turn in one batch and waited for every environment before the next).
-Without a deadline (environment_timeout_s null) each environment call runs in the loop's own thread when it is started.
+What runs when. A rollout is an event loop in the caller's thread (`process.workers.run_coroutine`) running one
+coroutine per episode (`_play`: reset, then ask the engine, step, ask the engine, ... top to bottom) and, beside them,
+a task that steps the engine while requests are unfinished (`engines.driver.AsyncRequests`: the requests asked for
+between two steps go in one `submit`). Each episode waits only for its own request and its own environment call: a
+slow tool call holds its episode, not the others. An environment call (reset: the constructor and reset; step: the
+step and the observation's rendering, `ConversationRenderer.observation`) runs under one deadline
+(environment_timeout_s) on a worker thread (`EnvironmentCalls`; null: at once, in the loop's thread). At most
+`max_concurrent` episodes are in flight (rollout.max_concurrent_episodes; null: all of the rollout's): when one ends
+the next starts, in row order. Before each engine step the loop waits for the environment calls started since the
+last one, twice as long as the environment's calls usually take when that is shorter than the last step (a call back
+by then joins this step instead of the next).
 
 Seeds. Each request of an episode with an environment is seeded by its key (`EpisodeSeeds`: run seed, update, row,
 turn), never by the order requests complete in: with an engine whose results do not depend on what shares its steps
 (hf's slot decoder), the same run gives the same episodes whatever the tools' latencies. Between two turns the engine
 keeps the episode's keys and values (hf: `Request.keep` / `continues`; vLLM: its prefix cache), so a turn reads only
-the tokens added since. A rollout without an environment sends its requests together and unseeded: the engine decodes
-them as one lock-step batch from torch's generator, the single-turn results of every earlier ppokit.
+the tokens added since; the loop forgets them when the episode ends, and a stop (an error, Ctrl-C) leaves nothing of
+the rollout in the engine. A rollout without an environment asks for every prompt's turn at once, unseeded: the engine
+decodes them as one lock-step batch from torch's generator, the single-turn results of every earlier ppokit.
 
 The result is one `Episodes` for the batch, built by `episodes.pack` from each episode's spans (model turns and
 observations): the prompt in query_ids (with chat data and a reset observation, without its generation prompt, which
@@ -44,10 +38,9 @@ its turn, the turns, done, truncated, failures and transcripts.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
-import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Optional
@@ -56,12 +49,15 @@ import torch
 
 from ppokit.conversation.renderer import ConversationRenderer, Observation
 from ppokit.engines.base import PURPOSES, Request, request_seed
+from ppokit.engines.driver import AsyncRequests
 from ppokit.training.episodes import EnvironmentSaid, Span, pack
 from ppokit.errors import UserError
+from ppokit.process.workers import run_coroutine
 
 if TYPE_CHECKING:
     from ppokit.conversation.setup import Conversation
     from ppokit.engines.base import Completion, RolloutEngine, Sampling
+    from ppokit.environments.base import EnvironmentCalls
     from ppokit.training.episodes import Episodes
 
 
@@ -90,17 +86,15 @@ class EpisodeSeeds:
 
 
 @dataclass
-class _EpisodeBuffer:
-    """One episode while it runs: its prompt, its spans after it (model turns and observations), its last request."""
+class _Episode:
+    """What an episode has made so far: its prompt, its spans after it (model turns and observations), how it ended."""
 
     row: int
     prompt: list[int]
     text: str  # the data row's prompt, naming the episode in error lines
-    environment: Any = None  # the runner's EpisodeEnvironment
     spans: list[Span] = field(default_factory=list)
     length: int = 0  # tokens after the prompt
     turns: int = 0
-    running: bool = True
     done: bool = False
     truncated: bool = False
     last_turn_stopped: bool = False
@@ -117,12 +111,9 @@ class _EpisodeBuffer:
     def context(self) -> list[int]:
         return self.prompt + [token for span in self.spans for token in span.ids]
 
-    def fail(self, message: str) -> None:
-        self.error, self.running = message, False
-
 
 class EpisodeLoop:
-    """Runs the episodes of a rollout over a rollout engine, each advancing on its own (see the module docstring).
+    """Runs the episodes of a rollout over a rollout engine, each a coroutine of its own (see the module docstring).
 
     engine: a `RolloutEngine` (requests: submit / step / abort / forget / serving). tokenizer: the policy's. runner: the
     environment's (`ppokit.environments.EnvironmentRunner`: `start(row, prompt)` -> an EpisodeEnvironment with `.first`;
@@ -142,7 +133,7 @@ class EpisodeLoop:
         self.renderer = renderer or ConversationRenderer(tokenizer, None)
         self.max_concurrent, self.device = max_concurrent, device
         self._rollouts = itertools.count()  # request ids: unique across this loop's rollouts
-        self._step_s = 0.0  # the last engine step's time: the most a look waits for the environment calls started since the last
+        self._step_s = 0.0  # the last engine step's time: the most the first look of the next rollout waits (`EnvironmentCalls.settle`)
 
     def sample(self, prompts: list[list[int]], rows: list[dict], sampling: "Sampling", seeds: Optional[EpisodeSeeds] = None) -> "Episodes":
         """B prompts (token ids) and their data rows -> Episodes (what the environment said in them), rows in order.
@@ -151,72 +142,70 @@ class EpisodeLoop:
         if self.runner is not None and seeds is None:
             seeds = EpisodeSeeds.drawn()
         seeds = seeds if self.runner is not None else None
-        episodes = [_EpisodeBuffer(i, list(p), str(row.get("prompt", ""))) for i, (p, row) in enumerate(zip(prompts, rows))]
-        waiting = deque(zip(episodes, rows))
+        episodes = [_Episode(i, list(p), str(row.get("prompt", ""))) for i, (p, row) in enumerate(zip(prompts, rows))]
+        requests = AsyncRequests(self.engine, self._step_s)
         calls = self.runner.side_by_side() if self.runner is not None else None
-        tag = f"episode-{next(self._rollouts)}"
-        in_flight, ready, asked = 0, [], {}
-
-        def end(episode: _EpisodeBuffer) -> None:
-            nonlocal in_flight
-            episode.running, in_flight = False, in_flight - 1
-            if episode.kept:
-                self.engine.forget([episode.request])
-                episode.kept = False
-
-        def answered(returned: list) -> None:
-            for episode, value in returned:
-                if self._answered(episode, value):
-                    ready.append(episode)
-                else:
-                    end(episode)
-
+        play = partial(self._play, sampling=sampling, seeds=seeds, requests=requests, calls=calls, tag=f"episode-{next(self._rollouts)}")
         try:
-            with self.engine.serving():
-                while waiting or in_flight:
-                    while waiting and in_flight < (self.max_concurrent or len(episodes)):
-                        episode, row = waiting.popleft()
-                        in_flight += 1
-                        if calls is None:
-                            ready.append(episode)
-                        else:
-                            calls.start(episode, partial(self.runner.start, dict(row), episode.text), "reset", episode.text)
-                    if calls is not None:
-                        answered(calls.finished(wait=False, patience_s=self._step_s))
-                    if ready:
-                        requests = [self._request(e, sampling, seeds, tag) for e in ready]
-                        asked.update((r.request_id, e) for r, e in zip(requests, ready))
-                        ready.clear()
-                        self.engine.submit(requests)
-                    if self.engine.unfinished():
-                        began = time.perf_counter()
-                        completions = self.engine.step()
-                        self._step_s = time.perf_counter() - began
-                        for completion in completions:
-                            episode = asked.pop(completion.request_id)
-                            call = self._turn(episode, completion)
-                            if call is None:
-                                end(episode)
-                            else:
-                                calls.start(episode, call, "step", episode.text)
-                    elif calls is not None and calls.running:
-                        answered(calls.finished(wait=True))
-                    elif in_flight and not ready:
-                        raise RuntimeError(f"the episode loop is stuck: {in_flight} episodes in flight, nothing asked of the engine "
-                                           "or the environment")
+            run_coroutine(lambda: self._rollout(episodes, rows, play, requests, calls))
         finally:  # a stop (an error, Ctrl-C): nothing of this rollout left in the engine
-            if asked:
-                self.engine.abort(list(asked))
+            self._step_s = requests.step_s
+            self.engine.abort(requests.unanswered())
             # what is kept for the episodes: their last request's, and what an aborted one was to continue
             self.engine.forget([e.request for e in episodes if e.kept] + [e.continues for e in episodes if e.continues])
         return self._packed(episodes)
 
-    # ------------------------------------------------------------------ one episode's events
+    async def _rollout(self, episodes: list[_Episode], rows: list[dict], play, requests: AsyncRequests,
+                       calls: Optional["EnvironmentCalls"]) -> None:
+        """Every episode played, at most `max_concurrent` at once, each started in row order as a lane frees."""
+        unplayed = iter(zip(episodes, rows))  # shared by the lanes
 
-    def _room(self, episode: _EpisodeBuffer) -> float:
+        async def lane():
+            for episode, row in unplayed:
+                await play(episode, row)
+
+        with self.engine.serving():
+            async with requests.running(before_step=calls.settle if calls is not None else None):
+                lanes = [asyncio.ensure_future(lane()) for _ in range(min(self.max_concurrent or len(episodes), len(episodes)))]
+                try:
+                    await asyncio.gather(*lanes)
+                finally:  # one episode's error stops the rollout: the others are cancelled (their requests aborted)
+                    for running in lanes:
+                        running.cancel()
+                    await asyncio.gather(*lanes, return_exceptions=True)
+
+    async def _play(self, episode: _Episode, row: dict, *, sampling: "Sampling", seeds: Optional[EpisodeSeeds],
+                    requests: AsyncRequests, calls: Optional["EnvironmentCalls"], tag: str) -> None:
+        """One episode, top to bottom: its environment made and reset, then model turn, step, model turn, ... until
+        it ends; the engine then forgets what it kept for the episode."""
+        try:
+            environment = None
+            if self.runner is not None:
+                environment = await calls.run(partial(self.runner.start, dict(row), episode.text), "reset", episode.text)
+                if not self._started(episode, environment):
+                    return
+            while True:
+                completion = await requests.complete(self._request(episode, sampling, seeds, tag))
+                self._turn(episode, completion)
+                if environment is None:
+                    return
+                text = self.renderer.turn_text(episode.spans[-1].ids, episode.last_turn_stopped)
+                episode.transcript.append({"role": "assistant", "text": text})
+                more = episode.turns < self.max_turns and not episode.truncated
+                step = await calls.run(partial(environment.step, text, self._render(episode) if more else None), "step", episode.text)
+                if not self._answered(episode, step):
+                    return
+        finally:
+            if episode.kept:
+                self.engine.forget([episode.request])
+                episode.kept = False
+
+    # ------------------------------------------------------------------ what each event makes of the episode
+
+    def _room(self, episode: _Episode) -> float:
         return math.inf if self.max_episode_tokens is None else self.max_episode_tokens - episode.length
 
-    def _request(self, episode: _EpisodeBuffer, sampling: "Sampling", seeds: Optional[EpisodeSeeds], tag: str) -> Request:
+    def _request(self, episode: _Episode, sampling: "Sampling", seeds: Optional[EpisodeSeeds], tag: str) -> Request:
         """The episode's next model turn as a request: its context so far, at most the room left, seeded by its key; the
         engine keeps its keys and values when another turn may follow, and continues from the last turn's."""
         budget = int(min(sampling.max_new_tokens, self._room(episode)))
@@ -228,28 +217,25 @@ class EpisodeLoop:
         return Request(request_id, episode.context(), sampling if budget == sampling.max_new_tokens else replace(sampling, max_new_tokens=budget),
                        seed=seed, keep=keep, continues=continues)
 
-    def _started(self, episode: _EpisodeBuffer, started) -> bool:
+    def _started(self, episode: _Episode, started) -> bool:
         """The episode's environment made and reset (or the failure it raised) -> whether its first turn may be asked for."""
         if isinstance(started, BaseException):
-            episode.fail(str(started))
+            episode.error = str(started)
             return False
-        episode.environment = started
         first = started.first
         if first is not None and first.observation is not None:
             try:
                 episode.prompt, observation = self.renderer.first(episode.prompt, first.messages, first.observation, self._room(episode))
             except UserError as e:  # the template cannot follow a prompt with an observation (said at the start)
-                episode.fail(str(e))
+                episode.error = str(e)
                 return False
-            self._observe(episode, observation)
-            if not episode.running:  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
-                episode.fail(self._no_room_after_reset(episode.text))
+            if not self._observe(episode, observation):  # nothing left for the model: an episode that trains nothing is a failure, not a silent 0
+                episode.error = self._no_room_after_reset(episode.text)
                 return False
         return True
 
-    def _turn(self, episode: _EpisodeBuffer, completion: "Completion"):
-        """A completed request is the episode's next model turn -> the environment call that answers it (its step,
-        with the observation's rendering when another turn may follow), or None when the episode ends with it."""
+    def _turn(self, episode: _Episode, completion: "Completion") -> None:
+        """A completed request is the episode's next model turn, cut to the room left."""
         ids, logprobs, room = completion.token_ids, completion.logprobs, self._room(episode)
         stopped = completion.finish_reason == "stop" and len(ids) <= room
         if len(ids) > room:
@@ -258,24 +244,15 @@ class EpisodeLoop:
         episode.add(Span(list(ids), list(logprobs)))
         episode.turns += 1
         episode.last_turn_stopped = stopped
-        if self.runner is None:
-            return None
-        text = self.renderer.turn_text(ids, stopped)
-        episode.transcript.append({"role": "assistant", "text": text})
-        more = episode.turns < self.max_turns and not episode.truncated
-        return partial(episode.environment.step, text, self._render(episode) if more else None)
 
-    def _answered(self, episode: _EpisodeBuffer, value) -> bool:
-        """An environment call returned (reset: `_started`; step: its Step, or the failure) -> whether the episode's next
-        turn may be asked for."""
-        if episode.environment is None:
-            return self._started(episode, value)
+    def _answered(self, episode: _Episode, value) -> bool:
+        """The environment's step returned (its Step, or the failure) -> whether the episode's next turn may be asked for."""
         if isinstance(value, BaseException):
-            episode.fail(str(value))
+            episode.error = str(value)
             return False
         episode.spans[-1].reward = value.reward
         episode.done = value.done
-        episode.transcript[-1]["reward"] = value.reward  # the model's turn this step answered (`_turn`)
+        episode.transcript[-1]["reward"] = value.reward  # the model's turn this step answered
         if value.done:
             episode.transcript[-1]["done"] = True
         if value.done or episode.turns >= self.max_turns or episode.truncated:
@@ -283,23 +260,22 @@ class EpisodeLoop:
         if self._room(episode) <= 0:
             episode.truncated = True
             return False
-        if value.observation is not None:
-            self._observe(episode, value.rendered)
-        return episode.running
+        return value.observation is None or self._observe(episode, value.rendered)
 
-    def _observe(self, episode: _EpisodeBuffer, observation: Observation) -> None:
+    def _observe(self, episode: _Episode, observation: Observation) -> bool:
         """Append an observation's tokens (`ConversationRenderer.first` or `.observation`), cut to the room left (the
-        episode then ends, truncated); its transcript entries say what the model read."""
+        episode then ends, truncated: False); its transcript entries say what the model read."""
         ids, said = observation.ids, observation.said
         room = self._room(episode)
         if len(ids) >= room:
-            ids, episode.truncated, episode.running = ids[: int(room)], True, False
+            ids, episode.truncated = ids[: int(room)], True
             # the transcript shows what the model read: the observation's tokens left after the cut
             said = [{"role": said[0]["role"], "text": self.tokenizer.decode(ids, skip_special_tokens=True), "cut": True}]
         episode.add(Span(list(ids)))
         episode.transcript += said
+        return not episode.truncated
 
-    def _render(self, episode: _EpisodeBuffer):
+    def _render(self, episode: _Episode):
         """What the observation after the episode's last turn reads as (run by the runner within the step's deadline)."""
         stopped, room = episode.last_turn_stopped, self._room(episode)
         return lambda step: self.renderer.observation(step.messages, step.observation, stopped, room)
@@ -312,7 +288,7 @@ class EpisodeLoop:
                 f"{self.max_episode_tokens} tokens after the prompt) and leaves no room for a model turn; shorten the observation or "
                 f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
-    def _packed(self, episodes: list[_EpisodeBuffer]) -> "Episodes":
+    def _packed(self, episodes: list[_Episode]) -> "Episodes":
         said = None if self.runner is None else [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript) for e in episodes]
         ended = [e.done or (e.last_turn_stopped and not e.truncated) for e in episodes]
         return pack([e.prompt for e in episodes], [e.spans for e in episodes], ended, self.pad_token_id, self.device, said)

@@ -5,13 +5,21 @@ spent more time starting threads than decoding), so the episode loop's environme
 which keeps idle threads for the next call. A call never queues behind another: with no idle thread a new one
 starts, so N slow calls cost one deadline, not N. A call that outlives its deadline keeps its thread (Python cannot
 stop one); the caller stops waiting for it and the pool starts others as needed.
+
+`run_coroutine` runs a coroutine (the episode loop's rollout) to its end on an event loop of its own, so that a
+synchronous caller never sees asyncio.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
 
 import torch
 
@@ -64,3 +72,56 @@ class WorkerThreads:
             job()
             with self._lock:
                 self._idle += 1
+
+
+def run_coroutine(make: Callable[[], Awaitable[T]]) -> T:
+    """make()'s coroutine run to its end on an event loop of its own in this thread -> its value (or its exception).
+    Tasks that a stop (an error, Ctrl-C) leaves behind are cancelled and unwound before it returns. Called from a
+    thread that runs an event loop already (an async caller), the loop runs in a thread of its own, in the caller's
+    torch modes, and this call blocks as any synchronous call would."""
+    if asyncio._get_running_loop() is None:
+        return _run_here(make)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ppokit-loop") as pool:
+        return pool.submit(in_callers_modes(lambda: _run_here(make))).result()
+
+
+def _run_here(make: Callable[[], Awaitable[T]]) -> T:
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(make())
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            _unwind(loop, main)
+        finally:
+            loop.close()
+
+
+def _unwind(loop: asyncio.AbstractEventLoop, main: asyncio.Task) -> None:
+    """Cancel the tasks a stop left and run them to their end. asyncio lets a KeyboardInterrupt or SystemExit out of
+    the loop from the task it reaches, so one that a task raises again on its way out ends a round, not the unwinding;
+    what the tasks ended with is read (asyncio would report each as never retrieved)."""
+    seen = {main}
+    while True:
+        left = asyncio.all_tasks(loop)
+        if not left:
+            break
+        seen |= left
+        for task in left:
+            task.cancel()
+        with contextlib.suppress(KeyboardInterrupt, SystemExit):
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    for task in seen:
+        if task.done() and not task.cancelled():
+            task.exception()
+
+
+def outside_event_loop(fn: Callable[[], T]) -> T:
+    """fn() called from a coroutine as if no event loop ran in this thread: user code that starts one of its own
+    (`asyncio.run`) works there as it does in a plain thread. (The loop is paused meanwhile: fn blocks it.)"""
+    loop = asyncio._get_running_loop()
+    asyncio._set_running_loop(None)
+    try:
+        return fn()
+    finally:
+        asyncio._set_running_loop(loop)
