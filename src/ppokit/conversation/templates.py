@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -104,7 +106,8 @@ class Renderer:
             return
         if CONTENT_PROBE not in text:
             asked = self.requested or "auto"
-            shown = asked if len(asked) <= 80 else f"{asked[:77]}..."
+            # a file is named whole (the user must find it); Jinja text given inline is cut to a glance
+            shown = asked if len(asked) <= 80 or asked.endswith(".jinja") or os.path.isfile(asked) else f"{asked[:77]}..."
             raise UserError(f"data.chat_template: {shown!r} writes no message's content (a user message renders as {text[:80]!r}); "
                             "give auto, plain, tokenizer, a .jinja file, or Jinja text that writes message['content']")
 
