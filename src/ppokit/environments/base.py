@@ -17,7 +17,7 @@ failure into an `EnvironmentFailure` (a RewardError, so `reward.on_error` applie
 or stop the run) whose one-line message names the environment, the call and the episode's prompt.
 A hung call fails its episode; its thread is left running (Python cannot stop a thread; a hung coroutine is
 cancelled). Whatever the code raises is its failure, KeyboardInterrupt and other BaseExceptions included: only a
-stop request that reaches the main thread (Ctrl-C) passes through (`rewards.sources.code_raised`). `EnvironmentCalls`
+stop request that reaches the main thread (Ctrl-C) passes through (`process.workers.code_raised`). `EnvironmentCalls`
 runs the calls of many episodes at once, each awaited by its episode's coroutine (the episode loop's environment calls).
 """
 
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ppokit.errors import UserError
-from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as_number, code_raised, raised_text
+from ppokit.rewards.sources import RewardError, as_number
 from ppokit.user_code import load_attribute
-from ppokit.process.workers import WorkerThreads, outside_event_loop, run_coroutine
+from ppokit.process.workers import DeadlineExceeded, ThreadCall, WorkerThreads, code_raised, outside_event_loop, raised_text, run_coroutine
 
 BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
 SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"

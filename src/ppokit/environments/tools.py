@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from ppokit.environments.python_tool import checked_for_isolation
 from ppokit.environments.tool_parsers import PARSER_NAMES, BadToolCall, ToolCall, parse_hermes, resolve_parser
 from ppokit.errors import UserError
-from ppokit.rewards.sources import DeadlineExceeded, ThreadCall, code_raised, raised_text
+from ppokit.process.workers import DeadlineExceeded, ThreadCall, code_raised, raised_text
 from ppokit.user_code import load_attribute
 
 TOOL_SPEC_FORMS = "'path/to/tools.py:function' or 'package.module:function'"

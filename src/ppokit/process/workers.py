@@ -1,4 +1,8 @@
-"""Threads that run user code beside the caller: the caller's torch modes carried over, and threads kept between calls.
+"""Threads and deadlines for user code: a call under a deadline, threads kept between calls, an event loop per caller.
+
+`ThreadCall` runs one call (a reward function, an environment's step, a tool) in a daemon thread that the caller
+stops waiting for at its deadline (`DeadlineExceeded`); `code_raised` tells the code's own failure from a stop request
+that reached it. Every thread carries the caller's torch modes over (`in_callers_modes`).
 
 Starting a thread costs about as much as a small tool call (measured: a rollout of 64 episodes with instant tools
 spent more time starting threads than decoding), so the episode loop's environment calls go to `WorkerThreads`,
@@ -16,12 +20,16 @@ import asyncio
 import concurrent.futures
 import contextlib
 import queue
+import signal
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+import time
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 T = TypeVar("T")
 
 import torch
+
+from ppokit.errors import TrainingInterrupted
 
 
 def in_callers_modes(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -87,7 +95,7 @@ def run_coroutine(make: Callable[[], Awaitable[T]]) -> T:
 
 def _run_here(make: Callable[[], Awaitable[T]]) -> T:
     loop = asyncio.new_event_loop()
-    main = loop.create_task(make())
+    main = asyncio.ensure_future(make(), loop=loop)  # a coroutine, or any awaitable (a reward function's)
     try:
         return loop.run_until_complete(main)
     finally:
@@ -125,3 +133,73 @@ def outside_event_loop(fn: Callable[[], T]) -> T:
         return fn()
     finally:
         asyncio._set_running_loop(loop)
+
+
+class DeadlineExceeded(Exception):
+    """A ThreadCall did not finish in time; its thread is left running."""
+
+
+class ThreadCall:
+    """fn() in a daemon thread, so the caller can stop waiting for it after a deadline.
+
+    The thread inherits the caller's autograd and inference mode and its CUDA device (both are
+    per-thread in PyTorch). Python cannot stop a thread: one that never returns is abandoned,
+    and a daemon thread does not keep the process alive at exit (the program leaves before the
+    interpreter's shutdown could wake it inside torch's C++ code: `cli._leave`). Waiting is
+    interruptible by signal handlers, like any blocking call in the main thread.
+    """
+
+    def __init__(self, fn: Callable[[], Any], name: str = "ppokit-call"):
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+        fn = in_callers_modes(fn)
+
+        def run():
+            try:
+                self._value = fn()
+            except BaseException as e:  # SystemExit too: it is the caller's to judge, not this thread's to swallow
+                self._error = e
+            finally:
+                self._done.set()
+
+        self.started = time.monotonic()
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def result(self, timeout_s: Optional[float]) -> Any:
+        """fn's return value, or its exception re-raised; DeadlineExceeded after `timeout_s` seconds."""
+        if not self._done.wait(timeout_s):
+            raise DeadlineExceeded()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def raised(self, error: BaseException) -> bool:
+        """Whether `error` (caught around `result`) is what fn raised in its thread, rather than something that
+        reached the caller while it waited (a signal handler's exception)."""
+        return self._error is not None and error is self._error
+
+
+def code_raised(error: BaseException, call: Optional[ThreadCall] = None) -> bool:
+    """Whether `error`, caught around user code (an environment, a tool), is that code's own failure rather than a
+    stop request that reached it. Code run by `call` (a ThreadCall) raised it itself: signals reach the main
+    thread only, so even a KeyboardInterrupt from its thread is the code's. Code run in the caller's thread
+    (call None): ppokit's own stop (a second SIGINT/SIGTERM, `errors.TrainingInterrupted`) is never the code's, and
+    a KeyboardInterrupt is the code's own only where SIGINT cannot raise one (its handler is not Python's default)."""
+    if call is not None:
+        return call.raised(error)
+    if isinstance(error, TrainingInterrupted):
+        return False
+    if isinstance(error, KeyboardInterrupt):
+        return threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    return True
+
+
+def raised_text(error: BaseException) -> str:
+    """'TypeName: message', or 'TypeName' for an exception without a message (KeyboardInterrupt())."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__

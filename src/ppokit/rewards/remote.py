@@ -43,7 +43,8 @@ import torch
 
 from ppokit.config.schema import http_url_problem
 from ppokit.errors import UserError
-from ppokit.rewards.sources import DeadlineExceeded, RewardError, RewardSource, ScoringBatch, ThreadCall, check_scores
+from ppokit.process.workers import DeadlineExceeded, ThreadCall
+from ppokit.rewards.sources import RewardError, RewardSource, ScoringBatch, check_scores
 
 MAX_BACKOFF_S = 30.0
 MAX_ERROR_BODY_BYTES = 64 << 10  # of an error answer, enough for its message

@@ -10,12 +10,8 @@ deadline (`ThreadCall`); one that does not return in time counts as failed (`Rew
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import copy
 import inspect
-import signal
-import threading
 import time
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
@@ -24,9 +20,9 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, runt
 
 import torch
 
-from ppokit.errors import TrainingInterrupted, UserError
+from ppokit.errors import UserError
 from ppokit.user_code import load_attribute
-from ppokit.process.workers import in_callers_modes
+from ppokit.process.workers import DeadlineExceeded, ThreadCall, code_raised, raised_text, run_coroutine
 
 
 @dataclass
@@ -200,76 +196,6 @@ def first_non_finite(scores: torch.Tensor) -> Optional[int]:
 # --------------------------------------------------------------------------- Python functions
 
 
-class DeadlineExceeded(Exception):
-    """A ThreadCall did not finish in time; its thread is left running."""
-
-
-class ThreadCall:
-    """fn() in a daemon thread, so the caller can stop waiting for it after a deadline.
-
-    The thread inherits the caller's autograd and inference mode and its CUDA device (both are
-    per-thread in PyTorch). Python cannot stop a thread: one that never returns is abandoned,
-    and a daemon thread does not keep the process alive at exit (the program leaves before the
-    interpreter's shutdown could wake it inside torch's C++ code: `cli._leave`). Waiting is
-    interruptible by signal handlers, like any blocking call in the main thread.
-    """
-
-    def __init__(self, fn: Callable[[], Any], name: str = "ppokit-call"):
-        self._done = threading.Event()
-        self._value: Any = None
-        self._error: Optional[BaseException] = None
-        fn = in_callers_modes(fn)
-
-        def run():
-            try:
-                self._value = fn()
-            except BaseException as e:  # SystemExit too: it is the caller's to judge, not this thread's to swallow
-                self._error = e
-            finally:
-                self._done.set()
-
-        self.started = time.monotonic()
-        self.thread = threading.Thread(target=run, name=name, daemon=True)
-        self.thread.start()
-
-    def running(self) -> bool:
-        return not self._done.is_set()
-
-    def result(self, timeout_s: Optional[float]) -> Any:
-        """fn's return value, or its exception re-raised; DeadlineExceeded after `timeout_s` seconds."""
-        if not self._done.wait(timeout_s):
-            raise DeadlineExceeded()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def raised(self, error: BaseException) -> bool:
-        """Whether `error` (caught around `result`) is what fn raised in its thread, rather than something that
-        reached the caller while it waited (a signal handler's exception)."""
-        return self._error is not None and error is self._error
-
-
-def code_raised(error: BaseException, call: Optional[ThreadCall] = None) -> bool:
-    """Whether `error`, caught around user code (an environment, a tool), is that code's own failure rather than a
-    stop request that reached it. Code run by `call` (a ThreadCall) raised it itself: signals reach the main
-    thread only, so even a KeyboardInterrupt from its thread is the code's. Code run in the caller's thread
-    (call None): ppokit's own stop (a second SIGINT/SIGTERM, `errors.TrainingInterrupted`) is never the code's, and
-    a KeyboardInterrupt is the code's own only where SIGINT cannot raise one (its handler is not Python's default)."""
-    if call is not None:
-        return call.raised(error)
-    if isinstance(error, TrainingInterrupted):
-        return False
-    if isinstance(error, KeyboardInterrupt):
-        return threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    return True
-
-
-def raised_text(error: BaseException) -> str:
-    """'TypeName: message', or 'TypeName' for an exception without a message (KeyboardInterrupt())."""
-    message = str(error)
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
-
-
 # How a reward function is called (`calling_convention`): ppokit's fn(prompts, completions, **columns), or TRL's,
 # every argument by keyword: fn(prompts=, completions=, completion_ids=, **columns).
 POSITIONAL, KEYWORDS = "positional", "keywords"
@@ -421,7 +347,7 @@ class FunctionReward:
 
         def call():
             result = self.fn(*args, **kwargs)
-            return run_coroutine(result) if inspect.isawaitable(result) else result
+            return run_coroutine(lambda: result) if inspect.isawaitable(result) else result
 
         try:
             result = call() if self.timeout_s is None else self._call_with_deadline(call)
@@ -454,20 +380,6 @@ class FunctionReward:
         if self._abandoned is not None and self._abandoned.running():
             return time.monotonic() - self._abandoned.started
         return None
-
-
-def run_coroutine(awaitable):
-    """Run an awaitable to completion, also when the caller is already inside an event loop (Jupyter)."""
-
-    async def wait():
-        return await awaitable
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(wait())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, wait()).result()
 
 
 def load_function(spec: str, base_dir: Path | None = None) -> tuple[str, Callable]:
