@@ -28,7 +28,7 @@ from accelerate import Accelerator  # noqa: E402
 
 from ppokit.models import adapters, roles  # noqa: E402
 
-from ppokit.process import parallel
+from ppokit.process import parallel  # noqa: E402
 from ppokit.config.schema import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.training.guards import UpdateSnapshot  # noqa: E402
 from ppokit.models.loading import enable_gradient_checkpointing, response_logits, value_model_from_policy  # noqa: E402

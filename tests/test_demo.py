@@ -19,19 +19,19 @@ def test_quick_demo_raises_the_score(tmp_path):
     assert summary["eval_after"] > summary["eval_before"] + 0.2, summary
     assert summary["last_kl"] < 5.0, summary  # the KL penalty keeps the policy near the SFT model
     out = tmp_path / "demo"
-    prompts = [json.loads(l) for l in (out / "data" / "prompts.jsonl").read_text().splitlines()]
+    prompts = [json.loads(row) for row in (out / "data" / "prompts.jsonl").read_text().splitlines()]
     assert prompts and "prompt" in prompts[0]
     assert (out / "sft" / "config.json").exists() and (out / "sft" / "tokenizer.json").exists()
     assert (out / "ppo" / "metrics.jsonl").exists() and (out / "ppo" / "final" / "value_model").is_dir()
     assert "before" in result.stderr and "after" in result.stderr  # side-by-side completions printed
     # two eval figures after PPO, each said for what it is: the summary's new draw (± its standard error) and the last
     # update's line, which the report's eval curve ends at; the curve starts at the summary's "before" (update 0)
-    metrics = [json.loads(l) for l in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(row) for row in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert summary["eval_last_update"] == metrics[-1]["eval/scores"] and 0 < summary["eval_after_error"] < 0.5, summary
     assert (f"eval {summary['eval_before']:+.3f} -> {summary['eval_after']:+.3f} ± {summary['eval_after_error']:.3f}: the mean score of "
             "one completion for each of the 8 eval prompts, before PPO and after it") in result.stderr
     assert f"The last update's line said eval {metrics[-1]['eval/scores']:+.3f}: the same prompts and weights" in result.stderr
-    samples = [json.loads(l) for l in (out / "ppo" / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(row) for row in (out / "ppo" / "samples.jsonl").read_text().splitlines()]
     before = [s for s in samples if s["update"] == 0]
     assert len(before) == 8 and sum(s["score"] for s in before) / 8 == pytest.approx(summary["eval_before"], abs=1e-9)
     # the same command again (or another --estimator into the same folder) stops at once, before redoing SFT

@@ -5,7 +5,6 @@ environment, through the runner, the loop and a real run of the CLI."""
 from __future__ import annotations
 
 import signal
-import sys
 
 import pytest
 

@@ -83,7 +83,7 @@ def test_sft_prompt_completion_with_eval_loss_and_ppo_usable_output(model_dir, f
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
     recorded = yaml.safe_load((out / "config.yaml").read_text())
     assert recorded["data"]["chat_template"] is None  # no chat rows
-    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(row) for row in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["eval_loss"] == pytest.approx(summary["eval_loss"])
     assert not list(tmp_path.glob(".sft.tmp-*"))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_ppo_config
 
-from ppokit.training import algo, experience
+from ppokit.training import experience
 from ppokit.trainer import PPOTrainer
 
 
@@ -134,7 +134,7 @@ def test_metrics_and_samples_contents(model_dir, prompts_file, tmp_path):
         assert key in record and math.isfinite(record[key]), key
     assert record["episode"] == 16
     assert record["objective/rlhf_reward"] == pytest.approx(record["objective/scores"] + record["objective/non_score_reward"], abs=1e-5)
-    samples = [json.loads(l) for l in (run / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(row) for row in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "completion", "score", "update"} <= set(samples[0])
 
 
@@ -274,7 +274,7 @@ def test_eval_scores_only_with_eval_data_and_no_step_past_the_end(model_dir, pro
     trainer = _trainer(model_dir, prompts_file, tmp_path)  # no data.eval: samples come from the batch
     records = trainer.train()
     assert not any("eval/scores" in r for r in records)
-    samples = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(row) for row in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and {s["split"] for s in samples} == {"train"}
     with pytest.raises(UserError, match="all 2 updates of ppo.total_episodes=16 are done"):
         trainer.step()

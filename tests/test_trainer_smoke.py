@@ -12,7 +12,7 @@ def test_ppo_runs_and_writes_run_directory(arch, model_dir, prompts_file, tmp_pa
     records = PPOTrainer(config, show_progress=False).train()
     assert len(records) == 2
     run = tmp_path / "run"
-    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(row) for row in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in lines] == [1, 2]
     assert (run / "final" / "config.json").exists()
     assert (run / "final" / "value_model" / "config.json").exists()

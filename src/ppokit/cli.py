@@ -9,7 +9,6 @@ import os
 import shlex
 import sys
 import warnings
-from pathlib import Path
 from typing import Iterator, NoReturn, Optional, TextIO
 
 from ppokit.process import cpu_threads, interrupts

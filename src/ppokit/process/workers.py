@@ -25,11 +25,11 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
-T = TypeVar("T")
-
 import torch
 
 from ppokit.errors import TrainingInterrupted
+
+T = TypeVar("T")
 
 
 def in_callers_modes(fn: Callable[[], Any]) -> Callable[[], Any]:

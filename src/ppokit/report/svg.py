@@ -269,7 +269,7 @@ def notes(series: list[Series], frame: Frame) -> list[str]:
         anchor, dx = ("end", -6) if x > (frame.left + frame.right) / 2 else ("start", 6)
         width = text_width(s.note, TICK_TEXT)
         left = x + dx - width if anchor == "end" else x + dx
-        covers = lambda b: any(l < left + width and left < r and abs(b - other) < line for l, r, other in placed)  # noqa: E731
+        covers = lambda b: any(start < left + width and left < end and abs(b - other) < line for start, end, other in placed)  # noqa: E731
         shifts = [k * sign * line for k in range(len(placed) + 1) for sign in ((-1, 1) if k else (1,))]
         inside = [y - 6 + d for d in shifts if frame.top + TICK_TEXT <= y - 6 + d <= frame.bottom] or [y - 6]
         baseline = next((b for b in inside if not covers(b)), inside[0])

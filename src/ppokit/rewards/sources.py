@@ -22,7 +22,7 @@ import torch
 
 from ppokit.errors import UserError
 from ppokit.user_code import load_attribute
-from ppokit.process.workers import DeadlineExceeded, ThreadCall, code_raised, raised_text, run_coroutine
+from ppokit.process.workers import DeadlineExceeded, ThreadCall, run_coroutine
 
 
 @dataclass
