@@ -593,7 +593,7 @@ MUTATIONS = [
              (f"{RR}::test_timeout_s_is_a_deadline_for_the_whole_request_however_slowly_it_trickles",),
              "reward.remote.timeout_s bounds each read only (httpx's timeouts): a server trickling a byte at a time is waited for"),
     Mutation("remote_sockets_not_cut_at_the_deadline", "src/ppokit/rewards/remote.py",
-             "                sockets.add(info[\"return_value\"].get_extra_info(\"socket\"))", "                pass",
+             "                if sock is not None:\n                    sockets.add(sock)", "                pass",
              (f"{RR}::test_timeout_s_is_a_deadline_for_the_whole_request_however_slowly_it_trickles",),
              "a request past its deadline is abandoned but its socket is not cut: its thread reads on for as long as the server sends"),
     Mutation("remote_answer_read_whole_before_the_cap", "src/ppokit/rewards/remote.py",

@@ -250,7 +250,7 @@ def test_a_redirect_elsewhere_is_refused_and_the_credentials_never_leave(monkeyp
     assert handler.calls == 1  # a refused redirect is not retried
 
 
-@pytest.mark.parametrize("to", ["file:///etc/hostname", "https://127.0.0.1:{port}/", "ftp://127.0.0.1/x"])
+@pytest.mark.parametrize("to", ["file:///etc/hostname", "https://127.0.0.1:{port}/", "ftp://127.0.0.1/x", "http://127.0.0.1:99999/"])
 def test_a_redirect_to_another_scheme_is_refused(to):
     handler = type("Handler", (Redirects,), {"status": 307, "calls": 0})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)

@@ -163,7 +163,9 @@ class RemoteReward:
 
         def record(event: str, info: dict) -> None:
             if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
-                sockets.add(info["return_value"].get_extra_info("socket"))
+                sock = info["return_value"].get_extra_info("socket")
+                if sock is not None:
+                    sockets.add(sock)
 
         def talk():
             # Accept-Encoding identity: max_response_bytes counts the bytes as sent, not as decompressed
@@ -251,7 +253,11 @@ def _error_detail(payload: bytes, status: int) -> str:
 def _origin(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+    except ValueError:  # a port out of range or not a number: no origin ppokit talks to
+        port = -1
+    return scheme, (parts.hostname or "").lower(), port
 
 
 class _Sockets:
