@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -168,8 +169,11 @@ def test_serve_rm_command_serves_a_builtin_over_loopback(tmp_path):
         assert "serving reward source contains at http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         url = line.split(" at ")[1].strip()
         assert RemoteReward(url, max_retries=0).score(BATCH).tolist() == [1.0, 0.0, 1.0]
+        proc.terminate()  # SIGTERM: the server stops, then the signal ends the process as it would have (no traceback)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == -signal.SIGTERM and "Traceback" not in err, (proc.returncode, err)
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=10)
 
 
