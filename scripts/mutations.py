@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MT = "tests/test_multiturn_trainer.py"
 CONV = "tests/test_conversation.py"
 REQ = "tests/test_engine_requests.py"
+RR = "tests/test_rewards_remote.py"
 
 
 @dataclass
@@ -581,8 +582,47 @@ MUTATIONS = [
              ("tests/test_engine_requests.py::test_logprobs_are_the_training_forwards",),
              "the hf engine passes its KV cache as `cache` to a transformers that names it past_key_values (it is dropped)",
              needs=("vllm",)),
+    # ---- one HTTP stack (issue 41 §8): the reward client on httpx, serve-rm on starlette + uvicorn, rollout servers
+    Mutation("remote_redirect_followed_to_another_origin", "src/ppokit/rewards/remote.py",
+             "        if status in REDIRECTS_FOLLOWED and _origin(target) == _origin(self.url):",
+             "        if status in REDIRECTS_FOLLOWED:",
+             (f"{RR}::test_a_redirect_elsewhere_is_refused_and_the_credentials_never_leave",),
+             "the reward client follows a redirect to another host or port, and the configured headers (the token) go there"),
+    Mutation("remote_deadline_per_read_only", "src/ppokit/rewards/remote.py",
+             "            return call.result(self.timeout_s)\n", "            return call.result(None)\n",
+             (f"{RR}::test_timeout_s_is_a_deadline_for_the_whole_request_however_slowly_it_trickles",),
+             "reward.remote.timeout_s bounds each read only (httpx's timeouts): a server trickling a byte at a time is waited for"),
+    Mutation("remote_sockets_not_cut_at_the_deadline", "src/ppokit/rewards/remote.py",
+             "                if sock is not None:\n                    sockets.add(sock)", "                pass",
+             (f"{RR}::test_timeout_s_is_a_deadline_for_the_whole_request_however_slowly_it_trickles",),
+             "a request past its deadline is abandoned but its socket is not cut: its thread reads on for as long as the server sends"),
+    Mutation("remote_answer_read_whole_before_the_cap", "src/ppokit/rewards/remote.py",
+             "            if size > limit:\n                if truncate:", "            if False:\n                if truncate:",
+             (f"{RR}::test_an_answer_larger_than_max_response_bytes_fails_the_batch_unread",),
+             "an answer without Content-Length (chunked) is read whole past reward.remote.max_response_bytes"),
+    Mutation("serve_rm_queues_when_every_worker_is_taken", "src/ppokit/rewards/remote.py",
+             "    workers_free = threading.Semaphore(workers)", "    workers_free = threading.Semaphore(workers + 1)",
+             (f"{RR}::test_with_every_worker_taken_a_post_is_answered_503_at_once",),
+             "serve-rm takes one request more than --workers: it waits behind the scoring call instead of 503 at once"),
+    Mutation("serve_rm_no_read_deadline", "src/ppokit/rewards/remote.py",
+             "            self._deadline = self.loop.call_later(self.read_timeout_s, self.transport.close)",
+             "            self._deadline = self.loop.call_later(1e6, self.transport.close)",
+             (f"{RR}::test_half_sent_requests_hold_no_thread_and_are_cut_at_the_read_timeout",),
+             "serve-rm keeps a connection that never finishes its request open (uvicorn bounds only the wait between requests)"),
+    Mutation("serve_rm_parser_refusals_in_text", "src/ppokit/rewards/remote.py",
+             "    def send_400_response(self, msg: str) -> None:", "    def _json_400_response(self, msg: str) -> None:",
+             (f"{RR}::test_requests_the_http_parser_refuses_get_json_with_a_status_line",),
+             "a request uvicorn's parser refuses (binary noise, no version) gets uvicorn's text answer, not JSON"),
+    Mutation("serve_rm_token_not_checked", "src/ppokit/rewards/remote.py",
+             "        if expected is not None and not hmac.compare_digest(", "        if False and not hmac.compare_digest(",
+             (f"{RR}::test_a_bearer_token_guards_every_post",),
+             "serve-rm --token-env set, a POST without the token is scored"),
+    Mutation("rollout_server_deadline_per_read_only", "src/ppokit/engines/vllm_servers.py",
+             "            answer = await asyncio.wait_for(client.post(self.url + GENERATE, json=body), self.timeout_s)",
+             "            answer = await client.post(self.url + GENERATE, json=body)",
+             ("tests/test_placement.py::test_a_rollout_servers_answers_and_failures_over_http",),
+             "a rollout server's token-route request is bounded per read (httpx), not in all as aiohttp's total timeout did"),
 ]
-
 
 def missing(mutation: Mutation) -> list[str]:
     """The modules `mutation`'s tests need that this Python cannot import."""

@@ -93,6 +93,32 @@ def test_the_map_check_sees_an_import_up_the_list(tmp_path):
     assert imports("ppokit.training.algo", lazy, set(found)) == {"ppokit.trainer"}
 
 
+# ppokit's one HTTP stack is httpx (clients) and starlette on uvicorn (servers): docs/architecture.md says why.
+OTHER_HTTP_STACKS = ("requests", "aiohttp", "urllib3", "urllib.request", "urllib.error", "http.client", "http.server", "socketserver")
+
+
+def http_stacks_imported(path: Path) -> set[str]:
+    """The HTTP libraries other than ppokit's one stack that `path` imports anywhere (lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found |= {stack for name in names for stack in OTHER_HTTP_STACKS if name == stack or name.startswith(stack + ".")}
+    return found
+
+
+def test_one_http_stack(tmp_path):
+    imported = {str(path.relative_to(ROOT)): sorted(found) for path in sorted(PACKAGE.rglob("*.py")) if (found := http_stacks_imported(path))}
+    assert not imported, f"other HTTP libraries than httpx, starlette and uvicorn: {imported}"
+    lazy = tmp_path / "client.py"  # the check itself
+    lazy.write_text("def f():\n    import aiohttp\n    from http import server\n    from urllib.request import urlopen\n")
+    assert http_stacks_imported(lazy) == {"aiohttp", "http.server", "urllib.request"}
+
+
 def test_the_top_level_keeps_at_most_twelve_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top

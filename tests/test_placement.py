@@ -2,6 +2,7 @@
 No vLLM needed; the placements themselves run in tests/test_engine_vllm_servers.py."""
 
 import contextlib
+import http.server
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ppokit.config.schema import PPOConfig
@@ -210,3 +212,87 @@ def test_a_server_whose_engine_is_killed_is_noticed_within_seconds():
     finally:
         server.stop()  # keeps the folder of a server that died (its output says why): the test's to remove
         shutil.rmtree(server.folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- HTTP to rollout servers
+
+
+class StandIn(http.server.BaseHTTPRequestHandler):
+    """A rollout server's routes as the engine's HTTP calls meet them: JSON, 404, an error, an answer trickled."""
+
+    def answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self.answer(200, b"")
+        if self.path == "/get_world_size":
+            return self.answer(200, b'{"world_size": 2}')
+        if self.path == "/broken":
+            return self.answer(500, b'{"error": {"message": "the engine is asleep"}}')
+        self.answer(404, b'{"detail": "Not Found"}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("trickle"):  # a byte every 0.3 s for 12 s: each read is quick, the whole is not
+            self.send_response(200)
+            self.send_header("Content-Length", "40")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(40):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            return
+        self.answer(200, json.dumps({"choices": [{"token_ids": body["token_ids"][::-1]}]}).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stand_in():
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_rollout_servers_answers_and_failures_over_http(stand_in):
+    """The control plane's blocking calls and the token route's awaitable ones: the answer, or one line naming the
+    server and what went wrong; a request has rollout.server_timeout_s in all, however slowly the answer comes."""
+    import asyncio
+
+    from ppokit.engines.launched_server import free_port
+    from ppokit.engines.vllm_servers import Server, http_client
+
+    server = Server(stand_in, timeout_s=1.5)
+    assert server.call("GET", "/health") is None and server.call("GET", "/get_world_size") == {"world_size": 2}
+    with pytest.raises(EngineLost, match=rf"rollout server {stand_in} has no /pause route: start it with VLLM_SERVER_DEV_MODE=1"):
+        server.call("GET", "/pause")
+    with pytest.raises(EngineLost, match=rf"rollout server {stand_in} refused /broken \(HTTP 500\): the engine is asleep$"):
+        server.call("GET", "/broken")
+    gone = Server(f"127.0.0.1:{free_port()}", timeout_s=1.5)
+    with pytest.raises(EngineLost, match=r"cannot be reached \(/health\): connection refused$"):
+        gone.call("GET", "/health")
+
+    async def generate(server: Server, body: dict):
+        async with http_client(httpx.AsyncClient, server.timeout_s) as client:
+            return await server.generate(client, body)
+
+    assert asyncio.run(generate(server, {"token_ids": [1, 2, 3]})) == {"choices": [{"token_ids": [3, 2, 1]}]}
+    with pytest.raises(EngineLost, match=r"was lost during a request: connection refused$"):
+        asyncio.run(generate(gone, {"token_ids": [1]}))
+    started = time.monotonic()
+    with pytest.raises(EngineLost, match=rf"rollout server {stand_in} did not complete a request within 1.5 s"):
+        asyncio.run(generate(server, {"trickle": True}))
+    assert time.monotonic() - started < 8  # 1.5 s, not the 12 s the answer trickles for

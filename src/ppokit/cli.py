@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(clients send it with reward.remote.headers: {Authorization: \"Bearer ${VAR}\"})")
     serve_rm.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger requests are refused with HTTP 413 (default 16 MiB)")
     serve_rm.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
-    serve_rm.add_argument("--workers", type=int, default=8, help="connections handled at once (default 8); any more get HTTP 503 at once")
+    serve_rm.add_argument("--workers", type=int, default=8, help="requests handled (parsed, scored) at once, each in a thread (default 8); any more get HTTP 503 at once")
     serve_rm.add_argument("--read-timeout-s", type=float, default=30.0, help="a client must send its whole request within this time, else it is closed (default 30)")
     serve_rm.add_argument("--stuck-after-s", type=float, default=60.0, help="a scoring call running longer than this makes GET / answer 503 and new POSTs get 503 instead of waiting (default 60)")
     serve_rm.add_argument("--timeout-s", type=float, default=RewardConfig.timeout_s,

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import httpx
 from torch import nn
 
 from ppokit.engines import server_guard
@@ -62,8 +63,6 @@ class LaunchedServer:
         self.watched = server_guard.group_processes(self.process.pid)
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        import requests
-
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
@@ -74,9 +73,9 @@ class LaunchedServer:
                 raise UserError(f"rollout.placement: separate: the vLLM server ppokit started exited with code {self.process.returncode} "
                                 f"before it served: {said} (its output: {self.log_path})")
             try:
-                if requests.get(f"http://{self.address}/health", timeout=5).ok:
+                if httpx.get(f"http://{self.address}/health", timeout=5, trust_env=False).is_success:
                     return
-            except requests.RequestException:
+            except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 self.stop(keep_output=True)

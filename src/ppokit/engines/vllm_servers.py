@@ -33,6 +33,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
+import httpx
 import torch
 from torch import nn
 
@@ -59,40 +60,74 @@ def server_url(address: str) -> str:
 
 
 class Server:
-    """One vLLM server, reached with plain blocking HTTP calls (the control plane: health, weights, pause)."""
+    """One vLLM server: its control plane (health, weights, pause) in plain blocking calls, its token route in
+    awaitable ones (`generate`)."""
 
     def __init__(self, url: str, timeout_s: float):
         self.url = server_url(url)
         self.timeout_s = timeout_s
+        self._client = http_client(httpx.Client, timeout_s)
 
     def __str__(self) -> str:
         return self.url.removeprefix("http://")
 
     def call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> Any:
         """The JSON answer of `method path`; a EngineLost naming this server for anything but a 2xx answer."""
-        import requests
-
         try:
-            answer = requests.request(method, self.url + path, json=body, timeout=timeout_s or self.timeout_s)
-        except requests.Timeout:
+            answer = self._client.request(method, self.url + path, json=body, timeout=timeout_s or self.timeout_s)
+        except httpx.TimeoutException:
             raise EngineLost(f"rollout server {self} did not answer {path} within {timeout_s or self.timeout_s:g} s "
                                      "(rollout.server_timeout_s)") from None
-        except requests.ConnectionError as e:
+        except httpx.TransportError as e:
             raise EngineLost(f"rollout server {self} cannot be reached ({path}): {_reason(e)}") from None
         if answer.status_code == 404 and path != "/health":
             raise EngineLost(f"rollout server {self} has no {path} route: start it with VLLM_SERVER_DEV_MODE=1 (vLLM's RL routes) "
                                      "and --tokens-only (docs/rollout.md)")
-        if not answer.ok:
+        if not answer.is_success:
             raise EngineLost(f"rollout server {self} refused {path} (HTTP {answer.status_code}): {_said(answer.text)}")
         return answer.json() if answer.content else None
 
+    async def generate(self, client: httpx.AsyncClient, body: dict) -> dict:
+        """One request on the token route, on `client` (`http_client(httpx.AsyncClient, ...)`), within timeout_s in
+        all -> its JSON answer; a EngineLost naming this server for anything else."""
+        try:
+            answer = await asyncio.wait_for(client.post(self.url + GENERATE, json=body), self.timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise EngineLost(f"rollout server {self} did not complete a request within {self.timeout_s:g} s "
+                                     "(rollout.server_timeout_s)") from None
+        except httpx.TransportError as e:
+            raise EngineLost(f"rollout server {self} was lost during a request: {_reason(e)}") from None
+        if answer.status_code == 404:
+            raise EngineLost(f"rollout server {self} has no {GENERATE} route: start it with --tokens-only (docs/rollout.md)")
+        if answer.status_code != 200:
+            raise EngineLost(f"rollout server {self} refused a request (HTTP {answer.status_code}): {_said(answer.text)}")
+        return answer.json()
+
+
+def http_client(kind: type, timeout_s: float):
+    """An httpx client (`httpx.Client` or `httpx.AsyncClient`) for rollout servers.
+
+    A connection per request: a kept-alive one the server closes when idle (uvicorn: 5 s) while the client sends on it
+    fails the request ("Server disconnected"), which requests sent about that far apart (sampling ahead,
+    rollout.max_staleness) met. No proxy from the environment (HTTP_PROXY...): the servers are reached directly, as
+    the token route always was."""
+    return kind(timeout=timeout_s, trust_env=False, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+
 
 def _reason(error: BaseException) -> str:
-    text = str(error)
-    for known in ("Connection refused", "Remote end closed connection", "Connection reset", "Name or service not known"):
-        if known in text:
-            return known.lower()
-    return text[:200]
+    """Why a connection failed, in a few words: the first known cause along the chain (httpx's async connect says
+    "All connection attempts failed" over the OSError that says why)."""
+    chain, cause = [], error
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for cause in chain:
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        for known in ("Connection refused", "Remote end closed connection", "Server disconnected", "Connection reset", "Name or service not known"):
+            if known in str(cause):
+                return known.lower()
+    return str(error)[:200] or type(error).__name__
 
 
 def _said(text: str) -> str:
@@ -308,31 +343,8 @@ class VLLMServersEngine:
 
     # ------------------------------------------------------------------ requests
 
-    async def _open_session(self):
-        import aiohttp
-
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                     # A connection per request: a kept-alive one the server closes when idle (uvicorn: 5 s) while
-                                     # the client sends on it fails the request ("Server disconnected"), which requests sent
-                                     # about that far apart (sampling ahead, rollout.max_staleness) met.
-                                     connector=aiohttp.TCPConnector(limit=0, force_close=True))
-
-    async def _generate(self, server: Server, body: dict) -> dict:
-        import aiohttp
-
-        try:
-            async with self._session.post(server.url + GENERATE, json=body) as answer:
-                text = await answer.text()
-                if answer.status == 404:
-                    raise EngineLost(f"rollout server {server} has no {GENERATE} route: start it with --tokens-only (docs/rollout.md)")
-                if answer.status != 200:
-                    raise EngineLost(f"rollout server {server} refused a request (HTTP {answer.status}): {_said(text)}")
-                return json.loads(text)
-        except asyncio.TimeoutError:
-            raise EngineLost(f"rollout server {server} did not complete a request within {self.timeout_s:g} s "
-                                     "(rollout.server_timeout_s)") from None
-        except aiohttp.ClientError as e:
-            raise EngineLost(f"rollout server {server} was lost during a request: {_reason(e)}") from None
+    async def _open_session(self) -> httpx.AsyncClient:
+        return http_client(httpx.AsyncClient, self.timeout_s)
 
     def _wire_id(self, request_id: str) -> str:
         # Request ids are the trainer process's own: several processes may share a server.
@@ -352,7 +364,7 @@ class VLLMServersEngine:
                 index = min(range(len(self.servers)), key=busy.__getitem__)
             body = {"request_id": self._wire_id(request.request_id), "token_ids": list(request.prompt),
                     "sampling_params": sampling_kwargs(request.sampling, seed)}
-            answer = asyncio.run_coroutine_threadsafe(self._generate(self.servers[index], body), self._loop)
+            answer = asyncio.run_coroutine_threadsafe(self.servers[index].generate(self._session, body), self._loop)
             answer.add_done_callback(lambda _, request_id=request.request_id: self._done.put(request_id))
             self._unfinished[request.request_id] = (index, answer)
             if request.keep:
@@ -488,7 +500,7 @@ class VLLMServersEngine:
             self._transfer = None
         self.version = 0
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(10)
+            asyncio.run_coroutine_threadsafe(self._session.aclose(), self._loop).result(10)
         self._session = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)

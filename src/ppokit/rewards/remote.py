@@ -7,39 +7,47 @@ The protocol, one POST per batch of rows:
 Connection errors, timeouts, 429 and 5xx are retried with exponential back-off; after the last
 retry the run stops with the last error. A missing or non-finite score is never read as 0.
 
+The client is httpx and the server starlette on uvicorn, ppokit's one HTTP stack (docs/architecture.md).
+
 What the client will not do: talk anything but http:// or https://; follow a redirect to another
 scheme, host or port (the configured headers, credentials included, would go there); wait past
 `timeout_s` for one request, however slowly the server trickles its answer; read an answer larger
-than `max_response_bytes`. What the server will not do: give a connection more than
-`read_timeout_s` to send its request, run more than `workers` handlers at once or keep a
-connection waiting for one (when every worker is taken it gets 503 at once), parse a body nested
-deeper than MAX_NESTING levels, answer a POST without the bearer token when one is set, or answer
-anything but JSON (http.server's own refusals, e.g. of a binary request line, included).
+than `max_response_bytes`. What the server will not do: give a client more than `read_timeout_s`
+to send its request, run more than `workers` requests at once or keep one waiting for a worker
+(when every worker is taken it gets 503 at once), parse a body nested deeper than MAX_NESTING
+levels, answer a POST without the bearer token when one is set, or answer anything but JSON
+(requests the HTTP parser refuses, e.g. a binary request line, included).
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
+import functools
 import hmac
-import http.client
 import ipaddress
 import json
 import math
 import os
-import queue
 import re
 import socket
+import ssl
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
+import h11
+import httpx
 import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ppokit.config.schema import http_url_problem
 from ppokit.errors import UserError
@@ -50,6 +58,8 @@ MAX_BACKOFF_S = 30.0
 MAX_ERROR_BODY_BYTES = 64 << 10  # of an error answer, enough for its message
 MAX_NESTING = 64  # levels of lists/objects in a request's column values
 REDIRECTS_FOLLOWED = (301, 302, 307, 308)  # re-sent as the same POST, to the same origin only
+REDIRECTS = (*REDIRECTS_FOLLOWED, 303)  # 303 asks for a GET: refused with the others that leave the origin
+MAX_REDIRECTS = 10  # in one request
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
 
@@ -144,23 +154,36 @@ class RemoteReward:
         )
 
     def _exchange(self, body: bytes, headers: dict) -> tuple[int, bytes]:
-        """One POST, redirects included, under one deadline -> (status, answer body)."""
-        sockets = _Sockets()  # every socket of this request, to cut at the deadline
-        opener = urllib.request.OpenerDirector()  # http and https only: no file://, ftp:// or data: handlers
-        for handler in (
-            urllib.request.ProxyHandler(), _WatchedHTTPHandler(sockets), _WatchedHTTPSHandler(sockets), _SameOriginRedirects(self),
-            urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor(),
-        ):
-            opener.add_handler(handler)
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        """One POST, redirects included, under one deadline -> (status, answer body).
+
+        httpx's timeouts bound each read, not the whole: a server that trickles a byte at a time
+        keeps every read short. So the request runs in a thread of its own and its sockets (httpx's
+        `trace` extension hands each over as it opens) are cut at the deadline, wherever it is:
+        resolving the name, connecting, sending, or reading the status line, headers or body."""
+        sockets = _Sockets()
+
+        def record(event: str, info: dict) -> None:
+            if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+                sock = info["return_value"].get_extra_info("socket")
+                if sock is not None:
+                    sockets.add(sock)
 
         def talk():
-            try:
-                with opener.open(request, timeout=self.timeout_s) as response:
-                    return response.status, self._read(response, self.max_response_bytes)
-            except urllib.error.HTTPError as e:
-                with e:
-                    return e.code, self._read(e, MAX_ERROR_BODY_BYTES, truncate=True)
+            # Accept-Encoding identity: max_response_bytes counts the bytes as sent, not as decompressed
+            with httpx.Client(verify=self._tls, timeout=self.timeout_s, follow_redirects=False,
+                              headers={"Accept-Encoding": "identity"}) as client:
+                url = self.url
+                for _ in range(MAX_REDIRECTS + 1):
+                    with client.stream("POST", url, content=body, headers=headers, extensions={"trace": record}) as response:
+                        status = response.status_code
+                        if status in REDIRECTS and "Location" in response.headers:
+                            url = self._redirect_target(status, response)
+                            continue
+                        if 200 <= status < 300:
+                            return status, self._read(response, self.max_response_bytes)
+                        return status, self._read(response, MAX_ERROR_BODY_BYTES, truncate=True)
+                raise UserError(f"remote reward {self.name}: {self.url} redirected more than {MAX_REDIRECTS} times; "
+                                f"set {self.key}.url to the address that answers the POST")
 
         call = ThreadCall(talk, name=f"remote-{self.name}")
         try:
@@ -168,26 +191,44 @@ class RemoteReward:
         except DeadlineExceeded:
             sockets.cut_all()  # the request's thread wakes up and ends
             raise _Retry(f"no complete answer within timeout_s={self.timeout_s:g}s") from None
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-            raise _Retry(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
+        except (httpx.TransportError, OSError) as e:
+            raise _Retry(f"{type(e).__name__}: {e}") from None
 
-    def _read(self, response, limit: int, truncate: bool = False) -> bytes:
+    @functools.cached_property
+    def _tls(self) -> ssl.SSLContext:
+        """The system's trust store, as every TLS client of this machine (SSL_CERT_FILE and SSL_CERT_DIR
+        honoured), rather than httpx's default of certifi's bundle: a private CA installed there is trusted."""
+        return ssl.create_default_context()
+
+    def _redirect_target(self, status: int, response: httpx.Response) -> str:
+        """Where a redirect that may be followed goes; a UserError naming the target for any other."""
+        try:
+            target = str(response.url.join(response.headers["Location"]))
+        except httpx.InvalidURL:
+            target = response.headers["Location"]
+        if status in REDIRECTS_FOLLOWED and _origin(target) == _origin(self.url):
+            return target
+        why = f"HTTP {status} asks for a GET" if status not in REDIRECTS_FOLLOWED else "another scheme, host or port"
+        raise UserError(
+            f"remote reward {self.name}: {self.url} redirected (HTTP {status}) to {target} ({why}); ppokit follows a redirect "
+            f"only to the same scheme, host and port, so that {self.key}.headers never go elsewhere: set {self.key}.url to "
+            "the new address if you trust it"
+        )
+
+    def _read(self, response: httpx.Response, limit: int, truncate: bool = False) -> bytes:
         """The answer body, at most `limit` bytes: with `truncate` the rest is left unread, else a
         larger answer is a RewardError, found from Content-Length or while reading."""
         length = response.headers.get("Content-Length")
         if not truncate and length is not None and length.strip().isdigit() and int(length) > limit:
             raise RewardError(self._too_large(f"{int(length)} bytes"))
         chunks, size = [], 0
-        while size <= limit:
-            chunk = response.read1(min(1 << 16, limit + 1 - size))
-            if not chunk:
-                break
+        for chunk in response.iter_raw():
             chunks.append(chunk)
             size += len(chunk)
-        if size > limit:
-            if truncate:
-                return b"".join(chunks)[:limit]
-            raise RewardError(self._too_large(f"more than {limit} bytes"))
+            if size > limit:
+                if truncate:
+                    return b"".join(chunks)[:limit]
+                raise RewardError(self._too_large(f"more than {limit} bytes"))
         return b"".join(chunks)
 
     def _too_large(self, what: str) -> str:
@@ -207,13 +248,17 @@ def _error_detail(payload: bytes, status: int) -> str:
     try:
         return str(json.loads(payload).get("error", payload[:300]))
     except Exception:
-        return payload[:300].decode("utf-8", "replace") or http.client.responses.get(status, "error")
+        return payload[:300].decode("utf-8", "replace") or httpx.codes.get_reason_phrase(status) or "error"
 
 
 def _origin(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+    except ValueError:  # a port out of range or not a number: no origin ppokit talks to
+        port = -1
+    return scheme, (parts.hostname or "").lower(), port
 
 
 class _Sockets:
@@ -243,69 +288,9 @@ def _cut(sock: socket.socket) -> None:
     try:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's, also under a TLS socket
     except OSError:
-        pass  # closed already, or handed over to the TLS socket
+        pass  # closed already, or handed over to the TLS socket (during the handshake, which httpx's timeout bounds)
 
 
-def _watched(base: type, sockets: _Sockets) -> type:
-    """An http.client connection class that records each socket it opens in `sockets`."""
-
-    class Watched(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            create = self._create_connection
-
-            def create_and_record(*a, **k):
-                sock = create(*a, **k)
-                sockets.add(sock)
-                return sock
-
-            self._create_connection = create_and_record
-
-        def connect(self):
-            super().connect()
-            sockets.add(self.sock)  # the TLS socket, once the handshake is done
-
-    return Watched
-
-
-class _WatchedHTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, sockets: _Sockets):
-        super().__init__()
-        self._sockets = sockets
-
-    def http_open(self, req):
-        return self.do_open(_watched(http.client.HTTPConnection, self._sockets), req)
-
-
-class _WatchedHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, sockets: _Sockets):
-        super().__init__()
-        self._sockets = sockets
-
-    def https_open(self, req):
-        return self.do_open(_watched(http.client.HTTPSConnection, self._sockets), req, context=self._context)
-
-
-class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow a redirect only to the configured URL's scheme, host and port, re-sending the POST
-    (body and headers); anything else stops the run with a line naming the target."""
-
-    def __init__(self, client: RemoteReward):
-        self.client = client
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        c = self.client
-        if code in REDIRECTS_FOLLOWED and _origin(newurl) == _origin(c.url):
-            return urllib.request.Request(newurl, data=req.data, headers=req.headers, method="POST")
-        fp.close()
-        why = f"HTTP {code} asks for a GET" if code not in REDIRECTS_FOLLOWED else "another scheme, host or port"
-        raise UserError(
-            f"remote reward {c.name}: {c.url} redirected (HTTP {code}) to {newurl} ({why}); ppokit follows a redirect only "
-            f"to the same scheme, host and port, so that {c.key}.headers never go elsewhere: set {c.key}.url to the new "
-            "address if you trust it"
-        )
-
-    http_error_308 = urllib.request.HTTPRedirectHandler.http_error_302  # Python 3.10 lacks it
 
 
 # --------------------------------------------------------------------------- server
@@ -342,219 +327,243 @@ def _nested_deeper_than(value, limit: int) -> bool:
     return False
 
 
-REFUSED_LINGER_S = 1.0  # a connection answered 503 stays open this long for the answer to be read
-MAX_REFUSED_LINGERING = 256  # at most this many at once (file descriptors); the oldest are closed first
+GRACE_S = 5.0  # at SIGINT/SIGTERM, answers in progress get this long to finish before the server stops
 
 
-class PooledHTTPServer(HTTPServer):
-    """An HTTPServer whose connections are handled by a fixed pool of daemon threads.
+class _Scorer:
+    """The source behind the server: one scoring call at a time, and whether it is stuck."""
 
-    An accepted connection goes to an idle worker; when every worker is taken it is answered 503 at
-    once and closed. None waits in a queue: a queue would hold a valid request behind slow clients,
-    each of which may keep its worker for `read_timeout_s`. So no number of slow or idle clients can
-    take more threads than `workers` (plus one deadline timer per busy worker) or delay an answer.
+    def __init__(self, source: RewardSource, max_rows: int, stuck_after_s: float):
+        self.source, self.max_rows, self.stuck_after_s = source, max_rows, stuck_after_s
+        self._lock = threading.Lock()
+        self._since: Optional[float] = None  # time.monotonic() when the scoring call in progress started
+
+    def stuck(self) -> Optional[str]:
+        """Why the source cannot take a request now, or None."""
+        abandoned = getattr(self.source, "stuck_s", lambda: None)()
+        if abandoned is not None:
+            return f"the source's call that passed its deadline {abandoned:.0f}s ago has not returned"
+        since = self._since
+        if since is not None and time.monotonic() - since > self.stuck_after_s:
+            return f"the source has been scoring one request for {time.monotonic() - since:.0f}s (more than {self.stuck_after_s:g}s)"
+        return None
+
+    def answer(self, body: bytes) -> tuple[int, dict, dict]:
+        """A POST's body -> (status, JSON answer, headers). Runs in a worker thread: it parses, waits for the
+        source and scores, all of which may take long."""
+        try:
+            batch = _request_batch(json.loads(body), self.max_rows)
+        except RecursionError:
+            return 400, {"error": "bad request: JSON nested too deeply"}, {}
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
+            return 400, {"error": f"bad request: {e}"}, {}
+        while not self._lock.acquire(timeout=0.25):
+            problem = self.stuck()
+            if problem:
+                return 503, {"error": f"busy: {problem}"}, {"Retry-After": "5"}
+        self._since = time.monotonic()
+        try:
+            scores = self.source.score(batch) if len(batch) else torch.zeros(0)
+        except UserError as e:
+            return 422, {"error": str(e)}, {}
+        except (Exception, SystemExit) as e:
+            return 500, {"error": f"{type(e).__name__}: {e}"}, {}
+        finally:
+            self._since = None
+            self._lock.release()
+        return 200, {"rewards": [v if math.isfinite(v) else None for v in scores.tolist()]}, {}
+
+
+def _app(scorer: _Scorer, max_request_bytes: int, workers: int, token: Optional[str], verbose: bool) -> Starlette:
+    """The ASGI application: GET (any path) is the health check, POST (any path) scores; every answer is JSON.
+
+    A POST's body is read in the event loop, where a slow client holds no thread; it is then handled in a
+    thread of its own, at most `workers` at once: one that finds them all taken is answered 503 at once
+    (a queue would hold it behind requests that may each take a scoring call's time)."""
+    expected = None if token is None else f"Bearer {token}".encode()
+    workers_free = threading.Semaphore(workers)
+
+    def reply(request: Request, status: int, body: dict, headers: Optional[dict] = None) -> JSONResponse:
+        if verbose:
+            client = request.client.host if request.client else "-"
+            sys.stderr.write(f"serve-rm: {client} {request.method} {request.url.path} {status}\n")
+        return JSONResponse(body, status, headers)
+
+    async def health(request: Request) -> JSONResponse:
+        problem = scorer.stuck()
+        if problem:
+            return reply(request, 503, {"status": "stuck", "source": scorer.source.name, "error": problem})
+        return reply(request, 200, {"status": "ok", "source": scorer.source.name})
+
+    async def score(request: Request) -> JSONResponse:
+        length = request.headers.get("Content-Length")
+        if length is None or not length.strip().isdigit():
+            return reply(request, 411, {"error": "a Content-Length header is required"})
+        if expected is not None and not hmac.compare_digest(request.headers.get("Authorization", "").encode("latin-1"), expected):
+            return reply(request, 401, {"error": "missing or wrong token: send Authorization: Bearer <token>"}, {"WWW-Authenticate": "Bearer"})
+        if int(length) > max_request_bytes:
+            return reply(request, 413, {"error": f"request of {int(length)} bytes; at most {max_request_bytes}"})
+        try:
+            body = await request.body()  # uvicorn's parser stops at Content-Length
+        except ClientDisconnect:  # the client left, or was cut at read_timeout_s: nobody to answer
+            return JSONResponse({"error": "the client left"}, 400)
+        if not workers_free.acquire(blocking=False):
+            return reply(request, 503, {"error": "busy: every worker is taken; retry later"}, {"Retry-After": "1"})
+        status, answer, headers = await _in_thread(scorer.answer, body, done=workers_free.release)
+        return reply(request, status, answer, headers)
+
+    async def refused(request: Request, error: Exception) -> JSONResponse:
+        if isinstance(error, HTTPException):  # starlette's own: a method other than GET and POST
+            return reply(request, error.status_code, {"error": error.detail}, error.headers)
+        return reply(request, 500, {"error": f"{type(error).__name__}: {error}"})
+
+    return Starlette(
+        routes=[Route("/{path:path}", health, methods=["GET"]), Route("/{path:path}", score, methods=["POST"])],
+        exception_handlers={HTTPException: refused, Exception: refused},
+    )
+
+
+async def _in_thread(fn: Callable, *args, done: Callable[[], None]):
+    """fn(*args) in a daemon thread of its own, then `done()` there. Not a pool's thread: those are joined at
+    exit, and a source stuck in a call would then keep the stopped server's process alive."""
+    loop = asyncio.get_running_loop()
+    answer = loop.create_future()
+
+    def settle(value, error) -> None:
+        if not answer.done():
+            answer.set_exception(error) if error is not None else answer.set_result(value)
+
+    def run() -> None:
+        value = error = None
+        try:
+            value = fn(*args)
+        except BaseException as e:  # handed to the waiting request, which answers 500
+            error = e
+        finally:
+            done()
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:
+            pass  # the server stopped meanwhile: nobody waits for this answer
+
+    threading.Thread(target=run, name="serve-rm-worker", daemon=True).start()
+    return await answer
+
+
+class _Connection(H11Protocol):
+    """uvicorn's HTTP/1.1 connection with what serve-rm adds to it.
+
+    - A deadline for each request: the client must send it whole (request line, headers, body) within
+      `read_timeout_s` of the connection opening or of the previous answer, however slowly it trickles;
+      else the connection is closed unanswered. uvicorn bounds only the wait between requests.
+    - A request the HTTP parser refuses (binary noise, no HTTP version, TLS to this plain port) is answered
+      in JSON like every other, not uvicorn's text.
     """
 
-    request_queue_size = 128  # the listen backlog, before accept
+    def __init__(self, *args, read_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeout_s = read_timeout_s
+        self._deadline: Optional[asyncio.TimerHandle] = None
+        self._client_state = None  # h11's state of the client when last looked at
 
-    def __init__(self, address, handler, workers: int):
-        self._idle = threading.Semaphore(workers)  # taken by each connection handed to a worker until it is done
-        self._waiting: queue.Queue = queue.Queue()  # never more than `workers` items: each holds an idle worker
-        self._refused: collections.deque = collections.deque()  # (close at, socket) of connections answered 503
-        self._closing = threading.Event()
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc) -> None:
+        self._stop_deadline()
+        super().connection_lost(exc)
+
+    def _watch(self) -> None:
+        """The deadline runs while the client owes a request (h11: IDLE, then SEND_BODY), from when it became
+        owed (IDLE again after an answer); it stops once the request is in."""
+        state = self.conn.their_state
+        if state not in (h11.IDLE, h11.SEND_BODY) or self.transport.is_closing():
+            self._stop_deadline()
+        elif self._deadline is None or (state is h11.IDLE and self._client_state is not h11.IDLE):
+            self._stop_deadline()
+            self._deadline = self.loop.call_later(self.read_timeout_s, self.transport.close)
+        self._client_state = state
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": "bad request: the request line or headers are not HTTP/1.1"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
         try:
-            super().__init__(address, handler)
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:
+            pass  # an answer was under way already: only closing is left
+        self.transport.close()
+
+
+class RewardServer:
+    """serve-rm's server: listening from its creation (`server_address` holds the port picked for port 0),
+    answering from `serve_forever` until `shutdown`, or, in the main thread, until SIGINT or SIGTERM
+    (uvicorn stops gracefully, GRACE_S at most, then the signal acts as it would have: Ctrl-C raises
+    KeyboardInterrupt, SIGTERM ends the process)."""
+
+    def __init__(self, app: Starlette, host: str, port: int, read_timeout_s: float, verbose: bool):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.socket = socket.create_server((host, port), family=family, backlog=128)
         except (OSError, OverflowError) as e:  # port taken, not an address of this machine, port out of range
-            raise UserError(f"serve-rm: cannot listen on {address[0]}:{address[1]}: {e}") from None
-        self._threads = [threading.Thread(target=self._work, name=f"serve-rm-{i}", daemon=True) for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+            raise UserError(f"serve-rm: cannot listen on {host}:{port}: {e}") from None
+        self.server_address = self.socket.getsockname()[:2]
+        config = uvicorn.Config(
+            app, http=functools.partial(_Connection, read_timeout_s=read_timeout_s), loop="asyncio", interface="asgi3",
+            lifespan="off", ws="none", proxy_headers=False, server_header=False, timeout_graceful_shutdown=GRACE_S,
+            # uvicorn's loggers as they are (no dictConfig of the process's logging); its warnings (a request the
+            # parser refused) with --verbose only; the requests are logged by the app
+            log_config=None, log_level="warning" if verbose else "error", access_log=False,
+        )
+        self._server = uvicorn.Server(config)
+        self._serving, self._stopped = threading.Event(), threading.Event()
 
-    def process_request(self, request, client_address):
-        if self._idle.acquire(blocking=False):
-            self._waiting.put((request, client_address))
-            return
-        body = json.dumps({"error": "busy: every worker is taken; retry later"}).encode()
+    def serve_forever(self) -> None:
+        self._serving.set()
         try:
-            request.settimeout(1.0)
-            request.sendall(
-                b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-            )
-            request.shutdown(socket.SHUT_WR)
-        except OSError:
-            self.shutdown_request(request)
-            return
-        # Closed at once, a socket whose request was not read (or arrives after the answer) is reset, and the
-        # reset can reach the client before it reads the 503: it is closed a little later, its input drained.
-        self._refused.append((time.monotonic() + REFUSED_LINGER_S, request))
-        self._close_refused()
+            self._server.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
 
-    def _close_refused(self, everything: bool = False) -> None:
-        now = time.monotonic()
-        while self._refused and (everything or self._refused[0][0] <= now or len(self._refused) > MAX_REFUSED_LINGERING):
-            _, request = self._refused.popleft()
-            try:
-                request.setblocking(False)
-                while request.recv(65536):
-                    pass
-            except OSError:
-                pass
-            request.close()
+    def shutdown(self) -> None:
+        """Stop serving (from another thread) and wait until `serve_forever` has returned."""
+        self._server.should_exit = True
+        if self._serving.is_set():
+            self._stopped.wait()
 
-    def service_actions(self):
-        self._close_refused()
-
-    def _work(self):
-        while not self._closing.is_set():
-            try:
-                request, client_address = self._waiting.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                self.finish_request(request, client_address)
-            except BaseException as e:  # a worker must outlive any request, SystemExit from a source included
-                self.handle_error(request, client_address, e)
-            finally:
-                self.shutdown_request(request)
-                self._idle.release()
-
-    def handle_error(self, request, client_address, error: Optional[BaseException] = None):
-        error = error or sys.exc_info()[1]
-        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
-            return  # the client left, or was cut at read_timeout_s: nobody to answer, nothing wrong here
-        sys.stderr.write(f"serve-rm: request from {client_address[0]} failed: {type(error).__name__}: {error}\n")
-
-    def server_close(self):
-        super().server_close()
-        self._closing.set()
-        self._close_refused(everything=True)
-        while True:
-            try:
-                request, _ = self._waiting.get_nowait()
-            except queue.Empty:
-                break
-            self.shutdown_request(request)
+    def server_close(self) -> None:
+        self.socket.close()
 
 
 def make_server(
     source: RewardSource, host: str = "127.0.0.1", port: int = 8000, max_request_bytes: int = 16 << 20, max_rows: int = 4096,
     verbose: bool = False, workers: int = 8, read_timeout_s: float = 30.0, stuck_after_s: float = 60.0, token: Optional[str] = None,
-) -> PooledHTTPServer:
+) -> RewardServer:
     """An HTTP server scoring with `source`, one batch at a time; `port` 0 picks a free port.
 
-    read_timeout_s   a connection must deliver its whole request within this time (else it is closed)
-    workers          connections handled at once; any more get 503 at once
+    read_timeout_s   a client must deliver each whole request within this time (else it is closed)
+    workers          requests handled (parsed, waiting for the source, scored) at once; any more get 503 at once
     stuck_after_s    a scoring call running longer than this makes GET / answer 503 and new POSTs
                      get 503 instead of waiting behind it
     token            when set, a POST needs `Authorization: Bearer <token>` (compared in constant time)
     """
-    lock = threading.Lock()
-    busy = {"since": None}  # time.monotonic() when the scoring call in progress started
-    expected = None if token is None else f"Bearer {token}".encode()
-
-    def stuck() -> Optional[str]:
-        """Why the source cannot take a request now, or None."""
-        abandoned = getattr(source, "stuck_s", lambda: None)()
-        if abandoned is not None:
-            return f"the source's call that passed its deadline {abandoned:.0f}s ago has not returned"
-        since = busy["since"]
-        if since is not None and time.monotonic() - since > stuck_after_s:
-            return f"the source has been scoring one request for {time.monotonic() - since:.0f}s (more than {stuck_after_s:g}s)"
-        return None
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = read_timeout_s  # every socket read
-        # A request line without a version (HTTP/0.9, or binary noise) is answered as HTTP/1.0: with a status
-        # line and headers, so a client can tell an error from a score.
-        default_request_version = "HTTP/1.0"
-
-        def setup(self):
-            super().setup()
-            # The whole request (line, headers, body) within read_timeout_s, however slowly it trickles.
-            self._deadline = threading.Timer(read_timeout_s, _cut, (self.connection,))
-            self._deadline.daemon = True
-            self._deadline.start()
-
-        def finish(self):
-            self._deadline.cancel()
-            try:
-                super().finish()
-            except OSError:
-                pass
-
-        def _reply(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
-            self._deadline.cancel()
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-            # http.server's own refusals (a request line or headers it cannot parse, a method it has no
-            # handler for) in JSON like every other answer, not its HTML page.
-            self.close_connection = True
-            self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]}, {"Connection": "close"})
-
-        def _discard_body(self, length: int) -> None:
-            # Read a small refused body, so closing the socket does not reset the answer away.
-            if 0 < length <= MAX_ERROR_BODY_BYTES:
-                self.rfile.read(length)
-
-        def do_GET(self):
-            problem = stuck()
-            if problem:
-                return self._reply(503, {"status": "stuck", "source": source.name, "error": problem})
-            self._reply(200, {"status": "ok", "source": source.name})
-
-        def do_POST(self):
-            length = self.headers.get("Content-Length")
-            if length is None or not length.strip().isdigit():
-                self.close_connection = True
-                return self._reply(411, {"error": "a Content-Length header is required"})
-            length = int(length)
-            if expected is not None and not hmac.compare_digest(self.headers.get("Authorization", "").encode("latin-1"), expected):
-                self._discard_body(length)
-                return self._reply(401, {"error": "missing or wrong token: send Authorization: Bearer <token>"}, {"WWW-Authenticate": "Bearer"})
-            if length > max_request_bytes:
-                self.close_connection = True
-                self._discard_body(length)
-                return self._reply(413, {"error": f"request of {length} bytes; at most {max_request_bytes}"})
-            body = self.rfile.read(length)
-            if len(body) < length:
-                return  # the client stopped sending, or was cut at read_timeout_s: nobody to answer
-            self._deadline.cancel()
-            try:
-                batch = _request_batch(json.loads(body), max_rows)
-            except RecursionError:
-                return self._reply(400, {"error": "bad request: JSON nested too deeply"})
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
-                return self._reply(400, {"error": f"bad request: {e}"})
-            while not lock.acquire(timeout=0.25):
-                problem = stuck()
-                if problem:
-                    return self._reply(503, {"error": f"busy: {problem}"}, {"Retry-After": "5"})
-            busy["since"] = time.monotonic()
-            try:
-                scores = source.score(batch) if len(batch) else torch.zeros(0)
-            except UserError as e:
-                return self._reply(422, {"error": str(e)})
-            except (Exception, SystemExit) as e:
-                return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
-            finally:
-                busy["since"] = None
-                lock.release()
-            self._reply(200, {"rewards": [v if math.isfinite(v) else None for v in scores.tolist()]})
-
-        def log_message(self, format, *args):
-            if verbose:
-                sys.stderr.write(f"serve-rm: {self.address_string()} {format % args}\n")
-
-    return PooledHTTPServer((host, port), Handler, workers=workers)
+    app = _app(_Scorer(source, max_rows, stuck_after_s), max_request_bytes, workers, token, verbose)
+    return RewardServer(app, host, port, read_timeout_s, verbose)
 
 
 def is_loopback(host: str) -> bool:
