@@ -43,7 +43,8 @@ from ppokit.rewards.sources import DeadlineExceeded, RewardError, ThreadCall, as
 from ppokit.user_code import load_attribute
 from ppokit.process.workers import WorkerThreads, outside_event_loop, run_coroutine
 
-BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
+BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber", "ppokit.environments:OpenEnv",
+                        "ppokit.environments:GymText")
 SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"
 
 
