@@ -92,7 +92,7 @@ def check_closed(events: Path):
 
 
 def test_a_skyrl_gym_environment_trains_through_ppokit_ppo(sft_model_dir, rows, tmp_path, events, capsys):
-    code = ppo(sft_model_dir, rows, tmp_path, {"env": f"{WORDS}:WordsTextEnv", "env_config": {"max_turns": 3}})
+    code = ppo(sft_model_dir, rows, tmp_path, {"env": f"{WORDS}:WordsTextEnv", "env_config": {"max_turns": 3}, "extras": {"max_turns": 3}})
     err = capsys.readouterr().err
     assert code == 0 and "Traceback" not in err, err
     check_episodes(tmp_path / "run")
@@ -130,7 +130,7 @@ def one_line_error(code: int, err: str) -> str:
     ({}, "environment_args.env is required"),
     ({"env": "gsm8kk"}, "'gsm8kk' is not a class nor an id of"),
     ({"env": f"{WORDS}:log"}, "log is not a class"),
-    ({"env": f"{WORDS}:WordsGemEnv", "env_config": {"a": 1}}, "environment_args.env_config is SkyRL-gym's"),
+    ({"env": f"{WORDS}:WordsGemEnv", "env_config": {"a": 1}}, "environment_args.env_config and .extras are SkyRL-gym's"),
 ], ids=["nothing_named", "unknown_id", "not_a_class", "env_config_for_gem"])
 def test_bad_input_is_one_line_at_the_start_and_leaves_no_run_folder(sft_model_dir, rows, tmp_path, args, said, capsys):
     line = one_line_error(ppo(sft_model_dir, rows, tmp_path, args), capsys.readouterr().err)

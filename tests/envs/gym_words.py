@@ -19,8 +19,9 @@ def log(line: str) -> None:
 class WordsTextEnv(BaseTextEnv):
     def __init__(self, env_config: Any = None, extras: Dict[str, Any] = {}):
         super().__init__()
-        self.id, self.target = uuid4().hex, int(extras["seed"])
-        self.max_turns = int(env_config.max_turns) if env_config is not None and "max_turns" in env_config else 3
+        self.id, self.target = uuid4().hex, int(extras["seed"])  # the row's column
+        assert env_config.max_turns == extras["max_turns"] == 3  # env_config as a DictConfig; environment_args.extras added
+        self.max_turns = env_config.max_turns
 
     def init(self, prompt):
         log(f"reset {self.id}")

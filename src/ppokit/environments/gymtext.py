@@ -7,6 +7,7 @@ environments.
                                          # ('game:GuessTheNumber-v0'), or a SkyRL-gym registered id ('gsm8k')
       env_args: {}                       # keyword arguments of the class / of gem.make
       env_config: {}                     # SkyRL-gym: its `env_config` (an OmegaConf DictConfig, as SkyRL passes it)
+      extras: {}                         # SkyRL-gym: added to each row's `extras` (SkyRL adds max_turns there)
 
 One instance per episode, made at reset (a SkyRL-gym environment needs its row). Which protocol a class speaks is read
 from its methods: `init` and `step` is SkyRL-gym's (`init(prompt) -> (prompt, metadata)`, `step(text) -> {observations,
@@ -51,15 +52,16 @@ class GymText:
     """A SkyRL-gym or GEM text environment answering the model; see the module docstring and docs/environments.md."""
 
     def __init__(self, env: Optional[str] = None, env_args: Optional[dict] = None, env_config: Optional[dict] = None,
-                 reset_columns=("seed",), base_dir: Optional[str] = None):
+                 extras: Optional[dict] = None, reset_columns=("seed",), base_dir: Optional[str] = None):
         if not isinstance(env, str) or not env:
             raise UserError(f"environment {SPEC}: environment_args.env is required: a class ('FILE.py:Class' or "
                             "'package.module:Class'), a GEM id or a SkyRL-gym id")
-        key = json.dumps([env, env_args, env_config, base_dir], sort_keys=True, default=str)
+        key = json.dumps([env, env_args, env_config, extras, base_dir], sort_keys=True, default=str)
         with _SETUPS_LOCK:
             setup = _SETUPS.get(key)
             if setup is None:
-                setup = _SETUPS[key] = _resolve(env, dict(env_args or {}), env_config, Path(base_dir) if base_dir else None)
+                setup = _SETUPS[key] = _resolve(env, dict(env_args or {}), env_config, dict(extras or {}),
+                                                Path(base_dir) if base_dir else None)
         self.setup = setup
         self.reset_columns = list(reset_columns or [])
         self._env = None
@@ -112,11 +114,11 @@ class GymText:
 # ---------------------------------------------------------------------- resolving `env`
 
 
-def _resolve(env: str, env_args: dict, env_config: Optional[dict], base_dir: Optional[Path]) -> _Setup:
+def _resolve(env: str, env_args: dict, env_config: Optional[dict], extras: dict, base_dir: Optional[Path]) -> _Setup:
     target = env.split(":", 1)[0]
     if ":" in env and (target.endswith(".py") or _is_module(target)):
         name, cls = _load_class(env, base_dir)
-        return _class_setup(env, name, cls, env_args, env_config)
+        return _class_setup(env, name, cls, env_args, env_config, extras)
     gem = _registry("gem", "gem.envs.registration", "ENV_REGISTRY")
     if gem is not None and env in gem:
         import gem as gem_package
@@ -127,7 +129,7 @@ def _resolve(env: str, env_args: dict, env_config: Optional[dict], base_dir: Opt
         import skyrl_gym
 
         config = _env_config(env_config)
-        return _Setup(SKYRL, lambda row: skyrl_gym.make(env, env_config=config, extras=_extras(row), **env_args), env)
+        return _Setup(SKYRL, lambda row: skyrl_gym.make(env, env_config=config, extras=_extras(row, extras), **env_args), env)
     if gem is None and skyrl is None:
         raise UserError(f"environment {SPEC}: environment_args.env {env!r} is not a class ('FILE.py:Class' or "
                         f"'package.module:Class'), and neither gem-llm nor skyrl-gym is installed to look it up as an id; {EXTRA}")
@@ -169,7 +171,7 @@ def _load_class(env: str, base_dir: Optional[Path]):
     return name, cls
 
 
-def _class_setup(env: str, name: str, cls: type, env_args: dict, env_config: Optional[dict]) -> _Setup:
+def _class_setup(env: str, name: str, cls: type, env_args: dict, env_config: Optional[dict], extras: dict) -> _Setup:
     methods = {m for m in ("init", "reset", "step") if callable(getattr(cls, m, None))}
     if {"init", "step"} <= methods:
         parameters = _parameters(cls)
@@ -180,14 +182,14 @@ def _class_setup(env: str, name: str, cls: type, env_args: dict, env_config: Opt
             if "env_config" in parameters:
                 kwargs.setdefault("env_config", config)
             if "extras" in parameters:
-                kwargs.setdefault("extras", _extras(row))
+                kwargs.setdefault("extras", _extras(row, extras))
             return cls(**kwargs)
 
         return _Setup(SKYRL, make, name)
     if {"reset", "step"} <= methods:
-        if env_config is not None:
-            raise UserError(f"environment {SPEC}: environment_args.env_config is SkyRL-gym's; {name} is a GEM-style environment "
-                            "(reset and step, no init): give its arguments as env_args")
+        if env_config is not None or extras:
+            raise UserError(f"environment {SPEC}: environment_args.env_config and .extras are SkyRL-gym's; {name} is a GEM-style "
+                            "environment (reset and step, no init): give its arguments as env_args")
         return _Setup(GEM, lambda row: cls(**env_args), name)
     raise UserError(f"environment_args.env {env!r}: {name} has neither SkyRL-gym's init and step nor GEM's reset and step")
 
@@ -206,9 +208,10 @@ def _env_config(env_config: Optional[dict]):
     return OmegaConf.create(dict(env_config or {}))
 
 
-def _extras(row: dict) -> dict:
-    """A SkyRL-gym environment's `extras`: the row's columns but its prompt (as SkyRL's `env_extras`: reward_spec, ...)."""
-    return {key: value for key, value in row.items() if key != "prompt"}
+def _extras(row: dict, added: dict) -> dict:
+    """A SkyRL-gym environment's `extras`: the row's columns but its prompt (as SkyRL's `env_extras`: reward_spec, ...),
+    then environment_args.extras."""
+    return {**{key: value for key, value in row.items() if key != "prompt"}, **added}
 
 
 def _prompt_messages(row: dict) -> list[dict]:
