@@ -134,7 +134,7 @@ MUTATIONS = [
     Mutation("openenv_capacity_refusal_not_recognised", "src/ppokit/environments/openenv.py",
              '            if said.get("code") == "CAPACITY_REACHED":',
              '            if said.get("code") == "NEVER":',
-             ("tests/test_openenv.py::test_a_server_that_refuses_concurrent_sessions_stops_the_run_in_one_line",),
+             ("tests/test_openenv.py::test_a_refusal_read_after_the_server_closed_the_socket_is_still_the_capacity_line",),
              "a session refused for the server's capacity (the socket closed before the client read the refusal) is an episode failure among many, not one line naming rollout.max_concurrent_episodes"),
     Mutation("gymtext_skyrl_done_ignored", "src/ppokit/environments/gymtext.py",
              '        return self._observation(out["observations"] or []), out["reward"], out["done"]',

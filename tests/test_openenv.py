@@ -212,3 +212,47 @@ def test_an_action_function_that_raises_is_the_episodes_error(sft_model_dir, row
     assert line.startswith(f"ppokit: error: environment {SPEC}: step raised ValueError: environment_args.action {WORDS}:raising_action "
                            "raised ValueError: no words today; prompt ")
     check_closed(events)  # the failed episodes' instances closed too
+
+
+def test_the_action_class_comes_from_the_generics_and_functions_replace_the_text_fields():
+    from ppokit.environments import OpenEnv
+    from ppokit.errors import UserError
+
+    game = OpenEnv(env=f"{WORDS}:GenericWordsEnvironment")  # step unannotated: Environment[WordsAction, ...]
+    assert game.reset({"prompt": "p", "seed": 2}) is None  # reset's reply is "": no observation
+    assert game.step("one") == ("bad", 0.1, False) and game.step("one two") == ("good", 1.0, True)
+    game.close()
+    shaped = OpenEnv(env=f"{WORDS}:WordsEnvironment", action=f"{WORDS}:words_action", observation=f"{WORDS}:words_text")
+    shaped.reset({"seed": 3})
+    assert shaped.step("a b") == ("bad 2", 0.2, False)
+    with pytest.raises(UserError, match="cannot tell UntypedWordsEnvironment's action type: annotate step"):
+        OpenEnv(env=f"{WORDS}:UntypedWordsEnvironment")
+
+
+def test_a_refusal_read_after_the_server_closed_the_socket_is_still_the_capacity_line(server, events):
+    """A server at capacity sends its refusal and closes the socket at once; a client that sends its reset after the
+    close fails to send (ConnectionClosed) with the refusal unread: the line is the same as when it reads it first."""
+    import asyncio
+
+    from openenv.core.generic_client import GenericEnvClient
+
+    from ppokit.environments import OpenEnv
+    from ppokit.errors import UserError
+
+    url, _ = server(max_sessions=1)
+
+    async def refused():
+        holder = OpenEnv(base_url=url)
+        await holder.reset({"seed": 1})  # the server's one session
+        late = OpenEnv(base_url=url)
+        late._env = GenericEnvClient(base_url=url)
+        await late._env.connect()
+        await asyncio.wait_for(late._env._ws.wait_closed(), WAIT_BOUND_S)  # refused and closed before anything is sent
+        try:
+            with pytest.raises(UserError, match=r"refused a session \(Server at capacity: 1/1 sessions active.*max_sessions 1\)"):
+                await late._remote(late._env.reset())
+        finally:
+            await late.close()
+            await holder.close()
+
+    asyncio.run(refused())

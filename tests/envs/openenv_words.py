@@ -79,3 +79,40 @@ if __name__ == "__main__":
     port, sessions = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 64
     app = create_app(WordsEnvironment, WordsAction, WordsObservation, env_name="words", max_concurrent_envs=sessions)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+class GenericWordsEnvironment(Environment[WordsAction, WordsObservation, State]):
+    """The game with step unannotated: its Action class is the generics' first argument."""
+
+    SUPPORTS_CONCURRENT_SESSIONS: bool = True
+
+    def __init__(self):
+        super().__init__()
+        self.game = WordsEnvironment()
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        return self.game.reset(seed, episode_id)
+
+    def step(self, action, timeout_s=None, **kwargs):
+        return self.game.step(action)
+
+    @property
+    def state(self):
+        return self.game.state
+
+
+class UntypedWordsEnvironment(Environment):
+    """Neither an annotation nor generics: ppokit cannot tell its Action class."""
+
+    reset = GenericWordsEnvironment.reset
+    step = GenericWordsEnvironment.step
+    state = GenericWordsEnvironment.state
+    __init__ = GenericWordsEnvironment.__init__
+
+
+def words_action(text: str) -> WordsAction:
+    return WordsAction(message=text.upper())
+
+
+def words_text(observation: WordsObservation) -> str:
+    return f"{observation.reply} {observation.words}"
