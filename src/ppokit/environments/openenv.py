@@ -207,7 +207,7 @@ def _resolve(given: dict, action: Optional[str], observation: Optional[str], bas
     schema = _server_schema(base_url)
     make_action = action_fn or _text_to_field(_string_fields(schema.get("action", {}), "action"), "action", base_url)
     if observation_fn is not None:
-        observation_text = _checked_text(observation_fn, observation)
+        observation_text = _checked_text(observation_fn)
     else:
         field = _one_field(_string_fields(schema.get("observation", {}), "observation"), "observation", base_url)
         observation_text = lambda fields: _text_of(fields.get(field))  # noqa: E731
@@ -234,7 +234,7 @@ def _in_process(spec: str, action_fn, observation_fn, base_dir, Environment, Act
         field = _one_field(_model_string_fields(action_cls), f"action ({action_cls.__name__})", spec)
         make_action = _text_to_model(action_cls, field)
     if observation_fn is not None:
-        observation_text = _checked_text(observation_fn, None)
+        observation_text = _checked_text(observation_fn)
     else:
         fields: dict[type, str] = {}
 
@@ -319,7 +319,7 @@ def _function(spec: Optional[str], key: str, base_dir: Optional[Path]):
     return call
 
 
-def _checked_text(fn, spec):
+def _checked_text(fn):
     def text(observation):
         value = fn(observation)
         if value is not None and not isinstance(value, str):
