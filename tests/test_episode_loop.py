@@ -546,3 +546,96 @@ def test_ctrl_c_mid_rollout_leaves_nothing_in_the_engine_and_leaves_its_serving(
     caplog.clear()
     gc.collect()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+# --------------------------------------------------------------------------- close, once per episode, however it ends
+
+
+class Closes:
+    """Each row's `prompt` says how its episode ends: "done" (the first step says done), "fails" (the first step
+    raises), "reset_fails", "hangs" (the first step outlives its deadline: it waits for `released`), "turns" (never
+    done: rollout.max_turns ends it), "cut" (an observation longer than the episode's budget). `closed`: the row of
+    every close() call, in order; `instances`: how many instances each row's episodes made."""
+
+    closed: list
+    released: threading.Event
+
+    def reset(self, row):
+        self.row = row["prompt"]
+        if self.row == "reset_fails":
+            raise ValueError("no game today")
+
+    def step(self, completion):
+        if self.row == "fails":
+            raise ValueError("the game broke")
+        if self.row == "hangs":
+            Closes.released.wait(WAIT_BOUND_S)
+        if self.row == "cut":
+            return " ".join(["higher"] * 60), 0.0, False
+        return "higher", 1.0, self.row == "done"
+
+    def close(self):
+        Closes.closed.append(getattr(self, "row", "probe"))  # the runner's start-up instance is never reset
+
+
+class ClosesAsync(Closes):
+    async def close(self):
+        await asyncio.sleep(0)
+        Closes.closed.append(getattr(self, "row", "probe"))
+
+
+class ClosesBadly(Closes):
+    def close(self):
+        Closes.closed.append(getattr(self, "row", "probe"))
+        raise OSError("the socket was gone already")
+
+
+ENDINGS = ["done", "fails", "reset_fails", "hangs", "turns", "cut"]
+
+
+@pytest.mark.parametrize("cls", [Closes, ClosesAsync], ids=["sync", "async"])
+@pytest.mark.parametrize("timeout_s", [2.0, None], ids=["worker_thread", "callers_thread"])
+def test_close_is_called_once_per_episode_however_it_ends(tok, cls, timeout_s):
+    endings = ENDINGS if timeout_s is not None else [e for e in ENDINGS if e != "hangs"]  # no deadline: a hang hangs
+    Closes.closed, Closes.released = [], threading.Event()
+    loop = loop_over(scripted(tok), tok, cls, timeout_s=timeout_s, max_turns=3, max_episode_tokens=24)
+    try:
+        episodes = loop.sample([ids(tok, "guess")] * len(endings), [{"prompt": e} for e in endings], sampling(tok), EpisodeSeeds(0))
+    finally:
+        Closes.released.set()
+    assert sorted(Closes.closed) == sorted(endings + ["probe"])  # each episode's instance closed once, and the start-up one
+    errors = dict(zip(endings, episodes.environment_errors))
+    assert [e for e in endings if errors[e]] == [e for e in endings if e in ("fails", "reset_fails", "hangs")]
+    assert episodes.truncated.tolist()[endings.index("cut")] and episodes.turns.tolist()[endings.index("turns")] == 3
+
+
+def test_a_close_that_raises_is_said_and_the_episode_counts(tok, capsys):
+    Closes.closed, Closes.released = [], threading.Event()
+    loop = loop_over(scripted(tok), tok, ClosesBadly)
+    episodes = loop.sample([ids(tok, "guess")], [{"prompt": "done"}], sampling(tok), EpisodeSeeds(0))
+    assert Closes.closed == ["probe", "done"] and episodes.environment_errors == [None]
+    assert episodes.environment_rewards.tolist() == [1.0]
+    err = capsys.readouterr().err
+    assert ("ppokit: warning: environment test:ClosesBadly: close raised OSError: the socket was gone already; prompt 'done' "
+            "(after its episode ended: the episode counts)") in err
+
+
+def test_a_rollout_that_stops_still_closes_every_started_episode(tok, model):
+    """A UserError from one episode stops the rollout: the others are cancelled, their environments closed all the same
+    (on worker threads, not waited for)."""
+    from ppokit.errors import UserError
+
+    class StopsAll(Closes):
+        def step(self, completion):
+            if self.row == "0":
+                raise UserError("the environment refuses to go on")
+            return "higher", 0.0, False
+
+    Closes.closed = []
+    loop = loop_over(scripted(tok), tok, StopsAll)
+    with pytest.raises(UserError, match="refuses"):
+        loop.sample([ids(tok, "guess")] * 4, [{"prompt": str(i)} for i in range(4)], sampling(tok), EpisodeSeeds(0))
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while len(Closes.closed) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(Closes.closed) == ["0", "1", "2", "3", "probe"]

@@ -4,6 +4,8 @@
     tools.py  loading tools, their schemas, running a call; the built-in Tools environment
     tool_parsers.py  the tool-call formats by name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai, auto)
     guess.py  the demo game GuessNumber, its data rows and SFT transcripts
+    gymtext.py  GymText: SkyRL-gym BaseTextEnv classes and GEM environments as ppokit environments
+    openenv.py  OpenEnv: an OpenEnv Environment (in-process, a server, a Docker image) as a ppokit environment
     python_tool.py  run_python: a tool that runs the model's code in the sandbox; the start-up check
     sandbox.py      run a command isolated by the OS (bubblewrap namespaces, a system-call filter, rlimits)
 
@@ -17,6 +19,8 @@ _WHERE = {
     "base": ["Environment", "EpisodeEnvironment", "EnvironmentFailure", "EnvironmentRunner", "EnvironmentTimeout", "Step",
              "load_environment"],
     "guess": ["GuessNumber", "guess_rows", "guess_transcripts"],
+    "gymtext": ["GymText"],
+    "openenv": ["OpenEnv"],
     "python_tool": ["execute_python", "run_python"],
     "tool_parsers": ["PARSERS", "BadToolCall", "ToolCall", "resolve_parser"],
     "tools": ["Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas"],

@@ -7,8 +7,9 @@ names its class in the config (`environment: path/to/env.py:ClassName` or `packa
     env = cls(**environment_args)
     observation = env.reset(row)                     # str or None, appended after the prompt
     observation, reward, done = env.step(completion) # after each model turn (its text, special tokens kept)
+    env.close()                                      # optional: once, when its episode ends however it ends
 
-`reset` and `step` may be `async def` (an environment that waits on a remote service): their coroutines run on one
+`reset`, `step` and `close` may be `async def` (an environment that waits on a remote service): their coroutines run on one
 event loop shared by every episode (a thread of its own), under the same deadline.
 
 `EnvironmentRunner` is what the episode loop holds: it makes the instances and calls them in worker
@@ -28,6 +29,7 @@ import concurrent.futures
 import inspect
 import math
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -41,7 +43,8 @@ from ppokit.rewards.sources import RewardError, as_number
 from ppokit.user_code import load_attribute
 from ppokit.process.workers import DeadlineExceeded, ThreadCall, WorkerThreads, code_raised, outside_event_loop, raised_text, run_coroutine
 
-BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber")
+BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber", "ppokit.environments:OpenEnv",
+                        "ppokit.environments:GymText")
 SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"
 
 
@@ -66,6 +69,9 @@ class Environment(Protocol):
         """The model's turn as text (`ConversationRenderer.turn_text`: its special tokens kept, such as a tool call's
         marker, the stop token that ended it not included) -> (observation or None, reward, done). May be `async def`."""
         ...
+
+    # Optional: close() (or `async def close`), called once when the episode ends, whatever ended it (done, a failed
+    # call, a deadline, max_turns, the token budget), under the deadline; what it raises is said, not fatal.
 
 
 class EnvironmentFailure(RewardError):
@@ -138,6 +144,7 @@ class EnvironmentRunner:
         self.tools: Optional[list[dict]] = getattr(probe, "tools", None)
         self.observation_role: str = getattr(probe, "observation_role", "user")
         self.notes: list[str] = list(getattr(probe, "notes", None) or [])  # what it has to tell the user at start (Tools: the call format chosen)
+        EpisodeEnvironment(self, probe, None).close()  # it never plays: what it opened is closed now
         if self.observation_role not in ("user", "tool"):
             raise UserError(f"environment {spec}: observation_role must be 'user' or 'tool', got {self.observation_role!r}")
 
@@ -151,15 +158,12 @@ class EnvironmentRunner:
     def start(self, row: dict, prompt: Optional[str] = None, watched: bool = False) -> "EpisodeEnvironment":
         """A new instance for one episode, reset on `row`; `prompt` names the episode in errors; watched: the caller
         keeps the deadline (`EnvironmentCalls`)."""
+        return self.episode(prompt).start(row, watched)
 
-        def make_and_reset():
-            env = self.cls(**self.args)
-            return env, self.settled(env.reset(dict(row)))
-
-        env, observation = self._call(make_and_reset, "reset", prompt, watched)
-        episode = EpisodeEnvironment(self, env, prompt)
-        episode.first = self._check_observation(env, observation, "reset", prompt)
-        return episode
+    def episode(self, prompt: Optional[str] = None) -> "EpisodeEnvironment":
+        """One episode's environment, not made yet (`EpisodeEnvironment.start` makes and resets it): the episode loop holds
+        it before the reset so that it can close whatever instance the reset made, the reset failing or not."""
+        return EpisodeEnvironment(self, None, prompt)
 
     # ------------------------------------------------------------------ many episodes at once
 
@@ -271,13 +275,52 @@ class EnvironmentRunner:
 
 
 class EpisodeEnvironment:
-    """One episode's environment instance. `first`: reset's observation as a Step (reward 0, not done)."""
+    """One episode's environment instance (None until `start` has made it). `first`: reset's observation as a Step
+    (reward 0, not done)."""
 
     def __init__(self, runner: EnvironmentRunner, env: Any, prompt: Optional[str]):
         self.runner = runner
         self.env = env
         self.prompt = prompt
         self.first: Optional[Step] = None
+        self._lock = threading.Lock()  # between a constructor that returns late and the episode's close
+        self._closed = False
+
+    def start(self, row: dict, watched: bool = False) -> "EpisodeEnvironment":
+        """Make the instance and reset it on `row`, under one deadline; -> self. The instance is held as soon as it is
+        made, so that `close` closes it even when its reset fails; one made after the episode was closed (a constructor
+        past its deadline) is closed at once."""
+        runner = self.runner
+
+        def make_and_reset():
+            env = runner.cls(**runner.args)
+            with self._lock:
+                late, self.env = self._closed, env
+            if late:
+                self.close()
+                raise DeadlineExceeded()
+            return runner.settled(env.reset(dict(row)))
+
+        observation = runner._call(make_and_reset, "reset", self.prompt, watched)
+        self.first = runner._check_observation(self.env, observation, "reset", self.prompt)
+        return self
+
+    def close(self, watched: bool = False) -> Optional[str]:
+        """The instance's `close()` (sync or async), once, under the deadline; -> None, or the line that says what went
+        wrong (also written on stderr): a close that fails does not fail its episode, which has ended."""
+        with self._lock:
+            env, self._closed = self.env, True
+            self.env = None
+        close = getattr(env, "close", None)
+        if not callable(close):
+            return None
+        runner = self.runner
+        try:
+            runner._call(lambda: runner.settled(close()), "close", self.prompt, watched)
+        except (EnvironmentFailure, UserError) as e:
+            line = str(e) if isinstance(e, EnvironmentFailure) else f"environment {runner.spec}: close raised {e}{prompt_suffix(self.prompt)}"
+            return close_failed(line)
+        return None
 
     def step(self, completion: str, render=None, watched: bool = False) -> Step:
         """step(completion), checked; with `render`, render(step) too (`Step.rendered`), all under one deadline:
@@ -386,6 +429,11 @@ class EnvironmentCalls:
 _ENVIRONMENT_WORKERS = WorkerThreads("ppokit-env")
 
 
+def close_later(episode: "EpisodeEnvironment") -> None:
+    """episode.close() on a worker thread, not waited for (a rollout that is stopping does not wait for its closes)."""
+    _ENVIRONMENT_WORKERS.run(episode.close)
+
+
 @dataclass
 class _Raised:
     error: BaseException
@@ -408,6 +456,12 @@ def environment_event_loop() -> asyncio.AbstractEventLoop:
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+def close_failed(line: str) -> str:
+    """Say on stderr that an episode's close failed (its episode had ended: it keeps what it played); -> the line."""
+    print(f"ppokit: warning: {line} (after its episode ended: the episode counts)", file=sys.stderr)
+    return line
 
 
 def prompt_suffix(prompt: Optional[str]) -> str:

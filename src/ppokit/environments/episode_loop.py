@@ -178,11 +178,12 @@ class EpisodeLoop:
                     requests: AsyncRequests, calls: Optional["EnvironmentCalls"], tag: str) -> None:
         """One episode, top to bottom: its environment made and reset, then model turn, step, model turn, ... until
         it ends; the engine then forgets what it kept for the episode."""
+        environment = None if self.runner is None else self.runner.episode(episode.text)
+        stopped = False
         try:
-            environment = None
-            if self.runner is not None:
-                environment = await calls.run(partial(self.runner.start, dict(row), episode.text), "reset", episode.text)
-                if not self._started(episode, environment):
+            if environment is not None:
+                started = await calls.run(partial(environment.start, dict(row)), "reset", episode.text)
+                if not self._started(episode, started):
                     return
             while True:
                 completion = await requests.complete(self._request(episode, sampling, seeds, tag))
@@ -195,10 +196,29 @@ class EpisodeLoop:
                 step = await calls.run(partial(environment.step, text, self._render(episode) if more else None), "step", episode.text)
                 if not self._answered(episode, step):
                     return
+        except asyncio.CancelledError:  # the rollout is stopping (another episode's error, Ctrl-C): not waited for
+            stopped = True
+            raise
         finally:
             if episode.kept:
                 self.engine.forget([episode.request])
                 episode.kept = False
+            if environment is not None:
+                await self._close(environment, calls, episode.text, stopped)
+
+    @staticmethod
+    async def _close(environment, calls: "EnvironmentCalls", text: str, stopped: bool) -> None:
+        """The episode's environment closed, once, however the episode ended (`EpisodeEnvironment.close`: under the
+        deadline, a failure said on stderr, not the episode's); when the rollout is stopping, on a worker thread, not
+        waited for."""
+        from ppokit.environments.base import EnvironmentFailure, close_failed, close_later
+
+        if stopped:
+            close_later(environment)
+            return
+        outcome = await calls.run(environment.close, "close", text)
+        if isinstance(outcome, EnvironmentFailure):  # past its deadline (its own failures it says itself)
+            close_failed(str(outcome))
 
     # ------------------------------------------------------------------ what each event makes of the episode
 

@@ -1,0 +1,258 @@
+"""`ppokit.environments:OpenEnv` against the installed openenv-core: a small OpenEnv environment in its template style
+(tests/envs/openenv_words.py) used in this process and served on loopback by openenv's own create_app + uvicorn, each
+training through `ppokit ppo`; every episode's session closed once (and a server that logs nothing for it); bad input
+in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openenv", reason="needs ppokit[openenv]")
+
+WORDS = Path(__file__).parent / "envs" / "openenv_words.py"
+SPEC = "ppokit.environments:OpenEnv"
+WAIT_BOUND_S = 60.0  # how long a server may take to start on a loaded machine before the test calls it broken
+
+
+@pytest.fixture
+def rows(tmp_path, demo_data):
+    """8 prompts, each with the seed its episode's reset gets: at least that many words wins (a turn has at most 8)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r["prompt"], "seed": 1 + (5 * i) % 16}) + "\n" for i, r in enumerate(demo_data["prompts"][:8])))
+    return path
+
+
+@pytest.fixture
+def events(tmp_path, monkeypatch):
+    """The environment's reset / close log (its instances in this process and the server's)."""
+    path = tmp_path / "events.log"
+    monkeypatch.setenv("PPOKIT_OPENENV_LOG", str(path))
+    return path
+
+
+def ppo(sft_model_dir, rows, tmp_path, environment_args, *overrides):
+    """`ppokit ppo` in this process with the OpenEnv adapter: 2 updates of 4 episodes of up to 3 turns, a sample generation."""
+    from conftest import tiny_ppo_config
+
+    from ppokit.cli import main
+
+    config = tiny_ppo_config(sft_model_dir, rows, tmp_path / "run", total_episodes=8, per_device_train_batch_size=4,
+                             num_sample_generations=1, num_eval_samples=8)
+    config.environment = SPEC
+    config.environment_args = environment_args
+    config.reward.functions = []
+    config.rollout.max_turns = 3
+    path = tmp_path / "ppo.yaml"
+    config.save(path)
+    return main(["ppo", str(path), *overrides])
+
+
+def check_episodes(run: Path):
+    """Every sampled episode is the game's rule applied to the model's turns: each turn's reward (read from the
+    Observation's `reward`), `good` ends it (the Observation's `done`), `bad` answers a short turn (its `reply`, the one
+    str field, is what the model reads next)."""
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    seeds = {}
+    for line in (run.parent / "rows.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        seeds[row["prompt"]] = row["seed"]
+    assert samples
+    ended = 0
+    for sample in samples:
+        turns, target = sample["turns"], seeds[sample["prompt"]]
+        said = [t for t in turns if t["role"] == "assistant"]
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            words = len(turn["text"].split())
+            won = words >= target
+            assert turn["reward"] == pytest.approx(1.0 if won else words / 10), turn
+            assert turn.get("done", False) == won, turn
+            if won:
+                assert i == len(turns) - 1  # done ends the episode
+                ended += 1
+            elif i + 1 < len(turns):
+                assert turns[i + 1] == {"role": "user", "text": "bad"}
+        assert len(said) <= 3
+    assert 0 < ended < len(samples)  # some episodes won, some ran out of turns: both endings were seen
+
+
+def check_closed(events: Path):
+    """Each instance that was reset was closed once, after its reset; nothing closed twice (instances that were made and
+    never reset, such as the runner's start-up one, are closed too). A stopped rollout closes its episodes on worker
+    threads, not waited for: those are given WAIT_BOUND_S."""
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while True:
+        lines = events.read_text().split("\n")[:-1]
+        resets = [line.split()[1] for line in lines if line.startswith("reset ")]
+        closes = [line.split()[1] for line in lines if line.startswith("close ")]
+        if set(resets) <= set(closes) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert resets and len(set(resets)) == len(resets)
+    assert sorted(set(closes)) == sorted(closes)  # none twice
+    assert set(resets) <= set(closes), f"{len(set(resets) - set(closes))} of {len(resets)} sessions not closed"
+    for instance in resets:
+        assert lines.index(f"reset {instance}") < lines.index(f"close {instance}")
+
+
+def test_an_openenv_environment_in_process_trains_through_ppokit_ppo(sft_model_dir, rows, tmp_path, events, capsys):
+    code = ppo(sft_model_dir, rows, tmp_path, {"env": f"{WORDS}:WordsEnvironment"})
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "Traceback" not in err and "SUPPORTS_CONCURRENT_SESSIONS" not in err
+    check_episodes(tmp_path / "run")
+    check_closed(events)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if "reward/environment" in r]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path, events):
+    """The words environment served by openenv's create_app in a subprocess on a loopback port; -> (url, its log)."""
+    started = []
+
+    def start(max_sessions: int = 64):
+        port, log = free_port(), tmp_path / f"server-{len(started)}.log"
+        with open(log, "w") as out:
+            process = subprocess.Popen([sys.executable, str(WORDS), str(port), str(max_sessions)], stdout=out, stderr=subprocess.STDOUT,
+                                       env=dict(os.environ))
+        started.append(process)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + WAIT_BOUND_S
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                return url, log
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the OpenEnv server did not start: {log.read_text()}")
+                time.sleep(0.1)
+
+    yield start
+    for process in started:
+        process.terminate()
+        process.wait(30)
+
+
+def test_an_openenv_server_trains_through_ppokit_ppo_and_logs_nothing(sft_model_dir, rows, tmp_path, events, server, capsys):
+    url, log = server()
+    code = ppo(sft_model_dir, rows, tmp_path, {"base_url": url})
+    err = capsys.readouterr().err
+    assert code == 0, err
+    check_episodes(tmp_path / "run")
+    check_closed(events)  # the server's instances: one per session, closed when ppokit ends the session
+    assert log.read_text() == ""  # no disconnect traceback, no error: every session ended as the server expects
+
+
+def one_line_error(code: int, err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("ppokit: error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_server_that_refuses_concurrent_sessions_stops_the_run_in_one_line(sft_model_dir, rows, tmp_path, events, server, capsys):
+    url, _ = server(max_sessions=1)
+    line = one_line_error(ppo(sft_model_dir, rows, tmp_path, {"base_url": url}), capsys.readouterr().err)
+    assert f"the OpenEnv server at {url} refused a session (" in line and "max_sessions 1" in line or "1/1 sessions" in line
+    assert "set rollout.max_concurrent_episodes to that number" in line
+    # with one episode at a time it runs
+    assert ppo(sft_model_dir, rows, tmp_path, {"base_url": url}, "rollout.max_concurrent_episodes=1", "output_dir=" + str(tmp_path / "again")) == 0
+
+
+def test_a_class_that_does_not_declare_concurrent_sessions_is_said_at_the_start(sft_model_dir, rows, tmp_path, events, capsys):
+    assert ppo(sft_model_dir, rows, tmp_path, {"env": f"{WORDS}:SharedWordsEnvironment"}, "rollout.max_concurrent_episodes=1") == 0
+    err = capsys.readouterr().err
+    assert ("SharedWordsEnvironment.SUPPORTS_CONCURRENT_SESSIONS is False (OpenEnv's default: its server would serve one "
+            "session at a time); in this process each episode has its own instance") in err
+
+
+@pytest.mark.parametrize("args, said", [
+    ({"base_url": "http://127.0.0.1:{port}"}, "the OpenEnv server at http://127.0.0.1:{port} does not answer /health ("),
+    ({"docker_image": "ppokit-test-image"}, "environment_args.docker_image 'ppokit-test-image' needs Docker, and `docker version` fails here"),
+    ({}, "environment_args needs exactly one of env (FILE.py:Class), base_url or docker_image; got none of them"),
+    ({"env": f"{WORDS}:WordsAction"}, "WordsAction is not an OpenEnv Environment class"),
+    ({"env": f"{WORDS}:WordsEnvironment", "observation_field": "reply"}, "unexpected keyword argument 'observation_field'"),
+], ids=["server_down", "docker_without_docker", "nothing_named", "not_an_environment", "unknown_key"])
+def test_bad_input_is_one_line_at_the_start_and_leaves_no_run_folder(sft_model_dir, rows, tmp_path, events, args, said, monkeypatch, capsys):
+    port = free_port()  # nothing listens there
+    args = {key: value.format(port=port) for key, value in args.items()}
+    monkeypatch.setenv("PATH", str(tmp_path / "no-docker-here"))  # `docker` is not found, as on a machine without Docker
+    line = one_line_error(ppo(sft_model_dir, rows, tmp_path, args), capsys.readouterr().err)
+    assert said.format(port=port) in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_openenv_missing_names_the_extra(sft_model_dir, rows, tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "openenv" or m.startswith("openenv.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "openenv", None)
+    line = one_line_error(ppo(sft_model_dir, rows, tmp_path, {"env": f"{WORDS}:WordsEnvironment"}), capsys.readouterr().err)
+    assert line == f"ppokit: error: environment {SPEC}: the openenv-core package is not installed; pip install 'ppokit[openenv]'"
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_action_function_that_raises_is_the_episodes_error(sft_model_dir, rows, tmp_path, events, capsys):
+    args = {"env": f"{WORDS}:WordsEnvironment", "action": f"{WORDS}:raising_action"}
+    line = one_line_error(ppo(sft_model_dir, rows, tmp_path, args), capsys.readouterr().err)
+    assert line.startswith(f"ppokit: error: environment {SPEC}: step raised ValueError: environment_args.action {WORDS}:raising_action "
+                           "raised ValueError: no words today; prompt ")
+    check_closed(events)  # the failed episodes' instances closed too
+
+
+def test_the_action_class_comes_from_the_generics_and_functions_replace_the_text_fields():
+    from ppokit.environments import OpenEnv
+    from ppokit.errors import UserError
+
+    game = OpenEnv(env=f"{WORDS}:GenericWordsEnvironment")  # step unannotated: Environment[WordsAction, ...]
+    assert game.reset({"prompt": "p", "seed": 2}) is None  # reset's reply is "": no observation
+    assert game.step("one") == ("bad", 0.1, False) and game.step("one two") == ("good", 1.0, True)
+    game.close()
+    shaped = OpenEnv(env=f"{WORDS}:WordsEnvironment", action=f"{WORDS}:words_action", observation=f"{WORDS}:words_text")
+    shaped.reset({"seed": 3})
+    assert shaped.step("a b") == ("bad 2", 0.2, False)
+    with pytest.raises(UserError, match="cannot tell UntypedWordsEnvironment's action type: annotate step"):
+        OpenEnv(env=f"{WORDS}:UntypedWordsEnvironment")
+
+
+def test_a_refusal_read_after_the_server_closed_the_socket_is_still_the_capacity_line(server, events):
+    """A server at capacity sends its refusal and closes the socket at once; a client that sends its reset after the
+    close fails to send (ConnectionClosed) with the refusal unread: the line is the same as when it reads it first."""
+    import asyncio
+
+    from openenv.core.generic_client import GenericEnvClient
+
+    from ppokit.environments import OpenEnv
+    from ppokit.errors import UserError
+
+    url, _ = server(max_sessions=1)
+
+    async def refused():
+        holder = OpenEnv(base_url=url)
+        await holder.reset({"seed": 1})  # the server's one session
+        late = OpenEnv(base_url=url)
+        late._env = GenericEnvClient(base_url=url)
+        await late._env.connect()
+        await asyncio.wait_for(late._env._ws.wait_closed(), WAIT_BOUND_S)  # refused and closed before anything is sent
+        try:
+            with pytest.raises(UserError, match=r"refused a session \(Server at capacity: 1/1 sessions active.*max_sessions 1\)"):
+                await late._remote(late._env.reset())
+        finally:
+            await late.close()
+            await holder.close()
+
+    asyncio.run(refused())
