@@ -25,11 +25,11 @@ import inspect
 import json
 import threading
 import typing
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import httpx
 
 from ppokit.errors import UserError
 from ppokit.user_code import load_attribute
@@ -347,10 +347,11 @@ def _server_schema(base_url: str) -> dict:
     """GET /health, then /schema (action, observation and state JSON schemas); a server that does not answer is one line."""
     for path in ("/health", "/schema"):
         try:
-            with urllib.request.urlopen(base_url + path, timeout=10) as response:
-                body = response.read()
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            reason = getattr(e, "reason", e)
+            response = httpx.get(base_url + path, timeout=10)
+            response.raise_for_status()
+            body = response.content
+        except (httpx.HTTPError, OSError, ValueError) as e:
+            reason = e
             raise UserError(f"environment {SPEC}: the OpenEnv server at {base_url} does not answer {path} ({reason}); start it, "
                             "or fix environment_args.base_url") from None
     try:
