@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MT = "tests/test_multiturn_trainer.py"
 CONV = "tests/test_conversation.py"
 REQ = "tests/test_engine_requests.py"
+TRL = "tests/test_trl_environments.py"
 
 
 @dataclass
@@ -583,6 +584,28 @@ MUTATIONS = [
              "        _refuse_shadowed(module, shadowed, what, spec, path)\n", "",
              ("tests/test_environments.py::test_a_neighbour_named_like_a_module_imported_before_is_refused_naming_it",),
              "a neighbour named like a module imported before is silently that other module"),
+    Mutation("trl_environment_column_ignored", "src/ppokit/environments/trl_environment.py",
+             "        name = row.get(CHOICE_COLUMN)\n", "        name = self.environment_names[0]\n",
+             (f"{TRL}::test_several_trl_environments_each_row_choosing_one_show_only_their_tools",),
+             "every row plays the first of environment_args.factories, whatever its environment column says"),
+    Mutation("trl_rows_tools_not_their_own", "src/ppokit/conversation/setup.py",
+             "        dataset.render_chat(renderer, rows_tools(runner, dataset))\n", "        dataset.render_chat(renderer)\n",
+             (f"{TRL}::test_several_trl_environments_each_row_choosing_one_show_only_their_tools",),
+             "with several environments every prompt shows every environment's tools, not its own"),
+    Mutation("trl_reset_text_not_appended", "src/ppokit/environments/trl_environment.py",
+             "    reset_appends = True", "    reset_appends = False",
+             (f"{TRL}::test_a_trl_environment_class_plays_its_episodes_as_trl_renders_them",),
+             "reset's text follows the prompt as a user message of its own instead of ending its last message (TRL's)"),
+    Mutation("trl_get_reward_ignored", "src/ppokit/environments/episode_loop.py",
+             "                self._rewarded(episode, await calls.run(environment.final_reward, \"get_reward\", episode.text))\n",
+             "                pass\n",
+             (f"{TRL}::test_a_trl_environment_class_plays_its_episodes_as_trl_renders_them",
+              f"{TRL}::test_trl_s_example_class_trains_through_ppokit_ppo_importing_its_neighbour"),
+             "an environment's get_reward is never asked: its episodes score 0"),
+    Mutation("trl_row_choice_not_checked_at_start", "src/ppokit/conversation/setup.py",
+             "    if runner is None or not runner.chooses_per_row:\n", "    if True:\n",
+             (f"{TRL}::test_a_row_that_chooses_no_environment_is_one_line_at_start",),
+             "a row that chooses no environment is found only when its episode fails, after the weights loaded"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models/loading.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',
