@@ -213,3 +213,54 @@ def test_a_row_that_chooses_no_environment_is_one_line_at_start(chatml_model, en
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+SHOUT = '''
+def shout(text: str) -> dict:
+    """Say it louder.
+
+    Args:
+        text: What to say.
+    """
+    return {"said": text.upper()}
+'''
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_standalone_tools_join_each_class_s_methods_and_results_read_as_trl_s_str(env_folder, tmp_path):
+    """TRL's `tools=` beside the factories: every class's prompt shows them before its methods; a turn runs either; a
+    result is str(result) as TRL makes it (a dict as Python writes it, not JSON); reset gets the row without its
+    environment column; get_reward reads the instance's state."""
+    from ppokit.environments import TRLEnvironment
+
+    (tmp_path / "shout_tool.py").write_text(SHOUT)
+    env = TRLEnvironment(factories={"tally": str(env_folder / "tally_env.py") + ":TallyEnv",
+                                    "increment": str(env_folder / "increment_env.py") + ":IncrementEnv"},
+                         tools=[str(tmp_path / "shout_tool.py") + ":shout"])
+    assert [s["function"]["name"] for s in env.tools_for({"environment": "tally"})] == ["shout", "tally"]
+    assert [s["function"]["name"] for s in env.tools_for({"environment": "increment"})] == ["shout", "increment"]
+    assert env.reset({"environment": "increment", "target": 1, "prompt": "p"}) is None
+    observation, reward, done = env.step(call("shout", text="hi") + "\n" + call("increment", step=1) + "\n" + call("tally"))
+    assert [m["content"] for m in env.observation_messages(observation)] == [
+        "{'said': 'HI'}", "1", "error: there is no tool 'tally'; the tools are shout, increment"]
+    assert (reward, done, env.get_reward()) == (0.0, False, 1.0)
+    assert env.step("no call")[2] is True
+
+
+@pytest.mark.parametrize("source, message", [
+    ("class NoReset:\n    def act(self, x: int) -> int:\n        '''Act.\n\n        Args:\n            x: a number\n        '''\n",
+     r"environment_args.factory: '.*bad_env.py:Env': NoReset has no reset method"),
+    ("class Undocumented:\n    def reset(self, **kw):\n        return None\n    def act(self, x):\n        return x\n",
+     r"environment_args.factory: .*bad_env.py:Env: tool act: its schema for the chat template cannot be made"),
+])
+def test_a_class_trl_could_not_use_is_one_line_at_start(tmp_path, source, message):
+    from ppokit.environments import TRLEnvironment
+    from ppokit.errors import UserError
+
+    (tmp_path / "bad_env.py").write_text(source + "\nEnv = " + source.split()[1].split(":")[0] + "\n")
+    with pytest.raises(UserError, match=message) as caught:
+        TRLEnvironment(factory=str(tmp_path / "bad_env.py") + ":Env")
+    assert "\n" not in str(caught.value)

@@ -121,7 +121,7 @@ def _as_text(result: Any) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _loaded(specs: tuple, base_dir: Optional[str]) -> tuple[dict, list]:
+def loaded_tools(specs: tuple, base_dir: Optional[str]) -> tuple[dict, list]:
     """Tools and schemas per (tools list, folder): an instance is made per episode, the files are read once."""
     tools = load_tools(list(specs), None if base_dir is None else Path(base_dir))
     return tools, tool_schemas(tools)
@@ -199,7 +199,7 @@ class Tools(ToolCalling):
             raise UserError(f"environment_args.tools: expected a list of tools ({TOOL_SPEC_FORMS}), got {tools!r}")
         if not isinstance(unsafe_python_without_isolation, bool):
             raise UserError(f"environment_args.unsafe_python_without_isolation: expected true or false, got {unsafe_python_without_isolation!r}")
-        functions, schemas = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        functions, schemas = loaded_tools(tuple(tools), None if base_dir is None else str(base_dir))
         self.functions = checked_for_isolation(functions, unsafe_python_without_isolation)
         self.tools = schemas if tool_schemas == "template" else None  # what the chat template gets as `tools=`
         self.schemas = schemas

@@ -5,6 +5,7 @@ a few conventions, read here from the user's class.
     environment: ppokit.environments:TRLEnvironment
     environment_args: {factory: "envs/increment.py:IncrementEnv"}            # TRL: environment_factory=IncrementEnv
     environment_args: {factories: {coding: "envs.py:CodingEnv", game: "envs.py:GameEnv"}}   # TRL: a dict of factories
+    environment_args: {factory: ..., tools: ["tools.py:search"]}        # TRL: tools=[search] beside the factory
 
 The class (or any callable that makes an instance, as TRL's factory) is called with no arguments once per episode:
 
@@ -35,7 +36,8 @@ from typing import Any, Callable, Optional
 
 from ppokit.environments.base import environment_event_loop
 from ppokit.environments.tool_parsers import resolve_parser
-from ppokit.environments.tools import ToolCalling, check_call_limits, tool_schemas
+from ppokit.environments.python_tool import checked_for_isolation
+from ppokit.environments.tools import TOOL_SPEC_FORMS, ToolCalling, check_call_limits, loaded_tools, tool_schemas
 from ppokit.errors import UserError
 from ppokit.user_code import load_attribute
 
@@ -93,18 +95,20 @@ class TRLEnvironment(ToolCalling):
     """TRL's environment classes: `ppokit.environments:TRLEnvironment` (see the module docstring).
 
     environment_args: factory ("file.py:Class": one class for every row) or factories ({name: "file.py:Class", ...}: each
-    row's `environment` column chooses one); tool_parser (the call format, by vLLM's --tool-call-parser name, default
-    `auto`: the one the chat template writes); timeout_s (each tool call's deadline, default 10); max_calls (calls run per
-    turn, default 8). base_dir and chat_template come from the runner (the config file's folder; the run's template).
+    row's `environment` column chooses one); tools (["file.py:function", ...], TRL's standalone `tools`: functions every
+    class's episodes can call besides its methods; unsafe_python_without_isolation as for Tools); tool_parser (the call
+    format, by vLLM's --tool-call-parser name, default `auto`: the one the chat template writes); timeout_s (each tool
+    call's deadline, default 10); max_calls (calls run per turn, default 8). base_dir and chat_template come from the
+    runner (the config file's folder; the run's template).
 
     One instance per episode (its reset, its turns' calls, its get_reward); `get_reward` is 0 for a class without one.
     """
 
     reset_appends = True  # reset's text goes at the end of the prompt's last message (TRL's), not in a message of its own
 
-    def __init__(self, factory: Optional[str] = None, factories: Optional[dict] = None, tool_parser: str = "auto",
-                 timeout_s: Optional[float] = 10.0, max_calls: int = 8, base_dir: Optional[str] = None,
-                 chat_template: Optional[str] = None):
+    def __init__(self, factory: Optional[str] = None, factories: Optional[dict] = None, tools: Optional[list] = None,
+                 tool_parser: str = "auto", timeout_s: Optional[float] = 10.0, max_calls: int = 8,
+                 unsafe_python_without_isolation: bool = False, base_dir: Optional[str] = None, chat_template: Optional[str] = None):
         if (factory is None) == (factories is None):
             raise UserError("environment_args: ppokit.environments:TRLEnvironment takes factory ('file.py:Class', TRL's "
                             "environment_factory) or factories ({name: 'file.py:Class', ...}, each row's environment column "
@@ -120,8 +124,17 @@ class TRLEnvironment(ToolCalling):
                 raise UserError(f"environment_args.factories: expected a mapping of names to {FACTORY_FORMS}, got {factories!r}")
             self.factories = {name: _factory(spec, folder, f"environment_args.factories.{name}") for name, spec in factories.items()}
         self.environment_names = [name for name in self.factories if name is not None]
+        if tools is not None and (isinstance(tools, str) or not isinstance(tools, (list, tuple)) or not all(isinstance(t, str) for t in tools)):
+            raise UserError(f"environment_args.tools: expected a list of tools ({TOOL_SPEC_FORMS}), got {tools!r}")
+        if not isinstance(unsafe_python_without_isolation, bool):
+            raise UserError(f"environment_args.unsafe_python_without_isolation: expected true or false, got {unsafe_python_without_isolation!r}")
+        standalone, standalone_schemas = loaded_tools(tuple(tools), folder) if tools else ({}, [])
+        self.standalone = checked_for_isolation(standalone, unsafe_python_without_isolation)
+        # a class's tools: the standalone ones, then its methods (TRL's `tools + methods`; a method wins a shared name)
+        self.schemas_of = {name: list({s["function"]["name"]: s for s in [*standalone_schemas, *f.schemas]}.values())
+                           for name, f in self.factories.items()}
         # every class's tools, once each by name: what the start-up checks of the chat template read (a prompt gets its own)
-        self.tools = list({s["function"]["name"]: s for f in self.factories.values() for s in f.schemas}.values()) or None
+        self.tools = list({s["function"]["name"]: s for schemas in self.schemas_of.values() for s in schemas}.values()) or None
         self.parser, note = resolve_parser(tool_parser, chat_template)
         self.notes = [note] if note else []
         self.timeout_s, self.max_calls = timeout_s, max_calls
@@ -147,7 +160,7 @@ class TRLEnvironment(ToolCalling):
 
     def tools_for(self, row: dict) -> Optional[list[dict]]:
         """The tools a row's prompt shows: its class's only (None: a class without public methods)."""
-        return list(self.factories[self.environment_for(row)].schemas) or None
+        return list(self.schemas_of[self.environment_for(row)]) or None
 
     # ------------------------------------------------------------------ one episode
 
@@ -159,8 +172,9 @@ class TRLEnvironment(ToolCalling):
             raise ValueError(str(e)) from None
         self._factory = factory = self.factories[name]
         self.env = factory.make()
-        self.functions = {m: _on_event_loop(getattr(self.env, m)) for m in factory.methods}
-        self.schemas = list(factory.schemas)
+        self.functions = {**{n: _on_event_loop(f) for n, f in self.standalone.items()},
+                          **{m: _on_event_loop(getattr(self.env, m)) for m in factory.methods}}
+        self.schemas = list(self.schemas_of[name])
         arguments = {k: v for k, v in row.items() if k != CHOICE_COLUMN} if self.environment_names else dict(row)
         return self.env.reset(**arguments)
 
