@@ -264,3 +264,27 @@ def test_a_class_trl_could_not_use_is_one_line_at_start(tmp_path, source, messag
     with pytest.raises(UserError, match=message) as caught:
         TRLEnvironment(factory=str(tmp_path / "bad_env.py") + ":Env")
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["tally", "increment"])
+def test_data_inspect_and_plan_count_a_row_s_prompt_with_its_own_tools(chatml_model, env_folder, tmp_path, capsys, name):
+    """`ppokit data inspect --config` and `ppokit plan` read the same per-row decision as the run: a row choosing
+    `name` is counted as the template renders it with that class's tools only."""
+    from transformers import AutoTokenizer
+
+    from ppokit.cli import main
+    from ppokit.environments import TRLEnvironment
+
+    question = [{"role": "user", "content": "count the cats"}]
+    data = _rows(tmp_path / "one.jsonl", [{"prompt": question, "environment": name, "target": 0}])
+    factories = {"tally": str(env_folder / "tally_env.py") + ":TallyEnv", "increment": str(env_folder / "increment_env.py") + ":IncrementEnv"}
+    config = tmp_path / "ppo.yaml"
+    config.write_text(yaml.safe_dump(sort_keys=False, data=_config(chatml_model, data, tmp_path / "run", {"factories": factories})))
+    tok = AutoTokenizer.from_pretrained(chatml_model)
+    own = TRLEnvironment(factories=factories).tools_for({"environment": name})
+    want = len(tok(tok.apply_chat_template(question, tools=own, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"])
+    capsys.readouterr()
+    assert main(["data", "inspect", "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lengths"]["prompt"]["max"] == want
+    assert main(["plan", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sequence"]["prompt"] == want
