@@ -248,6 +248,8 @@ def test_standalone_tools_join_each_class_s_methods_and_results_read_as_trl_s_st
         "{'said': 'HI'}", "1", "error: there is no tool 'tally'; the tools are shout, increment"]
     assert (reward, done, env.get_reward()) == (0.0, False, 1.0)
     assert env.step("no call")[2] is True
+    with pytest.raises(ValueError, match=r"^the row has no environment column"):  # a row the start did not see: the episode's error
+        env.reset({"prompt": "p"})
 
 
 @pytest.mark.parametrize("source, message", [
