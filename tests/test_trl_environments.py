@@ -290,3 +290,19 @@ def test_data_inspect_and_plan_count_a_row_s_prompt_with_its_own_tools(chatml_mo
     assert json.loads(capsys.readouterr().out)["lengths"]["prompt"]["max"] == want
     assert main(["plan", str(config), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sequence"]["prompt"] == want
+
+
+def test_a_class_without_get_reward_and_no_other_source_is_refused_at_start(chatml_model, tmp_path, capsys):
+    """TRL refuses a run with no reward source ("Pass `reward_funcs`, or an `environment_factory` whose environment
+    defines a `get_reward` method"): ppokit too, in one line before any weights load, no run folder."""
+    from ppokit.cli import main
+
+    (tmp_path / "silent_env.py").write_text("class Silent:\n    def reset(self, **kwargs):\n        return None\n")
+    data = _rows(tmp_path / "questions.jsonl", [{"prompt": [{"role": "user", "content": "count the cats"}]}])
+    config = tmp_path / "ppo.yaml"
+    config.write_text(yaml.safe_dump(sort_keys=False, data=_config(chatml_model, data, tmp_path / "run",
+                                                                    {"factory": str(tmp_path / "silent_env.py") + ":Silent"})))
+    assert main(["ppo", str(config)]) != 0
+    err = capsys.readouterr().err
+    assert "no class of it defines get_reward, and the reward: section names no other source" in err, err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
