@@ -306,3 +306,24 @@ def test_a_class_without_get_reward_and_no_other_source_is_refused_at_start(chat
     err = capsys.readouterr().err
     assert "no class of it defines get_reward, and the reward: section names no other source" in err, err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_the_conventions_read_here_are_the_installed_trl_s():
+    """What TRLEnvironment mirrors, read back from the installed trl's GRPOTrainer (trl >= 1.16, a dev extra): the tools
+    are the class's functions but reset, get_reward and `_` names; reset gets the row without its environment column when
+    several are named; reset's string is appended to the last message's content; a tool's result is str(result); the
+    environment column chooses. A trl that changes one of these fails here, naming it."""
+    trl = pytest.importorskip("trl")
+    import inspect
+
+    source = inspect.getsource(trl.GRPOTrainer)
+    facts = {
+        "tools: public functions of the class": 'if member_name not in ("reset", "get_reward") and not member_name.startswith("_")',
+        "tools: read from the class": "inspect.getmembers(type(environment), predicate=inspect.isfunction)",
+        "reset's keywords": 'reset_kwargs = {k: v for k, v in x.items() if k != "environment"} if self._multi_environment else x',
+        "reset's text appended": 'prompts[i] = prompt[:-1] + [{**prompt[-1], "content": content + observation}]',
+        "the environment column": 'self._batch_environments = [x.get("environment") if self._multi_environment else None for x in inputs]',
+        "a result's text": "content = result if isinstance(result, list) else str(result)",
+        "get_reward: weight 1": "self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])",
+    }
+    assert [what for what, line in facts.items() if line not in source] == []
