@@ -327,3 +327,11 @@ def test_the_conventions_read_here_are_the_installed_trl_s():
         "get_reward: weight 1": "self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])",
     }
     assert [what for what, line in facts.items() if line not in source] == []
+
+
+def test_the_report_shows_get_reward_on_the_episode_s_last_turn():
+    from ppokit.report.page import _turn_outcome
+
+    assert _turn_outcome({"role": "assistant", "text": "done", "done": True, "final_reward": 2.0}) == (
+        " <i>(get_reward +2.00; the environment ended the episode)</i>")
+    assert _turn_outcome({"role": "assistant", "text": "4", "final_reward": 0.0}) == " <i>(get_reward +0.00)</i>"
