@@ -120,6 +120,7 @@ class EnvironmentRunner:
 
         runner = EnvironmentRunner.from_config(spec, args, timeout_s, base_dir)
         runner.tools, runner.observation_role           # for rendering prompts and observations
+        runner.tools_for(row), runner.environment_for(row)  # what a row uses, when rows choose among several environments
         episodes = runner.start_many(rows, prompts)     # per row: an EpisodeEnvironment or an EnvironmentFailure
         steps = runner.step_many(episodes, completions) # per episode: a Step or an EnvironmentFailure
     """
