@@ -335,3 +335,42 @@ def test_the_report_shows_get_reward_on_the_episode_s_last_turn():
     assert _turn_outcome({"role": "assistant", "text": "done", "done": True, "final_reward": 2.0}) == (
         " <i>(get_reward +2.00; the environment ended the episode)</i>")
     assert _turn_outcome({"role": "assistant", "text": "4", "final_reward": 0.0}) == " <i>(get_reward +0.00)</i>"
+
+
+ASYNC_ENV = '''
+import asyncio
+
+
+class Remote:
+    def reset(self, **kwargs) -> None:
+        self.total = 0
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0)
+        return float(self.total)
+
+    async def add(self, a: int) -> int:
+        """Add to the total on a remote service.
+
+        Args:
+            a: How much to add.
+        """
+        await asyncio.sleep(0)
+        self.total += a
+        return self.total
+'''
+
+
+def test_async_tools_and_get_reward_run_to_their_end_through_the_runner(tmp_path):
+    """TRL allows `async def` tools and get_reward: a call waits for the coroutine's result (on the environments' event
+    loop), and the episode's final reward is the awaited value, checked like a step's."""
+    from ppokit.environments import EnvironmentRunner
+
+    (tmp_path / "remote_env.py").write_text(ASYNC_ENV)
+    runner = EnvironmentRunner.from_config("ppokit.environments:TRLEnvironment", {"factory": "remote_env.py:Remote"}, 30,
+                                           base_dir=tmp_path)
+    assert [s["function"]["name"] for s in runner.tools] == ["add"]
+    episode = runner.start({"prompt": "p"}, "p")
+    step = episode.step(call("add", a=2) + "\n" + call("add", a=3))
+    assert [m["content"] for m in step.messages] == ["2", "5"]
+    assert episode.final_reward() == 5.0
