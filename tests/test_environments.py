@@ -175,6 +175,37 @@ def test_a_module_that_fails_as_it_is_imported_names_the_spec(tmp_path):
         load_environment("broken.py:Env", tmp_path)
 
 
+def test_an_environment_file_imports_the_module_beside_it(tmp_path):
+    """env.py imports the scorer.py next to it (a folder that is neither the working directory nor on sys.path): the
+    runner's episodes use it; the folder is on the import path only while the file loads."""
+    folder = tmp_path / "task"
+    folder.mkdir()
+    (folder / "neighbour_scorer_a1.py").write_text("def score(text):\n    return float(len(text))\n")
+    (folder / "env.py").write_text(
+        "from neighbour_scorer_a1 import score\n"
+        "class Scored:\n"
+        "    def reset(self, row):\n        return None\n"
+        "    def step(self, completion):\n        return None, score(completion), True\n")
+    try:
+        runner = EnvironmentRunner.from_config("task/env.py:Scored", None, None, base_dir=tmp_path)
+        [episode] = runner.start_many([{"prompt": "hi"}], ["hi"])
+        assert episode.step("four").reward == 4.0
+        assert str(folder) not in sys.path
+    finally:
+        sys.modules.pop("neighbour_scorer_a1", None)
+
+
+def test_a_neighbour_named_like_a_module_imported_before_is_refused_naming_it(tmp_path):
+    """A json.py beside the file: `import json` gives the standard library's (imported first, one module per name),
+    not the one beside it; one line says which and what to rename, rather than a run that uses the other module."""
+    (tmp_path / "json.py").write_text("def dumps(value):\n    return 'mine'\n")
+    (tmp_path / "env.py").write_text("import json\nclass Env:\n    def reset(self, row): return None\n"
+                                      "    def step(self, completion): return None, 0.0, True\n")
+    with pytest.raises(UserError, match=r"^environment 'env.py:Env': .*env.py imports json, which is already imported from "
+                                        r".*json.*rename .*json$"):
+        load_environment("env.py:Env", tmp_path)
+
+
 def test_wrong_environment_args_fail_at_start_in_one_line(env_file):
     with pytest.raises(UserError, match=r"^environment .*envs.py:BadArgs: constructing it raised TypeError: .*level") as caught:
         _runner(env_file("BadArgs"))

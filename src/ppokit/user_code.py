@@ -2,6 +2,12 @@
 
 One loader for every place a config names user code (reward functions, environments, tools), so
 they all fail the same way: one line naming the spec and what went wrong. Torch-free.
+
+A file's folder is first on the import path while the file loads, so that it imports its neighbours (`env.py`'s
+`import rewards` finds the `rewards.py` beside it), as `python env.py` would. Imports are cached by name, one module
+per name in a process: a neighbour whose name is already imported from elsewhere (a module of the standard library or
+an installed package, or a neighbour of another file under the same name) would silently be that other module, so
+the file is refused, in one line naming the neighbour to rename.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,10 +49,18 @@ def load_attribute(spec: str, base_dir: Optional[Path], what: str, kind: str, ex
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module  # dataclasses and pickling look their module up here
-        try:
-            module_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as e:
-            raise UserError(f"{what} {spec!r}: importing {path} raised {type(e).__name__}: {e}") from None
+        folder = str(path.resolve().parent)
+        with _IMPORT_PATH_LOCK:
+            shadowed = _imported_elsewhere(folder)
+            sys.path.insert(0, folder)  # its neighbours import, while it loads
+            try:
+                module_spec.loader.exec_module(module)
+            except (Exception, SystemExit) as e:
+                raise UserError(f"{what} {spec!r}: importing {path} raised {type(e).__name__}: {e}") from None
+            finally:
+                if folder in sys.path:  # unless the file took it off itself
+                    sys.path.remove(folder)
+        _refuse_shadowed(module, shadowed, what, spec, path)
     else:
         try:
             module = importlib.import_module(target)
@@ -57,3 +72,33 @@ def load_attribute(spec: str, base_dir: Optional[Path], what: str, kind: str, ex
     if obj is None:
         raise UserError(f"{what} {spec!r}: {target} has no {kind} {name}")
     return name, obj
+
+
+_IMPORT_PATH_LOCK = threading.RLock()  # one file's folder on sys.path at a time (a file may load another)
+
+
+def _imported_elsewhere(folder: str) -> dict[str, Any]:
+    """The modules beside `folder`'s files (NAME.py, NAME/) already imported under their name from somewhere else."""
+    found = {}
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:  # a folder it cannot list: Python's own import fails the same way, or not
+        return found
+    for entry in entries:
+        name = entry.stem if entry.suffix == ".py" else entry.name if (entry / "__init__.py").is_file() else None
+        module = sys.modules.get(name) if name and name.isidentifier() else None
+        where = getattr(module, "__file__", None)
+        if module is not None and (where is None or Path(where).resolve().parent not in (Path(folder), Path(folder) / name)):
+            found[name] = module
+    return found
+
+
+def _refuse_shadowed(module, shadowed: dict[str, Any], what: str, spec: str, path: Path) -> None:
+    """A file that uses a module by a name its folder has a file for, when that name was imported from elsewhere before:
+    the import gave it the other module (`import NAME` binds it; `from NAME import x` binds what NAME defines)."""
+    for name, other in shadowed.items():
+        used = any(value is other or getattr(value, "__module__", None) == name for value in vars(module).values())
+        if used:
+            raise UserError(f"{what} {spec!r}: {path} imports {name}, which is already imported from "
+                            f"{getattr(other, '__file__', None) or 'the interpreter'} (a module of that name was imported "
+                            f"first; Python imports one module per name), not the {name} beside it; rename {path.parent / name}")

@@ -78,6 +78,7 @@ class ConversationRenderer:
         self._turn_ends: dict[tuple, tuple[dict, str, Optional[int]]] = {}  # per shape of observation: (probe turn, closing, its stop id)
         self._longest_token: Optional[int] = None
         self._prompt_probe: Optional[tuple[str, list[int]]] = None
+        self._append_probe: Optional[tuple[str, list[int]]] = None  # `appended`'s probe: its text to the content's end, the ids after
         self._heads: dict[str, list[int]] = {}  # ids of the probe text before an observation, by text
         self._short = False  # observations tokenised the short way (`_suffix`), once `check` found it exact
         self._warned_unknown = False
@@ -86,9 +87,10 @@ class ConversationRenderer:
 
     # ------------------------------------------------------------------ prompts
 
-    def prompt(self, messages: Messages) -> str:
-        """A chat prompt with the generation prompt, the tools' schemas in it (as the template writes them)."""
-        return self.chat.render(messages, add_generation_prompt=True)
+    def prompt(self, messages: Messages, tools: Optional[list[dict]] = None) -> str:
+        """A chat prompt with the generation prompt, the tools' schemas in it (as the template writes them): the
+        renderer's, or `tools`, a row's own (an environment whose rows choose among several, each with its tools)."""
+        return self.chat.render(messages, add_generation_prompt=True, tools=tools)
 
     def encode(self, text: str) -> list[int]:
         """text's token ids, remembered for the last `ENCODED_KEPT` texts: an environment's observations repeat (a
@@ -136,6 +138,27 @@ class ConversationRenderer:
             raise UserError(f"{WHERE}: the chat template does not render an observation from reset as the next message after "
                             "the prompt (set data.chat_template=plain or another template)")
         return prompt[: len(prompt) - len(generation)], Observation(self._tail_ids(rendered, len(closed)), said)
+
+    def appended(self, prompt: list[int], messages: list[dict], text: str, room: Optional[float] = None) -> tuple[list[int], Observation]:
+        """reset's text appended to the content of the prompt's last message (TRL's environment classes) -> (the prompt's
+        ids up to the end of that content, what follows them), so that prompt + observation is what the template renders
+        for the prompt's messages with the text added to the last one's content: the text, then the rest of the prompt
+        (the message's end, the generation prompt). The last message must be one the template ends as a user
+        message. Plain text: the prompt as it is, the text after it. `messages` is not read: the text is the message's."""
+        safe, said = self._safe([{"role": "user", "content": text}], text, room)
+        if self.chat is None:
+            return prompt, Observation(self.encode(said[0]["text"]), said)
+        content = safe[0]["content"]  # cut to what the room holds, lone surrogates replaced
+        if self._append_probe is None:  # the probe prompt up to its content's end, and the ids after it: the same every call
+            closed = self.chat.render([{"role": "user", "content": PROBE_QUESTION}], True, strip_bos=False)
+            cut = closed.index(PROBE_QUESTION) + len(PROBE_QUESTION)
+            self._append_probe = closed[:cut], self._tail_ids(closed, cut)
+        head, rest = self._append_probe
+        rendered = self.chat.render([{"role": "user", "content": PROBE_QUESTION + content}], True, strip_bos=False)
+        if not rendered.startswith(head) or not rest or prompt[len(prompt) - len(rest):] != rest:
+            raise UserError(f"{WHERE}: reset's text cannot be appended to the prompt's last message: the prompt does not end "
+                            "as the template ends a user message (TRL's environment classes append it there)")
+        return prompt[: len(prompt) - len(rest)], Observation(self._tail_ids(rendered, len(head)), said)
 
     def observation(self, messages: list[dict], text: str, stopped: bool, room: Optional[float] = None) -> Observation:
         """A step's observation after a model turn (`stopped`: the turn ended with the stop token) -> its ids and

@@ -63,11 +63,26 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
                                     say=say)
     if runner is not None:
         renderer.check(needs_tools=bool(runner.tools), max_turns=max_turns, what=f"environment {environment}")
-        if renderer.first_observation_problem:
+        if renderer.first_observation_problem and not runner.reset_appends:
             say(renderer.first_observation_problem)
     for dataset in datasets:
-        dataset.render_chat(renderer)
+        dataset.render_chat(renderer, rows_tools(runner, dataset))
     return Conversation(renderer, runner, template)
+
+
+def rows_tools(runner, dataset) -> Optional[list]:
+    """Each row's tools, when the environment's rows choose among several (`EnvironmentRunner.tools_for`), every row's
+    choice checked now: a row that chooses none is one line naming it, before any weights load. None: every prompt
+    shows the environment's tools (or none)."""
+    if runner is None or not runner.chooses_per_row:
+        return None
+    tools = []
+    for i in range(len(dataset)):
+        try:
+            tools.append(runner.tools_for(dataset.row(i)))
+        except UserError as e:
+            raise UserError(f"{dataset.where(i)}: {e}") from None
+    return tools
 
 
 def conversation_for(config, tokenizer, datasets: list, say: Callable[[str], None] = lambda message: None,

@@ -70,15 +70,17 @@ class Renderer:
         self.template_used: Optional[str] = None
         self._strip_bos: Optional[str] = None
 
-    def render(self, messages: Messages, add_generation_prompt: bool, strip_bos: bool = True, with_tools: bool = True) -> str:
-        """The template's text for `messages` (with `tools` unless not `with_tools`, and the template kwargs); a Jinja
-        error is one UserError line."""
+    def render(self, messages: Messages, add_generation_prompt: bool, strip_bos: bool = True, with_tools: bool = True,
+               tools: Optional[list[dict]] = None) -> str:
+        """The template's text for `messages` (with `tools`, or the `tools` given: a row's own, unless not `with_tools`,
+        and the template kwargs); a Jinja error is one UserError line."""
         if self.template_used is None:
             template = resolve_chat_template(self.tokenizer, self.requested)
             self._check_writes_content(template)
             self.template_used = template
             self._strip_bos = _bos_added_by(self.tokenizer)
-        extra = {**self.template_kwargs, **({"tools": self.tools} if self.tools and with_tools else {})}
+        tools = self.tools if tools is None else tools
+        extra = {**self.template_kwargs, **({"tools": tools} if tools and with_tools else {})}
         text = self._apply(self.template_used, messages, add_generation_prompt, extra)
         if strip_bos and self._strip_bos and text.startswith(self._strip_bos):
             text = text[len(self._strip_bos) :]
@@ -111,8 +113,9 @@ class Renderer:
             raise UserError(f"data.chat_template: {shown!r} writes no message's content (a user message renders as {text[:80]!r}); "
                             "give auto, plain, tokenizer, a .jinja file, or Jinja text that writes message['content']")
 
-    def prompt(self, prompt: Text) -> str:
-        return prompt if isinstance(prompt, str) else self.render(prompt, add_generation_prompt=True)
+    def prompt(self, prompt: Text, tools: Optional[list[dict]] = None) -> str:
+        """A prompt's text: a string as it is, messages rendered with the generation prompt (and `tools`: a row's own)."""
+        return prompt if isinstance(prompt, str) else self.render(prompt, add_generation_prompt=True, tools=tools)
 
     def pair(self, prompt: Text, completion: Text, where: str = "") -> tuple[str, str]:
         """-> (prompt text, completion text); chat completions are the rendered conversation's tail."""

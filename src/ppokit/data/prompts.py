@@ -53,13 +53,18 @@ class PromptDataset:
         train, held = split_eval(list(range(len(self))), fraction, seed)
         return self.subset(train), self.subset(held)
 
-    def render_chat(self, renderer: Renderer) -> None:
-        """Render chat prompts with a generation prompt; no-op for text prompts."""
+    def row(self, i: int) -> dict[str, Any]:
+        """Row i's columns other than the prompt, by name."""
+        return {name: values[i] for name, values in self.columns.items()}
+
+    def render_chat(self, renderer: Renderer, tools: Optional[list[Optional[list[dict]]]] = None) -> None:
+        """Render chat prompts with a generation prompt (tools: each row's own tools; None: the renderer's); no-op for
+        text prompts."""
         if self.chat is None:
             return
         for i, messages in enumerate(self.chat):
             if messages is not None:
-                self.prompts[i] = renderer.prompt(messages)
+                self.prompts[i] = renderer.prompt(messages) if tools is None else renderer.prompt(messages, tools=tools[i] or [])
         self.chat = None
 
 

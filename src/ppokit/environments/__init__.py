@@ -2,6 +2,7 @@
 
     base.py   the Environment protocol, load_environment(spec), EnvironmentRunner (deadlines, checks)
     tools.py  loading tools, their schemas, running a call; the built-in Tools environment
+    trl_environment.py  TRLEnvironment: TRL's environment classes (environment_factory), one or several per run
     tool_parsers.py  the tool-call formats by name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai, auto)
     guess.py  the demo game GuessNumber, its data rows and SFT transcripts
     gymtext.py  GymText: SkyRL-gym BaseTextEnv classes and GEM environments as ppokit environments
@@ -24,6 +25,7 @@ _WHERE = {
     "python_tool": ["execute_python", "run_python"],
     "tool_parsers": ["PARSERS", "BadToolCall", "ToolCall", "resolve_parser"],
     "tools": ["Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas"],
+    "trl_environment": ["TRLEnvironment"],
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 

@@ -43,8 +43,8 @@ from ppokit.rewards.sources import RewardError, as_number
 from ppokit.user_code import load_attribute
 from ppokit.process.workers import DeadlineExceeded, ThreadCall, WorkerThreads, code_raised, outside_event_loop, raised_text, run_coroutine
 
-BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber", "ppokit.environments:OpenEnv",
-                        "ppokit.environments:GymText")
+BUILTIN_ENVIRONMENTS = ("ppokit.environments:Tools", "ppokit.environments:GuessNumber", "ppokit.environments:TRLEnvironment",
+                        "ppokit.environments:OpenEnv", "ppokit.environments:GymText")
 SPEC_FORMS = "'path/to/env.py:ClassName' or 'package.module:ClassName' (built-in: " + ", ".join(BUILTIN_ENVIRONMENTS) + ")"
 
 
@@ -58,6 +58,12 @@ class Environment(Protocol):
                                         instance attribute; read once from a first instance)
       observation_messages(observation) -> list[dict]   the chat messages for one observation, when it
                                         is more than one message (several tool results)
+      get_reward() -> float             the episode's reward from its own state, asked once when the episode has
+                                        ended (TRL's name), added to its step rewards; may be `async def`
+      reset_appends: bool = False       reset's text is appended to the prompt's last message (TRL's) instead of
+                                        following it as a message of its own
+      tools_for(row), environment_for(row), environment_names   rows that choose among several environments
+                                        (TRLEnvironment's factories): a row's tools, its environment's name, the names
     """
 
     def reset(self, row: dict) -> Optional[str]:
@@ -120,6 +126,7 @@ class EnvironmentRunner:
 
         runner = EnvironmentRunner.from_config(spec, args, timeout_s, base_dir)
         runner.tools, runner.observation_role           # for rendering prompts and observations
+        runner.tools_for(row), runner.environment_for(row)  # what a row uses, when rows choose among several environments
         episodes = runner.start_many(rows, prompts)     # per row: an EpisodeEnvironment or an EnvironmentFailure
         steps = runner.step_many(episodes, completions) # per episode: a Step or an EnvironmentFailure
     """
@@ -141,12 +148,39 @@ class EnvironmentRunner:
             probe = self._call(lambda: cls(**self.args), "constructing it", prompt=None)
         except EnvironmentFailure as e:
             raise UserError(str(e)) from None
+        self.probe = probe  # what the row's choices are asked of (`tools_for`, `environment_for`; closed below, these read its class's tables)
         self.tools: Optional[list[dict]] = getattr(probe, "tools", None)
         self.observation_role: str = getattr(probe, "observation_role", "user")
+        self.reset_appends: bool = bool(getattr(probe, "reset_appends", False))  # reset's text ends the prompt's last message
+        self.environment_names: list[str] = list(getattr(probe, "environment_names", None) or [])  # rows choose among these
+        self.gives_rewards: bool = bool(getattr(probe, "gives_rewards", True))
         self.notes: list[str] = list(getattr(probe, "notes", None) or [])  # what it has to tell the user at start (Tools: the call format chosen)
         EpisodeEnvironment(self, probe, None).close()  # it never plays: what it opened is closed now
         if self.observation_role not in ("user", "tool"):
             raise UserError(f"environment {spec}: observation_role must be 'user' or 'tool', got {self.observation_role!r}")
+
+    # ------------------------------------------------------------------ what each row uses, decided here once
+
+    @property
+    def chooses_per_row(self) -> bool:
+        """Whether rows choose among several environments (the environment's `tools_for`): their prompts differ in tools."""
+        return callable(getattr(self.probe, "tools_for", None))
+
+    def tools_for(self, row: dict) -> Optional[list[dict]]:
+        """The tools a row's prompt shows (JSON schemas; None: none): the environment's `tools_for(row)`, else `tools`.
+        A row that chooses no environment is a UserError line (the caller names the row)."""
+        return self.probe.tools_for(row) if self.chooses_per_row else self.tools
+
+    def environment_for(self, row: dict) -> Optional[str]:
+        """The name of the environment a row's episode uses, among `environment_names`, for its metrics; None with one
+        environment, or for a row that chooses none (its reset fails the episode)."""
+        choose = getattr(self.probe, "environment_for", None)
+        if choose is None:
+            return None
+        try:
+            return choose(row)
+        except Exception:  # noqa: BLE001 - its episode says why
+            return None
 
     @classmethod
     def from_config(cls, spec: str, args: Optional[dict], timeout_s: Optional[float], base_dir: Optional[Path] = None,
@@ -255,17 +289,22 @@ class EnvironmentRunner:
             raise EnvironmentFailure(f"environment {self.spec}: observation_messages returned {_short(messages)}; expected a list of {{role, content}} dicts{where}")
         return messages
 
+    def check_reward(self, reward, what: str, prompt: Optional[str]) -> float:
+        """A reward `what` returned -> a finite float; EnvironmentFailure naming the environment and the value otherwise."""
+        number = None if reward is None else as_number(reward)  # None would read as NaN: a forgotten return
+        if number is None:
+            raise EnvironmentFailure(f"environment {self.spec}: {what} returned the reward {_short(reward)} (a {type(reward).__name__}); "
+                                     f"expected a number{prompt_suffix(prompt)}")
+        if not math.isfinite(number):
+            raise EnvironmentFailure(f"environment {self.spec}: {what} returned the reward {number}; expected a finite number{prompt_suffix(prompt)}")
+        return number
+
     def check_step(self, env, result, prompt: Optional[str]) -> Step:
         """step's return value -> a Step; EnvironmentFailure naming the environment and the value otherwise."""
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             raise EnvironmentFailure(f"environment {self.spec}: step returned {_short(result)}; expected (observation, reward, done){prompt_suffix(prompt)}")
         observation, reward, done = result
-        number = None if reward is None else as_number(reward)  # None would read as NaN: a forgotten return
-        if number is None:
-            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {_short(reward)} (a {type(reward).__name__}); "
-                                     f"expected a number{prompt_suffix(prompt)}")
-        if not math.isfinite(number):
-            raise EnvironmentFailure(f"environment {self.spec}: step returned the reward {number}; expected a finite number{prompt_suffix(prompt)}")
+        number = self.check_reward(reward, "step", prompt)
         if not _is_flag(done):
             raise EnvironmentFailure(f"environment {self.spec}: step returned done={_short(done)} (a {type(done).__name__}); "
                                      f"expected True or False{prompt_suffix(prompt)}")
@@ -334,6 +373,15 @@ class EpisodeEnvironment:
             return step
 
         return self.runner._call(whole, "step", self.prompt, watched)
+
+    def final_reward(self, watched: bool = False) -> Optional[float]:
+        """The episode's reward from the environment's own state, asked once when the episode has ended: its
+        `get_reward()` (TRL's name; sync or async), checked (a finite number), under the deadline; None without one."""
+        get_reward = getattr(self.env, "get_reward", None)
+        if not callable(get_reward):
+            return None
+        return self.runner._call(lambda: self.runner.check_reward(self.runner.settled(get_reward()), "get_reward", self.prompt),
+                                 "get_reward", self.prompt, watched)
 
 
 class EnvironmentCalls:

@@ -99,6 +99,7 @@ class _Episode:
     truncated: bool = False
     last_turn_stopped: bool = False
     error: Optional[str] = None
+    environment: Optional[str] = None  # the name of the environment its row chose, among several (its metrics'); None: one
     transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
     request: Optional[str] = None  # the id of its last request
     kept: bool = False  # the engine keeps that request's keys and values for the episode's next turn
@@ -182,6 +183,7 @@ class EpisodeLoop:
         stopped = False
         try:
             if environment is not None:
+                episode.environment = self.runner.environment_for(row)
                 started = await calls.run(partial(environment.start, dict(row)), "reset", episode.text)
                 if not self._started(episode, started):
                     return
@@ -195,7 +197,9 @@ class EpisodeLoop:
                 more = episode.turns < self.max_turns and not episode.truncated
                 step = await calls.run(partial(environment.step, text, self._render(episode) if more else None), "step", episode.text)
                 if not self._answered(episode, step):
-                    return
+                    break
+            if episode.error is None:  # it ended (done, its turns or its budget used up): the environment's own verdict, if it has one
+                self._rewarded(episode, await calls.run(environment.final_reward, "get_reward", episode.text))
         except asyncio.CancelledError:  # the rollout is stopping (another episode's error, Ctrl-C): not waited for
             stopped = True
             raise
@@ -244,8 +248,9 @@ class EpisodeLoop:
             return False
         first = started.first
         if first is not None and first.observation is not None:
+            place = self.renderer.appended if self.runner.reset_appends else self.renderer.first
             try:
-                episode.prompt, observation = self.renderer.first(episode.prompt, first.messages, first.observation, self._room(episode))
+                episode.prompt, observation = place(episode.prompt, first.messages, first.observation, self._room(episode))
             except UserError as e:  # the template cannot follow a prompt with an observation (said at the start)
                 episode.error = str(e)
                 return False
@@ -282,6 +287,17 @@ class EpisodeLoop:
             return False
         return value.observation is None or self._observe(episode, value.rendered)
 
+    def _rewarded(self, episode: _Episode, value) -> None:
+        """The environment's reward for the whole episode (`EpisodeEnvironment.final_reward`: None without one, or the
+        failure) -> added to its last model turn's reward (where the score sits), shown on that turn in the transcript."""
+        if isinstance(value, BaseException):
+            episode.error = str(value)
+        elif value is not None:
+            last = next(span for span in reversed(episode.spans) if span.logprobs is not None)
+            last.reward += value
+            turn = next(entry for entry in reversed(episode.transcript) if entry["role"] == "assistant")
+            turn["final_reward"] = value
+
     def _observe(self, episode: _Episode, observation: Observation) -> bool:
         """Append an observation's tokens (`ConversationRenderer.first` or `.observation`), cut to the room left (the
         episode then ends, truncated: False); its transcript entries say what the model read."""
@@ -309,7 +325,7 @@ class EpisodeLoop:
                 f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
     def _packed(self, episodes: list[_Episode]) -> "Episodes":
-        said = None if self.runner is None else [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript) for e in episodes]
+        said = None if self.runner is None else [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript, e.environment) for e in episodes]
         ended = [e.done or (e.last_turn_stopped and not e.truncated) for e in episodes]
         return pack([e.prompt for e in episodes], [e.spans for e in episodes], ended, self.pad_token_id, self.device, said)
 

@@ -74,9 +74,10 @@ def tool_schemas(tools: dict[str, Callable], where: str = "environment_args.tool
 # --------------------------------------------------------------------------- running a call
 
 
-def run_tool(tools: dict[str, Callable], call: Union[ToolCall, BadToolCall], timeout_s: Optional[float]) -> str:
-    """The text the model gets back for one call: the tool's result (a str as is, anything else as JSON,
-    or str() when it is not JSON), or an error text (unknown tool, wrong arguments, the tool raised or
+def run_tool(tools: dict[str, Callable], call: Union[ToolCall, BadToolCall], timeout_s: Optional[float],
+             as_text: Optional[Callable[[Any], str]] = None) -> str:
+    """The text the model gets back for one call: the tool's result (`as_text`; by default a str as is, anything else
+    as JSON, or str() when it is not JSON), or an error text (unknown tool, wrong arguments, the tool raised or
     did not return within `timeout_s` seconds: its thread is left running, Python cannot stop it)."""
     if isinstance(call, BadToolCall):
         return call.error
@@ -104,7 +105,7 @@ def run_tool(tools: dict[str, Callable], call: Union[ToolCall, BadToolCall], tim
         if not code_raised(e, thread):
             raise  # a stop request (Ctrl-C) that reached the main thread while it ran the tool
         return f"error: {call.name} raised {raised_text(e)}"
-    return _as_text(result)
+    return (as_text or _as_text)(result)
 
 
 def _as_text(result: Any) -> str:
@@ -120,13 +121,53 @@ def _as_text(result: Any) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _loaded(specs: tuple, base_dir: Optional[str]) -> tuple[dict, list]:
+def loaded_tools(specs: tuple, base_dir: Optional[str]) -> tuple[dict, list]:
     """Tools and schemas per (tools list, folder): an instance is made per episode, the files are read once."""
     tools = load_tools(list(specs), None if base_dir is None else Path(base_dir))
     return tools, tool_schemas(tools)
 
 
-class Tools:
+def check_call_limits(timeout_s, max_calls) -> None:
+    """environment_args.timeout_s (each tool call's deadline) and max_calls (calls run per turn), checked in one line each."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not 0 < timeout_s <= threading.TIMEOUT_MAX):
+        raise UserError(f"environment_args.timeout_s: expected a number of seconds in (0, {threading.TIMEOUT_MAX:.0f}] "
+                        f"(threading.TIMEOUT_MAX: the longest wait Python takes) or null, got {timeout_s!r}")
+    if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+        raise UserError(f"environment_args.max_calls: expected an integer >= 1, got {max_calls!r}")
+
+
+class ToolCalling:
+    """What an environment whose model calls tools does with a turn (`Tools`, `TRLEnvironment`): its calls read in the
+    run's call format (`parser`, with the tools' `schemas`), run in order (`functions`: name -> callable, each under
+    `timeout_s`, at most `max_calls` of a turn; `result_text` makes a result the model's text), and answered with one
+    `tool` message each; a turn without a call ends the episode, with reward 0."""
+
+    observation_role = "tool"
+    result_text: Optional[Callable[[Any], str]] = None  # None: run_tool's (a str as is, anything else as JSON)
+
+    def step(self, completion: str) -> tuple[Optional[str], float, bool]:
+        """completion: the model's turn with its special tokens (a call's markers), without its stop token."""
+        calls = self.parser.parse(completion, self.schemas)
+        self._messages = []
+        if not calls:
+            return None, 0.0, True
+        for i, call in enumerate(calls):
+            name = call.name if call.name is not None else "?"
+            if i >= self.max_calls:
+                result = f"error: at most {self.max_calls} tool calls run per turn; this one did not"
+            else:
+                result = run_tool(self.functions, call, self.timeout_s, self.result_text)
+            self._messages.append({"role": "tool", "name": name, "content": result})
+        text = "\n".join(f"<tool_response>\n{m['content']}\n</tool_response>" for m in self._messages)
+        return text, 0.0, False
+
+    def observation_messages(self, observation: str) -> list[dict]:
+        """One `tool` message per call of the last step (the chat template groups them)."""
+        return list(self._messages)
+
+
+class Tools(ToolCalling):
     """The built-in environment `ppokit.environments:Tools`: the model calls Python functions.
 
     environment_args: tools (["file.py:fn", "package.module:fn", ...], required); tool_parser (the call format, by
@@ -146,26 +187,19 @@ class Tools:
     every turn and every tool result).
     """
 
-    observation_role = "tool"
-
     def __init__(self, tools=None, timeout_s: Optional[float] = 10.0, max_calls: int = 8, tool_parser: str = "auto",
                  tool_schemas: str = "template", base_dir: Optional[str] = None, chat_template: Optional[str] = None,
                  unsafe_python_without_isolation: bool = False):
         if tools is None:
             raise UserError("environment_args.tools: required by ppokit.environments:Tools (a list of 'file.py:function')")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not 0 < timeout_s <= threading.TIMEOUT_MAX):
-            raise UserError(f"environment_args.timeout_s: expected a number of seconds in (0, {threading.TIMEOUT_MAX:.0f}] "
-                            f"(threading.TIMEOUT_MAX: the longest wait Python takes) or null, got {timeout_s!r}")
-        if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
-            raise UserError(f"environment_args.max_calls: expected an integer >= 1, got {max_calls!r}")
+        check_call_limits(timeout_s, max_calls)
         if tool_schemas not in TOOL_SCHEMAS:
             raise UserError(f"environment_args.tool_schemas: expected one of {', '.join(TOOL_SCHEMAS)}, got {tool_schemas!r}")
         if isinstance(tools, str) or not isinstance(tools, (list, tuple)) or not tools or not all(isinstance(t, str) for t in tools):
             raise UserError(f"environment_args.tools: expected a list of tools ({TOOL_SPEC_FORMS}), got {tools!r}")
         if not isinstance(unsafe_python_without_isolation, bool):
             raise UserError(f"environment_args.unsafe_python_without_isolation: expected true or false, got {unsafe_python_without_isolation!r}")
-        functions, schemas = _loaded(tuple(tools), None if base_dir is None else str(base_dir))
+        functions, schemas = loaded_tools(tuple(tools), None if base_dir is None else str(base_dir))
         self.functions = checked_for_isolation(functions, unsafe_python_without_isolation)
         self.tools = schemas if tool_schemas == "template" else None  # what the chat template gets as `tools=`
         self.schemas = schemas
@@ -178,25 +212,5 @@ class Tools:
     def reset(self, row: dict) -> None:
         return None
 
-    def step(self, completion: str) -> tuple[Optional[str], float, bool]:
-        """completion: the model's turn with its special tokens (a call's markers), without its stop token."""
-        calls = self.parser.parse(completion, self.schemas)
-        self._messages = []
-        if not calls:
-            return None, 0.0, True
-        for i, call in enumerate(calls):
-            name = call.name if call.name is not None else "?"
-            if i >= self.max_calls:
-                result = f"error: at most {self.max_calls} tool calls run per turn; this one did not"
-            else:
-                result = run_tool(self.functions, call, self.timeout_s)
-            self._messages.append({"role": "tool", "name": name, "content": result})
-        text = "\n".join(f"<tool_response>\n{m['content']}\n</tool_response>" for m in self._messages)
-        return text, 0.0, False
 
-    def observation_messages(self, observation: str) -> list[dict]:
-        """One `tool` message per call of the last step (the chat template groups them)."""
-        return list(self._messages)
-
-
-__all__ = ["PARSER_NAMES", "BadToolCall", "ToolCall", "Tools", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas"]
+__all__ = ["PARSER_NAMES", "BadToolCall", "ToolCall", "ToolCalling", "Tools", "check_call_limits", "load_tools", "parse_tool_calls", "run_tool", "tool_schemas"]

@@ -109,6 +109,37 @@ def episode_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) 
     return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}
 
 
+def environment_metrics(episodes: Episodes, names: list[str], scores: torch.Tensor, valid: torch.Tensor,
+                        reduce_sum: Optional[ReduceSum] = None) -> dict[str, float]:
+    """Per environment, when rows choose among several (`names`, `Episodes.environments`): `env/<name>/episodes`, how
+    many of the update's episodes (every process's) it played, and means over them: `turns`, `done_rate`, `reward` (its
+    own reward, steps and get_reward, over the episodes that did not fail) and `score` (the combined score, over the rows
+    in the update); a mean is left out when it has nothing to average. One reduction for every process's sums."""
+    if not names or episodes.environments is None:
+        return {}
+    device = episodes.turns.device
+    rewards, scores, valid = episodes.environment_rewards.to(device), scores.to(device).double(), valid.to(device)
+    columns = []
+    for name in names:
+        mine = torch.tensor([e == name for e in episodes.environments], dtype=torch.bool, device=device)
+        scored, counted = mine & ~torch.isnan(rewards), mine & valid
+        columns += [mine.sum(), (episodes.turns * mine).sum(), (episodes.done & mine).sum(), scored.sum(),
+                    torch.where(scored, rewards, 0.0).sum(), counted.sum(), torch.where(counted, scores, 0.0).sum()]
+    sums = torch.stack([c.to(torch.float64) for c in columns])
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    out: dict[str, float] = {}
+    for name, (n, turns, done, n_scored, reward, n_counted, score) in zip(names, sums.view(len(names), 7).tolist()):
+        out[f"env/{name}/episodes"] = int(n)
+        if n:
+            out[f"env/{name}/turns"], out[f"env/{name}/done_rate"] = turns / n, done / n
+        if n_scored:
+            out[f"env/{name}/reward"] = reward / n_scored
+        if n_counted:
+            out[f"env/{name}/score"] = score / n_counted
+    return out
+
+
 def eval_metrics(scores: list[float], lengths: list[int], ended: list[bool]) -> dict[str, float]:
     """`PPOTrainer.evaluate`'s metrics over the scored eval episodes (one entry of each list per episode; at least
     one): eval/scores, eval/response_length (trained tokens), eval/ended (share that produced the stop token),

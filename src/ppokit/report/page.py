@@ -154,6 +154,9 @@ def _turn_outcome(turn: dict) -> str:
     reward = turn.get("reward")
     if isinstance(reward, (int, float)) and not isinstance(reward, bool) and reward != 0:
         notes.append(f"reward {_num(float(reward), 2)}")
+    final = turn.get("final_reward")  # the environment's get_reward, on the episode's last turn
+    if isinstance(final, (int, float)) and not isinstance(final, bool):
+        notes.append(f"get_reward {_num(float(final), 2)}")
     if turn.get("done") is True:
         notes.append("the environment ended the episode")
     return f" <i>({'; '.join(notes)})</i>" if notes else ""

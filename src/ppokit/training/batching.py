@@ -107,7 +107,8 @@ def forward_view(episodes: Episodes) -> Episodes:
     prompt_width, response_width = episodes.query_ids.shape[1], trained.shape[1]
     end = torch.where(trained.any(1), algo.last_token_index(trained) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
     needed = torch.arange(prompt_width + response_width, device=trained.device) < (prompt_width + end).unsqueeze(1)
-    return replace(episodes, attention_mask=episodes.attention_mask & needed, environment_errors=None, transcripts=None)
+    return replace(episodes, attention_mask=episodes.attention_mask & needed, environment_errors=None, transcripts=None,
+                   environments=None)
 
 
 def plan_episodes(rows: torch.Tensor, episodes: Episodes, max_tokens: int) -> list[torch.Tensor]:

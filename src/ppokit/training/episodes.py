@@ -69,6 +69,7 @@ class Episodes:
     truncated: Optional[torch.Tensor] = None  # (B,) bool, cut by rollout.max_episode_tokens
     environment_errors: Optional[list[Optional[str]]] = None  # one line per failed episode (raised, timed out, a bad value)
     transcripts: Optional[list[list[dict[str, Any]]]] = None  # per episode its turns as text: {"role": assistant|user|tool, "text"}
+    environments: Optional[list[Optional[str]]] = None  # per episode the name of the environment its row chose (several in a run)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -141,6 +142,7 @@ class EnvironmentSaid:
     truncated: bool  # cut by rollout.max_episode_tokens
     error: Optional[str] = None  # the one line of its failure (raised, timed out, a bad value); the episode is out
     transcript: list[dict[str, Any]] = field(default_factory=list)  # its turns as text: {"role", "text"}
+    environment: Optional[str] = None  # the name of the environment its row chose, among several; None: one
 
 
 def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], pad_token_id: int, device=None,
@@ -201,4 +203,5 @@ def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], p
     episodes.truncated = torch.tensor([said.truncated for said in environment], dtype=torch.bool, device=device)
     episodes.environment_errors = [said.error for said in environment]
     episodes.transcripts = [said.transcript for said in environment]
+    episodes.environments = [said.environment for said in environment]
     return episodes

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from ppokit.models import adapters
 from ppokit.training import algo, batching
 from ppokit.training.episodes import Episodes
 from ppokit.training.estimators import Estimator
-from ppokit.metrics.values import episode_metrics
+from ppokit.metrics.values import environment_metrics, episode_metrics
 from ppokit.models.loading import eval_mode, response_logprobs
 from ppokit.training.optimise import PolicyAndValue
 from ppokit.rewards import ScoringBatch, completion_token_ids
@@ -47,13 +47,15 @@ class Scored:
 
 
 def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: dict, *, stop_token_ids: tuple[int, ...],
-          device: torch.device, update_statistics: bool = True, all_reduce: Optional[Reduce] = None) -> Scored:
+          device: torch.device, update_statistics: bool = True, all_reduce: Optional[Reduce] = None,
+          environments: Sequence[str] = ()) -> Scored:
     """The reward sources (`scorer`) on each episode's prompt and completion, scores and valid on `device`.
 
     The completion is everything after the prompt (with an environment: every turn and observation), decoded
     by the policy's `tokenizer`; the environment's summed rewards and failures reach its reward source from the
     episodes. update_statistics=False (evaluation, a greedy baseline) leaves the scorer's reward normalisation
-    where it was. all_reduce sums the episode metrics' parts over processes (None: one process)."""
+    where it was. all_reduce sums the episode metrics' parts over processes (None: one process). environments: the
+    names rows choose their environment among (several in one run), each with its `env/<name>/*` metrics."""
     completions = tokenizer.batch_decode(
         episodes.response_ids.masked_fill(~episodes.attention_mask[:, episodes.query_ids.shape[1]:], tokenizer.pad_token_id),
         skip_special_tokens=True,
@@ -67,7 +69,8 @@ def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: di
         environment_errors=list(episodes.environment_errors) if environment else None,
     )
     result = scorer.score(batch, update_statistics)
-    metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}), **scorer.metrics(result)}
+    metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}), **scorer.metrics(result),
+               **environment_metrics(episodes, list(environments), result.scores, result.valid, all_reduce)}
     return Scored(result.scores.to(device), result.valid.to(device), result.errors, completions, metrics, result.raw)
 
 

@@ -43,6 +43,7 @@ class Rollout:
         self.scorer, self.tokenizer, self.sampling = scorer, tokenizer, sampling
         self.stop_token_ids, self.device, self.reduce = conversation.stop_token_ids, device, reduce
         self.seed, self.process_index = seed, process_index
+        self.environments = conversation.runner.environment_names if conversation.runner is not None else []
 
     @property
     def engine(self):
@@ -68,7 +69,8 @@ class Rollout:
     def score(self, episodes: Episodes, prompts: list[str], columns: dict, update_statistics: bool = True) -> experience.Scored:
         """The reward sources on the episodes (`experience.score`)."""
         return experience.score(self.scorer, self.tokenizer, episodes, prompts, columns, stop_token_ids=self.stop_token_ids,
-                                device=self.device, update_statistics=update_statistics, all_reduce=self.reduce)
+                                device=self.device, update_statistics=update_statistics, all_reduce=self.reduce,
+                                environments=self.environments)
 
     def sample_and_score(self, data, query_ids: list[list[int]], rows, purpose: str,
                          update: Optional[int] = None) -> tuple[Episodes, experience.Scored]:

@@ -69,6 +69,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     from ppokit.models.loading import policy_tokenizer
     from ppokit.data.prompts import load_prompt_data
     from ppokit.rewards import check_sources
+    from ppokit.errors import UserError
 
     check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
                   strategy=config.parallel.strategy, report_to=config.report_to)
@@ -87,4 +88,8 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
         config.reward, reward_functions=reward_functions, base_dir=Path.cwd(), reward_model=reward_model_given or bool(config.reward.model),
         data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
         environment=config.environment is not None)
+    if conversation.runner is not None and not conversation.runner.gives_rewards and not (
+            rewards.functions or rewards.remote or reward_model_given or config.reward.model):
+        raise UserError(f"environment {config.environment}: no class of it defines get_reward, and the reward: section names "
+                        "no other source: every episode would score 0; add reward.functions or a get_reward method")
     return Start(train_data, eval_data, tokenizer, sizes, conversation, train_query_ids, eval_query_ids, rewards)
