@@ -170,7 +170,7 @@ MUTATIONS = [
              "the stop token that ended the model's turn is written again at the start of the observation"),
     # ---- the renderer
     Mutation("tools_missing_from_the_prompt", "src/ppokit/conversation/setup.py",
-             "    for dataset in datasets:\n        dataset.render_chat(renderer)\n",
+             "    for dataset in datasets:\n        dataset.render_chat(renderer, rows_tools(runner, dataset))\n",
              "    for dataset in datasets:\n        dataset.render_chat(ConversationRenderer(tokenizer, Renderer(tokenizer, template, template_kwargs=template_kwargs) if template else None))\n",
              (f"{CONV}::test_the_trainers_prompts_carry_the_tools_and_a_run_trains",),
              "the training prompts are rendered without tools= (the bug issue 28 found)"),

@@ -355,7 +355,7 @@ def test_the_rollout_seeds_an_update_by_its_number_and_rows_across_processes(mon
 
     source = Source()
     monkeypatch.setattr(rollout_module, "episode_source", lambda engine, conversation, **keys: source)
-    conversation = types.SimpleNamespace(stop_token_ids=())
+    conversation = types.SimpleNamespace(stop_token_ids=(), runner=None)
     rollout = Rollout(None, conversation, None, None, Sampling.by_purpose(Hp, ()), max_turns=1, max_episode_tokens=4, max_concurrent=None,
                       pad_token_id=0, device=torch.device("cpu"), reduce=None, seed=9, process_index=2)
     rollout.sample([[1], [2], [3]], ["a", "b", "c"], {}, update=5)
