@@ -213,7 +213,7 @@ class PPOTrainer:
                 last = state.update == self.sizes.num_updates
                 if sample_every and not state.skipped_in_a_row and (state.update % sample_every == 0 or last):
                     rows = self._saved_if_it_fails(self.sample_completions, record)
-                    record.update(evaluation.eval_score(rows))
+                    record.update(evaluation.eval_score(rows, evaluation.EvalSamples.of(hp)))
                     sinks.samples(rows)
                 state.records.append(record)
                 sinks.record(record)
@@ -262,17 +262,19 @@ class PPOTrainer:
 
     def evaluate(self, max_prompts: Optional[int] = None, seed: Optional[int] = None) -> dict[str, float]:
         """Sample completions for the eval prompts (all, or the first `max_prompts`) with the current policy, score them ->
-        `eval/scores`, `eval/response_length`, `eval/ended` (share that produced the stop token), `eval/num_scored`. Sampled
+        `eval/scores`, `eval/response_length`, `eval/ended` (share that produced the stop token), `eval/num_scored`, and with
+        ppo.eval_pass_at_k `eval/pass@k` and `eval/mean@n` over ppo.eval_samples_per_prompt samples per prompt. Sampled
         at `ppo.eval_temperature` (0: greedy) with a generator of its own seeded with `seed` (default `config.seed`):
         repeatable, training's random stream left as it was. Reward normalisation statistics are not updated."""
         return evaluation.evaluate(self.rollout, self.eval_data, self.eval_query_ids, max_prompts=max_prompts,
                                    seed=self.config.seed if seed is None else seed,
-                                   rows_per_call=self.config.ppo.local_rollout_forward_batch_size, device=self.accelerator.device)
+                                   rows_per_call=self.config.ppo.local_rollout_forward_batch_size, device=self.accelerator.device,
+                                   samples=evaluation.EvalSamples.of(self.config.ppo))
 
     def sample_completions(self) -> list[dict]:
         """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows (score None: unscored)."""
-        rows = evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples,
-                                      self._last_batch, update=self.state.update, episode=self.state.episodes_sampled)
+        rows = evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples, self._last_batch,
+                                      evaluation.EvalSamples.of(self.config.ppo), update=self.state.update, episode=self.state.episodes_sampled)
         if self.state.update == 0 and self.eval_data is not None:
             self._samples_before = rows
         return rows

@@ -109,6 +109,26 @@ def episode_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) 
     return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}
 
 
+def pass_at_k_metrics(scores: list[Optional[float]], samples_per_prompt: int, ks: list[int], threshold: float) -> dict[str, float]:
+    """`eval/pass@k` for each k of `ks` and `eval/mean@n` over eval samples: `scores` holds n = `samples_per_prompt`
+    adjacent entries per prompt (None: unscored, which counts as not correct and in no mean). A sample is correct
+    when its score is >= `threshold`; pass@k is `algo.pass_at_k` (Chen et al. 2021, unbiased) averaged over the prompts;
+    mean@n the mean score of each prompt's scored samples averaged over the prompts with one. {} without ks."""
+    if not ks:
+        return {}
+    n = samples_per_prompt
+    if len(scores) % n:
+        raise ValueError(f"{len(scores)} eval scores are not {n} per prompt")
+    groups = [scores[i:i + n] for i in range(0, len(scores), n)]
+    correct = torch.tensor([sum(s is not None and s >= threshold for s in group) for group in groups])
+    drawn = torch.full_like(correct, n)
+    means = [sum(scored) / len(scored) for scored in ([s for s in group if s is not None] for group in groups) if scored]
+    metrics = {f"eval/pass@{k}": algo.pass_at_k(drawn, correct, k).mean().item() for k in ks}
+    if means:
+        metrics[f"eval/mean@{n}"] = sum(means) / len(means)
+    return metrics
+
+
 def eval_metrics(scores: list[float], lengths: list[int], ended: list[bool]) -> dict[str, float]:
     """`PPOTrainer.evaluate`'s metrics over the scored eval episodes (one entry of each list per episode; at least
     one): eval/scores, eval/response_length (trained tokens), eval/ended (share that produced the stop token),
