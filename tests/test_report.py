@@ -799,3 +799,13 @@ def test_pass_at_k_and_mean_at_n_are_drawn_at_the_eval_updates(tmp_path):
     # a run without them draws no such panel
     plain = make_report([write_run(tmp_path / "plain", healthy_records())], tmp_path / "plain.html")
     assert "pass@k" not in Path(next(p for p in plain["figures"] if p.endswith("score.svg"))).read_text()
+
+
+def test_a_distillation_runs_teacher_kl_is_drawn_beside_the_kl_to_the_reference(tmp_path):
+    records = [{"update": u, "episode": BATCH * u, "objective/kl": 0.1 * u, "objective/scores": 0.0, "teacher/kl": 2.0 / u} for u in range(1, 9)]
+    summary = make_report([write_run(tmp_path / "run", records)], tmp_path / "report.html")
+    drawing = {Path(p).stem: Path(p).read_text() for p in summary["figures"]}
+    lines, _, x_tol, y_tol = read_back(panels_of(drawing["kl"])["reverse KL to the teacher per token (teacher/kl)"])
+    assert_at(lines[0], [(u, 2.0 / u) for u in range(1, 9)], x_tol, y_tol)
+    assert "teacher/kl" not in Path(next(p for p in make_report([write_run(tmp_path / "plain", healthy_records())],
+                                                              tmp_path / "plain.html")["figures"] if p.endswith("kl.svg"))).read_text()

@@ -495,6 +495,8 @@ class PPOConfig:
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
     value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`.")
+    teacher: Optional[str] = doc(None, "On-policy distillation (docs/algorithms.md): a saved causal LM (local folder) with the policy's tokenizer, frozen, that scores every sampled token as the reference does; each token's reward gets -`teacher_coef` x (log pi_student - log pi_teacher), the negative per-token reverse KL, placed as the KL penalty is (gae and the critic-free estimators alike), logged as `teacher/kl`. Alone (no reward source needed) or beside the reward sources. A teacher whose vocabulary differs is refused at start-up. null: off.")
+    teacher_coef: float = doc(1.0, "With `teacher`: the weight of the per-token reverse KL to the teacher in the reward, against the reward sources' score (weighted by reward.weights).", check=positive)
     # resume=True: whether remote code may run and where the run is written change no number.
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.", resume=True)
     output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.", check=a_path, resume=True)
@@ -555,8 +557,11 @@ class PPOConfig:
             raise UserError("model: required (a path to a saved causal LM or a hub id)")
         has_reward_model = self._has_reward_model(reward_model_given)
         has_environment = self.environment is not None
-        if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment:
-            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment)")
+        if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment and self.teacher is None:
+            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment, or a teacher)")
+        if self.teacher is None and differs_from_default(self, "teacher_coef"):
+            raise UserError(f"teacher_coef ({self.teacher_coef}) weighs the reverse KL to a teacher, and `teacher` is not set; set teacher "
+                            "(a saved model with the policy's tokenizer) or remove teacher_coef")
         n_sources = int(has_reward_model) + len(self.reward.functions) + int(self.reward.remote is not None) + int(has_environment)
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")

@@ -105,6 +105,8 @@ def figure_specs(runs: list[RunData]) -> list[FigureSpec]:
             Panel("KL to the reference (objective/kl, nats per sequence)", [_metric("objective/kl")]),
             Panel("approx KL within an update (policy/approxkl_avg)", [_metric("policy/approxkl_avg")]),
             Panel("KL coefficient beta (objective/kl_coef)", [_metric("objective/kl_coef")], only_if_varies=True),
+            *([Panel("reverse KL to the teacher per token (teacher/kl)", [_metric("teacher/kl")])]
+              if any(run.has("teacher/kl") for run in runs) else []),
         ]),
         FigureSpec("policy", "Entropy, clipping and the policy ratio", [
             Panel("entropy per sequence (objective/entropy)", [_metric("objective/entropy")]),

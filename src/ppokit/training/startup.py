@@ -9,7 +9,8 @@
                   3. the output folder (`run_dir.check_run_folder`: not `.`, not a file, not another tool's)
                   4. the conversation (chat template, environment, stop token), the prompts' token ids, the micro-batch
                      token budget against the longest row (`lengths.check_budget`)
-                  5. the reward sources that load no weights (`rewards.check_sources`: functions found and their
+                  5. a `teacher`'s vocabulary against the policy's tokenizer (`loading.check_teacher`)
+                  6. the reward sources that load no weights (`rewards.check_sources`: functions found and their
                      signatures checked against the data's columns, the remote scorer, reward.weights' count)
 
 The trainer's set-up (`parts.assemble`) builds the run on what `prepare` returns; `ppokit plan` runs the same two, loading
@@ -66,7 +67,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     from ppokit.conversation.setup import conversation_for
     from ppokit.data.lengths import check_budget, encode_prompts
     from ppokit.process.machine import check_machine
-    from ppokit.models.loading import policy_tokenizer
+    from ppokit.models.loading import check_teacher, policy_tokenizer
     from ppokit.data.prompts import load_prompt_data
     from ppokit.rewards import check_sources
 
@@ -83,8 +84,10 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     train_query_ids, eval_query_ids = encode_prompts(tokenizer, {"data.train": train_data, "data.eval": eval_data},
                                                      config.data.max_prompt_length, say)
     check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], config.response_room)
+    if config.teacher is not None:
+        check_teacher(config.teacher, tokenizer, config.trust_remote_code)
     rewards = check_sources(
         config.reward, reward_functions=reward_functions, base_dir=Path.cwd(), reward_model=reward_model_given or bool(config.reward.model),
         data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
-        environment=config.environment is not None)
+        environment=config.environment is not None, teacher=config.teacher is not None)
     return Start(train_data, eval_data, tokenizer, sizes, conversation, train_query_ids, eval_query_ids, rewards)
