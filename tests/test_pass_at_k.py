@@ -95,19 +95,24 @@ def test_evaluation_samples_n_per_prompt_and_logs_pass_at_k(model_dir, prompts_f
     (["ppo.eval_samples_per_prompt=4", "ppo.eval_temperature=0"], "eval_temperature 0 .greedy. would sample 4 identical"),
     (["ppo.eval_correct_threshold=0.5"], "ppo.eval_correct_threshold .0.5. decides"),
     (["ppo.eval_pass_at_k=[2,2]"], "ppo.eval_pass_at_k: value .2, 2. is out of range"),
+    (["ppo.eval_samples_per_prompt=4", "ppo.eval_pass_at_k=[1,4]"], "ppo.eval_pass_at_k samples the eval prompts, and this run has none"),
 ])
 def test_bad_pass_at_k_settings_are_one_line_at_start_up_and_leave_no_run_folder(overrides, message, model_dir, prompts_file, tmp_path):
     from ppokit.config.schema import PPOConfig
 
-    with pytest.raises(UserError, match=message):
-        PPOConfig.load(None, [f"model={model_dir('llama')}", "reward.functions=[sentiment]", *overrides]).validate()
+    with pytest.raises(UserError, match=message):  # the config's own rules as it loads, the eval prompts' at the trainer's start
+        config = PPOConfig.load(None, [f"model={model_dir('llama')}", "reward.functions=[sentiment]", f"data.train={prompts_file}",
+                                       f"output_dir={tmp_path / 'api-run'}", *overrides])
+        PPOTrainer(config, show_progress=False)
+    assert not (tmp_path / "api-run").exists()
     out = tmp_path / "run"
     config = tmp_path / "ppo.yaml"
     config.write_text(json.dumps({"model": str(model_dir("llama")), "reward": {"functions": ["sentiment"]},
                                   "data": {"train": str(prompts_file)}, "output_dir": str(out)}))
     result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", str(config), *overrides], capture_output=True, text=True)
     assert result.returncode == 2 and not out.exists()
-    assert re.search(message, result.stderr) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("plan: ")]  # the preflight's estimate, then the refusal
+    assert len(errors) == 1 and errors[0].startswith("ppokit: error: ") and re.search(message, errors[0]), result.stderr
 
 
 def test_trls_num_generations_eval_is_eval_samples_per_prompt():

@@ -5,7 +5,8 @@
     prepare       what needs the prompts, the tokenizer and this machine, in the order the run meets it:
                   1. what the switches need of this machine (`machine.check_machine`: CUDA for quantization and fp16,
                      peft, a compiler, a tracker)
-                  2. the prompts (data readable), the tokenizer, the batch arithmetic with the prompts counted
+                  2. the prompts (data readable; eval prompts where ppo.eval_samples_per_prompt or eval_pass_at_k asks),
+                     the tokenizer, the batch arithmetic with the prompts counted
                   3. the output folder (`run_dir.check_run_folder`: not `.`, not a file, not another tool's)
                   4. the conversation (chat template, environment, stop token), the prompts' token ids, the micro-batch
                      token budget against the longest row (`lengths.check_budget`)
@@ -70,10 +71,14 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     from ppokit.models.loading import check_teacher, policy_tokenizer
     from ppokit.data.prompts import load_prompt_data
     from ppokit.rewards import check_sources
+    from ppokit.errors import UserError
 
     check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
                   strategy=config.parallel.strategy, report_to=config.report_to)
     train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
+    samples = "ppo.eval_pass_at_k" if config.ppo.eval_pass_at_k else "ppo.eval_samples_per_prompt" if config.ppo.eval_samples_per_prompt > 1 else None
+    if samples and eval_data is None:  # the sample generations would take the training batch, and never read it
+        raise UserError(f"{samples} samples the eval prompts, and this run has none; set data.eval or data.eval_fraction (or pass eval_dataset=)")
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)
     sizes = batch_sizes.derive(config.ppo, processes, len(train_data))
