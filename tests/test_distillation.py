@@ -158,3 +158,22 @@ def test_the_plan_counts_the_teachers_weights_and_its_forward(model_dir, sft_mod
     assert teacher.params == params and teacher.trainable == 0 and teacher.weights == 4 * params  # float32, frozen
     assert plan.total >= without.total + teacher.weights
     assert "teacher" in plan.render()
+
+
+def test_a_distillation_run_resumed_after_a_crash_is_the_straight_run(model_dir, sft_model_dir, prompts_file, tmp_path):
+    """The teacher is frozen and read again at resume: teacher/kl and every other metric of a run crashed in its second
+    update and resumed from its first checkpoint equal the straight run's."""
+    from test_checkpoint import comparable, resume_and_finish, train_until_crash_at_optimizer_step
+
+    def config(out, **extra):
+        c = tiny_ppo_config(model_dir("llama"), prompts_file, out, total_episodes=24, num_sample_generations=0, learning_rate=1e-2, **extra)
+        c.teacher, c.teacher_coef = str(sft_model_dir), 0.5
+        return c
+
+    PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
+    out = tmp_path / "run"
+    train_until_crash_at_optimizer_step(PPOTrainer(config(out, save_steps=1), show_progress=False), 6)  # in update 2
+    resume_and_finish(config(out, save_steps=1))
+    got, want = comparable(out / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["update"] for r in got] == [1, 2, 3] and all("teacher/kl" in r for r in got)
+    assert got == want
