@@ -133,3 +133,12 @@ def test_names_cannot_break_the_card(title, tmp_path):
     heading = next(line for line in text.splitlines() if line.startswith("# "))
     assert "<" not in heading and "\n" not in heading and ("|" not in title or "\\|" in heading)
     assert "No metrics were recorded." in text
+
+
+def test_a_distilled_policys_card_names_its_teacher_and_its_kl():
+    config = PPOConfig.load(None, ["model=org/base-1b", "data.train=org/prompts:train", "output_dir=runs/r", "teacher=runs/teacher",
+                                   "teacher_coef=0.5", "ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]).validate()
+    text = ppo_card(config, {"update": 2, "episode": 32, "teacher/kl": 0.75}, 2).render()
+    assert ("| teacher | `runs/teacher`: each sampled token's reward less 0.5 x its reverse KL log pi_student - log pi_teacher "
+            "(on-policy distillation) |") in text
+    assert "| reward | none: the teacher's alone |" in text and "| `teacher/kl` | 0.75 |" in text

@@ -779,3 +779,33 @@ def test_a_run_with_eval_data_samples_its_policy_before_training_without_changin
     assert caller_samples[:3] == drawn  # a caller's draw at update 0 is the run's generation before training
     page_summary = make_report([tmp_path / "run"], tmp_path / "report.html")
     assert page_summary["runs"][0]["finished"] and "(update 0: before training)" in (tmp_path / "report.html").read_text()
+
+
+def test_pass_at_k_and_mean_at_n_are_drawn_at_the_eval_updates(tmp_path):
+    """A run with ppo.eval_pass_at_k: one panel with a line per k, read back from the SVG at each eval's update."""
+    records = [{"update": u, "episode": BATCH * u, "objective/kl": 0.1 * u, "objective/scores": 0.1 * u} for u in range(1, 9)]
+    for r in records[3::4]:
+        u = r["update"]
+        r.update({"eval/scores": 0.05 * u, "eval/pass@1": 0.05 * u, "eval/pass@4": 0.1 * u, "eval/mean@4": 0.05 * u})
+    summary = make_report([write_run(tmp_path / "run", records)], tmp_path / "report.html")
+    drawing = {Path(p).stem: Path(p).read_text() for p in summary["figures"]}
+    panels = panels_of(drawing["score"])
+    panel = panels["eval: pass@k, unbiased over n samples per prompt (eval/pass@k)"]
+    lines, markers, x_tol, y_tol = read_back(panel)
+    assert legend_of(panel) == ["pass@1", "pass@4"]
+    assert_at(lines[0], [(4, 0.2), (8, 0.4)], x_tol, y_tol)
+    assert_at(lines[1], [(4, 0.4), (8, 0.8)], x_tol, y_tol)
+    assert "eval: mean score over the n samples of each prompt (eval/mean@n)" in panels
+    # a run without them draws no such panel
+    plain = make_report([write_run(tmp_path / "plain", healthy_records())], tmp_path / "plain.html")
+    assert "pass@k" not in Path(next(p for p in plain["figures"] if p.endswith("score.svg"))).read_text()
+
+
+def test_a_distillation_runs_teacher_kl_is_drawn_beside_the_kl_to_the_reference(tmp_path):
+    records = [{"update": u, "episode": BATCH * u, "objective/kl": 0.1 * u, "objective/scores": 0.0, "teacher/kl": 2.0 / u} for u in range(1, 9)]
+    summary = make_report([write_run(tmp_path / "run", records)], tmp_path / "report.html")
+    drawing = {Path(p).stem: Path(p).read_text() for p in summary["figures"]}
+    lines, _, x_tol, y_tol = read_back(panels_of(drawing["kl"])["reverse KL to the teacher per token (teacher/kl)"])
+    assert_at(lines[0], [(u, 2.0 / u) for u in range(1, 9)], x_tol, y_tol)
+    assert "teacher/kl" not in Path(next(p for p in make_report([write_run(tmp_path / "plain", healthy_records())],
+                                                              tmp_path / "plain.html")["figures"] if p.endswith("kl.svg"))).read_text()

@@ -142,6 +142,7 @@ STEPS = {
     "encode_prompts": "ppokit.data.lengths.encode_prompts",
     "check_budget": "ppokit.data.lengths.check_budget",
     "check_sources": "ppokit.rewards.check_sources",
+    "check_teacher": "ppokit.models.loading.check_teacher",
 }
 NOT_CHECKS = {"UserError", "cwd", "len", "bool", "set", "Start"}
 
@@ -157,11 +158,12 @@ def test_every_start_up_check_refuses_both_commands(run_folder, capsys, monkeypa
     `ppokit plan` both stop on it with its line, and nothing is left behind. The list is read from the functions'
     own code, so a check added there is tried here too, and one dropped (or one left out of a command) fails."""
     assert calls_in(startup.check_config) | calls_in(startup.prepare) == set(STEPS) | NOT_CHECKS
+    teacher = [f"teacher={yaml.safe_load((run_folder / 'ppo.yaml').read_text())['model']}"]  # so that check_teacher runs too
     for name, target in STEPS.items():
         with monkeypatch.context() as patch:
             def refuse(*args, name=name, **kwargs):
                 raise UserError(f"refused by {name}")
 
             patch.setattr(target, refuse)
-            plan, ppo = refused_alike(run_folder, [], capsys)
+            plan, ppo = refused_alike(run_folder, teacher, capsys)
         assert plan == ppo == f"ppokit: error: refused by {name}", (name, plan, ppo)

@@ -61,7 +61,7 @@ def test_first_update_ratio_is_one_with_dropout_in_the_checkpoint(arch, model_di
 def test_temperature_is_applied_in_reference_logprobs(model_dir, prompts_file, tmp_path):
     trainer = _trainer(model_dir, prompts_file, tmp_path, temperature=0.5)
     rollout = trainer.rollout.sample(trainer.train_query_ids[:4], *trainer.train_data.rows(range(4)))
-    ref_logprobs, values, _ = experience.reference_and_values(
+    ref_logprobs, values, _, _ = experience.reference_and_values(
         rollout, trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model, rows=trainer.config.ppo.local_rollout_forward_batch_size,
         packed=False, temperature=trainer.config.ppo.temperature, chunk_size=trainer.config.lm_head_chunk_size)
     # The reference starts equal to the policy, so with logits / T everywhere the KL is exactly 0.

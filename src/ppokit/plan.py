@@ -502,6 +502,14 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     else:
         roles.append(RoleEstimate("reference", "frozen copy of the policy", policy_params, 0, policy_weights, 0, 0, 0))
 
+    # Teacher (on-policy distillation): a frozen model of its own, loaded and scored as an own reference is.
+    teacher_config = None
+    if config.teacher is not None:
+        teacher_config = _auto_config(config.teacher, "teacher", trc)
+        limits.append(position_limit(teacher_config, "teacher"))
+        teacher_params, teacher_weights, _ = _stats(teacher_config, False, _dtype(teacher_config), None, trust_remote_code=trc)
+        roles.append(RoleEstimate("teacher", config.teacher, teacher_params, 0, teacher_weights, 0, 0, 0))
+
     # Reward.
     reward_config = None
     if config.reward.model:
@@ -552,12 +560,14 @@ def estimate(config: PPOConfig, prompt_length: int, num_prompts: Optional[int], 
     phases = {
         "sampling": engine.sampling,
         "forward": max(inference_bytes(dims, chunk, seq, act_bytes, room + 1, head_chunk),
+                       inference_bytes(_dims(teacher_config), chunk, seq, act_bytes, room + 1, head_chunk) if teacher_config else 0,
                        inference_bytes(value_dims, chunk, seq, act_bytes, 0) if value_dims else 0,
                        inference_bytes(_dims(reward_config), config.reward.batch_size, seq, act_bytes, 0) if reward_config else 0),
         "training": training_activations(roles, processes),
     }
 
-    models = [(policy_config, policy_weights)] + ([(reward_config, reward_weights)] if reward_config is not None else [])
+    models = ([(policy_config, policy_weights)] + ([(reward_config, reward_weights)] if reward_config is not None else [])
+              + ([(teacher_config, teacher_weights)] if teacher_config is not None else []))
     unit = max(_unit_bytes(c, w) for c, w in models)  # the largest layer and root unit FSDP gathers
     settings = config.parallel
     sharding = Sharding(processes, settings.shard_frozen, settings.cpu_offload, gathered={

@@ -2,8 +2,8 @@
 
     1. generate   sample n responses for each prompt of the batch (the rollout engine, or episodes over an environment)
     2. score      reward sources on prompt + completion text (and token ids); the greedy baseline an estimator asks for
-    3. forward    reference logprobs and (with a critic) values for every trained token
-    4. reward     per-token KL penalty (ppo.kl_in_reward) plus the score at each episode's score position
+    3. forward    reference logprobs, (with a critic) values and (with a teacher) the teacher's logprobs for every trained token
+    4. reward     per-token KL penalty (ppo.kl_in_reward), a teacher's reverse KL, plus the score at each score position
     5. advantages ppo.advantage_estimator's function (ppokit.training.estimators: gae, grpo, rloo, reinforce_pp, remax)
     6. optimise   num_ppo_epochs passes of clipped policy (+ value) loss over minibatches (ppokit.training.optimise)
     7. log        metrics.jsonl, console, samples.jsonl
@@ -120,8 +120,8 @@ class PPOTrainer:
         t_score = time.perf_counter()
 
         # 3. forward: reference logprobs and values (and the policy's own logprobs, where the engine's are not the trainer's)
-        episodes.ref_logprobs, episodes.values, trainer_logprobs = experience.reference_and_values(
-            episodes, parts.accelerator.unwrap_model(parts.model), parts.ref_model, rows=hp.local_rollout_forward_batch_size,
+        episodes.ref_logprobs, episodes.values, trainer_logprobs, episodes.teacher_logprobs = experience.reference_and_values(
+            episodes, parts.accelerator.unwrap_model(parts.model), parts.ref_model, teacher=parts.teacher, rows=hp.local_rollout_forward_batch_size,
             packed=hp.max_tokens_per_micro_batch is not None, temperature=hp.temperature, chunk_size=self.config.lm_head_chunk_size,
             autocast=parts.accelerator.autocast, policy_logprobs=not rollout.engine.logprobs_are_trainers)
         mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, reduce, floor=hp.rollout_is_floor)
@@ -131,7 +131,7 @@ class PPOTrainer:
         kl_coef = parts.kl_controller.value if hp.kl_in_reward else 0.0
         episodes.rewards, kl, non_score = experience.rewards(
             episodes, kl_estimator=hp.kl_estimator, kl_clamp=hp.kl_clamp, kl_coef=kl_coef, whiten=hp.whiten_rewards,
-            turn_weight=parts.turn_weight)
+            turn_weight=parts.turn_weight, teacher_coef=self.config.teacher_coef)
 
         # 5. advantages
         episodes.advantages, episodes.returns = experience.advantages(
@@ -213,7 +213,7 @@ class PPOTrainer:
                 last = state.update == self.sizes.num_updates
                 if sample_every and not state.skipped_in_a_row and (state.update % sample_every == 0 or last):
                     rows = self._saved_if_it_fails(self.sample_completions, record)
-                    record.update(evaluation.eval_score(rows))
+                    record.update(evaluation.eval_score(rows, evaluation.EvalSamples.of(hp)))
                     sinks.samples(rows)
                 state.records.append(record)
                 sinks.record(record)
@@ -262,17 +262,19 @@ class PPOTrainer:
 
     def evaluate(self, max_prompts: Optional[int] = None, seed: Optional[int] = None) -> dict[str, float]:
         """Sample completions for the eval prompts (all, or the first `max_prompts`) with the current policy, score them ->
-        `eval/scores`, `eval/response_length`, `eval/ended` (share that produced the stop token), `eval/num_scored`. Sampled
+        `eval/scores`, `eval/response_length`, `eval/ended` (share that produced the stop token), `eval/num_scored`, and with
+        ppo.eval_pass_at_k `eval/pass@k` and `eval/mean@n` over ppo.eval_samples_per_prompt samples per prompt. Sampled
         at `ppo.eval_temperature` (0: greedy) with a generator of its own seeded with `seed` (default `config.seed`):
         repeatable, training's random stream left as it was. Reward normalisation statistics are not updated."""
         return evaluation.evaluate(self.rollout, self.eval_data, self.eval_query_ids, max_prompts=max_prompts,
                                    seed=self.config.seed if seed is None else seed,
-                                   rows_per_call=self.config.ppo.local_rollout_forward_batch_size, device=self.accelerator.device)
+                                   rows_per_call=self.config.ppo.local_rollout_forward_batch_size, device=self.accelerator.device,
+                                   samples=evaluation.EvalSamples.of(self.config.ppo))
 
     def sample_completions(self) -> list[dict]:
         """Completions for a few eval prompts (or the current batch), scored, as samples.jsonl rows (score None: unscored)."""
-        rows = evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples,
-                                      self._last_batch, update=self.state.update, episode=self.state.episodes_sampled)
+        rows = evaluation.sample_rows(self.rollout, self.eval_data, self.eval_query_ids, self.config.ppo.num_eval_samples, self._last_batch,
+                                      evaluation.EvalSamples.of(self.config.ppo), update=self.state.update, episode=self.state.episodes_sampled)
         if self.state.update == 0 and self.eval_data is not None:
             self._samples_before = rows
         return rows

@@ -181,6 +181,9 @@ class PPOHyperparams:
     save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative, resume=True)
     num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); with eval data also once before training (update 0; its random draws leave training's stream as it was); 0 disables.", check=non_negative)
     num_eval_samples: int = doc(8, "Prompts (from data.eval, else the current batch) in each sample generation.", check=positive)
+    eval_samples_per_prompt: int = doc(1, "Responses sampled per eval prompt, n, in `evaluate()` and each sample generation (every one a samples.jsonl row; TRL `num_generations_eval`): `eval/scores` is then the mean over every sample, and with `eval_pass_at_k` the estimates of pass@k. More than 1 needs sampling (an `eval_temperature` other than 0).", check=positive)
+    eval_pass_at_k: list[int] = doc(factory=list, help="The ks of `eval/pass@k` (e.g. [1, 4]): the unbiased estimate (Chen et al. 2021) from the `eval_samples_per_prompt` samples of each eval prompt, of which c are correct (score >= `eval_correct_threshold`), averaged over the prompts: 1 - C(n - c, k) / C(n, k) (docs/algorithms.md). Each k in 1..eval_samples_per_prompt. With it `eval/mean@n` is logged too (the mean score over the n samples, averaged over the prompts). Empty: off.", check=rule("a list of distinct whole numbers >= 1", lambda v: isinstance(v, list) and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in v) and len(set(v)) == len(v)))
+    eval_correct_threshold: float = doc(1.0, "A sample counts as correct for `eval_pass_at_k` when its score (the combined score, as `eval/scores`) is at least this; a reward function that returns a bool scores 1 (true) or 0 (false). An unscored sample is not correct.")
     save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive, resume=True)
     max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive, resume=True)
     nonfinite_rollback: Union[str, bool] = doc("off", "What a non-finite loss or gradient at an optimiser step does. `off`: that step is skipped (no weight or optimiser-state change; every process agrees) and the update goes on, counted in `skipped_steps`; an update whose every step was skipped is a skipped update; nothing is copied. `memory`: the whole update is undone and skipped, from a copy of the trainable weights and optimiser state made at the start of every update in CPU memory (about 3x the trainable weights with AdamW, per process: ~84 GB for a 7B full fine-tune). `disk`: the same copy, written to the run folder (`.rollback/`, one file per process) instead. true means memory, false off (YAML reads an unquoted off as false).", check=ROLLBACK_CHOICE, resume=True)
@@ -199,6 +202,20 @@ class PPOHyperparams:
         if self.warmup_steps:
             return self.warmup_steps
         return math.ceil(Fraction(repr(self.warmup_ratio)) * num_steps)
+
+    def _check_eval_samples(self) -> None:
+        """pass@k needs k <= n samples per eval prompt, n > 1 needs sampling, and the threshold is read only by pass@k."""
+        n = self.eval_samples_per_prompt
+        above = [k for k in self.eval_pass_at_k if k > n]
+        if above:
+            raise UserError(f"ppo.eval_pass_at_k ({self.eval_pass_at_k}): pass@{above[0]} needs at least {above[0]} samples per eval "
+                            f"prompt, and ppo.eval_samples_per_prompt is {n}; raise it to {max(above)} or more, or drop k > {n}")
+        if n > 1 and self.eval_temperature == 0:
+            raise UserError(f"ppo.eval_samples_per_prompt ({n}) with ppo.eval_temperature 0 (greedy) would sample {n} identical "
+                            "responses per prompt; set ppo.eval_temperature above 0 (or null: ppo.temperature)")
+        if not self.eval_pass_at_k and differs_from_default(self, "eval_correct_threshold"):
+            raise UserError(f"ppo.eval_correct_threshold ({self.eval_correct_threshold}) decides which samples pass for "
+                            "ppo.eval_pass_at_k, which is not set; set ppo.eval_pass_at_k (e.g. [1, 4]) or remove the key")
 
     @property
     def estimator(self) -> Estimator:
@@ -226,6 +243,7 @@ class PPOHyperparams:
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
+        self._check_eval_samples()
         if self.warmup_steps and self.warmup_ratio:
             raise UserError(f"ppo.warmup_steps ({self.warmup_steps}) and ppo.warmup_ratio ({self.warmup_ratio}) both set the warm-up; set one of them")
         if (self.lr_scheduler_type == "cosine_with_min_lr") != (self.min_lr_rate is not None):
@@ -477,6 +495,8 @@ class PPOConfig:
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
     value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`.")
+    teacher: Optional[str] = doc(None, "On-policy distillation (docs/algorithms.md): a saved causal LM (a folder, or an id as `ref_model`) with the policy's tokenizer, frozen, that scores every sampled token as the reference does; each token's reward gets -`teacher_coef` x (log pi_student - log pi_teacher), the negative per-token reverse KL, placed as the KL penalty is (gae and the critic-free estimators alike), logged as `teacher/kl`. Alone (no reward source needed) or beside the reward sources. A teacher whose vocabulary differs is refused at start-up. null: off.")
+    teacher_coef: float = doc(1.0, "With `teacher`: the weight of the per-token reverse KL to the teacher in the reward, against the reward sources' score (weighted by reward.weights).", check=positive)
     # resume=True: whether remote code may run and where the run is written change no number.
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.", resume=True)
     output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.", check=a_path, resume=True)
@@ -537,8 +557,11 @@ class PPOConfig:
             raise UserError("model: required (a path to a saved causal LM or a hub id)")
         has_reward_model = self._has_reward_model(reward_model_given)
         has_environment = self.environment is not None
-        if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment:
-            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment)")
+        if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment and self.teacher is None:
+            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment, or a teacher)")
+        if self.teacher is None and differs_from_default(self, "teacher_coef"):
+            raise UserError(f"teacher_coef ({self.teacher_coef}) weighs the reverse KL to a teacher, and `teacher` is not set; set teacher "
+                            "(a saved model with the policy's tokenizer) or remove teacher_coef")
         n_sources = int(has_reward_model) + len(self.reward.functions) + int(self.reward.remote is not None) + int(has_environment)
         if self.reward.weights is not None and len(self.reward.weights) != n_sources:
             raise UserError(f"reward.weights has {len(self.reward.weights)} entries for {n_sources} reward sources")

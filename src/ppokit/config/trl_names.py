@@ -150,7 +150,8 @@ NO_EQUIVALENT = "ppokit has no equivalent"
 TRL_GRPO_EQUIVALENTS: dict[str, Callable[[Any], Said]] = {
     # the algorithm
     "num_generations": same("ppo.num_samples_per_prompt", "TRL's default is 8, ppokit's 1"),
-    "num_generations_eval": lambda value: f"{NO_EQUIVALENT}: its evaluation samples one response per prompt",
+    "num_generations_eval": same("ppo.eval_samples_per_prompt", "TRL's unset default is num_generations, ppokit's 1; "
+                                 "ppo.eval_pass_at_k adds pass@k"),
     "max_completion_length": same("ppo.response_length"),
     "num_iterations": same("ppo.num_ppo_epochs", "TRL's default is 1, ppokit's 4"),
     "beta": _beta,

@@ -23,7 +23,8 @@ def objective_metrics(
     episodes: Episodes, kl: torch.Tensor, non_score: torch.Tensor, kept: torch.Tensor, kl_coef: float, reduce_sum: ReduceSum
 ) -> dict[str, float]:
     """objective/* and val/num_eos_tokens: per-episode means (sums over tokens within an episode), and
-    objective/scores_std, the spread of the scores within the update (population std over its episodes).
+    objective/scores_std, the spread of the scores within the update (population std over its episodes); with a
+    teacher `teacher/kl` (`teacher_kl`).
 
     kl, non_score: (B, R) per-token KL and KL penalty; kept: (B,) bool. Token sums are over the trained
     tokens (`Episodes.trained_mask`: none on a dropped row).
@@ -49,6 +50,8 @@ def objective_metrics(
         estimator["objective/baseline_scores"] = baseline_sum / n
     if episodes.returns is not None:  # a critic: how much of the returns' variance its values explain (its own reductions)
         estimator["val/explained_variance"] = algo.explained_variance(episodes.values, episodes.returns, mask, reduce_sum).item()
+    if episodes.teacher_logprobs is not None:  # on-policy distillation: the mean per-token reverse KL to the teacher
+        estimator["teacher/kl"] = teacher_kl(episodes, reduce_sum)
     return {
         "objective/scores": score_sum / n,
         "objective/scores_std": math.sqrt(max(score_sq_sum / n - (score_sum / n) ** 2, 0.0)),
@@ -61,6 +64,15 @@ def objective_metrics(
         "val/num_eos_tokens": int(ended),
         **estimator,
     }
+
+
+def teacher_kl(episodes: Episodes, reduce_sum: ReduceSum) -> float:
+    """`teacher/kl`: log pi_student - log pi_teacher of the sampled tokens (`algo.distillation_rewards`), a mean over the
+    trained tokens of every process: a one-sample estimate of the per-token KL(student || teacher)."""
+    mask = episodes.trained_mask
+    reverse_kl = algo.distillation_rewards(episodes.logprobs, episodes.teacher_logprobs, mask, 1.0)[1]
+    total, tokens = reduce_sum(torch.stack([reverse_kl.sum().float(), mask.sum().float()])).tolist()
+    return total / max(tokens, 1.0)
 
 
 # Training statistics (keys of `optimise.micro_batch_backward`'s stats) -> their metric names.
@@ -138,6 +150,24 @@ def environment_metrics(episodes: Episodes, names: list[str], scores: torch.Tens
         if n_counted:
             out[f"env/{name}/score"] = score / n_counted
     return out
+def pass_at_k_metrics(scores: list[Optional[float]], samples_per_prompt: int, ks: list[int], threshold: float) -> dict[str, float]:
+    """`eval/pass@k` for each k of `ks` and `eval/mean@n` over eval samples: `scores` holds n = `samples_per_prompt`
+    adjacent entries per prompt (None: unscored, which counts as not correct and in no mean). A sample is correct
+    when its score is >= `threshold`; pass@k is `algo.pass_at_k` (Chen et al. 2021, unbiased) averaged over the prompts;
+    mean@n the mean score of each prompt's scored samples averaged over the prompts with one. {} without ks."""
+    if not ks:
+        return {}
+    n = samples_per_prompt
+    if len(scores) % n:
+        raise ValueError(f"{len(scores)} eval scores are not {n} per prompt")
+    groups = [scores[i:i + n] for i in range(0, len(scores), n)]
+    correct = torch.tensor([sum(s is not None and s >= threshold for s in group) for group in groups])
+    drawn = torch.full_like(correct, n)
+    means = [sum(scored) / len(scored) for scored in ([s for s in group if s is not None] for group in groups) if scored]
+    metrics = {f"eval/pass@{k}": algo.pass_at_k(drawn, correct, k).mean().item() for k in ks}
+    if means:
+        metrics[f"eval/mean@{n}"] = sum(means) / len(means)
+    return metrics
 
 
 def eval_metrics(scores: list[float], lengths: list[int], ended: list[bool]) -> dict[str, float]:

@@ -672,6 +672,22 @@ def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> b
     return a is b or (type(a) is type(b) and a.get_vocab() == b.get_vocab())
 
 
+def check_teacher(path: str, tokenizer: PreTrainedTokenizerBase, trust_remote_code: bool = False) -> None:
+    """`teacher`: a saved model whose tokenizer gives every token id the string the policy's gives it, and whose
+    embeddings cover the policy's ids (the teacher scores the policy's sampled ids as they are); a UserError otherwise."""
+    teacher = load_tokenizer(path, trust_remote_code, "teacher")
+    if teacher.get_vocab() != tokenizer.get_vocab():
+        theirs, ours = teacher.get_vocab(), tokenizer.get_vocab()
+        differ = next((t for t in sorted(ours, key=ours.get) if theirs.get(t) != ours[t]), None)
+        differ = differ if differ is not None else next(t for t in theirs if t not in ours)
+        raise UserError(f"teacher: {path} has another vocabulary than the policy's tokenizer ({len(theirs)} tokens against {len(ours)}; "
+                        f"{differ!r} is id {theirs.get(differ)} there, {ours.get(differ)} here): on-policy distillation scores the policy's "
+                        "token ids with the teacher, so both need one tokenizer; use a teacher of the policy's family")
+    size = getattr(model_config(path, "teacher", trust_remote_code), "vocab_size", None)
+    if size is not None and size < len(tokenizer):
+        raise UserError(f"teacher: {path} has {size} embeddings, fewer than the policy tokenizer's {len(tokenizer)} tokens")
+
+
 def left_pad(sequences: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists -> (ids (B, P) long, mask (B, P) bool), padded on the left."""
     width = max(len(s) for s in sequences)

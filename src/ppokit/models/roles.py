@@ -169,6 +169,8 @@ def configs_reading_policy_ids(
     configs = {"model": model_config(model if model is not None else config.model, "model", trc)}
     if layout.reference == REFERENCE_OWN:
         configs["ref_model"] = model_config(ref_model if ref_model is not None else config.ref_model, "ref_model", trc)
+    if config.teacher is not None:
+        configs["teacher"] = model_config(config.teacher, "teacher", trc)
     if layout.critic == CRITIC_OWN:
         configs["value_model"] = model_config(value_model if value_model is not None else config.value_model, "value_model", trc)
     if reward_vocabulary and scorer.reward_model is not None:
@@ -178,11 +180,13 @@ def configs_reading_policy_ids(
 
 @dataclass
 class Roles:
-    """The trainable policy and critic (None without one), and the frozen reference (None: the policy's base, adapters off)."""
+    """The trainable policy and critic (None without one), the frozen reference (None: the policy's base, adapters off)
+    and the frozen teacher of on-policy distillation (None: no `teacher`)."""
 
     policy: nn.Module
     reference: Optional[nn.Module]
     value: Optional[nn.Module]
+    teacher: Optional[nn.Module] = None
 
 
 def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, model=None, ref_model=None, value_model=None) -> Roles:
@@ -198,6 +202,8 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
         reference.requires_grad_(False)
     elif layout.reference == REFERENCE_COPY:
         reference = frozen_copy(policy)
+    # The teacher (on-policy distillation) is a frozen model of its own, loaded and scored as an own reference is.
+    teacher = load_causal_lm(config.teacher, "teacher", trc).requires_grad_(False) if config.teacher is not None else None
     reward_model = scorer.reward_model
     value = {
         CRITIC_SHARED: lambda: None,  # an adapter on the policy's base, added with the policy's below
@@ -209,7 +215,7 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
         CRITIC_POLICY_COPY: lambda: value_model_from_policy(policy),
         CRITIC_NONE: lambda: None,
     }[layout.critic]()
-    for m in (policy, reference, value, reward_model):
+    for m in (policy, reference, value, reward_model, teacher):
         if m is not None:
             disable_dropout(m)
     # Adapters after disable_dropout, so that lora.dropout is the one dropout left on purpose.
@@ -231,10 +237,10 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     # The memory-light LM head and the compiled forward read the logits from the last hidden state: a model whose forward
     # computes them otherwise is refused now, before the optimiser, rather than trained on wrong logits.
     switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
-    for m in (policy, reference) if switch else ():
+    for m in (policy, reference, teacher) if switch else ():
         if m is not None:
             check_output_head(m, switch)
-    return Roles(policy, reference, value)
+    return Roles(policy, reference, value, teacher)
 
 
 def trainable_by_role(policy: nn.Module, value: Optional[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -62,6 +62,19 @@ def reward_source_panels(runs: list[RunData]) -> list[Panel]:
     return [Panel(f"{name} (raw score of the source)", [_metric(name)]) for name in names]
 
 
+def eval_sample_panels(runs: list[RunData]) -> list[Panel]:
+    """With n samples per eval prompt (ppo.eval_pass_at_k): one panel of `eval/pass@k` for every k any run logged, and
+    `eval/mean@n`, each at the updates that sampled the eval prompts."""
+    keys = {k for r in runs for rec in r.records for k in rec if k.startswith(("eval/pass@", "eval/mean@"))}
+    passes = sorted((k for k in keys if k.startswith("eval/pass@")), key=lambda k: int(k.rpartition("@")[2]))
+    means = sorted((k for k in keys if k.startswith("eval/mean@")), key=lambda k: int(k.rpartition("@")[2]))
+    panels = [Panel("eval: pass@k, unbiased over n samples per prompt (eval/pass@k)",
+                    [_metric(k, k.partition("/")[2], markers=True) for k in passes])] if passes else []
+    if means:
+        panels.append(Panel("eval: mean score over the n samples of each prompt (eval/mean@n)", [_metric(k, markers=True) for k in means]))
+    return panels
+
+
 def episode_figures(runs: list[RunData]) -> list[FigureSpec]:
     """The multi-turn figure, when a run has episodes over an environment (`rollout/turns`): how often the
     environment ended them (a game won), in how many turns, with how many tokens, and how many the budget cut."""
@@ -84,6 +97,7 @@ def figure_specs(runs: list[RunData]) -> list[FigureSpec]:
                   [_metric("objective/scores", "train"),
                    Line("eval", key="eval/scores", compute=eval_scores, dashed=True, markers=True)]),
             Panel("score - beta x KL (objective/rlhf_reward)", [_metric("objective/rlhf_reward")]),
+            *eval_sample_panels(runs),
             *reward_source_panels(runs),
         ]),
         *episode_figures(runs),
@@ -91,6 +105,8 @@ def figure_specs(runs: list[RunData]) -> list[FigureSpec]:
             Panel("KL to the reference (objective/kl, nats per sequence)", [_metric("objective/kl")]),
             Panel("approx KL within an update (policy/approxkl_avg)", [_metric("policy/approxkl_avg")]),
             Panel("KL coefficient beta (objective/kl_coef)", [_metric("objective/kl_coef")], only_if_varies=True),
+            *([Panel("reverse KL to the teacher per token (teacher/kl)", [_metric("teacher/kl")])]
+              if any(run.has("teacher/kl") for run in runs) else []),
         ]),
         FigureSpec("policy", "Entropy, clipping and the policy ratio", [
             Panel("entropy per sequence (objective/entropy)", [_metric("objective/entropy")]),

@@ -320,11 +320,13 @@ def check_sources(
     data_columns: Optional[dict[str, set[str]]] = None,
     reward_model: bool = False,
     environment: bool = False,
+    teacher: bool = False,
 ) -> CheckedSources:
     """Every check of the `reward:` section that needs no weights, before any model loads (the run's set-up and
     `ppokit plan` both run it, `ppokit.training.startup`): each function resolved (objects passed in replace the config's entries)
     and its signature checked against `data_columns` (split -> its column names), the remote scorer built, and the
-    number of sources against reward.weights. reward_model / environment: whether those sources are there too."""
+    number of sources against reward.weights. reward_model / environment: whether those sources are there too; teacher:
+    a run with a teacher needs no source (the reverse KL to it is a reward of its own)."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
     # A column a function needs but the data lacks, or a signature that cannot take the call, fails now, not after
@@ -348,7 +350,7 @@ def check_sources(
             max_response_bytes=r.max_response_bytes, key="reward.remote",
         )
     count = reward_model + len(functions) + (remote is not None) + environment
-    if not count:
+    if not count and not teacher:
         raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
     if reward.weights is not None and len(reward.weights) != count:
         raise UserError(f"reward.weights has {len(reward.weights)} entries for {count} reward sources")

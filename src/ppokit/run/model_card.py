@@ -30,7 +30,7 @@ PPO_KEYS = ("learning_rate", "total_episodes", "per_device_train_batch_size", "g
             "kl_coef", "kl_estimator", "kl_target", "kl_in_reward", "kl_loss_coef", "kl_loss_estimator", "kl_clamp", "cliprange",
             "cliprange_low", "cliprange_high", "entropy_coef", "loss_aggregation", "vf_coef", "cliprange_value", "gamma", "lam",
             "vf_learning_rate")
-RESULT_PREFIXES = ("objective/", "eval/", "reward/")
+RESULT_PREFIXES = ("objective/", "eval/", "reward/", "teacher/")
 
 
 @dataclass
@@ -104,7 +104,9 @@ def ppo_card(config, final_record: Optional[dict], total_updates: int) -> ModelC
     training = [
         ("base model", _code(config.model)),
         ("data", _data_cell({"train": config.data.train, "eval": config.data.eval})),
-        ("reward", _reward_sources(config.reward)),
+        ("reward", "none: the teacher's alone" if config.teacher and not _has_source(config) else _reward_sources(config.reward)),
+        *([("teacher", f"{_code(config.teacher)}: each sampled token's reward less {config.teacher_coef:g} x its reverse KL "
+                       "log pi_student - log pi_teacher (on-policy distillation)")] if config.teacher else []),
         ("advantage estimator", f"`{estimator}`: {hp.estimator_description}"),
         ("trained weights", f"a LoRA adapter (r {config.lora.r}, alpha {config.lora.alpha:g}) on the frozen base" if config.lora
          else "all weights"),
@@ -156,6 +158,11 @@ def stage_card(stage: str, config, summary: dict) -> ModelCard:
         base_model=config.model, data=data, training=training, hyperparameters=hyperparameters, results=results,
         results_title="Results", task="text-classification" if rm else "text-generation", tags=["reward-model" if rm else "sft"],
     )
+
+
+def _has_source(config) -> bool:
+    reward = config.reward
+    return bool(reward.model or reward.functions or reward.remote is not None or config.environment is not None)
 
 
 def _reward_sources(reward) -> str:

@@ -51,6 +51,12 @@ References:
            Reasoning", arXiv:2505.24298 (the decoupled PPO objective for stale rollouts: the ratio against a
            proximal policy, the behaviour policy corrected by an importance weight), after Hilton et al. 2022,
            "Batch size-invariance for policy optimization", arXiv:2110.00641 (decoupling the proximal policy).
+  [Codex]  Chen et al. 2021, "Evaluating Large Language Models Trained on Code", arXiv:2107.03374 (section 2.1:
+           the unbiased pass@k estimator 1 - C(n - c, k) / C(n, k) and its numerically stable product form).
+  [OPD]    Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated
+           Mistakes" (GKD), arXiv:2306.13649; Lu & Thinking Machines Lab 2025, "On-Policy Distillation"
+           (the student samples, the teacher scores each sampled token, the per-token reverse KL
+           log pi_student - log pi_teacher is the negative reward).
 
 Loss aggregation and micro-batches (the contract `ppo_loss` keeps; batching code relies on it):
 
@@ -969,6 +975,43 @@ def ppo_loss(
             stats=_policy_stats(log_ratio, ratio, clipped, mask),
             dual_clipfrac=dual_clipfrac,
         )
+
+
+def distillation_rewards(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                         coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards of on-policy distillation: the negative reverse KL to a teacher on the sampled tokens [OPD].
+
+    logprobs: (B, T) the student's logprobs of its own sampled tokens (the rollout's old logprobs);
+    teacher_logprobs: (B, T) the teacher's logprobs of the same tokens; mask: (B, T) bool, the trained tokens
+    -> (rewards (B, T), reverse_kl (B, T)), both 0 outside the mask:
+      reverse_kl_t = log pi_student(y_t) - log pi_teacher(y_t)   (a one-sample estimate of KL(student || teacher))
+      rewards_t    = -coef * reverse_kl_t
+    placed on each token as the KL penalty's (`shape_rewards`), so gae and the critic-free estimators read them alike.
+    Both results are detached: the teacher's score is a reward, and no gradient reaches the policy (or the teacher)
+    through it; the policy learns from it only through the advantages, as from any reward.
+    """
+    maskf = mask.to(logprobs.dtype)
+    reverse_kl = ((logprobs - teacher_logprobs) * maskf).detach()
+    return -coef * reverse_kl, reverse_kl
+
+
+def pass_at_k(n: torch.Tensor, c: torch.Tensor, k: int) -> torch.Tensor:
+    """The unbiased pass@k estimator [Codex, section 2.1], per problem.
+
+    n: (P,) long, samples drawn for each problem; c: (P,) long, how many of them were correct (0 <= c <= n);
+    k: the budget, 1 <= k <= min(n) -> (P,) float64, the estimated probability that at least one of k samples is correct:
+      pass@k = 1 - C(n - c, k) / C(n, k)  =  1 - prod_{i = n - c + 1}^{n} (1 - k / i)
+    and exactly 1 where n - c < k (every draw of k holds a correct sample). The product form never forms the
+    binomial coefficients, which overflow float64 from n ~ 1030 on. Averaged over problems it is the pass@k of a
+    benchmark; with k = 1 it is c / n.
+    """
+    n, c = torch.as_tensor(n, dtype=torch.long), torch.as_tensor(c, dtype=torch.long)
+    if k < 1 or bool((n < k).any()) or bool(((c < 0) | (c > n)).any()):
+        raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n; got k={k}, n={n.tolist()}, c={c.tolist()}")
+    i = torch.arange(1, int(n.max()) + 1 if n.numel() else 1, dtype=torch.float64)  # (N,)
+    inside = (i > (n - c).unsqueeze(1)) & (i <= n.unsqueeze(1))  # (P, N): the product's factors for each problem
+    factors = torch.where(inside, 1.0 - k / i, torch.ones((), dtype=torch.float64))
+    return torch.where(n - c < k, torch.ones((), dtype=torch.float64), 1.0 - factors.prod(dim=1))
 
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 class Episodes:
     """One batch of episodes, filled in stages: a rollout engine fills the first seven fields (the episode loop
     the environment's too); scoring `scores` (and `baseline_scores` for an estimator with a greedy baseline) and
-    `valid`; the reference and value passes `ref_logprobs` and `values`; shaping and the advantage estimator the
+    `valid`; the reference and value passes `ref_logprobs` and `values` (and a teacher's `teacher_logprobs`); shaping and the advantage estimator the
     rest. Without a critic `values` and `returns` stay None; without an environment its fields do. Per-token
     fields are 0 outside `loss_mask`."""
 
@@ -53,6 +53,7 @@ class Episodes:
     score_index: torch.Tensor  # (B,) long, the response column that receives the score (single-turn: the last loss token)
     valid: Optional[torch.Tensor] = None  # (B,) bool, rows in the update; None: all of them
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) float, reference policy's logprobs
+    teacher_logprobs: Optional[torch.Tensor] = None  # (B, R) float, the teacher's logprobs (on-policy distillation: `teacher`)
     values: Optional[torch.Tensor] = None  # (B, R) float, value of the state before each token
     scores: Optional[torch.Tensor] = None  # (B,) float, combined reward-source score per episode
     baseline_scores: Optional[torch.Tensor] = None  # (B,) float, the greedy response's score (a greedy-baseline estimator)

@@ -3,8 +3,9 @@ and the models, sizes and settings they name, never the trainer or the whole con
 samples ahead of training (or a test) can call them as `PPOTrainer.step` does (stages 2-5 of its list).
 
     score                  the reward sources on each episode's prompt + completion -> `Scored`: scores (B,), valid (B,), ...
-    reference_and_values   one no-gradient pass: reference logprobs, values, the policy's own logprobs
-    rewards                per-token KL penalty, the score at each score position, per-turn rewards, whitening
+    reference_and_values   one no-gradient pass: reference logprobs, values, the policy's own logprobs, a teacher's logprobs
+    rewards                per-token KL penalty, a teacher's reverse KL, the score at each score position, per-turn rewards,
+                           whitening
     advantages             the estimator's advantages and returns over the trained tokens
     trained_on             the episodes as the optimisation sees them (truncated ones out, ppo.mask_truncated_completions)
 
@@ -77,8 +78,11 @@ def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: di
 @torch.inference_mode()
 def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: Optional[nn.Module], *, rows: int, packed: bool,
                          temperature: float, chunk_size: Optional[int], autocast: Autocast = contextlib.nullcontext,
-                         policy_logprobs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """-> (reference logprobs, values, the policy's own logprobs), each (B, R) over the trained tokens.
+                         policy_logprobs: bool = False, teacher: Optional[nn.Module] = None,
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """-> (reference logprobs, values, the policy's own logprobs, the teacher's logprobs), each (B, R) over the trained
+    tokens. teacher: the frozen teacher of on-policy distillation, scored as an own reference is (`forward_logprobs`,
+    the same chunks, temperature and no gradient); None: its logprobs are None.
 
     model: the policy and critic (unwrapped), values None without a critic; ref_model: the frozen reference, None
     for the LoRA policy's base (`reference_logprobs`). Chunks of `rows` rows (ppo.local_rollout_forward_batch_size);
@@ -87,12 +91,15 @@ def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: O
     (ppo.temperature, lm_head_chunk_size); autocast: the mixed-precision context. policy_logprobs: also the policy's
     own (a rollout engine whose logprobs are not the trainer's), else None."""
     budget = batching.forward_budget(episodes, rows) if packed else None
-    ref_logprobs, values, logprobs = [], [], []
+    ref_logprobs, values, logprobs, teacher_logprobs = [], [], [], []
     with model.critic_in_eval_mode(), eval_mode(model.policy):
         for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget):
             inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask)
             ref_logprobs.append((index, reference_logprobs(model.policy, ref_model, *inputs, temperature=temperature,
                                                            chunk_size=chunk_size, autocast=autocast), mb.trained_mask))
+            if teacher is not None:
+                teacher_logprobs.append((index, forward_logprobs(teacher, *inputs, temperature=temperature, chunk_size=chunk_size,
+                                                                 autocast=autocast), mb.trained_mask))
             if policy_logprobs:  # the PPO ratio's and the KL's old logprobs: the training forward's
                 logprobs.append((index, forward_logprobs(model.policy, *inputs, temperature=temperature, chunk_size=chunk_size,
                                                          autocast=autocast), mb.trained_mask))
@@ -100,7 +107,8 @@ def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: O
                 chunk_values = model.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
             if chunk_values is not None:
                 values.append((index, chunk_values, mb.trained_mask))
-    return tuple(batching.restore_tokens(pieces, episodes.trained_mask) if pieces else None for pieces in (ref_logprobs, values, logprobs))
+    return tuple(batching.restore_tokens(pieces, episodes.trained_mask) if pieces else None
+                 for pieces in (ref_logprobs, values, logprobs, teacher_logprobs))
 
 
 def reference_logprobs(policy: nn.Module, ref_model: Optional[nn.Module], input_ids, attention_mask, response_ids, trained_mask, *,
@@ -122,16 +130,20 @@ def forward_logprobs(model: nn.Module, input_ids, attention_mask, response_ids, 
 
 
 def rewards(episodes: Episodes, *, kl_estimator: str, kl_clamp: Optional[float], kl_coef: float, whiten: bool,
-            turn_weight: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            turn_weight: Optional[float] = None, teacher_coef: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (rewards (B, R), kl (B, R), non-score reward (B, R)): the per-token KL between the episodes' logprobs and
     ref_logprobs (`algo.kl_per_token` by `kl_estimator`, `kl_clamp`) times -kl_coef (0: the KL is not in the reward),
-    plus the episodes' scores at their score_index (`algo.shape_rewards`); with `turn_weight` (rollout.turn_rewards:
+    plus the episodes' scores at their score_index (`algo.shape_rewards`); with a teacher's logprobs
+    (`teacher_logprobs`, on-policy distillation) -teacher_coef x the reverse KL to it on every trained token
+    (`algo.distillation_rewards`); with `turn_weight` (rollout.turn_rewards:
     the environment's weight in reward.weights) the environment's part of each score moved to the turns that earned
     it (`algo.place_turn_rewards`); with `whiten` the rewards whitened over the trained tokens (ppo.whiten_rewards;
     not re-centred)."""
     mask = episodes.trained_mask
     kl = algo.kl_per_token(episodes.logprobs, episodes.ref_logprobs, kl_estimator, kl_clamp) * mask
     shaped, non_score = algo.shape_rewards(episodes.scores, kl, mask, kl_coef, episodes.score_index)
+    if episodes.teacher_logprobs is not None:
+        shaped = shaped + algo.distillation_rewards(episodes.logprobs, episodes.teacher_logprobs, mask, teacher_coef)[0]
     if turn_weight is not None and episodes.turn_rewards is not None:
         shaped = algo.place_turn_rewards(shaped, episodes.score_index, episodes.environment_rewards, episodes.turn_rewards, turn_weight)
     if whiten:

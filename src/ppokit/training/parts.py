@@ -12,6 +12,7 @@ in one object that the update, the evaluation and the saving read (`Parts`). Not
     3. the reward sources (`scorer`: the reward model loads), which model plays which role (`layout`), the pad id,
        every prompt's fit
     4. the models: policy and critic under one trainable module with its optimiser and schedule, the frozen reference
+       (and teacher)
     5. the rollout engine, what samples the episodes over it and scores them (`rollout`), the KL controller
 """
 
@@ -75,6 +76,7 @@ class Parts:
     turn_weight: Optional[float]  # rollout.turn_rewards: the environment's weight in reward.weights; None: off
     kl_controller: Any
     reduce: Callable[[torch.Tensor], torch.Tensor]  # a sum over processes
+    teacher: Optional[nn.Module] = None  # the frozen teacher of on-policy distillation (config.teacher); None: off
 
     @property
     def policy(self) -> nn.Module:
@@ -144,7 +146,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
                                                      compile=config.compile, unwrap=accelerator.unwrap_model)
     if scorer.reward_model is not None:
         strategy.place_frozen(scorer.reward_model).eval()
-    reference = strategy.place_frozen(built.reference).eval() if built.reference is not None else None
+    reference, teacher = (strategy.place_frozen(m).eval() if m is not None else None for m in (built.reference, built.teacher))
 
     engine = engines.build(config.rollout.engine, engines.EngineSetup(
         lambda: accelerator.unwrap_model(trained).policy, pad_id, accelerator.device, config.ppo.local_rollout_forward_batch_size,
@@ -158,7 +160,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_ids, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,
-        config.turn_weight, algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce,
+        config.turn_weight, algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce, teacher,
     )
 
 

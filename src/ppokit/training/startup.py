@@ -5,11 +5,13 @@
     prepare       what needs the prompts, the tokenizer and this machine, in the order the run meets it:
                   1. what the switches need of this machine (`machine.check_machine`: CUDA for quantization and fp16,
                      peft, a compiler, a tracker)
-                  2. the prompts (data readable), the tokenizer, the batch arithmetic with the prompts counted
+                  2. the prompts (data readable; eval prompts where ppo.eval_samples_per_prompt or eval_pass_at_k asks),
+                     the tokenizer, the batch arithmetic with the prompts counted
                   3. the output folder (`run_dir.check_run_folder`: not `.`, not a file, not another tool's)
                   4. the conversation (chat template, environment, stop token), the prompts' token ids, the micro-batch
                      token budget against the longest row (`lengths.check_budget`)
-                  5. the reward sources that load no weights (`rewards.check_sources`: functions found and their
+                  5. a `teacher`'s vocabulary against the policy's tokenizer (`loading.check_teacher`)
+                  6. the reward sources that load no weights (`rewards.check_sources`: functions found and their
                      signatures checked against the data's columns, the remote scorer, reward.weights' count)
 
 The trainer's set-up (`parts.assemble`) builds the run on what `prepare` returns; `ppokit plan` runs the same two, loading
@@ -66,7 +68,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     from ppokit.conversation.setup import conversation_for
     from ppokit.data.lengths import check_budget, encode_prompts
     from ppokit.process.machine import check_machine
-    from ppokit.models.loading import policy_tokenizer
+    from ppokit.models.loading import check_teacher, policy_tokenizer
     from ppokit.data.prompts import load_prompt_data
     from ppokit.rewards import check_sources
     from ppokit.errors import UserError
@@ -74,6 +76,9 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
                   strategy=config.parallel.strategy, report_to=config.report_to)
     train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
+    samples = "ppo.eval_pass_at_k" if config.ppo.eval_pass_at_k else "ppo.eval_samples_per_prompt" if config.ppo.eval_samples_per_prompt > 1 else None
+    if samples and eval_data is None:  # the sample generations would take the training batch, and never read it
+        raise UserError(f"{samples} samples the eval prompts, and this run has none; set data.eval or data.eval_fraction (or pass eval_dataset=)")
     tokenizer = policy_tokenizer(tokenizer, model, tokenizer_name=config.tokenizer, model_name=config.model,
                                  trust_remote_code=config.trust_remote_code)
     sizes = batch_sizes.derive(config.ppo, processes, len(train_data))
@@ -84,11 +89,13 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     train_query_ids, eval_query_ids = encode_prompts(tokenizer, {"data.train": train_data, "data.eval": eval_data},
                                                      config.data.max_prompt_length, say)
     check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], config.response_room)
+    if config.teacher is not None:
+        check_teacher(config.teacher, tokenizer, config.trust_remote_code)
     rewards = check_sources(
         config.reward, reward_functions=reward_functions, base_dir=Path.cwd(), reward_model=reward_model_given or bool(config.reward.model),
         data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
-        environment=config.environment is not None)
-    if conversation.runner is not None and not conversation.runner.gives_rewards and not (
+        environment=config.environment is not None, teacher=config.teacher is not None)
+    if conversation.runner is not None and not conversation.runner.gives_rewards and config.teacher is None and not (
             rewards.functions or rewards.remote or reward_model_given or config.reward.model):
         raise UserError(f"environment {config.environment}: no class of it defines get_reward, and the reward: section names "
                         "no other source: every episode would score 0; add reward.functions or a get_reward method")
