@@ -665,7 +665,7 @@ MUTATIONS = [
              (f"{TRL}::test_several_trl_environments_each_row_choosing_one_show_only_their_tools",),
              "with several environments in a run, no env/<name>/* metrics"),
     Mutation("trl_no_reward_source_trains_on_zeros", "src/ppokit/training/startup.py",
-             "    if conversation.runner is not None and not conversation.runner.gives_rewards and not (",
+             "    if conversation.runner is not None and not conversation.runner.gives_rewards and config.teacher is None and not (",
              "    if False and not (",
              (f"{TRL}::test_a_class_without_get_reward_and_no_other_source_is_refused_at_start",),
              "a TRL environment without get_reward and no reward function trains on a score of 0 (TRL refuses it)"),
