@@ -581,6 +581,22 @@ MUTATIONS = [
              ("tests/test_engine_requests.py::test_logprobs_are_the_training_forwards",),
              "the hf engine passes its KV cache as `cache` to a transformers that names it past_key_values (it is dropped)",
              needs=("vllm",)),
+    Mutation("lora_adapter_not_sent", "src/ppokit/engines/vllm.py",
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy)\n",
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy) if self._adapter.request is None else (self.last_sync_bytes, None)\n",
+             ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",),
+             "rollout.lora_merge: false sends the adapter at the start only: vLLM keeps sampling with a stale adapter", needs=("vllm",)),
+    Mutation("lora_adapter_id_not_bumped", "src/ppokit/engines/vllm.py",
+             'LoRARequest(f"policy-{lora_id}", lora_id, str(path))', 'LoRARequest(f"policy-{lora_id}", 1, str(path))',
+             ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",),
+             "every adapter is sent under vLLM's id 1: vLLM, which caches an adapter by its id, serves the first one", needs=("vllm",)),
+    Mutation("lora_merged_weights_still_sent", "src/ppokit/engines/vllm.py",
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy)\n",
+             "            merged_bytes = self._load(policy_weights(policy))\n"
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy)\n"
+             "            self.last_sync_bytes += merged_bytes\n",
+             ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",),
+             "rollout.lora_merge: false still sends the merged weights beside the adapter (the adapter then counts twice)", needs=("vllm",)),
 ]
 
 

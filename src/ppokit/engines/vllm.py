@@ -183,7 +183,7 @@ def elsewhere_memory(sizing: EngineSizing) -> EngineMemory:
 class AdapterSync:
     """The policy's LoRA adapter as vLLM serves it (rollout.lora_merge: false): written to a folder in peft's format
     (adapter_config.json + adapter_model.safetensors) at every sync under a new id (vLLM caches an adapter by its id:
-    the same id would keep serving the old one), the previous one dropped; every request names the current one."""
+    the same id would keep serving the old one); every request names the current one."""
 
     def __init__(self, policy: nn.Module, folder: Path):
         from ppokit.models.loading import POLICY_ADAPTER
@@ -266,7 +266,7 @@ class VLLMEngine:
             if not hasattr(unwrap(self.policy), "peft_config"):
                 raise ValueError("lora_merge=False needs a LoRA (peft) policy")
             rank = AdapterSync(self.policy, Path()).rank
-            self._options.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+            self._options.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=1)  # the current adapter only
         self.last_sync_bytes = 0  # what the last sync_weights sent
         self.llm = None
         self._dir: Optional[Path] = None
@@ -432,9 +432,10 @@ class VLLMEngine:
         if self._adapter is None:
             self.last_sync_bytes = self._load(policy_weights(policy))
         else:
+            # The next request names the new id: vLLM, holding one adapter (max_loras 1), loads it from its folder in
+            # place of the old one, whose folder goes (vLLM holds what it loaded in memory).
             self.last_sync_bytes, replaced = self._adapter.write(policy)
             if replaced is not None:
-                self.llm.llm_engine.remove_lora(replaced.lora_int_id)
                 shutil.rmtree(replaced.lora_path, ignore_errors=True)
         # Its prefix cache holds keys and values of the old weights: a prompt sharing a whole block (128 tokens
         # on CPU) with an earlier one would be continued from them.
