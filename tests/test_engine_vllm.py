@@ -388,6 +388,32 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
     assert second["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_a_lora_run_sends_vllm_the_adapter_alone(model_dir, prompts_file, tmp_path):
+    """`lora:` with `rollout.lora_merge: false` through the trainer: every sync sends the policy adapter's bytes only, and
+    the engine samples with the updated adapter (the engine's logprobs are the trainer's within float rounding also
+    after the first update's adapter was sent; a stale adapter, from B = 0, would be off by the update's change)."""
+    from conftest import tiny_ppo_config
+    from ppokit.config.schema import LoraConfig
+    from ppokit.trainer import PPOTrainer
+
+    config = tiny_ppo_config(model_dir("llama", hidden=HIDDEN, heads=HEADS), prompts_file, tmp_path / "run", total_episodes=16,
+                             per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0,
+                             advantage_estimator="grpo", num_samples_per_prompt=4, learning_rate=3e-2)
+    config.lora = LoraConfig(r=8, alpha=16.0)
+    config.rollout.engine, config.rollout.lora_merge = "vllm", False
+    trainer = PPOTrainer(config, show_progress=False)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in trainer.policy.named_parameters() if ".lora_" in n and ".default." in n)
+    try:
+        first, second = trainer.step(), trainer.step()
+        assert trainer.rollout_engine.last_sync_bytes == adapter_bytes
+    finally:
+        trainer.rollout_engine.close()
+    for record in (first, second):
+        assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert 0 <= record["rollout/logprob_diff_max"] < 1e-4, record["rollout/logprob_diff_max"]
+    assert abs(second["objective/kl"]) > 0  # the first update moved the policy away from its base
+
+
 def test_a_model_vllm_cannot_serve_is_one_line_naming_it(tokenizer):
     from transformers import LlamaForCausalLM
 
