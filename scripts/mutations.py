@@ -598,6 +598,10 @@ MUTATIONS = [
              "            self.last_sync_bytes += merged_bytes\n",
              ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",),
              "rollout.lora_merge: false still sends the merged weights beside the adapter (the adapter then counts twice)", needs=("vllm",)),
+    Mutation("lora_rank_over_vllms_limit_accepted", "src/ppokit/engines/base.py",
+             "    fits = [r for r in VLLM_LORA_RANKS if r >= rank]\n", "    fits = [r for r in VLLM_LORA_RANKS if r >= rank] or [rank]\n",
+             ("tests/test_placement.py::test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written",),
+             "an adapter rank over vLLM's max_lora_rank 512 passes the config, to fail when vLLM is built (after the run folder)"),
 ]
 
 

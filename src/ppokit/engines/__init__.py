@@ -26,6 +26,7 @@ from ppokit.engines.base import (  # noqa: F401  (torch-free)
     EngineSizing,
     RolloutEngine,
     Sampling,
+    served_lora_rank,
     training_between_rollouts,
 )
 
@@ -77,21 +78,12 @@ def check_engine_lora(settings, lora, quantization) -> None:
     if lora.use_dora:
         raise UserError("lora.use_dora with rollout.lora_merge: false: vLLM serves no DoRA adapter; use plain LoRA or rollout.lora_merge: true")
     served_lora_rank(lora.r)
+    if settings.sleep:
+        raise UserError("rollout.sleep with rollout.lora_merge: false: the engine sends its base weights once, and vLLM's sleep "
+                        "(level 2) discards them; set rollout.lora_merge: true or rollout.sleep: false")
     if settings.placement != "colocated":
         raise UserError(f"rollout.lora_merge: false is served by the colocated engine only, and this run's rollout.placement is "
                         f"{settings.placement}; set rollout.lora_merge: true or rollout.placement: colocated")
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank takes one of these
-
-
-def served_lora_rank(rank: int) -> int:
-    """vLLM's max_lora_rank for an adapter of rank `rank`: the smallest it takes that holds it."""
-    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fits:
-        raise UserError(f"lora.r: {rank} is over vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}), so rollout.lora_merge: false "
-                        "cannot serve the adapter; lower lora.r or set rollout.lora_merge: true")
-    return fits[0]
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,7 @@ ENGINES = {
             ("placement", str, doc("colocated", "where the engine runs: `colocated` in the trainer's process (put aside while it trains); `separate` in a vLLM server process ppokit starts (on GPU on devices the trainer does not use, on CPU beside it); `servers` on vLLM servers you started (`rollout.servers`, docs/rollout.md). With separate and servers the weights go through vLLM's weight-transfer API (`rollout.weight_transfer`).", check=one_of(PLACEMENTS), resume=True)),
             ("servers", list[str], doc(factory=list, help="with placement servers: the vLLM servers, `host:port` each (TRL's vllm_server_host / vllm_server_port), started with vLLM's RL routes (docs/rollout.md has the command). Every trainer process sends requests to all of them; process 0 pushes the weights.", check=SERVER_LIST, resume=True)),
             ("server_timeout_s", float, doc(600.0, "with placement separate or servers: the longest wait for a server (TRL's vllm_server_timeout): its start, one request, one weight push. A server that dies or does not answer by then ends the run with one line naming it and the last checkpoint. At most threading.TIMEOUT_MAX.", check=TIMEOUT, resume=True)),
-            ("lora_merge", bool, doc(True, "with `lora`: true sends the engine the policy's weights with its adapter merged in after every update (every weight); false sends the base weights once and then only the adapter, which vLLM serves as a LoRA (`enable_lora`; veRL's lora.merge: false, Axolotl's trl.vllm_lora_sync: true). Samples equal within float rounding (docs/rollout.md). false: placement colocated only, no DoRA, lora.r at most 512.", resume=True)),
+            ("lora_merge", bool, doc(True, "with `lora`: true sends the engine the policy's weights with its adapter merged in after every update (every weight); false sends the base weights once and then only the adapter, which vLLM serves as a LoRA (`enable_lora`; veRL's lora.merge: false, Axolotl's trl.vllm_lora_sync: true). Samples equal within float rounding (docs/rollout.md). false: placement colocated only, no rollout.sleep, no DoRA, lora.r at most 512.", resume=True)),
             ("weight_transfer", str, doc("auto", "with placement separate or servers: vLLM's weight-transfer backend the servers were started with (`--weight-transfer-config`): `nccl` (GPUs), `gloo` (ppokit's, over TCP; CPU, or nodes without a shared NCCL network). auto: nccl when the trainer runs on a GPU, else gloo.", check=one_of(("auto", "gloo", "nccl")), resume=True)),
         ),
         head_dim=64,  # vLLM's CPU attention serves none under 32; 64 is what its tests use

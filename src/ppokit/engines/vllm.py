@@ -39,9 +39,9 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ppokit.engines import served_lora_rank
 from ppokit.process import random_states
-from ppokit.engines.base import Completion, EngineMemory, EngineSizing, Request, Sampling, generate, step_logits_bytes
+from ppokit.engines.base import (Completion, EngineMemory, EngineSizing, Request, Sampling, generate, served_lora_rank,
+                                 step_logits_bytes)
 from ppokit.engines.weights import adapter_weights, architecture, base_weights, policy_weights, tensor_bytes, unwrap
 from ppokit.training.episodes import Episodes
 from ppokit.errors import UserError
