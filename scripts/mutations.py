@@ -767,6 +767,27 @@ MUTATIONS = [
              "            answer = await client.post(self.url + GENERATE, json=body)",
              ("tests/test_placement.py::test_a_rollout_servers_answers_and_failures_over_http",),
              "a rollout server's token-route request is bounded per read (httpx), not in all as aiohttp's total timeout did"),
+    Mutation("lora_adapter_not_sent", "src/ppokit/engines/vllm.py",
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy)\n",
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy) if self._adapter.request is None else (self.last_sync_bytes, None)\n",
+             ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",
+              "tests/test_engine_vllm.py::test_a_lora_run_sends_vllm_the_adapter_alone"),
+             "rollout.lora_merge: false sends the adapter at the start only: vLLM keeps sampling with a stale adapter", needs=("vllm",)),
+    Mutation("lora_adapter_id_not_bumped", "src/ppokit/engines/vllm.py",
+             'LoRARequest(f"policy-{lora_id}", lora_id, str(path))', 'LoRARequest(f"policy-{lora_id}", 1, str(path))',
+             ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",),
+             "every adapter is sent under vLLM's id 1: vLLM, which caches an adapter by its id, serves the first one", needs=("vllm",)),
+    Mutation("lora_merged_weights_still_sent", "src/ppokit/engines/vllm.py",
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy)\n",
+             "            merged_bytes = self._load(policy_weights(policy))\n"
+             "            self.last_sync_bytes, replaced = self._adapter.write(policy)\n"
+             "            self.last_sync_bytes += merged_bytes\n",
+             ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",),
+             "rollout.lora_merge: false still sends the merged weights beside the adapter (the adapter then counts twice)", needs=("vllm",)),
+    Mutation("lora_rank_over_vllms_limit_accepted", "src/ppokit/engines/base.py",
+             "    fits = [r for r in VLLM_LORA_RANKS if r >= rank]\n", "    fits = [r for r in VLLM_LORA_RANKS if r >= rank] or [rank]\n",
+             ("tests/test_placement.py::test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written",),
+             "an adapter rank over vLLM's max_lora_rank 512 passes the config, to fail when vLLM is built (after the run folder)"),
 ]
 
 def missing(mutation: Mutation) -> list[str]:

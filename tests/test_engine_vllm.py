@@ -288,15 +288,24 @@ def test_an_episodes_next_turn_reads_its_prefix_from_vllms_cache(engine, tokeniz
     assert again.cached_tokens == 0
 
 
-def test_lora_policy_is_sent_merged(tokenizer, prompts):
+def lora_policy(tokenizer, seed=2):
     import peft
 
-    from ppokit.engines.vllm import VLLMEngine
-
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     base = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS)
     lora = peft.LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
-    policy = peft.get_peft_model(base, lora).eval()
+    return peft.get_peft_model(base, lora).eval()
+
+
+def seeded_samples(engine, prompts, seed=5, temperature=0.7):
+    torch.manual_seed(seed)  # the per-request seeds are drawn from torch's generator
+    return engine.generate(prompts, Sampling(NEW_TOKENS, temperature, None))
+
+
+def test_lora_policy_is_sent_merged(tokenizer, prompts):
+    from ppokit.engines.vllm import VLLMEngine
+
+    policy = lora_policy(tokenizer)
     engine = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32)
     try:
         with policy.disable_adapter():
@@ -305,6 +314,40 @@ def test_lora_policy_is_sent_merged(tokenizer, prompts):
         assert adapted != plain  # the adapter matters, and the engine has it
     finally:
         engine.close()
+
+
+def test_lora_adapter_sent_alone_samples_as_the_merged_path(tokenizer, prompts):
+    """rollout.lora_merge: false: the engine holds the base weights and serves the policy's adapter as a vLLM LoRA, sent
+    alone at every sync under a new id. Its seeded samples are the merged path's (same tokens, logprobs within float
+    rounding: x W + s (x A^T) B^T against x (W + s B A)) and its greedy decoding transformers', before and after the
+    adapter changes; each sync sends the adapter's bytes only."""
+    from ppokit.engines.vllm import VLLMEngine
+
+    policy = lora_policy(tokenizer)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
+    merged = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32)
+    adapter = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32, lora_merge=False)
+    try:
+        greedy = []
+        for update in range(3):
+            if update:  # an optimiser update of the adapter alone (the base is frozen)
+                with torch.no_grad():
+                    for name, param in policy.named_parameters():
+                        if ".lora_" in name:
+                            param.add_(torch.randn_like(param) * 0.05)
+                merged.sync_weights(policy)
+                adapter.sync_weights(policy)
+            assert adapter.last_sync_bytes == adapter_bytes  # the adapter, not the merged weights
+            assert merged.last_sync_bytes > 20 * adapter_bytes
+            got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
+            assert responses(got) == responses(want)
+            assert_float32_close(got.logprobs, want.logprobs, terms=HIDDEN * LAYERS, ulps=16,
+                                 scale=want.logprobs.abs().max().item() / 0.7)
+            greedy.append(assert_greedy_equal(adapter, policy, prompts, tokenizer.pad_token_id))
+        assert greedy[0] != greedy[1] != greedy[2]  # each update changed the samples: the engine has the new adapter
+    finally:
+        merged.close()
+        adapter.close()
 
 
 def test_head_dim_unsupported_on_cpu_is_named(tokenizer):
@@ -343,6 +386,32 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
         assert 0 <= record["rollout/logprob_diff_max"] < 1e-4, record["rollout/logprob_diff_max"]
         assert record["rollout/logprob_diff_mean"] <= record["rollout/logprob_diff_max"]
     assert second["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_lora_run_sends_vllm_the_adapter_alone(model_dir, prompts_file, tmp_path):
+    """`lora:` with `rollout.lora_merge: false` through the trainer: every sync sends the policy adapter's bytes only, and
+    the engine samples with the updated adapter (the engine's logprobs are the trainer's within float rounding also
+    after the first update's adapter was sent; a stale adapter, from B = 0, would be off by the update's change)."""
+    from conftest import tiny_ppo_config
+    from ppokit.config.schema import LoraConfig
+    from ppokit.trainer import PPOTrainer
+
+    config = tiny_ppo_config(model_dir("llama", hidden=HIDDEN, heads=HEADS), prompts_file, tmp_path / "run", total_episodes=16,
+                             per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0,
+                             advantage_estimator="grpo", num_samples_per_prompt=4, learning_rate=3e-2)
+    config.lora = LoraConfig(r=8, alpha=16.0)
+    config.rollout.engine, config.rollout.lora_merge = "vllm", False
+    trainer = PPOTrainer(config, show_progress=False)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in trainer.policy.named_parameters() if ".lora_" in n and ".default." in n)
+    try:
+        first, second = trainer.step(), trainer.step()
+        assert trainer.rollout_engine.last_sync_bytes == adapter_bytes
+    finally:
+        trainer.rollout_engine.close()
+    for record in (first, second):
+        assert record["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert 0 <= record["rollout/logprob_diff_max"] < 1e-4, record["rollout/logprob_diff_max"]
+    assert abs(second["objective/kl"]) > 0  # the first update moved the policy away from its base
 
 
 def test_a_model_vllm_cannot_serve_is_one_line_naming_it(tokenizer):

@@ -2,7 +2,7 @@
 
 import torch
 
-from ppokit.engines.weights import bucket_bounds, policy_weight_metadata, policy_weights, tensor_bytes
+from ppokit.engines.weights import adapter_weights, base_weights, bucket_bounds, policy_weight_metadata, policy_weights, tensor_bytes
 from ppokit.demos.tiny import tiny_causal_lm
 
 
@@ -35,6 +35,24 @@ def test_lora_policy_sends_the_merged_weights_of_its_own_adapter_only(tokenizer)
         from conftest import assert_float32_close
 
         assert_float32_close(tensor, merged[name], terms=4 + 1)
+
+
+def test_the_adapter_alone_is_peft_s_checkpoint_of_the_policy_adapter_and_the_base_is_unmerged(tokenizer):
+    """rollout.lora_merge: false: the base weights (once) are the adapted layers' own, the adapter is what peft saves for
+    the policy's adapter (the names vLLM reads), the shared critic's `value` adapter in neither."""
+    import peft
+
+    torch.manual_seed(0)
+    policy = peft.get_peft_model(tiny_causal_lm("llama", tokenizer),
+                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], init_lora_weights=False))
+    policy.add_adapter("value", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    adapter = dict(adapter_weights(policy))
+    saved = peft.get_peft_model_state_dict(policy, adapter_name="default")
+    assert list(adapter) == list(saved) and all(torch.equal(adapter[n], saved[n]) for n in saved)
+    base = dict(base_weights(policy))
+    plain = {n.replace("base_model.model.", "").replace(".base_layer", ""): t for n, t in policy.state_dict().items() if "lora_" not in n}
+    assert set(base) == set(plain) - {"lm_head.weight"}  # tied: sent once
+    assert all(base[n].data_ptr() == plain[n].data_ptr() for n in base)  # the weights themselves, unmerged
 
 
 def test_metadata_announces_what_is_sent_in_the_same_order_without_merging(tokenizer):

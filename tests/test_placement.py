@@ -296,3 +296,29 @@ def test_a_rollout_servers_answers_and_failures_over_http(stand_in):
     with pytest.raises(EngineLost, match=rf"rollout server {stand_in} did not complete a request within 1.5 s"):
         asyncio.run(generate(server, {"trickle": True}))
     assert time.monotonic() - started < 8  # 1.5 s, not the 12 s the answer trickles for
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.lora_merge=false"], "rollout.lora_merge: false sends the engine a LoRA adapter, and this run trains all weights"),
+    (["lora={}", "lora.r=513", "rollout.lora_merge=false"], "lora.r: 513 is over vLLM's largest max_lora_rank (512)"),
+    (["lora={}", "lora.use_dora=true", "rollout.lora_merge=false"], "lora.use_dora with rollout.lora_merge: false: vLLM serves no DoRA adapter"),
+    (["lora={}", "lora.use_dora=true"], "lora.use_dora with rollout.engine: vllm: a DoRA adapter cannot be merged"),
+    (["lora={}", "quantization=4bit"], "quantization: 4bit with rollout.engine: vllm: a quantised base cannot be sent to the engine"),
+    (["lora={}", "rollout.lora_merge=false", "rollout.placement=separate"], "rollout.lora_merge: false is served by the colocated engine only"),
+    (["lora={}", "rollout.lora_merge=false", "rollout.sleep=true"], "rollout.sleep with rollout.lora_merge: false: the engine sends its base weights once"),
+])
+def test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written(tmp_path, capsys, overrides, message):
+    """rollout.lora_merge: false (the adapter alone to vLLM) and the LoRA policies the engine cannot take, merged or not:
+    refused when the config is read (ppokit ppo and ppokit plan), exit 2, one line, no run folder; vLLM not needed."""
+    import yaml
+
+    from ppokit.cli import main
+
+    config = tmp_path / "ppo.yaml"
+    config.write_text(yaml.safe_dump({"model": "some/model", "output_dir": str(tmp_path / "run"), "reward": {"functions": ["length"]},
+                                      "data": {"train": str(tmp_path / "p.jsonl")}, "rollout": {"engine": "vllm"}}))
+    for command in ("ppo", "plan"):
+        assert main([command, str(config), *overrides]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"ppokit: error: {message}") and captured.err.count("\n") == 1, captured.err
+    assert not (tmp_path / "run").exists()
+    load("lora={}", "rollout.lora_merge=false", "lora.r=512")  # the largest rank vLLM serves
+    load("lora={}", "rollout.lora_merge=false", "lora.use_rslora=true")

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from ppokit.config.fields import ConfigFile, OtherConfig, differs_from_default, doc, load_config, one_of, rule, validate
-from ppokit.engines import ENGINES
+from ppokit.engines import ENGINES, check_engine_lora
 from ppokit.errors import UserError
 from ppokit.training.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator, description as describe_estimator
 from ppokit.process.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
@@ -580,6 +580,7 @@ class PPOConfig:
         if self.data.eval and self.data.eval_fraction:
             raise UserError("data.eval_fraction holds out training prompts for evaluation, but data.eval is set too; set one of them")
         self._validate_memory_switches(reward_model_given)
+        check_engine_lora(self.rollout, self.lora, self.quantization)
         self._validate_environment()
         self._validate_parallel()
         self._validate_report_to()

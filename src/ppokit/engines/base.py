@@ -18,6 +18,8 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence
 
+from ppokit.errors import UserError
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -368,3 +370,15 @@ def training_between_rollouts(engine: RolloutEngine, policy: "nn.Module"):
     finally:
         engine.resume()
     engine.sync_weights(policy)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank takes one of these
+
+
+def served_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for an adapter of rank `rank`: the smallest it takes that holds it."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise UserError(f"lora.r: {rank} is over vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}), so rollout.lora_merge: false "
+                        "cannot serve the adapter; lower lora.r or set rollout.lora_merge: true")
+    return fits[0]

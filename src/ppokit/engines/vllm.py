@@ -4,6 +4,8 @@ in the trainer's process, holding its own copy of the policy.
 - Built from the policy's config alone (random weights, `load_format="dummy"`), then sent the policy's
   weights (`sync_weights`): the same path at the start, after every update and after a resume, for a
   full, LoRA (merged) or sharded policy (`ppokit.engines.weights`).
+- A LoRA policy with `rollout.lora_merge: false`: the engine holds the base weights (sent once) and serves the
+  policy's adapter as a vLLM LoRA (`enable_lora`), a new adapter id at every sync (`AdapterSync`).
 - In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no second process to start (16-30 s on CPU) and
   tensors pass to the worker by reference.
 - Its logprobs are of logits / temperature (`logprobs_mode="processed_logprobs"`; vLLM's default
@@ -38,8 +40,9 @@ import torch
 from torch import nn
 
 from ppokit.process import random_states
-from ppokit.engines.base import Completion, EngineMemory, EngineSizing, Request, Sampling, generate, step_logits_bytes
-from ppokit.engines.weights import architecture, policy_weights, unwrap
+from ppokit.engines.base import (Completion, EngineMemory, EngineSizing, Request, Sampling, generate, served_lora_rank,
+                                 step_logits_bytes)
+from ppokit.engines.weights import adapter_weights, architecture, base_weights, policy_weights, tensor_bytes, unwrap
 from ppokit.training.episodes import Episodes
 from ppokit.errors import UserError
 from ppokit.models.loading import unwrap_peft
@@ -177,6 +180,37 @@ def elsewhere_memory(sizing: EngineSizing) -> EngineMemory:
                              f"memory: weight copy + KV cache for {max_num_seqs} sequences of {max_model_len} tokens")
 
 
+class AdapterSync:
+    """The policy's LoRA adapter as vLLM serves it (rollout.lora_merge: false): written to a folder in peft's format
+    (adapter_config.json + adapter_model.safetensors) at every sync under a new id (vLLM caches an adapter by its id:
+    the same id would keep serving the old one); every request names the current one."""
+
+    def __init__(self, policy: nn.Module, folder: Path):
+        from ppokit.models.loading import POLICY_ADAPTER
+
+        config = unwrap(policy).peft_config[POLICY_ADAPTER].to_dict()
+        self.config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        self.rank = served_lora_rank(max([config["r"], *(config.get("rank_pattern") or {}).values()]))
+        self.folder = folder
+        self.request = None  # vLLM's LoRARequest of the adapter last written
+
+    def write(self, policy: nn.Module) -> tuple[int, object]:
+        """The policy's adapter as it is now, in a new folder under a new id -> (bytes written, the LoRARequest it replaces)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in adapter_weights(policy)}
+        if not tensors:
+            raise RuntimeError("rollout.engine: vllm: the policy has no LoRA adapter to send")
+        lora_id = self.request.lora_int_id + 1 if self.request is not None else 1
+        path = self.folder / f"adapter-{lora_id}"
+        path.mkdir(parents=True)
+        (path / "adapter_config.json").write_text(json.dumps(self.config))
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        replaced, self.request = self.request, LoRARequest(f"policy-{lora_id}", lora_id, str(path))
+        return sum(tensor_bytes(t.shape, t.dtype) for t in tensors.values()), replaced
+
+
 def check_max_model_len(max_model_len: Optional[int], longest_sequence: int) -> None:
     """rollout.max_model_len holds the run's longest sequence, wherever the engine runs."""
     if max_model_len is not None and max_model_len < longest_sequence:
@@ -201,7 +235,7 @@ class VLLMEngine:
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, max_model_len: int, *,
                  max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
                  enforce_eager: bool = True, sleep: bool = False, seed: int = 0, model_name: Optional[str] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, lora_merge: bool = True):
         self._policy = policy
         base = self._base(self.policy)
         config = base.config
@@ -226,6 +260,14 @@ class VLLMEngine:
             tensor_parallel_size=1,  # rollout.tensor_parallel_size: the config allows only 1 (one engine per process)
             seed=seed, enable_sleep_mode=sleep, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
         )
+        self.lora_merge = lora_merge
+        self._adapter: Optional[AdapterSync] = None  # with lora_merge false, made with the engine (in its folder)
+        if not lora_merge:
+            if not hasattr(unwrap(self.policy), "peft_config"):
+                raise ValueError("lora_merge=False needs a LoRA (peft) policy")
+            rank = AdapterSync(self.policy, Path()).rank
+            self._options.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=1)  # the current adapter only
+        self.last_sync_bytes = 0  # what the last sync_weights sent
         self.llm = None
         self._dir: Optional[Path] = None
         self._unfinished: dict[str, _Partial] = {}  # by request id, in vLLM's queue
@@ -239,7 +281,8 @@ class VLLMEngine:
         max_model_len, max_num_seqs = engine_shape(settings, setup.longest_sequence, setup.rows_per_rollout, setup.rows_per_forward)
         return cls(setup.policy, setup.pad_token_id, max_model_len, max_num_seqs=max_num_seqs,
                    gpu_memory_utilization=settings.gpu_memory_utilization,
-                   enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device)
+                   enforce_eager=settings.enforce_eager, sleep=settings.sleep, seed=setup.seed, device=setup.device,
+                   lora_merge=settings.lora_merge)
 
     @staticmethod
     def check_installed() -> None:
@@ -301,6 +344,9 @@ class VLLMEngine:
         # In place of vLLM's own exit hook (it runs first: finalizers run newest first): also at exit, or when
         # the engine is dropped unclosed, the engine is shut down leaving the trainer's process group alone.
         self._shutdown = weakref.finalize(self, _shut_down, self.llm, found)
+        if not self.lora_merge:  # the base weights once, unmerged; every sync (this first one too) the adapter
+            self._adapter = AdapterSync(self.policy, self._dir)
+            self._load(base_weights(self.policy))
         self.sync_weights(self.policy)
 
     def _engine(self):
@@ -336,9 +382,10 @@ class VLLMEngine:
         requests = list(requests)
         seeds = request_seeds(requests, self._unfinished, self._options["max_model_len"])
         engine = self._engine().llm_engine
+        lora_request = self._adapter.request if self._adapter is not None else None
         for request, seed in zip(requests, seeds):
             engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=list(request.prompt)),
-                               self.sampling_params(request.sampling, seed))
+                               self.sampling_params(request.sampling, seed), lora_request=lora_request)
             self._unfinished[request.request_id] = _Partial()
 
     @torch.inference_mode()
@@ -377,17 +424,36 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync_weights(self, policy: nn.Module) -> None:
-        """Send the policy's current weights, all in one in-place reload (see vllm_worker); a closed engine
-        takes them when it is rebuilt."""
+        """Send the policy's current weights, all in one in-place reload (see vllm_worker), or with lora_merge false
+        its adapter alone, under a new id (the one it replaces removed); a closed engine takes them when it is rebuilt."""
         if self.llm is None:
             return
         self.resume()
-        counts = self.llm.collective_rpc("ppokit_load_weights", args=(policy_weights(policy),))
-        if not counts or counts[0] == 0:
-            raise RuntimeError("rollout.engine: vllm: no weights were sent to the engine")
+        if self._adapter is None:
+            self.last_sync_bytes = self._load(policy_weights(policy))
+        else:
+            # The next request names the new id: vLLM, holding one adapter (max_loras 1), loads it from its folder in
+            # place of the old one, whose folder goes (vLLM holds what it loaded in memory).
+            self.last_sync_bytes, replaced = self._adapter.write(policy)
+            if replaced is not None:
+                shutil.rmtree(replaced.lora_path, ignore_errors=True)
         # Its prefix cache holds keys and values of the old weights: a prompt sharing a whole block (128 tokens
         # on CPU) with an earlier one would be continued from them.
         self.llm.reset_prefix_cache()
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """(name, tensor) pairs into the engine's weights in place, in one reload -> the bytes sent."""
+        sent = [0]
+
+        def counted():
+            for name, tensor in weights:
+                sent[0] += tensor_bytes(tensor.shape, tensor.dtype)
+                yield name, tensor
+
+        counts = self.llm.collective_rpc("ppokit_load_weights", args=(counted(),))
+        if not counts or counts[0] == 0:
+            raise RuntimeError("rollout.engine: vllm: no weights were sent to the engine")
+        return sent[0]
 
     def release(self) -> None:
         """Free the engine's weights and KV cache on the device during training (rollout.sleep, GPU only;
@@ -405,6 +471,7 @@ class VLLMEngine:
         """Shut the engine down (`_shut_down`: process groups it did not make are left to their owner, in either
         order of the two teardowns); a later generate builds it again."""
         llm, self.llm, self.asleep = self.llm, None, False
+        self._adapter = None
         self._unfinished.clear()  # what was in its queue is gone with it
         if llm is not None:
             self._shutdown()

@@ -10,6 +10,9 @@ What is gathered depends on how the trainer holds the policy; one function each:
   `policy_weights`   the walk: a LoRA policy's adapted layers are sent merged (W + scale * B @ A of
                      the policy's adapter only; the shared critic's `value` adapter and its head are
                      not the policy's and are never sent); every other parameter as it is.
+  `base_weights`     the same walk with the adapted layers' base weights unmerged, and `adapter_weights` the
+                     policy's adapter alone under peft's checkpoint names: what an engine serving the
+                     adapter as a LoRA (rollout.lora_merge: false) is sent once, and after every update.
 A tied weight (embed_tokens = lm_head) is sent once, under its first name.
 """
 
@@ -64,6 +67,28 @@ def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return _walk(policy, _merged_lora_layer, lambda name, param: (name, gather_for(param)(param)))
 
 
+def base_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`policy_weights` with each LoRA layer's base weight (and bias) as it is, the adapter left out."""
+    def base_layer(name, layer):
+        yield from _tensors(name, layer.base_layer)
+
+    return _walk(policy, base_layer, lambda name, param: (name, gather_for(param)(param)))
+
+
+def adapter_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy adapter's lora_A / lora_B weights of every LoRA layer, in module order, named as peft saves them
+    (`base_model.model.<module>.lora_A.weight`): what vLLM reads as a LoRA adapter. The critic's adapter is not sent."""
+    def adapter(name, layer):
+        if POLICY_ADAPTER not in layer.lora_A:
+            return
+        _check_servable(name, layer)
+        for part in ("lora_A", "lora_B"):
+            weight = getattr(layer, part)[POLICY_ADAPTER].weight
+            yield f"base_model.model.{name}.{part}.weight", gather_for(weight)(weight)
+
+    return _walk(policy, adapter, lambda name, param: None, others=False)
+
+
 def policy_weight_metadata(policy: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, whole shape) of what `policy_weights` yields, in the same order, without gathering or merging
     anything (a sharded weight's shape is its whole shape): what a push announces before it sends."""
@@ -76,9 +101,10 @@ def policy_weight_metadata(policy: nn.Module) -> list[tuple[str, torch.dtype, tu
     return list(_walk(policy, merged, lambda name, param: (name, param.dtype, tuple(param.shape))))
 
 
-def _walk(policy: nn.Module, lora_layer: Callable, parameter: Callable) -> Iterator:
+def _walk(policy: nn.Module, lora_layer: Callable, parameter: Callable, others: bool = True) -> Iterator:
     """The policy's parameters in module order, each once (a tied weight under its first name): `lora_layer(name,
-    layer)` for a peft LoRA layer (its sub-modules skipped), `parameter(name, param)` for every other parameter."""
+    layer)` for a peft LoRA layer (its sub-modules skipped), `parameter(name, param)` for every other parameter
+    (others: False, none of them)."""
     policy = unwrap(policy)
     base = unwrap_peft(policy)
     seen: set[int] = set()
@@ -90,6 +116,8 @@ def _walk(policy: nn.Module, lora_layer: Callable, parameter: Callable) -> Itera
         if _is_lora_layer(module):
             inside_lora.append(name)
             yield from lora_layer(name, module)
+            continue
+        if not others:
             continue
         for pname, param in module.named_parameters(recurse=False):
             if id(param) in seen:
@@ -113,12 +141,8 @@ def _merged_lora_layer(name: str, layer: nn.Module) -> Iterator[tuple[str, torch
     base_layer = layer.base_layer
     weight = gather_for(base_layer.weight)(base_layer.weight)
     if POLICY_ADAPTER in layer.lora_A:
-        if getattr(layer, "use_dora", {}).get(POLICY_ADAPTER, False):
-            raise UserError("rollout.engine: vllm: a DoRA adapter (lora.use_dora) cannot be merged for the engine; use plain LoRA or rollout.engine: hf")
+        _check_servable(name, layer)
         a, b = layer.lora_A[POLICY_ADAPTER].weight, layer.lora_B[POLICY_ADAPTER].weight
-        if a.dim() != 2:
-            raise UserError(f"rollout.engine: vllm: LoRA on {name} ({type(base_layer).__name__}) cannot be merged for the engine; "
-                            "adapt linear layers only (lora.target_modules) or use rollout.engine: hf")
         delta = gather_for(b)(b).float() @ gather_for(a)(a).float() * layer.scaling[POLICY_ADAPTER]
         if getattr(layer, "fan_in_fan_out", False):
             delta = delta.T
@@ -126,6 +150,22 @@ def _merged_lora_layer(name: str, layer: nn.Module) -> Iterator[tuple[str, torch
     yield f"{name}.weight", weight
     if getattr(base_layer, "bias", None) is not None:
         yield f"{name}.bias", gather_for(base_layer.bias)(base_layer.bias)
+
+
+def _tensors(name: str, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A plain layer's weight and bias, whole."""
+    yield f"{name}.weight", gather_for(module.weight)(module.weight)
+    if getattr(module, "bias", None) is not None:
+        yield f"{name}.bias", gather_for(module.bias)(module.bias)
+
+
+def _check_servable(name: str, layer: nn.Module) -> None:
+    """A policy LoRA layer the engine can take, merged or as an adapter: plain LoRA (no DoRA) on a linear layer."""
+    if getattr(layer, "use_dora", {}).get(POLICY_ADAPTER, False):
+        raise UserError("rollout.engine: vllm: a DoRA adapter (lora.use_dora) cannot be sent to the engine; use plain LoRA or rollout.engine: hf")
+    if layer.lora_A[POLICY_ADAPTER].weight.dim() != 2:
+        raise UserError(f"rollout.engine: vllm: LoRA on {name} ({type(layer.base_layer).__name__}) cannot be sent to the engine; "
+                        "adapt linear layers only (lora.target_modules) or use rollout.engine: hf")
 
 
 PUSH_BUCKET_BYTES = 256 * 2**20  # what one push holds at a time on either side (an engine in another process)
