@@ -1,0 +1,149 @@
+"""reasoning-gym's tasks as data (`reasoning_gym:TASK?size=N&seed=S`, several tasks with weights as its composite) and
+the `reasoning_gym` reward (the task's own score_answer), against the installed reasoning-gym."""
+
+import json
+import sys
+
+import pytest
+import yaml
+
+pytest.importorskip("reasoning_gym")
+import reasoning_gym  # noqa: E402
+from reasoning_gym.composite import DatasetSpec  # noqa: E402
+
+from ppokit.cli import main  # noqa: E402
+from ppokit.data.reasoning_gym import eval_source  # noqa: E402
+from ppokit.data.sources import read_source  # noqa: E402
+from ppokit.errors import UserError  # noqa: E402
+from ppokit.rewards import ReasoningGym, reasoning_gym as reasoning_gym_reward  # noqa: E402
+
+MIX = "reasoning_gym:chain_sum*3,letter_counting?size=60&seed=5&chain_sum.max_terms=2"
+
+
+def entries(dataset) -> list[dict]:
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def columns(rows: list[dict]) -> dict:
+    return {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+
+
+def test_a_task_is_read_entry_by_entry_with_its_size_seed_and_settings():
+    rows = read_source("reasoning_gym:chain_sum?size=12&seed=7&max_terms=2").rows
+    want = entries(reasoning_gym.create_dataset("chain_sum", size=12, seed=7, max_terms=2))
+    assert [(r["prompt"], r["answer"], r["metadata"]) for r in rows] == [(e["question"], e["answer"], e["metadata"]) for e in want]
+    assert {r["task"] for r in rows} == {"chain_sum"}
+    assert {r["dataset"] for r in rows} == {"reasoning_gym:chain_sum?size=12&seed=7&max_terms=2"}
+    other = read_source("reasoning_gym:chain_sum?size=12&seed=8&max_terms=2").rows  # the seed is the one given
+    assert [r["prompt"] for r in other] == [e["question"] for e in entries(reasoning_gym.create_dataset("chain_sum", size=12, seed=8, max_terms=2))]
+    assert [r["prompt"] for r in other] != [r["prompt"] for r in rows]
+
+
+def test_several_tasks_are_reasoning_gyms_composite_with_their_weights():
+    rows = read_source(MIX).rows
+    specs = [DatasetSpec("chain_sum", 3.0, {"max_terms": 2}), DatasetSpec("letter_counting", 1.0, {})]
+    want = entries(reasoning_gym.create_dataset("composite", size=60, seed=5, datasets=specs))
+    assert [(r["prompt"], r["answer"], r["task"]) for r in rows] == [(e["question"], e["answer"], e["metadata"]["source_dataset"]) for e in want]
+    heavy = [r["task"] for r in read_source("reasoning_gym:chain_sum*9,letter_counting?size=400&seed=1").rows]
+    light = [r["task"] for r in read_source("reasoning_gym:chain_sum,letter_counting*9?size=400&seed=1").rows]
+    # 400 draws at 0.9: the share is 0.9 +- 0.015 (one standard deviation); at weights 1:1 it would be 0.5
+    assert heavy.count("chain_sum") / 400 > 0.85 and light.count("chain_sum") / 400 < 0.15
+
+
+def test_the_reward_is_the_tasks_own_score_answer_on_the_answer_tag():
+    rows = read_source(MIX).rows
+    dataset = reasoning_gym.create_dataset("composite", size=60, seed=5,
+                                           datasets=[DatasetSpec("chain_sum", 3.0, {"max_terms": 2}), DatasetSpec("letter_counting", 1.0, {})])
+    prompts = [r["prompt"] for r in rows]
+    right = [f"Thinking... <answer>{r['answer']}</answer>" for r in rows]
+    assert reasoning_gym_reward(prompts, right, **columns(rows)) == [1.0] * len(rows)
+    # another row's answer, a longer one holding this row's, and no answer tag: each what score_answer says
+    wrong = [f"<answer>{rows[i - 1]['answer']}</answer>" for i in range(len(rows))]
+    longer = [f"<answer>{r['answer']}0</answer>" for r in rows]
+    untagged = [r["answer"] for r in rows]
+    for completions, answers in ((wrong, [rows[i - 1]["answer"] for i in range(len(rows))]), (longer, [r["answer"] + "0" for r in rows]),
+                                 (untagged, [None] * len(rows))):
+        want = [dataset.score_answer(a, dataset[i]) for i, a in enumerate(answers)]
+        assert reasoning_gym_reward(prompts, completions, **columns(rows)) == want
+        assert want != [1.0] * len(rows)
+    assert ReasoningGym(extract="none")(prompts, untagged, **columns(rows)) == [1.0] * len(rows)
+
+
+def test_an_eval_spec_without_a_seed_starts_after_the_training_entries():
+    train = "reasoning_gym:chain_sum?size=100&seed=3"
+    assert eval_source(train, "reasoning_gym:chain_sum?size=10") == "reasoning_gym:chain_sum?size=10&seed=103"
+    assert eval_source(train, "reasoning_gym:chain_sum?size=10&seed=50") == "reasoning_gym:chain_sum?size=10&seed=50"  # as given
+    assert eval_source("prompts.jsonl", "reasoning_gym:chain_sum?size=10") == "reasoning_gym:chain_sum?size=10"
+    # entry i of seed S is drawn from Random(S + i): training draws 3..102, eval 103..112
+    held = read_source(eval_source(train, "reasoning_gym:chain_sum?size=10")).rows
+    assert [r["prompt"] for r in held] == [e["question"] for e in entries(reasoning_gym.create_dataset("chain_sum", size=10, seed=103))]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("reasoning_gym:chain_sun", "reasoning_gym:chain_sun: reasoning-gym has no task 'chain_sun'; close names: chain_sum, decimal_chain_sum"),
+    ("reasoning_gym:chain_sum?foo=1", "task chain_sum has no setting 'foo' (its settings: min_terms, max_terms"),
+    ("reasoning_gym:chain_sum?size=0", "size must be a whole number > 0, got '0'"),
+    ("reasoning_gym:chain_sum*0,products", "the weight of 'chain_sum' must be a number > 0, got '0'"),
+    ("reasoning_gym:chain_sum,products?max_terms=2", "with several tasks a task's setting is written TASK.KEY=VALUE"),
+    ("reasoning_gym:chain_sum?min_terms=5&max_terms=2", "reasoning-gym refused the settings (AssertionError: max_terms must be >= min_terms)"),
+    ("reasoning_gym:chain_sum?system_prompt=nope", "system_prompt must be one of reasoning-gym's DeepSeekZero, default"),
+])
+def test_a_wrong_spec_is_one_line_naming_what_is_wrong(spec, message):
+    with pytest.raises(UserError) as caught:
+        read_source(spec)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_without_reasoning_gym_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    with pytest.raises(UserError, match=r"needs the reasoning-gym package, which is not installed: pip install 'ppokit\[reasoning-gym\]'"):
+        read_source("reasoning_gym:chain_sum?size=3")
+
+
+def test_system_prompt_makes_chat_prompts_with_reasoning_gyms_instructions():
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    row = read_source("reasoning_gym:chain_sum?size=2&system_prompt=default").rows[0]
+    assert row["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPTS["default"]}
+    assert row["prompt"][1]["role"] == "user" and row["prompt"][1]["content"].startswith("State the final answer")
+
+
+def test_data_inspect_shows_the_tasks_rows(capsys):
+    assert main(["data", "inspect", MIX]) == 0
+    out = capsys.readouterr().out
+    first = read_source(MIX).rows[0]
+    assert "format         prompt (detected from the columns); read as `ppokit ppo` data" in out
+    assert "rows           60" in out and "columns        answer, dataset, metadata, prompt, task" in out
+    assert f"  prompt: {first['prompt']!r}" in out and f"  answer: {first['answer']!r}" in out
+    assert main(["data", "inspect", MIX, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 60
+    assert main(["data", "inspect", "reasoning_gym:chain_sun"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ppokit: error: reasoning_gym:chain_sun: reasoning-gym has no task 'chain_sun'; close names: chain_sum, decimal_chain_sum")
+
+
+def test_ppokit_ppo_trains_on_a_task_and_records_score_answers_scores(tmp_path, model_dir, capsys):
+    """Two updates on a tiny model; each sample's recorded reward is score_answer of its completion's answer tag."""
+    from reasoning_gym.utils import extract_answer
+
+    config = tmp_path / "ppo.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model_dir()), "output_dir": str(tmp_path / "run"), "seed": 1,
+        "data": {"train": "reasoning_gym:chain_sum*2,count_bits?size=32&seed=4", "eval": "reasoning_gym:chain_sum*2,count_bits?size=4"},
+        "reward": {"functions": ["ppokit.rewards:reasoning_gym"]},
+        "ppo": {"total_episodes": 16, "per_device_train_batch_size": 4, "num_mini_batches": 2, "num_ppo_epochs": 1,
+                "response_length": 6, "learning_rate": 1e-3, "num_sample_generations": 2, "num_eval_samples": 4},
+    }))
+    assert main(["ppo", str(config)]) == 0, capsys.readouterr().err
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update"] for m in metrics] == [1, 2]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    dataset = reasoning_gym.create_dataset("composite", size=4, seed=36,  # the eval spec: seed 4 + 32
+                                           datasets=[DatasetSpec("chain_sum", 2.0, {}), DatasetSpec("count_bits", 1.0, {})])
+    assert samples and {s["split"] for s in samples} == {"eval"}
+    assert {s["columns"]["dataset"] for s in samples} == {"reasoning_gym:chain_sum*2,count_bits*1?size=4&seed=36"}
+    assert {s["columns"]["task"] for s in samples} == {"chain_sum", "count_bits"}
+    for sample in samples:
+        entry = dataset[sample["columns"]["metadata"]["source_index"]]
+        assert sample["prompt"] == entry["question"]
+        assert sample["rewards"]["reasoning_gym"] == dataset.score_answer(extract_answer(sample["completion"]), entry)
