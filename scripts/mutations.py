@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MT = "tests/test_multiturn_trainer.py"
 CONV = "tests/test_conversation.py"
 REQ = "tests/test_engine_requests.py"
+RG = "tests/test_reasoning_gym.py"
 
 
 @dataclass
@@ -575,6 +576,31 @@ MUTATIONS = [
              "folder=files, output_dir=self.saving.output_dir)", "folder=files)",
              (f"{MT}::test_a_trainer_s_relative_output_dir_stays_where_it_was_when_the_environment_changes_directory",),
              "the trackers' files (trackers.json, tensorboard/) are placed from config.output_dir as the working directory then is"),
+    Mutation("reasoning_gym_reward_scores_the_wrong_entry", "src/ppokit/rewards/builtins.py",
+             "zip(prompts, completions, answers, metadata, datasets)", "zip(prompts, completions, answers[1:] + answers[:1], metadata, datasets)",
+             (f"{RG}::test_the_reward_is_the_tasks_own_score_answer_on_the_answer_tag",),
+             "the reasoning_gym reward scores each completion against its neighbour's entry"),
+    Mutation("reasoning_gym_answer_not_extracted", "src/ppokit/rewards/builtins.py",
+             '        if self.extract == "none":\n', '        if True:\n',
+             (f"{RG}::test_the_reward_is_the_tasks_own_score_answer_on_the_answer_tag",),
+             "the reasoning_gym reward hands score_answer the whole completion, not its <answer> part"),
+    Mutation("reasoning_gym_seed_ignored", "src/ppokit/data/reasoning_gym.py",
+             "    seed = DEFAULT_SEED if parsed.seed is None else parsed.seed\n", "    seed = DEFAULT_SEED\n",
+             (f"{RG}::test_a_task_is_read_entry_by_entry_with_its_size_seed_and_settings",),
+             "a reasoning_gym source ignores its seed=S"),
+    Mutation("reasoning_gym_weights_ignored", "src/ppokit/data/reasoning_gym.py",
+             "DatasetSpec(name=t.name, weight=t.weight,", "DatasetSpec(name=t.name, weight=1.0,",
+             (f"{RG}::test_several_tasks_are_reasoning_gyms_composite_with_their_weights",),
+             "several reasoning-gym tasks are drawn with equal weights whatever TASK*W says"),
+    Mutation("reasoning_gym_eval_seed_overlaps_training", "src/ppokit/data/reasoning_gym.py",
+             "held.seed = (DEFAULT_SEED if trained.seed is None else trained.seed) + trained.size",
+             "held.seed = (DEFAULT_SEED if trained.seed is None else trained.seed) + 1",
+             (f"{RG}::test_an_eval_spec_without_a_seed_starts_after_the_training_entries",),
+             "a reasoning_gym eval spec without a seed takes the next seed, whose entries are all but one training entries"),
+    Mutation("reasoning_gym_spec_sent_to_the_hub", "src/ppokit/data/sources.py",
+             "    if is_gym_spec(spec):\n        return", "    if False:\n        return",
+             (f"{RG}::test_data_inspect_shows_the_tasks_rows",),
+             "a reasoning_gym: spec is not read as reasoning-gym's tasks"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models/loading.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',

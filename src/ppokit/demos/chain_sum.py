@@ -4,10 +4,10 @@
    problem: 4 - 1 ="): the PPO prompts are a `reasoning_gym:` data source, the eval prompts the same task from the
    seeds after the training entries' (`ppokit.data.reasoning_gym.eval_source`); the SFT data are other entries of the
    task (seeds before the PPO ones) answered by a sloppy solver, in reasoning-gym's answer format
-   `<answer> N </answer>`: right `P_RIGHT` of the time, otherwise one or two off;
+   `<answer> N </answer>`: right `P_RIGHT` of the time, otherwise any other number the sum can be;
 2. a tokenizer that splits at spaces and writes numbers digit by digit (`ppokit.demos.tiny.spaced_tokenizer`); a tiny
    Llama;
-3. SFT on the solver's answers: the model learns the format and roughly where each answer lies;
+3. SFT on the solver's answers: the model learns the format, and each question's right answer as its likeliest;
 4. PPO with the `reasoning_gym` reward: the task's own `score_answer` on the `<answer>` part (1 for the right number).
    The mean score (`objective/scores`, the share of right answers but for reasoning-gym's partial credit for an
    answer that contains the right one) rises.
@@ -37,7 +37,13 @@ from ppokit.demos.reviews import (
 DEFAULT_ESTIMATOR = "grpo"
 TASK = "chain_sum"
 TASK_SETTINGS = "min_terms=2&max_terms=2&min_digits=1&max_digits=1"  # two terms of one digit: 200 questions
-P_RIGHT = 0.4  # the SFT solver's chance of the right answer; otherwise one or two off
+P_RIGHT = 0.4  # the SFT solver's chance of the right answer; otherwise any other number the sum can be
+ANSWERS = range(-9, 19)  # what two one-digit terms added or subtracted can give
+
+# Why wrong answers drawn from every possible one rather than near misses: the model learns each question's answer as
+# the likeliest and the spread over the others as one pattern across questions, which PPO then narrows everywhere at
+# once; near misses (one or two off) make the model tell each sum from its neighbours exactly, which the tiny model
+# after SFT does poorly (it scored 0.27 with them) and PPO did not move in 32 updates (0.27 -> 0.28).
 
 SETTINGS = {
     # quick: about a minute on 2 cores (measured niced beside other work: README); full: a larger model, more updates.
@@ -65,7 +71,7 @@ def solver_rows(seed: int, n: int) -> list[dict]:
     rows = []
     for row in read_rows(source(n, seed)):
         right = rng.random() < P_RIGHT
-        answer = int(row["answer"]) + (0 if right else rng.choice((-2, -1, 1, 2)))
+        answer = int(row["answer"]) if right else rng.choice([a for a in ANSWERS if a != int(row["answer"])])
         rows.append({"prompt": row["prompt"], "completion": " " + answer_text(answer), "right": right})
     return rows
 
@@ -80,7 +86,7 @@ def prepare_task_demo(out: Path, quick: bool, seed: int, say, engine: str = "hf"
     sft = solver_rows(seed, s["n_sft"])  # seeds seed .. seed+n_sft-1; PPO's start after them
     write_jsonl(out / "data" / "sft.jsonl", sft)
     say(f"[1/4] data: {len(sft)} entries of reasoning-gym's {TASK} ({TASK_SETTINGS.replace('&', ', ')}) answered by a solver "
-        f"right {sum(r['right'] for r in sft) / len(sft):.0%} of the time, otherwise one or two off; PPO prompts: "
+        f"right {sum(r['right'] for r in sft) / len(sft):.0%} of the time, otherwise any other possible sum; PPO prompts: "
         f"{source(s['n_prompts'], seed + s['n_sft'])}")
     tokenizer = spaced_tokenizer([r["prompt"] + r["completion"] for r in sft])
     examples = lambda: [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in sft]  # noqa: E731
