@@ -152,22 +152,22 @@ def test_ppokit_ppo_trains_on_a_task_and_records_score_answers_scores(tmp_path, 
 def test_the_reasoning_gym_demo_runs_from_the_command_line(tmp_path, monkeypatch, capsys):
     """`ppokit demo --quick --environment reasoning-gym`, shortened to two updates on a small SFT: the PPO prompts are a
     reasoning_gym source after the SFT entries, the eval prompts after those, the reward reasoning-gym's score."""
-    from ppokit.demos import chain_sum
+    from ppokit.demos import count_bits
     from ppokit.demos.reviews import DemoChoice
 
     assert DemoChoice.of("reasoning-gym").default_output() == "ppokit-demo-reasoning-gym"
-    monkeypatch.setitem(chain_sum.SETTINGS, True, {**chain_sum.SETTINGS[True], "n_sft": 200, "sft_epochs": 1, "n_prompts": 64,
+    monkeypatch.setitem(count_bits.SETTINGS, True, {**count_bits.SETTINGS[True], "n_sft": 200, "sft_epochs": 1, "n_prompts": 64,
                                                    "n_eval": 4, "total_episodes": 128})
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--environment", "reasoning-gym", "--output", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["updates"] == 2 and summary["environment"] == "reasoning-gym" and summary["estimator"] == "grpo"
     config = yaml.safe_load((out / "ppo" / "config.yaml").read_text())
-    settings = "min_terms=2&max_terms=2&min_digits=1&max_digits=1"
-    assert config["data"]["train"] == f"reasoning_gym:chain_sum?size=64&seed=200&{settings}"  # after the 200 SFT entries
+    settings = "min_n=1&max_n=31"
+    assert config["data"]["train"] == f"reasoning_gym:count_bits?size=64&seed=200&{settings}"  # after the 200 SFT entries
     samples = [json.loads(line) for line in (out / "ppo" / "samples.jsonl").read_text().splitlines()]
-    assert {s["columns"]["dataset"] for s in samples} == {f"reasoning_gym:chain_sum?size=4&seed=264&{settings}"}
+    assert {s["columns"]["dataset"] for s in samples} == {f"reasoning_gym:count_bits?size=4&seed=264&{settings}"}
     sft = [json.loads(line) for line in (out / "data" / "sft.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in sft] == [e["question"] for e in entries(reasoning_gym.create_dataset(
-        "chain_sum", size=200, seed=0, min_terms=2, max_terms=2, min_digits=1, max_digits=1))]
+        "count_bits", size=200, seed=0, min_n=1, max_n=31))]
     assert all(r["completion"] == f" <answer> {r['completion'].split()[1]} </answer>" for r in sft)

@@ -18,7 +18,7 @@ import difflib
 import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import yaml
 
@@ -59,9 +59,14 @@ class GymSpec:
             query.append(f"system_prompt={self.system_prompt}")
         for task in self.tasks:
             prefix = f"{task.name}." if self.composite else ""
-            query += [f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
-                      for key, value in task.config.items()]
+            query += [f"{prefix}{key}={_written(value)}" for key, value in task.config.items()]
         return f"{PREFIX}{tasks}?{'&'.join(query)}"
+
+
+def _written(value: Any) -> str:
+    """A setting's value as the query holds it: YAML that reads back as the value, `&`, `=`, `%`, `?` and `#` escaped."""
+    text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    return quote(text, safe=" []{},:._-+*/'\"!@()<>$^|~;")
 
 
 def is_gym_spec(spec: Any) -> bool:

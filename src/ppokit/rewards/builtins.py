@@ -213,7 +213,11 @@ class ReasoningGym:
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
         from ppokit.data.reasoning_gym import dataset_for
 
-        answers, metadata, datasets = (_answers(columns, c, self.name) for c in ("answer", "metadata", "dataset"))
+        missing = sorted(self.required_columns() - set(columns))
+        if missing:
+            raise UserError(f"{self.name}: scores the rows of a `reasoning_gym:` data source (docs/data.md), which have the columns "
+                            f"answer, metadata and dataset; this data has no {', '.join(missing)}")
+        answers, metadata, datasets = (columns[c] for c in ("answer", "metadata", "dataset"))
         scores = []
         for prompt, completion, answer, meta, spec in zip(prompts, completions, answers, metadata, datasets):
             entry = {"question": prompt, "answer": answer, "metadata": meta}

@@ -1,14 +1,14 @@
 """The reasoning-gym demo: a tiny model learns a real task of reasoning-gym (`ppokit demo --environment reasoning-gym`).
 
-1. reasoning-gym's `chain_sum` task with two one-digit terms ("State the final answer to the following arithmetic
-   problem: 4 - 1 ="): the PPO prompts are a `reasoning_gym:` data source, the eval prompts the same task from the
+1. reasoning-gym's `count_bits` task on the numbers 1 to 31 ("How many 1 bits are there in the binary representation
+   of the number 13?"): the PPO prompts are a `reasoning_gym:` data source, the eval prompts the same task from the
    seeds after the training entries' (`ppokit.data.reasoning_gym.eval_source`); the SFT data are other entries of the
    task (seeds before the PPO ones) answered by a sloppy solver, in reasoning-gym's answer format
-   `<answer> N </answer>`: right `P_RIGHT` of the time, otherwise any other number the sum can be;
+   `<answer> N </answer>`: right `P_RIGHT` of the time, otherwise any other count the numbers can have;
 2. a tokenizer that splits at spaces and writes numbers digit by digit (`ppokit.demos.tiny.spaced_tokenizer`); a tiny
    Llama;
 3. SFT on the solver's answers: the model learns the format, and each question's right answer as its likeliest;
-4. PPO with the `reasoning_gym` reward: the task's own `score_answer` on the `<answer>` part (1 for the right number).
+4. PPO with the `reasoning_gym` reward: the task's own `score_answer` on the `<answer>` part (1 for the right count).
    The mean score (`objective/scores`, the share of right answers but for reasoning-gym's partial credit for an
    answer that contains the right one) rises.
 """
@@ -35,20 +35,21 @@ from ppokit.demos.reviews import (
 )
 
 DEFAULT_ESTIMATOR = "grpo"
-TASK = "chain_sum"
-TASK_SETTINGS = "min_terms=2&max_terms=2&min_digits=1&max_digits=1"  # two terms of one digit: 200 questions
-P_RIGHT = 0.4  # the SFT solver's chance of the right answer; otherwise any other number the sum can be
-ANSWERS = range(-9, 19)  # what two one-digit terms added or subtracted can give
+TASK = "count_bits"
+TASK_SETTINGS = "min_n=1&max_n=31"  # 31 questions
+P_RIGHT = 0.4  # the SFT solver's chance of the right answer; otherwise any other count
+ANSWERS = range(1, 6)  # the 1 bits of 1 to 31
 
-# Why wrong answers drawn from every possible one rather than near misses: the model learns each question's answer as
-# the likeliest and the spread over the others as one pattern across questions, which PPO then narrows everywhere at
-# once; near misses (one or two off) make the model tell each sum from its neighbours exactly, which the tiny model
-# after SFT does poorly (it scored 0.27 with them) and PPO did not move in 32 updates (0.27 -> 0.28).
+# Why count_bits on 31 numbers: the tiny model learns each question's answer as its likeliest from the SFT data and
+# the spread over the others as one pattern across questions, which PPO then narrows. reasoning-gym's chain_sum with two
+# one-digit terms (200 questions) was tried first: after the same SFT the model answered 0.12 (wrong answers drawn from
+# every possible sum) or 0.27 (one or two off) right, below the solver's 0.4, and 32 PPO updates did not move it
+# (0.10 -> 0.07, 0.27 -> 0.28): the model had not learned the sums for PPO to sharpen.
 
 SETTINGS = {
     # quick: about a minute on 2 cores (measured niced beside other work: README); full: a larger model, more updates.
-    True: dict(hidden=64, layers=2, n_sft=3000, sft_epochs=4, n_prompts=1024, n_eval=32, total_episodes=2048, batch=64, lr=3e-4),
-    False: dict(hidden=128, layers=4, n_sft=6000, sft_epochs=4, n_prompts=4096, n_eval=64, total_episodes=8192, batch=64, lr=3e-4),
+    True: dict(hidden=64, layers=2, n_sft=3000, sft_epochs=8, n_prompts=1024, n_eval=32, total_episodes=2048, batch=64, lr=1e-3),
+    False: dict(hidden=128, layers=4, n_sft=6000, sft_epochs=8, n_prompts=4096, n_eval=64, total_episodes=8192, batch=64, lr=1e-3),
 }
 
 
@@ -58,7 +59,7 @@ def source(size: int, seed: Optional[int] = None) -> str:
 
 
 def answer_text(number: int) -> str:
-    """reasoning-gym's answer format, spaced for the tokenizer: `<answer> 12 </answer>` (its `extract_answer` takes one
+    """reasoning-gym's answer format, spaced for the tokenizer: `<answer> 3 </answer>` (its `extract_answer` takes one
     space on either side)."""
     return f"<answer> {number} </answer>"
 
@@ -86,7 +87,7 @@ def prepare_task_demo(out: Path, quick: bool, seed: int, say, engine: str = "hf"
     sft = solver_rows(seed, s["n_sft"])  # seeds seed .. seed+n_sft-1; PPO's start after them
     write_jsonl(out / "data" / "sft.jsonl", sft)
     say(f"[1/4] data: {len(sft)} entries of reasoning-gym's {TASK} ({TASK_SETTINGS.replace('&', ', ')}) answered by a solver "
-        f"right {sum(r['right'] for r in sft) / len(sft):.0%} of the time, otherwise any other possible sum; PPO prompts: "
+        f"right {sum(r['right'] for r in sft) / len(sft):.0%} of the time, otherwise any other count; PPO prompts: "
         f"{source(s['n_prompts'], seed + s['n_sft'])}")
     tokenizer = spaced_tokenizer([r["prompt"] + r["completion"] for r in sft])
     examples = lambda: [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in sft]  # noqa: E731
@@ -103,7 +104,7 @@ def task_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict, 
         output_dir=str(out / "ppo"),
         seed=seed,
         reward=RewardConfig(functions=["ppokit.rewards:reasoning_gym"]),
-        # eval: no seed given, so its entries start after the training entries' (the questions repeat: there are 200)
+        # eval: no seed given, so its entries start after the training entries' (the questions repeat: there are 31)
         data=DataConfig(train=source(s["n_prompts"], seed + s["n_sft"]), eval=source(s["n_eval"])),
         rollout=RolloutConfig(engine=engine),
         ppo=PPOHyperparams(
@@ -125,7 +126,7 @@ def run_task_demo(output_dir: str | Path | None = None, quick: bool = False, see
     base, say = demo_start(choice, out, prepared, resume, show_progress, lambda out, say: prepare_task_demo(out, quick, seed, say, engine))
     trainer = start_ppo(task_config(base, out, quick, seed, estimator_settings(choice.estimator), engine), show_progress, overwrite)
     say(f"[4/4] PPO ({choice.estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} "
-        f"answers; reward: reasoning-gym's score_answer for {TASK} (1 for the right number)")
+        f"answers; reward: reasoning-gym's score_answer for {TASK} (1 for the right count)")
     if resume:
         resume_ppo(trainer, say)
     records = trainer.train()
