@@ -601,6 +601,10 @@ MUTATIONS = [
              "    if is_gym_spec(spec):\n        return", "    if False:\n        return",
              (f"{RG}::test_data_inspect_shows_the_tasks_rows",),
              "a reasoning_gym: spec is not read as reasoning-gym's tasks"),
+    Mutation("plan_reads_no_reasoning_gym_data", "src/ppokit/plan.py",
+             "(Path(train).is_file() or is_gym_spec(train))", "Path(train).is_file()",
+             (f"{RG}::test_ppokit_plan_reads_a_tasks_prompts",),
+             "ppokit plan takes a reasoning_gym: data.train for a missing file and guesses the prompts' lengths"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models/loading.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',

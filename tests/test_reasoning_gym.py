@@ -161,7 +161,7 @@ def test_the_reasoning_gym_demo_runs_from_the_command_line(tmp_path, monkeypatch
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--environment", "reasoning-gym", "--output", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert summary["updates"] == 2 and summary["environment"] == "reasoning-gym" and summary["estimator"] == "grpo"
+    assert summary["updates"] == 2 and summary["environment"] == "reasoning-gym" and summary["estimator"] == "gae"
     config = yaml.safe_load((out / "ppo" / "config.yaml").read_text())
     settings = "min_n=1&max_n=31"
     assert config["data"]["train"] == f"reasoning_gym:count_bits?size=64&seed=200&{settings}"  # after the 200 SFT entries
@@ -171,3 +171,17 @@ def test_the_reasoning_gym_demo_runs_from_the_command_line(tmp_path, monkeypatch
     assert [r["prompt"] for r in sft] == [e["question"] for e in entries(reasoning_gym.create_dataset(
         "count_bits", size=200, seed=0, min_n=1, max_n=31))]
     assert all(r["completion"] == f" <answer> {r['completion'].split()[1]} </answer>" for r in sft)
+
+
+def test_ppokit_plan_reads_a_tasks_prompts(tmp_path, model_dir, capsys):
+    """The plan's prompt lengths and batch count come from the task's rows, as for a data file (no 'not found')."""
+    config = tmp_path / "ppo.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(model_dir()), "output_dir": str(tmp_path / "run"),
+        "data": {"train": "reasoning_gym:count_bits?size=48&max_n=31"}, "reward": {"functions": ["reasoning_gym"]},
+        "ppo": {"per_device_train_batch_size": 8, "num_mini_batches": 2, "response_length": 6, "num_train_epochs": 2},
+    }))
+    assert main(["plan", str(config)]) == 0
+    result = capsys.readouterr()
+    assert "not found" not in result.out + result.err
+    assert "96 episodes = 6 updates" in result.out  # 2 passes over the 48 rows

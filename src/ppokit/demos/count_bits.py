@@ -34,7 +34,7 @@ from ppokit.demos.reviews import (
     write_jsonl,
 )
 
-DEFAULT_ESTIMATOR = "grpo"
+DEFAULT_ESTIMATOR = "gae"  # on the same SFT model, 32 updates: gae 0.31 -> 0.63, grpo 0.36 -> 0.45 (lr 1e-3), 0.29 -> 0.43 (3e-4)
 TASK = "count_bits"
 TASK_SETTINGS = "min_n=1&max_n=31"  # 31 questions
 P_RIGHT = 0.4  # the SFT solver's chance of the right answer; otherwise any other count
