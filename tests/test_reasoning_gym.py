@@ -185,3 +185,18 @@ def test_ppokit_plan_reads_a_tasks_prompts(tmp_path, model_dir, capsys):
     result = capsys.readouterr()
     assert "not found" not in result.out + result.err
     assert "96 episodes = 6 updates" in result.out  # 2 passes over the 48 rows
+
+
+def test_the_reward_on_data_without_a_tasks_columns_is_refused_in_one_line(tmp_path, model_dir, capsys):
+    """Called directly it names what is missing; in a run it stops at start-up, before any model loads."""
+    with pytest.raises(UserError, match=r"reasoning_gym: scores the rows of a `reasoning_gym:` data source .* this data has no dataset, metadata$"):
+        reasoning_gym_reward(["q"], ["<answer>1</answer>"], answer=["1"])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "2 + 2 =", "answer": "4"}) + "\n")
+    config = tmp_path / "ppo.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model_dir()), "output_dir": str(tmp_path / "run"), "data": {"train": str(prompts)},
+                                      "reward": {"functions": ["ppokit.rewards:reasoning_gym"]},
+                                      "ppo": {"total_episodes": 8, "per_device_train_batch_size": 8}}))
+    assert main(["ppo", str(config)]) == 2
+    assert "reward function reasoning_gym needs the data column(s) dataset, metadata" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
