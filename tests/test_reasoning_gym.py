@@ -44,7 +44,7 @@ def test_several_tasks_are_reasoning_gyms_composite_with_their_weights():
     specs = [DatasetSpec("chain_sum", 3.0, {"max_terms": 2}), DatasetSpec("letter_counting", 1.0, {})]
     want = entries(reasoning_gym.create_dataset("composite", size=60, seed=5, datasets=specs))
     assert [(r["prompt"], r["answer"], r["task"]) for r in rows] == [(e["question"], e["answer"], e["metadata"]["source_dataset"]) for e in want]
-    heavy = [r["task"] for r in read_source("reasoning_gym:chain_sum*9,letter_counting?size=400&seed=1").rows]
+    heavy = [r["task"] for r in read_source("reasoning_gym:chain_sum * 9, letter_counting?size=400&seed=1").rows]
     light = [r["task"] for r in read_source("reasoning_gym:chain_sum,letter_counting*9?size=400&seed=1").rows]
     # 400 draws at 0.9: the share is 0.9 +- 0.015 (one standard deviation); at weights 1:1 it would be 0.5
     assert heavy.count("chain_sum") / 400 > 0.85 and light.count("chain_sum") / 400 < 0.15
@@ -87,6 +87,8 @@ def test_an_eval_spec_without_a_seed_starts_after_the_training_entries():
     ("reasoning_gym:chain_sum,products?max_terms=2", "with several tasks a task's setting is written TASK.KEY=VALUE"),
     ("reasoning_gym:chain_sum?min_terms=5&max_terms=2", "reasoning-gym refused the settings (AssertionError: max_terms must be >= min_terms)"),
     ("reasoning_gym:chain_sum?system_prompt=nope", "system_prompt must be one of reasoning-gym's DeepSeekZero, default"),
+    ("reasoning_gym:chain_sum?size=10&size=20", "reasoning_gym:chain_sum?size=10&size=20: size is given twice"),
+    ("reasoning_gym:chain_sum?max_terms", "expected KEY=VALUE after `?` (joined by `&`), got 'max_terms'"),
 ])
 def test_a_wrong_spec_is_one_line_naming_what_is_wrong(spec, message):
     with pytest.raises(UserError) as caught:

@@ -97,7 +97,7 @@ def parse(spec: str) -> GymSpec:
         raise UserError(f"{spec}: name a reasoning-gym task after `{PREFIX}` (e.g. {PREFIX}chain_sum?size=1000&seed=1)")
     tasks = []
     for part in body.split(","):
-        name, star, weight = part.strip().partition("*")
+        name, star, weight = (text.strip() for text in part.partition("*"))
         try:
             w = float(weight) if star else 1.0
         except ValueError:
@@ -109,10 +109,14 @@ def parse(spec: str) -> GymSpec:
         tasks.append(TaskSpec(name, w))
     parsed = GymSpec(tasks)
     by_name = {t.name: t for t in tasks}
+    given = set()
     for item in filter(None, query.split("&")):
         key, equals, text = (unquote(part) for part in item.partition("="))
         if not equals or not key:
             raise UserError(f"{spec}: expected KEY=VALUE after `?` (joined by `&`), got {item!r}")
+        if key in given:
+            raise UserError(f"{spec}: {key} is given twice")
+        given.add(key)
         value = _value(text)
         if key == "size" or key == "seed":
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "size" else 0):
