@@ -102,6 +102,14 @@ def test_without_reasoning_gym_the_error_names_the_extra(monkeypatch):
         read_source("reasoning_gym:chain_sum?size=3")
 
 
+def test_the_demo_without_reasoning_gym_names_the_extra_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    assert main(["demo", "--quick", "--environment", "reasoning-gym", "--output", str(tmp_path / "demo")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ppokit: error: reasoning_gym data needs the reasoning-gym package, which is not installed: pip install 'ppokit[reasoning-gym]'")
+    assert not (tmp_path / "demo").exists()
+
+
 def test_system_prompt_makes_chat_prompts_with_reasoning_gyms_instructions():
     from reasoning_gym.utils import SYSTEM_PROMPTS
 

@@ -73,7 +73,8 @@ def is_gym_spec(spec: Any) -> bool:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 
 
-def _library():
+def library():
+    """The reasoning_gym package, or a UserError naming the extra that installs it."""
     try:
         import reasoning_gym
         import reasoning_gym.composite  # noqa: F401  (registers `composite`)
@@ -157,7 +158,7 @@ def _check(parsed: GymSpec, spec: str) -> None:
 
 def _create(parsed: GymSpec):
     """The dataset of `parsed`: the one task, or reasoning-gym's composite of several with their weights."""
-    rg = _library()
+    rg = library()
     seed = DEFAULT_SEED if parsed.seed is None else parsed.seed
     if not parsed.composite:
         task = parsed.tasks[0]
@@ -171,7 +172,7 @@ def _create(parsed: GymSpec):
 @functools.lru_cache(maxsize=32)
 def dataset_for(spec: str):
     """The reasoning-gym dataset a spec names (checked; one UserError line otherwise), built once per spec."""
-    _library()
+    library()
     parsed = parse(spec)
     _check(parsed, spec)
     try:

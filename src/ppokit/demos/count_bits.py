@@ -120,6 +120,9 @@ def run_task_demo(output_dir: str | Path | None = None, quick: bool = False, see
                   resume: bool = False) -> dict:
     """Steps 1-4 (the arguments as `ppokit.demos.reviews.run_demo`'s; estimator None: DEFAULT_ESTIMATOR); returns the first
     and last mean score of the training batches and of the eval prompts."""
+    from ppokit.data.reasoning_gym import library
+
+    library()  # without the package: its one line before any folder or work
     choice = DemoChoice.of("reasoning-gym", quick, seed, estimator, engine)
     out = demo_folder(choice, output_dir, overwrite, resume)
     start = time.perf_counter()
