@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ppokit.engines import ENGINES
     from ppokit.training.estimators import ESTIMATORS
 
-    demo = sub.add_parser("demo", help="the embedded demos: SFT then PPO towards positive movie reviews, or a game or a tool (--environment)")
+    demo = sub.add_parser("demo", help="the embedded demos: SFT then PPO towards positive movie reviews, or a game, a tool or a reasoning-gym task (--environment)")
     demo.add_argument("--quick", action="store_true", help="a smaller run, about a minute on 2 cores")
     demo.add_argument("--output", default=None,
                       help="directory for data/, sft/ and ppo/ (default: each demo its own, ppokit-demo for the quick movie-review "
@@ -462,8 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="continue a demo stopped by Ctrl-C (the same command with --resume): from its last checkpoint, to the "
                       "figures it would have reached without the stop")
     demo.add_argument("--environment", choices=list(DEMO_ENVIRONMENTS), default=None,
-                      help="a multi-turn demo instead: guess (a number from 1 to 16; the environment answers higher/lower/correct) "
-                      "or calculator (arithmetic with a calculator tool the model calls)")
+                      help="another demo instead: guess (a number from 1 to 16; the environment answers higher/lower/correct) "
+                      "or calculator (arithmetic with a calculator tool the model calls); or reasoning-gym (a task of reasoning-gym's, "
+                      "scored by its own score_answer; needs ppokit[reasoning-gym])")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(

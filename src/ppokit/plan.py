@@ -45,6 +45,7 @@ from ppokit.models.loading import load_tokenizer, position_limit, prompt_room, r
 from ppokit.process.parallel import backward_separately
 from ppokit.data.lengths import encode_prompts
 from ppokit.data.prompts import as_prompt_dataset
+from ppokit.data.reasoning_gym import is_gym_spec
 from ppokit.models.adapters import peft_lora_config
 from ppokit.models.roles import (
     CRITIC_ON_REWARD,
@@ -719,7 +720,7 @@ def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     notes = []
     train = config.data.train
     dataset = prompts = None
-    if train and Path(train).is_file():
+    if train and (Path(train).is_file() or is_gym_spec(train)):  # files and reasoning-gym's tasks are read here; hub sets are not
         dataset = as_prompt_dataset(train, config.data.prompt_field, config.data.format)
         if config.data.eval is None and config.data.eval_fraction:
             dataset = dataset.split(config.data.eval_fraction, config.seed)[0]  # as the trainer holds them out

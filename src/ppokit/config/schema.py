@@ -388,8 +388,8 @@ class RewardConfig:
 class DataConfig:
     """The `data:` section."""
 
-    train: Optional[str] = doc(None, "Training prompts: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder or a hub dataset name (docs/data.md). Any format with a prompt works (chat prompts are rendered with the chat template); the other columns are passed to reward functions.")
-    eval: Optional[str] = doc(None, "Evaluation prompts, same format; completions and scores go to samples.jsonl.")
+    train: Optional[str] = doc(None, "Training prompts: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder, reasoning-gym's tasks (`reasoning_gym:TASK?size=N&seed=S`) or a hub dataset name (docs/data.md). Any format with a prompt works (chat prompts are rendered with the chat template); the other columns are passed to reward functions.")
+    eval: Optional[str] = doc(None, "Evaluation prompts, same format; completions and scores go to samples.jsonl. A `reasoning_gym:` spec without a seed, beside a `reasoning_gym:` train, starts after the training entries.")
     prompt_field: str = doc("prompt", "Name of the prompt column.")
     max_prompt_length: Optional[int] = doc(None, "Prompts longer than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
     format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=one_of(DATA_FORMATS))

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from ppokit.conversation.templates import Messages, Renderer, Text
 from ppokit.config.schema import DataConfig
 from ppokit.data.formats import FORMATS_ACCEPTED, Records, alpaca_prompt, load_records, split_eval
+from ppokit.data.reasoning_gym import eval_source
 from ppokit.errors import UserError
 
 
@@ -114,13 +115,15 @@ def as_prompt_dataset(data, prompt_field: str = "prompt", format: str = "auto") 
 
 def load_prompt_data(data: DataConfig, seed: int, train_dataset=None, eval_dataset=None) -> tuple[PromptDataset, Optional[PromptDataset]]:
     """(train, eval) prompts: the datasets passed in, else data.train / data.eval, each read the same way; without
-    eval prompts, data.eval_fraction of the training prompts held out by a seeded shuffle. A conflict between the
+    eval prompts, data.eval_fraction of the training prompts held out by a seeded shuffle (a reasoning_gym eval spec
+    without a seed starts after the training entries: `reasoning_gym.eval_source`). A conflict between the
     arguments and the config is refused before anything is read."""
     if train_dataset is None and data.train is None:
         raise UserError("data.train: required")
     if eval_dataset is not None and data.eval_fraction:
         raise UserError("data.eval_fraction holds out training prompts for evaluation, but eval_dataset is given too; use one of them")
-    sources = (train_dataset if train_dataset is not None else data.train, eval_dataset if eval_dataset is not None else data.eval)
+    train_source = train_dataset if train_dataset is not None else data.train
+    sources = (train_source, eval_source(train_source, eval_dataset if eval_dataset is not None else data.eval))
     train, evaluation = (as_prompt_dataset(source, data.prompt_field, data.format) if source is not None else None for source in sources)
     if evaluation is None and data.eval_fraction:
         train, evaluation = train.split(data.eval_fraction, seed)

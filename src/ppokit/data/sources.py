@@ -1,5 +1,5 @@
-"""Reading data sources: local JSONL, JSON, CSV and Parquet files, `datasets.save_to_disk` folders
-and hub dataset names (`datasets.load_dataset`) -> `Rows`, with errors that name the file and the
+"""Reading data sources: local JSONL, JSON, CSV and Parquet files, `datasets.save_to_disk` folders,
+reasoning-gym's tasks and hub dataset names (`datasets.load_dataset`) -> `Rows`, with errors that name the file and the
 line or row. No format is applied here (that is `ppokit.data.formats`)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ppokit.conversation.templates import is_messages
+from ppokit.data.reasoning_gym import is_gym_spec, read_rows
 from ppokit.errors import UserError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -195,8 +196,11 @@ def _looks_local(spec: str) -> bool:
 
 
 def read_source(spec: str | Path) -> Rows:
-    """Rows from a local file, a save_to_disk folder (`path` or `path:split`) or a hub dataset name."""
+    """Rows from a local file, a save_to_disk folder (`path` or `path:split`), reasoning-gym's tasks
+    (`reasoning_gym:TASK?size=N&seed=S`, `ppokit.data.reasoning_gym`) or a hub dataset name."""
     spec = str(spec)
+    if is_gym_spec(spec):
+        return non_empty(Rows(read_rows(spec), spec))
     path = Path(spec).expanduser()
     if path.is_file():
         readers = {".jsonl": _read_jsonl_rows, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}

@@ -7,8 +7,9 @@
 4. run PPO with the VADER sentiment analyser as the reward (its compound score);
 5. print completions for the same prompts before and after PPO.
 
-The multi-turn demos, `ppokit demo --environment NAME` (`ENVIRONMENTS`): `guess`, a guessing game
-(ppokit.demos.guess), and `calculator`, arithmetic with a calculator tool (ppokit.demos.calculator).
+The other demos, `ppokit demo --environment NAME` (`ENVIRONMENTS`): `guess`, a guessing game
+(ppokit.demos.guess), `calculator`, arithmetic with a calculator tool (ppokit.demos.calculator), and `reasoning-gym`,
+a task of reasoning-gym's scored by its own `score_answer` (ppokit.demos.count_bits).
 
 Every demo has its own default folder (`DemoChoice.default_output`), checked before any heavy import
 (`demo_folder`: this module imports neither torch nor transformers at its top), and one stopped by
@@ -104,6 +105,7 @@ DEMO_FILE = "demo.json"  # in a demo's folder: which demo made it (`DemoChoice`)
 ENVIRONMENTS = {  # --environment NAME -> the module and function of that demo, and its default estimator
     "guess": ("ppokit.demos.guess", "run_game_demo"),
     "calculator": ("ppokit.demos.calculator", "run_calculator_demo"),
+    "reasoning-gym": ("ppokit.demos.count_bits", "run_task_demo"),
 }
 
 

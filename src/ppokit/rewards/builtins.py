@@ -196,6 +196,42 @@ class MathEquivalence(ExactMatch):
         return _normalise_text(a, self.case_sensitive) == _normalise_text(b, self.case_sensitive)
 
 
+@dataclass
+class ReasoningGym:
+    """The score of reasoning-gym's own `score_answer` (0 to 1) for rows of a `reasoning_gym:` data source: the dataset
+    each row names (its `dataset` column) is rebuilt once and scores the completion's answer against the row's entry
+    (`answer`, `metadata`; the prompt as its `question`). In a composite the entry's task scores it, as reasoning-gym's
+    composite does."""
+
+    extract: str = doc("answer_tag", "Where the completion's answer is: `answer_tag` (the last `<answer>...</answer>`, stripped, as reasoning-gym's prompts ask and its `extract_answer` reads; none found: scored as no answer) or `none` (the whole completion, stripped).", check=one_of(("answer_tag", "none")))
+
+    name = "reasoning_gym"
+
+    def required_columns(self) -> set[str]:
+        return {"answer", "metadata", "dataset"}
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
+        from ppokit.data.reasoning_gym import dataset_for
+
+        missing = sorted(self.required_columns() - set(columns))
+        if missing:
+            raise UserError(f"{self.name}: scores the rows of a `reasoning_gym:` data source (docs/data.md), which have the columns "
+                            f"answer, metadata and dataset; this data has no {', '.join(missing)}")
+        answers, metadata, datasets = (columns[c] for c in ("answer", "metadata", "dataset"))
+        scores = []
+        for prompt, completion, answer, meta, spec in zip(prompts, completions, answers, metadata, datasets):
+            entry = {"question": prompt, "answer": answer, "metadata": meta}
+            scores.append(float(dataset_for(spec).score_answer(self.answer(completion), entry)))
+        return scores
+
+    def answer(self, completion: str) -> Optional[str]:
+        if self.extract == "none":
+            return completion.strip()
+        from reasoning_gym.utils import extract_answer as tagged
+
+        return tagged(completion)
+
+
 # --------------------------------------------------------------------------- patterns
 
 
@@ -319,4 +355,5 @@ BUILTINS: dict[str, Callable | type] = {
     "format": Format,
     "length": Length,
     "contains": Contains,
+    "reasoning_gym": ReasoningGym,
 }
