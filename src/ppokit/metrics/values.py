@@ -109,6 +109,27 @@ def episode_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) 
     return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}
 
 
+AGENT_METRICS = ("agent/calls", "agent/segments", "agent/retokenized_share")
+
+
+def agent_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) -> dict[str, float]:
+    """An agent program's episodes (`Episodes.agent_numbers`): AGENT_METRICS, means per episode over every process's
+    episodes (with `reduce_sum`), and the agent's own numbers (`agent/<key>` of its returned dict), means over this
+    process's episodes that returned them (their keys are the agent's: they may differ between processes)."""
+    numbers = episodes.agent_numbers or []
+    sums = torch.tensor([[row.get(name, 0.0) for name in AGENT_METRICS] + [1.0] for row in numbers] or [[0.0] * (len(AGENT_METRICS) + 1)],
+                        dtype=torch.float64, device=episodes.query_ids.device).sum(0)
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    *totals, n = sums.tolist()
+    metrics = {name: total / max(n, 1.0) for name, total in zip(AGENT_METRICS, totals)}
+    own = sorted({key for row in numbers for key in row if key not in AGENT_METRICS})
+    for key in own:
+        values = [row[key] for row in numbers if key in row]
+        metrics[key] = sum(values) / len(values)
+    return metrics
+
+
 def eval_metrics(scores: list[float], lengths: list[int], ended: list[bool]) -> dict[str, float]:
     """`PPOTrainer.evaluate`'s metrics over the scored eval episodes (one entry of each list per episode; at least
     one): eval/scores, eval/response_length (trained tokens), eval/ended (share that produced the stop token),
