@@ -215,3 +215,126 @@ def test_every_call_samples_with_the_runs_temperature_and_returns_its_logprobs(t
     # what the endpoint returned the agent is what trains
     for row in range(2):
         assert episodes.agent_numbers[row]["agent/logprob_sum"] == pytest.approx(episodes.logprobs[row][mask[row]].sum().item(), abs=1e-4)
+
+
+FAULTS = '''
+import time
+
+from openai import BadRequestError, NotFoundError, OpenAI
+
+URLS = []
+
+
+def solve(row, base_url):
+    client = OpenAI(base_url=base_url, api_key="anything", max_retries=0)
+    URLS.append(base_url)
+    client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
+    mode = row["mode"]
+    if mode == "raises":
+        raise RuntimeError("the agent's own bug")
+    if mode == "hangs":
+        time.sleep(20)
+    if mode == "text":
+        return "fine"
+    if mode == "leaky":  # an ended episode's URL
+        try:
+            OpenAI(base_url=URLS[0], api_key="anything", max_retries=0).chat.completions.create(model="policy", messages=row["messages"])
+        except NotFoundError as e:
+            return {{"reward": 1.0, "refused": float("ended" in e.body["message"])}}
+        return 0.0
+    checks = {{}}
+    for name, asked in (("stream", {{"stream": True}}), ("n", {{"n": 2}}), ("tool_choice", {{"tool_choice": "required"}})):
+        try:
+            client.chat.completions.create(model="policy", messages=row["messages"], **asked)
+        except BadRequestError as e:
+            checks[name] = float(e.status_code == 400 and e.body["param"] == name and e.body["type"] == "invalid_request_error")
+    checks["models"] = float([m.id for m in client.models.list()] == ["ppokit-policy"])
+    text = client.completions.create(model="policy", prompt="Once upon a time", max_tokens=3)
+    checks["completions"] = float(text.choices[0].finish_reason in ("stop", "length") and text.usage.completion_tokens <= 3)
+    return {{"reward": 1.0, **checks}}
+'''
+
+
+def test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_on(tmp_path):
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.trainer import PPOTrainer
+
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(1)
+    model = tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048)
+    modes = ["checks", "raises", "hangs", "text", "leaky"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Row {mode}"}], "mode": mode}) + "\n" for mode in modes))
+    config = PPOConfig(output_dir=str(tmp_path / "run"), reward=RewardConfig(functions=[], on_error="skip"), data=DataConfig(train=str(data)),
+                       rollout=RolloutConfig(max_turns=8, max_concurrent_episodes=1), agent=write_agent(tmp_path, [], FAULTS),
+                       agent_timeout_s=2.0, ppo=PPOHyperparams(total_episodes=5, per_device_train_batch_size=5, num_mini_batches=1,
+                                                              response_length=8, num_sample_generations=0, stop_token=FAMILY.stop))
+    trainer = PPOTrainer(config, model=model, tokenizer=tok, show_progress=False)
+    prompts, columns = trainer.train_data.rows(list(range(5)))
+    episodes = trainer.rollout.sample([trainer.train_query_ids[i] for i in range(5)], prompts, columns, update=0)
+    errors = episodes.environment_errors
+    assert errors[0] is None and errors[4] is None
+    assert errors[1].startswith(f"agent {config.agent}: raised RuntimeError: the agent's own bug; prompt ")
+    assert errors[2].startswith(f"agent {config.agent}: did not return within agent_timeout_s=2s")
+    assert errors[3].startswith(f"agent {config.agent}: returned the reward 'fine' (a str); expected a finite number")
+    assert all("\n" not in e for e in errors if e)
+    # the refused requests are no calls; the /v1/completions call starts a second segment
+    assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0, "agent/stream": 1.0,
+                                         "agent/n": 1.0, "agent/tool_choice": 1.0, "agent/models": 1.0, "agent/completions": 1.0}
+    assert episodes.agent_numbers[4]["agent/refused"] == 1.0
+    scored = trainer.rollout.score(episodes, prompts, columns)
+    assert scored.valid.tolist() == [True, False, False, False, True] and scored.scores[[0, 4]].tolist() == [1.0, 1.0]
+
+
+def test_agent_keys_are_refused_where_they_would_not_be_read(tmp_path):
+    from ppokit.config.schema import PPOConfig
+    from ppokit.errors import UserError
+
+    with pytest.raises(UserError, match=r"^agent \('a.py:f'\) and environment \('ppokit.environments:Tools'\) are both set"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "agent=a.py:f", "environment=ppokit.environments:Tools"]).validate()
+    with pytest.raises(UserError, match=r"^agent_timeout_s \(5.0\) is for an agent program, and `agent` is not set"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "reward.functions=[sentiment]", "agent_timeout_s=5"]).validate()
+    with pytest.raises(UserError, match=r"^environment_args .* is for an environment, and an `agent` makes the episodes"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "agent=a.py:f", "environment_args={tools: [x]}"]).validate()
+    with pytest.raises(UserError, match="agent_tool_parser"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "agent=a.py:f", "agent_tool_parser=nope"]).validate()
+
+
+SIMPLE = '''
+import asyncio
+
+from openai import AsyncOpenAI
+
+
+async def solve(row, base_url):
+    client = AsyncOpenAI(base_url=base_url, api_key="anything")
+    response = await client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": row["prompt"]}}])
+    return {{"reward": float("a" in (response.choices[0].message.content or "")), "length": len(response.choices[0].message.content or "")}}
+'''
+
+
+def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
+    import os
+
+    import yaml
+
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(0)
+    model_path = tmp_path / "policy"
+    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
+    tok.save_pretrained(model_path)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
+    (tmp_path / "agent.py").write_text(SIMPLE.format())
+    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve", "data": {"train": "data.jsonl"},
+              "rollout": {"max_concurrent_episodes": 3},
+              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 1, "response_length": 8,
+                      "num_sample_generations": 0, "advantage_estimator": "grpo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
+                            env=os.environ, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in records if "reward/agent" in r]
+    assert len(updates) == 2
+    assert all(r["agent/calls"] == 1.0 and r["agent/segments"] == 1.0 and 0 <= r["agent/length"] for r in updates)
+    assert (tmp_path / "run" / "final").is_dir()
