@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MT = "tests/test_multiturn_trainer.py"
 CONV = "tests/test_conversation.py"
 REQ = "tests/test_engine_requests.py"
+AGENT = "tests/test_agent.py"
 
 
 @dataclass
@@ -575,6 +576,27 @@ MUTATIONS = [
              "folder=files, output_dir=self.saving.output_dir)", "folder=files)",
              (f"{MT}::test_a_trainer_s_relative_output_dir_stays_where_it_was_when_the_environment_changes_directory",),
              "the trackers' files (trackers.json, tensorboard/) are placed from config.output_dir as the working directory then is"),
+    Mutation("agent_retokenises_the_models_turn", "src/ppokit/environments/agent.py",
+             "segment = self._continued(said, tools_key)", "segment = None",
+             (f"{AGENT}::test_an_openai_tool_loop_gives_the_tools_environments_episode_token_for_token",),
+             "every agent call starts a segment: the model's earlier turn is rendered from the answer's text and re-tokenised"),
+    Mutation("agent_trains_the_first_segment", "src/ppokit/environments/agent.py",
+             "return self.segments[-1] if self.segments else None", "return self.segments[0] if self.segments else None",
+             (f"{AGENT}::test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains",),
+             "an agent's reward lands on its first segment, not on the last (the one the reward is about)"),
+    Mutation("agent_run_temperature_not_applied", "src/ppokit/environments/agent.py",
+             "sampling = self.sampling if budget == self.sampling.max_new_tokens else _with_budget(self.sampling, budget)",
+             "sampling = _with_budget(Sampling(budget, 1.0, self.sampling.stop_token_ids), budget)",
+             (f"{AGENT}::test_every_call_samples_with_the_runs_temperature_and_returns_its_logprobs",),
+             "an agent's calls sample at temperature 1 whatever ppo.temperature says (the logprobs are not the trained distribution's)"),
+    Mutation("agent_ended_url_still_served", "src/ppokit/environments/agent_endpoint.py",
+             "        self._sessions.pop(key, None)\n", "",
+             (f"{AGENT}::test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_on",),
+             "an ended episode's URL goes on answering calls (recorded into an episode already packed)"),
+    Mutation("agent_deadline_not_kept", "src/ppokit/environments/agent.py",
+             "value = await asyncio.wait_for(self._started(row, base_url), self.timeout_s)", "value = await self._started(row, base_url)",
+             (f"{AGENT}::test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_on",),
+             "a hung agent holds its episode (and the rollout) past agent_timeout_s"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models/loading.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',
