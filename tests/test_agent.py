@@ -4,7 +4,7 @@ the same conversation through the Tools environment (a tiny real model steered t
 own parts, hf engine, the same seeds); each call's answer comes back as OpenAI `tool_calls`; a call that does not
 continue the last one starts a segment (re-tokenised, counted); the run's temperature samples every call; an agent that
 raises, hangs or returns no number fails its episode in one line and the rollout goes on; an ended episode's URL
-refuses calls; `ppokit ppo` trains an agent run from a config file."""
+refuses calls; `ppokit ppo` trains an agent run from a config file; the OpenAI Agents SDK's own loop keeps one segment."""
 
 from __future__ import annotations
 
@@ -338,3 +338,53 @@ def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
     assert len(updates) == 2
     assert all(r["agent/calls"] == 1.0 and r["agent/segments"] == 1.0 and 0 <= r["agent/length"] for r in updates)
     assert (tmp_path / "run" / "final").is_dir()
+
+
+AGENTS_SDK = '''
+from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)  # no traces sent anywhere
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+async def solve(row, base_url):
+    model = OpenAIChatCompletionsModel(model="policy", openai_client=AsyncOpenAI(base_url=base_url, api_key="anything"))
+    result = await Runner.run(Agent(name="adder", model=model, tools=[add]), row["messages"][0]["content"], max_turns=3)
+    return float("42" in str(result.final_output))
+'''
+
+
+def test_an_openai_agents_sdk_agent_keeps_one_segment_and_trains(tmp_path):
+    """The OpenAI Agents SDK's own loop (Runner.run over its chat-completions model) against the endpoint: the tool call
+    comes back as tool_calls the SDK runs, its next call continues the episode at the token level, and the reward lands."""
+    pytest.importorskip("agents")
+
+    tok = FAMILY.tokenizer()
+    namespace: dict = {}
+    exec(AGENTS_SDK.replace("set_tracing_disabled(True)", ""), namespace)
+    add = namespace["add"]  # the tool as the SDK sends it to a chat-completions endpoint
+    tools = [{"type": "function", "function": {"name": add.name, "description": add.description, "parameters": add.params_json_schema,
+                                               "strict": add.strict_json_schema}}]
+    model, prompt, call, observation, answer = steered_model(tok, tools)
+    (tmp_path / "sdk_agent.py").write_text(AGENTS_SDK)
+    trainer = trainer_for(tmp_path, "agent", model, tok, agent=f"{tmp_path}/sdk_agent.py:solve")
+    prompts, columns = trainer.train_data.rows([0, 0])
+    episodes = trainer.rollout.sample([prompt, prompt], prompts, columns, update=0)
+    assert episodes.environment_errors == [None, None]
+    for row in range(2):
+        assert episodes.query_ids[row][episodes.query_mask[row]].tolist() == prompt
+        real = episodes.response_ids[row][episodes.attention_mask[row, episodes.query_ids.shape[1]:]].tolist()
+        assert real == call + observation + answer, tok.decode(real)
+    assert episodes.environment_rewards.tolist() == [1.0, 1.0]
+    assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0}

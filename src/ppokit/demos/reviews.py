@@ -104,6 +104,7 @@ DEMO_FILE = "demo.json"  # in a demo's folder: which demo made it (`DemoChoice`)
 ENVIRONMENTS = {  # --environment NAME -> the module and function of that demo, and its default estimator
     "guess": ("ppokit.demos.guess", "run_game_demo"),
     "calculator": ("ppokit.demos.calculator", "run_calculator_demo"),
+    "calculator-agent": ("ppokit.demos.calculator", "run_calculator_agent_demo"),  # the same task, an openai agent program
 }
 
 
