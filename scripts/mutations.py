@@ -597,6 +597,10 @@ MUTATIONS = [
              "value = await asyncio.wait_for(self._started(row, base_url), self.timeout_s)", "value = await self._started(row, base_url)",
              (f"{AGENT}::test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_on",),
              "a hung agent holds its episode (and the rollout) past agent_timeout_s"),
+    Mutation("agent_call_deadline_not_kept", "src/ppokit/environments/agent.py",
+             "completion = await asyncio.wait_for(self.ask(request), self.runner.call_timeout_s)", "completion = await self.ask(request)",
+             (f"{AGENT}::test_a_call_not_answered_within_agent_call_timeout_s_fails_its_episode",),
+             "an agent's call waits for the engine past agent_call_timeout_s"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models/loading.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',

@@ -388,3 +388,26 @@ def test_an_openai_agents_sdk_agent_keeps_one_segment_and_trains(tmp_path):
         assert real == call + observation + answer, tok.decode(real)
     assert episodes.environment_rewards.tolist() == [1.0, 1.0]
     assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0}
+
+
+ONE_CALL = '''
+from openai import OpenAI
+
+
+def solve(row, base_url):
+    OpenAI(base_url=base_url, api_key="anything", max_retries=0).chat.completions.create(model="policy", messages=row["messages"])
+    return 1.0
+'''
+
+
+def test_a_call_not_answered_within_agent_call_timeout_s_fails_its_episode(tmp_path):
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(1)
+    model = tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048)
+    # a deadline no engine step meets: the call is answered 500, its request aborted, the episode failed with that line
+    trainer = trainer_for(tmp_path, "agent", model, tok, agent=write_agent(tmp_path, [], ONE_CALL), agent_call_timeout_s=1e-6)
+    prompts, columns = trainer.train_data.rows([0, 0])
+    episodes = trainer.rollout.sample([trainer.train_query_ids[0]] * 2, prompts, columns, update=0)
+    for error in episodes.environment_errors:
+        assert error.startswith(f"agent {trainer.config.agent}: call 1 was not answered within agent_call_timeout_s=1e-06s; prompt ")
+    assert trainer.rollout.engine.unfinished() == 0

@@ -241,7 +241,7 @@ class EpisodeLoop:
         episode.numbers = session.numbers()
         segment = session.trained()
         if isinstance(outcome, str) or session.error is not None:
-            episode.error = session.error or outcome
+            episode.error = session.error + prompt_suffix(episode.text) if session.error is not None else outcome
         elif segment is None or not any(span.logprobs is not None for span in segment.spans):
             episode.error = f"agent {self.agent.spec}: returned without a call answered by its endpoint (nothing to train){prompt_suffix(episode.text)}"
         if segment is None:
