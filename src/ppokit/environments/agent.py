@@ -243,6 +243,12 @@ class AgentSession:
         self._names: dict[str, str] = {}  # tool-call id -> the tool's name (a tool message's `name` for the template)
         self._kept: Optional[str] = None
 
+    def failed(self, error: BaseException) -> None:
+        """ppokit's side of a call failed (the engine, or a bug): the rollout stops with `error` (`broken` wakes the episode)."""
+        if self.failure is None:
+            self.failure = error
+        self.broken.set()
+
     def end(self) -> None:
         """The episode has ended: what the engine kept for it is let go."""
         if self._kept is not None:
@@ -264,8 +270,11 @@ class AgentSession:
             segment = self._continued(said, tools_key)
             if segment is not None:
                 new = [self._for_template(m) for m in messages[len(segment.messages):]]
-                observation = renderer.observation(new, "\n".join(str(m.get("content") or "") for m in new), segment.stopped,
-                                                   self._left(segment))
+                try:
+                    observation = renderer.observation(new, "\n".join(str(m.get("content") or "") for m in new), segment.stopped,
+                                                       self._left(segment))
+                except UserError as e:
+                    raise Refused(400, f"the chat template cannot render these messages after the model's turn: {e}", "messages") from None
                 segment.add(Span(list(observation.ids)))
                 segment.transcript += observation.said
                 if self._left(segment) <= 0:
@@ -405,8 +414,7 @@ class AgentSession:
                           f"{self.runner.call_timeout_s:g}s")
             raise Refused(500, self.error) from None
         except Exception as e:  # the engine failed: every episode's, not this agent's, so the rollout stops with it
-            self.failure = e
-            self.broken.set()
+            self.failed(e)
             raise Refused(500, f"the rollout engine failed: {raised_text(e)}") from None
         if completion.finish_reason == "abort":
             raise Refused(500, "the engine aborted this call")

@@ -4,7 +4,8 @@ beside the episodes' engine requests (`engines.driver.AsyncRequests`).
 
     endpoint = Endpoint()
     await endpoint.start()
-    base_url = endpoint.open(session)    # session.chat(body) / session.complete(body) -> a response dict (awaitable)
+    base_url = endpoint.open(session)    # session.chat(body) / session.complete(body) -> a response dict (awaitable);
+                                         # session.failed(error): a call failed on ppokit's side
     ...                                  # the agent calls base_url + "/chat/completions", "/completions", "/models"
     endpoint.close(base_url)             # later calls: 404 in OpenAI's error format; calls in flight: cancelled
     await endpoint.stop()
@@ -114,6 +115,9 @@ class Endpoint:
             return _json(await asyncio.shield(call))
         except Refused as e:
             return _answer(e)
+        except Exception as e:  # ppokit's own failure: answered in OpenAI's form, and the rollout stops with it
+            session.failed(e)
+            return _answer(Refused(500, f"ppokit could not answer this call: {type(e).__name__}: {e}"))
         except asyncio.CancelledError:
             if not call.cancelled():  # the server itself is stopping, or the client went away: the call goes too
                 call.cancel()
