@@ -464,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "figures it would have reached without the stop")
     demo.add_argument("--environment", choices=list(DEMO_ENVIRONMENTS), default=None,
                       help="a multi-turn demo instead: guess (a number from 1 to 16; the environment answers higher/lower/correct) "
-                      "or calculator (arithmetic with a calculator tool the model calls)")
+                      "or calculator (arithmetic with a calculator tool the model calls; calculator-agent: the same task made by an "
+                      "openai agent program, docs/agents.md)")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(

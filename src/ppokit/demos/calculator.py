@@ -271,6 +271,13 @@ def calculator_config(base: Path, out: Path, quick: bool, seed: int, estimator: 
 
 def run_calculator_agent_demo(output_dir: str | Path | None = None, **keys) -> dict:
     """`run_calculator_demo` with step 4 made by the agent program `solve` (`ppokit demo --environment calculator-agent`)."""
+    import importlib.util
+
+    from ppokit.errors import UserError
+
+    missing = [name for name in ("openai", "aiohttp") if importlib.util.find_spec(name) is None]
+    if missing:  # said before any work, not as every episode's failure after the SFT
+        raise UserError(f"demo --environment calculator-agent: its agent needs {' and '.join(missing)}; pip install openai \"ppokit[agent]\"")
     return run_calculator_demo(output_dir, agent=True, **keys)
 
 
