@@ -92,8 +92,9 @@ def trainer_for(tmp_path: Path, name: str, model, tok, **keys):
     ppo = dict(total_episodes=2, per_device_train_batch_size=2, num_mini_batches=1, response_length=96, num_sample_generations=0,
                advantage_estimator="grpo", num_samples_per_prompt=2, stop_token=FAMILY.stop, temperature=1.0)
     ppo.update(keys.pop("ppo", {}))
+    rollout = {"max_turns": 4, **keys.pop("rollout", {})}
     config = PPOConfig(output_dir=str(tmp_path / name), reward=RewardConfig(functions=[]), data=DataConfig(train=str(data)),
-                       rollout=RolloutConfig(max_turns=4), ppo=PPOHyperparams(**ppo), **keys)
+                       rollout=RolloutConfig(**rollout), ppo=PPOHyperparams(**ppo), **keys)
     return PPOTrainer(config, model=model, tokenizer=tok, show_progress=False)
 
 
@@ -411,3 +412,39 @@ def test_a_call_not_answered_within_agent_call_timeout_s_fails_its_episode(tmp_p
     for error in episodes.environment_errors:
         assert error.startswith(f"agent {trainer.config.agent}: call 1 was not answered within agent_call_timeout_s=1e-06s; prompt ")
     assert trainer.rollout.engine.unfinished() == 0
+
+
+CONCURRENT = '''
+import threading
+import time
+
+from openai import OpenAI
+
+LOCK = threading.Lock()
+RUNNING = [0, 0]  # now, most at once
+
+
+def solve(row, base_url):
+    with LOCK:
+        RUNNING[0] += 1
+        RUNNING[1] = max(RUNNING)
+    try:
+        OpenAI(base_url=base_url, api_key="anything", max_retries=0).chat.completions.create(model="policy", messages=row["messages"])
+        time.sleep(0.3)  # the agent's own work: the other lane's agent runs meanwhile
+        return {{"reward": 0.0, "most_at_once": RUNNING[1]}}
+    finally:
+        with LOCK:
+            RUNNING[0] -= 1
+'''
+
+
+def test_at_most_max_concurrent_episodes_agents_run_at_once(tmp_path):
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(1)
+    model = tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048)
+    trainer = trainer_for(tmp_path, "agent", model, tok, agent=write_agent(tmp_path, [], CONCURRENT), rollout={"max_concurrent_episodes": 2})
+    prompts, columns = trainer.train_data.rows([0] * 6)
+    episodes = trainer.rollout.sample([trainer.train_query_ids[0]] * 6, prompts, columns, update=0)
+    assert episodes.environment_errors == [None] * 6
+    most = max(numbers["agent/most_at_once"] for numbers in episodes.agent_numbers)
+    assert most == 2  # never more than the bound; the second lane's agent starts while the first's sleeps
