@@ -21,7 +21,6 @@ from steered import scripted, steer
 from ppokit.demos.tiny import tiny_causal_lm
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("aiohttp")
 
 FAMILY = FAMILIES["qwen2_5"]
 QUESTION = [{"role": "user", "content": "What is 17 + 25?"}]
@@ -493,3 +492,84 @@ def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_pa
     assert [r["update"] for r in got] == [1, 2, 3] and got == want  # every number, bit for bit, but wall-clock time
     assert all(r["agent/calls"] == 2.0 and r["agent/segments"] == 1.0 for r in got)
     assert (tmp_path / "crashed" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
+
+
+class FailingSession:
+    """An episode's session whose chat call fails on ppokit's side (a bug, not the request's fault), and whose completion
+    call waits until the episode is closed under it."""
+
+    def __init__(self):
+        import asyncio
+
+        self.failures: list[BaseException] = []
+        self.waiting = asyncio.Event()
+
+    async def chat(self, body):
+        raise RuntimeError("ppokit's own bug")
+
+    async def complete(self, body):
+        import asyncio
+
+        self.waiting.set()
+        await asyncio.sleep(60)
+
+    def failed(self, error):
+        self.failures.append(error)
+
+
+def test_the_endpoint_answers_every_error_in_openais_form_and_stops_cleanly_inside_the_rollouts_loop(monkeypatch):
+    """The endpoint alone (starlette on uvicorn, in the caller's event loop): ppokit's own failure under a call is a 500 in
+    OpenAI's form and reaches the session; an unknown route, a body that is not JSON or is over the limit, an ended
+    episode's URL and a call cut by the episode's end are refused in OpenAI's form; the trainer's SIGINT handler stays
+    the trainer's while it serves; once stopped its port takes no connection."""
+    import asyncio
+    import signal
+    import socket
+
+    import httpx
+
+    from ppokit.environments import agent_endpoint
+    from ppokit.environments.agent_endpoint import Endpoint
+
+    from ppokit.process.workers import run_coroutine
+
+    monkeypatch.setattr(agent_endpoint, "BODY_LIMIT", 1000)
+    handler = signal.getsignal(signal.SIGINT)
+
+    async def main():  # run as a rollout runs (process.workers.run_coroutine: a loop of its own in this, the main, thread)
+        endpoint = Endpoint()
+        await endpoint.start()
+        session = FailingSession()
+        url = endpoint.open(session)
+        assert signal.getsignal(signal.SIGINT) is handler
+        async with httpx.AsyncClient(timeout=30) as client:
+            got = {}
+            answer = await client.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            got["failure"] = answer.status_code, answer.json()
+            answer = await client.get(f"http://127.0.0.1:{endpoint.port}/v1/models")
+            got["route"] = answer.status_code, answer.json()["error"]["type"]
+            answer = await client.post(f"{url}/chat/completions", content=b"{not json")
+            got["json"] = answer.status_code, answer.json()["error"]["type"]
+            answer = await client.post(f"{url}/chat/completions", content=b" " * 1001)
+            got["size"] = answer.status_code, answer.json()["error"]["type"]
+            call = asyncio.ensure_future(client.post(f"{url}/completions", json={"prompt": "x"}))
+            await session.waiting.wait()
+            endpoint.close(url)
+            answer = await call
+            got["cut"] = answer.status_code, answer.json()["error"]["message"]
+            answer = await client.get(f"{url}/models")
+            got["ended"] = answer.status_code, answer.json()["error"]["message"]
+        await endpoint.stop()
+        return got, session.failures, endpoint.port
+
+    got, failures, port = run_coroutine(main)
+    assert got["failure"] == (500, {"error": {"message": "ppokit could not answer this call: RuntimeError: ppokit's own bug",
+                                              "type": "server_error", "param": None, "code": None}})
+    assert [str(e) for e in failures] == ["ppokit's own bug"]
+    assert got["route"] == (404, "not_found_error")
+    assert got["json"] == (400, "invalid_request_error") and got["size"] == (413, "invalid_request_error")
+    assert got["cut"] == (404, "this episode ended while the call was answered")
+    assert got["ended"] == (404, "this episode has ended (or never was): its URL serves no more calls")
+    assert signal.getsignal(signal.SIGINT) is handler
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)

@@ -98,10 +98,6 @@ def _agent(keys: dict, renderer: ConversationRenderer, template: str, max_turns:
     from ppokit.environments.agent import AgentRunner
     from ppokit.environments.tool_parsers import resolve_parser
 
-    try:
-        import aiohttp  # noqa: F401  (the endpoint's server)
-    except ImportError:
-        raise UserError(f"agent {keys['spec']}: the endpoint agents call needs aiohttp; pip install \"ppokit[agent]\"") from None
     function = AgentRunner.load(keys["spec"], base_dir)
     renderer.check(needs_tools=False, max_turns=max(max_turns, 2), what=f"agent {keys['spec']}")
     parser, note = resolve_parser(keys["tool_parser"], template, where="agent_tool_parser")

@@ -275,9 +275,8 @@ def run_calculator_agent_demo(output_dir: str | Path | None = None, **keys) -> d
 
     from ppokit.errors import UserError
 
-    missing = [name for name in ("openai", "aiohttp") if importlib.util.find_spec(name) is None]
-    if missing:  # said before any work, not as every episode's failure after the SFT
-        raise UserError(f"demo --environment calculator-agent: its agent needs {' and '.join(missing)}; pip install openai \"ppokit[agent]\"")
+    if importlib.util.find_spec("openai") is None:  # said before any work, not as every episode's failure after the SFT
+        raise UserError("demo --environment calculator-agent: its agent is written with the openai package; pip install openai")
     return run_calculator_demo(output_dir, agent=True, **keys)
 
 

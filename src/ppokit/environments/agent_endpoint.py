@@ -1,6 +1,6 @@
-"""The OpenAI-compatible endpoint an agent program talks to: one aiohttp server on 127.0.0.1 for a rollout, one URL per
-episode (`http://127.0.0.1:PORT/episodes/KEY/v1`), served in the rollout's own event loop so that a call is awaited
-beside the episodes' engine requests (`engines.driver.AsyncRequests`).
+"""The OpenAI-compatible endpoint an agent program talks to: one server on 127.0.0.1 for a rollout (a starlette app on
+uvicorn, ppokit's one HTTP stack), one URL per episode (`http://127.0.0.1:PORT/episodes/KEY/v1`), served in the rollout's
+own event loop so that a call is awaited beside the episodes' engine requests (`engines.driver.AsyncRequests`).
 
     endpoint = Endpoint()
     await endpoint.start()
@@ -18,22 +18,32 @@ accepted (the URL is the episode's own, on the loopback interface, for the rollo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
+import socket
 from typing import Any, Optional
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 MODEL_NAME = "ppokit-policy"  # what /v1/models lists; a request may name any model
 BODY_LIMIT = 64 * 1024 * 1024  # bytes of one request body (a long conversation with its tools fits)
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]  # every one routed, to answer 404 in OpenAI's form
+SHUTDOWN_GRACE_S = 2.0  # at a rollout's end, what a connection still sending a request gets before it is cut
 
 
 class Refused(Exception):
-    """A call answered with an OpenAI error: `status` (400: the request; 404: no such episode or it ended; 500: ppokit's
-    failure), `message`, `param` (the request's key at fault, or None), `kind` (OpenAI's error type)."""
+    """A call answered with an OpenAI error: `status` (400: the request; 404: no such episode or it ended; 413: a body over
+    BODY_LIMIT; 500: ppokit's failure), `message`, `param` (the request's key at fault, or None), `kind` (OpenAI's error type)."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}.get(status, "server_error")
 
 
 def error_body(error: Refused) -> dict:
@@ -48,26 +58,40 @@ class Endpoint:
         self.port: Optional[int] = None
         self._sessions: dict[str, Any] = {}  # key -> the episode's session, while the episode runs
         self._calls: dict[str, set[asyncio.Task]] = {}  # key -> its calls in flight
-        self._runner = None
+        self._server: Optional[uvicorn.Server] = None
+        self._serving: Optional[asyncio.Future] = None
+        self._listener: Optional[socket.socket] = None
 
     async def start(self) -> None:
-        from aiohttp import web
-
-        app = web.Application(client_max_size=BODY_LIMIT)
-        app.router.add_route("*", "/episodes/{key}/v1/{path:.*}", self._handle)
-        app.router.add_route("*", "/{path:.*}", self._unknown)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        """Listen on a free loopback port (`port`) and serve from this event loop until `stop`."""
+        listener = socket.create_server((self.host, 0))
+        self.port = listener.getsockname()[1]
+        app = Starlette(routes=[Route("/episodes/{key}/v1/{path:path}", self._handle, methods=METHODS),
+                                Route("/{path:path}", self._unknown, methods=METHODS)])
+        config = uvicorn.Config(app, http="h11", ws="none", lifespan="off", interface="asgi3", log_config=None, log_level="error",
+                                access_log=False, server_header=False, date_header=False, proxy_headers=False,
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        self._server = _Server(config)
+        self._serving = asyncio.ensure_future(self._server.serve(sockets=[listener]))
+        self._listener = listener
+        while not self._server.started:  # the socket listens already; uvicorn accepts on it once started
+            if self._serving.done():
+                listener.close()
+                self._serving.result()  # its error, if it failed
+                raise RuntimeError("the agents' endpoint stopped before it started")
+            await asyncio.sleep(0.001)
 
     async def stop(self) -> None:
+        """Every episode's URL closed (calls in flight cancelled), the server stopped and its socket closed."""
         for key in list(self._sessions):
             self.close_key(key)
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._serving is not None:
+            self._server.should_exit = True
+            try:
+                await self._serving
+            finally:
+                self._serving = None
+                self._listener.close()
 
     def open(self, session) -> str:
         """A new episode's URL (its `base_url`, ending in /v1); `session` answers its calls."""
@@ -87,12 +111,12 @@ class Endpoint:
 
     # ------------------------------------------------------------------ requests
 
-    async def _unknown(self, request):
-        return _answer(Refused(404, f"no route {request.method} {request.path}; an agent's base_url is "
+    async def _unknown(self, request: Request) -> Response:
+        return _answer(Refused(404, f"no route {request.method} {request.url.path}; an agent's base_url is "
                                     "http://HOST:PORT/episodes/KEY/v1, given to it by ppokit"))
 
-    async def _handle(self, request):
-        key, path = request.match_info["key"], request.match_info["path"].rstrip("/")
+    async def _handle(self, request: Request) -> Response:
+        key, path = request.path_params["key"], request.path_params["path"].rstrip("/")
         session = self._sessions.get(key)
         if session is None:
             return _answer(Refused(404, "this episode has ended (or never was): its URL serves no more calls"))
@@ -103,8 +127,11 @@ class Endpoint:
         if route is None:
             return _answer(Refused(404, f"{request.method} /v1/{path} is not served here; ppokit serves POST /v1/chat/completions, "
                                         "POST /v1/completions and GET /v1/models"))
+        raw = await _body(request)
+        if raw is None:
+            return _answer(Refused(413, f"the request body is over {BODY_LIMIT} bytes"))
         try:
-            body = json.loads(await request.read() or b"null")
+            body = json.loads(raw or b"null")
         except (ValueError, UnicodeDecodeError) as e:
             return _answer(Refused(400, f"the request body is not JSON ({e})"))
         if not isinstance(body, dict):
@@ -127,13 +154,29 @@ class Endpoint:
             self._calls.get(key, set()).discard(call)
 
 
-def _json(value: dict):
-    from aiohttp import web
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: Ctrl-C and SIGTERM during a rollout are the trainer's."""
 
-    return web.json_response(value)
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
-def _answer(error: Refused):
-    from aiohttp import web
+async def _body(request: Request) -> Optional[bytes]:
+    """The request's body; None when it is over BODY_LIMIT (read no further)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > BODY_LIMIT:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
-    return web.json_response(error_body(error), status=error.status)
+
+def _json(value: dict, status: int = 200) -> Response:
+    # json.dumps as is (starlette's JSONResponse refuses NaN and infinities; a logprob answered is never refused)
+    return Response(json.dumps(value), status_code=status, media_type="application/json")
+
+
+def _answer(error: Refused) -> Response:
+    return _json(error_body(error), error.status)
