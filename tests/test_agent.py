@@ -128,7 +128,8 @@ def test_an_openai_tool_loop_gives_the_tools_environments_episode_token_for_toke
     assert ag.environment_rewards.tolist() == [1.0, 1.0] and ag.environment_errors == [None, None]
     last = ag.score_index.tolist()
     assert [ag.turn_rewards[row, last[row]].item() for row in range(2)] == [1.0, 1.0] and ag.turn_rewards.sum().item() == 2.0
-    assert ag.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0, "agent/tool_calls": 2.0}
+    assert ag.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0, "agent/trained_share": 1.0,
+                                   "agent/tool_calls": 2.0}
     records = agent.train()
     assert records[-1]["reward/agent"] == 1.0 and records[-1]["agent/calls"] == 2.0 and records[-1]["agent/retokenized_share"] == 0.0
 
@@ -175,7 +176,11 @@ def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_se
         assert 0 < len(trained) <= 12 and stop not in trained[:-1] and trained != call
         assert episodes.turns[row].item() == 1 and episodes.turn_rewards[row].sum().item() == 0.5
         assert episodes.turn_rewards[row, episodes.score_index[row]].item() == 0.5
-    assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0}
+    # the first segment's sampled tokens (the call) are left out: the trained share says how much of what was sampled trains
+    for row in range(2):
+        trained = episodes.loss_mask[row].sum().item()
+        assert episodes.agent_numbers[row] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0,
+                                               "agent/trained_share": trained / (len(call) + trained)}
 
 
 TEMPERATURE = '''
@@ -279,6 +284,7 @@ def test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_
     assert errors[3].startswith(f"agent {config.agent}: returned the reward 'fine' (a str); expected a finite number")
     assert all("\n" not in e for e in errors if e)
     # the refused requests are no calls; the /v1/completions call starts a second segment
+    assert set(episodes.agent_numbers[0]) > {"agent/trained_share"} and 0 < episodes.agent_numbers[0].pop("agent/trained_share") < 1
     assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0, "agent/stream": 1.0,
                                          "agent/n": 1.0, "agent/tool_choice": 1.0, "agent/models": 1.0, "agent/completions": 1.0}
     assert episodes.agent_numbers[4]["agent/refused"] == 1.0
@@ -387,7 +393,7 @@ def test_an_openai_agents_sdk_agent_keeps_one_segment_and_trains(tmp_path):
         real = episodes.response_ids[row][episodes.attention_mask[row, episodes.query_ids.shape[1]:]].tolist()
         assert real == call + observation + answer, tok.decode(real)
     assert episodes.environment_rewards.tolist() == [1.0, 1.0]
-    assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0}
+    assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0, "agent/trained_share": 1.0}
 
 
 ONE_CALL = '''

@@ -445,9 +445,15 @@ class AgentSession:
     # ------------------------------------------------------------------ what the episode trains
 
     def numbers(self) -> dict[str, float]:
-        """calls, segments and the re-tokenised share of this episode (`agent/*` metrics)."""
+        """calls, segments, the re-tokenised share and the trained share of this episode (`agent/*` metrics): the last
+        is the share of the tokens its calls sampled that the trained segment holds (1 with one segment; below 1, the
+        earlier segments' sampled tokens are left out of the update)."""
         retokenized = (len(self.segments) - 1) / (self.calls - 1) if self.calls > 1 else 0.0
-        return {"agent/calls": float(self.calls), "agent/segments": float(len(self.segments)), "agent/retokenized_share": retokenized}
+        sampled = [sum(len(span.ids) for span in segment.spans if span.logprobs is not None) for segment in self.segments]
+        trained = self.trained()
+        kept = sampled[self.segments.index(trained)] if trained is not None else 0
+        return {"agent/calls": float(self.calls), "agent/segments": float(len(self.segments)), "agent/retokenized_share": retokenized,
+                "agent/trained_share": kept / sum(sampled) if sum(sampled) else 0.0}
 
     def trained(self) -> Optional[Segment]:
         """The segment the episode trains: the last (the one the reward is about); None when the agent made no call."""

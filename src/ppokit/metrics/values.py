@@ -109,7 +109,7 @@ def episode_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) 
     return {name: total / max(n, 1.0) for name, total in zip(EPISODE_METRICS, totals)}
 
 
-AGENT_METRICS = ("agent/calls", "agent/segments", "agent/retokenized_share")
+AGENT_METRICS = ("agent/calls", "agent/segments", "agent/retokenized_share", "agent/trained_share")
 
 
 def agent_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) -> dict[str, float]:
