@@ -579,3 +579,15 @@ def test_the_endpoint_answers_every_error_in_openais_form_and_stops_cleanly_insi
     assert signal.getsignal(signal.SIGINT) is handler
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def test_the_agent_demo_without_openai_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch):
+    """The calculator-agent demo's agent is written with the openai package: without it, one line naming it and nothing
+    made (the endpoint itself needs nothing beyond ppokit's own dependencies)."""
+    from ppokit.demos.calculator import run_calculator_agent_demo
+    from ppokit.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed: importlib finds no spec
+    with pytest.raises(UserError, match=r"^demo --environment calculator-agent: its agent is written with the openai package; pip install openai$"):
+        run_calculator_agent_demo(tmp_path / "calc", quick=True, show_progress=False)
+    assert not (tmp_path / "calc").exists()
