@@ -74,12 +74,18 @@ class Endpoint:
         self._server = _Server(config)
         self._serving = asyncio.ensure_future(self._server.serve(sockets=[listener]))
         self._listener = listener
-        while not self._server.started:  # the socket listens already; uvicorn accepts on it once started
-            if self._serving.done():
-                listener.close()
-                self._serving.result()  # its error, if it failed
-                raise RuntimeError("the agents' endpoint stopped before it started")
-            await asyncio.sleep(0.001)
+        try:
+            while not self._server.started:  # the socket listens already; uvicorn accepts on it once started
+                if self._serving.done():
+                    self._serving.result()  # its error, if it failed
+                    raise RuntimeError("the agents' endpoint stopped before it started")
+                await asyncio.sleep(0.001)
+        except BaseException:  # its failure, or the rollout stopped meanwhile (Ctrl-C): nothing left serving or open
+            self._serving.cancel()
+            await asyncio.gather(self._serving, return_exceptions=True)
+            self._serving = None
+            listener.close()
+            raise
 
     async def stop(self) -> None:
         """Every episode's URL closed (calls in flight cancelled), the server stopped and its socket closed."""
