@@ -43,6 +43,7 @@ REQ = "tests/test_engine_requests.py"
 RR = "tests/test_rewards_remote.py"
 TRL = "tests/test_trl_environments.py"
 RG = "tests/test_reasoning_gym.py"
+AGENT = "tests/test_agent.py"
 
 
 @dataclass
@@ -775,6 +776,43 @@ MUTATIONS = [
              "(Path(train).is_file() or is_gym_spec(train))", "Path(train).is_file()",
              (f"{RG}::test_ppokit_plan_reads_a_tasks_prompts",),
              "ppokit plan takes a reasoning_gym: data.train for a missing file and guesses the prompts' lengths"),
+    Mutation("agent_retokenises_the_models_turn", "src/ppokit/environments/agent.py",
+             "segment = self._continued(said, tools_key)", "segment = None",
+             (f"{AGENT}::test_an_openai_tool_loop_gives_the_tools_environments_episode_token_for_token",),
+             "every agent call starts a segment: the model's earlier turn is rendered from the answer's text and re-tokenised"),
+    Mutation("agent_trains_the_first_segment", "src/ppokit/environments/agent.py",
+             "return self.segments[-1] if self.segments else None", "return self.segments[0] if self.segments else None",
+             (f"{AGENT}::test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains",),
+             "an agent's reward lands on its first segment, not on the last (the one the reward is about)"),
+    Mutation("agent_trained_share_counts_every_segment", "src/ppokit/environments/agent.py",
+             '"agent/trained_share": kept / sum(sampled) if sum(sampled) else 0.0}', '"agent/trained_share": 1.0}',
+             (f"{AGENT}::test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains",),
+             "agent/trained_share says every sampled token trains while an earlier segment's are left out"),
+    Mutation("agent_run_temperature_not_applied", "src/ppokit/environments/agent.py",
+             "sampling = self.sampling if budget == self.sampling.max_new_tokens else _with_budget(self.sampling, budget)",
+             "sampling = _with_budget(Sampling(budget, 1.0, self.sampling.stop_token_ids), budget)",
+             (f"{AGENT}::test_every_call_samples_with_the_runs_temperature_and_returns_its_logprobs",),
+             "an agent's calls sample at temperature 1 whatever ppo.temperature says (the logprobs are not the trained distribution's)"),
+    Mutation("agent_ended_url_still_served", "src/ppokit/environments/agent_endpoint.py",
+             "        self._sessions.pop(key, None)\n", "",
+             (f"{AGENT}::test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_on",),
+             "an ended episode's URL goes on answering calls (recorded into an episode already packed)"),
+    Mutation("agent_endpoint_own_failure_as_text", "src/ppokit/environments/agent_endpoint.py",
+             "            session.failed(e)\n", "            session.failed(e)\n            raise\n",
+             (f"{AGENT}::test_the_endpoint_answers_every_error_in_openais_form_and_stops_cleanly_inside_the_rollouts_loop",),
+             "ppokit's own failure under a call reaches the agent as the server library's text 500, not OpenAI's error JSON"),
+    Mutation("agent_endpoint_takes_the_signals", "src/ppokit/environments/agent_endpoint.py",
+             "    @contextlib.contextmanager\n    def capture_signals(self):\n        yield\n", "    pass\n",
+             (f"{AGENT}::test_the_endpoint_answers_every_error_in_openais_form_and_stops_cleanly_inside_the_rollouts_loop",),
+             "uvicorn installs its SIGINT/SIGTERM handlers while a rollout serves agents: Ctrl-C stops the endpoint, not the trainer"),
+    Mutation("agent_deadline_not_kept", "src/ppokit/environments/agent.py",
+             "value = await asyncio.wait_for(self._started(row, base_url), self.timeout_s)", "value = await self._started(row, base_url)",
+             (f"{AGENT}::test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_on",),
+             "a hung agent holds its episode (and the rollout) past agent_timeout_s"),
+    Mutation("agent_call_deadline_not_kept", "src/ppokit/environments/agent.py",
+             "completion = await asyncio.wait_for(self.ask(request), self.runner.call_timeout_s)", "completion = await self.ask(request)",
+             (f"{AGENT}::test_a_call_not_answered_within_agent_call_timeout_s_fails_its_episode",),
+             "an agent's call waits for the engine past agent_call_timeout_s"),
     # caught under the transformers vLLM pins (.ci/vllm-env's python), which name the keyword past_key_values
     Mutation("kv_cache_keyword_always_cache", "src/ppokit/models/loading.py",
              '    return "cache" if "cache" in params else "past_key_values"', '    return "cache"',

@@ -88,11 +88,13 @@ def test_each_demo_has_its_own_default_folder_and_the_command_that_makes_it():
     folders = {flags: DemoChoice.of(**kwargs).default_output() for flags, kwargs in {
         "--quick": {}, "": {"quick": False}, "--quick --environment guess": {"environment": "guess"},
         "--quick --environment calculator": {"environment": "calculator"},
+        "--quick --environment calculator-agent": {"environment": "calculator-agent"},
         "--quick --engine vllm --estimator grpo": {"engine": "vllm", "estimator": "grpo"},
         "--quick --environment guess --seed 3": {"environment": "guess", "seed": 3},
     }.items()}
     assert folders == {"--quick": "ppokit-demo", "": "ppokit-demo-full", "--quick --environment guess": "ppokit-demo-guess",
                        "--quick --environment calculator": "ppokit-demo-calculator",
+                       "--quick --environment calculator-agent": "ppokit-demo-calculator-agent",
                        "--quick --engine vllm --estimator grpo": "ppokit-demo-vllm-grpo",
                        "--quick --environment guess --seed 3": "ppokit-demo-guess-seed3"}
     assert len(set(folders.values())) == len(folders)

@@ -5,6 +5,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 
 # The quick guess demo's SFT, 32 PPO updates instead of 48. With 16 (means of 2 updates, 128 games) the turns' fall
 # was within the noise of one update's figure (+-0.2): 3.86 -> 3.48 on one CPU, 3.77 -> 3.63 on another (AVX-512).
@@ -96,3 +98,20 @@ def test_the_calculator_demo_learns_to_call_its_tool(tmp_path, monkeypatch):
     last = [s for s in samples if s["update"] == summary["updates"]]
     ran = [s for s in last if any(t["role"] == "tool" and not t["text"].startswith("error") for t in s["turns"])]
     assert len(ran) >= len(last) // 2, last  # the tool answered most of the last generation's calls
+
+
+def test_the_calculator_demo_as_an_openai_agent_program_learns_too(tmp_path, monkeypatch):
+    """`ppokit demo --quick --environment calculator-agent`, shortened as above: the same task with its episodes made by an
+    `openai` tool loop against ppokit's endpoint (`ppokit.demos.calculator:solve`); the right answers (the agent's own
+    reward) and the episodes with a call that ran rise, and every call continued its episode (nothing re-tokenised)."""
+    pytest.importorskip("openai")
+        from ppokit.demos import calculator as demo_calculator
+
+    monkeypatch.setitem(demo_calculator.SETTINGS, True, {**demo_calculator.SETTINGS[True], **SHORT_CALCULATOR})
+    summary = demo_calculator.run_calculator_agent_demo(tmp_path / "calc", quick=True, show_progress=False)
+    print(json.dumps(summary))  # pytest -s: the figures
+    assert summary["updates"] == 16 and summary["environment"] == "calculator-agent"
+    assert summary["accuracy_end"] > summary["accuracy_start"] + 0.2, summary
+    assert summary["valid_calls_end"] > summary["valid_calls_start"] + 0.2, summary
+    records = [json.loads(line) for line in (tmp_path / "calc" / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["agent/retokenized_share"] == 0.0 and r["agent/segments"] == 1.0 for r in records if "agent/segments" in r)

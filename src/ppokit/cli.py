@@ -463,8 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "figures it would have reached without the stop")
     demo.add_argument("--environment", choices=list(DEMO_ENVIRONMENTS), default=None,
                       help="another demo instead: guess (a number from 1 to 16; the environment answers higher/lower/correct) "
-                      "or calculator (arithmetic with a calculator tool the model calls); or reasoning-gym (a task of reasoning-gym's, "
-                      "scored by its own score_answer; needs ppokit[reasoning-gym])")
+                      "or calculator (arithmetic with a calculator tool the model calls; calculator-agent: the same task made by an "
+                      "openai agent program, docs/agents.md); or reasoning-gym (a task of reasoning-gym's, scored by its own "
+                      "score_answer; needs ppokit[reasoning-gym])")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(

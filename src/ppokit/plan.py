@@ -428,7 +428,7 @@ def sequence_room(config: PPOConfig) -> tuple[int, str, str]:
     """(tokens after the prompt, what they are, the key that sets them): ppo.response_length, or with an environment
     the episode's budget, model turns and observations together (`PPOConfig.response_room`, as the trainer reads it)."""
     room = config.response_room
-    if config.environment is None:
+    if not config.episodes_answered:
         return room, "response", "ppo.response_length"
     return room, "episode", "rollout.max_episode_tokens" if config.rollout.max_episode_tokens else "rollout.max_turns x ppo.response_length"
 

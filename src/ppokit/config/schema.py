@@ -28,6 +28,7 @@ from ppokit.training.estimators import ESTIMATORS, GRPO_STD_SCALINGS, Estimator,
 from ppokit.process.strategies import DEFAULT as DEFAULT_STRATEGY, STRATEGIES
 from ppokit.metrics.trackers import TRACKERS
 from ppokit.config.trl_names import GRPO_ADVICE, GRPO_ONLY_NAMES, TRL_GRPO_NAMES
+from ppokit.environments.tool_parsers import PARSER_NAMES
 
 
 positive = rule("> 0", lambda v: v > 0)
@@ -480,6 +481,8 @@ RolloutConfig = dataclasses.make_dataclass("RolloutConfig", _ENGINE_FIELDS, base
 })
 
 
+AGENT_SPEC = rule("'path/to/agent.py:FUNCTION' or 'package.module:FUNCTION'",
+                  lambda v: bool(v.strip()) and ":" in v and all(part.strip() for part in v.rpartition(":")[::2]))
 ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName' (e.g. ppokit.environments:Tools)",
                         lambda v: bool(v.strip()) and ":" in v and all(part.strip() for part in v.rpartition(":")[::2]))
 
@@ -520,6 +523,10 @@ class PPOConfig:
     environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) and `ppokit.environments:GuessNumber` (the demo game). One instance per episode. Its step rewards, summed, are a reward source (`reward/environment`), the last in `reward.weights` order. null: no environment, one response per prompt. Its code runs in the trainer's process.", check=ENVIRONMENT_SPEC)
     environment_args: dict = doc(factory=dict, help="Keyword arguments of the environment's constructor, e.g. `{tools: [\"tools.py:add\"]}` for ppokit.environments:Tools.")
     environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
+    agent: Optional[str] = doc(None, "An agent program trained as it is: a function `path/to/agent.py:FUNCTION` (or `package.module:FUNCTION`), called as FUNCTION(row, base_url) for each episode (sync or `async def`) with an OpenAI-compatible endpoint serving that episode (`base_url` ends in /v1; any API key); it returns the episode's reward, a number or a dict with one under `reward` (its other numbers are logged as `agent/<key>`). Its calls are recorded token for token and trained (docs/agents.md). The reward is a reward source (`reward/agent`), the last in `reward.weights` order. Exclusive with `environment`. null: no agent.", check=AGENT_SPEC)
+    agent_timeout_s: float = doc(600.0, "Deadline in seconds for one episode's agent run (FUNCTION(row, base_url) from its call to its return): an agent still running then fails its episode (`reward.on_error` applies) and its URL is closed. Needs `agent`.", check=timeout_range)
+    agent_call_timeout_s: float = doc(600.0, "Deadline in seconds for the endpoint to answer one call of an agent (the engine's sampling of it): a call not answered by then fails its episode. Needs `agent`.", check=timeout_range)
+    agent_tool_parser: str = doc("auto", "How an agent's tool calls are read from the model's text and returned as OpenAI `tool_calls`: a format by vLLM's --tool-call-parser name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai) or `auto` (the one the chat template writes; docs/environments.md). Needs `agent`.", check=one_of(PARSER_NAMES))
     # Where the numbers also go (docs/report.md). None of these changes a number of the run (resume=True).
     report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.", resume=True)
     run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name, resume=True)
@@ -556,9 +563,9 @@ class PPOConfig:
         if not self.model and not model_given:
             raise UserError("model: required (a path to a saved causal LM or a hub id)")
         has_reward_model = self._has_reward_model(reward_model_given)
-        has_environment = self.environment is not None
+        has_environment = self.episodes_answered  # an environment or an agent: each is a reward source
         if not has_reward_model and not self.reward.functions and self.reward.remote is None and not has_environment and self.teacher is None:
-            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment, or a teacher)")
+            raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote (or an environment, an agent, or a teacher)")
         if self.teacher is None and differs_from_default(self, "teacher_coef"):
             raise UserError(f"teacher_coef ({self.teacher_coef}) weighs the reverse KL to a teacher, and `teacher` is not set; set teacher "
                             "(a saved model with the policy's tokenizer) or remove teacher_coef")
@@ -590,10 +597,16 @@ class PPOConfig:
     def response_room(self) -> int:
         """Tokens after the prompt an episode may take: ppo.response_length for one response; with an environment
         rollout.max_episode_tokens (default max_turns x response_length). What the budget and position checks read."""
-        if self.environment is None:
+        if not self.episodes_answered:
             return self.ppo.response_length
         rollout = self.rollout
         return rollout.max_episode_tokens if rollout.max_episode_tokens is not None else rollout.max_turns * self.ppo.response_length
+
+    @property
+    def episodes_answered(self) -> bool:
+        """Whether the episodes are multi-turn: an `environment` answers the model's turns, or an `agent` program makes
+        the calls (each is a reward source, the last in reward.weights order)."""
+        return self.environment is not None or self.agent is not None
 
     @property
     def turn_weight(self) -> Optional[float]:
@@ -605,8 +618,20 @@ class PPOConfig:
 
     def _validate_environment(self) -> None:
         """Keys of multi-turn episodes set without an environment would never be read: refused. Turn rewards move the
-        environment's part of the score to its turns, which is exact only while the score is a plain weighted sum."""
-        if self.environment is not None:
+        environment's part of the score to its turns, which is exact only while the score is a plain weighted sum. An
+        agent's keys likewise need `agent`, which excludes `environment`."""
+        if self.agent is not None and self.environment is not None:
+            raise UserError(f"agent ({self.agent!r}) and environment ({self.environment!r}) are both set; an episode is answered by "
+                            "an environment or made by an agent program: set one of them")
+        if self.agent is None:
+            for key in ("agent_timeout_s", "agent_call_timeout_s", "agent_tool_parser"):
+                if differs_from_default(self, key):
+                    raise UserError(f"{key} ({getattr(self, key)!r}) is for an agent program, and `agent` is not set; set agent, or remove {key}")
+        else:
+            for key in ("environment_args", "environment_timeout_s"):
+                if differs_from_default(self, key):
+                    raise UserError(f"{key} ({getattr(self, key)!r}) is for an environment, and an `agent` makes the episodes; remove {key}")
+        if self.episodes_answered:
             reward = self.reward
             normalize = reward.normalize[-1] if isinstance(reward.normalize, list) else reward.normalize
             if self.rollout.turn_rewards and (normalize or reward.clip_range is not None):

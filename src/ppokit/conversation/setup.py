@@ -22,6 +22,7 @@ class Conversation:
     renderer: ConversationRenderer
     runner: Any = None
     template: Optional[str] = None
+    agent: Any = None  # the agent program (`environments.agent.AgentRunner`), None without one
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -33,21 +34,24 @@ class Conversation:
 def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwargs: Optional[dict], datasets: list,
                        environment: Optional[str], environment_args: dict, timeout_s: Optional[float], max_turns: int,
                        stop_token: Optional[str] = None, stop_token_id: Optional[int] = None, base_dir=None,
-                       say=lambda message: None) -> Conversation:
+                       say=lambda message: None, agent: Optional[dict] = None) -> Conversation:
     """The run's conversation, checked, and its chat prompts rendered (every `datasets` entry, None skipped): the
     environment is made (one instance, its arguments checked; it gets the template as `chat_template` if its
     constructor declares it), the renderer built with its tools, every rendering the episodes will need tried once
     (`ConversationRenderer.check`), then the prompts rendered with the tools' schemas. Every failure is one UserError
     line. chat_template: data.chat_template as configured; template_kwargs: data.chat_template_kwargs; stop_token,
     stop_token_id: ppo.stop_token / ppo.stop_token_id (`models.resolve_stop_token`; the conversation's `stop_token_ids`
-    may add a tool-calling turn's own)."""
+    may add a tool-calling turn's own). agent: the agent program's keys (`spec`, `timeout_s`, `call_timeout_s`,
+    `tool_parser`; None: no agent): its calls are chat messages, so the chat template is resolved whatever the prompts,
+    checked with a `tool` observation, and the tool-call format decided."""
     from ppokit.conversation.templates import Renderer, resolve_chat_template
     from ppokit.environments.base import EnvironmentRunner
     from ppokit.models.loading import resolve_stop_token
 
     stop_token_ids = resolve_stop_token(tokenizer, stop_token, stop_token_id)
     datasets = [d for d in datasets if d is not None]
-    template = resolve_chat_template(tokenizer, chat_template) if any(d.chat is not None for d in datasets) else None
+    chat_prompts = any(d.chat is not None for d in datasets)
+    template = resolve_chat_template(tokenizer, chat_template) if chat_prompts or agent is not None else None
     runner = None
     if environment is not None:
         runner = EnvironmentRunner.from_config(environment, environment_args, timeout_s, base_dir, chat_template=template)
@@ -59,15 +63,16 @@ def conversation_setup(tokenizer, *, chat_template: Optional[str], template_kwar
                             "column, or prompts as lists of messages) or, if the prompt text describes the tools itself, "
                             "environment_args.tool_schemas: none")
     chat = Renderer(tokenizer, template, tools=runner.tools if runner else None, template_kwargs=template_kwargs) if template is not None else None
-    renderer = ConversationRenderer(tokenizer, chat, stop_token_ids=stop_token_ids, observation_role=runner.observation_role if runner else "user",
-                                    say=say)
+    role = runner.observation_role if runner else ("tool" if agent is not None else "user")
+    renderer = ConversationRenderer(tokenizer, chat, stop_token_ids=stop_token_ids, observation_role=role, say=say)
+    agent_runner = _agent(agent, renderer, template, max_turns, base_dir) if agent is not None else None
     if runner is not None:
         renderer.check(needs_tools=bool(runner.tools), max_turns=max_turns, what=f"environment {environment}")
         if renderer.first_observation_problem and not runner.reset_appends:
             say(renderer.first_observation_problem)
     for dataset in datasets:
         dataset.render_chat(renderer, rows_tools(runner, dataset))
-    return Conversation(renderer, runner, template)
+    return Conversation(renderer, runner, template, agent_runner)
 
 
 def rows_tools(runner, dataset) -> Optional[list]:
@@ -96,4 +101,25 @@ def conversation_for(config, tokenizer, datasets: list, say: Callable[[str], Non
         tokenizer, chat_template=config.data.chat_template, template_kwargs=config.data.chat_template_kwargs, datasets=datasets,
         environment=config.environment, environment_args=config.environment_args, timeout_s=config.environment_timeout_s,
         max_turns=config.rollout.max_turns, stop_token=config.ppo.stop_token, stop_token_id=config.ppo.stop_token_id,
-        base_dir=base_dir if base_dir is not None else Path.cwd(), say=say)
+        base_dir=base_dir if base_dir is not None else Path.cwd(), say=say,
+        agent=None if config.agent is None else dict(spec=config.agent, timeout_s=config.agent_timeout_s,
+                                                     call_timeout_s=config.agent_call_timeout_s, tool_parser=config.agent_tool_parser))
+
+
+def _agent(keys: dict, renderer: ConversationRenderer, template: str, max_turns: int, base_dir):
+    """The agent program loaded and its renderings tried once (a tool message after a turn; the stop tokens decided), its
+    tool-call format resolved (`agent_tool_parser`), before the chat prompts are rendered (without tools: the agent
+    names its own per call)."""
+    from ppokit.environments.agent import AgentRunner
+    from ppokit.environments.tool_parsers import resolve_parser
+
+    function = AgentRunner.load(keys["spec"], base_dir)
+    renderer.check(needs_tools=False, max_turns=max(max_turns, 2), what=f"agent {keys['spec']}")
+    parser, note = resolve_parser(keys["tool_parser"], template, where="agent_tool_parser")
+    if note:
+        renderer.say(note)
+    if max_turns == 1:  # the default: an agent's second call would be refused (400), which a tool loop does not expect
+        renderer.say(f"agent {keys['spec']}: rollout.max_turns is 1, so each episode's agent gets one call answered (a second is "
+                     "refused); set rollout.max_turns to the calls an episode may make")
+    return AgentRunner(keys["spec"], function, timeout_s=keys["timeout_s"], call_timeout_s=keys["call_timeout_s"], parser=parser,
+                       renderer=renderer)

@@ -12,6 +12,10 @@
 4. PPO with the built-in Tools environment (`ppokit.environments:Tools`, with `calculator` as its one tool) and a
    reward for the right answer (`right_answer`). Calling the tool is what pays, so the share of right answers and
    the share of episodes with a valid call (`valid_call`, logged, weight 0: a measure, not a reward) rise.
+
+`ppokit demo --environment calculator-agent` is the same task with step 4 made by an agent program instead of the
+Tools environment: `solve`, a tool loop written with the `openai` package against the endpoint ppokit serves each
+episode (`agent: ppokit.demos.calculator:solve`, docs/agents.md), which returns the reward itself.
 """
 
 from __future__ import annotations
@@ -77,6 +81,36 @@ def question(rng: random.Random) -> dict:
     a, b = rng.randint(10, 99), (rng.randint(2, 9) if op == "*" else rng.randint(10, 99))
     return {"messages": [{"role": "user", "content": f"what is {a} {op} {b} ?"}], "a": a, "op": op, "b": b,
             "answer": calculator(a, op, b)}
+
+
+def solve(row: dict, base_url: str) -> dict:
+    """The calculator task as an agent program (`agent: ppokit.demos.calculator:solve`): an `openai` tool loop of at most
+    MAX_TURNS calls that runs the calculator on each call the model makes (its answer, or the error the Tools environment
+    would give, so that the model reads the same words) -> the reward, 1 for the right answer, and whether a call ran
+    (`agent/valid_call`)."""
+    import json
+
+    from openai import BadRequestError, OpenAI
+
+    from ppokit.environments.tools import ToolCall, run_tool, tool_schemas
+
+    client = OpenAI(base_url=base_url, api_key="demo", max_retries=0)
+    messages, valid = list(row["messages"]), 0.0
+    message = None
+    for _ in range(MAX_TURNS):
+        try:
+            message = client.chat.completions.create(model="policy", messages=messages, tools=tool_schemas({"calculator": calculator})).choices[0].message
+        except BadRequestError:  # the episode's token budget is spent: it ends where it is
+            break
+        messages.append(message)
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            result = run_tool({"calculator": calculator}, ToolCall(call.function.name, json.loads(call.function.arguments)), None)
+            valid = max(valid, float(not result.startswith("error")))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    found = re.findall(r"the answer is (-?\d+)", (message.content or "") if message is not None else "")
+    return {"reward": float(bool(found) and int(found[-1]) == int(row["answer"])), "valid_call": valid}
 
 
 def call_text(arguments: dict) -> str:
@@ -209,19 +243,23 @@ def _way(conversation: list[dict]) -> str:
     return "refused" if conversation[2]["content"].startswith("error") else "tool"
 
 
-def calculator_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict, engine: str = "hf"):
+def calculator_config(base: Path, out: Path, quick: bool, seed: int, estimator: dict, engine: str = "hf", agent: bool = False):
     from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
 
     s = SETTINGS[quick]
+    if agent:  # the agent program makes the episodes and returns the reward (right answer; valid_call logged as agent/valid_call)
+        episodes = dict(agent="ppokit.demos.calculator:solve", agent_tool_parser="hermes", reward=RewardConfig(functions=[], on_error="skip"))
+    else:
+        episodes = dict(environment="ppokit.environments:Tools",
+                        environment_args={"tools": [TOOL], "tool_parser": "hermes"},  # the template lists the tools, it shows no call format
+                        reward=RewardConfig(functions=["ppokit.demos.calculator:right_answer", "ppokit.demos.calculator:valid_call"],
+                                            weights=[1.0, 0.0, 1.0]))  # right_answer; valid_call a measure only; the environment (always 0)
     return PPOConfig(
         model=str(base / "sft"),
         output_dir=str(out / "ppo"),
         seed=seed,
-        environment="ppokit.environments:Tools",
-        environment_args={"tools": [TOOL], "tool_parser": "hermes"},  # the template lists the tools, it shows no call format
         rollout=RolloutConfig(engine=engine, max_turns=MAX_TURNS, max_episode_tokens=64),
-        reward=RewardConfig(functions=["ppokit.demos.calculator:right_answer", "ppokit.demos.calculator:valid_call"],
-                            weights=[1.0, 0.0, 1.0]),  # right_answer; valid_call a measure only; the environment (always 0)
+        **episodes,
         data=DataConfig(train=str(base / "data" / "prompts.jsonl"), eval=str(base / "data" / "eval_prompts.jsonl")),
         ppo=PPOHyperparams(
             total_episodes=s["total_episodes"], per_device_train_batch_size=s["batch"] // 2, gradient_accumulation_steps=1,
@@ -231,26 +269,38 @@ def calculator_config(base: Path, out: Path, quick: bool, seed: int, estimator: 
     )
 
 
+def run_calculator_agent_demo(output_dir: str | Path | None = None, **keys) -> dict:
+    """`run_calculator_demo` with step 4 made by the agent program `solve` (`ppokit demo --environment calculator-agent`)."""
+    import importlib.util
+
+    from ppokit.errors import UserError
+
+    if importlib.util.find_spec("openai") is None:  # said before any work, not as every episode's failure after the SFT
+        raise UserError("demo --environment calculator-agent: its agent is written with the openai package; pip install openai")
+    return run_calculator_demo(output_dir, agent=True, **keys)
+
+
 def run_calculator_demo(output_dir: str | Path | None = None, quick: bool = False, seed: int = 0, show_progress: bool = True,
                         estimator: Optional[str] = None, prepared: str | Path | None = None, overwrite: bool = False,
-                        engine: str = "hf", resume: bool = False) -> dict:
-    """Steps 1-4 (the arguments as `ppokit.demos.reviews.run_demo`'s; estimator None: DEFAULT_ESTIMATOR); returns the first and
-    last share of right answers and of episodes with a valid call."""
-    choice = DemoChoice.of("calculator", quick, seed, estimator, engine)
+                        engine: str = "hf", resume: bool = False, agent: bool = False) -> dict:
+    """Steps 1-4 (the arguments as `ppokit.demos.reviews.run_demo`'s; estimator None: DEFAULT_ESTIMATOR; agent: step 4 by the
+    agent program `solve`); returns the first and last share of right answers and of episodes with a valid call."""
+    choice = DemoChoice.of("calculator-agent" if agent else "calculator", quick, seed, estimator, engine)
     out = demo_folder(choice, output_dir, overwrite, resume)
     start = time.perf_counter()
     base, say = demo_start(choice, out, prepared, resume, show_progress,
                            lambda out, say: prepare_calculator_demo(out, quick, seed, say, engine))
-    config = calculator_config(base, out, quick, seed, estimator_settings(choice.estimator), engine)
+    config = calculator_config(base, out, quick, seed, estimator_settings(choice.estimator), engine, agent)
     trainer = start_ppo(config, show_progress, overwrite)
     say(f"[4/4] PPO ({choice.estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} "
         f"questions, up to {MAX_TURNS} turns each; reward: 1 for the right answer")
     if resume:
         resume_ppo(trainer, say)
     records = trainer.train()
-    window, summary = first_and_last(records, accuracy="reward/right_answer", valid_calls="reward/valid_call", turns="rollout/turns")
+    measures = dict(accuracy="reward/agent", valid_calls="agent/valid_call") if agent else dict(accuracy="reward/right_answer", valid_calls="reward/valid_call")
+    window, summary = first_and_last(records, **measures, turns="rollout/turns")
     summary = {
-        **summary, "environment": "calculator", "estimator": choice.estimator, "engine": engine, "updates": len(records),
+        **summary, "environment": choice.environment, "estimator": choice.estimator, "engine": engine, "updates": len(records),
         "seconds": round(time.perf_counter() - start, 1), "output_dir": str(out),
     }
     say(f"\nright answers {summary['accuracy_start']:.0%} -> {summary['accuracy_end']:.0%}, episodes with a valid calculator call "

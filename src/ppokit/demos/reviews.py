@@ -106,6 +106,7 @@ ENVIRONMENTS = {  # --environment NAME -> the module and function of that demo, 
     "guess": ("ppokit.demos.guess", "run_game_demo"),
     "calculator": ("ppokit.demos.calculator", "run_calculator_demo"),
     "reasoning-gym": ("ppokit.demos.count_bits", "run_task_demo"),
+    "calculator-agent": ("ppokit.demos.calculator", "run_calculator_agent_demo"),  # the same task, an openai agent program
 }
 
 

@@ -50,6 +50,9 @@ import torch
 from ppokit.conversation.renderer import ConversationRenderer, Observation
 from ppokit.engines.base import PURPOSES, Request, request_seed
 from ppokit.engines.driver import AsyncRequests
+from ppokit.environments.agent import AgentSession
+from ppokit.environments.agent_endpoint import Endpoint
+from ppokit.environments.base import prompt_suffix
 from ppokit.training.episodes import EnvironmentSaid, Span, pack
 from ppokit.errors import UserError
 from ppokit.process.workers import run_coroutine
@@ -100,6 +103,7 @@ class _Episode:
     last_turn_stopped: bool = False
     error: Optional[str] = None
     environment: Optional[str] = None  # the name of the environment its row chose, among several (its metrics'); None: one
+    numbers: dict = field(default_factory=dict)  # an agent's episode: its calls, segments, ... and the agent's own numbers (`agent/*` metrics)
     transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
     request: Optional[str] = None  # the id of its last request
     kept: bool = False  # the engine keeps that request's keys and values for the episode's next turn
@@ -123,13 +127,14 @@ class EpisodeLoop:
     max_turns / max_episode_tokens: rollout.max_turns and the response region's budget (model turns + observations;
     None: no limit). renderer: the run's `ConversationRenderer` (how a turn reads as text, how observations become
     tokens; plain text by default). max_concurrent: rollout.max_concurrent_episodes (None: every episode of a rollout
-    at once). device: where the Episodes go.
+    at once). device: where the Episodes go. agent: an agent program (`environments.agent.AgentRunner`) in place of an
+    environment: each episode is its run against an endpoint of its own (`_play_agent`).
     """
 
     def __init__(self, engine: "RolloutEngine", tokenizer, runner=None, *, max_turns: int = 1, max_episode_tokens: Optional[int] = None,
                  pad_token_id: int, renderer: Optional[ConversationRenderer] = None, max_concurrent: Optional[int] = None,
-                 device=None):
-        self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
+                 device=None, agent=None):
+        self.engine, self.tokenizer, self.runner, self.agent = engine, tokenizer, runner, agent
         self.max_turns, self.max_episode_tokens, self.pad_token_id = max_turns, max_episode_tokens, pad_token_id
         self.renderer = renderer or ConversationRenderer(tokenizer, None)
         self.max_concurrent, self.device = max_concurrent, device
@@ -140,15 +145,18 @@ class EpisodeLoop:
         """B prompts (token ids) and their data rows -> Episodes (what the environment said in them), rows in order.
         seeds: the episodes' sampling seeds (`EpisodeSeeds`; None: drawn from torch's generator); not read without an
         environment (one unseeded lock-step batch)."""
-        if self.runner is not None and seeds is None:
+        answered = self.runner is not None or self.agent is not None
+        if answered and seeds is None:
             seeds = EpisodeSeeds.drawn()
-        seeds = seeds if self.runner is not None else None
+        seeds = seeds if answered else None
         episodes = [_Episode(i, list(p), str(row.get("prompt", ""))) for i, (p, row) in enumerate(zip(prompts, rows))]
         requests = AsyncRequests(self.engine, self._step_s)
         calls = self.runner.side_by_side() if self.runner is not None else None
-        play = partial(self._play, sampling=sampling, seeds=seeds, requests=requests, calls=calls, tag=f"episode-{next(self._rollouts)}")
+        endpoint = Endpoint() if self.agent is not None else None
+        play = partial(self._play if endpoint is None else partial(self._play_agent, endpoint=endpoint), sampling=sampling, seeds=seeds,
+                       requests=requests, calls=calls, tag=f"episode-{next(self._rollouts)}")
         try:
-            run_coroutine(lambda: self._rollout(episodes, rows, play, requests, calls))
+            run_coroutine(lambda: self._rollout(episodes, rows, play, requests, calls, endpoint))
         finally:  # a stop (an error, Ctrl-C): nothing of this rollout left in the engine
             self._step_s = requests.step_s
             self.engine.abort(requests.unanswered())
@@ -157,17 +165,27 @@ class EpisodeLoop:
         return self._packed(episodes)
 
     async def _rollout(self, episodes: list[_Episode], rows: list[dict], play, requests: AsyncRequests,
-                       calls: Optional["EnvironmentCalls"]) -> None:
-        """Every episode played, at most `max_concurrent` at once, each started in row order as a lane frees."""
+                       calls: Optional["EnvironmentCalls"], endpoint: Optional[Endpoint] = None) -> None:
+        """Every episode played, at most `max_concurrent` at once, each started in row order as a lane frees (with an
+        agent, its endpoint served in this loop meanwhile)."""
         unplayed = iter(zip(episodes, rows))  # shared by the lanes
 
         async def lane():
             for episode, row in unplayed:
                 await play(episode, row)
 
+        if endpoint is not None:
+            await endpoint.start()
+        try:
+            await self._lanes(lane, len(episodes), requests, calls)
+        finally:
+            if endpoint is not None:
+                await endpoint.stop()
+
+    async def _lanes(self, lane, count: int, requests: AsyncRequests, calls: Optional["EnvironmentCalls"]) -> None:
         with self.engine.serving():
             async with requests.running(before_step=calls.settle if calls is not None else None):
-                lanes = [asyncio.ensure_future(lane()) for _ in range(min(self.max_concurrent or len(episodes), len(episodes)))]
+                lanes = [asyncio.ensure_future(lane()) for _ in range(min(self.max_concurrent or count, count))]
                 try:
                     await asyncio.gather(*lanes)
                 finally:  # one episode's error stops the rollout: the others are cancelled (their requests aborted)
@@ -223,6 +241,43 @@ class EpisodeLoop:
         outcome = await calls.run(environment.close, "close", text)
         if isinstance(outcome, EnvironmentFailure):  # past its deadline (its own failures it says itself)
             close_failed(str(outcome))
+
+    async def _play_agent(self, episode: _Episode, row: dict, *, sampling: "Sampling", seeds: EpisodeSeeds, requests: AsyncRequests,
+                          calls, tag: str, endpoint: Endpoint) -> None:
+        """One episode made by the agent program: its run against a URL of its own, each call an engine request
+        (`AgentSession`); when it returns (or fails) the URL is closed and the episode is the session's last segment,
+        the reward at its last model token."""
+        session = AgentSession(self.agent, ask=requests.complete, forget=self.engine.forget, seed=partial(seeds.of, episode.row),
+                               sampling=sampling, max_calls=self.max_turns, room=self.max_episode_tokens, name=f"{tag}-{episode.row}")
+        url = endpoint.open(session)
+        running = asyncio.ensure_future(self.agent.run(dict(row), url, episode.text))
+        broken = asyncio.ensure_future(session.broken.wait())
+        try:
+            await asyncio.wait({running, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if session.failure is not None:  # the engine failed under a call: the rollout stops, as with an environment
+                raise session.failure
+            outcome = running.result()
+        finally:
+            for task in (running, broken):
+                task.cancel()
+            endpoint.close(url)
+            session.end()
+        episode.numbers = session.numbers()
+        segment = session.trained()
+        if isinstance(outcome, str) or session.error is not None:
+            episode.error = session.error + prompt_suffix(episode.text) if session.error is not None else outcome
+        elif segment is None or not any(span.logprobs is not None for span in segment.spans):
+            episode.error = f"agent {self.agent.spec}: returned without a call answered by its endpoint (nothing to train){prompt_suffix(episode.text)}"
+        if segment is None:
+            return
+        episode.prompt, episode.spans, episode.length = segment.prompt, segment.spans, segment.length
+        model_turns = [span for span in segment.spans if span.logprobs is not None]
+        episode.turns, episode.truncated, episode.last_turn_stopped = len(model_turns), segment.truncated, segment.stopped
+        episode.transcript = segment.transcript
+        if episode.error is None:
+            model_turns[-1].reward = outcome.reward
+            episode.done = True
+            episode.numbers.update(outcome.numbers)
 
     # ------------------------------------------------------------------ what each event makes of the episode
 
@@ -325,7 +380,8 @@ class EpisodeLoop:
                 f"raise rollout.max_episode_tokens{prompt_suffix(prompt)}")
 
     def _packed(self, episodes: list[_Episode]) -> "Episodes":
-        said = None if self.runner is None else [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript, e.environment) for e in episodes]
+        answered = self.runner is not None or self.agent is not None
+        said = [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript, e.environment, e.numbers) for e in episodes] if answered else None
         ended = [e.done or (e.last_turn_stopped and not e.truncated) for e in episodes]
         return pack([e.prompt for e in episodes], [e.spans for e in episodes], ended, self.pad_token_id, self.device, said)
 
@@ -336,10 +392,10 @@ def episode_source(engine: "RolloutEngine", conversation: "Conversation", *, max
     environment (one turn per prompt without one) and renderer, at most `max_turns` turns (rollout.max_turns) within the
     episode's token budget (`PPOConfig.response_room`), at most `max_concurrent` episodes in flight
     (rollout.max_concurrent_episodes)."""
-    environment = conversation.runner is not None
-    return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=max_turns if environment else 1,
-                       max_episode_tokens=max_episode_tokens if environment else None, pad_token_id=pad_token_id,
-                       renderer=conversation.renderer, max_concurrent=max_concurrent, device=device)
+    answered = conversation.runner is not None or conversation.agent is not None
+    return EpisodeLoop(engine, conversation.renderer.tokenizer, conversation.runner, max_turns=max_turns if answered else 1,
+                       max_episode_tokens=max_episode_tokens if answered else None, pad_token_id=pad_token_id,
+                       renderer=conversation.renderer, max_concurrent=max_concurrent, device=device, agent=conversation.agent)
 
 
 def data_rows(prompts: list[str], columns: dict[str, list]) -> list[dict]:

@@ -150,6 +150,8 @@ def environment_metrics(episodes: Episodes, names: list[str], scores: torch.Tens
         if n_counted:
             out[f"env/{name}/score"] = score / n_counted
     return out
+
+
 def pass_at_k_metrics(scores: list[Optional[float]], samples_per_prompt: int, ks: list[int], threshold: float) -> dict[str, float]:
     """`eval/pass@k` for each k of `ks` and `eval/mean@n` over eval samples: `scores` holds n = `samples_per_prompt`
     adjacent entries per prompt (None: unscored, which counts as not correct and in no mean). A sample is correct
@@ -167,6 +169,27 @@ def pass_at_k_metrics(scores: list[Optional[float]], samples_per_prompt: int, ks
     metrics = {f"eval/pass@{k}": algo.pass_at_k(drawn, correct, k).mean().item() for k in ks}
     if means:
         metrics[f"eval/mean@{n}"] = sum(means) / len(means)
+    return metrics
+
+
+AGENT_METRICS = ("agent/calls", "agent/segments", "agent/retokenized_share", "agent/trained_share")
+
+
+def agent_metrics(episodes: Episodes, reduce_sum: Optional[ReduceSum] = None) -> dict[str, float]:
+    """An agent program's episodes (`Episodes.agent_numbers`): AGENT_METRICS, means per episode over every process's
+    episodes (with `reduce_sum`), and the agent's own numbers (`agent/<key>` of its returned dict), means over this
+    process's episodes that returned them (their keys are the agent's: they may differ between processes)."""
+    numbers = episodes.agent_numbers or []
+    sums = torch.tensor([[row.get(name, 0.0) for name in AGENT_METRICS] + [1.0] for row in numbers] or [[0.0] * (len(AGENT_METRICS) + 1)],
+                        dtype=torch.float64, device=episodes.query_ids.device).sum(0)
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    *totals, n = sums.tolist()
+    metrics = {name: total / max(n, 1.0) for name, total in zip(AGENT_METRICS, totals)}
+    own = sorted({key for row in numbers for key in row if key not in AGENT_METRICS})
+    for key in own:
+        values = [row[key] for row in numbers if key in row]
+        metrics[key] = sum(values) / len(values)
     return metrics
 
 

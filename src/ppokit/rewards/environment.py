@@ -12,6 +12,9 @@ class EnvironmentReward:
 
     name = "environment"
 
+    def __init__(self, name: str = "environment"):
+        self.name = name  # "agent": an agent program's returned rewards (`reward/agent`), carried as an environment's are
+
     def score(self, batch) -> torch.Tensor:
         from ppokit.environments.base import EnvironmentFailure
 

@@ -71,6 +71,7 @@ class Episodes:
     environment_errors: Optional[list[Optional[str]]] = None  # one line per failed episode (raised, timed out, a bad value)
     transcripts: Optional[list[list[dict[str, Any]]]] = None  # per episode its turns as text: {"role": assistant|user|tool, "text"}
     environments: Optional[list[Optional[str]]] = None  # per episode the name of the environment its row chose (several in a run)
+    agent_numbers: Optional[list[dict[str, float]]] = None  # an agent program's episodes: each one's agent/* numbers (calls, segments, ...)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -144,6 +145,7 @@ class EnvironmentSaid:
     error: Optional[str] = None  # the one line of its failure (raised, timed out, a bad value); the episode is out
     transcript: list[dict[str, Any]] = field(default_factory=list)  # its turns as text: {"role", "text"}
     environment: Optional[str] = None  # the name of the environment its row chose, among several; None: one
+    numbers: dict[str, float] = field(default_factory=dict)  # an agent program's episode: its agent/* numbers
 
 
 def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], pad_token_id: int, device=None,
@@ -205,4 +207,6 @@ def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], p
     episodes.environment_errors = [said.error for said in environment]
     episodes.transcripts = [said.transcript for said in environment]
     episodes.environments = [said.environment for said in environment]
+    if any(said.numbers for said in environment):
+        episodes.agent_numbers = [dict(said.numbers) for said in environment]
     return episodes

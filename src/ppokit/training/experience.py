@@ -26,7 +26,7 @@ from ppokit.models import adapters
 from ppokit.training import algo, batching
 from ppokit.training.episodes import Episodes
 from ppokit.training.estimators import Estimator
-from ppokit.metrics.values import environment_metrics, episode_metrics
+from ppokit.metrics.values import agent_metrics, environment_metrics, episode_metrics
 from ppokit.models.loading import eval_mode, response_logprobs
 from ppokit.training.optimise import PolicyAndValue
 from ppokit.rewards import ScoringBatch, completion_token_ids
@@ -70,7 +70,8 @@ def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: di
         environment_errors=list(episodes.environment_errors) if environment else None,
     )
     result = scorer.score(batch, update_statistics)
-    metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}), **scorer.metrics(result),
+    metrics = {**(episode_metrics(episodes, all_reduce) if environment else {}),
+               **(agent_metrics(episodes, all_reduce) if episodes.agent_numbers is not None else {}), **scorer.metrics(result),
                **environment_metrics(episodes, list(environments), result.scores, result.valid, all_reduce)}
     return Scored(result.scores.to(device), result.valid.to(device), result.errors, completions, metrics, result.raw)
 

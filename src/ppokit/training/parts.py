@@ -122,7 +122,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         config.reward, missing_eos_penalty=config.ppo.missing_eos_penalty, reward_model=reward_model, reward_tokenizer=reward_tokenizer,
         trust_remote_code=config.trust_remote_code, all_reduce=reduce if accelerator.num_processes > 1 else None,
         load_kwargs=roles.load_kwargs(config), verdict=parallel.stop_together(accelerator), checked=start.rewards,
-        environment=EnvironmentReward() if config.environment is not None else None,
+        environment=EnvironmentReward("agent" if config.agent is not None else "environment") if config.episodes_answered else None,
         reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None,
     )
     reward_vocabulary = None if scorer.reward_model is None else scorer.reward_model_shares_vocabulary(tokenizer)
@@ -148,10 +148,13 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         strategy.place_frozen(scorer.reward_model).eval()
     reference, teacher = (strategy.place_frozen(m).eval() if m is not None else None for m in (built.reference, built.teacher))
 
+    longest = max(map(len, train_query_ids + (eval_query_ids or [])))
+    if conversation.agent is not None:  # an agent's calls bring their own prompts: the engine holds the longest one may have
+        longest = max(longest, conversation.agent.prompt_limit(config.data.max_prompt_length, positions and positions.tokens, room, longest))
     engine = engines.build(config.rollout.engine, engines.EngineSetup(
         lambda: accelerator.unwrap_model(trained).policy, pad_id, accelerator.device, config.ppo.local_rollout_forward_batch_size,
         lambda policy: (strategy.generation(policy), accelerator.autocast()), config.rollout,
-        longest_sequence=max(map(len, train_query_ids + (eval_query_ids or []))) + room, rows_per_rollout=sizes.local_batch,
+        longest_sequence=longest + room, rows_per_rollout=sizes.local_batch,
         seed=config.seed))
     sampling = Sampling.by_purpose(config.ppo, stop_token_ids)  # train, eval, greedy
     rollout = Rollout(engine, conversation, scorer, tokenizer, sampling, max_turns=config.rollout.max_turns, max_episode_tokens=room,

@@ -94,7 +94,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     rewards = check_sources(
         config.reward, reward_functions=reward_functions, base_dir=Path.cwd(), reward_model=reward_model_given or bool(config.reward.model),
         data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
-        environment=config.environment is not None, teacher=config.teacher is not None)
+        environment=config.episodes_answered, teacher=config.teacher is not None)
     if conversation.runner is not None and not conversation.runner.gives_rewards and config.teacher is None and not (
             rewards.functions or rewards.remote or reward_model_given or config.reward.model):
         raise UserError(f"environment {config.environment}: no class of it defines get_reward, and the reward: section names "

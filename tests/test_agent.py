@@ -1,0 +1,593 @@
+"""Agents as programs (`agent: file.py:FUNCTION`, docs/agents.md): a tool-calling loop written with the official `openai`
+package, as its docs show it, run against the endpoint ppokit serves each episode. Its episode equals, token for token,
+the same conversation through the Tools environment (a tiny real model steered to call `add`, then answer: the trainer's
+own parts, hf engine, the same seeds); each call's answer comes back as OpenAI `tool_calls`; a call that does not
+continue the last one starts a segment (re-tokenised, counted); the run's temperature samples every call; an agent that
+raises, hangs or returns no number fails its episode in one line and the rollout goes on; an ended episode's URL
+refuses calls; `ppokit ppo` trains an agent run from a config file; the OpenAI Agents SDK's own loop keeps one segment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from chat_families import ADD, FAMILIES
+from steered import scripted, steer
+
+from ppokit.demos.tiny import tiny_causal_lm
+
+openai = pytest.importorskip("openai")
+
+FAMILY = FAMILIES["qwen2_5"]
+QUESTION = [{"role": "user", "content": "What is 17 + 25?"}]
+
+# The agent as a user writes it with the openai package: a chat-completions tool loop (its `tools` and the tool results
+# as `tool` messages with the call's id), the reward its own check of the final answer.
+AGENT = '''
+import json
+
+from openai import OpenAI
+
+TOOLS = {tools}
+
+
+def add(a, b):
+    return a + b
+
+
+def solve(row, base_url):
+    client = OpenAI(base_url=base_url, api_key="anything")
+    messages = list(row["messages"])
+    while True:
+        response = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, tool_choice="auto")
+        message = response.choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            result = add(**json.loads(call.function.arguments))
+            messages.append({{"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}})
+    return {{"reward": 1.0 if "42" in (message.content or "") else 0.0, "tool_calls": len(messages) - 2}}
+'''
+
+
+def schemas(tmp_path: Path) -> list[dict]:
+    from ppokit.environments.tools import load_tools, tool_schemas
+
+    (tmp_path / "arith.py").write_text(ADD)
+    return tool_schemas(load_tools([f"{tmp_path}/arith.py:add"]))
+
+
+def steered_model(tok, tools):
+    """A tiny llama steered to write: a hermes call of add(17, 25), then (after the tool's answer) "It is 42."."""
+    from conftest import conversation_renderer
+
+    from ppokit.data.lengths import encode_prompt_text
+
+    stop = tok.convert_tokens_to_ids(FAMILY.stop)
+    renderer = conversation_renderer(tok, FAMILY.tokenizer().chat_template, tools=tools, stop_token_ids=stop, observation_role="tool")
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = encode_prompt_text(tok, renderer.prompt(QUESTION))
+    call = encode(FAMILY.call("add", {"a": 17, "b": 25})) + [stop]
+    observation = renderer.observation([{"role": "tool", "name": "add", "content": "42"}], "42", True).ids
+    answer = encode("It is 42.") + [stop]
+    onward = encode(" and more")
+    episode = prompt + call + observation + answer + onward
+    torch.manual_seed(0)
+    model = steer(tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048), scripted(episode, {len(episode) - len(onward) - 1: onward[0]}))
+    return model, prompt, call, observation, answer
+
+
+def trainer_for(tmp_path: Path, name: str, model, tok, **keys):
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.trainer import PPOTrainer
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": QUESTION}) + "\n")
+    ppo = dict(total_episodes=2, per_device_train_batch_size=2, num_mini_batches=1, response_length=96, num_sample_generations=0,
+               advantage_estimator="grpo", num_samples_per_prompt=2, stop_token=FAMILY.stop, temperature=1.0)
+    ppo.update(keys.pop("ppo", {}))
+    rollout = {"max_turns": 4, **keys.pop("rollout", {})}
+    config = PPOConfig(output_dir=str(tmp_path / name), reward=RewardConfig(functions=[]), data=DataConfig(train=str(data)),
+                       rollout=RolloutConfig(**rollout), ppo=PPOHyperparams(**ppo), **keys)
+    return PPOTrainer(config, model=model, tokenizer=tok, show_progress=False)
+
+
+def write_agent(tmp_path: Path, tools, body: str = AGENT) -> str:
+    path = tmp_path / "my_agent.py"
+    path.write_text(body.format(tools=repr(tools)))
+    return f"{path}:solve"
+
+
+def test_an_openai_tool_loop_gives_the_tools_environments_episode_token_for_token(tmp_path):
+    import copy
+
+    tok = FAMILY.tokenizer()
+    tools = schemas(tmp_path)
+    model, prompt, call, observation, answer = steered_model(tok, tools)
+    environment = trainer_for(tmp_path, "env", copy.deepcopy(model), tok, environment="ppokit.environments:Tools",
+                              environment_args={"tools": [f"{tmp_path}/arith.py:add"]})
+    agent = trainer_for(tmp_path, "agent", model, tok, agent=write_agent(tmp_path, tools))
+    got = {}
+    for name, trainer in (("env", environment), ("agent", agent)):
+        prompts, columns = trainer.train_data.rows([0, 0])
+        got[name] = trainer.rollout.sample([prompt, prompt], prompts, columns, update=0)
+    env, ag = got["env"], got["agent"]
+    for row in range(2):
+        real = ag.response_ids[row][ag.attention_mask[row, ag.query_ids.shape[1]:]].tolist()
+        assert real == call + observation + answer, tok.decode(real)
+        assert ag.response_ids[row][ag.loss_mask[row]].tolist() == call + answer
+        assert ag.query_ids[row][ag.query_mask[row]].tolist() == prompt
+    for field in ("query_ids", "response_ids", "attention_mask", "loss_mask", "logprobs", "ended", "score_index", "turns"):
+        assert torch.equal(getattr(env, field), getattr(ag, field)), field
+    # the reward the agent returned sits at the last model token; its other numbers and the calls are metrics
+    assert ag.environment_rewards.tolist() == [1.0, 1.0] and ag.environment_errors == [None, None]
+    last = ag.score_index.tolist()
+    assert [ag.turn_rewards[row, last[row]].item() for row in range(2)] == [1.0, 1.0] and ag.turn_rewards.sum().item() == 2.0
+    assert ag.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0, "agent/trained_share": 1.0,
+                                   "agent/tool_calls": 2.0}
+    records = agent.train()
+    assert records[-1]["reward/agent"] == 1.0 and records[-1]["agent/calls"] == 2.0 and records[-1]["agent/retokenized_share"] == 0.0
+
+
+FORGETFUL = '''
+import json
+
+from openai import OpenAI
+
+TOOLS = {tools}
+
+
+def solve(row, base_url):
+    client = OpenAI(base_url=base_url, api_key="anything")
+    first = client.chat.completions.create(model="policy", messages=row["messages"], tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    # the history kept as text, not as the answer returned: the next call cannot continue the first at the token level
+    messages = row["messages"] + [{{"role": "assistant", "content": "I asked add(17, 25) and it said 42."}},
+                                  {{"role": "user", "content": "So what is it?"}}]
+    second = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=12)
+    with open({record!r}, "a") as f:
+        f.write(json.dumps(messages) + "\\n")
+    return 0.5
+'''
+
+
+def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains(tmp_path):
+    from ppokit.data.lengths import encode_prompt_text
+
+    tok = FAMILY.tokenizer()
+    tools = schemas(tmp_path)
+    model, prompt, call, observation, answer = steered_model(tok, tools)
+    record = tmp_path / "second.jsonl"
+    agent = trainer_for(tmp_path, "agent", model, tok, agent=write_agent(tmp_path, tools, FORGETFUL.replace("{record!r}", repr(str(record)))))
+    prompts, columns = agent.train_data.rows([0, 0])
+    episodes = agent.rollout.sample([prompt, prompt], prompts, columns, update=0)
+    second = json.loads(record.read_text().splitlines()[0])
+    rendered = agent.conversation.agent.renderer(tools).prompt(second)
+    stop = tok.convert_tokens_to_ids(FAMILY.stop)
+    for row in range(2):
+        # the row is the second segment: its prompt the re-rendered history, its trained tokens the second call's only
+        assert episodes.query_ids[row][episodes.query_mask[row]].tolist() == encode_prompt_text(tok, rendered)
+        trained = episodes.response_ids[row][episodes.loss_mask[row]].tolist()
+        assert 0 < len(trained) <= 12 and stop not in trained[:-1] and trained != call
+        assert episodes.turns[row].item() == 1 and episodes.turn_rewards[row].sum().item() == 0.5
+        assert episodes.turn_rewards[row, episodes.score_index[row]].item() == 0.5
+    # the first segment's sampled tokens (the call) are left out: the trained share says how much of what was sampled trains
+    for row in range(2):
+        trained = episodes.loss_mask[row].sum().item()
+        assert episodes.agent_numbers[row] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0,
+                                               "agent/trained_share": trained / (len(call) + trained)}
+
+
+TEMPERATURE = '''
+from openai import OpenAI
+
+
+def solve(row, base_url):
+    client = OpenAI(base_url=base_url, api_key="anything")
+    # the agent asks for near-greedy sampling; the run's temperature decides (its logprobs are what trains)
+    response = client.chat.completions.create(model="policy", messages=row["messages"], temperature=0.01, top_p=0.5,
+                                              logprobs=True, max_completion_tokens=6)
+    return {{"reward": 0.0, "logprob_sum": sum(t.logprob for t in response.choices[0].logprobs.content)}}
+'''
+
+
+def test_every_call_samples_with_the_runs_temperature_and_returns_its_logprobs(tmp_path):
+    from ppokit.models.loading import response_logprobs
+
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(1)
+    model = tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048)
+    agent = trainer_for(tmp_path, "agent", model, tok, agent=write_agent(tmp_path, [], TEMPERATURE), ppo={"temperature": 2.5})
+    prompts, columns = agent.train_data.rows([0, 0])
+    prompt = agent.train_query_ids[0]
+    episodes = agent.rollout.sample([prompt, prompt], prompts, columns, update=0)
+    with torch.no_grad():
+        own = response_logprobs(model, episodes.input_ids, episodes.attention_mask, episodes.response_ids, episodes.loss_mask, 2.5)[0]
+    mask = episodes.loss_mask
+    assert mask.sum().item() > 0
+    # the engine's logprobs are the training forward's at ppo.temperature (hf: the same weights; a KV-cached decoding step
+    # and one whole forward differ by float32 rounding of logits of magnitude ~10 over two layers, ~1e-5: 1e-4 bounds it)
+    assert torch.allclose(episodes.logprobs[mask], own[mask], atol=1e-4)
+    # and not those at the temperature the agent asked for
+    with torch.no_grad():
+        asked = response_logprobs(model, episodes.input_ids, episodes.attention_mask, episodes.response_ids, episodes.loss_mask, 1.0)[0]
+    assert (episodes.logprobs[mask] - asked[mask]).abs().max() > 0.05
+    # what the endpoint returned the agent is what trains
+    for row in range(2):
+        assert episodes.agent_numbers[row]["agent/logprob_sum"] == pytest.approx(episodes.logprobs[row][mask[row]].sum().item(), abs=1e-4)
+
+
+FAULTS = '''
+import time
+
+from openai import BadRequestError, NotFoundError, OpenAI
+
+URLS = []
+
+
+def solve(row, base_url):
+    client = OpenAI(base_url=base_url, api_key="anything", max_retries=0)
+    URLS.append(base_url)
+    client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
+    mode = row["mode"]
+    if mode == "raises":
+        raise RuntimeError("the agent's own bug")
+    if mode == "hangs":
+        time.sleep(20)
+    if mode == "text":
+        return "fine"
+    if mode == "leaky":  # an ended episode's URL
+        try:
+            OpenAI(base_url=URLS[0], api_key="anything", max_retries=0).chat.completions.create(model="policy", messages=row["messages"])
+        except NotFoundError as e:
+            return {{"reward": 1.0, "refused": float("ended" in e.body["message"])}}
+        return 0.0
+    checks = {{}}
+    for name, asked in (("stream", {{"stream": True}}), ("n", {{"n": 2}}), ("tool_choice", {{"tool_choice": "required"}})):
+        try:
+            client.chat.completions.create(model="policy", messages=row["messages"], **asked)
+        except BadRequestError as e:
+            checks[name] = float(e.status_code == 400 and e.body["param"] == name and e.body["type"] == "invalid_request_error")
+    checks["models"] = float([m.id for m in client.models.list()] == ["ppokit-policy"])
+    text = client.completions.create(model="policy", prompt="Once upon a time", max_tokens=3)
+    checks["completions"] = float(text.choices[0].finish_reason in ("stop", "length") and text.usage.completion_tokens <= 3)
+    return {{"reward": 1.0, **checks}}
+'''
+
+
+def test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_on(tmp_path):
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.trainer import PPOTrainer
+
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(1)
+    model = tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048)
+    modes = ["checks", "raises", "hangs", "text", "leaky"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Row {mode}"}], "mode": mode}) + "\n" for mode in modes))
+    config = PPOConfig(output_dir=str(tmp_path / "run"), reward=RewardConfig(functions=[], on_error="skip"), data=DataConfig(train=str(data)),
+                       rollout=RolloutConfig(max_turns=8, max_concurrent_episodes=1), agent=write_agent(tmp_path, [], FAULTS),
+                       agent_timeout_s=2.0, ppo=PPOHyperparams(total_episodes=5, per_device_train_batch_size=5, num_mini_batches=1,
+                                                              response_length=8, num_sample_generations=0, stop_token=FAMILY.stop))
+    trainer = PPOTrainer(config, model=model, tokenizer=tok, show_progress=False)
+    prompts, columns = trainer.train_data.rows(list(range(5)))
+    episodes = trainer.rollout.sample([trainer.train_query_ids[i] for i in range(5)], prompts, columns, update=0)
+    errors = episodes.environment_errors
+    assert errors[0] is None and errors[4] is None
+    assert errors[1].startswith(f"agent {config.agent}: raised RuntimeError: the agent's own bug; prompt ")
+    assert errors[2].startswith(f"agent {config.agent}: did not return within agent_timeout_s=2s")
+    assert errors[3].startswith(f"agent {config.agent}: returned the reward 'fine' (a str); expected a finite number")
+    assert all("\n" not in e for e in errors if e)
+    # the refused requests are no calls; the /v1/completions call starts a second segment
+    assert set(episodes.agent_numbers[0]) > {"agent/trained_share"} and 0 < episodes.agent_numbers[0].pop("agent/trained_share") < 1
+    assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0, "agent/stream": 1.0,
+                                         "agent/n": 1.0, "agent/tool_choice": 1.0, "agent/models": 1.0, "agent/completions": 1.0}
+    assert episodes.agent_numbers[4]["agent/refused"] == 1.0
+    scored = trainer.rollout.score(episodes, prompts, columns)
+    assert scored.valid.tolist() == [True, False, False, False, True] and scored.scores[[0, 4]].tolist() == [1.0, 1.0]
+
+
+def test_agent_keys_are_refused_where_they_would_not_be_read(tmp_path):
+    from ppokit.config.schema import PPOConfig
+    from ppokit.errors import UserError
+
+    with pytest.raises(UserError, match=r"^agent \('a.py:f'\) and environment \('ppokit.environments:Tools'\) are both set"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "agent=a.py:f", "environment=ppokit.environments:Tools"]).validate()
+    with pytest.raises(UserError, match=r"^agent_timeout_s \(5.0\) is for an agent program, and `agent` is not set"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "reward.functions=[sentiment]", "agent_timeout_s=5"]).validate()
+    with pytest.raises(UserError, match=r"^environment_args .* is for an environment, and an `agent` makes the episodes"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "agent=a.py:f", "environment_args={tools: [x]}"]).validate()
+    with pytest.raises(UserError, match="agent_tool_parser"):
+        PPOConfig.load(None, ["model=m", "data.train=d.jsonl", "agent=a.py:f", "agent_tool_parser=nope"]).validate()
+
+
+SIMPLE = '''
+import asyncio
+
+from openai import AsyncOpenAI
+
+
+async def solve(row, base_url):
+    client = AsyncOpenAI(base_url=base_url, api_key="anything")
+    response = await client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": row["prompt"]}}])
+    return {{"reward": float("a" in (response.choices[0].message.content or "")), "length": len(response.choices[0].message.content or "")}}
+'''
+
+
+def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
+    import os
+
+    import yaml
+
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(0)
+    model_path = tmp_path / "policy"
+    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
+    tok.save_pretrained(model_path)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
+    (tmp_path / "agent.py").write_text(SIMPLE.format())
+    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve", "data": {"train": "data.jsonl"},
+              "rollout": {"max_concurrent_episodes": 3},
+              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 1, "response_length": 8,
+                      "num_sample_generations": 0, "advantage_estimator": "grpo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
+                            env=os.environ, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in records if "reward/agent" in r]
+    assert len(updates) == 2
+    assert all(r["agent/calls"] == 1.0 and r["agent/segments"] == 1.0 and 0 <= r["agent/length"] for r in updates)
+    assert (tmp_path / "run" / "final").is_dir()
+
+
+AGENTS_SDK = '''
+from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)  # no traces sent anywhere
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+async def solve(row, base_url):
+    model = OpenAIChatCompletionsModel(model="policy", openai_client=AsyncOpenAI(base_url=base_url, api_key="anything"))
+    result = await Runner.run(Agent(name="adder", model=model, tools=[add]), row["messages"][0]["content"], max_turns=3)
+    return float("42" in str(result.final_output))
+'''
+
+
+def test_an_openai_agents_sdk_agent_keeps_one_segment_and_trains(tmp_path):
+    """The OpenAI Agents SDK's own loop (Runner.run over its chat-completions model) against the endpoint: the tool call
+    comes back as tool_calls the SDK runs, its next call continues the episode at the token level, and the reward lands."""
+    pytest.importorskip("agents")
+
+    tok = FAMILY.tokenizer()
+    namespace: dict = {}
+    exec(AGENTS_SDK.replace("set_tracing_disabled(True)", ""), namespace)
+    add = namespace["add"]  # the tool as the SDK sends it to a chat-completions endpoint
+    tools = [{"type": "function", "function": {"name": add.name, "description": add.description, "parameters": add.params_json_schema,
+                                               "strict": add.strict_json_schema}}]
+    model, prompt, call, observation, answer = steered_model(tok, tools)
+    (tmp_path / "sdk_agent.py").write_text(AGENTS_SDK)
+    trainer = trainer_for(tmp_path, "agent", model, tok, agent=f"{tmp_path}/sdk_agent.py:solve")
+    prompts, columns = trainer.train_data.rows([0, 0])
+    episodes = trainer.rollout.sample([prompt, prompt], prompts, columns, update=0)
+    assert episodes.environment_errors == [None, None]
+    for row in range(2):
+        assert episodes.query_ids[row][episodes.query_mask[row]].tolist() == prompt
+        real = episodes.response_ids[row][episodes.attention_mask[row, episodes.query_ids.shape[1]:]].tolist()
+        assert real == call + observation + answer, tok.decode(real)
+    assert episodes.environment_rewards.tolist() == [1.0, 1.0]
+    assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 1.0, "agent/retokenized_share": 0.0, "agent/trained_share": 1.0}
+
+
+ONE_CALL = '''
+from openai import OpenAI
+
+
+def solve(row, base_url):
+    OpenAI(base_url=base_url, api_key="anything", max_retries=0).chat.completions.create(model="policy", messages=row["messages"])
+    return 1.0
+'''
+
+
+def test_a_call_not_answered_within_agent_call_timeout_s_fails_its_episode(tmp_path):
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(1)
+    model = tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048)
+    # a deadline no engine step meets: the call is answered 500, its request aborted, the episode failed with that line
+    trainer = trainer_for(tmp_path, "agent", model, tok, agent=write_agent(tmp_path, [], ONE_CALL), agent_call_timeout_s=1e-6)
+    prompts, columns = trainer.train_data.rows([0, 0])
+    episodes = trainer.rollout.sample([trainer.train_query_ids[0]] * 2, prompts, columns, update=0)
+    for error in episodes.environment_errors:
+        assert error.startswith(f"agent {trainer.config.agent}: call 1 was not answered within agent_call_timeout_s=1e-06s; prompt ")
+    assert trainer.rollout.engine.unfinished() == 0
+
+
+CONCURRENT = '''
+import threading
+import time
+
+from openai import OpenAI
+
+LOCK = threading.Lock()
+RUNNING = [0, 0]  # now, most at once
+
+
+def solve(row, base_url):
+    with LOCK:
+        RUNNING[0] += 1
+        RUNNING[1] = max(RUNNING)
+    try:
+        OpenAI(base_url=base_url, api_key="anything", max_retries=0).chat.completions.create(model="policy", messages=row["messages"])
+        time.sleep(0.3)  # the agent's own work: the other lane's agent runs meanwhile
+        return {{"reward": 0.0, "most_at_once": RUNNING[1]}}
+    finally:
+        with LOCK:
+            RUNNING[0] -= 1
+'''
+
+
+def test_at_most_max_concurrent_episodes_agents_run_at_once(tmp_path):
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(1)
+    model = tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=2048)
+    trainer = trainer_for(tmp_path, "agent", model, tok, agent=write_agent(tmp_path, [], CONCURRENT), rollout={"max_concurrent_episodes": 2})
+    prompts, columns = trainer.train_data.rows([0] * 6)
+    episodes = trainer.rollout.sample([trainer.train_query_ids[0]] * 6, prompts, columns, update=0)
+    assert episodes.environment_errors == [None] * 6
+    most = max(numbers["agent/most_at_once"] for numbers in episodes.agent_numbers)
+    assert most == 2  # never more than the bound; the second lane's agent starts while the first's sleeps
+
+
+RESUMED = '''
+from openai import OpenAI
+
+
+def solve(row, base_url):
+    client = OpenAI(base_url=base_url, api_key="anything", max_retries=0)
+    message = client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": row["prompt"]}}]).choices[0].message
+    follow = client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": row["prompt"]}}, message,
+                                                                      {{"role": "user", "content": "Again."}}]).choices[0].message
+    return float(len(follow.content or "") % 3 == 0)
+'''
+
+
+def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_path):
+    from test_checkpoint import comparable, resume_and_finish, train_until_crash_at_optimizer_step
+
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.trainer import PPOTrainer
+
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(0)
+    model_path = tmp_path / "policy"
+    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
+    tok.save_pretrained(model_path)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(4)))
+    write_agent(tmp_path, [], RESUMED)
+
+    def config(out):
+        return PPOConfig(model=str(model_path), output_dir=str(out), agent=f"{tmp_path}/my_agent.py:solve",
+                         reward=RewardConfig(functions=[]), data=DataConfig(train=str(tmp_path / "data.jsonl")),
+                         rollout=RolloutConfig(max_turns=2, max_concurrent_episodes=3, max_episode_tokens=64),
+                         ppo=PPOHyperparams(total_episodes=12, per_device_train_batch_size=2, num_mini_batches=2, num_ppo_epochs=1, response_length=6,
+                                            num_sample_generations=1, num_eval_samples=2, save_steps=1, stop_token=FAMILY.stop,
+                                            advantage_estimator="rloo", num_samples_per_prompt=2))
+
+    PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
+    crashed = PPOTrainer(config(tmp_path / "crashed"), show_progress=False)
+    train_until_crash_at_optimizer_step(crashed, 4)  # 2 optimiser steps per update: in the second update
+    resume_and_finish(config(tmp_path / "crashed"))
+    got, want = comparable(tmp_path / "crashed" / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["update"] for r in got] == [1, 2, 3] and got == want  # every number, bit for bit, but wall-clock time
+    assert all(r["agent/calls"] == 2.0 and r["agent/segments"] == 1.0 for r in got)
+    assert (tmp_path / "crashed" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
+
+
+class FailingSession:
+    """An episode's session whose chat call fails on ppokit's side (a bug, not the request's fault), and whose completion
+    call waits until the episode is closed under it."""
+
+    def __init__(self):
+        import asyncio
+
+        self.failures: list[BaseException] = []
+        self.waiting = asyncio.Event()
+
+    async def chat(self, body):
+        raise RuntimeError("ppokit's own bug")
+
+    async def complete(self, body):
+        import asyncio
+
+        self.waiting.set()
+        await asyncio.sleep(60)
+
+    def failed(self, error):
+        self.failures.append(error)
+
+
+def test_the_endpoint_answers_every_error_in_openais_form_and_stops_cleanly_inside_the_rollouts_loop(monkeypatch):
+    """The endpoint alone (starlette on uvicorn, in the caller's event loop): ppokit's own failure under a call is a 500 in
+    OpenAI's form and reaches the session; an unknown route, a body that is not JSON or is over the limit, an ended
+    episode's URL and a call cut by the episode's end are refused in OpenAI's form; the trainer's SIGINT handler stays
+    the trainer's while it serves; once stopped its port takes no connection."""
+    import asyncio
+    import signal
+    import socket
+
+    import httpx
+
+    from ppokit.environments import agent_endpoint
+    from ppokit.environments.agent_endpoint import Endpoint
+
+    from ppokit.process.workers import run_coroutine
+
+    monkeypatch.setattr(agent_endpoint, "BODY_LIMIT", 1000)
+    handler = signal.getsignal(signal.SIGINT)
+
+    async def main():  # run as a rollout runs (process.workers.run_coroutine: a loop of its own in this, the main, thread)
+        endpoint = Endpoint()
+        await endpoint.start()
+        session = FailingSession()
+        url = endpoint.open(session)
+        assert signal.getsignal(signal.SIGINT) is handler
+        async with httpx.AsyncClient(timeout=30) as client:
+            got = {}
+            answer = await client.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            got["failure"] = answer.status_code, answer.json()
+            answer = await client.get(f"http://127.0.0.1:{endpoint.port}/v1/models")
+            got["route"] = answer.status_code, answer.json()["error"]["type"]
+            answer = await client.post(f"{url}/chat/completions", content=b"{not json")
+            got["json"] = answer.status_code, answer.json()["error"]["type"]
+            answer = await client.post(f"{url}/chat/completions", content=b" " * 1001)
+            got["size"] = answer.status_code, answer.json()["error"]["type"]
+            call = asyncio.ensure_future(client.post(f"{url}/completions", json={"prompt": "x"}))
+            await session.waiting.wait()
+            endpoint.close(url)
+            answer = await call
+            got["cut"] = answer.status_code, answer.json()["error"]["message"]
+            answer = await client.get(f"{url}/models")
+            got["ended"] = answer.status_code, answer.json()["error"]["message"]
+        await endpoint.stop()
+        return got, session.failures, endpoint.port
+
+    got, failures, port = run_coroutine(main)
+    assert got["failure"] == (500, {"error": {"message": "ppokit could not answer this call: RuntimeError: ppokit's own bug",
+                                              "type": "server_error", "param": None, "code": None}})
+    assert [str(e) for e in failures] == ["ppokit's own bug"]
+    assert got["route"] == (404, "not_found_error")
+    assert got["json"] == (400, "invalid_request_error") and got["size"] == (413, "invalid_request_error")
+    assert got["cut"] == (404, "this episode ended while the call was answered")
+    assert got["ended"] == (404, "this episode has ended (or never was): its URL serves no more calls")
+    assert signal.getsignal(signal.SIGINT) is handler
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def test_the_agent_demo_without_openai_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch):
+    """The calculator-agent demo's agent is written with the openai package: without it, one line naming it and nothing
+    made (the endpoint itself needs nothing beyond ppokit's own dependencies)."""
+    from ppokit.demos.calculator import run_calculator_agent_demo
+    from ppokit.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed: importlib finds no spec
+    with pytest.raises(UserError, match=r"^demo --environment calculator-agent: its agent is written with the openai package; pip install openai$"):
+        run_calculator_agent_demo(tmp_path / "calc", quick=True, show_progress=False)
+    assert not (tmp_path / "calc").exists()
