@@ -2,7 +2,7 @@
 
     python benchmarks/ppo_throughput.py [--updates N] [--arch llama] [--estimator gae] [--samples-per-prompt 1]
                                         [--config default|budget|light|compile]
-    python benchmarks/ppo_throughput.py --shape variable [--config default|budget|light|compile]
+    python benchmarks/ppo_throughput.py --shape variable [--config default|budget|light|compile] [--padding-free]
 
 --shape fixed (the default, unchanged): a tiny Llama (hidden 128, 4 layers, word-level vocabulary)
 built locally, VADER sentiment as the reward, 64 episodes per update, 16-token responses without a
@@ -20,6 +20,8 @@ the learning curves can be compared number for number).
            row (half its memory bound: sorted rows of similar length share a trimmed micro-batch)
   light    + lm_head_chunk_size (the memory-light LM head)
   compile  + compile: true
+--padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
+alternates runs with and without it).
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--arch", default="llama", help="fixed shape only")
     parser.add_argument("--estimator", default="gae", help="ppo.advantage_estimator")
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay the same)")
+    parser.add_argument("--padding-free", action="store_true", help="ppo.padding_free: several episodes per row (docs/speed.md)")
     args = parser.parse_args()
     updates = args.updates or (4 if args.shape == "fixed" else 3)
 
@@ -184,11 +187,13 @@ def measure(args, updates: int, work: Path) -> None:
         config, task = variable_task(work, updates)
     config.ppo.advantage_estimator, config.ppo.num_samples_per_prompt = args.estimator, args.samples_per_prompt
     apply_switches(config, args.config, task["longest_row"])
+    if args.padding_free:
+        config.ppo.padding_free = True
     batch = task["batch"]
 
     torch.manual_seed(0)
     trainer = PPOTrainer(config, show_progress=False)
-    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" else None
+    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" or args.padding_free else None
     start = time.perf_counter()
     records = trainer.train()
     wall = time.perf_counter() - start
@@ -218,7 +223,7 @@ def measure(args, updates: int, work: Path) -> None:
         "wall_s": round(wall, 2),
         "torch_threads": torch.get_num_threads(),
     }
-    if args.shape != "fixed" or args.config != "default":  # the fixed default line keeps its keys
+    if args.shape != "fixed" or args.config != "default" or args.padding_free:  # the fixed default line keeps its keys
         result = {
             "benchmark": "ppo_throughput", "shape": args.shape, "config": args.config, **{k: v for k, v in result.items() if k != "benchmark"},
             "vocabulary": len(trainer.tokenizer),
@@ -228,7 +233,8 @@ def measure(args, updates: int, work: Path) -> None:
             "peak_rss_mb_by_stage": phases.report(),
             # getattr: the tree before these switches runs the default configuration too (docs/speed.md)
             "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
-                         "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False)},
+                         "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
+                         "padding_free": getattr(config.ppo, "padding_free", False)},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))
