@@ -37,7 +37,7 @@ def run(shape: str, config: str, updates: int, padding_free: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--shape", choices=("fixed", "variable"), default="variable")
+    parser.add_argument("--shape", choices=("fixed", "reviews", "variable"), default="reviews")
     parser.add_argument("--config", default="budget", help="ppo_throughput.py's --config (cumulative switches)")
     parser.add_argument("--updates", type=int, default=3, help="timed updates per run (after one warm-up)")
     args = parser.parse_args()
