@@ -284,3 +284,23 @@ def test_a_model_that_lets_packed_episodes_attend_to_each_other_is_refused(model
     check_packed_forward(model, "ppo.padding_free")
     with pytest.raises(UserError, match="ppo.padding_free: _IgnoresPackedPositions does not keep sequences packed in one row apart"):
         check_packed_forward(_IgnoresPackedPositions(model), "ppo.padding_free")
+
+
+@pytest.mark.slow
+def test_the_compiled_backbone_reads_packed_rows_as_eager_does(model_dir):
+    """compile: true with ppo.padding_free: the compiled backbone builds the packed masks too (traced, the packed
+    sequences are always read from the positions), for two widths (dynamic shapes)."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.models.compiled import compiled_backbone
+    from ppokit.models.loading import hidden_states
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    compiled = compiled_backbone(model)
+    for width in (9, 12):
+        ids = torch.randint(5, 40, (5, width), generator=torch.Generator().manual_seed(width))
+        mask = _mask([(2, width), (0, 5), (4, 7), (0, width), (3, 4)], width)
+        with torch.no_grad():
+            want = hidden_states(model, ids, mask)
+            got = hidden_states(model, ids, mask, backbone_fn=compiled, padding_free=True)
+        assert_float32_close(got[mask], want[mask], terms=width * model.config.hidden_size)
