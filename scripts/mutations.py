@@ -598,6 +598,10 @@ MUTATIONS = [
              "            if True:",
              ("tests/test_padding_free.py::test_the_budget_fills_packed_rows_and_the_layout_keeps_within_it",),
              "the token budget is ignored by padding-free micro-batches: every episode of a minibatch in one micro-batch"),
+    Mutation("padding_free_under_fsdp_accepted", "src/ppokit/config/schema.py",
+             '        if self.ppo.padding_free and name == "fsdp":', '        if False:',
+             ("tests/test_padding_free.py::test_padding_free_under_fsdp_is_refused_naming_both_keys",),
+             "ppo.padding_free with parallel.strategy fsdp starts, and fails mid-update on the sharded tied head"),
 ]
 
 
