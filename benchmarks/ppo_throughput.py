@@ -2,11 +2,14 @@
 
     python benchmarks/ppo_throughput.py [--updates N] [--arch llama] [--estimator gae] [--samples-per-prompt 1]
                                         [--config default|budget|light|compile]
-    python benchmarks/ppo_throughput.py --shape variable [--config default|budget|light|compile]
+    python benchmarks/ppo_throughput.py --shape reviews|variable [--config default|budget|light|compile] [--padding-free]
 
 --shape fixed (the default, unchanged): a tiny Llama (hidden 128, 4 layers, word-level vocabulary)
 built locally, VADER sentiment as the reward, 64 episodes per update, 16-token responses without a
 stop token, 4 PPO epochs of 2 minibatches (micro-batches of 32).
+
+--shape reviews: the same, the model first taught the demo reviews (one SFT epoch) so that its responses
+end at EOS at varied lengths, up to 32 tokens (a variable shape built in seconds).
 
 --shape variable: the realistic shape of benchmarks/variable_shape.py (32k-token byte-level BPE,
 an 11M-parameter SFT'd Llama, prompts of 8-64 tokens, responses that end at EOS at varied lengths up
@@ -20,6 +23,8 @@ the learning curves can be compared number for number).
            row (half its memory bound: sorted rows of similar length share a trimmed micro-batch)
   light    + lm_head_chunk_size (the memory-light LM head)
   compile  + compile: true
+--padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
+alternates runs with and without it).
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
@@ -53,15 +58,21 @@ CURVE_KEYS = ("objective/scores", "objective/kl", "objective/response_length", "
               "policy/approxkl_avg", "policy/entropy_avg")
 
 
-def fixed_task(work: Path, updates: int, arch: str) -> tuple[PPOConfig, dict]:
+def fixed_task(work: Path, updates: int, arch: str, stopping: bool = False) -> tuple[PPOConfig, dict]:
+    """stopping (--shape reviews): the model first learns the demo reviews (one SFT epoch, seconds), so that its
+    responses end at EOS at varied lengths (up to 32 tokens), after prompts of varied lengths."""
     from ppokit.demos.reviews import make_data
     from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
+    from ppokit.training.sft import encode_pair, train_sft
 
     batch = 64
     torch.manual_seed(0)
     data = make_data(seed=0, n_sft=500, n_prompts=batch * (updates + 1), n_eval=4)
     tokenizer = word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
     model = tiny_causal_lm(arch, tokenizer, hidden=128, layers=4, heads=4)
+    if stopping:
+        examples = [encode_pair(tokenizer, r["prompt"], r["completion"]) for r in data["sft"]]
+        train_sft(model, examples, tokenizer.pad_token_id, epochs=1, batch_size=16, learning_rate=3e-3)
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     prompts = work / "prompts.jsonl"
@@ -76,15 +87,15 @@ def fixed_task(work: Path, updates: int, arch: str) -> tuple[PPOConfig, dict]:
             per_device_train_batch_size=batch // 2,
             num_mini_batches=2,
             num_ppo_epochs=4,
-            response_length=16,
+            response_length=32 if stopping else 16,
             temperature=1.0,
             learning_rate=1e-4,
-            stop_token=None,  # fixed-length responses: the same work every update
+            stop_token="eos" if stopping else None,  # fixed-length responses: the same work every update
             num_sample_generations=0,
         ),
     )
     longest_prompt = max(len(tokenizer(r["prompt"])["input_ids"]) for r in data["prompts"])
-    return config, {"batch": batch, "longest_row": longest_prompt + 16}
+    return config, {"batch": batch, "longest_row": longest_prompt + config.ppo.response_length}
 
 
 def variable_task(work: Path, updates: int) -> tuple[PPOConfig, dict]:
@@ -122,7 +133,8 @@ class PhaseRSS:
     def __init__(self, trainer):
         self.stage, self.peaks = "setup", {"setup": self._rss()}
         # stage 3 is a function of ppokit.training.experience, which the trainer looks up there at every update
-        for owner, name, stage in ((trainer, "generate", "sampling"), (experience, "reference_and_values", "forward"),
+        # sampling: the trainer's sampler (stage 1), which the trainer looks up on the sampler at every update
+        for owner, name, stage in ((trainer.sampler, "episodes", "sampling"), (experience, "reference_and_values", "forward"),
                                    (trainer, "optimise", "training")):
             setattr(owner, name, self._tagged(getattr(owner, name), stage))
         threading.Thread(target=self._sample, daemon=True).start()
@@ -164,31 +176,34 @@ def apply_switches(config: PPOConfig, name: str, longest_row: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=("fixed", "variable"), default="fixed")
+    parser.add_argument("--shape", choices=("fixed", "reviews", "variable"), default="fixed")
     parser.add_argument("--config", choices=CONFIGS, default="default", help="cumulative speed switches (see the module docstring)")
     parser.add_argument("--updates", type=int, default=None, help="updates to time, after one warm-up update (default: 4 fixed, 3 variable)")
     parser.add_argument("--arch", default="llama", help="fixed shape only")
     parser.add_argument("--estimator", default="gae", help="ppo.advantage_estimator")
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay the same)")
+    parser.add_argument("--padding-free", action="store_true", help="ppo.padding_free: several episodes per row (docs/speed.md)")
     args = parser.parse_args()
-    updates = args.updates or (4 if args.shape == "fixed" else 3)
+    updates = args.updates or (3 if args.shape == "variable" else 4)
 
     with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:  # the run's model and output go with it
         measure(args, updates, Path(tmp))
 
 
 def measure(args, updates: int, work: Path) -> None:
-    if args.shape == "fixed":
-        config, task = fixed_task(work, updates, args.arch)
+    if args.shape in ("fixed", "reviews"):
+        config, task = fixed_task(work, updates, args.arch, stopping=args.shape == "reviews")
     else:
         config, task = variable_task(work, updates)
     config.ppo.advantage_estimator, config.ppo.num_samples_per_prompt = args.estimator, args.samples_per_prompt
     apply_switches(config, args.config, task["longest_row"])
+    if args.padding_free:
+        config.ppo.padding_free = True
     batch = task["batch"]
 
     torch.manual_seed(0)
     trainer = PPOTrainer(config, show_progress=False)
-    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" else None
+    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" or args.padding_free else None
     start = time.perf_counter()
     records = trainer.train()
     wall = time.perf_counter() - start
@@ -218,7 +233,7 @@ def measure(args, updates: int, work: Path) -> None:
         "wall_s": round(wall, 2),
         "torch_threads": torch.get_num_threads(),
     }
-    if args.shape != "fixed" or args.config != "default":  # the fixed default line keeps its keys
+    if args.shape != "fixed" or args.config != "default" or args.padding_free:  # the fixed default line keeps its keys
         result = {
             "benchmark": "ppo_throughput", "shape": args.shape, "config": args.config, **{k: v for k, v in result.items() if k != "benchmark"},
             "vocabulary": len(trainer.tokenizer),
@@ -228,7 +243,8 @@ def measure(args, updates: int, work: Path) -> None:
             "peak_rss_mb_by_stage": phases.report(),
             # getattr: the tree before these switches runs the default configuration too (docs/speed.md)
             "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
-                         "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False)},
+                         "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
+                         "padding_free": getattr(config.ppo, "padding_free", False)},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))

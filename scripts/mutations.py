@@ -880,6 +880,27 @@ MUTATIONS = [
              "    fits = [r for r in VLLM_LORA_RANKS if r >= rank]\n", "    fits = [r for r in VLLM_LORA_RANKS if r >= rank] or [rank]\n",
              ("tests/test_placement.py::test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written",),
              "an adapter rank over vLLM's max_lora_rank 512 passes the config, to fail when vLLM is built (after the run folder)"),
+    # ---- issue 45: padding-free forwards (ppo.padding_free)
+    Mutation("packed_positions_not_restarted", "src/ppokit/models/packing.py",
+             "    position_ids[source[mask]] = within[mask]\n",
+             "    position_ids[source[mask]] = (source[mask] % capacity)\n",
+             ("tests/test_padding_free.py::test_packed_rows_never_attend_across_episodes",
+              "tests/test_padding_free.py::test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_forward"),
+             "packed rows count positions across the row: the episodes after the first attend to those before them"),
+    Mutation("packed_outputs_misaligned_by_one", "src/ppokit/models/packing.py",
+             "        return flat[self.source]",
+             "        return flat[(self.source + 1).clamp(max=flat.shape[0] - 1)]",
+             ("tests/test_padding_free.py::test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_forward",),
+             "a packed episode's outputs read one position late (each token's logprob from the state after it)"),
+    Mutation("packed_budget_ignored", "src/ppokit/training/batching.py",
+             "            if len(trial) * capacity <= max_tokens:",
+             "            if True:",
+             ("tests/test_padding_free.py::test_the_budget_fills_packed_rows_and_the_layout_keeps_within_it",),
+             "the token budget is ignored by padding-free micro-batches: every episode of a minibatch in one micro-batch"),
+    Mutation("padding_free_under_fsdp_accepted", "src/ppokit/config/schema.py",
+             '        if self.ppo.padding_free and name == "fsdp":', '        if False:',
+             ("tests/test_padding_free.py::test_padding_free_under_fsdp_is_refused_naming_both_keys",),
+             "ppo.padding_free with parallel.strategy fsdp starts, and fails mid-update on the sharded tied head"),
 ]
 
 def missing(mutation: Mutation) -> list[str]:

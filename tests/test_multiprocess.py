@@ -141,6 +141,24 @@ def test_ddp_and_fsdp_give_the_same_metrics(runs):
     assert (runs["ddp"][1] / "samples.jsonl").read_text() == (runs["fsdp"][1] / "samples.jsonl").read_text()
 
 
+def test_ddp_with_padding_free_forwards_gives_the_padded_metrics(runs, model_dir, prompts_file, tmp_path):
+    """ppo.padding_free under ddp, 2 processes (one forward of both models per micro-batch): every metric equals the
+    padded ddp run's within float rounding, as fsdp's does, with less padding processed."""
+    result = _launch(_config(model_dir, prompts_file, tmp_path, "ddp", padding_free=True))
+    assert result.returncode == 0, result.stderr[-3000:]
+    padded, packed = _comparable(runs["ddp"][1]), _comparable(tmp_path / "run-ddp")
+    assert [r["update"] for r in packed] == [1, 2, 3, 4] and set(packed[0]) == set(padded[0])
+    for d, f in zip(padded, packed):
+        for key in d:
+            if key == "perf/padding_share":
+                assert f[key] <= d[key]
+            elif key in COUNTS:
+                assert f[key] == pytest.approx(d[key], abs=0.02), key  # a token or two either side of a clip boundary
+            else:
+                assert f[key] == pytest.approx(d[key], rel=1e-4, abs=1e-6), key
+    assert sum(r["perf/padding_share"] for r in packed) < sum(r["perf/padding_share"] for r in padded)
+
+
 def test_an_fsdp_checkpoint_is_sharded_and_final_is_one_plain_model(runs):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 

@@ -415,7 +415,8 @@ def micro_batch_shape(config: PPOConfig, seq: int, room: int) -> tuple[int, int]
     """(token positions, response positions through the LM head) of the largest training micro-batch of rows of
     `seq` tokens, `room` of them after the prompt: per_device_train_batch_size longest rows, or with a token budget
     at most the budget and at most the whole minibatch it packs (per_device_train_batch_size x
-    gradient_accumulation_steps longest rows; every position a response position, at worst)."""
+    gradient_accumulation_steps longest rows; every position a response position, at worst). ppo.padding_free changes
+    neither: at worst every episode is the longest, one to a packed row, as in a padded micro-batch."""
     hp = config.ppo
     rows = hp.per_device_train_batch_size
     if hp.max_tokens_per_micro_batch is None:

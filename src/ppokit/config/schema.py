@@ -191,6 +191,8 @@ class PPOHyperparams:
     # Speed (docs/speed.md).
     max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch (per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar length are packed together, longest first, while rows x the micro-batch's longest row (prompt + response) stays within the budget, and each micro-batch is packed: every row's tokens end at the last column, so it is as wide as its longest row (no padding between a prompt and its response, none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the gradient does not depend on the split: a memory knob, not a result knob. The reference, value and reward-model passes are then chunked and packed the same way, each chunk within local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at least the longest prompt + response_length (checked at start). null: fixed micro-batches of per_device_train_batch_size rows, each loss a mean over its own tokens (TRL).", check=positive, resume=same_loss_normalisation)
 
+    padding_free: bool = doc(False, "Padding-free training and scoring forwards (veRL's use_remove_padding, OpenRLHF's --packing_samples, TRL's padding_free): the policy, reference, critic and reward model read several episodes per row, concatenated, positions restarting at each episode, so no padding token is computed. With max_tokens_per_micro_batch the budget fills these rows (rows x the micro-batch's longest episode) instead of rows of one episode each; without it the micro-batches keep their rows. Logprobs, values and losses equal the padded computation within float rounding; each model is checked once at start to keep packed episodes apart (transformers' packed-sequence masks from position ids). Not under parallel.strategy fsdp yet (refused at start).", resume=True)
+
     @property
     def loss_normalisation(self) -> str:
         """PER_MICRO_BATCH or PER_MINIBATCH: how the loss is normalised and the statistics gathered (ppokit.training.optimise)."""
@@ -682,6 +684,10 @@ class PPOConfig:
             raise UserError(f"parallel.strategy: {name} cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: {DEFAULT_STRATEGY}")
         if self.fp16 and facts.own_mixed_precision:
             raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
+        # Padding-free forwards call the backbone and the head apart; a sharded causal LM gathers its tied embeddings and
+        # head only in its own forward (parallel._units), so they would meet unsharded tensors beside sharded weights.
+        if self.ppo.padding_free and name == "fsdp":
+            raise UserError(f"ppo.padding_free: not available under parallel.strategy: {name} yet; set ppo.padding_free: false, or parallel.strategy: {DEFAULT_STRATEGY}")
 
     def _validate_report_to(self) -> None:
         for name in self.report_to:

@@ -46,7 +46,8 @@ from ppokit.environments.agent_endpoint import MODEL_NAME, Refused
 from ppokit.environments.base import environment_event_loop, prompt_suffix
 from ppokit.environments.tool_parsers import BadToolCall, ToolParser
 from ppokit.errors import UserError
-from ppokit.rewards.sources import as_number, raised_text
+from ppokit.process.workers import raised_text
+from ppokit.rewards.sources import as_number
 from ppokit.training.episodes import Span
 from ppokit.user_code import load_attribute
 

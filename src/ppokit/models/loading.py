@@ -33,6 +33,7 @@ from transformers import (
 
 from ppokit.training import algo
 from ppokit.errors import UserError
+from ppokit.models import packing
 
 
 def _looks_like_path(name: str) -> bool:
@@ -529,11 +530,17 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return out.logits[:, :-1]
 
 
-def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None) -> torch.Tensor:
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None, padding_free: bool = False) -> torch.Tensor:
     """The backbone's last hidden state at every position. (B, L) -> (B, L, H).
 
-    backbone_fn: a stand-in for the backbone with the same call (a `torch.compile`d one, `ppokit.compile`)."""
+    backbone_fn: a stand-in for the backbone with the same call (a `torch.compile`d one, `ppokit.compile`).
+    padding_free: the rows' real tokens packed several sequences a row (`models.packing`), the states returned in
+    the (B, L) layout, 0 at padding."""
     run = backbone_fn if backbone_fn is not None else backbone(model)
+    if padding_free:
+        rows = packing.layout(input_ids, attention_mask)
+        hidden = run(input_ids=rows.ids, attention_mask=None, position_ids=rows.position_ids, use_cache=False).last_hidden_state
+        return rows.unpack(hidden)
     return run(
         input_ids=input_ids,
         attention_mask=attention_mask.long(),  # a bool mask (Episodes') as the 0/1 integers models are given
@@ -594,6 +601,36 @@ def check_output_head(model, what: str) -> None:
         )
 
 
+@torch.no_grad()
+def check_packed_forward(model, what: str) -> None:
+    """Refuse `what` (padding-free forwards, `models.packing`) for a model that does not keep packed sequences apart:
+    two short sequences packed in one row must give the states each gives in a row of its own. transformers builds the
+    packed masks from restarting position ids; a model (or a version) that ignores them lets one sequence attend to
+    the other."""
+    base = unwrap_peft(model)
+    device = next(base.parameters()).device
+    config = base.config.get_text_config()
+    vocab = getattr(config, "vocab_size", None) or 2
+    ids = (torch.arange(18, device=device).reshape(3, 6) * 7919 + 3) % vocab
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :4] = False  # left-padded rows, as prompts are: these two share a packed row
+    mask[2, :3] = False
+    was_training = base.training
+    base.eval()
+    try:
+        separate = hidden_states(model, ids, mask).float()
+        packed = hidden_states(model, ids, mask, padding_free=True).float()
+    finally:
+        base.train(was_training)
+    gap = (separate - packed)[mask].abs().max().item()
+    if not gap <= 1e-4 * max(1.0, separate[mask].abs().max().item()):
+        raise UserError(
+            f"{what}: {type(base).__name__} does not keep sequences packed in one row apart (largest difference {gap:.3g} "
+            f"from the padded forward; its attention must build masks from restarting position ids, transformers >= 4.57); "
+            f"turn {what} off for this model"
+        )
+
+
 def response_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -606,6 +643,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     backbone_fn=None,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Logprobs (and entropy) of each response token under `model`: THE function every logprob site uses
     (reference pass, training; sampling keeps its own per-step logprobs from the same formula).
@@ -620,10 +658,12 @@ def response_logprobs(
     trained token (padding is skipped) go through the output layer N at a time, checkpointed
     (`algo.chunked_head_logprobs`), so the full (B, R, V) float32 log-softmax never exists.
     backbone_fn (a compiled backbone) also takes the backbone + head route, in one chunk if chunk_size is None.
+    padding_free (ppo.padding_free): the backbone runs over packed rows (`hidden_states`), and the head route above
+    takes its states, in one chunk if chunk_size is None.
     Entropy: a detached statistic unless entropy_grad (an entropy bonus in the loss).
     """
     R = response_ids.shape[1]
-    if chunk_size is None and backbone_fn is None:
+    if chunk_size is None and backbone_fn is None and not padding_free:
         logits = response_logits(model, input_ids, attention_mask, R)
         if with_entropy:
             logprobs, entropy = algo.logprobs_and_entropy(logits, response_ids, temperature, entropy_grad)
@@ -631,7 +671,7 @@ def response_logprobs(
             logprobs, entropy = algo.logprobs_from_logits(logits, response_ids, temperature), None
         keep = trained_mask.bool()
         return logprobs.masked_fill(~keep, 0.0), (entropy.masked_fill(~keep, 0.0) if entropy is not None else None)
-    hidden = hidden_states(model, input_ids, attention_mask, backbone_fn)
+    hidden = hidden_states(model, input_ids, attention_mask, backbone_fn, padding_free)
     L = hidden.shape[1]
     keep = trained_mask.bool()
     predicting = hidden[:, L - R - 1 : L - 1][keep]  # (N, H): the state before each real response token
@@ -648,20 +688,24 @@ def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.masked_scatter(mask, values)
 
 
-def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None) -> torch.Tensor:
-    """The scalar head at every position of a one-label sequence classifier. (B, L) -> (B, L) float32."""
-    hidden = hidden_states(model, input_ids, attention_mask, backbone_fn)
+def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None,
+                   padding_free: bool = False) -> torch.Tensor:
+    """The scalar head at every position of a one-label sequence classifier. (B, L) -> (B, L) float32.
+    padding_free: the backbone over packed rows (`hidden_states`)."""
+    hidden = hidden_states(model, input_ids, attention_mask, backbone_fn, padding_free)
     return unwrap_peft(model).score(hidden).squeeze(-1).float()
 
 
-def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, backbone_fn=None) -> torch.Tensor:
+def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, backbone_fn=None,
+                    padding_free: bool = False) -> torch.Tensor:
     """Value of the state before each response token. (B, P + R) -> (B, R) float32."""
-    return scalar_outputs(model, input_ids, attention_mask, backbone_fn)[:, -response_length - 1 : -1]
+    return scalar_outputs(model, input_ids, attention_mask, backbone_fn, padding_free)[:, -response_length - 1 : -1]
 
 
-def score_at_last_token(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward-model score at each row's last real token, whatever side the padding is on. (B, L) -> (B,)."""
-    outputs = scalar_outputs(model, input_ids, attention_mask)
+def score_at_last_token(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, padding_free: bool = False) -> torch.Tensor:
+    """Reward-model score at each row's last real token, whatever side the padding is on. (B, L) -> (B,).
+    padding_free: the backbone over packed rows (`hidden_states`)."""
+    outputs = scalar_outputs(model, input_ids, attention_mask, padding_free=padding_free)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = torch.where(attention_mask.bool(), positions, torch.full_like(positions, -1)).max(-1).values
     return outputs[torch.arange(outputs.shape[0], device=outputs.device), last.clamp(min=0)]

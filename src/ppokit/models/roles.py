@@ -45,6 +45,7 @@ from ppokit.errors import UserError
 from ppokit.models.loading import (
     POLICY_ADAPTER,
     check_output_head,
+    check_packed_forward,
     disable_dropout,
     enable_gradient_checkpointing,
     frozen_copy,
@@ -236,10 +237,15 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
             enable_gradient_checkpointing(value)
     # The memory-light LM head and the compiled forward read the logits from the last hidden state: a model whose forward
     # computes them otherwise is refused now, before the optimiser, rather than trained on wrong logits.
-    switch = "lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile else None
+    switch = ("lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile
+              else "ppo.padding_free" if config.ppo.padding_free else None)
     for m in (policy, reference, teacher) if switch else ():
         if m is not None:
             check_output_head(m, switch)
+    # Padding-free forwards need each model to keep the episodes packed in a row apart (the reward model: where it loads).
+    for m in (policy, reference, value, teacher) if config.ppo.padding_free else ():
+        if m is not None:
+            check_packed_forward(m, "ppo.padding_free")
     return Roles(policy, reference, value, teacher)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ppokit.training import batching
 from ppokit.errors import UserError
-from ppokit.models.loading import input_pad_id, left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
+from ppokit.models.loading import check_packed_forward, input_pad_id, left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary, score_at_last_token
 from ppokit.rewards.sources import ScoringBatch
 
 
@@ -38,6 +38,8 @@ class RewardModelReward:
     # With ppo.max_tokens_per_micro_batch: chunks by tokens (rows of similar length together, each
     # chunk within batch_size rows of the batch's full width, right-aligned to its own longest row) instead of rows.
     by_tokens: bool = False
+    # ppo.padding_free: the forwards over packed rows (`models.packing`), the token budget filling them.
+    padding_free: bool = False
     # What the model is scored under: with the critic's LoRA adapter on the reward model's own weights, that adapter
     # disabled (`roles.build_roles`: `adapters.adapters_disabled`).
     scored_under: Callable[[], ContextManager] = contextlib.nullcontext
@@ -56,15 +58,18 @@ class RewardModelReward:
             ids, mask = left_pad(self.encode(batch), input_pad_id(self.tokenizer, [self.model.config]))
         if not self.by_tokens:
             scores = [
-                score_at_last_token(self.model, ids[i : i + self.batch_size].to(device), mask[i : i + self.batch_size].to(device))
+                score_at_last_token(self.model, ids[i : i + self.batch_size].to(device), mask[i : i + self.batch_size].to(device),
+                                    self.padding_free)
                 for i in range(0, ids.shape[0], self.batch_size)
             ]
             return torch.cat(scores).float().cpu()
-        plan = batching.plan_micro_batches(torch.arange(ids.shape[0]), mask.sum(1), self.batch_size * ids.shape[1])
+        plan_chunks = batching.plan_packed_micro_batches if self.padding_free else batching.plan_micro_batches
+        plan = plan_chunks(torch.arange(ids.shape[0]), mask.sum(1), self.batch_size * ids.shape[1])
         pieces = []
         for index in plan:
             chunk_ids, chunk_mask, _ = batching.right_align(ids[index], mask[index])
-            pieces.append((index, score_at_last_token(self.model, chunk_ids.to(device), chunk_mask.to(device)).float().cpu().unsqueeze(1)))
+            chunk_scores = score_at_last_token(self.model, chunk_ids.to(device), chunk_mask.to(device), self.padding_free)
+            pieces.append((index, chunk_scores.float().cpu().unsqueeze(1)))
         return batching.restore(pieces, ids.shape[0], 1).squeeze(1)
 
     def shares_vocabulary(self, policy_tokenizer) -> bool:
@@ -117,9 +122,10 @@ def chat_messages(batch: ScoringBatch) -> Optional[list[list[dict]]]:
 
 
 def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, trust_remote_code: bool = False, by_tokens: bool = False,
-                        **load_kwargs) -> RewardModelReward:
+                        padding_free: bool = False, **load_kwargs) -> RewardModelReward:
     """A path (its saved tokenizer is used) or a model object with its tokenizer -> a source.
-    by_tokens: score in token-budget chunks (`RewardModelReward.by_tokens`).
+    by_tokens: score in token-budget chunks (`RewardModelReward.by_tokens`); padding_free: over packed rows (checked
+    here to keep them apart: `check_packed_forward`).
     `load_kwargs` go to from_pretrained (e.g. a quantisation config)."""
     model = load_reward_model(name_or_model, trust_remote_code, **load_kwargs)
     if tokenizer is None:
@@ -127,4 +133,6 @@ def reward_model_source(name_or_model, tokenizer=None, batch_size: int = 64, tru
         if not path:
             raise UserError("reward model given as an object: pass its tokenizer too (`reward_tokenizer=`)")
         tokenizer = load_tokenizer(path, trust_remote_code)
-    return RewardModelReward(model, tokenizer, batch_size=batch_size, by_tokens=by_tokens)
+    if padding_free:
+        check_packed_forward(model, "ppo.padding_free")
+    return RewardModelReward(model, tokenizer, batch_size=batch_size, by_tokens=by_tokens, padding_free=padding_free)

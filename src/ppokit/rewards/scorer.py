@@ -371,6 +371,7 @@ def build_scorer(
     load_kwargs: Optional[dict] = None,
     data_columns: Optional[dict[str, set[str]]] = None,
     reward_model_by_tokens: bool = False,
+    reward_model_padding_free: bool = False,
     environment: Optional[RewardSource] = None,
     checked: Optional[CheckedSources] = None,
 ) -> RewardScorer:
@@ -379,7 +380,8 @@ def build_scorer(
     loaded or has more than one label is a UserError here, before any training. With several
     processes, `all_reduce` (a sum across them) keeps the normalisation statistics identical on all, and
     `verdict` (`parallel.stop_together`) makes a source failing on one of them stop every one.
-    reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch).
+    reward_model_by_tokens: the reward model scores in token-budget chunks (ppo.max_tokens_per_micro_batch);
+    reward_model_padding_free: over packed rows (ppo.padding_free).
     environment: the episodes' environment as a source (`rewards.environment.EnvironmentReward`), the last in weights order.
     checked: what `check_sources` returned for these arguments (the run's start-up checked them already); else
     they are checked here."""
@@ -392,7 +394,7 @@ def build_scorer(
     if has_model:
         rm = reward_model_source(
             reward_model if reward_model is not None else reward.model, reward_tokenizer, reward.batch_size, trust_remote_code,
-            by_tokens=reward_model_by_tokens, **(load_kwargs or {}),
+            by_tokens=reward_model_by_tokens, padding_free=reward_model_padding_free, **(load_kwargs or {}),
         )
         sources.append(rm)
         rm_module = rm.model

@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 
+from ppokit.models import packing
 from ppokit.training import algo
 from ppokit.training.episodes import Episodes
 from ppokit.data.lengths import BudgetTooSmall
@@ -93,6 +94,40 @@ def plan_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, max_tokens: in
     return [torch.tensor([rows_list[i] for i in g], dtype=torch.long, device=rows.device) for g in groups]
 
 
+def plan_packed_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """`plan_micro_batches` for padding-free forwards (ppo.padding_free): the budget fills packed rows.
+
+    Rows (episodes) are taken longest first (stable), and each is placed in the current micro-batch's packed rows
+    (`packing.place`: first fit into rows as wide as the micro-batch's first, longest, episode) while those rows x
+    that width stay within `max_tokens`; else it starts the next micro-batch. `packing.layout` lays a micro-batch out
+    by the same rule in the same order, so its forward processes exactly the planned rows.
+    """
+    if rows.numel() == 0:
+        return []
+    row_lengths = lengths[rows].tolist()
+    order = packing.longest_first(row_lengths)
+    longest = row_lengths[order[0]]
+    if longest > max_tokens:
+        raise BudgetTooSmall(f"a row of {longest} tokens is longer than ppo.max_tokens_per_micro_batch={max_tokens}")
+    groups: list[list[int]] = []
+    free: list[int] = []
+    capacity = 0
+    for i in order:
+        if groups:
+            trial = list(free)
+            packing.place(trial, row_lengths[i], capacity)
+            if len(trial) * capacity <= max_tokens:
+                free = trial
+                groups[-1].append(i)
+                continue
+        capacity = max(row_lengths[i], 1)
+        free = []
+        packing.place(free, row_lengths[i], capacity)
+        groups.append([i])
+    rows_list = rows.tolist()
+    return [torch.tensor([rows_list[i] for i in g], dtype=torch.long, device=rows.device) for g in groups]
+
+
 def plan_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     """Fixed micro-batches of `size` rows in the given order (TRL's semantics; no sorting, no trimming)."""
     return list(rows.split(size))
@@ -116,18 +151,22 @@ def plan_episodes(rows: torch.Tensor, episodes: Episodes, max_tokens: int) -> li
     return plan_micro_batches(rows, episodes.attention_mask.sum(1), max_tokens)
 
 
-def split(episodes: Episodes, rows: torch.Tensor, max_rows: int, max_tokens: Optional[int] = None) -> list[tuple[torch.Tensor, Episodes]]:
+def split(episodes: Episodes, rows: torch.Tensor, max_rows: int, max_tokens: Optional[int] = None,
+          padding_free: bool = False) -> list[tuple[torch.Tensor, Episodes]]:
     """The micro-batches (training) or chunks (no-gradient passes) of `rows` of the episodes, as
     (row index (n_i,), the rows' Episodes, each row cut to what the forwards need: `forward_view`)
     pairs, in the order to run them.
 
     max_tokens None: consecutive groups of `max_rows` rows as given, padded to the whole batch's width
     (TRL's semantics). Else the token-budget plan (`plan_micro_batches`), each micro-batch packed.
+    padding_free (ppo.padding_free: the forwards run over packed rows, `models.packing`): the same groups of rows
+    without a budget, each right-aligned (`pack`); with one, the budget fills packed rows (`plan_packed_micro_batches`).
     """
     view = forward_view(episodes)
     if max_tokens is None:
-        return [(index, view.select(index)) for index in plan_rows(rows, max_rows)]
-    return [(index, pack(view.select(index))) for index in plan_episodes(rows, view, max_tokens)]
+        return [(index, pack(view.select(index)) if padding_free else view.select(index)) for index in plan_rows(rows, max_rows)]
+    plan = plan_packed_micro_batches(rows, view.attention_mask.sum(1), max_tokens) if padding_free else plan_episodes(rows, view, max_tokens)
+    return [(index, pack(view.select(index))) for index in plan]
 
 
 def pack(episodes: Episodes) -> Episodes:
@@ -202,9 +241,13 @@ def forward_budget(episodes: Episodes, rows_per_forward: int) -> int:
     return rows_per_forward * (episodes.query_ids.shape[1] + episodes.response_ids.shape[1])
 
 
-def padded_tokens(micro_batches: list[Episodes]) -> tuple[int, torch.Tensor]:
-    """(token positions the forward passes of these micro-batches process, of which real (0-dim tensor))."""
-    processed = sum(mb.query_ids.numel() + mb.response_ids.numel() for mb in micro_batches)
+def padded_tokens(micro_batches: list[Episodes], padding_free: bool = False) -> tuple[int, torch.Tensor]:
+    """(token positions the forward passes of these micro-batches process, of which real (0-dim tensor)).
+    padding_free: the forwards' packed rows (`packing.packed_positions`)."""
+    if padding_free:
+        processed = sum(packing.packed_positions(mb.attention_mask) for mb in micro_batches)
+    else:
+        processed = sum(mb.query_ids.numel() + mb.response_ids.numel() for mb in micro_batches)
     if not micro_batches:
         return 0, torch.zeros((), dtype=torch.long)
     real = torch.stack([mb.attention_mask.sum() for mb in micro_batches]).sum()

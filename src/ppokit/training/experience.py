@@ -79,7 +79,7 @@ def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: di
 @torch.inference_mode()
 def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: Optional[nn.Module], *, rows: int, packed: bool,
                          temperature: float, chunk_size: Optional[int], autocast: Autocast = contextlib.nullcontext,
-                         policy_logprobs: bool = False, teacher: Optional[nn.Module] = None,
+                         policy_logprobs: bool = False, teacher: Optional[nn.Module] = None, padding_free: bool = False,
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """-> (reference logprobs, values, the policy's own logprobs, the teacher's logprobs), each (B, R) over the trained
     tokens. teacher: the frozen teacher of on-policy distillation, scored as an own reference is (`forward_logprobs`,
@@ -90,20 +90,19 @@ def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: O
     `packed` (a token budget, ppo.max_tokens_per_micro_batch): that many rows of the batch's width in tokens, rows of
     similar length together, packed (`batching.split`). temperature, chunk_size: as the training forward
     (ppo.temperature, lm_head_chunk_size); autocast: the mixed-precision context. policy_logprobs: also the policy's
-    own (a rollout engine whose logprobs are not the trainer's), else None."""
+    own (a rollout engine whose logprobs are not the trainer's), else None. padding_free (ppo.padding_free): every
+    forward over packed rows (`models.packing`), the budget filling them (`batching.split`)."""
     budget = batching.forward_budget(episodes, rows) if packed else None
     ref_logprobs, values, logprobs, teacher_logprobs = [], [], [], []
     with model.critic_in_eval_mode(), eval_mode(model.policy):
-        for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget):
+        for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget, padding_free):
             inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask)
-            ref_logprobs.append((index, reference_logprobs(model.policy, ref_model, *inputs, temperature=temperature,
-                                                           chunk_size=chunk_size, autocast=autocast), mb.trained_mask))
+            head = dict(temperature=temperature, chunk_size=chunk_size, autocast=autocast, padding_free=padding_free)
+            ref_logprobs.append((index, reference_logprobs(model.policy, ref_model, *inputs, **head), mb.trained_mask))
             if teacher is not None:
-                teacher_logprobs.append((index, forward_logprobs(teacher, *inputs, temperature=temperature, chunk_size=chunk_size,
-                                                                 autocast=autocast), mb.trained_mask))
+                teacher_logprobs.append((index, forward_logprobs(teacher, *inputs, **head), mb.trained_mask))
             if policy_logprobs:  # the PPO ratio's and the KL's old logprobs: the training forward's
-                logprobs.append((index, forward_logprobs(model.policy, *inputs, temperature=temperature, chunk_size=chunk_size,
-                                                         autocast=autocast), mb.trained_mask))
+                logprobs.append((index, forward_logprobs(model.policy, *inputs, **head), mb.trained_mask))
             with autocast():
                 chunk_values = model.values(mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
             if chunk_values is not None:
@@ -113,21 +112,22 @@ def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: O
 
 
 def reference_logprobs(policy: nn.Module, ref_model: Optional[nn.Module], input_ids, attention_mask, response_ids, trained_mask, *,
-                       temperature: float, chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
+                       temperature: float, chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext,
+                       padding_free: bool = False) -> torch.Tensor:
     """(B, P + R), (B, R) -> (B, R) logprobs under the reference: `ref_model`, or (None) the LoRA policy's base with adapters off."""
+    head = dict(temperature=temperature, chunk_size=chunk_size, autocast=autocast, padding_free=padding_free)
     if ref_model is not None:
-        return forward_logprobs(ref_model, input_ids, attention_mask, response_ids, trained_mask, temperature=temperature,
-                                chunk_size=chunk_size, autocast=autocast)
+        return forward_logprobs(ref_model, input_ids, attention_mask, response_ids, trained_mask, **head)
     with adapters.adapters_disabled(policy):
-        return forward_logprobs(policy, input_ids, attention_mask, response_ids, trained_mask, temperature=temperature,
-                                chunk_size=chunk_size, autocast=autocast)
+        return forward_logprobs(policy, input_ids, attention_mask, response_ids, trained_mask, **head)
 
 
 def forward_logprobs(model: nn.Module, input_ids, attention_mask, response_ids, trained_mask, *, temperature: float,
-                     chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
+                     chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext, padding_free: bool = False) -> torch.Tensor:
     """(B, R) logprobs of the response tokens under `model`, through `models.response_logprobs` as the training forward."""
     with autocast():
-        return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk_size)[0]
+        return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk_size,
+                                 padding_free=padding_free)[0]
 
 
 def rewards(episodes: Episodes, *, kl_estimator: str, kl_clamp: Optional[float], kl_coef: float, whiten: bool,

@@ -43,14 +43,17 @@ class PolicyAndValue(nn.Module):
     value_model is None for a critic-free estimator.
 
     lm_head_chunk_size: the memory-light LM head's chunk (None: the direct computation);
+    padding_free: the backbones over packed rows (`models.packing`, ppo.padding_free);
     `use_compiled_backbones()` runs both backbones through torch.compile in the training forward.
     """
 
-    def __init__(self, policy: nn.Module, value_model: Optional[nn.Module], lm_head_chunk_size: Optional[int] = None):
+    def __init__(self, policy: nn.Module, value_model: Optional[nn.Module], lm_head_chunk_size: Optional[int] = None,
+                 padding_free: bool = False):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
         self.lm_head_chunk_size = lm_head_chunk_size
+        self.padding_free = padding_free
         # Compiled stand-ins for the two backbones (training only); a plain attribute, not submodules:
         # they wrap these modules' own weights, which must not appear twice in a state_dict.
         self.__dict__["backbones"] = (None, None)
@@ -75,6 +78,7 @@ class PolicyAndValue(nn.Module):
             logprobs, entropy = response_logprobs(
                 self.policy, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=self.lm_head_chunk_size,
                 with_entropy=True, entropy_grad=entropy_grad, backbone_fn=self.__dict__["backbones"][0],
+                padding_free=self.padding_free,
             )
         if part in ("both", "value"):
             values = self.values(input_ids, attention_mask, response_ids.shape[1], self.__dict__["backbones"][1])
@@ -85,7 +89,7 @@ class PolicyAndValue(nn.Module):
         backbone_fn: the compiled backbone (training only; the rollout's value pass runs eager)."""
         if self.value_model is None:
             return None
-        return response_values(self.value_model, input_ids, attention_mask, response_length, backbone_fn)
+        return response_values(self.value_model, input_ids, attention_mask, response_length, backbone_fn, self.padding_free)
 
     @contextlib.contextmanager
     def critic_in_eval_mode(self):
@@ -106,7 +110,7 @@ def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, sizes: Ba
     placed by the parallel `strategy` with its optimiser over the run's optimiser steps (`sizes`: `build_optimiser`).
     The memory-light LM head (lm_head_chunk_size) and the compiled forward (`compile`) read the logits from the last
     hidden state: `roles.build_roles` checked the output heads for it. unwrap: the module under the strategy's wrapping."""
-    trainable = PolicyAndValue(built.policy, built.value, lm_head_chunk_size).train()
+    trainable = PolicyAndValue(built.policy, built.value, lm_head_chunk_size, hp.padding_free).train()
     model, optimizer, scheduler = strategy.prepare(trainable, lambda m: build_optimiser(
         m, hp, sizes.optimiser_steps, sizes.warmup_steps, policy_start=sizes.policy_start_step))
     if compile:
@@ -166,8 +170,8 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
 def micro_batches(episodes: Episodes, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Episodes]:
     """The micro-batches of a minibatch (row indices into `episodes`): consecutive groups of
     `sizes.micro_batch` rows, or with ppo.max_tokens_per_micro_batch rows of similar length packed
-    within the token budget and packed (ppokit.training.batching)."""
-    return [mb for _, mb in batching.split(episodes, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch)]
+    within the token budget and packed (ppokit.training.batching); ppo.padding_free: laid out for packed rows."""
+    return [mb for _, mb in batching.split(episodes, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch, hp.padding_free)]
 
 
 def loss_normalisers(micros: list[Episodes], hp: PPOHyperparams, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
@@ -304,7 +308,7 @@ def ppo_epochs(
                 for key, value in minibatch_stats.items():
                     stats.setdefault(key, []).append(value)
                 has_tokens.append(tokens.sum() > 0)
-            mb_processed, mb_real = batching.padded_tokens(micros)
+            mb_processed, mb_real = batching.padded_tokens(micros, hp.padding_free)
             processed, real = processed + mb_processed, real + mb_real
             if not train_policy:
                 for p in policy_params:

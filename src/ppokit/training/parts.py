@@ -123,7 +123,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
         trust_remote_code=config.trust_remote_code, all_reduce=reduce if accelerator.num_processes > 1 else None,
         load_kwargs=roles.load_kwargs(config), verdict=parallel.stop_together(accelerator), checked=start.rewards,
         environment=EnvironmentReward("agent" if config.agent is not None else "environment") if config.episodes_answered else None,
-        reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None,
+        reward_model_by_tokens=config.ppo.max_tokens_per_micro_batch is not None, reward_model_padding_free=config.ppo.padding_free,
     )
     reward_vocabulary = None if scorer.reward_model is None else scorer.reward_model_shares_vocabulary(tokenizer)
     layout = roles.decide_roles(config, reward_vocabulary=reward_vocabulary, ref_model_given=ref_model is not None,
