@@ -422,6 +422,11 @@ class _RolloutKeys:
     max_concurrent_episodes: Optional[int] = doc(None, "Episodes in flight at once on each process: each holds its environment instance and, with rollout.engine: hf, its keys and values between its turns; when one ends the next starts. null: every episode of the rollout at once. Bounds memory; what veRL-based agent recipes call `agent.max_concurrent_trajectories` (vLLM's own `max_num_seqs`, the sequences it decodes at once, is set from the rollout batch). With an environment the episodes are the same under any bound (their seeds are their own); without one, a bound below the rollout batch samples it in lock-step batches of that many.", check=positive)
     max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. 0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
 
+    dynamic_sampling: bool = doc(False, "DAPO's dynamic sampling (veRL's algorithm.filter_groups, OpenRLHF's --algo.dynamic_filtering): groups whose `dynamic_sampling_metric` has no spread (every sample of the prompt scored the same: zero advantage under a group estimator) are dropped, and further rounds of prompts are sampled until the batch is full, at most `dynamic_sampling_extra_rounds` of them. Needs ppo.num_samples_per_prompt of 2 or more. Logs rollout/groups_kept (the share of sampled groups kept), rollout/rounds and rollout/prompts_consumed; docs/algorithms.md.")
+    dynamic_sampling_metric: str = doc("score", "With dynamic_sampling: what must vary within a group for it to be kept: `score` (the combined score the advantages see) or a reward source's name (its raw score, as in `reward/<name>`; veRL's filter_groups.metric).")
+    dynamic_sampling_extra_rounds: int = doc(4, "With dynamic_sampling: rounds of prompts (each one update's worth) sampled beyond the first to fill the batch, at most (veRL's filter_groups.max_num_gen_batches is this plus 1).", check=non_negative)
+    dynamic_sampling_when_short: str = doc("train", "With dynamic_sampling, when the extra rounds end with the batch still short of groups: `train` trains on the groups found (the batch's missing groups are left out of the update) and says so; `stop` stops the run with its last checkpoint (veRL's behaviour).", check=one_of(("train", "stop")))
+
     def check_combination(self) -> None:
         """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
         for key, owners in ENGINE_KEY_OWNERS.items():
@@ -546,6 +551,7 @@ class PPOConfig:
         self.ppo.check_combination()
         self.rollout.check_combination()
         self._validate_off_policy()
+        self._validate_dynamic_sampling()
         self._validate_estimator_roles()
         if self.ppo.mask_truncated_completions and self.ppo.stop_token is None and self.ppo.stop_token_id is None and not has_environment:
             # Without a stop token (or an environment to end episodes) no response ends by itself: every one would leave the loss.
@@ -607,6 +613,17 @@ class PPOConfig:
         if k and self.ppo.estimator.greedy_baseline:
             raise UserError(f"ppo.advantage_estimator {self.ppo.advantage_estimator} samples a greedy baseline with the current weights "
                             f"during the update, which rollout.max_staleness: {k} does not; use another estimator or rollout.max_staleness: 0")
+
+    def _validate_dynamic_sampling(self) -> None:
+        """rollout.dynamic_sampling filters groups, which needs groups; its own keys are read only with it on."""
+        rollout = self.rollout
+        if not rollout.dynamic_sampling:
+            for key in ("dynamic_sampling_metric", "dynamic_sampling_extra_rounds", "dynamic_sampling_when_short"):
+                if differs_from_default(rollout, key):
+                    raise UserError(f"rollout.{key} ({getattr(rollout, key)!r}) is read only with rollout.dynamic_sampling: true; set it, or remove the key")
+        elif self.ppo.num_samples_per_prompt < 2:
+            raise UserError(f"rollout.dynamic_sampling drops the groups of samples of one prompt whose score has no spread, and "
+                            f"ppo.num_samples_per_prompt is {self.ppo.num_samples_per_prompt} (no groups); set it to 2 or more")
 
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""

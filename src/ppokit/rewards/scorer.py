@@ -32,6 +32,7 @@ from ppokit.config.schema import RewardConfig
 from ppokit.config.fields import build, validate
 from ppokit.errors import UserError
 from ppokit.rewards.builtins import BUILTINS
+from ppokit.rewards.environment import EnvironmentReward
 from ppokit.rewards.model import RewardModelReward, reward_model_source
 from ppokit.rewards.remote import RemoteReward
 from ppokit.rewards.sources import (
@@ -79,6 +80,16 @@ class ScoreResult:
     errors: list[str] = field(default_factory=list)  # one message per failed source
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """The sources' names as the metrics show them (`reward/<name>`): a name given again numbered from its second (`_2`)."""
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return unique
+
+
 @dataclass
 class RewardScorer:
     """Every reward source of a run and how their scores become one. `state_dict` holds the
@@ -101,12 +112,7 @@ class RewardScorer:
     _warned: set = field(default_factory=set, repr=False)  # sources whose skipped failure was reported (and UNSCORED)
 
     def __post_init__(self):
-        names: dict[str, int] = {}
-        self.names = []
-        for source in self.sources:
-            base = source.name
-            names[base] = names.get(base, 0) + 1
-            self.names.append(base if names[base] == 1 else f"{base}_{names[base]}")
+        self.names = unique_names([source.name for source in self.sources])
         if len(self.weights) != len(self.sources) or len(self.normalize) != len(self.sources):
             raise UserError(f"reward: {len(self.sources)} sources but {len(self.weights)} weights and {len(self.normalize)} normalize flags")
         for name, on in zip(self.names, self.normalize):
@@ -310,6 +316,14 @@ class CheckedSources:
 
     functions: list[RewardSource]
     remote: Optional[RemoteReward]
+    reward_model: bool = False  # a reward model is a source too (loaded later)
+    environment: bool = False  # the environment is a source too (the last)
+
+    @property
+    def names(self) -> list[str]:
+        """Every source's name, as the scorer will name them (`RewardScorer.names`), in weights order."""
+        return unique_names([RewardModelReward.name] * self.reward_model + [f.name for f in self.functions]
+                            + ([self.remote.name] if self.remote is not None else []) + [EnvironmentReward.name] * self.environment)
 
 
 def check_sources(
@@ -352,7 +366,7 @@ def check_sources(
         raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
     if reward.weights is not None and len(reward.weights) != count:
         raise UserError(f"reward.weights has {len(reward.weights)} entries for {count} reward sources")
-    return CheckedSources(functions, remote)
+    return CheckedSources(functions, remote, bool(reward_model), bool(environment))
 
 
 def build_scorer(

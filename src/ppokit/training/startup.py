@@ -10,7 +10,8 @@
                   4. the conversation (chat template, environment, stop token), the prompts' token ids, the micro-batch
                      token budget against the longest row (`lengths.check_budget`)
                   5. the reward sources that load no weights (`rewards.check_sources`: functions found and their
-                     signatures checked against the data's columns, the remote scorer, reward.weights' count)
+                     signatures checked against the data's columns, the remote scorer, reward.weights' count), and
+                     rollout.dynamic_sampling_metric among their names
 
 The trainer's set-up (`parts.assemble`) builds the run on what `prepare` returns; `ppokit plan` runs the same two, loading
 no weights and writing nothing, so a config the run refuses is refused by the plan with the same one line and exit
@@ -68,6 +69,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     from ppokit.process.machine import check_machine
     from ppokit.models.loading import policy_tokenizer
     from ppokit.data.prompts import load_prompt_data
+    from ppokit.errors import UserError
     from ppokit.rewards import check_sources
 
     check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
@@ -87,4 +89,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
         config.reward, reward_functions=reward_functions, base_dir=Path.cwd(), reward_model=reward_model_given or bool(config.reward.model),
         data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
         environment=config.environment is not None)
+    metric = config.rollout.dynamic_sampling_metric
+    if config.rollout.dynamic_sampling and metric != "score" and metric not in rewards.names:
+        raise UserError(f"rollout.dynamic_sampling_metric: {metric!r} is neither `score` nor a reward source of this run ({', '.join(rewards.names)})")
     return Start(train_data, eval_data, tokenizer, sizes, conversation, train_query_ids, eval_query_ids, rewards)
