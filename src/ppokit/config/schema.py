@@ -345,6 +345,9 @@ class RewardConfig:
     normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: true for all sources, or one true/false per source in `weights` order. The statistics are part of the training state.")
     length_penalty: float = doc(0.0, "Subtracted from the score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
+    overlong_max_length: Optional[int] = doc(None, "DAPO's overlong reward shaping, L_max (veRL's data.max_response_length with reward_model.overlong_buffer): with `overlong_cache_length` L_cache, a completion of L tokens in (L_max - L_cache, L_max] loses (L - (L_max - L_cache)) / L_cache x `overlong_penalty_factor`, one beyond L_max the whole factor. The same as length_penalty: factor / L_cache from length_penalty_start: L_max - L_cache, held at the factor beyond L_max; docs/algorithms.md. null: off.", check=positive)
+    overlong_cache_length: Optional[int] = doc(None, "DAPO's L_cache (veRL's reward_model.overlong_buffer.len): the last tokens before `overlong_max_length` over which the penalty grows from 0 to the factor; at most overlong_max_length.", check=positive)
+    overlong_penalty_factor: float = doc(1.0, "DAPO's overlong penalty at L_max and beyond (veRL's reward_model.overlong_buffer.penalty_factor).", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
     timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts). At most threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
     on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=one_of(("raise", "skip")))
@@ -364,6 +367,31 @@ class RewardConfig:
             raise UserError(f"reward.normalize: expected true, false or a list of true/false, got {self.normalize!r}")
         if self.clip_range is not None and (len(self.clip_range) != 2 or not self.clip_range[0] < self.clip_range[1]):
             raise UserError(f"reward.clip_range: expected [low, high] with low < high, got {self.clip_range!r}")
+        self._check_overlong()
+
+    def _check_overlong(self) -> None:
+        """DAPO's overlong keys come together, and are length_penalty in another form: not both."""
+        longest, cache = self.overlong_max_length, self.overlong_cache_length
+        if (longest is None) != (cache is None):
+            given, missing = ("overlong_max_length", "overlong_cache_length") if cache is None else ("overlong_cache_length", "overlong_max_length")
+            raise UserError(f"reward.{given} needs reward.{missing} (DAPO's L_max and L_cache come together); set it, or remove reward.{given}")
+        if longest is None:
+            if differs_from_default(self, "overlong_penalty_factor"):
+                raise UserError("reward.overlong_penalty_factor is read only with reward.overlong_max_length and overlong_cache_length; set them, or remove it")
+            return
+        if cache > longest:
+            raise UserError(f"reward.overlong_cache_length ({cache}) is longer than reward.overlong_max_length ({longest}); it is the last part of it")
+        if self.length_penalty or self.length_penalty_start:
+            raise UserError("reward.overlong_max_length is DAPO's form of reward.length_penalty (docs/algorithms.md); set one of them, not both")
+
+    @property
+    def length_shaping(self) -> tuple[float, int, Optional[float]]:
+        """(penalty per token, from which length, the most it takes or None): length_penalty and length_penalty_start, or
+        DAPO's overlong keys in that form, factor / L_cache from L_max - L_cache, at most the factor."""
+        if self.overlong_max_length is None:
+            return self.length_penalty, self.length_penalty_start, None
+        factor, cache = self.overlong_penalty_factor, self.overlong_cache_length
+        return factor / cache, self.overlong_max_length - cache, factor
 
 
 @dataclass

@@ -4,7 +4,7 @@
     z_i        = (raw_i - running mean_i) / running std_i          only where normalisation is on
     score      = sum_i weight_i * z_i
                  - missing_eos_penalty      (responses without the stop token)
-                 - length_penalty * max(0, completion tokens - length_penalty_start)
+                 - length_penalty * max(0, completion tokens - length_penalty_start)   (DAPO's overlong shaping: at most its factor)
     score      = clip(score, *clip_range)
 
 A Python function that returns None for a row does not score it (TRL's reward-function protocol): the row's score is
@@ -102,6 +102,7 @@ class RewardScorer:
     missing_eos_penalty: Optional[float] = None
     length_penalty: float = 0.0
     length_penalty_start: int = 0
+    length_penalty_cap: Optional[float] = None  # the most the length penalty takes (DAPO's overlong shaping: its factor)
     clip_range: Optional[tuple[float, float]] = None
     reward_model: Optional[torch.nn.Module] = None  # the reward model's weights, when one is loaded
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over processes, for the statistics
@@ -149,7 +150,8 @@ class RewardScorer:
             total = total - self.missing_eos_penalty * (~batch.ended.cpu()).float()
         if self.length_penalty and batch.completion_ids is not None:
             lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-            total = total - self.length_penalty * (lengths - self.length_penalty_start).clamp(min=0)
+            penalty = self.length_penalty * (lengths - self.length_penalty_start).clamp(min=0)
+            total = total - (penalty if self.length_penalty_cap is None else penalty.clamp(max=self.length_penalty_cap))
         if self.clip_range is not None:
             total = total.clamp(*self.clip_range)
         return ScoreResult(total.masked_fill(~valid, 0.0), valid, raw, errors)
@@ -415,14 +417,16 @@ def build_scorer(
         sources.append(environment)
     weights = list(reward.weights) if reward.weights is not None else [1.0] * len(sources)
     normalize = list(reward.normalize) if isinstance(reward.normalize, list) else [bool(reward.normalize)] * len(sources)
+    length_penalty, length_penalty_start, length_penalty_cap = reward.length_shaping
     return RewardScorer(
         sources=sources,
         weights=weights,
         normalize=normalize,
         on_error=reward.on_error,
         missing_eos_penalty=missing_eos_penalty,
-        length_penalty=reward.length_penalty,
-        length_penalty_start=reward.length_penalty_start,
+        length_penalty=length_penalty,
+        length_penalty_start=length_penalty_start,
+        length_penalty_cap=length_penalty_cap,
         clip_range=tuple(reward.clip_range) if reward.clip_range is not None else None,
         reward_model=rm_module,
         all_reduce=all_reduce,
