@@ -216,3 +216,56 @@ def test_a_resumed_run_samples_the_rounds_as_the_straight_one_did(k, save_steps)
     for start in range(save_steps, len(TAKES), save_steps):
         resumed, _ = rounds_ahead(k, save_steps, start=start)
         assert resumed == [t for t in straight if t[0] >= start]
+
+
+LOGGED_REWARD = """
+import json, os, zlib
+
+def fixed_or_varied(prompts, completions, fixed, row, **columns):
+    with open({log!r} + "-" + os.environ["RANK"], "a") as f:
+        f.write(json.dumps(row) + "\\n")
+    return [0.0 if f else (zlib.crc32(c.encode()) % 1000) / 1000 for f, c in zip(fixed, completions)]
+"""
+
+
+def test_two_processes_fill_their_shares_with_whole_groups(model_dir, marked_prompts, tmp_path):
+    """torchrun, 2 processes (gloo): each samples whole prompts, every round on both while either is short, and the
+    rounds are those the prompt stream gives by hand."""
+    import yaml
+    from test_multiprocess import TORCHRUN, _config, _launch, _records
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    path, fixed = marked_prompts
+    numbered = tmp_path / "prompts.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    numbered.write_text("".join(json.dumps({**r, "row": i}) + "\n" for i, r in enumerate(rows)))
+    log = tmp_path / "scored"
+    (tmp_path / "reward.py").write_text(LOGGED_REWARD.format(log=str(log)))
+    config = _config(model_dir, numbered, tmp_path, total_episodes=32, save_steps=0, num_sample_generations=0,
+                     advantage_estimator="grpo", num_samples_per_prompt=N_SAMPLES)
+    settings = yaml.safe_load(config.read_text())
+    settings["reward"]["functions"] = [f"{tmp_path / 'reward.py'}:fixed_or_varied"]
+    settings["rollout"] = {"dynamic_sampling": True, "dynamic_sampling_extra_rounds": 20}
+    settings["seed"] = seed = 1
+    config.write_text(yaml.safe_dump(settings))
+    result = _launch(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "run-ddp")
+    calls = [[json.loads(line) for line in (tmp_path / f"scored-{rank}").read_text().splitlines()] for rank in (0, 1)]
+    assert len(calls[0]) == len(calls[1]) == sum(r["rollout/rounds"] for r in records)  # one scoring call per round on each
+    position, call = 0, 0
+    for record in records:  # 16 episodes per update: 4 prompts, 2 on each process
+        share = lambda rank, k: [i for r in range(position, position + k) for i in batch_indices(r, len(fixed), 4, seed, rank, 2)]  # noqa: E731
+        rounds = next(k for k in range(1, 30) if all(sum(not fixed[i] for i in share(rank, k)) >= 2 for rank in (0, 1)))
+        assert record["rollout/rounds"] == rounds
+        for r in range(rounds):
+            for rank in (0, 1):
+                got = calls[rank][call + r]
+                assert got[::N_SAMPLES] == batch_indices(position + r, len(fixed), 4, seed, rank, 2)  # whole prompts, this process's
+                assert all(got[i] == got[i - i % N_SAMPLES] for i in range(len(got)))
+        sampled = share(0, rounds) + share(1, rounds)
+        assert record["rollout/groups_kept"] == sum(not fixed[i] for i in sampled) / len(sampled)
+        position, call = position + rounds, call + rounds
+        assert record["rollout/prompts_consumed"] == 4 * position
+    assert position > len(records)
