@@ -593,7 +593,7 @@ MUTATIONS = [
              ("tests/test_dynamic_sampling.py::test_the_batch_is_filled_from_further_rounds_with_the_groups_that_have_spread",),
              "the groups without spread are kept and those with spread dropped"),
     Mutation("dynamic_sampling_short_batch_trains_the_dropped_groups", "src/ppokit/training/dynamic_sampling.py",
-             "            result.scored.valid[len(picks) * n:] = False\n", "",
+             "            result.scored.valid[len(picks) * n:] = False\n", "            pass\n",
              ("tests/test_dynamic_sampling.py::test_short_after_the_last_round_it_trains_on_what_it_found_and_says_so",),
              "a batch still short after the last round is filled with dropped groups that stay in the update"),
     Mutation("prompt_stream_position_not_saved", "src/ppokit/run/state.py",
