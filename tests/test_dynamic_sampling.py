@@ -269,3 +269,52 @@ def test_two_processes_fill_their_shares_with_whole_groups(model_dir, marked_pro
         position, call = position + rounds, call + rounds
         assert record["rollout/prompts_consumed"] == 4 * position
     assert position > len(records)
+
+
+TWO_TURNS_ENV = '''
+import zlib
+
+class TwoTurns:
+    """Two model turns; each turn's reward 0 on a `fixed` row, else the CRC of the turn (every sample differs)."""
+    def reset(self, row):
+        self.fixed, self.turn = bool(row["fixed"]), 0
+        return None
+    def step(self, completion):
+        self.turn += 1
+        reward = 0.0 if self.fixed else (zlib.crc32(completion.encode()) % 100) / 100
+        return ("the movie was" if self.turn < 2 else None), reward, self.turn >= 2
+'''
+
+
+def test_multi_turn_episodes_of_several_rounds_are_joined_row_for_row(model_dir, marked_prompts, tmp_path):
+    """With an environment the rounds' episodes (of other widths) join into one batch whose every row is still the
+    episode that was scored: its prompt's token ids at the right of the prompt columns, its response decoding to the
+    completion the environment and the scorer saw, its environment reward the environment source's score."""
+    from ppokit.config.schema import RewardConfig, RolloutConfig
+
+    path, fixed = marked_prompts
+    env = tmp_path / "env.py"
+    env.write_text(TWO_TURNS_ENV)
+    config = dynamic_config(model_dir, path, tmp_path / "run", updates=1, response_length=4, stop_token=None,
+                            per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1)
+    config.environment = f"{env}:TwoTurns"
+    config.reward = RewardConfig(functions=[])
+    config.rollout = RolloutConfig(max_turns=2, max_episode_tokens=16, dynamic_sampling=True, dynamic_sampling_extra_rounds=20)
+    trainer = PPOTrainer(config, show_progress=False)
+    taken = recording(trainer)
+    record = trainer.step()
+    batch = taken[0]
+    rounds = next(k for k in range(1, 30) if sum(not fixed[i] for i in stream(0, k, len(fixed))) >= 2)
+    assert record["rollout/rounds"] == rounds > 1 and record["rollout/turns"] == 2
+    assert batch.indices == [i for i in stream(0, rounds, len(fixed)) if not fixed[i]][:2]
+    episodes, tokenizer = batch.episodes, trainer.tokenizer
+    width = episodes.query_ids.shape[1]
+    for row in range(len(episodes)):
+        ids = trainer.train_query_ids[batch.indices[row // N_SAMPLES]]
+        assert episodes.query_ids[row, width - len(ids):].tolist() == ids
+        assert episodes.attention_mask[row, :width].tolist() == [False] * (width - len(ids)) + [True] * len(ids)
+    texts = tokenizer.batch_decode(episodes.response_ids.masked_fill(~episodes.attention_mask[:, width:], tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    assert texts == batch.scored.completions
+    assert episodes.environment_rewards.float().tolist() == batch.scored.sources["environment"].float().tolist()  # its float32
+    assert len(episodes.transcripts) == len(episodes) == 8 and all(len(t) == 3 for t in episodes.transcripts)
