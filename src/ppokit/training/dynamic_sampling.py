@@ -18,6 +18,7 @@ The rounds an update takes are the prompt stream's position (`TrainingState.roun
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Callable, Optional
 
@@ -148,7 +149,8 @@ class UpdateBatches:
         fillers = dropped[: share - len(picks)]
         # The fillers stay out of the update (valid False), unless no process found any group to train: then the batch
         # is trained as without dynamic sampling rather than not at all.
-        filled = [rounds[r].groups([g], n) for r, g in picks + fillers]
+        runs = [list(run) for _, run in itertools.groupby(picks + fillers, key=lambda pick: pick[0])]  # one selection per run of a round
+        filled = [rounds[run[0][0]].groups([g for _, g in run], n) for run in runs]
         result = joined(filled, [b.scored.metrics for b in rounds], self.rollout.engine.pad_token_id)
         if counts[1] and fillers:
             result.scored.valid[len(picks) * n:] = False
