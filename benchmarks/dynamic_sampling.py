@@ -1,6 +1,6 @@
 """GRPO with and without rollout.dynamic_sampling on a task where most groups teach nothing: updates to a score.
 
-    nice -n 10 python benchmarks/dynamic_sampling.py [--updates 30] [--word excellent] [--target 0.5] [--seed 0]
+    nice -n 10 python benchmarks/dynamic_sampling.py [--updates 30] [--word excellent] [--target 0.3] [--seed 0]
 
 The quick demo's tiny Llama after SFT on the demo reviews (`demos.reviews.prepare_demo`) writes a review; the reward
 is 1 when the review has the word `--word` and 0 otherwise. Few reviews have it, so with 4 samples per prompt most
@@ -34,7 +34,7 @@ class HasWord:
         return [1.0 if self.word in completion.split() else 0.0 for completion in completions]
 
 
-def run(sft: Path, data: Path, out: Path, *, dynamic: bool, updates: int, word: str, seed: int) -> dict:
+def run(sft: Path, data: Path, out: Path, *, dynamic: bool, updates: int, word: str, seed: int, learning_rate: float) -> dict:
     from ppokit import PPOTrainer
     from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig
 
@@ -43,7 +43,7 @@ def run(sft: Path, data: Path, out: Path, *, dynamic: bool, updates: int, word: 
         data=DataConfig(train=str(data / "prompts.jsonl"), eval=str(data / "eval_prompts.jsonl")),
         ppo=PPOHyperparams(advantage_estimator="grpo", num_samples_per_prompt=4, total_episodes=32 * updates,
                            per_device_train_batch_size=16, num_mini_batches=2, num_ppo_epochs=2, response_length=12,
-                           temperature=1.0, learning_rate=3e-4, kl_coef=0.0, num_sample_generations=updates,
+                           temperature=1.0, learning_rate=learning_rate, kl_coef=0.0, num_sample_generations=updates,
                            num_eval_samples=64, stop_token="eos", save_steps=0),
     )
     config.rollout.dynamic_sampling = dynamic
@@ -71,8 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--updates", type=int, default=30)
     parser.add_argument("--word", default="excellent")
-    parser.add_argument("--target", type=float, default=0.5, help="eval score (averaged over 3 updates) to reach")
+    parser.add_argument("--target", type=float, default=0.3, help="eval score (averaged over 3 updates) to reach")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
     args = parser.parse_args()
 
     from ppokit.demos.reviews import make_data, prepare_demo, write_jsonl
@@ -84,13 +85,14 @@ def main() -> None:
         write_jsonl(data / "eval_prompts.jsonl", make_data(args.seed + 1, 0, 64, 0)["prompts"])  # 64 eval prompts
         runs = {}
         for name, dynamic in (("grpo", False), ("grpo_dynamic_sampling", True)):
-            runs[name] = run(folder / "demo" / "sft", data, folder / name, dynamic=dynamic, updates=args.updates, word=args.word, seed=args.seed)
+            runs[name] = run(folder / "demo" / "sft", data, folder / name, dynamic=dynamic, updates=args.updates, word=args.word, seed=args.seed,
+                               learning_rate=args.learning_rate)
             print(f"{name}: done in {runs[name]['seconds']} s", file=sys.stderr)
     for result in runs.values():
         smoothed = result.pop("smoothed")
         result["updates_to_target"] = next((i + 1 for i, s in enumerate(smoothed) if s >= args.target), None)
     print(json.dumps({"benchmark": "dynamic_sampling", "word": args.word, "target": args.target, "window": WINDOW,
-                      "updates": args.updates, "seed": args.seed, "episodes_per_update": 32, **runs}))
+                      "updates": args.updates, "seed": args.seed, "learning_rate": args.learning_rate, "episodes_per_update": 32, **runs}))
 
 
 if __name__ == "__main__":

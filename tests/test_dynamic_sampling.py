@@ -318,3 +318,31 @@ def test_multi_turn_episodes_of_several_rounds_are_joined_row_for_row(model_dir,
     assert texts == batch.scored.completions
     assert episodes.environment_rewards.float().tolist() == batch.scored.sources["environment"].float().tolist()  # its float32
     assert len(episodes.transcripts) == len(episodes) == 8 and all(len(t) == 3 for t in episodes.transcripts)
+
+
+def test_the_stream_position_read_back_from_a_checkpoint():
+    """`rounds` in trainer_state.json: a checkpoint written before it existed took one round per update; a value that
+    cannot be a position (not an integer, behind the update counter) is named."""
+    from ppokit.run.state import TrainingState
+
+    saved = {"update": 4, "episode": 32, "skipped_updates": 0, "skipped_in_a_row": 0, "last_nonfinite": None}
+    assert TrainingState.from_counters(saved, [], "x").rounds == 4
+    assert TrainingState.from_counters({**saved, "rounds": 9}, [], "x").counters()["rounds"] == 9
+    for wrong in (3, "9", True, None):
+        with pytest.raises(UserError, match=r"trainer_state.json: rounds must be an integer, at least update \(4\), got"):
+            TrainingState.from_counters({**saved, "rounds": wrong}, [], "run/checkpoints/update-4/trainer_state.json")
+
+
+def test_an_update_counts_its_rounds_when_it_is_done_or_skipped_not_before():
+    from ppokit.run.state import TrainingState
+
+    state = TrainingState()
+    state.take_rounds(3)
+    assert state.rounds == 0  # a run stopped now is saved where its last complete update left the stream
+    state.count_done(8)
+    assert (state.update, state.rounds, state.episodes_sampled) == (1, 3, 8)
+    state.take_rounds(5)
+    state.count_skipped("non-finite loss", 8)  # a skipped update's prompts are not sampled again
+    assert (state.update, state.rounds) == (2, 5)
+    state.count_done(8)  # without dynamic sampling nothing is noted: one round
+    assert (state.update, state.rounds) == (3, 6)
