@@ -336,11 +336,13 @@ def check_sources(
     data_columns: Optional[dict[str, set[str]]] = None,
     reward_model: bool = False,
     environment: bool = False,
+    names_a_source: Optional[tuple[str, str]] = None,
 ) -> CheckedSources:
     """Every check of the `reward:` section that needs no weights, before any model loads (the run's set-up and
     `ppokit plan` both run it, `ppokit.training.startup`): each function resolved (objects passed in replace the config's entries)
     and its signature checked against `data_columns` (split -> its column names), the remote scorer built, and the
-    number of sources against reward.weights. reward_model / environment: whether those sources are there too."""
+    number of sources against reward.weights. reward_model / environment: whether those sources are there too.
+    names_a_source: (key, name) of a setting that names one of the sources (`rollout.dynamic_sampling_metric`)."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
     # A column a function needs but the data lacks, or a signature that cannot take the call, fails now, not after
@@ -368,7 +370,11 @@ def check_sources(
         raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
     if reward.weights is not None and len(reward.weights) != count:
         raise UserError(f"reward.weights has {len(reward.weights)} entries for {count} reward sources")
-    return CheckedSources(functions, remote, bool(reward_model), bool(environment))
+    checked = CheckedSources(functions, remote, bool(reward_model), bool(environment))
+    if names_a_source is not None and names_a_source[1] not in checked.names:
+        key, name = names_a_source
+        raise UserError(f"{key}: {name!r} is neither `score` nor a reward source of this run ({', '.join(checked.names)})")
+    return checked
 
 
 def build_scorer(

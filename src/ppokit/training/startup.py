@@ -69,7 +69,6 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     from ppokit.process.machine import check_machine
     from ppokit.models.loading import policy_tokenizer
     from ppokit.data.prompts import load_prompt_data
-    from ppokit.errors import UserError
     from ppokit.rewards import check_sources
 
     check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
@@ -85,11 +84,11 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     train_query_ids, eval_query_ids = encode_prompts(tokenizer, {"data.train": train_data, "data.eval": eval_data},
                                                      config.data.max_prompt_length, say)
     check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], config.response_room)
+    metric = config.rollout.dynamic_sampling_metric  # `score`, or a reward source's name
     rewards = check_sources(
         config.reward, reward_functions=reward_functions, base_dir=Path.cwd(), reward_model=reward_model_given or bool(config.reward.model),
         data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
-        environment=config.environment is not None)
-    metric = config.rollout.dynamic_sampling_metric
-    if config.rollout.dynamic_sampling and metric != "score" and metric not in rewards.names:
-        raise UserError(f"rollout.dynamic_sampling_metric: {metric!r} is neither `score` nor a reward source of this run ({', '.join(rewards.names)})")
+        environment=config.environment is not None,
+        names_a_source=(("rollout.dynamic_sampling_metric", metric) if config.rollout.dynamic_sampling and metric != "score" else None))
     return Start(train_data, eval_data, tokenizer, sizes, conversation, train_query_ids, eval_query_ids, rewards)
+
