@@ -3,7 +3,7 @@
     nice -n 10 python benchmarks/dynamic_sampling.py [--updates 30] [--word excellent] [--target 0.3] [--seed 0]
 
 The quick demo's tiny Llama after SFT on the demo reviews (`demos.reviews.prepare_demo`) writes a review; the reward
-is 1 when the review has the word `--word` and 0 otherwise. Few reviews have it, so with 4 samples per prompt most
+is 1 when the review has the word `--word` (or, given `a,b`, every one of them) and 0 otherwise. Few reviews have it, so with 4 samples per prompt most
 groups score 0, 0, 0, 0: zero advantage under GRPO. Both runs are the same GRPO run (8 prompts x 4 samples per
 update, the same seed and prompts) but for rollout.dynamic_sampling, which trains each update on groups that have
 spread, sampling further rounds of prompts for them (at most 8 extra). After every update both sample the 64 eval
@@ -25,13 +25,13 @@ WINDOW = 3  # updates the eval score is averaged over
 
 
 class HasWord:
-    """Reward 1.0 for a completion with the word, else 0.0 (named `has_word` in the metrics)."""
+    """Reward 1.0 for a completion with every word of `words` (comma-separated), else 0.0 (`has_word` in the metrics)."""
 
-    def __init__(self, word: str):
-        self.word, self.__name__ = word, "has_word"
+    def __init__(self, words: str):
+        self.words, self.__name__ = words.split(","), "has_word"
 
     def __call__(self, prompts, completions, **columns):
-        return [1.0 if self.word in completion.split() else 0.0 for completion in completions]
+        return [1.0 if all(word in completion.split() for word in self.words) else 0.0 for completion in completions]
 
 
 def run(sft: Path, data: Path, out: Path, *, dynamic: bool, updates: int, word: str, seed: int, learning_rate: float) -> dict:
@@ -70,7 +70,7 @@ def run(sft: Path, data: Path, out: Path, *, dynamic: bool, updates: int, word: 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--updates", type=int, default=30)
-    parser.add_argument("--word", default="excellent")
+    parser.add_argument("--word", default="excellent", help="the word rewarded; a,b: a review with both (rarer)")
     parser.add_argument("--target", type=float, default=0.3, help="eval score (averaged over 3 updates) to reach")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
