@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.3, help="eval score (averaged over 3 updates) to reach")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--runs", default="grpo,grpo_dynamic_sampling", help="which runs (e.g. grpo alone, for more updates)")
     args = parser.parse_args()
 
     from ppokit.demos.reviews import make_data, prepare_demo, write_jsonl
@@ -85,6 +86,8 @@ def main() -> None:
         write_jsonl(data / "eval_prompts.jsonl", make_data(args.seed + 1, 0, 64, 0)["prompts"])  # 64 eval prompts
         runs = {}
         for name, dynamic in (("grpo", False), ("grpo_dynamic_sampling", True)):
+            if name not in args.runs.split(","):
+                continue
             runs[name] = run(folder / "demo" / "sft", data, folder / name, dynamic=dynamic, updates=args.updates, word=args.word, seed=args.seed,
                                learning_rate=args.learning_rate)
             print(f"{name}: done in {runs[name]['seconds']} s", file=sys.stderr)
