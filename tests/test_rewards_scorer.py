@@ -333,3 +333,39 @@ def test_timeout_s_is_a_checked_config_key():
     assert RewardConfig().timeout_s == 600.0
     with pytest.raises(UserError, match=r"reward.timeout_s: value 0 is out of range, it must be in \(0, "):
         validate(RewardConfig(timeout_s=0), prefix="reward.")
+
+
+def _by_length(lengths, **reward):
+    """Scores of const(1.0) with the shaping `reward` for completions of `lengths` tokens."""
+    n = len(lengths)
+    s = build_scorer(RewardConfig(functions=[], **reward), reward_functions=[const(1.0)])
+    return s.score(ScoringBatch([f"p{i}" for i in range(n)], ["c"] * n, {}, completion_ids=[[1] * L for L in lengths])).scores
+
+
+def test_dapo_overlong_shaping_hand_worked_and_as_length_penalty_expresses_it():
+    lengths = list(range(14))
+    overlong = _by_length(lengths, overlong_max_length=10, overlong_cache_length=4, overlong_penalty_factor=0.5)
+    # DAPO: nothing up to L_max - L_cache = 6; ((6 - L) / 4) x 0.5 over (6, 10]; -0.5 beyond 10
+    assert overlong.tolist() == [1.0] * 7 + [0.875, 0.75, 0.625, 0.5, 0.5, 0.5, 0.5]
+    # reward.length_penalty's expression of it: factor / L_cache per token from L_max - L_cache, the same up to L_max
+    linear = _by_length(lengths, length_penalty=0.5 / 4, length_penalty_start=10 - 4)
+    assert torch.equal(overlong[:11], linear[:11])
+    assert linear[11:].tolist() == [0.375, 0.25, 0.125]  # the plain penalty keeps growing; DAPO's holds at the factor
+
+    # DAPO's formula as written, in float64, against the scorer's float32 (each a couple of roundings of numbers near 1)
+    lengths, longest, cache, factor = list(range(30)), 20, 7, 0.3
+    got = _by_length(lengths, overlong_max_length=longest, overlong_cache_length=cache, overlong_penalty_factor=factor)
+    want = [1.0 + (0.0 if L <= longest - cache else ((longest - cache) - L) / cache * factor if L <= longest else -factor) for L in lengths]
+    assert got.double().sub(torch.tensor(want, dtype=torch.float64)).abs().max().item() <= 4 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(overlong_cache_length=4), "reward.overlong_cache_length needs reward.overlong_max_length"),
+    (dict(overlong_max_length=10), "reward.overlong_max_length needs reward.overlong_cache_length"),
+    (dict(overlong_max_length=4, overlong_cache_length=10), r"reward.overlong_cache_length \(10\) is longer than reward.overlong_max_length \(4\)"),
+    (dict(overlong_max_length=10, overlong_cache_length=4, length_penalty=0.1), "DAPO's form of reward.length_penalty"),
+    (dict(overlong_penalty_factor=2.0), "reward.overlong_penalty_factor is read only with reward.overlong_max_length"),
+])
+def test_overlong_keys_that_cannot_work_are_refused_by_name(keys, message):
+    with pytest.raises(UserError, match=message):
+        RewardConfig(functions=["sentiment"], **keys).check_combination(1)

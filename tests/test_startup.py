@@ -39,6 +39,14 @@ REFUSALS = {
                                      "ppo.total_episodes: 64 training prompts x 1 epoch(s) is less than one batch of 128"),
     "reward.weights for more sources than there are": (["reward.weights=[1,2]"], "reward.weights has 2 entries for 1 reward sources"),
     "remote scorer's URL": (["reward.remote.url=ftp://scores"], "reward.remote.url: scheme ftp:// is not supported"),
+    "dynamic sampling with one sample per prompt": (["rollout.dynamic_sampling=true"],
+                                                    "rollout.dynamic_sampling drops the groups of samples of one prompt whose score has no "
+                                                    "spread, and ppo.num_samples_per_prompt is 1 (no groups); set it to 2 or more"),
+    "dynamic sampling on a metric no source has": (["rollout.dynamic_sampling=true", "ppo.num_samples_per_prompt=2",
+                                                    "rollout.dynamic_sampling_metric=accuracy"],
+                                                   "rollout.dynamic_sampling_metric: 'accuracy' is neither `score` nor a reward source of this run (sentiment)"),
+    "a dynamic sampling key without dynamic sampling": (["rollout.dynamic_sampling_extra_rounds=2"],
+                                                        "rollout.dynamic_sampling_extra_rounds (2) is read only with rollout.dynamic_sampling: true"),
 }
 
 REWARDS_PY = """def two(prompts, completions):

@@ -30,10 +30,10 @@ from ppokit.process import parallel, random_states
 
 from ppokit.run import run_dir
 
-from ppokit.training import evaluation, experience, sampler
+from ppokit.training import dynamic_sampling, evaluation, experience, sampler
 from ppokit.config.schema import PPOConfig
 from ppokit.engines.correction import use_trainer_logprobs
-from ppokit.training.episodes import Episodes, repeat_each
+from ppokit.training.episodes import Episodes
 from ppokit.errors import UserError
 from ppokit.training.guards import (StopSignals, TrainingInterrupted, UpdateSnapshot, check_finite, check_some_scored, guarded_update,
                            nothing_trained, rollback_file, saved_if_it_fails, too_many_skipped)
@@ -80,6 +80,8 @@ class PPOTrainer:
         prompts = sampler.UpdatePrompts(self.train_data, self.train_query_ids, self.sizes.prompts_per_update, self.sizes.samples_per_prompt,
                                         run.seed, self.accelerator.process_index, self.accelerator.num_processes)
         self.sampler = sampler.build(self.rollout, prompts, max_staleness=run.rollout.max_staleness, save_steps=run.ppo.save_steps, seed=run.seed)
+        self.batches = dynamic_sampling.UpdateBatches(self.sampler, self.rollout, prompts, dynamic_sampling.Rule.of(run.rollout),
+                                                      reduce=self.reduce, say=self.say)
         self._last_batch: list[dict] = []  # the last update's episodes as samples.jsonl rows (`evaluation.scored_rows`)
         self._samples_before: Optional[list[dict]] = None  # the eval samples of update 0, once drawn (`samples_before_training`)
 
@@ -90,7 +92,7 @@ class PPOTrainer:
         return getattr(parts, name)
 
     def batch_indices(self, update: int) -> list[int]:
-        """Prompt indices of update `update` (0-based) on this process (`prompts.batch_indices`)."""
+        """Prompt indices of update `update` (0-based) on this process (`prompts.batch_indices`); with rollout.dynamic_sampling, of round `update`."""
         return self.sampler.prompts.indices(update)
 
     # ------------------------------------------------------------------ one update
@@ -102,15 +104,12 @@ class PPOTrainer:
             raise UserError(f"all {parts.sizes.num_updates} updates of ppo.total_episodes={parts.sizes.total_episodes} are done; "
                             "raise ppo.total_episodes to train further")
         t0, rollout, reduce, n = time.perf_counter(), parts.rollout, parts.reduce, parts.sizes.samples_per_prompt
-        indices = self.batch_indices(state.update)
-        prompts, columns = parts.train_data.rows(repeat_each(indices, n))  # n samples of each prompt, in adjacent rows
 
-        # 1. generate (now, or taken from what was sampled ahead: rollout.max_staleness, ppokit.training.sampler)
-        episodes, ahead = self.sampler.episodes(state.update, parts.sizes.num_updates)
-        t_generate = time.perf_counter()
-
-        # 2. score
-        scored = rollout.score(episodes, prompts, columns)
+        # 1. generate (now, or taken from what was sampled ahead: rollout.max_staleness, ppokit.training.sampler) and 2. score; with
+        # rollout.dynamic_sampling, rounds of prompts until the batch holds groups with spread (ppokit.training.dynamic_sampling)
+        batch = self.batches.take(state, parts.sizes.num_updates)
+        episodes, scored, indices, prompts, columns, ahead = batch.episodes, batch.scored, batch.indices, batch.prompts, batch.columns, batch.metrics
+        t_generate = time.perf_counter() - batch.scoring_s  # the rounds' scoring counts in time/scoring
         episodes.scores, episodes.valid = scored.scores, scored.valid  # failed rows (on_error: skip) leave the update
         if hp.estimator.greedy_baseline:
             episodes.baseline_scores, valid = rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n, state.update)
@@ -144,8 +143,7 @@ class PPOTrainer:
         t_train = time.perf_counter()
 
         # 7. log
-        state.update += 1
-        state.episodes_sampled += parts.sizes.batch
+        state.count_done(parts.sizes.batch)
         objective = objective_metrics(episodes, kl, non_score, episodes.valid, kl_coef, reduce)
         parts.kl_controller.update(objective["objective/kl"], parts.sizes.batch)
         elapsed = t_train - t0

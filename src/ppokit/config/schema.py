@@ -366,6 +366,9 @@ class RewardConfig:
     normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: true for all sources, or one true/false per source in `weights` order. The statistics are part of the training state.")
     length_penalty: float = doc(0.0, "Subtracted from the score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
+    overlong_max_length: Optional[int] = doc(None, "DAPO's overlong reward shaping, L_max (veRL's data.max_response_length with reward_model.overlong_buffer): with `overlong_cache_length` L_cache, a completion of L tokens in (L_max - L_cache, L_max] loses (L - (L_max - L_cache)) / L_cache x `overlong_penalty_factor`, one beyond L_max the whole factor. The same as length_penalty: factor / L_cache from length_penalty_start: L_max - L_cache, held at the factor beyond L_max; docs/algorithms.md. null: off.", check=positive)
+    overlong_cache_length: Optional[int] = doc(None, "DAPO's L_cache (veRL's reward_model.overlong_buffer.len): the last tokens before `overlong_max_length` over which the penalty grows from 0 to the factor; at most overlong_max_length.", check=positive)
+    overlong_penalty_factor: float = doc(1.0, "DAPO's overlong penalty at L_max and beyond (veRL's reward_model.overlong_buffer.penalty_factor).", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
     timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts). At most threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
     on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=one_of(("raise", "skip")))
@@ -385,6 +388,31 @@ class RewardConfig:
             raise UserError(f"reward.normalize: expected true, false or a list of true/false, got {self.normalize!r}")
         if self.clip_range is not None and (len(self.clip_range) != 2 or not self.clip_range[0] < self.clip_range[1]):
             raise UserError(f"reward.clip_range: expected [low, high] with low < high, got {self.clip_range!r}")
+        self._check_overlong()
+
+    def _check_overlong(self) -> None:
+        """DAPO's overlong keys come together, and are length_penalty in another form: not both."""
+        longest, cache = self.overlong_max_length, self.overlong_cache_length
+        if (longest is None) != (cache is None):
+            given, missing = ("overlong_max_length", "overlong_cache_length") if cache is None else ("overlong_cache_length", "overlong_max_length")
+            raise UserError(f"reward.{given} needs reward.{missing} (DAPO's L_max and L_cache come together); set it, or remove reward.{given}")
+        if longest is None:
+            if differs_from_default(self, "overlong_penalty_factor"):
+                raise UserError("reward.overlong_penalty_factor is read only with reward.overlong_max_length and overlong_cache_length; set them, or remove it")
+            return
+        if cache > longest:
+            raise UserError(f"reward.overlong_cache_length ({cache}) is longer than reward.overlong_max_length ({longest}); it is the last part of it")
+        if self.length_penalty or self.length_penalty_start:
+            raise UserError("reward.overlong_max_length is DAPO's form of reward.length_penalty (docs/algorithms.md); set one of them, not both")
+
+    @property
+    def length_shaping(self) -> tuple[float, int, Optional[float]]:
+        """(penalty per token, from which length, the most it takes or None): length_penalty and length_penalty_start, or
+        DAPO's overlong keys in that form, factor / L_cache from L_max - L_cache, at most the factor."""
+        if self.overlong_max_length is None:
+            return self.length_penalty, self.length_penalty_start, None
+        factor, cache = self.overlong_penalty_factor, self.overlong_cache_length
+        return factor / cache, self.overlong_max_length - cache, factor
 
 
 @dataclass
@@ -442,6 +470,11 @@ class _RolloutKeys:
     turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
     max_concurrent_episodes: Optional[int] = doc(None, "Episodes in flight at once on each process: each holds its environment instance and, with rollout.engine: hf, its keys and values between its turns; when one ends the next starts. null: every episode of the rollout at once. Bounds memory; what veRL-based agent recipes call `agent.max_concurrent_trajectories` (vLLM's own `max_num_seqs`, the sequences it decodes at once, is set from the rollout batch). With an environment the episodes are the same under any bound (their seeds are their own); without one, a bound below the rollout batch samples it in lock-step batches of that many.", check=positive)
     max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. 0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
+
+    dynamic_sampling: bool = doc(False, "DAPO's dynamic sampling (veRL's algorithm.filter_groups, OpenRLHF's --algo.dynamic_filtering): groups whose `dynamic_sampling_metric` has no spread (every sample of the prompt scored the same: zero advantage under a group estimator) are dropped, and further rounds of prompts are sampled until the batch is full, at most `dynamic_sampling_extra_rounds` of them. Needs ppo.num_samples_per_prompt of 2 or more. Logs rollout/groups_kept (the share of sampled groups kept), rollout/rounds and rollout/prompts_consumed; docs/algorithms.md.")
+    dynamic_sampling_metric: str = doc("score", "With dynamic_sampling: what must vary within a group for it to be kept: `score` (the combined score the advantages see) or a reward source's name (its raw score, as in `reward/<name>`; veRL's filter_groups.metric).")
+    dynamic_sampling_extra_rounds: int = doc(4, "With dynamic_sampling: rounds of prompts (each one update's worth) sampled beyond the first to fill the batch, at most (veRL's filter_groups.max_num_gen_batches is this plus 1).", check=non_negative)
+    dynamic_sampling_when_short: str = doc("train", "With dynamic_sampling, when the extra rounds end with the batch still short of groups: `train` trains on the groups found (the batch's missing groups are left out of the update) and says so; `stop` stops the run with its last checkpoint (veRL's behaviour).", check=one_of(("train", "stop")))
 
     def check_combination(self) -> None:
         """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
@@ -578,6 +611,7 @@ class PPOConfig:
         self.ppo.check_combination()
         self.rollout.check_combination()
         self._validate_off_policy()
+        self._validate_dynamic_sampling()
         self._validate_estimator_roles()
         if self.ppo.mask_truncated_completions and self.ppo.stop_token is None and self.ppo.stop_token_id is None and not has_environment:
             # Without a stop token (or an environment to end episodes) no response ends by itself: every one would leave the loss.
@@ -658,6 +692,17 @@ class PPOConfig:
         if k and self.ppo.estimator.greedy_baseline:
             raise UserError(f"ppo.advantage_estimator {self.ppo.advantage_estimator} samples a greedy baseline with the current weights "
                             f"during the update, which rollout.max_staleness: {k} does not; use another estimator or rollout.max_staleness: 0")
+
+    def _validate_dynamic_sampling(self) -> None:
+        """rollout.dynamic_sampling filters groups, which needs groups; its own keys are read only with it on."""
+        rollout = self.rollout
+        if not rollout.dynamic_sampling:
+            for key in ("dynamic_sampling_metric", "dynamic_sampling_extra_rounds", "dynamic_sampling_when_short"):
+                if differs_from_default(rollout, key):
+                    raise UserError(f"rollout.{key} ({getattr(rollout, key)!r}) is read only with rollout.dynamic_sampling: true; set it, or remove the key")
+        elif self.ppo.num_samples_per_prompt < 2:
+            raise UserError(f"rollout.dynamic_sampling drops the groups of samples of one prompt whose score has no spread, and "
+                            f"ppo.num_samples_per_prompt is {self.ppo.num_samples_per_prompt} (no groups); set it to 2 or more")
 
     def _validate_estimator_roles(self) -> None:
         """A critic-free estimator builds no value model: settings for one would be ignored, so they are refused."""

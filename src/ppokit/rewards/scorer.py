@@ -4,7 +4,7 @@
     z_i        = (raw_i - running mean_i) / running std_i          only where normalisation is on
     score      = sum_i weight_i * z_i
                  - missing_eos_penalty      (responses without the stop token)
-                 - length_penalty * max(0, completion tokens - length_penalty_start)
+                 - length_penalty * max(0, completion tokens - length_penalty_start)   (DAPO's overlong shaping: at most its factor)
     score      = clip(score, *clip_range)
 
 A Python function that returns None for a row does not score it (TRL's reward-function protocol): the row's score is
@@ -32,6 +32,7 @@ from ppokit.config.schema import RewardConfig
 from ppokit.config.fields import build, validate
 from ppokit.errors import UserError
 from ppokit.rewards.builtins import BUILTINS
+from ppokit.rewards.environment import EnvironmentReward
 from ppokit.rewards.model import RewardModelReward, reward_model_source
 from ppokit.rewards.remote import RemoteReward
 from ppokit.rewards.sources import (
@@ -79,6 +80,16 @@ class ScoreResult:
     errors: list[str] = field(default_factory=list)  # one message per failed source
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """The sources' names as the metrics show them (`reward/<name>`): a name given again numbered from its second (`_2`)."""
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return unique
+
+
 @dataclass
 class RewardScorer:
     """Every reward source of a run and how their scores become one. `state_dict` holds the
@@ -91,6 +102,7 @@ class RewardScorer:
     missing_eos_penalty: Optional[float] = None
     length_penalty: float = 0.0
     length_penalty_start: int = 0
+    length_penalty_cap: Optional[float] = None  # the most the length penalty takes (DAPO's overlong shaping: its factor)
     clip_range: Optional[tuple[float, float]] = None
     reward_model: Optional[torch.nn.Module] = None  # the reward model's weights, when one is loaded
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over processes, for the statistics
@@ -101,12 +113,7 @@ class RewardScorer:
     _warned: set = field(default_factory=set, repr=False)  # sources whose skipped failure was reported (and UNSCORED)
 
     def __post_init__(self):
-        names: dict[str, int] = {}
-        self.names = []
-        for source in self.sources:
-            base = source.name
-            names[base] = names.get(base, 0) + 1
-            self.names.append(base if names[base] == 1 else f"{base}_{names[base]}")
+        self.names = unique_names([source.name for source in self.sources])
         if len(self.weights) != len(self.sources) or len(self.normalize) != len(self.sources):
             raise UserError(f"reward: {len(self.sources)} sources but {len(self.weights)} weights and {len(self.normalize)} normalize flags")
         for name, on in zip(self.names, self.normalize):
@@ -143,7 +150,8 @@ class RewardScorer:
             total = total - self.missing_eos_penalty * (~batch.ended.cpu()).float()
         if self.length_penalty and batch.completion_ids is not None:
             lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-            total = total - self.length_penalty * (lengths - self.length_penalty_start).clamp(min=0)
+            penalty = self.length_penalty * (lengths - self.length_penalty_start).clamp(min=0)
+            total = total - (penalty if self.length_penalty_cap is None else penalty.clamp(max=self.length_penalty_cap))
         if self.clip_range is not None:
             total = total.clamp(*self.clip_range)
         return ScoreResult(total.masked_fill(~valid, 0.0), valid, raw, errors)
@@ -310,6 +318,14 @@ class CheckedSources:
 
     functions: list[RewardSource]
     remote: Optional[RemoteReward]
+    reward_model: bool = False  # a reward model is a source too (loaded later)
+    environment: bool = False  # the environment is a source too (the last)
+
+    @property
+    def names(self) -> list[str]:
+        """Every source's name, as the scorer will name them (`RewardScorer.names`), in weights order."""
+        return unique_names([RewardModelReward.name] * self.reward_model + [f.name for f in self.functions]
+                            + ([self.remote.name] if self.remote is not None else []) + [EnvironmentReward.name] * self.environment)
 
 
 def check_sources(
@@ -321,12 +337,14 @@ def check_sources(
     reward_model: bool = False,
     environment: bool = False,
     teacher: bool = False,
+    names_a_source: Optional[tuple[str, str]] = None,
 ) -> CheckedSources:
     """Every check of the `reward:` section that needs no weights, before any model loads (the run's set-up and
     `ppokit plan` both run it, `ppokit.training.startup`): each function resolved (objects passed in replace the config's entries)
     and its signature checked against `data_columns` (split -> its column names), the remote scorer built, and the
     number of sources against reward.weights. reward_model / environment: whether those sources are there too; teacher:
-    a run with a teacher needs no source (the reverse KL to it is a reward of its own)."""
+    a run with a teacher needs no source (the reverse KL to it is a reward of its own). names_a_source: (key, name) of a
+    setting that names one of the sources (`rollout.dynamic_sampling_metric`)."""
     items = reward_functions if reward_functions is not None else reward.functions
     functions = [as_source(item, f"reward.functions[{i}]", base_dir, reward.timeout_s) for i, item in enumerate(items)]
     # A column a function needs but the data lacks, or a signature that cannot take the call, fails now, not after
@@ -354,7 +372,11 @@ def check_sources(
         raise UserError("reward: set at least one source, reward.model, reward.functions or reward.remote")
     if reward.weights is not None and len(reward.weights) != count:
         raise UserError(f"reward.weights has {len(reward.weights)} entries for {count} reward sources")
-    return CheckedSources(functions, remote)
+    checked = CheckedSources(functions, remote, bool(reward_model), bool(environment))
+    if names_a_source is not None and names_a_source[1] not in checked.names:
+        key, name = names_a_source
+        raise UserError(f"{key}: {name!r} is neither `score` nor a reward source of this run ({', '.join(checked.names)})")
+    return checked
 
 
 def build_scorer(
@@ -405,14 +427,16 @@ def build_scorer(
         sources.append(environment)
     weights = list(reward.weights) if reward.weights is not None else [1.0] * len(sources)
     normalize = list(reward.normalize) if isinstance(reward.normalize, list) else [bool(reward.normalize)] * len(sources)
+    length_penalty, length_penalty_start, length_penalty_cap = reward.length_shaping
     return RewardScorer(
         sources=sources,
         weights=weights,
         normalize=normalize,
         on_error=reward.on_error,
         missing_eos_penalty=missing_eos_penalty,
-        length_penalty=reward.length_penalty,
-        length_penalty_start=reward.length_penalty_start,
+        length_penalty=length_penalty,
+        length_penalty_start=length_penalty_start,
+        length_penalty_cap=length_penalty_cap,
         clip_range=tuple(reward.clip_range) if reward.clip_range is not None else None,
         reward_model=rm_module,
         all_reduce=all_reduce,

@@ -19,7 +19,8 @@ A checkpoint is the folder `output_dir/checkpoints/update-N/`:
 The folder is written under a temporary name and renamed into place (`run_dir.temporary_dir`, `finish_dir`), so a
 crash while writing leaves the previous checkpoints as they were; only folders named update-N
 whose trainer_state.json says complete count. The data order is a pure function of
-(seed, update index) (`prompts.batch_indices`), so the update counter is the data position.
+(seed, round index) (`prompts.batch_indices`; a round is one update's prompts), so the rounds taken
+(`TrainingState.rounds`, the update counter without dynamic sampling) are the data position.
 
 `save_checkpoint` and `load_checkpoint` take what they write and restore, by name: the run's
 `TrainingState`, its `TrainedParts` (models, optimiser, schedule, KL controller, reward scorer),

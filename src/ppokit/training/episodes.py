@@ -113,6 +113,39 @@ class Episodes:
         return self.query_ids.shape[0]
 
 
+def concat(parts: list["Episodes"], pad_token_id: int) -> "Episodes":
+    """Episodes of several rollouts as one, rows in order (dynamic sampling's rounds): the prompt columns left-padded
+    and the response columns right-padded to the widest (pad_token_id; masks False, other values 0), so every row keeps
+    its layout and its score position. A field is None in the result where it is None in every part."""
+    prompt = max(p.query_ids.shape[1] for p in parts)
+    response = max(p.response_ids.shape[1] for p in parts)
+
+    def widened(value: torch.Tensor, width: int, left: bool, fill) -> torch.Tensor:
+        room = width - value.shape[1]
+        pad = torch.full((value.shape[0], room), fill, dtype=value.dtype, device=value.device)
+        return torch.cat([pad, value] if left else [value, pad], dim=1)
+
+    joined = {}
+    for f in fields(Episodes):
+        values = [getattr(p, f.name) for p in parts]
+        if all(v is None for v in values):
+            joined[f.name] = None
+        elif not isinstance(values[0], torch.Tensor):
+            joined[f.name] = [item for v in values for item in v]
+        elif f.name == "query_ids":
+            joined[f.name] = torch.cat([widened(v, prompt, True, pad_token_id) for v in values])
+        elif f.name == "attention_mask":
+            joined[f.name] = torch.cat([torch.cat([widened(v[:, : p.query_ids.shape[1]], prompt, True, False),
+                                                   widened(v[:, p.query_ids.shape[1]:], response, False, False)], dim=1)
+                                        for v, p in zip(values, parts)])
+        elif values[0].dim() == 2:
+            fill = pad_token_id if f.name == "response_ids" else 0
+            joined[f.name] = torch.cat([widened(v, response, False, fill) for v in values])
+        else:
+            joined[f.name] = torch.cat(values)
+    return Episodes(**joined)
+
+
 def _rows(value, index: torch.Tensor):
     """Rows `index` of a (B, ...) tensor or a list of B items; None stays None."""
     if value is None or isinstance(value, torch.Tensor):

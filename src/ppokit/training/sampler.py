@@ -1,7 +1,7 @@
 """Stage 1 of every update, decided once at set-up: the sampler. It holds the rollout (and through it the engine),
 which prompts each update samples, and when its episodes are sampled; it answers the trainer's two questions:
 
-    episodes, metrics = sampler.episodes(update, num_updates)   # this update's episodes (sampled now, or earlier)
+    episodes, metrics = sampler.episodes(update, num_updates, round)  # a round of this update's episodes (sampled now, or earlier)
     with sampler.training(policy):                              # the optimiser's steps; the engine samples with the
         ...                                                     # new weights after the block
 
@@ -18,6 +18,12 @@ so after the first k updates each batch is k versions old, and no batch is sampl
 from a checkpoint samples what the straight run sampled there (episodes that would be in flight at a checkpoint are
 not sampled ahead; they are sampled after it, from the checkpoint's weights, with seeds keyed by update, row and turn).
 The schedule is a pure function of (b, k, save_steps): a run repeats and resumes exactly.
+
+Rounds: the prompts come in rounds of one update's worth (`UpdatePrompts.indices(round)`); an update takes one, or with
+rollout.dynamic_sampling as many as fill its batch (`training.dynamic_sampling`). Batches are sampled and keyed by round
+(one round per update: the round is the update). When update u takes round r, the round r + j is trained by update
+u + j at the latest (every update takes at least one), so it is sampled ahead when that update's version
+`sampling_version(u + j)` is held: no round is trained more than k versions after its weights, or across a checkpoint.
 
 One worker thread samples the batches in order (`Ahead`); the trainer's thread takes each when its update starts,
 waits for those in flight before the weights change (a batch is sampled by one version only: the engine refuses a
@@ -44,8 +50,8 @@ from ppokit.training.rollout import Rollout
 
 @dataclasses.dataclass(frozen=True)
 class UpdatePrompts:
-    """Which training prompts each update samples on this process (`prompts.batch_indices`: by (seed, update), so the
-    update counter is the data position), each repeated for its n adjacent samples."""
+    """Which training prompts each round samples on this process (`prompts.batch_indices`: by (seed, round); a round is
+    one update's prompts, so the rounds taken are the data position), each repeated for its n adjacent samples."""
 
     data: PromptDataset
     query_ids: list[list[int]]  # every training prompt's token ids
@@ -55,14 +61,14 @@ class UpdatePrompts:
     process: int
     processes: int
 
-    def indices(self, update: int) -> list[int]:
-        """The prompt indices of `update` (0-based) on this process."""
-        return batch_indices(update, len(self.data), self.prompts_per_update, self.seed, self.process, self.processes)
+    def indices(self, round: int) -> list[int]:
+        """The prompt indices of `round` (0-based; without dynamic sampling the update) on this process."""
+        return batch_indices(round, len(self.data), self.prompts_per_update, self.seed, self.process, self.processes)
 
-    def sample(self, rollout: Rollout, update: int) -> Episodes:
-        """The episodes of `update` sampled by `rollout`, seeded by (run seed, update, row, turn)."""
-        rows = repeat_each(self.indices(update), self.samples_per_prompt)
-        return rollout.sample([self.query_ids[i] for i in rows], *self.data.rows(rows), update=update)
+    def sample(self, rollout: Rollout, round: int) -> Episodes:
+        """The episodes of `round` sampled by `rollout`, seeded by (run seed, round, row, turn)."""
+        rows = repeat_each(self.indices(round), self.samples_per_prompt)
+        return rollout.sample([self.query_ids[i] for i in rows], *self.data.rows(rows), update=round)
 
 
 def sampling_version(update: int, max_staleness: int, save_steps: int) -> int:
@@ -89,8 +95,8 @@ class OnPolicy:
     def __init__(self, rollout: Rollout, prompts: UpdatePrompts):
         self.rollout, self.prompts = rollout, prompts
 
-    def episodes(self, update: int, num_updates: int) -> tuple[Episodes, dict]:
-        return self.prompts.sample(self.rollout, update), {}
+    def episodes(self, update: int, num_updates: int, round: Optional[int] = None) -> tuple[Episodes, dict]:
+        return self.prompts.sample(self.rollout, update if round is None else round), {}
 
     def training(self, policy):
         return training_between_rollouts(self.rollout.engine, policy)
@@ -127,31 +133,32 @@ class Ahead:
         self._metrics: dict = {}
         self._window_start = 0.0
 
-    def _launch(self, update: int) -> None:
+    def _launch(self, round: int) -> None:
         job = _Job(self.version, None)
 
         def run() -> Episodes:
             job.ran.append(time.perf_counter())
             try:
-                self._seeded.key((self.seed, update, self.prompts.process))
-                episodes = self.prompts.sample(self._rollout, update)
+                self._seeded.key((self.seed, round, self.prompts.process))
+                episodes = self.prompts.sample(self._rollout, round)
             finally:
                 job.ran.append(time.perf_counter())
             episodes.weight_version = torch.full((len(episodes),), job.version, dtype=torch.long, device=episodes.query_ids.device)
             return episodes
 
         job.future = self._pool.submit(run)
-        self._jobs[update] = job
+        self._jobs[round] = job
 
-    def episodes(self, update: int, num_updates: int) -> tuple[Episodes, dict]:
-        """num_updates: the run's updates (a resumed run may continue to another length): nothing is sampled past them."""
-        started = time.perf_counter()
+    def episodes(self, update: int, num_updates: int, round: Optional[int] = None) -> tuple[Episodes, dict]:
+        """Round `round` (default: the update's own) taken by `update`. num_updates: the run's updates (a resumed run may
+        continue to another length): nothing is sampled past them."""
+        started, round = time.perf_counter(), update if round is None else round
         if self.version is None:
             self.version = update  # the start or a resume: the engine holds this update's weights
-        for b in range(update, min(update + self.k, num_updates - 1) + 1):
-            if b not in self._jobs and sampling_version(b, self.k, self.save_steps) <= self.version:
-                self._launch(b)
-        job = self._jobs.pop(update)
+        for j in range(min(self.k, num_updates - 1 - update) + 1):  # round + j is trained by update + j at the latest
+            if round + j not in self._jobs and sampling_version(update + j, self.k, self.save_steps) <= self.version:
+                self._launch(round + j)
+        job = self._jobs.pop(round)
         episodes = job.future.result()
         # The update's own time starts when its episodes were ready (or when it asked, if later), not when this thread
         # woke to take them: on a loaded machine that can come after the next batch was sampled whole.

@@ -12,7 +12,8 @@
                      token budget against the longest row (`lengths.check_budget`)
                   5. a `teacher`'s vocabulary against the policy's tokenizer (`loading.check_teacher`)
                   6. the reward sources that load no weights (`rewards.check_sources`: functions found and their
-                     signatures checked against the data's columns, the remote scorer, reward.weights' count)
+                     signatures checked against the data's columns, the remote scorer, reward.weights' count), and
+                     rollout.dynamic_sampling_metric among their names
 
 The trainer's set-up (`parts.assemble`) builds the run on what `prepare` returns; `ppokit plan` runs the same two, loading
 no weights and writing nothing, so a config the run refuses is refused by the plan with the same one line and exit
@@ -91,12 +92,15 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     check_budget(config.ppo.max_tokens_per_micro_batch, [len(q) for q in train_query_ids], config.response_room)
     if config.teacher is not None:
         check_teacher(config.teacher, tokenizer, config.trust_remote_code)
+    metric = config.rollout.dynamic_sampling_metric  # `score`, or a reward source's name
     rewards = check_sources(
         config.reward, reward_functions=reward_functions, base_dir=Path.cwd(), reward_model=reward_model_given or bool(config.reward.model),
         data_columns={f"data.{split} ({data.source})": set(data.columns) for split, data in (("train", train_data), ("eval", eval_data)) if data},
-        environment=config.episodes_answered, teacher=config.teacher is not None)
+        environment=config.episodes_answered, teacher=config.teacher is not None,
+        names_a_source=(("rollout.dynamic_sampling_metric", metric) if config.rollout.dynamic_sampling and metric != "score" else None))
     if conversation.runner is not None and not conversation.runner.gives_rewards and config.teacher is None and not (
             rewards.functions or rewards.remote or reward_model_given or config.reward.model):
         raise UserError(f"environment {config.environment}: no class of it defines get_reward, and the reward: section names "
                         "no other source: every episode would score 0; add reward.functions or a get_reward method")
     return Start(train_data, eval_data, tokenizer, sizes, conversation, train_query_ids, eval_query_ids, rewards)
+
