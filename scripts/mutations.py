@@ -139,7 +139,8 @@ MUTATIONS = [
              '            if said.get("code") == "CAPACITY_REACHED":',
              '            if said.get("code") == "NEVER":',
              ("tests/test_openenv.py::test_a_refusal_read_after_the_server_closed_the_socket_is_still_the_capacity_line",),
-             "a session refused for the server's capacity (the socket closed before the client read the refusal) is an episode failure among many, not one line naming rollout.max_concurrent_episodes"),
+             "a session refused for the server's capacity (the socket closed before the client read the refusal) is an episode failure among many, not one "
+             "line naming rollout.max_concurrent_episodes"),
     Mutation("gymtext_skyrl_done_ignored", "src/ppokit/environments/gymtext.py",
              '        return self._observation(out["observations"] or []), out["reward"], out["done"]',
              '        return self._observation(out["observations"] or []), out["reward"], False',
@@ -173,7 +174,8 @@ MUTATIONS = [
     # ---- the renderer
     Mutation("tools_missing_from_the_prompt", "src/ppokit/conversation/setup.py",
              "    for dataset in datasets:\n        dataset.render_chat(renderer, rows_tools(runner, dataset))\n",
-             "    for dataset in datasets:\n        dataset.render_chat(ConversationRenderer(tokenizer, Renderer(tokenizer, template, template_kwargs=template_kwargs) if template else None))\n",
+             "    for dataset in datasets:\n        dataset.render_chat(ConversationRenderer(tokenizer, Renderer(tokenizer, template, "
+             "template_kwargs=template_kwargs) if template else None))\n",
              (f"{CONV}::test_the_trainers_prompts_carry_the_tools_and_a_run_trains",),
              "the training prompts are rendered without tools= (the bug issue 28 found)"),
     Mutation("observation_tokenised_alone", "src/ppokit/conversation/renderer.py",
@@ -200,7 +202,8 @@ MUTATIONS = [
              (f"{CONV}::test_a_huge_observation_is_cut_to_the_room_before_it_is_tokenised",),
              "an observation is tokenised whole, however long (issue 31's 20-million-character tool answer)"),
     # ---- tool parsers (each family's format)
-    parser_returns_nothing("hermes", ("tests/test_tool_parsers.py", f"{CONV}::test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_train")),
+    parser_returns_nothing("hermes", ("tests/test_tool_parsers.py",
+                                      f"{CONV}::test_turn_k_context_is_the_templates_rendering_and_only_the_models_tokens_train")),
     parser_returns_nothing("llama3_json", ("tests/test_tool_parsers.py",)),
     parser_returns_nothing("mistral", ("tests/test_tool_parsers.py",)),
     parser_returns_nothing("pythonic", ("tests/test_tool_parsers.py",)),
@@ -934,6 +937,11 @@ MUTATIONS = [
              "(penalty if self.length_penalty_cap is None else penalty.clamp(max=self.length_penalty_cap))", "penalty",
              ("tests/test_rewards_scorer.py::test_dapo_overlong_shaping_hand_worked_and_as_length_penalty_expresses_it",),
              "DAPO's overlong penalty keeps growing beyond L_max instead of staying at its factor"),
+    Mutation("lint_unused_import", "src/ppokit/version.py",
+             '"""The version of ppokit (recorded in every checkpoint)."""\n',
+             '"""The version of ppokit (recorded in every checkpoint)."""\n\nimport os\n',
+             ("tests/test_lint.py",),
+             "an unused import (a pyflakes finding) goes unnoticed by the suite"),
 ]
 
 def missing(mutation: Mutation) -> list[str]:

@@ -59,7 +59,8 @@ def llama3_call(name: str, arguments: dict) -> str:
 
 
 def harmony_call(name: str, arguments: dict) -> str:
-    return f"<|channel|>analysis<|message|>I call {name}.<|end|><|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{json.dumps(arguments)}"
+    return (f"<|channel|>analysis<|message|>I call {name}.<|end|><|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>"
+            f"{json.dumps(arguments)}")
 
 
 def mistral_call(name: str, arguments: dict) -> str:

@@ -27,7 +27,8 @@ from ppokit.trainer import PPOTrainer
 # and samples are drawn at updates 2 and 4 (so sampling's use of the RNG must survive too).
 RUN = dict(total_episodes=32, kl_target=0.5, kl_horizon=100)
 WALL_CLOCK = ("eps", "time/")
-SHOWN = ("objective/scores", "objective/kl", "objective/kl_coef", "loss/policy_avg", "lr")  # the only keys allowed to differ between an interrupted and a straight run
+# the only keys allowed to differ between an interrupted and a straight run
+SHOWN = ("objective/scores", "objective/kl", "objective/kl_coef", "loss/policy_avg", "lr")
 
 
 def comparable(path: Path) -> list[dict]:
@@ -473,7 +474,10 @@ DAMAGE = {
     "rng not rng": (lambda c: torch.save({"python": 1}, c / "rng.pt"), "rng.pt: not a list of RNG states, one per process"),
     "config missing": (lambda c: (c / "config.yaml").unlink(), "config.yaml: missing"),
     "config garbage": (lambda c: (c / "config.yaml").write_text("- this\n- is not\n- a config\n"), "config.yaml: list, not a mapping of config keys"),
-    "config of another tool": (lambda c: (c / "config.yaml").write_text("learning_rate: 0.1\nepochs: 3\n"), "config.yaml: unknown config keys: learning_rate (did you mean ppo.learning_rate?); epochs; known keys here: model, "),
+    "config of another "
+    "tool": (lambda c: (c / "config.yaml").write_text("learning_rate: 0.1\nepochs: "
+                                                      "3\n"), "config.yaml: unknown config keys: learning_rate (did you mean ppo.learning_rate?); epochs; "
+                                                              "known keys here: model, "),
     "config cut short": (lambda c: (c / "config.yaml").write_text("ppo:\n  kl_coef: [0.05\n"), "config.yaml: not valid YAML"),
     "metrics cut short": (lambda c: _cut(c / "metrics.jsonl", 0.9), "metrics.jsonl: line 4 is not valid JSON (cut short?)"),
     "metrics short of records": (lambda c: (c / "metrics.jsonl").write_text((c / "metrics.jsonl").read_text().split("\n", 1)[1]),

@@ -219,7 +219,8 @@ def test_user_reward_function_file_and_columns(model_dir, tmp_path):
         "    assert len(target) == len(completions)\n"
         "    return [float(t in c) for t, c in zip(target, completions)]\n"
     )
-    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts, tmp_path / "run", reward={"functions": [f"{fn}:reward", "sentiment"], "weights": [1.0, 0.5]})
+    config = write_config(tmp_path / "ppo.yaml", model_dir("llama"), prompts, tmp_path / "run", reward={"functions": [f"{fn}:reward", "sentiment"],
+                                                                                                        "weights": [1.0, 0.5]})
     result = ppokit("ppo", config, "ppo.total_episodes=8")
     assert result.returncode == 0, result.stderr
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])

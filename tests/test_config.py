@@ -48,7 +48,8 @@ def test_yaml_and_overrides(tmp_path):
         ("ppo.cliprange=-1", "ppo.cliprange: value -1.0 is out of range, it must be in (0, 3.4e38]"),
         ("ppo.kl_estimator=k4", "ppo.kl_estimator: value 'k4' is out of range, it must be one of k1, k2, k3"),
         ("reward.on_error=ignore", "reward.on_error: value 'ignore' is out of range, it must be one of raise, skip"),
-        ("ppo.lr_scheduler_type=polynomial", "ppo.lr_scheduler_type: value 'polynomial' is out of range, it must be one of linear, constant, cosine, cosine_with_min_lr"),
+        ("ppo.lr_scheduler_type=polynomial", "ppo.lr_scheduler_type: value 'polynomial' is out of range, it must be one of linear, constant, cosine, "
+                                             "cosine_with_min_lr"),
         ("ppo.num_ppo_epochs=two", "ppo.num_ppo_epochs: expected an integer"),
         ("ppo.gamma=1.5", "ppo.gamma: value 1.5 is out of range, it must be in [0, 1]"),
         ("data.eval_fraction=1", "data.eval_fraction: value 1.0 is out of range, it must be in [0, 1)"),
@@ -278,11 +279,13 @@ GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
         (["ppo.num_samples_per_prompt=0"], "ppo.num_samples_per_prompt: value 0 is out of range, it must be > 0"),
         (["ppo.eval_temperature=-0.5"], "ppo.eval_temperature: value -0.5 is out of range, it must be 0 (greedy) or >= 1e-30"),
         # logits / temperature overflowed float32 (sampling then failed on NaN probabilities), 1 + 1e300 the ratio's clamp
-        (["ppo.temperature=1e-46"], "ppo.temperature: value 1e-46 is out of range, it must be >= 1e-30: logits / temperature is computed in float32, whose largest value is 3.4e38, and this keeps it finite for logits up to 3.4e8"),
+        (["ppo.temperature=1e-46"], "ppo.temperature: value 1e-46 is out of range, it must be >= 1e-30: logits / temperature is computed in float32, whose "
+                                    "largest value is 3.4e38, and this keeps it finite for logits up to 3.4e8"),
         (["ppo.temperature=1e-40"], "ppo.temperature: value 1e-40 is out of range, it must be >= 1e-30: "),
         (["ppo.temperature=0"], "ppo.temperature: value 0.0 is out of range, it must be >= 1e-30: "),
         (["ppo.eval_temperature=1e-40"], "ppo.eval_temperature: value 1e-40 is out of range, it must be 0 (greedy) or >= 1e-30: logits / temperature"),
-        (["ppo.cliprange_high=1e300"], "ppo.cliprange_high: value 1e+300 is out of range, it must be in (0, 3.4e38]: 1 + it bounds the float32 ratio exp(logp - old logp), whose largest value is 3.4e38"),
+        (["ppo.cliprange_high=1e300"], "ppo.cliprange_high: value 1e+300 is out of range, it must be in (0, 3.4e38]: 1 + it bounds the float32 ratio exp(logp "
+                                       "- old logp), whose largest value is 3.4e38"),
         (["ppo.cliprange_low=0.2", "ppo.cliprange=1e39"], "ppo.cliprange: value 1e+39 is out of range, it must be in (0, 3.4e38]"),
         (["ppo.vf_learning_rate=0"], "ppo.vf_learning_rate: value 0.0 is out of range, it must be > 0"),
         (["ppo.critic_warmup_updates=-1"], "ppo.critic_warmup_updates: value -1 is out of range, it must be >= 0"),
@@ -312,22 +315,30 @@ GRPO = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
         (["ppo.kl_in_reward=false", "ppo.kl_target=6"], "ppo.kl_target (6.0) is for the KL penalty in the reward"),
         (["ppo.kl_loss_estimator=k2"], "ppo.kl_loss_estimator ('k2') is for the KL term in the loss, and ppo.kl_loss_coef is 0"),
         (["ppo.kl_in_reward=false", "ppo.kl_clamp=10"], "ppo.kl_clamp (10.0) is for a KL in the reward or the loss, and this run has neither"),
-        (["ppo.cliprange_low=0.1", "ppo.cliprange_high=0.3", "ppo.cliprange=0.25"], "ppo.cliprange (0.25) is for a clip range that ppo.cliprange_low or ppo.cliprange_high leaves unset, and both are set; remove it"),
+        (["ppo.cliprange_low=0.1", "ppo.cliprange_high=0.3", "ppo.cliprange=0.25"], "ppo.cliprange (0.25) is for a clip range that ppo.cliprange_low or "
+                                                                                    "ppo.cliprange_high leaves unset, and both are set; remove it"),
         # a lower clip bound 1 - eps <= 0 never clips: refused from either key
-        (["ppo.cliprange=1.0"], "ppo.cliprange (1.0) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower bound 1 - 1.0 = 0 is not above 0, so it would never clip; it must be below 1"),
+        (["ppo.cliprange=1.0"], "ppo.cliprange (1.0) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower bound 1 - 1.0 = 0 is not "
+                                "above 0, so it would never clip; it must be below 1"),
         (["ppo.cliprange=1.5"], "ppo.cliprange (1.5) is also the lower clip range (ppo.cliprange_low is unset): the ratio's lower bound 1 - 1.5 = -0.5"),
         (["ppo.cliprange_low=1.5", "ppo.cliprange=2"], "ppo.cliprange_low: value 1.5 is out of range, it must be in (0, 1)"),
         # fsdp's own keys under ddp: never read there
-        (["parallel.cpu_offload=true"], "parallel.cpu_offload (True) is for parallel.strategy: fsdp, and this run's is ddp, which never reads it; remove it, or set parallel.strategy: fsdp"),
+        (["parallel.cpu_offload=true"], "parallel.cpu_offload (True) is for parallel.strategy: fsdp, and this run's is ddp, which never reads it; remove it, "
+                                        "or set parallel.strategy: fsdp"),
         (["parallel.shard_frozen=false"], "parallel.shard_frozen (False) is for parallel.strategy: fsdp, and this run's is ddp"),
         (["parallel.unshard_for_generation=false"], "parallel.unshard_for_generation (False) is for parallel.strategy: fsdp"),
         (["parallel.wrap_classes=[Block]"], "parallel.wrap_classes (['Block']) is for parallel.strategy: fsdp"),
         # timeouts past threading.TIMEOUT_MAX raised OverflowError at every call
-        (["reward.timeout_s=1e12"], f"reward.timeout_s: value 1000000000000.0 is out of range, it must be in (0, {threading.TIMEOUT_MAX:.0f}] seconds (threading.TIMEOUT_MAX: the longest wait Python takes)"),
+        (["reward.timeout_s=1e12"], f"reward.timeout_s: value 1000000000000.0 is out of range, it must be in (0, {threading.TIMEOUT_MAX:.0f}] seconds "
+                                    "(threading.TIMEOUT_MAX: the longest wait Python takes)"),
         (["reward.timeout_s=0"], "reward.timeout_s: value 0.0 is out of range, it must be in (0, "),
-        (["reward.remote={url: 'http://localhost:1'}", "reward.remote.timeout_s=1e300"], "reward.remote.timeout_s: value 1e+300 is out of range, it must be in (0, "),
+        (["reward.remote={url: "
+          "'http://localhost:1'}", "reward.remote.timeout_s=1e300"], "reward.remote.timeout_s: value 1e+300 is out of range, it must be in (0, "),
         # reward whitening keeps the mean: a per-token shift that only gae's critic absorbs (test_algo shows it)
-        (["ppo.advantage_estimator=remax", "ppo.whiten_rewards=true"], "ppo.whiten_rewards: true is for gae: it keeps the mean, which adds the same amount to every token, so a whitened return grows with the response's length; a critic learns that, but ppo.advantage_estimator remax has none and its greedy baseline is not whitened; remove it"),
+        (["ppo.advantage_estimator=remax", "ppo.whiten_rewards=true"], "ppo.whiten_rewards: true is for gae: it keeps the mean, which adds the same amount to "
+                                                                       "every token, so a whitened return grows with the response's length; a critic learns "
+                                                                       "that, but ppo.advantage_estimator remax has none and its greedy baseline is not "
+                                                                       "whitened; remove it"),
         (GRPO + ["ppo.whiten_rewards=true"], "but ppo.advantage_estimator grpo has none; remove it"),
         (["ppo.advantage_estimator=rloo", "ppo.num_samples_per_prompt=2", "ppo.whiten_rewards=true"], "ppo.advantage_estimator rloo has none;"),
         (["ppo.advantage_estimator=reinforce_pp", "ppo.whiten_rewards=true"], "ppo.advantage_estimator reinforce_pp has none;"),

@@ -157,7 +157,8 @@ def test_renderer_uses_the_tokenizers_template_and_strips_a_doubled_bos(tokenize
     tok = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer.__class__.from_str(tokenizer.backend_tokenizer.to_str()),
                               pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
-    tok.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}[assistant]{% endif %}")
     renderer = Renderer(tok)
     prompt, completion = renderer.pair([{"role": "user", "content": "the movie was"}], "great .")
     assert prompt == "[user] the movie was [assistant]"  # the tokenizer adds <bos> itself

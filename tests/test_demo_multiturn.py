@@ -105,7 +105,7 @@ def test_the_calculator_demo_as_an_openai_agent_program_learns_too(tmp_path, mon
     `openai` tool loop against ppokit's endpoint (`ppokit.demos.calculator:solve`); the right answers (the agent's own
     reward) and the episodes with a call that ran rise, and every call continued its episode (nothing re-tokenised)."""
     pytest.importorskip("openai")
-        from ppokit.demos import calculator as demo_calculator
+    from ppokit.demos import calculator as demo_calculator
 
     monkeypatch.setitem(demo_calculator.SETTINGS, True, {**demo_calculator.SETTINGS[True], **SHORT_CALCULATOR})
     summary = demo_calculator.run_calculator_agent_demo(tmp_path / "calc", quick=True, show_progress=False)

@@ -430,7 +430,8 @@ def test_a_server_that_cannot_be_reached_at_the_start_is_one_line(server_model, 
     result = ppo(config)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1] == f"ppokit: error: rollout server {address} cannot be reached (/health): connection refused (rollout.servers)"
+    refused = f"ppokit: error: rollout server {address} cannot be reached (/health): connection refused (rollout.servers)"
+    assert result.stderr.strip().splitlines()[-1] == refused
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -198,7 +198,8 @@ def test_tis_weights_scale_the_policy_loss(model_dir, prompts_file, tmp_path):
     cap 2), so the first step's policy loss (ratio 1: the mean of -A, not whitened to 0) is exp(0.25) times the
     uncorrected one; with cap 1.1 it is 1.1 times."""
     def first_step(**ppo):
-        config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / f"run{len(ppo)}-{ppo.get('rollout_is_cap')}", whiten_advantages=False, **ONE_STEP, **ppo)
+        config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / f"run{len(ppo)}-{ppo.get('rollout_is_cap')}", whiten_advantages=False, **ONE_STEP,
+                                 **ppo)
         return _with_engine(PPOTrainer(config, show_progress=False), 0.25).step()
 
     plain, corrected, capped = first_step(), first_step(rollout_is="tis"), first_step(rollout_is="tis", rollout_is_cap=1.1)

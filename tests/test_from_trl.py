@@ -59,7 +59,8 @@ def test_a_trl_grpo_config_becomes_a_ppokit_config_that_trains_grpo(tmp_path, ca
     assert lines[0] == f"from-trl: {tmp_path / 'trl_grpo.yaml'}, TRL's GRPO config, as ppokit's:"
     assert "  num_generations: 4  ->  ppo.num_samples_per_prompt: 4 (TRL's default is 8, ppokit's 1)" in lines
     assert "  (TRL's GRPOTrainer: group-relative advantages, no value model)  ->  ppo.advantage_estimator: grpo" in lines
-    assert "  vllm_server_host: 10.0.0.9, vllm_server_port: 8001  ->  rollout.engine: vllm, rollout.placement: servers, rollout.servers: [10.0.0.9:8001]" in lines
+    assert ("  vllm_server_host: 10.0.0.9, vllm_server_port: 8001  ->  rollout.engine: vllm, rollout.placement: servers, "
+            "rollout.servers: [10.0.0.9:8001]") in lines
     assert f"from-trl: wrote {out}" in lines
     assert lines[-1].startswith(f"from-trl: before `ppokit ppo {out}`: reward: set at least one source")  # TRL's reward functions are code
     assert max(map(len, lines)) < 400

@@ -248,7 +248,8 @@ def test_a_token_budget_counts_only_the_tokens_a_micro_batch_can_hold(model_dir,
         (["--processes", "1000000"], "ppo.total_episodes (16) is not a multiple of the batch size (8000000 = "),
         (["ppo.total_episodes=1e23"], "ppo.total_episodes: expected an integer, got '1e23'"),
         (["ppo.warmup_steps=4"], "ppo.warmup_steps (4) is not shorter than the run's 4 optimiser steps"),
-        (["ppo.total_episodes=null", "ppo.per_device_train_batch_size=64"], "ppo.total_episodes: 64 training prompts x 1 epoch(s) is less than one batch of 128"),
+        (["ppo.total_episodes=null", "ppo.per_device_train_batch_size=64"], "ppo.total_episodes: "
+                                                                            "64 training prompts x 1 epoch(s) is less than one batch of 128"),
     ],
 )
 def test_plan_refuses_what_the_run_refuses_with_the_same_line(model_dir, prompts_file, tmp_path, capsys, monkeypatch, args, message):

@@ -600,7 +600,8 @@ TIMEOUT_RULE = f"in (0, {threading.TIMEOUT_MAX:.0f}] seconds (threading.TIMEOUT_
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--token-env", "PPOKIT_UNSET_VARIABLE"], "serve-rm --token-env PPOKIT_UNSET_VARIABLE: the environment variable PPOKIT_UNSET_VARIABLE is not set or empty"),
+        (["--token-env", "PPOKIT_UNSET_VARIABLE"], "serve-rm --token-env PPOKIT_UNSET_VARIABLE: the environment variable PPOKIT_UNSET_VARIABLE is not set or "
+                                                   "empty"),
         (["--workers", "0"], "serve-rm --workers: 0 is out of range, it must be > 0"),
         (["--read-timeout-s", "-1"], "serve-rm --read-timeout-s: -1.0 is out of range, it must be in (0, "),
         (["--timeout-s", "0"], "serve-rm --timeout-s: 0.0 is out of range, it must be in (0, "),

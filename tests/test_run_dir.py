@@ -137,7 +137,8 @@ def ppokit_on_a_mount(mount_options: str, folder: Path, *args) -> tuple[int, str
     """`ppokit ARGS` with a tmpfs (`mount_options`) mounted at `folder` for it alone -> (exit status, stderr + `ls -A folder`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     command = " ".join(map(shlex.quote, [sys.executable, "-m", "ppokit", *map(str, args)]))
-    script = f"mount -t tmpfs -o {mount_options} tmpfs {shlex.quote(str(folder))} && {{ {command}; code=$?; echo left: $(ls -A {shlex.quote(str(folder))}) >&2; exit $code; }}"
+    where = shlex.quote(str(folder))
+    script = f"mount -t tmpfs -o {mount_options} tmpfs {where} && {{ {command}; code=$?; echo left: $(ls -A {where}) >&2; exit $code; }}"
     result = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=300)
     return result.returncode, result.stderr
 
@@ -351,7 +352,8 @@ def test_a_ppo_run_starts_only_where_it_loses_nothing(tmp_path):
     check = run_dir.check_run_start
     assert check(str(tmp_path / "new"), resume=False, overwrite=False) == tmp_path / "new"
     project = a_project(tmp_path / "project")
-    with pytest.raises(UserError, match=r"project exists and is not a ppokit run folder \(no \.ppokit marker in it\); give another output_dir, or pass --overwrite"):
+    with pytest.raises(UserError, match=r"project exists and is not a ppokit run folder \(no \.ppokit marker in it\); give another output_dir, or pass "
+                                        r"--overwrite"):
         check(str(project), resume=False, overwrite=False)
     sft = tmp_path / "sft"
     sft.mkdir()
@@ -363,11 +365,13 @@ def test_a_ppo_run_starts_only_where_it_loses_nothing(tmp_path):
     finished = fake_run(tmp_path / "finished", "old")
     with pytest.raises(UserError, match=re.escape(
         f"{finished} holds a finished run (2 updates, final/): give another output_dir, continue it with --resume "
-        "--resume-force after raising ppo.total_episodes (the learning-rate schedule then changes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
+        "--resume-force after raising ppo.total_episodes (the learning-rate schedule then changes), or pass --overwrite to replace it (the old run stays until "
+        "the new one has written its first checkpoint)"
     )):
         check(str(finished), resume=False, overwrite=False)
     unfinished = fake_run(tmp_path / "unfinished", "old", updates=1, num_updates=4, final=False)
-    with pytest.raises(UserError, match=re.escape(f"{unfinished} holds an unfinished run (checkpoint update-1 of 4 updates): give another output_dir, continue it with --resume, or pass --overwrite")):
+    with pytest.raises(UserError, match=re.escape(f"{unfinished} holds an unfinished run (checkpoint update-1 of 4 updates): give another output_dir, continue "
+                                                  "it with --resume, or pass --overwrite")):
         check(str(unfinished), resume=False, overwrite=False)
     assert check(str(unfinished), resume=True, overwrite=False) == unfinished
     assert check(str(finished), resume=False, overwrite=True) == finished
@@ -442,7 +446,8 @@ def test_a_swap_cut_short_by_sigkill_is_finished_at_the_next_start(tmp_path, kil
 def test_an_overwrite_run_killed_before_its_first_checkpoint_leaves_the_earlier_run(tmp_path):
     root = fake_run(tmp_path / "run", "old")
     before = tree(root)
-    script = KILLED_SWAP.split("moves, real_move")[0].replace('(files / "checkpoints" / "update-1" / "trainer_state.json")', '(files / "checkpoints" / "update-1" / "half")')
+    script = KILLED_SWAP.split("moves, real_move")[0].replace('(files / "checkpoints" '
+                                                              '/ "update-1" / "trainer_state.json")', '(files / "checkpoints" / "update-1" / "half")')
     killed = subprocess.run([sys.executable, "-c", script.format(src=SRC, root=str(root)) + "os.kill(os.getpid(), 9)\n"])
     assert killed.returncode == -9
     run = run_dir.RunFolder.open(root)
@@ -523,7 +528,8 @@ def test_a_fresh_run_over_a_run_is_refused_and_overwrite_keeps_the_old_run_until
     assert main(["ppo", str(config_path)]) == 2
     assert one_error_line(capsys.readouterr().err) == (
         f"ppokit: error: {out} holds a finished run (4 updates, final/): give another output_dir, continue it with --resume "
-        "--resume-force after raising ppo.total_episodes (the learning-rate schedule then changes), or pass --overwrite to replace it (the old run stays until the new one has written its first checkpoint)"
+        "--resume-force after raising ppo.total_episodes (the learning-rate schedule then changes), or pass --overwrite to replace it (the old run stays until "
+        "the new one has written its first checkpoint)"
     )
     with pytest.raises(UserError, match="holds a finished run"):
         PPOTrainer(PPOConfig.load(config_path), show_progress=False).train()  # the Python API too
@@ -560,7 +566,8 @@ def test_a_run_into_another_tools_folder_is_refused_and_deletes_only_ppokits_che
     before = tree(out)
     assert main(["ppo", str(config_path)]) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert line.startswith(f"ppokit: error: output_dir: {out} exists and is not a ppokit run folder (no .ppokit marker in it); give another output_dir, or pass --overwrite")
+    assert line.startswith(f"ppokit: error: output_dir: {out} exists and is not a ppokit run folder (no .ppokit marker in it); give another output_dir, or "
+                           "pass --overwrite")
     assert tree(out) == before
     assert main(["ppo", str(config_path), "--overwrite"]) == 0
     after = tree(out)
@@ -713,10 +720,12 @@ def test_ppo_checks_its_output_dir_before_any_model_loads(model_dir, prompts_fil
 
     monkeypatch.setattr(ppokit.trainer.PPOTrainer, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
     cases = [
-        ("output_dir=.", "ppokit: error: output_dir: . is the current directory; ppokit writes each output into a folder of its own: give a new one, e.g. runs/NAME"),
+        ("output_dir=.", "ppokit: error: output_dir: . is the current directory; ppokit writes each output into a folder of its own: give a new one, e.g. "
+                         "runs/NAME"),
         ("output_dir=", "ppokit: error: output_dir: may not be empty (Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.)"),
         (f"output_dir={a_file}", f"ppokit: error: output_dir: {a_file} is a file, not a folder"),
-        ("output_dir=/proc/self/run", "ppokit: error: output_dir: /proc/self/run is in /proc, a kernel file system, not a place for files; give a folder on disk"),
+        ("output_dir=/proc/self/run", "ppokit: error: output_dir: /proc/self/run is in /proc, a kernel file system, not a place for files; give a folder on "
+                                      "disk"),
     ]
     for override, expected in cases:
         assert main(["ppo", str(config_path), override, "--overwrite"]) == 2, override

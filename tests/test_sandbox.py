@@ -407,7 +407,8 @@ def test_network_reaches_nothing(host):
     body = f'''
 attempt("tcp to the trainer", lambda: socket.create_connection(("127.0.0.1", {tcp.getsockname()[1]}), timeout=2))
 attempt("tcp out", lambda: socket.create_connection(("1.1.1.1", 53), timeout=2))
-attempt("udp to the trainer", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", {udp.getsockname()[1]})) and socket.socket(socket.AF_INET, socket.SOCK_DGRAM).connect(("8.8.8.8", 53)))
+attempt("udp to the trainer", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", {udp.getsockname()[1]}))
+        and socket.socket(socket.AF_INET, socket.SOCK_DGRAM).connect(("8.8.8.8", 53)))
 attempt("abstract unix socket", lambda: socket.socket(socket.AF_UNIX).connect({name!r}))
 attempt("dns", lambda: socket.getaddrinfo("example.com", 80))
 print("interfaces:", sorted(n for _, n in socket.if_nameindex()))
@@ -729,7 +730,8 @@ def test_unisolated_a_trainer_that_dies_takes_the_calls_processes_with_it():
         ("import sys\nprint('out')\nprint('err', file=sys.stderr)\n", r"^out\n\n\[stderr\]\nerr\n$"),
         ("", r"^\(no output\)$"),
         ("raise SystemExit(3)\n", r"^error: exit status 3$"),
-        ("1/0\n", r'^error: exit status 1\n\[stderr\]\nTraceback \(most recent call last\):\n  File "/tmp/main.py", line 1, in <module>\n    1/0\n.*ZeroDivisionError: division by zero$'),
+        ("1/0\n", r'^error: exit status 1\n\[stderr\]\nTraceback \(most recent call last\):\n  File "/tmp/main.py", line 1, in <module>\n    '
+                  r'1/0\n.*ZeroDivisionError: division by zero$'),
         ("x = bytearray(3 * 1024**3 // 2)\n", r"^error: exit status 1\n.*MemoryError$"),
         ("print('x' * 100000)\n", r"^error: exit status 1\n.*OSError: \[Errno 27\] File too large"),
         ("import os\nos.kill(os.getpid(), 9)\n", r"^error: the code was stopped by SIGKILL"),
@@ -933,7 +935,8 @@ def test_the_probe_says_what_is_missing_and_how_to_get_it(monkeypatch, tmp_path)
             assert sandbox.problem() == "bubblewrap (bwrap) is not installed: " + sandbox.INSTALL
             sandbox.problem.cache_clear()
             fake = tmp_path / "bwrap"
-            fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace, likely because the kernel does not allow non-privileged user namespaces.' >&2\nexit 1\n")
+            fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace, likely because the kernel does not allow non-privileged user "
+                            "namespaces.' >&2\nexit 1\n")
             fake.chmod(0o755)
             monkeypatch.setattr(sandbox, "find_bwrap", lambda: str(fake))
             said = sandbox.problem()

@@ -98,7 +98,8 @@ def test_adam_betas_reach_adamw_as_torch_takes_them():
     (["ppo.lr_scheduler_type=cosine_with_min_lr", "ppo.min_lr_rate=1.5"], "ppo.min_lr_rate: value 1.5 is out of range, it must be in [0, 1]"),
     (["ppo.adam_beta1=1.0"], "ppo.adam_beta1: value 1.0 is out of range, it must be in [0, 1)"),
     (["ppo.adam_beta2=-0.1"], "ppo.adam_beta2: value -0.1 is out of range, it must be in [0, 1)"),
-    (["ppo.lr_scheduler_type=cosine_with_restarts"], "ppo.lr_scheduler_type: value 'cosine_with_restarts' is out of range, it must be one of linear, constant, cosine, cosine_with_min_lr"),
+    (["ppo.lr_scheduler_type=cosine_with_restarts"], "ppo.lr_scheduler_type: value 'cosine_with_restarts' is out of range, it must be one of linear, constant, "
+                                                     "cosine, cosine_with_min_lr"),
 ])
 def test_schedule_and_beta_refusals(overrides, message):
     with pytest.raises(UserError, match=re.escape(message)):

@@ -44,7 +44,8 @@ REFUSALS = {
                                                     "spread, and ppo.num_samples_per_prompt is 1 (no groups); set it to 2 or more"),
     "dynamic sampling on a metric no source has": (["rollout.dynamic_sampling=true", "ppo.num_samples_per_prompt=2",
                                                     "rollout.dynamic_sampling_metric=accuracy"],
-                                                   "rollout.dynamic_sampling_metric: 'accuracy' is neither `score` nor a reward source of this run (sentiment)"),
+                                                   "rollout.dynamic_sampling_metric: "
+                                                   "'accuracy' is neither `score` nor a reward source of this run (sentiment)"),
     "a dynamic sampling key without dynamic sampling": (["rollout.dynamic_sampling_extra_rounds=2"],
                                                         "rollout.dynamic_sampling_extra_rounds (2) is read only with rollout.dynamic_sampling: true"),
 }

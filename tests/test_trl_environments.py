@@ -113,7 +113,8 @@ def test_a_trl_environment_class_plays_its_episodes_as_trl_renders_them(chatml_m
 
     data = _rows(tmp_path / "questions.jsonl", [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS])
     path = tmp_path / "ppo.yaml"
-    path.write_text(yaml.safe_dump(sort_keys=False, data=_config(chatml_model, data, tmp_path / "run", {"factory": str(env_folder / "tally_env.py") + ":TallyEnv"})))
+    path.write_text(yaml.safe_dump(sort_keys=False, data=_config(chatml_model, data, tmp_path / "run",
+                                                                 {"factory": str(env_folder / "tally_env.py") + ":TallyEnv"})))
     config = PPOConfig.load(path)
     source = RecordingSource()
     PPOTrainer(config, reward_functions=[source], show_progress=False).train()

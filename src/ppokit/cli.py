@@ -406,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--max-prompt-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_prompt_length)")
     inspect.add_argument("--max-length", type=_limit, default=-1, help="tokens, or none (default: the stage's data.max_length)")
     inspect.add_argument("--chat-template", help="as data.chat_template (default: the tokenizer's, else plain)")
-    inspect.add_argument("--response-length", type=_limit, help="ppo data: tokens sampled after each prompt, for the position limit (default: ppo.response_length's default)")
+    inspect.add_argument("--response-length", type=_limit, help="ppo data: tokens sampled after each prompt, for the position limit (default: "
+                                                                "ppo.response_length's default)")
     inspect.add_argument("--config", help="a PPO config: prompts rendered as that run renders them (its chat template and kwargs, its "
                          "environment's tools' schemas), with its tokenizer, data.max_prompt_length and token room unless given here")
     inspect.add_argument("--json", action="store_true", help="print each report as one JSON object on its own line")
@@ -443,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ppokit.engines import ENGINES
     from ppokit.training.estimators import ESTIMATORS
 
-    demo = sub.add_parser("demo", help="the embedded demos: SFT then PPO towards positive movie reviews, or a game, a tool or a reasoning-gym task (--environment)")
+    demo = sub.add_parser("demo", help="the embedded demos: SFT then PPO towards positive movie reviews, or a game, a tool or a reasoning-gym task "
+                                       "(--environment)")
     demo.add_argument("--quick", action="store_true", help="a smaller run, about a minute on 2 cores")
     demo.add_argument("--output", default=None,
                       help="directory for data/, sft/ and ppo/ (default: each demo its own, ppokit-demo for the quick movie-review "
@@ -474,25 +476,32 @@ def build_parser() -> argparse.ArgumentParser:
         "and crashed runs. Alarm thresholds are explained in docs/report.md.",
     )
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (a PPO run's output_dir); several are overlaid")
-    report.add_argument("--output", default="report.html", help="the HTML file (default report.html); each chart also goes to <name>_figures/ beside it, as SVG")
+    report.add_argument("--output", default="report.html", help="the "
+                                                                "HTML file (default report.html); each chart also goes to <name>_figures/ beside it, as SVG")
     report.add_argument("--thresholds", metavar="FILE", help="YAML mapping of alarm thresholds (docs/report.md lists them)")
     report.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE", help="set one alarm threshold (repeatable; after --thresholds)")
     report.add_argument("--samples", type=int, default=4, metavar="N", help="eval prompts whose completions are shown (default 4)")
     report.set_defaults(func=_report)
 
     serve_rm = sub.add_parser("serve-rm", help="serve a reward model or reward function over HTTP (the reward.remote protocol)")
-    serve_rm.add_argument("model", help="a saved reward model directory, a reward function (`sentiment`, `file.py:fn`, `module:fn`) or a YAML mapping such as '{function: contains, required: [great]}'")
+    serve_rm.add_argument("model", help="a saved reward model directory, a reward function (`sentiment`, `file.py:fn`, `module:fn`) or a YAML mapping such as "
+                                        "'{function: contains, required: [great]}'")
     serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; beyond it, set --token-env)")
     serve_rm.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
-    serve_rm.add_argument("--token-env", metavar="VAR", help="require `Authorization: Bearer <token>` on every POST, the token read from environment variable VAR "
+    serve_rm.add_argument("--token-env", metavar="VAR", help="require `Authorization: Bearer <token>` on every POST, the token read from environment variable "
+                                                             "VAR "
                           "(clients send it with reward.remote.headers: {Authorization: \"Bearer ${VAR}\"})")
     serve_rm.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger requests are refused with HTTP 413 (default 16 MiB)")
     serve_rm.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
-    serve_rm.add_argument("--workers", type=int, default=8, help="requests handled (parsed, scored) at once, each in a thread (default 8); any more get HTTP 503 at once")
-    serve_rm.add_argument("--read-timeout-s", type=float, default=30.0, help="a client must send its whole request within this time, else it is closed (default 30)")
-    serve_rm.add_argument("--stuck-after-s", type=float, default=60.0, help="a scoring call running longer than this makes GET / answer 503 and new POSTs get 503 instead of waiting (default 60)")
+    serve_rm.add_argument("--workers", type=int, default=8, help="requests handled (parsed, scored) at once, each in a thread (default 8); any more get HTTP "
+                                                                 "503 at once")
+    serve_rm.add_argument("--read-timeout-s", type=float, default=30.0, help="a client must send its whole request within this time, else it is closed "
+                                                                             "(default 30)")
+    serve_rm.add_argument("--stuck-after-s", type=float, default=60.0, help="a scoring call running longer than this makes GET / answer 503 and new POSTs get "
+                                                                            "503 instead of waiting (default 60)")
     serve_rm.add_argument("--timeout-s", type=float, default=RewardConfig.timeout_s,
-                          help=f"a reward function's deadline per call, as reward.timeout_s (default {RewardConfig.timeout_s:g}); the request then gets HTTP 422")
+                          help=f"a reward function's deadline per call, as reward.timeout_s (default {RewardConfig.timeout_s:g}); the request then gets HTTP "
+                               "422")
     serve_rm.add_argument("--trust-remote-code", action="store_true", help="allow the model repository to run its own Python code")
     serve_rm.add_argument("--verbose", action="store_true", help="log every request to stderr")
     serve_rm.set_defaults(func=_serve_rm)

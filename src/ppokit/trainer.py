@@ -253,7 +253,8 @@ class PPOTrainer:
 
     def resume_from(self, path: str | Path | None = None, force: bool = False) -> Path:
         """Continue from checkpoint `path` (default: the latest complete one in output_dir/checkpoints); call train() next. Restores
-        weights, optimiser, schedule, KL controller, reward-source state, RNG states, counters, metrics. A config that would change the result is refused unless `force`."""
+        weights, optimiser, schedule, KL controller, reward-source state, RNG states, counters, metrics. A config that would change the result is refused unless
+        `force`."""
         self.state, path = self.saving.resume(self.parts, path, force)
         self.rollout_engine.sync_weights(self.policy)
         return path

@@ -55,6 +55,11 @@ eval_temperature_range = rule(f"0 (greedy) or {temperature_range.requirement}", 
 clip_range = rule("in (0, 3.4e38]: 1 + it bounds the float32 ratio exp(logp - old logp), whose largest value is 3.4e38",
                   lambda v: 0 < v <= 3.4e38)
 # run_name names a folder under <output_dir>/tensorboard: a separator or ".." would put it elsewhere.
+distinct_counts = rule("a list of distinct whole numbers >= 1",
+                       lambda v: isinstance(v, list) and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in v) and len(set(v)) == len(v))
+TEMPLATE_CALL_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "conversation"}  # apply_chat_template's own
+template_variables = rule("a mapping of template variables other than messages, tools, add_generation_prompt, tokenize, chat_template",
+                          lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and not set(v) & TEMPLATE_CALL_ARGUMENTS)
 folder_name = rule("a name without / or \\, not . or ..", lambda v: bool(v.strip()) and not {"/", "\\"} & set(v) and v not in (".", ".."))
 DATA_FORMATS = ("auto", "prompt", "prompt_completion", "messages", "alpaca", "preference")
 # The same names as ppokit.training.algo's (tests/test_config.py checks); repeated here so that reading a
@@ -115,83 +120,189 @@ def same_loss_normalisation(before: Optional[int], now: Optional[int]) -> bool:
 class PPOHyperparams:
     """The `ppo:` section. Names and defaults follow TRL's PPOConfig."""
 
-    total_episodes: Optional[int] = doc(None, "Prompts to sample over the whole run (episodes). Default: `num_train_epochs` passes over the training prompts, rounded down to a whole number of batches. Must be a multiple of the batch size.", check=positive)
+    total_episodes: Optional[int] = doc(None, "Prompts to sample over the whole run (episodes). Default: `num_train_epochs` passes over the training prompts, "
+                                              "rounded down to a whole number of batches. Must be a multiple of the batch size.", check=positive)
     num_train_epochs: int = doc(1, "Passes over the training prompts when `total_episodes` is not set.", check=positive)
     per_device_train_batch_size: int = doc(8, "Micro-batch size of one forward/backward pass on one device.", check=positive)
     gradient_accumulation_steps: int = doc(1, "Micro-batches accumulated per optimiser step.", check=positive)
-    num_mini_batches: int = doc(1, "Minibatches (optimiser steps) per PPO epoch. Rollout batch per device = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches.", check=positive)
+    num_mini_batches: int = doc(1, "Minibatches (optimiser steps) per PPO epoch. Rollout batch per device = per_device_train_batch_size x "
+                                   "gradient_accumulation_steps x num_mini_batches.", check=positive)
     num_ppo_epochs: int = doc(4, "Passes of PPO optimisation over each rollout batch.", check=positive)
-    local_rollout_forward_batch_size: int = doc(64, "Rows per forward pass during sampling and the reference and value passes (no gradients); the reward model uses `reward.batch_size`.", check=positive)
+    local_rollout_forward_batch_size: int = doc(64, "Rows per forward pass during sampling and the reference and value passes (no gradients); the reward model "
+                                                    "uses `reward.batch_size`.", check=positive)
     response_length: int = doc(53, "Maximum new tokens sampled per prompt.", check=positive)
-    temperature: float = doc(0.7, f"Sampling temperature; logits are divided by it in every logprob computation. At least {MIN_TEMPERATURE:g}, so that logits / temperature stays a finite float32.", check=temperature_range)
-    stop_token: Optional[str] = doc("eos", "Token that ends a response: `eos` (the tokenizer's EOS), any other string that is one token, or null for none. Tokens after it are padding. Differs from TRL (None) because scoring text after EOS is never wanted. With an `environment` whose chat template ends a turn that calls a tool with another special token (gpt-oss: `<|call|>` after a call, `<|return|>` after an answer), that token ends a turn too (said at the start; docs/environments.md).")
+    temperature: float = doc(0.7, f"Sampling temperature; logits are divided by it in every logprob computation. At least {MIN_TEMPERATURE:g}, so that logits "
+                                  "/ temperature stays a finite float32.", check=temperature_range)
+    stop_token: Optional[str] = doc("eos", "Token that ends a response: `eos` (the tokenizer's EOS), any other string that is one token, or null for none. "
+                                           "Tokens after it are padding. Differs from TRL (None) because scoring text after EOS is never wanted. With an "
+                                           "`environment` whose chat template ends a turn that calls a tool with another special token (gpt-oss: `<|call|>` "
+                                           "after a call, `<|return|>` after an answer), that token ends a turn too (said at the start; docs/environments.md).")
     stop_token_id: Optional[int] = doc(None, "Token id that ends a response; overrides `stop_token`.", check=non_negative)
-    top_k: int = doc(0, "Sample only from the k most likely tokens; 0: off. With top_k, top_p or min_p the logprobs in the PPO ratio and the KL are still the policy's full softmax at `temperature`, not the truncated distribution's.", check=non_negative)
-    top_p: float = doc(1.0, "Nucleus sampling: only the smallest set of most likely tokens whose probability reaches top_p (after top_k, before min_p, as transformers orders them); 1: off.", check=half_open_unit)
+    top_k: int = doc(0, "Sample only from the k most likely tokens; 0: off. With top_k, top_p or min_p the logprobs in the PPO ratio and the KL are still the "
+                        "policy's full softmax at `temperature`, not the truncated distribution's.", check=non_negative)
+    top_p: float = doc(1.0, "Nucleus sampling: only the smallest set of most likely tokens whose probability reaches top_p (after top_k, before min_p, as "
+                            "transformers orders them); 1: off.", check=half_open_unit)
     min_p: float = doc(0.0, "Sample only tokens with at least min_p x the most likely token's probability; 0: off.", check=fraction)
-    num_samples_per_prompt: int = doc(1, "Responses sampled per prompt, n (OpenRLHF `--rollout.n_samples_per_prompt`, veRL `rollout.n`). Every batch size counts episodes = prompts x n: an update uses batch / n prompts, and `total_episodes` counts responses. The n samples of a prompt stay on one process, so n must divide the rollout batch per device.", check=positive)
-    eval_temperature: Optional[float] = doc(None, f"Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely token at every step); otherwise at least {MIN_TEMPERATURE:g}, as `temperature`.", check=eval_temperature_range)
+    num_samples_per_prompt: int = doc(1, "Responses sampled per prompt, n (OpenRLHF `--rollout.n_samples_per_prompt`, veRL `rollout.n`). Every batch size "
+                                         "counts episodes = prompts x n: an update uses batch / n prompts, and `total_episodes` counts responses. The n "
+                                         "samples of a prompt stay on one process, so n must divide the rollout batch per device.", check=positive)
+    eval_temperature: Optional[float] = doc(None, "Temperature of `evaluate()` and the sample generations; null: `temperature`; 0: greedy (the most likely "
+                                                  "token "
+                                                  f"at every step); otherwise at least {MIN_TEMPERATURE:g}, as `temperature`.", check=eval_temperature_range)
     missing_eos_penalty: Optional[float] = doc(None, "Subtracted from the score of responses that never produced the stop token.")
-    mask_truncated_completions: bool = doc(False, "Responses that never produced the stop token (with an `environment`: episodes that did not end by themselves, `rollout/truncated`) leave the loss: their tokens are not trained on, while their scores still count in the advantages' baselines and statistics (TRL `mask_truncated_completions`; DAPO's overlong filtering). Needs a stop token or an environment.")
+    mask_truncated_completions: bool = doc(False, "Responses that never produced the stop token (with an `environment`: episodes that did not end by "
+                                                  "themselves, `rollout/truncated`) leave the loss: their tokens are not trained on, while their scores still "
+                                                  "count in the advantages' baselines and statistics (TRL `mask_truncated_completions`; DAPO's overlong "
+                                                  "filtering). Needs a stop token or an environment.")
     kl_coef: float = doc(0.05, "Coefficient of the per-token KL penalty (initial value when `kl_target` is set).", check=non_negative)
     kl_estimator: str = doc("k1", "KL estimator in the reward: k1, k2 or k3 (Schulman, 'Approximating KL Divergence').", check=one_of(KL_ESTIMATORS))
-    kl_target: Optional[float] = doc(None, "Target KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
+    kl_target: Optional[float] = doc(None, "Target "
+                                           "KL per sequence for the adaptive controller (Ziegler et al. 2019); null keeps `kl_coef` fixed.", check=positive)
     kl_horizon: float = doc(10000.0, "Horizon (episodes) of the adaptive KL controller.", check=positive)
-    cliprange: float = doc(0.2, "Clip range of the policy ratio: clipped to [1 - cliprange, 1 + cliprange], so below 1 unless `cliprange_low` is set (a lower bound <= 0 would never clip).", check=clip_range)
+    cliprange: float = doc(0.2, "Clip range of the policy ratio: clipped to [1 - cliprange, 1 + cliprange], so below 1 unless `cliprange_low` is set (a lower "
+                                "bound <= 0 would never clip).", check=clip_range)
     cliprange_value: float = doc(0.2, "Clip range of the value prediction around its rollout value.", check=positive)
     vf_coef: float = doc(0.1, "Weight of the value loss in the total loss.", check=non_negative)
     gamma: float = doc(1.0, f"Discount factor ({' and '.join(e.name for e in ESTIMATORS.values() if e.discounts)}).", check=unit_interval)
     lam: float = doc(0.95, "GAE lambda (gae only).", check=unit_interval)
-    whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE. gae only: keeping the mean adds the same amount to every token, which a critic learns but a critic-free estimator would take as a reward for length (refused there).")
-    whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
+    whiten_rewards: bool = doc(False, "Whiten per-token rewards (variance only, mean kept) before GAE. gae only: keeping the mean adds the same amount to "
+                                      "every token, which a critic learns but a critic-free estimator would take as a reward for length (refused there).")
+    whiten_advantages: bool = doc(True, "Whiten advantages over real tokens: with `gae` per process (as TRL always does), with `reinforce_pp` over the global "
+                                        "batch (REINFORCE++). grpo, rloo and remax normalise by their own baseline and do not whiten (false is refused there).")
     advantage_estimator: str = doc("gae", "How advantages are estimated (OpenRLHF `--algo.advantage.estimator`, veRL `algorithm.adv_estimator`): "
                                    + "; ".join(f"`{e.name}` ({e.doc})" for e in ESTIMATORS.values())
                                    + ". docs/algorithms.md has the formulas.", check=one_of(ESTIMATORS))
-    grpo_scale_std: Union[bool, str] = doc(True, "grpo: what r - mean (the group's mean) is divided by: `true` the group's standard deviation; `batch` the standard deviation of the whole batch's rewards, over every process (Lite PPO; TRL `scale_rewards: batch`); `false` nothing, Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo: false`, OpenRLHF's `dr_grpo` estimator, TRL `scale_rewards: none`). TRL's spellings `group` and `none` are taken too.", check=rule("true, false, batch, or TRL's group, none", lambda v: v in GRPO_STD_SCALINGS))
-    kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use `kl_loss_coef` for a KL term in the loss, as GRPO does).")
-    kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `--algo.kl.use_loss` + `--algo.kl.init_coef`, veRL `actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
-    kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=one_of(KL_ESTIMATORS))
-    kl_clamp: Optional[float] = doc(None, "Clamp every per-token KL estimate to [-kl_clamp, kl_clamp], in the reward (`kl_estimator`; `objective/kl` reports the clamped values) and in the loss (`kl_loss_estimator`); where the clamp is active the KL term's gradient is 0 (k3's is 1 - e^r otherwise: -3.3e6 at r = 15). null: off. OpenRLHF clamps every estimator to 10 (always on); veRL clamps k3 `low_var_kl` to 10 (`kl_penalty`/`kl_loss_type` low_var_kl).", check=positive)
-    cliprange_low: Optional[float] = doc(None, "Lower clip range: the ratio is clipped below at 1 - cliprange_low; null: `cliprange` (veRL `clip_ratio_low`, OpenRLHF `--actor.eps_clip_low_high`).", check=open_unit)
-    cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a low of 0.2. At most 3.4e38 (1 + it is a float32 bound).", check=clip_range)
-    dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 (veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
-    entropy_coef: float = doc(0.0, "Weight of an entropy bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
-    loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
-    importance_sampling_level: str = doc("token", "The policy ratio of the clipped loss: `token`, each token's own pi / pi_old (PPO); `sequence`, GSPO's (Zheng et al. 2025): exp of the mean log-ratio over the response's trained tokens, the same ratio (and clip) on every token of it (TRL `importance_sampling_level: sequence`, veRL `policy_loss.loss_mode: gspo`, OpenRLHF `--actor.policy_loss_type gspo`). GSPO's objective is a mean over sequences: pair it with `loss_aggregation: seq_mean_token_mean` (TRL `loss_type: grpo`; OpenRLHF forces it), and its paper clips at 3e-4 / 4e-4 (`cliprange_low`, `cliprange_high`). The ratio statistics (`val/ratio`, `policy/clipfrac_avg`, `policy/approxkl_avg`) are then of the sequence ratios.", check=one_of(("token", "sequence")))
-    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the trainer's own logprobs, recomputed with one no-gradient forward), truncated importance sampling (Yao et al. 2025): `tis`, each token's policy-gradient loss times its own ratio p_trainer / p_engine clipped to [`rollout_is_floor`, `rollout_is_cap`] (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF `--algo.advantage.is_correction_enable` with `--algo.advantage.is_correction_threshold LOW HIGH`, type `tis`); `tis_sequence`, every token of a response times the ratio of the whole response's probabilities, clipped likewise (veRL `rollout_is: sequence`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's and every weight would be 1: nothing is computed.", check=one_of(ROLLOUT_IS))
-    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is` (veRL `rollout_is_threshold`, default 2; OpenRLHF the HIGH of `--algo.advantage.is_correction_threshold`, default 5).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
-    rollout_is_floor: float = doc(0.0, "The smallest truncated importance weight of `rollout_is`: weights below it are raised to it. 0: truncated above only, as veRL; OpenRLHF clips to [LOW, HIGH] of `--algo.advantage.is_correction_threshold`, default [0.5, 5]: `rollout_is_floor: 0.5` with `rollout_is_cap: 5` gives its weights.", check=rule("in [0, 1] (a floor above 1 would raise every token's loss, the on-policy ones too)", lambda v: 0 <= v <= 1))
-    vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: `learning_rate` (OpenRLHF `--critic.adam.lr`, veRL `critic.optim.lr`). gae only.", check=positive)
-    critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF `--critic.freezing_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
+    grpo_scale_std: Union[bool, str] = doc(True, "grpo: what r - mean (the group's mean) is divided by: `true` the group's standard deviation; `batch` the "
+                                                 "standard deviation of the whole batch's rewards, over every process (Lite PPO; TRL `scale_rewards: batch`); "
+                                                 "`false` nothing, Dr. GRPO's unscaled r - mean (veRL `norm_adv_by_std_in_grpo: false`, OpenRLHF's `dr_grpo` "
+                                                 "estimator, TRL `scale_rewards: none`). TRL's spellings `group` and `none` "
+                                                 "are taken too.", check=rule("true, false, batch, or TRL's group, none", lambda v: v in GRPO_STD_SCALINGS))
+    kl_in_reward: bool = doc(True, "Subtract kl_coef x the per-token KL from the reward (TRL's PPO, veRL `use_kl_in_reward`). false: no KL in the reward (use "
+                                   "`kl_loss_coef` for a KL term in the loss, as GRPO does).")
+    kl_loss_coef: float = doc(0.0, "Weight of a KL(policy || reference) term in the policy loss (OpenRLHF `--algo.kl.use_loss` + `--algo.kl.init_coef`, veRL "
+                                   "`actor.kl_loss_coef`); 0: off. Either or both of this and `kl_in_reward`.", check=non_negative)
+    kl_loss_estimator: str = doc("k3", "KL estimator of the loss term: "
+                                       "k1, k2 or k3 (k3 is the usual low-variance KL of GRPO; veRL `kl_loss_type` low_var_kl).", check=one_of(KL_ESTIMATORS))
+    kl_clamp: Optional[float] = doc(None, "Clamp every per-token KL estimate to [-kl_clamp, kl_clamp], in the reward (`kl_estimator`; `objective/kl` reports "
+                                          "the clamped values) and in the loss (`kl_loss_estimator`); where the clamp is active the KL term's gradient is 0 "
+                                          "(k3's is 1 - e^r otherwise: -3.3e6 at r = 15). null: off. OpenRLHF clamps every estimator to 10 (always on); veRL "
+                                          "clamps k3 `low_var_kl` to 10 (`kl_penalty`/`kl_loss_type` low_var_kl).", check=positive)
+    cliprange_low: Optional[float] = doc(None, "Lower clip range: the ratio is clipped below at 1 - cliprange_low; null: `cliprange` (veRL `clip_ratio_low`, "
+                                               "OpenRLHF `--actor.eps_clip_low_high`).", check=open_unit)
+    cliprange_high: Optional[float] = doc(None, "Upper clip range: clipped above at 1 + cliprange_high; null: `cliprange`. DAPO's clip-higher uses 0.28 with a "
+                                                "low of 0.2. At most 3.4e38 (1 + it is a float32 bound).", check=clip_range)
+    dual_clip_c: Optional[float] = doc(None, "Dual-clip PPO (Ye et al. 2020): where the advantage is negative the loss is capped at c x |A|; null: off; c > 1 "
+                                             "(veRL `clip_ratio_c`, always on there with default 3.0; OpenRLHF `--actor.dual_clip`).", check=above_one)
+    entropy_coef: float = doc(0.0, "Weight of an entropy "
+                                   "bonus subtracted from the policy loss (OpenRLHF `--actor.entropy_coef`, veRL `entropy_coeff`); 0: off.", check=non_negative)
+    loss_aggregation: str = doc("token_mean", "How per-token policy losses become one number (veRL `loss_agg_mode`): `token_mean` (over every real token, "
+                                              "TRL's), `seq_mean_token_sum` (sum per sequence, mean over sequences), `seq_mean_token_mean` (mean per sequence, "
+                                              "then over sequences: the original GRPO), `seq_mean_token_sum_norm` (sum per sequence / response_length, mean "
+                                              "over sequences: Dr. GRPO). The value loss is always a token mean.", check=one_of(LOSS_AGGREGATIONS))
+    importance_sampling_level: str = doc("token", "The policy ratio of the clipped loss: `token`, each token's own pi / pi_old (PPO); `sequence`, GSPO's "
+                                                  "(Zheng et al. 2025): exp of the mean log-ratio over the response's trained tokens, the same ratio (and "
+                                                  "clip) on every token of it (TRL `importance_sampling_level: sequence`, veRL `policy_loss.loss_mode: gspo`, "
+                                                  "OpenRLHF `--actor.policy_loss_type gspo`). GSPO's objective is a mean over sequences: pair it with "
+                                                  "`loss_aggregation: seq_mean_token_mean` (TRL `loss_type: grpo`; OpenRLHF forces it), and its paper clips at "
+                                                  "3e-4 / 4e-4 (`cliprange_low`, `cliprange_high`). The ratio statistics (`val/ratio`, `policy/clipfrac_avg`, "
+                                                  "`policy/approxkl_avg`) are then of the sequence ratios.", check=one_of(("token", "sequence")))
+    rollout_is: Optional[str] = doc(None, "Correction for a rollout engine whose probabilities are not the trainer's (the PPO ratio and the KL always use the "
+                                          "trainer's own logprobs, recomputed with one no-gradient forward), truncated importance sampling (Yao et al. 2025): "
+                                          "`tis`, each token's policy-gradient loss times its own ratio p_trainer / p_engine clipped to [`rollout_is_floor`, "
+                                          "`rollout_is_cap`] (veRL `algorithm.rollout_correction.rollout_is: token` with `rollout_is_threshold`; OpenRLHF "
+                                          "`--algo.advantage.is_correction_enable` with `--algo.advantage.is_correction_threshold LOW HIGH`, type `tis`); "
+                                          "`tis_sequence`, every token of a response times the ratio of the whole response's probabilities, clipped likewise "
+                                          "(veRL `rollout_is: sequence`). null: off. With `rollout.engine: hf` the engine's probabilities are the trainer's "
+                                          "and every weight would be 1: nothing is computed.", check=one_of(ROLLOUT_IS))
+    rollout_is_cap: float = doc(2.0, "The largest truncated importance weight of `rollout_is` (veRL `rollout_is_threshold`, default 2; OpenRLHF the HIGH of "
+                                     "`--algo.advantage.is_correction_threshold`, default "
+                                     "5).", check=rule(">= 1 (a cap below 1 would shrink every token's loss, the on-policy ones too)", lambda v: v >= 1))
+    rollout_is_floor: float = doc(0.0, "The smallest truncated importance weight of `rollout_is`: weights below it are raised to it. 0: truncated above only, "
+                                       "as veRL; OpenRLHF clips to [LOW, HIGH] of `--algo.advantage.is_correction_threshold`, default [0.5, 5]: "
+                                       "`rollout_is_floor: 0.5` with `rollout_is_cap: 5` gives its "
+                                       "weights.", check=rule("in [0, 1] (a "
+                                                              "floor above 1 would raise every token's loss, the on-policy ones too)", lambda v: 0 <= v <= 1))
+    vf_learning_rate: Optional[float] = doc(None, "Peak learning rate of the value model (its own AdamW parameter group, on the same schedule); null: "
+                                                  "`learning_rate` (OpenRLHF `--critic.adam.lr`, veRL `critic.optim.lr`). gae only.", check=positive)
+    critic_warmup_updates: int = doc(0, "The first this many updates train only the value model; the policy moves from the next (OpenRLHF "
+                                        "`--critic.freezing_steps`, veRL `trainer.critic_warmup`). gae only.", check=non_negative)
     learning_rate: float = doc(3e-6, "Peak learning rate of AdamW (policy, and value unless `vf_learning_rate`).", check=positive)
-    adam_epsilon: float = doc(1e-5, "AdamW epsilon. Differs from transformers' and TRL's 1e-8: 1e-5 as in 'The N+ Implementation Details of RLHF with PPO'.", check=positive)
-    adam_beta1: float = doc(0.9, "AdamW's beta1, the decay of its gradient average (transformers' and TRL's name and default).", check=rule("in [0, 1)", lambda v: 0 <= v < 1))
-    adam_beta2: float = doc(0.999, "AdamW's beta2, the decay of its squared-gradient average (transformers' and TRL's name and default).", check=rule("in [0, 1)", lambda v: 0 <= v < 1))
+    adam_epsilon: float = doc(1e-5, "AdamW epsilon. "
+                                    "Differs from transformers' and TRL's 1e-8: 1e-5 as in 'The N+ Implementation Details of RLHF with PPO'.", check=positive)
+    adam_beta1: float = doc(0.9, "AdamW's beta1, "
+                                 "the decay of its gradient average (transformers' and TRL's name and default).", check=rule("in [0, 1)", lambda v: 0 <= v < 1))
+    adam_beta2: float = doc(0.999, "AdamW's beta2, the decay "
+                                   "of its squared-gradient average (transformers' and TRL's name and default).", check=rule("in [0, 1)", lambda v: 0 <= v < 1))
     weight_decay: float = doc(0.0, "AdamW weight decay.", check=non_negative)
     max_grad_norm: float = doc(1.0, "Gradient clipping norm (policy and value together); 0 disables.", check=non_negative)
-    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps after the warm-up: linear (decay to 0), constant, cosine (a half cosine down to 0) or cosine_with_min_lr (down to `min_lr_rate` x the peak), as transformers' schedules of those names.", check=one_of(LR_SCHEDULES))
-    min_lr_rate: Optional[float] = doc(None, "The floor of lr_scheduler_type cosine_with_min_lr, a share of the peak rate (transformers' and TRL's `lr_scheduler_kwargs: {min_lr_rate: ...}`; their `min_lr` is min_lr / learning_rate). Only with cosine_with_min_lr, which needs it.", check=rule("in [0, 1]", lambda v: 0 <= v <= 1))
+    lr_scheduler_type: str = doc("linear", "Learning-rate schedule over all optimiser steps after the warm-up: linear (decay to 0), constant, cosine (a half "
+                                           "cosine down to 0) or cosine_with_min_lr (down to `min_lr_rate` x the peak), as transformers' schedules of those "
+                                           "names.", check=one_of(LR_SCHEDULES))
+    min_lr_rate: Optional[float] = doc(None, "The floor of lr_scheduler_type cosine_with_min_lr, a share of the peak rate (transformers' and TRL's "
+                                             "`lr_scheduler_kwargs: {min_lr_rate: ...}`; their `min_lr` is min_lr / learning_rate). Only with "
+                                             "cosine_with_min_lr, which needs it.", check=rule("in [0, 1]", lambda v: 0 <= v <= 1))
     warmup_steps: int = doc(0, "Optimiser steps of linear warm-up.", check=non_negative,
                             if_wrong="a share of the run's steps (transformers' and TRL's warmup_steps: 0.1) is ppo.warmup_ratio")
-    warmup_ratio: float = doc(0.0, "Linear warm-up as a share of the run's optimiser steps: ceil(warmup_ratio x steps), the ratio taken as written (0.07 of 100 steps is 7, where the float product 7.000000000000001 would make 8) (TRL/transformers `warmup_ratio`, OpenRLHF `--actor.lr_warmup_ratio`, veRL `optim.lr_warmup_steps_ratio`, which rounds down). Set this or `warmup_steps`, not both.", check=fraction)
+    warmup_ratio: float = doc(0.0, "Linear warm-up as a share of the run's optimiser steps: ceil(warmup_ratio x steps), the ratio taken as written (0.07 of "
+                                   "100 steps is 7, where the float product 7.000000000000001 would make 8) (TRL/transformers `warmup_ratio`, OpenRLHF "
+                                   "`--actor.lr_warmup_ratio`, "
+                                   "veRL `optim.lr_warmup_steps_ratio`, which rounds down). Set this or `warmup_steps`, not both.", check=fraction)
     # resume=True (here and below): keys that change no number the run computes, so a resumed run may set them
     # otherwise without --resume-force (ppokit.run.checkpoint.config_differences): how often it prints or saves, how many
     # checkpoints it keeps, when it gives up on non-finite updates and how it undoes them (the same numbers until one
     # appears). Every key without it must match the checkpoint's.
     logging_steps: int = doc(1, "Print a line every this many updates (metrics.jsonl gets every update).", check=positive, resume=True)
     save_steps: int = doc(0, "Write a checkpoint every this many updates; 0 saves only at the end.", check=non_negative, resume=True)
-    num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); with eval data also once before training (update 0; its random draws leave training's stream as it was); 0 disables.", check=non_negative)
+    num_sample_generations: int = doc(10, "How many times over the run to write sample completions to samples.jsonl (and eval scores); with eval data also "
+                                          "once "
+                                          "before training (update 0; its random draws leave training's stream as it was); 0 disables.", check=non_negative)
     num_eval_samples: int = doc(8, "Prompts (from data.eval, else the current batch) in each sample generation.", check=positive)
-    eval_samples_per_prompt: int = doc(1, "Responses sampled per eval prompt, n, in `evaluate()` and each sample generation (every one a samples.jsonl row; TRL `num_generations_eval`): `eval/scores` is then the mean over every sample, and with `eval_pass_at_k` the estimates of pass@k. More than 1 needs sampling (an `eval_temperature` other than 0).", check=positive)
-    eval_pass_at_k: list[int] = doc(factory=list, help="The ks of `eval/pass@k` (e.g. [1, 4]): the unbiased estimate (Chen et al. 2021) from the `eval_samples_per_prompt` samples of each eval prompt, of which c are correct (score >= `eval_correct_threshold`), averaged over the prompts: 1 - C(n - c, k) / C(n, k) (docs/algorithms.md). Each k in 1..eval_samples_per_prompt. With it `eval/mean@n` is logged too (the mean score over the n samples, averaged over the prompts). Empty: off.", check=rule("a list of distinct whole numbers >= 1", lambda v: isinstance(v, list) and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in v) and len(set(v)) == len(v)))
-    eval_correct_threshold: float = doc(1.0, "A sample counts as correct for `eval_pass_at_k` when its score (the combined score, as `eval/scores`) is at least this; a reward function that returns a bool scores 1 (true) or 0 (false). An unscored sample is not correct.")
-    save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after each save; the newest complete one never is). null keeps all.", check=positive, resume=True)
-    max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted in `skipped_updates`); after this many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive, resume=True)
-    nonfinite_rollback: Union[str, bool] = doc("off", "What a non-finite loss or gradient at an optimiser step does. `off`: that step is skipped (no weight or optimiser-state change; every process agrees) and the update goes on, counted in `skipped_steps`; an update whose every step was skipped is a skipped update; nothing is copied. `memory`: the whole update is undone and skipped, from a copy of the trainable weights and optimiser state made at the start of every update in CPU memory (about 3x the trainable weights with AdamW, per process: ~84 GB for a 7B full fine-tune). `disk`: the same copy, written to the run folder (`.rollback/`, one file per process) instead. true means memory, false off (YAML reads an unquoted off as false).", check=ROLLBACK_CHOICE, resume=True)
+    eval_samples_per_prompt: int = doc(1, "Responses sampled per eval prompt, n, in `evaluate()` and each sample generation (every one a samples.jsonl row; "
+                                          "TRL `num_generations_eval`): `eval/scores` is then the mean over every sample, and with `eval_pass_at_k` the "
+                                          "estimates of pass@k. More than 1 needs sampling (an `eval_temperature` other than 0).", check=positive)
+    eval_pass_at_k: list[int] = doc(factory=list, help="The ks of `eval/pass@k` (e.g. [1, 4]): the unbiased estimate (Chen et al. 2021) from the "
+                                                       "`eval_samples_per_prompt` samples of each eval prompt, of which c are correct (score >= "
+                                                       "`eval_correct_threshold`), averaged over the prompts: 1 - C(n - c, k) / C(n, k) (docs/algorithms.md). "
+                                                       "Each k in 1..eval_samples_per_prompt. With it `eval/mean@n` is logged too (the mean score over the n "
+                                                       "samples, averaged over the prompts). Empty: "
+                                                       "off.", check=distinct_counts)
+    eval_correct_threshold: float = doc(1.0, "A sample counts as correct for `eval_pass_at_k` when its score (the combined score, as `eval/scores`) is at "
+                                             "least this; a reward function that returns a bool scores 1 (true) or 0 (false). An unscored sample is not "
+                                             "correct.")
+    save_total_limit: Optional[int] = doc(None, "Keep only the newest this many complete checkpoints in output_dir/checkpoints (older ones are deleted after "
+                                                "each save; the newest complete one never is). null keeps all.", check=positive, resume=True)
+    max_skipped_updates: int = doc(3, "An update with a non-finite score, or a non-finite loss or gradient as `nonfinite_rollback` says, is skipped (counted "
+                                      "in `skipped_updates`); after this "
+                                      "many in a row the run writes a checkpoint and stops with an error naming the quantity.", check=positive, resume=True)
+    nonfinite_rollback: Union[str, bool] = doc("off", "What a non-finite loss or gradient at an optimiser step does. `off`: that step is skipped (no weight or "
+                                                      "optimiser-state change; every process agrees) and the update goes on, counted in `skipped_steps`; an "
+                                                      "update whose every step was skipped is a skipped update; nothing is copied. `memory`: the whole update "
+                                                      "is undone and skipped, from a copy of the trainable weights and optimiser state made at the start of "
+                                                      "every update in CPU memory (about 3x the trainable weights with AdamW, per process: ~84 GB for a 7B "
+                                                      "full fine-tune). `disk`: the same copy, written to the run folder (`.rollback/`, one file per process) "
+                                                      "instead. "
+                                                      "true means memory, false off (YAML reads an unquoted off as false).", check=ROLLBACK_CHOICE, resume=True)
     # Speed (docs/speed.md).
-    max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch (per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar length are packed together, longest first, while rows x the micro-batch's longest row (prompt + response) stays within the budget, and each micro-batch is packed: every row's tokens end at the last column, so it is as wide as its longest row (no padding between a prompt and its response, none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the gradient does not depend on the split: a memory knob, not a result knob. The reference, value and reward-model passes are then chunked and packed the same way, each chunk within local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at least the longest prompt + response_length (checked at start). null: fixed micro-batches of per_device_train_batch_size rows, each loss a mean over its own tokens (TRL).", check=positive, resume=same_loss_normalisation)
+    max_tokens_per_micro_batch: Optional[int] = doc(None, "Token budget of one training micro-batch (veRL's ppo_max_token_len_per_gpu). Within each minibatch "
+                                                          "(per_device_train_batch_size x gradient_accumulation_steps rows, as without it) rows of similar "
+                                                          "length are packed together, longest first, while rows x the micro-batch's longest row (prompt + "
+                                                          "response) stays within the budget, and each micro-batch is packed: every row's tokens end at the "
+                                                          "last column, so it is as wide as its longest row (no padding between a prompt and its response, "
+                                                          "none beyond the longest row). The loss is normalised over the whole minibatch's real tokens, so the "
+                                                          "gradient does not depend on the split: a memory knob, not a result knob. The reference, value and "
+                                                          "reward-model passes are then chunked and packed the same way, each chunk within "
+                                                          "local_rollout_forward_batch_size (reward.batch_size) rows of the batch's full width. Must be at "
+                                                          "least the longest prompt + response_length (checked at start). null: fixed micro-batches of "
+                                                          "per_device_train_batch_size "
+                                                          "rows, each loss a mean over its own tokens (TRL).", check=positive, resume=same_loss_normalisation)
 
-    padding_free: bool = doc(False, "Padding-free training and scoring forwards (veRL's use_remove_padding, OpenRLHF's --packing_samples, TRL's padding_free): the policy, reference, critic and reward model read several episodes per row, concatenated, positions restarting at each episode, so no padding token is computed. With max_tokens_per_micro_batch the budget fills these rows (rows x the micro-batch's longest episode) instead of rows of one episode each; without it the micro-batches keep their rows. Logprobs, values and losses equal the padded computation within float rounding; each model is checked once at start to keep packed episodes apart (transformers' packed-sequence masks from position ids). Not under parallel.strategy fsdp yet (refused at start).", resume=True)
+    padding_free: bool = doc(False, "Padding-free training and scoring forwards (veRL's use_remove_padding, OpenRLHF's --packing_samples, TRL's padding_free): "
+                                    "the policy, reference, critic and reward model read several episodes per row, concatenated, positions restarting at each "
+                                    "episode, so no padding token is computed. With max_tokens_per_micro_batch the budget fills these rows (rows x the "
+                                    "micro-batch's longest episode) instead of rows of one episode each; without it the micro-batches keep their rows. "
+                                    "Logprobs, values and losses equal the padded computation within float rounding; each model is checked once at start to "
+                                    "keep packed episodes apart (transformers' packed-sequence masks from position ids). Not under parallel.strategy fsdp yet "
+                                    "(refused at start).", resume=True)
 
     @property
     def loss_normalisation(self) -> str:
@@ -344,14 +455,18 @@ def http_url_problem(url: Any) -> Optional[str]:
 class RemoteRewardConfig:
     """The `reward.remote:` section: a scorer behind HTTP (for example `ppokit serve-rm`)."""
 
-    url: Optional[str] = doc(None, "Endpoint (http:// or https://) that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}. A redirect is followed only to the same scheme, host and port; see docs/rewards.md.")
-    timeout_s: float = doc(60.0, "Deadline in seconds for one whole request (connect, send, the answer read to its end); after it the request counts as failed and is retried. At most threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
+    url: Optional[str] = doc(None, "Endpoint (http:// or https://) that takes a POST of JSON {prompts, completions, columns} and answers {rewards: [...]}. A "
+                                   "redirect is followed only to the same scheme, host and port; see docs/rewards.md.")
+    timeout_s: float = doc(60.0, "Deadline in seconds for one whole request (connect, send, the answer read to its end); after it the request counts as failed "
+                                 "and is retried. At most threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
     max_retries: int = doc(3, "Retries of a failed request (connection error, timeout, HTTP 429 or 5xx) before the run stops.", check=non_negative)
     backoff_s: float = doc(1.0, "Wait before the first retry; doubled for each further retry (capped at 30 s).", check=non_negative)
     batch_size: int = doc(64, "Rows per request.", check=positive)
-    headers: dict = doc(factory=dict, help="Extra HTTP headers. `${VAR}` in a value is replaced by the environment variable VAR when the request is sent, so secrets stay out of config.yaml.")
+    headers: dict = doc(factory=dict, help="Extra HTTP headers. `${VAR}` in a value is replaced by the environment variable VAR when the request is sent, so "
+                                           "secrets stay out of config.yaml.")
     name: str = doc("remote", "Name of this source in the metrics (`reward/<name>`).")
-    max_response_bytes: int = doc(16 << 20, "Largest answer read, in bytes (default 16 MiB); a larger one fails this batch without being read further.", check=positive)
+    max_response_bytes: int = doc(16 << 20, "Largest "
+                                            "answer read, in bytes (default 16 MiB); a larger one fails this batch without being read further.", check=positive)
 
 
 @dataclass
@@ -359,19 +474,41 @@ class RewardConfig:
     """The `reward:` section: where scores come from. At least one source is required."""
 
     model: Optional[str] = doc(None, "Sequence-classification reward model (local path or hub id), one label; scored at the last real token.")
-    functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, `exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping `{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> list[float], or TRL's way, every argument by keyword (prompts=, completions=, completion_ids=, **columns), when the function names a `completions` parameter elsewhere than second (`def reward_len(completions, **kwargs)`); each signature is checked before any model loads. See docs/rewards.md.")
+    functions: list[str | dict] = doc(factory=list, help="Reward functions: `path/to/file.py:fn`, `package.module:fn` or a built-in name (`sentiment`, "
+                                                         "`exact_match`, `math_equivalence`, `regex`, `format`, `length`, `contains`), or a mapping "
+                                                         "`{function: NAME, name: LABEL, PARAM: VALUE, ...}` that gives a built-in its parameters (extra keys "
+                                                         "go to a user function as keyword arguments). Called as fn(prompts, completions, **columns) -> "
+                                                         "list[float], or TRL's way, every argument by keyword (prompts=, completions=, completion_ids=, "
+                                                         "**columns), when the function names a `completions` parameter elsewhere than second (`def "
+                                                         "reward_len(completions, **kwargs)`); each signature is checked before any model loads. See "
+                                                         "docs/rewards.md.")
     weights: Optional[list[float]] = doc(None, "One weight per source, in this order: reward model, functions, remote, environment; default all 1.")
     batch_size: int = doc(64, "Rows per reward-model forward pass.", check=positive)
     remote: Optional[RemoteRewardConfig] = doc(None, "A remote scorer over HTTP; it comes after the functions in `weights`.")
-    normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: true for all sources, or one true/false per source in `weights` order. The statistics are part of the training state.")
-    length_penalty: float = doc(0.0, "Subtracted from the score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
+    normalize: bool | list[bool] = doc(False, "Standardise each source's raw score by its own running mean and std (over every batch so far) before weighting: "
+                                              "true for all sources, or one true/false per source in `weights` order. The statistics are part of the training "
+                                              "state.")
+    length_penalty: float = doc(0.0, "Subtracted from the "
+                                     "score per completion token beyond `length_penalty_start` (policy tokens, stop token not counted).", check=non_negative)
     length_penalty_start: int = doc(0, "Completion length (tokens) from which `length_penalty` applies.", check=non_negative)
-    overlong_max_length: Optional[int] = doc(None, "DAPO's overlong reward shaping, L_max (veRL's data.max_response_length with reward_model.overlong_buffer): with `overlong_cache_length` L_cache, a completion of L tokens in (L_max - L_cache, L_max] loses (L - (L_max - L_cache)) / L_cache x `overlong_penalty_factor`, one beyond L_max the whole factor. The same as length_penalty: factor / L_cache from length_penalty_start: L_max - L_cache, held at the factor beyond L_max; docs/algorithms.md. null: off.", check=positive)
-    overlong_cache_length: Optional[int] = doc(None, "DAPO's L_cache (veRL's reward_model.overlong_buffer.len): the last tokens before `overlong_max_length` over which the penalty grows from 0 to the factor; at most overlong_max_length.", check=positive)
-    overlong_penalty_factor: float = doc(1.0, "DAPO's overlong penalty at L_max and beyond (veRL's reward_model.overlong_buffer.penalty_factor).", check=non_negative)
+    overlong_max_length: Optional[int] = doc(None, "DAPO's overlong reward shaping, L_max (veRL's data.max_response_length with reward_model.overlong_buffer): "
+                                                   "with `overlong_cache_length` L_cache, a completion of L tokens in (L_max - L_cache, L_max] loses (L - "
+                                                   "(L_max - L_cache)) / L_cache x `overlong_penalty_factor`, one beyond L_max the whole factor. The same as "
+                                                   "length_penalty: factor / L_cache from length_penalty_start: L_max - L_cache, held at the factor beyond "
+                                                   "L_max; docs/algorithms.md. null: off.", check=positive)
+    overlong_cache_length: Optional[int] = doc(None, "DAPO's L_cache (veRL's reward_model.overlong_buffer.len): the last tokens before `overlong_max_length` "
+                                                     "over which the penalty grows from 0 to the factor; at most overlong_max_length.", check=positive)
+    overlong_penalty_factor: float = doc(1.0, "DAPO's "
+                                              "overlong penalty at L_max and beyond (veRL's reward_model.overlong_buffer.penalty_factor).", check=non_negative)
     clip_range: Optional[list[float]] = doc(None, "[low, high]: the final score (after weights, normalisation and penalties) is clipped to this range.")
-    timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, so the stuck call is left running and the function fails at once until it returns. null: call it in the main thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts). At most threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
-    on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and a row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=one_of(("raise", "skip")))
+    timeout_s: Optional[float] = doc(600.0, "Deadline in seconds for one call of a reward function (built-ins too): the function runs in a worker thread, and "
+                                            "a call that has not returned by then fails like a raised error (`on_error` applies). Python cannot stop a thread, "
+                                            "so the stuck call is left running and the function fails at once until it returns. null: call it in the main "
+                                            "thread without a limit (for libraries that need the main thread, e.g. signal-based timeouts). At most "
+                                            "threading.TIMEOUT_MAX (about 292 years).", check=timeout_range)
+    on_error: str = doc("raise", "A reward source that raises, returns the wrong count, NaN or inf: `raise` stops the run with an error naming the source and "
+                                 "a "
+                                 "row; `skip` drops the affected samples from the update and counts them in `reward/skipped`.", check=one_of(("raise", "skip")))
 
     def check_combination(self, n_sources: int) -> None:
         """Checks across keys of this section (each key's own range is checked by `validate`)."""
@@ -419,14 +556,24 @@ class RewardConfig:
 class DataConfig:
     """The `data:` section."""
 
-    train: Optional[str] = doc(None, "Training prompts: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder, reasoning-gym's tasks (`reasoning_gym:TASK?size=N&seed=S`) or a hub dataset name (docs/data.md). Any format with a prompt works (chat prompts are rendered with the chat template); the other columns are passed to reward functions.")
-    eval: Optional[str] = doc(None, "Evaluation prompts, same format; completions and scores go to samples.jsonl. A `reasoning_gym:` spec without a seed, beside a `reasoning_gym:` train, starts after the training entries.")
+    train: Optional[str] = doc(None, "Training prompts: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder, reasoning-gym's tasks "
+                                     "(`reasoning_gym:TASK?size=N&seed=S`) or a hub dataset name (docs/data.md). Any format with a prompt works (chat prompts "
+                                     "are rendered with the chat template); the other columns are passed to reward functions.")
+    eval: Optional[str] = doc(None, "Evaluation prompts, same format; completions and scores go to samples.jsonl. A `reasoning_gym:` spec without a seed, "
+                                    "beside a `reasoning_gym:` train, starts after the training entries.")
     prompt_field: str = doc("prompt", "Name of the prompt column.")
-    max_prompt_length: Optional[int] = doc(None, "Prompts longer than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
-    format: str = doc("auto", "Row format: auto (detected from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=one_of(DATA_FORMATS))
-    chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file or Jinja text. The run's config.yaml records the template used. With an `environment` it renders the observations too (docs/environments.md).")
-    chat_template_kwargs: dict = doc(factory=dict, help="Extra variables for the chat template, in every prompt and observation it renders (TRL's name), e.g. `{enable_thinking: false}` for Qwen3's template without reasoning.", check=rule("a mapping of template variables other than messages, tools, add_generation_prompt, tokenize, chat_template", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and not set(v) & {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "conversation"}))
-    eval_fraction: float = doc(0.0, "When `eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=fraction)
+    max_prompt_length: Optional[int] = doc(None, "Prompts longer "
+                                                 "than this (in tokens) are truncated from the left; the count is reported. null: no limit.", check=positive)
+    format: str = doc("auto", "Row format: auto (detected "
+                              "from the columns), prompt, prompt_completion, messages, alpaca or preference (docs/data.md).", check=one_of(DATA_FORMATS))
+    chat_template: Optional[str] = doc(None, "Template for chat prompts: null/auto (the tokenizer's, else the plain fallback), plain, tokenizer, a .jinja file "
+                                             "or Jinja text. The run's config.yaml records the template used. With an `environment` it renders the "
+                                             "observations too (docs/environments.md).")
+    chat_template_kwargs: dict = doc(factory=dict, help="Extra variables for the chat template, in every prompt and observation it renders (TRL's name), e.g. "
+                                                        "`{enable_thinking: false}` for Qwen3's template without "
+                                                        "reasoning.", check=template_variables)
+    eval_fraction: float = doc(0.0, "When "
+                                    "`eval` is not set: share of the training prompts held out as eval prompts (a seeded shuffle); 0: none.", check=fraction)
 
 
 @dataclass
@@ -435,23 +582,34 @@ class LoraConfig:
 
     r: int = doc(16, "Rank of each adapter's update matrices.", check=positive)
     alpha: float = doc(32.0, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).", check=positive)
-    dropout: float = doc(0.0, "Dropout on the adapter input. Default 0 (peft's is 0.05): dropout makes the PPO ratio differ from 1 before any update, as model dropout does.", check=fraction)
-    target_modules: list[str] = doc(factory=lambda: ["all-linear"], help="Module names (or suffixes) that get adapters; `all-linear` is every linear layer except the output head.")
+    dropout: float = doc(0.0, "Dropout on the adapter input. Default 0 (peft's is 0.05): dropout makes the PPO ratio differ from 1 before any update, as model "
+                              "dropout does.", check=fraction)
+    target_modules: list[str] = doc(factory=lambda: ["all-linear"], help="Module names (or suffixes) that get adapters; `all-linear` is every linear layer "
+                                                                         "except the output head.")
     use_dora: bool = doc(False, "Weight-decomposed LoRA (DoRA): adds a trainable magnitude per output feature; slower per step.")
     use_rslora: bool = doc(False, "Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r.")
-    value_model_lora: bool = doc(True, "A separate value model (not `value_model: shared`) also trains through its own adapter on a frozen base, its head fully; false trains all its weights.")
+    value_model_lora: bool = doc(True, "A separate value model (not `value_model: shared`) also trains through its own adapter on a frozen base, its head "
+                                       "fully; false trains all its weights.")
 
 
 @dataclass
 class ParallelConfig:
     """The `parallel:` section: how several processes share the models (docs/parallel.md)."""
 
-    strategy: str = doc(DEFAULT_STRATEGY, "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 through MixedPrecisionPolicy).", check=one_of(tuple(STRATEGIES)))
+    strategy: str = doc(DEFAULT_STRATEGY, "`ddp`: every process holds every model whole and gradients are averaged (DistributedDataParallel). `fsdp`: PyTorch "
+                                          "FSDP2 shards the trainable roles' weights, gradients and optimiser state over the processes (1/N each), the frozen "
+                                          "roles' weights too unless `shard_frozen` is false; checkpoints are sharded (torch.distributed.checkpoint) and "
+                                          "final/ is still one plain model. With one process fsdp splits nothing but runs the same code (cpu_offload, bf16 "
+                                          "through MixedPrecisionPolicy).", check=one_of(tuple(STRATEGIES)))
     # resume=True: how the models are spread over the processes, not what they compute (all-gathers are exact).
-    shard_frozen: bool = doc(True, "With fsdp: shard the reference and reward models too; false keeps a whole copy of each on every process (faster forwards, more memory).", resume=True)
-    cpu_offload: bool = doc(False, "With fsdp: keep the sharded weights, gradients and optimiser state in CPU memory (FSDP2 CPUOffloadPolicy) and run the optimiser step on the CPU; each unit is copied to the device when it runs.")
-    wrap_classes: list[str] = doc(factory=list, help="With fsdp: class names of the modules sharded one by one (each one all-gather); default the model's `_no_split_modules` (its decoder layers). Set it for a model that declares none.", resume=True)
-    unshard_for_generation: bool = doc(True, "With fsdp: gather the whole policy once per rollout for sampling (costs its full weights on every process while sampling); false gathers layer by layer at every decoded token (least memory, far slower).", resume=True)
+    shard_frozen: bool = doc(True, "With fsdp: shard the reference and reward models too; false keeps a whole copy of each on every process (faster forwards, "
+                                   "more memory).", resume=True)
+    cpu_offload: bool = doc(False, "With fsdp: keep the sharded weights, gradients and optimiser state in CPU memory (FSDP2 CPUOffloadPolicy) and run the "
+                                   "optimiser step on the CPU; each unit is copied to the device when it runs.")
+    wrap_classes: list[str] = doc(factory=list, help="With fsdp: class names of the modules sharded one by one (each one all-gather); default the model's "
+                                                     "`_no_split_modules` (its decoder layers). Set it for a model that declares none.", resume=True)
+    unshard_for_generation: bool = doc(True, "With fsdp: gather the whole policy once per rollout for sampling (costs its full weights on every process while "
+                                             "sampling); false gathers layer by layer at every decoded token (least memory, far slower).", resume=True)
 
 
 def _either(items) -> str:
@@ -465,16 +623,41 @@ class _RolloutKeys:
     """The `rollout:` keys of every engine (the engines' own are added from their entries: `RolloutConfig`)."""
 
     engine: str = doc("hf", f"What samples the responses: {_either(f'`{name}` ({e.about})' for name, e in ENGINES.items())}.", check=one_of(tuple(ENGINES)))
-    max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or `max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
-    max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an observation longer than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
-    turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment reward at its last model token. Needs `environment`.")
-    max_concurrent_episodes: Optional[int] = doc(None, "Episodes in flight at once on each process: each holds its environment instance and, with rollout.engine: hf, its keys and values between its turns; when one ends the next starts. null: every episode of the rollout at once. Bounds memory; what veRL-based agent recipes call `agent.max_concurrent_trajectories` (vLLM's own `max_num_seqs`, the sequences it decodes at once, is set from the rollout batch). With an environment the episodes are the same under any bound (their seeds are their own); without one, a bound below the rollout batch samples it in lock-step batches of that many.", check=positive)
-    max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. 0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
+    max_turns: int = doc(1, "Model turns per episode at most: after each turn the `environment` answers (its `step`), until it says done, this many turns, or "
+                            "`max_episode_tokens`. 1: one prompt, one response (no environment needed). More than 1 needs `environment`.", check=positive)
+    max_episode_tokens: Optional[int] = doc(None, "Token budget of one episode after the prompt: every model turn and every observation (the environment's "
+                                                  "answers, rendered) together. An episode that reaches it ends and counts in `rollout/truncated`; an "
+                                                  "observation longer "
+                                                  "than what is left is cut. null: max_turns x ppo.response_length. Needs `environment`.", check=positive)
+    turn_rewards: bool = doc(False, "Place each `step` reward at the last token of the model turn that earned it; false: the episode's summed environment "
+                                    "reward at its last model token. Needs `environment`.")
+    max_concurrent_episodes: Optional[int] = doc(None, "Episodes in flight at once on each process: each holds its environment instance and, with "
+                                                       "rollout.engine: hf, its keys and values between its turns; when one ends the next starts. null: every "
+                                                       "episode of the rollout at once. Bounds memory; what veRL-based agent recipes call "
+                                                       "`agent.max_concurrent_trajectories` (vLLM's own `max_num_seqs`, the sequences it decodes at once, is "
+                                                       "set from the rollout batch). With an environment the episodes are the same under any bound (their "
+                                                       "seeds are their own); without one, a bound below the rollout batch samples it in lock-step batches of "
+                                                       "that many.", check=positive)
+    max_staleness: int = doc(0, "Off-policy rollouts (AReaL's max_head_offpolicyness, veRL's one-step-off-policy at 1): the episodes of updates u+1 ... u+k "
+                                "are sampled while update u trains, each trained at most k weight versions after the weights that sampled it, and the loss is "
+                                "the decoupled PPO loss (the PPO ratio against the trainer's recomputed logprobs, the engine's corrected by ppo.rollout_is; "
+                                "docs/algorithms.md). No episode is sampled ahead across a checkpoint (ppo.save_steps), so a resumed run is the straight run. "
+                                "0: sample, train, push, in turn. 1 or more needs an engine beside the trainer (rollout.engine: vllm with rollout.placement: "
+                                "separate or servers) and ppo.rollout_is; docs/rollout.md.", check=non_negative)
 
-    dynamic_sampling: bool = doc(False, "DAPO's dynamic sampling (veRL's algorithm.filter_groups, OpenRLHF's --algo.dynamic_filtering): groups whose `dynamic_sampling_metric` has no spread (every sample of the prompt scored the same: zero advantage under a group estimator) are dropped, and further rounds of prompts are sampled until the batch is full, at most `dynamic_sampling_extra_rounds` of them. Needs ppo.num_samples_per_prompt of 2 or more. Logs rollout/groups_kept (the share of sampled groups kept), rollout/rounds and rollout/prompts_consumed; docs/algorithms.md.")
-    dynamic_sampling_metric: str = doc("score", "With dynamic_sampling: what must vary within a group for it to be kept: `score` (the combined score the advantages see) or a reward source's name (its raw score, as in `reward/<name>`; veRL's filter_groups.metric).")
-    dynamic_sampling_extra_rounds: int = doc(4, "With dynamic_sampling: rounds of prompts (each one update's worth) sampled beyond the first to fill the batch, at most (veRL's filter_groups.max_num_gen_batches is this plus 1).", check=non_negative)
-    dynamic_sampling_when_short: str = doc("train", "With dynamic_sampling, when the extra rounds end with the batch still short of groups: `train` trains on the groups found (the batch's missing groups are left out of the update) and says so; `stop` stops the run with its last checkpoint (veRL's behaviour).", check=one_of(("train", "stop")))
+    dynamic_sampling: bool = doc(False, "DAPO's dynamic sampling (veRL's algorithm.filter_groups, OpenRLHF's --algo.dynamic_filtering): groups whose "
+                                        "`dynamic_sampling_metric` has no spread (every sample of the prompt scored the same: zero advantage under a group "
+                                        "estimator) are dropped, and further rounds of prompts are sampled until the batch is full, at most "
+                                        "`dynamic_sampling_extra_rounds` of them. Needs ppo.num_samples_per_prompt of 2 or more. Logs rollout/groups_kept (the "
+                                        "share of sampled groups kept), rollout/rounds and rollout/prompts_consumed; docs/algorithms.md.")
+    dynamic_sampling_metric: str = doc("score", "With dynamic_sampling: what must vary within a group for it to be kept: `score` (the combined score the "
+                                                "advantages "
+                                                "see) or a reward source's name (its raw score, as in `reward/<name>`; veRL's filter_groups.metric).")
+    dynamic_sampling_extra_rounds: int = doc(4, "With dynamic_sampling: rounds of prompts (each one update's worth) sampled beyond the first to fill the "
+                                                "batch, at most (veRL's filter_groups.max_num_gen_batches is this plus 1).", check=non_negative)
+    dynamic_sampling_when_short: str = doc("train", "With dynamic_sampling, when the extra rounds end with the batch still short of groups: `train` trains on "
+                                                    "the groups found (the batch's missing groups are left out of the update) and says so; `stop` stops the "
+                                                    "run with its last checkpoint (veRL's behaviour).", check=one_of(("train", "stop")))
 
     def check_combination(self) -> None:
         """Another engine's keys (never read by this one) are refused; the engine's own rules across its keys."""
@@ -503,7 +686,8 @@ def _engine_keys() -> tuple[list[tuple[str, Any, Any]], dict[str, tuple[str, ...
                 raise TypeError(f"rollout.{key}: engines {', '.join(owners[key])} and {name} declare it with another type or default")
             fields.setdefault(key, (key, kind, spec))
             owners[key] = owners.get(key, ()) + (name,)
-    return [(key, kind, dataclasses.field(default=spec.default, default_factory=spec.default_factory, metadata={**spec.metadata, "help": f"{', '.join(owners[key])}: {spec.metadata['help']}"}))
+    return [(key, kind, dataclasses.field(default=spec.default, default_factory=spec.default_factory,
+                                          metadata={**spec.metadata, "help": f"{', '.join(owners[key])}: {spec.metadata['help']}"}))
             for key, kind, spec in fields.values()], owners
 
 
@@ -531,10 +715,19 @@ class PPOConfig:
 
     model: Optional[str] = doc(None, "Policy to start from (local path or hub id), usually an SFT model.")
     ref_model: Optional[str] = doc(None, "Frozen reference policy; default a frozen copy of `model`.")
-    value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
+    value_model: Optional[str] = doc(None, "Value model (sequence-classification path or id); default the policy's backbone with a fresh scalar head, or the "
+                                           "reward model's weights if `reward.model` is set. Two special values: `shared` (needs `lora`) is a second LoRA "
+                                           "adapter plus a scalar head on the policy's own frozen base, so policy, reference and critic hold one copy of the "
+                                           "base weights; `from_reward` starts the critic from the reward model loaded once (with `lora`, the critic is an "
+                                           "adapter on the reward model's own weights, and scoring runs with that adapter disabled).")
     tokenizer: Optional[str] = doc(None, "Tokenizer path or id; default the one saved with `model`.")
-    teacher: Optional[str] = doc(None, "On-policy distillation (docs/algorithms.md): a saved causal LM (a folder, or an id as `ref_model`) with the policy's tokenizer, frozen, that scores every sampled token as the reference does; each token's reward gets -`teacher_coef` x (log pi_student - log pi_teacher), the negative per-token reverse KL, placed as the KL penalty is (gae and the critic-free estimators alike), logged as `teacher/kl`. Alone (no reward source needed) or beside the reward sources. A teacher whose vocabulary differs is refused at start-up. null: off.")
-    teacher_coef: float = doc(1.0, "With `teacher`: the weight of the per-token reverse KL to the teacher in the reward, against the reward sources' score (weighted by reward.weights).", check=positive)
+    teacher: Optional[str] = doc(None, "On-policy distillation (docs/algorithms.md): a saved causal LM (a folder, or an id as `ref_model`) with the policy's "
+                                       "tokenizer, frozen, that scores every sampled token as the reference does; each token's reward gets -`teacher_coef` x "
+                                       "(log pi_student - log pi_teacher), the negative per-token reverse KL, placed as the KL penalty is (gae and the "
+                                       "critic-free estimators alike), logged as `teacher/kl`. Alone (no reward source needed) or beside the reward sources. A "
+                                       "teacher whose vocabulary differs is refused at start-up. null: off.")
+    teacher_coef: float = doc(1.0, "With `teacher`: the weight of the per-token reverse KL to the teacher in the reward, against the reward sources' score "
+                                   "(weighted by reward.weights).", check=positive)
     # resume=True: whether remote code may run and where the run is written change no number.
     trust_remote_code: bool = doc(False, "Allow model repositories to run their own Python code.", resume=True)
     output_dir: str = doc("runs/ppo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, final/.", check=a_path, resume=True)
@@ -542,31 +735,69 @@ class PPOConfig:
     reward: RewardConfig = doc(factory=RewardConfig, help="Reward sources.")
     data: DataConfig = doc(factory=DataConfig, help="Prompt data.")
     ppo: PPOHyperparams = doc(factory=PPOHyperparams, help="PPO hyperparameters.")
-    rollout: RolloutConfig = doc(factory=RolloutConfig, help="How episodes are sampled: the rollout engine, and the turns and token budget of multi-turn episodes.")
-    lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
-    quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, double quantisation) or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
-    gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per step, activation memory from per-layer to per-model-input.")
-    bf16: bool = doc(False, "bfloat16 mixed precision (autocast through accelerate) for every forward: sampling, reference, value and training. Weights and optimiser state keep the checkpoint's dtype.")
-    fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the hardware has it.")
-    save_merged: bool = doc(False, "With `lora`: also write final/merged/, the policy with its adapter merged in, loadable by AutoModelForCausalLM.from_pretrained without peft.")
+    rollout: RolloutConfig = doc(factory=RolloutConfig, help="How episodes are sampled: the rollout engine, and the turns and token budget of multi-turn "
+                                                             "episodes.")
+    lora: Optional[LoraConfig] = doc(None, "LoRA adapters for the policy (and the critic); null trains all weights. With it, the reference is the policy's "
+                                           "base with the adapter disabled: no second copy of the weights. `lora: {}` takes every default.")
+    quantization: Optional[str] = doc(None, "Load every frozen base (policy/reference, LoRA critic, reward model) quantised with bitsandbytes: `4bit` (NF4, "
+                                            "double quantisation) "
+                                            "or `8bit`; needs `lora` and a CUDA device. null: the checkpoint's dtype.", check=one_of(("4bit", "8bit")))
+    gradient_checkpointing: bool = doc(False, "Recompute each layer's activations in the backward pass instead of storing them: about one extra forward per "
+                                              "step, activation memory from per-layer to per-model-input.")
+    bf16: bool = doc(False, "bfloat16 mixed precision (autocast through accelerate) for every forward: sampling, reference, value and training. Weights and "
+                            "optimiser state keep the checkpoint's dtype.")
+    fp16: bool = doc(False, "float16 mixed precision with loss scaling (accelerate); needs a CUDA device and float32 trainable weights. Prefer bf16 where the "
+                            "hardware has it.")
+    save_merged: bool = doc(False, "With `lora`: also write final/merged/, the policy with its adapter merged in, loadable by "
+                                   "AutoModelForCausalLM.from_pretrained without peft.")
     # resume=True: the speed switches change numbers only within float rounding (docs/speed.md), as another machine's
     # kernels do: a resume may turn them on or off (an OOM, a machine without a compiler). A bit-for-bit equal
     # continuation needs the same values.
-    lm_head_chunk_size: Optional[int] = doc(None, "Memory-light LM head: logprobs and entropy of the response tokens are computed this many tokens at a time, only at real response tokens (padding skipped), and recomputed in the backward pass, so the full (rows, response, vocabulary) float32 log-softmax is never held; every logprob pass (reference, training) uses it. Equal to the direct computation within float rounding; checked once against the model's own forward. Memory per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch (TRL).", check=positive, resume=True)
-    compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this machine.", resume=True)
+    lm_head_chunk_size: Optional[int] = doc(None, "Memory-light LM head: logprobs and entropy of the response tokens are computed this many tokens at a time, "
+                                                  "only at real response tokens (padding skipped), and recomputed in the backward pass, so the full (rows, "
+                                                  "response, vocabulary) float32 log-softmax is never held; every logprob pass (reference, training) uses it. "
+                                                  "Equal to the direct computation within float rounding; checked once against the model's own forward. Memory "
+                                                  "per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch "
+                                                  "(TRL).", check=positive, resume=True)
+    compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient "
+                               "passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a "
+                               "CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this "
+                               "machine.", resume=True)
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
-    environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) and `ppokit.environments:GuessNumber` (the demo game). One instance per episode. Its step rewards, summed, are a reward source (`reward/environment`), the last in `reward.weights` order. null: no environment, one response per prompt. Its code runs in the trainer's process.", check=ENVIRONMENT_SPEC)
-    environment_args: dict = doc(factory=dict, help="Keyword arguments of the environment's constructor, e.g. `{tools: [\"tools.py:add\"]}` for ppokit.environments:Tools.")
-    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` applies: skip the episode or stop the run). null: call it in the main thread without a limit. At most threading.TIMEOUT_MAX.", check=timeout_range)
-    agent: Optional[str] = doc(None, "An agent program trained as it is: a function `path/to/agent.py:FUNCTION` (or `package.module:FUNCTION`), called as FUNCTION(row, base_url) for each episode (sync or `async def`) with an OpenAI-compatible endpoint serving that episode (`base_url` ends in /v1; any API key); it returns the episode's reward, a number or a dict with one under `reward` (its other numbers are logged as `agent/<key>`). Its calls are recorded token for token and trained (docs/agents.md). The reward is a reward source (`reward/agent`), the last in `reward.weights` order. Exclusive with `environment`. null: no agent.", check=AGENT_SPEC)
-    agent_timeout_s: float = doc(600.0, "Deadline in seconds for one episode's agent run (FUNCTION(row, base_url) from its call to its return): an agent still running then fails its episode (`reward.on_error` applies) and its URL is closed. Needs `agent`.", check=timeout_range)
-    agent_call_timeout_s: float = doc(600.0, "Deadline in seconds for the endpoint to answer one call of an agent (the engine's sampling of it): a call not answered by then fails its episode. Needs `agent`.", check=timeout_range)
-    agent_tool_parser: str = doc("auto", "How an agent's tool calls are read from the model's text and returned as OpenAI `tool_calls`: a format by vLLM's --tool-call-parser name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai) or `auto` (the one the chat template writes; docs/environments.md). Needs `agent`.", check=one_of(PARSER_NAMES))
+    environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` "
+                                           "with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) "
+                                           "and `ppokit.environments:GuessNumber` (the demo game). One instance per episode. Its step rewards, summed, are a "
+                                           "reward source (`reward/environment`), the last in `reward.weights` order. null: no environment, one response per "
+                                           "prompt. Its code runs in the trainer's process.", check=ENVIRONMENT_SPEC)
+    environment_args: dict = doc(factory=dict, help="Keyword arguments of the environment's constructor, e.g. `{tools: [\"tools.py:add\"]}` for "
+                                                    "ppokit.environments:Tools.")
+    environment_timeout_s: Optional[float] = doc(60.0, "Deadline in seconds for one call of the environment's code (constructing and reset, one step): it runs "
+                                                       "in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` "
+                                                       "applies: skip the episode or stop the run). null: call it in the main thread without a limit. At most "
+                                                       "threading.TIMEOUT_MAX.", check=timeout_range)
+    agent: Optional[str] = doc(None, "An agent program trained as it is: a function `path/to/agent.py:FUNCTION` (or `package.module:FUNCTION`), called as "
+                                     "FUNCTION(row, base_url) for each episode (sync or `async def`) with an OpenAI-compatible endpoint serving that episode "
+                                     "(`base_url` ends in /v1; any API key); it returns the episode's reward, a number or a dict with one under `reward` (its "
+                                     "other numbers are logged as `agent/<key>`). Its calls are recorded token for token and trained (docs/agents.md). The "
+                                     "reward is a reward source (`reward/agent`), the last in `reward.weights` order. Exclusive with `environment`. null: no "
+                                     "agent.", check=AGENT_SPEC)
+    agent_timeout_s: float = doc(600.0, "Deadline in seconds for one episode's agent run (FUNCTION(row, base_url) from its call to its return): an agent still "
+                                        "running then fails its episode (`reward.on_error` applies) and its URL is closed. Needs `agent`.", check=timeout_range)
+    agent_call_timeout_s: float = doc(600.0, "Deadline in seconds for the endpoint to answer one call of an agent (the engine's sampling of it): a call not "
+                                             "answered by then fails its episode. Needs `agent`.", check=timeout_range)
+    agent_tool_parser: str = doc("auto", "How an agent's tool calls are read from the model's text and returned as OpenAI `tool_calls`: a format by vLLM's "
+                                         "--tool-call-parser name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai) or `auto` (the one the chat "
+                                         "template writes; docs/environments.md). Needs `agent`.", check=one_of(PARSER_NAMES))
     # Where the numbers also go (docs/report.md). None of these changes a number of the run (resume=True).
-    report_to: list[str] = doc(factory=list, help=f"Experiment trackers that also get every metric, the config and the sample tables: any of {', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always work.", resume=True)
-    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when the run resumes.", check=folder_name, resume=True)
+    report_to: list[str] = doc(factory=list, help="Experiment trackers that also get every metric, the config and the sample tables: any of "
+                                                  f"{', '.join(TRACKERS)} (each needs its extra, `pip install \"ppokit[NAME]\"`, or `[trackers]` for all). "
+                                                  "Default none: a run needs no extra package and no network, and metrics.jsonl plus `ppokit report` always "
+                                                  "work.", resume=True)
+    run_name: Optional[str] = doc(None, "Run name in the trackers; default the output folder's name and the start time (e.g. ppo-20250101-120000), kept when "
+                                        "the run resumes.", check=folder_name, resume=True)
     project: str = doc("ppokit", "W&B and trackio project, MLflow experiment.", resume=True)
-    mlflow_tracking_uri: Optional[str] = doc(None, "MLflow tracking URI (a server, `sqlite:///mlflow.db`, a folder); default MLFLOW_TRACKING_URI when set, else a local file store in <output_dir>/mlruns.", resume=True)
+    mlflow_tracking_uri: Optional[str] = doc(None, "MLflow tracking URI (a server, `sqlite:///mlflow.db`, a folder); default MLFLOW_TRACKING_URI when set, "
+                                                   "else a local file store in <output_dir>/mlruns.", resume=True)
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "PPOConfig":
@@ -679,9 +910,11 @@ class PPOConfig:
                  ("rollout.max_episode_tokens", self.rollout, "max_episode_tokens"), ("rollout.turn_rewards", self.rollout, "turn_rewards")]
         for name, section, key in needs:
             if differs_from_default(section, key):
-                raise UserError(f"{name} ({getattr(section, key)!r}) is for multi-turn episodes, and `environment` is not set; set environment, or remove {name}")
+                raise UserError(f"{name} ({getattr(section, key)!r}) is for multi-turn episodes, and `environment` is not set; set environment, or remove "
+                                f"{name}")
         if self.rollout.max_turns > 1:
-            raise UserError(f"rollout.max_turns ({self.rollout.max_turns}): a second turn needs an environment to answer the first; set `environment` (docs/environments.md), or rollout.max_turns: 1")
+            raise UserError(f"rollout.max_turns ({self.rollout.max_turns}): a second turn needs an environment to answer the first; set `environment` "
+                            "(docs/environments.md), or rollout.max_turns: 1")
 
     def _validate_off_policy(self) -> None:
         """rollout.max_staleness >= 1: the behaviour policy corrected (ppo.rollout_is), no greedy baseline sampled mid-update."""
@@ -726,13 +959,15 @@ class PPOConfig:
                     f"{name}, which never reads it; remove it, or set parallel.strategy: {readers}"
                 )
         if self.quantization is not None and not facts.holds_quantized:
-            raise UserError(f"parallel.strategy: {name} cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: {DEFAULT_STRATEGY}")
+            raise UserError(f"parallel.strategy: {name} cannot shard quantised ({self.quantization}) weights; use quantization: null, or parallel.strategy: "
+                            f"{DEFAULT_STRATEGY}")
         if self.fp16 and facts.own_mixed_precision:
             raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
         # Padding-free forwards call the backbone and the head apart; a sharded causal LM gathers its tied embeddings and
         # head only in its own forward (parallel._units), so they would meet unsharded tensors beside sharded weights.
         if self.ppo.padding_free and name == "fsdp":
-            raise UserError(f"ppo.padding_free: not available under parallel.strategy: {name} yet; set ppo.padding_free: false, or parallel.strategy: {DEFAULT_STRATEGY}")
+            raise UserError(f"ppo.padding_free: not available under parallel.strategy: {name} yet; set ppo.padding_free: false, or parallel.strategy: "
+                            f"{DEFAULT_STRATEGY}")
 
     def _validate_report_to(self) -> None:
         for name in self.report_to:
@@ -759,11 +994,13 @@ class PPOConfig:
             raise UserError(f"quantization: {self.quantization} freezes the base weights, so only adapters can train; set `lora`")
         critic_from_frozen = self.value_model in (None, "from_reward") and self.lora is not None and not self.lora.value_model_lora
         if self.quantization is not None and critic_from_frozen and has_reward_model:
-            raise UserError("quantization with lora.value_model_lora: false would train a full critic copied from the quantised reward model; set lora.value_model_lora: true or value_model to a path")
+            raise UserError("quantization with lora.value_model_lora: false would train a full critic copied from the quantised reward model; set "
+                            "lora.value_model_lora: true or value_model to a path")
         if self.save_merged and self.lora is None:
             raise UserError("save_merged: true merges a LoRA adapter into its base; without `lora` final/ already holds the full policy")
         if self.save_merged and self.quantization is not None:
-            raise UserError("save_merged: true with quantization would merge into a quantised base (lossy); save the adapter and merge it into the full-precision base with ppokit.models.roles.merge_adapter")
+            raise UserError("save_merged: true with quantization would merge into a quantised base (lossy); save the adapter and merge it into the "
+                            "full-precision base with ppokit.models.roles.merge_adapter")
 
 
 # --------------------------------------------------------------------------- sft, rm, pipeline
@@ -773,13 +1010,20 @@ class PPOConfig:
 class StageDataConfig:
     """The `data:` section of `ppokit sft` and `ppokit rm`."""
 
-    train: Optional[str] = doc(None, "Training data: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder (`folder:split` picks a split) or a hub dataset name (`name`, `name:split`, `name@config:split`). See docs/data.md.")
+    train: Optional[str] = doc(None, "Training data: a .jsonl/.json/.csv/.parquet file, a datasets.save_to_disk folder (`folder:split` picks a split) or a hub "
+                                     "dataset name (`name`, `name:split`, `name@config:split`). See docs/data.md.")
     eval: Optional[str] = doc(None, "Held-out data in the same forms as `train`; when set, `eval_fraction` is not used.")
-    eval_fraction: float = doc(0.05, "When `eval` is not set: share of the training rows held out for evaluation (a seeded shuffle, at least one row); 0: no evaluation.", check=fraction)
-    format: str = doc("auto", "Row format: auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=one_of(DATA_FORMATS))
-    chat_template: Optional[str] = doc(None, "Template for chat rows: null/auto (the tokenizer's, else the plain fallback `role: content` lines), plain, tokenizer, a .jinja file or Jinja text. The output's config.yaml records the template used, and the saved tokenizer carries it.")
-    max_prompt_length: Optional[int] = doc(256, "Prompts longer than this (tokens) keep their last max_prompt_length tokens (truncated from the left); the count is reported. null: no limit.", check=positive)
-    max_length: Optional[int] = doc(512, "Limit on prompt + completion tokens (EOS included): longer completions are cut on the right; a row whose prompt leaves no room for a completion token is dropped; counts are reported. null: no limit.", check=positive)
+    eval_fraction: float = doc(0.05, "When `eval` is not set: share of the training rows held out for evaluation (a seeded shuffle, at least one row); 0: no "
+                                     "evaluation.", check=fraction)
+    format: str = doc("auto", "Row format: "
+                              "auto (detected from the columns), prompt_completion, messages, alpaca (sft) or preference (rm).", check=one_of(DATA_FORMATS))
+    chat_template: Optional[str] = doc(None, "Template for chat rows: null/auto (the tokenizer's, else the plain fallback `role: content` lines), plain, "
+                                             "tokenizer, a .jinja file or Jinja text. The output's config.yaml records the template used, and the saved "
+                                             "tokenizer carries it.")
+    max_prompt_length: Optional[int] = doc(256, "Prompts longer than this (tokens) keep their last max_prompt_length tokens (truncated from the left); the "
+                                                "count is reported. null: no limit.", check=positive)
+    max_length: Optional[int] = doc(512, "Limit on prompt + completion tokens (EOS included): longer completions are cut on the right; a row whose prompt "
+                                         "leaves no room for a completion token is dropped; counts are reported. null: no limit.", check=positive)
 
 
 @dataclass
@@ -832,13 +1076,16 @@ def _stage_config(name: str, command: str, *, model: str, output_dir: tuple[str,
 
 SFTConfig = _stage_config(
     "SFTConfig", "sft", model="Causal LM to fine-tune (local path or hub id).",
-    output_dir=("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete."),
+    output_dir=("runs/sft", "Where the model, tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place "
+                            "when complete."),
     seed="Seed for the eval split, data order and initialisation.", data="Training data.", train=SFTHyperparams,
     what="causal LM to fine-tune",
 )
 RMConfig = _stage_config(
-    "RMConfig", "rm", model="Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to train further.",
-    output_dir=("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json go; written to a temporary folder and renamed into place when complete."),
+    "RMConfig", "rm", model="Model to start from: usually the SFT model (a causal LM: its backbone gets a new one-label score head), or a reward model to "
+                            "train further.",
+    output_dir=("runs/rm", "Where the reward model (usable as ppo `reward.model` and `value_model`), tokenizer, config.yaml, metrics.jsonl and summary.json "
+                           "go; written to a temporary folder and renamed into place when complete."),
     seed="Seed for the eval split, data order and the score head's initialisation.", data="Preference data.", train=SupervisedHyperparams,
     what="model to start from, usually the SFT output",
 )

@@ -238,7 +238,8 @@ WITHOUT_EQUIVALENT = (
     "repetition_penalty", "cache_implementation", "vllm_model_impl", "vllm_structured_outputs_regex",
     "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
     "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "top_entropy_quantile", "use_adaptive_entropy",
-    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal", "num_completions_to_print",
+    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal",
+    "num_completions_to_print",
     "log_unique_prompts", "log_completions_hub_repo", "use_transformers_continuous_batching",
     "transformers_continuous_batching_config", "use_transformers_paged",
 )

@@ -27,7 +27,8 @@ Only the text after the probe turn's content is compared, so templates that rend
 Without a chat template (plain-text prompts) an observation is its text as it is, after the turn's tokens.
 
 Each observation call renders one probe conversation and tokenises its text from the turn's end (about a
-millisecond for Qwen's template on a loaded 2-core machine, benchmarks/conversation.py); its content is first made safe (lone surrogates replaced) and cut to what the episode's room can hold
+millisecond for Qwen's template on a loaded 2-core machine, benchmarks/conversation.py); its content is first made safe (lone surrogates replaced) and cut to
+what the episode's room can hold
 (characters, then tokens), so a tool answering 20 million characters costs no more than the room.
 """
 
@@ -64,7 +65,8 @@ class ConversationRenderer:
     environment's tools' JSON schemas, the extra template variables), or None for plain-text prompts; stop_token_ids:
     the tokens that end a model turn, a tuple (`engines.base.stop_ids`; ppo.stop_token: `models.resolve_stop_token`;
     `check` may add the one the template ends a tool-calling turn with);
-    observation_role: the role an observation is rendered as ("user" or "tool"); say: where notes go (a warning shown once: observation words the tokenizer reads as its unknown token).
+    observation_role: the role an observation is rendered as ("user" or "tool"); say: where notes go (a warning shown once: observation words the tokenizer
+    reads as its unknown token).
     """
 
     def __init__(self, tokenizer, chat: Optional[Renderer], *, stop_token_ids: tuple[int, ...] = (), observation_role: str = "user",

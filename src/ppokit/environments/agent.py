@@ -508,7 +508,8 @@ def _completion_request(body: dict):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)):
+    token_ids = isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
+    if not (isinstance(prompt, str) and prompt) and not token_ids:
         raise Refused(400, "prompt: expected one non-empty string or one list of token ids", "prompt")
     return prompt, _limit(body.get("max_tokens")), _stops(body.get("stop")), body.get("logprobs")
 

@@ -94,10 +94,12 @@ def load_environment(spec: str, base_dir: Optional[Path] = None) -> type:
     naming the spec when it does not import, is not a class, or lacks a callable reset or step."""
     name, cls = load_attribute(spec, base_dir, "environment", "class", SPEC_FORMS)
     if not isinstance(cls, type):
-        raise UserError(f"environment {spec!r}: {name} is not a class (its type is {type(cls).__name__}); an instance per episode is made as {name}(**environment_args)")
+        raise UserError(f"environment {spec!r}: {name} is not a class (its type is {type(cls).__name__}); an instance per episode is made as "
+                        f"{name}(**environment_args)")
     missing = [method for method in ("reset", "step") if not callable(getattr(cls, method, None))]
     if missing:
-        raise UserError(f"environment {spec!r}: class {name} has no {' or '.join(missing)} method; an environment needs reset(row) and step(completion) (docs/environments.md)")
+        raise UserError(f"environment {spec!r}: class {name} has no {' or '.join(missing)} method; an environment needs reset(row) and step(completion) "
+                        "(docs/environments.md)")
     return cls
 
 
@@ -286,7 +288,8 @@ class EnvironmentRunner:
         messages = self._call(lambda: render(observation), f"observation_messages after {what}", prompt)
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             where = prompt_suffix(prompt)
-            raise EnvironmentFailure(f"environment {self.spec}: observation_messages returned {_short(messages)}; expected a list of {{role, content}} dicts{where}")
+            raise EnvironmentFailure(f"environment {self.spec}: observation_messages returned {_short(messages)}; expected a list of {{role, content}} "
+                                     f"dicts{where}")
         return messages
 
     def check_reward(self, reward, what: str, prompt: Optional[str]) -> float:

@@ -104,7 +104,8 @@ class _Episode:
     error: Optional[str] = None
     environment: Optional[str] = None  # the name of the environment its row chose, among several (its metrics'); None: one
     numbers: dict = field(default_factory=dict)  # an agent's episode: its calls, segments, ... and the agent's own numbers (`agent/*` metrics)
-    transcript: list[dict] = field(default_factory=list)  # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
+    # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
+    transcript: list[dict] = field(default_factory=list)
     request: Optional[str] = None  # the id of its last request
     kept: bool = False  # the engine keeps that request's keys and values for the episode's next turn
     continues: Optional[str] = None  # the kept request its last request continues

@@ -21,7 +21,8 @@ one process; and the kernel interfaces that namespaces do not cover: keyrings (k
 request_key), ptrace and process_vm_*, bpf, perf_event_open, userfaultfd, io_uring, mount and
 namespace calls, open_by_handle_at; the calls that make the kernel hold memory no rlimit counts
 (extended attributes, SysV IPC, POSIX message queues, inotify/fanotify, Landlock, raising a socket's
-or a pipe's buffer with setsockopt or fcntl); every call of the x32 ABI (EPERM too: the process goes on). A call of another architecture (i386 on x86_64) kills it.
+or a pipe's buffer with setsockopt or fcntl); every call of the x32 ABI (EPERM too: the process goes on). A call of another architecture (i386 on x86_64) kills
+it.
 Resource limits (setrlimit, applied inside before the command starts): CPU time, address space,
 the size of any file it writes (its output included), open files, queued signals (POSIX timers), no
 core dumps; the wall clock is the caller's (`wall_s`): the whole sandbox is killed after it.

@@ -265,7 +265,8 @@ def parse_pythonic(text: str, schemas: Schemas = None) -> list[Call]:
         try:
             calls.append(ToolCall(name, {k.arg: ast.literal_eval(k.value) for k in element.keywords}))
         except _UNREADABLE as e:
-            calls.append(BadToolCall(source, f"error: {name}: an argument is not a literal value ({str(e).splitlines()[0] if str(e) else type(e).__name__})", name))
+            calls.append(BadToolCall(source, "error: "
+                                             f"{name}: an argument is not a literal value ({str(e).splitlines()[0] if str(e) else type(e).__name__})", name))
     return calls
 
 

@@ -26,26 +26,38 @@ at_least_one = positive
 class AlarmThresholds:
     """When each alarm fires. Scores are in the run's own units; KL in nats per sequence."""
 
-    baseline_updates: int = doc(3, "Updates at the start whose mean is the reference level of response length, entropy, stop rate and score (one batch is noisy).", check=at_least_one)
-    consecutive: int = doc(2, "A level alarm (length, stop rate, entropy, ratio, clip fraction) fires when its condition holds this many updates in a row, and names the first of them.", check=at_least_one)
+    baseline_updates: int = doc(3, "Updates at the start whose mean is the reference level of response length, entropy, stop rate and score (one batch is "
+                                   "noisy).", check=at_least_one)
+    consecutive: int = doc(2, "A level alarm (length, stop rate, entropy, ratio, clip fraction) fires when its condition holds this many updates in a row, and "
+                              "names the first of them.", check=at_least_one)
     kl_window: int = doc(3, "KL growth: the recent slope is measured over this many updates.", check=at_least_one)
-    kl_growth_ratio: float = doc(3.0, "KL growth: fires when the KL slope over the last `kl_window` updates exceeds this many times its mean slope over the run before that window ...", check=positive)
+    kl_growth_ratio: float = doc(3.0, "KL growth: fires when the KL slope over the last `kl_window` updates exceeds this many times its mean slope over the "
+                                      "run before that window ...", check=positive)
     kl_consecutive: int = doc(3, "... for this many updates in a row (a one-off step up that then levels off is not a runaway).", check=at_least_one)
-    kl_min_slope: float = doc(0.05, "KL growth: slopes (nats per update) below this count as this, so a flat start near 0 does not make every later rise look like an explosion.", check=positive)
+    kl_min_slope: float = doc(0.05, "KL growth: slopes (nats per update) below this count as this, so a flat start near 0 does not make every later rise look "
+                                    "like an explosion.", check=positive)
     length_drift: float = doc(0.5, "Response length: fires when the mean response length moves more than this fraction away from its start ...", check=positive)
     length_min_change: float = doc(2.0, "... and by at least this many tokens.", check=non_negative)
-    length_pinned: float = doc(0.95, "Pinned length: fires when the mean response length is at least this fraction of `ppo.response_length` ...", check=unit_interval)
-    stop_rate_floor: float = doc(0.5, "... while the share of responses that produced the stop token falls below this (having started above it).", check=unit_interval)
-    entropy_collapse: float = doc(0.25, "Entropy collapse: fires when the per-token policy entropy (`policy/entropy_avg`) falls below this fraction of its start.", check=unit_interval)
+    length_pinned: float = doc(0.95, "Pinned "
+                                     "length: fires when the mean response length is at least this fraction of `ppo.response_length` ...", check=unit_interval)
+    stop_rate_floor: float = doc(0.5, "... while "
+                                      "the share of responses that produced the stop token falls below this (having started above it).", check=unit_interval)
+    entropy_collapse: float = doc(0.25, "Entropy collapse: fires when the per-token policy entropy (`policy/entropy_avg`) falls below this fraction of its "
+                                        "start.", check=unit_interval)
     repeat_ngram: int = doc(3, "Repetition: n of the word n-grams counted in sample completions.", check=at_least_one)
-    repeat_rate: float = doc(0.25, "Repetition: fires at a sample generation where this share (or more) of the completions' n-grams repeat an earlier n-gram of the same completion ...", check=unit_interval)
+    repeat_rate: float = doc(0.25, "Repetition: fires at a sample generation where this share (or more) of the completions' n-grams repeat an earlier n-gram "
+                                   "of the same completion ...", check=unit_interval)
     repeat_rise: float = doc(0.15, "... and that share rose by at least this much since the first generation.", check=unit_interval)
-    eval_drop_fraction: float = doc(0.25, "Train up, eval down: fires when the eval score falls below its best so far by this fraction of the train score's range over the run (or `eval_min_drop`, whichever is larger) while the train score is at or above where it was at the eval's best.", check=positive)
+    eval_drop_fraction: float = doc(0.25, "Train up, eval down: fires when the eval score falls below its best so far by this fraction of the train score's "
+                                          "range over the run (or `eval_min_drop`, whichever is larger) while the train score is at or above where it was at "
+                                          "the eval's best.", check=positive)
     eval_min_drop: float = doc(0.02, "Train up, eval down: the smallest eval drop (score units) that counts.", check=non_negative)
     ratio_max_deviation: float = doc(0.2, "Policy ratio: fires when `val/ratio` is further than this from 1.", check=positive)
     clipfrac_max: float = doc(0.3, "Clip fraction: fires when `policy/clipfrac_avg` exceeds this.", check=unit_interval)
-    weak_reward_window: float = doc(0.5, "Weak reward: judged over the updates after the baseline up to this fraction of the run so far (later, a converged policy's samples all score alike) ...", check=unit_interval)
-    weak_reward_ratio: float = doc(4.0, "... fires when the median spread (std) of the scores within a batch is below this many times the median kl_coef x KL there ...", check=positive)
+    weak_reward_window: float = doc(0.5, "Weak reward: judged over the updates after the baseline up to this fraction of the run so far (later, a converged "
+                                         "policy's samples all score alike) ...", check=unit_interval)
+    weak_reward_ratio: float = doc(4.0, "... fires when the median spread (std) of the scores within a batch is below this many times the median kl_coef x KL "
+                                        "there ...", check=positive)
     weak_reward_min_gain: float = doc(1.0, "... and the score rose by less than this many times its spread at the start.", check=non_negative)
 
     @classmethod

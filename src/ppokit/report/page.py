@@ -134,7 +134,8 @@ def samples_section(run: RunData, max_prompts: int) -> str:
     parts = ["<p class=note>These samples come from the training batch at each generation (the run had no eval data), "
              "so the prompts differ from one generation to the next.</p>"]
     for u, rows in generations.items():
-        body = "".join(f"<tr><td>{e(r.get('prompt', ''))}</td><td class=num>{_num(r.get('score'))}</td><td>{_completion(r)}</td></tr>" for r in rows[:max_prompts])
+        body = "".join(f"<tr><td>{e(r.get('prompt', ''))}</td><td "
+                       f"class=num>{_num(r.get('score'))}</td><td>{_completion(r)}</td></tr>" for r in rows[:max_prompts])
         parts.append(f"<h3>update {u}</h3><table><tr><th>prompt</th><th>score</th><th>completion</th></tr>{body}</table>")
     return "\n".join(parts)
 

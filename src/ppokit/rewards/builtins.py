@@ -149,7 +149,8 @@ class ExactMatch:
     """
 
     answer_column: str = doc("answer", "Column of the data with the reference answer (it may hold a full solution: its \\boxed{} or `####` part is taken).")
-    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the whole completion), `boxed`, `hash`, `last_number` or `none` (the whole completion).", check=one_of(("auto", "boxed", "hash", "last_number", "none")))
+    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the whole completion), `boxed`, `hash`, "
+                               "`last_number` or `none` (the whole completion).", check=one_of(("auto", "boxed", "hash", "last_number", "none")))
     case_sensitive: bool = doc(False, "Compare letters with their case.")
     on_correct: float = doc(1.0, "Score of a correct answer.")
     on_wrong: float = doc(0.0, "Score of a wrong or missing answer.")
@@ -183,7 +184,8 @@ class MathEquivalence(ExactMatch):
     """Like exact_match, but the answer defaults to the last number in the completion and numbers
     match within a tolerance: `0.5` = `1/2` = `\\frac{1}{2}` (a `%` sign is dropped: `50%` reads as 50)."""
 
-    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the last number), `boxed`, `hash`, `last_number` or `none`.", check=one_of(("auto", "boxed", "hash", "last_number", "none")))
+    extract: str = doc("auto", "Where the completion's answer is: `auto` (\\boxed{}, else after `####`, else the last number), `boxed`, `hash`, `last_number` "
+                               "or `none`.", check=one_of(("auto", "boxed", "hash", "last_number", "none")))
     tolerance: float = doc(1e-6, "Relative tolerance of a numeric match (absolute below 1).", check=non_negative)
 
     name = "math_equivalence"
@@ -203,7 +205,9 @@ class ReasoningGym:
     (`answer`, `metadata`; the prompt as its `question`). In a composite the entry's task scores it, as reasoning-gym's
     composite does."""
 
-    extract: str = doc("answer_tag", "Where the completion's answer is: `answer_tag` (the last `<answer>...</answer>`, stripped, as reasoning-gym's prompts ask and its `extract_answer` reads; none found: scored as no answer) or `none` (the whole completion, stripped).", check=one_of(("answer_tag", "none")))
+    extract: str = doc("answer_tag", "Where the completion's answer is: `answer_tag` (the last `<answer>...</answer>`, stripped, as reasoning-gym's prompts "
+                                     "ask and its `extract_answer` reads; "
+                                     "none found: scored as no answer) or `none` (the whole completion, stripped).", check=one_of(("answer_tag", "none")))
 
     name = "reasoning_gym"
 
@@ -316,7 +320,8 @@ class Length:
     """
 
     target: Optional[float] = doc(None, "Target length (required).", check=positive)
-    unit: str = doc("tokens", "`tokens` (the policy's tokens, stop token not counted), `words` (split on whitespace) or `characters`.", check=one_of(("tokens", "words", "characters")))
+    unit: str = doc("tokens", "`tokens` (the policy's tokens, "
+                              "stop token not counted), `words` (split on whitespace) or `characters`.", check=one_of(("tokens", "words", "characters")))
     shape: str = doc("linear", "`linear`, `quadratic` or `gaussian` (see above).", check=one_of(("linear", "quadratic", "gaussian")))
     scale: Optional[float] = doc(None, "Distance that costs 1 (linear, quadratic) or one standard deviation (gaussian); default the target.", check=positive)
     side: str = doc("both", "`both`, `over` (only longer completions are penalised) or `under` (only shorter).", check=one_of(("both", "over", "under")))
@@ -330,7 +335,8 @@ class Length:
     def __call__(self, prompts: list[str], completions: list[str], completion_ids=None, **columns) -> list[float]:
         if self.unit == "tokens":
             if completion_ids is None:
-                raise UserError("length: unit `tokens` needs the policy's token ids, which this caller does not give (a remote server scores text); use unit: words")
+                raise UserError("length: unit `tokens` needs the policy's token ids, which this caller does not give (a remote server scores text); use unit: "
+                                "words")
             lengths = [len(ids) for ids in completion_ids]
         elif self.unit == "words":
             lengths = [len(c.split()) for c in completions]

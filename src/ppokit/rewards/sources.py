@@ -294,7 +294,8 @@ class FunctionReward:
 
     def call_problem(self, columns: Set, source: str = "") -> Optional[str]:
         """One line naming the function and what its signature lacks to be called with data of these `columns`
-        (set of names; `source` says whose, e.g. "data.train (p.jsonl)"), or None. Checked at start-up, before any model loads: a function that cannot take the call
+        (set of names; `source` says whose, e.g. "data.train (p.jsonl)"), or None. Checked at start-up, before any model loads: a function that cannot take the
+        call
         would otherwise fail at the first scoring, after the models loaded and the first rollout ran."""
         if self._signature is None:
             return None

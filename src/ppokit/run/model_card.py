@@ -126,7 +126,8 @@ def ppo_card(config, final_record: Optional[dict], total_updates: int) -> ModelC
     title = f"Results (update {update} of {total_updates}, episode {record.get('episode')})" if update is not None else "Results"
     results = {k: v for k, v in record.items() if k.startswith(RESULT_PREFIXES) or k == "skipped_updates"}
     return ModelCard(
-        title=_folder_name(config.output_dir), location=str(Path(config.output_dir) / "final"), base_model=config.model, data={"train": config.data.train, "eval": config.data.eval},
+        title=_folder_name(config.output_dir), location=str(Path(config.output_dir) / "final"), base_model=config.model,
+        data={"train": config.data.train, "eval": config.data.eval},
         summary=f"A policy trained from {_code(config.model)} with reinforcement learning by ppokit {__version__}: "
                 f"{hp.estimator_description}.",
         hyperparameters_note="Keys of the `ppo:` section that this run did not read are left out (config.yaml names them)." if unread else "",

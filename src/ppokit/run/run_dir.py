@@ -448,7 +448,8 @@ def check_run_start(output_dir: str, resume: bool, overwrite: bool) -> Path:
     path = check_run_folder(output_dir, overwrite)
     held = None if resume or overwrite or not path.is_dir() else holds_run(path)
     if held is not None:
-        resume_hint = "continue it with --resume" if held.startswith("an unfinished") else "continue it with --resume --resume-force after raising ppo.total_episodes (the learning-rate schedule then changes)"
+        resume_hint = ("continue it with --resume" if held.startswith("an unfinished") else
+                       "continue it with --resume --resume-force after raising ppo.total_episodes (the learning-rate schedule then changes)")
         raise UserError(
             f"{path} holds {held}: give another output_dir, {resume_hint}, or pass --overwrite to replace it "
             "(the old run stays until the new one has written its first checkpoint)"

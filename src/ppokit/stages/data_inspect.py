@@ -198,7 +198,8 @@ def format_report(report: dict) -> str:
     if rule is None:
         lines.append(row("limits", "give --tokenizer to count rows over max_prompt_length / max_length"))
     elif report["stage"] == "ppo":
-        lines.append(row("limits", f"max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated from the left (PPO never drops a prompt)"))
+        lines.append(row("limits", f"max_prompt_length {limits['max_prompt_length']}: {rule['prompts_truncated']} prompts truncated from the left (PPO never "
+                                   "drops a prompt)"))
     else:
         lines.append(row(
             "limits",
