@@ -302,8 +302,10 @@ def test_the_keys_a_resume_may_change_are_those_declared_so_with_the_key():
         "ppo.max_skipped_updates", "ppo.nonfinite_rollback", "ppo.max_tokens_per_micro_batch", "parallel.shard_frozen",
         "parallel.wrap_classes", "parallel.unshard_for_generation", "report_to", "run_name", "project",
         "mlflow_tracking_uri", "lm_head_chunk_size", "compile",
+        "ppo.padding_free",  # the same logprobs and losses within float rounding, as lm_head_chunk_size and compile
         # the vLLM engine's memory and speed settings: what it samples is the policy's, whatever they are
         "rollout.gpu_memory_utilization", "rollout.enforce_eager", "rollout.max_model_len", "rollout.sleep",
+        "rollout.lora_merge",  # the same samples within float rounding (the adapter sent alone, or merged)
         # where the engine runs and how it is reached: a resumed run may find its servers elsewhere (a lost one replaced)
         "rollout.placement", "rollout.servers", "rollout.server_timeout_s", "rollout.weight_transfer",
     }
