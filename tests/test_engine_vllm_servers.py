@@ -550,3 +550,56 @@ def test_a_separate_server_whose_engine_core_is_killed_is_noticed_within_seconds
         import shutil
 
         shutil.rmtree(server.folder, ignore_errors=True)
+
+
+def test_a_separate_server_serves_the_adapter_alone_as_the_merged_path(tokenizer, prompts):
+    """rollout.lora_merge: false with rollout.placement: separate: the server (started with `separate`'s options for an
+    adapter of this rank) takes the base weights once through the push, then at every sync the policy's adapter alone
+    from a folder under a new name, the version bumped. Its seeded samples are the colocated merged engine's (same tokens,
+    logprobs within test_engine_vllm's bound for the two paths), before and after the adapter changes; each sync sends the
+    adapter's bytes only, and the adapter the server held before is gone from it."""
+    import requests
+
+    from test_engine_vllm import lora_policy, responses, seeded_samples
+    from ppokit.engines.launched_server import LaunchedServer
+    from ppokit.engines.vllm import AdapterSync, VLLMEngine
+    from ppokit.engines.vllm_servers import VLLMServersEngine, separate_options
+    from ppokit.models.loading import unwrap_peft
+
+    policy = lora_policy(tokenizer)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
+    base = unwrap_peft(policy)
+    base_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".lora_" not in n)  # tied: once
+    setup = SimpleNamespace(longest_sequence=MAX_LEN, rows_per_rollout=32, rows_per_forward=32, seed=0)
+    options, env = separate_options(base, settings(server_timeout_s=SERVER_TIMEOUT_S), setup, "gloo",
+                                    AdapterSync(policy, Path()).rank)
+    server = LaunchedServer(base, options, env, SERVER_TIMEOUT_S)
+    merged = adapter = None
+    try:
+        merged = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32)
+        adapter = VLLMServersEngine(policy, tokenizer.pad_token_id, lambda: ([server.address], []), timeout_s=120,
+                                    longest_sequence=MAX_LEN, lora_merge=False)
+        for update in range(3):
+            if update:  # an optimiser update of the adapter alone (the base is frozen)
+                with torch.no_grad():
+                    for name, param in policy.named_parameters():
+                        if ".lora_" in name:
+                            param.add_(torch.randn_like(param) * 0.05)
+                merged.sync_weights(policy)
+                adapter.sync_weights(policy)
+            assert adapter.version == update + 1 and weight_version(server.address) == str(update + 1)
+            assert adapter.last_sync_bytes == (base_bytes if update == 0 else 0) + adapter_bytes  # the base weights once
+            held = [m["id"] for m in requests.get(f"http://{server.address}/v1/models", timeout=30).json()["data"]]
+            assert [name for name in held if name.startswith("policy-")] == [f"policy-{update + 1}"]
+            got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
+            assert responses(got) == responses(want)
+            assert_float32_close(got.logprobs, want.logprobs, terms=HIDDEN * LAYERS, ulps=16,
+                                 scale=want.logprobs.abs().max().item() / 0.7)
+            if update:
+                assert responses(got) != before  # the server has the new adapter
+            before = responses(got)
+    finally:
+        for engine in (adapter, merged):
+            if engine is not None:
+                engine.close()
+        server.stop()

@@ -218,7 +218,8 @@ def test_a_server_whose_engine_is_killed_is_noticed_within_seconds():
     (["lora={}", "lora.use_dora=true", "rollout.lora_merge=false"], "lora.use_dora with rollout.lora_merge: false: vLLM serves no DoRA adapter"),
     (["lora={}", "lora.use_dora=true"], "lora.use_dora with rollout.engine: vllm: a DoRA adapter cannot be merged"),
     (["lora={}", "quantization=4bit"], "quantization: 4bit with rollout.engine: vllm: a quantised base cannot be sent to the engine"),
-    (["lora={}", "rollout.lora_merge=false", "rollout.placement=separate"], "rollout.lora_merge: false is served by the colocated engine only"),
+    (["lora={}", "rollout.lora_merge=false", "rollout.placement=servers", "rollout.servers=[a:1]"],
+     "rollout.lora_merge: false is served with rollout.placement colocated or separate, and this run's is servers"),
     (["lora={}", "rollout.lora_merge=false", "rollout.sleep=true"], "rollout.sleep with rollout.lora_merge: false: the engine sends its base weights once"),
 ])
 def test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written(tmp_path, capsys, overrides, message):
