@@ -63,7 +63,7 @@ def check_placement(settings) -> None:
 
 def check_engine_lora(settings, lora, quantization) -> None:
     """The vLLM engine's rules on a LoRA policy (lora: the `lora:` section or None), when the config is read: a quantised
-    base cannot be sent to it; rollout.lora_merge: false needs an adapter vLLM can serve, colocated or in a separate server."""
+    base cannot be sent to it; rollout.lora_merge: false needs an adapter vLLM can serve, in this process or in servers on this machine."""
     if settings.engine != "vllm":
         return
     if quantization is not None:
@@ -81,9 +81,23 @@ def check_engine_lora(settings, lora, quantization) -> None:
     if settings.sleep:
         raise UserError("rollout.sleep with rollout.lora_merge: false: the engine sends its base weights once, and vLLM's sleep "
                         "(level 2) discards them; set rollout.lora_merge: true or rollout.sleep: false")
-    if settings.placement == "servers":  # they read the adapter from a folder on their own machines: not built yet
-        raise UserError("rollout.lora_merge: false is served with rollout.placement colocated or separate, and this run's is servers; "
-                        "set rollout.lora_merge: true or rollout.placement: separate")
+    if settings.placement == "servers":  # a server reads the adapter from a folder on its own machine: this one's
+        elsewhere = [address for address in settings.servers if not on_this_machine(address)]
+        if elsewhere:
+            raise UserError(f"rollout.lora_merge: false with rollout.servers on other machines ({', '.join(elsewhere)}): a server "
+                            "reads the adapter from a folder on its own machine, and ppokit writes it on this one; start them "
+                            "here (127.0.0.1:PORT) or set rollout.lora_merge: true")
+
+
+def on_this_machine(address: str) -> bool:
+    """`host:port` (or a URL) names a loopback address: a server on the trainer's machine."""
+    import ipaddress
+
+    host = address.strip().split("://")[-1].rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -126,7 +140,7 @@ ENGINES = {
             ("placement", str, doc("colocated", "where the engine runs: `colocated` in the trainer's process (put aside while it trains); `separate` in a vLLM server process ppokit starts (on GPU on devices the trainer does not use, on CPU beside it); `servers` on vLLM servers you started (`rollout.servers`, docs/rollout.md). With separate and servers the weights go through vLLM's weight-transfer API (`rollout.weight_transfer`).", check=one_of(PLACEMENTS), resume=True)),
             ("servers", list[str], doc(factory=list, help="with placement servers: the vLLM servers, `host:port` each (TRL's vllm_server_host / vllm_server_port), started with vLLM's RL routes (docs/rollout.md has the command). Every trainer process sends requests to all of them; process 0 pushes the weights.", check=SERVER_LIST, resume=True)),
             ("server_timeout_s", float, doc(600.0, "with placement separate or servers: the longest wait for a server (TRL's vllm_server_timeout): its start, one request, one weight push. A server that dies or does not answer by then ends the run with one line naming it and the last checkpoint. At most threading.TIMEOUT_MAX.", check=TIMEOUT, resume=True)),
-            ("lora_merge", bool, doc(True, "with `lora`: true sends the engine the policy's weights with its adapter merged in after every update (every weight); false sends the base weights once and then only the adapter, which vLLM serves as a LoRA (`enable_lora`; veRL's lora.merge: false, Axolotl's trl.vllm_lora_sync: true). Samples equal within float rounding (docs/rollout.md). false: placement colocated or separate, no rollout.sleep, no DoRA, lora.r at most 512.", resume=True)),
+            ("lora_merge", bool, doc(True, "with `lora`: true sends the engine the policy's weights with its adapter merged in after every update (every weight); false sends the base weights once and then only the adapter, which vLLM serves as a LoRA (`enable_lora`; veRL's lora.merge: false, Axolotl's trl.vllm_lora_sync: true). Samples equal within float rounding (docs/rollout.md). false: rollout.servers on this machine only, no rollout.sleep, no DoRA, lora.r at most 512.", resume=True)),
             ("weight_transfer", str, doc("auto", "with placement separate or servers: vLLM's weight-transfer backend the servers were started with (`--weight-transfer-config`): `nccl` (GPUs), `gloo` (ppokit's, over TCP; CPU, or nodes without a shared NCCL network). auto: nccl when the trainer runs on a GPU, else gloo.", check=one_of(("auto", "gloo", "nccl")), resume=True)),
         ),
         head_dim=64,  # vLLM's CPU attention serves none under 32; 64 is what its tests use

@@ -12,7 +12,7 @@ route (`/inference/v1/generate`, many in flight from one event-loop thread), an 
 served its last (its prefix cache), others to the least busy. Weights: `sync_weights` pushes the policy to every server
 at once through vLLM's trainer-side engine of the backend (`gloo`: `ppokit.engines.weight_transfer`; `nccl`: vLLM's),
 labelled with a version (1, 2, ...): every completion says which version sampled it, and one sampled with weights
-other than the last pushed is refused (a stale engine). With `rollout.lora_merge: false` (placement separate) the push
+other than the last pushed is refused (a stale engine). With `rollout.lora_merge: false` (servers on the trainer's machine) the push
 sends the base weights once, and every sync after it the policy's adapter alone, written to a folder the server reads
 (`/v1/load_lora_adapter`, under a new name each time, the one it replaces unloaded) and named by every request; the
 version is bumped with `/update_weight_version`. Under torchrun every trainer process holds one of these; the
@@ -267,6 +267,7 @@ class VLLMServersEngine:
         self.launched: list[LaunchedServer] = []
         self.version = 0  # of the weights last pushed (0: none yet)
         self.lora_merge = lora_merge
+        self.lora_rank = None if lora_merge else AdapterSync(self.policy, Path()).rank  # the servers' max_lora_rank at least
         self._adapter: Optional[AdapterSync] = None  # lora_merge false: the adapter's folders, made when the engine opens
         self.last_sync_bytes = 0  # what the last sync_weights sent: pushed, and the adapter's bytes (what the servers read)
         self._transfer = None
@@ -300,9 +301,9 @@ class VLLMServersEngine:
         addresses, self.launched = self._connect()
         self.servers = [Server(address, self.timeout_s) for address in addresses]
         self.max_model_len = sys.maxsize  # the shortest of the servers' (`_check`)
+        world_sizes = [self._check(server) for server in self.servers]
         if not self.lora_merge:
             self._adapter = AdapterSync(self.policy, Path(tempfile.mkdtemp(prefix="ppokit-lora-")))
-        world_sizes = [self._check(server) for server in self.servers]
         self.client = ServersClient(self.servers, world_sizes)
         self.engine_world = sum(world_sizes)
         self._loop = asyncio.new_event_loop()
@@ -336,8 +337,8 @@ class VLLMServersEngine:
             wrong.append(f"--max-model-len {self.longest_sequence} or more (it has {model.get('max_model_len')}: the longest prompt "
                          "+ the tokens after it)")
         lora = config.get("lora_config") or {}
-        if self._adapter is not None and (lora.get("max_lora_rank") or 0) < self._adapter.rank:
-            wrong.append(f"--enable-lora --max-lora-rank {self._adapter.rank} (rollout.lora_merge: false; it has "
+        if self.lora_rank is not None and (lora.get("max_lora_rank") or 0) < self.lora_rank:
+            wrong.append(f"--enable-lora --max-lora-rank {self.lora_rank} (rollout.lora_merge: false; it has "
                          f"{'max_lora_rank ' + str(lora['max_lora_rank']) if lora else 'no LoRA'}) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         if wrong:
             raise UserError(f"rollout server {server} must be started with {'; '.join(wrong)} (docs/rollout.md)")
