@@ -616,6 +616,13 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
             if update:
                 assert responses(got) != before  # the servers have the new adapter
             before = responses(got)
+        if placement == "servers":  # a new engine (a resumed run) on servers holding the last one's adapter: replaced
+            adapter.close()
+            adapter = VLLMServersEngine(policy, tokenizer.pad_token_id, lambda: (addresses, []), timeout_s=120,
+                                        longest_sequence=MAX_LEN, lora_merge=False)
+            assert [weight_version(a) for a in addresses] == ["1", "1"]
+            got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
+            assert responses(got) == responses(want)
     finally:
         for engine in (adapter, merged):
             if engine is not None:

@@ -157,10 +157,13 @@ class ServersClient:
         self._each(lambda i, s: s.call("POST", "/reset_prefix_cache"))
 
     def swap_lora_adapter(self, new: tuple[str, str], old: Optional[str]) -> None:
-        """Unload adapter `old` (a name) and load `new` (name, folder) on every server: each holds one (--max-cpu-loras 1)."""
+        """Unload adapter `old` (a name; None: the first of this engine, so every policy adapter the server holds, left by an
+        earlier engine or run: their names come again) and load `new` (name, folder) on every server: each holds one."""
         def swap(i, server):
-            if old is not None:
-                server.call("POST", "/v1/unload_lora_adapter", {"lora_name": old})
+            held = [old] if old is not None else [model["id"] for model in server.call("GET", "/v1/models")["data"]
+                                                   if model["id"].startswith(ADAPTER_PREFIX)]
+            for name in held:
+                server.call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
             server.call("POST", "/v1/load_lora_adapter", {"lora_name": new[0], "lora_path": new[1]})
 
         self._each(swap)
@@ -564,9 +567,12 @@ class VLLMServersEngine:
         self.launched = []
 
 
+ADAPTER_PREFIX = "policy-"
+
+
 def adapter_name(version: int) -> str:
     """The name the servers hold the policy's adapter under, with the weights of `version` (AdapterSync's: one id a sync)."""
-    return f"policy-{version}"
+    return f"{ADAPTER_PREFIX}{version}"
 
 
 WATCH_S = 1.0  # how often a wait looks at the servers ppokit started
