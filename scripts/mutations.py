@@ -632,7 +632,7 @@ MUTATIONS = [
     Mutation("lora_servers_earlier_adapter_kept", "src/ppokit/engines/vllm_servers.py",
              'if model["id"].startswith(ADAPTER_PREFIX)]', 'if model["id"].startswith("another adapter")]',
              ("tests/test_engine_vllm_servers.py::test_the_adapter_alone_on_servers_samples_as_the_merged_path[servers]",),
-             "a new engine on servers still holding an earlier engine's adapter (same name) cannot load its own", needs=("vllm",)),
+             "a new engine leaves the adapters an earlier engine loaded on the servers (its names come again: vLLM refuses one it holds)", needs=("vllm",)),
     Mutation("lora_rank_over_vllms_limit_accepted", "src/ppokit/engines/base.py",
              "    fits = [r for r in VLLM_LORA_RANKS if r >= rank]\n", "    fits = [r for r in VLLM_LORA_RANKS if r >= rank] or [rank]\n",
              ("tests/test_placement.py::test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written",),

@@ -554,6 +554,13 @@ def test_a_separate_server_whose_engine_core_is_killed_is_noticed_within_seconds
 
 
 
+def held_adapters(address):
+    """The policy adapters (ppokit's names) the server at `address` holds."""
+    import requests
+
+    return [m["id"] for m in requests.get(f"http://{address}/v1/models", timeout=30).json()["data"] if m["id"].startswith("policy-")]
+
+
 @pytest.mark.parametrize("placement", ["separate", "servers"])
 def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, tokenizer, prompts):
     """rollout.lora_merge: false outside the trainer's process: `separate` (one server started with `separate`'s options
@@ -562,9 +569,8 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
     under a new name, the version bumped. Their seeded samples are the colocated merged engine's (same tokens, logprobs
     within test_engine_vllm's bound for the two paths), before and after the adapter changes; each sync sends the
     adapter's bytes only (the base weights once), and each server holds the current adapter alone. With `servers`, a
-    server started for a lower rank than the adapter's is refused in one line."""
-    import requests
-
+    server started for a lower rank than the adapter's is refused in one line, and a second engine on the two after the
+    first closed (a resumed run) replaces the adapter they still hold."""
     from test_engine_vllm import lora_policy, responses, seeded_samples
     from ppokit.engines.launched_server import LaunchedServer
     from ppokit.engines.vllm import AdapterSync, VLLMEngine
@@ -606,9 +612,7 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
                 adapter.sync_weights(policy)
             assert adapter.version == update + 1 and [weight_version(a) for a in addresses] == [str(update + 1)] * len(addresses)
             assert adapter.last_sync_bytes == (base_bytes if update == 0 else 0) + adapter_bytes  # the base weights once
-            for address in addresses:
-                held = [m["id"] for m in requests.get(f"http://{address}/v1/models", timeout=30).json()["data"]]
-                assert [name for name in held if name.startswith("policy-")] == [f"policy-{update + 1}"]
+            assert [held_adapters(a) for a in addresses] == [[f"policy-{update + 1}"]] * len(addresses)
             got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
             assert responses(got) == responses(want)
             assert_float32_close(got.logprobs, want.logprobs, terms=HIDDEN * LAYERS, ulps=16,
@@ -621,6 +625,7 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
             adapter = VLLMServersEngine(policy, tokenizer.pad_token_id, lambda: (addresses, []), timeout_s=120,
                                         longest_sequence=MAX_LEN, lora_merge=False)
             assert [weight_version(a) for a in addresses] == ["1", "1"]
+            assert [held_adapters(a) for a in addresses] == [["policy-1"]] * 2  # the last engine's policy-3 unloaded
             got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
             assert responses(got) == responses(want)
     finally:
