@@ -585,7 +585,7 @@ MUTATIONS = [
              "            self.last_sync_bytes, replaced = self._adapter.write(policy)\n",
              "            self.last_sync_bytes, replaced = self._adapter.write(policy) if self._adapter.request is None else (self.last_sync_bytes, None)\n",
              ("tests/test_engine_vllm.py::test_lora_adapter_sent_alone_samples_as_the_merged_path",
-              "tests/test_engine_vllm.py::test_a_lora_run_sends_vllm_the_adapter_alone"),
+              "tests/test_engine_vllm.py::test_a_lora_run_sends_vllm_the_adapter_alone[colocated]"),
              "rollout.lora_merge: false sends the adapter at the start only: vLLM keeps sampling with a stale adapter", needs=("vllm",)),
     Mutation("lora_adapter_id_not_bumped", "src/ppokit/engines/vllm.py",
              'LoRARequest(f"policy-{lora_id}", lora_id, str(path))', 'LoRARequest(f"policy-{lora_id}", 1, str(path))',
