@@ -388,10 +388,12 @@ def test_a_run_with_the_vllm_engine(estimator, model_dir, prompts_file, tmp_path
     assert second["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_a_lora_run_sends_vllm_the_adapter_alone(model_dir, prompts_file, tmp_path):
-    """`lora:` with `rollout.lora_merge: false` through the trainer: every sync sends the policy adapter's bytes only, and
-    the engine samples with the updated adapter (the engine's logprobs are the trainer's within float rounding also
-    after the first update's adapter was sent; a stale adapter, from B = 0, would be off by the update's change)."""
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_a_lora_run_sends_vllm_the_adapter_alone(placement, model_dir, prompts_file, tmp_path):
+    """`lora:` with `rollout.lora_merge: false` through the trainer, in its process and in a server it starts
+    (`separate`): every sync sends the policy adapter's bytes only, and the engine samples with the updated adapter
+    (the engine's logprobs are the trainer's within float rounding also after the first update's adapter was sent; a
+    stale adapter, from B = 0, would be off by the update's change)."""
     from conftest import tiny_ppo_config
     from ppokit.config.schema import LoraConfig
     from ppokit.trainer import PPOTrainer
@@ -400,9 +402,12 @@ def test_a_lora_run_sends_vllm_the_adapter_alone(model_dir, prompts_file, tmp_pa
                              per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=1, num_sample_generations=0,
                              advantage_estimator="grpo", num_samples_per_prompt=4, learning_rate=3e-2)
     config.lora = LoraConfig(r=8, alpha=16.0)
-    config.rollout.engine, config.rollout.lora_merge = "vllm", False
+    config.rollout.engine, config.rollout.lora_merge, config.rollout.placement = "vllm", False, placement
+    if placement == "separate":
+        config.rollout.server_timeout_s = 900.0  # a server's start on a loaded 2-core machine
     trainer = PPOTrainer(config, show_progress=False)
     adapter_bytes = sum(p.numel() * p.element_size() for n, p in trainer.policy.named_parameters() if ".lora_" in n and ".default." in n)
+    assert type(trainer.rollout_engine).__name__ == {"colocated": "VLLMEngine", "separate": "VLLMServersEngine"}[placement]
     try:
         first, second = trainer.step(), trainer.step()
         assert trainer.rollout_engine.last_sync_bytes == adapter_bytes

@@ -28,6 +28,7 @@ import yaml
 from conftest import assert_float32_close
 from test_engine_vllm import HEADS, HIDDEN, LAYERS, LONG_PROMPT, MAX_LEN, NEW_TOKENS
 from ppokit.engines.base import EngineLost, Request, Sampling
+from ppokit.errors import UserError
 from ppokit.models.loading import response_logprobs
 from ppokit.demos.tiny import tiny_causal_lm
 
@@ -551,3 +552,87 @@ def test_a_separate_server_whose_engine_core_is_killed_is_noticed_within_seconds
         import shutil
 
         shutil.rmtree(server.folder, ignore_errors=True)
+
+
+
+def held_adapters(address):
+    """The policy adapters (ppokit's names) the server at `address` holds."""
+    import requests
+
+    return [m["id"] for m in requests.get(f"http://{address}/v1/models", timeout=30).json()["data"] if m["id"].startswith("policy-")]
+
+
+@pytest.mark.parametrize("placement", ["separate", "servers"])
+def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, tokenizer, prompts):
+    """rollout.lora_merge: false outside the trainer's process: `separate` (one server started with `separate`'s options
+    for an adapter of this rank) and `servers` (two, on loopback, started alike as docs/rollout.md tells a user). The
+    servers take the base weights once through the push, then at every sync the policy's adapter alone from a folder
+    under a new name, the version bumped. Their seeded samples are the colocated merged engine's (same tokens, logprobs
+    within test_engine_vllm's bound for the two paths), before and after the adapter changes; each sync sends the
+    adapter's bytes only (the base weights once), and each server holds the current adapter alone. With `servers`, a
+    server started for a lower rank than the adapter's is refused in one line, and a second engine on the two after the
+    first closed (a resumed run) replaces the adapter they still hold."""
+    from test_engine_vllm import lora_policy, responses, seeded_samples
+    from ppokit.engines.launched_server import LaunchedServer
+    from ppokit.engines.vllm import AdapterSync, VLLMEngine
+    from ppokit.engines.vllm_servers import VLLMServersEngine, separate_options
+    from ppokit.models.loading import unwrap_peft
+
+    policy = lora_policy(tokenizer)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
+    base = unwrap_peft(policy)
+    base_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".lora_" not in n)  # tied: once
+    setup = SimpleNamespace(longest_sequence=MAX_LEN, rows_per_rollout=32, rows_per_forward=32, seed=0)
+    options, env = separate_options(base, settings(server_timeout_s=SERVER_TIMEOUT_S), setup, "gloo",
+                                    AdapterSync(policy, Path()).rank)
+    started = []
+    for _ in range(1 if placement == "separate" else 2):
+        started.append(LaunchedServer(base, options, env, SERVER_TIMEOUT_S))
+    addresses = [server.address for server in started]
+    merged = adapter = None
+    try:
+        if placement == "servers":
+            import peft
+
+            wide = peft.get_peft_model(tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS),
+                                       peft.LoraConfig(r=16, target_modules=["q_proj"]))
+            with pytest.raises(UserError, match=rf"rollout server {addresses[0]} must be started with --enable-lora --max-lora-rank "
+                                                r"16 \(rollout.lora_merge: false; it has max_lora_rank 8\)"):
+                VLLMServersEngine(wide, tokenizer.pad_token_id, lambda: (addresses, []), timeout_s=120, longest_sequence=MAX_LEN,
+                                  lora_merge=False)
+        merged = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32)
+        adapter = VLLMServersEngine(policy, tokenizer.pad_token_id, lambda: (addresses, []), timeout_s=120,
+                                    longest_sequence=MAX_LEN, lora_merge=False)
+        before = None  # the last update's responses
+        for update in range(3):
+            if update:  # an optimiser update of the adapter alone (the base is frozen)
+                with torch.no_grad():
+                    for name, param in policy.named_parameters():
+                        if ".lora_" in name:
+                            param.add_(torch.randn_like(param) * 0.05)
+                merged.sync_weights(policy)
+                adapter.sync_weights(policy)
+            assert adapter.version == update + 1 and [weight_version(a) for a in addresses] == [str(update + 1)] * len(addresses)
+            assert adapter.last_sync_bytes == (base_bytes if update == 0 else 0) + adapter_bytes  # the base weights once
+            assert [held_adapters(a) for a in addresses] == [[f"policy-{update + 1}"]] * len(addresses)
+            got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
+            assert responses(got) == responses(want)
+            assert_float32_close(got.logprobs, want.logprobs, terms=HIDDEN * LAYERS, ulps=16,
+                                 scale=want.logprobs.abs().max().item() / 0.7)
+            if update:
+                assert responses(got) != before  # the servers have the new adapter
+            before = responses(got)
+        if placement == "servers":  # a new engine (a resumed run) on servers holding the last one's adapter: replaced
+            adapter.close()
+            adapter = VLLMServersEngine(policy, tokenizer.pad_token_id, lambda: (addresses, []), timeout_s=120,
+                                        longest_sequence=MAX_LEN, lora_merge=False)
+            assert [weight_version(a) for a in addresses] == ["1", "1"]
+            assert [held_adapters(a) for a in addresses] == [["policy-1"]] * 2  # the last engine's policy-3 unloaded
+            got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
+            assert responses(got) == responses(want)
+    finally:
+        for engine in (adapter, merged):
+            if engine is not None:
+                engine.close()
+        for server in started:
+            server.stop()

@@ -302,7 +302,8 @@ def test_a_rollout_servers_answers_and_failures_over_http(stand_in):
     (["lora={}", "lora.use_dora=true", "rollout.lora_merge=false"], "lora.use_dora with rollout.lora_merge: false: vLLM serves no DoRA adapter"),
     (["lora={}", "lora.use_dora=true"], "lora.use_dora with rollout.engine: vllm: a DoRA adapter cannot be merged"),
     (["lora={}", "quantization=4bit"], "quantization: 4bit with rollout.engine: vllm: a quantised base cannot be sent to the engine"),
-    (["lora={}", "rollout.lora_merge=false", "rollout.placement=separate"], "rollout.lora_merge: false is served by the colocated engine only"),
+    (["lora={}", "rollout.lora_merge=false", "rollout.placement=servers", "rollout.servers=[127.0.0.1:8000, node2:8000, 10.0.0.5:1]"],
+     "rollout.lora_merge: false with rollout.servers on other machines (node2:8000, 10.0.0.5:1): a server reads the adapter"),
     (["lora={}", "rollout.lora_merge=false", "rollout.sleep=true"], "rollout.sleep with rollout.lora_merge: false: the engine sends its base weights once"),
 ])
 def test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written(tmp_path, capsys, overrides, message):
@@ -322,3 +323,5 @@ def test_a_lora_policy_vllm_cannot_take_is_one_line_before_anything_is_written(t
     assert not (tmp_path / "run").exists()
     load("lora={}", "rollout.lora_merge=false", "lora.r=512")  # the largest rank vLLM serves
     load("lora={}", "rollout.lora_merge=false", "lora.use_rslora=true")
+    load("lora={}", "rollout.lora_merge=false", "rollout.placement=separate")  # its server runs on this machine
+    load("lora={}", "rollout.lora_merge=false", "rollout.placement=servers", "rollout.servers=[127.0.0.1:8000, localhost:8001, '[::1]:8002']")

@@ -64,7 +64,7 @@ def check_placement(settings) -> None:
 
 def check_engine_lora(settings, lora, quantization) -> None:
     """The vLLM engine's rules on a LoRA policy (lora: the `lora:` section or None), when the config is read: a quantised
-    base cannot be sent to it; rollout.lora_merge: false needs an adapter vLLM can serve, in the trainer's process."""
+    base cannot be sent to it; rollout.lora_merge: false needs an adapter vLLM can serve, in this process or in servers on this machine."""
     if settings.engine != "vllm":
         return
     if quantization is not None:
@@ -82,9 +82,23 @@ def check_engine_lora(settings, lora, quantization) -> None:
     if settings.sleep:
         raise UserError("rollout.sleep with rollout.lora_merge: false: the engine sends its base weights once, and vLLM's sleep "
                         "(level 2) discards them; set rollout.lora_merge: true or rollout.sleep: false")
-    if settings.placement != "colocated":
-        raise UserError(f"rollout.lora_merge: false is served by the colocated engine only, and this run's rollout.placement is "
-                        f"{settings.placement}; set rollout.lora_merge: true or rollout.placement: colocated")
+    if settings.placement == "servers":  # a server reads the adapter from a folder on its own machine: this one's
+        elsewhere = [address for address in settings.servers if not on_this_machine(address)]
+        if elsewhere:
+            raise UserError(f"rollout.lora_merge: false with rollout.servers on other machines ({', '.join(elsewhere)}): a server "
+                            "reads the adapter from a folder on its own machine, and ppokit writes it on this one; start them "
+                            "here (127.0.0.1:PORT) or set rollout.lora_merge: true")
+
+
+def on_this_machine(address: str) -> bool:
+    """`host:port` (or a URL) names a loopback address: a server on the trainer's machine."""
+    import ipaddress
+
+    host = address.strip().split("://")[-1].rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,8 @@ ENGINES = {
             ("lora_merge", bool, doc(True, "with `lora`: true sends the engine the policy's weights with its adapter merged in after every update (every "
                                            "weight); false sends the base weights once and then only the adapter, which vLLM serves as a LoRA (`enable_lora`; "
                                            "veRL's lora.merge: false, Axolotl's trl.vllm_lora_sync: true). Samples equal within float rounding "
-                                           "(docs/rollout.md). false: placement colocated only, no rollout.sleep, no DoRA, lora.r at most 512.", resume=True)),
+                                           "(docs/rollout.md). "
+                                           "false: rollout.servers on this machine only, no rollout.sleep, no DoRA, lora.r at most 512.", resume=True)),
             ("weight_transfer", str, doc("auto", "with placement separate or servers: vLLM's weight-transfer backend the servers were started with "
                                                  "(`--weight-transfer-config`): `nccl` (GPUs), `gloo` (ppokit's, over TCP; CPU, or nodes without a shared NCCL "
                                                  "network). "

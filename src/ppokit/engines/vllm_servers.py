@@ -12,7 +12,10 @@ route (`/inference/v1/generate`, many in flight from one event-loop thread), an 
 served its last (its prefix cache), others to the least busy. Weights: `sync_weights` pushes the policy to every server
 at once through vLLM's trainer-side engine of the backend (`gloo`: `ppokit.engines.weight_transfer`; `nccl`: vLLM's),
 labelled with a version (1, 2, ...): every completion says which version sampled it, and one sampled with weights
-other than the last pushed is refused (a stale engine). Under torchrun every trainer process holds one of these; the
+other than the last pushed is refused (a stale engine). With `rollout.lora_merge: false` (servers on the trainer's machine) the push
+sends the base weights once, and every sync after it the policy's adapter alone, written to a folder the server reads
+(`/v1/load_lora_adapter`, under a new name each time, the one it replaces unloaded) and named by every request; the
+version is bumped with `/update_weight_version`. Under torchrun every trainer process holds one of these; the
 push is driven by process 0 (the others take part in gathering a sharded policy) once every process's requests have
 ended, and every process waits for it.
 
@@ -27,10 +30,13 @@ import itertools
 import json
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import httpx
@@ -40,9 +46,9 @@ from torch import nn
 from ppokit.engines.base import Completion, EngineLost, Request, Sampling, generate
 from ppokit.engines.launched_server import LaunchedServer, free_port
 from ppokit.config.fields import differs_from_default
-from ppokit.engines.vllm import (VLLMEngine, check_cpu_head_dim, check_max_model_len, engine_shape, import_vllm, kv_cache_bytes, request_seeds,
-                               sampling_kwargs)
-from ppokit.engines.weights import architecture, unwrap
+from ppokit.engines.vllm import (AdapterSync, VLLMEngine, check_cpu_head_dim, check_max_model_len, engine_shape, import_vllm, kv_cache_bytes,
+                               request_seeds, sampling_kwargs)
+from ppokit.engines.weights import architecture, base_weights, policy_weight_metadata, policy_weights, tensor_bytes, unwrap
 from ppokit.training.episodes import Episodes
 from ppokit.errors import UserError
 from ppokit.models.loading import unwrap_peft
@@ -80,12 +86,20 @@ class Server:
                                      "(rollout.server_timeout_s)") from None
         except httpx.TransportError as e:
             raise EngineLost(f"rollout server {self} cannot be reached ({path}): {_reason(e)}") from None
+        if answer.status_code == 404 and "lora_adapter" in path:
+            raise EngineLost(f"rollout server {self} has no {path} route: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                             "(rollout.lora_merge: false; docs/rollout.md)")
         if answer.status_code == 404 and path != "/health":
             raise EngineLost(f"rollout server {self} has no {path} route: start it with VLLM_SERVER_DEV_MODE=1 (vLLM's RL routes) "
                                      "and --tokens-only (docs/rollout.md)")
         if not answer.is_success:
             raise EngineLost(f"rollout server {self} refused {path} (HTTP {answer.status_code}): {_said(answer.text)}")
-        return answer.json() if answer.content else None
+        if not answer.content:
+            return None
+        try:
+            return answer.json()
+        except ValueError:  # a plain-text answer (the LoRA routes': "Success: ...")
+            return answer.text
 
     async def generate(self, client: httpx.AsyncClient, body: dict) -> dict:
         """One request on the token route, on `client` (`http_client(httpx.AsyncClient, ...)`), within timeout_s in
@@ -177,11 +191,23 @@ class ServersClient:
     def reset_prefix_cache(self) -> None:
         self._each(lambda i, s: s.call("POST", "/reset_prefix_cache"))
 
+    def swap_lora_adapter(self, new: tuple[str, str], old: Optional[str]) -> None:
+        """Unload adapter `old` (a name; None: the first of this engine, so every policy adapter the server holds, left by an
+        earlier engine or run: their names come again) and load `new` (name, folder) on every server: each holds one."""
+        def swap(i, server):
+            held = [old] if old is not None else [model["id"] for model in server.call("GET", "/v1/models")["data"]
+                                                   if model["id"].startswith(ADAPTER_PREFIX)]
+            for name in held:
+                server.call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+            server.call("POST", "/v1/load_lora_adapter", {"lora_name": new[0], "lora_path": new[1]})
+
+        self._each(swap)
+
 
 # ---------------------------------------------------------------------------------------------- separate: a server of ppokit's
 
 
-def start_separate(base: nn.Module, settings, setup, backend: str) -> tuple[list[str], list[LaunchedServer]]:
+def start_separate(base: nn.Module, settings, setup, backend: str, lora_rank: Optional[int] = None) -> tuple[list[str], list[LaunchedServer]]:
     """rollout.placement separate: process 0 of the trainer starts one vLLM server on this node (on GPU on the devices
     its processes here do not use, one engine each) and tells the others where it is -> (addresses, the servers this
     process started)."""
@@ -193,7 +219,7 @@ def start_separate(base: nn.Module, settings, setup, backend: str) -> tuple[list
     launched: list[LaunchedServer] = []
     if rank == 0:
         try:
-            launched = [LaunchedServer(base, *separate_options(base, settings, setup, backend), settings.server_timeout_s)]
+            launched = [LaunchedServer(base, *separate_options(base, settings, setup, backend, lora_rank), settings.server_timeout_s)]
             said = [[server.address for server in launched]]
         except UserError as e:
             said = [str(e)]
@@ -204,9 +230,10 @@ def start_separate(base: nn.Module, settings, setup, backend: str) -> tuple[list
     return said[0], launched
 
 
-def separate_options(base: nn.Module, settings, setup, backend: str) -> tuple[list[str], dict]:
+def separate_options(base: nn.Module, settings, setup, backend: str, lora_rank: Optional[int] = None) -> tuple[list[str], dict]:
     """(command-line options, environment) of the server `start_separate` starts: what the colocated engine is built
-    with (`VLLMEngine`: the shape, the KV cache on CPU), token ids in and out, vLLM's RL routes, the backend."""
+    with (`VLLMEngine`: the shape, the KV cache on CPU), token ids in and out, vLLM's RL routes, the backend; with
+    lora_rank (rollout.lora_merge: false) one LoRA adapter of that max_lora_rank, loaded at run time."""
     from vllm.platforms import current_platform
 
     check_cpu_head_dim(base.config, architecture(base))
@@ -218,6 +245,9 @@ def separate_options(base: nn.Module, settings, setup, backend: str) -> tuple[li
                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", str(setup.seed),
                "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": backend}),
                *(["--enforce-eager"] if settings.enforce_eager else [])]
+    if lora_rank is not None:  # the current adapter only, as the colocated engine holds it
+        options += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1", "--max-cpu-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if current_platform.is_cpu():
         options += ["--kv-cache-memory-bytes", str(kv_cache_bytes(base.config, dtype, max_num_seqs, max_model_len))]
         return options, env
@@ -257,7 +287,8 @@ class VLLMServersEngine:
 
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int,
                  connect: Callable[[], tuple[list[str], list[LaunchedServer]]], *, backend: str = "gloo",
-                 timeout_s: float = 600.0, longest_sequence: int = 0, device: Optional[torch.device] = None):
+                 timeout_s: float = 600.0, longest_sequence: int = 0, device: Optional[torch.device] = None,
+                 lora_merge: bool = True):
         import_vllm()
         from ppokit.engines.vllm_plugin import register
 
@@ -273,6 +304,10 @@ class VLLMServersEngine:
         self.servers: list[Server] = []
         self.launched: list[LaunchedServer] = []
         self.version = 0  # of the weights last pushed (0: none yet)
+        self.lora_merge = lora_merge
+        self.lora_rank = None if lora_merge else AdapterSync(self.policy, Path()).rank  # the servers' max_lora_rank at least
+        self._adapter: Optional[AdapterSync] = None  # lora_merge false: the adapter's folders, made when the engine opens
+        self.last_sync_bytes = 0  # what the last sync_weights sent: pushed, and the adapter's bytes (what the servers read)
         self._transfer = None
         self._session = None
         self._unfinished: dict[str, tuple[int, Future]] = {}  # request id -> (server index, its answer)
@@ -286,15 +321,16 @@ class VLLMServersEngine:
         settings = setup.settings
         check_max_model_len(settings.max_model_len, setup.longest_sequence)
         backend = settings.weight_transfer if settings.weight_transfer != "auto" else ("nccl" if setup.device.type == "cuda" else "gloo")
+        lora_rank = None if settings.lora_merge else AdapterSync(setup.policy(), Path()).rank
         if settings.placement == "servers":
             def connect():
                 return list(settings.servers), []
         else:
             def connect():
-                return start_separate(unwrap_peft(unwrap(setup.policy())), settings, setup, backend)
+                return start_separate(unwrap_peft(unwrap(setup.policy())), settings, setup, backend, lora_rank)
         try:
             return cls(setup.policy, setup.pad_token_id, connect, backend=backend, timeout_s=settings.server_timeout_s,
-                       longest_sequence=setup.longest_sequence, device=setup.device)
+                       longest_sequence=setup.longest_sequence, device=setup.device, lora_merge=settings.lora_merge)
         except EngineLost as e:  # before the run starts: nothing to resume from, the line alone
             raise UserError(f"{e} (rollout.{'servers' if settings.placement == 'servers' else 'placement'})") from None
 
@@ -304,6 +340,8 @@ class VLLMServersEngine:
         self.servers = [Server(address, self.timeout_s) for address in addresses]
         self.max_model_len = sys.maxsize  # the shortest of the servers' (`_check`)
         world_sizes = [self._check(server) for server in self.servers]
+        if not self.lora_merge:
+            self._adapter = AdapterSync(self.policy, Path(tempfile.mkdtemp(prefix="ppokit-lora-")))
         self.client = ServersClient(self.servers, world_sizes)
         self.engine_world = sum(world_sizes)
         self._loop = asyncio.new_event_loop()
@@ -336,6 +374,10 @@ class VLLMServersEngine:
         if self.longest_sequence and model.get("max_model_len", 0) < self.longest_sequence:
             wrong.append(f"--max-model-len {self.longest_sequence} or more (it has {model.get('max_model_len')}: the longest prompt "
                          "+ the tokens after it)")
+        lora = config.get("lora_config") or {}
+        if self.lora_rank is not None and (lora.get("max_lora_rank") or 0) < self.lora_rank:
+            wrong.append(f"--enable-lora --max-lora-rank {self.lora_rank} (rollout.lora_merge: false; it has "
+                         f"{'max_lora_rank ' + str(lora['max_lora_rank']) if lora else 'no LoRA'}) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         if wrong:
             raise UserError(f"rollout server {server} must be started with {'; '.join(wrong)} (docs/rollout.md)")
         self.max_model_len = min(self.max_model_len, int(model["max_model_len"]))
@@ -364,6 +406,8 @@ class VLLMServersEngine:
                 index = min(range(len(self.servers)), key=busy.__getitem__)
             body = {"request_id": self._wire_id(request.request_id), "token_ids": list(request.prompt),
                     "sampling_params": sampling_kwargs(request.sampling, seed)}
+            if self._adapter is not None:  # the adapter the servers hold (every trainer process names it alike)
+                body["model"] = adapter_name(self.version)
             answer = asyncio.run_coroutine_threadsafe(self.servers[index].generate(self._session, body), self._loop)
             answer.add_done_callback(lambda _, request_id=request.request_id: self._done.put(request_id))
             self._unfinished[request.request_id] = (index, answer)
@@ -447,14 +491,14 @@ class VLLMServersEngine:
             # The servers are shared: every trainer process's requests end before the push starts (vLLM's engine core
             # steps between the pieces of a push; a request running then meets half-loaded weights).
             torch.distributed.barrier()
+        pushed = self._transfer is None or self._adapter is None  # with the adapter alone the base weights go once
         if self._transfer is None:
             self._transfer = self._open_transfer()
         self.version += 1
-        if self.backend == "gloo":
-            self._transfer.send_weights(str(self.version))
-        else:  # vLLM's trainer engines take no version: it is set after the push
-            self._transfer.send_weights()
-            if self.rank == 0:
+        self.last_sync_bytes = self._push() if pushed else 0
+        if self._adapter is not None:
+            self._send_adapter()
+            if not pushed and self.rank == 0:
                 self.client.update_weight_version(str(self.version))
         if self.rank == 0:
             # Their prefix caches hold keys and values computed with the old weights.
@@ -462,12 +506,35 @@ class VLLMServersEngine:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def _push(self) -> int:
+        """The weights through the weight transfer, labelled with this version -> the bytes pushed."""
+        if self.backend == "gloo":
+            self._transfer.send_weights(str(self.version))
+        else:  # vLLM's trainer engines take no version: it is set after the push
+            self._transfer.send_weights()
+            if self.rank == 0:
+                self.client.update_weight_version(str(self.version))
+        return sum(tensor_bytes(shape, dtype) for _, dtype, shape in policy_weight_metadata(self.policy))
+
+    def _send_adapter(self) -> None:
+        """The policy's adapter, written (every process: a sharded one is gathered) and loaded on every server (process
+        0) under the name of this version, in place of the last one."""
+        sent, replaced = self._adapter.write(self.policy)
+        self.last_sync_bytes += sent
+        new = self._adapter.request
+        if new.lora_name != adapter_name(self.version):
+            raise RuntimeError(f"rollout engine: adapter {new.lora_name} written for weights of version {self.version}")
+        if self.rank == 0:
+            self.client.swap_lora_adapter((new.lora_name, new.lora_path), replaced.lora_name if replaced is not None else None)
+        if replaced is not None:  # the servers hold what they loaded in memory
+            shutil.rmtree(replaced.lora_path, ignore_errors=True)
+
     def _open_transfer(self):
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         from ppokit.engines.weight_transfer import GlooTrainerInitInfo, PolicySource, address_towards
 
-        source = PolicySource(lambda: self.policy)
+        source = PolicySource(lambda: self.policy, policy_weights if self._adapter is None else base_weights)
         first = self.servers[0].url.removeprefix("http://").rsplit(":", 1)
         if self.backend == "gloo":
             info = GlooTrainerInitInfo(master_address=address_towards(first[0], int(first[1])), world_size=1 + self.engine_world,
@@ -499,6 +566,9 @@ class VLLMServersEngine:
             self._transfer.shutdown()
             self._transfer = None
         self.version = 0
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter.folder, ignore_errors=True)
+            self._adapter = None
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self._session.aclose(), self._loop).result(10)
         self._session = None
@@ -507,6 +577,14 @@ class VLLMServersEngine:
         for server in self.launched:
             server.stop()
         self.launched = []
+
+
+ADAPTER_PREFIX = "policy-"
+
+
+def adapter_name(version: int) -> str:
+    """The name the servers hold the policy's adapter under, with the weights of `version` (AdapterSync's: one id a sync)."""
+    return f"{ADAPTER_PREFIX}{version}"
 
 
 WATCH_S = 1.0  # how often a wait looks at the servers ppokit started

@@ -170,16 +170,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 class PolicySource(WeightSource):
     """The policy's weights as vLLM's trainer engines read them (`ppokit.engines.weights`: a LoRA policy merged, a
     sharded one gathered a tensor at a time, a tied weight once). `policy()` is asked at every push: the trainer's
-    wrapping may change it."""
+    wrapping may change it. weights: `policy_weights`, or `base_weights` (the adapted layers unmerged, for an engine
+    that serves the adapter as a LoRA: same names, shapes and dtypes)."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, weights=policy_weights):
         self.policy = policy
+        self.weights = weights
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, dtype, shape) for name, dtype, shape in policy_weight_metadata(self.policy())]
 
     def __iter__(self):
-        return policy_weights(self.policy())
+        return self.weights(self.policy())
 
 
 class OfflineClient:
