@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from ppokit.config.fields import differs_from_default, doc, one_of, rule
 from ppokit.errors import UserError
+from ppokit.process.hosts import on_this_machine
 from ppokit.engines.base import (  # noqa: F401  (torch-free)
     ENGINE_METHODS,
     EngineMemory,
@@ -88,17 +89,6 @@ def check_engine_lora(settings, lora, quantization) -> None:
             raise UserError(f"rollout.lora_merge: false with rollout.servers on other machines ({', '.join(elsewhere)}): a server "
                             "reads the adapter from a folder on its own machine, and ppokit writes it on this one; start them "
                             "here (127.0.0.1:PORT) or set rollout.lora_merge: true")
-
-
-def on_this_machine(address: str) -> bool:
-    """`host:port` (or a URL) names a loopback address: a server on the trainer's machine."""
-    import ipaddress
-
-    host = address.strip().split("://")[-1].rpartition(":")[0].strip("[]")
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import ipaddress
 import json
 import math
 import os
@@ -51,6 +50,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ppokit.config.schema import http_url_problem
 from ppokit.errors import UserError
+from ppokit.process.hosts import is_loopback
 from ppokit.process.workers import DeadlineExceeded, ThreadCall
 from ppokit.rewards.sources import RewardError, RewardSource, ScoringBatch, check_scores
 
@@ -564,15 +564,6 @@ def make_server(
     """
     app = _app(_Scorer(source, max_rows, stuck_after_s), max_request_bytes, workers, token, verbose)
     return RewardServer(app, host, port, read_timeout_s, verbose)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(source: RewardSource, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
