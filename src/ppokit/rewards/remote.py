@@ -533,10 +533,21 @@ class RewardServer:
         self._server = uvicorn.Server(config)
         self._serving, self._stopped = threading.Event(), threading.Event()
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, on_ready: Optional[Callable[[], None]] = None) -> None:
+        """Serve until `shutdown` or a signal; `on_ready()` once uvicorn has started (its signal handling in place), so
+        that whoever is told the server is up may stop it with a signal at once."""
         self._serving.set()
+
+        async def serve():
+            serving = asyncio.ensure_future(self._server.serve(sockets=[self.socket]))
+            while not self._server.started and not serving.done():
+                await asyncio.sleep(0.01)
+            if on_ready is not None and self._server.started:
+                on_ready()
+            await serving
+
         try:
-            self._server.run(sockets=[self.socket])
+            asyncio.run(serve())
         finally:
             self._stopped.set()
 
@@ -572,8 +583,9 @@ def serve(source: RewardSource, host: str = "127.0.0.1", port: int = 8000, **opt
     if options.get("token") is None and not is_loopback(host):
         print(f"serve-rm: warning: listening on {host} without a token: anyone who can reach this port can use the scorer "
               "(see --token-env)", file=sys.stderr, flush=True)
-    print(f"serving reward source {source.name} at http://{host}:{server.server_address[1]}/", flush=True)
     try:
-        server.serve_forever()
+        # said once serving (a client, or a test, may stop it with a signal as soon as it reads this)
+        url = f"http://{host}:{server.server_address[1]}/"
+        server.serve_forever(on_ready=lambda: print(f"serving reward source {source.name} at {url}", flush=True))
     finally:
         server.server_close()
