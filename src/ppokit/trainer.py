@@ -122,7 +122,7 @@ class PPOTrainer:
         episodes.ref_logprobs, episodes.values, trainer_logprobs, episodes.teacher_logprobs = experience.reference_and_values(
             episodes, parts.accelerator.unwrap_model(parts.model), parts.ref_model, teacher=parts.teacher, rows=hp.local_rollout_forward_batch_size,
             packed=hp.max_tokens_per_micro_batch is not None, temperature=hp.temperature, chunk_size=self.config.lm_head_chunk_size,
-            autocast=parts.accelerator.autocast, policy_logprobs=not rollout.engine.logprobs_are_trainers, padding_free=hp.padding_free)
+            autocast=parts.accelerator.autocast, policy_logprobs=not rollout.engine.logprobs_are_trainers)
         mismatch = use_trainer_logprobs(episodes, trainer_logprobs, hp.rollout_is, hp.rollout_is_cap, reduce, floor=hp.rollout_is_floor)
         t_forward = time.perf_counter()
 

@@ -303,6 +303,22 @@ class PPOHyperparams:
                                     "Logprobs, values and losses equal the padded computation within float rounding; each model is checked once at start to "
                                     "keep packed episodes apart (transformers' packed-sequence masks from position ids). Not under parallel.strategy fsdp yet "
                                     "(refused at start).", resume=True)
+    shared_prompt: bool = doc(False, "The prompt of a group of num_samples_per_prompt samples computed once in the policy, reference and critic forwards "
+                                     "(sampling aside), gradients included (Unsloth's PrefixGrouper, veRL's and NeMo Automodel's shared-prefix "
+                                     "layout): each group is one row, the samples' common prefix once and then each sample's rest, with a 4-D "
+                                     "attention mask (each sample attends to the prefix and its own tokens) and positions continuing from the "
+                                     "prefix's; the logit that predicts a sample's first token is read from the prefix's last position. Logprobs, "
+                                     "values and losses equal the separate computation within float rounding; the update's shuffle keeps a group's "
+                                     "samples together (whole groups per minibatch). Needs num_samples_per_prompt >= 2, per_device_train_batch_size "
+                                     "and local_rollout_forward_batch_size multiples of it, attn_implementation sdpa or eager (each model checked "
+                                     "once at start); not with padding_free, max_tokens_per_micro_batch, compile or parallel.strategy fsdp. "
+                                     "Faster where the prompt is long beside the responses (docs/speed.md has the rule).", resume=True)
+
+    @property
+    def kept_together(self) -> int:
+        """Adjacent rows the update's shuffle keeps together: a group's samples with shared_prompt (its forwards lay each
+        group out as one row), else 1 (rows shuffled one by one)."""
+        return self.num_samples_per_prompt if self.shared_prompt else 1
 
     @property
     def loss_normalisation(self) -> str:
@@ -331,6 +347,24 @@ class PPOHyperparams:
             raise UserError(f"ppo.eval_correct_threshold ({self.eval_correct_threshold}) decides which samples pass for "
                             "ppo.eval_pass_at_k, which is not set; set ppo.eval_pass_at_k (e.g. [1, 4]) or remove the key")
 
+    def _check_shared_prompt(self) -> None:
+        """shared_prompt needs groups, micro-batches and no-gradient chunks of whole groups, and neither of the layouts it
+        does not combine with."""
+        if not self.shared_prompt:
+            return
+        n = self.num_samples_per_prompt
+        if n < 2:
+            raise UserError("ppo.shared_prompt computes the prompt of a group of samples once, and ppo.num_samples_per_prompt is 1 (no groups); "
+                            "set it to 2 or more, or ppo.shared_prompt: false")
+        uneven = [f"ppo.{key} ({getattr(self, key)})" for key in ("per_device_train_batch_size", "local_rollout_forward_batch_size")
+                  if getattr(self, key) % n]
+        if uneven:
+            raise UserError(f"ppo.shared_prompt lays out whole groups of ppo.num_samples_per_prompt ({n}) samples: {' and '.join(uneven)} "
+                            f"must be a multiple of {n}")
+        for key in ("padding_free", "max_tokens_per_micro_batch"):
+            if getattr(self, key) not in (None, False):
+                raise UserError(f"ppo.shared_prompt with ppo.{key}: the two layouts do not combine yet; turn one of them off")
+
     @property
     def estimator(self) -> Estimator:
         """The declaration of `advantage_estimator` (ppokit.training.estimators): its function and traits."""
@@ -358,6 +392,7 @@ class PPOHyperparams:
                 f"{self.gradient_accumulation_steps} x num_mini_batches {self.num_mini_batches}): a prompt's samples stay on one process"
             )
         self._check_eval_samples()
+        self._check_shared_prompt()
         if self.warmup_steps and self.warmup_ratio:
             raise UserError(f"ppo.warmup_steps ({self.warmup_steps}) and ppo.warmup_ratio ({self.warmup_ratio}) both set the warm-up; set one of them")
         if (self.lr_scheduler_type == "cosine_with_min_lr") != (self.min_lr_rate is not None):
@@ -965,6 +1000,11 @@ class PPOConfig:
             raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
         # Padding-free forwards call the backbone and the head apart; a sharded causal LM gathers its tied embeddings and
         # head only in its own forward (parallel._units), so they would meet unsharded tensors beside sharded weights.
+        if self.ppo.shared_prompt and name == "fsdp":
+            raise UserError(f"ppo.shared_prompt: not available under parallel.strategy: {name} yet; set ppo.shared_prompt: false, or "
+                            f"parallel.strategy: {DEFAULT_STRATEGY}")
+        if self.ppo.shared_prompt and self.compile:
+            raise UserError("ppo.shared_prompt with compile: the compiled backbone is not checked with a 4-D attention mask yet; turn one of them off")
         if self.ppo.padding_free and name == "fsdp":
             raise UserError(f"ppo.padding_free: not available under parallel.strategy: {name} yet; set ppo.padding_free: false, or parallel.strategy: "
                             f"{DEFAULT_STRATEGY}")

@@ -17,7 +17,7 @@ import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -530,16 +530,21 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return out.logits[:, :-1]
 
 
-def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None, padding_free: bool = False) -> torch.Tensor:
+Layout = Union[bool, Callable[[torch.Tensor, torch.Tensor], packing.Rows]]
+
+
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None, padding_free: Layout = False) -> torch.Tensor:
     """The backbone's last hidden state at every position. (B, L) -> (B, L, H).
 
     backbone_fn: a stand-in for the backbone with the same call (a `torch.compile`d one, `ppokit.compile`).
-    padding_free: the rows' real tokens packed several sequences a row (`models.packing`), the states returned in
-    the (B, L) layout, 0 at padding."""
+    padding_free: True: the rows' real tokens packed several sequences a row (`models.packing`); a layout (ids, mask
+    -> `packing.Rows`, e.g. `models.prefix.SharedPrefix`): the rows it makes, with their mask. Either way the states
+    are returned in the (B, L) layout, 0 at padding."""
     run = backbone_fn if backbone_fn is not None else backbone(model)
     if padding_free:
-        rows = packing.layout(input_ids, attention_mask)
-        hidden = run(input_ids=rows.ids, attention_mask=None, position_ids=rows.position_ids, use_cache=False).last_hidden_state
+        rows = (packing.layout if padding_free is True else padding_free)(input_ids, attention_mask)
+        mask = rows.attention_mask(getattr(getattr(unwrap_peft(model), "config", None), "_attn_implementation", None))
+        hidden = run(input_ids=rows.ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False).last_hidden_state
         return rows.unpack(hidden)
     return run(
         input_ids=input_ids,
@@ -601,34 +606,63 @@ def check_output_head(model, what: str) -> None:
         )
 
 
-@torch.no_grad()
+def _layout_gap(model, ids: torch.Tensor, mask: torch.Tensor, layout: Layout) -> tuple[float, float]:
+    """(largest difference of the states at real tokens between the padded forward and `layout`'s, the largest state)."""
+    base = unwrap_peft(model)
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            separate = hidden_states(model, ids, mask).float()
+            laid_out = hidden_states(model, ids, mask, padding_free=layout).float()
+    finally:
+        base.train(was_training)
+    return (separate - laid_out)[mask].abs().max().item(), separate[mask].abs().max().item()
+
+
+def _check_ids(model, rows: int, width: int) -> torch.Tensor:
+    config = unwrap_peft(model).config.get_text_config()
+    device = next(unwrap_peft(model).parameters()).device
+    return (torch.arange(rows * width, device=device).reshape(rows, width) * 7919 + 3) % (getattr(config, "vocab_size", None) or 2)
+
+
 def check_packed_forward(model, what: str) -> None:
     """Refuse `what` (padding-free forwards, `models.packing`) for a model that does not keep packed sequences apart:
     two short sequences packed in one row must give the states each gives in a row of its own. transformers builds the
     packed masks from restarting position ids; a model (or a version) that ignores them lets one sequence attend to
     the other."""
-    base = unwrap_peft(model)
-    device = next(base.parameters()).device
-    config = base.config.get_text_config()
-    vocab = getattr(config, "vocab_size", None) or 2
-    ids = (torch.arange(18, device=device).reshape(3, 6) * 7919 + 3) % vocab
+    ids = _check_ids(model, 3, 6)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[1, :4] = False  # left-padded rows, as prompts are: these two share a packed row
     mask[2, :3] = False
-    was_training = base.training
-    base.eval()
-    try:
-        separate = hidden_states(model, ids, mask).float()
-        packed = hidden_states(model, ids, mask, padding_free=True).float()
-    finally:
-        base.train(was_training)
-    gap = (separate - packed)[mask].abs().max().item()
-    if not gap <= 1e-4 * max(1.0, separate[mask].abs().max().item()):
+    gap, scale = _layout_gap(model, ids, mask, True)
+    if not gap <= 1e-4 * max(1.0, scale):
         raise UserError(
-            f"{what}: {type(base).__name__} does not keep sequences packed in one row apart (largest difference {gap:.3g} "
+            f"{what}: {type(unwrap_peft(model)).__name__} does not keep sequences packed in one row apart (largest difference {gap:.3g} "
             f"from the padded forward; its attention must build masks from restarting position ids, transformers >= 4.57); "
             f"turn {what} off for this model"
         )
+
+
+def check_shared_forward(model, what: str, layout: Layout) -> None:
+    """Refuse `what` (shared-prompt forwards, `models.prefix`) for a model whose attention does not take a 4-D mask as
+    given: two rows with a common prompt (one left-padded) and a third of its own, laid out by `layout` (runs of two
+    rows), must give the padded forward's states."""
+    ids = _check_ids(model, 4, 7)
+    ids[1, 2:5] = ids[0, 2:5]  # rows 0 and 1: the prompt ids[0, 2:5], then responses of 2 tokens and 1
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:2, :2] = False
+    mask[1, -1] = False
+    mask[3, :5] = False
+    name = type(unwrap_peft(model)).__name__
+    try:
+        gap, scale = _layout_gap(model, ids, mask, layout)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise UserError(f"{what}: {name} fails on a 4-D attention mask ({str(error).splitlines()[0][:200]}); use attn_implementation "
+                        f"sdpa or eager, or turn {what} off") from None
+    if not gap <= 1e-4 * max(1.0, scale):
+        raise UserError(f"{what}: {name} does not follow a 4-D attention mask (largest difference {gap:.3g} from the padded forward); "
+                        f"use attn_implementation sdpa or eager, or turn {what} off")
 
 
 def response_logprobs(
@@ -643,7 +677,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     backbone_fn=None,
-    padding_free: bool = False,
+    padding_free: Layout = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Logprobs (and entropy) of each response token under `model`: THE function every logprob site uses
     (reference pass, training; sampling keeps its own per-step logprobs from the same formula).
@@ -689,7 +723,7 @@ def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, backbone_fn=None,
-                   padding_free: bool = False) -> torch.Tensor:
+                   padding_free: Layout = False) -> torch.Tensor:
     """The scalar head at every position of a one-label sequence classifier. (B, L) -> (B, L) float32.
     padding_free: the backbone over packed rows (`hidden_states`)."""
     hidden = hidden_states(model, input_ids, attention_mask, backbone_fn, padding_free)
@@ -697,12 +731,12 @@ def scalar_outputs(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
 
 
 def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, backbone_fn=None,
-                    padding_free: bool = False) -> torch.Tensor:
+                    padding_free: Layout = False) -> torch.Tensor:
     """Value of the state before each response token. (B, P + R) -> (B, R) float32."""
     return scalar_outputs(model, input_ids, attention_mask, backbone_fn, padding_free)[:, -response_length - 1 : -1]
 
 
-def score_at_last_token(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, padding_free: bool = False) -> torch.Tensor:
+def score_at_last_token(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, padding_free: Layout = False) -> torch.Tensor:
     """Reward-model score at each row's last real token, whatever side the padding is on. (B, L) -> (B,).
     padding_free: the backbone over packed rows (`hidden_states`)."""
     outputs = scalar_outputs(model, input_ids, attention_mask, padding_free=padding_free)

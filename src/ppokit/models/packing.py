@@ -28,6 +28,7 @@ so a micro-batch planned within the budget is laid out within it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -55,11 +56,25 @@ class Rows:
     ids: torch.Tensor  # (rows, capacity) long
     position_ids: torch.Tensor  # (rows, capacity) long, restarting at 0 at each sequence (and at a row's trailing padding)
     source: torch.Tensor  # (B, L) long: each real token's index in the flattened rows, rows x capacity at padding
+    # (rows, capacity, capacity) bool, True where a query (dim 1) may attend a key (dim 2); None: the model's own causal
+    # masks from the position ids (packed rows). Set by a layout whose rows are not plain sequences (`models.prefix`).
+    allowed: Optional[torch.Tensor] = None
 
     @property
     def positions(self) -> int:
         """Token positions the forward processes (real and padding)."""
         return self.ids.numel()
+
+    def attention_mask(self, implementation: Optional[str]) -> Optional[torch.Tensor]:
+        """The mask the model is called with: None without `allowed`, else its 4-D (rows, 1, capacity, capacity) form, which
+        transformers passes to the attention as it is: boolean (True: attend) for sdpa and the others, additive (0, or
+        float32's lowest) for `eager`, which adds its mask to the scores."""
+        if self.allowed is None:
+            return None
+        mask = self.allowed.unsqueeze(1)
+        if implementation == "eager":
+            return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+        return mask
 
     def unpack(self, outputs: torch.Tensor) -> torch.Tensor:
         """(rows, capacity, ...) outputs -> (B, L, ...) in the input's layout, 0 at its padding; differentiable."""

@@ -42,10 +42,12 @@ from ppokit.models.adapters import (
 )
 from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
+from ppokit.models.prefix import SharedPrefix
 from ppokit.models.loading import (
     POLICY_ADAPTER,
     check_output_head,
     check_packed_forward,
+    check_shared_forward,
     disable_dropout,
     enable_gradient_checkpointing,
     frozen_copy,
@@ -238,7 +240,7 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     # The memory-light LM head and the compiled forward read the logits from the last hidden state: a model whose forward
     # computes them otherwise is refused now, before the optimiser, rather than trained on wrong logits.
     switch = ("lm_head_chunk_size" if config.lm_head_chunk_size else "compile" if config.compile
-              else "ppo.padding_free" if config.ppo.padding_free else None)
+              else "ppo.padding_free" if config.ppo.padding_free else "ppo.shared_prompt" if config.ppo.shared_prompt else None)
     for m in (policy, reference, teacher) if switch else ():
         if m is not None:
             check_output_head(m, switch)
@@ -246,6 +248,10 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     for m in (policy, reference, value, teacher) if config.ppo.padding_free else ():
         if m is not None:
             check_packed_forward(m, "ppo.padding_free")
+    # Shared-prompt forwards need each model to follow a 4-D attention mask as given.
+    for m in (policy, reference, value, teacher) if config.ppo.shared_prompt else ():
+        if m is not None:
+            check_shared_forward(m, "ppo.shared_prompt", SharedPrefix(2))
     return Roles(policy, reference, value, teacher)
 
 

@@ -128,6 +128,16 @@ def plan_packed_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, max_tok
     return [torch.tensor([rows_list[i] for i in g], dtype=torch.long, device=rows.device) for g in groups]
 
 
+def shuffled(rows: int, together: int, device=None) -> torch.Tensor:
+    """A random order of `rows` rows (rows, long) that keeps each run of `together` adjacent rows (a prompt's samples,
+    ppo.shared_prompt) together and in order, the runs shuffled; together 1: `torch.randperm(rows)`."""
+    if together == 1:
+        return torch.randperm(rows, device=device)
+    order = torch.randperm(-(-rows // together), device=device).unsqueeze(1) * together + torch.arange(together, device=device)
+    order = order.reshape(-1)
+    return order[order < rows]
+
+
 def plan_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     """Fixed micro-batches of `size` rows in the given order (TRL's semantics; no sorting, no trimming)."""
     return list(rows.split(size))

@@ -27,7 +27,7 @@ from ppokit.training import algo, batching
 from ppokit.training.episodes import Episodes
 from ppokit.training.estimators import Estimator
 from ppokit.metrics.values import agent_metrics, environment_metrics, episode_metrics
-from ppokit.models.loading import eval_mode, response_logprobs
+from ppokit.models.loading import Layout, eval_mode, response_logprobs
 from ppokit.training.optimise import PolicyAndValue
 from ppokit.rewards import ScoringBatch, completion_token_ids
 
@@ -79,7 +79,7 @@ def score(scorer, tokenizer, episodes: Episodes, prompts: list[str], columns: di
 @torch.inference_mode()
 def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: Optional[nn.Module], *, rows: int, packed: bool,
                          temperature: float, chunk_size: Optional[int], autocast: Autocast = contextlib.nullcontext,
-                         policy_logprobs: bool = False, teacher: Optional[nn.Module] = None, padding_free: bool = False,
+                         policy_logprobs: bool = False, teacher: Optional[nn.Module] = None, padding_free: Optional[Layout] = None,
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """-> (reference logprobs, values, the policy's own logprobs, the teacher's logprobs), each (B, R) over the trained
     tokens. teacher: the frozen teacher of on-policy distillation, scored as an own reference is (`forward_logprobs`,
@@ -90,12 +90,16 @@ def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: O
     `packed` (a token budget, ppo.max_tokens_per_micro_batch): that many rows of the batch's width in tokens, rows of
     similar length together, packed (`batching.split`). temperature, chunk_size: as the training forward
     (ppo.temperature, lm_head_chunk_size); autocast: the mixed-precision context. policy_logprobs: also the policy's
-    own (a rollout engine whose logprobs are not the trainer's), else None. padding_free (ppo.padding_free): every
-    forward over packed rows (`models.packing`), the budget filling them (`batching.split`)."""
+    own (a rollout engine whose logprobs are not the trainer's), else None. padding_free: every forward's layout
+    (`models.hidden_states`; None: the model's own, `PolicyAndValue.padding_free`): True (ppo.padding_free) packed rows
+    (`models.packing`), the budget filling them (`batching.split`); a `models.prefix.SharedPrefix` (ppo.shared_prompt)
+    a group's prompt once, over chunks of whole groups."""
+    padding_free = model.padding_free if padding_free is None else padding_free
     budget = batching.forward_budget(episodes, rows) if packed else None
     ref_logprobs, values, logprobs, teacher_logprobs = [], [], [], []
     with model.critic_in_eval_mode(), eval_mode(model.policy):
-        for index, mb in batching.split(episodes, torch.arange(len(episodes), device=episodes.query_ids.device), rows, budget, padding_free):
+        rows_of = torch.arange(len(episodes), device=episodes.query_ids.device)
+        for index, mb in batching.split(episodes, rows_of, rows, budget, padding_free is True):
             inputs = (mb.input_ids, mb.attention_mask, mb.response_ids, mb.trained_mask)
             head = dict(temperature=temperature, chunk_size=chunk_size, autocast=autocast, padding_free=padding_free)
             ref_logprobs.append((index, reference_logprobs(model.policy, ref_model, *inputs, **head), mb.trained_mask))
@@ -113,7 +117,7 @@ def reference_and_values(episodes: Episodes, model: PolicyAndValue, ref_model: O
 
 def reference_logprobs(policy: nn.Module, ref_model: Optional[nn.Module], input_ids, attention_mask, response_ids, trained_mask, *,
                        temperature: float, chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext,
-                       padding_free: bool = False) -> torch.Tensor:
+                       padding_free: Layout = False) -> torch.Tensor:
     """(B, P + R), (B, R) -> (B, R) logprobs under the reference: `ref_model`, or (None) the LoRA policy's base with adapters off."""
     head = dict(temperature=temperature, chunk_size=chunk_size, autocast=autocast, padding_free=padding_free)
     if ref_model is not None:
@@ -123,7 +127,7 @@ def reference_logprobs(policy: nn.Module, ref_model: Optional[nn.Module], input_
 
 
 def forward_logprobs(model: nn.Module, input_ids, attention_mask, response_ids, trained_mask, *, temperature: float,
-                     chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext, padding_free: bool = False) -> torch.Tensor:
+                     chunk_size: Optional[int] = None, autocast: Autocast = contextlib.nullcontext, padding_free: Layout = False) -> torch.Tensor:
     """(B, R) logprobs of the response tokens under `model`, through `models.response_logprobs` as the training forward."""
     with autocast():
         return response_logprobs(model, input_ids, attention_mask, response_ids, trained_mask, temperature, chunk_size=chunk_size,

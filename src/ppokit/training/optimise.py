@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ppokit.models import roles
+from ppokit.models import prefix, roles
 
 from ppokit.training import algo, batching
 from ppokit.training.batch_sizes import BatchSizes
@@ -35,7 +35,7 @@ from ppokit.config.schema import PER_MICRO_BATCH, PER_MINIBATCH, PPOHyperparams
 from ppokit.training.episodes import Episodes
 from ppokit.training.guards import NonFiniteUpdate, check_finite
 from ppokit.metrics.values import training_metrics
-from ppokit.models.loading import response_logprobs, response_values
+from ppokit.models.loading import Layout, response_logprobs, response_values
 
 
 class PolicyAndValue(nn.Module):
@@ -43,12 +43,13 @@ class PolicyAndValue(nn.Module):
     value_model is None for a critic-free estimator.
 
     lm_head_chunk_size: the memory-light LM head's chunk (None: the direct computation);
-    padding_free: the backbones over packed rows (`models.packing`, ppo.padding_free);
+    padding_free: the forwards' layout (`models.hidden_states`): packed rows (True, ppo.padding_free), a group's
+    prompt once (`models.prefix.SharedPrefix`, ppo.shared_prompt) or padded rows (False);
     `use_compiled_backbones()` runs both backbones through torch.compile in the training forward.
     """
 
     def __init__(self, policy: nn.Module, value_model: Optional[nn.Module], lm_head_chunk_size: Optional[int] = None,
-                 padding_free: bool = False):
+                 padding_free: Layout = False):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
@@ -110,7 +111,8 @@ def prepare_training(built: roles.Roles, strategy, hp: PPOHyperparams, sizes: Ba
     placed by the parallel `strategy` with its optimiser over the run's optimiser steps (`sizes`: `build_optimiser`).
     The memory-light LM head (lm_head_chunk_size) and the compiled forward (`compile`) read the logits from the last
     hidden state: `roles.build_roles` checked the output heads for it. unwrap: the module under the strategy's wrapping."""
-    trainable = PolicyAndValue(built.policy, built.value, lm_head_chunk_size, hp.padding_free).train()
+    layout = prefix.forward_layout(hp.padding_free, hp.shared_prompt, hp.num_samples_per_prompt)
+    trainable = PolicyAndValue(built.policy, built.value, lm_head_chunk_size, layout).train()
     model, optimizer, scheduler = strategy.prepare(trainable, lambda m: build_optimiser(
         m, hp, sizes.optimiser_steps, sizes.warmup_steps, policy_start=sizes.policy_start_step))
     if compile:
@@ -284,7 +286,7 @@ def ppo_epochs(
     skipped: list[NonFiniteUpdate] = []
     steps = 0
     for _ in range(hp.num_ppo_epochs):
-        order = torch.randperm(len(episodes), device=device)
+        order = batching.shuffled(len(episodes), hp.kept_together, device)
         for start in range(0, len(episodes), sizes.local_mini_batch):
             micros = micro_batches(episodes, order[start : start + sizes.local_mini_batch], sizes, hp)
             tokens = torch.stack([mb.trained_mask.sum() for mb in micros]).float()
