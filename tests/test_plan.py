@@ -443,3 +443,17 @@ def test_plan_counts_the_nonfinite_rollback_copy(model_dir, prompts_file, tmp_pa
         assert plan.total == off.total  # none of it is on the device
     config.parallel.strategy = "fsdp"
     assert plan_for(config, processes=2).rollback_bytes() == -(-trainable // 2)  # each process copies its shard
+
+
+def test_the_shared_prompt_counts_each_groups_prompt_once(model_dir, prompts_file, tmp_path):
+    """ppo.shared_prompt: a micro-batch of 8 rows in groups of 4 is 2 rows of one prompt and 4 responses."""
+    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", per_device_train_batch_size=8, num_mini_batches=1,
+                             total_episodes=8, advantage_estimator="grpo", num_samples_per_prompt=4, local_rollout_forward_batch_size=8)
+    device = ("test", 64 * GiB)
+    room = config.ppo.response_length
+    separate = estimate(config, 32, 64, device)
+    config.ppo.shared_prompt = True
+    shared = estimate(config, 32, 64, device)
+    assert separate.sequence["micro_batch_tokens"] == 8 * (32 + room)
+    assert shared.sequence["micro_batch_tokens"] == 2 * (32 + 4 * room)
+    assert shared.total < separate.total

@@ -416,9 +416,14 @@ def micro_batch_shape(config: PPOConfig, seq: int, room: int) -> tuple[int, int]
     `seq` tokens, `room` of them after the prompt: per_device_train_batch_size longest rows, or with a token budget
     at most the budget and at most the whole minibatch it packs (per_device_train_batch_size x
     gradient_accumulation_steps longest rows; every position a response position, at worst). ppo.padding_free changes
-    neither: at worst every episode is the longest, one to a packed row, as in a padded micro-batch."""
+    neither: at worst every episode is the longest, one to a packed row, as in a padded micro-batch. ppo.shared_prompt
+    (no budget) counts each group's prompt once: rows / n groups of one prompt and n responses (its 4-D mask, a byte
+    per pair of positions of a group, is not counted)."""
     hp = config.ppo
     rows = hp.per_device_train_batch_size
+    if hp.max_tokens_per_micro_batch is None and hp.shared_prompt:
+        groups, width = rows // hp.num_samples_per_prompt, seq - room + hp.num_samples_per_prompt * room
+        return groups * width, rows * (room + 1)
     if hp.max_tokens_per_micro_batch is None:
         return rows * seq, rows * (room + 1)
     minibatch_rows = rows * hp.gradient_accumulation_steps
