@@ -73,9 +73,15 @@ def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_forward(m
     critic = AutoModelForSequenceClassification.from_pretrained(model_dir(arch), num_labels=1, attn_implementation=attention).eval()
     episodes = _multiturn_episodes(torch.Generator().manual_seed(3), policy.config.vocab_size)
     assert (episodes.loss_mask.sum(1) < episodes.attention_mask[:, episodes.query_ids.shape[1]:].sum(1)).any(), "a gap in a loss mask"
+    assert_same_forwards(policy, critic, episodes, True)
+
+
+def assert_same_forwards(policy, critic, episodes, layout) -> None:
+    """Logprobs, entropy, values and the gradients of a loss of them over `layout` (`models.hidden_states`'s
+    padding_free) equal the padded forward's within float rounding."""
     weights = torch.randn(episodes.loss_mask.shape, generator=torch.Generator().manual_seed(4))
     results = {}
-    for padding_free in (False, True):
+    for padding_free in (False, layout):
         policy.zero_grad(set_to_none=True)
         critic.zero_grad(set_to_none=True)
         inputs = (episodes.input_ids, episodes.attention_mask, episodes.response_ids, episodes.trained_mask)
@@ -85,7 +91,7 @@ def test_packed_logprobs_entropy_values_and_gradients_equal_the_padded_forward(m
         ((logprobs + 0.1 * entropy) * weights).sum().backward()
         (values * weights).sum().backward()
         grads = [p.grad.clone() for m in (policy, critic) for p in m.parameters() if p.grad is not None]
-        results[padding_free] = (logprobs.detach(), entropy.detach(), values.detach(), grads)
+        results[padding_free is not False] = (logprobs.detach(), entropy.detach(), values.detach(), grads)
     hidden = policy.config.get_text_config().hidden_size
     terms = _terms(episodes, hidden)
     for got, want in zip(results[True][:3], results[False][:3]):
@@ -139,13 +145,18 @@ def _compare_training(trainer, config, rollout, budget):
     results = {}
     for padding_free in (False, True):
         hp = dataclasses.replace(config.ppo, max_tokens_per_micro_batch=budget, padding_free=padding_free)
-        trainer.model.padding_free = padding_free
-        recorder = GradientRecorder([p for p in trainer.model.parameters() if p.requires_grad])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
-        torch.manual_seed(5)
-        metrics = optimise.ppo_epochs(trainer.model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.strategy, lambda t: t)
-        results[padding_free] = recorder.grads, metrics
+        results[padding_free] = recorded_epochs(trainer, rollout, hp, padding_free)
     return results
+
+
+def recorded_epochs(trainer, rollout, hp, layout):
+    """ppo_epochs over `rollout` with the forwards' `layout`, the weights unmoved -> (every step's gradients, metrics)."""
+    trainer.model.padding_free = layout
+    recorder = GradientRecorder([p for p in trainer.model.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
+    torch.manual_seed(5)
+    metrics = optimise.ppo_epochs(trainer.model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.strategy, lambda t: t)
+    return recorder.grads, metrics
 
 
 class GradientRecorder(torch.optim.SGD):

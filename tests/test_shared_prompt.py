@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 from conftest import assert_float32_close, tiny_ppo_config
-from test_padding_free import GradientRecorder, _assert_same_training, _one_rollout
+from test_padding_free import _IgnoresPackedPositions, _assert_same_training, _one_rollout, assert_same_forwards, recorded_epochs
 
 from ppokit.errors import UserError
 from ppokit.models import prefix
-from ppokit.models.loading import check_shared_forward, hidden_states, response_logprobs, response_values
-from ppokit.training import batching, experience, optimise
+from ppokit.models.loading import check_shared_forward, hidden_states
+from ppokit.training import batching, experience
 from ppokit.training.episodes import Span, pack
 from ppokit.trainer import PPOTrainer
 
@@ -69,25 +69,7 @@ def test_shared_prompt_logprobs_entropy_values_and_gradients_equal_the_separate_
     episodes = _groups(torch.Generator().manual_seed(3), policy.config.vocab_size, turns=True)
     layout = prefix.SharedPrefix(4)
     assert prefix.shared_positions(episodes.attention_mask, episodes.input_ids, 4) < episodes.attention_mask.sum()  # shared
-    weights = torch.randn(episodes.loss_mask.shape, generator=torch.Generator().manual_seed(4))
-    results = {}
-    for shared in (False, layout):
-        policy.zero_grad(set_to_none=True)
-        critic.zero_grad(set_to_none=True)
-        inputs = (episodes.input_ids, episodes.attention_mask, episodes.response_ids, episodes.trained_mask)
-        logprobs, entropy = response_logprobs(policy, *inputs, 0.7, with_entropy=True, entropy_grad=True, padding_free=shared)
-        values = response_values(critic, episodes.input_ids, episodes.attention_mask, episodes.response_ids.shape[1],
-                                 padding_free=shared) * episodes.trained_mask
-        ((logprobs + 0.1 * entropy) * weights).sum().backward()
-        (values * weights).sum().backward()
-        grads = [p.grad.clone() for m in (policy, critic) for p in m.parameters() if p.grad is not None]
-        results[bool(shared)] = (logprobs.detach(), entropy.detach(), values.detach(), grads)
-    hidden = policy.config.get_text_config().hidden_size
-    for got, want in zip(results[True][:3], results[False][:3]):
-        assert_float32_close(got, want, terms=policy.config.vocab_size * hidden)
-    assert len(results[True][3]) == len(results[False][3]) > 0
-    for got, want in zip(results[True][3], results[False][3]):
-        assert_float32_close(got, want, terms=int(episodes.attention_mask.sum()) * hidden)
+    assert_same_forwards(policy, critic, episodes, layout)
 
 
 def test_each_row_alone_equals_its_states_in_the_shared_layout(model_dir):
@@ -117,16 +99,8 @@ def test_the_shuffle_keeps_groups_together():
 
 def _compare_training(trainer, config, rollout, samples: int):
     """ppo_epochs over the same rollout, the groups' prompts shared and not -> both (gradients, metrics)."""
-    results = {}
     hp = dataclasses.replace(config.ppo, shared_prompt=True)  # the same group-wise shuffle both ways
-    for shared in (False, True):
-        trainer.model.padding_free = prefix.SharedPrefix(samples) if shared else False
-        recorder = GradientRecorder([p for p in trainer.model.parameters() if p.requires_grad])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0)
-        torch.manual_seed(5)
-        metrics = optimise.ppo_epochs(trainer.model, recorder, scheduler, rollout, hp, trainer.sizes, trainer.strategy, lambda t: t)
-        results[shared] = recorder.grads, metrics
-    return results
+    return {shared: recorded_epochs(trainer, rollout, hp, prefix.SharedPrefix(samples) if shared else False) for shared in (False, True)}
 
 
 @pytest.mark.parametrize("estimator,lora", [("grpo", False), ("rloo", False), ("grpo", True), ("gae", True)])
@@ -179,7 +153,8 @@ def test_a_run_with_the_shared_prompt_completes_through_the_cli(sft_model_dir, p
 
 
 @pytest.mark.parametrize("keys,message", [
-    (dict(num_samples_per_prompt=1, advantage_estimator="gae"), r"ppo.shared_prompt computes the prompt of a group of samples once, and ppo.num_samples_per_prompt is 1"),
+    (dict(num_samples_per_prompt=1, advantage_estimator="gae"),
+     r"ppo.shared_prompt computes the prompt of a group of samples once, and ppo.num_samples_per_prompt is 1"),
     (dict(num_samples_per_prompt=4, per_device_train_batch_size=6, num_mini_batches=2),
      r"ppo.shared_prompt lays out whole groups of ppo.num_samples_per_prompt \(4\) samples: ppo.per_device_train_batch_size \(6\) "
      r"and ppo.local_rollout_forward_batch_size \(6\) must be a multiple of 4"),
@@ -205,19 +180,12 @@ def test_shared_prompt_under_fsdp_or_compile_is_refused(model_dir, prompts_file,
         config.validate()
 
 
-class _IgnoresTheMask(torch.nn.Module):
+class _IgnoresTheMask(_IgnoresPackedPositions):
     """A model whose attention drops a 4-D mask (plain causal attention over the whole row): samples see each other."""
 
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-        self.config = model.config
-        self.base_model_prefix = "backbone"
-
     def backbone(self, input_ids, attention_mask, position_ids, use_cache):
-        if attention_mask is not None and attention_mask.dim() == 4:
-            attention_mask = None
-        return self.inner.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+        flat = attention_mask if attention_mask is None or attention_mask.dim() == 2 else None
+        return super().backbone(input_ids, flat, position_ids, use_cache)
 
 
 def test_a_model_that_does_not_follow_the_4d_mask_is_refused(model_dir):
