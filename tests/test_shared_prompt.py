@@ -103,10 +103,11 @@ def _compare_training(trainer, config, rollout, samples: int):
     return {shared: recorded_epochs(trainer, rollout, hp, prefix.SharedPrefix(samples) if shared else False) for shared in (False, True)}
 
 
-@pytest.mark.parametrize("estimator,lora", [("grpo", False), ("rloo", False), ("grpo", True), ("gae", True)])
+@pytest.mark.parametrize("estimator,lora", [("grpo", False), ("rloo", False), ("grpo", True), ("gae", True), ("gae", "shared")])
 def test_training_with_the_prompt_shared_gives_the_separate_gradients(sft_model_dir, prompts_file, tmp_path, estimator, lora):
     """Every loss term on (KL loss, entropy bonus; a value model's loss for gae): the same gradients at every step and the
-    same statistics; the reference and value pass too (LoRA: the reference is the base with the adapters off)."""
+    same statistics; the reference and value pass too (LoRA: the reference is the base with the adapters off; "shared":
+    the critic on the policy's base)."""
     from ppokit.config.schema import LoraConfig
 
     config = tiny_ppo_config(sft_model_dir, prompts_file, tmp_path / "run", total_episodes=16, per_device_train_batch_size=4,
@@ -115,6 +116,8 @@ def test_training_with_the_prompt_shared_gives_the_separate_gradients(sft_model_
                              local_rollout_forward_batch_size=8, shared_prompt=True)
     if lora:
         config.lora = LoraConfig(r=4, alpha=8)
+    if lora == "shared":  # the critic: an adapter and a head on the policy's own base (`adapters.SharedBaseCritic`)
+        config.value_model = "shared"
     trainer = PPOTrainer(config, show_progress=False)
     assert trainer.model.padding_free == prefix.SharedPrefix(4)
     rollout = _one_rollout(trainer)
