@@ -2,8 +2,8 @@
 package, as its docs show it, run against the endpoint ppokit serves each episode. Its episode equals, token for token,
 the same conversation through the Tools environment (a tiny real model steered to call `add`, then answer: the trainer's
 own parts, hf engine, the same seeds); each call's answer comes back as OpenAI `tool_calls`; a call that does not
-continue the last one starts a segment (re-tokenised, counted); the run's temperature samples every call; an agent that
-raises, hangs or returns no number fails its episode in one line and the rollout goes on; an ended episode's URL
+continue the last one starts a segment (re-tokenised, counted, a row of its own: tests/test_agent_segments.py); the
+run's temperature samples every call; an agent that raises, hangs or returns no number fails its episode in one line and the rollout goes on; an ended episode's URL
 refuses calls; `ppokit ppo` trains an agent run from a config file; the OpenAI Agents SDK's own loop keeps one segment."""
 
 from __future__ import annotations
@@ -156,8 +156,9 @@ def solve(row, base_url):
 '''
 
 
-def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains(tmp_path):
+def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_both_segments_train(tmp_path):
     from ppokit.data.lengths import encode_prompt_text
+    from ppokit.training.episodes import with_segment_rows
 
     tok = FAMILY.tokenizer()
     tools = schemas(tmp_path)
@@ -170,17 +171,22 @@ def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_se
     rendered = agent.conversation.agent.renderer(tools).prompt(second)
     stop = tok.convert_tokens_to_ids(FAMILY.stop)
     for row in range(2):
-        # the row is the second segment: its prompt the re-rendered history, its trained tokens the second call's only
+        # the episode's row is its last segment: its prompt the re-rendered history, its trained tokens the second call's
         assert episodes.query_ids[row][episodes.query_mask[row]].tolist() == encode_prompt_text(tok, rendered)
         trained = episodes.response_ids[row][episodes.loss_mask[row]].tolist()
         assert 0 < len(trained) <= 12 and stop not in trained[:-1] and trained != call
         assert episodes.turns[row].item() == 1 and episodes.turn_rewards[row].sum().item() == 0.5
         assert episodes.turn_rewards[row, episodes.score_index[row]].item() == 0.5
-    # the first segment's sampled tokens (the call) are left out: the trained share says how much of what was sampled trains
+    # the first segment (the call) becomes a row of its own after scoring: its prompt the episode's first, its sampled
+    # tokens trained, no reward on it; every sampled token trains
+    rows = with_segment_rows(episodes, tok.pad_token_id)
+    assert len(rows) == 4 and rows.episode_index.tolist() == [0, 1, 0, 1] and rows.is_episode.tolist() == [True, True, False, False]
+    for row in (2, 3):
+        assert rows.query_ids[row][rows.query_mask[row]].tolist() == prompt
+        assert rows.response_ids[row][rows.loss_mask[row]].tolist() == call and rows.turn_rewards[row].sum().item() == 0.0
     for row in range(2):
-        trained = episodes.loss_mask[row].sum().item()
         assert episodes.agent_numbers[row] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0,
-                                               "agent/trained_share": trained / (len(call) + trained)}
+                                               "agent/trained_share": 1.0}
 
 
 TEMPERATURE = '''
@@ -284,8 +290,8 @@ def test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_
     assert errors[3].startswith(f"agent {config.agent}: returned the reward 'fine' (a str); expected a finite number")
     assert all("\n" not in e for e in errors if e)
     # the refused requests are no calls; the /v1/completions call starts a second segment
-    assert set(episodes.agent_numbers[0]) > {"agent/trained_share"} and 0 < episodes.agent_numbers[0].pop("agent/trained_share") < 1
     assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0, "agent/stream": 1.0,
+                                         "agent/trained_share": 1.0,
                                          "agent/n": 1.0, "agent/tool_choice": 1.0, "agent/models": 1.0, "agent/completions": 1.0}
     assert episodes.agent_numbers[4]["agent/refused"] == 1.0
     scored = trainer.rollout.score(episodes, prompts, columns)
