@@ -3,8 +3,9 @@ package, as its docs show it, run against the endpoint ppokit serves each episod
 the same conversation through the Tools environment (a tiny real model steered to call `add`, then answer: the trainer's
 own parts, hf engine, the same seeds); each call's answer comes back as OpenAI `tool_calls`; a call that does not
 continue the last one starts a segment (re-tokenised, counted, a row of its own: tests/test_agent_segments.py); the
-run's temperature samples every call; an agent that raises, hangs or returns no number fails its episode in one line and the rollout goes on; an ended episode's URL
-refuses calls; `ppokit ppo` trains an agent run from a config file; the OpenAI Agents SDK's own loop keeps one segment."""
+run's temperature samples every call; an agent that raises, hangs or returns no number fails its episode in one line
+and the rollout goes on; an ended episode's URL refuses calls; `ppokit ppo` trains an agent run from a config file;
+the OpenAI Agents SDK's own loop keeps one segment."""
 
 from __future__ import annotations
 

@@ -297,3 +297,48 @@ def test_ppokit_ppo_trains_an_agent_whose_calls_make_two_segments(tmp_path):
     assert len(updates) == 2
     assert all(r["agent/segments"] == 2.0 and r["agent/trained_share"] == 1.0 and r["agent/retokenized_share"] == 1.0 for r in updates)
     assert (tmp_path / "run" / "final").is_dir()
+
+
+TWO_SEGMENTS = '''
+from openai import OpenAI
+
+
+def solve(row, base_url):
+    client = OpenAI(base_url=base_url, api_key="anything", max_retries=0)
+    first = client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": "Plan: " + row["prompt"]}}]).choices[0].message
+    second = client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": row["prompt"]}}]).choices[0].message
+    return float(len((first.content or "") + (second.content or "")) % 3 == 0)
+'''
+
+
+def test_a_run_of_segment_rows_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_path):
+    from test_agent import FAMILY, write_agent
+    from test_checkpoint import comparable, resume_and_finish, train_until_crash_at_optimizer_step
+
+    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
+    from ppokit.demos.tiny import tiny_causal_lm
+    from ppokit.trainer import PPOTrainer
+
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(0)
+    model_path = tmp_path / "policy"
+    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
+    tok.save_pretrained(model_path)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(4)))
+    write_agent(tmp_path, [], TWO_SEGMENTS)
+
+    def config(out):
+        return PPOConfig(model=str(model_path), output_dir=str(out), agent=f"{tmp_path}/my_agent.py:solve",
+                         reward=RewardConfig(functions=[]), data=DataConfig(train=str(tmp_path / "data.jsonl")),
+                         rollout=RolloutConfig(max_turns=2, max_concurrent_episodes=3, max_episode_tokens=64),
+                         ppo=PPOHyperparams(total_episodes=12, per_device_train_batch_size=2, num_mini_batches=2, num_ppo_epochs=1, response_length=6,
+                                            num_sample_generations=0, save_steps=1, stop_token=FAMILY.stop, advantage_estimator="rloo",
+                                            num_samples_per_prompt=2, loss_aggregation="seq_mean_token_mean"))
+
+    PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
+    crashed = PPOTrainer(config(tmp_path / "crashed"), show_progress=False)
+    train_until_crash_at_optimizer_step(crashed, 4)  # 2 optimiser steps per update: in the second update
+    resume_and_finish(config(tmp_path / "crashed"))
+    got, want = comparable(tmp_path / "crashed" / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["update"] for r in got] == [1, 2, 3] and got == want  # every number, bit for bit, but wall-clock time
+    assert all(r["agent/segments"] == 2.0 and r["agent/trained_share"] == 1.0 for r in got)
