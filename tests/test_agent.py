@@ -326,32 +326,42 @@ async def solve(row, base_url):
 '''
 
 
-def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
-    import os
-
-    import yaml
-
+def saved_policy(tmp_path: Path) -> Path:
+    """A tiny llama and the family's tokenizer saved in tmp_path/policy, as `model:` names a model."""
     tok = FAMILY.tokenizer()
     torch.manual_seed(0)
     model_path = tmp_path / "policy"
     tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
     tok.save_pretrained(model_path)
+    return model_path
+
+
+def ppokit_ppo_updates(tmp_path: Path, agent: str, rollout: dict, ppo: dict) -> list[dict]:
+    """`ppokit ppo config.yaml` with agent.py:solve (`agent`'s text) over 2 prompts -> the metrics of its updates."""
+    import os
+
+    import yaml
+
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
-    (tmp_path / "agent.py").write_text(SIMPLE.format())
-    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve", "data": {"train": "data.jsonl"},
-              "rollout": {"max_concurrent_episodes": 3},
-              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 1, "response_length": 8,
-                      "num_sample_generations": 0, "advantage_estimator": "grpo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop}}
+    (tmp_path / "agent.py").write_text(agent.format())
+    config = {"model": str(saved_policy(tmp_path)), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve",
+              "data": {"train": "data.jsonl"}, "rollout": rollout,
+              "ppo": {"total_episodes": 8, "response_length": 8, "num_sample_generations": 0, "num_samples_per_prompt": 2,
+                      "stop_token": FAMILY.stop, **ppo}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
                             env=os.environ, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "final").is_dir()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    updates = [r for r in records if "reward/agent" in r]
+    return [r for r in records if "reward/agent" in r]
+
+
+def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
+    updates = ppokit_ppo_updates(tmp_path, SIMPLE, {"max_concurrent_episodes": 3},
+                                 {"per_device_train_batch_size": 4, "num_mini_batches": 1, "advantage_estimator": "grpo"})
     assert len(updates) == 2
     assert all(r["agent/calls"] == 1.0 and r["agent/segments"] == 1.0 and 0 <= r["agent/length"] for r in updates)
-    assert (tmp_path / "run" / "final").is_dir()
-
 
 AGENTS_SDK = '''
 from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
@@ -475,27 +485,24 @@ def solve(row, base_url):
 '''
 
 
-def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_path):
+def resumed_and_straight(tmp_path: Path, agent: str, **ppo) -> list[dict]:
+    """An agent run (my_agent.py:solve, `agent`'s text; rloo, 2 optimiser steps per update) crashed in its second update and
+    resumed, against the same run straight through: the resumed run's metrics, asserted equal to the straight run's."""
     from test_checkpoint import comparable, resume_and_finish, train_until_crash_at_optimizer_step
 
     from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
     from ppokit.trainer import PPOTrainer
 
-    tok = FAMILY.tokenizer()
-    torch.manual_seed(0)
-    model_path = tmp_path / "policy"
-    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
-    tok.save_pretrained(model_path)
+    model_path = saved_policy(tmp_path)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(4)))
-    write_agent(tmp_path, [], RESUMED)
+    write_agent(tmp_path, [], agent)
 
     def config(out):
         return PPOConfig(model=str(model_path), output_dir=str(out), agent=f"{tmp_path}/my_agent.py:solve",
                          reward=RewardConfig(functions=[]), data=DataConfig(train=str(tmp_path / "data.jsonl")),
                          rollout=RolloutConfig(max_turns=2, max_concurrent_episodes=3, max_episode_tokens=64),
                          ppo=PPOHyperparams(total_episodes=12, per_device_train_batch_size=2, num_mini_batches=2, num_ppo_epochs=1, response_length=6,
-                                            num_sample_generations=1, num_eval_samples=2, save_steps=1, stop_token=FAMILY.stop,
-                                            advantage_estimator="rloo", num_samples_per_prompt=2))
+                                            save_steps=1, stop_token=FAMILY.stop, advantage_estimator="rloo", num_samples_per_prompt=2, **ppo))
 
     PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
     crashed = PPOTrainer(config(tmp_path / "crashed"), show_progress=False)
@@ -503,8 +510,14 @@ def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_pa
     resume_and_finish(config(tmp_path / "crashed"))
     got, want = comparable(tmp_path / "crashed" / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
     assert [r["update"] for r in got] == [1, 2, 3] and got == want  # every number, bit for bit, but wall-clock time
+    return got
+
+
+def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_path):
+    got = resumed_and_straight(tmp_path, RESUMED, num_sample_generations=1, num_eval_samples=2)
     assert all(r["agent/calls"] == 2.0 and r["agent/segments"] == 1.0 for r in got)
     assert (tmp_path / "crashed" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
+
 
 
 class FailingSession:

@@ -7,10 +7,6 @@ hand and against plain loops; the estimators against the per-episode computation
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -269,34 +265,13 @@ async def solve(row, base_url):
 
 
 def test_ppokit_ppo_trains_an_agent_whose_calls_make_two_segments(tmp_path):
-    import os
+    from test_agent import ppokit_ppo_updates
 
-    import yaml
-
-    from ppokit.demos.tiny import tiny_causal_lm
-    from test_agent import FAMILY
-
-    tok = FAMILY.tokenizer()
-    torch.manual_seed(0)
-    model_path = tmp_path / "policy"
-    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
-    tok.save_pretrained(model_path)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
-    (tmp_path / "agent.py").write_text(SUBAGENT.format())
-    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve", "data": {"train": "data.jsonl"},
-              "rollout": {"max_turns": 2},
-              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 2, "num_mini_batches": 2, "response_length": 8,
-                      "num_sample_generations": 0, "advantage_estimator": "rloo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop,
-                      "loss_aggregation": "seq_mean_token_mean"}}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
-                            env=os.environ, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    updates = [r for r in records if "reward/agent" in r]
+    updates = ppokit_ppo_updates(tmp_path, SUBAGENT, {"max_turns": 2},
+                                 {"per_device_train_batch_size": 2, "num_mini_batches": 2, "advantage_estimator": "rloo",
+                                  "loss_aggregation": "seq_mean_token_mean"})
     assert len(updates) == 2
     assert all(r["agent/segments"] == 2.0 and r["agent/trained_share"] == 1.0 and r["agent/retokenized_share"] == 1.0 for r in updates)
-    assert (tmp_path / "run" / "final").is_dir()
 
 
 TWO_SEGMENTS = '''
@@ -312,33 +287,7 @@ def solve(row, base_url):
 
 
 def test_a_run_of_segment_rows_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_path):
-    from test_agent import FAMILY, write_agent
-    from test_checkpoint import comparable, resume_and_finish, train_until_crash_at_optimizer_step
+    from test_agent import resumed_and_straight
 
-    from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
-    from ppokit.demos.tiny import tiny_causal_lm
-    from ppokit.trainer import PPOTrainer
-
-    tok = FAMILY.tokenizer()
-    torch.manual_seed(0)
-    model_path = tmp_path / "policy"
-    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
-    tok.save_pretrained(model_path)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(4)))
-    write_agent(tmp_path, [], TWO_SEGMENTS)
-
-    def config(out):
-        return PPOConfig(model=str(model_path), output_dir=str(out), agent=f"{tmp_path}/my_agent.py:solve",
-                         reward=RewardConfig(functions=[]), data=DataConfig(train=str(tmp_path / "data.jsonl")),
-                         rollout=RolloutConfig(max_turns=2, max_concurrent_episodes=3, max_episode_tokens=64),
-                         ppo=PPOHyperparams(total_episodes=12, per_device_train_batch_size=2, num_mini_batches=2, num_ppo_epochs=1, response_length=6,
-                                            num_sample_generations=0, save_steps=1, stop_token=FAMILY.stop, advantage_estimator="rloo",
-                                            num_samples_per_prompt=2, loss_aggregation="seq_mean_token_mean"))
-
-    PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
-    crashed = PPOTrainer(config(tmp_path / "crashed"), show_progress=False)
-    train_until_crash_at_optimizer_step(crashed, 4)  # 2 optimiser steps per update: in the second update
-    resume_and_finish(config(tmp_path / "crashed"))
-    got, want = comparable(tmp_path / "crashed" / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
-    assert [r["update"] for r in got] == [1, 2, 3] and got == want  # every number, bit for bit, but wall-clock time
+    got = resumed_and_straight(tmp_path, TWO_SEGMENTS, num_sample_generations=0, loss_aggregation="seq_mean_token_mean")
     assert all(r["agent/segments"] == 2.0 and r["agent/trained_share"] == 1.0 for r in got)
