@@ -795,7 +795,7 @@ MUTATIONS = [
              "an agent's earlier segments are left out of the update again: only the last trains"),
     Mutation("segment_reward_on_every_segment", "src/ppokit/training/episodes.py",
              'elif f.name in ("scores", "environment_rewards"):', 'elif f.name in ("environment_rewards",):',
-             (f"{SEG}::test_segment_rows_under_several_processes_are_refused_in_one_line", REWRITES),
+             (f"{SEG}::test_segment_rows_under_several_fsdp_processes_are_refused_in_one_line", REWRITES),
              "an agent episode's score is copied onto its earlier segments' rows: the reward counted once per segment"),
     Mutation("segment_advantage_not_broadcast", "src/ppokit/training/experience.py",
              "layout = segments.episode_layout(mask, owner,", "layout = segments.episode_layout(mask & episodes.is_episode.unsqueeze(1), owner,",

@@ -7,6 +7,9 @@ hand and against plain loops; the estimators against the per-episode computation
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 import torch
 
@@ -162,7 +165,7 @@ def test_every_estimator_on_segment_rows_is_its_computation_on_each_episodes_tok
     assert not adv[~episodes.loss_mask].any()
 
 
-def test_segment_rows_under_several_processes_are_refused_in_one_line():
+def test_segment_rows_under_several_fsdp_processes_are_refused_in_one_line():
     from ppokit.errors import UserError
     from ppokit.training import experience
     from ppokit.training.episodes import EnvironmentSaid, SegmentRow, Span, pack
@@ -173,9 +176,11 @@ def test_segment_rows_under_several_processes_are_refused_in_one_line():
     rows = experience.with_scores(episodes, scored, 0, lambda t: t)
     assert rows.episode_index.tolist() == [0, 0] and rows.scores.tolist() == [1.0, 0.0] and rows.valid.tolist() == [True, True]
     episodes = pack([[1, 2]], [[Span([5, 6], [0.0, 0.0])]], [True], 0, environment=said)
-    with pytest.raises(UserError, match=r"^agent: 2 earlier segments .* 2 processes do not do yet") as raised:
-        experience.with_scores(episodes, scored, 0, lambda t: t * 2)
+    with pytest.raises(UserError, match=r"^agent: 2 earlier segments .* 2 processes under parallel.strategy fsdp do not do yet") as raised:
+        experience.with_scores(episodes, scored, 0, lambda t: t * 2, uneven_forwards=False)
     assert "\n" not in str(raised.value)
+    episodes = pack([[1, 2]], [[Span([5, 6], [0.0, 0.0])]], [True], 0, environment=said)
+    assert len(experience.with_scores(episodes, scored, 0, lambda t: t * 2, uneven_forwards=True)) == 2  # ddp: rows may differ
 
 
 # --------------------------------------------------------------------------- the trainer's update with an agent that rewrites its history
@@ -291,3 +296,47 @@ def test_a_run_of_segment_rows_resumed_after_a_crash_is_the_run_it_would_have_be
 
     got = resumed_and_straight(tmp_path, TWO_SEGMENTS, num_sample_generations=0, loss_aggregation="seq_mean_token_mean")
     assert all(r["agent/segments"] == 2.0 and r["agent/trained_share"] == 1.0 for r in got)
+
+
+UNEVEN = '''
+from openai import AsyncOpenAI
+
+
+async def solve(row, base_url):
+    client = AsyncOpenAI(base_url=base_url, api_key="anything")
+    text = ""
+    if row["prompt"][-1] in "02":  # a sub-agent's plan first: two segments for half the rows
+        plan = await client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": "Plan: " + row["prompt"]}}])
+        text += plan.choices[0].message.content or ""
+    answer = await client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": row["prompt"]}}])
+    return float(len(text + (answer.choices[0].message.content or "")) % 2)
+'''
+
+
+def test_two_ddp_processes_train_different_numbers_of_segment_rows_and_fsdp_refuses_them(tmp_path):
+    """One prompt (its 2 runs of the agent) per process and update: a process whose prompt's agent makes two segments
+    holds 4 rows, the other 2; ddp trains them (one no-gradient forward per row on each process), fsdp stops in one line."""
+    import yaml
+    from test_agent import FAMILY, saved_policy
+    from test_multiprocess import TORCHRUN, _env, _free_port
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not on PATH")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(4)))
+    (tmp_path / "agent.py").write_text(UNEVEN.format())
+    model = saved_policy(tmp_path)
+    results = {}
+    for strategy in ("ddp", "fsdp"):
+        config = {"model": str(model), "output_dir": str(tmp_path / strategy), "agent": "agent.py:solve", "data": {"train": "data.jsonl"},
+                  "rollout": {"max_turns": 2}, "parallel": {"strategy": strategy},
+                  "ppo": {"total_episodes": 8, "per_device_train_batch_size": 2, "num_mini_batches": 1, "response_length": 8,
+                          "num_sample_generations": 0, "advantage_estimator": "rloo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop,
+                          "local_rollout_forward_batch_size": 1}}
+        (tmp_path / f"{strategy}.yaml").write_text(yaml.safe_dump(config))
+        command = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "ppokit", "ppo", f"{strategy}.yaml"]
+        results[strategy] = subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path)
+    assert results["ddp"].returncode == 0, results["ddp"].stderr[-3000:]
+    updates = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(updates) == 2 and any(r["agent/segments"] == 1.5 for r in updates)  # 2 segments on one process, 1 on the other
+    assert results["fsdp"].returncode != 0
+    assert "ppokit: error: agent: " in results["fsdp"].stderr and "processes under parallel.strategy fsdp do not do yet" in results["fsdp"].stderr

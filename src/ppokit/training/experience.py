@@ -154,19 +154,21 @@ def rewards(episodes: Episodes, *, kl_estimator: str, kl_clamp: Optional[float],
     return shaped, kl, non_score
 
 
-def with_scores(episodes: Episodes, scored: Scored, pad_token_id: int, all_reduce: Reduce) -> Episodes:
+def with_scores(episodes: Episodes, scored: Scored, pad_token_id: int, all_reduce: Reduce, uneven_forwards: bool = True) -> Episodes:
     """The episodes with stage 2's scores and valid (a failed row leaves the update), an agent's earlier segments then
-    appended as rows of their own (`episodes.with_segment_rows`: the scores on the episodes' rows only). Several
-    processes do not train such rows yet: then a UserError on every process (all_reduce: the sum over processes)."""
+    appended as rows of their own (`episodes.with_segment_rows`: the scores on the episodes' rows only), so that
+    processes may hold different numbers of rows and run different numbers of no-gradient forwards over them. Where
+    they may not (`uneven_forwards` False: the parallel strategy's forwards are collectives, fsdp) and several processes
+    run, such rows stop the run with a UserError on every process (all_reduce: the sum over processes)."""
     episodes.scores, episodes.valid = scored.scores, scored.valid
     if episodes.earlier_segments is None:
         return episodes
     rows = with_segment_rows(episodes, pad_token_id)
     counts = all_reduce(torch.tensor([float(len(rows) - len(episodes)), 1.0], device=scored.scores.device)).tolist()
-    if counts[0] and counts[1] > 1:
+    if counts[0] and counts[1] > 1 and not uneven_forwards:
         raise UserError(f"agent: {int(counts[0])} earlier segments of this update's episodes (calls that did not continue the last one) "
-                        f"would train as rows of their own, which {int(counts[1])} processes do not do yet; run the agent on one "
-                        "process, or keep its history (one segment per episode)")
+                        f"would train as rows of their own, which {int(counts[1])} processes under parallel.strategy fsdp do not do "
+                        "yet; use parallel.strategy ddp or one process, or keep the agent's history (one segment per episode)")
     return rows
 
 
