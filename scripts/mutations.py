@@ -44,6 +44,8 @@ RR = "tests/test_rewards_remote.py"
 TRL = "tests/test_trl_environments.py"
 RG = "tests/test_reasoning_gym.py"
 AGENT = "tests/test_agent.py"
+SEG = "tests/test_agent_segments.py"
+REWRITES = f"{SEG}::test_an_agent_that_rewrites_its_history_trains_both_segments_with_the_episodes_advantage"
 
 
 @dataclass
@@ -785,12 +787,37 @@ MUTATIONS = [
              "every agent call starts a segment: the model's earlier turn is rendered from the answer's text and re-tokenised"),
     Mutation("agent_trains_the_first_segment", "src/ppokit/environments/agent.py",
              "return self.segments[-1] if self.segments else None", "return self.segments[0] if self.segments else None",
-             (f"{AGENT}::test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains",),
+             (f"{AGENT}::test_a_call_that_does_not_continue_the_last_starts_a_segment_and_both_segments_train",),
              "an agent's reward lands on its first segment, not on the last (the one the reward is about)"),
-    Mutation("agent_trained_share_counts_every_segment", "src/ppokit/environments/agent.py",
-             '"agent/trained_share": kept / sum(sampled) if sum(sampled) else 0.0}', '"agent/trained_share": 1.0}',
-             (f"{AGENT}::test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains",),
-             "agent/trained_share says every sampled token trains while an earlier segment's are left out"),
+    Mutation("agent_earlier_segments_dropped", "src/ppokit/environments/episode_loop.py",
+             "episode.earlier = [SegmentRow(", "episode.earlier = [] and [SegmentRow(",
+             (f"{AGENT}::test_a_call_that_does_not_continue_the_last_starts_a_segment_and_both_segments_train", REWRITES),
+             "an agent's earlier segments are left out of the update again: only the last trains"),
+    Mutation("segment_reward_on_every_segment", "src/ppokit/training/episodes.py",
+             'elif f.name in ("scores", "environment_rewards"):', 'elif f.name in ("environment_rewards",):',
+             (f"{SEG}::test_segment_rows_under_several_fsdp_processes_are_refused_in_one_line", REWRITES),
+             "an agent episode's score is copied onto its earlier segments' rows: the reward counted once per segment"),
+    Mutation("segment_advantage_not_broadcast", "src/ppokit/training/experience.py",
+             "layout = segments.episode_layout(mask, owner,", "layout = segments.episode_layout(mask & episodes.is_episode.unsqueeze(1), owner,",
+             (f"{SEG}::test_grpo_gives_every_row_of_an_episode_the_episodes_advantage", REWRITES),
+             "an agent episode's advantage reaches its last segment only: its earlier rows get 0"),
+    Mutation("segment_call_order_reversed", "src/ppokit/training/experience.py",
+             "torch.where(rows < count, len(owner), rows)", "torch.where(rows < count, 0, rows + 1)",
+             (f"{SEG}::test_gae_bootstraps_an_earlier_segments_end_from_the_next_segments_value",
+              f"{SEG}::test_every_estimator_on_segment_rows_is_its_computation_on_each_episodes_tokens_in_call_order"),
+             "an agent episode's last segment is put before its earlier ones: GAE and discounted returns run backwards across segments"),
+    Mutation("segment_per_episode_normalisation_skipped", "src/ppokit/training/optimise.py",
+             "row_share=segments.row_shares(episodes.trained_mask, episodes.episode_index))", "row_share=None)",
+             (REWRITES,),
+             "an agent episode of two rows weighs twice in a sequence-mean loss"),
+    Mutation("segment_rows_under_fsdp_not_refused", "src/ppokit/training/experience.py",
+             "if counts[0] and counts[1] > 1 and not uneven_forwards:", "if counts[0] and counts[1] > 1 and False:",
+             (f"{SEG}::test_segment_rows_under_several_fsdp_processes_are_refused_in_one_line",),
+             "segment rows under fsdp go on to forwards the processes run different numbers of (a collective mismatch, a hang or an abort)"),
+    Mutation("segment_micro_batches_split_episodes", "src/ppokit/training/optimise.py",
+             "hp.max_tokens_per_micro_batch, hp.padding_free, owner)]", "hp.max_tokens_per_micro_batch, hp.padding_free, None)]",
+             (REWRITES,),
+             "micro-batches count rows, not episodes: an episode's rows land in different micro-batches, and more of them on a process with more rows"),
     Mutation("agent_run_temperature_not_applied", "src/ppokit/environments/agent.py",
              "sampling = self.sampling if budget == self.sampling.max_new_tokens else _with_budget(self.sampling, budget)",
              "sampling = _with_budget(Sampling(budget, 1.0, self.sampling.stop_token_ids), budget)",

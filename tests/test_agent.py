@@ -2,9 +2,10 @@
 package, as its docs show it, run against the endpoint ppokit serves each episode. Its episode equals, token for token,
 the same conversation through the Tools environment (a tiny real model steered to call `add`, then answer: the trainer's
 own parts, hf engine, the same seeds); each call's answer comes back as OpenAI `tool_calls`; a call that does not
-continue the last one starts a segment (re-tokenised, counted); the run's temperature samples every call; an agent that
-raises, hangs or returns no number fails its episode in one line and the rollout goes on; an ended episode's URL
-refuses calls; `ppokit ppo` trains an agent run from a config file; the OpenAI Agents SDK's own loop keeps one segment."""
+continue the last one starts a segment (re-tokenised, counted, a row of its own: tests/test_agent_segments.py); the
+run's temperature samples every call; an agent that raises, hangs or returns no number fails its episode in one line
+and the rollout goes on; an ended episode's URL refuses calls; `ppokit ppo` trains an agent run from a config file;
+the OpenAI Agents SDK's own loop keeps one segment."""
 
 from __future__ import annotations
 
@@ -156,8 +157,9 @@ def solve(row, base_url):
 '''
 
 
-def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_segment_trains(tmp_path):
+def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_both_segments_train(tmp_path):
     from ppokit.data.lengths import encode_prompt_text
+    from ppokit.training.episodes import with_segment_rows
 
     tok = FAMILY.tokenizer()
     tools = schemas(tmp_path)
@@ -170,17 +172,22 @@ def test_a_call_that_does_not_continue_the_last_starts_a_segment_and_the_last_se
     rendered = agent.conversation.agent.renderer(tools).prompt(second)
     stop = tok.convert_tokens_to_ids(FAMILY.stop)
     for row in range(2):
-        # the row is the second segment: its prompt the re-rendered history, its trained tokens the second call's only
+        # the episode's row is its last segment: its prompt the re-rendered history, its trained tokens the second call's
         assert episodes.query_ids[row][episodes.query_mask[row]].tolist() == encode_prompt_text(tok, rendered)
         trained = episodes.response_ids[row][episodes.loss_mask[row]].tolist()
         assert 0 < len(trained) <= 12 and stop not in trained[:-1] and trained != call
         assert episodes.turns[row].item() == 1 and episodes.turn_rewards[row].sum().item() == 0.5
         assert episodes.turn_rewards[row, episodes.score_index[row]].item() == 0.5
-    # the first segment's sampled tokens (the call) are left out: the trained share says how much of what was sampled trains
+    # the first segment (the call) becomes a row of its own after scoring: its prompt the episode's first, its sampled
+    # tokens trained, no reward on it; every sampled token trains
+    rows = with_segment_rows(episodes, tok.pad_token_id)
+    assert len(rows) == 4 and rows.episode_index.tolist() == [0, 1, 0, 1] and rows.is_episode.tolist() == [True, True, False, False]
+    for row in (2, 3):
+        assert rows.query_ids[row][rows.query_mask[row]].tolist() == prompt
+        assert rows.response_ids[row][rows.loss_mask[row]].tolist() == call and rows.turn_rewards[row].sum().item() == 0.0
     for row in range(2):
-        trained = episodes.loss_mask[row].sum().item()
         assert episodes.agent_numbers[row] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0,
-                                               "agent/trained_share": trained / (len(call) + trained)}
+                                               "agent/trained_share": 1.0}
 
 
 TEMPERATURE = '''
@@ -284,8 +291,8 @@ def test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_
     assert errors[3].startswith(f"agent {config.agent}: returned the reward 'fine' (a str); expected a finite number")
     assert all("\n" not in e for e in errors if e)
     # the refused requests are no calls; the /v1/completions call starts a second segment
-    assert set(episodes.agent_numbers[0]) > {"agent/trained_share"} and 0 < episodes.agent_numbers[0].pop("agent/trained_share") < 1
     assert episodes.agent_numbers[0] == {"agent/calls": 2.0, "agent/segments": 2.0, "agent/retokenized_share": 1.0, "agent/stream": 1.0,
+                                         "agent/trained_share": 1.0,
                                          "agent/n": 1.0, "agent/tool_choice": 1.0, "agent/models": 1.0, "agent/completions": 1.0}
     assert episodes.agent_numbers[4]["agent/refused"] == 1.0
     scored = trainer.rollout.score(episodes, prompts, columns)
@@ -319,32 +326,42 @@ async def solve(row, base_url):
 '''
 
 
-def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
-    import os
-
-    import yaml
-
+def saved_policy(tmp_path: Path) -> Path:
+    """A tiny llama and the family's tokenizer saved in tmp_path/policy, as `model:` names a model."""
     tok = FAMILY.tokenizer()
     torch.manual_seed(0)
     model_path = tmp_path / "policy"
     tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
     tok.save_pretrained(model_path)
+    return model_path
+
+
+def ppokit_ppo_updates(tmp_path: Path, agent: str, rollout: dict, ppo: dict) -> list[dict]:
+    """`ppokit ppo config.yaml` with agent.py:solve (`agent`'s text) over 2 prompts -> the metrics of its updates."""
+    import os
+
+    import yaml
+
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
-    (tmp_path / "agent.py").write_text(SIMPLE.format())
-    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve", "data": {"train": "data.jsonl"},
-              "rollout": {"max_concurrent_episodes": 3},
-              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 1, "response_length": 8,
-                      "num_sample_generations": 0, "advantage_estimator": "grpo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop}}
+    (tmp_path / "agent.py").write_text(agent.format())
+    config = {"model": str(saved_policy(tmp_path)), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve",
+              "data": {"train": "data.jsonl"}, "rollout": rollout,
+              "ppo": {"total_episodes": 8, "response_length": 8, "num_sample_generations": 0, "num_samples_per_prompt": 2,
+                      "stop_token": FAMILY.stop, **ppo}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
                             env=os.environ, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "final").is_dir()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    updates = [r for r in records if "reward/agent" in r]
+    return [r for r in records if "reward/agent" in r]
+
+
+def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
+    updates = ppokit_ppo_updates(tmp_path, SIMPLE, {"max_concurrent_episodes": 3},
+                                 {"per_device_train_batch_size": 4, "num_mini_batches": 1, "advantage_estimator": "grpo"})
     assert len(updates) == 2
     assert all(r["agent/calls"] == 1.0 and r["agent/segments"] == 1.0 and 0 <= r["agent/length"] for r in updates)
-    assert (tmp_path / "run" / "final").is_dir()
-
 
 AGENTS_SDK = '''
 from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
@@ -468,27 +485,24 @@ def solve(row, base_url):
 '''
 
 
-def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_path):
+def resumed_and_straight(tmp_path: Path, agent: str, **ppo) -> list[dict]:
+    """An agent run (my_agent.py:solve, `agent`'s text; rloo, 2 optimiser steps per update) crashed in its second update and
+    resumed, against the same run straight through: the resumed run's metrics, asserted equal to the straight run's."""
     from test_checkpoint import comparable, resume_and_finish, train_until_crash_at_optimizer_step
 
     from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
     from ppokit.trainer import PPOTrainer
 
-    tok = FAMILY.tokenizer()
-    torch.manual_seed(0)
-    model_path = tmp_path / "policy"
-    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
-    tok.save_pretrained(model_path)
+    model_path = saved_policy(tmp_path)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(4)))
-    write_agent(tmp_path, [], RESUMED)
+    write_agent(tmp_path, [], agent)
 
     def config(out):
         return PPOConfig(model=str(model_path), output_dir=str(out), agent=f"{tmp_path}/my_agent.py:solve",
                          reward=RewardConfig(functions=[]), data=DataConfig(train=str(tmp_path / "data.jsonl")),
                          rollout=RolloutConfig(max_turns=2, max_concurrent_episodes=3, max_episode_tokens=64),
                          ppo=PPOHyperparams(total_episodes=12, per_device_train_batch_size=2, num_mini_batches=2, num_ppo_epochs=1, response_length=6,
-                                            num_sample_generations=1, num_eval_samples=2, save_steps=1, stop_token=FAMILY.stop,
-                                            advantage_estimator="rloo", num_samples_per_prompt=2))
+                                            save_steps=1, stop_token=FAMILY.stop, advantage_estimator="rloo", num_samples_per_prompt=2, **ppo))
 
     PPOTrainer(config(tmp_path / "straight"), show_progress=False).train()
     crashed = PPOTrainer(config(tmp_path / "crashed"), show_progress=False)
@@ -496,8 +510,14 @@ def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_pa
     resume_and_finish(config(tmp_path / "crashed"))
     got, want = comparable(tmp_path / "crashed" / "metrics.jsonl"), comparable(tmp_path / "straight" / "metrics.jsonl")
     assert [r["update"] for r in got] == [1, 2, 3] and got == want  # every number, bit for bit, but wall-clock time
+    return got
+
+
+def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_path):
+    got = resumed_and_straight(tmp_path, RESUMED, num_sample_generations=1, num_eval_samples=2)
     assert all(r["agent/calls"] == 2.0 and r["agent/segments"] == 1.0 for r in got)
     assert (tmp_path / "crashed" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
+
 
 
 class FailingSession:

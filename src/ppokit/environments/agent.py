@@ -14,9 +14,10 @@ segments, as the Tools environment makes an episode:
                                                never re-tokenised
     call 3: anything else                   -> a new segment (its prompt rendered from text: re-tokenised)
 
-The episode trains its last segment, the one the reward is about: its prompt is the episode's prompt, its model turns
-are trained (loss mask on the sampled tokens only) and its observations read; the reward sits at its last model token
-(the last turn's, with rollout.turn_rewards too: the agent gives one reward). Calls per episode, segments per episode
+The episode is its segments, each trained as a row of its own (its model turns trained: loss mask on the sampled tokens
+only; its observations read). Its last segment stands for the episode (its prompt the episode's, what reward sources
+and samples see); the reward sits at its last model token (the last turn's, with rollout.turn_rewards too: the agent
+gives one reward) and the advantage is the episode's, computed over its segments together (`training.segments`). Calls per episode, segments per episode
 and the re-tokenised share (the share of calls after the first that started a segment: 0 when the agent keeps its
 history) are metrics (`agent/calls`, `agent/segments`, `agent/retokenized_share`).
 
@@ -447,17 +448,16 @@ class AgentSession:
 
     def numbers(self) -> dict[str, float]:
         """calls, segments, the re-tokenised share and the trained share of this episode (`agent/*` metrics): the last
-        is the share of the tokens its calls sampled that the trained segment holds (1 with one segment; below 1, the
-        earlier segments' sampled tokens are left out of the update)."""
+        is the share of the tokens its calls sampled that its segments' rows train (every segment trains: 1 once any
+        call sampled a token)."""
         retokenized = (len(self.segments) - 1) / (self.calls - 1) if self.calls > 1 else 0.0
-        sampled = [sum(len(span.ids) for span in segment.spans if span.logprobs is not None) for segment in self.segments]
-        trained = self.trained()
-        kept = sampled[self.segments.index(trained)] if trained is not None else 0
+        sampled = sum(len(span.ids) for segment in self.segments for span in segment.spans if span.logprobs is not None)
         return {"agent/calls": float(self.calls), "agent/segments": float(len(self.segments)), "agent/retokenized_share": retokenized,
-                "agent/trained_share": kept / sum(sampled) if sum(sampled) else 0.0}
+                "agent/trained_share": 1.0 if sampled else 0.0}
 
     def trained(self) -> Optional[Segment]:
-        """The segment the episode trains: the last (the one the reward is about); None when the agent made no call."""
+        """The segment that stands for the episode: the last (the one the reward is about; the earlier ones train as rows
+        of their own); None when the agent made no call."""
         return self.segments[-1] if self.segments else None
 
 

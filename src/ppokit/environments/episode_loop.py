@@ -53,7 +53,7 @@ from ppokit.engines.driver import AsyncRequests
 from ppokit.environments.agent import AgentSession
 from ppokit.environments.agent_endpoint import Endpoint
 from ppokit.environments.base import prompt_suffix
-from ppokit.training.episodes import EnvironmentSaid, Span, pack
+from ppokit.training.episodes import EnvironmentSaid, SegmentRow, Span, pack
 from ppokit.errors import UserError
 from ppokit.process.workers import run_coroutine
 
@@ -104,6 +104,7 @@ class _Episode:
     error: Optional[str] = None
     environment: Optional[str] = None  # the name of the environment its row chose, among several (its metrics'); None: one
     numbers: dict = field(default_factory=dict)  # an agent's episode: its calls, segments, ... and the agent's own numbers (`agent/*` metrics)
+    earlier: list = field(default_factory=list)  # an agent's episode: its segments before the last (`SegmentRow`s), trained as rows of their own
     # the turns as text: the model's decoded (with the step's reward, done), the environment's as it said them
     transcript: list[dict] = field(default_factory=list)
     request: Optional[str] = None  # the id of its last request
@@ -247,7 +248,8 @@ class EpisodeLoop:
                           calls, tag: str, endpoint: Endpoint) -> None:
         """One episode made by the agent program: its run against a URL of its own, each call an engine request
         (`AgentSession`); when it returns (or fails) the URL is closed and the episode is the session's last segment,
-        the reward at its last model token."""
+        the reward at its last model token, with its earlier segments that sampled anything (`earlier`: rows of their own
+        after scoring, `episodes.with_segment_rows`)."""
         session = AgentSession(self.agent, ask=requests.complete, forget=self.engine.forget, seed=partial(seeds.of, episode.row),
                                sampling=sampling, max_calls=self.max_turns, room=self.max_episode_tokens, name=f"{tag}-{episode.row}")
         url = endpoint.open(session)
@@ -275,6 +277,7 @@ class EpisodeLoop:
         model_turns = [span for span in segment.spans if span.logprobs is not None]
         episode.turns, episode.truncated, episode.last_turn_stopped = len(model_turns), segment.truncated, segment.stopped
         episode.transcript = segment.transcript
+        episode.earlier = [SegmentRow(list(s.prompt), list(s.spans)) for s in session.segments[:-1] if any(span.logprobs is not None for span in s.spans)]
         if episode.error is None:
             model_turns[-1].reward = outcome.reward
             episode.done = True
@@ -382,7 +385,7 @@ class EpisodeLoop:
 
     def _packed(self, episodes: list[_Episode]) -> "Episodes":
         answered = self.runner is not None or self.agent is not None
-        said = [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript, e.environment, e.numbers) for e in episodes] if answered else None
+        said = [EnvironmentSaid(e.done, e.truncated, e.error, e.transcript, e.environment, e.numbers, e.earlier) for e in episodes] if answered else None
         ended = [e.done or (e.last_turn_stopped and not e.truncated) for e in episodes]
         return pack([e.prompt for e in episodes], [e.spans for e in episodes], ended, self.pad_token_id, self.device, said)
 

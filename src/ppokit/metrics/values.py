@@ -27,9 +27,11 @@ def objective_metrics(
     teacher `teacher/kl` (`teacher_kl`).
 
     kl, non_score: (B, R) per-token KL and KL penalty; kept: (B,) bool. Token sums are over the trained
-    tokens (`Episodes.trained_mask`: none on a dropped row).
+    tokens (`Episodes.trained_mask`: none on a dropped row); with an agent's segment rows, an episode's over all its
+    rows, counted once (`Episodes.is_episode`).
     """
     mask = episodes.trained_mask
+    kept = kept & episodes.is_episode
     keep = kept.float()
     baseline = episodes.baseline_scores  # ReMax: the greedy responses' scores
     sums = reduce_sum(torch.stack([

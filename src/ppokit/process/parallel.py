@@ -62,6 +62,7 @@ class Strategy(Protocol):
     strategy: str
     accelerator: object
     backward_separately: bool  # see `backward_separately`
+    uneven_forwards: bool  # processes may run different numbers of forward passes (an agent's segment rows: experience.with_scores)
 
     def prepare(self, model: nn.Module, build: Build) -> tuple: ...
     def place_frozen(self, model: nn.Module) -> nn.Module: ...
@@ -216,6 +217,7 @@ class Replicated:
     """Whole models on every process; DistributedDataParallel (through accelerate) when there are several."""
 
     strategy = "ddp"
+    uneven_forwards = True  # processes may run different numbers of forwards (a forward is no collective): an agent's segment rows
 
     def __init__(self, accelerator, settings=None, bf16: bool = False):
         self.accelerator = accelerator
@@ -341,6 +343,7 @@ class Sharded:
     """FSDP2: weights, gradients and optimiser state of each sharded model split over the processes."""
 
     strategy = "fsdp"
+    uneven_forwards = False  # every forward gathers the weights with the other processes: each must run as many
 
     def __init__(self, accelerator, settings, bf16: bool = False):
         fully_shard, _, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy = _fsdp()

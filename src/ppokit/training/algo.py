@@ -812,17 +812,19 @@ def clipped_value_loss(
 # --------------------------------------------------------------------------- loss aggregation
 
 
-def token_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def token_weights(mask: torch.Tensor, aggregation: str, row_share: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token weights w of an aggregation (see the module docstring): (B, T) bool -> (B, T) float32.
 
       token_mean, seq_mean_token_sum, seq_mean_token_sum_norm: 1 on every real token;
       seq_mean_token_mean: 1/|o_i| on the real tokens of row i (each sequence weighs the same).
     Padding is 0. Each row's weights depend on that row only, so they survive any split into
-    micro-batches.
+    micro-batches. row_share: (B,) float, each row's share of its episode's tokens (`segments.row_shares`; None: one
+    row per episode): the sequence is the episode, seq_mean_token_mean's weight 1/|episode's tokens| = share/|o_i|.
     """
     maskf = mask.float()
     if aggregation == "seq_mean_token_mean":
-        return maskf / maskf.sum(-1, keepdim=True).clamp(min=1)
+        weights = maskf / maskf.sum(-1, keepdim=True).clamp(min=1)
+        return weights if row_share is None else weights * row_share.to(weights.dtype).unsqueeze(1)
     if aggregation in LOSS_AGGREGATIONS:
         return maskf
     raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
@@ -835,7 +837,7 @@ class LossNormalisers(NamedTuple):
     value: torch.Tensor  # the value loss: the number of real tokens
 
 
-def loss_normalisers(mask: torch.Tensor, aggregation: str, response_length: int) -> LossNormalisers:
+def loss_normalisers(mask: torch.Tensor, aggregation: str, response_length: int, row_share: Optional[torch.Tensor] = None) -> LossNormalisers:
     """Normalisers over the rows of `mask` (B, T) bool, each at least 1.
 
       token_mean                 D = real tokens                 (TRL's, OpenRLHF's token-level loss) [DAPO, 3.3];
@@ -844,11 +846,13 @@ def loss_normalisers(mask: torch.Tensor, aggregation: str, response_length: int)
       seq_mean_token_sum_norm    D = sequences x response_length (a constant per sequence: Dr. GRPO's) [DrGRPO, 3.2].
     Sequences count the rows with at least one real token (rows dropped from the update are none).
     `response_length` is the configured maximum, not this batch's longest response, so that D
-    does not depend on what was sampled.
+    does not depend on what was sampled. row_share: (B,) float, each row's share of its episode's tokens
+    (`segments.row_shares`; None: one row per episode): the sequences are then the episodes, the shares summed, so an
+    episode of several rows counts once.
     """
     maskf = mask.float()
     tokens = maskf.sum().clamp(min=1)
-    sequences = mask.any(-1).float().sum().clamp(min=1)
+    sequences = (mask.any(-1).float() if row_share is None else row_share.float()).sum().clamp(min=1)
     if aggregation == "token_mean":
         policy = tokens
     elif aggregation in ("seq_mean_token_sum", "seq_mean_token_mean"):
@@ -930,13 +934,14 @@ def ppo_loss(
     returns: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
+    row_share: Optional[torch.Tensor] = None,
 ) -> LossTerms:
     """The loss of one micro-batch: policy + vf_coef * value + kl_loss_coef * KL - entropy_coef * H.
 
     Tensors (B, T): mask bool, the trained tokens; logprobs (with grad), old_logprobs, advantages, entropy (with
     grad when entropy_coef > 0); values (with grad), old_values, returns: with a critic; ref_logprobs:
     with kl_loss_coef > 0; is_weights (no grad): `truncated_is_weights`, or None. normalisers: `loss_normalisers` over this micro-batch or over its whole
-    minibatch (module docstring). -> LossTerms.
+    minibatch (module docstring); row_share (B,): `token_weights`'s (rows of multi-segment episodes). -> LossTerms.
       policy  `policy_loss_per_token` (times is_weights token by token, when given), aggregated per `settings.aggregation`;
               with importance_sampling_level "sequence", GSPO's ratio per response [GSPO];
       value   0.5 * `value_loss_per_token`, a token mean;
@@ -944,7 +949,7 @@ def ppo_loss(
               "low-variance KL" of GRPO [GRPO, eq. 4]), aggregated as the policy term;
       H       the entropy of the policy at each token, aggregated as the policy term.
     """
-    weights = token_weights(mask, settings.aggregation)
+    weights = token_weights(mask, settings.aggregation, row_share)
     per_token, log_ratio, ratio, clipped, dual_clipped = policy_loss_per_token(
         logprobs, old_logprobs, advantages, settings.cliprange_low, settings.cliprange_high, settings.dual_clip_c,
         sequence_mask=mask if settings.importance_sampling_level == "sequence" else None,

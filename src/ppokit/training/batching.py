@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 from ppokit.models import packing
-from ppokit.training import algo
+from ppokit.training import algo, segments
 from ppokit.training.episodes import Episodes
 from ppokit.data.lengths import BudgetTooSmall
 
@@ -138,9 +138,10 @@ def shuffled(rows: int, together: int, device=None) -> torch.Tensor:
     return order[order < rows]
 
 
-def plan_rows(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Fixed micro-batches of `size` rows in the given order (TRL's semantics; no sorting, no trimming)."""
-    return list(rows.split(size))
+def plan_rows(rows: torch.Tensor, size: int, episode: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """Fixed micro-batches of `size` rows in the given order (TRL's semantics; no sorting, no trimming); with `episode`
+    ((B,) long, an agent's segment rows, each episode's rows adjacent in `rows`) of `size` episodes with all their rows."""
+    return list(rows.split(size)) if episode is None else segments.episode_chunks(rows, episode, size)
 
 
 def forward_view(episodes: Episodes) -> Episodes:
@@ -153,7 +154,7 @@ def forward_view(episodes: Episodes) -> Episodes:
     end = torch.where(trained.any(1), algo.last_token_index(trained) + 1, torch.zeros_like(trained[:, 0], dtype=torch.long))
     needed = torch.arange(prompt_width + response_width, device=trained.device) < (prompt_width + end).unsqueeze(1)
     return replace(episodes, attention_mask=episodes.attention_mask & needed, environment_errors=None, transcripts=None,
-                   environments=None)
+                   environments=None, earlier_segments=None)
 
 
 def plan_episodes(rows: torch.Tensor, episodes: Episodes, max_tokens: int) -> list[torch.Tensor]:
@@ -162,19 +163,19 @@ def plan_episodes(rows: torch.Tensor, episodes: Episodes, max_tokens: int) -> li
 
 
 def split(episodes: Episodes, rows: torch.Tensor, max_rows: int, max_tokens: Optional[int] = None,
-          padding_free: bool = False) -> list[tuple[torch.Tensor, Episodes]]:
+          padding_free: bool = False, episode: Optional[torch.Tensor] = None) -> list[tuple[torch.Tensor, Episodes]]:
     """The micro-batches (training) or chunks (no-gradient passes) of `rows` of the episodes, as
     (row index (n_i,), the rows' Episodes, each row cut to what the forwards need: `forward_view`)
     pairs, in the order to run them.
 
     max_tokens None: consecutive groups of `max_rows` rows as given, padded to the whole batch's width
-    (TRL's semantics). Else the token-budget plan (`plan_micro_batches`), each micro-batch packed.
+    (TRL's semantics; with `episode`, of `max_rows` episodes: `plan_rows`). Else the token-budget plan (`plan_micro_batches`), each micro-batch packed.
     padding_free (ppo.padding_free: the forwards run over packed rows, `models.packing`): the same groups of rows
     without a budget, each right-aligned (`pack`); with one, the budget fills packed rows (`plan_packed_micro_batches`).
     """
     view = forward_view(episodes)
     if max_tokens is None:
-        return [(index, pack(view.select(index)) if padding_free else view.select(index)) for index in plan_rows(rows, max_rows)]
+        return [(index, pack(view.select(index)) if padding_free else view.select(index)) for index in plan_rows(rows, max_rows, episode)]
     plan = plan_packed_micro_batches(rows, view.attention_mask.sum(1), max_tokens) if padding_free else plan_episodes(rows, view, max_tokens)
     return [(index, pack(view.select(index))) for index in plan]
 

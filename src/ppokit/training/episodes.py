@@ -22,6 +22,11 @@ What an environment said (multi-turn episodes; None without one) rides in the sa
 step rewards, each step's reward at the last token of the turn that earned it, the turns, done, truncated, the
 failures and the transcripts. Stage 2 scores from them, stage 4 places the turn rewards (`experience.rewards`).
 
+Segment rows: an agent's episode whose calls made several segments (docs/agents.md) is sampled and scored as one row,
+its last segment, with the earlier ones in `earlier_segments`; after scoring `with_segment_rows` appends one row per
+earlier segment (rows E.. in the episodes' order, each episode's in call order), `episode_index` naming each row's
+episode. Rows [0, E) stay the episodes, in the group layout below; scores sit on them only.
+
 Group layout: with n = ppo.num_samples_per_prompt, the n samples of a prompt are adjacent rows, so
 rows [g * n, (g + 1) * n) answer prompt g and B = prompts x n. The group estimators read groups from
 this layout; only the optimisation epochs shuffle rows, after the advantages are computed.
@@ -29,6 +34,7 @@ this layout; only the optimisation epochs shuffle rows, after the advantages are
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -72,6 +78,10 @@ class Episodes:
     transcripts: Optional[list[list[dict[str, Any]]]] = None  # per episode its turns as text: {"role": assistant|user|tool, "text"}
     environments: Optional[list[Optional[str]]] = None  # per episode the name of the environment its row chose (several in a run)
     agent_numbers: Optional[list[dict[str, float]]] = None  # an agent program's episodes: each one's agent/* numbers (calls, segments, ...)
+    # An agent's episodes of several segments (`with_segment_rows`), None otherwise:
+    earlier_segments: Optional[list[list["SegmentRow"]]] = None  # per episode the segments before its last, in call order
+    episode_index: Optional[torch.Tensor] = None  # (B,) long, each row's episode: rows [0, E) the episodes (their last segments)
+    row_share: Optional[torch.Tensor] = None  # (B,) float, each row's share of its episode's trained tokens (the optimisation's)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -104,6 +114,16 @@ class Episodes:
     def observation_tokens(self) -> torch.Tensor:
         """(B,) long: the real response tokens that are not the model's (an environment's observations)."""
         return self.attention_mask[:, self.query_ids.shape[1]:].sum(1) - self.model_tokens
+
+    @property
+    def is_episode(self) -> torch.Tensor:
+        """(B,) bool: the rows that stand for an episode (its last segment): all of them but an agent's earlier segments."""
+        rows = torch.arange(self.query_ids.shape[0], device=self.query_ids.device)
+        return torch.ones_like(rows, dtype=torch.bool) if self.episode_index is None else self.episode_index == rows
+
+    def per_row(self, value: torch.Tensor) -> torch.Tensor:
+        """(E,) per episode -> (B,) per row, each row its episode's (the same tensor with one row per episode)."""
+        return value if self.episode_index is None else value[self.episode_index.to(value.device)]
 
     def select(self, index: torch.Tensor) -> "Episodes":
         """Rows `index` of every filled field."""
@@ -170,6 +190,42 @@ class Span:
 
 
 @dataclass
+class SegmentRow:
+    """An agent's segment before the last of its episode, trained as a row of its own: its prompt and its spans."""
+
+    prompt: list[int]
+    spans: list[Span]
+
+
+def with_segment_rows(episodes: Episodes, pad_token_id: int) -> Episodes:
+    """The episodes with each earlier segment of an agent's episode (`earlier_segments`) appended as a row of its own
+    (module docstring): its prompt, its model turns trained and observations read, no score (0: the episode's sits on
+    its last segment), the episode's valid, ended, weight version, failure and agent numbers; `episode_index` (B,) set.
+    Episodes without earlier segments are returned as they are (episode_index None)."""
+    earlier = episodes.earlier_segments
+    owners = [e for e, segments in enumerate(earlier or []) for _ in segments]
+    if not owners:
+        return episodes
+    segments = [segment for per_episode in earlier for segment in per_episode]
+    said = None if episodes.turns is None else [EnvironmentSaid(done=False, truncated=False) for _ in segments]
+    extra = pack([s.prompt for s in segments], [s.spans for s in segments], [True] * len(segments), pad_token_id,
+                 episodes.query_ids.device, said)
+    index = torch.tensor(owners, dtype=torch.long, device=episodes.query_ids.device)
+    for f in fields(Episodes):
+        mine, theirs = getattr(episodes, f.name), getattr(extra, f.name)
+        if mine is None or f.name == "earlier_segments":
+            setattr(extra, f.name, None)
+        elif f.name in ("scores", "environment_rewards"):
+            setattr(extra, f.name, torch.zeros(len(owners), dtype=mine.dtype, device=mine.device))
+        elif theirs is None or f.name in ("ended", "environment_errors", "environments", "agent_numbers"):
+            setattr(extra, f.name, _rows(mine, index))
+    episodes = dataclasses.replace(episodes, earlier_segments=None)
+    joined = concat([episodes, extra], pad_token_id)
+    joined.episode_index = torch.cat([torch.arange(len(episodes), device=index.device), index])
+    return joined
+
+
+@dataclass
 class EnvironmentSaid:
     """What an environment said of one episode besides its step rewards (`pack`'s `environment`)."""
 
@@ -179,6 +235,7 @@ class EnvironmentSaid:
     transcript: list[dict[str, Any]] = field(default_factory=list)  # its turns as text: {"role", "text"}
     environment: Optional[str] = None  # the name of the environment its row chose, among several; None: one
     numbers: dict[str, float] = field(default_factory=dict)  # an agent program's episode: its agent/* numbers
+    earlier: list[SegmentRow] = field(default_factory=list)  # an agent program's episode: its segments before the last
 
 
 def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], pad_token_id: int, device=None,
@@ -240,6 +297,7 @@ def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], p
     episodes.environment_errors = [said.error for said in environment]
     episodes.transcripts = [said.transcript for said in environment]
     episodes.environments = [said.environment for said in environment]
-    if any(said.numbers for said in environment):
+    if any(said.numbers for said in environment):  # an agent's episodes
         episodes.agent_numbers = [dict(said.numbers) for said in environment]
+        episodes.earlier_segments = [list(said.earlier) for said in environment]
     return episodes

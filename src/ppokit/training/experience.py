@@ -6,7 +6,8 @@ samples ahead of training (or a test) can call them as `PPOTrainer.step` does (s
     reference_and_values   one no-gradient pass: reference logprobs, values, the policy's own logprobs, a teacher's logprobs
     rewards                per-token KL penalty, a teacher's reverse KL, the score at each score position, per-turn rewards,
                            whitening
-    advantages             the estimator's advantages and returns over the trained tokens
+    with_scores            the scores on the episodes; an agent's earlier segments made rows of their own
+    advantages             the estimator's advantages and returns over the trained tokens (over each episode's rows together)
     trained_on             the episodes as the optimisation sees them (truncated ones out, ppo.mask_truncated_completions)
 
 Every per-token result is (B, R), 0 outside the episodes' `trained_mask`.
@@ -23,8 +24,9 @@ from torch import nn
 
 from ppokit.models import adapters
 
-from ppokit.training import algo, batching
-from ppokit.training.episodes import Episodes
+from ppokit.errors import UserError
+from ppokit.training import algo, batching, segments
+from ppokit.training.episodes import Episodes, with_segment_rows
 from ppokit.training.estimators import Estimator
 from ppokit.metrics.values import agent_metrics, environment_metrics, episode_metrics
 from ppokit.models.loading import Layout, eval_mode, response_logprobs
@@ -156,15 +158,50 @@ def rewards(episodes: Episodes, *, kl_estimator: str, kl_clamp: Optional[float],
     return shaped, kl, non_score
 
 
+def with_scores(episodes: Episodes, scored: Scored, pad_token_id: int, all_reduce: Reduce, uneven_forwards: bool = True) -> Episodes:
+    """The episodes with stage 2's scores and valid (a failed row leaves the update), an agent's earlier segments then
+    appended as rows of their own (`episodes.with_segment_rows`: the scores on the episodes' rows only), so that
+    processes may hold different numbers of rows and run different numbers of no-gradient forwards over them. Where
+    they may not (`uneven_forwards` False: the parallel strategy's forwards are collectives, fsdp) and several processes
+    run, such rows stop the run with a UserError on every process (all_reduce: the sum over processes)."""
+    episodes.scores, episodes.valid = scored.scores, scored.valid
+    if episodes.earlier_segments is None:
+        return episodes
+    rows = with_segment_rows(episodes, pad_token_id)
+    counts = all_reduce(torch.tensor([float(len(rows) - len(episodes)), 1.0], device=scored.scores.device)).tolist()
+    if counts[0] and counts[1] > 1 and not uneven_forwards:
+        raise UserError(f"agent: {int(counts[0])} earlier segments of this update's episodes (calls that did not continue the last one) "
+                        f"would train as rows of their own, which {int(counts[1])} processes under parallel.strategy fsdp do not do "
+                        "yet; use parallel.strategy ddp or one process, or keep the agent's history (one segment per episode)")
+    return rows
+
+
 def advantages(estimator: Estimator, episodes: Episodes, *, gamma: float, lam: float, whiten: bool, group_size: int,
                grpo_scale_std: bool, all_reduce: Reduce) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """-> (advantages (B, R), returns (B, R), None without a critic): `estimator`'s function (ppokit.training.estimators) over the episodes' rewards,
     values and baseline scores on the trained tokens; group_size: the n samples of each prompt (adjacent rows);
-    all_reduce: the sum over processes (whitening statistics of the whole batch)."""
-    return estimator.advantages(
-        episodes.rewards, episodes.trained_mask, values=episodes.values, gamma=gamma, lam=lam, whiten=whiten,
-        group_size=group_size, grpo_scale_std=grpo_scale_std, baseline_scores=episodes.baseline_scores, all_reduce=all_reduce,
+    all_reduce: the sum over processes (whitening statistics of the whole batch).
+
+    Rows of several segments per episode (`Episodes.episode_index`): the estimator runs on the episode layout, each
+    episode's trained tokens in call order (`segments.episode_layout`: its earlier segments' rows, then its own row),
+    and its advantages and returns go back to the rows: an episode's groups, baseline and return are the episode's."""
+    if episodes.episode_index is None:
+        return estimator.advantages(
+            episodes.rewards, episodes.trained_mask, values=episodes.values, gamma=gamma, lam=lam, whiten=whiten,
+            group_size=group_size, grpo_scale_std=grpo_scale_std, baseline_scores=episodes.baseline_scores, all_reduce=all_reduce,
+        )
+    mask, owner = episodes.trained_mask, episodes.episode_index
+    count = int(episodes.is_episode.sum())
+    rows = torch.arange(len(owner), device=owner.device)
+    layout = segments.episode_layout(mask, owner, torch.where(rows < count, len(owner), rows), count)
+    values = None if episodes.values is None else segments.gather(episodes.values, *layout)
+    baseline = None if episodes.baseline_scores is None else episodes.baseline_scores[:count]
+    per_episode, returns = estimator.advantages(
+        segments.gather(episodes.rewards, *layout), layout[2], values=values, gamma=gamma, lam=lam, whiten=whiten,
+        group_size=group_size, grpo_scale_std=grpo_scale_std, baseline_scores=baseline, all_reduce=all_reduce,
     )
+    back = [None if x is None else segments.scatter(x, *layout, tuple(mask.shape)) for x in (per_episode, returns)]
+    return back[0], back[1]
 
 
 def trained_on(episodes: Episodes, *, mask_truncated_completions: bool) -> Episodes:

@@ -20,6 +20,7 @@ estimator) there is one group and no value loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from typing import Any, Callable, Optional
@@ -29,7 +30,7 @@ from torch import nn
 
 from ppokit.models import prefix, roles
 
-from ppokit.training import algo, batching
+from ppokit.training import algo, batching, segments
 from ppokit.training.batch_sizes import BatchSizes
 from ppokit.config.schema import PER_MICRO_BATCH, PER_MINIBATCH, PPOHyperparams
 from ppokit.training.episodes import Episodes
@@ -170,10 +171,13 @@ def loss_settings(hp: PPOHyperparams) -> algo.LossSettings:
 
 
 def micro_batches(episodes: Episodes, minibatch: torch.Tensor, sizes: BatchSizes, hp: PPOHyperparams) -> list[Episodes]:
-    """The micro-batches of a minibatch (row indices into `episodes`): consecutive groups of
-    `sizes.micro_batch` rows, or with ppo.max_tokens_per_micro_batch rows of similar length packed
-    within the token budget and packed (ppokit.training.batching); ppo.padding_free: laid out for packed rows."""
-    return [mb for _, mb in batching.split(episodes, minibatch, sizes.micro_batch, hp.max_tokens_per_micro_batch, hp.padding_free)]
+    """The micro-batches of a minibatch (episode indices into `episodes`: its rows, or with an agent's segment rows the
+    episodes, each bringing all its rows, `segments.rows_of`): consecutive groups of `sizes.micro_batch` episodes, or
+    with ppo.max_tokens_per_micro_batch rows of similar length packed within the token budget and packed
+    (ppokit.training.batching); ppo.padding_free: laid out for packed rows."""
+    owner = episodes.episode_index
+    rows = minibatch if owner is None else segments.rows_of(minibatch, owner)
+    return [mb for _, mb in batching.split(episodes, rows, sizes.micro_batch, hp.max_tokens_per_micro_batch, hp.padding_free, owner)]
 
 
 def loss_normalisers(micros: list[Episodes], hp: PPOHyperparams, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
@@ -186,13 +190,16 @@ def loss_normalisers(micros: list[Episodes], hp: PPOHyperparams, reduce_sum: Cal
     PER_MINIBATCH (with ppo.max_tokens_per_micro_batch): one D over the whole minibatch, summed over every process and
     divided by their number (DDP averages gradients), scale 1: the gradients of the micro-batches add
     up to that of the global minibatch in one piece, however it was split.
+    With an agent's segment rows, each row's `row_share` makes an episode of several rows count as one sequence.
     """
     if hp.loss_normalisation == PER_MICRO_BATCH:
-        return [(algo.loss_normalisers(mb.trained_mask, hp.loss_aggregation, hp.response_length), 1.0 / len(micros)) for mb in micros]
+        return [(algo.loss_normalisers(mb.trained_mask, hp.loss_aggregation, hp.response_length, mb.row_share), 1.0 / len(micros))
+                for mb in micros]
     masks = [mb.trained_mask for mb in micros]
     width = max(mask.shape[1] for mask in masks)
     minibatch = torch.cat([nn.functional.pad(mask, (0, width - mask.shape[1])) for mask in masks])
-    local = algo.loss_normalisers(minibatch, hp.loss_aggregation, hp.response_length)
+    shares = None if micros[0].row_share is None else torch.cat([mb.row_share for mb in micros])
+    local = algo.loss_normalisers(minibatch, hp.loss_aggregation, hp.response_length, shares)
     policy, value = (reduce_sum(torch.stack([local.policy, local.value])) / processes).unbind()
     return [(algo.LossNormalisers(policy=policy, value=value), 1.0)] * len(micros)
 
@@ -236,6 +243,7 @@ def _ppo_loss(settings: algo.LossSettings, normalisers: algo.LossNormalisers, mb
     return algo.ppo_loss(
         settings, normalisers, mb.trained_mask, logprobs, mb.logprobs, mb.advantages, entropy,
         values=values, old_values=mb.values, returns=mb.returns, ref_logprobs=mb.ref_logprobs, is_weights=mb.rollout_is_weights,
+        row_share=mb.row_share,
     )
 
 
@@ -285,9 +293,12 @@ def ppo_epochs(
     processed, real = 0, torch.zeros((), device=device)
     skipped: list[NonFiniteUpdate] = []
     steps = 0
+    if episodes.episode_index is not None:  # an agent's segment rows: each row's share of its episode's tokens
+        episodes = dataclasses.replace(episodes, row_share=segments.row_shares(episodes.trained_mask, episodes.episode_index))
+    count = int(episodes.is_episode.sum())  # minibatches are of episodes (with their rows), as many on every process
     for _ in range(hp.num_ppo_epochs):
-        order = batching.shuffled(len(episodes), hp.kept_together, device)
-        for start in range(0, len(episodes), sizes.local_mini_batch):
+        order = batching.shuffled(count, hp.kept_together, device)
+        for start in range(0, count, sizes.local_mini_batch):
             micros = micro_batches(episodes, order[start : start + sizes.local_mini_batch], sizes, hp)
             tokens = torch.stack([mb.trained_mask.sum() for mb in micros]).float()
             step_loss = torch.zeros((), device=device)
