@@ -29,7 +29,10 @@ Floor: the FLOPs of the matrix multiplications each stage must do on the real to
 forward, twice that for a backward: the weights of every nn.Linear, the output head counted only at the response
 positions it must score, the embedding lookup as free; attention's two products, 2 x layers x hidden x T^2 per
 causal sequence of T tokens), over the machine's matmul rate (a 1024 x 1024 float32 torch.matmul, measured before
-and after the run, on one thread and on the run's threads). `ratio` = measured / floor. Stages without model
+and after the run, on one thread and on the run's threads; the floor takes the best seen). `ratio` = measured / floor. On a machine shared with
+other work the wall times grow with the load; with one torch thread (OMP_NUM_THREADS=1) each stage's CPU time of this
+process is reported too (`cpu_s`), and `cpu_ratio` sets it against the one-thread matmul rate in CPU time: what the
+load changes least. Stages without model
 arithmetic (scoring with a reward function, rewards, advantages, the bookkeeping) have no floor.
 
 The profiled update (the last) wraps the largest stage in torch.profiler; its top operators by self CPU time go to
@@ -70,8 +73,9 @@ PROFILED = {"sampling": "sampler.episodes", "reference_values": "experience.refe
             "scoring": "rollout.score"}
 
 
-def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
-    """The best rate of an n x n float32 matmul on `threads` threads, GFLOP/s."""
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5, clock=time.perf_counter) -> float:
+    """The best rate of an n x n float32 matmul on `threads` threads, GFLOP/s of `clock` (wall, or time.process_time:
+    this process's CPU time, which a loaded machine's waiting does not count)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -79,12 +83,17 @@ def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
         torch.matmul(a, b)
         best = float("inf")
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = clock()
             torch.matmul(a, b)
-            best = min(best, time.perf_counter() - start)
-        return 2 * n**3 / best / 1e9
+            best = min(best, clock() - start)
+        return 2 * n**3 / max(best, 1e-9) / 1e9
     finally:
         torch.set_num_threads(before)
+
+
+def matmul_rates() -> dict[str, float]:
+    return {"one_thread": matmul_gflops(1), "run_threads": matmul_gflops(torch.get_num_threads()),
+            "one_thread_cpu_time": matmul_gflops(1, clock=time.process_time)}
 
 
 def linear_weights(model: torch.nn.Module) -> tuple[int, int]:
@@ -143,7 +152,7 @@ class Profile:
         run_update = trainer.run_update
 
         def timed_run_update():
-            self.loop_starts.append(time.perf_counter())
+            self.loop_starts.append((time.perf_counter(), time.process_time()))
             self.current = {}
             self.updates.append(self.current)
             return wrap(run_update, "run_update")()
@@ -171,7 +180,7 @@ class Profile:
         def run(*args, **kwargs):
             record = self.current  # the sinks' record of an update comes after its run_update, before the next
             profiling = self.profiled_stage is not None and PROFILED.get(stage) == self.profiled_stage and len(self.updates) == self.warmup + self.timed + 1
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 if profiling:
                     from torch.profiler import ProfilerActivity, profile
@@ -188,6 +197,7 @@ class Profile:
                 return function(*args, **kwargs)
             finally:
                 record[stage] = record.get(stage, 0.0) + time.perf_counter() - start
+                record[stage + "/cpu"] = record.get(stage + "/cpu", 0.0) + time.process_time() - cpu
                 if stage == "run_update" and len(self.updates) == self.warmup + self.timed:
                     self.profiled_stage = PROFILED[self.largest_profilable()]
         return run
@@ -207,24 +217,23 @@ class Profile:
         seconds = self.stage_seconds()
         return max(PROFILED, key=lambda s: seconds[s])
 
-    def stage_seconds(self) -> dict[str, float]:
-        """Median seconds per update of each stage over the timed updates."""
-        rows = self.per_update()
+    def stage_seconds(self, clock: str = "") -> dict[str, float]:
+        """Median seconds per update of each stage over the timed updates; clock "/cpu": this process's CPU seconds."""
+        rows = self.per_update(clock)
         return {stage: statistics.median(r[stage] for r in rows) for stage in STAGES + ("total",)}
 
-    def per_update(self) -> list[dict]:
-        rows = []
-        for i in range(self.warmup, self.warmup + self.timed):
+    def per_update(self, clock: str = "") -> list[dict]:
+        rows, at = [], 0 if not clock else 1
+        for i in range(self.warmup, min(self.warmup + self.timed, len(self.updates))):
             u = self.updates[i]
+            get = lambda k: u.get(k + clock, 0.0)  # noqa: E731
             # the loop's iteration: to the next update's start (the last timed update's stages are ranked before it ends)
-            total = self.loop_starts[i + 1] - self.loop_starts[i] if i + 1 < len(self.loop_starts) else u.get("run_update", 0.0)
-            get = lambda k: u.get(k, 0.0)  # noqa: E731
+            total = self.loop_starts[i + 1][at] - self.loop_starts[i][at] if i + 1 < len(self.loop_starts) else get("run_update")
             named = ("sampling", "scoring", "reference_values", "rewards", "advantages", "optimise", "metrics")
             row = {k: get(k) for k in named}
             row["step_other"] = get("step") - sum(row.values())
             row["guard"] = get("run_update") - get("step")
             row["logging"] = get("logging")
-            row["checkpoint"] = get("checkpoint")
             row["loop_other"] = total - get("run_update") - row["logging"]
             row["total"] = total
             rows.append(row)
@@ -249,7 +258,7 @@ def floors(trainer: PPOTrainer, update: dict, epochs: int) -> dict[str, float]:
 
 def one_run(args) -> dict:
     table = open(args.table, "a") if args.table else sys.stderr
-    rate_before = {"one_thread": matmul_gflops(1), "run_threads": matmul_gflops(torch.get_num_threads())}
+    rate_before = matmul_rates()
     warmup, timed = 1, args.updates
     with tempfile.TemporaryDirectory(prefix="ppokit-profile-") as tmp:
         work = Path(tmp)
@@ -269,9 +278,9 @@ def one_run(args) -> dict:
         finally:
             profile.restore()
         wall = time.perf_counter() - start
-    rate_after = {"one_thread": matmul_gflops(1), "run_threads": matmul_gflops(torch.get_num_threads())}
-    rate = {k: (rate_before[k] + rate_after[k]) / 2 for k in rate_before}
-    seconds = profile.stage_seconds()
+    rate_after = matmul_rates()
+    rate = {k: max(rate_before[k], rate_after[k]) for k in rate_before}  # the floor: the best rate seen
+    seconds, cpu_seconds = profile.stage_seconds(), profile.stage_seconds("/cpu")
     total = seconds["total"]
     measured = [profile.updates[i] for i in range(warmup, warmup + timed)]
     flops = {k: statistics.median(floors(trainer, u, config.ppo.num_ppo_epochs)[k] for u in measured)
@@ -279,10 +288,13 @@ def one_run(args) -> dict:
     gflops = rate["run_threads"]
     stages = {}
     for stage in STAGES:
-        entry = {"s": round(seconds[stage], 5), "share": round(seconds[stage] / total, 4)}
+        entry = {"s": round(seconds[stage], 5), "share": round(seconds[stage] / total, 4),
+                 "cpu_s": round(cpu_seconds[stage], 5), "cpu_share": round(cpu_seconds[stage] / cpu_seconds["total"], 4)}
         if stage in flops:
             floor = flops[stage] / 1e9 / gflops
             entry.update({"gflop": round(flops[stage] / 1e9, 3), "floor_s": round(floor, 5), "ratio": round(seconds[stage] / floor, 1)})
+            if torch.get_num_threads() == 1:  # CPU seconds against the one-thread rate in CPU time: what load does not change
+                entry["cpu_ratio"] = round(cpu_seconds[stage] / (flops[stage] / 1e9 / rate["one_thread_cpu_time"]), 1)
         stages[stage] = entry
     timed_records = records[warmup:warmup + timed]
     trainer_time = {k: round(statistics.median(r[k] for r in timed_records), 5)
@@ -290,6 +302,7 @@ def one_run(args) -> dict:
     u = measured[-1]
     padding = [r["perf/padding_share"] for r in timed_records if "perf/padding_share" in r]
     model_floor = sum(flops.values()) / 1e9 / gflops
+    cpu_floor = sum(flops.values()) / 1e9 / rate["one_thread_cpu_time"]
     return {
         "benchmark": "profile_update", "shape": args.shape, "config": args.config, "padding_free": args.padding_free,
         "updates_timed": timed, "torch_threads": torch.get_num_threads(),
@@ -299,6 +312,7 @@ def one_run(args) -> dict:
         "seconds_per_update": round(total, 4), "episodes_per_s": round(task["batch"] / total, 2),
         "stages": stages, "trainer_time": trainer_time,
         "model_stages_floor_s": round(model_floor, 5), "update_over_floor": round(total / model_floor, 1),
+        "cpu_seconds_per_update": round(cpu_seconds["total"], 4), "cpu_over_floor": round(cpu_seconds["total"] / cpu_floor, 1),
         "profiled_stage": profile.profiled_stage, "profiled_matmul_share": profile.matmul_share,
         "profiled_top_operators": profile.top_operators, "end_of_run_save_s": round(profile.end_save, 3), "wall_s": round(wall, 2),
     }
@@ -309,6 +323,7 @@ def median_of(runs: list[dict]) -> dict:
     out = {"runs": len(runs), "seconds_per_update": statistics.median(r["seconds_per_update"] for r in runs),
            "episodes_per_s": statistics.median(r["episodes_per_s"] for r in runs),
            "update_over_floor": statistics.median(r["update_over_floor"] for r in runs),
+           "cpu_over_floor": statistics.median(r["cpu_over_floor"] for r in runs),
            "matmul_gflops": {k: statistics.median(r["matmul_gflops"][k] for r in runs) for k in runs[0]["matmul_gflops"]}, "stages": {}}
     for stage in STAGES:
         out["stages"][stage] = {k: round(statistics.median(r["stages"][stage][k] for r in runs), 5) for k in runs[0]["stages"][stage]}
