@@ -53,9 +53,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from ppokit.process import cpu_threads  # noqa: E402
+if __name__ == "__main__":  # what the `ppokit` program sets before torch loads (docs/speed.md, "CPU threads"); OMP_NUM_THREADS set is kept
+    from ppokit.process import cpu_threads
 
-cpu_threads.settle()  # what the `ppokit` program sets before torch loads (docs/speed.md, "CPU threads"); OMP_NUM_THREADS set is kept
+    cpu_threads.settle()
 
 import torch  # noqa: E402
 
