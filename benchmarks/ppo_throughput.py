@@ -25,6 +25,8 @@ the learning curves can be compared number for number).
   compile  + compile: true
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
+--switches budget,head,padding_free,compile (or "": none) turns on the named switches alone (not cumulative; on top of --config);
+benchmarks/switches.py alternates runs of each against the defaults.
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
@@ -164,14 +166,24 @@ class PhaseRSS:
         return {k: round(self.peaks.get(k, 0.0), 1) for k in ("setup", "sampling", "forward", "training")}
 
 
-def apply_switches(config: PPOConfig, name: str, longest_row: int) -> None:
-    level = CONFIGS.index(name)
-    if level >= 1:
+SWITCHES = ("budget", "head", "padding_free", "compile")
+
+
+def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int) -> None:
+    """--switches: each named switch alone (the budget: half of a fixed micro-batch's rows x the longest possible row)."""
+    if "budget" in names:
         config.ppo.max_tokens_per_micro_batch = config.ppo.per_device_train_batch_size * longest_row // 2
-    if level >= 2:
+    if "head" in names:
         config.lm_head_chunk_size = LIGHT_HEAD_CHUNK
-    if level >= 3:
+    if "padding_free" in names:
+        config.ppo.padding_free = True
+    if "compile" in names:
         config.compile = True
+
+
+def apply_switches(config: PPOConfig, name: str, longest_row: int) -> None:
+    """--config: the switches up to `name`, cumulative (budget, then the light head, then compile)."""
+    apply_named_switches(config, ["budget", "head", "compile"][:CONFIGS.index(name)], longest_row)
 
 
 def main() -> None:
@@ -183,7 +195,11 @@ def main() -> None:
     parser.add_argument("--estimator", default="gae", help="ppo.advantage_estimator")
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay the same)")
     parser.add_argument("--padding-free", action="store_true", help="ppo.padding_free: several episodes per row (docs/speed.md)")
+    parser.add_argument("--switches", default=None, help=f"comma-separated, each alone: {','.join(SWITCHES)}")
     args = parser.parse_args()
+    unknown = [name for name in filter(None, (args.switches or "").split(",")) if name not in SWITCHES]
+    if unknown:
+        parser.error(f"--switches: unknown {', '.join(unknown)} (choose from {', '.join(SWITCHES)})")
     updates = args.updates or (3 if args.shape == "variable" else 4)
 
     with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:  # the run's model and output go with it
@@ -199,11 +215,23 @@ def measure(args, updates: int, work: Path) -> None:
     apply_switches(config, args.config, task["longest_row"])
     if args.padding_free:
         config.ppo.padding_free = True
+    apply_named_switches(config, list(filter(None, (args.switches or "").split(","))), task["longest_row"])
+    named = args.switches is not None  # (--switches "": the defaults, with the longer line)
     batch = task["batch"]
 
     torch.manual_seed(0)
     trainer = PPOTrainer(config, show_progress=False)
-    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" or args.padding_free else None
+    phases = PhaseRSS(trainer) if args.shape != "fixed" or args.config != "default" or args.padding_free or named else None
+    cpu = []  # this process's CPU seconds of each update: what a machine shared with other work changes least
+    run_update = trainer.run_update
+
+    def timed_update():
+        started = time.process_time()
+        try:
+            return run_update()
+        finally:
+            cpu.append(time.process_time() - started)
+    trainer.run_update = timed_update
     start = time.perf_counter()
     records = trainer.train()
     wall = time.perf_counter() - start
@@ -233,13 +261,14 @@ def measure(args, updates: int, work: Path) -> None:
         "wall_s": round(wall, 2),
         "torch_threads": torch.get_num_threads(),
     }
-    if args.shape != "fixed" or args.config != "default" or args.padding_free:  # the fixed default line keeps its keys
+    if args.shape != "fixed" or args.config != "default" or args.padding_free or named:  # the fixed default line keeps its keys
         result = {
             "benchmark": "ppo_throughput", "shape": args.shape, "config": args.config, **{k: v for k, v in result.items() if k != "benchmark"},
             "vocabulary": len(trainer.tokenizer),
             "response_tokens_mean": round(sum(r["objective/response_length"] for r in timed) / n, 1),
             "padding_share": round(mean("perf/padding_share"), 4) if all("perf/padding_share" in r for r in timed) else None,
             "first_update_s": round(records[0]["time/update"], 2),
+            "cpu_s_per_update": round(sum(cpu[1:]) / n, 4), "episodes_per_cpu_s": round(batch * n / sum(cpu[1:]), 2),
             "peak_rss_mb_by_stage": phases.report(),
             # getattr: the tree before these switches runs the default configuration too (docs/speed.md)
             "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
