@@ -38,7 +38,7 @@ from torch import nn
 from ppokit import engines
 from ppokit.training.batch_sizes import BatchSizes, derive
 from ppokit.config.schema import LoraConfig, PPOConfig
-from ppokit.conversation.setup import conversation_for
+from ppokit.environments.conversation import conversation_for
 from ppokit.errors import UserError
 from ppokit.process.launcher import launched_processes
 from ppokit.models.loading import load_tokenizer, position_limit, prompt_room, resolve_model_path, same_vocabulary, tightest
@@ -717,7 +717,7 @@ def _with_budget(config: PPOConfig, tokens: int) -> PPOConfig:
 
 def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     """(longest prompt in tokens, number of training prompts, notes) from data.train and the tokenizer, the prompts
-    rendered by the run's conversation (`conversation.setup.conversation_for`: a UserError where the trainer would refuse it)."""
+    rendered by the run's conversation (`environments.conversation.conversation_for`: a UserError where the trainer would refuse it)."""
     notes = []
     train = config.data.train
     dataset = prompts = None

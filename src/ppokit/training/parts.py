@@ -36,7 +36,7 @@ from ppokit.process import parallel
 from ppokit.training import algo, batch_sizes
 from ppokit.config.schema import PPOConfig
 from ppokit.engines.base import Sampling
-from ppokit.conversation.setup import Conversation
+from ppokit.environments.conversation import Conversation
 from ppokit.process.launcher import launched_processes, launched_rank
 from ppokit.models.loading import check_prompts_fit, input_pad_id, position_limit, tightest
 from ppokit.training.optimise import prepare_training
