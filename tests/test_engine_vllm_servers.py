@@ -575,7 +575,7 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
     first closed (a resumed run) replaces the adapter they still hold."""
     from test_engine_vllm import adapter_bytes, lora_policy, responses, seeded_samples, update_the_adapter
     from ppokit.engines.launched_server import LaunchedServer
-    from ppokit.engines.vllm import AdapterSync, VLLMEngine
+    from ppokit.engines.vllm import VLLMEngine, adapter_rank
     from ppokit.engines.vllm_servers import VLLMServersEngine, separate_options
     from ppokit.models.loading import unwrap_peft
 
@@ -585,7 +585,7 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
     base_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".lora_" not in n)  # tied: once
     setup = SimpleNamespace(longest_sequence=MAX_LEN, rows_per_rollout=32, rows_per_forward=32, seed=0)
     options, env = separate_options(base, settings(server_timeout_s=SERVER_TIMEOUT_S), setup, "gloo",
-                                    AdapterSync(policy, Path()).rank)
+                                    adapter_rank(policy))
     started = []
     for _ in range(1 if placement == "separate" else 2):
         started.append(LaunchedServer(base, options, env, SERVER_TIMEOUT_S))
