@@ -112,7 +112,10 @@ IMPORTS_UP_THE_LAYERS = {
 # Modules that stand in a package above some of their importers: they belong in a lower layer (the batch container and
 # the mathematics under engines/, models/ and metrics/) and are imported from below until they move.
 LOW_MODULES_IN_HIGHER_PACKAGES = {
-    "ppokit.training.algo": "the mathematics (pure torch): models/loading.py's logprobs, engines' stop tokens, metrics",
+    "ppokit.training.algo": "the mathematics' one name space: models/loading.py's logprobs, engines/hf.py's stop tokens",
+    "ppokit.training.losses": "the mathematics (pure torch): engines/correction.py's importance weights",
+    "ppokit.training.statistics": "the mathematics (pure torch): metrics/values.py's explained variance and pass@k",
+    "ppokit.training.token_rewards": "the mathematics (pure torch): metrics/values.py's teacher KL",
     "ppokit.training.episodes": "Episodes, the batch container: engines and the episode loop pack into it, metrics read it",
     "ppokit.training.batching": "micro-batches: rewards/model.py forwards a reward model in them",
 }
@@ -157,6 +160,23 @@ def test_the_layer_check_sees_an_import_up_the_layers():
     moved = ["training/"] + [layer for layer in layers if layer != "training/"]
     up = imports_up_the_layers(found, moved)
     assert ("ppokit.training.parts", "ppokit.engines") in up and ("ppokit.training.rollout", "ppokit.environments.episode_loop") in up
+
+
+MATHEMATICS = ("advantages", "losses", "token_rewards", "statistics", "masks", "logprobs")
+
+
+def test_the_mathematics_imports_only_torch_and_itself():
+    """training/'s pure tensor functions (docs/algorithms.md): torch, the standard library's typing, and each other."""
+    allowed = {"__future__", "typing", "torch"} | {f"ppokit.training.{name}" for name in MATHEMATICS}
+    for name in MATHEMATICS:
+        for node in ast.walk(ast.parse((PACKAGE / "training" / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found = [node.module]
+            else:
+                continue
+            assert all(f in allowed or f.startswith("torch.") for f in found), (name, found)
 
 
 # ppokit's one HTTP stack is httpx (clients) and starlette on uvicorn (servers): docs/architecture.md says why.

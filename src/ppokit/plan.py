@@ -70,7 +70,7 @@ QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 # product). Attention probabilities are not stored with SDPA/flash attention.
 ACT_HIDDEN_FACTOR, ACT_INTERMEDIATE_FACTOR = 8, 4
 LOGIT_COPIES = 4  # logits, logits / T, log-softmax, entropy terms: float32, (R + 1) positions
-LIGHT_HEAD_COPIES = 2  # the memory-light head: a chunk's logits and their gradient (algo.head_logprobs_and_entropy)
+LIGHT_HEAD_COPIES = 2  # the memory-light head: a chunk's logits and their gradient (logprobs.head_logprobs_and_entropy)
 
 
 @dataclass
