@@ -303,12 +303,12 @@ MUTATIONS = [
              "`episodes.pack` puts each step's reward at the response's first token, not at its turn's last"),
     # ---- rollout importance sampling
     Mutation("tis_floor_ignored", "src/ppokit/engines/correction.py",
-             "    return algo.truncated_is_weights(trainer, engine, cap, floor)",
-             "    return algo.truncated_is_weights(trainer, engine, cap, 0.0)",
+             "    return truncated_is_weights(trainer, engine, cap, floor)",
+             "    return truncated_is_weights(trainer, engine, cap, 0.0)",
              ("tests/test_peer_conventions.py::test_the_weights_reaching_the_loss",),
              "ppo.rollout_is_floor is not applied to the token-level weights"),
     Mutation("tis_sequence_is_token_level", "src/ppokit/engines/correction.py",
-             '    "tis_sequence": algo.truncated_is_sequence_weights,', '    "tis_sequence": _token_weights,',
+             '    "tis_sequence": truncated_is_sequence_weights,', '    "tis_sequence": _token_weights,',
              ("tests/test_peer_conventions.py::test_the_weights_reaching_the_loss",),
              "ppo.rollout_is: tis_sequence gives the token-level weights"),
     # ---- the sandbox
