@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
 def conversation_renderer(tokenizer, template, *, tools=None, template_kwargs=None, stop_token_ids=None, **keys):
     """A `ConversationRenderer` over `template` (None: plain-text prompts), its chat renderer and stop tokens made as the
-    run's set-up makes them (`conversation.setup.conversation_setup`); keys: its other arguments (observation_role, say)."""
+    run's set-up makes them (`environments.conversation.conversation_setup`); keys: its other arguments (observation_role, say)."""
     from ppokit.conversation.templates import Renderer
     from ppokit.conversation.renderer import ConversationRenderer
     from ppokit.engines.base import stop_ids

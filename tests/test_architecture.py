@@ -93,6 +93,92 @@ def test_the_map_check_sees_an_import_up_the_list(tmp_path):
     assert imports("ppokit.training.algo", lazy, set(found)) == {"ppokit.trainer"}
 
 
+# The packages stand in layers (docs/architecture.md, "Package layers", bottom to top): an import points down the layers
+# or stays in its own package. These imports point up, each for its reason; no other may.
+IMPORTS_UP_THE_LAYERS = {
+    # config/schema.py builds its choices from each package's torch-free declaration table, so that a new engine,
+    # strategy, tracker, tool-call format or estimator is one entry in its own package; the tables import
+    # config/fields.py at most, never the schema.
+    ("ppokit.config.schema", "ppokit.engines"): "ENGINES: each engine's `rollout:` keys",
+    ("ppokit.config.schema", "ppokit.process.strategies"): "STRATEGIES: parallel.strategy's choices",
+    ("ppokit.config.schema", "ppokit.metrics.trackers"): "TRACKERS: report_to's choices",
+    ("ppokit.config.schema", "ppokit.environments.tool_parsers"): "PARSER_NAMES: tool_parser's choices",
+    ("ppokit.config.schema", "ppokit.training.estimators"): "ESTIMATORS: ppo.advantage_estimator's choices and traits",
+    # models/roles.py decides and builds every role, the reward model's too (the scorer's reward-model sources get the
+    # critic's adapter switch); it is set-up code that belongs beside training/parts.py, but
+    # `ppokit.models.roles.merge_adapter` is a path users write (docs/memory.md).
+    ("ppokit.models.roles", "ppokit.rewards"): "RewardModelReward, RewardScorer",
+}
+# Modules that stand in a package above some of their importers: they belong in a lower layer (the batch container and
+# the mathematics under engines/, models/ and metrics/) and are imported from below until they move.
+LOW_MODULES_IN_HIGHER_PACKAGES = {
+    "ppokit.training.algo": "the mathematics' one name space: models/loading.py's logprobs, engines/hf.py's stop tokens",
+    "ppokit.training.losses": "the mathematics (pure torch): engines/correction.py's importance weights",
+    "ppokit.training.statistics": "the mathematics (pure torch): metrics/values.py's explained variance and pass@k",
+    "ppokit.training.token_rewards": "the mathematics (pure torch): metrics/values.py's teacher KL",
+    "ppokit.training.episodes": "Episodes, the batch container: engines and the episode loop pack into it, metrics read it",
+    "ppokit.training.batching": "micro-batches: rewards/model.py forwards a reward model in them",
+}
+
+
+def layer_of(name: str) -> str:
+    """A module's node in the package graph: its package (`training/`), or a top-level module itself (`cli.py`)."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return "__init__.py"
+    return f"{parts[1]}/" if (PACKAGE / parts[1]).is_dir() else f"{parts[1]}.py"
+
+
+def read_layers() -> list[str]:
+    """docs/architecture.md's package layers, bottom to top."""
+    block = (ROOT / "docs" / "architecture.md").read_text().split("## Package layers", 1)[1].split("```", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line.strip()]
+
+
+def imports_up_the_layers(found: dict[str, Path], layers: list[str]) -> set[tuple[str, str]]:
+    """(importer, imported) module pairs where the imported module's package stands above its importer's."""
+    position = {layer: i for i, layer in enumerate(layers)}
+    return {(a, b) for a, path in found.items() for b in imports(a, path, set(found))
+            if position[layer_of(b)] > position[layer_of(a)]}
+
+
+def test_the_packages_are_layered():
+    found, layers = modules(), read_layers()
+    nodes = {layer_of(name) for name in found}
+    assert len(layers) == len(set(layers)), f"listed twice: {sorted({n for n in layers if layers.count(n) > 1})}"
+    assert set(layers) == nodes, f"missing from the package layers: {sorted(nodes - set(layers))}; not a package: {sorted(set(layers) - nodes)}"
+    up = imports_up_the_layers(found, layers)
+    unexplained = sorted(pair for pair in up if pair not in IMPORTS_UP_THE_LAYERS and pair[1] not in LOW_MODULES_IN_HIGHER_PACKAGES)
+    assert not unexplained, f"imports that point up the package layers (importer, imported): {unexplained}"
+    stale = sorted(set(IMPORTS_UP_THE_LAYERS) - up) + sorted(set(LOW_MODULES_IN_HIGHER_PACKAGES) - {b for _, b in up})
+    assert not stale, f"listed as pointing up the layers but no longer do: {stale}"
+
+
+def test_the_layer_check_sees_an_import_up_the_layers():
+    """The check itself: with training/ at the bottom, every package that training/ imports is imported up the layers."""
+    found, layers = modules(), read_layers()
+    moved = ["training/"] + [layer for layer in layers if layer != "training/"]
+    up = imports_up_the_layers(found, moved)
+    assert ("ppokit.training.parts", "ppokit.engines") in up and ("ppokit.training.rollout", "ppokit.environments.episode_loop") in up
+
+
+MATHEMATICS = ("advantages", "losses", "token_rewards", "statistics", "masks", "logprobs")
+
+
+def test_the_mathematics_imports_only_torch_and_itself():
+    """training/'s pure tensor functions (docs/algorithms.md): torch, the standard library's typing, and each other."""
+    allowed = {"__future__", "typing", "torch"} | {f"ppokit.training.{name}" for name in MATHEMATICS}
+    for name in MATHEMATICS:
+        for node in ast.walk(ast.parse((PACKAGE / "training" / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found = [node.module]
+            else:
+                continue
+            assert all(f in allowed or f.startswith("torch.") for f in found), (name, found)
+
+
 # ppokit's one HTTP stack is httpx (clients) and starlette on uvicorn (servers): docs/architecture.md says why.
 OTHER_HTTP_STACKS = ("requests", "aiohttp", "urllib3", "urllib.request", "urllib.error", "http.client", "http.server", "socketserver")
 

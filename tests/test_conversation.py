@@ -17,7 +17,7 @@ from conftest import conversation_renderer
 from ppokit.conversation.templates import PLAIN_CHAT_TEMPLATE
 from ppokit.engines.base import Sampling
 from ppokit.environments import EnvironmentRunner
-from ppokit.conversation.setup import conversation_setup
+from ppokit.environments.conversation import conversation_setup
 from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.errors import UserError
 from ppokit.models.loading import response_logprobs

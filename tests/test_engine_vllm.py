@@ -288,13 +288,27 @@ def test_an_episodes_next_turn_reads_its_prefix_from_vllms_cache(engine, tokeniz
     assert again.cached_tokens == 0
 
 
-def lora_policy(tokenizer, seed=2):
+def lora_policy(tokenizer, seed=2, rank=4):
+    """The tiny llama policy with a LoRA adapter of `rank` on q, v and up, its B matrices not zero (the adapter
+    changes the samples from the first sync on)."""
     import peft
 
     torch.manual_seed(seed)
     base = tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS)
-    lora = peft.LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    lora = peft.LoraConfig(r=rank, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     return peft.get_peft_model(base, lora).eval()
+
+
+def adapter_bytes(policy) -> int:
+    return sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
+
+
+def update_the_adapter(policy, scale=0.05):
+    """An optimiser update of the adapter alone (the base is frozen)."""
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if ".lora_" in name:
+                param.add_(torch.randn_like(param) * scale)
 
 
 def seeded_samples(engine, prompts, seed=5, temperature=0.7):
@@ -324,21 +338,18 @@ def test_lora_adapter_sent_alone_samples_as_the_merged_path(tokenizer, prompts):
     from ppokit.engines.vllm import VLLMEngine
 
     policy = lora_policy(tokenizer)
-    adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
+    sent_alone = adapter_bytes(policy)
     merged = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32)
     adapter = VLLMEngine(policy, tokenizer.pad_token_id, MAX_LEN, max_num_seqs=32, lora_merge=False)
     try:
         greedy = []
         for update in range(3):
-            if update:  # an optimiser update of the adapter alone (the base is frozen)
-                with torch.no_grad():
-                    for name, param in policy.named_parameters():
-                        if ".lora_" in name:
-                            param.add_(torch.randn_like(param) * 0.05)
+            if update:
+                update_the_adapter(policy)
                 merged.sync_weights(policy)
                 adapter.sync_weights(policy)
-            assert adapter.last_sync_bytes == adapter_bytes  # the adapter, not the merged weights
-            assert merged.last_sync_bytes > 20 * adapter_bytes
+            assert adapter.last_sync_bytes == sent_alone  # the adapter, not the merged weights
+            assert merged.last_sync_bytes > 20 * sent_alone
             got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
             assert responses(got) == responses(want)
             assert_float32_close(got.logprobs, want.logprobs, terms=HIDDEN * LAYERS, ulps=16,
@@ -406,11 +417,11 @@ def test_a_lora_run_sends_vllm_the_adapter_alone(placement, model_dir, prompts_f
     if placement == "separate":
         config.rollout.server_timeout_s = 900.0  # a server's start on a loaded 2-core machine
     trainer = PPOTrainer(config, show_progress=False)
-    adapter_bytes = sum(p.numel() * p.element_size() for n, p in trainer.policy.named_parameters() if ".lora_" in n and ".default." in n)
+    policy_adapter_bytes = sum(p.numel() * p.element_size() for n, p in trainer.policy.named_parameters() if ".lora_" in n and ".default." in n)
     assert type(trainer.rollout_engine).__name__ == {"colocated": "VLLMEngine", "separate": "VLLMServersEngine"}[placement]
     try:
         first, second = trainer.step(), trainer.step()
-        assert trainer.rollout_engine.last_sync_bytes == adapter_bytes
+        assert trainer.rollout_engine.last_sync_bytes == policy_adapter_bytes
     finally:
         trainer.rollout_engine.close()
     for record in (first, second):

@@ -573,19 +573,19 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
     adapter's bytes only (the base weights once), and each server holds the current adapter alone. With `servers`, a
     server started for a lower rank than the adapter's is refused in one line, and a second engine on the two after the
     first closed (a resumed run) replaces the adapter they still hold."""
-    from test_engine_vllm import lora_policy, responses, seeded_samples
+    from test_engine_vllm import adapter_bytes, lora_policy, responses, seeded_samples, update_the_adapter
     from ppokit.engines.launched_server import LaunchedServer
-    from ppokit.engines.vllm import AdapterSync, VLLMEngine
+    from ppokit.engines.vllm import VLLMEngine, adapter_rank
     from ppokit.engines.vllm_servers import VLLMServersEngine, separate_options
     from ppokit.models.loading import unwrap_peft
 
     policy = lora_policy(tokenizer)
-    adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
+    sent_alone = adapter_bytes(policy)
     base = unwrap_peft(policy)
     base_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".lora_" not in n)  # tied: once
     setup = SimpleNamespace(longest_sequence=MAX_LEN, rows_per_rollout=32, rows_per_forward=32, seed=0)
     options, env = separate_options(base, settings(server_timeout_s=SERVER_TIMEOUT_S), setup, "gloo",
-                                    AdapterSync(policy, Path()).rank)
+                                    adapter_rank(policy))
     started = []
     for _ in range(1 if placement == "separate" else 2):
         started.append(LaunchedServer(base, options, env, SERVER_TIMEOUT_S))
@@ -593,10 +593,7 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
     merged = adapter = None
     try:
         if placement == "servers":
-            import peft
-
-            wide = peft.get_peft_model(tiny_causal_lm("llama", tokenizer, hidden=HIDDEN, heads=HEADS, layers=LAYERS),
-                                       peft.LoraConfig(r=16, target_modules=["q_proj"]))
+            wide = lora_policy(tokenizer, rank=16)
             with pytest.raises(UserError, match=rf"rollout server {addresses[0]} must be started with --enable-lora --max-lora-rank "
                                                 r"16 \(rollout.lora_merge: false; it has max_lora_rank 8\)"):
                 VLLMServersEngine(wide, tokenizer.pad_token_id, lambda: (addresses, []), timeout_s=120, longest_sequence=MAX_LEN,
@@ -606,15 +603,12 @@ def test_the_adapter_alone_on_servers_samples_as_the_merged_path(placement, toke
                                     longest_sequence=MAX_LEN, lora_merge=False)
         before = None  # the last update's responses
         for update in range(3):
-            if update:  # an optimiser update of the adapter alone (the base is frozen)
-                with torch.no_grad():
-                    for name, param in policy.named_parameters():
-                        if ".lora_" in name:
-                            param.add_(torch.randn_like(param) * 0.05)
+            if update:
+                update_the_adapter(policy)
                 merged.sync_weights(policy)
                 adapter.sync_weights(policy)
             assert adapter.version == update + 1 and [weight_version(a) for a in addresses] == [str(update + 1)] * len(addresses)
-            assert adapter.last_sync_bytes == (base_bytes if update == 0 else 0) + adapter_bytes  # the base weights once
+            assert adapter.last_sync_bytes == (base_bytes if update == 0 else 0) + sent_alone  # the base weights once
             assert [held_adapters(a) for a in addresses] == [[f"policy-{update + 1}"]] * len(addresses)
             got, want = seeded_samples(adapter, prompts), seeded_samples(merged, prompts)
             assert responses(got) == responses(want)

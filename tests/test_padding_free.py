@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import FLOAT32_EPS, assert_float32_close, tiny_ppo_config, with_speed_switches
+from test_speed import GradientRecorder, one_rollout
 
 from ppokit.errors import UserError
 from ppokit.models import packing
@@ -159,18 +160,6 @@ def recorded_epochs(trainer, rollout, hp, layout):
     return recorder.grads, metrics
 
 
-class GradientRecorder(torch.optim.SGD):
-    """Learning rate 0 (the weights never move) and a copy of every step's gradients."""
-
-    def __init__(self, params):
-        super().__init__(params, lr=0.0)
-        self.grads: list[list[torch.Tensor]] = []
-
-    def step(self, closure=None):
-        self.grads.append([p.grad.clone() for group in self.param_groups for p in group["params"] if p.grad is not None])
-        return super().step(closure)
-
-
 def _assert_same_training(results, tokens: int, hidden: int, less_padding: bool = True):
     (grads, metrics), (want_grads, want_metrics) = results[True], results[False]
     assert len(grads) == len(want_grads) > 0
@@ -187,13 +176,6 @@ def _assert_same_training(results, tokens: int, hidden: int, less_padding: bool 
     assert metrics["perf/padding_share"] < want_metrics["perf/padding_share"] or not less_padding
 
 
-def _one_rollout(trainer: PPOTrainer):
-    captured, optimise_once = [], trainer.optimise
-    trainer.optimise = lambda rollout: captured.append(rollout) or optimise_once(rollout)
-    trainer.step()
-    return captured[0]
-
-
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_pp", "remax"])
 def test_training_on_packed_rows_gives_the_padded_gradients_for_each_estimator(sft_model_dir, prompts_file, tmp_path, estimator):
     """Every loss term on (KL loss, entropy bonus, value loss for gae): the same gradients at every step and the same
@@ -204,7 +186,7 @@ def test_training_on_packed_rows_gives_the_padded_gradients_for_each_estimator(s
                              num_mini_batches=2, num_ppo_epochs=1, response_length=10, max_grad_norm=0.0, entropy_coef=0.01,
                              kl_loss_coef=0.1, advantage_estimator=estimator, num_samples_per_prompt=n)
     trainer = PPOTrainer(config, show_progress=False)
-    rollout = _one_rollout(trainer)
+    rollout = one_rollout(trainer)
     tokens = int(rollout.attention_mask.sum())
     hidden = trainer.model.policy.config.hidden_size
     _assert_same_training(_compare_training(trainer, config, rollout, None), tokens, hidden)
@@ -221,7 +203,7 @@ def test_lora_reference_values_and_training_on_packed_rows_equal_the_padded(sft_
                              num_mini_batches=1, num_ppo_epochs=1, response_length=10, max_grad_norm=0.0)
     config.lora = LoraConfig(r=4, alpha=8)
     trainer = PPOTrainer(config, show_progress=False)
-    rollout = _one_rollout(trainer)
+    rollout = one_rollout(trainer)
     for model in (trainer.model.policy, trainer.model.value_model):  # adapters that move the outputs
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 from conftest import assert_float32_close, tiny_ppo_config
-from test_padding_free import _IgnoresPackedPositions, _assert_same_training, _one_rollout, assert_same_forwards, recorded_epochs
+from test_padding_free import _IgnoresPackedPositions, _assert_same_training, assert_same_forwards, recorded_epochs
+from test_speed import one_rollout
 
 from ppokit.errors import UserError
 from ppokit.models import prefix
@@ -120,7 +121,7 @@ def test_training_with_the_prompt_shared_gives_the_separate_gradients(sft_model_
         config.value_model = "shared"
     trainer = PPOTrainer(config, show_progress=False)
     assert trainer.model.padding_free == prefix.SharedPrefix(4)
-    rollout = _one_rollout(trainer)
+    rollout = one_rollout(trainer)
     model = trainer.accelerator.unwrap_model(trainer.model)
     for part in (model.policy, model.value_model) if lora else ():
         for name, p in part.named_parameters() if part is not None else ():

@@ -28,7 +28,7 @@ class GradientRecorder(torch.optim.SGD):
         return super().step(closure)
 
 
-def _one_rollout(trainer: PPOTrainer):
+def one_rollout(trainer: PPOTrainer):
     """The rollout of the trainer's first update, with advantages and returns (captured from a real step)."""
     captured, optimise_once = [], trainer.optimise
     trainer.optimise = lambda rollout: captured.append(rollout) or optimise_once(rollout)
@@ -41,7 +41,7 @@ def test_a_minibatch_split_three_ways_gives_the_same_gradients_and_metrics(sft_m
                              num_mini_batches=2, num_ppo_epochs=1, response_length=10,
                              max_grad_norm=0.0)
     trainer = PPOTrainer(config, show_progress=False)
-    rollout = _one_rollout(trainer)
+    rollout = one_rollout(trainer)
     lengths = rollout.loss_mask.sum(1)
     assert len(set(lengths.tolist())) > 3, "responses of varied lengths"
     longest = int(rollout.attention_mask.sum(1).max())
@@ -86,7 +86,7 @@ def test_policy_then_critic_backward_gives_the_combined_gradients_with_one_model
                              entropy_coef=0.01, kl_loss_coef=0.1)
     trainer = PPOTrainer(config, show_progress=False)
     assert trainer.strategy.backward_separately  # one process
-    rollout = _one_rollout(trainer)
+    rollout = one_rollout(trainer)
     results = {}
     for separately in (True, False):
         strategy = copy.copy(trainer.strategy)
@@ -155,7 +155,7 @@ def test_the_compiled_backbones_run_in_training_only(sft_model_dir, prompts_file
 
     model = trainer.model
     model.__dict__["backbones"] = (counted("policy", backbone(model.policy)), counted("value", backbone(model.value_model)))
-    rollout = _one_rollout(trainer)  # one whole update: sampling, reference and values, training
+    rollout = one_rollout(trainer)  # one whole update: sampling, reference and values, training
     trained = dict(calls)
     assert trained["policy"] >= 1 and trained["value"] >= 1
     calls.update(policy=0, value=0)

@@ -147,7 +147,7 @@ STEPS = {
     "load_prompt_data": "ppokit.data.prompts.load_prompt_data",
     "policy_tokenizer": "ppokit.models.loading.policy_tokenizer",
     "check_run_folder": "ppokit.run.run_dir.check_run_folder",
-    "conversation_for": "ppokit.conversation.setup.conversation_for",
+    "conversation_for": "ppokit.environments.conversation.conversation_for",
     "encode_prompts": "ppokit.data.lengths.encode_prompts",
     "check_budget": "ppokit.data.lengths.check_budget",
     "check_sources": "ppokit.rewards.check_sources",

@@ -428,7 +428,7 @@ def test_the_trainers_jobs_never_reach_back_into_it():
     import ppokit
 
     package = Path(ppokit.__file__).parent
-    for name in ("training/parts", "training/sampler", "training/rollout", "training/evaluation", "run/saving", "training/experience",
+    for name in ("training/parts", "training/sampler", "training/rollout", "training/evaluation", "training/saving", "training/experience",
                  "training/guards"):
         tree = ast.parse((package / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \

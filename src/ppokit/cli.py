@@ -213,7 +213,7 @@ def _pipeline(args) -> int:
 def _data_inspect(args) -> int:
     """One report per path (as a shell expands `data/*.jsonl`); a path that fails is one error
     line and the others are still reported; the exit status is 2 when any failed. With --config, the
-    run's own prompts and rendering (`conversation.setup.conversation_for`: what its trainer reads, tools included)."""
+    run's own prompts and rendering (`environments.conversation.conversation_for`: what its trainer reads, tools included)."""
     from ppokit.data.formats import load_records
 
     config = None
@@ -258,7 +258,7 @@ def _data_inspect(args) -> int:
             limit = position_limit_of(name, "model")  # a model folder or id: rows over its positions too
     stage, max_prompt_length, response_length = args.stage, args.max_prompt_length, args.response_length
     if config is not None:
-        from ppokit.conversation.setup import conversation_for
+        from ppokit.environments.conversation import conversation_for
 
         stage = stage or "ppo"
         max_prompt_length = config.data.max_prompt_length if max_prompt_length == -1 else max_prompt_length

@@ -38,7 +38,7 @@ from torch import nn
 from ppokit import engines
 from ppokit.training.batch_sizes import BatchSizes, derive
 from ppokit.config.schema import LoraConfig, PPOConfig
-from ppokit.conversation.setup import conversation_for
+from ppokit.environments.conversation import conversation_for
 from ppokit.errors import UserError
 from ppokit.process.launcher import launched_processes
 from ppokit.models.loading import load_tokenizer, position_limit, prompt_room, resolve_model_path, same_vocabulary, tightest
@@ -70,7 +70,7 @@ QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 # product). Attention probabilities are not stored with SDPA/flash attention.
 ACT_HIDDEN_FACTOR, ACT_INTERMEDIATE_FACTOR = 8, 4
 LOGIT_COPIES = 4  # logits, logits / T, log-softmax, entropy terms: float32, (R + 1) positions
-LIGHT_HEAD_COPIES = 2  # the memory-light head: a chunk's logits and their gradient (algo.head_logprobs_and_entropy)
+LIGHT_HEAD_COPIES = 2  # the memory-light head: a chunk's logits and their gradient (logprobs.head_logprobs_and_entropy)
 
 
 @dataclass
@@ -722,7 +722,7 @@ def _with_budget(config: PPOConfig, tokens: int) -> PPOConfig:
 
 def data_shape(config: PPOConfig) -> tuple[int, Optional[int], list[str]]:
     """(longest prompt in tokens, number of training prompts, notes) from data.train and the tokenizer, the prompts
-    rendered by the run's conversation (`conversation.setup.conversation_for`: a UserError where the trainer would refuse it)."""
+    rendered by the run's conversation (`environments.conversation.conversation_for`: a UserError where the trainer would refuse it)."""
     notes = []
     train = config.data.train
     dataset = prompts = None

@@ -10,7 +10,7 @@
     8. save       checkpoint every save_steps, final model at the end
 
 The trainer holds the run's parts (`ppokit.training.parts`, built once from the config), its state (`ppokit.run.state`) and its
-saving (`ppokit.run.saving`); stages 1-2 are `ppokit.training.rollout`'s, 2-5 functions of their explicit inputs in
+saving (`ppokit.training.saving`); stages 1-2 are `ppokit.training.rollout`'s, 2-5 functions of their explicit inputs in
 `ppokit.training.experience`, evaluation is `ppokit.training.evaluation`'s. None of them reads the trainer. Here: the order of the
 stages, the run loop with its stop signals and sinks, and what a failure does to the run."""
 
@@ -41,7 +41,7 @@ from ppokit.metrics.sinks import open_sinks
 from ppokit.metrics.values import objective_metrics
 from ppokit.training.optimise import ppo_epochs
 from ppokit.training.parts import Parts, assemble
-from ppokit.run.saving import Saving
+from ppokit.training.saving import Saving
 from ppokit.run.state import TrainingState
 
 

@@ -16,8 +16,18 @@ from typing import Any
 
 import yaml
 
-from ppokit.data.sources import decode_utf8
 from ppokit.errors import UserError
+
+
+def decode_utf8(raw: bytes, path: str | Path) -> str:
+    """File bytes -> text, or a UserError naming the file and the line of the first byte that is not
+    UTF-8. A leading byte-order mark is dropped (it would otherwise end up in the first key or column name)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
+    return text.removeprefix("\ufeff")
 
 
 def doc(default: Any = None, help: str = "", *, factory: Any = None, check: Any = None, resume: Any = False, if_wrong: str = ""):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ppokit.config.fields import decode_utf8
 from ppokit.conversation.templates import is_messages
 from ppokit.data.reasoning_gym import is_gym_spec, read_rows
 from ppokit.errors import UserError
@@ -33,17 +34,6 @@ class Rows:
         if self.lines is not None:
             return f"{self.source}:{self.lines[i]}"
         return f"{self.source}: row {i + 1}"
-
-
-def decode_utf8(raw: bytes, path: str | Path) -> str:
-    """File bytes -> text, or a UserError naming the file and the line of the first byte that is not
-    UTF-8. A leading byte-order mark is dropped (it would otherwise end up in the first key or column name)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
-    return text.removeprefix("\ufeff")
 
 
 def _read_text(path: Path) -> str:

@@ -2,8 +2,8 @@
 False): the policy's own logprobs, recomputed by the trainer with one no-gradient forward, replace the
 engine's as the old logprobs of the PPO ratio and of the KL (so the first minibatch's ratio is 1, as with
 an engine that samples from the training weights), the difference is measured, and with `ppo.rollout_is`
-the remaining off-policyness is corrected by truncated importance weights (`algo.truncated_is_weights` per
-token, `algo.truncated_is_sequence_weights` per response)."""
+the remaining off-policyness is corrected by truncated importance weights (`losses.truncated_is_weights` per
+token, `losses.truncated_is_sequence_weights` per response)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from typing import Callable, Optional
 
 import torch
 
-from ppokit.training import algo
+from ppokit.training.losses import truncated_is_sequence_weights, truncated_is_weights
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _token_weights(trainer, engine, mask, cap: float, floor: float) -> torch.Tensor:
-    return algo.truncated_is_weights(trainer, engine, cap, floor)
+    return truncated_is_weights(trainer, engine, cap, floor)
 
 
 # ppo.rollout_is -> its weights (trainer logprobs, engine logprobs, trained mask, cap, floor) -> (B, R); config.ROLLOUT_IS
 # holds the same names (a config is read without torch).
 IMPORTANCE_WEIGHTS: dict[str, Callable[..., torch.Tensor]] = {
     "tis": _token_weights,
-    "tis_sequence": algo.truncated_is_sequence_weights,
+    "tis_sequence": truncated_is_sequence_weights,
 }
 
 

@@ -180,17 +180,27 @@ def elsewhere_memory(sizing: EngineSizing) -> EngineMemory:
                              f"memory: weight copy + KV cache for {max_num_seqs} sequences of {max_model_len} tokens")
 
 
+def _adapter_config(policy: nn.Module) -> dict:
+    from ppokit.models.loading import POLICY_ADAPTER
+
+    return unwrap(policy).peft_config[POLICY_ADAPTER].to_dict()
+
+
+def adapter_rank(policy: nn.Module) -> int:
+    """The max_lora_rank vLLM needs for the policy's adapter: its largest rank (`rank_pattern` included), rounded up to
+    one vLLM takes."""
+    config = _adapter_config(policy)
+    return served_lora_rank(max([config["r"], *(config.get("rank_pattern") or {}).values()]))
+
+
 class AdapterSync:
     """The policy's LoRA adapter as vLLM serves it (rollout.lora_merge: false): written to a folder in peft's format
     (adapter_config.json + adapter_model.safetensors) at every sync under a new id (vLLM caches an adapter by its id:
     the same id would keep serving the old one); every request names the current one."""
 
     def __init__(self, policy: nn.Module, folder: Path):
-        from ppokit.models.loading import POLICY_ADAPTER
-
-        config = unwrap(policy).peft_config[POLICY_ADAPTER].to_dict()
+        config = _adapter_config(policy)
         self.config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-        self.rank = served_lora_rank(max([config["r"], *(config.get("rank_pattern") or {}).values()]))
         self.folder = folder
         self.request = None  # vLLM's LoRARequest of the adapter last written
 
@@ -265,8 +275,7 @@ class VLLMEngine:
         if not lora_merge:
             if not hasattr(unwrap(self.policy), "peft_config"):
                 raise ValueError("lora_merge=False needs a LoRA (peft) policy")
-            rank = AdapterSync(self.policy, Path()).rank
-            self._options.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=1)  # the current adapter only
+            self._options.update(enable_lora=True, max_lora_rank=adapter_rank(self.policy), max_loras=1, max_cpu_loras=1)  # the current adapter only
         self.last_sync_bytes = 0  # what the last sync_weights sent
         self.llm = None
         self._dir: Optional[Path] = None

@@ -13,7 +13,7 @@ served its last (its prefix cache), others to the least busy. Weights: `sync_wei
 at once through vLLM's trainer-side engine of the backend (`gloo`: `ppokit.engines.weight_transfer`; `nccl`: vLLM's),
 labelled with a version (1, 2, ...): every completion says which version sampled it, and one sampled with weights
 other than the last pushed is refused (a stale engine). With `rollout.lora_merge: false` (servers on the trainer's machine) the push
-sends the base weights once, and every sync after it the policy's adapter alone, written to a folder the server reads
+sends the base weights once, and every sync after it the policy's adapter alone (`engines.server_adapter`), written to a folder the server reads
 (`/v1/load_lora_adapter`, under a new name each time, the one it replaces unloaded) and named by every request; the
 version is bumped with `/update_weight_version`. Under torchrun every trainer process holds one of these; the
 push is driven by process 0 (the others take part in gathering a sharded policy) once every process's requests have
@@ -30,13 +30,10 @@ import itertools
 import json
 import os
 import queue
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import httpx
@@ -46,7 +43,8 @@ from torch import nn
 from ppokit.engines.base import Completion, EngineLost, Request, Sampling, generate
 from ppokit.engines.launched_server import LaunchedServer, free_port
 from ppokit.config.fields import differs_from_default
-from ppokit.engines.vllm import (AdapterSync, VLLMEngine, check_cpu_head_dim, check_max_model_len, engine_shape, import_vllm, kv_cache_bytes,
+from ppokit.engines.server_adapter import ADAPTER_PREFIX, ServerAdapter, adapter_name
+from ppokit.engines.vllm import (VLLMEngine, adapter_rank, check_cpu_head_dim, check_max_model_len, engine_shape, import_vllm, kv_cache_bytes,
                                request_seeds, sampling_kwargs)
 from ppokit.engines.weights import architecture, base_weights, policy_weight_metadata, policy_weights, tensor_bytes, unwrap
 from ppokit.training.episodes import Episodes
@@ -288,7 +286,7 @@ class VLLMServersEngine:
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int,
                  connect: Callable[[], tuple[list[str], list[LaunchedServer]]], *, backend: str = "gloo",
                  timeout_s: float = 600.0, longest_sequence: int = 0, device: Optional[torch.device] = None,
-                 lora_merge: bool = True):
+                 lora_merge: bool = True, lora_rank: Optional[int] = None):
         import_vllm()
         from ppokit.engines.vllm_plugin import register
 
@@ -305,8 +303,9 @@ class VLLMServersEngine:
         self.launched: list[LaunchedServer] = []
         self.version = 0  # of the weights last pushed (0: none yet)
         self.lora_merge = lora_merge
-        self.lora_rank = None if lora_merge else AdapterSync(self.policy, Path()).rank  # the servers' max_lora_rank at least
-        self._adapter: Optional[AdapterSync] = None  # lora_merge false: the adapter's folders, made when the engine opens
+        # the servers' max_lora_rank at least (lora_rank: as `create` found it for the server it starts)
+        self.lora_rank = None if lora_merge else lora_rank if lora_rank is not None else adapter_rank(self.policy)
+        self._adapter: Optional[ServerAdapter] = None  # lora_merge false: the adapter's folders, made when the engine opens
         self.last_sync_bytes = 0  # what the last sync_weights sent: pushed, and the adapter's bytes (what the servers read)
         self._transfer = None
         self._session = None
@@ -321,7 +320,7 @@ class VLLMServersEngine:
         settings = setup.settings
         check_max_model_len(settings.max_model_len, setup.longest_sequence)
         backend = settings.weight_transfer if settings.weight_transfer != "auto" else ("nccl" if setup.device.type == "cuda" else "gloo")
-        lora_rank = None if settings.lora_merge else AdapterSync(setup.policy(), Path()).rank
+        lora_rank = None if settings.lora_merge else adapter_rank(setup.policy())
         if settings.placement == "servers":
             def connect():
                 return list(settings.servers), []
@@ -330,7 +329,8 @@ class VLLMServersEngine:
                 return start_separate(unwrap_peft(unwrap(setup.policy())), settings, setup, backend, lora_rank)
         try:
             return cls(setup.policy, setup.pad_token_id, connect, backend=backend, timeout_s=settings.server_timeout_s,
-                       longest_sequence=setup.longest_sequence, device=setup.device, lora_merge=settings.lora_merge)
+                       longest_sequence=setup.longest_sequence, device=setup.device, lora_merge=settings.lora_merge,
+                       lora_rank=lora_rank)
         except EngineLost as e:  # before the run starts: nothing to resume from, the line alone
             raise UserError(f"{e} (rollout.{'servers' if settings.placement == 'servers' else 'placement'})") from None
 
@@ -341,7 +341,7 @@ class VLLMServersEngine:
         self.max_model_len = sys.maxsize  # the shortest of the servers' (`_check`)
         world_sizes = [self._check(server) for server in self.servers]
         if not self.lora_merge:
-            self._adapter = AdapterSync(self.policy, Path(tempfile.mkdtemp(prefix="ppokit-lora-")))
+            self._adapter = ServerAdapter(self.policy)
         self.client = ServersClient(self.servers, world_sizes)
         self.engine_world = sum(world_sizes)
         self._loop = asyncio.new_event_loop()
@@ -497,7 +497,7 @@ class VLLMServersEngine:
         self.version += 1
         self.last_sync_bytes = self._push() if pushed else 0
         if self._adapter is not None:
-            self._send_adapter()
+            self.last_sync_bytes += self._adapter.send(self.policy, self.version, self.client, self.rank)
             if not pushed and self.rank == 0:
                 self.client.update_weight_version(str(self.version))
         if self.rank == 0:
@@ -515,19 +515,6 @@ class VLLMServersEngine:
             if self.rank == 0:
                 self.client.update_weight_version(str(self.version))
         return sum(tensor_bytes(shape, dtype) for _, dtype, shape in policy_weight_metadata(self.policy))
-
-    def _send_adapter(self) -> None:
-        """The policy's adapter, written (every process: a sharded one is gathered) and loaded on every server (process
-        0) under the name of this version, in place of the last one."""
-        sent, replaced = self._adapter.write(self.policy)
-        self.last_sync_bytes += sent
-        new = self._adapter.request
-        if new.lora_name != adapter_name(self.version):
-            raise RuntimeError(f"rollout engine: adapter {new.lora_name} written for weights of version {self.version}")
-        if self.rank == 0:
-            self.client.swap_lora_adapter((new.lora_name, new.lora_path), replaced.lora_name if replaced is not None else None)
-        if replaced is not None:  # the servers hold what they loaded in memory
-            shutil.rmtree(replaced.lora_path, ignore_errors=True)
 
     def _open_transfer(self):
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -567,7 +554,7 @@ class VLLMServersEngine:
             self._transfer = None
         self.version = 0
         if self._adapter is not None:
-            shutil.rmtree(self._adapter.folder, ignore_errors=True)
+            self._adapter.close()
             self._adapter = None
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self._session.aclose(), self._loop).result(10)
@@ -577,14 +564,6 @@ class VLLMServersEngine:
         for server in self.launched:
             server.stop()
         self.launched = []
-
-
-ADAPTER_PREFIX = "policy-"
-
-
-def adapter_name(version: int) -> str:
-    """The name the servers hold the policy's adapter under, with the weights of `version` (AdapterSync's: one id a sync)."""
-    return f"{ADAPTER_PREFIX}{version}"
 
 
 WATCH_S = 1.0  # how often a wait looks at the servers ppokit started

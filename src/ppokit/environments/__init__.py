@@ -2,6 +2,7 @@
 
     base.py   the Environment protocol, load_environment(spec), EnvironmentRunner (deadlines, checks)
     tools.py  loading tools, their schemas, running a call; the built-in Tools environment
+    conversation.py  a run's conversation decided before any weights load: environment, template, renderer, prompts
     trl_environment.py  TRLEnvironment: TRL's environment classes (environment_factory), one or several per run
     tool_parsers.py  the tool-call formats by name (hermes, qwen3_coder, llama3_json, pythonic, mistral, openai, auto)
     guess.py  the demo game GuessNumber, its data rows and SFT transcripts

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ppokit.errors import UserError
-from ppokit.rewards.sources import RewardError, as_number
+from ppokit.rewards.environment import EnvironmentFailure
+from ppokit.rewards.sources import as_number
 from ppokit.user_code import load_attribute
 from ppokit.process.workers import DeadlineExceeded, ThreadCall, WorkerThreads, code_raised, outside_event_loop, raised_text, run_coroutine
 
@@ -78,11 +79,6 @@ class Environment(Protocol):
 
     # Optional: close() (or `async def close`), called once when the episode ends, whatever ended it (done, a failed
     # call, a deadline, max_turns, the token budget), under the deadline; what it raises is said, not fatal.
-
-
-class EnvironmentFailure(RewardError):
-    """An environment call raised, timed out or returned something malformed: that episode failed.
-    A RewardError, so `reward.on_error: skip` drops the episode and `raise` stops the run."""
 
 
 class EnvironmentTimeout(EnvironmentFailure):

@@ -58,7 +58,7 @@ from ppokit.errors import UserError
 from ppokit.process.workers import run_coroutine
 
 if TYPE_CHECKING:
-    from ppokit.conversation.setup import Conversation
+    from ppokit.environments.conversation import Conversation
     from ppokit.engines.base import Completion, RolloutEngine, Sampling
     from ppokit.environments.base import EnvironmentCalls
     from ppokit.training.episodes import Episodes

@@ -13,7 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ppokit.training import algo
+from ppokit.training.statistics import explained_variance, pass_at_k
+from ppokit.training.token_rewards import distillation_rewards
 from ppokit.training.episodes import Episodes
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
@@ -51,7 +52,7 @@ def objective_metrics(
     if baseline is not None:
         estimator["objective/baseline_scores"] = baseline_sum / n
     if episodes.returns is not None:  # a critic: how much of the returns' variance its values explain (its own reductions)
-        estimator["val/explained_variance"] = algo.explained_variance(episodes.values, episodes.returns, mask, reduce_sum).item()
+        estimator["val/explained_variance"] = explained_variance(episodes.values, episodes.returns, mask, reduce_sum).item()
     if episodes.teacher_logprobs is not None:  # on-policy distillation: the mean per-token reverse KL to the teacher
         estimator["teacher/kl"] = teacher_kl(episodes, reduce_sum)
     return {
@@ -69,10 +70,10 @@ def objective_metrics(
 
 
 def teacher_kl(episodes: Episodes, reduce_sum: ReduceSum) -> float:
-    """`teacher/kl`: log pi_student - log pi_teacher of the sampled tokens (`algo.distillation_rewards`), a mean over the
+    """`teacher/kl`: log pi_student - log pi_teacher of the sampled tokens (`token_rewards.distillation_rewards`), a mean over the
     trained tokens of every process: a one-sample estimate of the per-token KL(student || teacher)."""
     mask = episodes.trained_mask
-    reverse_kl = algo.distillation_rewards(episodes.logprobs, episodes.teacher_logprobs, mask, 1.0)[1]
+    reverse_kl = distillation_rewards(episodes.logprobs, episodes.teacher_logprobs, mask, 1.0)[1]
     total, tokens = reduce_sum(torch.stack([reverse_kl.sum().float(), mask.sum().float()])).tolist()
     return total / max(tokens, 1.0)
 
@@ -157,7 +158,7 @@ def environment_metrics(episodes: Episodes, names: list[str], scores: torch.Tens
 def pass_at_k_metrics(scores: list[Optional[float]], samples_per_prompt: int, ks: list[int], threshold: float) -> dict[str, float]:
     """`eval/pass@k` for each k of `ks` and `eval/mean@n` over eval samples: `scores` holds n = `samples_per_prompt`
     adjacent entries per prompt (None: unscored, which counts as not correct and in no mean). A sample is correct
-    when its score is >= `threshold`; pass@k is `algo.pass_at_k` (Chen et al. 2021, unbiased) averaged over the prompts;
+    when its score is >= `threshold`; pass@k is `statistics.pass_at_k` (Chen et al. 2021, unbiased) averaged over the prompts;
     mean@n the mean score of each prompt's scored samples averaged over the prompts with one. {} without ks."""
     if not ks:
         return {}
@@ -168,7 +169,7 @@ def pass_at_k_metrics(scores: list[Optional[float]], samples_per_prompt: int, ks
     correct = torch.tensor([sum(s is not None and s >= threshold for s in group) for group in groups])
     drawn = torch.full_like(correct, n)
     means = [sum(scored) / len(scored) for scored in ([s for s in group if s is not None] for group in groups) if scored]
-    metrics = {f"eval/pass@{k}": algo.pass_at_k(drawn, correct, k).mean().item() for k in ks}
+    metrics = {f"eval/pass@{k}": pass_at_k(drawn, correct, k).mean().item() for k in ks}
     if means:
         metrics[f"eval/mean@{n}"] = sum(means) / len(means)
     return metrics

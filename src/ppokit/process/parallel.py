@@ -246,8 +246,6 @@ class Replicated:
     def clip_grad_norm_(self, model, max_norm):
         if max_norm > 0:
             return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        from ppokit.training.guards import gradient_norm
-
         return gradient_norm(model.parameters())
 
     @contextlib.contextmanager
@@ -519,8 +517,6 @@ class ShardedWeights:
             raise UserError(f"{folder}: no {SHARDED_DIR}/.metadata (a checkpoint written under parallel.strategy fsdp has one)")
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from ppokit.run.checkpoint_files import DamagedCheckpoint
-
         state = _training_state(parts.model, parts.optimizer)
         try:
             dcp.load(state, checkpoint_id=str(source))
@@ -533,9 +529,22 @@ class ShardedWeights:
             else:
                 said = str(e).strip() or type(e).__name__
             first = said.splitlines()[0]
-            raise DamagedCheckpoint(Path(folder), f"{SHARDED_DIR}/: cannot be read into this run's sharded model ({first})") from None
+            raise UnreadableShards(f"{SHARDED_DIR}/: cannot be read into this run's sharded model ({first})") from None
         set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+class UnreadableShards(UserError):
+    """A checkpoint's shards that this run's sharded model cannot read; the checkpoint's loader names the checkpoint
+    (`run.checkpoint_files.DamagedCheckpoint`)."""
+
+
+def gradient_norm(parameters) -> torch.Tensor:
+    """Global L2 norm of the gradients (used when gradient clipping, which returns it, is off)."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
 def missing_shards(folder: Path) -> str:

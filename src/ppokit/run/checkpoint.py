@@ -502,7 +502,12 @@ def load_checkpoint(
     if config.report_to:  # the trackers read it after the run folder is restored: a damaged one stops the resume now
         TrackerState.load(Path(run.output_dir), resumed=True)
 
-    parts.weights.load(path, parts)
+    from ppokit.process.parallel import UnreadableShards
+
+    try:
+        parts.weights.load(path, parts)
+    except UnreadableShards as e:
+        raise DamagedCheckpoint(path, str(e)) from None
     parts.scheduler.load_state_dict(saved.scheduler)
     parts.kl_controller.load_state_dict(manifest["kl_controller"])
     parts.scorer.load_state_dict(saved.scorer)

@@ -57,7 +57,7 @@ def inspect_data(
     ppo.response_length's) would not fit the model are counted and the first is named.
 
     render_prompts: renders PPO prompts as a run does and returns the template used (`ppokit data inspect --config`:
-    the run's conversation, `conversation.setup.conversation_for`, tools' schemas included); default: `chat_template` alone.
+    the run's conversation, `environments.conversation.conversation_for`, tools' schemas included); default: `chat_template` alone.
     """
     records = path if isinstance(path, Records) else load_records(path, format)
     if stage is None and records.format == "messages" and not any(_ends_with_assistant(row) for row in records.rows):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ppokit.training import algo
+from ppokit.training.losses import bradley_terry_loss
 from ppokit.config.schema import RMConfig
 from ppokit.data.formats import preference_triples
 from ppokit.models.loading import disable_dropout, input_pad_id, left_pad, load_scalar_model, score_at_last_token
@@ -38,7 +38,7 @@ def evaluate_pairs(model, pairs, pad_token_id: int, batch_size: int) -> dict:
     return {
         "eval_accuracy": (chosen > rejected).float().mean().item(),
         "eval_margin": (chosen - rejected).mean().item(),
-        "eval_loss": algo.bradley_terry_loss(chosen, rejected).item(),
+        "eval_loss": bradley_terry_loss(chosen, rejected).item(),
         "eval_chosen_score": chosen.mean().item(),
         "eval_rejected_score": rejected.mean().item(),
     }
@@ -69,7 +69,7 @@ def _train_and_save(config: RMConfig, say, overwrite: bool, start: float) -> dic
         say(f"before training | eval accuracy {before['eval_accuracy']:.3f} | margin {before['eval_margin']:+.3f}")
 
     def loss_fn(model, batch):
-        return algo.bradley_terry_loss(*pair_scores(model, batch, pad))
+        return bradley_terry_loss(*pair_scores(model, batch, pad))
 
     def write(tmp) -> dict:
         log = StepLog(

@@ -109,14 +109,6 @@ def check_some_scored(scored: torch.Tensor, errors: list[str], accelerator=None)
         raise NonFiniteUpdate("score", f"every row of the batch failed to score (reward.on_error=skip); first error: {first}")
 
 
-def gradient_norm(parameters) -> torch.Tensor:
-    """Global L2 norm of the gradients (used when gradient clipping, which returns it, is off)."""
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-
-
 def _cpu_copy(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)

@@ -33,10 +33,10 @@ from ppokit.models import roles
 
 from ppokit.process import parallel
 
-from ppokit.training import algo, batch_sizes
+from ppokit.training import batch_sizes
 from ppokit.config.schema import PPOConfig
 from ppokit.engines.base import Sampling
-from ppokit.conversation.setup import Conversation
+from ppokit.environments.conversation import Conversation
 from ppokit.process.launcher import launched_processes, launched_rank
 from ppokit.models.loading import check_prompts_fit, input_pad_id, position_limit, tightest
 from ppokit.training.optimise import prepare_training
@@ -45,6 +45,7 @@ from ppokit.rewards.environment import EnvironmentReward
 from ppokit.rewards import RewardScorer, build_scorer, source_label
 from ppokit.training.rollout import Rollout
 from ppokit.training.startup import prepare
+from ppokit.training.token_rewards import kl_controller
 
 
 @dataclass
@@ -163,7 +164,7 @@ def assemble(config: PPOConfig, *, model=None, tokenizer=None, ref_model=None, v
     return Parts(
         config, accelerator, strategy, say, show_progress, sizes, train_data, eval_data, tokenizer, conversation, train_query_ids,
         eval_query_ids, stop_token_ids, pad_id, scorer, layout, trained, optimizer, scheduler, reference, rollout,
-        config.turn_weight, algo.kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce, teacher,
+        config.turn_weight, kl_controller(config.ppo.kl_coef, config.ppo.kl_target, config.ppo.kl_horizon), reduce, teacher,
     )
 
 

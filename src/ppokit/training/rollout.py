@@ -19,7 +19,7 @@ import torch
 
 from ppokit.training import experience
 from ppokit.engines.base import Sampling
-from ppokit.conversation.setup import Conversation
+from ppokit.environments.conversation import Conversation
 from ppokit.environments.episode_loop import EpisodeSeeds, data_rows, episode_source
 from ppokit.training.episodes import Episodes
 
@@ -27,7 +27,7 @@ from ppokit.training.episodes import Episodes
 class Rollout:
     """Sampling and scoring for the trainer, its evaluation and its greedy baselines.
 
-    engine: the rollout engine (`engines.base.RolloutEngine`) and conversation (`conversation.setup.Conversation`), which the
+    engine: the rollout engine (`engines.base.RolloutEngine`) and conversation (`environments.conversation.Conversation`), which the
     episode source samples over (`episode_loop.episode_source`, with max_turns, max_episode_tokens, max_concurrent,
     pad_token_id: its keys); scorer: the reward sources (`rewards.RewardScorer`); tokenizer: the policy's (completions
     are decoded with it); sampling: each purpose's (`engines.base.Sampling.by_purpose`); what ends a response is the

@@ -28,7 +28,7 @@ u + j at the latest (every update takes at least one), so it is sampled ahead wh
 One worker thread samples the batches in order (`Ahead`); the trainer's thread takes each when its update starts,
 waits for those in flight before the weights change (a batch is sampled by one version only: the engine refuses a
 completion of another) and pushes the new weights. The loss for the stale episodes is the decoupled PPO loss
-(`algo.decoupled_policy_loss`): the trainer's recomputed logprobs are the proximal policy (the PPO ratio's), the
+(`losses.decoupled_policy_loss`): the trainer's recomputed logprobs are the proximal policy (the PPO ratio's), the
 engine's the behaviour policy, whose mismatch `ppo.rollout_is` corrects (`engines.correction`).
 """
 

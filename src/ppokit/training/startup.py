@@ -50,7 +50,7 @@ class Start:
     eval_data: Any  # Optional[prompts.PromptDataset]
     tokenizer: Any
     sizes: Any  # batch_sizes.BatchSizes
-    conversation: Any  # conversation.setup.Conversation
+    conversation: Any  # environments.conversation.Conversation
     train_query_ids: list[list[int]]
     eval_query_ids: Optional[list[list[int]]]
     rewards: Any  # rewards.CheckedSources
@@ -66,7 +66,7 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     a reward model object is passed. Writes nothing."""
     from ppokit.run import run_dir
     from ppokit.training import batch_sizes
-    from ppokit.conversation.setup import conversation_for
+    from ppokit.environments.conversation import conversation_for
     from ppokit.data.lengths import check_budget, encode_prompts
     from ppokit.process.machine import check_machine
     from ppokit.models.loading import check_teacher, policy_tokenizer
