@@ -373,7 +373,8 @@ async def solve(row, base_url):
 
 def test_an_openai_agents_sdk_agent_keeps_one_segment_and_trains(tmp_path):
     """The OpenAI Agents SDK's own loop (Runner.run over its chat-completions model) against the endpoint: the tool call
-    comes back as tool_calls the SDK runs, its next call continues the episode at the token level, and the reward lands."""
+    comes back as tool_calls the SDK runs, its next call continues the episode at the token level, and the reward lands.
+    openai-agents is in the dev extras, so CI runs it; skipped only where it is not installed."""
     pytest.importorskip("agents")
 
     tok = FAMILY.tokenizer()
