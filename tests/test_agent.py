@@ -4,7 +4,10 @@ the same conversation through the Tools environment (a tiny real model steered t
 own parts, hf engine, the same seeds); each call's answer comes back as OpenAI `tool_calls`; a call that does not
 continue the last one starts a segment (re-tokenised, counted); the run's temperature samples every call; an agent that
 raises, hangs or returns no number fails its episode in one line and the rollout goes on; an ended episode's URL
-refuses calls; `ppokit ppo` trains an agent run from a config file; the OpenAI Agents SDK's own loop keeps one segment."""
+refuses calls; `ppokit ppo` trains an agent run from a config file; the OpenAI Agents SDK's own loop keeps one segment.
+The command form (`agent: {command: ...}`, a program of its own per episode) makes the function form's episodes token
+for token, fails its episode in one line on a non-zero exit, a last line that is no reward or its deadline (its process
+group killed), and is checked before any work."""
 
 from __future__ import annotations
 
@@ -132,6 +135,43 @@ def test_an_openai_tool_loop_gives_the_tools_environments_episode_token_for_toke
                                    "agent/tool_calls": 2.0}
     records = agent.train()
     assert records[-1]["reward/agent"] == 1.0 and records[-1]["agent/calls"] == 2.0 and records[-1]["agent/retokenized_share"] == 0.0
+
+
+def saved_policy(tmp_path: Path) -> Path:
+    """A tiny llama (seed 0) and the qwen2.5 tokenizer saved as tmp_path/policy, for a config's `model`."""
+    tok = FAMILY.tokenizer()
+    torch.manual_seed(0)
+    model_path = tmp_path / "policy"
+    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
+    tok.save_pretrained(model_path)
+    return model_path
+
+
+def ppokit_ppo_with_agent(tmp_path: Path, agent, script: str) -> list[dict]:
+    """`ppokit ppo config.yaml` in a process of its own, in tmp_path, with `agent` (its program written to agent.py): 2
+    GRPO updates of 4 episodes (2 rows x 2) of a tiny llama -> the updates' metrics records. Checks it exited 0, saved
+    its final model, and wrote `agent` back into its config.yaml as given."""
+    import os
+
+    import yaml
+
+    model_path = saved_policy(tmp_path)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
+    (tmp_path / "agent.py").write_text(script)
+    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": agent, "data": {"train": "data.jsonl"},
+              "rollout": {"max_concurrent_episodes": 3},
+              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 1, "response_length": 8,
+                      "num_sample_generations": 0, "advantage_estimator": "grpo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
+                            env=os.environ, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "final").is_dir()
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["agent"] == agent
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in records if "reward/agent" in r]
+    assert len(updates) == 2
+    return updates
 
 
 # The same agent as a program of its own (`agent: {command: [...]}`): the row on stdin, the endpoint and a key from
@@ -322,32 +362,10 @@ print(json.dumps({"reward": float("a" in text), "length": len(text), "row": floa
 
 
 def test_ppokit_ppo_trains_a_command_agent_written_with_openai_from_a_config_file(tmp_path):
-    import os
     import shlex
 
-    import yaml
-
-    tok = FAMILY.tokenizer()
-    torch.manual_seed(0)
-    model_path = tmp_path / "policy"
-    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
-    tok.save_pretrained(model_path)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
-    (tmp_path / "agent.py").write_text(SIMPLE_COMMAND)
-    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": {"command": f"{shlex.quote(sys.executable)} agent.py"},
-              "data": {"train": "data.jsonl"}, "rollout": {"max_concurrent_episodes": 3},
-              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 1, "response_length": 8,
-                      "num_sample_generations": 0, "advantage_estimator": "grpo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop}}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
-                            env=os.environ, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    updates = [r for r in records if "reward/agent" in r]
-    assert len(updates) == 2
+    updates = ppokit_ppo_with_agent(tmp_path, {"command": f"{shlex.quote(sys.executable)} agent.py"}, SIMPLE_COMMAND)
     assert all(r["agent/calls"] == 1.0 and r["agent/segments"] == 1.0 and r["agent/row"] == 1.0 and 0 <= r["agent/length"] for r in updates)
-    assert (tmp_path / "run" / "final").is_dir()
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["agent"] == config["agent"]
 
 
 FORGETFUL = '''
@@ -536,30 +554,8 @@ async def solve(row, base_url):
 
 
 def test_ppokit_ppo_trains_an_async_openai_agent_from_a_config_file(tmp_path):
-    import os
-
-    import yaml
-
-    tok = FAMILY.tokenizer()
-    torch.manual_seed(0)
-    model_path = tmp_path / "policy"
-    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
-    tok.save_pretrained(model_path)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n" for i in range(2)))
-    (tmp_path / "agent.py").write_text(SIMPLE.format())
-    config = {"model": str(model_path), "output_dir": str(tmp_path / "run"), "agent": "agent.py:solve", "data": {"train": "data.jsonl"},
-              "rollout": {"max_concurrent_episodes": 3},
-              "ppo": {"total_episodes": 8, "per_device_train_batch_size": 4, "num_mini_batches": 1, "response_length": 8,
-                      "num_sample_generations": 0, "advantage_estimator": "grpo", "num_samples_per_prompt": 2, "stop_token": FAMILY.stop}}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, "-m", "ppokit", "ppo", "config.yaml"], capture_output=True, text=True, cwd=tmp_path,
-                            env=os.environ, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    updates = [r for r in records if "reward/agent" in r]
-    assert len(updates) == 2
+    updates = ppokit_ppo_with_agent(tmp_path, "agent.py:solve", SIMPLE.format())
     assert all(r["agent/calls"] == 1.0 and r["agent/segments"] == 1.0 and 0 <= r["agent/length"] for r in updates)
-    assert (tmp_path / "run" / "final").is_dir()
 
 
 AGENTS_SDK = '''
@@ -691,11 +687,7 @@ def test_an_agent_run_resumed_after_a_crash_is_the_run_it_would_have_been(tmp_pa
     from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig, RolloutConfig
     from ppokit.trainer import PPOTrainer
 
-    tok = FAMILY.tokenizer()
-    torch.manual_seed(0)
-    model_path = tmp_path / "policy"
-    tiny_causal_lm("llama", tok, hidden=32, heads=2, max_positions=1024).save_pretrained(model_path)
-    tok.save_pretrained(model_path)
+    model_path = saved_policy(tmp_path)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(4)))
     write_agent(tmp_path, [], RESUMED)
 

@@ -1,7 +1,9 @@
 """Agents as programs: `agent: path/to/agent.py:FUNCTION` trains an agent written against an OpenAI-compatible API,
 unchanged. For each row of a rollout the episode loop calls FUNCTION(row, base_url) (sync, or `async def`) with the URL of
 an endpoint that serves this one episode (`agent_endpoint.Endpoint`), and the agent returns the episode's reward (a
-number, or a dict with a number under "reward"; its other numbers are logged as `agent/<key>`).
+number, or a dict with a number under "reward"; its other numbers are logged as `agent/<key>`). `agent: {command: ...}`
+runs a program in any language in its place (`AgentCommand`): the URL in its environment, the row on stdin, the reward
+its last line of stdout; from there on both forms are one (`AgentRunner.run`, `checked`).
 
 Each call the agent makes is one engine request (`AgentSession.chat` / `.complete`), recorded as (prompt tokens,
 sampled tokens, logprobs), sampled with the run's sampling (ppo.temperature, top_k, top_p, min_p: the logprobs must be
@@ -23,7 +25,9 @@ history) are metrics (`agent/calls`, `agent/segments`, `agent/retokenized_share`
 An agent that raises, returns something that is not a reward, or is still running after agent_timeout_s fails its
 episode with one line (`reward.on_error` applies); so does a call the engine has not answered in agent_call_timeout_s.
 A sync agent runs on a thread of its own (a hung one is left running: Python cannot stop a thread), an async one on the
-environments' event loop (cancelled at its deadline). Calls to an ended episode's URL are refused (404).
+environments' event loop (cancelled at its deadline), a command in a process group of its own (killed at its deadline);
+a command's non-zero exit or a last line that is no reward fails its episode too. Calls to an ended episode's URL are
+refused (404).
 """
 
 from __future__ import annotations
