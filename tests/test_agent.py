@@ -237,8 +237,8 @@ def leave_running(out):  # a process of the command's own group, its pid where t
         f.write(str(child.pid))
 
 
-if mode == "ok":  # returns, leaving a process behind (off its pipes): ended with the command's group
-    leave_running(subprocess.DEVNULL)
+if mode == "ok":  # returns, leaving a process behind that holds its pipes: its exit ends its run, and the process
+    leave_running(None)
     print(json.dumps({"reward": row["value"], "api_key": float(os.environ["OPENAI_API_KEY"] == "ppokit")}))
 elif mode == "exits":
     print("0.75")
@@ -306,7 +306,7 @@ def test_a_command_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes
     assert errors["no_reward"].startswith(f"{name}: returned a dict without a \"reward\" key ({{'score': 1.0}}); prompt ")
     assert errors["hangs"].startswith(f"{name}: did not return within agent_timeout_s=15s (its process group was killed); prompt ")
     assert all("\n" not in e for e in errors.values() if e)
-    assert took >= 15.0
+    assert 15.0 <= took < 100.0  # the deadline, not the left processes' 600 s: nothing waits for the pipes they hold
     for mode in ("ok", "hangs"):
         pid = int((tmp_path / f"{mode}.pid").read_text())
         deadline = time.monotonic() + 60

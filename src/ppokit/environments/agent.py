@@ -141,12 +141,17 @@ class AgentCommand:
                                                            stderr=asyncio.subprocess.PIPE, env=environment, start_new_session=True)
         except OSError as e:
             raise AgentFailed(f"could not be started: {e.strerror or e}") from None
+        # its output read meanwhile (a full pipe would stop it); its exit ends its run, whatever it left holding the pipes
+        reading = asyncio.gather(process.stdout.read(), process.stderr.read())
         try:
-            out, err = await process.communicate(line.encode("utf-8"))
-        finally:  # its deadline, the rollout stopping, or its own exit: nothing of its group outlives the episode
+            await _fed(process.stdin, line.encode("utf-8"))
+            while process.returncode is None:  # Process.wait() would wait for the pipes' ends too
+                await asyncio.sleep(EXIT_POLL_S)
             _kill_group(process.pid)
-            if process.returncode is None:
-                await process.wait()
+            out, err = await reading
+        finally:  # its exit, its deadline or the rollout's stop: nothing of its group outlives the episode
+            _kill_group(process.pid)
+            reading.cancel()
         said = _last_line(err)
         said = f"; its stderr's last line: {_short(said, 300)}" if said else ""
         if process.returncode != 0:
@@ -165,6 +170,17 @@ class AgentCommand:
 
 
 API_KEY = "ppokit"  # what a command's OPENAI_API_KEY says: the endpoint takes any key
+EXIT_POLL_S = 0.02  # how often a running command's exit is looked for
+
+
+async def _fed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    """`data` written to a command's stdin, then closed; a command that exits without reading it is no error here."""
+    try:
+        stdin.write(data)
+        await stdin.drain()
+        stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
 
 
 def _kill_group(pid: int) -> None:
