@@ -142,16 +142,17 @@ class AgentCommand:
         except OSError as e:
             raise AgentFailed(f"could not be started: {e.strerror or e}") from None
         # its output read meanwhile (a full pipe would stop it); its exit ends its run, whatever it left holding the pipes
-        reading = asyncio.gather(process.stdout.read(), process.stderr.read())
+        reading = [asyncio.ensure_future(process.stdout.read()), asyncio.ensure_future(process.stderr.read())]
         try:
             await _fed(process.stdin, line.encode("utf-8"))
             while process.returncode is None:  # Process.wait() would wait for the pipes' ends too
                 await asyncio.sleep(EXIT_POLL_S)
             _kill_group(process.pid)
-            out, err = await reading
+            out, err = [await read for read in reading]
         finally:  # its exit, its deadline or the rollout's stop: nothing of its group outlives the episode
             _kill_group(process.pid)
-            reading.cancel()
+            for read in reading:
+                read.cancel()
         said = _last_line(err)
         said = f"; its stderr's last line: {_short(said, 300)}" if said else ""
         if process.returncode != 0:
