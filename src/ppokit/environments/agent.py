@@ -153,6 +153,7 @@ class AgentCommand:
             _kill_group(process.pid)
             for read in reading:
                 read.cancel()
+            process._transport.close()  # its pipes closed now, even where a process outside its group holds their other ends
         said = _last_line(err)
         said = f"; its stderr's last line: {_short(said, 300)}" if said else ""
         if process.returncode != 0:
