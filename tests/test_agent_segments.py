@@ -272,7 +272,7 @@ async def solve(row, base_url):
 def test_ppokit_ppo_trains_an_agent_whose_calls_make_two_segments(tmp_path):
     from test_agent import ppokit_ppo_updates
 
-    updates = ppokit_ppo_updates(tmp_path, SUBAGENT, {"max_turns": 2},
+    updates = ppokit_ppo_updates(tmp_path, SUBAGENT.format(), {"max_turns": 2},
                                  {"per_device_train_batch_size": 2, "num_mini_batches": 2, "advantage_estimator": "rloo",
                                   "loss_aggregation": "seq_mean_token_mean"})
     assert len(updates) == 2

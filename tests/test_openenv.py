@@ -12,106 +12,23 @@ import subprocess
 import sys
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
+import word_game_runs
+from word_game_runs import WAIT_BOUND_S, check_closed, check_trained, one_line_error, run_ppo
 
 pytest.importorskip("openenv", reason="needs ppokit[openenv]")
 
 WORDS = Path(__file__).parent / "envs" / "openenv_words.py"
 SPEC = "ppokit.environments:OpenEnv"
-WAIT_BOUND_S = 60.0  # how long a server may take to start on a loaded machine before the test calls it broken
-
-
-@pytest.fixture
-def rows(tmp_path, demo_data):
-    """8 prompts, each with the seed its episode's reset gets: at least that many words wins (a turn has at most 8)."""
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps({"prompt": r["prompt"], "seed": 1 + (5 * i) % 16}) + "\n" for i, r in enumerate(demo_data["prompts"][:8])))
-    return path
-
-
-@pytest.fixture
-def events(tmp_path, monkeypatch):
-    """The environment's reset / close log (its instances in this process and the server's)."""
-    path = tmp_path / "events.log"
-    monkeypatch.setenv("PPOKIT_OPENENV_LOG", str(path))
-    return path
-
-
-def ppo(sft_model_dir, rows, tmp_path, environment_args, *overrides):
-    """`ppokit ppo` in this process with the OpenEnv adapter: 2 updates of 4 episodes of up to 3 turns, a sample generation."""
-    from conftest import tiny_ppo_config
-
-    from ppokit.cli import main
-
-    config = tiny_ppo_config(sft_model_dir, rows, tmp_path / "run", total_episodes=8, per_device_train_batch_size=4,
-                             num_sample_generations=1, num_eval_samples=8)
-    config.environment = SPEC
-    config.environment_args = environment_args
-    config.reward.functions = []
-    config.rollout.max_turns = 3
-    path = tmp_path / "ppo.yaml"
-    config.save(path)
-    return main(["ppo", str(path), *overrides])
-
-
-def check_episodes(run: Path):
-    """Every sampled episode is the game's rule applied to the model's turns: each turn's reward (read from the
-    Observation's `reward`), `good` ends it (the Observation's `done`), `bad` answers a short turn (its `reply`, the one
-    str field, is what the model reads next)."""
-    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    seeds = {}
-    for line in (run.parent / "rows.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        seeds[row["prompt"]] = row["seed"]
-    assert samples
-    ended = 0
-    for sample in samples:
-        turns, target = sample["turns"], seeds[sample["prompt"]]
-        said = [t for t in turns if t["role"] == "assistant"]
-        for i, turn in enumerate(turns):
-            if turn["role"] != "assistant":
-                continue
-            words = len(turn["text"].split())
-            won = words >= target
-            assert turn["reward"] == pytest.approx(1.0 if won else words / 10), turn
-            assert turn.get("done", False) == won, turn
-            if won:
-                assert i == len(turns) - 1  # done ends the episode
-                ended += 1
-            elif i + 1 < len(turns):
-                assert turns[i + 1] == {"role": "user", "text": "bad"}
-        assert len(said) <= 3
-    assert 0 < ended < len(samples)  # some episodes won, some ran out of turns: both endings were seen
-
-
-def check_closed(events: Path):
-    """Each instance that was reset was closed once, after its reset; nothing closed twice (instances that were made and
-    never reset, such as the runner's start-up one, are closed too). A stopped rollout closes its episodes on worker
-    threads, not waited for: those are given WAIT_BOUND_S."""
-    deadline = time.monotonic() + WAIT_BOUND_S
-    while True:
-        lines = events.read_text().split("\n")[:-1]
-        resets = [line.split()[1] for line in lines if line.startswith("reset ")]
-        closes = [line.split()[1] for line in lines if line.startswith("close ")]
-        if set(resets) <= set(closes) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert resets and len(set(resets)) == len(resets)
-    assert sorted(set(closes)) == sorted(closes)  # none twice
-    assert set(resets) <= set(closes), f"{len(set(resets) - set(closes))} of {len(resets)} sessions not closed"
-    for instance in resets:
-        assert lines.index(f"reset {instance}") < lines.index(f"close {instance}")
+rows, events, ppo = word_game_runs.rows, word_game_runs.events, partial(run_ppo, SPEC)  # the shared fixtures, and the run
 
 
 def test_an_openenv_environment_in_process_trains_through_ppokit_ppo(sft_model_dir, rows, tmp_path, events, capsys):
-    code = ppo(sft_model_dir, rows, tmp_path, {"env": f"{WORDS}:WordsEnvironment"})
-    err = capsys.readouterr().err
-    assert code == 0, err
-    assert "Traceback" not in err and "SUPPORTS_CONCURRENT_SESSIONS" not in err
-    check_episodes(tmp_path / "run")
-    check_closed(events)
+    err = check_trained(ppo(sft_model_dir, rows, tmp_path, {"env": f"{WORDS}:WordsEnvironment"}), capsys, tmp_path / "run", events)
+    assert "SUPPORTS_CONCURRENT_SESSIONS" not in err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in records if "reward/environment" in r]
 
@@ -151,18 +68,9 @@ def server(tmp_path, events):
 
 def test_an_openenv_server_trains_through_ppokit_ppo_and_logs_nothing(sft_model_dir, rows, tmp_path, events, server, capsys):
     url, log = server()
-    code = ppo(sft_model_dir, rows, tmp_path, {"base_url": url})
-    err = capsys.readouterr().err
-    assert code == 0, err
-    check_episodes(tmp_path / "run")
-    check_closed(events)  # the server's instances: one per session, closed when ppokit ends the session
+    # the server's instances: one per session, closed when ppokit ends the session
+    check_trained(ppo(sft_model_dir, rows, tmp_path, {"base_url": url}), capsys, tmp_path / "run", events)
     assert log.read_text() == ""  # no disconnect traceback, no error: every session ended as the server expects
-
-
-def one_line_error(code: int, err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("ppokit: error: ")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_a_server_that_refuses_concurrent_sessions_stops_the_run_in_one_line(sft_model_dir, rows, tmp_path, events, server, capsys):

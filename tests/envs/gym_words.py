@@ -1,19 +1,12 @@
-"""The words game of openenv_words.py (say at least N words: `good`, reward 1, done; else `bad`, reward words / 10) as a
-SkyRL-gym BaseTextEnv subclass (N from its `extras`, the data row's `seed` column) and as a GEM-style environment
-(N from reset's seed), for tests/test_gymtext.py. Resets and closes are logged to $PPOKIT_GYM_LOG, if set."""
+"""The words game (words_rules.py: say at least N words) as a SkyRL-gym BaseTextEnv subclass (N from its `extras`, the
+data row's `seed` column) and as a GEM-style environment (N from reset's seed), for tests/test_gymtext.py. Resets and
+closes are logged to $PPOKIT_WORDS_LOG, if set."""
 
-import os
 from typing import Any, Dict, Optional
 from uuid import uuid4
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
-
-
-def log(line: str) -> None:
-    path = os.environ.get("PPOKIT_GYM_LOG")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
+from words_rules import log, play
 
 
 class WordsTextEnv(BaseTextEnv):
@@ -29,10 +22,8 @@ class WordsTextEnv(BaseTextEnv):
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         self.turns += 1
-        words = len(action.split())
-        if words >= self.target:
-            return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={"words": words})
-        return BaseTextEnvStepOutput(observations=[{"role": "user", "content": "bad"}], reward=words / 10, done=False,
+        reply, reward, done, words = play(self.target, action)
+        return BaseTextEnvStepOutput(observations=[] if done else [{"role": "user", "content": reply}], reward=reward, done=done,
                                      metadata={"words": words})
 
     def close(self):
@@ -51,10 +42,8 @@ class WordsGemEnv:
         return "the movie", {}
 
     def step(self, action: str):
-        words = len(action.split())
-        if words >= self.target:
-            return "good", 1.0, True, False, {}
-        return "bad", words / 10, False, False, {}
+        reply, reward, done, _ = play(self.target, action)
+        return reply, reward, done, False, {}
 
     def close(self):
         log(f"close {self.id}")

@@ -1,12 +1,10 @@
 """A small OpenEnv environment in OpenEnv's template style (an Action and an Observation subclass, an Environment with
-reset / step / state / close), for tests/test_openenv.py: say at least N words, N the reset's seed (the data row's `seed`
-column). A turn of N or more words is answered `good` (reward 1, done); a shorter one `bad` (reward words / 10).
-Every reset and close is logged as a line `reset ID` / `close ID` to the file $PPOKIT_OPENENV_LOG, if set.
+reset / step / state / close), for tests/test_openenv.py: the words game (words_rules.py: say at least N words), N the
+reset's seed (the data row's `seed` column). Every reset and close is logged to $PPOKIT_WORDS_LOG, if set.
 
     python openenv_words.py PORT [MAX_CONCURRENT_ENVS]   # served by openenv's create_app on 127.0.0.1:PORT
 """
 
-import os
 import sys
 from typing import Optional
 from uuid import uuid4
@@ -14,6 +12,7 @@ from uuid import uuid4
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
+from words_rules import log, play
 
 
 class WordsAction(Action):
@@ -23,13 +22,6 @@ class WordsAction(Action):
 class WordsObservation(Observation):
     reply: str = Field(default="", description="good or bad")
     words: int = Field(default=0, description="the words of the turn")
-
-
-def log(line: str) -> None:
-    path = os.environ.get("PPOKIT_OPENENV_LOG")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
 
 
 class WordsEnvironment(Environment):
@@ -49,10 +41,8 @@ class WordsEnvironment(Environment):
 
     def step(self, action: WordsAction) -> WordsObservation:  # type: ignore[override]
         self._state.step_count += 1
-        words = len(action.message.split())
-        if words >= self.target:
-            return WordsObservation(reply="good", words=words, done=True, reward=1.0)
-        return WordsObservation(reply="bad", words=words, done=False, reward=words / 10)
+        reply, reward, done, words = play(self.target, action.message)
+        return WordsObservation(reply=reply, words=words, done=done, reward=reward)
 
     @property
     def state(self) -> State:

@@ -91,6 +91,7 @@ def unwrap_optional(tp):
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert a YAML / command-line value to the field's type, or raise UserError naming the key."""
     inner, optional = unwrap_optional(tp)
+    optional = optional or type(None) in typing.get_args(inner)  # Optional[str | dict]: a union of several kinds and None
     if value is None or (optional and isinstance(value, str) and value.lower() in ("null", "none", "~")):
         if optional:
             return None
@@ -144,7 +145,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     # Unions of several kinds (e.g. str | dict) are taken as given when the value is one of them (their own
     # checks look further); anything else (reward.functions: 7) is refused here, not by the first code to use it.
-    kinds = [typing.get_origin(t) or t for t in typing.get_args(inner)]
+    kinds = [typing.get_origin(t) or t for t in typing.get_args(inner) if t is not type(None)]
     if kinds and all(isinstance(k, type) for k in kinds) and not isinstance(value, tuple(kinds)):
         names = " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
         raise UserError(f"{key}: expected {names}, got {value!r}")

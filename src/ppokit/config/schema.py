@@ -735,8 +735,37 @@ RolloutConfig = dataclasses.make_dataclass("RolloutConfig", _ENGINE_FIELDS, base
 })
 
 
-AGENT_SPEC = rule("'path/to/agent.py:FUNCTION' or 'package.module:FUNCTION'",
-                  lambda v: bool(v.strip()) and ":" in v and all(part.strip() for part in v.rpartition(":")[::2]))
+AGENT_SPEC = rule("'path/to/agent.py:FUNCTION', 'package.module:FUNCTION' or a mapping {command: ...}",
+                  lambda v: isinstance(v, dict) or (bool(v.strip()) and ":" in v and all(part.strip() for part in v.rpartition(":")[::2])))
+AGENT_COMMAND_KEYS = ("command",)
+
+
+def agent_command(agent: Union[str, dict, None]) -> Optional[list[str]]:
+    """The program and arguments of `agent: {command: ...}`: a list of strings as written, or a string split into words as
+    a POSIX shell splits them (quotes and backslashes; no variables, globs or pipes: nothing runs a shell); None for the
+    function form. A UserError naming the key for a mapping with other keys, without `command`, or with an empty one."""
+    import shlex
+
+    if not isinstance(agent, dict):
+        return None
+    unknown = [key for key in agent if key not in AGENT_COMMAND_KEYS]
+    if unknown:
+        raise UserError(f"agent: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)}; an agent's mapping takes "
+                        f"{', '.join(AGENT_COMMAND_KEYS)} (a program run per episode, docs/agents.md)")
+    command = agent.get("command")
+    if isinstance(command, str):
+        try:
+            words = shlex.split(command)
+        except ValueError as e:
+            raise UserError(f"agent.command: {command!r} cannot be split into words: {e}") from None
+    elif isinstance(command, list) and all(isinstance(word, (str, int, float)) and not isinstance(word, bool) for word in command):
+        words = [str(word) for word in command]
+    else:
+        raise UserError(f"agent.command: expected a list of strings (the program, then its arguments) or one string split into them as "
+                        f"a shell splits words; got {command!r}")
+    if not words or not words[0].strip():
+        raise UserError(f"agent.command: names no program ({command!r})")
+    return words
 ENVIRONMENT_SPEC = rule("'path/to/env.py:ClassName' or 'package.module:ClassName' (e.g. ppokit.environments:Tools)",
                         lambda v: bool(v.strip()) and ":" in v and all(part.strip() for part in v.rpartition(":")[::2]))
 
@@ -810,14 +839,18 @@ class PPOConfig:
                                                        "in a worker thread, and a call that has not returned by then fails its episode (`reward.on_error` "
                                                        "applies: skip the episode or stop the run). null: call it in the main thread without a limit. At most "
                                                        "threading.TIMEOUT_MAX.", check=timeout_range)
-    agent: Optional[str] = doc(None, "An agent program trained as it is: a function `path/to/agent.py:FUNCTION` (or `package.module:FUNCTION`), called as "
-                                     "FUNCTION(row, base_url) for each episode (sync or `async def`) with an OpenAI-compatible endpoint serving that episode "
-                                     "(`base_url` ends in /v1; any API key); it returns the episode's reward, a number or a dict with one under `reward` (its "
-                                     "other numbers are logged as `agent/<key>`). Its calls are recorded token for token and trained (docs/agents.md). The "
-                                     "reward is a reward source (`reward/agent`), the last in `reward.weights` order. Exclusive with `environment`. null: no "
-                                     "agent.", check=AGENT_SPEC)
-    agent_timeout_s: float = doc(600.0, "Deadline in seconds for one episode's agent run (FUNCTION(row, base_url) from its call to its return): an agent still "
-                                        "running then fails its episode (`reward.on_error` applies) and its URL is closed. Needs `agent`.", check=timeout_range)
+    agent: Union[str, dict, None] = doc(None, "An agent program trained as it is: a function `path/to/agent.py:FUNCTION` (or `package.module:FUNCTION`), "
+                                              "called as FUNCTION(row, base_url) for each episode (sync or `async def`) with an OpenAI-compatible endpoint "
+                                              "serving that episode (`base_url` ends in /v1; any API key); it returns the episode's reward, a number or a "
+                                              "dict with one under `reward` (its other numbers are logged as `agent/<key>`). Or a program in any language, "
+                                              "`{command: [program, arg, ...]}` (or one string, split as a shell splits words, without a shell), run once per "
+                                              "episode with OPENAI_BASE_URL and OPENAI_API_KEY in its environment and the row as one JSON line on stdin; the "
+                                              "last line of its stdout is the reward, a number or a JSON object as above. Its calls are recorded token for "
+                                              "token and trained (docs/agents.md). The reward is a reward source (`reward/agent`), the last in "
+                                              "`reward.weights` order. Exclusive with `environment`. null: no agent.", check=AGENT_SPEC)
+    agent_timeout_s: float = doc(600.0, "Deadline in seconds for one episode's agent run (FUNCTION(row, base_url) from its call to its return; a command from "
+                                        "its start to its exit): an agent still running then fails its episode (`reward.on_error` applies), its URL is closed "
+                                        "and a command's process group is killed. Needs `agent`.", check=timeout_range)
     agent_call_timeout_s: float = doc(600.0, "Deadline in seconds for the endpoint to answer one call of an agent (the engine's sampling of it): a call not "
                                              "answered by then fails its episode. Needs `agent`.", check=timeout_range)
     agent_tool_parser: str = doc("auto", "How an agent's tool calls are read from the model's text and returned as OpenAI `tool_calls`: a format by vLLM's "
@@ -922,6 +955,7 @@ class PPOConfig:
         """Keys of multi-turn episodes set without an environment would never be read: refused. Turn rewards move the
         environment's part of the score to its turns, which is exact only while the score is a plain weighted sum. An
         agent's keys likewise need `agent`, which excludes `environment`."""
+        agent_command(self.agent)  # a command's mapping: its keys and its words
         if self.agent is not None and self.environment is not None:
             raise UserError(f"agent ({self.agent!r}) and environment ({self.environment!r}) are both set; an episode is answered by "
                             "an environment or made by an agent program: set one of them")

@@ -113,13 +113,13 @@ def _agent(keys: dict, renderer: ConversationRenderer, template: str, max_turns:
     from ppokit.environments.agent import AgentRunner
     from ppokit.environments.tool_parsers import resolve_parser
 
-    function = AgentRunner.load(keys["spec"], base_dir)
-    renderer.check(needs_tools=False, max_turns=max(max_turns, 2), what=f"agent {keys['spec']}")
+    program = AgentRunner.load(keys["spec"], base_dir)
+    renderer.check(needs_tools=False, max_turns=max(max_turns, 2), what=f"agent {program.spec}")
     parser, note = resolve_parser(keys["tool_parser"], template, where="agent_tool_parser")
     if note:
         renderer.say(note)
     if max_turns == 1:  # the default: an agent's second call would be refused (400), which a tool loop does not expect
-        renderer.say(f"agent {keys['spec']}: rollout.max_turns is 1, so each episode's agent gets one call answered (a second is "
+        renderer.say(f"agent {program.spec}: rollout.max_turns is 1, so each episode's agent gets one call answered (a second is "
                      "refused); set rollout.max_turns to the calls an episode may make")
-    return AgentRunner(keys["spec"], function, timeout_s=keys["timeout_s"], call_timeout_s=keys["call_timeout_s"], parser=parser,
+    return AgentRunner(program, timeout_s=keys["timeout_s"], call_timeout_s=keys["call_timeout_s"], parser=parser,
                        renderer=renderer)
