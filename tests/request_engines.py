@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ppokit.engines.base import Completion, generate
+from ppokit.engines.base import Sampled, generate
 
 
 class ScriptedRequests:
@@ -29,25 +29,25 @@ class ScriptedRequests:
         self.requests += requests
         self.submitted.append([list(r.prompt) for r in requests])
 
-    def step(self) -> list[Completion]:
+    def step(self) -> list[Sampled]:
         done, self.queue = self.queue, []
         return [self._complete(r) for r in done]
 
-    def _complete(self, request) -> Completion:
+    def _complete(self, request) -> Sampled:
         ids, logprobs = self.respond(request)
         sampling = request.sampling
         ids, logprobs = list(ids)[: sampling.max_new_tokens], list(logprobs)[: sampling.max_new_tokens]
         end = next((i + 1 for i, token in enumerate(ids) if token in sampling.stop_token_ids), None)
         if end is not None:
-            return Completion(request.request_id, ids[:end], logprobs[:end], "stop")
-        return Completion(request.request_id, ids, logprobs, "length")
+            return Sampled(request.request_id, ids[:end], logprobs[:end], "stop")
+        return Sampled(request.request_id, ids, logprobs, "length")
 
     def unfinished(self) -> int:
         return len(self.queue)
 
-    def abort(self, request_ids) -> list[Completion]:
+    def abort(self, request_ids) -> list[Sampled]:
         wanted = set(request_ids)
-        aborted = [Completion(r.request_id, [], [], "abort") for r in self.queue if r.request_id in wanted]
+        aborted = [Sampled(r.request_id, [], [], "abort") for r in self.queue if r.request_id in wanted]
         self.queue = [r for r in self.queue if r.request_id not in wanted]
         return aborted
 

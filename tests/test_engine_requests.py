@@ -1,4 +1,4 @@
-"""Engines take requests (ppokit.engines.base.Request -> Completion): the hf engine's slot decoder
+"""Engines take requests (ppokit.engines.base.Request -> Sampled): the hf engine's slot decoder
 (ppokit.engines.slots) on tiny real models. A seeded request's tokens and logprobs are a function of the weights,
 its prompt, its sampling and its seed alone: bit for bit the same alone or among others that share its decoding
 steps, arrive before or after it, wait in the queue or are aborted."""
@@ -10,7 +10,7 @@ import torch
 from conftest import assert_float32_close
 from test_engines import _recording
 
-from ppokit.engines.base import Completion, Request, Sampling, complete, request_seed
+from ppokit.engines.base import Sampled, Request, Sampling, complete, request_seed
 from ppokit.engines.hf import HFEngine, HFSampler
 from ppokit.models.loading import left_pad, response_logprobs
 from ppokit.demos.tiny import tiny_causal_lm
@@ -43,7 +43,7 @@ def engine_for(policy, tokenizer, slots=SLOTS, **kwargs):
     return HFEngine(policy, tokenizer.pad_token_id, device, rows_per_forward=slots, max_sequence=CAPACITY, **kwargs)
 
 
-def drive(engine, arrivals: dict[int, list[Request]], abort_at: dict[int, list[str]] = ()) -> tuple[dict[str, Completion], int]:
+def drive(engine, arrivals: dict[int, list[Request]], abort_at: dict[int, list[str]] = ()) -> tuple[dict[str, Sampled], int]:
     """Step the engine, submitting arrivals[k] before step k and aborting abort_at[k] before it, until nothing is
     unfinished -> (completions by id, steps taken)."""
     done, k = {}, 0

@@ -110,7 +110,7 @@ class PPOTrainer:
         batch = self.batches.take(state, parts.sizes.num_updates)
         episodes, scored, indices, prompts, columns, ahead = batch.episodes, batch.scored, batch.indices, batch.prompts, batch.columns, batch.metrics
         t_generate = time.perf_counter() - batch.scoring_s  # the rounds' scoring counts in time/scoring
-        episodes = experience.with_scores(episodes, scored, rollout.engine.pad_token_id, reduce, parts.strategy.uneven_forwards)  # + segment rows
+        episodes = experience.with_scores(episodes, scored, parts.pad_id, reduce, parts.strategy.uneven_forwards)  # + segment rows
         if hp.estimator.greedy_baseline:
             episodes.baseline_scores, valid = map(episodes.per_row, rollout.greedy_baseline(parts.train_data, parts.train_query_ids, indices, n, state.update))
             episodes.valid = episodes.valid & valid

@@ -6,7 +6,7 @@ such as vLLM), whose weights the trainer pushes after every optimiser update and
 not bit-for-bit the training forward's.
 
 Engines take requests: one `Request` per model turn (prompt token ids, `Sampling`, an id, a seed), many
-in flight, each handed back as a `Completion` (token ids, logprobs, finish reason) as soon as it is done
+in flight, each handed back as a `Sampled` (token ids, logprobs, finish reason) as soon as it is done
 (`submit` / `step`); `generate` is the one-turn case (submit a batch, wait for all of it).
 """
 
@@ -120,7 +120,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Completion:
+class Sampled:
     """What an engine hands back for one request (`RolloutEngine.step`, `abort`).
 
     token_ids: the sampled tokens, the stop token included when it ended the completion.
@@ -164,12 +164,12 @@ def generate(engine: "RolloutEngine", prompts: list[list[int]], sampling: Sampli
                 pad_token_id, device)
 
 
-def complete(engine: "RolloutEngine", requests: Sequence[Request]) -> list[Completion]:
+def complete(engine: "RolloutEngine", requests: Sequence[Request]) -> list[Sampled]:
     """Submit `requests` and step the engine until every one has completed -> their completions in request order
     (the one-turn case: what `generate` does)."""
     engine.submit(requests)
     wanted = {r.request_id for r in requests}
-    done: dict[str, Completion] = {}
+    done: dict[str, Sampled] = {}
     with engine.serving():
         while wanted - done.keys():
             for completion in engine.step():
@@ -335,11 +335,11 @@ class RolloutEngine(Protocol):
 
     def submit(self, requests: Sequence[Request]) -> None: ...
 
-    def step(self) -> list[Completion]: ...
+    def step(self) -> list[Sampled]: ...
 
     def unfinished(self) -> int: ...
 
-    def abort(self, request_ids: Iterable[str]) -> list[Completion]: ...
+    def abort(self, request_ids: Iterable[str]) -> list[Sampled]: ...
 
     def forget(self, request_ids: Iterable[str]) -> None: ...
 

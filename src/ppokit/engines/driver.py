@@ -23,7 +23,7 @@ import contextlib
 import time
 from typing import Awaitable, Callable, Optional
 
-from ppokit.engines.base import Completion, Request, RolloutEngine
+from ppokit.engines.base import Sampled, Request, RolloutEngine
 
 
 class AsyncRequests:
@@ -37,7 +37,7 @@ class AsyncRequests:
         self._waiting: dict[str, asyncio.Future] = {}  # asked for and not completed, queued ones too
         self._asked: Optional[asyncio.Future] = None  # the stepping task's wake-up while the engine has nothing to do
 
-    async def complete(self, request: Request) -> Completion:
+    async def complete(self, request: Request) -> Sampled:
         """`request` -> its completion, once the engine hands it back."""
         future = asyncio.get_running_loop().create_future()
         self._queued.append(request)

@@ -5,7 +5,10 @@ Two decoders behind one request interface (`base.RolloutEngine`):
 - seeded requests: `slots.SlotDecoder`, continuous batching in fixed-shape slots, each request with its own
   generator: its result does not depend on what else is in flight, nor on when it arrived.
 - seedless requests (what `generate` submits): the requests of one `submit` call decoded together by `HFSampler`
-  in lock-step, drawing from torch's global generator, as every single-turn rollout always has (bit for bit).
+  in lock-step, drawing from torch's global generator, as every single-turn rollout always has (bit for bit). It
+  stays because it is the faster one there: single-turn rollouts routed through the slot decoder instead (keyed seeds,
+  2026-12-07, benchmarks/rollout_engines.py --modes sampling --engines hf --sizes 50m, quiet 2-core x86-64, alternating)
+  sampled 856 and 774 tokens/s against the lock-step's 872 and 919, with 70-85 MB more peak memory (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from ppokit.training import algo
-from ppokit.engines.base import (Completion, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
+from ppokit.engines.base import (Sampled, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
                                  step_logits_bytes, stop_ids)
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.engines.slots import SlotDecoder
@@ -94,13 +97,13 @@ class HFEngine:
                 batches.setdefault(request.sampling, []).append(request)
         self._batches.extend(batches.values())
 
-    def step(self) -> list[Completion]:
+    def step(self) -> list[Sampled]:
         """One lock-step batch decoded whole (if one is queued), then one step of the slot decoder."""
         with self.serving():
             return self._step()
 
     @torch.inference_mode()
-    def _step(self) -> list[Completion]:
+    def _step(self) -> list[Sampled]:
         done = self._lockstep(self._batches.popleft()) if self._batches else []
         if self._decoder is not None and self._decoder.unfinished():
             done += self._decoder.step(self.policy)
@@ -109,9 +112,9 @@ class HFEngine:
     def unfinished(self) -> int:
         return sum(map(len, self._batches)) + (self._decoder.unfinished() if self._decoder is not None else 0)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+    def abort(self, request_ids: Iterable[str]) -> list[Sampled]:
         wanted = set(request_ids)
-        aborted = [Completion(r.request_id, [], [], "abort") for batch in self._batches for r in batch if r.request_id in wanted]
+        aborted = [Sampled(r.request_id, [], [], "abort") for batch in self._batches for r in batch if r.request_id in wanted]
         self._batches = deque(kept for kept in ([r for r in batch if r.request_id not in wanted] for batch in self._batches) if kept)
         return aborted + (self._decoder.abort(wanted) if self._decoder is not None else [])
 
@@ -150,7 +153,7 @@ class HFEngine:
             self._decoder = SlotDecoder(self.rows_per_forward, capacity, self.pad_token_id, self.device, self.read_in_steps, self.read_together)
         return self._decoder
 
-    def _lockstep(self, batch: list[Request]) -> list[Completion]:
+    def _lockstep(self, batch: list[Request]) -> list[Sampled]:
         """Seedless requests of one submit call and one sampling, decoded together by `HFSampler` (torch's generator)."""
         sampling = batch[0].sampling
         ids, mask = left_pad([list(r.prompt) for r in batch], self.pad_token_id, self.device)
@@ -161,7 +164,7 @@ class HFEngine:
         tokens = [episodes.response_ids[i][episodes.loss_mask[i]].tolist() for i in range(len(batch))]
         logprobs = [episodes.logprobs[i][episodes.loss_mask[i]].tolist() for i in range(len(batch))]
         ended = episodes.ended.tolist()
-        return [Completion(r.request_id, t, lp, "stop" if e else "length") for r, t, lp, e in zip(batch, tokens, logprobs, ended)]
+        return [Sampled(r.request_id, t, lp, "stop" if e else "length") for r, t, lp, e in zip(batch, tokens, logprobs, ended)]
 
     # ------------------------------------------------------------------ weights and memory
 

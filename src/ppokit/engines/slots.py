@@ -38,7 +38,7 @@ from typing import Iterable, Optional
 import torch
 from transformers.cache_utils import Cache
 
-from ppokit.engines.base import Completion, Request
+from ppokit.engines.base import Sampled, Request
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.models.loading import causal_lm_step
 
@@ -155,8 +155,8 @@ class _Running:
             return "stop"
         return "length" if len(self.tokens) >= sampling.max_new_tokens else None
 
-    def completion(self, reason: str) -> Completion:
-        return Completion(self.request.request_id, list(self.tokens), list(self.logprobs), reason, self.cached)
+    def completion(self, reason: str) -> Sampled:
+        return Sampled(self.request.request_id, list(self.tokens), list(self.logprobs), reason, self.cached)
 
 
 class SlotDecoder:
@@ -214,9 +214,9 @@ class SlotDecoder:
     def unfinished(self) -> int:
         return len(self.queue) + sum(s is not None for s in self.running)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+    def abort(self, request_ids: Iterable[str]) -> list[Sampled]:
         wanted = set(request_ids)
-        aborted = [Completion(r.request_id, [], [], "abort") for r in self.queue if r.request_id in wanted]
+        aborted = [Sampled(r.request_id, [], [], "abort") for r in self.queue if r.request_id in wanted]
         self.queue = deque(r for r in self.queue if r.request_id not in wanted)
         for i, slot in enumerate(self.running):
             if slot is not None and slot.request.request_id in wanted:
@@ -240,7 +240,7 @@ class SlotDecoder:
 
     # ------------------------------------------------------------------ decoding
 
-    def step(self, model) -> list[Completion]:
+    def step(self, model) -> list[Sampled]:
         """Admit queued requests into free slots (those read alone are read now, their first token sampled), then the
         reading forward (if a slot has tokens to read together), then the decoding forward (if a slot has a token to
         feed) -> the requests that completed."""
@@ -268,7 +268,7 @@ class SlotDecoder:
         free = [i for i, running in enumerate(self.running) if running is None]
         return next((i for i in free if self.home[i] is None), free[0] if free else None)
 
-    def _admit(self, model, request: Request, slot: int) -> Optional[Completion]:
+    def _admit(self, model, request: Request, slot: int) -> Optional[Sampled]:
         """Put `request` in the free `slot`: with what it continues in place or copied in, its prompt to be read in the
         decoding or reading forwards, or read alone now (its first token sampled then) -> its completion if that first
         token already ended it."""
@@ -327,7 +327,7 @@ class SlotDecoder:
             cache.allocate_like(keys, values)
         return cache
 
-    def _read_step(self, model) -> list[Completion]:
+    def _read_step(self, model) -> list[Sampled]:
         """One reading forward: `slots` rows of `read_together` tokens, each slot that reads together its tokens to
         read at the end of its row (placeholders before them, and in every other row), so that the row's last column,
         the only one whose logits are made (a vocabulary's worth per row, not per token), gives its first sample."""
@@ -346,7 +346,7 @@ class SlotDecoder:
         logits = self._forward(model, tokens, positions, real, logits_to_keep=1)
         return self._sampled(logits[:, -1], reading)
 
-    def _decode_step(self, model) -> list[Completion]:
+    def _decode_step(self, model) -> list[Sampled]:
         """One decoding forward of every slot: each running request's next token in (a prompt token or the last it
         sampled); the slots that read together are placeholders in it."""
         feeding = [slot if slot is not None and not slot.reads_together else None for slot in self.running]
@@ -373,7 +373,7 @@ class SlotDecoder:
             raise ValueError("the hf engine's requests need a model whose layers cache keys and values (full attention)")
         return logits
 
-    def _sampled(self, logits: torch.Tensor, sampling: list[Optional[_Running]]) -> list[Completion]:
+    def _sampled(self, logits: torch.Tensor, sampling: list[Optional[_Running]]) -> list[Sampled]:
         """(slots, V) logits -> the next token of each slot in `sampling` (None: not sampled) -> the requests it completed."""
         self._sample(logits, sampling)
         done = []

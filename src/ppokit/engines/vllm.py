@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ppokit.process import random_states
-from ppokit.engines.base import (Completion, EngineMemory, EngineSizing, Request, Sampling, generate, served_lora_rank,
+from ppokit.engines.base import (Sampled, EngineMemory, EngineSizing, Request, Sampling, generate, served_lora_rank,
                                  step_logits_bytes)
 from ppokit.engines.weights import adapter_weights, architecture, base_weights, policy_weights, tensor_bytes, unwrap
 from ppokit.training.episodes import Episodes
@@ -398,7 +398,7 @@ class VLLMEngine:
             self._unfinished[request.request_id] = _Partial()
 
     @torch.inference_mode()
-    def step(self) -> list[Completion]:
+    def step(self) -> list[Sampled]:
         """One step of vLLM's engine (it schedules prefills and decoding of everything in its queue)."""
         if not self._unfinished:
             return []
@@ -416,7 +416,7 @@ class VLLMEngine:
     def unfinished(self) -> int:
         return len(self._unfinished)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+    def abort(self, request_ids: Iterable[str]) -> list[Sampled]:
         wanted = [i for i in dict.fromkeys(request_ids) if i in self._unfinished]
         if wanted:
             self.llm.llm_engine.abort_request(wanted)
@@ -564,8 +564,8 @@ class _Partial:
         self.logprobs += [_sampled_logprob(step, token) for step, token in zip(new.logprobs or [], new.token_ids)]
         self.cached = output.num_cached_tokens or self.cached
 
-    def completion(self, request_id: str, reason: str) -> Completion:
-        return Completion(request_id, list(self.tokens), list(self.logprobs), reason, self.cached)
+    def completion(self, request_id: str, reason: str) -> Sampled:
+        return Sampled(request_id, list(self.tokens), list(self.logprobs), reason, self.cached)
 
 
 def _sampled_logprob(step, token: int) -> float:

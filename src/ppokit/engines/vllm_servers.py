@@ -40,7 +40,7 @@ import httpx
 import torch
 from torch import nn
 
-from ppokit.engines.base import Completion, EngineLost, Request, Sampling, generate
+from ppokit.engines.base import Sampled, EngineLost, Request, Sampling, generate
 from ppokit.engines.launched_server import LaunchedServer, free_port
 from ppokit.config.fields import differs_from_default
 from ppokit.engines.server_adapter import ADAPTER_PREFIX, ServerAdapter, adapter_name
@@ -414,7 +414,7 @@ class VLLMServersEngine:
             if request.keep:
                 self._where[request.request_id] = index
 
-    def step(self) -> list[Completion]:
+    def step(self) -> list[Sampled]:
         """The requests that completed since the last call: waits for at least one (at most rollout.server_timeout_s)."""
         if not self._unfinished:
             return []
@@ -434,7 +434,7 @@ class VLLMServersEngine:
                     break
         return done
 
-    def _completion(self, request_id: str, index: int, answer: Future) -> Completion:
+    def _completion(self, request_id: str, index: int, answer: Future) -> Sampled:
         try:
             choice = answer.result(timeout=self.timeout_s)["choices"][0]
         except EngineLost as e:
@@ -446,7 +446,7 @@ class VLLMServersEngine:
             raise EngineLost(f"rollout server {self.servers[index]} sampled request {request_id} with weights of version "
                                      f"{', '.join(sorted(versions)) or 'unknown'}, but version {self.version} was pushed last: "
                                      "its weights are stale")
-        return Completion(request_id, tokens, [float(entry["logprob"]) for entry in content], choice.get("finish_reason") or "abort")
+        return Sampled(request_id, tokens, [float(entry["logprob"]) for entry in content], choice.get("finish_reason") or "abort")
 
     def _lost(self, index: int, error: EngineLost) -> EngineLost:
         """`error`, with how the server ended when it is one ppokit started and its process is gone."""
@@ -457,7 +457,7 @@ class VLLMServersEngine:
     def unfinished(self) -> int:
         return len(self._unfinished)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+    def abort(self, request_ids: Iterable[str]) -> list[Sampled]:
         """Stop them (vLLM's /abort_requests on the servers that hold them) -> their tokens so far."""
         wanted = [i for i in dict.fromkeys(request_ids) if i in self._unfinished]
         by_server: dict[int, list[str]] = {}

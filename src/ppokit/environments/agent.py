@@ -352,7 +352,7 @@ class Segment:
 class AgentSession:
     """The calls of one episode's agent, answered one at a time in the order they arrive, and what they recorded.
 
-    runner: the `AgentRunner`; ask(request) -> its Completion (the rollout's `AsyncRequests.complete`); forget(ids): the
+    runner: the `AgentRunner`; ask(request) -> its Sampled (the rollout's `AsyncRequests.complete`); forget(ids): the
     engine lets go of kept requests; seed(call) -> the call's seed (`EpisodeSeeds.of(row, call)`); sampling: the run's
     (its max_new_tokens caps each call); max_calls: rollout.max_turns; room: rollout.max_episode_tokens (a segment's
     tokens after its prompt); name: the request ids' prefix (unique among the rollout's)."""

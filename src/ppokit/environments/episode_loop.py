@@ -59,7 +59,7 @@ from ppokit.process.workers import run_coroutine
 
 if TYPE_CHECKING:
     from ppokit.environments.conversation import Conversation
-    from ppokit.engines.base import Completion, RolloutEngine, Sampling
+    from ppokit.engines.base import Sampled, RolloutEngine, Sampling
     from ppokit.environments.base import EnvironmentCalls
     from ppokit.training.episodes import Episodes
 
@@ -318,7 +318,7 @@ class EpisodeLoop:
                 return False
         return True
 
-    def _turn(self, episode: _Episode, completion: "Completion") -> None:
+    def _turn(self, episode: _Episode, completion: "Sampled") -> None:
         """A completed request is the episode's next model turn, cut to the room left."""
         ids, logprobs, room = completion.token_ids, completion.logprobs, self._room(episode)
         stopped = completion.finish_reason == "stop" and len(ids) <= room
