@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 
 from ppokit.run import checkpoint
 
-from ppokit.training import algo
+from ppokit.training import losses
 from ppokit.training.guards import NonFiniteStop
 from ppokit.demos.tiny import tiny_config
 from ppokit.trainer import PPOTrainer
@@ -44,7 +44,7 @@ def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, pro
                            **({"speed": dict(max_tokens_per_micro_batch=56, lm_head_chunk_size=3)} if speed else {}))
     trainer.run_update()
     weights, moments = trainable(trainer), optimizer_tensors(trainer)
-    real_loss, calls, snapshots = algo.value_loss_per_token, [], []
+    real_loss, calls, snapshots = losses.value_loss_per_token, [], []
 
     def nan_at_second_minibatch(*args, **kwargs):  # the first optimiser step of the update has been taken
         calls.append(1)
@@ -52,7 +52,7 @@ def test_nonfinite_loss_midway_rolls_back_the_steps_already_taken(model_dir, pro
         loss, clipped = real_loss(*args, **kwargs)
         return (loss * float("nan") if len(calls) == 2 else loss), clipped
 
-    monkeypatch.setattr(algo, "value_loss_per_token", nan_at_second_minibatch)
+    monkeypatch.setattr(losses, "value_loss_per_token", nan_at_second_minibatch)
     record = trainer.run_update()
     assert len(calls) == 2, "the update stopped at the bad step"
     assert record["update"] == 2 and record["nonfinite/loss"] == 1 and record["skipped_updates"] == 1
@@ -95,14 +95,14 @@ def test_by_default_a_nonfinite_step_is_skipped_and_the_update_goes_on(model_dir
     trainer.run_update()
     weights = trainable(trainer)
     assert _adam_steps(trainer) == {4.0}  # 2 epochs x 2 minibatches
-    real_loss, calls = algo.value_loss_per_token, []
+    real_loss, calls = losses.value_loss_per_token, []
 
     def nan_at_second_minibatch(*args, **kwargs):
         calls.append(1)
         loss, clipped = real_loss(*args, **kwargs)
         return (loss * float("nan") if len(calls) == 2 else loss), clipped
 
-    monkeypatch.setattr(algo, "value_loss_per_token", nan_at_second_minibatch)
+    monkeypatch.setattr(losses, "value_loss_per_token", nan_at_second_minibatch)
     record = trainer.run_update()
     assert len(calls) == 4, "the update went on after the bad step"
     # One step of four skipped: the optimiser stepped 3 times (its state counts them), the schedule 4 times,
