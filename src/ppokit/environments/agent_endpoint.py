@@ -10,7 +10,7 @@ own event loop so that a call is awaited beside the episodes' engine requests (`
     endpoint.close(base_url)             # later calls: 404 in OpenAI's error format; calls in flight: cancelled
     await endpoint.stop()
 
-What each call means is the session's (`environments.agent.AgentSession`); this module only routes, reads JSON and
+What each call means is the session's (`environments.agent_session.AgentSession`); this module only routes, reads JSON and
 answers errors as OpenAI does: `{"error": {"message", "type", "param", "code"}}` with the HTTP status. Any API key is
 accepted (the URL is the episode's own, on the loopback interface, for the rollout's lifetime only).
 """

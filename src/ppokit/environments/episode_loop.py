@@ -50,7 +50,7 @@ import torch
 from ppokit.conversation.renderer import ConversationRenderer, Observation
 from ppokit.engines.base import PURPOSES, Request, request_seed
 from ppokit.engines.driver import AsyncRequests
-from ppokit.environments.agent import AgentSession
+from ppokit.environments.agent_session import AgentSession
 from ppokit.environments.agent_endpoint import Endpoint
 from ppokit.environments.base import prompt_suffix
 from ppokit.training.episodes import EnvironmentSaid, SegmentRow, Span, pack
