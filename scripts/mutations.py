@@ -985,11 +985,11 @@ MUTATIONS = [
     Mutation("fsdp_head_reads_states_one_late", "src/ppokit/models/loading.py",
              "computed.append(then(back(output.last_hidden_state)))",
              "computed.append(then(back(output.last_hidden_state.roll(1, 1))))",
-             ("tests/test_multiprocess.py::test_packed_and_light_heads_of_a_sharded_tied_policy_equal_the_whole_policys",),
+             ("tests/test_multiprocess.py::test_packed_and_light_heads_of_a_sharded_policy_equal_the_whole_policys",),
              "under fsdp the packed and light heads read each token's logprob from the state one position late"),
     Mutation("fsdp_head_called_apart_from_the_forward", "src/ppokit/models/loading.py",
              "    if backbone_fn is not None or not sharded(model):\n", "    if True:\n",
-             ("tests/test_multiprocess.py::test_packed_and_light_heads_of_a_sharded_tied_policy_equal_the_whole_policys",),
+             ("tests/test_multiprocess.py::test_packed_and_light_heads_of_a_sharded_policy_equal_the_whole_policys",),
              "under fsdp the packed and light heads call the backbone and the head apart: they meet the sharded tied weights"),
     # ---- issue 45: a group's prompt computed once (ppo.shared_prompt)
     Mutation("shared_prompt_samples_see_each_other", "src/ppokit/models/prefix.py",

@@ -34,7 +34,8 @@ from ppokit.training.guards import UpdateSnapshot  # noqa: E402
 from ppokit.models.loading import enable_gradient_checkpointing, response_logits, response_logprobs, value_model_from_policy  # noqa: E402
 from ppokit.engines.base import Request, Sampling, complete  # noqa: E402
 from ppokit.engines.hf import HFEngine, HFSampler  # noqa: E402
-from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
+from ppokit.demos.tiny import tiny_causal_lm, tiny_config, word_tokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from ppokit.training.optimise import PolicyAndValue  # noqa: E402
 
 WORDS = "the a good bad movie film was is great awful fine plot actors story long short".split()
@@ -137,14 +138,17 @@ class AllGatherCounter:
 HEAD_ROUTES = {"packed": dict(padding_free=True), "light": dict(chunk_size=2), "packed_light": dict(padding_free=True, chunk_size=2)}
 
 
-def head_routes(strategy, tokenizer, rank: int, world: int) -> dict:
-    """The packed (ppo.padding_free) and memory-light (lm_head_chunk_size) logprob routes on a sharded policy whose head
-    is tied to its embeddings (both in FSDP's root unit): each process's logprobs and entropy, and the gradients of a
-    loss of them after FSDP's reduce-scatter (gathered whole), beside the whole policy's padded computation over every
-    process's rows; a frozen (shard_frozen) copy's logprobs under inference mode too. -> tensors (got, want) per route."""
+def head_routes(strategy, tokenizer, rank: int, world: int, tied: bool) -> dict:
+    """The packed (ppo.padding_free) and memory-light (lm_head_chunk_size) logprob routes on a sharded policy, its head
+    tied to its embeddings (both in FSDP's root unit, gathered only in the model's forward) or not (the backbone and the
+    head units of their own): each process's logprobs and entropy, and the gradients of a loss of them after FSDP's
+    reduce-scatter (gathered whole), beside the whole policy's padded computation over every process's rows; a frozen
+    (shard_frozen) copy's logprobs under inference mode too. -> tensors (got, want) per route."""
     torch.manual_seed(0)
-    policy = tiny_causal_lm("llama", tokenizer, hidden=32, layers=2, heads=4)
-    assert policy.get_output_embeddings().weight is policy.get_input_embeddings().weight  # tied: the case FSDP gathers in the forward only
+    config = tiny_config("llama", tokenizer, hidden=32, layers=2, heads=4)
+    config.tie_word_embeddings = tied
+    policy = AutoModelForCausalLM.from_config(config)
+    assert (policy.get_output_embeddings().weight is policy.get_input_embeddings().weight) == tied
     whole, frozen = copy.deepcopy(policy), strategy.shard(copy.deepcopy(policy), frozen=True)
     sharded = strategy.shard(policy)
 
@@ -311,8 +315,8 @@ def main(out: Path, load_from: Path | None) -> None:
             results["reshard"] = {"from_processes": json.loads((load_from / "results.json").read_text())["processes"],
                                   "max_difference_to_saved": max_difference(loaded, torch.load(load_from / "at_save.pt"))}
 
-    # 7. the packed and light heads of a sharded causal LM whose head is tied to its embeddings
-    routes = head_routes(fsdp, tokenizer, rank, world)
+    # 7. the packed and light heads of a sharded causal LM, its head tied to its embeddings or not
+    routes = {name: head_routes(fsdp, tokenizer, rank, world, tied) for name, tied in (("tied", True), ("untied", False))}
     if accelerator.is_main_process:
         torch.save(routes, out / "head_routes.pt")
 
