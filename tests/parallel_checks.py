@@ -31,10 +31,11 @@ from ppokit.models import adapters, roles  # noqa: E402
 from ppokit.process import parallel  # noqa: E402
 from ppokit.config.schema import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.training.guards import UpdateSnapshot  # noqa: E402
-from ppokit.models.loading import enable_gradient_checkpointing, response_logits, value_model_from_policy  # noqa: E402
+from ppokit.models.loading import enable_gradient_checkpointing, response_logits, response_logprobs, value_model_from_policy  # noqa: E402
 from ppokit.engines.base import Request, Sampling, complete  # noqa: E402
 from ppokit.engines.hf import HFEngine, HFSampler  # noqa: E402
-from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer  # noqa: E402
+from ppokit.demos.tiny import tiny_causal_lm, tiny_config, word_tokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from ppokit.training.optimise import PolicyAndValue  # noqa: E402
 
 WORDS = "the a good bad movie film was is great awful fine plot actors story long short".split()
@@ -132,6 +133,54 @@ class AllGatherCounter:
     def __exit__(self, *exc):
         for name, original in self._originals.items():
             setattr(dist, name, original)
+
+
+HEAD_ROUTES = {"packed": dict(padding_free=True), "light": dict(chunk_size=2), "packed_light": dict(padding_free=True, chunk_size=2)}
+
+
+def head_routes(strategy, tokenizer, rank: int, world: int, tied: bool) -> dict:
+    """The packed (ppo.padding_free) and memory-light (lm_head_chunk_size) logprob routes on a sharded policy, its head
+    tied to its embeddings (both in FSDP's root unit, gathered only in the model's forward) or not (the backbone and the
+    head units of their own): each process's logprobs and entropy, and the gradients of a loss of them after FSDP's
+    reduce-scatter (gathered whole), beside the whole policy's padded computation over every process's rows; a frozen
+    (shard_frozen) copy's logprobs under inference mode too. -> tensors (got, want) per route."""
+    torch.manual_seed(0)
+    config = tiny_config("llama", tokenizer, hidden=32, layers=2, heads=4)
+    config.tie_word_embeddings = tied
+    policy = AutoModelForCausalLM.from_config(config)
+    assert (policy.get_output_embeddings().weight is policy.get_input_embeddings().weight) == tied
+    whole, frozen = copy.deepcopy(policy), strategy.shard(copy.deepcopy(policy), frozen=True)
+    sharded = strategy.shard(policy)
+
+    def inputs(r):
+        ids, mask = rows(tokenizer, r)
+        trained = mask[:, -RESPONSE:].bool().clone()
+        trained[1, -2] = False  # a gap in one row's trained tokens
+        weights = torch.randn(trained.shape, generator=torch.Generator().manual_seed(200 + r))
+        return ids, mask.bool(), ids[:, -RESPONSE:], trained, weights
+
+    def loss(model, ids, mask, response_ids, trained, weights, **route):
+        logprobs, entropy = response_logprobs(model, ids, mask, response_ids, trained, 0.7, with_entropy=True, entropy_grad=True, **route)
+        return ((logprobs + 0.1 * entropy) * weights).sum(), logprobs
+
+    # FSDP averages the gradients over processes: the whole policy's are those of the mean of every process's loss
+    want_logprobs = None
+    for r in range(world):
+        value, logprobs = loss(whole, *inputs(r))
+        (value / world).backward()
+        want_logprobs = logprobs.detach() if r == rank else want_logprobs
+    want_grads = {name: p.grad for name, p in whole.named_parameters()}
+    out: dict = {"tokens": sum(int(rows(tokenizer, r)[1].sum()) for r in range(world)), "hidden": 32, "vocab": whole.config.vocab_size}
+    for name, route in HEAD_ROUTES.items():
+        sharded.zero_grad(set_to_none=True)
+        value, logprobs = loss(sharded, *inputs(rank), **route)
+        value.backward()
+        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+        out[name] = {"logprobs": (logprobs.detach(), want_logprobs), "grads": {n: (grads[n], want_grads[n]) for n in want_grads}}
+    with torch.inference_mode():
+        out["frozen_packed"] = {"logprobs": (loss(frozen, *inputs(rank), padding_free=True)[1], want_logprobs)}
+    out["resharded"] = all(p.to_local().numel() < p.numel() or world == 1 for p in [*sharded.parameters(), *frozen.parameters()])
+    return out
 
 
 def main(out: Path, load_from: Path | None) -> None:
@@ -265,6 +314,11 @@ def main(out: Path, load_from: Path | None) -> None:
         if accelerator.is_main_process:
             results["reshard"] = {"from_processes": json.loads((load_from / "results.json").read_text())["processes"],
                                   "max_difference_to_saved": max_difference(loaded, torch.load(load_from / "at_save.pt"))}
+
+    # 7. the packed and light heads of a sharded causal LM, its head tied to its embeddings or not
+    routes = {name: head_routes(fsdp, tokenizer, rank, world, tied) for name, tied in (("tied", True), ("untied", False))}
+    if accelerator.is_main_process:
+        torch.save(routes, out / "head_routes.pt")
 
     gathered = [None] * world
     dist.all_gather_object(gathered, results) if world > 1 else gathered.__setitem__(0, results)

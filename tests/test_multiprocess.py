@@ -17,6 +17,8 @@ import pytest
 import torch
 import yaml
 
+from conftest import assert_float32_close
+
 from ppokit.process import parallel
 
 # The torchrun of the environment running the tests (a venv's, as .ci/vllm-env's), else the one on PATH.
@@ -146,7 +148,15 @@ def test_ddp_with_padding_free_forwards_gives_the_padded_metrics(runs, model_dir
     padded ddp run's within float rounding, as fsdp's does, with less padding processed."""
     result = _launch(_config(model_dir, prompts_file, tmp_path, "ddp", padding_free=True))
     assert result.returncode == 0, result.stderr[-3000:]
-    padded, packed = _comparable(runs["ddp"][1]), _comparable(tmp_path / "run-ddp")
+    _assert_padded_metrics(runs["ddp"][1], tmp_path / "run-ddp")
+
+
+def _assert_padded_metrics(padded_run: Path, packed_run: Path) -> None:
+    """A padding-free run's metrics equal the padded run's, update by update, with less padding processed. The forwards
+    differ only in float32 summation order (a few ulps of each hidden state, the logits and gradients after them, against
+    metrics of order 1e-2..1e1): 1e-4 relative leaves room for that rounding through 4 updates of AdamW, whose steps
+    are lr-sized whatever the gradient's size; counts may move by a token at a clip boundary."""
+    padded, packed = _comparable(padded_run), _comparable(packed_run)
     assert [r["update"] for r in packed] == [1, 2, 3, 4] and set(packed[0]) == set(padded[0])
     for d, f in zip(padded, packed):
         for key in d:
@@ -157,6 +167,32 @@ def test_ddp_with_padding_free_forwards_gives_the_padded_metrics(runs, model_dir
             else:
                 assert f[key] == pytest.approx(d[key], rel=1e-4, abs=1e-6), key
     assert sum(r["perf/padding_share"] for r in packed) < sum(r["perf/padding_share"] for r in padded)
+
+
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_fsdp_with_padding_free_forwards_gives_the_padded_metrics(request, model_dir, prompts_file, tmp_path, variant):
+    """ppo.padding_free under fsdp, 2 processes: the tiny Llama's head is tied to its embeddings, so both sit in the
+    root unit that FSDP gathers only in the model's own forward; the packed policy and reference forwards run the head
+    there. Every metric equals the padded fsdp run's within float rounding over 4 updates. full: every weight trained
+    (the tied head's gradients reduce-scattered), with the memory-light head (lm_head_chunk_size) on the packed rows;
+    lora: adapters, the critic on the policy's base (value_model: shared, read through the causal LM's forward)."""
+    for name in ("padded", "packed"):
+        (tmp_path / name).mkdir()
+    if variant == "full":
+        padded_run = request.getfixturevalue("runs")["fsdp"][1]  # the module's padded fsdp run
+        config = _config(model_dir, prompts_file, tmp_path / "packed", "fsdp", padding_free=True)
+        config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "lm_head_chunk_size": 3}))
+    else:
+        lora = {"lora": {"r": 4, "alpha": 8}, "value_model": "shared"}
+        configs = [_config(model_dir, prompts_file, tmp_path / name, "fsdp", padding_free=name == "packed") for name in ("padded", "packed")]
+        for config in configs:
+            config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), **lora}))
+        result = _launch(configs[0])
+        assert result.returncode == 0, result.stderr[-3000:]
+        padded_run, config = tmp_path / "padded" / "run-fsdp", configs[1]
+    result = _launch(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_padded_metrics(padded_run, tmp_path / "packed" / "run-fsdp")
 
 
 def test_an_fsdp_checkpoint_is_sharded_and_final_is_one_plain_model(runs):
@@ -327,6 +363,24 @@ def test_fsdp_step_equals_ddp_step(parallel_checks):
         assert step["max_weight_difference"] < 1e-5 and step["offload_max_weight_difference"] < 1e-5  # parallel.cpu_offload too
         assert step["fsdp_grad_norms"] == pytest.approx(step["ddp_grad_norms"], rel=1e-5)
         assert step["offload_grad_norms"] == pytest.approx(step["ddp_grad_norms"], rel=1e-5)
+
+
+def test_packed_and_light_heads_of_a_sharded_policy_equal_the_whole_policys(parallel_checks):
+    """ppo.padding_free and lm_head_chunk_size on a policy sharded by FSDP, its head tied to its embeddings (FSDP's root
+    unit, gathered only in the model's own forward) or not: each process's logprobs, and the gradients after the
+    reduce-scatter, equal the whole policy's padded computation over every process's rows; a frozen sharded copy's
+    logprobs too."""
+    for folder in parallel_checks:
+        for tied, routes in torch.load(folder / "head_routes.pt").items():
+            assert routes["resharded"], tied
+            for name in ("packed", "light", "packed_light", "frozen_packed"):
+                got, want = routes[name]["logprobs"]
+                assert_float32_close(got, want, terms=routes["vocab"] * routes["hidden"])  # a logit sums over the hidden size, a softmax over the vocabulary
+                grads = routes[name].get("grads", {})
+                assert name == "frozen_packed" or {"model.embed_tokens.weight", "model.norm.weight"} <= set(grads)  # every weight
+                for weight, (got, want) in grads.items():
+                    assert want.abs().max() > 0, (tied, name, weight)
+                    assert_float32_close(got, want, terms=routes["tokens"] * routes["hidden"], scale=want.abs().max().item())
 
 
 def test_fsdp_holds_half_of_the_trainable_state_per_process(parallel_checks):

@@ -300,13 +300,3 @@ def test_the_compiled_backbone_reads_packed_rows_as_eager_does(model_dir):
             want = hidden_states(model, ids, mask)
             got = hidden_states(model, ids, mask, backbone_fn=compiled, padding_free=True)
         assert_float32_close(got[mask], want[mask], terms=width * model.config.hidden_size)
-
-
-def test_padding_free_under_fsdp_is_refused_naming_both_keys(model_dir, prompts_file, tmp_path):
-    """Under fsdp a causal LM's tied embeddings and head are gathered only in its own forward, which the padding-free
-    route does not take (tried: the head met sharded weights): refused at start, before any model loads."""
-    config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", padding_free=True)
-    config.parallel.strategy = "fsdp"
-    with pytest.raises(UserError, match=r"ppo.padding_free: not available under parallel.strategy: fsdp yet; set ppo.padding_free: false"):
-        config.validate()
-    assert not (tmp_path / "run").exists()

@@ -301,8 +301,8 @@ class PPOHyperparams:
                                     "episode, so no padding token is computed. With max_tokens_per_micro_batch the budget fills these rows (rows x the "
                                     "micro-batch's longest episode) instead of rows of one episode each; without it the micro-batches keep their rows. "
                                     "Logprobs, values and losses equal the padded computation within float rounding; each model is checked once at start to "
-                                    "keep packed episodes apart (transformers' packed-sequence masks from position ids). Not under parallel.strategy fsdp yet "
-                                    "(refused at start).", resume=True)
+                                    "keep packed episodes apart (transformers' packed-sequence masks from position ids). Under parallel.strategy fsdp a causal "
+                                    "LM's packed forward runs inside its own forward (FSDP gathers the head there).", resume=True)
     shared_prompt: bool = doc(False, "The prompt of a group of num_samples_per_prompt samples computed once in the policy, reference and critic forwards "
                                      "(sampling aside), gradients included (Unsloth's PrefixGrouper, veRL's and NeMo Automodel's shared-prefix "
                                      "layout): each group is one row, the samples' common prefix once and then each sample's rest, with a 4-D "
@@ -1032,16 +1032,13 @@ class PPOConfig:
                             f"{DEFAULT_STRATEGY}")
         if self.fp16 and facts.own_mixed_precision:
             raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
-        # Padding-free forwards call the backbone and the head apart; a sharded causal LM gathers its tied embeddings and
-        # head only in its own forward (parallel._units), so they would meet unsharded tensors beside sharded weights.
+        # The shared-prompt layout has not been run under fsdp (its forwards would take the route padding_free takes there,
+        # models.loading.from_hidden_states, untested with a 4-D mask).
         if self.ppo.shared_prompt and name == "fsdp":
             raise UserError(f"ppo.shared_prompt: not available under parallel.strategy: {name} yet; set ppo.shared_prompt: false, or "
                             f"parallel.strategy: {DEFAULT_STRATEGY}")
         if self.ppo.shared_prompt and self.compile:
             raise UserError("ppo.shared_prompt with compile: the compiled backbone is not checked with a 4-D attention mask yet; turn one of them off")
-        if self.ppo.padding_free and name == "fsdp":
-            raise UserError(f"ppo.padding_free: not available under parallel.strategy: {name} yet; set ppo.padding_free: false, or parallel.strategy: "
-                            f"{DEFAULT_STRATEGY}")
 
     def _validate_report_to(self) -> None:
         for name in self.report_to:

@@ -541,17 +541,50 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     -> `packing.Rows`, e.g. `models.prefix.SharedPrefix`): the rows it makes, with their mask. Either way the states
     are returned in the (B, L) layout, 0 at padding."""
     run = backbone_fn if backbone_fn is not None else backbone(model)
+    inputs, back = _backbone_inputs(model, input_ids, attention_mask, padding_free)
+    return back(run(**inputs, use_cache=False).last_hidden_state)
+
+
+def _backbone_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, padding_free: Layout) -> tuple[dict, Callable]:
+    """(the backbone's inputs for `hidden_states`, the map of its last hidden state back to the (B, L) layout)."""
     if padding_free:
         rows = (packing.layout if padding_free is True else padding_free)(input_ids, attention_mask)
         mask = rows.attention_mask(getattr(getattr(unwrap_peft(model), "config", None), "_attn_implementation", None))
-        hidden = run(input_ids=rows.ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False).last_hidden_state
-        return rows.unpack(hidden)
-    return run(
+        return dict(input_ids=rows.ids, attention_mask=mask, position_ids=rows.position_ids), rows.unpack
+    return dict(
         input_ids=input_ids,
         attention_mask=attention_mask.long(),  # a bool mask (Episodes') as the 0/1 integers models are given
         position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
+    ), lambda hidden: hidden
+
+
+def sharded(model) -> bool:
+    """True for a model sharded by FSDP2 (parallel.strategy fsdp): its root unit, a causal LM's embeddings and the head
+    tied to them among its weights (`process.parallel._units`), is gathered only by its own forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(unwrap_peft(model), FSDPModule)
+
+
+def from_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, then: Callable[[torch.Tensor], Any],
+                       backbone_fn=None, padding_free: Layout = False) -> Any:
+    """then(`hidden_states`(...)): what a causal LM's head computes from the backbone's states (the memory-light and
+    padding-free logprobs). A sharded model (`sharded`) computes it inside its own forward, so that FSDP gathers the
+    root unit's weights for the head as for the embeddings, and reduce-scatters their gradients after the backward:
+    the forward runs over the same inputs (its own head on one position, unused) and `then` reads its backbone's
+    output."""
+    if backbone_fn is not None or not sharded(model):
+        return then(hidden_states(model, input_ids, attention_mask, backbone_fn, padding_free))
+    inputs, back = _backbone_inputs(model, input_ids, attention_mask, padding_free)
+    computed = []
+    handle = backbone(model).register_forward_hook(lambda module, args, output: computed.append(then(back(output.last_hidden_state))))
+    try:
+        unwrap_peft(model)(**inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return computed[0]
 
 
 def output_head(model):
@@ -705,14 +738,17 @@ def response_logprobs(
             logprobs, entropy = algo.logprobs_from_logits(logits, response_ids, temperature), None
         keep = trained_mask.bool()
         return logprobs.masked_fill(~keep, 0.0), (entropy.masked_fill(~keep, 0.0) if entropy is not None else None)
-    hidden = hidden_states(model, input_ids, attention_mask, backbone_fn, padding_free)
-    L = hidden.shape[1]
     keep = trained_mask.bool()
-    predicting = hidden[:, L - R - 1 : L - 1][keep]  # (N, H): the state before each real response token
-    n = predicting.shape[0]
-    logprobs, entropy = algo.chunked_head_logprobs(
-        predicting, output_head(model), response_ids[keep], temperature, chunk_size or max(n, 1), with_entropy, entropy_grad
-    )
+
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        L = hidden.shape[1]
+        predicting = hidden[:, L - R - 1 : L - 1][keep]  # (N, H): the state before each real response token
+        n = predicting.shape[0]
+        return algo.chunked_head_logprobs(
+            predicting, output_head(model), response_ids[keep], temperature, chunk_size or max(n, 1), with_entropy, entropy_grad
+        )
+
+    logprobs, entropy = from_hidden_states(model, input_ids, attention_mask, head, backbone_fn, padding_free)
     return _scatter(logprobs, keep), (_scatter(entropy, keep) if entropy is not None else None)
 
 
