@@ -119,7 +119,7 @@ def trl_config(ppo, seed: int, output_dir: str):
 def run_trl(updates: int) -> dict:
     import torch
     import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding, TrainerCallback, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     if trl.__version__ != TRL_VERSION:
@@ -154,7 +154,9 @@ def run_trl(updates: int) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(config.model, padding_side="left")
         prompts = [encode_prompt_text(tokenizer, p) for p in as_prompt_dataset(config.data.train).prompts]
         width = max(len(p) for p in prompts)  # every prompt padded to the longest: the reward model's context_length
-        torch.manual_seed(config.seed)
+        # TRL's PPOTrainer seeds torch itself but draws each epoch's minibatch permutation from NumPy's global generator,
+        # which it never seeds (it does not run transformers.Trainer's __init__, which would): seeded here, as a Trainer does
+        set_seed(config.seed)
         policy = AutoModelForCausalLM.from_pretrained(config.model)
         value = value_model_from_policy(policy)  # ppokit's critic: the policy's backbone, a zero scalar head
         disable_dropout(value)
