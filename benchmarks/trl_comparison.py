@@ -239,11 +239,11 @@ def main() -> None:
         summary[variant] = {}
         for key in ("episodes_per_s", "episodes_per_cpu_s", "peak_rss_mb"):
             values, base = [line[key] for line in lines], [line[key] for line in results["trl"]]
-            summary[variant][key] = statistics.median(values)
+            summary[variant][key] = round(statistics.median(values), 3)
             if variant != "trl":
                 ratios = [round(a / b, 3) for a, b in zip(values, base)]
                 summary[variant][key + "_ratio_by_round"] = ratios
-                summary[variant][key + "_ratio_median"] = statistics.median(ratios)
+                summary[variant][key + "_ratio_median"] = round(statistics.median(ratios), 3)
     print(json.dumps({"benchmark": "trl_comparison", "trl": TRL_VERSION, "rounds": args.rounds, "updates_timed": args.updates,
                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS") if args.threads is None else str(args.threads),
                       "switches": args.switches, "budget_tokens": args.budget_tokens,
