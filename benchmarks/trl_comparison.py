@@ -8,7 +8,9 @@ vocabulary) that `ppo_throughput.fixed_task` builds and saves, its prompts, VADE
 as the reward, 64 episodes per update, 16-token responses without a stop token, 4 PPO epochs of 2 minibatches of 32.
 Variants, each run in a process of its own (so each peak RSS is its own):
   trl       TRL 1.12.0's PPOTrainer on that model and those prompts, every hyperparameter read from ppokit's config
-            of the task (docs/speed.md, "Against TRL's PPO", lists the mapping)
+            of the task (docs/speed.md, "Against TRL's PPO", lists the mapping), float32 as ppokit's run
+  trl_bf16  the same with TRL's own default `bf16: true` (mixed precision by autocast; on a CPU, bf16 matmuls),
+            as a TRL user who sets nothing runs it (not in the default --variants; its ratio is to `trl` too)
   default   `ppo_throughput.py --switches ""`: ppokit's defaults
   switches  `ppo_throughput.py --switches SWITCHES --budget-tokens N`: ppokit's speed switches
 A round runs every variant once, its order rotated from round to round, so that a change of the machine's load falls
@@ -40,7 +42,7 @@ from pathlib import Path
 
 TRL_VERSION = "1.12.0"
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("trl", "default", "switches")
+VARIANTS = ("trl", "trl_bf16", "default", "switches")
 CURVE_KEYS = ("objective/scores", "objective/kl")
 
 
@@ -89,7 +91,7 @@ def sentiment_reward_model(tokenizer, context_length: int):
     return SentimentRewardModel()
 
 
-def trl_config(ppo, seed: int, output_dir: str):
+def trl_config(ppo, seed: int, output_dir: str, bf16: bool = False):
     """TRL's PPOConfig with every setting of the run taken from ppokit's `ppo` section of the same task."""
     from trl.experimental.ppo import PPOConfig as TRLPPOConfig
 
@@ -111,12 +113,13 @@ def trl_config(ppo, seed: int, output_dir: str):
         max_grad_norm=ppo.max_grad_norm,  # (TRL's PPO loop never clips: accepted, not applied)
         kl_coef=ppo.kl_coef, kl_estimator=ppo.kl_estimator, cliprange=ppo.cliprange, cliprange_value=ppo.cliprange_value,
         vf_coef=ppo.vf_coef, gamma=ppo.gamma, lam=ppo.lam, whiten_rewards=ppo.whiten_rewards,
-        # not training: no sample generations, no tracker, no checkpoints, float32 (TRL's bf16 default would autocast)
-        num_sample_generations=0, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=False,
+        # not training: no sample generations, no tracker, no checkpoints; float32 as ppokit's run unless bf16 (TRL's own
+        # default, which autocasts)
+        num_sample_generations=0, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=bf16,
     )
 
 
-def run_trl(updates: int) -> dict:
+def run_trl(updates: int, bf16: bool = False) -> dict:
     import torch
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding, TrainerCallback, set_seed
@@ -162,7 +165,7 @@ def run_trl(updates: int) -> dict:
         disable_dropout(value)
         clock = UpdateClock()
         trainer = TRLPPOTrainer(
-            args=trl_config(config.ppo, config.seed, str(Path(tmp) / "trl")), processing_class=tokenizer, model=policy,
+            args=trl_config(config.ppo, config.seed, str(Path(tmp) / "trl"), bf16), processing_class=tokenizer, model=policy,
             ref_model=None, reward_model=sentiment_reward_model(tokenizer, width), value_model=value,
             train_dataset=Dataset.from_dict({"input_ids": prompts}),
             data_collator=DataCollatorWithPadding(tokenizer, padding="max_length", max_length=width), callbacks=[clock],
@@ -193,10 +196,11 @@ def run_variant(variant: str, args, trl_path: Path) -> dict:
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    if variant == "trl":
+    if variant.startswith("trl"):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(trl_path), env.get("PYTHONPATH")]))
         env["TRL_EXPERIMENTAL_SILENCE"] = "1"
         command = [sys.executable, str(Path(__file__).resolve()), "--trl-run", "--updates", str(args.updates)]
+        command += ["--trl-bf16"] if variant == "trl_bf16" else []
     else:
         command = [sys.executable, str(HERE / "ppo_throughput.py"), "--updates", str(args.updates),
                    "--switches", args.switches if variant == "switches" else ""]
@@ -204,7 +208,7 @@ def run_variant(variant: str, args, trl_path: Path) -> dict:
             command += ["--budget-tokens", str(args.budget_tokens)]
     out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
     line = json.loads(out.strip().splitlines()[-1])
-    if variant != "trl":
+    if not variant.startswith("trl"):
         line["seconds_per_update"] = line["seconds_per_update"]["total"]
         line["curve"] = [{k: r[k] for k in CURVE_KEYS} for r in line["curve"]]
     return line
@@ -215,13 +219,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--updates", type=int, default=4, help="timed updates per run, after one warm-up update (ppo_throughput.py's default)")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every run (default: as set, else torch's default)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["trl", "default", "switches"])
     parser.add_argument("--switches", default="budget,head,padding_free", help="ppo_throughput.py --switches of the `switches` variant")
     parser.add_argument("--budget-tokens", type=int, default=1600, help="ppo.max_tokens_per_micro_batch of its budget switch")
     parser.add_argument("--trl-run", action="store_true", help=argparse.SUPPRESS)  # one TRL run, in this process
+    parser.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)  # ... with TRL's default bf16
     args = parser.parse_args()
     if args.trl_run:
-        print(json.dumps(run_trl(args.updates)), flush=True)
+        print(json.dumps(run_trl(args.updates, args.trl_bf16)), flush=True)
         return
     if "trl" not in args.variants:
         parser.error("--variants: trl is the baseline of every ratio")
