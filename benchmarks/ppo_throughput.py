@@ -26,7 +26,8 @@ the learning curves can be compared number for number).
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
 --switches budget,head,padding_free,compile (or "": none) turns on the named switches alone (not cumulative; on top of --config);
-benchmarks/switches.py alternates runs of each against the defaults.
+benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the budget switch
+(--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest row.
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
@@ -169,10 +170,11 @@ class PhaseRSS:
 SWITCHES = ("budget", "head", "padding_free", "compile")
 
 
-def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int) -> None:
-    """--switches: each named switch alone (the budget: half of a fixed micro-batch's rows x the longest possible row)."""
+def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None) -> None:
+    """--switches: each named switch alone (the budget: `budget_tokens`, else half of a fixed micro-batch's rows x the
+    longest possible row)."""
     if "budget" in names:
-        config.ppo.max_tokens_per_micro_batch = config.ppo.per_device_train_batch_size * longest_row // 2
+        config.ppo.max_tokens_per_micro_batch = budget_tokens or config.ppo.per_device_train_batch_size * longest_row // 2
     if "head" in names:
         config.lm_head_chunk_size = LIGHT_HEAD_CHUNK
     if "padding_free" in names:
@@ -181,9 +183,9 @@ def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int) 
         config.compile = True
 
 
-def apply_switches(config: PPOConfig, name: str, longest_row: int) -> None:
+def apply_switches(config: PPOConfig, name: str, longest_row: int, budget_tokens: int | None = None) -> None:
     """--config: the switches up to `name`, cumulative (budget, then the light head, then compile)."""
-    apply_named_switches(config, ["budget", "head", "compile"][:CONFIGS.index(name)], longest_row)
+    apply_named_switches(config, ["budget", "head", "compile"][:CONFIGS.index(name)], longest_row, budget_tokens)
 
 
 def main() -> None:
@@ -196,6 +198,8 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay the same)")
     parser.add_argument("--padding-free", action="store_true", help="ppo.padding_free: several episodes per row (docs/speed.md)")
     parser.add_argument("--switches", default=None, help=f"comma-separated, each alone: {','.join(SWITCHES)}")
+    parser.add_argument("--budget-tokens", type=int, default=None, help="ppo.max_tokens_per_micro_batch of the budget switch "
+                        "(default: half a fixed micro-batch's rows x the longest row)")
     args = parser.parse_args()
     unknown = [name for name in filter(None, (args.switches or "").split(",")) if name not in SWITCHES]
     if unknown:
@@ -212,10 +216,10 @@ def measure(args, updates: int, work: Path) -> None:
     else:
         config, task = variable_task(work, updates)
     config.ppo.advantage_estimator, config.ppo.num_samples_per_prompt = args.estimator, args.samples_per_prompt
-    apply_switches(config, args.config, task["longest_row"])
+    apply_switches(config, args.config, task["longest_row"], args.budget_tokens)
     if args.padding_free:
         config.ppo.padding_free = True
-    apply_named_switches(config, list(filter(None, (args.switches or "").split(","))), task["longest_row"])
+    apply_named_switches(config, list(filter(None, (args.switches or "").split(","))), task["longest_row"], args.budget_tokens)
     named = args.switches is not None  # (--switches "": the defaults, with the longer line)
     batch = task["batch"]
 
