@@ -1060,7 +1060,7 @@ MUTATIONS = [
              ("tests/test_profile_update.py",),
              "the profile's arithmetic floor counts the output head at every token, not only at the positions it scores"),
     Mutation("allocator_threshold_above_the_tensors", "src/ppokit/process/allocator.py",
-             "MMAP_THRESHOLD = 1 << 20  # bytes", "MMAP_THRESHOLD = 32 << 20  # bytes",
+             "MMAP_THRESHOLD = 128 << 10  # bytes", "MMAP_THRESHOLD = 32 << 20  # bytes",
              ("tests/test_allocator.py",),
              "the threshold fixed at glibc's ceiling: blocks of 1-32 MB (activations, the head's chunks) stay on its heaps"),
     Mutation("lint_unused_import", "src/ppokit/version.py",

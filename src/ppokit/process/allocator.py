@@ -23,7 +23,7 @@ import os
 from typing import Callable, Mapping, Optional
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-MMAP_THRESHOLD = 1 << 20  # bytes; blocks of at least this are mapped (docs/speed.md: 128 KiB to 4 MiB measured)
+MMAP_THRESHOLD = 128 << 10  # bytes: glibc's starting threshold, kept from rising (docs/speed.md: 128 KiB to 4 MiB measured)
 CHOSEN_BY_USER = ("MALLOC_MMAP_THRESHOLD_",)  # the environment glibc reads at start-up
 
 
