@@ -25,14 +25,17 @@ the learning curves can be compared number for number).
   compile  + compile: true
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
---switches budget,head,padding_free,compile (or "": none) turns on the named switches alone (not cumulative; on top of --config);
-benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the budget switch
-(--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest row.
+--switches budget,head,padding_free,compile,allocator (or "": none) turns on the named switches alone (not cumulative; on top of
+--config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the budget
+switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest row.
+allocator: glibc's malloc told to give freed tensors back to the OS (ppokit/process/allocator.py, opt-in: less RSS, more page
+faults; not a config key). The lightest measured: --config light --padding-free --budget-tokens 4096 --switches allocator.
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
 positions the training forward passes processed; peak_rss_mb is this process's peak (one process
-per configuration). `curve` holds the first updates' metrics, to compare configurations' learning.
+per configuration). `curve` holds the first updates' metrics, to compare configurations' learning;
+minor_page_faults and system_cpu_s are the whole process's (what --switches allocator costs).
 """
 
 from __future__ import annotations
@@ -167,12 +170,12 @@ class PhaseRSS:
         return {k: round(self.peaks.get(k, 0.0), 1) for k in ("setup", "sampling", "forward", "training")}
 
 
-SWITCHES = ("budget", "head", "padding_free", "compile")
+SWITCHES = ("budget", "head", "padding_free", "compile", "allocator")
 
 
-def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None) -> None:
+def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None) -> dict:
     """--switches: each named switch alone (the budget: `budget_tokens`, else half of a fixed micro-batch's rows x the
-    longest possible row)."""
+    longest possible row). -> what the allocator switch set in this process ({} without it)."""
     if "budget" in names:
         config.ppo.max_tokens_per_micro_batch = budget_tokens or config.ppo.per_device_train_batch_size * longest_row // 2
     if "head" in names:
@@ -181,6 +184,11 @@ def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, 
         config.ppo.padding_free = True
     if "compile" in names:
         config.compile = True
+    if "allocator" in names:
+        from ppokit.process import allocator
+
+        return allocator.settle()
+    return {}
 
 
 def apply_switches(config: PPOConfig, name: str, longest_row: int, budget_tokens: int | None = None) -> None:
@@ -219,7 +227,7 @@ def measure(args, updates: int, work: Path) -> None:
     apply_switches(config, args.config, task["longest_row"], args.budget_tokens)
     if args.padding_free:
         config.ppo.padding_free = True
-    apply_named_switches(config, list(filter(None, (args.switches or "").split(","))), task["longest_row"], args.budget_tokens)
+    settled = apply_named_switches(config, list(filter(None, (args.switches or "").split(","))), task["longest_row"], args.budget_tokens)
     named = args.switches is not None  # (--switches "": the defaults, with the longer line)
     batch = task["batch"]
 
@@ -274,10 +282,13 @@ def measure(args, updates: int, work: Path) -> None:
             "first_update_s": round(records[0]["time/update"], 2),
             "cpu_s_per_update": round(sum(cpu[1:]) / n, 4), "episodes_per_cpu_s": round(batch * n / sum(cpu[1:]), 2),
             "peak_rss_mb_by_stage": phases.report(),
+            # the whole process's: what a fixed mmap threshold (--switches allocator) costs shows here first
+            "minor_page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+            "system_cpu_s": round(resource.getrusage(resource.RUSAGE_SELF).ru_stime, 2),
             # getattr: the tree before these switches runs the default configuration too (docs/speed.md)
             "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
                          "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
-                         "padding_free": getattr(config.ppo, "padding_free", False)},
+                         "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))

@@ -1,0 +1,50 @@
+"""glibc's malloc told to give freed tensors back to the OS (docs/speed.md, "Memory the allocator keeps"); opt-in.
+
+On CPU, torch takes a tensor's memory from the C library's `malloc`. glibc's serves a block of at least its mmap
+threshold with a mapping of its own, unmapped when freed; a smaller one from its heaps, which keep freed memory for
+reuse and hand back only what sits at their top. The threshold starts at 128 KiB and, each time a mapped block is
+freed, rises to that block's size (up to 32 MiB), so after the first update the activations (1-4 MB blocks on the
+variable-shape benchmark) come from the heaps, and their changing sizes leave holes later ones do not fill: that
+benchmark's process held ~270-330 MB above what was in use (peak RSS 1.28-1.34 GB; 1.01 GB with the threshold fixed).
+
+`settle` fixes the threshold (glibc's `mallopt(M_MMAP_THRESHOLD)`; a threshold set is never raised): blocks of at
+least `MMAP_THRESHOLD` are mapped, and unmapped when freed. The price is a page fault for every page of every such
+block, each time: 7-13 million more on that benchmark's two updates (docs/speed.md). So nothing calls it by default:
+`benchmarks/ppo_throughput.py --switches allocator` measures it, and a caller who wants the memory back calls it (or
+sets `MALLOC_MMAP_THRESHOLD_` before starting Python). Never over the user's choice (`MALLOC_MMAP_THRESHOLD_`, or
+`GLIBC_TUNABLES` naming `glibc.malloc.mmap_threshold`); only glibc (elsewhere nothing happens). Standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from typing import Callable, Mapping, Optional
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+MMAP_THRESHOLD = 128 << 10  # bytes: glibc's starting threshold, kept from rising (docs/speed.md: 128 KiB to 4 MiB measured)
+CHOSEN_BY_USER = ("MALLOC_MMAP_THRESHOLD_",)  # the environment glibc reads at start-up
+
+
+def settle(environ: Mapping[str, str] = os.environ, mallopt: Optional[Callable[[int, int], int]] = None) -> dict[str, int]:
+    """Fix glibc malloc's mmap threshold at `MMAP_THRESHOLD` unless the user chose one (`environ`).
+    mallopt: glibc's (default: looked up in the C library; none outside glibc). -> what was set, {} if nothing."""
+    if any(name in environ for name in CHOSEN_BY_USER) or "glibc.malloc.mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
+        return {}
+    mallopt = glibc_mallopt() if mallopt is None else mallopt
+    if mallopt is None or mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:  # mallopt returns 1 on success
+        return {}
+    return {"M_MMAP_THRESHOLD": MMAP_THRESHOLD}
+
+
+def glibc_mallopt() -> Optional[Callable[[int, int], int]]:
+    """glibc's `mallopt`, or None where the C library is not glibc (musl has no mallopt to speak of; macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc's own: musl and others lack it
+        function = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return function
