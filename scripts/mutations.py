@@ -988,9 +988,14 @@ MUTATIONS = [
              ("tests/test_multiprocess.py::test_packed_and_light_heads_of_a_sharded_policy_equal_the_whole_policys",),
              "under fsdp the packed and light heads read each token's logprob from the state one position late"),
     Mutation("fsdp_head_called_apart_from_the_forward", "src/ppokit/models/loading.py",
-             "    if backbone_fn is not None or not sharded(model):\n", "    if True:\n",
+             "    if not sharded(model):\n", "    if True:\n",
              ("tests/test_multiprocess.py::test_packed_and_light_heads_of_a_sharded_policy_equal_the_whole_policys",),
              "under fsdp the packed and light heads call the backbone and the head apart: they meet the sharded tied weights"),
+    Mutation("compiled_backbone_called_apart_under_fsdp", "src/ppokit/models/loading.py",
+             "    if not sharded(model):\n", "    if backbone_fn is not None or not sharded(model):\n",
+             ("tests/test_multiprocess.py::test_a_compiled_fsdp_run_gives_the_eager_fsdp_metrics",),
+             "compile: true under fsdp calls the compiled backbone apart from the causal LM's forward: it meets the sharded tied "
+             "embeddings at the first training forward"),
     # ---- issue 45: a group's prompt computed once (ppo.shared_prompt)
     Mutation("shared_prompt_samples_see_each_other", "src/ppokit/models/prefix.py",
              "    allowed = earlier & ((segment.unsqueeze(1) == segment.unsqueeze(2)) | to_prefix)\n",
@@ -1023,10 +1028,13 @@ MUTATIONS = [
              "    if False:",
              ("tests/test_plan.py::test_the_shared_prompt_counts_each_groups_prompt_once",),
              "ppokit plan counts every sample's prompt under ppo.shared_prompt"),
-    Mutation("shared_prompt_under_fsdp_accepted", "src/ppokit/config/schema.py",
-             '        if self.ppo.shared_prompt and name == "fsdp":', '        if False:',
-             ("tests/test_shared_prompt.py::test_shared_prompt_under_fsdp_or_compile_is_refused",),
-             "ppo.shared_prompt with parallel.strategy fsdp starts, untested"),
+    Mutation("shared_prompt_under_fsdp_drops_the_4d_mask", "src/ppokit/models/loading.py",
+             "    inputs, back = _backbone_inputs(model, input_ids, attention_mask, padding_free)\n    computed = []\n",
+             "    inputs, back = _backbone_inputs(model, input_ids, attention_mask, padding_free)\n    computed = []\n"
+             "    if padding_free is not True and padding_free is not False:\n        inputs['attention_mask'] = None\n",
+             ("tests/test_multiprocess.py::test_packed_and_light_heads_of_a_sharded_policy_equal_the_whole_policys",
+              "tests/test_multiprocess.py::test_fsdp_with_the_shared_prompt_gives_the_ddp_metrics"),
+             "under fsdp the shared-prompt forward runs without its 4-D mask: a group's samples attend to each other"),
     # ---- issue 44: dynamic sampling and DAPO's overlong shaping
     Mutation("dynamic_sampling_filters_on_the_wrong_metric", "src/ppokit/training/dynamic_sampling.py",
              'return scored.scores if self.metric == "score" else scored.sources[self.metric].to(scored.scores.device)',

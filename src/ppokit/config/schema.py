@@ -1032,11 +1032,6 @@ class PPOConfig:
                             f"{DEFAULT_STRATEGY}")
         if self.fp16 and facts.own_mixed_precision:
             raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
-        # The shared-prompt layout has not been run under fsdp (its forwards would take the route padding_free takes there,
-        # models.loading.from_hidden_states, untested with a 4-D mask).
-        if self.ppo.shared_prompt and name == "fsdp":
-            raise UserError(f"ppo.shared_prompt: not available under parallel.strategy: {name} yet; set ppo.shared_prompt: false, or "
-                            f"parallel.strategy: {DEFAULT_STRATEGY}")
         if self.ppo.shared_prompt and self.compile:
             raise UserError("ppo.shared_prompt with compile: the compiled backbone is not checked with a 4-D attention mask yet; turn one of them off")
 
