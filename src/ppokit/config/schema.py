@@ -311,8 +311,9 @@ class PPOHyperparams:
                                      "values and losses equal the separate computation within float rounding; the update's shuffle keeps a group's "
                                      "samples together (whole groups per minibatch). Needs num_samples_per_prompt >= 2, per_device_train_batch_size "
                                      "and local_rollout_forward_batch_size multiples of it, attn_implementation sdpa or eager (each model checked "
-                                     "once at start); not with padding_free, max_tokens_per_micro_batch, compile or parallel.strategy fsdp. "
-                                     "Faster where the prompt is long beside the responses (docs/speed.md has the rule).", resume=True)
+                                     "once at start); not with padding_free, max_tokens_per_micro_batch or compile. Under parallel.strategy fsdp a "
+                                     "causal LM's shared-prompt forward runs inside its own forward, as padding_free's does. Faster where "
+                                     "the prompt is long beside the responses (docs/speed.md has the rule).", resume=True)
 
     @property
     def kept_together(self) -> int:
@@ -824,9 +825,10 @@ class PPOConfig:
                                                   "per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch "
                                                   "(TRL).", check=positive, resume=True)
     compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient "
-                               "passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a "
-                               "CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this "
-                               "machine.", resume=True)
+                               "passes stay eager. Equal to eager within float rounding, under parallel.strategy fsdp too (there the compiled backbone "
+                               "runs inside the causal LM's own forward, which gathers its tied embeddings and head). The first training pass pays the "
+                               "compile time (about 20-60 s on a CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where "
+                               "torch.compile cannot run on this machine.", resume=True)
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
     environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` "
                                            "with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) "
