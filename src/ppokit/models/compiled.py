@@ -62,11 +62,15 @@ class CompiledBackbone:
 
     @contextlib.contextmanager
     def in_place(self):
+        own = self.module.__dict__.get("forward")  # a forward set on the instance (a wrapper's hook), compiled with the rest
         self.module.forward = self.forward  # an instance attribute, over the class's forward, for this call only
         try:
             yield
         finally:
-            del self.module.forward
+            if own is None:
+                del self.module.forward
+            else:
+                self.module.forward = own
 
 
 def compiled_backbone(model) -> CompiledBackbone:
