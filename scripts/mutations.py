@@ -996,6 +996,11 @@ MUTATIONS = [
              ("tests/test_multiprocess.py::test_a_compiled_fsdp_run_gives_the_eager_fsdp_metrics",),
              "compile: true under fsdp calls the compiled backbone apart from the causal LM's forward: it meets the sharded tied "
              "embeddings at the first training forward"),
+    Mutation("compiled_backbone_not_in_place_under_fsdp", "src/ppokit/models/loading.py",
+             "        with backbone_fn.in_place() if backbone_fn is not None else contextlib.nullcontext():",
+             "        with contextlib.nullcontext():",
+             ("tests/test_multiprocess.py::test_a_compiled_fsdp_run_gives_the_eager_fsdp_metrics",),
+             "compile: true under fsdp runs the policy's backbone eagerly: the switch is read but nothing is compiled"),
     # ---- issue 45: a group's prompt computed once (ppo.shared_prompt)
     Mutation("shared_prompt_samples_see_each_other", "src/ppokit/models/prefix.py",
              "    allowed = earlier & ((segment.unsqueeze(1) == segment.unsqueeze(2)) | to_prefix)\n",

@@ -57,11 +57,12 @@ def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo)
     return config
 
 
-def _launch(config, *extra, use_cpu=True, processes=2, port=None):
-    """port: the rendezvous's (default torchrun's 29500, which one test file alone may use at a time)."""
+def _launch(config, *extra, use_cpu=True, processes=2, port=None, env=None):
+    """port: the rendezvous's (default torchrun's 29500, which one test file alone may use at a time); env: variables
+    added to the processes' environment."""
     ports = ["--master_port", str(port)] if port is not None else []
     command = [TORCHRUN, "--nproc_per_node", str(processes), *ports, "-m", "ppokit", "ppo", str(config), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env(use_cpu))
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env={**_env(use_cpu), **(env or {})})
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -198,16 +199,23 @@ def test_fsdp_with_padding_free_forwards_gives_the_padded_metrics(request, model
 
 
 @pytest.mark.slow
-def test_a_compiled_fsdp_run_gives_the_eager_fsdp_metrics(runs, model_dir, prompts_file, tmp_path):
+def test_a_compiled_fsdp_run_gives_the_eager_fsdp_metrics(model_dir, prompts_file, tmp_path):
     """compile: true under fsdp, 2 processes: the tiny Llama's head is tied to its embeddings, in the root unit FSDP
     gathers only in the causal LM's own forward, so the compiled backbone runs inside that forward (calling it on its
     own met sharded embeddings at the first training forward). Every metric equals the eager fsdp run's within float
-    rounding over 4 updates (inductor's kernels sum in their own order)."""
-    config = _config(model_dir, prompts_file, tmp_path, "fsdp")
-    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "compile": True}))
-    result = _launch(config)
-    assert result.returncode == 0, result.stderr[-3000:]
-    _assert_padded_metrics(runs["fsdp"][1], tmp_path / "run-fsdp", packed=False)
+    rounding over 4 updates (inductor's kernels sum in their own order). GRPO, no critic: the kernels inductor wrote
+    are the policy's, so its backbone was compiled, not run eagerly."""
+    for name, compiled in (("eager", False), ("compiled", True)):
+        (tmp_path / name).mkdir()
+        config = _config(model_dir, prompts_file, tmp_path / name, "fsdp", advantage_estimator="grpo", num_samples_per_prompt=2)
+        config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "compile": compiled}))
+        result = _launch(config, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / name / "inductor")})
+        assert result.returncode == 0, result.stderr[-3000:]
+    def kernels(name):
+        return [path for path in (tmp_path / name / "inductor").rglob("*") if path.is_file()]
+
+    assert kernels("compiled") and not kernels("eager")
+    _assert_padded_metrics(tmp_path / "eager" / "run-fsdp", tmp_path / "compiled" / "run-fsdp", packed=False)
 
 
 def test_fsdp_with_the_shared_prompt_gives_the_ddp_metrics(model_dir, prompts_file, tmp_path):
