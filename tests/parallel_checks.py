@@ -37,6 +37,7 @@ from ppokit.engines.hf import HFEngine, HFSampler  # noqa: E402
 from ppokit.demos.tiny import tiny_causal_lm, tiny_config, word_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from ppokit.training.optimise import PolicyAndValue  # noqa: E402
+from ppokit.models.prefix import SharedPrefix  # noqa: E402
 
 WORDS = "the a good bad movie film was is great awful fine plot actors story long short".split()
 STEPS = 3
@@ -135,11 +136,13 @@ class AllGatherCounter:
             setattr(dist, name, original)
 
 
-HEAD_ROUTES = {"packed": dict(padding_free=True), "light": dict(chunk_size=2), "packed_light": dict(padding_free=True, chunk_size=2)}
+HEAD_ROUTES = {"packed": dict(padding_free=True), "light": dict(chunk_size=2), "packed_light": dict(padding_free=True, chunk_size=2),
+               "shared": dict(padding_free=SharedPrefix(2)), "shared_light": dict(padding_free=SharedPrefix(2), chunk_size=2)}
 
 
 def head_routes(strategy, tokenizer, rank: int, world: int, tied: bool) -> dict:
-    """The packed (ppo.padding_free) and memory-light (lm_head_chunk_size) logprob routes on a sharded policy, its head
+    """The packed (ppo.padding_free), shared-prompt (ppo.shared_prompt, groups of 2 rows: a 4-D mask) and memory-light
+    (lm_head_chunk_size) logprob routes on a sharded policy, its head
     tied to its embeddings (both in FSDP's root unit, gathered only in the model's forward) or not (the backbone and the
     head units of their own): each process's logprobs and entropy, and the gradients of a loss of them after FSDP's
     reduce-scatter (gathered whole), beside the whole policy's padded computation over every process's rows; a frozen
@@ -154,6 +157,8 @@ def head_routes(strategy, tokenizer, rank: int, world: int, tied: bool) -> dict:
 
     def inputs(r):
         ids, mask = rows(tokenizer, r)
+        ids = ids.clone()
+        ids[1, :2] = ids[0, 2:4]  # rows 0 (left-padded by 2) and 1 begin with the same 2 tokens: a group's prompt
         trained = mask[:, -RESPONSE:].bool().clone()
         trained[1, -2] = False  # a gap in one row's trained tokens
         weights = torch.randn(trained.shape, generator=torch.Generator().manual_seed(200 + r))

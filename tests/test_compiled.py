@@ -12,6 +12,25 @@ from ppokit.models.loading import response_logprobs, response_values, value_mode
 SRC = os.path.join(os.path.dirname(__file__), os.pardir, "src")
 
 
+def test_the_compiled_forward_is_in_place_for_the_call_only(model_dir):
+    """`CompiledBackbone.in_place`: the backbone's own forward is back after the call (the class's, or one its instance
+    carried), so the no-gradient passes and sampling, which call the same module, stay eager."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.models.compiled import compiled_backbone
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    compiled = compiled_backbone(policy)
+    with compiled.in_place():
+        assert policy.model.forward is compiled.forward
+    assert "forward" not in policy.model.__dict__
+    own = policy.model.forward
+    policy.model.forward = own  # an instance attribute, as a wrapper's hook sets
+    with compiled.in_place():
+        assert policy.model.forward is compiled.forward
+    assert policy.model.__dict__["forward"] is own
+
+
 @pytest.mark.slow
 def test_compiled_training_forward_equals_eager(model_dir):
     """Logprobs, values and gradients of two micro-batch shapes (dynamic shapes: one compile)."""

@@ -57,11 +57,12 @@ def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo)
     return config
 
 
-def _launch(config, *extra, use_cpu=True, processes=2, port=None):
-    """port: the rendezvous's (default torchrun's 29500, which one test file alone may use at a time)."""
+def _launch(config, *extra, use_cpu=True, processes=2, port=None, env=None):
+    """port: the rendezvous's (default torchrun's 29500, which one test file alone may use at a time); env: variables
+    added to the processes' environment."""
     ports = ["--master_port", str(port)] if port is not None else []
     command = [TORCHRUN, "--nproc_per_node", str(processes), *ports, "-m", "ppokit", "ppo", str(config), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env(use_cpu))
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env={**_env(use_cpu), **(env or {})})
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -151,22 +152,24 @@ def test_ddp_with_padding_free_forwards_gives_the_padded_metrics(runs, model_dir
     _assert_padded_metrics(runs["ddp"][1], tmp_path / "run-ddp")
 
 
-def _assert_padded_metrics(padded_run: Path, packed_run: Path) -> None:
+def _assert_padded_metrics(padded_run: Path, packed_run: Path, packed: bool = True) -> None:
     """A padding-free run's metrics equal the padded run's, update by update, with less padding processed. The forwards
     differ only in float32 summation order (a few ulps of each hidden state, the logits and gradients after them, against
     metrics of order 1e-2..1e1): 1e-4 relative leaves room for that rounding through 4 updates of AdamW, whose steps
-    are lr-sized whatever the gradient's size; counts may move by a token at a clip boundary."""
-    padded, packed = _comparable(padded_run), _comparable(packed_run)
-    assert [r["update"] for r in packed] == [1, 2, 3, 4] and set(packed[0]) == set(padded[0])
-    for d, f in zip(padded, packed):
+    are lr-sized whatever the gradient's size; counts may move by a token at a clip boundary. packed False: two runs of
+    the same layout (a compiled and an eager one), the same rule and the same padding."""
+    padded, other = _comparable(padded_run), _comparable(packed_run)
+    assert [r["update"] for r in other] == [1, 2, 3, 4] and set(other[0]) == set(padded[0])
+    for d, f in zip(padded, other):
         for key in d:
-            if key == "perf/padding_share":
+            if key == "perf/padding_share" and packed:
                 assert f[key] <= d[key]
             elif key in COUNTS:
                 assert f[key] == pytest.approx(d[key], abs=0.02), key  # a token or two either side of a clip boundary
             else:
                 assert f[key] == pytest.approx(d[key], rel=1e-4, abs=1e-6), key
-    assert sum(r["perf/padding_share"] for r in packed) < sum(r["perf/padding_share"] for r in padded)
+    if packed:
+        assert sum(r["perf/padding_share"] for r in other) < sum(r["perf/padding_share"] for r in padded)
 
 
 @pytest.mark.parametrize("variant", ["full", "lora"])
@@ -193,6 +196,40 @@ def test_fsdp_with_padding_free_forwards_gives_the_padded_metrics(request, model
     result = _launch(config)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_padded_metrics(padded_run, tmp_path / "packed" / "run-fsdp")
+
+
+@pytest.mark.slow
+def test_a_compiled_fsdp_run_gives_the_eager_fsdp_metrics(model_dir, prompts_file, tmp_path):
+    """compile: true under fsdp, 2 processes: the tiny Llama's head is tied to its embeddings, in the root unit FSDP
+    gathers only in the causal LM's own forward, so the compiled backbone runs inside that forward (calling it on its
+    own met sharded embeddings at the first training forward). Every metric equals the eager fsdp run's within float
+    rounding over 4 updates (inductor's kernels sum in their own order). GRPO, no critic: the graphs inductor wrote
+    with the decoder layers' norm in them are the policy's, so its backbone was compiled, not run eagerly."""
+    for name, compiled in (("eager", False), ("compiled", True)):
+        (tmp_path / name).mkdir()
+        config = _config(model_dir, prompts_file, tmp_path / name, "fsdp", advantage_estimator="grpo", num_samples_per_prompt=2)
+        config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "compile": compiled}))
+        result = _launch(config, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / name / "inductor")})
+        assert result.returncode == 0, result.stderr[-3000:]
+    def compiled_rms_norms(name):  # the Llama's RMSNorm (x * rsqrt(mean(x^2) + eps)); compile's probe at start is a tanh
+        return [path for path in (tmp_path / name / "inductor").rglob("*") if path.is_file() and b"rsqrt" in path.read_bytes()]
+
+    assert compiled_rms_norms("compiled") and not compiled_rms_norms("eager")
+    _assert_padded_metrics(tmp_path / "eager" / "run-fsdp", tmp_path / "compiled" / "run-fsdp", packed=False)
+
+
+def test_fsdp_with_the_shared_prompt_gives_the_ddp_metrics(model_dir, prompts_file, tmp_path):
+    """ppo.shared_prompt under fsdp, 2 processes (GRPO, groups of 2): a group's rows are one row with a 4-D mask, its
+    policy and reference forwards inside the causal LM's own forward (the tied head in FSDP's root unit). Every metric
+    equals the same run's under ddp within float rounding over 4 updates, the same samples scored. (Against the separate
+    layout a run differs by design: that shuffle draws rows one by one, other minibatches and other random draws; the
+    logprobs and gradients of both layouts under fsdp are checked equal in parallel_checks.)"""
+    grpo = dict(advantage_estimator="grpo", num_samples_per_prompt=2, shared_prompt=True)
+    for strategy in ("ddp", "fsdp"):
+        result = _launch(_config(model_dir, prompts_file, tmp_path, strategy, **grpo))
+        assert result.returncode == 0, result.stderr[-3000:]
+    _assert_padded_metrics(tmp_path / "run-ddp", tmp_path / "run-fsdp", packed=False)
+    assert (tmp_path / "run-ddp" / "samples.jsonl").read_text() == (tmp_path / "run-fsdp" / "samples.jsonl").read_text()
 
 
 def test_an_fsdp_checkpoint_is_sharded_and_final_is_one_plain_model(runs):
@@ -366,14 +403,14 @@ def test_fsdp_step_equals_ddp_step(parallel_checks):
 
 
 def test_packed_and_light_heads_of_a_sharded_policy_equal_the_whole_policys(parallel_checks):
-    """ppo.padding_free and lm_head_chunk_size on a policy sharded by FSDP, its head tied to its embeddings (FSDP's root
-    unit, gathered only in the model's own forward) or not: each process's logprobs, and the gradients after the
-    reduce-scatter, equal the whole policy's padded computation over every process's rows; a frozen sharded copy's
-    logprobs too."""
+    """ppo.padding_free, ppo.shared_prompt (two rows with a common prompt as one row, a 4-D mask) and lm_head_chunk_size
+    on a policy sharded by FSDP, its head tied to its embeddings (FSDP's root unit, gathered only in the model's own
+    forward) or not: each process's logprobs, and the gradients after the reduce-scatter, equal the whole policy's padded
+    computation over every process's rows; a frozen sharded copy's logprobs too."""
     for folder in parallel_checks:
         for tied, routes in torch.load(folder / "head_routes.pt").items():
             assert routes["resharded"], tied
-            for name in ("packed", "light", "packed_light", "frozen_packed"):
+            for name in ("packed", "light", "packed_light", "shared", "shared_light", "frozen_packed"):
                 got, want = routes[name]["logprobs"]
                 assert_float32_close(got, want, terms=routes["vocab"] * routes["hidden"])  # a logit sums over the hidden size, a softmax over the vocabulary
                 grads = routes[name].get("grads", {})

@@ -172,13 +172,11 @@ def test_shared_prompt_refuses_what_it_cannot_lay_out(model_dir, prompts_file, t
         config.validate()
 
 
-def test_shared_prompt_under_fsdp_or_compile_is_refused(model_dir, prompts_file, tmp_path):
+def test_shared_prompt_with_compile_is_refused_and_under_fsdp_accepted(model_dir, prompts_file, tmp_path):
     config = tiny_ppo_config(model_dir("llama"), prompts_file, tmp_path / "run", advantage_estimator="grpo", num_samples_per_prompt=2,
                              shared_prompt=True)
     config.parallel.strategy = "fsdp"
-    with pytest.raises(UserError, match=r"ppo.shared_prompt: not available under parallel.strategy: fsdp yet"):
-        config.validate()
-    config.parallel.strategy = "ddp"
+    config.validate()  # runs under fsdp: tests/test_multiprocess.py
     config.compile = True
     with pytest.raises(UserError, match=r"ppo.shared_prompt with compile"):
         config.validate()

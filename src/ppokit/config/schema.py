@@ -311,8 +311,9 @@ class PPOHyperparams:
                                      "values and losses equal the separate computation within float rounding; the update's shuffle keeps a group's "
                                      "samples together (whole groups per minibatch). Needs num_samples_per_prompt >= 2, per_device_train_batch_size "
                                      "and local_rollout_forward_batch_size multiples of it, attn_implementation sdpa or eager (each model checked "
-                                     "once at start); not with padding_free, max_tokens_per_micro_batch, compile or parallel.strategy fsdp. "
-                                     "Faster where the prompt is long beside the responses (docs/speed.md has the rule).", resume=True)
+                                     "once at start); not with padding_free, max_tokens_per_micro_batch or compile. Under parallel.strategy fsdp a "
+                                     "causal LM's shared-prompt forward runs inside its own forward, as padding_free's does. Faster where "
+                                     "the prompt is long beside the responses (docs/speed.md has the rule).", resume=True)
 
     @property
     def kept_together(self) -> int:
@@ -824,9 +825,10 @@ class PPOConfig:
                                                   "per chunk: about 4 x chunk x vocabulary x 4 bytes. null: the direct computation over the whole micro-batch "
                                                   "(TRL).", check=positive, resume=True)
     compile: bool = doc(False, "torch.compile (inductor) the policy and value backbones for the training forward and backward; sampling and the no-gradient "
-                               "passes stay eager. Equal to eager within float rounding. The first training pass pays the compile time (about 20-60 s on a "
-                               "CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where torch.compile cannot run on this "
-                               "machine.", resume=True)
+                               "passes stay eager. Equal to eager within float rounding, under parallel.strategy fsdp too (there the compiled backbone "
+                               "runs inside the causal LM's own forward, which gathers its tied embeddings and head). The first training pass pays the "
+                               "compile time (about 20-60 s on a CPU, docs/speed.md); worth it for runs of more than a few minutes. An error at start where "
+                               "torch.compile cannot run on this machine.", resume=True)
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
     environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` "
                                            "with reset(row) and step(completion) (docs/environments.md); built-ins `ppokit.environments:Tools` (tool calls) "
@@ -1032,11 +1034,6 @@ class PPOConfig:
                             f"{DEFAULT_STRATEGY}")
         if self.fp16 and facts.own_mixed_precision:
             raise UserError(f"parallel.strategy: {name} runs mixed precision as bf16 ({facts.own_mixed_precision}); set bf16: true instead of fp16")
-        # The shared-prompt layout has not been run under fsdp (its forwards would take the route padding_free takes there,
-        # models.loading.from_hidden_states, untested with a 4-D mask).
-        if self.ppo.shared_prompt and name == "fsdp":
-            raise UserError(f"ppo.shared_prompt: not available under parallel.strategy: {name} yet; set ppo.shared_prompt: false, or "
-                            f"parallel.strategy: {DEFAULT_STRATEGY}")
         if self.ppo.shared_prompt and self.compile:
             raise UserError("ppo.shared_prompt with compile: the compiled backbone is not checked with a 4-D attention mask yet; turn one of them off")
 

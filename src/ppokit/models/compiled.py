@@ -5,13 +5,18 @@ model, as the training pass calls them. The output layer runs eagerly after it (
 `models.response_logprobs`, chunked when `lm_head_chunk_size` is set), and so do sampling (its KV cache
 grows by one position a step: every step would be a new shape) and the no-gradient passes (one pass an
 update does not repay a compile). The compiled callable wraps the module, it does not copy it: the
-weights, their gradients and what a checkpoint saves are the module's own.
+weights, their gradients and what a checkpoint saves are the module's own. Only the backbone's `forward` is
+compiled, put in place of its own for the call (`CompiledBackbone`): the module's hooks run eagerly around it, and
+under parallel.strategy fsdp the causal LM's own forward calls it (`models.loading.from_hidden_states`), so that FSDP
+gathers the root unit's weights (the embeddings and the head tied to them) as in an eager run.
 
 Shapes vary every micro-batch (prompt and response widths, and the rows of a token budget), so the
 backbone is compiled with dynamic shapes from the start instead of once per shape.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -41,7 +46,34 @@ def check_available(device: torch.device | str = "cpu") -> None:
         raise UserError(f"compile: true, but torch.compile cannot run on this machine ({type(e).__name__}: {first}); set compile: false") from None
 
 
-def compiled_backbone(model):
-    """A callable with the backbone's signature (input_ids, attention_mask, position_ids, use_cache) that
-    runs it compiled; pass it as `backbone_fn` to `models.response_logprobs` / `models.response_values`."""
-    return torch.compile(backbone(model), dynamic=True)
+class CompiledBackbone:
+    """A model's backbone with its `forward` compiled. Called (the backbone's signature: input_ids, attention_mask,
+    position_ids, use_cache), it calls the module with the compiled forward in place of its own (`in_place`): the
+    module's hooks (FSDP's gathering of a unit) run eagerly around the compiled code, as `torch.compile(module)` runs
+    them. `in_place()` alone: the model's own forward calls the compiled backbone (a sharded causal LM's route)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.forward = torch.compile(module.forward, dynamic=True)
+
+    def __call__(self, *args, **kwargs):
+        with self.in_place():
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def in_place(self):
+        own = self.module.__dict__.get("forward")  # a forward set on the instance (a wrapper's hook), compiled with the rest
+        self.module.forward = self.forward  # an instance attribute, over the class's forward, for this call only
+        try:
+            yield
+        finally:
+            if own is None:
+                del self.module.forward
+            else:
+                self.module.forward = own
+
+
+def compiled_backbone(model) -> CompiledBackbone:
+    """The compiled backbone of `model`; pass it as `backbone_fn` to `models.response_logprobs` /
+    `models.response_values`."""
+    return CompiledBackbone(backbone(model))

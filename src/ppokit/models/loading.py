@@ -574,14 +574,15 @@ def from_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     padding-free logprobs). A sharded model (`sharded`) computes it inside its own forward, so that FSDP gathers the
     root unit's weights for the head as for the embeddings, and reduce-scatters their gradients after the backward:
     the forward runs over the same inputs (its own head on one position, unused) and `then` reads its backbone's
-    output."""
-    if backbone_fn is not None or not sharded(model):
+    output. A compiled backbone_fn (`models.compiled.CompiledBackbone`) is put in the backbone's place for that forward."""
+    if not sharded(model):
         return then(hidden_states(model, input_ids, attention_mask, backbone_fn, padding_free))
     inputs, back = _backbone_inputs(model, input_ids, attention_mask, padding_free)
     computed = []
     handle = backbone(model).register_forward_hook(lambda module, args, output: computed.append(then(back(output.last_hidden_state))))
     try:
-        unwrap_peft(model)(**inputs, use_cache=False, logits_to_keep=1)
+        with backbone_fn.in_place() if backbone_fn is not None else contextlib.nullcontext():
+            unwrap_peft(model)(**inputs, use_cache=False, logits_to_keep=1)
     finally:
         handle.remove()
     return computed[0]
