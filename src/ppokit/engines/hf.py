@@ -269,7 +269,7 @@ class HFSampler:
         attention_mask = query_mask.long()
         positions = position_ids_from_mask(attention_mask)
         logits, cache = causal_lm_step(self.model, query_ids, attention_mask, positions, logits_to_keep=1)
-        _preallocate(cache, query_ids.shape[1] + self.response_length)
+        _preallocate(cache, query_ids.shape[1] + self.response_length - 1)  # the last token is not fed back
         next_position = positions[:, -1:] + 1
         done = torch.zeros(rows, dtype=torch.bool, device=query_ids.device)
         stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=query_ids.device)
@@ -314,7 +314,9 @@ class HFSampler:
 class _PreallocatedLayer(DynamicLayer):
     """A transformers `DynamicLayer` whose keys and values live in buffers of `width` columns allocated once: each
     forward writes its new columns in place and attention reads the filled ones (a view), where the dynamic layer
-    concatenates, copying everything cached at every step. What attention reads is the same tensor either way."""
+    concatenates, copying everything cached at every step (its cost grows with the square of the length). Attention
+    reads the same values either way. Only what the lock-step decoder calls is kept in step with the buffers
+    (update, batch_select_indices)."""
 
     def __init__(self, layer: DynamicLayer, width: int):
         super().__init__()
