@@ -207,7 +207,8 @@ class HFEngine:
 
 @dataclass
 class HFSampler:
-    """Batched ancestral sampling from a transformers causal LM with its KV cache.
+    """Batched ancestral sampling from a transformers causal LM with its KV cache (after the prompt's forward, its
+    keys and values written in place into buffers sized for the whole response: `_PreallocatedLayer`).
 
     Tokens are drawn from the softmax of logits / temperature, truncated by top_k / top_p / min_p
     when they are set (`truncate_distribution`; all off by default, as in the reference
