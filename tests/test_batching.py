@@ -167,6 +167,26 @@ def test_pack_moves_a_loss_mask_with_a_gap_and_restore_tokens_puts_it_back():
     assert restored.tolist() == [[10.0, 0.0, 0.0, 13.0], [14.0, 0.0, 0.0, 0.0]]
 
 
+def _stop_ending_rows_apart(model, ids, mask, pad_token_id) -> int:
+    """A stop token that ends the rows of a sampling (24 tokens, temperature 2) at the most different lengths, and not
+    all of them, preferably one row well before a row after it."""
+    from ppokit.engines.hf import HFSampler
+
+    torch.manual_seed(0)
+    free = HFSampler(model, 24, 2.0, None, pad_token_id).sample(ids, mask)
+
+    def spread(token):
+        hits = free.response_ids == token
+        if hits.any(1).all():
+            return (False, 0)
+        ends = [int(h.nonzero()[0]) if h.any() else len(h) for h in hits]
+        # preferred: a row ends 4+ steps before a row after it in the batch (which then moves up when it leaves)
+        apart = any(ends[i] + 4 < ends[j] for i in range(len(ends)) for j in range(i + 1, len(ends)))
+        return (apart, len(set(ends)))
+
+    return max(set(free.response_ids.flatten().tolist()), key=spread)
+
+
 @pytest.mark.parametrize("compact_every", [1, 3])
 def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokenizer, compact_every):
     """Finished rows leave the forward batch and the KV cache; the random stream, and so every token, stays."""
@@ -177,14 +197,7 @@ def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokeniz
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
     texts = ["the movie was", "honestly the cast was", "the", "overall the story felt", "this film is", "the acting"]
     ids, mask = left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    free = HFSampler(model, 24, 2.0, None, tokenizer.pad_token_id).sample(ids, mask)
-    # A stop token that ends the rows at the most different lengths (and not all of them).
-    def spread(token):
-        hits = free.response_ids == token
-        return len({int(h.nonzero()[0]) for h in hits if h.any()}) if not hits.any(1).all() else 0
-
-    stop = max(set(free.response_ids.flatten().tolist()), key=spread)
+    stop = _stop_ending_rows_apart(model, ids, mask, tokenizer.pad_token_id)
 
     def sample(every):
         torch.manual_seed(1)
@@ -196,6 +209,46 @@ def test_sampling_without_finished_rows_draws_the_same_tokens(model_dir, tokeniz
     assert torch.equal(plain.response_ids, compact.response_ids)
     assert torch.equal(plain.loss_mask, compact.loss_mask)
     assert_float32_close(compact.logprobs, plain.logprobs, terms=model.config.vocab_size)  # other batch shapes
+
+
+@pytest.mark.parametrize("compact_every", [0, 3])
+def test_sampling_into_preallocated_keys_and_values_draws_the_same_tokens(model_dir, tokenizer, monkeypatch, compact_every):
+    """The lock-step decoder writes each step's keys and values in place into buffers sized once (prompt + response);
+    against transformers' own growing cache: the same tokens and logprobs, prompts of different lengths (left padding),
+    with and without finished rows leaving the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.engines import hf
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    texts = ["the movie was", "honestly the cast was really", "the", "overall the story felt", "this film is", "the acting"]
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id)
+    assert len(set(mask.sum(1).tolist())) > 3
+    stop = _stop_ending_rows_apart(model, ids, mask, tokenizer.pad_token_id)
+    writes = []
+    update = hf._PreallocatedLayer.update
+    monkeypatch.setattr(hf._PreallocatedLayer, "update", lambda layer, *a, **k: writes.append(a[0].shape[0]) or update(layer, *a, **k))
+
+    def sample(preallocate):
+        torch.manual_seed(0)  # the stream `stop` was chosen from
+        with monkeypatch.context() as patch:
+            if not preallocate:
+                patch.setattr(hf, "_preallocate", lambda cache, width: None)
+            return hf.HFSampler(model, 24, 2.0, stop, tokenizer.pad_token_id, compact_every=compact_every).sample(ids, mask)
+
+    growing = sample(False)
+    assert not writes
+    fixed = sample(True)
+    steps = fixed.response_ids.shape[1] - 1  # the last token is not fed back
+    assert len(writes) == model.config.num_hidden_layers * steps > 0
+    lengths = growing.loss_mask.sum(1)
+    assert growing.ended.any() and not growing.ended.all() and len(set(lengths.tolist())) > 2
+    # a row left early, before a row after it in the batch stopped sampling (rows behind it move up in the buffers)
+    assert any(growing.ended[i] and lengths[i] + 3 < lengths[j] for i in range(len(texts)) for j in range(i + 1, len(texts)))
+    if compact_every:
+        assert min(writes) < len(texts)  # finished rows left the buffers
+    assert torch.equal(growing.response_ids, fixed.response_ids) and torch.equal(growing.loss_mask, fixed.loss_mask)
+    assert_float32_close(fixed.logprobs, growing.logprobs, terms=model.config.vocab_size)  # other attention kernels may sum otherwise
 
 
 def test_reward_model_chunks_by_tokens_give_the_scores_of_row_chunks(model_dir, tokenizer):

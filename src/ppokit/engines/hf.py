@@ -20,6 +20,7 @@ from typing import Callable, ContextManager, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from ppokit.training import algo
 from ppokit.engines.base import (Sampled, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
@@ -206,7 +207,8 @@ class HFEngine:
 
 @dataclass
 class HFSampler:
-    """Batched ancestral sampling from a transformers causal LM with its KV cache.
+    """Batched ancestral sampling from a transformers causal LM with its KV cache (after the prompt's forward, its
+    keys and values written in place into buffers sized for the whole response: `_PreallocatedLayer`).
 
     Tokens are drawn from the softmax of logits / temperature, truncated by top_k / top_p / min_p
     when they are set (`truncate_distribution`; all off by default, as in the reference
@@ -268,6 +270,7 @@ class HFSampler:
         attention_mask = query_mask.long()
         positions = position_ids_from_mask(attention_mask)
         logits, cache = causal_lm_step(self.model, query_ids, attention_mask, positions, logits_to_keep=1)
+        _preallocate(cache, query_ids.shape[1] + self.response_length - 1)  # the last token is not fed back
         next_position = positions[:, -1:] + 1
         done = torch.zeros(rows, dtype=torch.bool, device=query_ids.device)
         stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=query_ids.device)
@@ -307,6 +310,48 @@ class HFSampler:
         if self.top_k or self.top_p < 1 or self.min_p > 0:
             step_logprobs = truncate_distribution(step_logprobs, self.top_k, self.top_p, self.min_p)
         return torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A transformers `DynamicLayer` whose keys and values live in buffers of `width` columns allocated once: each
+    forward writes its new columns in place and attention reads the filled ones (a view), where the dynamic layer
+    concatenates, copying everything cached at every step (its cost grows with the square of the length). Attention
+    reads the same values either way. Only what the lock-step decoder calls is kept in step with the buffers
+    (update, batch_select_indices)."""
+
+    def __init__(self, layer: DynamicLayer, width: int):
+        super().__init__()
+        keys, values = layer.keys, layer.values
+        self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
+        self._keys = keys.new_empty((*keys.shape[:-2], width, keys.shape[-1]))
+        self._values = values.new_empty((*values.shape[:-2], width, values.shape[-1]))
+        self._keys[..., : self.length, :] = keys
+        self._values[..., : self.length, :] = values
+        self._view()
+
+    def _view(self) -> None:
+        self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start, end = self.length, self.length + key_states.shape[-2]
+        self._keys[..., start:end, :] = key_states
+        self._values[..., start:end, :] = value_states
+        self.length = end
+        self._view()
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._keys, self._values = self._keys[indices], self._values[indices]
+        self._view()
+
+
+def _preallocate(cache, width: int) -> None:
+    """Every plain `DynamicLayer` of a transformers cache (after the prompt's forward) -> a `_PreallocatedLayer` of
+    `width` columns; other layers (sliding windows, recurrent states) stay as they are."""
+    layers = getattr(cache, "layers", None)
+    for i, layer in enumerate(layers or []):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.shape[-2] <= width:
+            layers[i] = _PreallocatedLayer(layer, width)
 
 
 def _can_select_rows(cache) -> bool:
