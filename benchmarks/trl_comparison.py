@@ -116,7 +116,14 @@ def trl_config(ppo, seed: int, output_dir: str, bf16: bool = False):
         # not training: no sample generations, no tracker, no checkpoints; float32 as ppokit's run unless bf16 (TRL's own
         # default, which autocasts)
         num_sample_generations=0, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=bf16,
+        use_cpu=bf16 and not _cuda(),  # transformers refuses bf16 on a machine without a GPU unless told to run on the CPU
     )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_trl(updates: int, bf16: bool = False) -> dict:
