@@ -172,7 +172,12 @@ def _assert_padded_metrics(padded_run: Path, packed_run: Path, packed: bool = Tr
         assert sum(r["perf/padding_share"] for r in other) < sum(r["perf/padding_share"] for r in padded)
 
 
-@pytest.mark.parametrize("variant", ["full", "lora"])
+# peft 0.22.0 (what a fresh install of the dev extras gets): the padded fsdp run with LoRA and value_model: shared dies
+# of SIGSEGV in both processes, the tree before padding-free under fsdp as well; with peft 0.21.2 it passes. An open bug.
+PEFT_FSDP_SHARED_CRASH = pytest.mark.xfail(reason="fsdp + LoRA + value_model shared: SIGSEGV under peft 0.22.0 (open bug)", strict=False)
+
+
+@pytest.mark.parametrize("variant", ["full", pytest.param("lora", marks=PEFT_FSDP_SHARED_CRASH)])
 def test_fsdp_with_padding_free_forwards_gives_the_padded_metrics(request, model_dir, prompts_file, tmp_path, variant):
     """ppo.padding_free under fsdp, 2 processes: the tiny Llama's head is tied to its embeddings, so both sit in the
     root unit that FSDP gathers only in the model's own forward; the packed policy and reference forwards run the head
