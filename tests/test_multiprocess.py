@@ -58,10 +58,9 @@ def _config(model_dir, prompts_file, folder: Path, strategy: str = "ddp", **ppo)
 
 
 def _launch(config, *extra, use_cpu=True, processes=2, port=None, env=None):
-    """port: the rendezvous's (default torchrun's 29500, which one test file alone may use at a time); env: variables
-    added to the processes' environment."""
-    ports = ["--master_port", str(port)] if port is not None else []
-    command = [TORCHRUN, "--nproc_per_node", str(processes), *ports, "-m", "ppokit", "ppo", str(config), *extra]
+    """port: the rendezvous's (default a free one, so that runs beside other tests or a CI run never meet at torchrun's
+    29500); env: variables added to the processes' environment."""
+    command = [*_torchrun(processes, port), "-m", "ppokit", "ppo", str(config), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=900, env={**_env(use_cpu), **(env or {})})
 
 
@@ -277,6 +276,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _torchrun(processes: int = 2, port: int | None = None) -> list[str]:
+    """torchrun on one machine, its rendezvous on `port` (default: a free one)."""
+    return [TORCHRUN, "--nproc_per_node", str(processes), "--master_port", str(port or _free_port())]
+
+
 def _two_nodes(config: Path, *extra: str, log: Path, per_node=((), ())) -> list[subprocess.Popen]:
     """Two "nodes" of one process each on this machine, meeting at a rendezvous on a loopback port:
     what `torchrun --nnodes 2 --node_rank R --master_addr HOST --master_port PORT` does across machines.
@@ -387,7 +391,7 @@ def parallel_checks(tmp_path_factory):
         pytest.skip("torchrun is not on PATH")
     one, two = tmp_path_factory.mktemp("fsdp-1"), tmp_path_factory.mktemp("fsdp-2")
     for command, out in (([sys.executable, str(CHECKS), str(one)], one),
-                         ([TORCHRUN, "--nproc_per_node", "2", str(CHECKS), str(two), str(one)], two)):
+                         ([*_torchrun(), str(CHECKS), str(two), str(one)], two)):
         result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env())
         assert result.returncode == 0, result.stderr[-4000:]
     return one, two
@@ -630,7 +634,7 @@ def test_a_reward_failing_on_one_process_stops_every_process_with_one_error(mode
     the last complete update saved as with one process (docs/checkpoints.md)."""
     config = _failing_on_rank_1(model_dir, prompts_file, tmp_path, failure, **reward)
     started = time.monotonic()
-    result = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)],
+    result = subprocess.run([*_torchrun(), "-m", "ppokit", "ppo", str(config)],
                             capture_output=True, text=True, timeout=900, env=_env())
     print(f"stopped after {time.monotonic() - started:.0f} s")
     assert result.returncode != 0
@@ -709,7 +713,7 @@ def test_processes_whose_launcher_is_killed_while_starting_exit_and_release_the_
     import fcntl
 
     config = _config(model_dir, prompts_file, tmp_path, total_episodes=16, save_steps=0, num_sample_generations=0)
-    agent = subprocess.Popen([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)], env=_env(),
+    agent = subprocess.Popen([*_torchrun(), "-m", "ppokit", "ppo", str(config)], env=_env(),
                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"), start_new_session=True)
     deadline = time.monotonic() + 240
     while len(ranks := _children(agent.pid)) < 2:
@@ -788,7 +792,7 @@ def test_a_process_killed_mid_run_leaves_the_other_with_one_line(model_dir, prom
     one line naming the process that ended and the last complete checkpoint."""
     config = _config(model_dir, prompts_file, tmp_path, save_steps=1, num_sample_generations=0)
     stderr = tmp_path / "stderr"
-    agent = subprocess.Popen([TORCHRUN, "--nproc_per_node", "2", "-m", "ppokit", "ppo", str(config)], env=_env(),
+    agent = subprocess.Popen([*_torchrun(), "-m", "ppokit", "ppo", str(config)], env=_env(),
                              stdout=subprocess.DEVNULL, stderr=stderr.open("w"), start_new_session=True)
     run = tmp_path / "run-ddp"
     deadline = time.monotonic() + 240
