@@ -68,7 +68,10 @@ def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
     import torch
 
     from ppokit.engines.base import Sampling
-    from ppokit.models.loading import left_pad
+    try:
+        from ppokit.models.forwards import left_pad
+    except ImportError:  # a tree from before models/forwards.py (a "before" run)
+        from ppokit.models.loading import left_pad
     from ppokit.engines.hf import HFSampler
 
     data, tokenizer = demo_data(PROMPTS)

@@ -95,7 +95,7 @@ def cache_dir() -> Path:
 
 def _sft_loss(model, batch, pad_token_id):
     """Completion cross-entropy with logits only at the labelled positions (the vocabulary is large)."""
-    from ppokit.models.loading import hidden_states, output_head  # here: a tree without them can still run the cached task
+    from ppokit.models.forwards import hidden_states, output_head  # here: a tree without them can still run the cached task
 
     ids, mask, labels = collate(batch, pad_token_id)
     hidden = hidden_states(model, ids, mask)[:, :-1]

@@ -31,7 +31,8 @@ from ppokit.models import adapters, roles  # noqa: E402
 from ppokit.process import parallel  # noqa: E402
 from ppokit.config.schema import LoraConfig, ParallelConfig, PPOConfig  # noqa: E402
 from ppokit.training.guards import UpdateSnapshot  # noqa: E402
-from ppokit.models.loading import enable_gradient_checkpointing, response_logits, response_logprobs, value_model_from_policy  # noqa: E402
+from ppokit.models.forwards import response_logits, response_logprobs  # noqa: E402
+from ppokit.models.loading import enable_gradient_checkpointing, value_model_from_policy  # noqa: E402
 from ppokit.engines.base import Request, Sampling, complete  # noqa: E402
 from ppokit.engines.hf import HFEngine, HFSampler  # noqa: E402
 from ppokit.demos.tiny import tiny_causal_lm, tiny_config, word_tokenizer  # noqa: E402

@@ -442,7 +442,7 @@ def solve(row, base_url):
 
 
 def test_every_call_samples_with_the_runs_temperature_and_returns_its_logprobs(tmp_path):
-    from ppokit.models.loading import response_logprobs
+    from ppokit.models.forwards import response_logprobs
 
     tok = FAMILY.tokenizer()
     torch.manual_seed(1)

@@ -112,7 +112,7 @@ IMPORTS_UP_THE_LAYERS = {
 # Modules that stand in a package above some of their importers: they belong in a lower layer (the batch container and
 # the mathematics under engines/, models/ and metrics/) and are imported from below until they move.
 LOW_MODULES_IN_HIGHER_PACKAGES = {
-    "ppokit.training.algo": "the mathematics' one name space: models/loading.py's logprobs, engines/hf.py's stop tokens",
+    "ppokit.training.algo": "the mathematics' one name space: models/forwards.py's logprobs, engines/hf.py's stop tokens",
     "ppokit.training.losses": "the mathematics (pure torch): engines/correction.py's importance weights",
     "ppokit.training.statistics": "the mathematics (pure torch): metrics/values.py's explained variance and pass@k",
     "ppokit.training.token_rewards": "the mathematics (pure torch): metrics/values.py's teacher KL",

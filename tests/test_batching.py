@@ -8,7 +8,7 @@ from conftest import assert_float32_close
 
 from ppokit.training import algo, batching
 from ppokit.training.episodes import Episodes
-from ppokit.models.loading import left_pad, position_ids_from_mask, response_logprobs
+from ppokit.models.forwards import left_pad, position_ids_from_mask, response_logprobs
 
 
 def _rollout(prompts: list[list[int]], responses: list[list[int]], width: int, pad: int = 0) -> Episodes:

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from ppokit.models.loading import response_logprobs, response_values, value_model_from_policy
+from ppokit.models.forwards import response_logprobs, response_values
+from ppokit.models.loading import value_model_from_policy
 
 SRC = os.path.join(os.path.dirname(__file__), os.pardir, "src")
 

@@ -20,7 +20,7 @@ from ppokit.environments import EnvironmentRunner
 from ppokit.environments.conversation import conversation_setup
 from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.errors import UserError
-from ppokit.models.loading import response_logprobs
+from ppokit.models.forwards import response_logprobs
 from ppokit.data.prompts import as_prompt_dataset
 from ppokit.demos.tiny import tiny_causal_lm
 

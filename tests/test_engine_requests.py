@@ -12,7 +12,7 @@ from test_engines import _recording
 
 from ppokit.engines.base import Sampled, Request, Sampling, complete, request_seed
 from ppokit.engines.hf import HFEngine, HFSampler
-from ppokit.models.loading import left_pad, response_logprobs
+from ppokit.models.forwards import left_pad, response_logprobs
 from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)

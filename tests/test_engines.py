@@ -18,7 +18,8 @@ from ppokit.config.schema import PPOConfig, PPOHyperparams
 from ppokit.engines.base import Sampling
 from ppokit.engines.hf import HFEngine, HFSampler
 from ppokit.errors import UserError
-from ppokit.models.loading import left_pad, load_causal_lm
+from ppokit.models.forwards import left_pad
+from ppokit.models.loading import load_causal_lm
 from ppokit.trainer import PPOTrainer
 
 pytestmark = pytest.mark.transformers_pins  # CI runs this file under vLLM's transformers pin too (.ci/vllm-env)

@@ -8,7 +8,7 @@ from conftest import assert_float32_close
 
 from ppokit.training import algo
 from ppokit.errors import UserError
-from ppokit.models.loading import check_output_head, output_head, response_logprobs
+from ppokit.models.forwards import check_output_head, output_head, response_logprobs
 
 
 def _batch(vocab: int, seed: int = 0):
@@ -117,7 +117,7 @@ def test_sampling_logprobs_equal_the_light_head(model_dir, tokenizer):
     """Sampling keeps its own per-step logprobs (KV cache); they equal both heads' on the sampled rows."""
     from transformers import AutoModelForCausalLM
 
-    from ppokit.models.loading import left_pad
+    from ppokit.models.forwards import left_pad
     from ppokit.engines.hf import HFSampler
 
     torch.manual_seed(0)

@@ -494,7 +494,7 @@ def test_sharded_lora_run_saves_adapter_and_merged_model(parallel_checks):
 
     sys.path.insert(0, str(CHECKS.parent))
     import parallel_checks as checks
-    from ppokit.models.loading import response_logits
+    from ppokit.models.forwards import response_logits
     from ppokit.demos.tiny import word_tokenizer
 
     two = parallel_checks[1]

@@ -17,7 +17,7 @@ from ppokit.environments import EnvironmentRunner
 from ppokit.training import experience
 from ppokit.environments.episode_loop import EpisodeLoop
 from ppokit.metrics.values import episode_metrics
-from ppokit.models.loading import response_logprobs
+from ppokit.models.forwards import response_logprobs
 from ppokit.demos.tiny import tiny_causal_lm, word_tokenizer
 
 WORDS = "guess the number from 1 to 16 : 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 higher lower correct user assistant"

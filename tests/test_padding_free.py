@@ -11,7 +11,7 @@ from test_speed import GradientRecorder, one_rollout
 
 from ppokit.errors import UserError
 from ppokit.models import packing
-from ppokit.models.loading import check_packed_forward, response_logprobs, response_values
+from ppokit.models.forwards import check_packed_forward, response_logprobs, response_values
 from ppokit.training import batching, optimise
 from ppokit.training.episodes import Span, pack
 from ppokit.trainer import PPOTrainer
@@ -106,7 +106,7 @@ def test_packed_rows_never_attend_across_episodes(model_dir):
     """Each episode's states alone in a row of its own equal its states packed beside others."""
     from transformers import AutoModelForCausalLM
 
-    from ppokit.models.loading import hidden_states
+    from ppokit.models.forwards import hidden_states
 
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
     ids = torch.randint(5, 40, (4, 6), generator=torch.Generator().manual_seed(0))
@@ -289,7 +289,7 @@ def test_the_compiled_backbone_reads_packed_rows_as_eager_does(model_dir):
     from transformers import AutoModelForCausalLM
 
     from ppokit.models.compiled import compiled_backbone
-    from ppokit.models.loading import hidden_states
+    from ppokit.models.forwards import hidden_states
 
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
     compiled = compiled_backbone(model)

@@ -4,7 +4,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from ppokit.config.schema import RewardConfig
 from ppokit.errors import UserError
-from ppokit.models.loading import left_pad, score_at_last_token
+from ppokit.models.forwards import left_pad, score_at_last_token
 from ppokit.rewards import RewardModelReward, ScoringBatch, build_scorer, reward_model_source
 from ppokit.demos.tiny import bpe_tokenizer, tiny_config
 

@@ -12,7 +12,8 @@ from ppokit.training import algo, experience
 
 from ppokit.config.schema import LoraConfig, PPOConfig
 from ppokit.errors import UserError
-from ppokit.models.loading import enable_gradient_checkpointing, left_pad, load_causal_lm, response_logits, score_at_last_token
+from ppokit.models.forwards import left_pad, response_logits, score_at_last_token
+from ppokit.models.loading import enable_gradient_checkpointing, load_causal_lm
 from ppokit.models.adapters import VALUE_ADAPTER, recompute_with_active_adapter
 from ppokit.models.loading import POLICY_ADAPTER
 from ppokit.demos.tiny import tiny_config
@@ -213,7 +214,7 @@ import sys
 sys.modules["peft"] = None  # importing peft now fails
 import torch
 from transformers import AutoModelForCausalLM
-from ppokit.models.loading import response_logits
+from ppokit.models.forwards import response_logits
 data = torch.load({str(tmp_path / "expected.pt")!r})
 model = AutoModelForCausalLM.from_pretrained({str(merged)!r}).eval()
 with torch.no_grad():

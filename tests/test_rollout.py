@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ppokit.training import algo
-from ppokit.models.loading import left_pad, load_causal_lm, response_logits
+from ppokit.models.forwards import left_pad, response_logits
+from ppokit.models.loading import load_causal_lm
 from ppokit.engines.hf import HFSampler, truncate_distribution
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])

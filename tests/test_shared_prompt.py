@@ -11,7 +11,7 @@ from test_speed import one_rollout
 
 from ppokit.errors import UserError
 from ppokit.models import prefix
-from ppokit.models.loading import check_shared_forward, hidden_states
+from ppokit.models.forwards import check_shared_forward, hidden_states
 from ppokit.training import batching, experience
 from ppokit.training.episodes import Span, pack
 from ppokit.trainer import PPOTrainer

@@ -200,7 +200,8 @@ def test_final_models_load_with_auto_classes(model_dir, prompts_file, tmp_path):
 
 
 def test_reward_model_scores_at_last_real_token(model_dir, tokenizer):
-    from ppokit.models.loading import left_pad, load_scalar_model, score_at_last_token
+    from ppokit.models.forwards import left_pad, score_at_last_token
+    from ppokit.models.loading import load_scalar_model
 
     model = load_scalar_model(str(model_dir("llama")), "reward.model")
     seqs = [[5, 6, 7], [8, 9]]

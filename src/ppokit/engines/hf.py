@@ -28,7 +28,8 @@ from ppokit.engines.base import (Sampled, EngineMemory, EngineSetup, EngineSizin
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.engines.slots import SlotDecoder
 from ppokit.training.episodes import Episodes
-from ppokit.models.loading import causal_lm_step, eval_mode, left_pad, position_ids_from_mask, position_limit
+from ppokit.models.forwards import causal_lm_step, eval_mode, left_pad, position_ids_from_mask
+from ppokit.models.loading import position_limit
 
 
 # Rows that have produced the stop token leave the forward batch every this many decoding steps (the

@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache
 
 from ppokit.engines.base import Sampled, Request
 from ppokit.engines.sampling import truncate_distribution
-from ppokit.models.loading import causal_lm_step
+from ppokit.models.forwards import causal_lm_step
 
 # How a request's tokens to read are read, by their number (`SlotDecoder`). Measured on the 2-core CPU machine with
 # the multi-turn benchmark's model (64 slots): a reading forward of 16 tokens per slot costs what ~4 decoding forwards

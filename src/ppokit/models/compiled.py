@@ -7,7 +7,7 @@ grows by one position a step: every step would be a new shape) and the no-gradie
 update does not repay a compile). The compiled callable wraps the module, it does not copy it: the
 weights, their gradients and what a checkpoint saves are the module's own. Only the backbone's `forward` is
 compiled, put in place of its own for the call (`CompiledBackbone`): the module's hooks run eagerly around it, and
-under parallel.strategy fsdp the causal LM's own forward calls it (`models.loading.from_hidden_states`), so that FSDP
+under parallel.strategy fsdp the causal LM's own forward calls it (`models.forwards.from_hidden_states`), so that FSDP
 gathers the root unit's weights (the embeddings and the head tied to them) as in an eager run.
 
 Shapes vary every micro-batch (prompt and response widths, and the rows of a token budget), so the

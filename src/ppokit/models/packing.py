@@ -16,7 +16,7 @@ position that does not follow its left neighbour as the start of a new sequence 
 sequence's own tokens (`masking_utils.find_packed_sequence_indices`, for sdpa, eager and flash attention), so
 every token sees exactly what it saw in its own padded row, at the same position. What is left at the end of a
 row is padding of its own sequence (positions 0, 1, ...), which no real token attends to (causal). Whether a
-model honours this is checked once at start (`models.loading.check_packed_forward`).
+model honours this is checked once at start (`models.forwards.check_packed_forward`).
 
 The outputs go back to the (B, L) layout (`Rows.unpack`: a gather, zeros at padding), so that every reader
 downstream (logprob sites, values, a reward model's last token) is the padded computation's.

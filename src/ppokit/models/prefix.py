@@ -20,7 +20,7 @@ its prompt. Positions past a group's tokens are padding: each attends to itself 
 
 The outputs go back to the (B, L) layout by `Rows.unpack` (every row's prefix tokens read from the one copy; the
 gradient adds up over the rows that read it), so every reader downstream is the padded computation's. Whether a model
-honours a 4-D mask is checked once at start (`models.loading.check_shared_forward`).
+honours a 4-D mask is checked once at start (`models.forwards.check_shared_forward`).
 """
 
 from __future__ import annotations

@@ -43,11 +43,9 @@ from ppokit.models.adapters import (
 from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
 from ppokit.models.prefix import SharedPrefix
+from ppokit.models.forwards import check_output_head, check_packed_forward, check_shared_forward
 from ppokit.models.loading import (
     POLICY_ADAPTER,
-    check_output_head,
-    check_packed_forward,
-    check_shared_forward,
     disable_dropout,
     enable_gradient_checkpointing,
     frozen_copy,

@@ -10,8 +10,8 @@ import torch
 
 from ppokit.training import batching
 from ppokit.errors import UserError
-from ppokit.models.loading import (check_packed_forward, input_pad_id, left_pad, load_scalar_model, load_tokenizer, position_limit, same_vocabulary,
-                                   score_at_last_token)
+from ppokit.models.forwards import check_packed_forward, left_pad, score_at_last_token
+from ppokit.models.loading import input_pad_id, load_scalar_model, load_tokenizer, position_limit, same_vocabulary
 from ppokit.rewards.sources import ScoringBatch
 
 

@@ -13,7 +13,8 @@ import torch
 from ppokit.training.losses import bradley_terry_loss
 from ppokit.config.schema import RMConfig
 from ppokit.data.formats import preference_triples
-from ppokit.models.loading import disable_dropout, input_pad_id, left_pad, load_scalar_model, score_at_last_token
+from ppokit.models.forwards import left_pad, score_at_last_token
+from ppokit.models.loading import disable_dropout, input_pad_id, load_scalar_model
 from ppokit.training.sft import train_loop
 from ppokit.stages.common import StepLog, device, prepare_data, run_stage, save_model_and_tokenizer, save_stage
 

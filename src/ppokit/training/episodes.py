@@ -249,7 +249,7 @@ def pack(prompts: list[list[int]], spans: list[list[Span]], ended: list[bool], p
     summed step rewards (NaN where it failed), each step's reward at the last token of its turn, the model turns, done,
     truncated, the failures and the transcripts. A one-turn rollout is one model span per prompt."""
     from ppokit.training import algo
-    from ppokit.models.loading import left_pad
+    from ppokit.models.forwards import left_pad
 
     query_ids, query_mask = left_pad(prompts, pad_token_id)
     rows, width = len(spans), max(1, max(sum(len(s.ids) for s in row) for row in spans))

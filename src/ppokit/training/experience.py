@@ -29,7 +29,7 @@ from ppokit.training import algo, batching, segments
 from ppokit.training.episodes import Episodes, with_segment_rows
 from ppokit.training.estimators import Estimator
 from ppokit.metrics.values import agent_metrics, environment_metrics, episode_metrics
-from ppokit.models.loading import Layout, eval_mode, response_logprobs
+from ppokit.models.forwards import Layout, eval_mode, response_logprobs
 from ppokit.training.optimise import PolicyAndValue
 from ppokit.rewards import ScoringBatch, completion_token_ids
 

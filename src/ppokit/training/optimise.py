@@ -36,7 +36,7 @@ from ppokit.config.schema import PER_MICRO_BATCH, PER_MINIBATCH, PPOHyperparams
 from ppokit.training.episodes import Episodes
 from ppokit.training.guards import NonFiniteUpdate, check_finite
 from ppokit.metrics.values import training_metrics
-from ppokit.models.loading import Layout, response_logprobs, response_values
+from ppokit.models.forwards import Layout, response_logprobs, response_values
 
 
 class PolicyAndValue(nn.Module):
