@@ -119,7 +119,7 @@ def test_an_unknown_key_is_told_where_it_goes(overrides, message):
 
 
 def test_the_stage_configs_point_trl_names_too():
-    from ppokit.config.schema import SFTConfig
+    from ppokit.config.stages import SFTConfig
 
     with pytest.raises(UserError, match=re.escape("unknown config keys:\n  model_name_or_path (TRL's name; ppokit's is model)\n"
                                                   "  learning_rate (did you mean train.learning_rate?)")):
@@ -232,7 +232,7 @@ def test_yaml_mistakes_name_the_key_and_the_lines(tmp_path, text, message):
 
 @pytest.mark.parametrize("seed, ok", [(0, True), (2**32 - 1, True), (-1, False), (2**32, False)])
 def test_seed_range_is_checked_at_config_time(seed, ok):
-    from ppokit.config.schema import RMConfig, SFTConfig
+    from ppokit.config.stages import RMConfig, SFTConfig
 
     for cls, args in ((PPOConfig, BASE), (SFTConfig, ["model=m", "data.train=t.jsonl"]), (RMConfig, ["model=m", "data.train=t.jsonl"])):
         if ok:

@@ -19,7 +19,7 @@ import yaml
 import ppokit
 from ppokit.run import run_dir
 from ppokit.cli import main
-from ppokit.config.schema import SFTConfig
+from ppokit.config.stages import SFTConfig
 from ppokit.errors import UserError
 from ppokit.stages.sft import run_sft
 

@@ -12,7 +12,7 @@ import yaml
 
 from ppokit.training import algo
 from ppokit.cli import main
-from ppokit.config.schema import RMConfig, SFTConfig
+from ppokit.config.stages import RMConfig, SFTConfig
 from ppokit.demos.reviews import NEGATIVE, OPENERS, POSITIVE, _review
 from ppokit.errors import UserError
 from ppokit.stages.data_inspect import inspect_data

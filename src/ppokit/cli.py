@@ -178,7 +178,7 @@ def _quiet_transformers() -> None:
 
 
 def _sft(args) -> int:
-    from ppokit.config.schema import SFTConfig
+    from ppokit.config.stages import SFTConfig
 
     config = SFTConfig.load(args.config, args.overrides)
     from ppokit.stages.sft import run_sft
@@ -189,7 +189,7 @@ def _sft(args) -> int:
 
 
 def _rm(args) -> int:
-    from ppokit.config.schema import RMConfig
+    from ppokit.config.stages import RMConfig
 
     config = RMConfig.load(args.config, args.overrides)
     from ppokit.stages.rm import run_rm

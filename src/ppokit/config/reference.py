@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from ppokit.config.schema import PipelineConfig, PPOConfig, RMConfig, SFTConfig
+from ppokit.config.schema import PPOConfig
+from ppokit.config.stages import PipelineConfig, RMConfig, SFTConfig
 from ppokit.config.fields import unwrap_optional
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ppokit.conversation.templates import Renderer, describe_template
-from ppokit.config.schema import StageDataConfig
+from ppokit.config.stages import StageDataConfig
 from ppokit.data.formats import Records, load_records, split_eval
 from ppokit.errors import UserError
 from ppokit.data.lengths import EncodedRow, LengthReport, encode_rows

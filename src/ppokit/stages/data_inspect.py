@@ -11,7 +11,8 @@ import json
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ppokit.conversation.templates import Renderer
-from ppokit.config.schema import DataConfig, PPOHyperparams, StageDataConfig
+from ppokit.config.schema import DataConfig, PPOHyperparams
+from ppokit.config.stages import StageDataConfig
 from ppokit.data.formats import Records, load_records, preference_triples, sft_pairs
 from ppokit.errors import UserError
 from ppokit.data.lengths import LengthReport, encode_prompt_text, encode_row, render_row, truncate_prompt

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 
-from ppokit.config.schema import PPOConfig, PipelineConfig, RMConfig, SFTConfig
+from ppokit.config.schema import PPOConfig
+from ppokit.config.stages import PipelineConfig, RMConfig, SFTConfig
 from ppokit.config.fields import apply_override, build, parse_override, read_yaml
 from ppokit.errors import UserError
 from ppokit.run.run_dir import check_output_dir, check_replaceable, check_run_folder, marker_kind

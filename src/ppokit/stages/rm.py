@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ppokit.training.losses import bradley_terry_loss
-from ppokit.config.schema import RMConfig
+from ppokit.config.stages import RMConfig
 from ppokit.data.formats import preference_triples
 from ppokit.models.forwards import left_pad, score_at_last_token
 from ppokit.models.loading import disable_dropout, input_pad_id, load_scalar_model

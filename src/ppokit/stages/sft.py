@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ppokit.config.schema import SFTConfig
+from ppokit.config.stages import SFTConfig
 from ppokit.data.formats import sft_pairs
 from ppokit.models.loading import input_pad_id, load_causal_lm
 from ppokit.training.sft import build_example, train_sft
