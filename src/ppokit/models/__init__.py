@@ -1,1 +1,1 @@
-"""The models: loading them and running them over token batches (loading), which model plays which role (roles), LoRA adapters, the compiled forward."""
+"""The models: loading them (loading), running them over token batches (forwards), which model plays which role (roles), LoRA adapters, the compiled forward."""
