@@ -1097,6 +1097,12 @@ MUTATIONS = [
              "MMAP_THRESHOLD = 128 << 10  # bytes", "MMAP_THRESHOLD = 32 << 20  # bytes",
              ("tests/test_allocator.py",),
              "the threshold fixed at glibc's ceiling: blocks of 1-32 MB (activations, the head's chunks) stay on its heaps"),
+    Mutation("shared_critic_switch_reshards_under_fsdp", "src/ppokit/models/adapters.py",
+             "    peft_model.base_model.set_adapter(name)\n    peft_model.active_adapter = name\n",
+             "    peft_model.set_adapter(name)\n",
+             ("tests/test_multiprocess.py::test_the_shared_critic_under_fsdp_keeps_the_root_unit_gathered_and_trains_as_under_ddp",),
+             "the shared critic switches adapters through PeftModel.set_adapter, which peft 0.22 makes reshard every FSDP unit: "
+             "the root's weights saved for the backward are freed inside the training forward (SIGSEGV)"),
     Mutation("lint_unused_import", "src/ppokit/version.py",
              '"""The version of ppokit (recorded in every checkpoint)."""\n',
              '"""The version of ppokit (recorded in every checkpoint)."""\n\nimport os\n',

@@ -11,6 +11,7 @@ a sharded model and compares the weights with LOAD_DIR's consolidated save (DCP 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,6 +64,65 @@ def build(tokenizer, lora: bool = False, checkpointing: bool = False) -> PolicyA
         enable_gradient_checkpointing(policy)
         enable_gradient_checkpointing(value)
     return PolicyAndValue(policy, value)
+
+
+def build_shared_critic(tokenizer) -> PolicyAndValue:
+    """A LoRA policy and the critic on its own base (value_model: shared): adapter `value` and a scalar head."""
+    torch.manual_seed(0)
+    lora = PPOConfig(lora=LoraConfig(r=4, alpha=8)).lora
+    policy = adapters.add_policy_adapter(tiny_causal_lm("llama", tokenizer, hidden=32, layers=2, heads=4), lora)
+    critic = adapters.SharedBaseCritic(policy, lora)
+    with torch.no_grad():  # peft starts B at zero, the critic's head is zero: make both adapters and the head matter from step 1
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+        critic.score.weight.normal_(std=0.1)
+    return PolicyAndValue(policy, critic)
+
+
+@contextlib.contextmanager
+def set_adapter_resharding():
+    """peft's PeftModel.set_adapter resharding every FSDP unit of the model before it switches, as peft 0.22 does
+    (`PeftModel._reshard_fsdp_modules`), whichever peft is installed."""
+    from peft import PeftModel
+    from torch.distributed.fsdp import FSDPModule
+
+    original = PeftModel.set_adapter
+
+    def set_adapter(self, *args, **kwargs):
+        for module in self.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return original(self, *args, **kwargs)
+
+    PeftModel.set_adapter = set_adapter
+    try:
+        yield
+    finally:
+        PeftModel.set_adapter = original
+
+
+def shared_critic(ddp, fsdp, tokenizer, ids, mask) -> dict:
+    """The shared critic under fsdp: it switches to its adapter and back inside the training forward. FSDP keeps the
+    policy's root unit (embeddings, final norm, tied head) gathered from the forward to the backward; after the critic's
+    forward it must still be (a reshard there frees weights the backward reads: a segmentation fault on CPU). Then
+    STEPS steps of both roles equal ddp's."""
+    with set_adapter_resharding():
+        model, optimizer, _ = fsdp.prepare(build_shared_critic(tokenizer), adamw)
+        values = model(ids, mask, ids[:, -RESPONSE:], mask[:, -RESPONSE:].bool(), 1.0, part="value")[2]
+        gathered = not isinstance(model.policy.get_base_model().model.norm.weight, DTensor)
+        if not gathered:  # its backward would read freed memory
+            return {"root_gathered_after_critic_forward": False}
+        values.sum().backward()
+        model.zero_grad(set_to_none=True)
+        norms = [one_step(fsdp, model, optimizer, ids, mask) for _ in range(STEPS)]
+        replicated, _, ddp_norms = train(ddp, build_shared_critic(tokenizer), ids, mask)
+    initial = build_shared_critic(tokenizer).state_dict()
+    fsdp_weights, ddp_weights = full_weights(fsdp, model), full_weights(ddp, replicated)
+    moved = {k for k in initial if k in ddp_weights and not torch.equal(ddp_weights[k], initial[k])}
+    return {"root_gathered_after_critic_forward": True, "fsdp_grad_norms": norms, "ddp_grad_norms": ddp_norms,
+            "max_weight_difference": max_difference(ddp_weights, fsdp_weights) if ddp_weights else None,
+            "critic_adapter_moved": any(".value." in k for k in moved), "critic_head_moved": "value_model.score.weight" in moved}
 
 
 def rows(tokenizer, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +386,11 @@ def main(out: Path, load_from: Path | None) -> None:
     routes = {name: head_routes(fsdp, tokenizer, rank, world, tied) for name, tied in (("tied", True), ("untied", False))}
     if accelerator.is_main_process:
         torch.save(routes, out / "head_routes.pt")
+
+    # 8. the shared critic (value_model: shared) under fsdp
+    critic = shared_critic(ddp, fsdp, tokenizer, ids, mask)
+    if accelerator.is_main_process:
+        results["shared_critic"] = critic
 
     gathered = [None] * world
     dist.all_gather_object(gathered, results) if world > 1 else gathered.__setitem__(0, results)

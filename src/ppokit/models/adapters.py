@@ -7,6 +7,7 @@ Switching adapters inside one training forward needs care: peft's `set_adapter` 
 leaf that no longer requires grad at backward time. `active_adapter` restores it. Gradient
 checkpointing recomputes a layer during backward, when another adapter may be active; the
 checkpoint's `context_fn` re-activates the adapter the layer ran with (`recompute_with_active_adapter`).
+Under FSDP a switch must not reshard anything (`switch_adapter`).
 """
 
 from __future__ import annotations
@@ -93,15 +94,29 @@ def active_adapter(peft_model, name: str):
         yield
         return
     trainable = [p for p in adapter_parameters(peft_model) if p.requires_grad]
-    peft_model.set_adapter(name)
+    switch_adapter(peft_model, name)
     for p in trainable:
         p.requires_grad_(True)
     try:
         yield
     finally:
-        peft_model.set_adapter(previous)
+        switch_adapter(peft_model, previous)
         for p in trainable:
             p.requires_grad_(True)
+
+
+def switch_adapter(peft_model, name: str) -> None:
+    """Make adapter `name` the active one: the tuner's own switch and the PeftModel's record of it, which is what
+    `PeftModel.set_adapter` does, less the resharding peft 0.22 added in front of it (`_reshard_fsdp_modules`).
+
+    Under FSDP that resharding frees every unit's gathered weights, the root unit's (embeddings, final norm, a tied
+    head) too, which FSDP keeps gathered from a forward to its backward. The shared critic switches to its adapter
+    and back inside the training forward: the weights the forward had saved for the backward were freed under it,
+    and the backward read freed memory (a segmentation fault on CPU). Nothing here needs the reshard: every
+    adapter keeps requires_grad=True (`active_adapter`), so no change of it has to reach the shards.
+    """
+    peft_model.base_model.set_adapter(name)
+    peft_model.active_adapter = name
 
 
 class ScalarHead(nn.Linear):
