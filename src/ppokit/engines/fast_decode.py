@@ -23,6 +23,7 @@ quantised layers). The hf engine refuses `enforce_eager: false` elsewhere with o
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -128,10 +129,7 @@ class DecodeStep:
     """
 
     def __init__(self, compiled: bool = True):
-        self.before, self.after = before_attention, after_attention
-        if compiled:
-            self.before = torch.compile(before_attention, dynamic=False)
-            self.after = torch.compile(after_attention, dynamic=False)
+        self.before, self.after = compiled_parts() if compiled else (before_attention, after_attention)
 
     def __call__(self, model, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
         model = unwrap_peft(model)
@@ -154,6 +152,13 @@ class DecodeStep:
             x = self.after(linear, x, attended, attn.o_proj.weight, attn.o_proj.bias, norm.weight, norm.variance_epsilon, mlp.gate_proj.weight,
                            mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
         return model.lm_head(rms_norm(x, base.norm.weight, base.norm.variance_epsilon)).unsqueeze(1)
+
+
+@functools.cache
+def compiled_parts() -> tuple[Callable, Callable]:
+    """`before_attention` and `after_attention` through torch.compile, made once a process (every `DecodeStep` shares
+    them, and their graphs)."""
+    return torch.compile(before_attention, dynamic=False), torch.compile(after_attention, dynamic=False)
 
 
 def dynamic_rows(*tensors: torch.Tensor) -> None:
