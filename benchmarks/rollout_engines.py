@@ -96,7 +96,7 @@ def run_sampling(size: str, engine_name: str, repeats: int, enforce_eager: bool 
             from ppokit.engines.fast_decode import DecodeStep
 
             decode_step = DecodeStep()
-        sampler = HFSampler(model, NEW_TOKENS, 1.0, None, pad, batch_size=PROMPTS, decode_step=decode_step)
+        sampler = HFSampler(model, NEW_TOKENS, 1.0, None, pad, batch_size=PROMPTS, **({} if decode_step is None else {"decode_step": decode_step}))
 
         def generate():
             return sampler.sample(query_ids, query_mask).loss_mask.sum().item()
@@ -115,9 +115,9 @@ def run_sampling(size: str, engine_name: str, repeats: int, enforce_eager: bool 
             engine.sync_weights(model)
             syncs.append(time.perf_counter() - start)
         sync_s = round(statistics.median(syncs), 3)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     generate()  # warm-up (with enforce_eager false: the compiling too)
-    warmup_s = time.perf_counter() - start
+    warmup_s, warmup_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     rates, cpu_rates = [], []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -127,7 +127,7 @@ def run_sampling(size: str, engine_name: str, repeats: int, enforce_eager: bool 
     params = sum(p.numel() for p in model.parameters())
     return dict(engine=engine_name, size=size, parameters=params, prompts=PROMPTS, new_tokens=NEW_TOKENS,
                 tokens_per_s=round(statistics.median(rates), 1), best_tokens_per_s=round(max(rates), 1),
-                tokens_per_cpu_s=round(statistics.median(cpu_rates), 1), warmup_s=round(warmup_s, 2),
+                tokens_per_cpu_s=round(statistics.median(cpu_rates), 1), warmup_s=round(warmup_s, 2), warmup_cpu_s=round(warmup_cpu_s, 2),
                 **({} if enforce_eager else {"enforce_eager": False}), sync_s=sync_s,
                 peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                 threads=torch.get_num_threads())
