@@ -88,10 +88,17 @@ def test_the_step_refuses_models_it_does_not_compute_with_one_line(model_dir, to
     hf.HFEngine(gpt2, tokenizer.pad_token_id, torch.device("cpu"), 8)  # the default: any causal LM
 
 
-def test_the_config_key_is_the_hf_engines_too():
+def test_the_config_key_is_the_hf_engines_too(model_dir):
+    """rollout.enforce_eager is accepted with the hf engine (not refused as vLLM's alone) and reaches the engine the trainer
+    builds."""
     from ppokit.config.schema import PPOConfig
+    from ppokit.engines import EngineSetup, build
 
     config = PPOConfig.load(None, ["model=m", "reward.functions=[length]", "rollout.enforce_eager=false"])
     config.validate()
     assert config.rollout.engine == "hf" and config.rollout.enforce_eager is False
+    model = _load(model_dir, "llama")
+    setup = lambda settings: EngineSetup(lambda: model, 0, torch.device("cpu"), 8, lambda policy: (), settings)  # noqa: E731
+    assert isinstance(build("hf", setup(config.rollout))._decode_step, fast_decode.DecodeStep)
+    assert build("hf", setup(PPOConfig(model="m").rollout))._decode_step is None
 
