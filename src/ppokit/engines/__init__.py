@@ -96,8 +96,8 @@ ENFORCE_EAGER = ("enforce_eager", bool, doc(True, "run eagerly. vllm: without CU
                                                   "runs. hf: false decodes single-turn rollouts with ppokit's decoding step for Llama-family models "
                                                   "(llama, mistral, qwen2; no LoRA or quantised layers; refused at start for others): its element-wise "
                                                   "pieces compiled (torch.compile, a few seconds at the first rollout), its float32 products on a CPU "
-                                                  "through oneDNN; the same draws, logprobs equal within float rounding, about 1.5x the tokens/s on a "
-                                                  "CPU (docs/speed.md).", resume=True))
+                                                  "through oneDNN; the same draws, logprobs equal within float rounding, 1.3-1.9x the tokens per CPU "
+                                                  "second on a CPU (docs/speed.md).", resume=True))
 
 
 @dataclass(frozen=True)
