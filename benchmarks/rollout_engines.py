@@ -44,11 +44,25 @@ PROMPTS, NEW_TOKENS = 64, 64
 PPO_EPISODES, PPO_RESPONSE = 32, 32  # per update; response tokens
 
 
+def older(*places: str):
+    """The first of "module:name" places that imports: the sampling mode also runs against an older tree's layout
+    (PYTHONPATH=OLD_TREE/src, for before/after figures; ea351f4's modules were flat)."""
+    import importlib
+
+    for place in places:
+        module, _, name = place.partition(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"none of {', '.join(places)} imports")
+
+
 def demo_data(n_prompts: int):
     """-> (the demo's data with `n_prompts` prompts, its word-level tokenizer)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from ppokit.demos.reviews import make_data
-    from ppokit.demos.tiny import word_tokenizer
+    make_data = older("ppokit.demos.reviews:make_data", "ppokit.demo:make_data")
+    word_tokenizer = older("ppokit.demos.tiny:word_tokenizer", "ppokit.tiny:word_tokenizer")
 
     data = make_data(seed=0, n_sft=400, n_prompts=n_prompts, n_eval=4)
     return data, word_tokenizer(r["prompt"] + " " + r["completion"] for r in data["sft"])
@@ -58,22 +72,18 @@ def size_model(size: str, tokenizer):
     """A Llama of `size` (SIZES) for `tokenizer`, random weights drawn from seed 0."""
     import torch
 
-    from ppokit.demos.tiny import tiny_causal_lm
-
+    tiny_causal_lm = older("ppokit.demos.tiny:tiny_causal_lm", "ppokit.tiny:tiny_causal_lm")
     torch.manual_seed(0)
     return tiny_causal_lm("llama", tokenizer, max_positions=256, **SIZES[size])
 
 
-def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
+def run_sampling(size: str, engine_name: str, repeats: int, enforce_eager: bool = True) -> dict:
     import torch
 
     from ppokit.engines.base import Sampling
-    try:
-        from ppokit.models.forwards import left_pad
-    except ImportError:  # a tree from before models/forwards.py (a "before" run)
-        from ppokit.models.loading import left_pad
     from ppokit.engines.hf import HFSampler
 
+    left_pad = older("ppokit.models.forwards:left_pad", "ppokit.models.loading:left_pad", "ppokit.models:left_pad")
     data, tokenizer = demo_data(PROMPTS)
     model = size_model(size, tokenizer).eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in data["prompts"]]
@@ -81,7 +91,12 @@ def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
     sync_s = None
     if engine_name == "hf":
         query_ids, query_mask = left_pad(prompts, pad)
-        sampler = HFSampler(model, NEW_TOKENS, 1.0, None, pad, batch_size=PROMPTS)
+        decode_step = None
+        if not enforce_eager:  # the hf engine's rollout.enforce_eager: false
+            from ppokit.engines.fast_decode import DecodeStep
+
+            decode_step = DecodeStep()
+        sampler = HFSampler(model, NEW_TOKENS, 1.0, None, pad, batch_size=PROMPTS, **({} if decode_step is None else {"decode_step": decode_step}))
 
         def generate():
             return sampler.sample(query_ids, query_mask).loss_mask.sum().item()
@@ -100,16 +115,21 @@ def run_sampling(size: str, engine_name: str, repeats: int) -> dict:
             engine.sync_weights(model)
             syncs.append(time.perf_counter() - start)
         sync_s = round(statistics.median(syncs), 3)
-    generate()  # warm-up
-    rates = []
+    start, start_cpu = time.perf_counter(), time.process_time()
+    generate()  # warm-up (with enforce_eager false: the compiling too)
+    warmup_s, warmup_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    rates, cpu_rates = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         tokens = generate()
         rates.append(tokens / (time.perf_counter() - start))
+        cpu_rates.append(tokens / (time.process_time() - start_cpu))
     params = sum(p.numel() for p in model.parameters())
     return dict(engine=engine_name, size=size, parameters=params, prompts=PROMPTS, new_tokens=NEW_TOKENS,
                 tokens_per_s=round(statistics.median(rates), 1), best_tokens_per_s=round(max(rates), 1),
-                sync_s=sync_s, peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                tokens_per_cpu_s=round(statistics.median(cpu_rates), 1), warmup_s=round(warmup_s, 2), warmup_cpu_s=round(warmup_cpu_s, 2),
+                **({} if enforce_eager else {"enforce_eager": False}), sync_s=sync_s,
+                peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                 threads=torch.get_num_threads())
 
 
@@ -279,18 +299,22 @@ def main() -> None:
                         "through the trainer), requests (generate against the request API), or several: sampling,ppo")
     parser.add_argument("--repeats", type=int, default=3, help="sampling: timed generates")
     parser.add_argument("--updates", type=int, default=2, help="ppo: timed updates, after one warm-up update")
+    parser.add_argument("--no-enforce-eager", action="store_true", help="sampling, hf: the compiled decoding step (rollout.enforce_eager: "
+                        "false, `engines.fast_decode`)")
     parser.add_argument("--one", nargs=3, metavar=("MODE", "SIZE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         mode, size, engine = args.one
-        result = RUNS[mode](size, engine, args.updates if mode == "ppo" else args.repeats)
+        extra = {"enforce_eager": False} if args.no_enforce_eager else {}
+        result = RUNS[mode](size, engine, args.updates if mode == "ppo" else args.repeats, **extra)
         # the machine's load while it ran (1 and 5 minute averages, at the end): a shared machine's figures swing with it
         print(json.dumps({**result, "load_avg": [round(x, 1) for x in os.getloadavg()[:2]]}), flush=True)
         return
     for mode in args.modes.split(","):
         for size in args.sizes.split(","):
             for engine in args.engines.split(","):
-                one_case(__file__, [mode, size, engine, "--repeats", str(args.repeats), "--updates", str(args.updates)],
+                one_case(__file__, [mode, size, engine, "--repeats", str(args.repeats), "--updates", str(args.updates),
+                                    *(["--no-enforce-eager"] if args.no_enforce_eager else [])],
                          f"rollout_engines: {mode} {size} {engine}")
 
 

@@ -25,11 +25,14 @@ from transformers.cache_utils import DynamicLayer
 from ppokit.training import algo
 from ppokit.engines.base import (Sampled, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
                                  step_logits_bytes, stop_ids)
+from ppokit.engines.fast_decode import DecodeStep, why_not
 from ppokit.engines.sampling import truncate_distribution
 from ppokit.engines.slots import SlotDecoder
 from ppokit.training.episodes import Episodes
+from ppokit.errors import UserError
+from ppokit.models.compiled import check_available
 from ppokit.models.forwards import causal_lm_step, eval_mode, left_pad, position_ids_from_mask
-from ppokit.models.loading import position_limit
+from ppokit.models.loading import position_limit, unwrap_peft
 
 
 # Rows that have produced the stop token leave the forward batch every this many decoding steps (the
@@ -48,13 +51,14 @@ class HFEngine:
     its number of tokens (`slots.SlotDecoder`; None: its defaults).
     logprobs_are_trainers: what the engine declares (True: the sampled logprobs
     are the training forward's); False makes the trainer recompute them as for an external engine (a test of that
-    path with an engine whose answer is known).
+    path with an engine whose answer is known). enforce_eager: False decodes the lock-step batches with
+    `fast_decode.DecodeStep` (rollout.enforce_eager; refused with a UserError for a policy it does not apply to).
     """
 
     def __init__(self, policy: Union[nn.Module, Callable[[], nn.Module]], pad_token_id: int, device: torch.device,
                  rows_per_forward: int, sampling_contexts: Optional[Callable[[nn.Module], Sequence[ContextManager]]] = None,
                  logprobs_are_trainers: bool = True, max_sequence: Optional[int] = None, read_in_steps: Optional[int] = None,
-                 read_together: Optional[int] = None):
+                 read_together: Optional[int] = None, enforce_eager: bool = True):
         self._policy = policy
         self.pad_token_id = pad_token_id
         self.device = device
@@ -66,11 +70,12 @@ class HFEngine:
         self._batches: deque[list[Request]] = deque()  # seedless requests, one lock-step batch per submit call and sampling
         self._decoder: Optional[SlotDecoder] = None  # seeded requests; built at the first one
         self._serving = False
+        self._decode_step = None if enforce_eager else fast_decode_step(self.policy, device)
 
     @classmethod
     def create(cls, setup: EngineSetup) -> "HFEngine":
         return cls(setup.policy, setup.pad_token_id, setup.device, setup.rows_per_forward, setup.sampling_contexts,
-                   max_sequence=setup.longest_sequence or None)
+                   max_sequence=setup.longest_sequence or None, enforce_eager=getattr(setup.settings, "enforce_eager", True))
 
     @property
     def policy(self) -> nn.Module:
@@ -161,7 +166,7 @@ class HFEngine:
         ids, mask = left_pad([list(r.prompt) for r in batch], self.pad_token_id, self.device)
         sampler = HFSampler(self.policy, sampling.max_new_tokens, sampling.temperature, sampling.stop_token_ids, self.pad_token_id,
                             self.rows_per_forward, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-                            greedy=sampling.greedy, compact_every=COMPACT_FINISHED_ROWS_EVERY)
+                            greedy=sampling.greedy, compact_every=COMPACT_FINISHED_ROWS_EVERY, decode_step=self._decode_step)
         episodes = sampler.sample(ids, mask)
         tokens = [episodes.response_ids[i][episodes.loss_mask[i]].tolist() for i in range(len(batch))]
         logprobs = [episodes.logprobs[i][episodes.loss_mask[i]].tolist() for i in range(len(batch))]
@@ -206,6 +211,16 @@ class HFEngine:
         return EngineMemory(sampling=kv_cache + step_logits_bytes(rows, dims["vocab"]))
 
 
+def fast_decode_step(policy: nn.Module, device: torch.device) -> DecodeStep:
+    """rollout.enforce_eager: false: the compiled decoding step for `policy`, or a UserError saying why it cannot be."""
+    reason = why_not(unwrap_peft(policy))
+    if reason is not None:
+        raise UserError(f"rollout.enforce_eager: false: the hf engine's compiled decoding step is for Llama-family models, and this policy has {reason}; "
+                        "set rollout.enforce_eager: true")
+    check_available(device, key="rollout.enforce_eager: false", off="rollout.enforce_eager: true")
+    return DecodeStep()
+
+
 @dataclass
 class HFSampler:
     """Batched ancestral sampling from a transformers causal LM with its KV cache (after the prompt's forward, its
@@ -233,6 +248,9 @@ class HFSampler:
     # Every this many steps, rows that produced the stop token leave the forward batch (and the KV
     # cache); 0: they stay to the end, fed padding. The sampled tokens are the same either way.
     compact_every: int = 0
+    # The decoding steps through this instead of the model's forward (`fast_decode.DecodeStep`, rollout.enforce_eager:
+    # false): same draws, logprobs equal within float rounding; None: the model's own forward.
+    decode_step: Optional[Callable] = None
 
     def __post_init__(self):
         self.stop_token_ids = stop_ids(self.stop_token_ids)
@@ -272,6 +290,8 @@ class HFSampler:
         positions = position_ids_from_mask(attention_mask)
         logits, cache = causal_lm_step(self.model, query_ids, attention_mask, positions, logits_to_keep=1)
         _preallocate(cache, query_ids.shape[1] + self.response_length - 1)  # the last token is not fed back
+        if self.decode_step is not None and not all(isinstance(layer, _PreallocatedLayer) for layer in getattr(cache, "layers", [None])):
+            raise RuntimeError("the compiled decoding step needs the in-place cache in every layer")
         next_position = positions[:, -1:] + 1
         done = torch.zeros(rows, dtype=torch.bool, device=query_ids.device)
         stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=query_ids.device)
@@ -300,7 +320,10 @@ class HFSampler:
                     active = kept if active is None else active[kept]
             step_tokens = token if active is None else token[active]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
-            logits, cache = causal_lm_step(self.model, step_tokens.unsqueeze(1), attention_mask, next_position, cache=cache)
+            if self.decode_step is not None:
+                logits = self.decode_step(self.model, step_tokens, next_position[:, 0], attention_mask, cache)
+            else:
+                logits, cache = causal_lm_step(self.model, step_tokens.unsqueeze(1), attention_mask, next_position, cache=cache)
             next_position = next_position + 1
         return torch.stack(tokens, 1), torch.stack(logprobs, 1)
 

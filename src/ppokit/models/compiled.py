@@ -24,14 +24,15 @@ from ppokit.errors import UserError
 from ppokit.models.loading import backbone
 
 
-def check_available(device: torch.device | str = "cpu") -> None:
-    """Compile and run a two-operation function on `device`, or raise a UserError saying why not.
+def check_available(device: torch.device | str = "cpu", key: str = "compile: true", off: str = "compile: false") -> None:
+    """Compile and run a two-operation function on `device`, or raise a UserError saying why not (for the config `key`,
+    which `off` turns off).
 
     The reasons it fails are the machine's, not the model's: a Python version dynamo does not support,
     no C++ compiler for inductor's CPU kernels (CXX), no triton for CUDA kernels.
     """
     if not hasattr(torch, "compile"):
-        raise UserError(f"compile: true needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
+        raise UserError(f"{key} needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
     try:
         import torch._dynamo as dynamo
 
@@ -43,7 +44,7 @@ def check_available(device: torch.device | str = "cpu") -> None:
             raise RuntimeError("a compiled probe computed a wrong result")
     except Exception as e:  # noqa: BLE001 - any failure of the toolchain means the same to the user
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise UserError(f"compile: true, but torch.compile cannot run on this machine ({type(e).__name__}: {first}); set compile: false") from None
+        raise UserError(f"{key}, but torch.compile cannot run on this machine ({type(e).__name__}: {first}); set {off}") from None
 
 
 class CompiledBackbone:
