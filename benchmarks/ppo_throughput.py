@@ -25,17 +25,20 @@ the learning curves can be compared number for number).
   compile  + compile: true
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
---switches budget,head,padding_free,compile,allocator (or "": none) turns on the named switches alone (not cumulative; on top of
---config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the budget
-switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest row.
+--switches budget,head,padding_free,compile,allocator,checkpointing (or "": none) turns on the named switches alone (not cumulative;
+on top of --config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the
+budget switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest
+row; --head-chunk N the light head's lm_head_chunk_size (default 256). checkpointing: gradient_checkpointing (each decoder layer
+recomputed in the backward: less memory, one more backbone forward per micro-batch).
 allocator: glibc's malloc told to give freed tensors back to the OS (ppokit/process/allocator.py, opt-in: less RSS, more page
 faults; not a config key). The lightest measured: --config light --padding-free --budget-tokens 4096 --switches allocator.
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
 positions the training forward passes processed; peak_rss_mb is this process's peak (one process
-per configuration). `curve` holds the first updates' metrics, to compare configurations' learning;
-minor_page_faults and system_cpu_s are the whole process's (what --switches allocator costs).
+per configuration), peak_rss_mb_by_stage the peak while each stage ran, and malloc_mb_at_peak_by_stage glibc's count at that
+peak (in_use, held: what its heaps keep beyond what is in use). `curve` holds the first updates' metrics, to compare configurations'
+learning; minor_page_faults and system_cpu_s are the whole process's (what --switches allocator costs).
 """
 
 from __future__ import annotations
