@@ -216,54 +216,6 @@ def test_the_head_function_makes_one_vocabulary_wide_tensor():
     assert (wide(light, False), wide(light, True)) == (1, 1)
 
 
-def test_the_checkpointed_head_writes_the_gradient_over_its_recomputed_logits(monkeypatch):
-    """A training chunk (checkpointed: its logits recomputed for its backward alone) makes one (N, V) tensor at a time,
-    the logits, which then hold their own gradient; the gradients and values are those of the head function that keeps
-    the logits and writes the gradient beside them, bit for bit. (Blocks of 8 rows, so that only the logits and their
-    gradient are (N, V).)"""
-    from conftest import LiveTensors
-
-    defaults = list(algo.head_logprobs_and_entropy.__defaults__)  # (entropy_grad, block_elements, overwrite)
-    defaults[1] = 8 * 3000
-    monkeypatch.setattr(algo.head_logprobs_and_entropy, "__defaults__", tuple(defaults))
-    g = torch.Generator().manual_seed(0)
-    N, H, V = 32, 8, 3000
-    weight = torch.randn(V, H, generator=g)
-    tokens = torch.randint(0, V, (N,), generator=g)
-    hidden0, w = torch.randn(N, H, generator=g), torch.randn(N, generator=g)
-
-    def run(fn):
-        hidden, head = hidden0.clone().requires_grad_(), weight.clone().requires_grad_()
-        with LiveTensors(wide_elements=N * V) as mode:
-            lp, ent = fn(hidden, head)
-            ((lp * w).sum() + (ent * w).sum()).backward()
-        return mode.peak_wide, (lp.detach(), ent.detach(), hidden.grad, head.grad)
-
-    kept = lambda h, head: algo.head_logprobs_and_entropy(h @ head.T, tokens, 0.7, entropy_grad=True)  # noqa: E731
-    chunked = lambda h, head: algo.chunked_head_logprobs(h, lambda x: x @ head.T, tokens, 0.7, N, True, True)  # noqa: E731
-    (wide_kept, want), (wide, got) = run(kept), run(chunked)
-    assert (wide_kept, wide) == (2, 1)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("dtype, overwritten", [(torch.float32, True), (torch.bfloat16, False)])
-def test_the_head_function_overwrites_the_logits_only_when_told_and_float32(dtype, overwritten):
-    """By default the caller's logits are read, never written; overwrite=True gives their buffer the gradient where it is
-    float32 (the gradient's dtype), and leaves bfloat16 logits as they were."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 40, generator=g).to(dtype)
-    tokens = torch.randint(0, 40, (5,), generator=g)
-    for overwrite in (False, True):
-        x = logits.clone().requires_grad_()
-        grads = []
-        y = x * 1  # a non-leaf: the function's input is what the head's matmul made
-        y.register_hook(grads.append)
-        algo.head_logprobs_and_entropy(y, tokens, 0.7, overwrite=overwrite)[0].sum().backward()
-        assert (grads[0].data_ptr() == y.data_ptr()) == (overwrite and overwritten)
-        assert torch.equal(x.grad, grads[0])  # d y / d x = 1
-
-
 def test_the_trainer_refuses_such_a_model_before_its_optimiser(model_dir, prompts_file, tokenizer, tmp_path, monkeypatch):
     """Through the run's set-up (`roles.build_roles` checks the loaded models' heads): lm_head_chunk_size on a policy whose
     forward computes its logits otherwise is one line, and no optimiser is built for it."""

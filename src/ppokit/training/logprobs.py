@@ -63,7 +63,7 @@ class _HeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, tokens, temperature: float, entropy_grad: bool, rows_per_block: int, overwrite: bool = False):
+    def forward(ctx, logits, tokens, temperature: float, entropy_grad: bool, rows_per_block: int):
         lse, entropy, chosen = (logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(3))
         for rows in _row_blocks(logits.shape[0], rows_per_block):
             scaled = logits[rows].to(torch.float32, copy=True).div_(temperature)
@@ -79,7 +79,6 @@ class _HeadLogprobs(torch.autograd.Function):
             chosen[rows] -= log_total
         ctx.save_for_backward(logits, tokens, lse, entropy)
         ctx.temperature, ctx.entropy_grad, ctx.rows_per_block = temperature, entropy_grad, rows_per_block
-        ctx.overwrite = overwrite and logits.dtype == torch.float32  # the gradient is float32: it fits a float32 buffer only
         ctx.mark_non_differentiable(tokens)
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -88,9 +87,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, tokens, lse, entropy = ctx.saved_tensors
-        # overwrite: the logits are the caller's to discard (recomputed for this backward alone): their buffer takes the
-        # gradient, each element read before it is written, so no second (N, V) tensor is made.
-        grad = logits if ctx.overwrite else torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         with_entropy = ctx.entropy_grad and grad_entropy is not None
         inverse_t = 1.0 / ctx.temperature  # d s / d logits, folded into the per-row factors
         for rows in _row_blocks(logits.shape[0], ctx.rows_per_block):
@@ -109,7 +106,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 block.copy_(entropy_term)
             else:
                 block.zero_()
-        return grad.to(logits.dtype), None, None, None, None, None
+        return grad.to(logits.dtype), None, None, None, None
 
 
 def _row_blocks(rows: int, rows_per_block: int):
@@ -117,16 +114,13 @@ def _row_blocks(rows: int, rows_per_block: int):
 
 
 def head_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy_grad: bool = False,
-                              block_elements: int = 2**22, overwrite: bool = False):
+                              block_elements: int = 2**22):
     """`logprobs_and_entropy` for logits (N, V) and tokens (N,) without (N, V) temporaries in the forward and
     with one, the gradient, in the backward (`_HeadLogprobs`); rows are taken about `block_elements` logits
-    at a time. -> (logprobs (N,) float32 with grad, entropy (N,) float32, with grad only if entropy_grad).
-    overwrite: float32 logits that nothing else reads after this function's backward (a checkpointed chunk's,
-    recomputed for it) take their own gradient in that backward, so that it makes no (N, V) tensor at all;
-    the numbers are the same."""
+    at a time. -> (logprobs (N,) float32 with grad, entropy (N,) float32, with grad only if entropy_grad)."""
     rows_per_block = max(1, block_elements // max(logits.shape[-1], 1))
     entropy_grad = entropy_grad and torch.is_grad_enabled()
-    logprobs, entropy = _HeadLogprobs.apply(logits, tokens, temperature, entropy_grad, rows_per_block, overwrite)
+    logprobs, entropy = _HeadLogprobs.apply(logits, tokens, temperature, entropy_grad, rows_per_block)
     return logprobs, (entropy if entropy_grad else entropy.detach())
 
 
@@ -153,13 +147,11 @@ def chunked_head_logprobs(
     gradients (reference pass) there is nothing to recompute.
     """
 
-    needs_grad = torch.is_grad_enabled()
-
     def one_chunk(h: torch.Tensor, t: torch.Tensor):
-        # checkpointed (needs_grad), the chunk's logits exist for its backward alone: they take their gradient in place
-        logprobs, entropy = head_logprobs_and_entropy(head(h), t, temperature, entropy_grad, overwrite=needs_grad)
+        logprobs, entropy = head_logprobs_and_entropy(head(h), t, temperature, entropy_grad)
         return logprobs, (entropy if with_entropy else None)
 
+    needs_grad = torch.is_grad_enabled()
     logprobs, entropy = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], tokens[start : start + chunk_size]
