@@ -25,17 +25,20 @@ the learning curves can be compared number for number).
   compile  + compile: true
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
---switches budget,head,padding_free,compile,allocator (or "": none) turns on the named switches alone (not cumulative; on top of
---config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the budget
-switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest row.
+--switches budget,head,padding_free,compile,allocator,checkpointing (or "": none) turns on the named switches alone (not cumulative;
+on top of --config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the
+budget switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest
+row; --head-chunk N the light head's lm_head_chunk_size (default 256). checkpointing: gradient_checkpointing (each decoder layer
+recomputed in the backward: less memory, one more backbone forward per micro-batch).
 allocator: glibc's malloc told to give freed tensors back to the OS (ppokit/process/allocator.py, opt-in: less RSS, more page
 faults; not a config key). The lightest measured: --config light --padding-free --budget-tokens 4096 --switches allocator.
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
 positions the training forward passes processed; peak_rss_mb is this process's peak (one process
-per configuration). `curve` holds the first updates' metrics, to compare configurations' learning;
-minor_page_faults and system_cpu_s are the whole process's (what --switches allocator costs).
+per configuration), peak_rss_mb_by_stage the peak while each stage ran, and malloc_mb_at_peak_by_stage glibc's count at that
+peak (in_use, held: what its heaps keep beyond what is in use). `curve` holds the first updates' metrics, to compare configurations'
+learning; minor_page_faults and system_cpu_s are the whole process's (what --switches allocator costs).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ import torch  # noqa: E402
 from ppokit.training import experience  # noqa: E402
 from ppokit.config.schema import DataConfig, PPOConfig, PPOHyperparams, RewardConfig  # noqa: E402
 from ppokit.trainer import PPOTrainer  # noqa: E402
+
+try:  # glibc's count of its heaps; the older trees run against this benchmark (docs/speed.md) have none: no count
+    from ppokit.process.allocator import heap_usage
+except ImportError:
+    heap_usage = lambda: None  # noqa: E731
 
 CONFIGS = ("default", "budget", "light", "compile")
 LIGHT_HEAD_CHUNK = 256
@@ -134,10 +142,13 @@ def variable_task(work: Path, updates: int) -> tuple[PPOConfig, dict]:
 
 class PhaseRSS:
     """Peak resident memory (MB) while each stage of the trainer runs, sampled every 10 ms from /proc (Linux).
-    RSS includes what every earlier stage left allocated: weights, gradients, AdamW state, the rollback copy."""
+    RSS includes what every earlier stage left allocated: weights, gradients, AdamW state, the rollback copy.
+    At each stage's peak, glibc's own count too (`ppokit.process.allocator.heap_usage`: what its blocks in use and what it holds from
+    the OS; the rest of the RSS is the interpreter's, the libraries' and the weights mapped from their files)."""
 
     def __init__(self, trainer):
         self.stage, self.peaks = "setup", {"setup": self._rss()}
+        self.heap = {"setup": heap_usage()}
         # stage 3 is a function of ppokit.training.experience, which the trainer looks up there at every update
         # sampling: the trainer's sampler (stage 1), which the trainer looks up on the sampler at every update
         for owner, name, stage in ((trainer.sampler, "episodes", "sampling"), (experience, "reference_and_values", "forward"),
@@ -163,27 +174,38 @@ class PhaseRSS:
 
     def _sample(self):
         while True:
-            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0.0), self._rss())
+            stage, rss = self.stage, self._rss()
+            if rss > self.peaks.get(stage, 0.0):
+                self.peaks[stage], self.heap[stage] = rss, heap_usage()
             time.sleep(0.01)
 
+    STAGES = ("setup", "sampling", "forward", "training")
+
     def report(self) -> dict:
-        return {k: round(self.peaks.get(k, 0.0), 1) for k in ("setup", "sampling", "forward", "training")}
+        return {k: round(self.peaks.get(k, 0.0), 1) for k in self.STAGES}
+
+    def heap_report(self) -> dict:
+        """{stage: {"in_use": MB, "held": MB}} at the stage's RSS peak (None outside glibc)."""
+        return {k: None if self.heap.get(k) is None else {name: round(v, 1) for name, v in self.heap[k].items()} for k in self.STAGES}
 
 
-SWITCHES = ("budget", "head", "padding_free", "compile", "allocator")
+SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "checkpointing")
 
 
-def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None) -> dict:
+def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None,
+                         head_chunk: int = LIGHT_HEAD_CHUNK) -> dict:
     """--switches: each named switch alone (the budget: `budget_tokens`, else half of a fixed micro-batch's rows x the
     longest possible row). -> what the allocator switch set in this process ({} without it)."""
     if "budget" in names:
         config.ppo.max_tokens_per_micro_batch = budget_tokens or config.ppo.per_device_train_batch_size * longest_row // 2
     if "head" in names:
-        config.lm_head_chunk_size = LIGHT_HEAD_CHUNK
+        config.lm_head_chunk_size = head_chunk
     if "padding_free" in names:
         config.ppo.padding_free = True
     if "compile" in names:
         config.compile = True
+    if "checkpointing" in names:
+        config.gradient_checkpointing = True
     if "allocator" in names:
         from ppokit.process import allocator
 
@@ -191,9 +213,9 @@ def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, 
     return {}
 
 
-def apply_switches(config: PPOConfig, name: str, longest_row: int, budget_tokens: int | None = None) -> None:
+def apply_switches(config: PPOConfig, name: str, longest_row: int, budget_tokens: int | None = None, head_chunk: int = LIGHT_HEAD_CHUNK) -> None:
     """--config: the switches up to `name`, cumulative (budget, then the light head, then compile)."""
-    apply_named_switches(config, ["budget", "head", "compile"][:CONFIGS.index(name)], longest_row, budget_tokens)
+    apply_named_switches(config, ["budget", "head", "compile"][:CONFIGS.index(name)], longest_row, budget_tokens, head_chunk)
 
 
 def main() -> None:
@@ -206,6 +228,8 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.num_samples_per_prompt (episodes per update stay the same)")
     parser.add_argument("--padding-free", action="store_true", help="ppo.padding_free: several episodes per row (docs/speed.md)")
     parser.add_argument("--switches", default=None, help=f"comma-separated, each alone: {','.join(SWITCHES)}")
+    parser.add_argument("--head-chunk", type=int, default=LIGHT_HEAD_CHUNK, help="lm_head_chunk_size of the light head (--config light "
+                        "and above, --switches head)")
     parser.add_argument("--budget-tokens", type=int, default=None, help="ppo.max_tokens_per_micro_batch of the budget switch "
                         "(default: half a fixed micro-batch's rows x the longest row)")
     args = parser.parse_args()
@@ -224,10 +248,11 @@ def measure(args, updates: int, work: Path) -> None:
     else:
         config, task = variable_task(work, updates)
     config.ppo.advantage_estimator, config.ppo.num_samples_per_prompt = args.estimator, args.samples_per_prompt
-    apply_switches(config, args.config, task["longest_row"], args.budget_tokens)
+    apply_switches(config, args.config, task["longest_row"], args.budget_tokens, args.head_chunk)
     if args.padding_free:
         config.ppo.padding_free = True
-    settled = apply_named_switches(config, list(filter(None, (args.switches or "").split(","))), task["longest_row"], args.budget_tokens)
+    settled = apply_named_switches(config, list(filter(None, (args.switches or "").split(","))), task["longest_row"], args.budget_tokens,
+                                   args.head_chunk)
     named = args.switches is not None  # (--switches "": the defaults, with the longer line)
     batch = task["batch"]
 
@@ -282,13 +307,16 @@ def measure(args, updates: int, work: Path) -> None:
             "first_update_s": round(records[0]["time/update"], 2),
             "cpu_s_per_update": round(sum(cpu[1:]) / n, 4), "episodes_per_cpu_s": round(batch * n / sum(cpu[1:]), 2),
             "peak_rss_mb_by_stage": phases.report(),
+            # glibc's count at each stage's RSS peak: held - in_use is the freed memory its heaps keep (docs/speed.md)
+            "malloc_mb_at_peak_by_stage": phases.heap_report(),
             # the whole process's: what a fixed mmap threshold (--switches allocator) costs shows here first
             "minor_page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
             "system_cpu_s": round(resource.getrusage(resource.RUSAGE_SELF).ru_stime, 2),
             # getattr: the tree before these switches runs the default configuration too (docs/speed.md)
             "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
                          "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
-                         "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled},
+                         "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled,
+                         "gradient_checkpointing": getattr(config, "gradient_checkpointing", False)},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))

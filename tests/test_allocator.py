@@ -65,3 +65,22 @@ def test_a_freed_large_block_is_given_back_after_settle(settled):
     result = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(settled)]
+
+
+def test_heap_usage_reads_blocks_in_use_and_what_is_held():
+    """in_use: heap blocks in use + mapped blocks; held: the heaps' size + mapped blocks (MiB); None without mallinfo2."""
+    info = allocator._MallInfo2(arena=64 << 20, hblkhd=8 << 20, uordblks=40 << 20, fordblks=24 << 20)
+    assert allocator.heap_usage(lambda: info) == {"in_use": 48.0, "held": 72.0}
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_heap_usage_counts_a_block_while_it_is_allocated():
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    before = allocator.heap_usage()
+    block = libc.malloc(64 << 20)
+    during = allocator.heap_usage()
+    libc.free(block)
+    assert during["in_use"] - before["in_use"] >= 64 and during["held"] - before["held"] >= 64

@@ -38,13 +38,35 @@ def settle(environ: Mapping[str, str] = os.environ, mallopt: Optional[Callable[[
     return {"M_MMAP_THRESHOLD": MMAP_THRESHOLD}
 
 
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h), every field a size_t
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                       "uordblks", "fordblks", "keepcost")]
+
+
+def heap_usage(mallinfo2: Optional[Callable[[], _MallInfo2]] = None) -> Optional[dict[str, float]]:
+    """glibc malloc's own count of this process's memory (`mallinfo2`, glibc 2.33+), in MiB -> {"in_use": the blocks
+    in use (on its heaps and mapped), "held": what it holds from the OS (its heaps' size and the mapped blocks)}, or
+    None where the C library has no mallinfo2. held - in_use: the freed memory its heaps keep (the part of the RSS
+    a fixed mmap threshold gives back). mallinfo2: a stand-in for glibc's (tests)."""
+    mallinfo2 = glibc_function("mallinfo2", [], _MallInfo2) if mallinfo2 is None else mallinfo2
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
+    return {"in_use": (info.uordblks + info.hblkhd) / 2**20, "held": (info.arena + info.hblkhd) / 2**20}
+
+
 def glibc_mallopt() -> Optional[Callable[[int, int], int]]:
     """glibc's `mallopt`, or None where the C library is not glibc (musl has no mallopt to speak of; macOS, Windows)."""
+    return glibc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+
+
+def glibc_function(name: str, argtypes: list, restype) -> Optional[Callable]:
+    """The C library's function `name` with its ctypes signature, or None where the C library is not glibc or lacks it."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # glibc's own: musl and others lack it
-        function = libc.mallopt
+        function = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    function.argtypes, function.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    function.argtypes, function.restype = argtypes, restype
     return function
