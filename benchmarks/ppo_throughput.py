@@ -170,7 +170,7 @@ class PhaseRSS:
         return {k: round(self.peaks.get(k, 0.0), 1) for k in ("setup", "sampling", "forward", "training")}
 
 
-SWITCHES = ("budget", "head", "padding_free", "compile", "allocator")
+SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "onednn")
 
 
 def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None) -> dict:
@@ -184,6 +184,8 @@ def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, 
         config.ppo.padding_free = True
     if "compile" in names:
         config.compile = True
+    if "onednn" in names:
+        config.matmul_backend = "onednn"
     if "allocator" in names:
         from ppokit.process import allocator
 
