@@ -290,7 +290,8 @@ def measure(args, updates: int, work: Path) -> None:
             # getattr: the tree before these switches runs the default configuration too (docs/speed.md)
             "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
                          "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
-                         "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled},
+                         "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled,
+                         "matmul_backend": getattr(config, "matmul_backend", "aten")},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))
