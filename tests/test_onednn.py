@@ -100,6 +100,12 @@ def test_a_lora_layer_computes_through_its_routed_base(model_dir):
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
 
 
+def test_linear_under_cpu_autocast_is_f_linears():
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert onednn.linear(x, w).dtype == F.linear(x, w).dtype == torch.bfloat16
+
+
 def test_route_linears_refuses_weights_that_are_not_float32():
     with pytest.raises(UserError, match=r"matmul_backend: onednn runs float32 weights; 1 is torch.bfloat16"):
         onednn.route_linears(nn.Sequential(nn.ReLU(), nn.Linear(2, 2).to(torch.bfloat16)))

@@ -51,9 +51,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Backward: grad_x = grad @ weight, grad_weight = grad^T @ x (both by the same op), grad_bias = grad summed over rows.
     Without gradients (no_grad, inference_mode, nothing requiring grad) the op is called directly. Inputs the op does
-    not take (not float32 on a CPU, mixed dtypes, no rows) go through F.linear."""
+    not take (not float32 on a CPU, mixed dtypes, no rows) and products under CPU autocast (which computes F.linear at
+    lower precision) go through F.linear."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() == 0
-            or (bias is not None and bias.dtype != torch.float32)):
+            or (bias is not None and bias.dtype != torch.float32) or torch.is_autocast_enabled("cpu")):
         return F.linear(x, weight, bias)
     x2d = x.reshape(-1, x.shape[-1])
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
