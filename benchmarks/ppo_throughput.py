@@ -25,7 +25,7 @@ the learning curves can be compared number for number).
   compile  + compile: true
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
---switches budget,head,padding_free,compile,allocator,checkpointing (or "": none) turns on the named switches alone (not cumulative;
+--switches budget,head,padding_free,compile,allocator,checkpointing,onednn (or "": none) turns on the named switches alone (not cumulative;
 on top of --config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the
 budget switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest
 row; --head-chunk N the light head's lm_head_chunk_size (default 256). checkpointing: gradient_checkpointing (each decoder layer
@@ -189,7 +189,7 @@ class PhaseRSS:
         return {k: None if self.heap.get(k) is None else {name: round(v, 1) for name, v in self.heap[k].items()} for k in self.STAGES}
 
 
-SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "checkpointing")
+SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "checkpointing", "onednn")
 
 
 def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None,
@@ -206,6 +206,8 @@ def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, 
         config.compile = True
     if "checkpointing" in names:
         config.gradient_checkpointing = True
+    if "onednn" in names:
+        config.matmul_backend = "onednn"
     if "allocator" in names:
         from ppokit.process import allocator
 
@@ -316,7 +318,8 @@ def measure(args, updates: int, work: Path) -> None:
             "switches": {"max_tokens_per_micro_batch": getattr(config.ppo, "max_tokens_per_micro_batch", None),
                          "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
                          "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled,
-                         "gradient_checkpointing": getattr(config, "gradient_checkpointing", False)},
+                         "gradient_checkpointing": getattr(config, "gradient_checkpointing", False),
+                         "matmul_backend": getattr(config, "matmul_backend", "aten")},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppokit.models.loading import unwrap_peft
+from ppokit.models.onednn import linear_for
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")  # inverse frequencies fixed at load (dynamic / longrope change with the length)
@@ -62,25 +63,6 @@ def why_not(model: nn.Module) -> Optional[str]:
             if type(module) is not nn.Linear:
                 return f"layer {i}'s {name} is a {type(module).__name__}, not a plain nn.Linear (LoRA and quantised layers are not read)"
     return None
-
-
-@torch.library.custom_op("ppokit::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) through oneDNN's kernel (float32 on a CPU), an operator of its own so that a compiled
-    graph calls it as it is."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@onednn_linear.register_fake
-def _(x, weight, bias=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def linear_for(x: torch.Tensor, weight: torch.Tensor) -> Callable:
-    """The product for these inputs: oneDNN's for float32 on a CPU with oneDNN (and no autocast, which would compute it at
-    lower precision), else torch's `F.linear` (autocast applies to it as in the model's own forward)."""
-    cpu_float32 = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-    return onednn_linear if cpu_float32 and not torch.is_autocast_enabled("cpu") else F.linear
 
 
 def before_attention(linear, x, norm_weight, eps: float, w_q, b_q, w_k, b_k, w_v, b_v, cos, sin, heads: int, kv_heads: int):

@@ -44,6 +44,7 @@ from ppokit.config.schema import PPOConfig
 from ppokit.errors import UserError
 from ppokit.models.prefix import SharedPrefix
 from ppokit.models.forwards import check_output_head, check_packed_forward, check_shared_forward
+from ppokit.models.onednn import route_linears
 from ppokit.models.loading import (
     POLICY_ADAPTER,
     disable_dropout,
@@ -250,6 +251,10 @@ def build_roles(layout: RoleLayout, config: PPOConfig, scorer: RewardScorer, *, 
     for m in (policy, reference, value, teacher) if config.ppo.shared_prompt else ():
         if m is not None:
             check_shared_forward(m, "ppo.shared_prompt", SharedPrefix(2))
+    if config.matmul_backend == "onednn":  # after the adapters: peft's LoRA layers wrap plain Linears, routed with the rest
+        for m in (policy, reference, value, reward_model, teacher):
+            if m is not None:
+                route_linears(m)
     return Roles(policy, reference, value, teacher)
 
 

@@ -18,9 +18,9 @@ PEFT_REQUIREMENT = "peft>=0.15,!=0.16.*,!=0.17.*"
 
 
 def check_machine(*, lora: bool, quantization: Optional[str], fp16: bool, compile: bool, strategy: str,
-                  report_to: Sequence[str]) -> None:
+                  report_to: Sequence[str], matmul_backend: str = "aten") -> None:
     """One UserError line when a switch needs what this machine lacks. lora: whether `lora` is set; quantization,
-    fp16, compile, report_to: those keys; strategy: parallel.strategy (the peft its LoRA runs need)."""
+    fp16, compile, report_to, matmul_backend: those keys; strategy: parallel.strategy (the peft its LoRA runs need)."""
     import torch
 
     if lora:
@@ -44,6 +44,10 @@ def check_machine(*, lora: bool, quantization: Optional[str], fp16: bool, compil
         from ppokit.models.compiled import check_available
 
         check_available("cuda" if torch.cuda.is_available() else "cpu")
+    if matmul_backend == "onednn":
+        from ppokit.models.onednn import check_available as check_onednn
+
+        check_onednn(cuda=torch.cuda.is_available(), mkldnn=torch.backends.mkldnn.is_available(), strategy=strategy)
     check_usable(report_to)  # a missing tracker package or an unwritable store is one line, not a late crash
 
 
