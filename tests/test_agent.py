@@ -517,7 +517,8 @@ def test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Row {mode}"}], "mode": mode}) + "\n" for mode in modes))
     config = PPOConfig(output_dir=str(tmp_path / "run"), reward=RewardConfig(functions=[], on_error="skip"), data=DataConfig(train=str(data)),
                        rollout=RolloutConfig(max_turns=8, max_concurrent_episodes=1), agent=write_agent(tmp_path, [], FAULTS),
-                       agent_timeout_s=2.0, ppo=PPOHyperparams(total_episodes=5, per_device_train_batch_size=5, num_mini_batches=1,
+                       # 6 s: the "checks" agent makes eight requests, room for a machine several times slower than a quiet one
+                       agent_timeout_s=6.0, ppo=PPOHyperparams(total_episodes=5, per_device_train_batch_size=5, num_mini_batches=1,
                                                               response_length=8, num_sample_generations=0, stop_token=FAMILY.stop))
     trainer = PPOTrainer(config, model=model, tokenizer=tok, show_progress=False)
     prompts, columns = trainer.train_data.rows(list(range(5)))
@@ -525,7 +526,7 @@ def test_an_agent_that_fails_fails_its_episode_in_one_line_and_the_rollout_goes_
     errors = episodes.environment_errors
     assert errors[0] is None and errors[4] is None
     assert errors[1].startswith(f"agent {config.agent}: raised RuntimeError: the agent's own bug; prompt ")
-    assert errors[2].startswith(f"agent {config.agent}: did not return within agent_timeout_s=2s")
+    assert errors[2].startswith(f"agent {config.agent}: did not return within agent_timeout_s=6s")
     assert errors[3].startswith(f"agent {config.agent}: returned the reward 'fine' (a str); expected a finite number")
     assert all("\n" not in e for e in errors if e)
     # the refused requests are no calls; the /v1/completions call starts a second segment
