@@ -83,4 +83,6 @@ def test_heap_usage_counts_a_block_while_it_is_allocated():
     block = libc.malloc(64 << 20)
     during = allocator.heap_usage()
     libc.free(block)
-    assert during["in_use"] - before["in_use"] >= 64 and during["held"] - before["held"] >= 64
+    # in use grows by the block wherever glibc puts it; what it holds grows only when the block is mapped or the heap
+    # grows (a heap with 64 MiB free already, as after other tests in the same process, serves it from there)
+    assert during["in_use"] - before["in_use"] >= 64 and during["held"] >= during["in_use"]
