@@ -1097,6 +1097,12 @@ MUTATIONS = [
              '            "rounds": self.rounds,\n', "",
              ("tests/test_dynamic_sampling.py::test_resume_with_dynamic_sampling_is_exact",),
              "a checkpoint leaves out the rounds of prompts taken: a resumed run starts the stream at its update counter"),
+    Mutation("checkpoint_named_only_after_the_last_wait", "src/ppokit/run/checkpoint.py",
+             "        written(target)\n    accelerator.wait_for_everyone()\n    if not is_main:\n        written(target)\n",
+             "    accelerator.wait_for_everyone()\n    written(target)\n",
+             ("tests/test_checkpoint.py::test_a_process_lost_in_the_wait_after_a_checkpoint_is_written_leaves_that_checkpoint_named",),
+             "the main process takes a checkpoint as the run's only after every process has waited for it: a process lost "
+             "in that wait leaves the complete checkpoint unnamed (and a replacing run's first one removed at close)"),
     Mutation("rounds_sampled_ahead_across_a_checkpoint", "src/ppokit/training/sampler.py",
              "sampling_version(update + j, self.k, self.save_steps) <= self.version",
              "sampling_version(update, self.k, self.save_steps) <= self.version",

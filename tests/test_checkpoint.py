@@ -159,6 +159,26 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(model_dir, pro
     assert_same_run(out, reference)
 
 
+def test_a_process_lost_in_the_wait_after_a_checkpoint_is_written_leaves_that_checkpoint_named(model_dir, prompts_file, tmp_path):
+    """The main process has update-2 in place and waits for the others; one of them is gone. The error named
+    update-1 (CI: "no checkpoint of this run was written yet" when it was update-1), though update-2 was complete."""
+    out = tmp_path / "run"
+    trainer = PPOTrainer(tiny_ppo_config(model_dir("llama"), prompts_file, out, save_steps=1, **RUN), show_progress=False)
+    written = out / "checkpoints" / "update-2" / checkpoint.STATE_FILE
+    wait = trainer.accelerator.wait_for_everyone
+
+    def peer_gone_once_update_2_is_written():
+        if written.is_file():
+            raise RuntimeError("[gloo] Connection reset by peer")
+        wait()
+
+    trainer.accelerator.wait_for_everyone = peer_gone_once_update_2_is_written
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        trainer.train()
+    assert trainer.saving.last_checkpoint == out / "checkpoints" / "update-2"
+    assert checkpoint.find_checkpoint(None, out) == out / "checkpoints" / "update-2"
+
+
 def _cli(config_path: Path, log: Path) -> subprocess.Popen:
     """`python -m ppokit ppo CONFIG` with this checkout's code and the test's thread count (same numbers)."""
     src = str(Path(ppokit.__file__).resolve().parents[1])

@@ -325,11 +325,15 @@ class PlainWeights:
 
 
 def save_checkpoint(
-    state: TrainingState, parts: TrainedParts, config, run: RunFacts, save_models: Callable[[Path], None], accelerator
+    state: TrainingState, parts: TrainedParts, config, run: RunFacts, save_models: Callable[[Path], None], accelerator,
+    written: Callable[[Path], None] = lambda path: None,
 ) -> Path:
     """Write checkpoints/update-<state.update>/ (every process calls this); returns its path.
 
     save_models(folder) writes the policy, tokenizer and value model as final/ holds them.
+    written(path) is called once the checkpoint is complete as far as this process can tell: on the main process as
+    soon as it is in place (before the last wait, so a process lost during that wait leaves it named), on the others
+    after that wait.
     Saving leaves every RNG as it found it, so a run that saves computes what a run that does not would.
     """
     rng = rng_state()
@@ -361,7 +365,10 @@ def save_checkpoint(
         raise
     if is_main:
         prune_checkpoints(target.parent, run.save_total_limit)
+        written(target)
     accelerator.wait_for_everyone()
+    if not is_main:
+        written(target)
     set_rng_state(rng)
     return target
 

@@ -55,13 +55,17 @@ class Saving:
     def checkpoint(self, parts: Parts, state: TrainingState) -> Path:
         """The whole training state in output_dir/checkpoints/update-N/ (see ppokit.run.checkpoint), once per update."""
         if self.saved_at is None or self.saved_at[0] != state.update:
-            path = checkpoint.save_checkpoint(state, trained_parts(parts), parts.config, self.run_facts(parts),
-                                              lambda folder: self.models(parts, folder, merged=False, kind="model"), parts.accelerator)
             run = self.folder(parts)
-            replacing = run.staged
-            self.saved_at = (state.update, run.commit(path))  # a run replacing another takes its place now
-            if replacing:
-                parts.say(f"{run.root}: the earlier run there is replaced by this one, whose first checkpoint is written")
+
+            def written(path: Path) -> None:
+                replacing = run.staged
+                self.saved_at = (state.update, run.commit(path))  # a run replacing another takes its place now
+                if replacing:
+                    parts.say(f"{run.root}: the earlier run there is replaced by this one, whose first checkpoint is written")
+
+            checkpoint.save_checkpoint(state, trained_parts(parts), parts.config, self.run_facts(parts),
+                                       lambda folder: self.models(parts, folder, merged=False, kind="model"), parts.accelerator,
+                                       written)
         return self.saved_at[1]
 
     def final(self, parts: Parts, state: TrainingState) -> Path:
