@@ -295,6 +295,17 @@ MUTATIONS = [
              "            pass",
              ("tests/test_batching.py::test_sampling_into_preallocated_keys_and_values_draws_the_same_tokens[0]",),
              "the lock-step decoder keeps transformers' growing cache (a copy of every key and value at every step)"),
+    # ---- the lock-step decoder's draw over the rows in the batch (engines/sampling.py's multinomial_rows)
+    Mutation("draw_takes_the_largest_bound", "src/ppokit/engines/sampling.py",
+             "    if bool((candidates.sum(-1) == 1).all()):",
+             "    if True:",
+             ("tests/test_multinomial_rows.py",),
+             "each row's token is its largest p / u, never the exact p / E among the candidates"),
+    Mutation("draw_without_the_finished_rows_uniforms", "src/ppokit/engines/hf.py",
+             "            return multinomial_rows(step_logprobs.exp(), active, rows)",
+             "            return multinomial_rows(step_logprobs.exp())",
+             ("tests/test_batching.py::test_the_draw_over_the_rows_in_the_batch_keeps_torch_multinomials_tokens",),
+             "the draw skips the uniforms of the rows out of the batch (the random stream shifts once rows finish)"),
     # ---- rollout.enforce_eager: false, the hf engine's compiled decoding step
     Mutation("fast_decode_keys_without_rotary", "src/ppokit/engines/fast_decode.py",
              "    k = k * cos + rotate_half(k) * sin",
