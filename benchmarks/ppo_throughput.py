@@ -25,11 +25,12 @@ the learning curves can be compared number for number).
   compile  + compile: true
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
---switches budget,head,padding_free,compile,allocator,checkpointing,onednn (or "": none) turns on the named switches alone (not cumulative;
+--switches budget,head,padding_free,compile,allocator,checkpointing,onednn,compiled_decode (or "": none) turns on the named switches alone (not cumulative;
 on top of --config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the
 budget switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest
 row; --head-chunk N the light head's lm_head_chunk_size (default 256). checkpointing: gradient_checkpointing (each decoder layer
-recomputed in the backward: less memory, one more backbone forward per micro-batch).
+recomputed in the backward: less memory, one more backbone forward per micro-batch). compiled_decode: rollout.enforce_eager: false
+(the hf engine's compiled decoding step, engines/fast_decode.py; its compiling is paid in the warm-up update).
 allocator: glibc's malloc told to give freed tensors back to the OS (ppokit/process/allocator.py, opt-in: less RSS, more page
 faults; not a config key). The lightest measured: --config light --padding-free --budget-tokens 4096 --switches allocator.
 
@@ -149,6 +150,7 @@ class PhaseRSS:
     def __init__(self, trainer):
         self.stage, self.peaks = "setup", {"setup": self._rss()}
         self.heap = {"setup": heap_usage()}
+        self.cpu = {}  # stage -> this process's CPU seconds of each call
         # stage 3 is a function of ppokit.training.experience, which the trainer looks up there at every update
         # sampling: the trainer's sampler (stage 1), which the trainer looks up on the sampler at every update
         for owner, name, stage in ((trainer.sampler, "episodes", "sampling"), (experience, "reference_and_values", "forward"),
@@ -165,11 +167,12 @@ class PhaseRSS:
 
     def _tagged(self, method, stage):
         def run(*args, **kwargs):
-            self.stage = stage
+            self.stage, started = stage, time.process_time()
             try:
                 return method(*args, **kwargs)
             finally:
                 self.stage = "other"
+                self.cpu.setdefault(stage, []).append(time.process_time() - started)
         return run
 
     def _sample(self):
@@ -184,12 +187,16 @@ class PhaseRSS:
     def report(self) -> dict:
         return {k: round(self.peaks.get(k, 0.0), 1) for k in self.STAGES}
 
+    def cpu_report(self) -> dict:
+        """{stage: CPU seconds per call} over the calls after the first (the warm-up update's)."""
+        return {k: round(sum(v[1:]) / len(v[1:]), 4) if len(v) > 1 else None for k, v in self.cpu.items()}
+
     def heap_report(self) -> dict:
         """{stage: {"in_use": MB, "held": MB}} at the stage's RSS peak (None outside glibc)."""
         return {k: None if self.heap.get(k) is None else {name: round(v, 1) for name, v in self.heap[k].items()} for k in self.STAGES}
 
 
-SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "checkpointing", "onednn")
+SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "checkpointing", "onednn", "compiled_decode")
 
 
 def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None,
@@ -208,6 +215,8 @@ def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, 
         config.gradient_checkpointing = True
     if "onednn" in names:
         config.matmul_backend = "onednn"
+    if "compiled_decode" in names:
+        config.rollout.enforce_eager = False
     if "allocator" in names:
         from ppokit.process import allocator
 
@@ -308,6 +317,8 @@ def measure(args, updates: int, work: Path) -> None:
             "padding_share": round(mean("perf/padding_share"), 4) if all("perf/padding_share" in r for r in timed) else None,
             "first_update_s": round(records[0]["time/update"], 2),
             "cpu_s_per_update": round(sum(cpu[1:]) / n, 4), "episodes_per_cpu_s": round(batch * n / sum(cpu[1:]), 2),
+            # the process's CPU seconds in each stage (sampling, forward, training), per call after the warm-up update
+            "cpu_s_by_stage": phases.cpu_report(),
             "peak_rss_mb_by_stage": phases.report(),
             # glibc's count at each stage's RSS peak: held - in_use is the freed memory its heaps keep (docs/speed.md)
             "malloc_mb_at_peak_by_stage": phases.heap_report(),
@@ -319,7 +330,8 @@ def measure(args, updates: int, work: Path) -> None:
                          "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
                          "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled,
                          "gradient_checkpointing": getattr(config, "gradient_checkpointing", False),
-                         "matmul_backend": getattr(config, "matmul_backend", "aten")},
+                         "matmul_backend": getattr(config, "matmul_backend", "aten"),
+                         "enforce_eager": getattr(getattr(config, "rollout", None), "enforce_eager", True)},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }
     print(json.dumps(result))

@@ -266,3 +266,38 @@ def test_reward_model_chunks_by_tokens_give_the_scores_of_row_chunks(model_dir, 
     by_rows = RewardModelReward(model, tokenizer, batch_size=4).score(batch)
     by_tokens = RewardModelReward(model, tokenizer, batch_size=4, by_tokens=True).score(batch)
     assert torch.allclose(by_rows, by_tokens, atol=1e-5)
+
+
+@pytest.mark.parametrize("cut", [{}, {"top_k": 40}])
+def test_the_draw_over_the_rows_in_the_batch_keeps_torch_multinomials_tokens(model_dir, tokenizer, monkeypatch, cut):
+    """The lock-step decoder draws with `sampling.multinomial_rows` over the rows still in the batch; against
+    torch.multinomial over every row (the finished ones as placeholders), from the same seed: the same tokens, the same
+    logprobs (the same log-softmax gathered), the generator left in the same state; finished rows leaving the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.engines import hf
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    texts = ["the movie was", "honestly the cast was", "the", "overall the story felt", "this film is", "the acting"]
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id)
+    stop = _stop_ending_rows_apart(model, ids, mask, tokenizer.pad_token_id)
+    draws = []
+    rows_drawn = hf.multinomial_rows
+    monkeypatch.setattr(hf, "multinomial_rows", lambda probs, *a, **k: draws.append(probs.shape[0]) or rows_drawn(probs, *a, **k))
+
+    def sample(ours, temperature):
+        torch.manual_seed(0)
+        with monkeypatch.context() as patch:
+            patch.setattr(hf, "reproduces_multinomial", lambda: ours)
+            episodes = hf.HFSampler(model, 24, temperature, stop, tokenizer.pad_token_id, compact_every=3, **cut).sample(ids, mask)
+        return episodes, torch.get_rng_state()
+
+    for temperature in (1.0, 2.0):
+        (torch_draw, torch_state), (rows_draw, rows_state) = sample(False, temperature), sample(True, temperature)
+        assert draws and min(draws) < len(texts)  # drawn over fewer rows once finished rows left
+        lengths = torch_draw.loss_mask.sum(1)
+        assert torch_draw.ended.any() and len(set(lengths.tolist())) > 2
+        assert torch.equal(torch_draw.response_ids, rows_draw.response_ids) and torch.equal(torch_draw.loss_mask, rows_draw.loss_mask)
+        assert torch.equal(torch_draw.logprobs, rows_draw.logprobs)
+        assert torch.equal(torch_state, rows_state)
+        draws.clear()

@@ -102,3 +102,25 @@ def test_the_config_key_is_the_hf_engines_too(model_dir):
     assert isinstance(build("hf", setup(config.rollout))._decode_step, fast_decode.DecodeStep)
     assert build("hf", setup(PPOConfig(model="m").rollout))._decode_step is None
 
+
+
+def test_the_lm_head_goes_through_the_layers_product(model_dir, tokenizer, monkeypatch):
+    """The LM head (a vocabulary x hidden product, most of a small model's step) through the product `linear_for` picks
+    for the layers (oneDNN's for float32 on a CPU), and the step's logits the model's own within float rounding."""
+    model = _load(model_dir, "llama")
+    products = []
+
+    def counted(x, weight, bias=None):
+        products.append(weight)
+        return torch.nn.functional.linear(x, weight, bias)
+    monkeypatch.setattr(fast_decode, "linear_for", lambda x, w: counted)
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in TEXTS], tokenizer.pad_token_id)
+
+    def sample(step):
+        torch.manual_seed(3)
+        return hf.HFSampler(model, 4, 1.0, None, tokenizer.pad_token_id, decode_step=step).sample(ids, mask)
+
+    own, fast = sample(None), sample(fast_decode.DecodeStep(compiled=False))
+    assert sum(w is model.lm_head.weight for w in products) == fast.response_ids.shape[1] - 1  # once a decoding step
+    assert torch.equal(own.response_ids, fast.response_ids)
+    assert_float32_close(fast.logprobs, own.logprobs, terms=_depth_terms(model.config))

@@ -133,7 +133,8 @@ class DecodeStep:
             dynamic_rows(x, attended)
             x = self.after(linear, x, attended, attn.o_proj.weight, attn.o_proj.bias, norm.weight, norm.variance_epsilon, mlp.gate_proj.weight,
                            mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
-        return model.lm_head(rms_norm(x, base.norm.weight, base.norm.variance_epsilon)).unsqueeze(1)
+        head = model.lm_head  # through the same product as the layers' (a 32k vocabulary's head is most of a small model's step)
+        return linear(rms_norm(x, base.norm.weight, base.norm.variance_epsilon), head.weight, head.bias).unsqueeze(1)
 
 
 @functools.cache

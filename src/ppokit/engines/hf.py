@@ -26,7 +26,7 @@ from ppokit.training import algo
 from ppokit.engines.base import (Sampled, EngineMemory, EngineSetup, EngineSizing, Request, Sampling, generate,
                                  step_logits_bytes, stop_ids)
 from ppokit.engines.fast_decode import DecodeStep, why_not
-from ppokit.engines.sampling import truncate_distribution
+from ppokit.engines.sampling import multinomial_rows, reproduces_multinomial, truncate_distribution
 from ppokit.engines.slots import SlotDecoder
 from ppokit.training.episodes import Episodes
 from ppokit.errors import UserError
@@ -298,13 +298,17 @@ class HFSampler:
         active = None  # rows still in the forward batch, once finished rows have been dropped from it
         tokens, logprobs = [], []
         for step in range(self.response_length):
-            step_logprobs = torch.log_softmax(logits[:, -1].float() / self.temperature, dim=-1)
+            scaled = logits[:, -1].float()
+            step_logprobs = torch.log_softmax(scaled if self.temperature == 1.0 else scaled / self.temperature, dim=-1)
+            token = self._choose(step_logprobs, active, rows)  # the rows still in the forward batch (all: active None)
             if active is not None:
-                step_logprobs = _with_placeholder_rows(step_logprobs, active, rows)
-            token = self._choose(step_logprobs)
+                token = token.new_full((rows,), self.pad_token_id).index_copy_(0, active, token)
             token = token.masked_fill(done, self.pad_token_id)
             tokens.append(token)
-            logprobs.append(step_logprobs.gather(1, token.unsqueeze(1)).squeeze(1))
+            if active is None:
+                logprobs.append(step_logprobs.gather(1, token.unsqueeze(1)).squeeze(1))
+            else:  # a row out of the batch reads log 1: the placeholder `_with_placeholder_rows` gives it
+                logprobs.append(step_logprobs.new_zeros(rows).index_copy_(0, active, step_logprobs.gather(1, token[active].unsqueeze(1)).squeeze(1)))
             if self.stop_token_ids:
                 done |= torch.isin(token, stops)
                 if bool(done.all()):
@@ -327,13 +331,19 @@ class HFSampler:
             next_position = next_position + 1
         return torch.stack(tokens, 1), torch.stack(logprobs, 1)
 
-    def _choose(self, step_logprobs: torch.Tensor) -> torch.Tensor:
-        """(rows, V) logprobs at the temperature -> (rows,) next tokens."""
+    def _choose(self, step_logprobs: torch.Tensor, active: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+        """(n, V) logprobs at the temperature of the rows still in the forward batch (`active`, of `rows`; None: all)
+        -> (n,) their next tokens. The draw is torch.multinomial's over all `rows` rows, the rows out of the batch
+        included (`_with_placeholder_rows`): the same tokens from the same generator state, however many have left."""
         if self.greedy:
             return step_logprobs.argmax(-1)
         if self.top_k or self.top_p < 1 or self.min_p > 0:
             step_logprobs = truncate_distribution(step_logprobs, self.top_k, self.top_p, self.min_p)
-        return torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
+        if step_logprobs.device.type == "cpu" and reproduces_multinomial():
+            return multinomial_rows(step_logprobs.exp(), active, rows)
+        if active is None:
+            return torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
+        return torch.multinomial(_with_placeholder_rows(step_logprobs, active, rows).exp(), 1).squeeze(1)[active]
 
 
 class _PreallocatedLayer(DynamicLayer):
