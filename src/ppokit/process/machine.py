@@ -27,8 +27,9 @@ def check_machine(*, lora: bool, quantization: Optional[str], fp16: bool, compil
 
     if cpu_allocator is not None and not allocator.loaded(cpu_allocator):  # the program has started itself again with it (cli)
         allocator.preload_environment(cpu_allocator)  # not installed: that line first
-        raise UserError(f"cpu_allocator: {cpu_allocator}: this process runs without it; the ppokit program starts itself with it, and a Python caller "
-                        f"starts the interpreter with LD_PRELOAD naming lib{allocator.PRELOADS[cpu_allocator][0]}.so (or sets cpu_allocator: null)")
+        raise UserError(f"cpu_allocator: {cpu_allocator}: this process runs without it; `ppokit ppo` starts itself again with it, elsewhere (ppokit "
+                        f"pipeline, a Python caller) start the interpreter with LD_PRELOAD naming lib{allocator.PRELOADS[cpu_allocator][0]}.so, or set "
+                        "cpu_allocator: null")
 
     if lora:
         _check_peft(PEFT_REQUIREMENT, "lora")
