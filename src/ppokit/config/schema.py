@@ -838,7 +838,7 @@ class PPOConfig:
     cpu_allocator: Optional[str] = doc(None, "The malloc that serves the process's memory (its CPU tensors included): null, the C library's (glibc's on "
                                              "Linux), or tcmalloc (gperftools', preloaded: the ppokit program starts itself again with LD_PRELOAD; "
                                              "Debian/Ubuntu: apt-get install libtcmalloc-minimal4). Changes no number; glibc keeps freed memory that "
-                                             "tcmalloc reuses: on the variable-shape benchmark ~165 MB less peak RSS at the same speed, under 1000 MiB "
+                                             "tcmalloc reuses: on the variable-shape benchmark ~175 MB less peak RSS at the same speed, under 1000 MiB "
                                              "with gradient_checkpointing (docs/speed.md). Linux only; an error at start where the library is not "
                                              "installed. From Python (or ppokit pipeline), start the interpreter with the library in LD_PRELOAD.",
                                        check=one_of(("tcmalloc",)), resume=True)

@@ -17,7 +17,7 @@ sets `MALLOC_MMAP_THRESHOLD_` before starting Python). Never over the user's cho
 `cpu_allocator: tcmalloc` replaces glibc's malloc with gperftools' (`preload_environment`: the environment the `ppokit`
 program starts itself again with, the library first in `LD_PRELOAD`; `loaded`: whether it serves this process). It
 reuses freed blocks of every size without the heaps' holes and without a page fault per use: on the variable-shape
-benchmark ~165 MB less peak RSS at no cost in speed, and under 1000 MiB with `gradient_checkpointing` (docs/speed.md).
+benchmark ~175 MB less peak RSS at no cost in speed, and under 1000 MiB with `gradient_checkpointing` (docs/speed.md).
 Standard library only (ppokit.errors, for the one-line error, is too).
 """
 
