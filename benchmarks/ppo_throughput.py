@@ -25,14 +25,16 @@ the learning curves can be compared number for number).
   compile  + compile: true
 --padding-free adds ppo.padding_free to any of them (several episodes per row; benchmarks/padding_free.py
 alternates runs with and without it).
---switches budget,head,padding_free,compile,allocator,checkpointing,onednn,compiled_decode (or "": none) turns on the named switches alone (not cumulative;
-on top of --config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the
+--switches budget,head,padding_free,compile,allocator,checkpointing,onednn,compiled_decode,tcmalloc (or "": none) turns on the named switches alone
+(not cumulative; on top of --config); benchmarks/switches.py alternates runs of each against the defaults. --budget-tokens N sets the budget of the
 budget switch (--config budget and above, --switches budget) to N tokens instead of half a fixed micro-batch's rows x the longest
 row; --head-chunk N the light head's lm_head_chunk_size (default 256). checkpointing: gradient_checkpointing (each decoder layer
 recomputed in the backward: less memory, one more backbone forward per micro-batch). compiled_decode: rollout.enforce_eager: false
 (the hf engine's compiled decoding step, engines/fast_decode.py; its compiling is paid in the warm-up update).
 allocator: glibc's malloc told to give freed tensors back to the OS (ppokit/process/allocator.py, opt-in: less RSS, more page
-faults; not a config key). The lightest measured: --config light --padding-free --budget-tokens 4096 --switches allocator.
+faults; not a config key). tcmalloc: cpu_allocator: tcmalloc (the process starts again with gperftools' malloc preloaded; its own
+counts in malloc_mb_at_peak_by_stage). The lightest measured: --config light --padding-free --budget-tokens 4096 --switches
+checkpointing,tcmalloc (docs/speed.md).
 
 The first update is a warm-up (and pays any compile) and is not counted. Stage times are seconds per
 update (mean over the counted updates); padding_share is the share of padding among the token
@@ -196,7 +198,7 @@ class PhaseRSS:
         return {k: None if self.heap.get(k) is None else {name: round(v, 1) for name, v in self.heap[k].items()} for k in self.STAGES}
 
 
-SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "checkpointing", "onednn", "compiled_decode")
+SWITCHES = ("budget", "head", "padding_free", "compile", "allocator", "checkpointing", "onednn", "compiled_decode", "tcmalloc")
 
 
 def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, budget_tokens: int | None = None,
@@ -217,6 +219,8 @@ def apply_named_switches(config: PPOConfig, names: list[str], longest_row: int, 
         config.matmul_backend = "onednn"
     if "compiled_decode" in names:
         config.rollout.enforce_eager = False
+    if "tcmalloc" in names:  # main() has started this process again with it
+        config.cpu_allocator = "tcmalloc"
     if "allocator" in names:
         from ppokit.process import allocator
 
@@ -248,6 +252,13 @@ def main() -> None:
     if unknown:
         parser.error(f"--switches: unknown {', '.join(unknown)} (choose from {', '.join(SWITCHES)})")
     updates = args.updates or (3 if args.shape == "variable" else 4)
+    if "tcmalloc" in (args.switches or "").split(","):  # cpu_allocator: tcmalloc, as the ppokit program does it: start again with it preloaded
+        from ppokit.process import allocator
+
+        environ = allocator.preload_environment("tcmalloc")
+        if environ is not None:
+            sys.stdout.flush()
+            os.execve(sys.executable, sys.orig_argv, environ)
 
     with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:  # the run's model and output go with it
         measure(args, updates, Path(tmp))
@@ -320,7 +331,7 @@ def measure(args, updates: int, work: Path) -> None:
             # the process's CPU seconds in each stage (sampling, forward, training), per call after the warm-up update
             "cpu_s_by_stage": phases.cpu_report(),
             "peak_rss_mb_by_stage": phases.report(),
-            # glibc's count at each stage's RSS peak: held - in_use is the freed memory its heaps keep (docs/speed.md)
+            # malloc's count at each stage's RSS peak (glibc's, or tcmalloc's): held - in_use is the freed memory it keeps (docs/speed.md)
             "malloc_mb_at_peak_by_stage": phases.heap_report(),
             # the whole process's: what a fixed mmap threshold (--switches allocator) costs shows here first
             "minor_page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
@@ -330,7 +341,7 @@ def measure(args, updates: int, work: Path) -> None:
                          "lm_head_chunk_size": getattr(config, "lm_head_chunk_size", None), "compile": getattr(config, "compile", False),
                          "padding_free": getattr(config.ppo, "padding_free", False), "allocator": settled,
                          "gradient_checkpointing": getattr(config, "gradient_checkpointing", False),
-                         "matmul_backend": getattr(config, "matmul_backend", "aten"),
+                         "matmul_backend": getattr(config, "matmul_backend", "aten"), "cpu_allocator": getattr(config, "cpu_allocator", None),
                          "enforce_eager": getattr(getattr(config, "rollout", None), "enforce_eager", True)},
             "curve": [{k: round(r[k], 6) for k in CURVE_KEYS if k in r} for r in records],
         }

@@ -28,6 +28,7 @@ def _ppo(args) -> int:
         raise UserError("--resume-force only applies with --resume")
     config = PPOConfig.load(args.config, overrides)
     check_config(config)  # `ppokit plan` runs it too; the rest of the start-up checks are the trainer's (`startup.prepare`)
+    _start_again_with(config.cpu_allocator)  # before the run folder's lock and any weights
     # Before any weights load: the run folder may be used (not another tool's), is this run's alone (the
     # lock, held until the command ends: a run in progress is named by its PID), holds no run that a fresh
     # start would replace, and the checkpoint to resume is found and read whole.
@@ -525,8 +526,34 @@ def _one_line_warnings() -> None:
     warnings.showwarning = show
 
 
+_program = False  # main() runs as the program (the `ppokit` script, python -m ppokit): it may start itself again
+
+
+def _start_again_with(cpu_allocator: Optional[str]) -> None:
+    """`cpu_allocator`: the program replaces itself (exec: the same process id, command line and environment, plus
+    LD_PRELOAD) with one whose malloc is that library's, unless it runs with it already (`allocator.preload_environment`;
+    a one-line error where the library is missing). In-process (main(argv)) nothing is replaced: the trainer's start-up
+    check says what to do."""
+    if cpu_allocator is None or not _program:
+        return
+    from ppokit.process import allocator
+
+    environ = allocator.preload_environment(cpu_allocator)
+    if environ is None:
+        return
+    for stream in (sys.stdout, sys.stderr, _results):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    if _results is not None and _results is not sys.__stdout__:  # the real stdout back on descriptor 1 (results_alone_on_stdout)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(_results.fileno(), 1)
+    os.execve(sys.executable, sys.orig_argv, environ)
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _program
     if argv is None:  # the program itself (the `ppokit` script, python -m ppokit), not a call in-process
+        _program = True
         interrupts.act_on_ctrl_c()
         cpu_threads.settle()  # before torch is imported: its OpenMP runtime reads them when loaded
         return _leave(main(sys.argv[1:]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ppokit.errors import UserError
+from ppokit.process import allocator
 from ppokit.process.strategies import STRATEGIES
 from ppokit.metrics.trackers import check_usable
 
@@ -18,10 +19,17 @@ PEFT_REQUIREMENT = "peft>=0.15,!=0.16.*,!=0.17.*"
 
 
 def check_machine(*, lora: bool, quantization: Optional[str], fp16: bool, compile: bool, strategy: str,
-                  report_to: Sequence[str], matmul_backend: str = "aten") -> None:
+                  report_to: Sequence[str], matmul_backend: str = "aten", cpu_allocator: Optional[str] = None) -> None:
     """One UserError line when a switch needs what this machine lacks. lora: whether `lora` is set; quantization,
-    fp16, compile, report_to, matmul_backend: those keys; strategy: parallel.strategy (the peft its LoRA runs need)."""
+    fp16, compile, report_to, matmul_backend, cpu_allocator: those keys; strategy: parallel.strategy (the peft its LoRA
+    runs need)."""
     import torch
+
+    if cpu_allocator is not None and not allocator.loaded(cpu_allocator):  # the program has started itself again with it (cli)
+        allocator.preload_environment(cpu_allocator)  # not installed: that line first
+        raise UserError(f"cpu_allocator: {cpu_allocator}: this process runs without it; `ppokit ppo` starts itself again with it, elsewhere (ppokit "
+                        f"pipeline, a Python caller) start the interpreter with LD_PRELOAD naming lib{allocator.PRELOADS[cpu_allocator][0]}.so, or set "
+                        "cpu_allocator: null")
 
     if lora:
         _check_peft(PEFT_REQUIREMENT, "lora")

@@ -75,7 +75,8 @@ def prepare(config, *, processes: int, check_folder: bool = True, overwrite: boo
     from ppokit.errors import UserError
 
     check_machine(lora=config.lora is not None, quantization=config.quantization, fp16=config.fp16, compile=config.compile,
-                  strategy=config.parallel.strategy, report_to=config.report_to, matmul_backend=config.matmul_backend)
+                  strategy=config.parallel.strategy, report_to=config.report_to, matmul_backend=config.matmul_backend,
+                  cpu_allocator=config.cpu_allocator)
     train_data, eval_data = load_prompt_data(config.data, config.seed, train_dataset, eval_dataset)
     samples = "ppo.eval_pass_at_k" if config.ppo.eval_pass_at_k else "ppo.eval_samples_per_prompt" if config.ppo.eval_samples_per_prompt > 1 else None
     if samples and eval_data is None:  # the sample generations would take the training batch, and never read it
