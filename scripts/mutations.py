@@ -1150,9 +1150,10 @@ MUTATIONS = [
              "oneDNN is called at every row count as it comes: a primitive (~0.55 MB, cached) per shape, the caches growing all run "
              "(the variable-shape benchmark's peak RSS doubled)"),
     Mutation("onednn_padded_columns_not_zero", "src/ppokit/models/onednn.py",
-             "            x_t[:, rows:].zero_()\n", "            x_t[:, rows:].fill_(1.0)\n",
+             "            x_t[:, rows:].zero_()\n", "            x_t[:, rows:].fill_(float('nan'))\n",
              ("tests/test_onednn.py::test_every_row_count_takes_one_of_a_few_shapes_forward_and_backward",),
-             "the rows added to reach a bucket are not zeros in the weight gradient's sum over rows"),
+             "the columns added to x^T to reach a bucket keep what the new memory held (NaN here), which the zero rows of the "
+             "gradient do not cancel (0 x NaN)"),
     Mutation("onednn_without_gradients_too", "src/ppokit/models/onednn.py",
              "    if (not grads or x.device.type", "    if (x.device.type",
              ("tests/test_onednn.py::test_route_linears_routes_plain_linears_and_survives_copy_save_and_a_second_call",
