@@ -27,7 +27,8 @@ def summation_bound(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return 2 * k * EPS * (a.abs() @ b.abs()) + 1e-30
 
 
-@pytest.mark.parametrize("lead, k, m, bias", [((7,), 5, 3, True), ((2, 9), 16, 11, False), ((3, 4, 5), 33, 64, True), ((1,), 1, 1, True)])
+@pytest.mark.parametrize("lead, k, m, bias", [((7,), 5, 3, True), ((2, 9), 16, 11, False), ((3, 4, 5), 33, 64, True), ((1,), 1, 1, True),
+                                              ((300,), 24, 40, True), ((2, 129), 8, 6, False)])
 def test_linear_equals_f_linear_forward_and_backward(lead, k, m, bias):
     g = torch.Generator().manual_seed(sum(lead) + k + m)
     x = torch.randn(*lead, k, generator=g, requires_grad=True)
@@ -52,7 +53,7 @@ def test_linear_without_gradients_and_with_a_frozen_weight():
     x, w = torch.randn(4, 6), torch.randn(5, 6)
     with torch.inference_mode():
         out = onednn.linear(x, w)
-    assert not out.requires_grad and torch.allclose(out, x @ w.t(), atol=summation_bound(x, w.t(), 6).max().item())
+    assert not out.requires_grad and torch.equal(out, F.linear(x, w))  # without gradients: F.linear itself
     xg = x.clone().requires_grad_()
     (gx,) = torch.autograd.grad(onednn.linear(xg, w).sum(), [xg])  # weight frozen: only grad_x, as under LoRA
     assert torch.allclose(gx, w.sum(0).expand(4, 6), atol=2 * 5 * EPS * w.abs().sum(0).max().item())
@@ -73,8 +74,9 @@ def test_route_linears_routes_plain_linears_and_survives_copy_save_and_a_second_
     real = onednn._op
     monkeypatch.setattr(onednn, "_op", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
-        after = model(ids).logits
-    assert len(calls) == len(plain)  # every Linear, the LM head too
+        assert torch.equal(model(ids).logits, before) and not calls  # no gradients (sampling, scoring): F.linear's own numbers
+    after = model(ids).logits
+    assert len(calls) == len(plain)  # with gradients: every Linear through oneDNN, the LM head too
     assert torch.allclose(after, before, rtol=1e-4, atol=1e-5)
     twin = copy.deepcopy(model)
     assert all(onednn.is_routed(m) and m.forward.args[0] is m for m in twin.modules() if type(m) is nn.Linear)
@@ -84,6 +86,57 @@ def test_route_linears_routes_plain_linears_and_survives_copy_save_and_a_second_
     assert not any(onednn.is_routed(m) for m in reloaded.modules())
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, before)
+
+
+def test_bucket_rows_rounds_up_by_less_than_a_quarter_to_a_few_shapes():
+    assert onednn.STEPS_PER_DOUBLING == 4
+    assert [onednn.bucket_rows(n) for n in (1, 7, 16, 17, 33, 64, 65, 2392, 4096)] == [1, 7, 16, 20, 40, 64, 80, 2560, 4096]
+    assert [onednn.bucket_rows(n, 256) for n in (1, 255, 256, 257, 300, 2392)] == [256, 256, 256, 320, 320, 2560]
+    for n in range(1, 20000):
+        bucket = onednn.bucket_rows(n)
+        assert n <= bucket < n * (1 + 1 / onednn.STEPS_PER_DOUBLING) or bucket == n
+    assert len({onednn.bucket_rows(n) for n in range(1, 4097)}) == 16 + 8 * 4  # 16 exact, then 4 per doubling
+    assert len({onednn.bucket_rows(n, 256) for n in range(1, 4097)}) == 1 + 4 * 4
+
+
+def test_every_row_count_takes_one_of_a_few_shapes_forward_and_backward(monkeypatch):
+    """oneDNN keeps a primitive per shape it is called with (~0.55 MB each, docs/speed.md): 600 row counts, forward and
+    both gradients, come to the buckets' shapes only, each product equal to aten's within rounding."""
+    shapes = set()
+    real = onednn._kernel
+    monkeypatch.setattr(onednn, "_kernel", lambda x, w, b: shapes.add((tuple(x.shape), tuple(w.shape))) or real(x, w, b))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 4, generator=g, requires_grad=True)
+    for rows in range(1, 601):
+        x = torch.randn(rows, 4, generator=g, requires_grad=True)
+        grad = torch.randn(rows, 6, generator=g)
+        out = onednn.linear(x, w)
+        gx, gw = torch.autograd.grad(out, [x, w], grad)
+        assert out.shape == (rows, 6) and gx.shape == (rows, 4) and gw.shape == (6, 4)
+        assert ((out - x @ w.t()).abs() <= summation_bound(x.detach(), w.detach().t(), 4)).all()
+        assert ((gx - grad @ w.detach()).abs() <= summation_bound(grad, w.detach(), 6)).all()
+        assert ((gw - grad.t() @ x.detach()).abs() <= summation_bound(grad.t(), x.detach(), rows)).all()
+    buckets = {onednn.bucket_rows(n, onednn.TRAINING_ROWS) for n in range(1, 601)}  # 256, 320, 384, 448, 512, 640
+    assert len(buckets) == 6
+    assert shapes == {s for b in buckets for s in (((b, 4), (6, 4)), ((b, 6), (4, 6)), ((4, b), (6, b)))}
+
+
+def test_the_output_cut_from_its_bucket_takes_in_place_ops():
+    x, w = torch.randn(5, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    out = onednn.linear(x, w)  # computed over 256 rows, 5 kept
+    assert out.shape == (5, 4)
+    out.mul_(2)  # an output that were a view made inside the autograd Function would refuse this
+    (gx,) = torch.autograd.grad(out.sum(), [x])
+    assert torch.allclose(gx, 2 * w.detach().sum(0).expand(5, 3), atol=2 * 4 * EPS * 2 * w.abs().sum().item())
+
+
+def test_the_operator_of_its_own_equals_f_linear_at_every_row_count():
+    w, b = torch.randn(7, 5), torch.randn(7)
+    for rows in (1, 17, 37, 64, 65):
+        x = torch.randn(2, rows, 5)
+        out = onednn.onednn_linear(x, w, b)
+        bound = summation_bound(x.reshape(-1, 5), w.t(), 5).reshape(2, rows, 7) + 2 * EPS * b.abs()
+        assert out.shape == (2, rows, 7) and ((out - F.linear(x, w, b)).abs() <= bound).all()
 
 
 def test_a_lora_layer_computes_through_its_routed_base(model_dir):

@@ -831,7 +831,8 @@ class PPOConfig:
                                "torch.compile cannot run on this machine.", resume=True)
     matmul_backend: str = doc("aten", "The float32 matrix products of every nn.Linear of the run's models (policy, reference, critic, reward model; "
                                       "sampling, scoring and training): aten (torch's F.linear: MKL's sgemm on a CPU) or onednn (oneDNN's kernel, "
-                                      "torch.ops.mkldnn._linear_pointwise, forward and backward). Equal within float rounding; onednn is faster on "
+                                      "torch.ops.mkldnn._linear_pointwise, where gradients flow: training's forward and backward; the passes without "
+                                      "gradients, sampling and scoring, stay on F.linear). Equal within float rounding; onednn is faster on "
                                       "some CPUs (1.2-1.6x per product on an AVX-512 EPYC, docs/speed.md). onednn: CPU runs in float32 only (refused "
                                       "with a CUDA device, bf16, fp16, quantization, compile or parallel.strategy fsdp).",
                               check=one_of(("aten", "onednn")), resume=True)

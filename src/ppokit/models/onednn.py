@@ -5,13 +5,25 @@ x @ W^T + b with oneDNN's kernels, which on some CPUs (AVX-512 ones measured in 
 language model 1.2-1.6x faster, forward and backward. The numbers differ from aten's only in summation order (float
 rounding), so the switch is opt-in.
 
-`linear` is the primitive (an autograd Function: forward and both gradients through the oneDNN op); `route_linears`
+`linear` is the primitive (an autograd Function where gradients flow: forward and both gradients through the oneDNN
+op; F.linear where none do); `route_linears`
 points each plain `nn.Linear` of a model at it with an instance-level `forward`, which `copy.deepcopy`, `state_dict`,
 `save_pretrained` and peft's LoRA layers (whose base_layer is a plain Linear) carry as they are. The memory-light LM head
 and the direct head call the output embedding module, so they are routed with it. `check_available` is the start-up
 refusal where it cannot apply. `onednn_linear` is the same op as an operator of its own (a compiled graph calls it
 as it is) and `linear_for` picks it or `F.linear` for given inputs: the hf engine's compiled decoding step
 (`engines/fast_decode.py`, `rollout.enforce_eager: false`) uses them.
+
+Shapes (docs/speed.md, the `matmul_backend` section): oneDNN builds a primitive, with code compiled for it at run time,
+for every shape it is called with, and keeps it in two caches (oneDNN's and ideep's, up to 1024 entries each): ~0.55 MB
+per shape, taken from the heap whenever a new shape first comes. A run's row counts change from call to call (each
+decoding step as rows finish, each micro-batch's tokens, each light-head chunk's tail), so the caches grew all run long
+and their blocks, long-lived among the freed activations, kept glibc's heaps from shrinking or reusing their holes (the
+variable-shape benchmark's peak RSS: 2.5 GB against aten's 1.3). So: the passes without gradients (sampling, the
+reference and value pass) compute through F.linear, which keeps nothing per shape; in training the op computes
+`bucket_rows(n, TRAINING_ROWS)` rows (zero rows added, their outputs dropped: 4 shapes per doubling of the row count,
+most of them made in the first update); the backward takes the transposes of the weight and of the gradient as strided
+views, not copies.
 """
 
 from __future__ import annotations
@@ -29,8 +41,8 @@ BACKENDS = ("aten", "onednn")
 @torch.library.custom_op("ppokit::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) through oneDNN's kernel (float32 on a CPU), an operator of its own so that a compiled
-    graph calls it as it is."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    graph calls it as it is. Its rows go by `bucket_rows` (the compiled decoding step calls it with every row count up to the batch's)."""
+    return _op(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @onednn_linear.register_fake
@@ -45,9 +57,46 @@ def linear_for(x: torch.Tensor, weight: torch.Tensor) -> Callable:
     return onednn_linear if cpu_float32 and not torch.is_autocast_enabled("cpu") else F.linear
 
 
-def _op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2d (N, K) @ weight (M, K)^T + bias (M,) -> (N, M), by oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x2d.contiguous(), weight.contiguous(), bias, "none", [], "")
+EXACT_ROWS = 16  # row counts up to this are computed as they are (where no larger floor is asked for)
+STEPS_PER_DOUBLING = 4  # above, rounded up to a multiple of 1/4 of the power of two below: under 25% more rows (docs/speed.md)
+TRAINING_ROWS = 256  # the fewest rows a product with gradients is computed at: the light head's chunk, so its tails are one shape
+
+
+def bucket_rows(rows: int, least: int = 1) -> int:
+    """The row count oneDNN computes `rows` rows at: `least` where rows <= least; else rows itself up to EXACT_ROWS; else
+    rows rounded up to the next multiple of 2^floor(log2(rows)) / STEPS_PER_DOUBLING, so that rows <= bucket <
+    rows x (1 + 1 / STEPS_PER_DOUBLING) and there are STEPS_PER_DOUBLING buckets between two powers of two."""
+    if rows <= max(least, EXACT_ROWS):
+        return max(rows, least)
+    step = (1 << (rows.bit_length() - 1)) // STEPS_PER_DOUBLING
+    return -(-rows // step) * step
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    """weight (M, K) as oneDNN takes it without a copy: contiguous, or the transpose of a contiguous tensor (a view)."""
+    return weight if weight.is_contiguous() or weight.t().is_contiguous() else weight.contiguous()
+
+
+def _kernel(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's x2d (N, K) @ weight (M, K)^T + bias -> (N, M), at the shape given (x2d contiguous)."""
+    return torch.ops.mkldnn._linear_pointwise(x2d, _plain(weight), bias, "none", [], "")
+
+
+def _to_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t (N, C) with rows - N zero rows below -> (rows, C), contiguous."""
+    return t.contiguous() if rows == t.shape[0] else F.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
+def _first_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """out (B, M) cut to its first `rows` rows: a tensor of its own (not a view), its storage out's."""
+    return out if out.shape[0] == rows else out.resize_(rows, out.shape[1])
+
+
+def _op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, least: int = 1) -> torch.Tensor:
+    """x2d (N, K) @ weight (M, K)^T + bias (M,) -> (N, M), by oneDNN over bucket_rows(N, least) rows (the rows added are
+    zeros, their outputs dropped)."""
+    rows = x2d.shape[0]
+    return _first_rows(_kernel(_to_rows(x2d, bucket_rows(rows, least)), weight, bias), rows)
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -55,32 +104,38 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x2d, weight, bias):
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
-        return _op(x2d, weight, bias)
+        return _op(x2d, weight, bias, TRAINING_ROWS)
 
     @staticmethod
     def backward(ctx, grad):
         x2d, weight = ctx.saved_tensors
-        grad = grad.contiguous()
+        rows, k = x2d.shape
         need_x, need_w, need_b = ctx.needs_input_grad
-        grad_x = _op(grad, weight.t(), None) if need_x else None  # (N, M) @ (M, K) -> (N, K)
-        grad_w = _op(grad.t(), x2d.t(), None) if need_w else None  # (M, N) @ (N, K) -> (M, K)
+        grad = _to_rows(grad, bucket_rows(rows, TRAINING_ROWS))  # (B, M): zero rows below add nothing to the sums over rows
+        grad_x = _first_rows(_kernel(grad, weight.t(), None), rows) if need_x else None  # (B, M) @ (M, K); weight.t(): a view
+        grad_w = None
+        if need_w:  # (x^T (K, B) @ grad (B, M))^T = grad^T @ x: grad goes as a view; x^T is copied, with zero columns
+            x_t = x2d.new_empty(k, grad.shape[0])
+            x_t[:, :rows].copy_(x2d.t())
+            x_t[:, rows:].zero_()
+            grad_w = _kernel(x_t, grad.t(), None).t()
         grad_b = grad.sum(0) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear through oneDNN: x (..., K), weight (M, K), bias (M,) or None -> (..., M) = x @ weight^T + bias.
+    """F.linear through oneDNN where gradients flow: x (..., K), weight (M, K), bias (M,) or None -> (..., M) =
+    x @ weight^T + bias.
 
-    Backward: grad_x = grad @ weight, grad_weight = grad^T @ x (both by the same op), grad_bias = grad summed over rows.
-    Without gradients (no_grad, inference_mode, nothing requiring grad) the op is called directly. Inputs the op does
-    not take (not float32 on a CPU, mixed dtypes, no rows) and products under CPU autocast (which computes F.linear at
-    lower precision) go through F.linear."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() == 0
+    Forward, grad_x = grad @ weight and grad_weight = (x^T @ grad)^T by oneDNN, over bucket_rows(rows, TRAINING_ROWS)
+    rows (zero rows added); grad_bias = grad summed over rows. Without gradients (no_grad, inference_mode, nothing requiring grad:
+    sampling, the reference and value pass), inputs the op does not take (not float32 on a CPU, mixed dtypes, no rows)
+    and products under CPU autocast (which computes F.linear at lower precision): F.linear."""
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if (not grads or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() == 0
             or (bias is not None and bias.dtype != torch.float32) or torch.is_autocast_enabled("cpu")):
         return F.linear(x, weight, bias)
-    x2d = x.reshape(-1, x.shape[-1])
-    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    out = _OneDNNLinear.apply(x2d, weight, bias) if grads else _op(x2d, weight, bias)
+    out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
