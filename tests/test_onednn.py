@@ -123,10 +123,14 @@ def test_where_onednn_cannot_apply_is_one_line(kwargs, line):
 
 
 @pytest.mark.parametrize("key, value", [("bf16", True), ("compile", True)])
-def test_the_config_refuses_onednn_with_other_precisions_and_compile(key, value):
+def test_the_config_refuses_onednn_with_other_precisions_only(key, value):
+    """bf16 is refused; compile goes with it (tests/test_compiled.py checks the compiled products)."""
+    data = {"model": "m", "matmul_backend": "onednn", key: value, "reward": {"functions": ["sentiment"]}, "data": {"train": "x.jsonl"}}
+    if key == "compile":
+        assert load_config(PPOConfig, data=data).compile
+        return
     with pytest.raises(UserError, match=f"matmul_backend: onednn .* does not go with {key}"):
-        load_config(PPOConfig, data={"model": "m", "matmul_backend": "onednn", key: value, "reward": {"functions": ["sentiment"]},
-                                     "data": {"train": "x.jsonl"}})
+        load_config(PPOConfig, data=data)
 
 
 def test_an_unknown_backend_names_the_key():

@@ -832,8 +832,9 @@ class PPOConfig:
     matmul_backend: str = doc("aten", "The float32 matrix products of every nn.Linear of the run's models (policy, reference, critic, reward model; "
                                       "sampling, scoring and training): aten (torch's F.linear: MKL's sgemm on a CPU) or onednn (oneDNN's kernel, "
                                       "torch.ops.mkldnn._linear_pointwise, forward and backward). Equal within float rounding; onednn is faster on "
-                                      "some CPUs (1.2-1.6x per product on an AVX-512 EPYC, docs/speed.md). onednn: CPU runs in float32 only (refused "
-                                      "with a CUDA device, bf16, fp16, quantization, compile or parallel.strategy fsdp).",
+                                      "some CPUs (1.2-1.6x per product on an AVX-512 EPYC, docs/speed.md); with compile: true the compiled training "
+                                      "forward and backward call the same oneDNN products. onednn: CPU runs in float32 only (refused with a CUDA "
+                                      "device, bf16, fp16, quantization or parallel.strategy fsdp).",
                               check=one_of(("aten", "onednn")), resume=True)
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="Several processes: data parallel (ddp) or sharded (fsdp).")
     environment: Optional[str] = doc(None, "What answers the model in multi-turn episodes: a class `path/to/env.py:ClassName` or `package.module:ClassName` "
@@ -1060,9 +1061,9 @@ class PPOConfig:
         has_reward_model = self._has_reward_model(reward_model_given)
         if self.bf16 and self.fp16:
             raise UserError("bf16 and fp16 are both true; choose one mixed precision")
-        onednn_clash = "bf16" if self.bf16 else "fp16" if self.fp16 else "quantization" if self.quantization else "compile" if self.compile else None
+        onednn_clash = "bf16" if self.bf16 else "fp16" if self.fp16 else "quantization" if self.quantization else None
         if self.matmul_backend == "onednn" and onednn_clash:
-            raise UserError(f"matmul_backend: onednn runs float32 products eagerly; it does not go with {onednn_clash} (set one of them off)")
+            raise UserError(f"matmul_backend: onednn runs float32 products; it does not go with {onednn_clash} (set one of them off)")
         if self.value_model == "shared" and self.lora is None:
             raise UserError("value_model: shared puts the critic's adapter on the policy's LoRA base; set `lora` (e.g. `lora: {}`)")
         if self.value_model == "from_reward" and not has_reward_model:
