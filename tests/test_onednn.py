@@ -27,14 +27,15 @@ def summation_bound(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return 2 * k * EPS * (a.abs() @ b.abs()) + 1e-30
 
 
+@pytest.mark.parametrize("fn", ["linear", "onednn_linear"])  # the operator: compile: true's route (its registered backward)
 @pytest.mark.parametrize("lead, k, m, bias", [((7,), 5, 3, True), ((2, 9), 16, 11, False), ((3, 4, 5), 33, 64, True), ((1,), 1, 1, True)])
-def test_linear_equals_f_linear_forward_and_backward(lead, k, m, bias):
+def test_linear_equals_f_linear_forward_and_backward(lead, k, m, bias, fn):
     g = torch.Generator().manual_seed(sum(lead) + k + m)
     x = torch.randn(*lead, k, generator=g, requires_grad=True)
     w = (torch.randn(m, k, generator=g) * 3).requires_grad_()
     b = torch.randn(m, generator=g, requires_grad=True) if bias else None
     grad = torch.randn(*lead, m, generator=g)
-    ours, want = onednn.linear(x, w, b), F.linear(x, w, b)
+    ours, want = getattr(onednn, fn)(x, w, *[b] * bias), F.linear(x, w, b)  # without a bias: called without one
     assert ours.shape == want.shape == (*lead, m)
     x2d, g2d = x.detach().reshape(-1, k), grad.reshape(-1, m)
     bound = summation_bound(x2d, w.detach().t(), k) + (b.detach().abs() * 2 * EPS if bias else 0)
