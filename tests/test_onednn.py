@@ -27,15 +27,16 @@ def summation_bound(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return 2 * k * EPS * (a.abs() @ b.abs()) + 1e-30
 
 
+@pytest.mark.parametrize("fn", ["linear", "onednn_linear"])  # the operator: compile: true's route (its registered backward)
 @pytest.mark.parametrize("lead, k, m, bias", [((7,), 5, 3, True), ((2, 9), 16, 11, False), ((3, 4, 5), 33, 64, True), ((1,), 1, 1, True),
                                               ((300,), 24, 40, True), ((2, 129), 8, 6, False)])
-def test_linear_equals_f_linear_forward_and_backward(lead, k, m, bias):
+def test_linear_equals_f_linear_forward_and_backward(lead, k, m, bias, fn):
     g = torch.Generator().manual_seed(sum(lead) + k + m)
     x = torch.randn(*lead, k, generator=g, requires_grad=True)
     w = (torch.randn(m, k, generator=g) * 3).requires_grad_()
     b = torch.randn(m, generator=g, requires_grad=True) if bias else None
     grad = torch.randn(*lead, m, generator=g)
-    ours, want = onednn.linear(x, w, b), F.linear(x, w, b)
+    ours, want = getattr(onednn, fn)(x, w, *[b] * bias), F.linear(x, w, b)  # without a bias: called without one
     assert ours.shape == want.shape == (*lead, m)
     x2d, g2d = x.detach().reshape(-1, k), grad.reshape(-1, m)
     bound = summation_bound(x2d, w.detach().t(), k) + (b.detach().abs() * 2 * EPS if bias else 0)
@@ -176,10 +177,14 @@ def test_where_onednn_cannot_apply_is_one_line(kwargs, line):
 
 
 @pytest.mark.parametrize("key, value", [("bf16", True), ("compile", True)])
-def test_the_config_refuses_onednn_with_other_precisions_and_compile(key, value):
+def test_the_config_refuses_onednn_with_other_precisions_only(key, value):
+    """bf16 is refused; compile goes with it (tests/test_compiled.py checks the compiled products)."""
+    data = {"model": "m", "matmul_backend": "onednn", key: value, "reward": {"functions": ["sentiment"]}, "data": {"train": "x.jsonl"}}
+    if key == "compile":
+        assert load_config(PPOConfig, data=data).compile
+        return
     with pytest.raises(UserError, match=f"matmul_backend: onednn .* does not go with {key}"):
-        load_config(PPOConfig, data={"model": "m", "matmul_backend": "onednn", key: value, "reward": {"functions": ["sentiment"]},
-                                     "data": {"train": "x.jsonl"}})
+        load_config(PPOConfig, data=data)
 
 
 def test_an_unknown_backend_names_the_key():

@@ -833,8 +833,9 @@ class PPOConfig:
                                       "sampling, scoring and training): aten (torch's F.linear: MKL's sgemm on a CPU) or onednn (oneDNN's kernel, "
                                       "torch.ops.mkldnn._linear_pointwise, where gradients flow: training's forward and backward; the passes without "
                                       "gradients, sampling and scoring, stay on F.linear). Equal within float rounding; onednn is faster on "
-                                      "some CPUs (1.2-1.6x per product on an AVX-512 EPYC, docs/speed.md). onednn: CPU runs in float32 only (refused "
-                                      "with a CUDA device, bf16, fp16, quantization, compile or parallel.strategy fsdp).",
+                                      "some CPUs (1.2-1.6x per product on an AVX-512 EPYC, docs/speed.md); with compile: true the compiled training "
+                                      "forward and backward call the same oneDNN products. onednn: CPU runs in float32 only (refused with a CUDA "
+                                      "device, bf16, fp16, quantization or parallel.strategy fsdp).",
                               check=one_of(("aten", "onednn")), resume=True)
     cpu_allocator: Optional[str] = doc(None, "The malloc that serves the process's memory (its CPU tensors included): null, the C library's (glibc's on "
                                              "Linux), or tcmalloc (gperftools', preloaded: the ppokit program starts itself again with LD_PRELOAD; "
@@ -1068,9 +1069,9 @@ class PPOConfig:
         has_reward_model = self._has_reward_model(reward_model_given)
         if self.bf16 and self.fp16:
             raise UserError("bf16 and fp16 are both true; choose one mixed precision")
-        onednn_clash = "bf16" if self.bf16 else "fp16" if self.fp16 else "quantization" if self.quantization else "compile" if self.compile else None
+        onednn_clash = "bf16" if self.bf16 else "fp16" if self.fp16 else "quantization" if self.quantization else None
         if self.matmul_backend == "onednn" and onednn_clash:
-            raise UserError(f"matmul_backend: onednn runs float32 products eagerly; it does not go with {onednn_clash} (set one of them off)")
+            raise UserError(f"matmul_backend: onednn runs float32 products; it does not go with {onednn_clash} (set one of them off)")
         if self.value_model == "shared" and self.lora is None:
             raise UserError("value_model: shared puts the critic's adapter on the policy's LoRA base; set `lora` (e.g. `lora: {}`)")
         if self.value_model == "from_reward" and not has_reward_model:

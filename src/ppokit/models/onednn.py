@@ -50,6 +50,28 @@ def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _onednn_linear_setup(ctx, inputs, output):
+    x, weight, *bias = inputs  # bias: [] where the call left it out
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bool(bias) and bias[0] is not None
+
+
+def _onednn_linear_backward(ctx, grad):
+    """The products of `_OneDNNLinear.backward`, through the operator itself, so that a compiled graph's backward calls
+    oneDNN as it is too (a traced backward cannot call the mkldnn op directly, so the operands are plain copies here):
+    grad (..., M) -> grad_x = grad @ weight (..., K), grad_weight = grad^T @ x (M, K), grad_bias = grad summed over rows (M,)."""
+    x, weight = ctx.saved_tensors
+    need_x, need_w, *need_b = ctx.needs_input_grad
+    grad2d = grad.reshape(-1, grad.shape[-1]).contiguous()
+    grad_x = onednn_linear(grad2d, weight.t().contiguous()).reshape(x.shape) if need_x else None
+    grad_w = onednn_linear(grad2d.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous()) if need_w else None
+    grad_b = grad2d.sum(0) if ctx.has_bias and need_b[0] else None
+    return (grad_x, grad_w, grad_b)[:len(ctx.needs_input_grad)]
+
+
+onednn_linear.register_autograd(_onednn_linear_backward, setup_context=_onednn_linear_setup)
+
+
 def linear_for(x: torch.Tensor, weight: torch.Tensor) -> Callable:
     """The product for these inputs: oneDNN's for float32 on a CPU with oneDNN (and no autocast, which would compute it at
     lower precision), else torch's `F.linear` (autocast applies to it as in the model's own forward)."""
@@ -135,7 +157,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (not grads or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() == 0
             or (bias is not None and bias.dtype != torch.float32) or torch.is_autocast_enabled("cpu")):
         return F.linear(x, weight, bias)
-    out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    x2d = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():  # the operator: inductor does not lower the mkldnn op itself (compile: true)
+        return onednn_linear(x2d, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    out = _OneDNNLinear.apply(x2d, weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
