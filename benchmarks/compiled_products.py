@@ -22,8 +22,6 @@ import copy
 import json
 import os
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,38 +29,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-import ppo_throughput  # noqa: E402
+import micro_batch_cost  # noqa: E402
 
 from ppokit.models import onednn  # noqa: E402
-from ppokit.trainer import PPOTrainer  # noqa: E402
 from ppokit.training import optimise  # noqa: E402
-
-
-def first_micro_batch() -> tuple:
-    """(the trained model pair, the micro-batch, the rest of micro_batch_backward's arguments) of one fixed-task update."""
-    seen: dict = {}
-    backward_of = optimise.micro_batch_backward
-
-    def keep(model, mb, *rest):
-        seen.setdefault("micro_batch", (model, copy.deepcopy(mb), *rest))
-        return backward_of(model, mb, *rest)
-
-    optimise.micro_batch_backward = keep
-    try:
-        with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:
-            config, _ = ppo_throughput.fixed_task(Path(tmp), 1, "llama")
-            torch.manual_seed(0)
-            PPOTrainer(config, show_progress=False).train()
-    finally:
-        optimise.micro_batch_backward = backward_of
-    return seen["micro_batch"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
-    model, mb, *rest = first_micro_batch()
+    model, mb, *rest = micro_batch_cost.first_micro_batch()
     models = {"default": model, "compile": copy.deepcopy(model), "onednn": copy.deepcopy(model), "compile_onednn": copy.deepcopy(model)}
     for name in ("onednn", "compile_onednn"):
         onednn.route_linears(models[name].policy)
@@ -77,20 +54,7 @@ def main() -> None:
         pair.zero_grad(set_to_none=True)
         return grads
 
-    reference = run("default")
-    gaps, first_call = {}, {}
-    for name in models:
-        started = time.process_time()
-        run(name)  # compile compiles here
-        first_call[name] = time.process_time() - started
-        grads = run(name)
-        gaps[name] = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item() for a, b in zip(grads, reference) if b is not None)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(args.repeats):
-        for name in models:
-            started = time.process_time()
-            run(name)
-            times[name].append(time.process_time() - started)
+    times, first_call, gaps = micro_batch_cost.in_turn(run, list(models), args.repeats)
     middle = args.repeats // 2
     median_ratio = lambda base, name: round(sorted(b / t for b, t in zip(times[base], times[name]))[middle], 3)  # noqa: E731
     print(json.dumps({

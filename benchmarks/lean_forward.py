@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,12 +41,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-import ppo_throughput  # noqa: E402
+import micro_batch_cost  # noqa: E402
 
 from ppokit.engines.fast_decode import rms_norm, rotate_half  # noqa: E402
 from ppokit.models import onednn  # noqa: E402
 from ppokit.models.compiled import compiled_backbone  # noqa: E402
-from ppokit.trainer import PPOTrainer  # noqa: E402
 from ppokit.training import algo, optimise  # noqa: E402
 
 
@@ -153,20 +150,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--onednn", action="store_true", help="every nn.Linear through oneDNN (matmul_backend: onednn), lean products too")
     args = parser.parse_args()
-    seen: dict = {}
     backward_of = optimise.micro_batch_backward
-
-    def keep_micro_batch(model, mb, *rest):
-        seen.setdefault("micro_batch", (model, copy.deepcopy(mb), *rest))
-        return backward_of(model, mb, *rest)
-
-    optimise.micro_batch_backward = keep_micro_batch
-    with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:
-        config, _ = ppo_throughput.fixed_task(Path(tmp), 1, "llama")
-        torch.manual_seed(0)
-        PPOTrainer(config, show_progress=False).train()
-    optimise.micro_batch_backward = backward_of
-    model, mb, hp, normalisers, scale, backward, separately = seen["micro_batch"]
+    model, mb, hp, normalisers, scale, backward, separately = micro_batch_cost.first_micro_batch()
     policy, critic = model.policy, model.value_model
     linear = F.linear
     if args.onednn:
@@ -199,18 +184,7 @@ def main() -> None:
         return grads
 
     names = ("default", "lean", "lean_route", "hf_route") + (() if args.onednn else ("compile",))  # onednn's op does not compile
-    reference = run("default")
-    gaps = {}
-    for name in names:
-        run(name)  # warm-up (compile compiles here)
-        grads = run(name)
-        gaps[name] = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item() for a, b in zip(grads, reference) if b is not None)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(args.repeats):
-        for name in names:
-            started = time.process_time()
-            run(name)
-            times[name].append(time.process_time() - started)
+    times, _, gaps = micro_batch_cost.in_turn(run, names, args.repeats)
     middle = args.repeats // 2
     result = {
         "benchmark": "lean_forward", "rows_x_width": list(mb.input_ids.shape), "torch_threads": torch.get_num_threads(), "onednn": args.onednn,

@@ -45,6 +45,47 @@ from ppokit.trainer import PPOTrainer  # noqa: E402
 from ppokit.training import optimise  # noqa: E402
 
 
+def first_micro_batch() -> tuple:
+    """(the trained model pair, the micro-batch, the rest of micro_batch_backward's arguments) of one fixed-task update."""
+    seen: dict = {}
+    backward_of = optimise.micro_batch_backward
+
+    def keep(model, mb, *rest):
+        seen.setdefault("micro_batch", (model, copy.deepcopy(mb), *rest))
+        return backward_of(model, mb, *rest)
+
+    optimise.micro_batch_backward = keep
+    try:
+        with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:
+            config, _ = ppo_throughput.fixed_task(Path(tmp), 1, "llama")
+            torch.manual_seed(0)
+            PPOTrainer(config, show_progress=False).train()
+    finally:
+        optimise.micro_batch_backward = backward_of
+    return seen["micro_batch"]
+
+
+def in_turn(run, names, repeats: int) -> tuple[dict, dict, dict]:
+    """run(name) -> the gradients of one micro-batch. Each variant called once (its first call: compile compiles there), then
+    `repeats` rounds of every variant in turn -> (CPU seconds per call by name, the first call's CPU seconds by name, each
+    variant's largest gradient gap relative to "default"'s largest entry)."""
+    reference = run("default")
+    gaps, first_call = {}, {}
+    for name in names:
+        started = time.process_time()
+        run(name)
+        first_call[name] = time.process_time() - started
+        grads = run(name)
+        gaps[name] = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item() for a, b in zip(grads, reference) if b is not None)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            started = time.process_time()
+            run(name)
+            times[name].append(time.process_time() - started)
+    return times, first_call, gaps
+
+
 def median_ms(fn, repeats: int) -> float:
     fn()
     times = []
