@@ -323,6 +323,7 @@ def test_the_keys_a_resume_may_change_are_those_declared_so_with_the_key():
         "parallel.wrap_classes", "parallel.unshard_for_generation", "report_to", "run_name", "project",
         "mlflow_tracking_uri", "lm_head_chunk_size", "compile",
         "matmul_backend",  # the same products within float rounding (aten or oneDNN kernels, docs/speed.md)
+        "cpu_allocator",  # which malloc serves the memory: no number changes
         "ppo.padding_free",  # the same logprobs and losses within float rounding, as lm_head_chunk_size and compile
         "ppo.shared_prompt",  # the same within float rounding, but for minibatches drawn as whole groups (docs/speed.md)
         # the vLLM engine's memory and speed settings: what it samples is the policy's, whatever they are
